@@ -1,0 +1,206 @@
+//! `BlockAllocator`: the free list plus one atomic reference count per block.
+//!
+//! A block is free iff its `ref_cnt` is 0, and then it is on the free list exactly once.
+//! `ref_cnt` is the per-block state that makes a double free or a stray id an O(1) check
+//! that fails before anything changes. No mutex anywhere: every method is safe to call
+//! from many threads at once.
+
+use crossbeam_utils::CachePadded;
+
+use crate::error::CoreError;
+use crate::free_list::FreeList;
+use crate::sync::{AtomicU32, AtomicUsize, Ordering};
+
+pub struct BlockAllocator {
+    free_list: FreeList,
+    ref_cnt: Box<[AtomicU32]>,
+    high_water: CachePadded<AtomicUsize>,
+}
+
+impl BlockAllocator {
+    pub fn new(num_blocks: usize) -> Result<Self, CoreError> {
+        if num_blocks == 0 || num_blocks > crate::MAX_NUM_BLOCKS {
+            return Err(CoreError::InvalidArgument(format!(
+                "num_blocks must be in 1..={}, got {num_blocks}",
+                crate::MAX_NUM_BLOCKS
+            )));
+        }
+        Ok(BlockAllocator {
+            free_list: FreeList::new_full(num_blocks as u32),
+            ref_cnt: (0..num_blocks).map(|_| AtomicU32::new(0)).collect(),
+            high_water: CachePadded::new(AtomicUsize::new(0)),
+        })
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.ref_cnt.len()
+    }
+    /// Blocks that can be allocated now (a snapshot under concurrency).
+    pub fn num_free(&self) -> usize {
+        self.free_list.available()
+    }
+    pub fn num_used(&self) -> usize {
+        self.num_blocks() - self.num_free()
+    }
+    /// The most blocks ever in use at once (sampled after each allocation).
+    pub fn high_water(&self) -> usize {
+        self.high_water.load(Ordering::Relaxed)
+    }
+    /// Current reference count of a block (0: free).
+    pub fn ref_cnt(&self, block_id: u32) -> Result<u32, CoreError> {
+        Ok(self.counter(block_id)?.load(Ordering::Acquire))
+    }
+
+    fn counter(&self, block_id: u32) -> Result<&AtomicU32, CoreError> {
+        self.ref_cnt
+            .get(block_id as usize)
+            .ok_or_else(|| CoreError::out_of_range(block_id, self.num_blocks()))
+    }
+
+    pub fn alloc(&self) -> Result<u32, CoreError> {
+        let mut id = [0u32];
+        self.alloc_into(&mut id)?;
+        Ok(id[0])
+    }
+
+    /// Fills `out` with `out.len()` newly allocated ids (ref count 1), or fails with
+    /// `OutOfBlocks` having taken none.
+    pub fn alloc_into(&self, out: &mut [u32]) -> Result<(), CoreError> {
+        let requested = out.len();
+        self.free_list.reserve(requested).map_err(|free| CoreError::OutOfBlocks {
+            requested,
+            free,
+            num_blocks: self.num_blocks(),
+        })?;
+        self.free_list.pop_reserved(out);
+        for &id in out.iter() {
+            let previous = self.ref_cnt[id as usize].swap(1, Ordering::AcqRel);
+            debug_assert_eq!(previous, 0, "block {id} was on the free list with ref_cnt {previous}");
+        }
+        self.high_water.fetch_max(self.num_used(), Ordering::Relaxed);
+        Ok(())
+    }
+
+    pub fn alloc_many(&self, count: usize) -> Result<Vec<u32>, CoreError> {
+        let mut ids = vec![0u32; count];
+        self.alloc_into(&mut ids)?;
+        Ok(ids)
+    }
+
+    /// Drops one reference; the block returns to the free list when its count reaches 0.
+    pub fn free(&self, block_id: u32) -> Result<(), CoreError> {
+        self.free_many(&[block_id])
+    }
+
+    /// Drops one reference to each id. Validates all of them first (range, repeats, not
+    /// allocated) and changes nothing if any is bad.
+    pub fn free_many(&self, block_ids: &[u32]) -> Result<(), CoreError> {
+        self.check_distinct_and_in_range(block_ids)?;
+        if let Some(&id) = block_ids.iter().find(|&&id| self.ref_cnt[id as usize].load(Ordering::Acquire) == 0) {
+            return Err(CoreError::DoubleFree { block_id: id });
+        }
+        // Commit. A concurrent free of one of our ids (a race in the caller) can still make a
+        // decrement find 0; then undo ours and report it, so the failed call changes nothing.
+        let mut released = Vec::new();
+        for (done, &id) in block_ids.iter().enumerate() {
+            match decrement_if_positive(&self.ref_cnt[id as usize]) {
+                Some(0) => released.push(id),
+                Some(_) => {}
+                None => {
+                    for &undo in &block_ids[..done] {
+                        self.ref_cnt[undo as usize].fetch_add(1, Ordering::AcqRel);
+                    }
+                    return Err(CoreError::DoubleFree { block_id: id });
+                }
+            }
+        }
+        self.free_list.push_chain(&released);
+        Ok(())
+    }
+
+    /// Adds one reference to each id (a fork sharing blocks). All must be allocated.
+    pub fn share_many(&self, block_ids: &[u32]) -> Result<(), CoreError> {
+        for &id in block_ids {
+            if self.counter(id)?.load(Ordering::Acquire) == 0 {
+                return Err(not_allocated(id));
+            }
+        }
+        for (done, &id) in block_ids.iter().enumerate() {
+            if increment_if_positive(&self.ref_cnt[id as usize]).is_none() {
+                // Freed under our feet by a racing caller: undo and report.
+                self.free_many(&block_ids[..done]).expect("undoing our own references cannot fail");
+                return Err(not_allocated(id));
+            }
+        }
+        Ok(())
+    }
+
+    /// Rejects ids past the end and ids repeated within one call.
+    pub fn check_distinct_and_in_range(&self, block_ids: &[u32]) -> Result<(), CoreError> {
+        for &id in block_ids {
+            self.counter(id)?;
+        }
+        if block_ids.len() > 1 {
+            let mut sorted = block_ids.to_vec();
+            sorted.sort_unstable();
+            if let Some(pair) = sorted.windows(2).find(|p| p[0] == p[1]) {
+                return Err(CoreError::InvalidBlock {
+                    value: pair[0].to_string(),
+                    reason: "repeated in one call".into(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The invariants of DESIGN.md, checked exactly. Only meaningful while no other thread
+    /// mutates the allocator.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let on_list = self.free_list.snapshot()?;
+        let mut seen = vec![false; self.num_blocks()];
+        for &id in &on_list {
+            if std::mem::replace(&mut seen[id as usize], true) {
+                return Err(format!("block {id} is on the free list twice"));
+            }
+            let rc = self.ref_cnt[id as usize].load(Ordering::Acquire);
+            if rc != 0 {
+                return Err(format!("block {id} is on the free list with ref_cnt {rc}"));
+            }
+        }
+        for (id, rc) in self.ref_cnt.iter().enumerate() {
+            if !seen[id] && rc.load(Ordering::Acquire) == 0 {
+                return Err(format!("block {id} has ref_cnt 0 but is not on the free list (lost)"));
+            }
+        }
+        if on_list.len() != self.num_free() {
+            return Err(format!(
+                "num_free {} != {} ids on the free list",
+                self.num_free(),
+                on_list.len()
+            ));
+        }
+        if self.num_free() + self.num_used() != self.num_blocks() {
+            return Err("num_free + num_used != num_blocks".into());
+        }
+        if self.high_water() < self.num_used() {
+            return Err(format!("high_water {} < num_used {}", self.high_water(), self.num_used()));
+        }
+        Ok(())
+    }
+}
+
+fn not_allocated(id: u32) -> CoreError {
+    CoreError::InvalidBlock { value: id.to_string(), reason: "not allocated".into() }
+}
+
+/// `x -= 1` unless it is 0; returns the new value.
+fn decrement_if_positive(x: &AtomicU32) -> Option<u32> {
+    x.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1)).ok().map(|old| old - 1)
+}
+
+/// `x += 1` unless it is 0 (a free block cannot gain a reference); returns the new value.
+fn increment_if_positive(x: &AtomicU32) -> Option<u32> {
+    x.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| if v == 0 { None } else { v.checked_add(1) })
+        .ok()
+        .map(|old| old + 1)
+}

@@ -1,0 +1,48 @@
+//! The one error type of the core. The bindings map each variant to one Python exception.
+
+/// Every way a core call can fail. A call that returns an error has changed nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CoreError {
+    #[error("out of blocks: requested {requested}, but only {free} of {num_blocks} are free")]
+    OutOfBlocks { requested: usize, free: usize, num_blocks: usize },
+
+    #[error("double free: block {block_id} is not allocated (its ref count is already 0)")]
+    DoubleFree { block_id: u32 },
+
+    /// `value` is the id as the caller wrote it (it may not fit any integer type).
+    #[error("invalid block id {value}: {reason}")]
+    InvalidBlock { value: String, reason: String },
+
+    #[error("unknown request id {request_id}")]
+    UnknownRequest { request_id: u64 },
+
+    #[error("request id {request_id} is already present")]
+    DuplicateRequest { request_id: u64 },
+
+    #[error("capacity exceeded: {what} would be {requested}, the limit is {limit}")]
+    CapacityExceeded { what: &'static str, requested: usize, limit: usize },
+
+    #[error("cannot allocate {requested_bytes} bytes on {device}: out of memory")]
+    OutOfMemory { requested_bytes: usize, device: String },
+
+    #[error("invalid layout: {0}")]
+    InvalidLayout(String),
+
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    #[error("CUDA is unavailable: {0}")]
+    CudaUnavailable(String),
+
+    #[error("CUDA driver error: {0}")]
+    Cuda(String),
+}
+
+impl CoreError {
+    pub(crate) fn out_of_range(block_id: impl std::fmt::Display, num_blocks: usize) -> Self {
+        CoreError::InvalidBlock {
+            value: block_id.to_string(),
+            reason: format!("out of range, the pool has {num_blocks} blocks (ids 0..{num_blocks})"),
+        }
+    }
+}

@@ -1,0 +1,26 @@
+//! kvpool-core: the memory side of a paged KV cache, with no Python in it.
+//!
+//! - [`layout`]: where every byte of a KV block lives (the one place strides are computed).
+//! - [`slab`]: the memory that blocks are carved from (host or CUDA device).
+//! - [`free_list`]: the lock-free stack of free block ids (see `free_list.md`).
+//! - [`allocator`]: the free list plus per-block reference counts: alloc, free, share.
+//! - [`pool`]: an allocator bound to a slab and a layout; what the bindings expose.
+//!
+//! Every fallible call returns [`CoreError`] and changes nothing when it fails.
+
+pub mod allocator;
+pub mod error;
+pub mod free_list;
+pub mod layout;
+pub mod pool;
+pub mod slab;
+mod sync;
+
+pub use allocator::BlockAllocator;
+pub use error::CoreError;
+pub use layout::{DType, KvLayout};
+pub use pool::{Pool, PoolSize, PoolStats};
+pub use slab::Device;
+
+/// Block ids are handed to kernels as int32, so a pool never holds more blocks than this.
+pub const MAX_NUM_BLOCKS: usize = i32::MAX as usize;

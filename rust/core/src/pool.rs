@@ -1,0 +1,133 @@
+//! `Pool`: a block allocator bound to a slab and a layout. Block `id` occupies
+//! `[base_ptr + id * block_bytes, base_ptr + (id + 1) * block_bytes)`.
+
+use std::ops::Deref;
+
+use crate::allocator::BlockAllocator;
+use crate::error::CoreError;
+use crate::layout::KvLayout;
+use crate::slab::{self, Device, MemoryInfo, Slab};
+
+/// How big a pool to make.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PoolSize {
+    NumBlocks(usize),
+    /// As many blocks as fit in this many bytes.
+    MemoryBytes(usize),
+    /// A fraction in (0, 1] of the device's free memory now (vLLM's `gpu_memory_utilization`
+    /// applied to free rather than total memory, since other users may hold the rest).
+    DeviceMemoryFraction(f64),
+}
+
+pub struct Pool {
+    layout: KvLayout,
+    allocator: BlockAllocator,
+    slab: Box<dyn Slab>,
+}
+
+/// A plain snapshot of a pool's counters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolStats {
+    pub num_blocks: usize,
+    pub num_free: usize,
+    pub num_used: usize,
+    pub high_water: usize,
+    pub block_bytes: usize,
+    pub slab_bytes: usize,
+    pub device: Device,
+    pub memory: Option<MemoryInfo>,
+}
+
+impl Pool {
+    pub fn new(layout: KvLayout, size: PoolSize, device: Device) -> Result<Self, CoreError> {
+        let num_blocks = Self::resolve_num_blocks(&layout, size, device)?;
+        let allocator = BlockAllocator::new(num_blocks)?;
+        let slab_bytes = num_blocks
+            .checked_mul(layout.block_bytes())
+            .ok_or_else(|| CoreError::InvalidArgument(format!("{num_blocks} blocks overflow the address space")))?;
+        let slab = slab::allocate(device, slab_bytes)?;
+        Ok(Pool { layout, allocator, slab })
+    }
+
+    fn resolve_num_blocks(layout: &KvLayout, size: PoolSize, device: Device) -> Result<usize, CoreError> {
+        let block_bytes = layout.block_bytes();
+        let num_blocks = match size {
+            PoolSize::NumBlocks(n) => n,
+            PoolSize::MemoryBytes(bytes) => bytes / block_bytes,
+            PoolSize::DeviceMemoryFraction(fraction) => {
+                if !(fraction > 0.0 && fraction <= 1.0) {
+                    return Err(CoreError::InvalidArgument(format!(
+                        "gpu_memory_utilization must be in (0, 1], got {fraction}"
+                    )));
+                }
+                let info = slab::device_memory_info(device)?.ok_or_else(|| {
+                    CoreError::InvalidArgument(
+                        "gpu_memory_utilization needs a CUDA device; give num_blocks or memory_bytes for host pools"
+                            .into(),
+                    )
+                })?;
+                (info.free_bytes as f64 * fraction) as usize / block_bytes
+            }
+        };
+        if num_blocks == 0 {
+            return Err(CoreError::InvalidArgument(format!(
+                "{size:?} gives 0 blocks of {block_bytes} bytes; a pool needs at least one"
+            )));
+        }
+        Ok(num_blocks)
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+    pub fn allocator(&self) -> &BlockAllocator {
+        &self.allocator
+    }
+    pub fn device(&self) -> Device {
+        self.slab.device()
+    }
+    pub fn base_ptr(&self) -> u64 {
+        self.slab.base_ptr()
+    }
+    pub fn slab_bytes(&self) -> usize {
+        self.slab.len_bytes()
+    }
+
+    /// Address of block `block_id` (allocated or not; the id must be in range).
+    pub fn block_ptr(&self, block_id: u32) -> Result<u64, CoreError> {
+        if block_id as usize >= self.num_blocks() {
+            return Err(CoreError::out_of_range(block_id, self.num_blocks()));
+        }
+        Ok(self.base_ptr() + block_id as u64 * self.layout.block_bytes() as u64)
+    }
+
+    pub fn stats(&self) -> Result<PoolStats, CoreError> {
+        Ok(PoolStats {
+            num_blocks: self.num_blocks(),
+            num_free: self.num_free(),
+            num_used: self.num_used(),
+            high_water: self.high_water(),
+            block_bytes: self.layout.block_bytes(),
+            slab_bytes: self.slab_bytes(),
+            device: self.device(),
+            memory: self.slab.memory_info()?,
+        })
+    }
+
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.allocator.check_invariants()?;
+        let expected = self.num_blocks() * self.layout.block_bytes();
+        if self.slab.len_bytes() < expected {
+            return Err(format!("slab holds {} bytes, {} blocks need {expected}", self.slab.len_bytes(), self.num_blocks()));
+        }
+        Ok(())
+    }
+}
+
+/// A pool is used through its allocator's methods (`alloc`, `free_many`, ...).
+impl Deref for Pool {
+    type Target = BlockAllocator;
+    fn deref(&self) -> &BlockAllocator {
+        &self.allocator
+    }
+}

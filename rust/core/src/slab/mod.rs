@@ -1,0 +1,96 @@
+//! Slabs: the memory that KV blocks are carved from. The allocator never sees which backend
+//! it runs on; it only needs `base_ptr + block_id * block_bytes`.
+
+mod host;
+pub use host::HostSlab;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+use crate::error::CoreError;
+
+/// Where a slab's memory lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Host,
+    Cuda(usize),
+}
+
+impl Device {
+    /// Parses `"host"`/`"cpu"`, `"cuda"`, `"cuda:N"` and `"auto"` (CUDA device 0 if a driver
+    /// and a device are present, host otherwise).
+    pub fn parse(spec: &str) -> Result<Device, CoreError> {
+        let spec = spec.trim().to_ascii_lowercase();
+        match spec.as_str() {
+            "host" | "cpu" => Ok(Device::Host),
+            "cuda" => Ok(Device::Cuda(0)),
+            "auto" => Ok(if cuda_device_count() > 0 { Device::Cuda(0) } else { Device::Host }),
+            _ => match spec.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(ordinal)) => Ok(Device::Cuda(ordinal)),
+                _ => Err(CoreError::InvalidArgument(format!(
+                    "device {spec:?} is not one of \"auto\", \"host\", \"cuda\", \"cuda:N\""
+                ))),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Host => write!(f, "host"),
+            Device::Cuda(ordinal) => write!(f, "cuda:{ordinal}"),
+        }
+    }
+}
+
+/// Free and total bytes of a device, as the driver reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryInfo {
+    pub free_bytes: usize,
+    pub total_bytes: usize,
+}
+
+/// A contiguous region of memory owned for the slab's lifetime and freed on drop.
+pub trait Slab: Send + Sync {
+    /// Address of the first byte (a device pointer for CUDA slabs).
+    fn base_ptr(&self) -> u64;
+    fn len_bytes(&self) -> usize;
+    fn device(&self) -> Device;
+    /// The device's memory as the driver sees it now; `None` for host memory.
+    fn memory_info(&self) -> Result<Option<MemoryInfo>, CoreError>;
+}
+
+/// Number of CUDA devices, 0 when there is no driver (never panics).
+pub fn cuda_device_count() -> usize {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::device_count().unwrap_or(0)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        0
+    }
+}
+
+/// Allocates a slab of `len_bytes` on `device`.
+pub fn allocate(device: Device, len_bytes: usize) -> Result<Box<dyn Slab>, CoreError> {
+    match device {
+        Device::Host => Ok(Box::new(HostSlab::new(len_bytes)?)),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => Ok(Box::new(cuda::CudaSlab::new(ordinal, len_bytes)?)),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(CoreError::CudaUnavailable("kvpool was built without the cuda feature".into())),
+    }
+}
+
+/// Free and total memory of `device` (`None` for the host).
+pub fn device_memory_info(device: Device) -> Result<Option<MemoryInfo>, CoreError> {
+    match device {
+        Device::Host => Ok(None),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => cuda::memory_info(ordinal).map(Some),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(CoreError::CudaUnavailable("kvpool was built without the cuda feature".into())),
+    }
+}
