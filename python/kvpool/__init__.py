@@ -1,0 +1,45 @@
+"""kvpool: paged KV-cache memory for LLM inference.
+
+A Rust core owns a slab of host or GPU memory carved into fixed-size KV blocks and hands
+them out through a lock-free free list. See README.md for the tour.
+"""
+
+from kvpool._core import (
+    MAX_NUM_BLOCKS,
+    CapacityError,
+    CudaError,
+    CudaUnavailableError,
+    DoubleFreeError,
+    DuplicateRequestError,
+    InvalidArgumentError,
+    InvalidBlockError,
+    KvError,
+    KvLayout,
+    LayoutError,
+    OutOfBlocksError,
+    OutOfMemoryError,
+    Pool,
+    SlabView,
+    UnknownRequestError,
+    cuda_available,
+)
+
+__all__ = [
+    "MAX_NUM_BLOCKS",
+    "CapacityError",
+    "CudaError",
+    "CudaUnavailableError",
+    "DoubleFreeError",
+    "DuplicateRequestError",
+    "InvalidArgumentError",
+    "InvalidBlockError",
+    "KvError",
+    "KvLayout",
+    "LayoutError",
+    "OutOfBlocksError",
+    "OutOfMemoryError",
+    "Pool",
+    "SlabView",
+    "UnknownRequestError",
+    "cuda_available",
+]

@@ -1,0 +1,76 @@
+//! The Python exception hierarchy, declared once, and the one conversion from core errors.
+//! `kvpool/__init__.py` re-exports every class here.
+
+use kvpool_core::CoreError;
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+
+create_exception!(kvpool._core, KvError, PyException, "Base class of every kvpool error.");
+create_exception!(kvpool._core, OutOfBlocksError, KvError, "Too few free blocks; attributes `requested` and `free`.");
+create_exception!(kvpool._core, OutOfMemoryError, KvError, "The slab itself could not be allocated.");
+create_exception!(kvpool._core, DoubleFreeError, KvError, "A block was freed that is not allocated.");
+create_exception!(kvpool._core, InvalidBlockError, KvError, "A block id that is not an id of this pool.");
+create_exception!(kvpool._core, UnknownRequestError, KvError, "A request id that is not in the block tables.");
+create_exception!(kvpool._core, DuplicateRequestError, KvError, "A request id that is already in the block tables.");
+create_exception!(kvpool._core, CapacityError, KvError, "A fixed capacity (max_seqs, max_blocks_per_seq) would be exceeded.");
+create_exception!(kvpool._core, LayoutError, KvError, "An invalid KvLayout.");
+create_exception!(kvpool._core, InvalidArgumentError, KvError, "An argument out of its valid range.");
+create_exception!(kvpool._core, CudaUnavailableError, KvError, "No CUDA driver or no such device.");
+create_exception!(kvpool._core, CudaError, KvError, "The CUDA driver reported an error.");
+
+/// Carries a [`CoreError`] to Python (a newtype: neither `CoreError` nor `PyErr` is ours).
+pub struct PyKvError(pub CoreError);
+
+impl From<CoreError> for PyKvError {
+    fn from(e: CoreError) -> Self {
+        PyKvError(e)
+    }
+}
+
+impl From<PyKvError> for PyErr {
+    fn from(PyKvError(e): PyKvError) -> PyErr {
+        let message = e.to_string();
+        match e {
+            CoreError::OutOfBlocks { requested, free, num_blocks } => Python::attach(|py| {
+                let err = OutOfBlocksError::new_err(message);
+                let value = err.value(py);
+                // Setting attributes on a fresh exception object cannot fail short of OOM;
+                // the message already carries the numbers if it does.
+                let _ = value.setattr("requested", requested);
+                let _ = value.setattr("free", free);
+                let _ = value.setattr("num_blocks", num_blocks);
+                err
+            }),
+            CoreError::OutOfMemory { .. } => OutOfMemoryError::new_err(message),
+            CoreError::DoubleFree { .. } => DoubleFreeError::new_err(message),
+            CoreError::InvalidBlock { .. } => InvalidBlockError::new_err(message),
+            CoreError::UnknownRequest { .. } => UnknownRequestError::new_err(message),
+            CoreError::DuplicateRequest { .. } => DuplicateRequestError::new_err(message),
+            CoreError::CapacityExceeded { .. } => CapacityError::new_err(message),
+            CoreError::InvalidLayout(_) => LayoutError::new_err(message),
+            CoreError::InvalidArgument(_) => InvalidArgumentError::new_err(message),
+            CoreError::CudaUnavailable(_) => CudaUnavailableError::new_err(message),
+            CoreError::Cuda(_) => CudaError::new_err(message),
+        }
+    }
+}
+
+pub type KvResult<T> = Result<T, PyKvError>;
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("KvError", py.get_type::<KvError>())?;
+    m.add("OutOfBlocksError", py.get_type::<OutOfBlocksError>())?;
+    m.add("OutOfMemoryError", py.get_type::<OutOfMemoryError>())?;
+    m.add("DoubleFreeError", py.get_type::<DoubleFreeError>())?;
+    m.add("InvalidBlockError", py.get_type::<InvalidBlockError>())?;
+    m.add("UnknownRequestError", py.get_type::<UnknownRequestError>())?;
+    m.add("DuplicateRequestError", py.get_type::<DuplicateRequestError>())?;
+    m.add("CapacityError", py.get_type::<CapacityError>())?;
+    m.add("LayoutError", py.get_type::<LayoutError>())?;
+    m.add("InvalidArgumentError", py.get_type::<InvalidArgumentError>())?;
+    m.add("CudaUnavailableError", py.get_type::<CudaUnavailableError>())?;
+    m.add("CudaError", py.get_type::<CudaError>())?;
+    Ok(())
+}

@@ -1,0 +1,27 @@
+//! `kvpool._core`: the Python face of kvpool-core. Each file binds one core type; the
+//! allocator logic lives in the core crate only.
+
+mod errors;
+mod ids;
+mod layout;
+mod pool;
+mod view;
+
+use pyo3::prelude::*;
+
+/// True when a CUDA driver and at least one device are present (never raises).
+#[pyfunction]
+fn cuda_available() -> bool {
+    kvpool_core::slab::cuda_device_count() > 0
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<layout::PyKvLayout>()?;
+    m.add_class::<pool::PyPool>()?;
+    m.add_class::<view::SlabView>()?;
+    m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    errors::register(m)?;
+    m.add("MAX_NUM_BLOCKS", kvpool_core::MAX_NUM_BLOCKS)?;
+    Ok(())
+}

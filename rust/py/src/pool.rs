@@ -1,0 +1,208 @@
+//! `Pool` for Python: argument checking, GIL release and NumPy conversion around the core
+//! pool. No allocator logic lives here.
+
+use std::sync::Arc;
+
+use kvpool_core::layout::KvPart;
+use kvpool_core::pool::PoolSize;
+use kvpool_core::{CoreError, Device, Pool};
+use numpy::PyArray1;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::KvResult;
+use crate::ids;
+use crate::layout::PyKvLayout;
+use crate::view::SlabView;
+
+/// Batches at least this large run with the GIL released. Below it, the release and
+/// re-acquire (~0.1 us) would cost more than the allocation itself.
+const DETACH_MIN_BLOCKS: usize = 64;
+
+/// A pool of fixed-size KV blocks carved from one slab of host or CUDA memory.
+#[pyclass(module = "kvpool._core", name = "Pool", frozen)]
+pub struct PyPool {
+    pub inner: Arc<Pool>,
+}
+
+fn pool_size(
+    num_blocks: Option<i64>,
+    memory_bytes: Option<i64>,
+    gpu_memory_utilization: Option<f64>,
+) -> Result<PoolSize, CoreError> {
+    match (num_blocks, memory_bytes, gpu_memory_utilization) {
+        (Some(n), None, None) => Ok(PoolSize::NumBlocks(ids::count(n, "num_blocks")?)),
+        (None, Some(b), None) => Ok(PoolSize::MemoryBytes(ids::count(b, "memory_bytes")?)),
+        (None, None, Some(f)) => Ok(PoolSize::DeviceMemoryFraction(f)),
+        _ => Err(CoreError::InvalidArgument(
+            "give exactly one of num_blocks, memory_bytes, gpu_memory_utilization".into(),
+        )),
+    }
+}
+
+impl PyPool {
+    fn view(slf: &Bound<'_, Self>, layer: usize, part: KvPart) -> PyResult<Py<PyAny>> {
+        let py = slf.py();
+        let pool = &slf.get().inner;
+        pool.layout().part_offset_bytes(layer, part).map_err(crate::errors::PyKvError)?;
+        let view = Py::new(py, SlabView::new(slf.clone().unbind(), layer, part))?;
+        if pool.device() == Device::Host {
+            // A NumPy array whose base is the view, which holds the pool alive.
+            Ok(py.import("numpy")?.call_method1("asarray", (view,))?.unbind())
+        } else {
+            Ok(view.into_any())
+        }
+    }
+}
+
+#[pymethods]
+impl PyPool {
+    #[new]
+    #[pyo3(signature = (layout, num_blocks = None, *, memory_bytes = None, gpu_memory_utilization = None, device = "auto"))]
+    fn new(
+        py: Python<'_>,
+        layout: PyRef<'_, PyKvLayout>,
+        num_blocks: Option<i64>,
+        memory_bytes: Option<i64>,
+        gpu_memory_utilization: Option<f64>,
+        device: &str,
+    ) -> KvResult<Self> {
+        let size = pool_size(num_blocks, memory_bytes, gpu_memory_utilization)?;
+        let device = Device::parse(device)?;
+        let layout = layout.inner;
+        // Allocating and zeroing a large slab takes time: let other threads run.
+        let pool = py.detach(|| Pool::new(layout, size, device))?;
+        Ok(PyPool { inner: Arc::new(pool) })
+    }
+
+    /// Allocates one block (ref count 1) and returns its id.
+    fn alloc(&self) -> KvResult<u32> {
+        Ok(self.inner.alloc()?)
+    }
+
+    /// Allocates `n` blocks, all or none, as an int32 array.
+    fn alloc_many<'py>(&self, py: Python<'py>, n: i64) -> KvResult<Bound<'py, PyArray1<i32>>> {
+        let n = ids::count(n, "n")?;
+        let mut out = vec![0u32; n];
+        if n >= DETACH_MIN_BLOCKS {
+            py.detach(|| self.inner.alloc_into(&mut out))?;
+        } else {
+            self.inner.alloc_into(&mut out)?;
+        }
+        // Ids are < MAX_NUM_BLOCKS = i32::MAX, so the cast is exact.
+        Ok(PyArray1::from_iter(py, out.into_iter().map(|id| id as i32)))
+    }
+
+    /// Drops one reference to a block; it is free again when no reference is left.
+    fn free(&self, block_id: &Bound<'_, PyAny>) -> KvResult<()> {
+        let id = ids::block_id(block_id, self.inner.num_blocks())?;
+        Ok(self.inner.free(id)?)
+    }
+
+    /// Frees many blocks. Every id is checked first (range, repeats, double free); if any is
+    /// bad nothing is freed.
+    fn free_many(&self, py: Python<'_>, block_ids: &Bound<'_, PyAny>) -> KvResult<()> {
+        let ids = ids::block_ids(block_ids, self.inner.num_blocks())?;
+        if ids.len() >= DETACH_MIN_BLOCKS {
+            py.detach(|| self.inner.free_many(&ids))?;
+        } else {
+            self.inner.free_many(&ids)?;
+        }
+        Ok(())
+    }
+
+    /// Current reference count of a block (0: free).
+    fn ref_cnt(&self, block_id: &Bound<'_, PyAny>) -> KvResult<u32> {
+        let id = ids::block_id(block_id, self.inner.num_blocks())?;
+        Ok(self.inner.ref_cnt(id)?)
+    }
+
+    /// Address of a block: `base_ptr + block_id * block_bytes`.
+    fn block_ptr(&self, block_id: &Bound<'_, PyAny>) -> KvResult<u64> {
+        let id = ids::block_id(block_id, self.inner.num_blocks())?;
+        Ok(self.inner.block_ptr(id)?)
+    }
+
+    /// Layer `layer`'s K cache, `[num_blocks, block_size, num_kv_heads, head_dim]`: a NumPy
+    /// array on the host, an object with `__cuda_array_interface__` on CUDA.
+    fn k_view(slf: &Bound<'_, Self>, layer: usize) -> PyResult<Py<PyAny>> {
+        Self::view(slf, layer, KvPart::K)
+    }
+
+    /// Layer `layer`'s V cache; see `k_view`.
+    fn v_view(slf: &Bound<'_, Self>, layer: usize) -> PyResult<Py<PyAny>> {
+        Self::view(slf, layer, KvPart::V)
+    }
+
+    #[getter]
+    fn layout(&self) -> PyKvLayout {
+        PyKvLayout { inner: *self.inner.layout() }
+    }
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+    #[getter]
+    fn num_free(&self) -> usize {
+        self.inner.num_free()
+    }
+    #[getter]
+    fn num_used(&self) -> usize {
+        self.inner.num_used()
+    }
+    #[getter]
+    fn high_water(&self) -> usize {
+        self.inner.high_water()
+    }
+    #[getter]
+    fn block_bytes(&self) -> usize {
+        self.inner.layout().block_bytes()
+    }
+    #[getter]
+    fn base_ptr(&self) -> u64 {
+        self.inner.base_ptr()
+    }
+    /// `"host"` or `"cuda:N"`.
+    #[getter]
+    fn device(&self) -> String {
+        self.inner.device().to_string()
+    }
+
+    /// A plain dict of counters; CUDA pools add the device's free and total bytes.
+    fn stats<'py>(&self, py: Python<'py>) -> KvResult<Bound<'py, PyDict>> {
+        let s = py.detach(|| self.inner.stats())?;
+        let build = || -> PyResult<Bound<'py, PyDict>> {
+            let d = PyDict::new(py);
+            d.set_item("num_blocks", s.num_blocks)?;
+            d.set_item("num_free", s.num_free)?;
+            d.set_item("num_used", s.num_used)?;
+            d.set_item("high_water", s.high_water)?;
+            d.set_item("block_bytes", s.block_bytes)?;
+            d.set_item("slab_bytes", s.slab_bytes)?;
+            d.set_item("device", s.device.to_string())?;
+            if let Some(m) = s.memory {
+                d.set_item("device_free_bytes", m.free_bytes)?;
+                d.set_item("device_total_bytes", m.total_bytes)?;
+            }
+            Ok(d)
+        };
+        build().map_err(|e| CoreError::InvalidArgument(format!("building stats: {e}")).into())
+    }
+
+    /// Checks every invariant of DESIGN.md exactly; raises `KvError` naming the first broken
+    /// one. Call it while no other thread is using the pool.
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.check_invariants())
+            .map_err(|m| crate::errors::KvError::new_err(format!("invariant violated: {m}")))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Pool(device='{}', num_blocks={}, num_free={}, block_bytes={})",
+            self.inner.device(),
+            self.inner.num_blocks(),
+            self.inner.num_free(),
+            self.inner.layout().block_bytes()
+        )
+    }
+}

@@ -1,0 +1,95 @@
+//! Per-layer K/V views of the slab: `__array_interface__` on the host,
+//! `__cuda_array_interface__` (v3) on CUDA, so NumPy, CuPy and PyTorch see the pool's
+//! memory without a copy. A view holds its pool, so the slab outlives every view.
+
+use kvpool_core::layout::KvPart;
+use kvpool_core::{DType, Device};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::pool::PyPool;
+
+/// NumPy/CUDA typestr of the stored elements. NumPy has no bfloat16 or float8, so those
+/// views expose their raw storage (`<u2`, `|u1`); reinterpret them, e.g. with
+/// `torch.as_tensor(view).view(torch.bfloat16)`.
+fn typestr(dtype: DType) -> &'static str {
+    match dtype {
+        DType::Float16 => "<f2",
+        DType::Float32 => "<f4",
+        DType::BFloat16 => "<u2",
+        DType::Float8E4M3 => "|u1",
+    }
+}
+
+/// `[num_blocks, block_size, num_kv_heads, head_dim]` over one layer's K or V.
+#[pyclass(module = "kvpool._core", name = "SlabView", frozen)]
+pub struct SlabView {
+    pool: Py<PyPool>,
+    layer: usize,
+    part: KvPart,
+}
+
+impl SlabView {
+    pub fn new(pool: Py<PyPool>, layer: usize, part: KvPart) -> Self {
+        SlabView { pool, layer, part }
+    }
+
+    fn interface<'py>(&self, py: Python<'py>, version: u32) -> PyResult<Bound<'py, PyDict>> {
+        let pool = &self.pool.get().inner;
+        let layout = pool.layout();
+        let offset = layout.part_offset_bytes(self.layer, self.part).map_err(crate::errors::PyKvError)?;
+        let (shape, strides) = layout.view_shape_strides(pool.num_blocks());
+        let d = PyDict::new(py);
+        d.set_item("shape", PyTuple::new(py, shape)?)?;
+        d.set_item("strides", PyTuple::new(py, strides)?)?;
+        d.set_item("typestr", typestr(layout.dtype()))?;
+        d.set_item("data", (pool.base_ptr() + offset as u64, false))?;
+        d.set_item("version", version)?;
+        Ok(d)
+    }
+}
+
+#[pymethods]
+impl SlabView {
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        if self.pool.get().inner.device() != Device::Host {
+            return Err(pyo3::exceptions::PyAttributeError::new_err(
+                "a CUDA pool's view has no __array_interface__; use __cuda_array_interface__",
+            ));
+        }
+        self.interface(py, 3)
+    }
+
+    #[getter]
+    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        if self.pool.get().inner.device() == Device::Host {
+            return Err(pyo3::exceptions::PyAttributeError::new_err(
+                "a host pool's view has no __cuda_array_interface__; use numpy.asarray",
+            ));
+        }
+        let d = self.interface(py, 3)?;
+        // The pool writes device memory only synchronously (the zeroing memset at creation),
+        // so there is no stream for a consumer to wait on.
+        d.set_item("stream", py.None())?;
+        Ok(d)
+    }
+
+    #[getter]
+    fn layer(&self) -> usize {
+        self.layer
+    }
+
+    #[getter]
+    fn kind(&self) -> &'static str {
+        match self.part {
+            KvPart::K => "k",
+            KvPart::V => "v",
+        }
+    }
+
+    #[getter]
+    fn pool(&self, py: Python<'_>) -> Py<PyPool> {
+        self.pool.clone_ref(py)
+    }
+}
