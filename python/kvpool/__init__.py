@@ -6,9 +6,12 @@ them out through a lock-free free list. See README.md for the tour.
 
 from kvpool._core import (
     MAX_NUM_BLOCKS,
+    BlockTables,
     CapacityError,
     CudaError,
+    CudaStream,
     CudaUnavailableError,
+    DeviceArray,
     DoubleFreeError,
     DuplicateRequestError,
     InvalidArgumentError,
@@ -26,9 +29,12 @@ from kvpool._core import (
 
 __all__ = [
     "MAX_NUM_BLOCKS",
+    "BlockTables",
     "CapacityError",
     "CudaError",
+    "CudaStream",
     "CudaUnavailableError",
+    "DeviceArray",
     "DoubleFreeError",
     "DuplicateRequestError",
     "InvalidArgumentError",

@@ -54,7 +54,7 @@ impl BlockAllocator {
     fn counter(&self, block_id: u32) -> Result<&AtomicU32, CoreError> {
         self.ref_cnt
             .get(block_id as usize)
-            .ok_or_else(|| CoreError::out_of_range(block_id, self.num_blocks()))
+            .ok_or_else(|| CoreError::out_of_range_id(block_id, self.num_blocks()))
     }
 
     pub fn alloc(&self) -> Result<u32, CoreError> {
@@ -82,6 +82,11 @@ impl BlockAllocator {
     }
 
     pub fn alloc_many(&self, count: usize) -> Result<Vec<u32>, CoreError> {
+        if count > self.num_blocks() {
+            // Can never succeed: refuse before sizing a buffer for it (a huge count would
+            // otherwise abort the process in the allocation below).
+            return Err(CoreError::OutOfBlocks { requested: count, free: self.num_free(), num_blocks: self.num_blocks() });
+        }
         let mut ids = vec![0u32; count];
         self.alloc_into(&mut ids)?;
         Ok(ids)
@@ -108,7 +113,16 @@ impl BlockAllocator {
                 Some(_) => {}
                 None => {
                     for &undo in &block_ids[..done] {
-                        self.ref_cnt[undo as usize].fetch_add(1, Ordering::AcqRel);
+                        let counter = &self.ref_cnt[undo as usize];
+                        if released.contains(&undo) {
+                            // We took it to 0 and have not pushed it: it is ours alone.
+                            counter.fetch_add(1, Ordering::AcqRel);
+                        } else {
+                            // If another holder dropped the last reference meanwhile and
+                            // pushed the block, it must not regain a count: then our reference
+                            // stays dropped (only a racing misuse of the caller gets here).
+                            let _ = increment_if_positive(counter);
+                        }
                     }
                     return Err(CoreError::DoubleFree { block_id: id });
                 }
@@ -127,8 +141,14 @@ impl BlockAllocator {
         }
         for (done, &id) in block_ids.iter().enumerate() {
             if increment_if_positive(&self.ref_cnt[id as usize]).is_none() {
-                // Freed under our feet by a racing caller: undo and report.
-                self.free_many(&block_ids[..done]).expect("undoing our own references cannot fail");
+                // Freed under our feet by a racing caller: drop the references we added, one
+                // by one (the prefix may repeat an id, so it is not a valid `free_many`).
+                let released: Vec<u32> = block_ids[..done]
+                    .iter()
+                    .copied()
+                    .filter(|&undo| decrement_if_positive(&self.ref_cnt[undo as usize]) == Some(0))
+                    .collect();
+                self.free_list.push_chain(&released);
                 return Err(not_allocated(id));
             }
         }

@@ -39,7 +39,7 @@ pub enum CoreError {
 }
 
 impl CoreError {
-    pub(crate) fn out_of_range(block_id: impl std::fmt::Display, num_blocks: usize) -> Self {
+    pub fn out_of_range_id(block_id: impl std::fmt::Display, num_blocks: usize) -> Self {
         CoreError::InvalidBlock {
             value: block_id.to_string(),
             reason: format!("out of range, the pool has {num_blocks} blocks (ids 0..{num_blocks})"),

@@ -9,11 +9,16 @@
 //! Every fallible call returns [`CoreError`] and changes nothing when it fails.
 
 pub mod allocator;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod free_list;
 pub mod layout;
 pub mod pool;
 pub mod slab;
+pub mod tables;
+#[cfg(feature = "cuda")]
+pub mod upload;
 mod sync;
 
 pub use allocator::BlockAllocator;

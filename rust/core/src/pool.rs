@@ -2,6 +2,7 @@
 //! `[base_ptr + id * block_bytes, base_ptr + (id + 1) * block_bytes)`.
 
 use std::ops::Deref;
+use std::sync::{Mutex, Weak};
 
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
@@ -23,6 +24,15 @@ pub struct Pool {
     layout: KvLayout,
     allocator: BlockAllocator,
     slab: Box<dyn Slab>,
+    /// Everything that holds block references (block tables), so `check_invariants` can
+    /// compare the references they hold with the pool's counts. Not on any hot path.
+    ref_holders: Mutex<Vec<Weak<dyn RefHolder>>>,
+}
+
+/// Something that holds references to a pool's blocks (a `BlockTables`).
+pub trait RefHolder: Send + Sync {
+    /// Adds, for every block it references, one to `counts[block_id]` per reference.
+    fn count_refs(&self, counts: &mut [u32]);
 }
 
 /// A plain snapshot of a pool's counters.
@@ -46,7 +56,7 @@ impl Pool {
             .checked_mul(layout.block_bytes())
             .ok_or_else(|| CoreError::InvalidArgument(format!("{num_blocks} blocks overflow the address space")))?;
         let slab = slab::allocate(device, slab_bytes)?;
-        Ok(Pool { layout, allocator, slab })
+        Ok(Pool { layout, allocator, slab, ref_holders: Mutex::new(Vec::new()) })
     }
 
     fn resolve_num_blocks(layout: &KvLayout, size: PoolSize, device: Device) -> Result<usize, CoreError> {
@@ -96,7 +106,7 @@ impl Pool {
     /// Address of block `block_id` (allocated or not; the id must be in range).
     pub fn block_ptr(&self, block_id: u32) -> Result<u64, CoreError> {
         if block_id as usize >= self.num_blocks() {
-            return Err(CoreError::out_of_range(block_id, self.num_blocks()));
+            return Err(CoreError::out_of_range_id(block_id, self.num_blocks()));
         }
         Ok(self.base_ptr() + block_id as u64 * self.layout.block_bytes() as u64)
     }
@@ -112,6 +122,53 @@ impl Pool {
             device: self.device(),
             memory: self.slab.memory_info()?,
         })
+    }
+
+    /// Registers a holder of block references for `check_invariants`.
+    pub fn register_ref_holder(&self, holder: Weak<dyn RefHolder>) {
+        let mut holders = self.ref_holders.lock().unwrap_or_else(|p| p.into_inner());
+        holders.retain(|h| h.strong_count() > 0);
+        holders.push(holder);
+    }
+
+    /// The CUDA context and the pool's stream (`None` on the host).
+    #[cfg(feature = "cuda")]
+    pub fn cuda(&self) -> Option<(&std::sync::Arc<cudarc::driver::CudaContext>, &crate::cuda::Stream)> {
+        self.slab.cuda()
+    }
+
+    /// Raw handle of the pool's CUDA stream (`None` on the host).
+    pub fn stream_handle(&self) -> Option<u64> {
+        #[cfg(feature = "cuda")]
+        {
+            self.slab.cuda().map(|(_, stream)| stream.raw() as u64)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            None
+        }
+    }
+
+    /// Checks the allocator's invariants, then that no block has fewer references than the
+    /// registered block tables hold, and, when `exact_refs` is set (nothing but the tables
+    /// holds blocks), that every block's count equals the tables' references exactly.
+    pub fn check_invariants_with(&self, exact_refs: bool) -> Result<(), String> {
+        self.check_invariants()?;
+        let mut held = vec![0u32; self.num_blocks()];
+        let holders: Vec<_> = {
+            let holders = self.ref_holders.lock().unwrap_or_else(|p| p.into_inner());
+            holders.iter().filter_map(Weak::upgrade).collect()
+        };
+        for holder in holders {
+            holder.count_refs(&mut held);
+        }
+        for (id, &refs) in held.iter().enumerate() {
+            let rc = self.allocator.ref_cnt(id as u32).map_err(|e| e.to_string())?;
+            if refs > rc || (exact_refs && refs != rc) {
+                return Err(format!("block {id}: block tables hold {refs} references, its ref_cnt is {rc}"));
+            }
+        }
+        Ok(())
     }
 
     pub fn check_invariants(&self) -> Result<(), String> {

@@ -5,6 +5,8 @@ mod errors;
 mod ids;
 mod layout;
 mod pool;
+mod stream;
+mod tables;
 mod view;
 
 use pyo3::prelude::*;
@@ -20,6 +22,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<layout::PyKvLayout>()?;
     m.add_class::<pool::PyPool>()?;
     m.add_class::<view::SlabView>()?;
+    m.add_class::<tables::PyBlockTables>()?;
+    m.add_class::<stream::CudaStream>()?;
+    m.add_class::<stream::DeviceArray>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     errors::register(m)?;
     m.add("MAX_NUM_BLOCKS", kvpool_core::MAX_NUM_BLOCKS)?;

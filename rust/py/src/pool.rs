@@ -83,12 +83,8 @@ impl PyPool {
     /// Allocates `n` blocks, all or none, as an int32 array.
     fn alloc_many<'py>(&self, py: Python<'py>, n: i64) -> KvResult<Bound<'py, PyArray1<i32>>> {
         let n = ids::count(n, "n")?;
-        let mut out = vec![0u32; n];
-        if n >= DETACH_MIN_BLOCKS {
-            py.detach(|| self.inner.alloc_into(&mut out))?;
-        } else {
-            self.inner.alloc_into(&mut out)?;
-        }
+        // The core's alloc_many refuses n > num_blocks before sizing a buffer for n ids.
+        let out = if n >= DETACH_MIN_BLOCKS { py.detach(|| self.inner.alloc_many(n))? } else { self.inner.alloc_many(n)? };
         // Ids are < MAX_NUM_BLOCKS = i32::MAX, so the cast is exact.
         Ok(PyArray1::from_iter(py, out.into_iter().map(|id| id as i32)))
     }
@@ -162,6 +158,19 @@ impl PyPool {
     fn base_ptr(&self) -> u64 {
         self.inner.base_ptr()
     }
+    /// The pool's CUDA stream (`__cuda_stream__`), or None on the host. Table uploads are
+    /// queued on it; launch kernels on it to need no other synchronisation.
+    #[getter]
+    fn stream(slf: &Bound<'_, Self>) -> PyResult<Option<Py<crate::stream::CudaStream>>> {
+        match slf.get().inner.stream_handle() {
+            None => Ok(None),
+            Some(handle) => {
+                let owner = slf.clone().into_any().unbind();
+                Py::new(slf.py(), crate::stream::CudaStream::new(owner, handle)).map(Some)
+            }
+        }
+    }
+
     /// `"host"` or `"cuda:N"`.
     #[getter]
     fn device(&self) -> String {
@@ -191,8 +200,11 @@ impl PyPool {
 
     /// Checks every invariant of DESIGN.md exactly; raises `KvError` naming the first broken
     /// one. Call it while no other thread is using the pool.
-    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.check_invariants())
+    /// With `exact_refs=True`, also that every block's ref count equals the references the
+    /// pool's block tables hold (true when nothing but tables holds blocks).
+    #[pyo3(signature = (exact_refs = false))]
+    fn check_invariants(&self, py: Python<'_>, exact_refs: bool) -> PyResult<()> {
+        py.detach(|| self.inner.check_invariants_with(exact_refs))
             .map_err(|m| crate::errors::KvError::new_err(format!("invariant violated: {m}")))
     }
 

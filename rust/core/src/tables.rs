@@ -1,0 +1,432 @@
+//! `BlockTables`: each request's logical-to-physical block map, grown token by token,
+//! shared by fork with copy-on-write, and uploaded to the GPU (see `upload.rs`).
+//!
+//! Requests live in dense rows `0..len` (a persistent batch, as vLLM v1 keeps it): the
+//! kernel's table is the first `len` rows of one `[max_seqs, max_blocks_per_seq]` int32
+//! array, unused entries -1. Freeing a request moves the last row into its hole, so only
+//! that row changes. Every row change bumps the row's version, which is all the upload
+//! needs to send only what changed.
+//!
+//! Every mutating call validates everything, then takes all the blocks it needs in one
+//! all-or-nothing allocation, then commits with nothing left that can fail.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::error::CoreError;
+use crate::pool::{Pool, RefHolder};
+
+/// Entry of an unused table slot.
+pub const NULL_BLOCK: i32 = -1;
+
+/// One request's bookkeeping; its blocks are `table[row * max_blocks_per_seq..][..num_blocks]`.
+#[derive(Debug, Clone, Copy)]
+struct Row {
+    request_id: u64,
+    num_tokens: usize,
+}
+
+/// A copy-on-write block copy that must run before the new tokens are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockCopy {
+    pub src: u32,
+    pub dst: u32,
+}
+
+/// What an append produced: the slot of every new token (in order) and the copies to run.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct AppendResult {
+    pub slot_mapping: Vec<i64>,
+    pub copies: Vec<BlockCopy>,
+}
+
+/// The mutable part of `BlockTables`, behind its lock.
+pub struct TablesState {
+    rows: Vec<Row>,
+    row_of: HashMap<u64, usize>,
+    /// `[max_seqs][max_blocks_per_seq]`, the canonical host copy of the table.
+    pub(crate) table: Vec<i32>,
+    /// `row_version[r]` changes whenever row `r`'s table entries change.
+    pub(crate) row_version: Vec<u64>,
+    next_version: u64,
+}
+
+pub struct BlockTables {
+    pool: Arc<Pool>,
+    max_seqs: usize,
+    max_blocks_per_seq: usize,
+    state: Mutex<TablesState>,
+    /// Device copy and staging buffers, made on the first `sync`.
+    #[cfg(feature = "cuda")]
+    uploader: Mutex<Option<crate::upload::Uploader>>,
+}
+
+fn blocks_for(num_tokens: usize, block_size: usize) -> usize {
+    num_tokens.div_ceil(block_size)
+}
+
+impl BlockTables {
+    pub fn new(pool: Arc<Pool>, max_seqs: usize, max_blocks_per_seq: usize) -> Result<Arc<Self>, CoreError> {
+        if max_seqs == 0 || max_blocks_per_seq == 0 {
+            return Err(CoreError::InvalidArgument(format!(
+                "max_seqs and max_blocks_per_seq must be positive, got {max_seqs} and {max_blocks_per_seq}"
+            )));
+        }
+        let entries = max_seqs
+            .checked_mul(max_blocks_per_seq)
+            .filter(|&e| e <= i32::MAX as usize)
+            .ok_or_else(|| CoreError::InvalidArgument(format!("a {max_seqs} x {max_blocks_per_seq} table is too large")))?;
+        let tables = Arc::new(BlockTables {
+            pool: pool.clone(),
+            max_seqs,
+            max_blocks_per_seq,
+            state: Mutex::new(TablesState {
+                rows: Vec::with_capacity(max_seqs),
+                row_of: HashMap::with_capacity(max_seqs),
+                table: vec![NULL_BLOCK; entries],
+                row_version: vec![0; max_seqs],
+                next_version: 1,
+            }),
+            #[cfg(feature = "cuda")]
+            uploader: Mutex::new(None),
+        });
+        let holder: Arc<dyn RefHolder> = tables.clone();
+        pool.register_ref_holder(Arc::downgrade(&holder));
+        Ok(tables)
+    }
+
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+    pub fn max_seqs(&self) -> usize {
+        self.max_seqs
+    }
+    pub fn max_blocks_per_seq(&self) -> usize {
+        self.max_blocks_per_seq
+    }
+    fn block_size(&self) -> usize {
+        self.pool.layout().block_size()
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, TablesState> {
+        // A panic while holding the lock is a bug we never expect; the state is still
+        // consistent at every await-free point, so keep serving rather than poison forever.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn check_blocks_fit(&self, num_tokens: usize) -> Result<usize, CoreError> {
+        let needed = blocks_for(num_tokens, self.block_size());
+        if needed > self.max_blocks_per_seq {
+            return Err(CoreError::CapacityExceeded {
+                what: "blocks per sequence",
+                requested: needed,
+                limit: self.max_blocks_per_seq,
+            });
+        }
+        Ok(needed)
+    }
+
+    /// Adds a request holding `num_tokens` tokens; returns their slot mapping.
+    pub fn add(&self, request_id: u64, num_tokens: usize) -> Result<Vec<i64>, CoreError> {
+        let mut st = self.lock();
+        if st.row_of.contains_key(&request_id) {
+            return Err(CoreError::DuplicateRequest { request_id });
+        }
+        if st.rows.len() == self.max_seqs {
+            return Err(CoreError::CapacityExceeded { what: "sequences", requested: self.max_seqs + 1, limit: self.max_seqs });
+        }
+        let num_blocks = self.check_blocks_fit(num_tokens)?;
+        let mut ids = vec![0u32; num_blocks];
+        self.pool.allocator().alloc_into(&mut ids)?;
+        let row = st.rows.len();
+        st.rows.push(Row { request_id, num_tokens });
+        st.row_of.insert(request_id, row);
+        let entries = self.row_entries_mut(&mut st, row);
+        for (entry, &id) in entries.iter_mut().zip(&ids) {
+            *entry = id as i32;
+        }
+        st.touch(row);
+        Ok(self.slots(&st, row, 0, num_tokens))
+    }
+
+    /// Appends `count` tokens to one request. See [`append_tokens_many`](Self::append_tokens_many).
+    pub fn append_tokens(&self, request_id: u64, count: usize) -> Result<AppendResult, CoreError> {
+        self.append_tokens_many(&[request_id], &[count])
+    }
+
+    /// Appends `counts[i]` tokens to `request_ids[i]` for every i, or to none of them.
+    /// A request whose partly filled last block is shared (after a fork) gets a fresh copy
+    /// of it first: the returned copies must run before the new tokens are written.
+    pub fn append_tokens_many(&self, request_ids: &[u64], counts: &[usize]) -> Result<AppendResult, CoreError> {
+        if request_ids.len() != counts.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "{} request ids but {} counts",
+                request_ids.len(),
+                counts.len()
+            )));
+        }
+        let block_size = self.block_size();
+        let allocator = self.pool.allocator();
+        let mut st = self.lock();
+
+        // 1. Validate and plan: rows, capacity, and how many blocks each request takes. A
+        //    shared partial block is copied only while someone else still holds it: if a
+        //    parent and its fork both append in one call, the second keeps the original.
+        let mut plan = Vec::with_capacity(request_ids.len());
+        let mut pending_unshares: HashMap<u32, u32> = HashMap::new();
+        let mut total_new = 0usize;
+        for (&request_id, &count) in request_ids.iter().zip(counts) {
+            let row = *st.row_of.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+            if plan.iter().any(|&(r, _, _, _)| r == row) {
+                return Err(CoreError::InvalidArgument(format!("request id {request_id} appears twice in one call")));
+            }
+            let num_tokens = st.rows[row].num_tokens;
+            let old_blocks = blocks_for(num_tokens, block_size);
+            let new_blocks = self.check_blocks_fit(num_tokens + count)? - old_blocks;
+            let mut copy_last = false;
+            if count > 0 && num_tokens % block_size != 0 {
+                let last = st.table[row * self.max_blocks_per_seq + old_blocks - 1] as u32;
+                let unshared = pending_unshares.entry(last).or_insert(0);
+                if allocator.ref_cnt(last)? - *unshared > 1 {
+                    copy_last = true;
+                    *unshared += 1;
+                }
+            }
+            total_new += new_blocks + copy_last as usize;
+            plan.push((row, count, new_blocks, copy_last));
+        }
+
+        // 2. Take every block at once (all or nothing).
+        let mut fresh = vec![0u32; total_new];
+        allocator.alloc_into(&mut fresh)?;
+
+        // 3. Commit: nothing below can fail.
+        let mut fresh = fresh.into_iter();
+        let mut result = AppendResult::default();
+        let mut released = Vec::new();
+        for (row, count, new_blocks, copy_last) in plan {
+            let num_tokens = st.rows[row].num_tokens;
+            let old_blocks = blocks_for(num_tokens, block_size);
+            let entries = self.row_entries_mut(&mut st, row);
+            if copy_last {
+                let dst = fresh.next().expect("planned block");
+                let src = std::mem::replace(&mut entries[old_blocks - 1], dst as i32) as u32;
+                result.copies.push(BlockCopy { src, dst });
+                released.push(src);
+            }
+            for entry in &mut entries[old_blocks..old_blocks + new_blocks] {
+                *entry = fresh.next().expect("planned block") as i32;
+            }
+            st.rows[row].num_tokens += count;
+            if copy_last || new_blocks > 0 {
+                st.touch(row);
+            }
+            result.slot_mapping.extend(self.slots(&st, row, num_tokens, num_tokens + count));
+        }
+        // Each released source is still held by another request, so this only decrements.
+        for src in released {
+            allocator.free(src).expect("a copied-from block is still shared");
+        }
+        Ok(result)
+    }
+
+    /// Adds `child_id` sharing all of `parent_id`'s blocks (reference counts go up).
+    pub fn fork(&self, parent_id: u64, child_id: u64) -> Result<(), CoreError> {
+        let mut st = self.lock();
+        let parent = *st.row_of.get(&parent_id).ok_or(CoreError::UnknownRequest { request_id: parent_id })?;
+        if st.row_of.contains_key(&child_id) {
+            return Err(CoreError::DuplicateRequest { request_id: child_id });
+        }
+        if st.rows.len() == self.max_seqs {
+            return Err(CoreError::CapacityExceeded { what: "sequences", requested: self.max_seqs + 1, limit: self.max_seqs });
+        }
+        let num_tokens = st.rows[parent].num_tokens;
+        let blocks: Vec<u32> = self.row_blocks(&st, parent).iter().map(|&b| b as u32).collect();
+        self.pool.allocator().share_many(&blocks)?;
+        let child = st.rows.len();
+        st.rows.push(Row { request_id: child_id, num_tokens });
+        st.row_of.insert(child_id, child);
+        let width = self.max_blocks_per_seq;
+        st.table.copy_within(parent * width..parent * width + blocks.len(), child * width);
+        st.touch(child);
+        Ok(())
+    }
+
+    /// Removes a request, dropping its references; blocks nobody else holds become free.
+    pub fn free(&self, request_id: u64) -> Result<(), CoreError> {
+        let mut st = self.lock();
+        let row = *st.row_of.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+        let blocks: Vec<u32> = self.row_blocks(&st, row).iter().map(|&b| b as u32).collect();
+        self.pool.allocator().free_many(&blocks).expect("a table's blocks are distinct and allocated");
+        let width = self.max_blocks_per_seq;
+        let last = st.rows.len() - 1;
+        if row != last {
+            st.table.copy_within(last * width..(last + 1) * width, row * width);
+            let moved = st.rows[last];
+            st.rows[row] = moved;
+            st.row_of.insert(moved.request_id, row);
+        }
+        st.table[last * width..(last + 1) * width].fill(NULL_BLOCK);
+        st.rows.pop();
+        st.row_of.remove(&request_id);
+        st.touch(row);
+        st.touch(last);
+        Ok(())
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().rows.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn contains(&self, request_id: u64) -> bool {
+        self.lock().row_of.contains_key(&request_id)
+    }
+    /// Request ids in row order (the order of `sync`'s table and seq_lens).
+    pub fn request_ids(&self) -> Vec<u64> {
+        self.lock().rows.iter().map(|r| r.request_id).collect()
+    }
+    pub fn num_tokens(&self, request_id: u64) -> Result<usize, CoreError> {
+        let st = self.lock();
+        let row = *st.row_of.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+        Ok(st.rows[row].num_tokens)
+    }
+    pub fn blocks(&self, request_id: u64) -> Result<Vec<i32>, CoreError> {
+        let st = self.lock();
+        let row = *st.row_of.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+        Ok(self.row_blocks(&st, row).to_vec())
+    }
+
+    /// seq_lens and the dense `[n, max_blocks_per_seq]` table (-1 padded) of a batch.
+    pub fn gather(&self, request_ids: &[u64]) -> Result<(Vec<i32>, Vec<i32>), CoreError> {
+        let st = self.lock();
+        let width = self.max_blocks_per_seq;
+        let mut seq_lens = Vec::with_capacity(request_ids.len());
+        let mut table = Vec::with_capacity(request_ids.len() * width);
+        for &request_id in request_ids {
+            let row = *st.row_of.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+            seq_lens.push(st.rows[row].num_tokens as i32);
+            table.extend_from_slice(&st.table[row * width..(row + 1) * width]);
+        }
+        Ok((seq_lens, table))
+    }
+
+    /// The batch in CSR form (FlashInfer's paged_kv_indptr / indices / last_page_len).
+    pub fn csr(&self, request_ids: &[u64]) -> Result<(Vec<i32>, Vec<i32>, Vec<i32>), CoreError> {
+        let st = self.lock();
+        let block_size = self.block_size();
+        let mut indptr = vec![0i32];
+        let mut indices = Vec::new();
+        let mut last_page_len = Vec::with_capacity(request_ids.len());
+        for &request_id in request_ids {
+            let row = *st.row_of.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+            indices.extend_from_slice(self.row_blocks(&st, row));
+            indptr.push(indices.len() as i32);
+            let n = st.rows[row].num_tokens;
+            last_page_len.push(if n == 0 { 0 } else { ((n - 1) % block_size + 1) as i32 });
+        }
+        Ok((indptr, indices, last_page_len))
+    }
+
+    /// Uploads the table and seq_lens of rows `0..len` to the device on the pool's stream.
+    #[cfg(feature = "cuda")]
+    pub fn sync(&self) -> Result<crate::upload::DeviceBatch, CoreError> {
+        let stream = self.pool.stream_handle().ok_or_else(not_cuda)?;
+        // SAFETY: the pool's own stream lives as long as the pool, which `self` holds.
+        unsafe { self.sync_on(stream) }
+    }
+
+    /// Like [`sync`](Self::sync), ordered on a caller's stream.
+    ///
+    /// # Safety
+    /// `stream` must be a live CUDA stream of the pool's device context.
+    #[cfg(feature = "cuda")]
+    pub unsafe fn sync_on(&self, stream: u64) -> Result<crate::upload::DeviceBatch, CoreError> {
+        let (ctx, _) = self.pool.cuda().ok_or_else(not_cuda)?;
+        let st = self.lock();
+        let mut uploader = self.uploader.lock().unwrap_or_else(|p| p.into_inner());
+        if uploader.is_none() {
+            *uploader = Some(crate::upload::Uploader::new(ctx, self.max_seqs, self.max_blocks_per_seq)?);
+        }
+        let uploader = uploader.as_mut().expect("made above");
+        // SAFETY: the caller guarantees the stream is live in the pool's context.
+        unsafe { uploader.sync(&st, stream as cudarc::driver::sys::CUstream) }
+    }
+
+    /// seq_lens of rows `0..len`, in row order.
+    pub(crate) fn seq_lens_of(st: &TablesState) -> impl Iterator<Item = i32> + '_ {
+        st.rows.iter().map(|r| r.num_tokens as i32)
+    }
+    pub(crate) fn num_rows(st: &TablesState) -> usize {
+        st.rows.len()
+    }
+
+    fn row_blocks<'s>(&self, st: &'s TablesState, row: usize) -> &'s [i32] {
+        let n = blocks_for(st.rows[row].num_tokens, self.block_size());
+        &st.table[row * self.max_blocks_per_seq..][..n]
+    }
+    fn row_entries_mut<'s>(&self, st: &'s mut TablesState, row: usize) -> &'s mut [i32] {
+        &mut st.table[row * self.max_blocks_per_seq..][..self.max_blocks_per_seq]
+    }
+    fn slots(&self, st: &TablesState, row: usize, from: usize, to: usize) -> Vec<i64> {
+        let bs = self.block_size();
+        let entries = &st.table[row * self.max_blocks_per_seq..];
+        (from..to).map(|p| entries[p / bs] as i64 * bs as i64 + (p % bs) as i64).collect()
+    }
+
+    /// DESIGN.md's table invariants: each row covers exactly ceil(num_tokens / block_size)
+    /// blocks, the rest is -1, no block repeats within a row, the index matches the rows.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let st = self.lock();
+        let width = self.max_blocks_per_seq;
+        if st.row_of.len() != st.rows.len() {
+            return Err(format!("{} index entries for {} rows", st.row_of.len(), st.rows.len()));
+        }
+        for (row, r) in st.rows.iter().enumerate() {
+            if st.row_of.get(&r.request_id) != Some(&row) {
+                return Err(format!("request {} is not indexed at row {row}", r.request_id));
+            }
+            let n = blocks_for(r.num_tokens, self.block_size());
+            let entries = &st.table[row * width..(row + 1) * width];
+            if let Some(bad) = entries[..n].iter().find(|&&b| b < 0 || b as usize >= self.pool.num_blocks()) {
+                return Err(format!("request {} holds invalid block {bad}", r.request_id));
+            }
+            if entries[n..].iter().any(|&b| b != NULL_BLOCK) {
+                return Err(format!("request {} has entries past its {n} blocks", r.request_id));
+            }
+            let mut sorted = entries[..n].to_vec();
+            sorted.sort_unstable();
+            if sorted.windows(2).any(|w| w[0] == w[1]) {
+                return Err(format!("request {} holds a block twice", r.request_id));
+            }
+        }
+        if st.table[st.rows.len() * width..].iter().any(|&b| b != NULL_BLOCK) {
+            return Err("an unused row holds blocks".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn not_cuda() -> CoreError {
+    CoreError::InvalidArgument("sync uploads to a GPU: the pool must be on a CUDA device".into())
+}
+
+impl TablesState {
+    fn touch(&mut self, row: usize) {
+        self.row_version[row] = self.next_version;
+        self.next_version += 1;
+    }
+}
+
+impl RefHolder for BlockTables {
+    fn count_refs(&self, counts: &mut [u32]) {
+        let st = self.lock();
+        for row in 0..st.rows.len() {
+            for &b in self.row_blocks(&st, row) {
+                counts[b as usize] += 1;
+            }
+        }
+    }
+}

@@ -1,0 +1,97 @@
+//! CUDA interop objects: the pool's stream (`__cuda_stream__`) and device arrays
+//! (`__cuda_array_interface__` v3 with their stream), so CuPy and PyTorch use the same
+//! memory and ordering without copies or extra synchronisation.
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+/// The raw `cudaStream_t` of anything implementing the CUDA stream protocol
+/// (`__cuda_stream__() -> (version, handle)`), or a plain int handle.
+pub fn handle_of(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if let Ok(handle) = obj.extract::<u64>() {
+        return Ok(handle);
+    }
+    if let Ok(method) = obj.getattr("__cuda_stream__") {
+        let (_version, handle): (u64, u64) = method.call0()?.extract()?;
+        return Ok(handle);
+    }
+    Err(PyTypeError::new_err(format!(
+        "stream must implement __cuda_stream__ or be an int handle, got {}",
+        obj.get_type().name()?
+    )))
+}
+
+/// A CUDA stream owned by a pool, for `cupy.cuda.Stream.from_external(pool.stream)`.
+#[pyclass(module = "kvpool._core", name = "CudaStream", frozen)]
+pub struct CudaStream {
+    /// Keeps the stream's owner (the pool) alive.
+    #[allow(dead_code)]
+    owner: Py<PyAny>,
+    handle: u64,
+}
+
+impl CudaStream {
+    pub fn new(owner: Py<PyAny>, handle: u64) -> Self {
+        CudaStream { owner, handle }
+    }
+}
+
+#[pymethods]
+impl CudaStream {
+    /// CUDA stream protocol: `(version, handle)`.
+    fn __cuda_stream__(&self) -> (u32, u64) {
+        (0, self.handle)
+    }
+    #[getter]
+    fn ptr(&self) -> u64 {
+        self.handle
+    }
+    fn __repr__(&self) -> String {
+        format!("CudaStream(0x{:x})", self.handle)
+    }
+}
+
+/// A read-only int32 device array owned by a `BlockTables` (its device copy).
+#[pyclass(module = "kvpool._core", name = "DeviceArray", frozen)]
+pub struct DeviceArray {
+    #[allow(dead_code)]
+    owner: Py<PyAny>,
+    ptr: u64,
+    shape: Vec<usize>,
+    stream: u64,
+}
+
+impl DeviceArray {
+    pub fn new(owner: Py<PyAny>, ptr: u64, shape: Vec<usize>, stream: u64) -> Self {
+        DeviceArray { owner, ptr, shape, stream }
+    }
+}
+
+#[pymethods]
+impl DeviceArray {
+    #[getter]
+    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("shape", PyTuple::new(py, &self.shape)?)?;
+        d.set_item("typestr", "<i4")?;
+        d.set_item("data", (self.ptr, true))?;
+        d.set_item("strides", py.None())?;
+        d.set_item("version", 3)?;
+        // The upload was queued on this stream: a consumer on another stream must wait on it.
+        d.set_item("stream", self.stream)?;
+        Ok(d)
+    }
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.shape)
+    }
+    #[getter]
+    fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    #[getter]
+    fn stream(&self) -> u64 {
+        self.stream
+    }
+}

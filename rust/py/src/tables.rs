@@ -1,0 +1,243 @@
+//! `BlockTables` for Python: request ids as Python ints, results as NumPy arrays, the
+//! device table through `__cuda_array_interface__`.
+
+use std::sync::Arc;
+
+use kvpool_core::tables::{AppendResult, BlockTables};
+use kvpool_core::CoreError;
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
+use pyo3::prelude::*;
+
+use crate::errors::KvResult;
+use crate::ids;
+use crate::pool::PyPool;
+
+/// Request ids: any Python int in 0..2**64.
+fn request_id(value: &Bound<'_, PyAny>) -> Result<u64, CoreError> {
+    value.extract::<u64>().map_err(|_| {
+        let shown = value.repr().map(|r| r.to_string()).unwrap_or_default();
+        CoreError::InvalidArgument(format!("request id {shown} is not an integer in 0..2**64"))
+    })
+}
+
+fn request_ids(values: &Bound<'_, PyAny>) -> Result<Vec<u64>, CoreError> {
+    if let Ok(array) = values.extract::<PyReadonlyArray1<'_, i64>>() {
+        return array
+            .as_array()
+            .iter()
+            .map(|&v| u64::try_from(v).map_err(|_| CoreError::InvalidArgument(format!("request id {v} is negative"))))
+            .collect();
+    }
+    let iter = values
+        .try_iter()
+        .map_err(|_| CoreError::InvalidArgument("request_ids must be an iterable of ints".into()))?;
+    iter.map(|item| request_id(&item.map_err(|e| CoreError::InvalidArgument(e.to_string()))?)).collect()
+}
+
+/// `counts` is one int for every request, or one per request.
+fn token_counts(values: &Bound<'_, PyAny>, n: usize) -> Result<Vec<usize>, CoreError> {
+    if let Ok(count) = values.extract::<i64>() {
+        return Ok(vec![ids::count(count, "count")?; n]);
+    }
+    let iter = values
+        .try_iter()
+        .map_err(|_| CoreError::InvalidArgument("counts must be an int or an iterable of ints".into()))?;
+    iter.map(|item| {
+        let item = item.map_err(|e| CoreError::InvalidArgument(e.to_string()))?;
+        let v = item
+            .extract::<i64>()
+            .map_err(|_| CoreError::InvalidArgument(format!("count {item} is not an integer")))?;
+        ids::count(v, "count")
+    })
+    .collect()
+}
+
+fn append_result<'py>(py: Python<'py>, r: AppendResult) -> (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray2<i32>>) {
+    let copies: Vec<i32> = r.copies.iter().flat_map(|c| [c.src as i32, c.dst as i32]).collect();
+    let copies = PyArray1::from_vec(py, copies).reshape([r.copies.len(), 2]).expect("k x 2 holds 2k entries");
+    (PyArray1::from_vec(py, r.slot_mapping), copies)
+}
+
+/// Per-request block tables over one pool.
+#[pyclass(module = "kvpool._core", name = "BlockTables", frozen)]
+pub struct PyBlockTables {
+    pub inner: Arc<BlockTables>,
+    pool: Py<PyPool>,
+}
+
+#[pymethods]
+impl PyBlockTables {
+    #[new]
+    fn new(pool: Bound<'_, PyPool>, max_seqs: i64, max_blocks_per_seq: i64) -> KvResult<Self> {
+        let inner = BlockTables::new(
+            pool.get().inner.clone(),
+            ids::count(max_seqs, "max_seqs")?,
+            ids::count(max_blocks_per_seq, "max_blocks_per_seq")?,
+        )?;
+        Ok(PyBlockTables { inner, pool: pool.unbind() })
+    }
+
+    /// Adds a request of `num_tokens` tokens; returns their slot mapping (int64).
+    fn add<'py>(&self, py: Python<'py>, request_id: &Bound<'py, PyAny>, num_tokens: i64) -> KvResult<Bound<'py, PyArray1<i64>>> {
+        let rid = self::request_id(request_id)?;
+        let slots = self.inner.add(rid, ids::count(num_tokens, "num_tokens")?)?;
+        Ok(PyArray1::from_vec(py, slots))
+    }
+
+    /// Appends `n` tokens; returns (slot_mapping int64 [n], copies int32 [k, 2]).
+    fn append_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &Bound<'py, PyAny>,
+        n: i64,
+    ) -> KvResult<(Bound<'py, PyArray1<i64>>, Bound<'py, PyArray2<i32>>)> {
+        let rid = self::request_id(request_id)?;
+        Ok(append_result(py, self.inner.append_tokens(rid, ids::count(n, "n")?)?))
+    }
+
+    /// One decode step: appends counts (an int for all, or one per request), all or none.
+    fn append_tokens_many<'py>(
+        &self,
+        py: Python<'py>,
+        request_ids: &Bound<'py, PyAny>,
+        counts: &Bound<'py, PyAny>,
+    ) -> KvResult<(Bound<'py, PyArray1<i64>>, Bound<'py, PyArray2<i32>>)> {
+        let rids = self::request_ids(request_ids)?;
+        let counts = token_counts(counts, rids.len())?;
+        Ok(append_result(py, self.inner.append_tokens_many(&rids, &counts)?))
+    }
+
+    /// Adds `child_id` sharing all of `parent_id`'s blocks (copy-on-write on the next append).
+    fn fork(&self, parent_id: &Bound<'_, PyAny>, child_id: &Bound<'_, PyAny>) -> KvResult<()> {
+        Ok(self.inner.fork(request_id(parent_id)?, request_id(child_id)?)?)
+    }
+
+    /// Removes a request; blocks nobody else references return to the pool.
+    fn free(&self, request_id: &Bound<'_, PyAny>) -> KvResult<()> {
+        Ok(self.inner.free(self::request_id(request_id)?)?)
+    }
+
+    fn num_tokens(&self, request_id: &Bound<'_, PyAny>) -> KvResult<usize> {
+        Ok(self.inner.num_tokens(self::request_id(request_id)?)?)
+    }
+
+    fn blocks<'py>(&self, py: Python<'py>, request_id: &Bound<'py, PyAny>) -> KvResult<Bound<'py, PyArray1<i32>>> {
+        Ok(PyArray1::from_vec(py, self.inner.blocks(self::request_id(request_id)?)?))
+    }
+
+    /// Request ids in row order (the order of `sync`'s arrays).
+    fn request_ids(&self) -> Vec<u64> {
+        self.inner.request_ids()
+    }
+
+    /// seq_lens (int32) of a batch of requests.
+    fn seq_lens<'py>(&self, py: Python<'py>, request_ids: &Bound<'py, PyAny>) -> KvResult<Bound<'py, PyArray1<i32>>> {
+        let (seq_lens, _) = self.inner.gather(&self::request_ids(request_ids)?)?;
+        Ok(PyArray1::from_vec(py, seq_lens))
+    }
+
+    /// Dense int32 table `[len(request_ids), max_blocks_per_seq]`, unused entries -1.
+    fn block_table<'py>(&self, py: Python<'py>, request_ids: &Bound<'py, PyAny>) -> KvResult<Bound<'py, PyArray2<i32>>> {
+        let rids = self::request_ids(request_ids)?;
+        let (_, table) = self.inner.gather(&rids)?;
+        Ok(PyArray1::from_vec(py, table)
+            .reshape([rids.len(), self.inner.max_blocks_per_seq()])
+            .expect("n rows of max_blocks_per_seq"))
+    }
+
+    /// CSR form of a batch: (indptr, indices, last_page_len), all int32 (FlashInfer's).
+    #[allow(clippy::type_complexity)]
+    fn csr<'py>(
+        &self,
+        py: Python<'py>,
+        request_ids: &Bound<'py, PyAny>,
+    ) -> KvResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
+        let (indptr, indices, last) = self.inner.csr(&self::request_ids(request_ids)?)?;
+        Ok((PyArray1::from_vec(py, indptr), PyArray1::from_vec(py, indices), PyArray1::from_vec(py, last)))
+    }
+
+    /// Makes the table of all rows (in `request_ids()` order) visible to kernels and returns
+    /// `(block_table, seq_lens)`. CUDA pools: uploads only what changed, asynchronously on
+    /// the pool's stream (or `stream`, anything with `__cuda_stream__`), and returns device
+    /// arrays with `__cuda_array_interface__`. Host pools: NumPy copies.
+    #[pyo3(signature = (stream = None))]
+    fn sync<'py>(slf: &Bound<'py, Self>, stream: Option<&Bound<'py, PyAny>>) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+        let py = slf.py();
+        let this = slf.get();
+        if this.inner.pool().device() == kvpool_core::Device::Host {
+            if stream.is_some() {
+                return Err(crate::errors::PyKvError(CoreError::InvalidArgument(
+                    "a stream was given, but the pool is on the host".into(),
+                ))
+                .into());
+            }
+            let rids = this.inner.request_ids();
+            let (seq_lens, table) = this.inner.gather(&rids).map_err(crate::errors::PyKvError)?;
+            let table = PyArray1::from_vec(py, table).reshape([rids.len(), this.inner.max_blocks_per_seq()])?;
+            return Ok((table.into_any().unbind(), PyArray1::from_vec(py, seq_lens).into_any().unbind()));
+        }
+        sync_cuda(slf, stream)
+    }
+
+    #[getter]
+    fn pool(&self, py: Python<'_>) -> Py<PyPool> {
+        self.pool.clone_ref(py)
+    }
+    #[getter]
+    fn max_seqs(&self) -> usize {
+        self.inner.max_seqs()
+    }
+    #[getter]
+    fn max_blocks_per_seq(&self) -> usize {
+        self.inner.max_blocks_per_seq()
+    }
+
+    /// Checks the tables' own invariants and the pool's (references held <= ref counts).
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            self.inner.check_invariants()?;
+            self.inner.pool().check_invariants_with(false)
+        })
+        .map_err(|m| crate::errors::KvError::new_err(format!("invariant violated: {m}")))
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+    fn __contains__(&self, request_id: &Bound<'_, PyAny>) -> bool {
+        self::request_id(request_id).map(|r| self.inner.contains(r)).unwrap_or(false)
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "BlockTables(len={}, max_seqs={}, max_blocks_per_seq={})",
+            self.inner.len(),
+            self.inner.max_seqs(),
+            self.inner.max_blocks_per_seq()
+        )
+    }
+}
+
+fn sync_cuda<'py>(slf: &Bound<'py, PyBlockTables>, stream: Option<&Bound<'py, PyAny>>) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+    let py = slf.py();
+    let this = slf.get();
+    let batch = match stream {
+        None => this.inner.sync(),
+        Some(obj) => {
+            let handle = crate::stream::handle_of(obj)?;
+            // SAFETY: the handle comes from `__cuda_stream__` of an object the caller passed
+            // and we hold for the duration of the call; CUDA streams are per-device-context
+            // objects and the protocol promises a live stream.
+            unsafe { this.inner.sync_on(handle) }
+        }
+    }
+    .map_err(crate::errors::PyKvError)?;
+    let owner = slf.clone().into_any().unbind();
+    let table = crate::stream::DeviceArray::new(
+        owner.clone_ref(py),
+        batch.block_table_ptr,
+        vec![batch.num_seqs, batch.max_blocks_per_seq],
+        batch.stream,
+    );
+    let seq_lens = crate::stream::DeviceArray::new(owner, batch.seq_lens_ptr, vec![batch.num_seqs], batch.stream);
+    Ok((Py::new(py, table)?.into_any(), Py::new(py, seq_lens)?.into_any()))
+}
