@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs kvpool with its test dependencies into ./.venv and runs every test that needs no
+# GPU: Rust unit/property/stress tests, loom model checks, the stub check and pytest.
+# GPU tests (marker `gpu`) skip themselves here; run them on a GPU machine (see GPU.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q '.[test]'
+
+echo "== cargo test (kvpool-core)"
+cargo test --locked -p kvpool-core
+
+echo "== loom model checks of the free list"
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom LOOM_MAX_PREEMPTIONS=2 \
+    cargo test --locked -p kvpool-core --release --test loom
+
+echo "== pytest"
+python -m pytest -q tests

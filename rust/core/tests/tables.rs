@@ -1,0 +1,198 @@
+//! Block tables on a host pool: growth, copy-on-write fork, failure atomicity, and a seeded
+//! random run against a plain model.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kvpool_core::pool::PoolSize;
+use kvpool_core::tables::{BlockCopy, BlockTables};
+use kvpool_core::{CoreError, DType, Device, KvLayout, Pool};
+
+const BLOCK_SIZE: usize = 4;
+
+fn setup(num_blocks: usize, max_seqs: usize, max_blocks: usize) -> (Arc<Pool>, Arc<BlockTables>) {
+    let layout = KvLayout::new(1, 1, 64, BLOCK_SIZE, DType::Float16).unwrap();
+    let pool = Arc::new(Pool::new(layout, PoolSize::NumBlocks(num_blocks), Device::Host).unwrap());
+    let tables = BlockTables::new(pool.clone(), max_seqs, max_blocks).unwrap();
+    (pool, tables)
+}
+
+fn check(pool: &Pool, tables: &BlockTables) {
+    tables.check_invariants().unwrap();
+    pool.check_invariants_with(true).unwrap();
+}
+
+#[test]
+fn add_and_append_take_blocks_only_when_the_last_fills() {
+    let (pool, t) = setup(16, 4, 8);
+    let slots = t.add(7, 5).unwrap();
+    assert_eq!(t.blocks(7).unwrap().len(), 2);
+    let b = t.blocks(7).unwrap();
+    assert_eq!(slots, vec![b[0] as i64 * 4, b[0] as i64 * 4 + 1, b[0] as i64 * 4 + 2, b[0] as i64 * 4 + 3, b[1] as i64 * 4]);
+    let r = t.append_tokens(7, 3).unwrap();
+    assert!(r.copies.is_empty());
+    assert_eq!(t.blocks(7).unwrap().len(), 2);
+    assert_eq!(r.slot_mapping, vec![b[1] as i64 * 4 + 1, b[1] as i64 * 4 + 2, b[1] as i64 * 4 + 3]);
+    t.append_tokens(7, 1).unwrap();
+    assert_eq!(t.blocks(7).unwrap().len(), 3);
+    assert_eq!(pool.num_used(), 3);
+    check(&pool, &t);
+}
+
+#[test]
+fn fork_shares_then_copies_the_partial_last_block_on_write() {
+    let (pool, t) = setup(16, 4, 8);
+    t.add(1, 6).unwrap(); // 2 blocks, last half full
+    t.fork(1, 2).unwrap();
+    let shared = t.blocks(1).unwrap();
+    assert_eq!(t.blocks(2).unwrap(), shared);
+    for &b in &shared {
+        assert_eq!(pool.ref_cnt(b as u32).unwrap(), 2);
+    }
+    check(&pool, &t);
+    let r = t.append_tokens(2, 1).unwrap();
+    let child = t.blocks(2).unwrap();
+    assert_eq!(child[0], shared[0], "full blocks stay shared");
+    assert_ne!(child[1], shared[1]);
+    assert_eq!(r.copies, vec![BlockCopy { src: shared[1] as u32, dst: child[1] as u32 }]);
+    assert_eq!(r.slot_mapping, vec![child[1] as i64 * 4 + 2]);
+    assert_eq!(pool.ref_cnt(shared[1] as u32).unwrap(), 1);
+    // The parent now owns its last block alone: no copy.
+    assert!(t.append_tokens(1, 1).unwrap().copies.is_empty());
+    check(&pool, &t);
+    t.free(1).unwrap();
+    t.free(2).unwrap();
+    assert_eq!(pool.num_free(), 16);
+    check(&pool, &t);
+}
+
+#[test]
+fn parent_and_child_appending_together_copy_once() {
+    let (pool, t) = setup(16, 4, 8);
+    t.add(1, 3).unwrap();
+    t.fork(1, 2).unwrap();
+    let r = t.append_tokens_many(&[1, 2], &[1, 1]).unwrap();
+    assert_eq!(r.copies.len(), 1);
+    assert_ne!(t.blocks(1).unwrap(), t.blocks(2).unwrap());
+    assert_eq!(pool.num_used(), 2);
+    check(&pool, &t);
+}
+
+#[test]
+fn failed_calls_change_nothing() {
+    let (pool, t) = setup(4, 2, 3);
+    t.add(1, 5).unwrap();
+    let before = (t.request_ids(), t.blocks(1).unwrap(), t.num_tokens(1).unwrap(), pool.num_free());
+    let state = || (t.request_ids(), t.blocks(1).unwrap(), t.num_tokens(1).unwrap(), pool.num_free());
+    assert!(matches!(t.add(1, 1), Err(CoreError::DuplicateRequest { request_id: 1 })));
+    assert!(matches!(t.add(2, 13), Err(CoreError::CapacityExceeded { .. })));
+    assert!(matches!(t.append_tokens(1, 100), Err(CoreError::CapacityExceeded { .. })));
+    assert!(matches!(t.append_tokens(9, 1), Err(CoreError::UnknownRequest { request_id: 9 })));
+    t.add(2, 4).unwrap(); // 1 block left free
+    let before2 = (t.blocks(2).unwrap(), pool.num_free());
+    // Request 1 needs 1 more block, request 2 needs 1: only 1 is free, so neither grows.
+    assert!(matches!(t.append_tokens_many(&[1, 2], &[4, 1]), Err(CoreError::OutOfBlocks { requested: 2, free: 1, .. })));
+    assert_eq!((t.blocks(2).unwrap(), pool.num_free()), before2);
+    assert!(matches!(t.append_tokens_many(&[1, 1], &[1, 1]), Err(CoreError::InvalidArgument(_))));
+    assert!(matches!(t.add(3, 0), Err(CoreError::CapacityExceeded { what: "sequences", .. })));
+    assert!(matches!(t.fork(1, 3), Err(CoreError::CapacityExceeded { .. })));
+    t.free(2).unwrap();
+    assert_eq!(state(), before);
+    check(&pool, &t);
+}
+
+#[test]
+fn free_moves_the_last_row_into_the_hole() {
+    let (pool, t) = setup(16, 4, 4);
+    for id in [10, 11, 12] {
+        t.add(id, 2).unwrap();
+    }
+    let last = t.blocks(12).unwrap();
+    t.free(10).unwrap();
+    assert_eq!(t.request_ids(), vec![12, 11]);
+    let (seq_lens, table) = t.gather(&[12]).unwrap();
+    assert_eq!(seq_lens, vec![2]);
+    assert_eq!(table, vec![last[0], -1, -1, -1]);
+    let (indptr, indices, last_page_len) = t.csr(&[12, 11]).unwrap();
+    assert_eq!(indptr, vec![0, 1, 2]);
+    assert_eq!(indices.len(), 2);
+    assert_eq!(last_page_len, vec![2, 2]);
+    check(&pool, &t);
+}
+
+/// A small xorshift so the run is the same on every machine without extra dependencies.
+struct Rng(u64);
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+#[test]
+fn random_operations_match_a_plain_model() {
+    let (pool, t) = setup(24, 6, 8);
+    let mut model: HashMap<u64, usize> = HashMap::new(); // request -> num_tokens
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut next_id = 0u64;
+    for _ in 0..3000 {
+        let ids: Vec<u64> = {
+            let mut v: Vec<u64> = model.keys().copied().collect();
+            v.sort();
+            v
+        };
+        let pick = |rng: &mut Rng| ids[rng.below(ids.len() as u64) as usize];
+        match rng.below(5) {
+            0 => {
+                let n = rng.below(12) as usize;
+                if t.add(next_id, n).is_ok() {
+                    model.insert(next_id, n);
+                }
+                next_id += 1;
+            }
+            1 if !ids.is_empty() => {
+                let id = pick(&mut rng);
+                let n = rng.below(6) as usize;
+                let free_before = pool.num_free();
+                match t.append_tokens(id, n) {
+                    Ok(_) => *model.get_mut(&id).unwrap() += n,
+                    Err(_) => assert_eq!(pool.num_free(), free_before),
+                }
+            }
+            2 if !ids.is_empty() => {
+                let id = pick(&mut rng);
+                if t.fork(id, next_id).is_ok() {
+                    model.insert(next_id, model[&id]);
+                }
+                next_id += 1;
+            }
+            3 if !ids.is_empty() => {
+                let batch: Vec<u64> = ids.iter().copied().filter(|_| rng.below(2) == 0).collect();
+                let counts: Vec<usize> = batch.iter().map(|_| rng.below(3) as usize).collect();
+                if t.append_tokens_many(&batch, &counts).is_ok() {
+                    for (id, n) in batch.iter().zip(&counts) {
+                        *model.get_mut(id).unwrap() += n;
+                    }
+                }
+            }
+            4 if !ids.is_empty() => {
+                let id = pick(&mut rng);
+                t.free(id).unwrap();
+                model.remove(&id);
+            }
+            _ => {}
+        }
+        for (&id, &n) in &model {
+            assert_eq!(t.num_tokens(id).unwrap(), n);
+            assert_eq!(t.blocks(id).unwrap().len(), n.div_ceil(BLOCK_SIZE));
+        }
+        check(&pool, &t);
+    }
+    for id in t.request_ids() {
+        t.free(id).unwrap();
+    }
+    assert_eq!(pool.num_free(), pool.num_blocks());
+    check(&pool, &t);
+}
