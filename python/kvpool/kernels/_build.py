@@ -1,0 +1,101 @@
+"""Kernel sources, compile-time variants and the per-variant module cache.
+
+The CUDA C++ sources live in the repository's ``cuda/`` folder and are compiled at run time by
+NVRTC through ``cupy.RawModule``. The same :func:`variant_options` feed the runtime compile and
+the CI compile test, so CI compiles exactly what a GPU run compiles.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = (64, 128, 256)
+BLOCK_SIZES = (8, 16, 32)
+MAX_GQ = 8  # query heads one decode CTA keeps in registers
+DECODE_WARPS = 4
+COMMON_OPTIONS = ("-std=c++17",)
+
+
+def cuda_dir() -> Path:
+    """Folder that holds the .cu sources.
+
+    Looked up in order: $KVPOOL_CUDA_DIR, ``kvpool/kernels/cuda`` inside the installed package,
+    the repository's ``cuda/`` (editable installs and source checkouts).
+    """
+    env = os.environ.get("KVPOOL_CUDA_DIR")
+    here = Path(__file__).resolve().parent
+    for cand in ([Path(env)] if env else []) + [here / "cuda", here.parents[2] / "cuda"]:
+        if (cand / "paged_decode.cu").is_file():
+            return cand
+    raise FileNotFoundError(
+        "kvpool CUDA sources not found: set KVPOOL_CUDA_DIR to the folder holding paged_decode.cu"
+    )
+
+
+@functools.cache
+def read_source(name: str) -> str:
+    return (cuda_dir() / name).read_text()
+
+
+def group_tile(group: int) -> int:
+    """Query heads per decode CTA: the largest divisor of `group` that is at most MAX_GQ."""
+    return max(d for d in range(1, MAX_GQ + 1) if group % d == 0)
+
+
+@dataclass(frozen=True)
+class DecodeVariant:
+    dtype: str
+    head_dim: int
+    block_size: int
+    gq: int  # query heads per CTA (group_tile of the GQA group)
+
+    def options(self) -> tuple[str, ...]:
+        return COMMON_OPTIONS + (
+            f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
+            f"-DHEAD_DIM={self.head_dim}",
+            f"-DBLOCK_SIZE={self.block_size}",
+            f"-DGQ={self.gq}",
+            f"-DNWARPS={DECODE_WARPS}",
+        )
+
+
+def decode_variants() -> list[DecodeVariant]:
+    """Every decode variant the wrappers can ask for (the CI compile test builds them all)."""
+    return [
+        DecodeVariant(dt, hd, bs, gq)
+        for dt in DTYPES
+        for hd in HEAD_DIMS
+        for bs in BLOCK_SIZES
+        for gq in range(1, MAX_GQ + 1)
+    ]
+
+
+def all_sources() -> list[tuple[str, str, tuple[str, ...]]]:
+    """(label, source, options) for every module the library compiles."""
+    out = [
+        (f"paged_decode[{v.dtype},{v.head_dim},{v.block_size},{v.gq}]",
+         read_source("paged_decode.cu"), v.options())
+        for v in decode_variants()
+    ]
+    out.append(("append_kv", read_source("append_kv.cu"), COMMON_OPTIONS))
+    out.append(("copy_blocks", read_source("copy_blocks.cu"), COMMON_OPTIONS))
+    return out
+
+
+@functools.cache
+def decode_module(variant: DecodeVariant) -> Any:
+    import cupy
+
+    return cupy.RawModule(code=read_source("paged_decode.cu"), options=variant.options())
+
+
+@functools.cache
+def plain_module(name: str) -> Any:
+    import cupy
+
+    return cupy.RawModule(code=read_source(f"{name}.cu"), options=COMMON_OPTIONS)

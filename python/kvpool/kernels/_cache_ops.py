@@ -1,0 +1,127 @@
+"""append_kv and copy_blocks: the cache writers (new tokens, copy-on-write block copies)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvpool import reference
+from kvpool._core import InvalidArgumentError
+from kvpool.kernels import _build
+from kvpool.kernels._args import (
+    check_elem16,
+    check_int_array,
+    cupy_stream,
+    dev_array,
+    pool_is_cuda,
+)
+
+
+def append_kv(
+    k: Any, v: Any, pool: Any, layer: int, slot_mapping: Any, *, stream: Any = None
+) -> None:
+    """Write new tokens' K and V ([num_tokens, num_kv_heads, head_dim], the pool's dtype) into
+    layer `layer` at slot_mapping[i] = block_id * block_size + offset (int64; -1 skips the
+    token, as does a slot past the pool). Byte-exact; runs on `stream` for a CUDA pool."""
+    layout = pool.layout
+    if not 0 <= layer < layout.num_layers:
+        raise InvalidArgumentError(f"layer {layer} outside 0..{layout.num_layers - 1}")
+    row = (layout.num_kv_heads, layout.head_dim)
+    if not pool_is_cuda(pool):
+        if hasattr(k, "__cuda_array_interface__") or hasattr(v, "__cuda_array_interface__"):
+            raise InvalidArgumentError("k/v are device arrays but the pool is on the host")
+        k, v, slots = np.asarray(k), np.asarray(v), np.asarray(slot_mapping)
+        _check_kv_shapes(k.shape, v.shape, slots.shape, row)
+        if slots.dtype != np.int64:
+            raise InvalidArgumentError("slot_mapping must be int64")
+        for name, a in (("k", k), ("v", v)):
+            if a.itemsize != layout.elem_bytes:
+                raise InvalidArgumentError(f"{name} has dtype {a.dtype}; the pool's is {layout.dtype}")
+        kc, vc = pool.k_view(layer), pool.v_view(layer)
+        reference.append_kv(k.view(kc.dtype), v.view(vc.dtype), kc, vc, slots)
+        return
+    ka, va, sa = dev_array(k, "k"), dev_array(v, "v"), dev_array(slot_mapping, "slot_mapping")
+    _check_kv_shapes(ka.shape, va.shape, sa.shape, row)
+    check_int_array(sa, "slot_mapping", 8, 1)
+    st = layout.strides()
+    row_bytes = layout.head_dim * layout.elem_bytes
+    for name, a in (("k", ka), ("v", va)):
+        if layout.elem_bytes == 2:
+            check_elem16(a, name, layout.dtype)
+        elif a.itemsize != layout.elem_bytes:
+            raise InvalidArgumentError(f"{name} has element size {a.itemsize}; pool's is {layout.elem_bytes}")
+        if a.strides[2] != 1 or a.ptr % 16 or (a.strides[0] * a.itemsize) % 16 or (
+            a.strides[1] * a.itemsize
+        ) % 16:
+            raise InvalidArgumentError(f"{name} rows must be contiguous and 16-byte aligned")
+    if row_bytes % 16 or st["head"] != row_bytes or st["token"] % 16 or st["block"] % 16:
+        raise InvalidArgumentError(f"layout {st} does not fit the 16-byte append kernel")
+    n = ka.shape[0]
+    if n == 0:
+        return
+    k_base = pool.base_ptr + layer * st["layer"]
+    i64, i32 = np.int64, np.int32
+    args = (
+        np.uint64(ka.ptr), i64(ka.strides[0] * ka.itemsize), i64(ka.strides[1] * ka.itemsize),
+        np.uint64(va.ptr), i64(va.strides[0] * va.itemsize), i64(va.strides[1] * va.itemsize),
+        np.uint64(sa.ptr),
+        np.uint64(k_base), np.uint64(k_base + st["kv"]),
+        i64(st["block"]), i64(st["token"]), i64(st["head"]),
+        i32(layout.block_size), i64(pool.num_blocks * layout.block_size),
+        i32(layout.num_kv_heads), i32(row_bytes // 16),
+    )
+    with cupy_stream(stream):
+        _build.plain_module("append_kv").get_function("append_kv")((n,), (128,), args)
+
+
+def _check_kv_shapes(k_shape, v_shape, s_shape, row) -> None:
+    if len(k_shape) != 3 or tuple(k_shape[1:]) != row or tuple(v_shape) != tuple(k_shape):
+        raise InvalidArgumentError(
+            f"k and v must both be [num_tokens, {row[0]}, {row[1]}], got {k_shape} and {v_shape}"
+        )
+    if tuple(s_shape) != (k_shape[0],):
+        raise InvalidArgumentError(f"slot_mapping must be [{k_shape[0]}], got {tuple(s_shape)}")
+
+
+def check_pairs(pairs: np.ndarray, num_blocks: int) -> np.ndarray:
+    """(src, dst) pairs as int64 [n, 2]; ids inside the pool, each dst once and never a src
+    (so the result does not depend on the order of the copies)."""
+    pairs = np.asarray(pairs)
+    if pairs.size == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    if pairs.ndim != 2 or pairs.shape[1] != 2 or pairs.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"pairs must be an integer [n, 2] array, got {pairs.shape}")
+    pairs = pairs.astype(np.int64)
+    if ((pairs < 0) | (pairs >= num_blocks)).any():
+        raise InvalidArgumentError(f"a block id in pairs is outside 0..{num_blocks - 1}")
+    dst = pairs[:, 1]
+    if len(np.unique(dst)) != len(dst) or np.isin(dst, pairs[:, 0]).any():
+        raise InvalidArgumentError("a destination block appears twice or is also a source")
+    return np.ascontiguousarray(pairs)
+
+
+def copy_blocks(pool: Any, pairs: Any, *, stream: Any = None) -> None:
+    """Copy each (src, dst) block of `pairs` ([n, 2] ids, host array) across all layers, K and
+    V, in one launch (on `stream` for a CUDA pool)."""
+    pairs = check_pairs(pairs, pool.num_blocks)
+    layout = pool.layout
+    if not pool_is_cuda(pool):
+        views = [f(i) for i in range(layout.num_layers) for f in (pool.k_view, pool.v_view)]
+        reference.copy_blocks(views, pairs)
+        return
+    import cupy
+
+    if len(pairs) == 0:
+        return
+    st = layout.strides()
+    if st["block"] % 16 or pool.base_ptr % 16:
+        raise InvalidArgumentError("blocks must be 16-byte aligned for copy_blocks")
+    chunks = max(1, min(64, -(-layout.block_bytes // (16 * 256 * 4))))
+    with cupy_stream(stream):
+        dev_pairs = cupy.asarray(pairs)
+        args = (np.uint64(pool.base_ptr), np.uint64(dev_pairs.data.ptr),
+                np.int64(st["block"]), np.int64(layout.block_bytes))
+        _build.plain_module("copy_blocks").get_function("copy_blocks")(
+            (len(pairs), chunks), (256,), args
+        )

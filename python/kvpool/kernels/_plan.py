@@ -1,0 +1,61 @@
+"""Host-side split-KV planning for paged decode attention.
+
+Few sequences with long contexts give too few (sequence, KV head) CTAs to fill the GPU; then
+each sequence's tokens are cut into `num_splits` chunks of `chunk_tokens`, one CTA each, and a
+second kernel merges the partial outputs by log-sum-exp. The plan depends only on host numbers
+(num_seqs, heads, the longest sequence), so no device synchronisation is needed when the caller
+knows max_seq_len.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.kernels._build import DECODE_WARPS
+
+CTAS_PER_SM = 4  # resident decode CTAs per SM the plan aims to fill (one wave)
+MIN_CHUNK = 64  # tokens: below this a split's fixed cost (q load, merge) dominates
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    chunk_tokens: int
+    num_splits: int
+
+    @property
+    def split(self) -> bool:
+        return self.num_splits > 1
+
+
+def tokens_per_iteration(head_dim: int, gq: int) -> int:
+    """Tokens a decode CTA consumes per loop trip (mirrors NSG * UNROLL in paged_decode.cu)."""
+    subgroups = DECODE_WARPS * (32 // (head_dim // 8))
+    unroll = 8 if gq <= 2 else (4 if gq <= 4 else 2)
+    return subgroups * unroll
+
+
+def plan_decode(
+    num_seqs: int,
+    ctas_per_seq: int,
+    max_seq_len: int,
+    tokens_per_iter: int,
+    num_sms: int,
+    num_splits: int | None = None,
+) -> DecodePlan:
+    """Choose chunk_tokens / num_splits so that num_seqs * ctas_per_seq * num_splits CTAs fill
+    `num_sms` SMs, keeping every chunk at least MIN_CHUNK tokens (unless forced by num_splits)."""
+    max_seq_len = max(int(max_seq_len), 1)
+    if num_splits is None:
+        work = max(num_seqs * ctas_per_seq, 1)
+        target = num_sms * CTAS_PER_SM
+        # Round, not ceil: 512 CTAs on a 528-slot wave should not become 1024 split CTAs.
+        num_splits = min(max(round(target / work), 1), -(-max_seq_len // MIN_CHUNK))
+    num_splits = max(int(num_splits), 1)
+    if num_splits == 1:
+        return DecodePlan(chunk_tokens=max_seq_len, num_splits=1)
+    chunk = -(-max_seq_len // num_splits)
+    chunk = -(-chunk // tokens_per_iter) * tokens_per_iter
+    num_splits = -(-max_seq_len // chunk)
+    if num_splits == 1:
+        return DecodePlan(chunk_tokens=max_seq_len, num_splits=1)
+    return DecodePlan(chunk_tokens=chunk, num_splits=num_splits)

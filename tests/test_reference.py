@@ -1,0 +1,169 @@
+"""The NumPy float64 reference and the host backend of the kernel API, without a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvpool
+from kvpool import reference
+from kvpool.kernels import append_kv, copy_blocks, paged_attention_decode, plan_decode
+
+DTYPES = ["float16", "bfloat16"]
+
+
+def _random_elems(rng, shape, dtype):
+    return reference.from_float64(rng.standard_normal(shape), dtype)
+
+
+def _fill(pool, rng):
+    lay = pool.layout
+    for layer in range(lay.num_layers):
+        for view in (pool.k_view(layer), pool.v_view(layer)):
+            view[...] = _random_elems(rng, view.shape, lay.dtype).view(view.dtype)
+
+
+def _tables(rng, seq_lens, block_size, num_blocks, extra=2):
+    """Shuffled, disjoint block tables with `extra` unused (-1) columns."""
+    need = [-(-int(n) // block_size) for n in seq_lens]
+    ids = rng.permutation(num_blocks)[: sum(need)]
+    tables = np.full((len(seq_lens), max(need) + extra), -1, dtype=np.int32)
+    at = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = ids[at : at + n]
+        at += n
+    return tables
+
+
+def _direct(q64, k_rows, v_rows, scale):
+    """Plain float64 softmax attention, one query head at a time (no GQA tricks)."""
+    hq, hkv = q64.shape[0], k_rows.shape[1]
+    out = np.empty_like(q64)
+    for h in range(hq):
+        kh = k_rows[:, h // (hq // hkv)]
+        s = kh @ q64[h] * scale
+        p = np.exp(s - s.max())
+        out[h] = (p / p.sum()) @ v_rows[:, h // (hq // hkv)]
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtype_round_trip(dtype):
+    x = np.array([0.0, 1.0, -2.5, 3.140625, 65504.0 if dtype == "float16" else 2.0**100])
+    assert np.array_equal(reference.to_float64(reference.from_float64(x, dtype), dtype), x)
+    if dtype == "bfloat16":  # round to nearest even on a tie
+        assert reference.to_float64(reference.from_float64(np.array([1 + 2**-8]), dtype), dtype)[0] == 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (8, 2), (6, 1), (12, 4)])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_decode_matches_direct_attention(dtype, hq, hkv, block_size):
+    rng = np.random.default_rng([hq, hkv, block_size, len(dtype)])
+    d = 64
+    lay = kvpool.KvLayout(2, hkv, d, block_size, dtype)
+    pool = kvpool.Pool(lay, 64, device="host")
+    _fill(pool, rng)
+    seq_lens = np.array([1, block_size, block_size + 3, 5 * block_size - 1], dtype=np.int32)
+    tables = _tables(rng, seq_lens, block_size, pool.num_blocks)
+    q = _random_elems(rng, (len(seq_lens), hq, d), dtype)
+    scale = 0.3
+    got = paged_attention_decode(q, pool, 1, tables, seq_lens, scale=scale)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    q64 = reference.to_float64(q, dtype)
+    k_all = reference.to_float64(pool.k_view(1), dtype)
+    v_all = reference.to_float64(pool.v_view(1), dtype)
+    for i, n in enumerate(seq_lens):
+        toks = [(tables[i, t // block_size], t % block_size) for t in range(n)]
+        k_rows = np.stack([k_all[b, o] for b, o in toks])
+        v_rows = np.stack([v_all[b, o] for b, o in toks])
+        want = _direct(q64[i], k_rows, v_rows, scale)
+        exact = reference.paged_attention_decode(
+            q[i : i + 1], pool.k_view(1), pool.v_view(1), tables[i : i + 1], seq_lens[i : i + 1],
+            dtype, scale,
+        )[0]
+        np.testing.assert_allclose(exact, want, rtol=1e-12, atol=1e-12)
+        tol = 1e-2 if dtype == "bfloat16" else 2e-3
+        np.testing.assert_allclose(reference.to_float64(got[i], dtype), want, rtol=tol, atol=tol)
+
+
+def test_decode_default_scale_and_empty_sequence():
+    rng = np.random.default_rng(7)
+    lay = kvpool.KvLayout(1, 2, 64, 8, "float16")
+    pool = kvpool.Pool(lay, 8, device="host")
+    _fill(pool, rng)
+    q = _random_elems(rng, (2, 2, 64), "float16")
+    tables = np.array([[3, -1], [-1, -1]], dtype=np.int32)
+    lens = np.array([8, 0], dtype=np.int32)
+    out = np.full_like(q, np.nan)
+    paged_attention_decode(q, pool, 0, tables, lens, out=out)
+    want = reference.paged_attention_decode(q, pool.k_view(0), pool.v_view(0), tables, lens,
+                                            "float16", 1 / 8)
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=2e-3, atol=2e-3)
+    assert (out[1] == 0).all()
+
+
+def test_decode_rejects_bad_arguments():
+    lay = kvpool.KvLayout(1, 2, 64, 8, "float16")
+    pool = kvpool.Pool(lay, 8, device="host")
+    q = np.zeros((1, 3, 64), dtype=np.float16)
+    tables = np.zeros((1, 2), dtype=np.int32)
+    lens = np.array([4], dtype=np.int32)
+    with pytest.raises(kvpool.InvalidArgumentError, match="multiple"):
+        paged_attention_decode(q, pool, 0, tables, lens)
+    with pytest.raises(kvpool.InvalidArgumentError, match="layer"):
+        paged_attention_decode(np.zeros((1, 2, 64), np.float16), pool, 1, tables, lens)
+    with pytest.raises(kvpool.InvalidArgumentError, match="outside the pool"):
+        paged_attention_decode(np.zeros((1, 2, 64), np.float16), pool, 0,
+                               np.array([[9, 0]], np.int32), lens)
+    with pytest.raises(kvpool.InvalidArgumentError, match="dtype"):
+        paged_attention_decode(np.zeros((1, 2, 64), np.float32), pool, 0, tables, lens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_append_kv_writes_slots_and_skips_null(dtype):
+    rng = np.random.default_rng(11)
+    lay = kvpool.KvLayout(3, 2, 64, 16, dtype)
+    pool = kvpool.Pool(lay, 4, device="host")
+    _fill(pool, rng)
+    before = [(pool.k_view(i).copy(), pool.v_view(i).copy()) for i in range(3)]
+    k = _random_elems(rng, (5, 2, 64), dtype)
+    v = _random_elems(rng, (5, 2, 64), dtype)
+    slots = np.array([17, -1, 0, 63, 40], dtype=np.int64)
+    append_kv(k, v, pool, 1, slots)
+    for layer, (kb, vb) in enumerate(before):
+        kc, vc = pool.k_view(layer), pool.v_view(layer)
+        if layer != 1:
+            assert np.array_equal(kc, kb) and np.array_equal(vc, vb)
+            continue
+        for i, s in enumerate(slots):
+            if s >= 0:
+                kb[s // 16, s % 16], vb[s // 16, s % 16] = k[i].view(kb.dtype), v[i].view(vb.dtype)
+        assert np.array_equal(kc, kb) and np.array_equal(vc, vb)
+
+
+def test_copy_blocks_all_layers_and_checks():
+    rng = np.random.default_rng(3)
+    lay = kvpool.KvLayout(2, 2, 64, 8, "float16")
+    pool = kvpool.Pool(lay, 6, device="host")
+    _fill(pool, rng)
+    snap = [(pool.k_view(i).copy(), pool.v_view(i).copy()) for i in range(2)]
+    copy_blocks(pool, np.array([[0, 3], [2, 5]]))
+    for i, (kb, vb) in enumerate(snap):
+        kb[[3, 5]], vb[[3, 5]] = kb[[0, 2]], vb[[0, 2]]
+        assert np.array_equal(pool.k_view(i), kb) and np.array_equal(pool.v_view(i), vb)
+    for bad in ([[0, 6]], [[0, 1], [2, 1]], [[0, 1], [1, 2]], [[-1, 2]]):
+        with pytest.raises(kvpool.InvalidArgumentError):
+            copy_blocks(pool, np.array(bad))
+
+
+def test_plan_fills_gpu_and_covers_every_token():
+    # One long sequence on 132 SMs: many splits, chunk a multiple of the loop step.
+    p = plan_decode(1, 8, 32768, 32, 132)
+    assert p.num_splits > 1 and p.chunk_tokens % 32 == 0
+    assert p.chunk_tokens * p.num_splits >= 32768 > p.chunk_tokens * (p.num_splits - 1)
+    # Enough sequences already fill the GPU: no split.
+    assert plan_decode(256, 8, 2048, 32, 132).num_splits == 1
+    # Short sequences are never cut below MIN_CHUNK tokens.
+    assert plan_decode(1, 1, 100, 32, 132).num_splits <= 2
+    assert plan_decode(4, 8, 4096, 32, 132, num_splits=1).num_splits == 1
