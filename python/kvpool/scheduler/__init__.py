@@ -1,0 +1,44 @@
+"""A continuous-batching scheduler on kvpool, and the contiguous-reservation baseline.
+
+`paged_scheduler` serves requests from a kvpool.Pool through kvpool.BlockTables;
+`contiguous_scheduler` reserves max_model_len tokens per request from one byte range by first
+fit. Both run the same loop (core.Scheduler) with the same policies, so their figures compare.
+"""
+
+from kvpool.scheduler.contiguous import ContiguousKv, FirstFit, contiguous_scheduler
+from kvpool.scheduler.core import Scheduler, SchedulerConfig, Seq
+from kvpool.scheduler.costmodel import H200, Hardware, RooflineCost
+from kvpool.scheduler.metrics import StepMetrics, latency_summary, summarize
+from kvpool.scheduler.paged import PagedKv, paged_scheduler
+from kvpool.scheduler.policies import POLICIES, make_policy
+from kvpool.scheduler.presets import PRESETS, ModelPreset, get_preset, num_blocks_for, parse_bytes
+from kvpool.scheduler.workload import Request, TraceError, describe, generate, load_trace
+
+__all__ = [
+    "H200",
+    "POLICIES",
+    "PRESETS",
+    "ContiguousKv",
+    "FirstFit",
+    "Hardware",
+    "ModelPreset",
+    "PagedKv",
+    "Request",
+    "RooflineCost",
+    "Scheduler",
+    "SchedulerConfig",
+    "Seq",
+    "StepMetrics",
+    "TraceError",
+    "contiguous_scheduler",
+    "describe",
+    "generate",
+    "get_preset",
+    "latency_summary",
+    "load_trace",
+    "make_policy",
+    "num_blocks_for",
+    "paged_scheduler",
+    "parse_bytes",
+    "summarize",
+]

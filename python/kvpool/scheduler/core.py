@@ -1,0 +1,304 @@
+"""The continuous-batching loop, shared by the paged and the contiguous scheduler.
+
+One call to `Scheduler.step()` is one forward pass of the model:
+
+1. requests whose arrival time has come join the waiting queue;
+2. every running sequence that has finished its prefill decodes one token, with one batched
+   call to the KV backend; if the backend lacks room, the policy's victim is preempted by
+   recompute (its KV is freed, it goes back to the waiting queue and later re-prefills its
+   prompt plus the tokens it had generated) until the batch fits;
+3. sequences still in prefill get the next chunk of their prompt, within the token budget
+   (chunked prefill), preempting victims the same way when the pool is dry;
+4. waiting sequences are admitted in policy order while the budget, the running limit and
+   the backend allow it; admission stops at the first one that does not fit (no skipping,
+   so the policy order is the admission order).
+
+Semantics of a request: its prompt is prefilled (possibly over several steps), then it decodes
+`output_tokens` steps, each appending one token of KV and emitting one token. Time is modelled
+(see costmodel.py); wall-clock time of the simulator and of the allocator calls is measured.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+from kvpool.scheduler.metrics import StepMetrics
+from kvpool.scheduler.policies import Policy, make_policy
+from kvpool.scheduler.workload import Request
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_model_len: int = 4096
+    max_running_seqs: int = 256
+    max_tokens_per_step: int = 2048  # decode tokens + prefill chunk tokens per step
+    watermark: float = 0.01  # fraction of the pool's blocks admission leaves free for growth
+    policy: str = "fcfs"
+    max_steps: int = 10_000_000  # a guard against a scheduler that stops making progress
+
+    def validate(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_running_seqs < 1:
+            raise ValueError(f"max_running_seqs must be >= 1, got {self.max_running_seqs}")
+        if self.max_tokens_per_step < self.max_running_seqs:
+            raise ValueError(
+                f"max_tokens_per_step ({self.max_tokens_per_step}) must be >= max_running_seqs "
+                f"({self.max_running_seqs}): every running sequence decodes one token per step"
+            )
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        make_policy(self.policy)
+
+
+class Seq:
+    """The serving state of one request."""
+
+    __slots__ = (
+        "request", "prefill_target", "prefilled", "generated", "kv_tokens", "decoding", "running",
+        "last_scheduled_s", "times_scheduled", "first_token_s", "finish_s", "num_preemptions",
+        "num_finishes",
+    )
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.prefill_target = request.prompt_tokens  # prompt (+ generated tokens after preemption)
+        self.prefilled = 0
+        self.generated = 0
+        self.kv_tokens = 0  # tokens whose KV the backend holds for this sequence
+        self.decoding = False
+        self.running = False
+        self.last_scheduled_s = request.arrival_s
+        self.times_scheduled = 0
+        self.first_token_s = -1.0
+        self.finish_s = -1.0
+        self.num_preemptions = 0
+        self.num_finishes = 0
+
+    @property
+    def request_id(self) -> int:
+        return self.request.request_id
+
+
+class KvBackend(Protocol):
+    """Where the KV of running sequences lives. Implementations time their allocator calls."""
+
+    name: str
+    alloc_s: float  # seconds spent in allocator calls, accumulated; the scheduler reads it
+
+    def validate(self, config: SchedulerConfig) -> None: ...
+    def try_admit(self, seq: Seq, first_chunk: int, watermark_blocks: int) -> bool: ...
+    def prefill_shortfall(self, seq: Seq, n: int) -> int: ...
+    def extend(self, seq: Seq, n: int) -> None: ...
+    def decode_shortfall(self, seqs: Sequence[Seq]) -> int: ...
+    def decode(self, seqs: Sequence[Seq]) -> None: ...
+    def release(self, seq: Seq) -> None: ...
+    def usage(self) -> tuple[int, int]: ...  # (blocks used, token slots allocated)
+    def watermark_blocks(self, fraction: float) -> int: ...
+    def check_drained(self) -> None: ...
+
+
+StepCost = Callable[[int, int, int], float]  # (prefill tokens, decode seqs, KV tokens read) -> s
+
+
+class Scheduler:
+    """Continuous batching over one KV backend. `run()` serves a whole workload."""
+
+    def __init__(
+        self,
+        backend: KvBackend,
+        requests: Sequence[Request],
+        config: SchedulerConfig = SchedulerConfig(),
+        step_cost: StepCost | None = None,
+        record_events: bool = False,
+    ) -> None:
+        config.validate()
+        backend.validate(config)
+        for r in requests:
+            if r.prompt_tokens + r.output_tokens > config.max_model_len:
+                raise ValueError(
+                    f"request {r.request_id}: prompt {r.prompt_tokens} + output {r.output_tokens} "
+                    f"tokens exceed max_model_len {config.max_model_len}"
+                )
+        self.backend = backend
+        self.config = config
+        self.policy: Policy = make_policy(config.policy)
+        self.step_cost = step_cost or (lambda prefill, decode, kv: 1.0)
+        self.seqs = [Seq(r) for r in sorted(requests, key=lambda r: (r.arrival_s, r.request_id))]
+        self._next_arrival = 0
+        self.waiting: list[tuple[tuple, Seq]] = []  # heap by admission key
+        self.running: list[Seq] = []  # admission order
+        self.now_s = 0.0
+        self.step_index = 0
+        self.num_finished = 0
+        self.num_preemptions = 0
+        self.metrics = StepMetrics()
+        self.events: list[tuple] | None = [] if record_events else None
+        self._watermark_blocks = backend.watermark_blocks(config.watermark)
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+
+    def _event(self, *event: object) -> None:
+        if self.events is not None:
+            self.events.append((self.step_index, *event))
+
+    def _enqueue(self, seq: Seq) -> None:
+        heapq.heappush(self.waiting, (self.policy.admission_key(seq), seq.request_id, seq))
+
+    def _arrive(self) -> None:
+        seqs = self.seqs
+        while self._next_arrival < len(seqs) and seqs[self._next_arrival].request.arrival_s <= self.now_s:
+            seq = seqs[self._next_arrival]
+            self._next_arrival += 1
+            self._enqueue(seq)
+            self._event("arrive", seq.request_id)
+
+    def _preempt(self, victim: Seq) -> None:
+        self._event("preempt", victim.request_id, tuple(s.request_id for s in self.running))
+        self.backend.release(victim)
+        self.running.remove(victim)
+        victim.running = victim.decoding = False
+        victim.prefilled = victim.kv_tokens = 0
+        victim.prefill_target = victim.request.prompt_tokens + victim.generated
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(victim)
+
+    def _pick_victim(self) -> Seq:
+        return max(self.running, key=self.policy.victim_key)
+
+    def _finish(self, seq: Seq) -> None:
+        self.backend.release(seq)
+        seq.running = seq.decoding = False
+        seq.kv_tokens = 0
+        seq.num_finishes += 1
+        self.num_finished += 1
+        self._event("finish", seq.request_id)
+
+    @property
+    def done(self) -> bool:
+        return self.num_finished == len(self.seqs)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One forward pass: decode, continue prefills, admit; then advance the modelled clock."""
+        wall0 = time.perf_counter()
+        alloc0 = self.backend.alloc_s
+        preempt0 = self.num_preemptions
+        self._arrive()
+        if not self.running and not self.waiting and self._next_arrival < len(self.seqs):
+            self.now_s = self.seqs[self._next_arrival].request.arrival_s  # idle until the next one
+            self._arrive()
+        budget = self.config.max_tokens_per_step
+        decoded = self._decode()
+        budget -= len(decoded)
+        finished = [s for s in decoded if s.generated == s.request.output_tokens]
+        for seq in finished:  # their blocks are free for this step's prefills
+            self.running.remove(seq)
+            self._finish(seq)
+        prefill_tokens = self._continue_prefills(budget)
+        prefill_tokens += self._admit(budget - prefill_tokens)
+        kv_tokens = sum(s.kv_tokens for s in self.running)
+        dt = self.step_cost(prefill_tokens, len(decoded), kv_tokens)
+        end_s = self.now_s + dt
+        for seq in decoded:
+            if seq.generated == 1:
+                seq.first_token_s = end_s
+        for seq in finished:
+            seq.finish_s = end_s
+        self.now_s = end_s
+        blocks, slots = self.backend.usage()
+        self.metrics.record(
+            time_s=end_s,
+            running=len(self.running),
+            waiting=len(self.waiting),
+            preempted=self.num_preemptions - preempt0,
+            blocks_used=blocks,
+            tokens_stored=sum(s.kv_tokens for s in self.running),
+            slots_allocated=slots,
+            prefill_tokens=prefill_tokens,
+            decode_tokens=len(decoded),
+            alloc_s=self.backend.alloc_s - alloc0,
+            wall_s=time.perf_counter() - wall0,
+        )
+        self.step_index += 1
+
+    def _mark_scheduled(self, seq: Seq) -> None:
+        seq.last_scheduled_s = self.now_s
+        seq.times_scheduled += 1
+
+    def _decode(self) -> list[Seq]:
+        batch = [s for s in self.running if s.decoding]
+        while batch and self.backend.decode_shortfall(batch) > 0:
+            victim = self._pick_victim()
+            self._preempt(victim)
+            if victim in batch:
+                batch.remove(victim)
+        if batch:
+            self.backend.decode(batch)
+        for seq in batch:
+            seq.kv_tokens += 1
+            seq.generated += 1
+            self._mark_scheduled(seq)
+        return batch
+
+    def _continue_prefills(self, budget: int) -> int:
+        used = 0
+        for seq in [s for s in self.running if not s.decoding]:
+            if used >= budget:
+                break
+            if not seq.running:  # preempted by an earlier sequence of this loop
+                continue
+            n = min(seq.prefill_target - seq.prefilled, budget - used)
+            while self.backend.prefill_shortfall(seq, n) > 0:
+                victim = self._pick_victim()
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if not seq.running:
+                continue
+            self.backend.extend(seq, n)
+            self._prefilled(seq, n)
+            used += n
+        return used
+
+    def _prefilled(self, seq: Seq, n: int) -> None:
+        seq.prefilled += n
+        seq.kv_tokens += n
+        self._mark_scheduled(seq)
+        if seq.prefilled == seq.prefill_target:
+            seq.decoding = True
+
+    def _admit(self, budget: int) -> int:
+        used = 0
+        limit = self.config.max_running_seqs
+        while self.waiting and len(self.running) < limit and used < budget:
+            seq = self.waiting[0][2]
+            n = min(seq.prefill_target, budget - used)
+            watermark = self._watermark_blocks if self.running else 0  # an idle pool admits anyone
+            if not self.backend.try_admit(seq, n, watermark):
+                self._event("blocked", seq.request_id)
+                break
+            heapq.heappop(self.waiting)
+            self._event("admit", seq.request_id)
+            seq.running = True
+            self.running.append(seq)
+            self._prefilled(seq, n)
+            used += n
+        return used
+
+    # ---- the whole run -------------------------------------------------------------------
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> StepMetrics:
+        """Step until every request has finished; `progress(finished, total)` after each step."""
+        while not self.done:
+            if self.step_index >= self.config.max_steps:
+                raise RuntimeError(f"{self.backend.name}: no completion after {self.step_index} steps")
+            self.step()
+            if progress is not None:
+                progress(self.num_finished, len(self.seqs))
+        return self.metrics
