@@ -13,6 +13,8 @@ import bisect
 import time
 from typing import Sequence
 
+import numpy as np
+
 from kvpool.scheduler.core import Scheduler, SchedulerConfig, Seq
 
 RESERVE_MODES = ("max_model_len", "request")
@@ -90,6 +92,9 @@ class ContiguousKv:
         self.reserved_tokens = 0
         self.alloc_s = 0.0
         self.blocked_by_fragmentation = 0  # failed admissions that the free bytes would have fit
+        self.probe = None  # optional measured.DecodeProbe; needs block-aligned regions
+        self.block_bytes = 0  # block size in bytes of the CUDA pool the probe reads
+        self.block_size = 0
 
     def validate(self, config: SchedulerConfig) -> None:
         if config.max_model_len * self.token_bytes > self.space.capacity:
@@ -130,7 +135,21 @@ class ContiguousKv:
         return 0
 
     def decode(self, seqs: Sequence[Seq]) -> None:
-        pass
+        if self.probe is not None:
+            self.probe(*self._as_block_table(seqs))
+
+    def _as_block_table(self, seqs: Sequence[Seq]) -> tuple[np.ndarray, np.ndarray]:
+        """Each region seen as a run of consecutive blocks, so the paged kernel can read it."""
+        width = -(-self.max_model_len // self.block_size)
+        table = np.full((len(seqs), width), -1, dtype=np.int32)
+        seq_lens = np.empty(len(seqs), dtype=np.int32)
+        for row, seq in enumerate(seqs):
+            first = self.regions[seq.request_id][0] // self.block_bytes
+            tokens = seq.kv_tokens + 1  # this step's token is in the cache when attention runs
+            n = -(-tokens // self.block_size)
+            table[row, :n] = np.arange(first, first + n, dtype=np.int32)
+            seq_lens[row] = tokens
+        return table, seq_lens
 
     def release(self, seq: Seq) -> None:
         offset, tokens = self.regions.pop(seq.request_id)

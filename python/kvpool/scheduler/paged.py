@@ -22,6 +22,7 @@ class PagedKv:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.tables = kvpool.BlockTables(pool, max_seqs, self.max_blocks_per_seq)
         self.alloc_s = 0.0
+        self.probe = None  # optional measured.DecodeProbe, run after each decode step
 
     def validate(self, config: SchedulerConfig) -> None:
         if self.pool.num_blocks < self.max_blocks_per_seq:
@@ -64,6 +65,8 @@ class PagedKv:
         t0 = time.perf_counter()
         self.tables.append_tokens_many(ids, 1)
         self.alloc_s += time.perf_counter() - t0
+        if self.probe is not None:
+            self.probe(self.tables.block_table(ids), self.tables.seq_lens(ids))
 
     def release(self, seq: Seq) -> None:
         t0 = time.perf_counter()

@@ -16,6 +16,7 @@ class ModelPreset:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    num_q_heads: int  # for the measured decode attention (GQA group = num_q_heads / num_kv_heads)
     num_params: float  # for the modelled step time only (weights read per step)
 
     def layout(self, block_size: int = 16, dtype: str = "float16") -> kvpool.KvLayout:
@@ -29,10 +30,10 @@ class ModelPreset:
 PRESETS: dict[str, ModelPreset] = {
     p.name: p
     for p in (
-        ModelPreset("llama-3-8b", 32, 8, 128, 8.03e9),
-        ModelPreset("llama-3-70b", 80, 8, 128, 70.6e9),
-        ModelPreset("mistral-7b", 32, 8, 128, 7.24e9),
-        ModelPreset("qwen2.5-7b", 28, 4, 128, 7.62e9),
+        ModelPreset("llama-3-8b", 32, 8, 128, 32, 8.03e9),
+        ModelPreset("llama-3-70b", 80, 8, 128, 64, 70.6e9),
+        ModelPreset("mistral-7b", 32, 8, 128, 32, 7.24e9),
+        ModelPreset("qwen2.5-7b", 28, 4, 128, 28, 7.62e9),
     )
 }
 

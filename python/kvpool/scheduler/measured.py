@@ -1,0 +1,92 @@
+"""Measured decode attention on a CUDA pool (optional: needs CuPy and kvpool.kernels).
+
+For every sampled decode step, the probe runs kvpool.kernels.paged_attention_decode once per
+layer over the step's real block table and seq_lens (random queries, random KV), timed with
+CUDA events. Only the attention kernels are measured; weights, MLPs and sampling are not run,
+so "measured decode tokens/s" is attention-only. Anything missing makes `make_probe` return
+None and a reason, and the report then says every time is modelled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class DecodeProbe:
+    def __init__(self, pool: Any, num_q_heads: int, every: int = 10) -> None:
+        import cupy
+        from kvpool.kernels import paged_attention_decode
+
+        self.cp = cupy
+        self.decode = paged_attention_decode
+        self.pool = pool
+        self.num_q_heads = num_q_heads
+        self.every = max(1, every)
+        self.calls = 0
+        self.seconds = 0.0  # measured kernel time of the sampled steps
+        self.tokens = 0  # decode tokens of the sampled steps
+        self.steps = 0
+        self._start = cupy.cuda.Event()
+        self._stop = cupy.cuda.Event()
+        self._fill_random()
+
+    def _fill_random(self) -> None:
+        cp = self.cp
+        nbytes = self.pool.num_blocks * self.pool.block_bytes
+        mem = cp.cuda.UnownedMemory(self.pool.base_ptr, nbytes, self.pool)
+        kv = cp.ndarray((nbytes // 2,), dtype=cp.float16, memptr=cp.cuda.MemoryPointer(mem, 0))
+        chunk = 1 << 28
+        for i in range(0, kv.size, chunk):
+            n = min(chunk, kv.size - i)
+            kv[i : i + n] = cp.random.standard_normal(n, dtype=cp.float32).astype(cp.float16)
+
+    def __call__(self, block_table: np.ndarray, seq_lens: np.ndarray) -> None:
+        """Run and time one decode step (every `every`-th call) over host table / lengths."""
+        self.calls += 1
+        if (self.calls - 1) % self.every or len(seq_lens) == 0:
+            return
+        cp = self.cp
+        layout = self.pool.layout
+        bt = cp.asarray(block_table, dtype=cp.int32)
+        sl = cp.asarray(seq_lens, dtype=cp.int32)
+        q = cp.random.standard_normal((len(seq_lens), self.num_q_heads, layout.head_dim), dtype=cp.float32)
+        q = q.astype(cp.float16)
+        out = cp.empty_like(q)
+        max_len = int(seq_lens.max())
+        self._start.record()
+        for layer in range(layout.num_layers):
+            self.decode(q, self.pool, layer, bt, sl, out=out, max_seq_len=max_len)
+        self._stop.record()
+        self._stop.synchronize()
+        self.seconds += cp.cuda.get_elapsed_time(self._start, self._stop) / 1e3
+        self.tokens += len(seq_lens)
+        self.steps += 1
+
+    def summary(self) -> dict[str, float | int | str]:
+        return {
+            "kind": "measured",
+            "what": "paged_attention_decode over all layers, CUDA events, sampled steps",
+            "sample_every_steps": self.every,
+            "sampled_steps": self.steps,
+            "decode_tokens": self.tokens,
+            "attention_s": self.seconds,
+            "decode_tokens_per_s": self.tokens / self.seconds if self.seconds > 0 else 0.0,
+        }
+
+
+def make_probe(pool: Any, num_q_heads: int, every: int) -> tuple[DecodeProbe | None, str]:
+    """A probe for a CUDA pool, or (None, why not)."""
+    if pool.device == "host" or str(pool.device).startswith("host"):
+        return None, "host pool: step time is modelled"
+    try:
+        import kvpool.kernels as kernels
+    except ImportError as e:
+        return None, f"kvpool.kernels is not importable ({e}); step time is modelled"
+    if not hasattr(kernels, "paged_attention_decode"):
+        return None, "kvpool.kernels has no paged_attention_decode; step time is modelled"
+    try:
+        return DecodeProbe(pool, num_q_heads, every), "measured"
+    except Exception as e:  # CuPy missing or broken CUDA setup: fall back to the model
+        return None, f"cannot run the decode kernels ({type(e).__name__}: {e}); step time is modelled"

@@ -1,0 +1,167 @@
+"""One simulation: the same workload through the paged and the contiguous scheduler."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+import kvpool
+from kvpool.scheduler.contiguous import ContiguousKv
+from kvpool.scheduler.core import Scheduler, SchedulerConfig
+from kvpool.scheduler.costmodel import RooflineCost
+from kvpool.scheduler.measured import make_probe
+from kvpool.scheduler.metrics import latency_summary, summarize
+from kvpool.scheduler.paged import PagedKv
+from kvpool.scheduler.presets import ModelPreset, num_blocks_for
+from kvpool.scheduler.workload import Request, describe
+
+# On the host the simulation needs the allocator, not the bytes: the pool is built over a
+# "proxy" layout with the model's block_size and 512-byte blocks, so 16 GiB of modelled KV does
+# not cost 16 GiB of RAM (and minutes of zeroing). Bytes are accounted with the model's layout.
+PROXY_LAYOUT_ARGS = (1, 1, 8)
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class SimulationSpec:
+    preset: ModelPreset
+    kv_memory_bytes: int
+    requests: list[Request]
+    config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    block_size: int = 16
+    device: str = "auto"  # auto | host | cuda
+    reserve: str = "max_model_len"
+    measure_every: int = 10
+    workload_info: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_device(device: str) -> str:
+    if device not in ("auto", "host", "cuda"):
+        raise ValueError(f"device must be auto, host or cuda, got {device!r}")
+    if device == "auto":
+        return "cuda" if kvpool.cuda_available() else "host"
+    return device
+
+
+def make_pool(spec: SimulationSpec, device: str) -> tuple[kvpool.Pool, int, str]:
+    layout = spec.preset.layout(spec.block_size)
+    num_blocks = num_blocks_for(spec.kv_memory_bytes, layout)
+    if num_blocks < 1:
+        raise ValueError(
+            f"a KV budget of {spec.kv_memory_bytes} bytes holds no block of {layout.block_bytes} bytes"
+        )
+    if device == "cuda":
+        return kvpool.Pool(layout, num_blocks, device="cuda"), num_blocks, "model layout on the GPU"
+    proxy = kvpool.KvLayout(*PROXY_LAYOUT_ARGS, spec.block_size)
+    return kvpool.Pool(proxy, num_blocks, device="host"), num_blocks, "proxy layout (allocator only)"
+
+
+def _series(metrics, max_points: int = 1500) -> dict[str, list]:
+    a = metrics.arrays()
+    idx = np.unique(np.linspace(0, len(metrics) - 1, min(max_points, len(metrics))).astype(np.int64))
+    util = np.divide(a["tokens_stored"], a["slots_allocated"], out=np.zeros(len(metrics)),
+                     where=a["slots_allocated"] > 0)
+    return {
+        "step": idx.tolist(),
+        "time_s": a["time_s"][idx].round(6).tolist(),
+        "running": a["running"][idx].tolist(),
+        "waiting": a["waiting"][idx].tolist(),
+        "kv_utilization": util[idx].round(5).tolist(),
+        "blocks_used": a["blocks_used"][idx].tolist(),
+    }
+
+
+def _check_served(sched: Scheduler) -> None:
+    for seq in sched.seqs:
+        if seq.num_finishes != 1 or seq.generated != seq.request.output_tokens:
+            raise AssertionError(f"request {seq.request_id} was not served exactly once")
+    sched.backend.check_drained()
+
+
+def run_one(sched: Scheduler, token_bytes: int, progress: Progress | None) -> dict[str, Any]:
+    name = sched.backend.name
+    cb = (lambda done, total: progress(name, done, total)) if progress else None
+    t0 = time.perf_counter()
+    sched.run(cb)
+    elapsed = time.perf_counter() - t0
+    _check_served(sched)
+    out = summarize(sched.metrics, token_bytes)
+    out["completed"] = sched.num_finished
+    out["run_wall_s"] = elapsed
+    out.update(latency_summary(sched.seqs))
+    out["series"] = _series(sched.metrics)
+    probe = getattr(sched.backend, "probe", None)
+    if probe is not None:
+        out["measured_decode"] = probe.summary()
+    if isinstance(sched.backend, ContiguousKv):
+        out["blocked_by_fragmentation"] = sched.backend.blocked_by_fragmentation
+    return out
+
+
+def simulate(spec: SimulationSpec, progress: Progress | None = None) -> dict[str, Any]:
+    """Run both schedulers; the report's figures as a dict (JSON-ready)."""
+    device = resolve_device(spec.device)
+    preset = spec.preset
+    layout = preset.layout(spec.block_size)
+    token_bytes = preset.token_bytes(layout.elem_bytes)
+    pool, num_blocks, slab = make_pool(spec, device)
+    cost = RooflineCost(preset, dtype_bytes=layout.elem_bytes)
+    probe, timing = make_probe(pool, preset.num_q_heads, spec.measure_every)
+
+    paged = PagedKv(pool, spec.config.max_running_seqs, spec.config.max_model_len)
+    paged.probe = probe
+    paged_sched = Scheduler(paged, spec.requests, spec.config, step_cost=cost)
+    paged_result = run_one(paged_sched, token_bytes, progress)
+
+    capacity = num_blocks * layout.block_bytes  # the same bytes as the paged pool
+    contiguous = ContiguousKv(capacity, token_bytes, spec.config.max_model_len, spec.reserve)
+    if probe is not None and spec.reserve == "max_model_len":
+        contiguous.probe = make_probe(pool, preset.num_q_heads, spec.measure_every)[0]
+        contiguous.block_bytes, contiguous.block_size = layout.block_bytes, layout.block_size
+    contiguous_sched = Scheduler(contiguous, spec.requests, spec.config, step_cost=cost)
+    contiguous_result = run_one(contiguous_sched, token_bytes, progress)
+
+    return {
+        "kvpool_version": getattr(kvpool, "__version__", None),
+        "model": {**asdict(preset), "token_bytes": token_bytes, "block_size": layout.block_size,
+                  "block_bytes": layout.block_bytes, "dtype": layout.dtype},
+        "kv_memory_bytes": capacity,
+        "num_blocks": num_blocks,
+        "device": device,
+        "pool_slab": slab,
+        "scheduler": asdict(spec.config),
+        "contiguous_reserve": spec.reserve,
+        "workload": {**spec.workload_info, **describe(spec.requests)},
+        "timing": {
+            "clock": "modelled",
+            "model": cost.describe(),
+            "decode_attention": timing,
+            "measured": ["wall_s", "alloc_s", "alloc_share", "run_wall_s"]
+            + (["measured_decode"] if probe is not None else []),
+        },
+        "results": {"paged": paged_result, "contiguous": contiguous_result},
+        "comparison": compare(paged_result, contiguous_result),
+    }
+
+
+def compare(paged: dict[str, Any], contiguous: dict[str, Any]) -> dict[str, Any]:
+    def ratio(key: str) -> float:
+        return paged[key] / contiguous[key] if contiguous[key] else float("inf")
+
+    out = {
+        "mean_concurrency_ratio": ratio("mean_running"),
+        "peak_concurrency_ratio": ratio("peak_running"),
+        "modelled_throughput_ratio": ratio("modelled_output_tokens_per_s"),
+        "paged_kv_utilization": paged["kv_utilization"],
+        "contiguous_kv_utilization": contiguous["kv_utilization"],
+    }
+    if "measured_decode" in paged and "measured_decode" in contiguous:
+        out["measured_decode_tokens_per_s"] = {
+            "paged": paged["measured_decode"]["decode_tokens_per_s"],
+            "contiguous": contiguous["measured_decode"]["decode_tokens_per_s"],
+        }
+    return out
