@@ -32,6 +32,7 @@ def write_json(report: dict[str, Any], out_dir: Path) -> Path:
 def write_png(report: dict[str, Any], out_dir: Path) -> Path:
     """KV utilization and running requests over (modelled) time, paged against contiguous."""
     import matplotlib
+    import numpy as np
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -42,7 +43,8 @@ def write_png(report: dict[str, Any], out_dir: Path) -> Path:
     colors = {"paged": "tab:blue", "contiguous": "tab:orange"}
     for name, result in report["results"].items():
         s = result["series"]
-        ax_util.plot(s["time_s"], s["kv_utilization"], label=name, color=colors.get(name), lw=1.2)
+        util = np.array([np.nan if u is None else u for u in s["kv_utilization"]], dtype=float)
+        ax_util.plot(s["time_s"], util, label=name, color=colors.get(name), lw=1.2)
         ax_run.plot(s["time_s"], s["running"], label=name, color=colors.get(name), lw=1.2)
     model = report["model"]
     ax_util.set_title(

@@ -63,8 +63,8 @@ def make_pool(spec: SimulationSpec, device: str) -> tuple[kvpool.Pool, int, str]
 def _series(metrics, max_points: int = 1500) -> dict[str, list]:
     a = metrics.arrays()
     idx = np.unique(np.linspace(0, len(metrics) - 1, min(max_points, len(metrics))).astype(np.int64))
-    util = np.divide(a["tokens_stored"], a["slots_allocated"], out=np.zeros(len(metrics)),
-                     where=a["slots_allocated"] > 0)
+    util = np.divide(a["tokens_stored"], a["slots_allocated"], out=np.full(len(metrics), np.nan),
+                     where=a["slots_allocated"] > 0)  # nothing allocated: undefined (null in JSON)
     return {
         "step": idx.tolist(),
         "time_s": a["time_s"][idx].round(6).tolist(),
