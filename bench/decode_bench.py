@@ -1,0 +1,302 @@
+"""Paged decode attention on the GPU: kvpool against torch SDPA and FlashInfer, same run.
+
+Per shape: a 1-layer pool (its block layout is FlashInfer's NHD paged cache, so FlashInfer
+reads the very same pages), shuffled block tables, R rotations of inputs so that the bytes
+touched per timing pass exceed the 60 MB L2 several times. Every method is timed as CUDA-graph
+replays of R calls (medians over replays, after warm-up); kvpool is also timed eagerly (Python
+wrapper included). The read ceiling is measured in the same run with bench/ceiling.cu.
+
+Writes JSON (argv[1]) with one row per shape; prints a table last.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import kvpool
+from kvpool.kernels import paged_attention_decode, workspace_elems
+from kvpool.kernels._plan import plan_decode, tokens_per_iteration
+from kvpool.kernels._build import group_tile
+
+HERE = Path(__file__).resolve().parent
+L2_BYTES = 60 << 20
+ROTATE_BYTES = 512 << 20  # bytes touched per rotation cycle (>= 8x L2)
+
+GRID = [(1, 32768), (1, 4096), (16, 512), (8, 8192), (32, 4096), (64, 2048), (128, 1024),
+        (256, 2048), (64, 8192)]
+VARIANTS = [("bfloat16", 128, (1, 32768)), ("bfloat16", 128, (32, 4096)),
+            ("float16", 64, (1, 4096)), ("float16", 64, (32, 4096)),
+            ("float16", 256, (1, 4096)), ("float16", 256, (32, 4096))]
+HQ, HKV, BS = 32, 8, 16
+
+
+def median_graph_us(calls, reps=20, inner=None):
+    """Capture `inner` passes over `calls` in one CUDA graph; median per-call microseconds."""
+    inner = inner or max(1, math.ceil(8 / len(calls)))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:  # warm-up outside the graph (compiles, plans, module loads)
+            c(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s, capture_error_mode="relaxed"):
+        for _ in range(inner):
+            for c in calls:
+                c(s)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / (inner * len(calls)))
+    return statistics.median(times)
+
+
+def median_eager_us(calls, reps=20, inner=None):
+    inner = inner or max(1, math.ceil(20 / len(calls)))
+    s = torch.cuda.current_stream()
+    for c in calls:
+        c(s)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(inner):
+            for c in calls:
+                c(s)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / (inner * len(calls)))
+    return statistics.median(times)
+
+
+def measure_ceiling():
+    mod = cp.RawModule(code=(HERE / "ceiling.cu").read_text(), options=("-std=c++17",))
+    k = mod.get_function("read_ceiling")
+    nbytes = 8 << 30
+    buf = cp.empty(nbytes // 4, dtype=cp.uint32)
+    buf[...] = cp.arange(buf.size, dtype=cp.uint32)
+    sink = cp.zeros(1, dtype=cp.uint32)
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    best, sweep = 0.0, {}
+    for blocks_per_sm in (2, 4, 8, 16):
+        for threads in (256, 512, 1024):
+            grid = sms * blocks_per_sm
+            args = (buf, np.uint64(nbytes // 16), sink)
+            k((grid,), (threads,), args)
+            cp.cuda.Device().synchronize()
+            ts = []
+            for _ in range(5):
+                a, b = cp.cuda.Event(), cp.cuda.Event()
+                a.record()
+                k((grid,), (threads,), args)
+                b.record()
+                b.synchronize()
+                ts.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
+            tbs = nbytes / statistics.median(ts) / 1e12
+            sweep[f"{grid}x{threads}"] = round(tbs, 4)
+            best = max(best, tbs)
+    del buf
+    x = torch.empty(1 << 31, dtype=torch.float16, device="cuda").normal_()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    x.sum()
+    a.record()
+    for _ in range(5):
+        x.sum()
+    b.record()
+    b.synchronize()
+    torch_sum = x.numel() * 2 * 5 / (a.elapsed_time(b) * 1e-3) / 1e12
+    del x
+    cp.get_default_memory_pool().free_all_blocks()
+    torch.cuda.empty_cache()
+    return best, sweep, torch_sum
+
+
+def random_elems(shape, dtype, gen):
+    t = torch.randn(*shape, device="cuda", generator=gen, dtype=torch.float32)
+    return t.to(torch.bfloat16 if dtype == "bfloat16" else torch.float16)
+
+
+def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep):
+    tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float16
+    kv_bytes = batch * seq_len * HKV * d * 2 * 2
+    rot = max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes)))
+    blocks_per_seq = seq_len // BS
+    num_blocks = rot * batch * blocks_per_seq
+    lay = kvpool.KvLayout(1, HKV, d, BS, dtype)
+    pool = kvpool.Pool(lay, num_blocks, device="cuda")
+    st = lay.strides()
+    assert st["block"] == 2 * BS * HKV * d * 2 and st["kv"] == BS * HKV * d * 2
+    slab = cp.ndarray((num_blocks, 2, BS, HKV, d), dtype=cp.uint16,
+                      memptr=cp.cuda.MemoryPointer(
+                          cp.cuda.UnownedMemory(pool.base_ptr, num_blocks * st["block"], pool), 0))
+    cache = torch.from_dlpack(slab.view(cp.int16)).view(tdt)  # FlashInfer NHD paged cache over our slab
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(batch * 7919 + seq_len + d)
+    cache.copy_(random_elems(cache.shape, dtype, gen))
+    rng = np.random.default_rng(batch * 31 + seq_len)
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    tables = [perm[r * batch * blocks_per_seq:(r + 1) * batch * blocks_per_seq]
+              .reshape(batch, blocks_per_seq) for r in range(rot)]
+    tables_t = [torch.from_numpy(t).cuda() for t in tables]
+    lens_t = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    qs = [random_elems((batch, HQ, d), dtype, gen) for _ in range(rot)]
+    outs = [torch.empty_like(q) for q in qs]
+    # kvpool takes bfloat16 as any 2-byte integer array (CuPy has no bfloat16 dtype).
+    as_arg = (lambda t: t.view(torch.int16)) if dtype == "bfloat16" else (lambda t: t)
+    gq = group_tile(HQ // HKV)
+    plan = plan_decode(batch, HKV * (HQ // HKV // gq), seq_len, tokens_per_iteration(d, gq),
+                       cp.cuda.Device().attributes["MultiProcessorCount"])
+    ws = cp.empty(workspace_elems(batch, HQ, d, max(plan.num_splits, 64)), dtype=cp.float32)
+    row = {"shape": f"{batch}x{seq_len}", "batch": batch, "seq_len": seq_len, "dtype": dtype,
+           "head_dim": d, "num_q_heads": HQ, "num_kv_heads": HKV, "block_size": BS,
+           "kv_bytes": kv_bytes, "rotations": rot, "num_splits": plan.num_splits,
+           "chunk_tokens": plan.chunk_tokens}
+
+    def ours(r, splits=None):
+        def call(s):
+            paged_attention_decode(as_arg(qs[r]), pool, 0, tables_t[r], lens_t,
+                                   out=as_arg(outs[r]), stream=s, max_seq_len=seq_len,
+                                   num_splits=splits, workspace=ws)
+        return call
+
+    row["kvpool_us"] = median_graph_us([ours(r) for r in range(rot)])
+    row["kvpool_eager_us"] = median_eager_us([ours(r) for r in range(rot)])
+    if do_sweep:
+        row["kvpool_split_sweep_us"] = {
+            str(n): round(median_graph_us([ours(r, n) for r in range(rot)]), 2)
+            for n in sorted({1, 2, 4, 8, 16, 32, 64} - {plan.num_splits})
+            if n <= max(1, seq_len // 64)}
+    torch.cuda.synchronize()
+    ours_out0 = outs[0].float().clone()
+
+    # SDPA on contiguous K/V gathered from the same pages (so outputs are comparable).
+    def contiguous(r, kv):
+        pages = cache[tables_t[r].long(), kv]  # [B, blocks, BS, HKV, D]
+        return pages.reshape(batch, seq_len, HKV, d).transpose(1, 2).contiguous()
+
+    ks = [contiguous(r, 0) for r in range(rot)]
+    vs = [contiguous(r, 1) for r in range(rot)]
+    q4 = [q.unsqueeze(2) for q in qs]
+    for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        def sdpa(r, backend=backend):
+            def call(s):
+                with sdpa_kernel([backend]):
+                    F.scaled_dot_product_attention(q4[r], ks[r], vs[r], enable_gqa=True)
+            return call
+        try:
+            row[f"{name}_us"] = median_graph_us([sdpa(r) for r in range(rot)])
+            if name == "sdpa_cudnn":
+                with sdpa_kernel([backend]):
+                    ref = F.scaled_dot_product_attention(q4[0], ks[0], vs[0], enable_gqa=True)
+                row["max_abs_diff_vs_sdpa"] = float((ref.squeeze(2).float() - ours_out0).abs().max())
+        except Exception as e:  # a backend may refuse a shape
+            row[f"{name}_us"] = None
+            row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+    del ks, vs
+    torch.cuda.empty_cache()
+
+    try:
+        import flashinfer
+        indptr = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * blocks_per_seq
+        last = torch.full((batch,), BS, dtype=torch.int32, device="cuda")
+        for name, tc in (("flashinfer", False), ("flashinfer_tc", True)):
+            wrappers = []
+            for r in range(rot):
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD",
+                    use_tensor_cores=tc)
+                w.plan(indptr, tables_t[r].reshape(-1), last, HQ, HKV, d, BS,
+                       q_data_type=tdt, kv_data_type=tdt)
+                wrappers.append(w)
+            fouts = [torch.empty_like(q) for q in qs]
+
+            def fi(r):
+                def call(s):
+                    wrappers[r].run(qs[r], cache, out=fouts[r])
+                return call
+            try:
+                row[f"{name}_us"] = median_graph_us([fi(r) for r in range(rot)])
+                row[f"{name}_timing"] = "graph"
+            except Exception as e:
+                row[f"{name}_us"] = median_eager_us([fi(r) for r in range(rot)])
+                row[f"{name}_timing"] = f"eager ({type(e).__name__})"
+            torch.cuda.synchronize()
+            wrappers[0].run(qs[0], cache, out=fouts[0])
+            row[f"max_abs_diff_vs_{name}"] = float((fouts[0].float() - ours_out0).abs().max())
+            del wrappers
+    except Exception as e:
+        row["flashinfer_error"] = f"{type(e).__name__}: {e}"[:300]
+        traceback.print_exc()
+    for key in ("kvpool", "sdpa_cudnn", "sdpa_flash", "flashinfer", "flashinfer_tc"):
+        us = row.get(f"{key}_us")
+        row[f"{key}_frac"] = None if not us else round(kv_bytes / (us * 1e-6) / 1e12 / ceiling, 4)
+    peers = [row.get(k) for k in ("sdpa_cudnn_us", "sdpa_flash_us", "flashinfer_us",
+                                  "flashinfer_tc_us") if row.get(k)]
+    row["best_peer_us"] = min(peers) if peers else None
+    row["speedup_vs_best_peer"] = round(row["best_peer_us"] / row["kvpool_us"], 3) if peers else None
+    fis = [row.get(k) for k in ("flashinfer_us", "flashinfer_tc_us") if row.get(k)]
+    row["speedup_vs_best_flashinfer"] = round(min(fis) / row["kvpool_us"], 3) if fis else None
+    del pool, slab, cache
+    torch.cuda.empty_cache()
+    cp.get_default_memory_pool().free_all_blocks()
+    return row
+
+
+def main():
+    out_path = sys.argv[1] if len(sys.argv) > 1 else "decode_bench.json"
+    ceiling, sweep, torch_sum = measure_ceiling()
+    print(f"ceiling {ceiling:.3f} TB/s (torch sum {torch_sum:.3f})", flush=True)
+    result = {
+        "gpu": torch.cuda.get_device_name(), "commit": os.environ.get("KVPOOL_COMMIT", "unknown"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "ceiling_tb_s": round(ceiling, 4), "ceiling_sweep_tb_s": sweep,
+        "torch_sum_tb_s": round(torch_sum, 4),
+        "timing": "median of 20 CUDA-graph replays of >= 8 calls rotating over R input sets",
+        "torch": torch.__version__, "cupy": cp.__version__, "rows": [],
+    }
+    cases = [("float16", 128, s) for s in GRID] + VARIANTS
+    for dtype, d, (b, l) in cases:
+        try:
+            row = bench_shape(dtype, d, b, l, ceiling, do_sweep=b * l <= 32768)
+        except Exception as e:
+            traceback.print_exc()
+            row = {"shape": f"{b}x{l}", "dtype": dtype, "head_dim": d,
+                   "error": f"{type(e).__name__}: {e}"[:300]}
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1)
+    hdr = f"{'shape':>9} {'dt':>4} {'D':>3} {'ours':>7} {'cudnn':>7} {'flash':>7} {'FI':>7} {'FItc':>7} {'frac':>5} {'xFI':>5} {'xbest':>5}"
+    print(hdr)
+    for r in result["rows"]:
+        f = lambda k: f"{r[k]:7.1f}" if r.get(k) else "      -"  # noqa: E731
+        print(f"{r['shape']:>9} {r['dtype'][:4]:>4} {r['head_dim']:>3} {f('kvpool_us')} {f('sdpa_cudnn_us')} "
+              f"{f('sdpa_flash_us')} {f('flashinfer_us')} {f('flashinfer_tc_us')} "
+              f"{r.get('kvpool_frac') or 0:5.2f} {r.get('speedup_vs_best_flashinfer') or 0:5.2f} "
+              f"{r.get('speedup_vs_best_peer') or 0:5.2f}")
+
+
+if __name__ == "__main__":
+    main()

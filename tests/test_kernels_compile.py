@@ -1,0 +1,97 @@
+"""Every kernel variant compiles with NVRTC for sm_80 and sm_90, no GPU needed (CI).
+
+Uses NVRTC from PyPI (`cuda-bindings` + `nvidia-cuda-nvrtc`); the kernels need no CUDA headers,
+but the `nvidia-cuda-runtime` include folder is passed when present. Skips only when those
+packages are missing. Also checks the resource report: no spills to local memory beyond a few
+bytes, so a change that pushes the decode kernel into local memory fails here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from kvpool.kernels import _build
+
+nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) not installed")
+
+ARCHS = ("sm_80", "sm_90")
+MAX_SPILL_BYTES = 16
+
+
+def _include_dirs() -> list[str]:
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    dirs = []
+    for root in nvidia.__path__:
+        for sub in ("cu13/include", "cuda_runtime/include"):
+            if os.path.isfile(os.path.join(root, sub, "cuda_fp16.h")):
+                dirs.append(os.path.join(root, sub))
+    return dirs
+
+
+def _check(result, prog, what):
+    err = result[0]
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * n
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        raise AssertionError(f"{what}: {err}\n{log.decode(errors='replace')}")
+    return result[1:]
+
+
+def compile_cubin(source: str, options: tuple[str, ...], arch: str) -> str:
+    """Compile to a cubin for `arch`; return the NVRTC log (holds the ptxas -v report)."""
+    (prog,) = _check(nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], []), None,
+                     "create")
+    try:
+        opts = [o.encode() for o in options]
+        opts += [f"--gpu-architecture={arch}".encode(), b"--ptxas-options=-v"]
+        opts += [f"-I{d}".encode() for d in _include_dirs()]
+        _check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts), prog, f"compile for {arch}")
+        (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), prog, "cubin size")
+        assert size > 0
+        _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * n
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        return log.decode(errors="replace")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _compile_one(item, arch):
+    label, src, opts = item
+    try:
+        return label, compile_cubin(src, opts, arch), None
+    except AssertionError as e:
+        return label, "", str(e)
+
+
+def test_nvrtc_version_is_not_newer_than_the_box_driver():
+    _, major, minor = nvrtc.nvrtcVersion()
+    assert (major, minor) <= (13, 0), "ship nothing built by an NVRTC newer than CUDA 13.0"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_kernel_variant_compiles(arch):
+    sources = _build.all_sources()
+    assert len(sources) == len(_build.decode_variants()) + 2
+
+    # NVRTC holds the GIL through cuda-bindings: compile in processes.
+    with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as ex:
+        results = list(ex.map(_compile_one, sources, [arch] * len(sources)))
+    failures = [f"{label}: {err}" for label, _, err in results if err]
+    assert not failures, "\n".join(failures[:5])
+    for label, log, _ in results:
+        for spill in re.findall(r"(\d+) bytes spill stores", log):
+            assert int(spill) <= MAX_SPILL_BYTES, f"{label} on {arch} spills {spill} bytes:\n{log}"
+
+
+def test_a_syntax_error_fails():
+    with pytest.raises(AssertionError, match="compile"):
+        compile_cubin('extern "C" __global__ void k() { int x = ; }', ("-std=c++17",), "sm_90")

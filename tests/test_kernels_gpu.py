@@ -1,0 +1,229 @@
+"""The CUDA kernels against the float64 reference on a GPU (marker `gpu`).
+
+Fresh random inputs per case, shuffled block tables with unused (-1) columns, ragged lengths
+(1, mid-block ends, exact block ends, long ones that split), outputs poisoned with NaN before
+each run and checked fully written. Set KVPOOL_ERROR_REPORT=path to dump the measured errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import kvpool
+from kvpool import reference
+from kvpool.kernels import append_kv, copy_blocks, paged_attention_decode
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+try:
+    HAVE_GPU = cp.cuda.runtime.getDeviceCount() > 0
+except Exception:  # no driver
+    HAVE_GPU = False
+if not HAVE_GPU:
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+DTYPES = ["float16", "bfloat16"]
+NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
+ERRORS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _error_report():
+    yield
+    path = os.environ.get("KVPOOL_ERROR_REPORT")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"max_rel_err": max(ERRORS.values(), default=None), "cases": ERRORS}, f,
+                      indent=1)
+
+
+def _elems_dev(rng, shape, dtype):
+    """Random N(0,1) elements of `dtype` on the device (bfloat16 as uint16 bits)."""
+    host = reference.from_float64(rng.standard_normal(shape), dtype)
+    return cp.asarray(host.view(np.uint16) if dtype == "bfloat16" else host)
+
+
+def _new_pool(rng, num_layers, hkv, d, bs, dtype, num_blocks):
+    pool = kvpool.Pool(kvpool.KvLayout(num_layers, hkv, d, bs, dtype), num_blocks, device="cuda")
+    for layer in range(num_layers):
+        for view in (pool.k_view(layer), pool.v_view(layer)):
+            arr = cp.asarray(view)
+            arr[...] = _elems_dev(rng, arr.shape, dtype).view(arr.dtype)
+    return pool
+
+
+def _tables(rng, seq_lens, bs, num_blocks, extra=3):
+    need = [-(-int(n) // bs) for n in seq_lens]
+    ids = rng.permutation(num_blocks)[: sum(need)]
+    tables = np.full((len(seq_lens), max(need) + extra), -1, dtype=np.int32)
+    at = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = ids[at : at + n]
+        at += n
+    return tables
+
+
+def _poisoned(shape, dtype):
+    out = cp.empty(shape, dtype=cp.float16 if dtype == "float16" else cp.uint16)
+    out.view(cp.uint16)[...] = NAN_BITS[dtype]
+    return out
+
+
+def _rel_err(got64, want):
+    return float(np.linalg.norm(got64 - want) / np.linalg.norm(want))
+
+
+def _check_decode(pool, layer, q, tables, lens, out, label, **kw):
+    lay = pool.layout
+    res = paged_attention_decode(q, pool, layer, cp.asarray(tables), cp.asarray(lens), out=out,
+                                 **kw)
+    assert res is out
+    got = reference.to_float64(cp.asnumpy(out).view(np.uint16 if lay.dtype == "bfloat16"
+                                                     else np.float16), lay.dtype)
+    assert not np.isnan(got).any(), f"{label}: unwritten or NaN outputs"
+    k = cp.asnumpy(cp.asarray(pool.k_view(layer)))
+    v = cp.asnumpy(cp.asarray(pool.v_view(layer)))
+    qh = cp.asnumpy(q)
+    want = reference.paged_attention_decode(qh, k, v, tables, lens, lay.dtype, kw.get("scale"))
+    err = _rel_err(got, want)
+    ERRORS[label] = err
+    assert err < 1e-2, f"{label}: relative error {err}"
+
+
+GROUPS = [(8, 8), (32, 8), (16, 2), (12, 2), (32, 1)]  # MHA, GQA 4, GQA 8, tile 6, MQA (4 tiles of 8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("bs", [8, 16, 32])
+@pytest.mark.parametrize(("hq", "hkv"), GROUPS)
+def test_decode_matches_reference(dtype, d, bs, hq, hkv):
+    rng = np.random.default_rng([d, bs, hq, hkv, len(dtype)])
+    lens = np.array([1, bs - 1, bs, 3 * bs + 5, 137, 300], dtype=np.int32)
+    rng.shuffle(lens)
+    need = sum(-(-int(n) // bs) for n in lens)
+    pool = _new_pool(rng, 2, hkv, d, bs, dtype, need + 40)
+    tables = _tables(rng, lens, bs, pool.num_blocks)
+    q = _elems_dev(rng, (len(lens), hq, d), dtype)
+    label = f"decode[{dtype},d{d},bs{bs},hq{hq},hkv{hkv}]"
+    _check_decode(pool, 1, q, tables, lens, _poisoned(q.shape, dtype), label, max_seq_len=300)
+    # The same inputs through a forced split (chunks of a few loop steps) and the LSE merge.
+    _check_decode(pool, 1, q, tables, lens, _poisoned(q.shape, dtype), label + "split3",
+                  num_splits=3, max_seq_len=300)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_seqs", "max_len"), [(1, 20000), (3, 5000), (40, 700)])
+def test_decode_long_contexts_auto_split(dtype, num_seqs, max_len):
+    rng = np.random.default_rng([num_seqs, max_len, len(dtype)])
+    bs, d, hq, hkv = 16, 128, 32, 8
+    lens = rng.integers(1, max_len + 1, size=num_seqs).astype(np.int32)
+    lens[0] = max_len
+    need = sum(-(-int(n) // bs) for n in lens)
+    pool = _new_pool(rng, 1, hkv, d, bs, dtype, need + 8)
+    tables = _tables(rng, lens, bs, pool.num_blocks)
+    q = _elems_dev(rng, (num_seqs, hq, d), dtype)
+    label = f"decode_auto[{dtype},S{num_seqs},L{max_len}]"
+    _check_decode(pool, 0, q, tables, lens, _poisoned(q.shape, dtype), label, scale=0.05)
+    _check_decode(pool, 0, q, tables, lens, _poisoned(q.shape, dtype), label + "hint",
+                  max_seq_len=max_len)
+
+
+def test_decode_takes_torch_tensors_and_streams():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    lens = np.array([33, 1, 250], dtype=np.int32)
+    pool = _new_pool(rng, 1, 2, 128, 16, "bfloat16", 40)
+    tables = _tables(rng, lens, 16, pool.num_blocks)
+    q = torch.randn(3, 8, 128, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    out = _poisoned((3, 8, 128), "bfloat16")
+    with torch.cuda.stream(s):
+        paged_attention_decode(q.view(torch.int16), pool, 0, torch.from_numpy(tables).cuda(),
+                               torch.from_numpy(lens).cuda(), out=out, stream=s)
+    s.synchronize()
+    got = torch.from_dlpack(out).view(torch.bfloat16).double().cpu().numpy()
+    qh = q.view(torch.int16).cpu().numpy().view(np.uint16)
+    want = reference.paged_attention_decode(
+        qh, cp.asnumpy(cp.asarray(pool.k_view(0))), cp.asnumpy(cp.asarray(pool.v_view(0))),
+        tables, lens, "bfloat16")
+    err = _rel_err(got, want)
+    ERRORS["decode_torch_stream"] = err
+    assert err < 1e-2
+
+
+def test_decode_rejects_bad_arguments():
+    rng = np.random.default_rng(1)
+    pool = _new_pool(rng, 1, 2, 64, 16, "float16", 8)
+    lens = cp.asarray(np.array([4], np.int32))
+    tables = cp.zeros((1, 2), dtype=cp.int32)
+    with pytest.raises(kvpool.InvalidArgumentError, match="dtype"):
+        paged_attention_decode(cp.zeros((1, 2, 64), cp.float32), pool, 0, tables, lens)
+    with pytest.raises(kvpool.InvalidArgumentError, match="device array"):
+        paged_attention_decode(np.zeros((1, 2, 64), np.float16), pool, 0, tables, lens)
+    with pytest.raises(kvpool.InvalidArgumentError, match="int32"):
+        paged_attention_decode(cp.zeros((1, 2, 64), cp.float16), pool, 0, tables.astype(cp.int64),
+                               lens)
+    with pytest.raises(kvpool.InvalidArgumentError, match="element type"):
+        paged_attention_decode(cp.zeros((1, 2, 64), cp.uint16), pool, 0, tables, lens)
+    bad = kvpool.Pool(kvpool.KvLayout(1, 2, 96, 16, "float16"), 4, device="cuda")
+    with pytest.raises(kvpool.InvalidArgumentError, match="no decode kernel"):
+        paged_attention_decode(cp.zeros((1, 2, 96), cp.float16), bad, 0, tables, lens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("bs", [8, 32])
+def test_append_kv_matches_reference(dtype, d, bs):
+    rng = np.random.default_rng([d, bs, len(dtype), 9])
+    pool = _new_pool(rng, 3, 4, d, bs, dtype, 24)
+    host = [(cp.asnumpy(cp.asarray(pool.k_view(i))), cp.asnumpy(cp.asarray(pool.v_view(i))))
+            for i in range(3)]
+    n = 50
+    slots = rng.permutation(pool.num_blocks * bs)[:n].astype(np.int64)
+    slots[[3, 17]] = -1
+    k = _elems_dev(rng, (n, 4, d), dtype)
+    v = _elems_dev(rng, (n, 4, d), dtype)
+    append_kv(k, v, pool, 2, cp.asarray(slots))
+    reference.append_kv(cp.asnumpy(k), cp.asnumpy(v), host[2][0], host[2][1], slots)
+    for i in range(3):
+        assert np.array_equal(cp.asnumpy(cp.asarray(pool.k_view(i))), host[i][0])
+        assert np.array_equal(cp.asnumpy(cp.asarray(pool.v_view(i))), host[i][1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_blocks_matches_reference(dtype):
+    rng = np.random.default_rng([len(dtype), 4])
+    pool = _new_pool(rng, 4, 8, 128, 16, dtype, 64)
+    views = lambda: [cp.asnumpy(cp.asarray(f(i))) for i in range(4)  # noqa: E731
+                     for f in (pool.k_view, pool.v_view)]
+    host = views()
+    perm = rng.permutation(64)
+    pairs = np.stack([perm[:20], perm[20:40]], axis=1)
+    copy_blocks(pool, pairs)
+    reference.copy_blocks(host, pairs)
+    for got, want in zip(views(), host):
+        assert np.array_equal(got, want)
+    with pytest.raises(kvpool.InvalidArgumentError):
+        copy_blocks(pool, np.array([[0, 64]]))
+
+
+def test_decode_after_append_matches_reference():
+    """End to end: append a prefill through slot mappings, then decode over it."""
+    rng = np.random.default_rng(21)
+    bs, d, hkv, hq = 16, 128, 4, 16
+    lens = np.array([45, 16, 1], dtype=np.int32)
+    pool = _new_pool(rng, 2, hkv, d, bs, "float16", 32)
+    tables = _tables(rng, lens, bs, pool.num_blocks)
+    slots = np.concatenate([tables[i, np.arange(n) // bs].astype(np.int64) * bs + np.arange(n) % bs
+                            for i, n in enumerate(lens)])
+    k = _elems_dev(rng, (len(slots), hkv, d), "float16")
+    v = _elems_dev(rng, (len(slots), hkv, d), "float16")
+    append_kv(k, v, pool, 1, cp.asarray(slots))
+    q = _elems_dev(rng, (3, hq, d), "float16")
+    _check_decode(pool, 1, q, tables, lens, _poisoned(q.shape, "float16"), "append_then_decode")
