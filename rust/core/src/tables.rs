@@ -420,6 +420,22 @@ impl TablesState {
     }
 }
 
+/// Dropping the tables drops every reference they hold: blocks held by no one else return to
+/// the pool, so a scheduler that discards its tables leaks nothing.
+impl Drop for BlockTables {
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        let width = self.max_blocks_per_seq;
+        let block_size = self.pool.layout().block_size();
+        for (row, r) in st.rows.iter().enumerate() {
+            let n = blocks_for(r.num_tokens, block_size);
+            let blocks: Vec<u32> = st.table[row * width..][..n].iter().map(|&b| b as u32).collect();
+            // Cannot fail: a row's blocks are distinct and each holds our reference.
+            let _ = self.pool.allocator().free_many(&blocks);
+        }
+    }
+}
+
 impl RefHolder for BlockTables {
     fn count_refs(&self, counts: &mut [u32]) {
         let st = self.lock();

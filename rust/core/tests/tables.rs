@@ -196,3 +196,15 @@ fn random_operations_match_a_plain_model() {
     assert_eq!(pool.num_free(), pool.num_blocks());
     check(&pool, &t);
 }
+
+#[test]
+fn dropping_the_tables_releases_their_references() {
+    let (pool, t) = setup(16, 4, 8);
+    t.add(1, 9).unwrap();
+    t.fork(1, 2).unwrap();
+    t.append_tokens(2, 4).unwrap();
+    assert!(pool.num_used() > 0);
+    drop(t);
+    assert_eq!(pool.num_free(), pool.num_blocks());
+    pool.check_invariants_with(true).unwrap();
+}
