@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import kvpool
 from kvpool.kernels import paged_attention_decode, workspace_elems
 from kvpool.kernels._plan import plan_decode, tokens_per_iteration
-from kvpool.kernels._build import group_tile
+from kvpool.kernels._build import PIPELINE, group_tile
 
 HERE = Path(__file__).resolve().parent
 L2_BYTES = 60 << 20
@@ -173,14 +173,18 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep):
            "kv_bytes": kv_bytes, "rotations": rot, "num_splits": plan.num_splits,
            "chunk_tokens": plan.chunk_tokens}
 
-    def ours(r, splits=None):
+    def ours(r, splits=None, pipeline=None):
         def call(s):
             paged_attention_decode(as_arg(qs[r]), pool, 0, tables_t[r], lens_t,
                                    out=as_arg(outs[r]), stream=s, max_seq_len=seq_len,
-                                   num_splits=splits, workspace=ws)
+                                   num_splits=splits, workspace=ws, pipeline=pipeline)
         return call
 
     row["kvpool_us"] = median_graph_us([ours(r) for r in range(rot)])
+    row["kvpool_repeat_us"] = median_graph_us([ours(r) for r in range(rot)])  # noise check
+    row["kvpool_pipeline"] = PIPELINE
+    row["kvpool_other_path_us"] = median_graph_us([ours(r, pipeline=1 - PIPELINE)
+                                                   for r in range(rot)])
     row["kvpool_eager_us"] = median_eager_us([ours(r) for r in range(rot)])
     if do_sweep:
         row["kvpool_split_sweep_us"] = {

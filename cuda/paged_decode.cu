@@ -12,13 +12,19 @@
 // one split the CTA writes the output; with several, each writes its normalised partial output
 // and log2-sum-exp to part_o/part_lse and merge_splits() combines them.
 //
+// Loads: with PIPELINE=1 each thread streams its own 16-byte pieces into its own shared-memory
+// slots with cp.async, STAGES loop trips ahead (zero-filled for masked tokens), so no barrier is
+// needed in the loop and many loads stay in flight; with PIPELINE=0 it loads straight into
+// registers. The merge area reuses the stage buffer (dynamic shared memory, sized by the host).
+//
 // Compile-time constants (NVRTC -D): KV_BF16 (0 float16, 1 bfloat16), HEAD_DIM (64|128|256),
-// BLOCK_SIZE (tokens per KV block, power of two), GQ (query heads per CTA), NWARPS.
+// BLOCK_SIZE (tokens per KV block, power of two), GQ (query heads per CTA), NWARPS, PIPELINE.
 // Addresses come only from the arguments: the slab base of the layer's K or V and the layout's
 // byte strides (block, token, head), exactly as KvLayout.strides() reports them.
 
-#if !defined(KV_BF16) || !defined(HEAD_DIM) || !defined(BLOCK_SIZE) || !defined(GQ) || !defined(NWARPS)
-#error "paged_decode.cu needs KV_BF16, HEAD_DIM, BLOCK_SIZE, GQ and NWARPS defined"
+#if !defined(KV_BF16) || !defined(HEAD_DIM) || !defined(BLOCK_SIZE) || !defined(GQ) || \
+    !defined(NWARPS) || !defined(PIPELINE)
+#error "paged_decode.cu needs KV_BF16, HEAD_DIM, BLOCK_SIZE, GQ, NWARPS and PIPELINE defined"
 #endif
 
 #define TPT (HEAD_DIM / 8)
@@ -26,6 +32,9 @@
 #define NSG (NWARPS * SGW)
 #define NTHREADS (NWARPS * 32)
 #define UNROLL (GQ <= 2 ? 8 : (GQ <= 4 ? 4 : 2))
+// Loop trips in flight: about 12 token slots per thread (48 KB per CTA at 128 threads).
+#define STAGES (PIPELINE ? (12 / UNROLL < 2 ? 2 : 12 / UNROLL) : 0)
+#define MERGE_FLOATS (NSG * GQ * (HEAD_DIM + 2))
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM must be 64, 128 or 256");
@@ -80,6 +89,70 @@ __device__ __forceinline__ uint4 ld_stream16(const char* p) {
     return r;
 }
 
+__device__ __forceinline__ void cp_async16(void* smem, const char* gmem, bool fill) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(dst), "l"(gmem), "r"(fill ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+
+// One loop trip's arithmetic: score UNROLL tokens against GQ heads, update the online softmax.
+__device__ __forceinline__ void consume(const uint4 (&kr)[UNROLL], const uint4 (&vr)[UNROLL],
+                                        const bool (&valid)[UNROLL], const float (&qf)[GQ][8],
+                                        float (&m)[GQ], float (&l)[GQ], float (&acc)[GQ][8]) {
+    float s[UNROLL][GQ];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        float kf[8];
+        unpack8(kr[u], kf);
+#pragma unroll
+        for (int g = 0; g < GQ; ++g) {
+            float d = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) d = fmaf(qf[g][i], kf[i], d);
+            s[u][g] = d;
+        }
+    }
+    // Sum the partial dot products over the TPT lanes of each subgroup.
+#pragma unroll
+    for (int o = TPT / 2; o > 0; o >>= 1) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+            for (int g = 0; g < GQ; ++g) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], o);
+        }
+    }
+    float p[UNROLL][GQ];
+#pragma unroll
+    for (int g = 0; g < GQ; ++g) {
+        float mx = m[g];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) mx = valid[u] ? fmaxf(mx, s[u][g]) : mx;
+        const float alpha = (mx == NEG_INF) ? 1.f : exp2f(m[g] - mx);
+        m[g] = mx;
+        l[g] *= alpha;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] *= alpha;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            p[u][g] = valid[u] ? exp2f(s[u][g] - mx) : 0.f;
+            l[g] += p[u][g];
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        float vf[8];
+        unpack8(vr[u], vf);
+#pragma unroll
+        for (int g = 0; g < GQ; ++g) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p[u][g], vf[i], acc[g][i]);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode(
     const u16* __restrict__ q, i64 q_seq_stride, i64 q_head_stride,
     u16* __restrict__ out, i64 out_seq_stride, i64 out_head_stride,
@@ -125,6 +198,54 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode(
     const char* k_head = k_base + kvh * head_stride + dl * 16;
     const char* v_head = v_base + kvh * head_stride + dl * 16;
 
+#if PIPELINE
+    extern __shared__ __align__(16) uint4 stage_buf[];  // [STAGES][UNROLL][K|V][NTHREADS]
+    const int n_iters = (t_end - t_begin + NSG * UNROLL - 1) / (NSG * UNROLL);
+    unsigned vmask = 0;  // bit stage*UNROLL+u: token u of the trip held in `stage` is real
+    auto issue = [&](int it) {
+        const int stage = it % STAGES;
+        unsigned bits = 0;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int t = t_begin + it * (NSG * UNROLL) + u * NSG + sg;
+            i64 off = 0;
+            bool ok = false;
+            if (it < n_iters && t < t_end) {
+                const int blk = __ldg(bt + t / BLOCK_SIZE);
+                // An entry outside the pool is skipped rather than dereferenced.
+                ok = (unsigned)blk < (unsigned)num_blocks;
+                if (ok) off = (i64)blk * block_stride + (i64)(t % BLOCK_SIZE) * token_stride;
+            }
+            uint4* slot = stage_buf + ((stage * UNROLL + u) * 2) * NTHREADS + threadIdx.x;
+            cp_async16(slot, k_head + off, ok);
+            cp_async16(slot + NTHREADS, v_head + off, ok);
+            bits |= (unsigned)ok << u;
+        }
+        const unsigned field = ((1u << UNROLL) - 1u) << (stage * UNROLL);
+        vmask = (vmask & ~field) | (bits << (stage * UNROLL));
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int it = 0; it < STAGES - 1; ++it) issue(it);
+    for (int it = 0; it < n_iters; ++it) {
+        issue(it + STAGES - 1);
+        cp_async_wait<STAGES - 1>();  // this thread's copies for trip `it` have landed
+        const int stage = it % STAGES;
+        uint4 kr[UNROLL], vr[UNROLL];
+        bool valid[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const uint4* slot = stage_buf + ((stage * UNROLL + u) * 2) * NTHREADS + threadIdx.x;
+            kr[u] = slot[0];
+            vr[u] = slot[NTHREADS];
+            valid[u] = (vmask >> (stage * UNROLL + u)) & 1u;
+        }
+        consume(kr, vr, valid, qf, m, l, acc);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the stage buffer becomes the merge area
+    float* merge = reinterpret_cast<float*>(stage_buf);
+#else
     for (int t0 = t_begin; t0 < t_end; t0 += NSG * UNROLL) {
         uint4 kr[UNROLL], vr[UNROLL];
         bool valid[UNROLL];
@@ -144,63 +265,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode(
                 }
             }
         }
-
-        float s[UNROLL][GQ];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            float kf[8];
-            unpack8(kr[u], kf);
-#pragma unroll
-            for (int g = 0; g < GQ; ++g) {
-                float d = 0.f;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) d = fmaf(qf[g][i], kf[i], d);
-                s[u][g] = d;
-            }
-        }
-        // Sum the partial dot products over the TPT lanes of each subgroup.
-#pragma unroll
-        for (int o = TPT / 2; o > 0; o >>= 1) {
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-                for (int g = 0; g < GQ; ++g) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], o);
-            }
-        }
-
-        float p[UNROLL][GQ];
-#pragma unroll
-        for (int g = 0; g < GQ; ++g) {
-            float mx = m[g];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) mx = valid[u] ? fmaxf(mx, s[u][g]) : mx;
-            const float alpha = (mx == NEG_INF) ? 1.f : exp2f(m[g] - mx);
-            m[g] = mx;
-            l[g] *= alpha;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[g][i] *= alpha;
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                p[u][g] = valid[u] ? exp2f(s[u][g] - mx) : 0.f;
-                l[g] += p[u][g];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            float vf[8];
-            unpack8(vr[u], vf);
-#pragma unroll
-            for (int g = 0; g < GQ; ++g) {
-#pragma unroll
-                for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p[u][g], vf[i], acc[g][i]);
-            }
-        }
+        consume(kr, vr, valid, qf, m, l, acc);
     }
+    __shared__ __align__(16) float merge[MERGE_FLOATS];
+#endif
 
     // Merge the NSG subgroup states of the CTA.
-    __shared__ float s_m[NSG][GQ];
-    __shared__ float s_l[NSG][GQ];
-    __shared__ __align__(16) float s_acc[NSG][GQ][HEAD_DIM];
+    float (*s_m)[GQ] = reinterpret_cast<float (*)[GQ]>(merge);
+    float (*s_l)[GQ] = reinterpret_cast<float (*)[GQ]>(merge + NSG * GQ);
+    float (*s_acc)[GQ][HEAD_DIM] = reinterpret_cast<float (*)[GQ][HEAD_DIM]>(merge + 2 * NSG * GQ);
 #pragma unroll
     for (int g = 0; g < GQ; ++g) {
         if (dl == 0) {

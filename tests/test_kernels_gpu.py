@@ -15,7 +15,7 @@ import pytest
 
 import kvpool
 from kvpool import reference
-from kvpool.kernels import append_kv, copy_blocks, paged_attention_decode
+from kvpool.kernels import _build, append_kv, copy_blocks, paged_attention_decode
 
 pytestmark = pytest.mark.gpu
 
@@ -115,6 +115,12 @@ def test_decode_matches_reference(dtype, d, bs, hq, hkv):
     # The same inputs through a forced split (chunks of a few loop steps) and the LSE merge.
     _check_decode(pool, 1, q, tables, lens, _poisoned(q.shape, dtype), label + "split3",
                   num_splits=3, max_seq_len=300)
+    if bs == 16:  # the other load path (cp.async stages vs registers), plain and split
+        other = 1 - _build.PIPELINE
+        _check_decode(pool, 1, q, tables, lens, _poisoned(q.shape, dtype), label + "other",
+                      max_seq_len=300, pipeline=other)
+        _check_decode(pool, 1, q, tables, lens, _poisoned(q.shape, dtype), label + "other_split3",
+                      num_splits=3, max_seq_len=300, pipeline=other)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

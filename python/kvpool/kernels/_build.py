@@ -18,6 +18,7 @@ HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (8, 16, 32)
 MAX_GQ = 8  # query heads one decode CTA keeps in registers
 DECODE_WARPS = 4
+PIPELINE = 1  # decode loads through per-thread cp.async stages (0: straight to registers)
 COMMON_OPTIONS = ("-std=c++17",)
 
 
@@ -53,6 +54,22 @@ class DecodeVariant:
     head_dim: int
     block_size: int
     gq: int  # query heads per CTA (group_tile of the GQA group)
+    pipeline: int = PIPELINE
+
+    @property
+    def unroll(self) -> int:
+        return 8 if self.gq <= 2 else (4 if self.gq <= 4 else 2)
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        """Dynamic shared memory per CTA (mirrors STAGES and the stage buffer in the .cu)."""
+        if not self.pipeline:
+            return 0
+        threads = 32 * DECODE_WARPS
+        stages = max(2, 12 // self.unroll)
+        subgroups = DECODE_WARPS * (32 // (self.head_dim // 8))
+        merge = 4 * subgroups * self.gq * (self.head_dim + 2)
+        return max(stages * self.unroll * 2 * threads * 16, merge)
 
     def options(self) -> tuple[str, ...]:
         return COMMON_OPTIONS + (
@@ -61,18 +78,23 @@ class DecodeVariant:
             f"-DBLOCK_SIZE={self.block_size}",
             f"-DGQ={self.gq}",
             f"-DNWARPS={DECODE_WARPS}",
+            f"-DPIPELINE={self.pipeline}",
         )
 
 
 def decode_variants() -> list[DecodeVariant]:
-    """Every decode variant the wrappers can ask for (the CI compile test builds them all)."""
-    return [
+    """Every decode variant the wrappers can ask for (the CI compile test builds them all),
+    plus the other load path for every tile size at one (dtype, head_dim, block_size)."""
+    default = [
         DecodeVariant(dt, hd, bs, gq)
         for dt in DTYPES
         for hd in HEAD_DIMS
         for bs in BLOCK_SIZES
         for gq in range(1, MAX_GQ + 1)
     ]
+    other = [DecodeVariant(dt, hd, 16, gq, 1 - PIPELINE)
+             for dt in DTYPES for hd in HEAD_DIMS for gq in range(1, MAX_GQ + 1)]
+    return default + other
 
 
 def all_sources() -> list[tuple[str, str, tuple[str, ...]]]:

@@ -36,6 +36,7 @@ def paged_attention_decode(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     workspace: Any = None,
+    pipeline: int | None = None,
 ) -> Any:
     """Attention of one new query token per sequence over its paged K/V in layer `layer`.
 
@@ -50,6 +51,8 @@ def paged_attention_decode(
     read from the host) sizes the split-KV plan; when omitted it is read from seq_lens, which
     synchronises with the device. num_splits forces a plan; workspace (float32 device array of
     at least workspace_elems() elements) avoids an allocation, e.g. under graph capture.
+    pipeline picks the load path (1: cp.async stages, 0: registers; default _build.PIPELINE),
+    for benchmarks.
     On a host pool the arrays are NumPy and the float64 reference does the work.
     """
     layout = pool.layout
@@ -60,7 +63,7 @@ def paged_attention_decode(
         return _decode_host(q, pool, layer, block_tables, seq_lens, scale, out)
     return _decode_cuda(
         q, pool, layer, block_tables, seq_lens, scale, out, stream, max_seq_len, num_splits,
-        workspace,
+        workspace, _build.PIPELINE if pipeline is None else int(pipeline),
     )
 
 
@@ -140,7 +143,7 @@ def _check_on_device(arr, name: str, device_id: int) -> None:
 
 
 def _decode_cuda(q, pool, layer, block_tables, seq_lens, scale, out, stream, max_seq_len,
-                 num_splits, workspace):
+                 num_splits, workspace, pipeline):
     import cupy
 
     layout = pool.layout
@@ -180,7 +183,7 @@ def _decode_cuda(q, pool, layer, block_tables, seq_lens, scale, out, stream, max
         return out
 
     gq = _build.group_tile(group)
-    variant = _build.DecodeVariant(layout.dtype, d, layout.block_size, gq)
+    variant = _build.DecodeVariant(layout.dtype, d, layout.block_size, gq, pipeline)
     if max_seq_len is None and num_splits is None:
         max_seq_len = int(cupy.asarray(seq_lens).max())  # synchronises; pass max_seq_len to avoid
     plan = plan_decode(
@@ -229,7 +232,11 @@ def _launch(variant, plan: DecodePlan, qa, oa, bt, sl, pool, layer, hq, group, g
         np.float32(scale * LOG2E),
     )
     grid = (plan.num_splits, layout.num_kv_heads * (group // gq), num_seqs)
-    mod.get_function("paged_decode")(grid, (32 * _build.DECODE_WARPS,), args)
+    kernel = mod.get_function("paged_decode")
+    smem = variant.dynamic_smem_bytes
+    if smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+    kernel(grid, (32 * _build.DECODE_WARPS,), args, shared_mem=smem)
     if plan.split:
         merge_args = (
             np.uint64(part_o), np.uint64(part_lse),
