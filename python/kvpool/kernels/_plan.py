@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from kvpool.kernels._build import DECODE_WARPS
 
 CTAS_PER_SM = 4  # resident decode CTAs per SM the plan aims to fill (one wave)
-MIN_CHUNK = 64  # tokens: below this a split's fixed cost (q load, merge) dominates
+MIN_CHUNK = 128  # tokens: shorter chunks lost in the H200 split sweep (bench/NOTES_kernels.md)
 
 
 @dataclass(frozen=True)
