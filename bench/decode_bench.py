@@ -218,7 +218,8 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep):
         except Exception as e:  # a backend may refuse a shape
             row[f"{name}_us"] = None
             row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
-    del ks, vs
+    ks.clear()  # free the contiguous copies before FlashInfer
+    vs.clear()
     torch.cuda.empty_cache()
 
     try:
@@ -236,7 +237,7 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep):
                 wrappers.append(w)
             fouts = [torch.empty_like(q) for q in qs]
 
-            def fi(r):
+            def fi(r, wrappers=wrappers, fouts=fouts):
                 def call(s):
                     wrappers[r].run(qs[r], cache, out=fouts[r])
                 return call
@@ -249,7 +250,7 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep):
             torch.cuda.synchronize()
             wrappers[0].run(qs[0], cache, out=fouts[0])
             row[f"max_abs_diff_vs_{name}"] = float((fouts[0].float() - ours_out0).abs().max())
-            del wrappers
+            wrappers.clear()
     except Exception as e:
         row["flashinfer_error"] = f"{type(e).__name__}: {e}"[:300]
         traceback.print_exc()
@@ -262,7 +263,6 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep):
     row["speedup_vs_best_peer"] = round(row["best_peer_us"] / row["kvpool_us"], 3) if peers else None
     fis = [row.get(k) for k in ("flashinfer_us", "flashinfer_tc_us") if row.get(k)]
     row["speedup_vs_best_flashinfer"] = round(min(fis) / row["kvpool_us"], 3) if fis else None
-    del pool, slab, cache
     torch.cuda.empty_cache()
     cp.get_default_memory_pool().free_all_blocks()
     return row
@@ -295,7 +295,7 @@ def main():
     hdr = f"{'shape':>9} {'dt':>4} {'D':>3} {'ours':>7} {'cudnn':>7} {'flash':>7} {'FI':>7} {'FItc':>7} {'frac':>5} {'xFI':>5} {'xbest':>5}"
     print(hdr)
     for r in result["rows"]:
-        f = lambda k: f"{r[k]:7.1f}" if r.get(k) else "      -"  # noqa: E731
+        f = lambda k, r=r: f"{r[k]:7.1f}" if r.get(k) else "      -"  # noqa: E731
         print(f"{r['shape']:>9} {r['dtype'][:4]:>4} {r['head_dim']:>3} {f('kvpool_us')} {f('sdpa_cudnn_us')} "
               f"{f('sdpa_flash_us')} {f('flashinfer_us')} {f('flashinfer_tc_us')} "
               f"{r.get('kvpool_frac') or 0:5.2f} {r.get('speedup_vs_best_flashinfer') or 0:5.2f} "

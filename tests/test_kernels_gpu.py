@@ -213,7 +213,7 @@ def test_copy_blocks_matches_reference(dtype):
     pairs = np.stack([perm[:20], perm[20:40]], axis=1)
     copy_blocks(pool, pairs)
     reference.copy_blocks(host, pairs)
-    for got, want in zip(views(), host):
+    for got, want in zip(views(), host, strict=True):
         assert np.array_equal(got, want)
     with pytest.raises(kvpool.InvalidArgumentError):
         copy_blocks(pool, np.array([[0, 64]]))
