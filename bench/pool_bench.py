@@ -1,0 +1,338 @@
+"""Python-level cost of kvpool's block pool against a pure-Python free list doing the same job.
+
+The baseline is what a scheduler would write without kvpool: a free-list stack under a
+`threading.Lock`, a per-block ref count so double frees, out-of-range and repeated ids are
+rejected before anything changes, all-or-nothing batches, and a NumPy int32 array out.
+
+Cases (each timed as a round trip, so the pool ends where it started):
+  alloc_many16   alloc_many(16) + free_many(ids)          target: ours < 1 us per round trip
+  single         alloc() + free(id)
+  alloc_many256  alloc_many(256) + free_many(ids), per block  target: >= 10x the baseline
+
+With `--device cuda` (GPU machine only) it also times our CUDA pool's alloc()+free() of one
+block against cudaMalloc+cudaFree of one block's bytes and against CuPy's memory pool.
+
+Usage: python bench/pool_bench.py [--out bench/results/pool_python.json] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import timeit
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import kvpool
+import kvpool._core
+
+# Llama-3-8B geometry: 2 MiB blocks. Host slabs are zeroed lazily, so 4096 blocks are cheap.
+LAYOUT = kvpool.KvLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
+NUM_BLOCKS = 4096
+TARGET_ROUND_TRIP_16_US = 1.0
+TARGET_PER_BLOCK_RATIO_256 = 10.0
+
+
+class PyFreeListPool:
+    """The baseline: a pure-Python pool with the same contract as `kvpool.Pool`."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop from the end, lowest first
+        self._ref_cnt = [0] * num_blocks
+        self._lock = threading.Lock()
+
+    def alloc(self) -> int:
+        with self._lock:
+            if not self._free:
+                raise kvpool.OutOfBlocksError(f"requested 1, free 0 of {self.num_blocks}")
+            block_id = self._free.pop()
+            self._ref_cnt[block_id] = 1
+        return block_id
+
+    def alloc_many(self, n: int) -> np.ndarray:
+        if n < 0:
+            raise kvpool.InvalidArgumentError(f"n must be >= 0, got {n}")
+        with self._lock:
+            free = self._free
+            if n > len(free):
+                raise kvpool.OutOfBlocksError(f"requested {n}, free {len(free)} of {self.num_blocks}")
+            ids = free[len(free) - n :]
+            del free[len(free) - n :]
+            ref_cnt = self._ref_cnt
+            for block_id in ids:
+                ref_cnt[block_id] = 1
+        return np.array(ids, dtype=np.int32)
+
+    def free(self, block_id: object) -> None:
+        if type(block_id) is not int or not 0 <= block_id < self.num_blocks:
+            raise kvpool.InvalidBlockError(f"invalid block id {block_id!r}")
+        with self._lock:
+            refs = self._ref_cnt[block_id]
+            if refs == 0:
+                raise kvpool.DoubleFreeError(f"block {block_id} is not allocated")
+            self._ref_cnt[block_id] = refs - 1
+            if refs == 1:
+                self._free.append(block_id)
+
+    def free_many(self, block_ids: Iterable[object] | np.ndarray) -> None:
+        ids = block_ids.tolist() if isinstance(block_ids, np.ndarray) else list(block_ids)
+        num_blocks = self.num_blocks
+        for block_id in ids:
+            if type(block_id) is not int or not 0 <= block_id < num_blocks:
+                raise kvpool.InvalidBlockError(f"invalid block id {block_id!r}")
+        if len(set(ids)) != len(ids):
+            raise kvpool.InvalidBlockError("a block id is repeated in one call")
+        with self._lock:
+            ref_cnt = self._ref_cnt
+            for block_id in ids:
+                if ref_cnt[block_id] == 0:
+                    raise kvpool.DoubleFreeError(f"block {block_id} is not allocated")
+            free = self._free
+            for block_id in ids:
+                refs = ref_cnt[block_id] - 1
+                ref_cnt[block_id] = refs
+                if refs == 0:
+                    free.append(block_id)
+
+
+def round_trip_many(pool: Any, n: int) -> Callable[[], None]:
+    alloc_many, free_many = pool.alloc_many, pool.free_many
+
+    def run() -> None:
+        free_many(alloc_many(n))
+
+    return run
+
+
+def round_trip_single(pool: Any) -> Callable[[], None]:
+    alloc, free = pool.alloc, pool.free
+
+    def run() -> None:
+        free(alloc())
+
+    return run
+
+
+def time_us(fn: Callable[[], None], repeat: int, min_time_s: float) -> float:
+    """Median over `repeat` runs of the time per call, in microseconds."""
+    timer = timeit.Timer(fn)
+    number, _ = timer.autorange()  # calls per run so that one run takes >= 0.2 s
+    number = max(1, int(number * min_time_s / 0.2))
+    for _ in range(2):
+        fn()  # warm-up
+    runs = timer.repeat(repeat=repeat, number=number)
+    return statistics.median(runs) / number * 1e6
+
+
+def check_same_contract(ours: Any, baseline: Any) -> None:
+    """Both pools reject what they must, so the timings compare equal jobs."""
+    for pool in (ours, baseline):
+        ids = pool.alloc_many(4)
+        assert ids.dtype == np.int32 and len(set(ids.tolist())) == 4
+        for bad, error in (
+            ([int(ids[0]), int(ids[0])], kvpool.InvalidBlockError),
+            ([int(ids[0]), pool.num_blocks], kvpool.InvalidBlockError),
+        ):
+            try:
+                pool.free_many(bad)
+            except error:
+                pass
+            else:
+                raise AssertionError(f"{type(pool).__name__} accepted {bad}")
+        pool.free_many(ids)
+        try:
+            pool.free(int(ids[0]))
+        except kvpool.DoubleFreeError:
+            pass
+        else:
+            raise AssertionError(f"{type(pool).__name__} accepted a double free")
+        try:
+            pool.alloc_many(pool.num_blocks + 1)
+        except kvpool.OutOfBlocksError:
+            pass
+        else:
+            raise AssertionError(f"{type(pool).__name__} over-allocated")
+
+
+def case(name: str, ours_us: float, baseline_us: float, per: str, baseline_name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "unit": per,
+        "ours_us": round(ours_us, 4),
+        "baseline": baseline_name,
+        "baseline_us": round(baseline_us, 4),
+        "ratio": round(baseline_us / ours_us, 2),  # > 1: ours is faster
+    }
+
+
+def bench_host(repeat: int, min_time_s: float) -> list[dict[str, Any]]:
+    ours = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="host")
+    baseline = PyFreeListPool(NUM_BLOCKS)
+    check_same_contract(ours, baseline)
+    cases = []
+    for n in (16, 256):
+        o = time_us(round_trip_many(ours, n), repeat, min_time_s)
+        b = time_us(round_trip_many(baseline, n), repeat, min_time_s)
+        cases.append(case(f"alloc_many{n}_free_many", o, b, "round trip", "python_free_list"))
+        if n == 256:
+            cases.append(case("alloc_many256_free_many_per_block", o / n, b / n, "block", "python_free_list"))
+    o = time_us(round_trip_single(ours), repeat, min_time_s)
+    b = time_us(round_trip_single(baseline), repeat, min_time_s)
+    cases.append(case("alloc_free_single", o, b, "round trip", "python_free_list"))
+    ours.check_invariants()
+    assert ours.num_free == NUM_BLOCKS
+    return cases
+
+
+def bench_cuda(repeat: int, min_time_s: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    import cupy
+
+    ours = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="cuda")
+    block_bytes = LAYOUT.block_bytes
+    runtime = cupy.cuda.runtime
+
+    def raw_malloc_free() -> None:
+        runtime.free(runtime.malloc(block_bytes))
+
+    mempool = cupy.cuda.MemoryPool()
+
+    def cupy_pool_malloc_free() -> None:
+        mempool.malloc(block_bytes)  # returned to the pool when the pointer is dropped
+
+    o = time_us(round_trip_single(ours), repeat, min_time_s)
+    raw = time_us(raw_malloc_free, repeat, min_time_s)
+    pooled = time_us(cupy_pool_malloc_free, repeat, min_time_s)
+    cases = [
+        case("cuda_alloc_free_single", o, raw, "round trip", "cudaMalloc+cudaFree"),
+        case("cuda_alloc_free_single_vs_cupy_pool", o, pooled, "round trip", "cupy.cuda.MemoryPool"),
+    ]
+    ours.check_invariants()
+    name = runtime.getDeviceProperties(0)["name"]
+    gpu = {
+        "name": name.decode() if isinstance(name, bytes) else str(name),
+        "cupy": cupy.__version__,
+        "cuda_runtime": runtime.runtimeGetVersion(),
+    }
+    return cases, gpu
+
+
+def extension_info() -> dict[str, Any]:
+    """Which compiled module ran, and whether it carries debug info (a `maturin develop`
+    debug build is several times slower than the release wheel: never record those)."""
+    path = Path(kvpool._core.__file__)  # type: ignore[attr-defined]
+    return {"path": str(path), "debug_info": ".debug_info" in elf_section_names(path.read_bytes())}
+
+
+def elf_section_names(data: bytes) -> set[str]:
+    """Section names of a little-endian ELF64 file (empty for anything else)."""
+    if data[:6] != b"\x7fELF\x02\x01":
+        return set()
+    shoff = int.from_bytes(data[0x28:0x30], "little")
+    shentsize, shnum, shstrndx = (int.from_bytes(data[o : o + 2], "little") for o in (0x3A, 0x3C, 0x3E))
+    headers = [data[shoff + i * shentsize : shoff + (i + 1) * shentsize] for i in range(shnum)]
+    strtab_at = int.from_bytes(headers[shstrndx][0x18:0x20], "little")
+    names = set()
+    for header in headers:
+        start = strtab_at + int.from_bytes(header[0:4], "little")
+        names.add(data[start : data.index(b"\0", start)].decode(errors="replace"))
+    return names
+
+
+def git_commit() -> str:
+    try:
+        here = Path(__file__).parent
+        git = ["git", "-C", str(here)]
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"node": platform.node(), "platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count()}
+
+
+def targets(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_name = {c["name"]: c for c in cases}
+    rt16 = by_name["alloc_many16_free_many"]["ours_us"]
+    per_block = by_name["alloc_many256_free_many_per_block"]["ratio"]
+    return [
+        {
+            "target": "alloc_many(16)+free_many round trip < 1 us",
+            "value_us": rt16,
+            "limit_us": TARGET_ROUND_TRIP_16_US,
+            "pass": rt16 < TARGET_ROUND_TRIP_16_US,
+        },
+        {
+            "target": ">= 10x the baseline per block at n=256",
+            "value_ratio": per_block,
+            "limit_ratio": TARGET_PER_BLOCK_RATIO_256,
+            "pass": per_block >= TARGET_PER_BLOCK_RATIO_256,
+        },
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "pool_python.json")
+    parser.add_argument("--device", choices=("host", "cuda"), default="host", help="cuda: also time the CUDA pool")
+    parser.add_argument("--repeat", type=int, default=7, help="runs per case; the median is reported")
+    parser.add_argument("--min-time", type=float, default=0.2, help="seconds per run")
+    args = parser.parse_args(argv)
+
+    extension = extension_info()
+    if extension["debug_info"]:
+        print(f"warning: {extension['path']} is a debug build; timings are not representative", file=sys.stderr)
+    cases = bench_host(args.repeat, args.min_time)
+    result: dict[str, Any] = {
+        "benchmark": "bench/pool_bench.py",
+        "commit": git_commit(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "extension": extension,
+        "method": f"timeit, median of {args.repeat} runs of >= {args.min_time} s each; ratio = baseline_us / ours_us",
+        "layout": repr(LAYOUT),
+        "num_blocks": NUM_BLOCKS,
+        "cases": cases,
+        "targets": targets(cases),
+    }
+    if args.device == "cuda":
+        cuda_cases, gpu = bench_cuda(args.repeat, args.min_time)
+        result["cases"] += cuda_cases
+        result["gpu"] = gpu
+
+    for c in result["cases"]:
+        print(
+            f"{c['name']:<40} ours {c['ours_us']:>9.4f} us   {c['baseline']:<22} {c['baseline_us']:>9.4f} us"
+            f"   x{c['ratio']:.2f}"
+        )
+    for t in result["targets"]:
+        print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

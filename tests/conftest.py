@@ -1,0 +1,61 @@
+"""Shared pytest setup: Hypothesis profiles and the `gpu` marker's skip.
+
+Profiles (pydantic-core keeps the same pair):
+- "ci" (the default, so also whenever CI is set): derandomized, so every run draws the
+  same examples; modest example counts; failures print a reproduction blob.
+- "soak": many random examples; select with HYPOTHESIS_PROFILE=soak.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    max_examples=60,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "soak",
+    derandomize=False,
+    deadline=None,
+    max_examples=5_000,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+# An explicit HYPOTHESIS_PROFILE wins (a soak job may run under CI); otherwise "ci".
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or "ci")
+
+
+def _gpu_unavailable_reason() -> str | None:
+    """Why GPU tests cannot run here, or None when CuPy and a CUDA device are both present."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # CuPy may warn about its CUDA setup on import
+            import cupy  # noqa: F401
+    except Exception as e:  # ImportError, or CuPy failing to find its CUDA libraries
+        return f"cupy is not importable ({type(e).__name__}: {e})"
+    import kvpool
+
+    if not kvpool.cuda_available():
+        return "kvpool.cuda_available() is False (no CUDA driver or device)"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    reason = _gpu_unavailable_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=f"gpu test: {reason}")
+    for item in gpu_items:
+        item.add_marker(skip)
