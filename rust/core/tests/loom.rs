@@ -1,0 +1,271 @@
+//! Model checks of the lock-free free list and the allocator with `loom`: every interleaving
+//! (up to a preemption bound) of a few threads on a pool of 2-4 blocks.
+//!
+//! ```text
+//! RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
+//!     cargo test -p kvpool-core --release --test loom
+//! ```
+//!
+//! `LOOM_MAX_PREEMPTIONS` overrides the default bound of 3 set in [`model`].
+#![cfg(loom)]
+
+use loom::sync::Arc;
+use loom::thread;
+
+use kvpool_core::{BlockAllocator, CoreError};
+
+/// Runs `f` under loom with a preemption bound (3 unless `LOOM_MAX_PREEMPTIONS` is set):
+/// enough to reach every bug pattern below, small enough to finish in seconds.
+fn model<F: Fn() + Sync + Send + 'static>(f: F) {
+    let mut builder = loom::model::Builder::new();
+    if builder.preemption_bound.is_none() {
+        builder.preemption_bound = Some(3);
+    }
+    builder.check(f);
+}
+
+/// After the threads are joined: `held` are all the ids anyone still holds (one reference
+/// each). They must be distinct, allocated, and, once freed, the pool must be whole again.
+fn assert_conserved(a: &BlockAllocator, held: &[u32]) {
+    a.check_invariants().unwrap();
+    let mut sorted = held.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    assert_eq!(sorted.len(), held.len(), "an id was handed out twice: {held:?}");
+    assert_eq!(a.num_used(), held.len());
+    for &id in held {
+        assert_eq!(a.ref_cnt(id).unwrap(), 1, "block {id}");
+    }
+    a.free_many(held).unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(a.num_free(), a.num_blocks());
+}
+
+/// One thread allocates twice while another frees: with 2 blocks and one of them held,
+/// each alloc either gets a block that nobody else holds or reports the exact shortage.
+#[test]
+fn alloc_races_free() {
+    model(|| {
+        let a = Arc::new(BlockAllocator::new(2).unwrap());
+        let held = a.alloc().unwrap();
+        let allocator = a.clone();
+        let allocating = thread::spawn(move || {
+            let mut got = Vec::new();
+            for _ in 0..2 {
+                match allocator.alloc() {
+                    Ok(id) => got.push(id),
+                    Err(e) => assert_eq!(e, CoreError::OutOfBlocks { requested: 1, free: 0, num_blocks: 2 }),
+                }
+            }
+            got
+        });
+        let freer = a.clone();
+        let freeing = thread::spawn(move || freer.free(held).unwrap());
+        let got = allocating.join().unwrap();
+        freeing.join().unwrap();
+        assert!(!got.is_empty(), "one block was free throughout");
+        assert_conserved(&a, &got);
+    });
+}
+
+/// Two `alloc_many(2)` with only 3 blocks free: exactly one succeeds, the other is told
+/// exactly how many were left, and no id is handed out twice.
+#[test]
+fn alloc_many_is_all_or_nothing_under_contention() {
+    model(|| {
+        let a = Arc::new(BlockAllocator::new(4).unwrap());
+        let pre = a.alloc().unwrap();
+        let threads: Vec<_> = (0..2)
+            .map(|_| {
+                let a = a.clone();
+                thread::spawn(move || a.alloc_many(2))
+            })
+            .collect();
+        let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        let mut held = vec![pre];
+        let mut failures = 0;
+        for result in results {
+            match result {
+                Ok(ids) => held.extend(ids),
+                Err(e) => {
+                    assert_eq!(e, CoreError::OutOfBlocks { requested: 2, free: 1, num_blocks: 4 });
+                    failures += 1;
+                }
+            }
+        }
+        assert_eq!(failures, 1);
+        assert_eq!(a.num_free(), 1);
+        assert_conserved(&a, &held);
+    });
+}
+
+/// Three threads on 3 free blocks: `alloc_many(2)`, `alloc_many(2)` and `alloc()`. Any
+/// successful set takes at most 3 blocks; every refusal reports the free count it saw.
+#[test]
+fn three_threads_share_three_blocks() {
+    model(|| {
+        let a = Arc::new(BlockAllocator::new(3).unwrap());
+        let threads: Vec<_> = [2usize, 2, 1]
+            .into_iter()
+            .map(|n| {
+                let a = a.clone();
+                thread::spawn(move || (n, a.alloc_many(n)))
+            })
+            .collect();
+        let mut held = Vec::new();
+        for t in threads {
+            match t.join().unwrap() {
+                (_, Ok(ids)) => held.extend(ids),
+                (n, Err(CoreError::OutOfBlocks { requested, free, num_blocks })) => {
+                    assert_eq!((requested, num_blocks), (n, 3));
+                    assert!(free < n, "refused {n} with {free} free");
+                }
+                (_, Err(e)) => panic!("unexpected error {e:?}"),
+            }
+        }
+        // Whatever the order, the winners leave fewer blocks than any loser asked for.
+        assert!(held.len() >= 2, "the first caller always succeeds: {held:?}");
+        assert_conserved(&a, &held);
+    });
+}
+
+/// Two threads free the same block: exactly one succeeds, the other sees a double free, and
+/// the block is on the free list once.
+#[test]
+fn concurrent_double_free_has_one_winner() {
+    model(|| {
+        let a = Arc::new(BlockAllocator::new(2).unwrap());
+        let id = a.alloc().unwrap();
+        let threads: Vec<_> = (0..2)
+            .map(|_| {
+                let a = a.clone();
+                thread::spawn(move || a.free(id))
+            })
+            .collect();
+        let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1, "{results:?}");
+        assert!(results.contains(&Err(CoreError::DoubleFree { block_id: id })));
+        assert_conserved(&a, &[]);
+    });
+}
+
+/// The ABA pattern a tagged head prevents. The list is 0 -> 1 -> 2. Thread A pops (reads
+/// top 0, next 1). Meanwhile B pops 0 and 1, frees 0 (top is 0 again, now with next 2) and
+/// allocates again. An untagged CAS in A would succeed and install 1, which B holds.
+#[test]
+fn tagged_head_defeats_aba() {
+    model(|| {
+        let a = Arc::new(BlockAllocator::new(3).unwrap());
+        let popper = a.clone();
+        let thread_a = thread::spawn(move || popper.alloc().unwrap());
+        let churner = a.clone();
+        let thread_b = thread::spawn(move || {
+            let first = churner.alloc().unwrap();
+            let second = churner.alloc().unwrap();
+            churner.free(first).unwrap();
+            let third = churner.alloc().unwrap();
+            vec![second, third]
+        });
+        let mut held = vec![thread_a.join().unwrap()];
+        held.extend(thread_b.join().unwrap());
+        assert_conserved(&a, &held);
+    });
+}
+
+/// The same with batches: A pops a chain of 2 while B pops 2, pushes them back as a chain
+/// in the other order and pops 1.
+#[test]
+fn tagged_head_defeats_aba_for_chains() {
+    model(|| {
+        let a = Arc::new(BlockAllocator::new(4).unwrap());
+        let popper = a.clone();
+        let thread_a = thread::spawn(move || popper.alloc_many(2).unwrap());
+        let churner = a.clone();
+        let thread_b = thread::spawn(move || {
+            let ids = churner.alloc_many(2).unwrap();
+            churner.free_many(&[ids[1], ids[0]]).unwrap();
+            churner.alloc().unwrap()
+        });
+        let mut held = thread_a.join().unwrap();
+        held.push(thread_b.join().unwrap());
+        assert_conserved(&a, &held);
+    });
+}
+
+/// Frees racing a fork of the same blocks: the holder of a second reference frees it while
+/// the fork takes a third. The counts must end exactly where a serial order puts them.
+#[test]
+fn share_races_free() {
+    model(|| {
+        let a = Arc::new(BlockAllocator::new(2).unwrap());
+        let ids = a.alloc_many(2).unwrap();
+        a.share_many(&ids).unwrap();
+        let (forker, freer) = (a.clone(), a.clone());
+        let fork_ids = ids.clone();
+        let fork = thread::spawn(move || forker.share_many(&fork_ids).unwrap());
+        let free_ids = ids.clone();
+        let free = thread::spawn(move || freer.free_many(&free_ids).unwrap());
+        fork.join().unwrap();
+        free.join().unwrap();
+        a.check_invariants().unwrap();
+        assert!(ids.iter().all(|&id| a.ref_cnt(id).unwrap() == 2));
+        a.free_many(&ids).unwrap();
+        assert_conserved(&a, &ids);
+    });
+}
+
+/// Two batch frees that both list `y` (held once) and `x` (held twice), in opposite orders.
+/// One must fail with a double free of `y`; its undo must not give a reference back to a
+/// block that the other call already returned to the free list.
+#[test]
+fn failed_batch_free_undo_keeps_the_list_consistent() {
+    model(|| {
+        let a = Arc::new(BlockAllocator::new(2).unwrap());
+        let (x, y) = (a.alloc().unwrap(), a.alloc().unwrap());
+        a.share_many(&[x]).unwrap();
+        let threads: Vec<_> = [[x, y], [y, x]]
+            .into_iter()
+            .map(|ids| {
+                let a = a.clone();
+                thread::spawn(move || a.free_many(&ids))
+            })
+            .collect();
+        let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1, "{results:?}");
+        assert!(results.contains(&Err(CoreError::DoubleFree { block_id: y })));
+        a.check_invariants().unwrap();
+        assert_eq!(a.ref_cnt(y).unwrap(), 0);
+        let held: Vec<u32> = if a.ref_cnt(x).unwrap() == 1 { vec![x] } else { vec![] };
+        assert_conserved(&a, &held);
+    });
+}
+
+/// A fork listing the same block twice races a (buggy) free of another block in the fork.
+/// The fork fails and takes back its references; that must not panic or leak.
+#[test]
+fn failed_share_undo_handles_repeated_ids() {
+    model(|| {
+        let a = Arc::new(BlockAllocator::new(2).unwrap());
+        let (x, y) = (a.alloc().unwrap(), a.alloc().unwrap());
+        let forker = a.clone();
+        let fork = thread::spawn(move || forker.share_many(&[x, x, y]));
+        let freer = a.clone();
+        let free = thread::spawn(move || freer.free(y).unwrap());
+        let forked = fork.join().unwrap();
+        free.join().unwrap();
+        a.check_invariants().unwrap();
+        match forked {
+            Ok(()) => {
+                assert_eq!((a.ref_cnt(x).unwrap(), a.ref_cnt(y).unwrap()), (3, 1));
+                a.free_many(&[x, y]).unwrap();
+                a.free(x).unwrap();
+                assert_conserved(&a, &[x]);
+            }
+            Err(e) => {
+                assert!(matches!(e, CoreError::InvalidBlock { value, .. } if value == y.to_string()));
+                assert_eq!((a.ref_cnt(x).unwrap(), a.ref_cnt(y).unwrap()), (1, 0));
+                assert_conserved(&a, &[x]);
+            }
+        }
+    });
+}
