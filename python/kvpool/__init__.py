@@ -26,6 +26,8 @@ from kvpool._core import (
     UnknownRequestError,
     cuda_available,
 )
+from kvpool import reference
+from kvpool.kernels import append_kv, copy_blocks, paged_attention_decode
 
 __all__ = [
     "MAX_NUM_BLOCKS",
@@ -47,5 +49,9 @@ __all__ = [
     "Pool",
     "SlabView",
     "UnknownRequestError",
+    "append_kv",
+    "copy_blocks",
     "cuda_available",
+    "paged_attention_decode",
+    "reference",
 ]

@@ -1,6 +1,6 @@
 """Kernel sources, compile-time variants and the per-variant module cache.
 
-The CUDA C++ sources live in the repository's ``cuda/`` folder and are compiled at run time by
+The CUDA C++ sources live in ``kernels/cuda/`` (shipped in the wheel) and are compiled at run time by
 NVRTC through ``cupy.RawModule``. The same :func:`variant_options` feed the runtime compile and
 the CI compile test, so CI compiles exactly what a GPU run compiles.
 """
@@ -8,7 +8,6 @@ the CI compile test, so CI compiles exactly what a GPU run compiles.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,19 +22,8 @@ COMMON_OPTIONS = ("-std=c++17",)
 
 
 def cuda_dir() -> Path:
-    """Folder that holds the .cu sources.
-
-    Looked up in order: $KVPOOL_CUDA_DIR, ``kvpool/kernels/cuda`` inside the installed package,
-    the repository's ``cuda/`` (editable installs and source checkouts).
-    """
-    env = os.environ.get("KVPOOL_CUDA_DIR")
-    here = Path(__file__).resolve().parent
-    for cand in ([Path(env)] if env else []) + [here / "cuda", here.parents[2] / "cuda"]:
-        if (cand / "paged_decode.cu").is_file():
-            return cand
-    raise FileNotFoundError(
-        "kvpool CUDA sources not found: set KVPOOL_CUDA_DIR to the folder holding paged_decode.cu"
-    )
+    """Folder that holds the .cu sources: ``kvpool/kernels/cuda``, shipped inside the wheel."""
+    return Path(__file__).resolve().parent / "cuda"
 
 
 @functools.cache
