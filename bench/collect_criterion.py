@@ -62,6 +62,7 @@ def main():
     target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
     parser.add_argument("--criterion-dir", type=pathlib.Path, default=target / "criterion")
     parser.add_argument("--machine", default="2-core x86_64 dev VM, no GPU")
+    parser.add_argument("--note", default="", help="conditions of the run, e.g. other load on the machine")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results" / "free_list_rust.json")
     args = parser.parse_args()
 
@@ -91,6 +92,7 @@ def main():
         "core_sources_modified_since_commit": bool(git("status", "--porcelain", "rust/core/src")),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": args.machine,
+        "note": args.note,
         "unit": "ns per block round trip (alloc + free of one block), wall clock across all threads",
         "estimate": "criterion slope over the samples (mean where there is no slope), with its 95% interval",
         "ratio": "ours_over_mutex = ours_ns_per_block / mutex_ns_per_block; below 1 means ours is faster",
