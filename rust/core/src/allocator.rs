@@ -4,6 +4,10 @@
 //! `ref_cnt` is the per-block state that makes a double free or a stray id an O(1) check
 //! that fails before anything changes. No mutex anywhere: every method is safe to call
 //! from many threads at once.
+//!
+//! A growable pool's allocator has room for `max_num_blocks` ids but only `num_blocks` of
+//! them exist (are backed by memory); `num_blocks` changes only under the pool's resize
+//! lock (`growth.rs`), and only ids below it are ever on the free list.
 
 use crossbeam_utils::CachePadded;
 
@@ -13,26 +17,47 @@ use crate::sync::{AtomicU32, AtomicUsize, Ordering};
 
 pub struct BlockAllocator {
     free_list: FreeList,
+    /// One count per id up to the capacity (`max_num_blocks`); ids `>= num_blocks` stay 0.
     ref_cnt: Box<[AtomicU32]>,
+    /// Ids `0..num_blocks` exist. Fixed unless the pool is growable.
+    num_blocks: CachePadded<AtomicUsize>,
     high_water: CachePadded<AtomicUsize>,
 }
 
 impl BlockAllocator {
     pub fn new(num_blocks: usize) -> Result<Self, CoreError> {
-        if num_blocks == 0 || num_blocks > crate::MAX_NUM_BLOCKS {
+        if num_blocks == 0 {
             return Err(CoreError::InvalidArgument(format!(
-                "num_blocks must be in 1..={}, got {num_blocks}",
+                "num_blocks must be in 1..={}, got 0",
+                crate::MAX_NUM_BLOCKS
+            )));
+        }
+        Self::new_growable(num_blocks, num_blocks)
+    }
+
+    /// An allocator with room for `max_num_blocks` ids, of which `0..num_blocks` exist and
+    /// are free. The others come into existence through [`set_num_blocks`](Self::set_num_blocks).
+    pub fn new_growable(num_blocks: usize, max_num_blocks: usize) -> Result<Self, CoreError> {
+        if max_num_blocks == 0 || max_num_blocks > crate::MAX_NUM_BLOCKS || num_blocks > max_num_blocks {
+            return Err(CoreError::InvalidArgument(format!(
+                "need 0 <= num_blocks <= max_num_blocks, max_num_blocks in 1..={}; got {num_blocks} and {max_num_blocks}",
                 crate::MAX_NUM_BLOCKS
             )));
         }
         Ok(BlockAllocator {
-            free_list: FreeList::new_full(num_blocks as u32),
-            ref_cnt: (0..num_blocks).map(|_| AtomicU32::new(0)).collect(),
+            free_list: FreeList::new_prefix(max_num_blocks as u32, num_blocks as u32),
+            ref_cnt: (0..max_num_blocks).map(|_| AtomicU32::new(0)).collect(),
+            num_blocks: CachePadded::new(AtomicUsize::new(num_blocks)),
             high_water: CachePadded::new(AtomicUsize::new(0)),
         })
     }
 
+    /// Blocks that exist now (backed by memory).
     pub fn num_blocks(&self) -> usize {
+        self.num_blocks.load(Ordering::Acquire)
+    }
+    /// The most blocks this allocator can ever hold (`num_blocks` unless growable).
+    pub fn max_num_blocks(&self) -> usize {
         self.ref_cnt.len()
     }
     /// Blocks that can be allocated now (a snapshot under concurrency).
@@ -40,7 +65,9 @@ impl BlockAllocator {
         self.free_list.available()
     }
     pub fn num_used(&self) -> usize {
-        self.num_blocks() - self.num_free()
+        // Two loads, not one snapshot: a growth between them could make the difference
+        // negative for an instant.
+        self.num_blocks().saturating_sub(self.num_free())
     }
     /// The most blocks ever in use at once (sampled after each allocation).
     pub fn high_water(&self) -> usize {
@@ -52,9 +79,11 @@ impl BlockAllocator {
     }
 
     fn counter(&self, block_id: u32) -> Result<&AtomicU32, CoreError> {
-        self.ref_cnt
-            .get(block_id as usize)
-            .ok_or_else(|| CoreError::out_of_range_id(block_id, self.num_blocks()))
+        let num_blocks = self.num_blocks();
+        if block_id as usize >= num_blocks {
+            return Err(CoreError::out_of_range_id(block_id, num_blocks));
+        }
+        Ok(&self.ref_cnt[block_id as usize])
     }
 
     pub fn alloc(&self) -> Result<u32, CoreError> {
@@ -173,12 +202,44 @@ impl BlockAllocator {
         Ok(())
     }
 
+    /// Reference count of any id below the capacity, existing or not (invariant checks).
+    pub(crate) fn ref_cnt_unchecked(&self, block_id: usize) -> u32 {
+        self.ref_cnt[block_id].load(Ordering::Acquire)
+    }
+
+    /// Takes every free block off the free list (see [`FreeList::drain`]). Resize path only:
+    /// the caller holds the pool's resize lock and gives the ids back with
+    /// [`set_num_blocks`](Self::set_num_blocks).
+    pub(crate) fn drain_free(&self) -> Vec<u32> {
+        self.free_list.drain()
+    }
+
+    /// Sets how many blocks exist and pushes `free_ids` (drained or new, all with ref count 0,
+    /// all `< num_blocks`, none on the list), sorted so the lowest id is allocated first.
+    /// Resize path only, under the pool's resize lock: a shrink must have drained every id
+    /// `>= num_blocks` first, and a growth raises `num_blocks` before the new ids are pushed,
+    /// so an id on the list is always in range.
+    pub(crate) fn set_num_blocks(&self, num_blocks: usize, mut free_ids: Vec<u32>) {
+        assert!(num_blocks <= self.max_num_blocks(), "{num_blocks} blocks exceed the capacity {}", self.max_num_blocks());
+        debug_assert!(free_ids.iter().all(|&id| (id as usize) < num_blocks));
+        self.num_blocks.store(num_blocks, Ordering::Release);
+        free_ids.sort_unstable();
+        self.free_list.push_chain(&free_ids);
+    }
+
     /// The invariants of DESIGN.md, checked exactly. Only meaningful while no other thread
     /// mutates the allocator.
     pub fn check_invariants(&self) -> Result<(), String> {
         let on_list = self.free_list.snapshot()?;
-        let mut seen = vec![false; self.num_blocks()];
+        let num_blocks = self.num_blocks();
+        if num_blocks > self.max_num_blocks() {
+            return Err(format!("num_blocks {num_blocks} > max_num_blocks {}", self.max_num_blocks()));
+        }
+        let mut seen = vec![false; num_blocks];
         for &id in &on_list {
+            if id as usize >= num_blocks {
+                return Err(format!("block {id} is on the free list but num_blocks is {num_blocks}"));
+            }
             if std::mem::replace(&mut seen[id as usize], true) {
                 return Err(format!("block {id} is on the free list twice"));
             }
@@ -188,7 +249,12 @@ impl BlockAllocator {
             }
         }
         for (id, rc) in self.ref_cnt.iter().enumerate() {
-            if !seen[id] && rc.load(Ordering::Acquire) == 0 {
+            let rc = rc.load(Ordering::Acquire);
+            if id >= num_blocks {
+                if rc != 0 {
+                    return Err(format!("block {id} >= num_blocks {num_blocks} has ref_cnt {rc}"));
+                }
+            } else if !seen[id] && rc == 0 {
                 return Err(format!("block {id} has ref_cnt 0 but is not on the free list (lost)"));
             }
         }
@@ -199,7 +265,7 @@ impl BlockAllocator {
                 on_list.len()
             ));
         }
-        if self.num_free() + self.num_used() != self.num_blocks() {
+        if self.num_free() + self.num_used() != num_blocks {
             return Err("num_free + num_used != num_blocks".into());
         }
         if self.high_water() < self.num_used() {

@@ -6,6 +6,14 @@ pub enum CoreError {
     #[error("out of blocks: requested {requested}, but only {free} of {num_blocks} are free")]
     OutOfBlocks { requested: usize, free: usize, num_blocks: usize },
 
+    /// A growable pool could not grow enough: `max_num_blocks` is reached, or the system or
+    /// driver refused the memory (`reason` says which). The pool is as it was before the call.
+    #[error(
+        "out of blocks: requested {requested}, but only {free} of {num_blocks} are free, and the pool cannot grow \
+         (max_num_blocks {max_num_blocks}): {reason}"
+    )]
+    CannotGrow { requested: usize, free: usize, num_blocks: usize, max_num_blocks: usize, reason: String },
+
     #[error("double free: block {block_id} is not allocated (its ref count is already 0)")]
     DoubleFree { block_id: u32 },
 

@@ -31,15 +31,36 @@ pub struct FreeList {
 impl FreeList {
     /// A list holding every id in `0..capacity`, lowest id on top (so allocation starts low).
     pub fn new_full(capacity: u32) -> Self {
+        Self::new_prefix(capacity, capacity)
+    }
+
+    /// A list with room for ids `0..capacity` holding `0..len`, lowest id on top. The ids
+    /// `len..capacity` can be pushed later (a growable pool's unmapped blocks).
+    pub fn new_prefix(capacity: u32, len: u32) -> Self {
         assert!(capacity < NIL, "capacity {capacity} collides with the NIL marker");
+        assert!(len <= capacity, "{len} ids do not fit a list of capacity {capacity}");
         let next = (0..capacity)
-            .map(|id| AtomicU32::new(if id + 1 < capacity { id + 1 } else { NIL }))
+            .map(|id| AtomicU32::new(if id + 1 < len { id + 1 } else { NIL }))
             .collect();
-        let top = if capacity == 0 { NIL } else { 0 };
+        let top = if len == 0 { NIL } else { 0 };
         FreeList {
             head: CachePadded::new(AtomicU64::new(pack(0, top))),
-            available: CachePadded::new(AtomicUsize::new(capacity as usize)),
+            available: CachePadded::new(AtomicUsize::new(len as usize)),
             next,
+        }
+    }
+
+    /// Reserves and pops every id that is available now (ids pushed meanwhile stay on the
+    /// list). Concurrent reservations fail while the ids are out, so callers that may see
+    /// this must retry under the lock that the drainer holds (see `growth.rs`).
+    pub fn drain(&self) -> Vec<u32> {
+        loop {
+            let count = self.available();
+            if self.reserve(count).is_ok() {
+                let mut ids = vec![0u32; count];
+                self.pop_reserved(&mut ids);
+                return ids;
+            }
         }
     }
 

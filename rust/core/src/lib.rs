@@ -5,6 +5,7 @@
 //! - [`free_list`]: the lock-free stack of free block ids (see `free_list.md`).
 //! - [`allocator`]: the free list plus per-block reference counts: alloc, free, share.
 //! - [`pool`]: an allocator bound to a slab and a layout; what the bindings expose.
+//!   A growable pool maps its slab chunk by chunk (`growth.rs`, design in `growable.md`).
 //!
 //! Every fallible call returns [`CoreError`] and changes nothing when it fails.
 
@@ -13,6 +14,7 @@ pub mod allocator;
 pub mod cuda;
 pub mod error;
 pub mod free_list;
+mod growth;
 pub mod layout;
 pub mod pool;
 pub mod slab;
@@ -24,7 +26,7 @@ mod sync;
 pub use allocator::BlockAllocator;
 pub use error::CoreError;
 pub use layout::{DType, KvLayout};
-pub use pool::{Pool, PoolSize, PoolStats};
+pub use pool::{GrowableSize, Pool, PoolSize, PoolStats};
 pub use slab::Device;
 
 /// Block ids are handed to kernels as int32, so a pool never holds more blocks than this.

@@ -1,5 +1,9 @@
 //! `Pool`: a block allocator bound to a slab and a layout. Block `id` occupies
 //! `[base_ptr + id * block_bytes, base_ptr + (id + 1) * block_bytes)`.
+//!
+//! A pool is fixed (one allocation of `num_blocks` blocks) or growable (a reserved range of
+//! `max_num_blocks` blocks backed chunk by chunk; `growth.rs` holds grow, shrink and the
+//! allocation slow path). `base_ptr` never changes in either.
 
 use std::ops::Deref;
 use std::sync::{Mutex, Weak};
@@ -7,7 +11,7 @@ use std::sync::{Mutex, Weak};
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::layout::KvLayout;
-use crate::slab::{self, Device, MemoryInfo, Slab};
+use crate::slab::{self, ChunkBackend, Device, GrowableSlab, MemoryInfo, Slab};
 
 /// How big a pool to make.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -20,10 +24,35 @@ pub enum PoolSize {
     DeviceMemoryFraction(f64),
 }
 
+/// Sizes of a growable pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GrowableSize {
+    /// The reservation: the pool never holds more blocks.
+    pub max_num_blocks: usize,
+    /// Blocks mapped at creation (rounded up to whole chunks, so there may be more).
+    pub initial_num_blocks: usize,
+    /// Bytes per chunk; `None`: 2 MiB on the host, the driver's granularity on CUDA.
+    pub chunk_bytes: Option<usize>,
+}
+
+pub(crate) enum Backing {
+    Fixed(Box<dyn Slab>),
+    Growable(GrowableSlab),
+}
+
+impl Backing {
+    fn slab(&self) -> &dyn Slab {
+        match self {
+            Backing::Fixed(slab) => slab.as_ref(),
+            Backing::Growable(slab) => slab,
+        }
+    }
+}
+
 pub struct Pool {
-    layout: KvLayout,
-    allocator: BlockAllocator,
-    slab: Box<dyn Slab>,
+    pub(crate) layout: KvLayout,
+    pub(crate) allocator: BlockAllocator,
+    pub(crate) backing: Backing,
     /// Everything that holds block references (block tables), so `check_invariants` can
     /// compare the references they hold with the pool's counts. Not on any hot path.
     ref_holders: Mutex<Vec<Weak<dyn RefHolder>>>,
@@ -39,6 +68,15 @@ pub trait RefHolder: Send + Sync {
 #[derive(Debug, Clone, PartialEq)]
 pub struct PoolStats {
     pub num_blocks: usize,
+    /// `num_blocks` for a fixed pool.
+    pub max_num_blocks: usize,
+    pub growable: bool,
+    /// Bytes backed by memory now (`slab_bytes`), and the reservation (equal for fixed pools).
+    pub mapped_bytes: usize,
+    pub reserved_bytes: usize,
+    /// Mapped chunks and their size (a fixed pool is one chunk: its whole slab).
+    pub num_chunks: usize,
+    pub chunk_bytes: usize,
     pub num_free: usize,
     pub num_used: usize,
     pub high_water: usize,
@@ -56,7 +94,56 @@ impl Pool {
             .checked_mul(layout.block_bytes())
             .ok_or_else(|| CoreError::InvalidArgument(format!("{num_blocks} blocks overflow the address space")))?;
         let slab = slab::allocate(device, slab_bytes)?;
-        Ok(Pool { layout, allocator, slab, ref_holders: Mutex::new(Vec::new()) })
+        Ok(Pool { layout, allocator, backing: Backing::Fixed(slab), ref_holders: Mutex::new(Vec::new()) })
+    }
+
+    /// A growable pool on `device`: reserves room for `size.max_num_blocks` and maps enough
+    /// chunks for `size.initial_num_blocks`.
+    pub fn new_growable(layout: KvLayout, size: GrowableSize, device: Device) -> Result<Self, CoreError> {
+        let reserved_bytes = Self::reservation_for(&layout, size)?;
+        let slab = slab::reserve_growable(device, reserved_bytes, size.chunk_bytes)?;
+        Self::with_growable_slab(layout, size, slab)
+    }
+
+    /// A growable pool over any chunk backend (tests inject failing ones). `size.chunk_bytes`
+    /// is ignored: the backend has its own.
+    pub fn with_chunk_backend(layout: KvLayout, size: GrowableSize, backend: Box<dyn ChunkBackend>) -> Result<Self, CoreError> {
+        Self::reservation_for(&layout, size)?;
+        Self::with_growable_slab(layout, size, GrowableSlab::new(backend))
+    }
+
+    fn reservation_for(layout: &KvLayout, size: GrowableSize) -> Result<usize, CoreError> {
+        if size.max_num_blocks == 0 || size.initial_num_blocks > size.max_num_blocks {
+            return Err(CoreError::InvalidArgument(format!(
+                "a growable pool needs 1 <= max_num_blocks and initial_num_blocks <= max_num_blocks, got {} and {}",
+                size.max_num_blocks, size.initial_num_blocks
+            )));
+        }
+        size.max_num_blocks.checked_mul(layout.block_bytes()).ok_or_else(|| {
+            CoreError::InvalidArgument(format!("{} blocks overflow the address space", size.max_num_blocks))
+        })
+    }
+
+    fn with_growable_slab(layout: KvLayout, size: GrowableSize, slab: GrowableSlab) -> Result<Self, CoreError> {
+        let needed = size.max_num_blocks * layout.block_bytes();
+        if slab.reserved_bytes() < needed {
+            return Err(CoreError::InvalidArgument(format!(
+                "the backend reserves {} bytes, {} blocks need {needed}",
+                slab.reserved_bytes(),
+                size.max_num_blocks
+            )));
+        }
+        let allocator = BlockAllocator::new_growable(0, size.max_num_blocks)?;
+        let pool = Pool { layout, allocator, backing: Backing::Growable(slab), ref_holders: Mutex::new(Vec::new()) };
+        pool.grow(size.initial_num_blocks).map_err(|e| match e {
+            // Creation asked for memory and did not get it: the slab could not be allocated.
+            CoreError::CannotGrow { .. } => CoreError::OutOfMemory {
+                requested_bytes: size.initial_num_blocks * pool.layout.block_bytes(),
+                device: pool.device().to_string(),
+            },
+            e => e,
+        })?;
+        Ok(pool)
     }
 
     fn resolve_num_blocks(layout: &KvLayout, size: PoolSize, device: Device) -> Result<usize, CoreError> {
@@ -94,13 +181,30 @@ impl Pool {
         &self.allocator
     }
     pub fn device(&self) -> Device {
-        self.slab.device()
+        self.backing.slab().device()
     }
     pub fn base_ptr(&self) -> u64 {
-        self.slab.base_ptr()
+        self.backing.slab().base_ptr()
     }
+    /// Bytes backed by memory now (for a growable pool, the mapped chunks).
     pub fn slab_bytes(&self) -> usize {
-        self.slab.len_bytes()
+        self.backing.slab().len_bytes()
+    }
+    pub fn is_growable(&self) -> bool {
+        matches!(self.backing, Backing::Growable(_))
+    }
+    /// Bytes of address space the pool holds (its mapped bytes if it is not growable).
+    pub fn reserved_bytes(&self) -> usize {
+        match &self.backing {
+            Backing::Fixed(slab) => slab.len_bytes(),
+            Backing::Growable(slab) => slab.reserved_bytes(),
+        }
+    }
+    pub(crate) fn growable_slab(&self) -> Option<&GrowableSlab> {
+        match &self.backing {
+            Backing::Fixed(_) => None,
+            Backing::Growable(slab) => Some(slab),
+        }
     }
 
     /// Address of block `block_id` (allocated or not; the id must be in range).
@@ -112,15 +216,25 @@ impl Pool {
     }
 
     pub fn stats(&self) -> Result<PoolStats, CoreError> {
+        let (num_chunks, chunk_bytes) = match &self.backing {
+            Backing::Fixed(slab) => (1, slab.len_bytes()),
+            Backing::Growable(slab) => (slab.mapped_bytes() / slab.chunk_bytes(), slab.chunk_bytes()),
+        };
         Ok(PoolStats {
             num_blocks: self.num_blocks(),
+            max_num_blocks: self.max_num_blocks(),
+            growable: self.is_growable(),
+            mapped_bytes: self.slab_bytes(),
+            reserved_bytes: self.reserved_bytes(),
+            num_chunks,
+            chunk_bytes,
             num_free: self.num_free(),
             num_used: self.num_used(),
             high_water: self.high_water(),
             block_bytes: self.layout.block_bytes(),
             slab_bytes: self.slab_bytes(),
             device: self.device(),
-            memory: self.slab.memory_info()?,
+            memory: self.backing.slab().memory_info()?,
         })
     }
 
@@ -134,14 +248,14 @@ impl Pool {
     /// The CUDA context and the pool's stream (`None` on the host).
     #[cfg(feature = "cuda")]
     pub fn cuda(&self) -> Option<(&std::sync::Arc<cudarc::driver::CudaContext>, &crate::cuda::Stream)> {
-        self.slab.cuda()
+        self.backing.slab().cuda()
     }
 
     /// Raw handle of the pool's CUDA stream (`None` on the host).
     pub fn stream_handle(&self) -> Option<u64> {
         #[cfg(feature = "cuda")]
         {
-            self.slab.cuda().map(|(_, stream)| stream.raw() as u64)
+            self.backing.slab().cuda().map(|(_, stream)| stream.raw() as u64)
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -172,12 +286,18 @@ impl Pool {
     }
 
     pub fn check_invariants(&self) -> Result<(), String> {
-        self.allocator.check_invariants()?;
-        let expected = self.num_blocks() * self.layout.block_bytes();
-        if self.slab.len_bytes() < expected {
-            return Err(format!("slab holds {} bytes, {} blocks need {expected}", self.slab.len_bytes(), self.num_blocks()));
+        match self.growable_slab() {
+            None => {
+                self.allocator.check_invariants()?;
+                let expected = self.num_blocks() * self.layout.block_bytes();
+                if self.slab_bytes() < expected {
+                    return Err(format!("slab holds {} bytes, {} blocks need {expected}", self.slab_bytes(), self.num_blocks()));
+                }
+                Ok(())
+            }
+            // Under the resize lock, so the mapping cannot change while it is compared.
+            Some(slab) => self.check_growable_invariants(&slab.lock()),
         }
-        Ok(())
     }
 }
 

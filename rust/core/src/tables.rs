@@ -141,7 +141,7 @@ impl BlockTables {
         }
         let num_blocks = self.check_blocks_fit(num_tokens)?;
         let mut ids = vec![0u32; num_blocks];
-        self.pool.allocator().alloc_into(&mut ids)?;
+        self.pool.alloc_into(&mut ids)?;
         let row = st.rows.len();
         st.rows.push(Row { request_id, num_tokens });
         st.row_of.insert(request_id, row);
@@ -205,7 +205,7 @@ impl BlockTables {
 
         // 2. Take every block at once (all or nothing).
         let mut fresh = vec![0u32; total_new];
-        allocator.alloc_into(&mut fresh)?;
+        self.pool.alloc_into(&mut fresh)?; // grows a growable pool
 
         // 3. Commit: nothing below can fail.
         let mut fresh = fresh.into_iter();

@@ -6,6 +6,17 @@ pub use host::HostSlab;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod cuda_chunks;
+pub mod growable;
+#[cfg(unix)]
+pub mod host_chunks;
+
+pub use growable::{ChunkBackend, GrowableSlab, ResizeGuard};
+
+/// Chunk size of growable host slabs when none is asked for (what the CUDA driver's
+/// granularity is on current GPUs, so both backends behave alike).
+pub const DEFAULT_HOST_CHUNK_BYTES: usize = 2 << 20;
 
 use crate::error::CoreError;
 
@@ -98,4 +109,27 @@ pub fn device_memory_info(device: Device) -> Result<Option<MemoryInfo>, CoreErro
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => Err(CoreError::CudaUnavailable("kvpool was built without the cuda feature".into())),
     }
+}
+
+/// A growable slab reserving `reserved_bytes` on `device`, mapped in chunks of `chunk_bytes`
+/// (rounded up to the page size or driver granularity; `None`: 2 MiB on the host, the
+/// driver's minimum granularity on CUDA). Nothing is mapped yet.
+pub fn reserve_growable(device: Device, reserved_bytes: usize, chunk_bytes: Option<usize>) -> Result<GrowableSlab, CoreError> {
+    let backend: Box<dyn ChunkBackend> = match device {
+        #[cfg(unix)]
+        Device::Host => Box::new(host_chunks::HostChunks::new(
+            reserved_bytes,
+            chunk_bytes.unwrap_or(DEFAULT_HOST_CHUNK_BYTES),
+        )?),
+        #[cfg(not(unix))]
+        Device::Host => {
+            let _ = (reserved_bytes, chunk_bytes);
+            return Err(CoreError::InvalidArgument("growable host pools need a Unix mmap".into()));
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => Box::new(cuda_chunks::CudaChunks::new(ordinal, reserved_bytes, chunk_bytes.unwrap_or(1))?),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => return Err(CoreError::CudaUnavailable("kvpool was built without the cuda feature".into())),
+    };
+    Ok(GrowableSlab::new(backend))
 }

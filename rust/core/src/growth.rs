@@ -1,0 +1,204 @@
+//! Growing and shrinking a growable pool, and the allocation path that grows on demand
+//! (design: `growable.md`).
+//!
+//! The fast path is the allocator's lock-free `alloc_into`, unchanged. Only when it finds too
+//! few free blocks does a growable pool take the resize lock (the growable slab's mutex),
+//! retry, map chunks, push the new ids and retry again. Every change of `num_blocks` and of
+//! the mapping happens under that lock, and a shrink that drains the free list makes
+//! concurrent allocations fail only into this slow path, where they wait for the lock and
+//! retry: a shrink never causes a spurious `OutOfBlocks`.
+
+use crate::error::CoreError;
+use crate::pool::Pool;
+use crate::slab::ResizeGuard;
+
+impl Pool {
+    pub fn alloc(&self) -> Result<u32, CoreError> {
+        let mut id = [0u32];
+        self.alloc_into(&mut id)?;
+        Ok(id[0])
+    }
+
+    /// Allocates `count` blocks, all or none, growing a growable pool if needed.
+    pub fn alloc_many(&self, count: usize) -> Result<Vec<u32>, CoreError> {
+        if count > self.max_num_blocks() {
+            // Can never succeed: refuse before sizing a buffer for it.
+            return Err(self.out_of_blocks(count, "the request exceeds max_num_blocks"));
+        }
+        let mut ids = vec![0u32; count];
+        self.alloc_into(&mut ids)?;
+        Ok(ids)
+    }
+
+    /// Fills `out` with newly allocated ids (ref count 1), or fails having taken none. A
+    /// growable pool that finds too few free blocks grows first; if it cannot, it fails with
+    /// `CannotGrow` and is exactly as it was.
+    pub fn alloc_into(&self, out: &mut [u32]) -> Result<(), CoreError> {
+        match (self.allocator.alloc_into(out), self.growable_slab()) {
+            (Err(CoreError::OutOfBlocks { .. }), Some(slab)) => self.alloc_growing(&mut slab.lock(), out),
+            (result, _) => result,
+        }
+    }
+
+    fn alloc_growing(&self, guard: &mut ResizeGuard<'_>, out: &mut [u32]) -> Result<(), CoreError> {
+        let chunks_before = guard.mapped_chunks();
+        loop {
+            // Retry first: the resize we may have waited for (a shrink's drain, another
+            // thread's growth) may have made room.
+            let shortfall = match self.allocator.alloc_into(out) {
+                Err(CoreError::OutOfBlocks { requested, free, .. }) => requested - free,
+                result => return result,
+            };
+            // Each pass raises num_blocks by the shortfall, so this ends at max_num_blocks.
+            let target = self.num_blocks() + shortfall;
+            let grown = if target > self.max_num_blocks() {
+                Err(CoreError::InvalidArgument("max_num_blocks is reached".into()))
+            } else {
+                self.grow_locked(guard, target)
+            };
+            if let Err(e) = grown {
+                // Give back what this call mapped (all of it, unless other threads allocated
+                // some of the new blocks meanwhile).
+                self.shrink_locked(guard, chunks_before)?;
+                return Err(match e {
+                    CoreError::InvalidArgument(reason) => self.out_of_blocks(out.len(), &reason),
+                    e @ CoreError::OutOfMemory { .. } => self.out_of_blocks(out.len(), &refusal(e)),
+                    e => e,
+                });
+            }
+        }
+    }
+
+    /// Maps memory until at least `num_blocks` blocks exist (up to `max_num_blocks`); returns
+    /// the bytes newly mapped (0 if there already were that many). Fails with `CannotGrow`
+    /// past the maximum or when memory is refused, changing nothing.
+    pub fn grow(&self, num_blocks: usize) -> Result<usize, CoreError> {
+        let Some(slab) = self.growable_slab() else {
+            return Err(CoreError::InvalidArgument("grow needs a growable pool (growable=True)".into()));
+        };
+        let mut guard = slab.lock();
+        if num_blocks > self.max_num_blocks() {
+            return Err(self.out_of_blocks(
+                num_blocks.saturating_sub(self.num_blocks()),
+                &format!("growing to {num_blocks} blocks would exceed max_num_blocks {}", self.max_num_blocks()),
+            ));
+        }
+        let before = guard.mapped_bytes();
+        self.grow_locked(&mut guard, num_blocks).map_err(|e| match e {
+            CoreError::OutOfMemory { .. } => self.out_of_blocks(num_blocks - self.num_blocks(), &refusal(e)),
+            e => e,
+        })?;
+        Ok(guard.mapped_bytes() - before)
+    }
+
+    /// Releases the chunks at the top of the range whose blocks are all free; returns the
+    /// bytes released. Afterwards the free list hands out the lowest ids first, so the top
+    /// of the range tends to drain for the next shrink.
+    pub fn shrink(&self) -> Result<usize, CoreError> {
+        let Some(slab) = self.growable_slab() else { return Ok(0) };
+        self.shrink_locked(&mut slab.lock(), 0)
+    }
+
+    /// `CannotGrow` for a request of `requested` blocks, with the counts as they are now.
+    fn out_of_blocks(&self, requested: usize, reason: &str) -> CoreError {
+        if !self.is_growable() {
+            return CoreError::OutOfBlocks { requested, free: self.num_free(), num_blocks: self.num_blocks() };
+        }
+        CoreError::CannotGrow {
+            requested,
+            free: self.num_free(),
+            num_blocks: self.num_blocks(),
+            max_num_blocks: self.max_num_blocks(),
+            reason: reason.to_string(),
+        }
+    }
+
+    /// Blocks that fit in `mapped_bytes`, capped at the reservation.
+    fn blocks_in(&self, mapped_bytes: usize) -> usize {
+        (mapped_bytes / self.layout.block_bytes()).min(self.max_num_blocks())
+    }
+
+    fn grow_locked(&self, guard: &mut ResizeGuard<'_>, target: usize) -> Result<(), CoreError> {
+        let old = self.num_blocks();
+        if target <= old {
+            return Ok(());
+        }
+        let chunks = (target * self.layout.block_bytes()).div_ceil(guard.chunk_bytes());
+        guard.map_to(chunks)?;
+        // The new ids and the free ones together, sorted, so the lowest come out first and a
+        // growth does not push old low ids under new high ones.
+        let new_num_blocks = self.blocks_in(guard.mapped_bytes());
+        let mut free_ids = self.allocator.drain_free();
+        free_ids.extend(old as u32..new_num_blocks as u32);
+        self.allocator.set_num_blocks(new_num_blocks, free_ids);
+        Ok(())
+    }
+
+    /// Unmaps the top chunks whose blocks are all free, keeping at least `min_chunks`.
+    fn shrink_locked(&self, guard: &mut ResizeGuard<'_>, min_chunks: usize) -> Result<usize, CoreError> {
+        let num_blocks = self.num_blocks();
+        let mapped = guard.mapped_chunks();
+        // Every free block, in our hands: nobody can allocate one of them until we push it
+        // back. An id not among them is allocated (or in flight) and must stay.
+        let drained = self.allocator.drain_free();
+        let mut is_free = vec![false; num_blocks];
+        for &id in &drained {
+            is_free[id as usize] = true;
+        }
+        let live_end = is_free.iter().rposition(|&free| !free).map_or(0, |id| id + 1);
+        let chunk_bytes = guard.chunk_bytes();
+        let keep_chunks = (live_end * self.layout.block_bytes()).div_ceil(chunk_bytes).max(min_chunks);
+        if keep_chunks >= mapped {
+            self.allocator.set_num_blocks(num_blocks, drained);
+            return Ok(0);
+        }
+        // Blocks new_num_blocks.. are all free (new_num_blocks >= live_end) and now off the
+        // list for good; lower num_blocks before the memory goes.
+        let new_num_blocks = self.blocks_in(keep_chunks * chunk_bytes);
+        debug_assert!(new_num_blocks >= live_end);
+        let kept = drained.into_iter().filter(|&id| (id as usize) < new_num_blocks).collect();
+        self.allocator.set_num_blocks(new_num_blocks, kept);
+        let before = guard.mapped_bytes();
+        guard.unmap_to(keep_chunks)?;
+        Ok(before - guard.mapped_bytes())
+    }
+
+    /// The growable pool's invariants, with the resize lock held.
+    pub(crate) fn check_growable_invariants(&self, guard: &ResizeGuard<'_>) -> Result<(), String> {
+        self.allocator.check_invariants()?;
+        let (num_blocks, block_bytes) = (self.num_blocks(), self.layout.block_bytes());
+        let mapped = guard.mapped_bytes();
+        let reserved = self.reserved_bytes();
+        if !(num_blocks * block_bytes <= mapped && mapped <= reserved) {
+            return Err(format!(
+                "need num_blocks * block_bytes <= mapped_bytes <= reserved_bytes, got {num_blocks} * {block_bytes} = {}, {mapped}, {reserved}",
+                num_blocks * block_bytes
+            ));
+        }
+        if num_blocks != self.blocks_in(mapped) {
+            return Err(format!("num_blocks {num_blocks}, but {mapped} mapped bytes hold {}", self.blocks_in(mapped)));
+        }
+        if self.slab_bytes() != mapped {
+            return Err(format!("slab reports {} mapped bytes, the lock holds {mapped}", self.slab_bytes()));
+        }
+        // Mapped chunks cover every allocated block (ids past num_blocks have ref_cnt 0 by
+        // the allocator's check; this one restates the memory side of it).
+        for id in 0..self.max_num_blocks() {
+            let rc = self.allocator.ref_cnt_unchecked(id);
+            if rc > 0 && (id + 1) * block_bytes > mapped {
+                return Err(format!("block {id} is allocated (ref_cnt {rc}) but its memory is not mapped"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why memory was refused, for `CannotGrow`'s reason.
+fn refusal(e: CoreError) -> String {
+    match e {
+        CoreError::OutOfMemory { requested_bytes, device } => {
+            format!("{device} refused a chunk of {requested_bytes} bytes (out of memory)")
+        }
+        e => e.to_string(),
+    }
+}
