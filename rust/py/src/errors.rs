@@ -7,7 +7,7 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
 create_exception!(kvpool._core, KvError, PyException, "Base class of every kvpool error.");
-create_exception!(kvpool._core, OutOfBlocksError, KvError, "Too few free blocks; attributes `requested` and `free`.");
+create_exception!(kvpool._core, OutOfBlocksError, KvError, "Too few free blocks (and a growable pool could not grow); attributes `requested`, `free`, `num_blocks`, `max_num_blocks` (None for fixed pools).");
 create_exception!(kvpool._core, OutOfMemoryError, KvError, "The slab itself could not be allocated.");
 create_exception!(kvpool._core, DoubleFreeError, KvError, "A block was freed that is not allocated.");
 create_exception!(kvpool._core, InvalidBlockError, KvError, "A block id that is not an id of this pool.");
@@ -40,6 +40,17 @@ impl From<PyKvError> for PyErr {
                 let _ = value.setattr("requested", requested);
                 let _ = value.setattr("free", free);
                 let _ = value.setattr("num_blocks", num_blocks);
+                let _ = value.setattr("max_num_blocks", py.None());
+                err
+            }),
+            // A growable pool that could not grow: the same error, naming the maximum too.
+            CoreError::CannotGrow { requested, free, num_blocks, max_num_blocks, .. } => Python::attach(|py| {
+                let err = OutOfBlocksError::new_err(message);
+                let value = err.value(py);
+                let _ = value.setattr("requested", requested);
+                let _ = value.setattr("free", free);
+                let _ = value.setattr("num_blocks", num_blocks);
+                let _ = value.setattr("max_num_blocks", max_num_blocks);
                 err
             }),
             CoreError::OutOfMemory { .. } => OutOfMemoryError::new_err(message),

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use kvpool_core::layout::KvPart;
 use kvpool_core::pool::PoolSize;
-use kvpool_core::{CoreError, Device, Pool};
+use kvpool_core::{CoreError, Device, GrowableSize, KvLayout, Pool};
 use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -40,6 +40,54 @@ fn pool_size(
     }
 }
 
+/// The growable pool's sizes, or why the arguments do not describe one.
+fn growable_size(
+    fixed_size_given: bool,
+    max_num_blocks: Option<i64>,
+    initial_num_blocks: Option<i64>,
+    chunk_bytes: Option<i64>,
+) -> Result<GrowableSize, CoreError> {
+    if fixed_size_given {
+        return Err(CoreError::InvalidArgument(
+            "a growable pool is sized by max_num_blocks (and initial_num_blocks), not num_blocks, memory_bytes or gpu_memory_utilization".into(),
+        ));
+    }
+    let max_num_blocks = max_num_blocks
+        .ok_or_else(|| CoreError::InvalidArgument("growable=True needs max_num_blocks".into()))?;
+    Ok(GrowableSize {
+        max_num_blocks: ids::count(max_num_blocks, "max_num_blocks")?,
+        initial_num_blocks: ids::count(initial_num_blocks.unwrap_or(0), "initial_num_blocks")?,
+        chunk_bytes: chunk_bytes.map(|b| ids::count(b, "chunk_bytes")).transpose()?,
+    })
+}
+
+/// Creates the pool; run with the GIL released (allocating a large slab takes time).
+type PoolMaker = Box<dyn FnOnce() -> Result<Pool, CoreError> + Send>;
+
+/// Checks the constructor's arguments and says how to make the pool they describe.
+fn pool_maker(
+    layout: KvLayout,
+    fixed: (Option<i64>, Option<i64>, Option<f64>),
+    growable: bool,
+    grow_args: (Option<i64>, Option<i64>, Option<i64>),
+    device: Device,
+) -> Result<PoolMaker, CoreError> {
+    let (num_blocks, memory_bytes, gpu_memory_utilization) = fixed;
+    let (max_num_blocks, initial_num_blocks, chunk_bytes) = grow_args;
+    if growable {
+        let fixed_given = num_blocks.is_some() || memory_bytes.is_some() || gpu_memory_utilization.is_some();
+        let size = growable_size(fixed_given, max_num_blocks, initial_num_blocks, chunk_bytes)?;
+        return Ok(Box::new(move || Pool::new_growable(layout, size, device)));
+    }
+    if max_num_blocks.is_some() || initial_num_blocks.is_some() || chunk_bytes.is_some() {
+        return Err(CoreError::InvalidArgument(
+            "max_num_blocks, initial_num_blocks and chunk_bytes need growable=True".into(),
+        ));
+    }
+    let size = pool_size(num_blocks, memory_bytes, gpu_memory_utilization)?;
+    Ok(Box::new(move || Pool::new(layout, size, device)))
+}
+
 impl PyPool {
     fn view(slf: &Bound<'_, Self>, layer: usize, part: KvPart) -> PyResult<Py<PyAny>> {
         let py = slf.py();
@@ -58,21 +106,57 @@ impl PyPool {
 #[pymethods]
 impl PyPool {
     #[new]
-    #[pyo3(signature = (layout, num_blocks = None, *, memory_bytes = None, gpu_memory_utilization = None, device = "auto"))]
+    #[pyo3(signature = (
+        layout,
+        num_blocks = None,
+        *,
+        memory_bytes = None,
+        gpu_memory_utilization = None,
+        growable = false,
+        max_num_blocks = None,
+        initial_num_blocks = None,
+        chunk_bytes = None,
+        device = "auto",
+    ))]
+    #[allow(clippy::too_many_arguments)] // one per keyword of the Python signature
     fn new(
         py: Python<'_>,
         layout: PyRef<'_, PyKvLayout>,
         num_blocks: Option<i64>,
         memory_bytes: Option<i64>,
         gpu_memory_utilization: Option<f64>,
+        growable: bool,
+        max_num_blocks: Option<i64>,
+        initial_num_blocks: Option<i64>,
+        chunk_bytes: Option<i64>,
         device: &str,
     ) -> KvResult<Self> {
-        let size = pool_size(num_blocks, memory_bytes, gpu_memory_utilization)?;
         let device = Device::parse(device)?;
-        let layout = layout.inner;
+        let create = pool_maker(
+            layout.inner,
+            (num_blocks, memory_bytes, gpu_memory_utilization),
+            growable,
+            (max_num_blocks, initial_num_blocks, chunk_bytes),
+            device,
+        )?;
         // Allocating and zeroing a large slab takes time: let other threads run.
-        let pool = py.detach(|| Pool::new(layout, size, device))?;
+        let pool = py.detach(create)?;
         Ok(PyPool { inner: Arc::new(pool) })
+    }
+
+    /// Maps memory until at least `num_blocks` blocks exist (growable pools only); returns
+    /// the bytes newly mapped. Past `max_num_blocks`, or when the driver refuses memory,
+    /// raises `OutOfBlocksError` and changes nothing.
+    fn grow(&self, py: Python<'_>, num_blocks: i64) -> KvResult<usize> {
+        let num_blocks = ids::count(num_blocks, "num_blocks")?;
+        Ok(py.detach(|| self.inner.grow(num_blocks))?)
+    }
+
+    /// Releases the chunks at the top of the range whose blocks are all free; returns the
+    /// bytes released (0 for a fixed pool). Views taken before must not touch blocks past
+    /// the new `num_blocks`.
+    fn shrink(&self, py: Python<'_>) -> KvResult<usize> {
+        Ok(py.detach(|| self.inner.shrink())?)
     }
 
     /// Allocates one block (ref count 1) and returns its id.
@@ -83,7 +167,8 @@ impl PyPool {
     /// Allocates `n` blocks, all or none, as an int32 array.
     fn alloc_many<'py>(&self, py: Python<'py>, n: i64) -> KvResult<Bound<'py, PyArray1<i32>>> {
         let n = ids::count(n, "n")?;
-        // The core's alloc_many refuses n > num_blocks before sizing a buffer for n ids.
+        // The core refuses n > max_num_blocks before sizing a buffer for n ids; a growable
+        // pool that must grow maps memory here (with the GIL held for small n: rare).
         let out = if n >= DETACH_MIN_BLOCKS { py.detach(|| self.inner.alloc_many(n))? } else { self.inner.alloc_many(n)? };
         // Ids are < MAX_NUM_BLOCKS = i32::MAX, so the cast is exact.
         Ok(PyArray1::from_iter(py, out.into_iter().map(|id| id as i32)))
@@ -138,6 +223,15 @@ impl PyPool {
     fn num_blocks(&self) -> usize {
         self.inner.num_blocks()
     }
+    /// The most blocks the pool can hold (`num_blocks` unless growable).
+    #[getter]
+    fn max_num_blocks(&self) -> usize {
+        self.inner.max_num_blocks()
+    }
+    #[getter]
+    fn growable(&self) -> bool {
+        self.inner.is_growable()
+    }
     #[getter]
     fn num_free(&self) -> usize {
         self.inner.num_free()
@@ -189,6 +283,12 @@ impl PyPool {
             d.set_item("block_bytes", s.block_bytes)?;
             d.set_item("slab_bytes", s.slab_bytes)?;
             d.set_item("device", s.device.to_string())?;
+            d.set_item("growable", s.growable)?;
+            d.set_item("max_num_blocks", s.max_num_blocks)?;
+            d.set_item("mapped_bytes", s.mapped_bytes)?;
+            d.set_item("reserved_bytes", s.reserved_bytes)?;
+            d.set_item("num_chunks", s.num_chunks)?;
+            d.set_item("chunk_bytes", s.chunk_bytes)?;
             if let Some(m) = s.memory {
                 d.set_item("device_free_bytes", m.free_bytes)?;
                 d.set_item("device_total_bytes", m.total_bytes)?;
