@@ -17,6 +17,7 @@ import math
 import os
 import statistics
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -28,8 +29,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kvpool
 from kvpool.kernels import paged_attention_decode, workspace_elems
-from kvpool.kernels._plan import plan_decode, tokens_per_iteration
-from kvpool.kernels._build import PIPELINE, group_tile
+from kvpool.kernels import _build
+from kvpool.kernels._plan import plan_decode
 
 HERE = Path(__file__).resolve().parent
 L2_BYTES = 60 << 20
@@ -39,8 +40,10 @@ GRID = [(1, 32768), (1, 4096), (16, 512), (8, 8192), (32, 4096), (64, 2048), (12
         (256, 2048), (64, 8192)]
 VARIANTS = [("bfloat16", 128, (1, 32768)), ("bfloat16", 128, (32, 4096)),
             ("float16", 64, (1, 4096)), ("float16", 64, (32, 4096)),
-            ("float16", 256, (1, 4096)), ("float16", 256, (32, 4096))]
+            ("float16", 256, (1, 4096)), ("float16", 256, (32, 4096)),
+            ("float16", 128, (32, 4096), 8)]  # MHA (Hq = Hkv = 8): group 1
 HQ, HKV, BS = 32, 8, 16
+HOST_CALLS = 200
 
 
 def median_graph_us(calls, reps=20, inner=None):
@@ -87,6 +90,19 @@ def median_eager_us(calls, reps=20, inner=None):
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / (inner * len(calls)))
     return statistics.median(times)
+
+
+def host_us(call, n=HOST_CALLS):
+    """Host (CPU) time per call of `call`, eager, no synchronisation inside the loop."""
+    s = torch.cuda.current_stream()
+    call(s)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        call(s)
+    el = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return el / n * 1e6
 
 
 def measure_ceiling():
@@ -137,7 +153,7 @@ def random_elems(shape, dtype, gen):
     return t.to(torch.bfloat16 if dtype == "bfloat16" else torch.float16)
 
 
-def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep):
+def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep, hq=HQ):
     tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float16
     kv_bytes = batch * seq_len * HKV * d * 2 * 2
     rot = max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes)))
@@ -160,16 +176,19 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep):
               .reshape(batch, blocks_per_seq) for r in range(rot)]
     tables_t = [torch.from_numpy(t).cuda() for t in tables]
     lens_t = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
-    qs = [random_elems((batch, HQ, d), dtype, gen) for _ in range(rot)]
+    qs = [random_elems((batch, hq, d), dtype, gen) for _ in range(rot)]
     outs = [torch.empty_like(q) for q in qs]
     # kvpool takes bfloat16 as any 2-byte integer array (CuPy has no bfloat16 dtype).
     as_arg = (lambda t: t.view(torch.int16)) if dtype == "bfloat16" else (lambda t: t)
-    gq = group_tile(HQ // HKV)
-    plan = plan_decode(batch, HKV * (HQ // HKV // gq), seq_len, tokens_per_iteration(d, gq),
-                       cp.cuda.Device().attributes["MultiProcessorCount"])
-    ws = cp.empty(workspace_elems(batch, HQ, d, max(plan.num_splits, 64)), dtype=cp.float32)
+    group = hq // HKV
+    gq = _build.tc_group_tile(group, d)
+    tcv = _build.TcVariant(dtype, d, BS, 1 if gq <= 8 else 2)
+    plan = plan_decode(batch, HKV * (group // gq), seq_len, tcv.tokens_per_iter,
+                       cp.cuda.Device().attributes["MultiProcessorCount"],
+                       ctas_per_sm=tcv.ctas_per_sm)
+    ws = cp.empty(workspace_elems(batch, hq, d, max(plan.num_splits, 64)), dtype=cp.float32)
     row = {"shape": f"{batch}x{seq_len}", "batch": batch, "seq_len": seq_len, "dtype": dtype,
-           "head_dim": d, "num_q_heads": HQ, "num_kv_heads": HKV, "block_size": BS,
+           "head_dim": d, "num_q_heads": hq, "num_kv_heads": HKV, "block_size": BS,
            "kv_bytes": kv_bytes, "rotations": rot, "num_splits": plan.num_splits,
            "chunk_tokens": plan.chunk_tokens}
 
@@ -180,12 +199,22 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep):
                                    num_splits=splits, workspace=ws, pipeline=pipeline)
         return call
 
+    row["kvpool_kernel"] = "tensor cores (paged_decode_tc)"
     row["kvpool_us"] = median_graph_us([ours(r) for r in range(rot)])
     row["kvpool_repeat_us"] = median_graph_us([ours(r) for r in range(rot)])  # noise check
-    row["kvpool_pipeline"] = PIPELINE
-    row["kvpool_other_path_us"] = median_graph_us([ours(r, pipeline=1 - PIPELINE)
-                                                   for r in range(rot)])
+    # The CUDA-core kernel of v2 (cp.async stages), same run, same data.
+    row["kvpool_cuda_core_us"] = median_graph_us([ours(r, pipeline=_build.PIPELINE)
+                                                  for r in range(rot)])
     row["kvpool_eager_us"] = median_eager_us([ours(r) for r in range(rot)])
+    # Host time per call of the Python wrapper (eager, no sync): all hints given, and the
+    # plain form (default stream, cached workspace; max_seq_len still given: without it the
+    # wrapper must read seq_lens back, a device sync).
+    row["kvpool_host_us"] = host_us(ours(0))
+
+    def plain(s):
+        paged_attention_decode(as_arg(qs[0]), pool, 0, tables_t[0], lens_t, out=as_arg(outs[0]),
+                               max_seq_len=seq_len)
+    row["kvpool_host_plain_us"] = host_us(plain)
     if do_sweep:
         row["kvpool_split_sweep_us"] = {
             str(n): round(median_graph_us([ours(r, n) for r in range(rot)]), 2)
@@ -232,7 +261,7 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep):
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD",
                     use_tensor_cores=tc)
-                w.plan(indptr, tables_t[r].reshape(-1), last, HQ, HKV, d, BS,
+                w.plan(indptr, tables_t[r].reshape(-1), last, hq, HKV, d, BS,
                        q_data_type=tdt, kv_data_type=tdt)
                 wrappers.append(w)
             fouts = [torch.empty_like(q) for q in qs]
@@ -242,6 +271,7 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep):
                     wrappers[r].run(qs[r], cache, out=fouts[r])
                 return call
             try:
+                row[f"{name}_host_us"] = host_us(fi(0))
                 row[f"{name}_us"] = median_graph_us([fi(r) for r in range(rot)])
                 row[f"{name}_timing"] = "graph"
             except Exception as e:
@@ -254,7 +284,8 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep):
     except Exception as e:
         row["flashinfer_error"] = f"{type(e).__name__}: {e}"[:300]
         traceback.print_exc()
-    for key in ("kvpool", "sdpa_cudnn", "sdpa_flash", "flashinfer", "flashinfer_tc"):
+    for key in ("kvpool", "kvpool_cuda_core", "sdpa_cudnn", "sdpa_flash", "flashinfer",
+                "flashinfer_tc"):
         us = row.get(f"{key}_us")
         row[f"{key}_frac"] = None if not us else round(kv_bytes / (us * 1e-6) / 1e12 / ceiling, 4)
     peers = [row.get(k) for k in ("sdpa_cudnn_us", "sdpa_flash_us", "flashinfer_us",
@@ -281,9 +312,10 @@ def main():
         "torch": torch.__version__, "cupy": cp.__version__, "rows": [],
     }
     cases = [("float16", 128, s) for s in GRID] + VARIANTS
-    for dtype, d, (b, l) in cases:
+    for dtype, d, (b, l), *hq in cases:
         try:
-            row = bench_shape(dtype, d, b, l, ceiling, do_sweep=b * l <= 32768)
+            row = bench_shape(dtype, d, b, l, ceiling, do_sweep=b * l <= 32768,
+                              hq=hq[0] if hq else HQ)
         except Exception as e:
             traceback.print_exc()
             row = {"shape": f"{b}x{l}", "dtype": dtype, "head_dim": d,
@@ -292,14 +324,16 @@ def main():
         print(json.dumps(row), flush=True)
         with open(out_path, "w") as f:
             json.dump(result, f, indent=1)
-    hdr = f"{'shape':>9} {'dt':>4} {'D':>3} {'ours':>7} {'cudnn':>7} {'flash':>7} {'FI':>7} {'FItc':>7} {'frac':>5} {'xFI':>5} {'xbest':>5}"
+    hdr = f"{'shape':>9} {'dt':>4} {'D':>3} {'Hq':>3} {'ours':>7} {'v2cc':>7} {'cudnn':>7} {'flash':>7} {'FI':>7} {'FItc':>7} {'frac':>5} {'xFI':>5} {'xbest':>5} {'host':>5} {'FIhst':>5}"
     print(hdr)
     for r in result["rows"]:
         f = lambda k, r=r: f"{r[k]:7.1f}" if r.get(k) else "      -"  # noqa: E731
-        print(f"{r['shape']:>9} {r['dtype'][:4]:>4} {r['head_dim']:>3} {f('kvpool_us')} {f('sdpa_cudnn_us')} "
+        print(f"{r['shape']:>9} {r['dtype'][:4]:>4} {r['head_dim']:>3} {r.get('num_q_heads', 0):>3} "
+              f"{f('kvpool_us')} {f('kvpool_cuda_core_us')} {f('sdpa_cudnn_us')} "
               f"{f('sdpa_flash_us')} {f('flashinfer_us')} {f('flashinfer_tc_us')} "
               f"{r.get('kvpool_frac') or 0:5.2f} {r.get('speedup_vs_best_flashinfer') or 0:5.2f} "
-              f"{r.get('speedup_vs_best_peer') or 0:5.2f}")
+              f"{r.get('speedup_vs_best_peer') or 0:5.2f} {r.get('kvpool_host_us') or 0:5.1f} "
+              f"{r.get('flashinfer_tc_host_us') or 0:5.1f}")
 
 
 if __name__ == "__main__":

@@ -124,6 +124,29 @@ def test_decode_matches_reference(dtype, d, bs, hq, hkv):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (8, 8), (32, 1)])
+def test_decode_both_kernels_and_cached_calls(dtype, d, hq, hkv):
+    """The CUDA-core kernel's cp.async path (pipeline=1) next to the default tensor-core one,
+    and repeated calls with the same shapes but fresh arrays (the wrapper caches everything
+    but the pointers): each call must read its own q, tables and lengths."""
+    rng = np.random.default_rng([d, hq, hkv, len(dtype), 77])
+    bs = 16
+    pool = _new_pool(rng, 1, hkv, d, bs, dtype, 160)
+    for rep in range(2):
+        lens = rng.integers(1, 400, size=5).astype(np.int32)
+        tables = _tables(rng, lens, bs, pool.num_blocks)
+        q = _elems_dev(rng, (len(lens), hq, d), dtype)
+        label = f"decode_paths[{dtype},d{d},hq{hq},hkv{hkv},rep{rep}]"
+        _check_decode(pool, 0, q, tables, lens, _poisoned(q.shape, dtype), label + "tc",
+                      max_seq_len=400)
+        _check_decode(pool, 0, q, tables, lens, _poisoned(q.shape, dtype), label + "tc_split5",
+                      max_seq_len=400, num_splits=5)
+        _check_decode(pool, 0, q, tables, lens, _poisoned(q.shape, dtype), label + "cc",
+                      max_seq_len=400, pipeline=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_seqs", "max_len"), [(1, 20000), (3, 5000), (40, 700)])
 def test_decode_long_contexts_auto_split(dtype, num_seqs, max_len):
     rng = np.random.default_rng([num_seqs, max_len, len(dtype)])

@@ -17,8 +17,16 @@ HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (8, 16, 32)
 MAX_GQ = 8  # query heads one decode CTA keeps in registers
 DECODE_WARPS = 4
-PIPELINE = 1  # decode loads through per-thread cp.async stages (0: straight to registers)
+PIPELINE = 1  # CUDA-core decode loads through per-thread cp.async stages (0: straight to registers)
 COMMON_OPTIONS = ("-std=c++17",)
+
+# Tensor-core decode (paged_decode_tc.cu): the default path. `pipeline=TC` selects it explicitly;
+# pipeline 0 / 1 select the CUDA-core kernel (paged_decode.cu) with its two load paths.
+TC = 2
+TC_WARPS = 4
+TC_TILE = 16  # tokens per warp tile
+TC_MAX_GQ = {64: 16, 128: 16, 256: 8}  # D=256 with 16 heads needs > 255 registers (spills)
+TC_STAGES = {64: 4, 128: 3, 256: 2}  # cp.async stages per warp: 64, 96, 128 KB per CTA
 
 
 def cuda_dir() -> Path:
@@ -43,6 +51,18 @@ class DecodeVariant:
     block_size: int
     gq: int  # query heads per CTA (group_tile of the GQA group)
     pipeline: int = PIPELINE
+
+    source = "paged_decode.cu"
+    kernel = "paged_decode"
+
+    @property
+    def threads(self) -> int:
+        return 32 * DECODE_WARPS
+
+    @property
+    def tokens_per_iter(self) -> int:
+        subgroups = DECODE_WARPS * (32 // (self.head_dim // 8))
+        return subgroups * self.unroll
 
     @property
     def unroll(self) -> int:
@@ -70,7 +90,72 @@ class DecodeVariant:
         )
 
 
-def decode_variants() -> list[DecodeVariant]:
+def tc_group_tile(group: int, head_dim: int) -> int:
+    """Query heads per tensor-core decode CTA: the largest divisor of `group` within the
+    16 rows of the mma M dimension (8 for head_dim 256)."""
+    cap = TC_MAX_GQ[head_dim]
+    return max(d for d in range(1, cap + 1) if group % d == 0)
+
+
+@dataclass(frozen=True)
+class TcVariant:
+    """A compiled tensor-core decode module; the head tile gq is a run-time argument, only
+    nh = 1 (gq <= 8) or 2 (gq <= 16) head column tiles are compiled."""
+
+    dtype: str
+    head_dim: int
+    block_size: int
+    nh: int
+
+    source = "paged_decode_tc.cu"
+    kernel = "paged_decode_tc"
+
+    @property
+    def stages(self) -> int:
+        return TC_STAGES[self.head_dim]
+
+    @property
+    def threads(self) -> int:
+        return 32 * TC_WARPS
+
+    @property
+    def tokens_per_iter(self) -> int:
+        return TC_TILE * TC_WARPS
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        """Per-warp K+V tile stages (mirrors the .cu); the merge area fits inside."""
+        stage = self.stages * 2 * TC_TILE * self.head_dim * 2 * TC_WARPS
+        merge = 4 * TC_WARPS * 16 * (self.head_dim + 2)
+        return max(stage, merge)
+
+    @property
+    def ctas_per_sm(self) -> int:
+        return max(1, min(4, (227 * 1024) // (self.dynamic_smem_bytes + 1024)))
+
+    def options(self) -> tuple[str, ...]:
+        return COMMON_OPTIONS + (
+            f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
+            f"-DHEAD_DIM={self.head_dim}",
+            f"-DBLOCK_SIZE={self.block_size}",
+            f"-DNH={self.nh}",
+            f"-DNWARPS={TC_WARPS}",
+            f"-DSTAGES={self.stages}",
+        )
+
+
+def tc_variants() -> list[TcVariant]:
+    return [
+        TcVariant(dt, hd, bs, nh)
+        for dt in DTYPES
+        for hd in HEAD_DIMS
+        for bs in BLOCK_SIZES
+        for nh in (1, 2)
+        if nh * 8 <= TC_MAX_GQ[hd]
+    ]
+
+
+def decode_variants() -> list[DecodeVariant | TcVariant]:
     """Every decode variant the wrappers can ask for (the CI compile test builds them all),
     plus the other load path for every tile size at one (dtype, head_dim, block_size)."""
     default = [
@@ -82,14 +167,18 @@ def decode_variants() -> list[DecodeVariant]:
     ]
     other = [DecodeVariant(dt, hd, 16, gq, 1 - PIPELINE)
              for dt in DTYPES for hd in HEAD_DIMS for gq in range(1, MAX_GQ + 1)]
-    return default + other
+    return default + other + tc_variants()
+
+
+def _tile_label(v: DecodeVariant | TcVariant) -> str:
+    return f"nh{v.nh}" if isinstance(v, TcVariant) else f"{v.gq},p{v.pipeline}"
 
 
 def all_sources() -> list[tuple[str, str, tuple[str, ...]]]:
     """(label, source, options) for every module the library compiles."""
     out = [
-        (f"paged_decode[{v.dtype},{v.head_dim},{v.block_size},{v.gq}]",
-         read_source("paged_decode.cu"), v.options())
+        (f"{v.kernel}[{v.dtype},{v.head_dim},{v.block_size},{_tile_label(v)}]",
+         read_source(v.source), v.options())
         for v in decode_variants()
     ]
     out.append(("append_kv", read_source("append_kv.cu"), COMMON_OPTIONS))
@@ -98,10 +187,10 @@ def all_sources() -> list[tuple[str, str, tuple[str, ...]]]:
 
 
 @functools.cache
-def decode_module(variant: DecodeVariant) -> Any:
+def decode_module(variant: DecodeVariant | TcVariant) -> Any:
     import cupy
 
-    return cupy.RawModule(code=read_source("paged_decode.cu"), options=variant.options())
+    return cupy.RawModule(code=read_source(variant.source), options=variant.options())
 
 
 @functools.cache

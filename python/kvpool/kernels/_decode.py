@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import itertools
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -12,13 +15,12 @@ from kvpool import reference
 from kvpool._core import InvalidArgumentError
 from kvpool.kernels import _build
 from kvpool.kernels._args import (
+    DevArray,
     check_elem16,
     check_int_array,
-    cupy_stream,
-    dev_array,
     pool_is_cuda,
 )
-from kvpool.kernels._plan import DecodePlan, plan_decode, tokens_per_iteration
+from kvpool.kernels._plan import CTAS_PER_SM, DecodePlan, plan_decode
 
 LOG2E = 1.4426950408889634  # the kernel works in the log2 domain (exp2)
 
@@ -51,19 +53,22 @@ def paged_attention_decode(
     read from the host) sizes the split-KV plan; when omitted it is read from seq_lens, which
     synchronises with the device. num_splits forces a plan; workspace (float32 device array of
     at least workspace_elems() elements) avoids an allocation, e.g. under graph capture.
-    pipeline picks the load path (1: cp.async stages, 0: registers; default _build.PIPELINE),
-    for benchmarks.
+    pipeline picks the kernel, for tests and benchmarks: None or 2 (_build.TC) the tensor-core
+    kernel (the default), 1 / 0 the CUDA-core kernel with cp.async stages / register loads.
+    Everything derivable from the pool, layer, shapes, strides and dtypes is cached, so a
+    repeated call costs a few dictionary look-ups and one or two cuLaunchKernel calls.
     On a host pool the arrays are NumPy and the float64 reference does the work.
     """
-    layout = pool.layout
-    _check_tables_pool(block_tables, pool)
-    if not 0 <= layer < layout.num_layers:
-        raise InvalidArgumentError(f"layer {layer} outside 0..{layout.num_layers - 1}")
-    if not pool_is_cuda(pool):
+    info = _pool_info(pool)
+    if getattr(block_tables, "pool", None) is not None:
+        _check_tables_pool(block_tables, pool)
+    if not 0 <= layer < info.num_layers:
+        raise InvalidArgumentError(f"layer {layer} outside 0..{info.num_layers - 1}")
+    if not info.cuda:
         return _decode_host(q, pool, layer, block_tables, seq_lens, scale, out)
     return _decode_cuda(
-        q, pool, layer, block_tables, seq_lens, scale, out, stream, max_seq_len, num_splits,
-        workspace, _build.PIPELINE if pipeline is None else int(pipeline),
+        q, pool, info, layer, block_tables, seq_lens, scale, out, stream, max_seq_len,
+        num_splits, workspace, _build.TC if pipeline is None else int(pipeline),
     )
 
 
@@ -122,13 +127,6 @@ def _decode_host(q, pool, layer, block_tables, seq_lens, scale, out):
     return out
 
 
-@functools.cache
-def _num_sms(device_id: int) -> int:
-    import cupy
-
-    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
-
-
 def _device_index(pool: Any) -> int:
     dev = str(pool.device)
     return int(dev.split(":")[1]) if ":" in dev else 0
@@ -142,105 +140,376 @@ def _check_on_device(arr, name: str, device_id: int) -> None:
         raise InvalidArgumentError(f"{name} is not in memory of the pool's device cuda:{device_id}")
 
 
-def _decode_cuda(q, pool, layer, block_tables, seq_lens, scale, out, stream, max_seq_len,
-                 num_splits, workspace, pipeline):
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA path. A call is split into a cached part (validation of everything that depends only
+# on the pool, layer, shapes, strides and dtypes; the compiled function; a ctypes argument block)
+# and a per-call part (pointers, the split plan for this max_seq_len, the stream, the launch).
+
+
+@functools.cache
+def _num_sms(device_id: int) -> int:
     import cupy
 
-    layout = pool.layout
-    if layout.dtype not in _build.DTYPES or layout.head_dim not in _build.HEAD_DIMS or (
-        layout.block_size not in _build.BLOCK_SIZES
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+class _PoolInfo:
+    __slots__ = ("base_ptr", "block_size", "cuda", "device_id", "dtype", "head_dim", "layout",
+                 "num_blocks", "num_kv_heads", "num_layers", "serial", "strides")
+
+    def __init__(self, pool: Any) -> None:
+        layout = pool.layout
+        self.serial = next(_SERIAL)  # keys the prepared calls; never reused
+        self.layout = layout
+        self.num_layers = layout.num_layers
+        self.cuda = pool_is_cuda(pool)
+        self.base_ptr = pool.base_ptr
+        self.num_blocks = pool.num_blocks
+        if self.cuda:
+            self.device_id = _device_index(pool)
+            self.strides = layout.strides()
+            self.dtype = layout.dtype
+            self.head_dim = layout.head_dim
+            self.block_size = layout.block_size
+            self.num_kv_heads = layout.num_kv_heads
+
+
+_POOLS: dict[tuple[int, int, int], _PoolInfo] = {}
+_SERIAL = itertools.count()
+
+
+def _pool_info(pool: Any) -> _PoolInfo:
+    key = (id(pool), pool.base_ptr, pool.num_blocks)
+    info = _POOLS.get(key)
+    if info is None or info.layout != pool.layout:
+        if len(_POOLS) > 256:
+            _POOLS.clear()
+        info = _POOLS[key] = _PoolInfo(pool)
+    return info
+
+
+# Array readers: (ptr, shape, byte strides, typestr) without building __cuda_array_interface__
+# dicts for the common types (CuPy and torch); anything else goes through the interface.
+_TORCH_TYPESTR: dict[Any, str] = {}
+
+
+def _read_cupy(a: Any) -> tuple:
+    return a.data.ptr, a.shape, a.strides, a.dtype.str
+
+
+def _read_torch(t: Any) -> tuple:
+    if not t.is_cuda:
+        raise InvalidArgumentError("must be a device array (__cuda_array_interface__)")
+    ts = _TORCH_TYPESTR.get(t.dtype)
+    if ts is None:
+        import torch
+
+        names = {torch.float16: "<f2", torch.bfloat16: "<V2", torch.float32: "<f4",
+                 torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8", torch.uint8: "|u1"}
+        ts = _TORCH_TYPESTR[t.dtype] = names.get(t.dtype, f"<V{t.element_size()}")
+    size = t.element_size()
+    return t.data_ptr(), tuple(t.shape), tuple(s * size for s in t.stride()), ts
+
+
+def _read_cai(obj: Any) -> tuple:
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is None:
+        raise InvalidArgumentError("must be a device array (__cuda_array_interface__)")
+    shape = tuple(int(s) for s in cai["shape"])
+    typestr = cai["typestr"]
+    strides = cai.get("strides")
+    if strides is None:  # C-contiguous
+        acc, rev = int(typestr[2:]), []
+        for s in reversed(shape):
+            rev.append(acc)
+            acc *= s
+        strides = tuple(reversed(rev))
+    return int(cai["data"][0]), shape, tuple(strides), typestr
+
+
+_READERS: dict[type, Any] = {}
+
+
+def _view(obj: Any, name: str) -> tuple:
+    reader = _READERS.get(type(obj))
+    if reader is None:
+        mod = type(obj).__module__
+        if mod.startswith("cupy") and hasattr(obj, "data") and hasattr(obj, "strides"):
+            reader = _read_cupy
+        elif mod.startswith("torch") and hasattr(obj, "data_ptr"):
+            reader = _read_torch
+        else:
+            reader = _read_cai
+        _READERS[type(obj)] = reader
+    try:
+        return reader(obj)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"{name} {e}") from None
+
+
+def _dev(view: tuple, name: str) -> DevArray:
+    ptr, shape, strides_b, typestr = view
+    itemsize = int(typestr[2:])
+    if any(s % itemsize for s in strides_b):
+        raise InvalidArgumentError(f"{name}: strides must be multiples of the item size")
+    return DevArray(ptr, tuple(shape), tuple(s // itemsize for s in strides_b), typestr, itemsize)
+
+
+_PTR_DEVICE: dict[int, int] = {}
+
+
+def _ptr_device(ptr: int) -> int:
+    """Device of a device (or managed) pointer, -1 otherwise; cached per pointer value."""
+    dev = _PTR_DEVICE.get(ptr)
+    if dev is None:
+        import cupy
+
+        attrs = cupy.cuda.runtime.pointerGetAttributes(ptr)
+        dev = attrs.device if attrs.type in (2, 3) else -1
+        if len(_PTR_DEVICE) > 4096:
+            _PTR_DEVICE.clear()
+        _PTR_DEVICE[ptr] = dev
+    return dev
+
+
+def _check_ptr(ptr: int, name: str, device_id: int) -> None:
+    if _ptr_device(ptr) != device_id:
+        raise InvalidArgumentError(f"{name} is not in memory of the pool's device cuda:{device_id}")
+
+
+def _stream_ptr(stream: Any) -> int:
+    """The CUstream handle of `stream` (None: CuPy's current stream)."""
+    import cupy
+
+    if stream is None:
+        return cupy.cuda.get_current_stream().ptr
+    if type(stream).__module__.startswith("cupy") and hasattr(stream, "ptr"):
+        return stream.ptr
+    handle = getattr(stream, "cuda_stream", None)  # torch
+    if handle is not None:
+        return int(handle)
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        return int((proto() if callable(proto) else proto)[1])
+    raise InvalidArgumentError("stream must be a CuPy stream or have __cuda_stream__")
+
+
+class _DecodeArgs(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_uint64), ("q_seq_stride", ctypes.c_int64), ("q_head_stride", ctypes.c_int64),
+        ("out", ctypes.c_uint64), ("out_seq_stride", ctypes.c_int64),
+        ("out_head_stride", ctypes.c_int64),
+        ("part_o", ctypes.c_uint64), ("part_lse", ctypes.c_uint64),
+        ("k_base", ctypes.c_uint64), ("v_base", ctypes.c_uint64),
+        ("block_stride", ctypes.c_int64), ("token_stride", ctypes.c_int64),
+        ("head_stride", ctypes.c_int64), ("num_blocks", ctypes.c_int32),
+        ("block_tables", ctypes.c_uint64), ("bt_stride", ctypes.c_int64),
+        ("seq_lens", ctypes.c_uint64),
+        ("num_q_heads", ctypes.c_int32), ("group", ctypes.c_int32),
+        ("gq", ctypes.c_int32),  # tensor-core kernel only (left out of the CUDA-core list)
+        ("chunk_tokens", ctypes.c_int32), ("max_splits", ctypes.c_int32),
+        ("scale_log2", ctypes.c_float),
+    ]
+
+
+class _MergeArgs(ctypes.Structure):
+    _fields_ = [
+        ("part_o", ctypes.c_uint64), ("part_lse", ctypes.c_uint64), ("out", ctypes.c_uint64),
+        ("out_seq_stride", ctypes.c_int64), ("out_head_stride", ctypes.c_int64),
+        ("seq_lens", ctypes.c_uint64), ("num_q_heads", ctypes.c_int32),
+        ("chunk_tokens", ctypes.c_int32), ("max_splits", ctypes.c_int32),
+    ]
+
+
+def _param_block(struct: ctypes.Structure, skip: tuple[str, ...] = ()) -> Any:
+    """void*[] of the addresses of the struct's fields (the cuLaunchKernel kernelParams)."""
+    base = ctypes.addressof(struct)
+    names = [f[0] for f in struct._fields_ if f[0] not in skip]
+    ptrs = (ctypes.c_void_p * len(names))(
+        *[base + getattr(type(struct), n).offset for n in names])
+    return ptrs
+
+
+class _Prepared:
+    """Everything about a decode call that does not change between calls with the same pool,
+    layer, shapes, strides, dtypes, scale and kernel choice."""
+
+    def __init__(self, info: _PoolInfo, layer: int, qv, btv, slv, ov, scale, pipeline) -> None:
+        import cupy
+
+        d = info.head_dim
+        qa, bt, sl, oa = _dev(qv, "q"), _dev(btv, "block_tables"), _dev(slv, "seq_lens"), _dev(
+            ov, "out")
+        num_seqs, hq, group = _check_shapes(qa.shape, bt.shape, sl.shape, _LayoutDims(info))
+        check_elem16(qa, "q", info.dtype)
+        check_int_array(bt, "block_tables", 4, 2)
+        check_int_array(sl, "seq_lens", 4, 1)
+        if qa.strides[2] != 1 or qa.strides[0] % 8 or qa.strides[1] % 8:
+            raise InvalidArgumentError("q rows must be contiguous and 16-byte aligned")
+        if num_seqs > 65535:
+            raise InvalidArgumentError("at most 65535 sequences per launch")
+        if oa.shape != qa.shape or oa.itemsize != 2 or oa.strides[2] != 1:
+            raise InvalidArgumentError(f"out must be [{num_seqs}, {hq}, {d}] with contiguous rows")
+        st = info.strides
+        if st["elem"] != 2 or st["head"] != 2 * d or st["token"] % 16:
+            raise InvalidArgumentError(f"layout strides {st} do not fit the decode kernel")
+        self.num_seqs, self.hq, self.d = num_seqs, hq, d
+        self.device_id = info.device_id
+        if pipeline == _build.TC:
+            gq = _build.tc_group_tile(group, d)
+            variant = _build.TcVariant(info.dtype, d, info.block_size, 1 if gq <= 8 else 2)
+            ctas_per_sm = variant.ctas_per_sm
+        elif pipeline in (0, 1):
+            gq = _build.group_tile(group)
+            variant = _build.DecodeVariant(info.dtype, d, info.block_size, gq, pipeline)
+            ctas_per_sm = CTAS_PER_SM
+        else:
+            raise InvalidArgumentError(f"pipeline must be None, 0, 1 or {_build.TC}")
+        self.tc = pipeline == _build.TC
+        self.variant = variant
+        self.ctas_per_seq = info.num_kv_heads * (group // gq)
+        self.tokens_per_iter = variant.tokens_per_iter
+        self.ctas_per_sm = ctas_per_sm
+        self.num_sms = _num_sms(info.device_id)
+        self.threads = variant.threads
+        self.smem = variant.dynamic_smem_bytes
+        with cupy.cuda.Device(info.device_id):
+            mod = _build.decode_module(variant)
+            kernel = mod.get_function(variant.kernel)
+            if self.smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < self.smem:
+                kernel.max_dynamic_shared_size_bytes = self.smem
+            merge = mod.get_function("merge_splits")
+        self._keep = (mod, kernel, merge)
+        self.fn, self.merge_fn = kernel.ptr, merge.ptr
+        k_base = info.base_ptr + layer * st["layer"]
+        a = self.args = _DecodeArgs(
+            0, qa.strides[0], qa.strides[1], 0, oa.strides[0], oa.strides[1], 0, 0,
+            k_base, k_base + st["kv"], st["block"], st["token"], st["head"], info.num_blocks,
+            0, bt.strides[0], 0, hq, group, gq, 0, 0,
+            (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E)
+        self.params = _param_block(a, () if self.tc else ("gq",))
+        m = self.margs = _MergeArgs(0, 0, 0, oa.strides[0], oa.strides[1], 0, hq, 0, 0)
+        self.mparams = _param_block(m)
+        self.lock = threading.Lock()
+
+
+class _LayoutDims:
+    """The layout fields _check_shapes reads, from the cached pool info."""
+
+    __slots__ = ("head_dim", "num_kv_heads")
+
+    def __init__(self, info: _PoolInfo) -> None:
+        self.head_dim, self.num_kv_heads = info.head_dim, info.num_kv_heads
+
+
+_PREPARED: dict[tuple, _Prepared] = {}
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(num_seqs, ctas_per_seq, max_seq_len, tokens_per_iter, num_sms, num_splits,
+          ctas_per_sm) -> DecodePlan:
+    return plan_decode(num_seqs, ctas_per_seq, max_seq_len, tokens_per_iter, num_sms, num_splits,
+                       ctas_per_sm)
+
+
+_WORKSPACES: dict[tuple[int, int], Any] = {}
+
+
+def _cached_workspace(device_id: int, stream: int, need: int) -> int:
+    """A float32 workspace kept per (device, stream): calls on one stream are ordered, so
+    reusing it is safe (also inside a CUDA graph captured on that stream)."""
+    ws = _WORKSPACES.get((device_id, stream))
+    if ws is None or ws.size < need:
+        import cupy
+
+        with cupy.cuda.Device(device_id):
+            ws = _WORKSPACES[(device_id, stream)] = cupy.empty(max(need, 1 << 16), cupy.float32)
+    return ws.data.ptr
+
+
+def _decode_cuda(q, pool, info, layer, block_tables, seq_lens, scale, out, stream, max_seq_len,
+                 num_splits, workspace, pipeline):
+    if info.dtype not in _build.DTYPES or info.head_dim not in _build.HEAD_DIMS or (
+        info.block_size not in _build.BLOCK_SIZES
     ):
         raise InvalidArgumentError(
-            f"no decode kernel for dtype {layout.dtype}, head_dim {layout.head_dim}, "
-            f"block_size {layout.block_size}"
+            f"no decode kernel for dtype {info.dtype}, head_dim {info.head_dim}, "
+            f"block_size {info.block_size}"
         )
-    qa = dev_array(q, "q")
-    bt = dev_array(block_tables, "block_tables")
-    sl = dev_array(seq_lens, "seq_lens")
-    num_seqs, hq, group = _check_shapes(qa.shape, bt.shape, sl.shape, layout)
-    check_elem16(qa, "q", layout.dtype)
-    check_int_array(bt, "block_tables", 4, 2)
-    check_int_array(sl, "seq_lens", 4, 1)
-    if qa.strides[2] != 1 or qa.ptr % 16 or qa.strides[0] % 8 or qa.strides[1] % 8:
-        raise InvalidArgumentError("q rows must be contiguous and 16-byte aligned")
-    if num_seqs > 65535:
-        raise InvalidArgumentError("at most 65535 sequences per launch")
-    device_id = _device_index(pool)
-    _check_on_device(qa, "q", device_id)
-    _check_on_device(bt, "block_tables", device_id)
-    strides = layout.strides()
-    d = layout.head_dim
-    if strides["elem"] != 2 or strides["head"] != 2 * d or strides["token"] % 16:
-        raise InvalidArgumentError(f"layout strides {strides} do not fit the decode kernel")
-
+    qv = _view(q, "q")
+    btv = _view(block_tables, "block_tables")
+    slv = _view(seq_lens, "seq_lens")
     if out is None:
-        out = cupy.empty((num_seqs, hq, d), dtype=cupy.float16 if qa.kind == "f" else cupy.uint16)
-    oa = dev_array(out, "out")
-    if oa.shape != qa.shape or oa.itemsize != 2 or oa.strides[2] != 1:
-        raise InvalidArgumentError(f"out must be [{num_seqs}, {hq}, {d}] with contiguous rows")
-    _check_on_device(oa, "out", device_id)
+        import cupy
+
+        if len(qv[1]) != 3:
+            _check_shapes(qv[1], btv[1], slv[1], _LayoutDims(info))
+        with cupy.cuda.Device(info.device_id):
+            out = cupy.empty(tuple(qv[1]), dtype=cupy.float16 if qv[3][1] == "f" else cupy.uint16)
+    ov = _view(out, "out")
+    key = (info.serial, layer, qv[1], qv[2], qv[3], btv[1], btv[2], btv[3], slv[1], slv[2], slv[3],
+           ov[1], ov[2], ov[3], scale, pipeline)
+    prep = _PREPARED.get(key)
+    if prep is None:
+        prep = _Prepared(info, layer, qv, btv, slv, ov, scale, pipeline)
+        if len(_PREPARED) > 1024:
+            _PREPARED.clear()
+        _PREPARED[key] = prep
+    dev = info.device_id
+    if qv[0] % 16:
+        raise InvalidArgumentError("q rows must be contiguous and 16-byte aligned")
+    _check_ptr(qv[0], "q", dev)
+    _check_ptr(btv[0], "block_tables", dev)
+    _check_ptr(ov[0], "out", dev)
+    num_seqs = prep.num_seqs
     if num_seqs == 0:
         return out
-
-    gq = _build.group_tile(group)
-    variant = _build.DecodeVariant(layout.dtype, d, layout.block_size, gq, pipeline)
     if max_seq_len is None and num_splits is None:
+        import cupy
+
         max_seq_len = int(cupy.asarray(seq_lens).max())  # synchronises; pass max_seq_len to avoid
-    plan = plan_decode(
-        num_seqs,
-        layout.num_kv_heads * (group // gq),
-        max_seq_len or 1,
-        tokens_per_iteration(d, gq),
-        _num_sms(device_id),
-        num_splits,
-    )
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    with cupy_stream(stream):
-        _launch(variant, plan, qa, oa, bt, sl, pool, layer, hq, group, gq, scale, workspace)
+    plan = _plan(num_seqs, prep.ctas_per_seq, max(int(max_seq_len or 1), 1),
+                 prep.tokens_per_iter, prep.num_sms,
+                 None if num_splits is None else int(num_splits), prep.ctas_per_sm)
+    sp = _stream_ptr(stream)
+    part_o = part_lse = 0
+    if plan.split:
+        need = workspace_elems(num_seqs, prep.hq, prep.d, plan.num_splits)
+        if workspace is None:
+            part_o = _cached_workspace(dev, sp, need)
+        else:
+            ws = _dev(_view(workspace, "workspace"), "workspace")
+            if ws.typestr[1:] != "f4" or ws.shape[0] < need:
+                raise InvalidArgumentError(f"workspace must be float32 with >= {need} elements")
+            part_o = ws.ptr
+        part_lse = part_o + 4 * num_seqs * plan.num_splits * prep.hq * prep.d
+    with prep.lock:
+        a = prep.args
+        a.q, a.out, a.part_o, a.part_lse = qv[0], ov[0], part_o, part_lse
+        a.block_tables, a.seq_lens = btv[0], slv[0]
+        a.chunk_tokens, a.max_splits = plan.chunk_tokens, plan.num_splits
+        _launch(prep, plan.num_splits, prep.ctas_per_seq, num_seqs, prep.threads, prep.smem, sp,
+                prep.fn, prep.params)
+        if plan.split:
+            m = prep.margs
+            m.part_o, m.part_lse, m.out, m.seq_lens = part_o, part_lse, ov[0], slv[0]
+            m.chunk_tokens, m.max_splits = plan.chunk_tokens, plan.num_splits
+            _launch(prep, prep.hq, num_seqs, 1, prep.d, 0, sp, prep.merge_fn, prep.mparams)
     return out
 
 
-def _launch(variant, plan: DecodePlan, qa, oa, bt, sl, pool, layer, hq, group, gq, scale,
-            workspace) -> None:
-    import cupy
+def _launch(prep, gx, gy, gz, threads, smem, stream, fn, params) -> None:
+    from cupy.cuda import driver
 
-    layout = pool.layout
-    st = layout.strides()
-    num_seqs, d = qa.shape[0], layout.head_dim
-    mod = _build.decode_module(variant)
-    k_base = pool.base_ptr + layer * st["layer"]
-    v_base = k_base + st["kv"]
-    part_o = part_lse = 0
-    if plan.split:
-        need = workspace_elems(num_seqs, hq, d, plan.num_splits)
-        if workspace is None:
-            workspace = cupy.empty(need, dtype=cupy.float32)
-        ws = dev_array(workspace, "workspace")
-        if ws.typestr[1:] != "f4" or ws.shape[0] < need:
-            raise InvalidArgumentError(f"workspace must be float32 with >= {need} elements")
-        part_o = ws.ptr
-        part_lse = ws.ptr + 4 * num_seqs * plan.num_splits * hq * d
-    i64, i32 = np.int64, np.int32
-    args = (
-        np.uint64(qa.ptr), i64(qa.strides[0]), i64(qa.strides[1]),
-        np.uint64(oa.ptr), i64(oa.strides[0]), i64(oa.strides[1]),
-        np.uint64(part_o), np.uint64(part_lse),
-        np.uint64(k_base), np.uint64(v_base),
-        i64(st["block"]), i64(st["token"]), i64(st["head"]), i32(pool.num_blocks),
-        np.uint64(bt.ptr), i64(bt.strides[0]), np.uint64(sl.ptr),
-        i32(hq), i32(group), i32(plan.chunk_tokens), i32(plan.num_splits),
-        np.float32(scale * LOG2E),
-    )
-    grid = (plan.num_splits, layout.num_kv_heads * (group // gq), num_seqs)
-    kernel = mod.get_function("paged_decode")
-    smem = variant.dynamic_smem_bytes
-    if smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < smem:
-        kernel.max_dynamic_shared_size_bytes = smem
-    kernel(grid, (32 * _build.DECODE_WARPS,), args, shared_mem=smem)
-    if plan.split:
-        merge_args = (
-            np.uint64(part_o), np.uint64(part_lse),
-            np.uint64(oa.ptr), i64(oa.strides[0]), i64(oa.strides[1]),
-            np.uint64(sl.ptr), i32(hq), i32(plan.chunk_tokens), i32(plan.num_splits),
-        )
-        mod.get_function("merge_splits")((hq, num_seqs), (d,), merge_args)
+    try:
+        driver.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream,
+                            ctypes.addressof(params), 0)
+    except driver.CUDADriverError:
+        # No (or another device's) context current on this thread: make the pool's device
+        # current through the runtime and try once more.
+        import cupy
+
+        cupy.cuda.runtime.setDevice(prep.device_id)
+        driver.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream,
+                            ctypes.addressof(params), 0)

@@ -41,13 +41,14 @@ def plan_decode(
     tokens_per_iter: int,
     num_sms: int,
     num_splits: int | None = None,
+    ctas_per_sm: int = CTAS_PER_SM,
 ) -> DecodePlan:
     """Choose chunk_tokens / num_splits so that num_seqs * ctas_per_seq * num_splits CTAs fill
     `num_sms` SMs, keeping every chunk at least MIN_CHUNK tokens (unless forced by num_splits)."""
     max_seq_len = max(int(max_seq_len), 1)
     if num_splits is None:
         work = max(num_seqs * ctas_per_seq, 1)
-        target = num_sms * CTAS_PER_SM
+        target = num_sms * ctas_per_sm
         # Round, not ceil: 512 CTAs on a 528-slot wave should not become 1024 split CTAs.
         num_splits = min(max(round(target / work), 1), -(-max_seq_len // MIN_CHUNK))
     num_splits = max(int(num_splits), 1)
