@@ -28,8 +28,9 @@ import sys
 import threading
 import timeit
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -86,11 +87,12 @@ class PyFreeListPool:
                 self._free.append(block_id)
 
     def free_many(self, block_ids: Iterable[object] | np.ndarray) -> None:
-        ids = block_ids.tolist() if isinstance(block_ids, np.ndarray) else list(block_ids)
+        given = block_ids.tolist() if isinstance(block_ids, np.ndarray) else list(block_ids)
         num_blocks = self.num_blocks
-        for block_id in ids:
+        for block_id in given:
             if type(block_id) is not int or not 0 <= block_id < num_blocks:
                 raise kvpool.InvalidBlockError(f"invalid block id {block_id!r}")
+        ids = cast("list[int]", given)  # every item was just checked to be an int
         if len(set(ids)) != len(ids):
             raise kvpool.InvalidBlockError("a block id is repeated in one call")
         with self._lock:
@@ -124,15 +126,34 @@ def round_trip_single(pool: Any) -> Callable[[], None]:
     return run
 
 
-def time_us(fn: Callable[[], None], repeat: int, min_time_s: float) -> float:
-    """Median over `repeat` runs of the time per call, in microseconds."""
-    timer = timeit.Timer(fn)
-    number, _ = timer.autorange()  # calls per run so that one run takes >= 0.2 s
-    number = max(1, int(number * min_time_s / 0.2))
-    for _ in range(2):
-        fn()  # warm-up
-    runs = timer.repeat(repeat=repeat, number=number)
-    return statistics.median(runs) / number * 1e6
+@dataclass(frozen=True)
+class Timing:
+    """Per-call time in microseconds: the median of the runs (reported) and the best run
+    (less sensitive to other work on the machine)."""
+
+    median_us: float
+    best_us: float
+
+    def per(self, n: int) -> Timing:
+        return Timing(self.median_us / n, self.best_us / n)
+
+
+def time_pair(
+    ours: Callable[[], None], baseline: Callable[[], None], repeat: int, min_time_s: float
+) -> tuple[Timing, Timing]:
+    """Times both callables in alternating runs, so drifting load hits both alike."""
+    timers, numbers = [], []
+    for fn in (ours, baseline):
+        timer = timeit.Timer(fn)
+        number, _ = timer.autorange()  # calls per run so that one run takes >= 0.2 s
+        timers.append(timer)
+        numbers.append(max(1, int(number * min_time_s / 0.2)))
+    runs: list[list[float]] = [[], []]
+    for _ in range(repeat):
+        for k in (0, 1):
+            runs[k].append(timers[k].timeit(numbers[k]) / numbers[k] * 1e6)
+    ours_t, base_t = (Timing(statistics.median(r), min(r)) for r in runs)
+    return ours_t, base_t
 
 
 def check_same_contract(ours: Any, baseline: Any) -> None:
@@ -165,14 +186,16 @@ def check_same_contract(ours: Any, baseline: Any) -> None:
             raise AssertionError(f"{type(pool).__name__} over-allocated")
 
 
-def case(name: str, ours_us: float, baseline_us: float, per: str, baseline_name: str) -> dict[str, Any]:
+def case(name: str, ours: Timing, baseline: Timing, per: str, baseline_name: str) -> dict[str, Any]:
     return {
         "name": name,
         "unit": per,
-        "ours_us": round(ours_us, 4),
+        "ours_us": round(ours.median_us, 4),
         "baseline": baseline_name,
-        "baseline_us": round(baseline_us, 4),
-        "ratio": round(baseline_us / ours_us, 2),  # > 1: ours is faster
+        "baseline_us": round(baseline.median_us, 4),
+        "ratio": round(baseline.median_us / ours.median_us, 2),  # > 1: ours is faster
+        "ours_best_us": round(ours.best_us, 4),
+        "baseline_best_us": round(baseline.best_us, 4),
     }
 
 
@@ -182,13 +205,11 @@ def bench_host(repeat: int, min_time_s: float) -> list[dict[str, Any]]:
     check_same_contract(ours, baseline)
     cases = []
     for n in (16, 256):
-        o = time_us(round_trip_many(ours, n), repeat, min_time_s)
-        b = time_us(round_trip_many(baseline, n), repeat, min_time_s)
+        o, b = time_pair(round_trip_many(ours, n), round_trip_many(baseline, n), repeat, min_time_s)
         cases.append(case(f"alloc_many{n}_free_many", o, b, "round trip", "python_free_list"))
         if n == 256:
-            cases.append(case("alloc_many256_free_many_per_block", o / n, b / n, "block", "python_free_list"))
-    o = time_us(round_trip_single(ours), repeat, min_time_s)
-    b = time_us(round_trip_single(baseline), repeat, min_time_s)
+            cases.append(case("alloc_many256_free_many_per_block", o.per(n), b.per(n), "block", "python_free_list"))
+    o, b = time_pair(round_trip_single(ours), round_trip_single(baseline), repeat, min_time_s)
     cases.append(case("alloc_free_single", o, b, "round trip", "python_free_list"))
     ours.check_invariants()
     assert ours.num_free == NUM_BLOCKS
@@ -210,12 +231,11 @@ def bench_cuda(repeat: int, min_time_s: float) -> tuple[list[dict[str, Any]], di
     def cupy_pool_malloc_free() -> None:
         mempool.malloc(block_bytes)  # returned to the pool when the pointer is dropped
 
-    o = time_us(round_trip_single(ours), repeat, min_time_s)
-    raw = time_us(raw_malloc_free, repeat, min_time_s)
-    pooled = time_us(cupy_pool_malloc_free, repeat, min_time_s)
+    o, raw = time_pair(round_trip_single(ours), raw_malloc_free, repeat, min_time_s)
+    o2, pooled = time_pair(round_trip_single(ours), cupy_pool_malloc_free, repeat, min_time_s)
     cases = [
         case("cuda_alloc_free_single", o, raw, "round trip", "cudaMalloc+cudaFree"),
-        case("cuda_alloc_free_single_vs_cupy_pool", o, pooled, "round trip", "cupy.cuda.MemoryPool"),
+        case("cuda_alloc_free_single_vs_cupy_pool", o2, pooled, "round trip", "cupy.cuda.MemoryPool"),
     ]
     ours.check_invariants()
     name = runtime.getDeviceProperties(0)["name"]
@@ -231,7 +251,7 @@ def extension_info() -> dict[str, Any]:
     """Which compiled module ran, and whether it carries debug info (a `maturin develop`
     debug build is several times slower than the release wheel: never record those)."""
     path = Path(kvpool._core.__file__)  # type: ignore[attr-defined]
-    return {"path": str(path), "debug_info": ".debug_info" in elf_section_names(path.read_bytes())}
+    return {"path": str(path), "debug_info": ".debug_info" in elf_section_names(path.read_bytes()), "note": ""}
 
 
 def elf_section_names(data: bytes) -> set[str]:
@@ -267,7 +287,13 @@ def machine() -> dict[str, Any]:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"node": platform.node(), "platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count()}
+    return {
+        "node": platform.node(),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "load_average_1m_before": round(os.getloadavg()[0], 2),  # other work inflates timings
+    }
 
 
 def targets(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -296,21 +322,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("host", "cuda"), default="host", help="cuda: also time the CUDA pool")
     parser.add_argument("--repeat", type=int, default=7, help="runs per case; the median is reported")
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds per run")
+    parser.add_argument("--extension-note", default="", help="how the measured extension was built (recorded)")
     args = parser.parse_args(argv)
 
     extension = extension_info()
+    extension["note"] = args.extension_note
     if extension["debug_info"]:
         print(f"warning: {extension['path']} is a debug build; timings are not representative", file=sys.stderr)
+    host = machine()  # before the run, so the load average is other work's
     cases = bench_host(args.repeat, args.min_time)
     result: dict[str, Any] = {
         "benchmark": "bench/pool_bench.py",
         "commit": git_commit(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": host,
         "python": sys.version.split()[0],
         "numpy": np.__version__,
         "extension": extension,
-        "method": f"timeit, median of {args.repeat} runs of >= {args.min_time} s each; ratio = baseline_us / ours_us",
+        "method": (
+            f"timeit, ours and baseline in alternating runs, median (and best) of {args.repeat} runs of "
+            f">= {args.min_time} s each; ratio = baseline_us / ours_us on the medians"
+        ),
         "layout": repr(LAYOUT),
         "num_blocks": NUM_BLOCKS,
         "cases": cases,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -32,7 +33,7 @@ def expected_strides(num_layers: int, num_kv_heads: int, head_dim: int, block_si
 
 @pytest.mark.parametrize("field", FIELDS)
 def test_zero_field_is_named_in_the_error(field: str) -> None:
-    args = dict(zip(FIELDS, LLAMA_8B))
+    args: dict[str, Any] = dict(zip(FIELDS, LLAMA_8B, strict=True))
     args[field] = 0
     with pytest.raises(LayoutError, match=rf"\b{field}\b") as info:
         KvLayout(**args)
@@ -44,7 +45,7 @@ def test_zero_field_is_named_in_the_error(field: str) -> None:
 
 @pytest.mark.parametrize("field", FIELDS)
 def test_negative_field_is_rejected(field: str) -> None:
-    args = dict(zip(FIELDS, LLAMA_8B))
+    args: dict[str, Any] = dict(zip(FIELDS, LLAMA_8B, strict=True))
     args[field] = -1
     # The binding takes usize, so PyO3 refuses before kvpool sees the value.
     with pytest.raises((OverflowError, LayoutError)):

@@ -20,7 +20,7 @@ LAYOUT = KvLayout(1, 1, 64, 4, dtype="float32")  # 2 KiB blocks: pools stay tiny
 ID_CONTAINERS = ("list", "tuple", "int32", "int64", "generator")
 
 
-def pack(ids: list[int], container: str) -> object:
+def pack(ids: list[int], container: str) -> Any:
     if container == "list":
         return list(ids)
     if container == "tuple":
@@ -38,14 +38,14 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool: Pool
         self.other: Pool
         self.held: dict[int, int] = {}
-        self.free: set[int] = set()
+        self.free_ids: set[int] = set()
 
     @initialize(num_blocks=st.integers(1, 48))
     def make_pool(self, num_blocks: int) -> None:
         self.pool = Pool(LAYOUT, num_blocks, device="host")
         # A second, larger pool: its ids may be out of this pool's range.
         self.other = Pool(LAYOUT, num_blocks + 16, device="host")
-        self.free = set(range(num_blocks))
+        self.free_ids = set(range(num_blocks))
         self.high_water = 0
 
     # --- helpers --------------------------------------------------------------------------
@@ -54,9 +54,9 @@ class PoolMachine(RuleBasedStateMachine):
         assert len(set(ids)) == len(ids), f"duplicate ids in one allocation: {ids}"
         for i in ids:
             assert 0 <= i < self.pool.num_blocks, i
-            assert i in self.free, f"block {i} handed out while held (ref count {self.held.get(i)})"
+            assert i in self.free_ids, f"block {i} handed out while held (ref count {self.held.get(i)})"
             assert i not in self.held
-            self.free.remove(i)
+            self.free_ids.remove(i)
             self.held[i] = 1
         self.high_water = max(self.high_water, len(self.held))
 
@@ -65,7 +65,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.held[i] -= 1
             if self.held[i] == 0:
                 del self.held[i]
-                self.free.add(i)
+                self.free_ids.add(i)
 
     def state(self) -> tuple[dict[str, int | str], list[int]]:
         return self.pool.stats(), [self.pool.ref_cnt(i) for i in range(self.pool.num_blocks)]
@@ -81,24 +81,24 @@ class PoolMachine(RuleBasedStateMachine):
 
     # --- rules ----------------------------------------------------------------------------
 
-    @precondition(lambda self: self.free)
+    @precondition(lambda self: self.free_ids)
     @rule()
     def alloc(self) -> None:
         self.took([self.pool.alloc()])
 
     @rule(data=st.data())
     def alloc_many(self, data: st.DataObject) -> None:
-        n = data.draw(st.integers(0, len(self.free)), label="n")
+        n = data.draw(st.integers(0, len(self.free_ids)), label="n")
         ids = self.pool.alloc_many(n)
         assert ids.dtype == np.int32 and ids.shape == (n,)
         self.took(ids.tolist())
 
     @rule(extra=st.integers(1, 70))
     def exhaustion(self, extra: int) -> None:
-        n = len(self.free) + extra
+        n = len(self.free_ids) + extra
         e: Any = self.expect_failure(OutOfBlocksError, self.pool.alloc_many, n)
-        assert (e.requested, e.free, e.num_blocks) == (n, len(self.free), self.pool.num_blocks)
-        if not self.free:
+        assert (e.requested, e.free, e.num_blocks) == (n, len(self.free_ids), self.pool.num_blocks)
+        if not self.free_ids:
             e = self.expect_failure(OutOfBlocksError, self.pool.alloc)
             assert (e.requested, e.free) == (1, 0)
 
@@ -124,17 +124,17 @@ class PoolMachine(RuleBasedStateMachine):
         ids.insert(data.draw(st.integers(0, len(ids)), label="at"), repeat)
         self.expect_failure(InvalidBlockError, self.pool.free_many, pack(ids, container))
 
-    @precondition(lambda self: self.free)
+    @precondition(lambda self: self.free_ids)
     @rule(data=st.data())
     def double_free(self, data: st.DataObject) -> None:
-        i = data.draw(st.sampled_from(sorted(self.free)), label="free id")
+        i = data.draw(st.sampled_from(sorted(self.free_ids)), label="free id")
         self.expect_failure(DoubleFreeError, self.pool.free, i)
 
-    @precondition(lambda self: self.free and self.held)
+    @precondition(lambda self: self.free_ids and self.held)
     @rule(data=st.data(), container=st.sampled_from(ID_CONTAINERS))
     def free_many_with_one_free(self, data: st.DataObject, container: str) -> None:
         ids = data.draw(st.lists(st.sampled_from(sorted(self.held)), unique=True), label="held ids")
-        bad = data.draw(st.sampled_from(sorted(self.free)), label="free id")
+        bad = data.draw(st.sampled_from(sorted(self.free_ids)), label="free id")
         at = data.draw(st.integers(0, len(ids)), label="at")
         ids.insert(at, bad)
         self.expect_failure(DoubleFreeError, self.pool.free_many, pack(ids, container))
@@ -147,7 +147,7 @@ class PoolMachine(RuleBasedStateMachine):
         try:
             if i >= self.pool.num_blocks:
                 self.expect_failure(InvalidBlockError, self.pool.free, i)
-            elif i in self.free:
+            elif i in self.free_ids:
                 self.expect_failure(DoubleFreeError, self.pool.free, i)
             elif data.draw(st.booleans(), label="free it"):
                 self.pool.free(i)
@@ -166,8 +166,7 @@ class PoolMachine(RuleBasedStateMachine):
     )
     def out_of_range_id(self, data: st.DataObject, bad: int | str, container: str) -> None:
         n = self.pool.num_blocks
-        value = {"num_blocks": n, "2**64": 2**64, "2**200": 2**200}.get(bad, bad)  # type: ignore[call-overload]
-        assert isinstance(value, int)
+        value = bad if isinstance(bad, int) else {"num_blocks": n, "2**64": 2**64, "2**200": 2**200}[bad]
         if container == "single":
             self.expect_failure(InvalidBlockError, self.pool.free, value)
             self.expect_failure(InvalidBlockError, self.pool.ref_cnt, value)
@@ -185,7 +184,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def counts_match_the_model(self) -> None:
-        assert self.pool.num_free == len(self.free)
+        assert self.pool.num_free == len(self.free_ids)
         assert self.pool.num_used == len(self.held)
         assert self.pool.high_water == self.high_water
 
@@ -196,11 +195,11 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def held_and_free_partition_the_ids(self) -> None:
         # Nothing lost and nothing in two places.
-        assert not (self.free & self.held.keys())
-        assert self.free | self.held.keys() == set(range(self.pool.num_blocks))
+        assert not (self.free_ids & self.held.keys())
+        assert self.free_ids | self.held.keys() == set(range(self.pool.num_blocks))
         for i, refs in self.held.items():
             assert self.pool.ref_cnt(i) == refs > 0
-        for i in self.free:
+        for i in self.free_ids:
             assert self.pool.ref_cnt(i) == 0
 
     def teardown(self) -> None:
