@@ -380,8 +380,10 @@ class _Prepared:
             if self.smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < self.smem:
                 kernel.max_dynamic_shared_size_bytes = self.smem
             merge = mod.get_function("merge_splits")
-        self._keep = (mod, kernel, merge)
-        self.fn, self.merge_fn = kernel.ptr, merge.ptr
+            # RawKernel.kernel: the cupy.cuda.Function of the current device (its CUfunction).
+            fn, merge_fn = kernel.kernel, merge.kernel
+        self._keep = (mod, kernel, merge, fn, merge_fn)
+        self.fn, self.merge_fn = fn.ptr, merge_fn.ptr
         k_base = info.base_ptr + layer * st["layer"]
         a = self.args = _DecodeArgs(
             0, qa.strides[0], qa.strides[1], 0, oa.strides[0], oa.strides[1], 0, 0,
