@@ -3,11 +3,17 @@ demand, grow/shrink, errors, stats, views and block tables."""
 
 from __future__ import annotations
 
+import kvpool
 import numpy as np
 import pytest
-
-import kvpool
-from kvpool import BlockTables, InvalidArgumentError, InvalidBlockError, KvLayout, OutOfBlocksError, Pool
+from kvpool import (
+    BlockTables,
+    InvalidArgumentError,
+    InvalidBlockError,
+    KvLayout,
+    OutOfBlocksError,
+    Pool,
+)
 
 LAYOUT = KvLayout(1, 1, 384, 1)  # 1536-byte blocks: with 4 KiB chunks, blocks straddle chunks
 BLOCK = 1536

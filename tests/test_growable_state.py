@@ -13,8 +13,13 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import note
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 from kvpool import DoubleFreeError, InvalidBlockError, KvLayout, OutOfBlocksError, Pool
 
 LAYOUT = KvLayout(1, 2, 96, 2)  # 1536-byte blocks (768 K + 768 V): they straddle 4 KiB chunks

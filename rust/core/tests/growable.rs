@@ -95,19 +95,22 @@ fn snapshot(pool: &Pool) -> Snapshot {
     }
 }
 
-fn block_bytes_mut(pool: &Pool, id: u32) -> &mut [u8] {
-    let ptr = pool.block_ptr(id).unwrap() as *mut u8;
-    // SAFETY: `id < num_blocks`, so its bytes are mapped and inside the pool's reservation;
-    // each test writes a block only while it holds it, from one thread.
-    unsafe { std::slice::from_raw_parts_mut(ptr, BLOCK) }
+fn block_ptr(pool: &Pool, id: u32) -> *mut u8 {
+    pool.block_ptr(id).unwrap() as *mut u8
 }
 
 fn fill(pool: &Pool, id: u32) {
-    block_bytes_mut(pool, id).iter_mut().enumerate().for_each(|(i, b)| *b = (id as usize * 31 + i) as u8);
+    let ptr = block_ptr(pool, id);
+    for i in 0..BLOCK {
+        // SAFETY: `id < num_blocks`, so its bytes are mapped and inside the pool's
+        // reservation; a test writes a block only while it holds it.
+        unsafe { ptr.add(i).write((id as usize * 31 + i) as u8) };
+    }
 }
 
 fn check_filled(pool: &Pool, id: u32) {
-    let bytes = block_bytes_mut(pool, id);
+    // SAFETY: as in `fill`; nobody writes the block while its holder reads it.
+    let bytes = unsafe { std::slice::from_raw_parts(block_ptr(pool, id), BLOCK) };
     assert!(bytes.iter().enumerate().all(|(i, &b)| b == (id as usize * 31 + i) as u8), "block {id} lost its bytes");
 }
 

@@ -1,0 +1,180 @@
+"""Growable CUDA pools (virtual memory management) on a GPU (marker `gpu`).
+
+Data written before a growth reads back identical after it and after shrinking other
+blocks; the driver's free memory falls after grow() and rises after shrink(); block-table
+uploads work; the decode kernel reads blocks that straddle 2 MiB chunk boundaries correctly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kvpool
+import numpy as np
+import pytest
+from kvpool import BlockTables, KvLayout, OutOfBlocksError, Pool, reference
+
+pytestmark = pytest.mark.gpu
+
+MiB = 1 << 20
+LAYOUT = KvLayout(num_layers=3, num_kv_heads=2, head_dim=128, block_size=16)  # 48 KiB: straddles 2 MiB
+
+
+@pytest.fixture(scope="module")
+def cp() -> Any:
+    import cupy
+
+    return cupy
+
+
+def device_free_bytes(cp: Any) -> int:
+    cp.cuda.runtime.deviceSynchronize()
+    cp.get_default_memory_pool().free_all_blocks()
+    free, _total = cp.cuda.runtime.memGetInfo()
+    return int(free)
+
+
+def growable(max_num_blocks: int, initial_num_blocks: int = 0, layout: KvLayout = LAYOUT) -> Pool:
+    pool = Pool(layout, growable=True, max_num_blocks=max_num_blocks, initial_num_blocks=initial_num_blocks,
+                device="cuda")
+    pool.check_invariants()
+    return pool
+
+
+def fill(cp: Any, pool: Pool, ids: np.ndarray, seed: int) -> dict[tuple[int, str, int], np.ndarray]:
+    """Writes random K and V into blocks `ids` of every layer; returns what was written."""
+    rng = np.random.default_rng(seed)
+    written = {}
+    for layer in range(pool.layout.num_layers):
+        for kind, view in (("k", pool.k_view(layer)), ("v", pool.v_view(layer))):
+            arr = cp.asarray(view)
+            for i in ids.tolist():
+                data = rng.standard_normal(arr.shape[1:]).astype(np.float16)
+                arr[i] = cp.asarray(data)
+                written[(layer, kind, i)] = data
+    return written
+
+
+def check(cp: Any, pool: Pool, written: dict[tuple[int, str, int], np.ndarray]) -> None:
+    cp.cuda.runtime.deviceSynchronize()
+    views = {}
+    for (layer, kind, i), data in written.items():
+        if (layer, kind) not in views:
+            view = pool.k_view(layer) if kind == "k" else pool.v_view(layer)
+            views[(layer, kind)] = cp.asnumpy(cp.asarray(view))
+        got = views[(layer, kind)][i]
+        assert got.tobytes() == data.tobytes(), f"layer {layer} {kind} block {i} changed"
+
+
+def test_chunks_are_the_driver_granularity(cp: Any) -> None:
+    pool = growable(1000, 1)
+    stats = pool.stats()
+    assert stats["growable"] is True
+    chunk = stats["chunk_bytes"]
+    assert isinstance(chunk, int) and chunk >= 2 * MiB and chunk % (2 * MiB) == 0
+    assert stats["mapped_bytes"] == chunk
+    assert pool.num_blocks == chunk // LAYOUT.block_bytes
+    assert stats["device_total_bytes"] > 0
+
+
+def test_data_survives_growth_and_shrinking_others(cp: Any) -> None:
+    pool = growable(4096, 64)
+    base = pool.base_ptr
+    first = pool.alloc_many(64)
+    written = fill(cp, pool, first, seed=1)
+    # Growth on demand, several chunks at once.
+    second = pool.alloc_many(1000)
+    assert pool.base_ptr == base
+    assert pool.num_blocks >= 1064
+    check(cp, pool, written)
+    written.update(fill(cp, pool, second[::7], seed=2))
+    # Free most of the second batch (keep a few), shrink: kept blocks keep their bytes.
+    keep = second[::7]
+    pool.free_many(np.setdiff1d(second, keep))
+    freed_top = pool.shrink()
+    check(cp, pool, written)
+    pool.free_many(keep)
+    written = {k: v for k, v in written.items() if k[2] in set(first.tolist())}
+    assert pool.shrink() > 0 or freed_top > 0
+    check(cp, pool, written)
+    assert pool.num_blocks * LAYOUT.block_bytes <= pool.stats()["mapped_bytes"]
+    pool.check_invariants()
+    # Grow again: old data intact, new blocks writable.
+    third = pool.alloc_many(2000)
+    written.update(fill(cp, pool, third[-5:], seed=3))
+    check(cp, pool, written)
+    pool.check_invariants()
+
+
+def test_device_memory_falls_on_grow_and_rises_on_shrink(cp: Any) -> None:
+    grow_bytes = 512 * MiB
+    pool = growable(max_num_blocks=(2 * grow_bytes) // LAYOUT.block_bytes)
+    before = device_free_bytes(cp)
+    mapped = pool.grow(grow_bytes // LAYOUT.block_bytes)
+    assert mapped >= grow_bytes - pool.stats()["chunk_bytes"]
+    after_grow = device_free_bytes(cp)
+    assert before - after_grow >= 0.9 * mapped, (before, after_grow, mapped)
+    released = pool.shrink()
+    assert released == mapped
+    after_shrink = device_free_bytes(cp)
+    assert after_shrink - after_grow >= 0.9 * released, (after_grow, after_shrink, released)
+
+
+def test_growth_past_the_maximum_changes_nothing(cp: Any) -> None:
+    pool = growable(100)
+    pool.alloc_many(60)
+    before = pool.stats()
+    with pytest.raises(OutOfBlocksError) as e:
+        pool.alloc_many(50)
+    assert e.value.max_num_blocks == 100
+    after = pool.stats()
+    for key in ("num_blocks", "num_free", "mapped_bytes", "num_chunks"):
+        assert after[key] == before[key], key
+
+
+def test_block_tables_sync_on_a_growable_pool(cp: Any) -> None:
+    pool = growable(2048)
+    tables = BlockTables(pool, 4, 64)
+    for r in range(4):
+        tables.add(r, 16 * 50)
+    table_dev, _lens_dev = tables.sync()
+    cp.cuda.runtime.deviceSynchronize()
+    got = cp.asnumpy(cp.asarray(table_dev))[:4]
+    np.testing.assert_array_equal(got[:, :50], tables.block_table(range(4))[:, :50])
+    tables.check_invariants()
+
+
+@pytest.mark.skipif(not hasattr(kvpool, "paged_attention_decode"), reason="no decode kernel")
+def test_decode_over_blocks_straddling_chunks_matches_reference(cp: Any) -> None:
+    layout = LAYOUT
+    pool = growable(2048)
+    ids = pool.alloc_many(600)  # ~28 MiB: 14 chunks, most chunk boundaries inside a block
+    chunk = pool.stats()["chunk_bytes"]
+    assert isinstance(chunk, int)
+    bb = layout.block_bytes
+    straddling = [b for b in ids.tolist() if (b * bb) // chunk != ((b + 1) * bb - 1) // chunk]
+    assert len(straddling) >= 10
+    rng = np.random.default_rng(5)
+    for layer in range(layout.num_layers):
+        for view in (pool.k_view(layer), pool.v_view(layer)):
+            arr = cp.asarray(view)
+            arr[...] = cp.asarray(rng.standard_normal(arr.shape).astype(np.float16))
+    # Tables mixing straddling blocks with others, lengths ending mid-block and on a boundary.
+    lens = np.array([5 * 16, 3 * 16 + 7, 11 * 16 + 1, 1], dtype=np.int32)
+    need = [-(-int(n) // 16) for n in lens]
+    others = [b for b in ids.tolist() if b not in set(straddling)]
+    pick = straddling[: sum(need) // 2] + others[: sum(need) - sum(need) // 2]
+    rng.shuffle(pick)
+    tables = np.full((len(lens), max(need) + 2), -1, dtype=np.int32)
+    at = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = pick[at : at + n]
+        at += n
+    q = cp.asarray(rng.standard_normal((len(lens), 8, layout.head_dim)).astype(np.float16))
+    out = kvpool.paged_attention_decode(q, pool, 2, cp.asarray(tables), cp.asarray(lens), max_seq_len=int(lens.max()))
+    got = cp.asnumpy(out).astype(np.float64)
+    k = cp.asnumpy(cp.asarray(pool.k_view(2)))
+    v = cp.asnumpy(cp.asarray(pool.v_view(2)))
+    want = reference.paged_attention_decode(cp.asnumpy(q), k, v, tables, lens, layout.dtype)
+    err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    assert err < 1e-2, err
