@@ -720,8 +720,26 @@ def test_view_layer_out_of_range(pool: Pool, method: str) -> None:
             getattr(pool, method)(LAYOUT.num_layers)
         with pytest.raises(InvalidArgumentError):
             getattr(pool, method)(2**40)
-        # Negative and huge layers fail in PyO3's conversion to usize.
-        with pytest.raises((OverflowError, KvError)):
+        with pytest.raises(InvalidArgumentError, match="layer must be >= 0"):
             getattr(pool, method)(-1)
-        with pytest.raises((OverflowError, KvError)):
+        with pytest.raises(InvalidArgumentError, match="out of range"):
             getattr(pool, method)(2**70)
+
+
+@pytest.mark.parametrize("n", [True, False])
+def test_alloc_many_refuses_bools(pool: Pool, n: bool) -> None:
+    with Unchanged(pool), pytest.raises(InvalidArgumentError, match="bool"):
+        pool.alloc_many(n)
+
+
+@pytest.mark.parametrize("n", [2**63, 2**200])
+def test_alloc_many_of_more_than_any_int_is_out_of_blocks(pool: Pool, n: int) -> None:
+    with Unchanged(pool), pytest.raises(OutOfBlocksError):
+        pool.alloc_many(n)
+
+
+def test_huge_constructor_sizes_raise_kv_errors() -> None:
+    with pytest.raises(InvalidArgumentError, match="num_blocks"):
+        Pool(LAYOUT, 2**63, device="host")
+    with pytest.raises(InvalidArgumentError, match="num_blocks"):
+        Pool(LAYOUT, -(2**70), device="host")

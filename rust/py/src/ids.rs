@@ -77,7 +77,33 @@ fn collect(values: impl Iterator<Item = i64>, num_blocks: usize) -> Result<Vec<u
     values.map(|v| check_range(v, num_blocks)).collect()
 }
 
-/// A non-negative count of blocks (or tokens).
-pub fn count(value: i64, what: &str) -> Result<usize, CoreError> {
+/// A Python int argument for a count or size. Bools are refused; ints beyond i64 saturate
+/// so the range check that follows names them (a bare `OverflowError` would not).
+pub struct Int(pub i64);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Int {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if obj.is_instance_of::<PyBool>() {
+            return Err(crate::errors::PyKvError(CoreError::InvalidArgument(format!(
+                "expected an integer count, got the bool {}",
+                obj.repr()?
+            )))
+            .into());
+        }
+        match obj.extract::<i64>() {
+            Ok(v) => Ok(Int(v)),
+            Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => {
+                Ok(Int(if obj.lt(0)? { i64::MIN } else { i64::MAX }))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// A non-negative count of blocks (or tokens, or layers).
+pub fn count(value: Int, what: &str) -> Result<usize, CoreError> {
+    let Int(value) = value;
     usize::try_from(value).map_err(|_| CoreError::InvalidArgument(format!("{what} must be >= 0, got {value}")))
 }

@@ -1,10 +1,11 @@
 //! `KvLayout` for Python: a frozen value object over the core layout.
 
-use kvpool_core::{DType, KvLayout};
+use kvpool_core::{CoreError, DType, KvLayout};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::KvResult;
+use crate::ids::{self, Int};
 
 /// Geometry of a KV block: `[layer][K|V][token][kv_head][head_dim]` per block.
 #[pyclass(module = "kvpool._core", name = "KvLayout", frozen, eq, hash)]
@@ -17,9 +18,20 @@ pub struct PyKvLayout {
 impl PyKvLayout {
     #[new]
     #[pyo3(signature = (num_layers, num_kv_heads, head_dim, block_size, dtype = "float16"))]
-    fn new(num_layers: usize, num_kv_heads: usize, head_dim: usize, block_size: usize, dtype: &str) -> KvResult<Self> {
+    fn new(num_layers: Int, num_kv_heads: Int, head_dim: Int, block_size: Int, dtype: &str) -> KvResult<Self> {
         let dtype = DType::parse(dtype)?;
-        Ok(PyKvLayout { inner: KvLayout::new(num_layers, num_kv_heads, head_dim, block_size, dtype)? })
+        let size = |value: Int, what: &str| {
+            ids::count(value, what).map_err(|_| CoreError::InvalidLayout(format!("{what} must be positive")))
+        };
+        Ok(PyKvLayout {
+            inner: KvLayout::new(
+                size(num_layers, "num_layers")?,
+                size(num_kv_heads, "num_kv_heads")?,
+                size(head_dim, "head_dim")?,
+                size(block_size, "block_size")?,
+                dtype,
+            )?,
+        })
     }
 
     #[getter]

@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::KvResult;
-use crate::ids;
+use crate::ids::{self, Int};
 use crate::layout::PyKvLayout;
 use crate::view::SlabView;
 
@@ -26,8 +26,8 @@ pub struct PyPool {
 }
 
 fn pool_size(
-    num_blocks: Option<i64>,
-    memory_bytes: Option<i64>,
+    num_blocks: Option<Int>,
+    memory_bytes: Option<Int>,
     gpu_memory_utilization: Option<f64>,
 ) -> Result<PoolSize, CoreError> {
     match (num_blocks, memory_bytes, gpu_memory_utilization) {
@@ -43,9 +43,9 @@ fn pool_size(
 /// The growable pool's sizes, or why the arguments do not describe one.
 fn growable_size(
     fixed_size_given: bool,
-    max_num_blocks: Option<i64>,
-    initial_num_blocks: Option<i64>,
-    chunk_bytes: Option<i64>,
+    max_num_blocks: Option<Int>,
+    initial_num_blocks: Option<Int>,
+    chunk_bytes: Option<Int>,
 ) -> Result<GrowableSize, CoreError> {
     if fixed_size_given {
         return Err(CoreError::InvalidArgument(
@@ -56,7 +56,7 @@ fn growable_size(
         .ok_or_else(|| CoreError::InvalidArgument("growable=True needs max_num_blocks".into()))?;
     Ok(GrowableSize {
         max_num_blocks: ids::count(max_num_blocks, "max_num_blocks")?,
-        initial_num_blocks: ids::count(initial_num_blocks.unwrap_or(0), "initial_num_blocks")?,
+        initial_num_blocks: ids::count(initial_num_blocks.unwrap_or(Int(0)), "initial_num_blocks")?,
         chunk_bytes: chunk_bytes.map(|b| ids::count(b, "chunk_bytes")).transpose()?,
     })
 }
@@ -67,9 +67,9 @@ type PoolMaker = Box<dyn FnOnce() -> Result<Pool, CoreError> + Send>;
 /// Checks the constructor's arguments and says how to make the pool they describe.
 fn pool_maker(
     layout: KvLayout,
-    fixed: (Option<i64>, Option<i64>, Option<f64>),
+    fixed: (Option<Int>, Option<Int>, Option<f64>),
     growable: bool,
-    grow_args: (Option<i64>, Option<i64>, Option<i64>),
+    grow_args: (Option<Int>, Option<Int>, Option<Int>),
     device: Device,
 ) -> Result<PoolMaker, CoreError> {
     let (num_blocks, memory_bytes, gpu_memory_utilization) = fixed;
@@ -122,13 +122,13 @@ impl PyPool {
     fn new(
         py: Python<'_>,
         layout: PyRef<'_, PyKvLayout>,
-        num_blocks: Option<i64>,
-        memory_bytes: Option<i64>,
+        num_blocks: Option<Int>,
+        memory_bytes: Option<Int>,
         gpu_memory_utilization: Option<f64>,
         growable: bool,
-        max_num_blocks: Option<i64>,
-        initial_num_blocks: Option<i64>,
-        chunk_bytes: Option<i64>,
+        max_num_blocks: Option<Int>,
+        initial_num_blocks: Option<Int>,
+        chunk_bytes: Option<Int>,
         device: &str,
     ) -> KvResult<Self> {
         let device = Device::parse(device)?;
@@ -147,7 +147,7 @@ impl PyPool {
     /// Maps memory until at least `num_blocks` blocks exist (growable pools only); returns
     /// the bytes newly mapped. Past `max_num_blocks`, or when the driver refuses memory,
     /// raises `OutOfBlocksError` and changes nothing.
-    fn grow(&self, py: Python<'_>, num_blocks: i64) -> KvResult<usize> {
+    fn grow(&self, py: Python<'_>, num_blocks: Int) -> KvResult<usize> {
         let num_blocks = ids::count(num_blocks, "num_blocks")?;
         Ok(py.detach(|| self.inner.grow(num_blocks))?)
     }
@@ -165,7 +165,7 @@ impl PyPool {
     }
 
     /// Allocates `n` blocks, all or none, as an int32 array.
-    fn alloc_many<'py>(&self, py: Python<'py>, n: i64) -> KvResult<Bound<'py, PyArray1<i32>>> {
+    fn alloc_many<'py>(&self, py: Python<'py>, n: Int) -> KvResult<Bound<'py, PyArray1<i32>>> {
         let n = ids::count(n, "n")?;
         // The core refuses n > max_num_blocks before sizing a buffer for n ids; a growable
         // pool that must grow maps memory here (with the GIL held for small n: rare).
@@ -206,13 +206,13 @@ impl PyPool {
 
     /// Layer `layer`'s K cache, `[num_blocks, block_size, num_kv_heads, head_dim]`: a NumPy
     /// array on the host, an object with `__cuda_array_interface__` on CUDA.
-    fn k_view(slf: &Bound<'_, Self>, layer: usize) -> PyResult<Py<PyAny>> {
-        Self::view(slf, layer, KvPart::K)
+    fn k_view(slf: &Bound<'_, Self>, layer: Int) -> PyResult<Py<PyAny>> {
+        Self::view(slf, ids::count(layer, "layer").map_err(crate::errors::PyKvError)?, KvPart::K)
     }
 
     /// Layer `layer`'s V cache; see `k_view`.
-    fn v_view(slf: &Bound<'_, Self>, layer: usize) -> PyResult<Py<PyAny>> {
-        Self::view(slf, layer, KvPart::V)
+    fn v_view(slf: &Bound<'_, Self>, layer: Int) -> PyResult<Py<PyAny>> {
+        Self::view(slf, ids::count(layer, "layer").map_err(crate::errors::PyKvError)?, KvPart::V)
     }
 
     #[getter]

@@ -9,7 +9,7 @@ use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
 
 use crate::errors::KvResult;
-use crate::ids;
+use crate::ids::{self, Int};
 use crate::pool::PyPool;
 
 /// Request ids: any Python int in 0..2**64.
@@ -36,7 +36,7 @@ fn request_ids(values: &Bound<'_, PyAny>) -> Result<Vec<u64>, CoreError> {
 
 /// `counts` is one int for every request, or one per request.
 fn token_counts(values: &Bound<'_, PyAny>, n: usize) -> Result<Vec<usize>, CoreError> {
-    if let Ok(count) = values.extract::<i64>() {
+    if let Ok(count) = values.extract::<Int>() {
         return Ok(vec![ids::count(count, "count")?; n]);
     }
     let iter = values
@@ -45,7 +45,7 @@ fn token_counts(values: &Bound<'_, PyAny>, n: usize) -> Result<Vec<usize>, CoreE
     iter.map(|item| {
         let item = item.map_err(|e| CoreError::InvalidArgument(e.to_string()))?;
         let v = item
-            .extract::<i64>()
+            .extract::<Int>()
             .map_err(|_| CoreError::InvalidArgument(format!("count {item} is not an integer")))?;
         ids::count(v, "count")
     })
@@ -68,7 +68,7 @@ pub struct PyBlockTables {
 #[pymethods]
 impl PyBlockTables {
     #[new]
-    fn new(pool: Bound<'_, PyPool>, max_seqs: i64, max_blocks_per_seq: i64) -> KvResult<Self> {
+    fn new(pool: Bound<'_, PyPool>, max_seqs: Int, max_blocks_per_seq: Int) -> KvResult<Self> {
         let inner = BlockTables::new(
             pool.get().inner.clone(),
             ids::count(max_seqs, "max_seqs")?,
@@ -78,7 +78,7 @@ impl PyBlockTables {
     }
 
     /// Adds a request of `num_tokens` tokens; returns their slot mapping (int64).
-    fn add<'py>(&self, py: Python<'py>, request_id: &Bound<'py, PyAny>, num_tokens: i64) -> KvResult<Bound<'py, PyArray1<i64>>> {
+    fn add<'py>(&self, py: Python<'py>, request_id: &Bound<'py, PyAny>, num_tokens: Int) -> KvResult<Bound<'py, PyArray1<i64>>> {
         let rid = self::request_id(request_id)?;
         let slots = self.inner.add(rid, ids::count(num_tokens, "num_tokens")?)?;
         Ok(PyArray1::from_vec(py, slots))
@@ -89,7 +89,7 @@ impl PyBlockTables {
         &self,
         py: Python<'py>,
         request_id: &Bound<'py, PyAny>,
-        n: i64,
+        n: Int,
     ) -> KvResult<(Bound<'py, PyArray1<i64>>, Bound<'py, PyArray2<i32>>)> {
         let rid = self::request_id(request_id)?;
         Ok(append_result(py, self.inner.append_tokens(rid, ids::count(n, "n")?)?))
