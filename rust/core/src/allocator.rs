@@ -10,6 +10,7 @@
 //! lock (`growth.rs`), and only ids below it are ever on the free list.
 
 use crossbeam_utils::CachePadded;
+use smallvec::SmallVec;
 
 use crate::error::CoreError;
 use crate::free_list::FreeList;
@@ -96,17 +97,21 @@ impl BlockAllocator {
     /// `OutOfBlocks` having taken none.
     pub fn alloc_into(&self, out: &mut [u32]) -> Result<(), CoreError> {
         let requested = out.len();
-        self.free_list.reserve(requested).map_err(|free| CoreError::OutOfBlocks {
+        self.free_list.pop_many(out).map_err(|free| CoreError::OutOfBlocks {
             requested,
             free,
             num_blocks: self.num_blocks(),
         })?;
-        self.free_list.pop_reserved(out);
         for &id in out.iter() {
-            let previous = self.ref_cnt[id as usize].swap(1, Ordering::AcqRel);
-            debug_assert_eq!(previous, 0, "block {id} was on the free list with ref_cnt {previous}");
+            // The pop made the block ours alone: a plain store, no read-modify-write.
+            debug_assert_eq!(self.ref_cnt[id as usize].load(Ordering::Relaxed), 0, "block {id} was on the free list in use");
+            self.ref_cnt[id as usize].store(1, Ordering::Release);
         }
-        self.high_water.fetch_max(self.num_used(), Ordering::Relaxed);
+        // A load first: the shared line is written only when the mark actually rises.
+        let used = self.num_used();
+        if used > self.high_water.load(Ordering::Relaxed) {
+            self.high_water.fetch_max(used, Ordering::Relaxed);
+        }
         Ok(())
     }
 
@@ -123,7 +128,14 @@ impl BlockAllocator {
 
     /// Drops one reference; the block returns to the free list when its count reaches 0.
     pub fn free(&self, block_id: u32) -> Result<(), CoreError> {
-        self.free_many(&[block_id])
+        match decrement_if_positive(self.counter(block_id)?) {
+            None => Err(CoreError::DoubleFree { block_id }),
+            Some(0) => {
+                self.free_list.push_chain(&[block_id]);
+                Ok(())
+            }
+            Some(_) => Ok(()),
+        }
     }
 
     /// Drops one reference to each id. Validates all of them first (range, repeats, not
@@ -135,7 +147,7 @@ impl BlockAllocator {
         }
         // Commit. A concurrent free of one of our ids (a race in the caller) can still make a
         // decrement find 0; then undo ours and report it, so the failed call changes nothing.
-        let mut released = Vec::new();
+        let mut released: SmallVec<[u32; INLINE_IDS]> = SmallVec::new();
         for (done, &id) in block_ids.iter().enumerate() {
             match decrement_if_positive(&self.ref_cnt[id as usize]) {
                 Some(0) => released.push(id),
@@ -189,17 +201,18 @@ impl BlockAllocator {
         for &id in block_ids {
             self.counter(id)?;
         }
-        if block_ids.len() > 1 {
+        let repeated = if block_ids.len() <= INLINE_IDS {
+            // Small batches: pairwise, without allocating.
+            block_ids.iter().enumerate().find(|&(i, id)| block_ids[..i].contains(id)).map(|(_, &id)| id)
+        } else {
             let mut sorted = block_ids.to_vec();
             sorted.sort_unstable();
-            if let Some(pair) = sorted.windows(2).find(|p| p[0] == p[1]) {
-                return Err(CoreError::InvalidBlock {
-                    value: pair[0].to_string(),
-                    reason: "repeated in one call".into(),
-                });
-            }
+            sorted.windows(2).find(|p| p[0] == p[1]).map(|p| p[0])
+        };
+        match repeated {
+            Some(id) => Err(CoreError::InvalidBlock { value: id.to_string(), reason: "repeated in one call".into() }),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Reference count of any id below the capacity, existing or not (invariant checks).
@@ -274,6 +287,9 @@ impl BlockAllocator {
         Ok(())
     }
 }
+
+/// Batches up to this size are freed without touching the heap.
+const INLINE_IDS: usize = 32;
 
 fn not_allocated(id: u32) -> CoreError {
     CoreError::InvalidBlock { value: id.to_string(), reason: "not allocated".into() }

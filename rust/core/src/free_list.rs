@@ -1,16 +1,16 @@
-//! A lock-free stack of free block ids with a reservation counter (design: `free_list.md`).
+//! A lock-free stack of free block ids that knows its own length (design: `free_list.md`).
 //!
 //! - `head` packs `(tag << 32) | top_id`; every successful CAS bumps the tag, so a head that
 //!   was popped and pushed back between a load and a CAS never matches (no ABA).
-//! - `next[id]` links the stack; it is written only while `id` is off the stack.
-//! - `available` counts ids that are on the stack and not yet reserved. It is raised only
-//!   after a push and lowered before a pop, so `available <= stack length` always holds and
-//!   a pop after a successful reservation never finds the stack short: `pop_many` is
-//!   all-or-nothing without a lock.
+//! - `next[id]` links the stack; `depth[id]` is the number of ids from `id` to the bottom.
+//!   Both are written only while `id` is off the stack, and published by the push's CAS.
+//! - The length is `depth[top]`, so one CAS on `head` is the whole of a pop or a push: a
+//!   batch pop walks `n` links and swings `head` past them, or, when `depth[top] < n`,
+//!   fails having changed nothing (all-or-nothing without a lock or a second counter).
 
 use crossbeam_utils::CachePadded;
 
-use crate::sync::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
 /// End-of-stack marker in `head` and `next`.
 const NIL: u32 = u32::MAX;
@@ -24,8 +24,8 @@ fn unpack(head: u64) -> (u32, u32) {
 
 pub struct FreeList {
     head: CachePadded<AtomicU64>,
-    available: CachePadded<AtomicUsize>,
     next: Box<[AtomicU32]>,
+    depth: Box<[AtomicU32]>,
 }
 
 impl FreeList {
@@ -39,70 +39,52 @@ impl FreeList {
     pub fn new_prefix(capacity: u32, len: u32) -> Self {
         assert!(capacity < NIL, "capacity {capacity} collides with the NIL marker");
         assert!(len <= capacity, "{len} ids do not fit a list of capacity {capacity}");
-        let next = (0..capacity)
-            .map(|id| AtomicU32::new(if id + 1 < len { id + 1 } else { NIL }))
-            .collect();
+        let next = (0..capacity).map(|id| AtomicU32::new(if id + 1 < len { id + 1 } else { NIL })).collect();
+        let depth = (0..capacity).map(|id| AtomicU32::new(len.saturating_sub(id))).collect();
         let top = if len == 0 { NIL } else { 0 };
-        FreeList {
-            head: CachePadded::new(AtomicU64::new(pack(0, top))),
-            available: CachePadded::new(AtomicUsize::new(len as usize)),
-            next,
-        }
-    }
-
-    /// Reserves and pops every id that is available now (ids pushed meanwhile stay on the
-    /// list). Concurrent reservations fail while the ids are out, so callers that may see
-    /// this must retry under the lock that the drainer holds (see `growth.rs`).
-    pub fn drain(&self) -> Vec<u32> {
-        loop {
-            let count = self.available();
-            if self.reserve(count).is_ok() {
-                let mut ids = vec![0u32; count];
-                self.pop_reserved(&mut ids);
-                return ids;
-            }
-        }
+        FreeList { head: CachePadded::new(AtomicU64::new(pack(0, top))), next, depth }
     }
 
     pub fn capacity(&self) -> usize {
         self.next.len()
     }
 
-    /// Ids that can be reserved right now.
-    pub fn available(&self) -> usize {
-        self.available.load(Ordering::Acquire)
-    }
-
-    /// Takes `count` units of `available`, or reports how many there were. Acquire pairs with
-    /// the Release in `push_chain`, so the pushed links are visible to the pops that follow.
-    pub fn reserve(&self, count: usize) -> Result<(), usize> {
-        let mut current = self.available.load(Ordering::Acquire);
-        loop {
-            if current < count {
-                return Err(current);
-            }
-            match self.available.compare_exchange_weak(
-                current,
-                current - count,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => return Ok(()),
-                Err(seen) => current = seen,
-            }
+    /// Ids on the list in the stack under `top` (read after an Acquire load of `head`).
+    fn len_under(&self, top: u32) -> usize {
+        if top == NIL {
+            0
+        } else {
+            self.depth[top as usize].load(Ordering::Relaxed) as usize
         }
     }
 
-    /// Pops `out.len()` ids into `out`. The caller must hold a reservation of that many
-    /// (from [`reserve`](Self::reserve)); then the stack always holds enough and this
-    /// only retries on contention.
-    pub fn pop_reserved(&self, out: &mut [u32]) {
+    /// Ids on the list now (a snapshot under concurrency).
+    pub fn available(&self) -> usize {
+        let (_, top) = unpack(self.head.load(Ordering::Acquire));
+        self.len_under(top)
+    }
+
+    /// Pops `out.len()` ids into `out`, or none; on failure returns how many were free.
+    pub fn pop_many(&self, out: &mut [u32]) -> Result<(), usize> {
         if out.is_empty() {
-            return;
+            return Ok(());
         }
         let mut head = self.head.load(Ordering::Acquire);
         loop {
             let (tag, top) = unpack(head);
+            let free = self.len_under(top);
+            if free < out.len() {
+                // Confirm with a CAS that writes the same head back: if it succeeds, the list
+                // held `free` ids at that instant (this failure's linearisation point), since
+                // `depth[top]` cannot change while `top` stays on the stack.
+                match self.head.compare_exchange(head, head, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => return Err(free),
+                    Err(seen) => {
+                        head = seen;
+                        continue;
+                    }
+                }
+            }
             // Walk `out.len()` links from the top. A concurrent pop/push can make the links we
             // read stale; then the tagged head has changed and the CAS below fails.
             let mut id = top;
@@ -115,28 +97,22 @@ impl FreeList {
                 *slot = id;
                 id = self.next[id as usize].load(Ordering::Relaxed);
             }
-            if complete {
-                match self.head.compare_exchange_weak(
-                    head,
-                    pack(tag.wrapping_add(1), id),
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                ) {
-                    Ok(_) => return,
-                    Err(seen) => head = seen,
-                }
-            } else {
-                // A stale walk ran off the end; the reservation guarantees the real stack is
-                // long enough, so reload and walk again.
+            if !complete {
                 #[cfg(loom)]
                 loom::thread::yield_now();
                 head = self.head.load(Ordering::Acquire);
+                continue;
+            }
+            match self.head.compare_exchange_weak(head, pack(tag.wrapping_add(1), id), Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return Ok(()),
+                Err(seen) => head = seen,
             }
         }
     }
 
-    /// Pushes `ids` (all currently off the stack, each once) as one chain with one CAS,
-    /// then makes them available. `ids[0]` ends on top.
+    /// Pushes `ids` (all currently off the stack, each once) as one chain with one CAS.
+    /// `ids[0]` ends on top.
     pub fn push_chain(&self, ids: &[u32]) {
         let (Some(&first), Some(&last)) = (ids.first(), ids.last()) else {
             return;
@@ -149,26 +125,38 @@ impl FreeList {
         let mut head = self.head.load(Ordering::Acquire);
         loop {
             let (tag, top) = unpack(head);
+            let below = self.len_under(top) as u32;
             self.next[last as usize].store(top, Ordering::Relaxed);
-            // Release publishes the links written above to whoever acquires this head.
-            match self.head.compare_exchange_weak(
-                head,
-                pack(tag.wrapping_add(1), first),
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => break,
+            let len = ids.len() as u32;
+            for (k, &id) in ids.iter().enumerate() {
+                self.depth[id as usize].store(below + len - k as u32, Ordering::Relaxed);
+            }
+            // Release publishes the links and depths written above to whoever acquires this head.
+            match self.head.compare_exchange_weak(head, pack(tag.wrapping_add(1), first), Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return,
                 Err(seen) => head = seen,
             }
         }
-        self.available.fetch_add(ids.len(), Ordering::AcqRel);
+    }
+
+    /// Pops every id on the list now (ids pushed meanwhile stay on it). Concurrent pops that
+    /// find the list empty meanwhile fail, so callers that may see this must retry under the
+    /// lock that the drainer holds (see `growth.rs`).
+    pub fn drain(&self) -> Vec<u32> {
+        loop {
+            let mut ids = vec![0u32; self.available()];
+            if self.pop_many(&mut ids).is_ok() {
+                return ids;
+            }
+        }
     }
 
     /// The ids on the stack, top first. Only meaningful while no other thread mutates the
-    /// list; returns `Err` with a description if the links are corrupt (a cycle, an id out of
-    /// range).
+    /// list; returns `Err` with a description if the links or depths are corrupt.
     pub fn snapshot(&self) -> Result<Vec<u32>, String> {
         let (_, mut id) = unpack(self.head.load(Ordering::Acquire));
+        let expected = self.len_under(id);
         let mut ids = Vec::new();
         while id != NIL {
             if id as usize >= self.capacity() {
@@ -177,8 +165,15 @@ impl FreeList {
             if ids.len() > self.capacity() {
                 return Err("free list has a cycle".into());
             }
+            let depth = self.depth[id as usize].load(Ordering::Acquire) as usize;
+            if depth != expected - ids.len() {
+                return Err(format!("block {id} has depth {depth}, {} ids lie under it", expected - ids.len()));
+            }
             ids.push(id);
             id = self.next[id as usize].load(Ordering::Acquire);
+        }
+        if ids.len() != expected {
+            return Err(format!("the top's depth says {expected} ids, the links hold {}", ids.len()));
         }
         Ok(ids)
     }
