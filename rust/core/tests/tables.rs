@@ -208,3 +208,14 @@ fn dropping_the_tables_releases_their_references() {
     assert_eq!(pool.num_free(), pool.num_blocks());
     pool.check_invariants_with(true).unwrap();
 }
+
+#[test]
+fn a_block_freed_behind_the_tables_back_is_an_error_not_a_panic() {
+    let (pool, t) = setup(16, 4, 8);
+    t.add(1, 5).unwrap();
+    let stolen = t.blocks(1).unwrap()[0] as u32;
+    pool.free(stolen).unwrap(); // misuse: the table still holds it
+    assert!(matches!(t.free(1), Err(CoreError::DoubleFree { block_id }) if block_id == stolen));
+    assert!(t.contains(1), "a failed free changes nothing");
+    t.check_invariants().unwrap();
+}

@@ -75,7 +75,9 @@ impl DeviceArray {
         let d = PyDict::new(py);
         d.set_item("shape", PyTuple::new(py, &self.shape)?)?;
         d.set_item("typestr", "<i4")?;
-        d.set_item("data", (self.ptr, true))?;
+        // The interface asks for a null pointer when the array is empty.
+        let ptr = if self.shape.contains(&0) { 0 } else { self.ptr };
+        d.set_item("data", (ptr, true))?;
         d.set_item("strides", py.None())?;
         d.set_item("version", 3)?;
         // The upload was queued on this stream: a consumer on another stream must wait on it.

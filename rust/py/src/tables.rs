@@ -14,6 +14,9 @@ use crate::pool::PyPool;
 
 /// Request ids: any Python int in 0..2**64.
 fn request_id(value: &Bound<'_, PyAny>) -> Result<u64, CoreError> {
+    if value.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(CoreError::InvalidArgument(format!("request id {value} is a bool, not an integer")));
+    }
     value.extract::<u64>().map_err(|_| {
         let shown = value.repr().map(|r| r.to_string()).unwrap_or_default();
         CoreError::InvalidArgument(format!("request id {shown} is not an integer in 0..2**64"))
