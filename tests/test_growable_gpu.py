@@ -35,8 +35,9 @@ def device_free_bytes(cp: Any) -> int:
 
 
 def growable(max_num_blocks: int, initial_num_blocks: int = 0, layout: KvLayout = LAYOUT) -> Pool:
+    # Granularity-sized chunks (not the 256 MiB default), so these small pools span many chunks.
     pool = Pool(layout, growable=True, max_num_blocks=max_num_blocks, initial_num_blocks=initial_num_blocks,
-                device="cuda")
+                chunk_bytes=2 * MiB, device="cuda")
     pool.check_invariants()
     return pool
 
@@ -64,6 +65,14 @@ def check(cp: Any, pool: Pool, written: dict[tuple[int, str, int], np.ndarray]) 
             views[(layer, kind)] = cp.asnumpy(cp.asarray(view))
         got = views[(layer, kind)][i]
         assert got.tobytes() == data.tobytes(), f"layer {layer} {kind} block {i} changed"
+
+
+def test_default_chunks_are_256_mib_or_the_whole_reservation(cp: Any) -> None:
+    big = Pool(LAYOUT, growable=True, max_num_blocks=20_000, device="cuda")
+    assert big.stats()["chunk_bytes"] == 256 * MiB
+    small = Pool(LAYOUT, growable=True, max_num_blocks=100, device="cuda")
+    reserved = 100 * LAYOUT.block_bytes
+    assert small.stats()["chunk_bytes"] == -(-reserved // (2 * MiB)) * 2 * MiB
 
 
 def test_chunks_are_the_driver_granularity(cp: Any) -> None:
@@ -163,7 +172,9 @@ def test_decode_over_blocks_straddling_chunks_matches_reference(cp: Any) -> None
     lens = np.array([5 * 16, 3 * 16 + 7, 11 * 16 + 1, 1], dtype=np.int32)
     need = [-(-int(n) // 16) for n in lens]
     others = [b for b in ids.tolist() if b not in set(straddling)]
-    pick = straddling[: sum(need) // 2] + others[: sum(need) - sum(need) // 2]
+    num_straddling = min(len(straddling), sum(need) // 2)
+    pick = straddling[:num_straddling] + others[: sum(need) - num_straddling]
+    assert len(pick) == sum(need)
     rng.shuffle(pick)
     tables = np.full((len(lens), max(need) + 2), -1, dtype=np.int32)
     at = 0
