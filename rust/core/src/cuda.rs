@@ -56,6 +56,27 @@ pub fn bind(ctx: &CudaContext) -> Result<(), CoreError> {
     ctx.bind_to_thread().map_err(|e| driver_error("binding the context", e))
 }
 
+/// Refuses a stream that belongs to another context (another device's, say): the driver
+/// would otherwise fail, or worse, order our copies on the wrong device.
+///
+/// # Safety
+/// `stream` must be a live stream handle (or 0, the legacy default stream).
+pub unsafe fn check_stream_context(ctx: &CudaContext, stream: sys::CUstream) -> Result<(), CoreError> {
+    bind(ctx)?;
+    let mut owner: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: the caller guarantees the handle is live; `owner` is a valid out-pointer.
+    unsafe { sys::cuStreamGetCtx(stream, &mut owner) }
+        .result()
+        .map_err(|e| driver_error("cuStreamGetCtx", e))?;
+    if owner != ctx.cu_ctx() {
+        return Err(CoreError::InvalidArgument(format!(
+            "the stream belongs to another CUDA context than the pool's (device {})",
+            ctx.ordinal()
+        )));
+    }
+    Ok(())
+}
+
 /// Device memory of one `cuMemAlloc`, zeroed, freed on drop.
 pub struct DeviceBuffer {
     ctx: Arc<CudaContext>,
@@ -202,6 +223,19 @@ impl Event {
         unsafe { result::event::record(self.raw, stream) }.map_err(|e| driver_error("cuEventRecord", e))?;
         self.recorded = true;
         Ok(())
+    }
+
+    /// Makes `stream` wait (on the device, not the CPU) for the work recorded before this event.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this event's context.
+    pub unsafe fn make_wait(&self, stream: sys::CUstream) -> Result<(), CoreError> {
+        if !self.recorded {
+            return Ok(());
+        }
+        // SAFETY: the event is live and recorded; the caller guarantees the stream is live.
+        unsafe { result::stream::wait_event(stream, self.raw, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+            .map_err(|e| driver_error("cuStreamWaitEvent", e))
     }
 
     /// Blocks until the work recorded before this event has finished (no-op if never recorded).

@@ -28,7 +28,7 @@ pub enum CoreError {
     DuplicateRequest { request_id: u64 },
 
     #[error("capacity exceeded: {what} would be {requested}, the limit is {limit}")]
-    CapacityExceeded { what: &'static str, requested: usize, limit: usize },
+    CapacityExceeded { what: String, requested: usize, limit: usize },
 
     #[error("cannot allocate {requested_bytes} bytes on {device}: out of memory")]
     OutOfMemory { requested_bytes: usize, device: String },

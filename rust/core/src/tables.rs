@@ -78,17 +78,23 @@ impl BlockTables {
             .checked_mul(max_blocks_per_seq)
             .filter(|&e| e <= i32::MAX as usize)
             .ok_or_else(|| CoreError::InvalidArgument(format!("a {max_seqs} x {max_blocks_per_seq} table is too large")))?;
+        // Sized from the caller's numbers: a failed allocation must be an error, not an abort.
+        let out_of_memory = |_| CoreError::OutOfMemory { requested_bytes: entries * 4, device: "host".into() };
+        let mut table = Vec::new();
+        table.try_reserve_exact(entries).map_err(out_of_memory)?;
+        table.resize(entries, NULL_BLOCK);
+        let mut row_version = Vec::new();
+        row_version.try_reserve_exact(max_seqs).map_err(out_of_memory)?;
+        row_version.resize(max_seqs, 0);
+        let mut rows = Vec::new();
+        rows.try_reserve_exact(max_seqs).map_err(out_of_memory)?;
+        let mut row_of = FxHashMap::default();
+        row_of.try_reserve(max_seqs).map_err(out_of_memory)?;
         let tables = Arc::new(BlockTables {
             pool: pool.clone(),
             max_seqs,
             max_blocks_per_seq,
-            state: Mutex::new(TablesState {
-                rows: Vec::with_capacity(max_seqs),
-                row_of: FxHashMap::with_capacity_and_hasher(max_seqs, Default::default()),
-                table: vec![NULL_BLOCK; entries],
-                row_version: vec![0; max_seqs],
-                next_version: 1,
-            }),
+            state: Mutex::new(TablesState { rows, row_of, table, row_version, next_version: 1 }),
             #[cfg(feature = "cuda")]
             uploader: Mutex::new(None),
         });
@@ -116,16 +122,36 @@ impl BlockTables {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn check_blocks_fit(&self, num_tokens: usize) -> Result<usize, CoreError> {
+    /// Blocks that `num_tokens` tokens of `request_id` need, if they fit a row (and the token
+    /// count fits the kernels' int32 seq_lens).
+    fn check_blocks_fit(&self, request_id: u64, num_tokens: usize) -> Result<usize, CoreError> {
+        if num_tokens > i32::MAX as usize {
+            return Err(CoreError::CapacityExceeded {
+                what: format!("tokens of request {request_id}"),
+                requested: num_tokens,
+                limit: i32::MAX as usize,
+            });
+        }
         let needed = blocks_for(num_tokens, self.block_size());
         if needed > self.max_blocks_per_seq {
             return Err(CoreError::CapacityExceeded {
-                what: "blocks per sequence",
+                what: format!("blocks of request {request_id} (max_blocks_per_seq)"),
                 requested: needed,
                 limit: self.max_blocks_per_seq,
             });
         }
         Ok(needed)
+    }
+
+    fn check_row_free(&self, st: &TablesState, request_id: u64) -> Result<(), CoreError> {
+        if st.rows.len() == self.max_seqs {
+            return Err(CoreError::CapacityExceeded {
+                what: format!("sequences (max_seqs) when adding request {request_id}"),
+                requested: self.max_seqs + 1,
+                limit: self.max_seqs,
+            });
+        }
+        Ok(())
     }
 
     /// Adds a request holding `num_tokens` tokens; returns their slot mapping.
@@ -134,10 +160,8 @@ impl BlockTables {
         if st.row_of.contains_key(&request_id) {
             return Err(CoreError::DuplicateRequest { request_id });
         }
-        if st.rows.len() == self.max_seqs {
-            return Err(CoreError::CapacityExceeded { what: "sequences", requested: self.max_seqs + 1, limit: self.max_seqs });
-        }
-        let num_blocks = self.check_blocks_fit(num_tokens)?;
+        self.check_row_free(&st, request_id)?;
+        let num_blocks = self.check_blocks_fit(request_id, num_tokens)?;
         let mut ids = vec![0u32; num_blocks];
         self.pool.alloc_into(&mut ids)?;
         let row = st.rows.len();
@@ -187,7 +211,7 @@ impl BlockTables {
             }
             let num_tokens = st.rows[row].num_tokens;
             let old_blocks = blocks_for(num_tokens, block_size);
-            let new_blocks = self.check_blocks_fit(num_tokens + count)? - old_blocks;
+            let new_blocks = self.check_blocks_fit(request_id, num_tokens.saturating_add(count))? - old_blocks;
             let mut copy_last = false;
             if count > 0 && num_tokens % block_size != 0 {
                 let last = st.table[row * self.max_blocks_per_seq + old_blocks - 1] as u32;
@@ -248,9 +272,7 @@ impl BlockTables {
         if st.row_of.contains_key(&child_id) {
             return Err(CoreError::DuplicateRequest { request_id: child_id });
         }
-        if st.rows.len() == self.max_seqs {
-            return Err(CoreError::CapacityExceeded { what: "sequences", requested: self.max_seqs + 1, limit: self.max_seqs });
-        }
+        self.check_row_free(&st, child_id)?;
         let num_tokens = st.rows[parent].num_tokens;
         let blocks: Vec<u32> = self.row_blocks(&st, parent).iter().map(|&b| b as u32).collect();
         self.pool.allocator().share_many(&blocks)?;
@@ -357,6 +379,8 @@ impl BlockTables {
     #[cfg(feature = "cuda")]
     pub unsafe fn sync_on(&self, stream: u64) -> Result<crate::upload::DeviceBatch, CoreError> {
         let (ctx, _) = self.pool.cuda().ok_or_else(not_cuda)?;
+        // SAFETY: the caller guarantees `stream` is a live stream handle.
+        unsafe { crate::cuda::check_stream_context(ctx, stream as cudarc::driver::sys::CUstream) }?;
         let st = self.lock();
         let mut uploader = self.uploader.lock().unwrap_or_else(|p| p.into_inner());
         if uploader.is_none() {
@@ -455,7 +479,11 @@ impl RefHolder for BlockTables {
         let st = self.lock();
         for row in 0..st.rows.len() {
             for &b in self.row_blocks(&st, row) {
-                counts[b as usize] += 1;
+                // A block past the end (freed behind the tables' back, then shrunk away) is
+                // left out here; `check_invariants` reports it.
+                if let Some(count) = counts.get_mut(b as usize) {
+                    *count += 1;
+                }
             }
         }
     }

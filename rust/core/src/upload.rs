@@ -52,6 +52,8 @@ pub struct Uploader {
     next: usize,
     /// Version of each row as last uploaded to the device.
     uploaded_version: Vec<u64>,
+    /// The stream of the last sync: a sync on another stream first waits for it.
+    last_stream: Option<u64>,
     max_seqs: usize,
     width: usize,
 }
@@ -72,6 +74,7 @@ impl Uploader {
             staging: [staging()?, staging()?],
             next: 0,
             uploaded_version: vec![0; max_seqs],
+            last_stream: None,
             max_seqs,
             width,
         })
@@ -85,6 +88,12 @@ impl Uploader {
         cuda::bind(&self.ctx)?;
         let num_rows = BlockTables::num_rows(st);
         let (max_seqs, width) = (self.max_seqs, self.width);
+        // A sync on another stream than the last one must not overtake the last upload: make
+        // this stream wait for it on the device (no CPU wait).
+        if self.last_stream != Some(stream as u64) {
+            // SAFETY: the caller guarantees `stream` is live in this context.
+            unsafe { self.staging[self.next ^ 1].copied.make_wait(stream) }?;
+        }
         let staging = &mut self.staging[self.next];
         staging.copied.wait()?;
 
@@ -125,16 +134,20 @@ impl Uploader {
             unsafe { result::memcpy_htod_async(base_dev + offset as u64, src, stream) }
                 .map_err(|e| cuda::driver_error("cuMemcpyHtoDAsync", e))
         };
-        copy(0, 4 * num_rows)?;
-        for &(first, last) in &runs {
-            copy(table_offset + 4 * first * width, 4 * (last + 1 - first) * width)?;
-        }
+        let copied = std::iter::once((0, 4 * num_rows))
+            .chain(runs.iter().map(|&(first, last)| (table_offset + 4 * first * width, 4 * (last + 1 - first) * width)))
+            .try_for_each(|(offset, bytes)| copy(offset, bytes));
+        // Record the event and flip buffers even when a copy failed: copies queued before the
+        // failure still read this buffer, and the next sync must not rewrite it under them.
+        // SAFETY: the caller guarantees `stream` is live in this context.
+        let recorded = unsafe { staging.copied.record(stream) };
+        self.next ^= 1;
+        self.last_stream = Some(stream as u64);
+        copied?;
+        recorded?;
         for &row in &dirty {
             self.uploaded_version[row] = st.row_version[row];
         }
-        // SAFETY: the caller guarantees `stream` is live in this context.
-        unsafe { staging.copied.record(stream) }?;
-        self.next ^= 1;
 
         Ok(DeviceBatch {
             block_table_ptr: base_dev + table_offset as u64,

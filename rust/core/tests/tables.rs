@@ -94,7 +94,7 @@ fn failed_calls_change_nothing() {
     assert!(matches!(t.append_tokens_many(&[1, 2], &[4, 1]), Err(CoreError::OutOfBlocks { requested: 2, free: 1, .. })));
     assert_eq!((t.blocks(2).unwrap(), pool.num_free()), before2);
     assert!(matches!(t.append_tokens_many(&[1, 1], &[1, 1]), Err(CoreError::InvalidArgument(_))));
-    assert!(matches!(t.add(3, 0), Err(CoreError::CapacityExceeded { what: "sequences", .. })));
+    assert!(matches!(t.add(3, 0), Err(CoreError::CapacityExceeded { what, .. }) if what.contains("max_seqs")));
     assert!(matches!(t.fork(1, 3), Err(CoreError::CapacityExceeded { .. })));
     t.free(2).unwrap();
     assert_eq!(state(), before);

@@ -2,24 +2,26 @@
 //! (`__cuda_array_interface__` v3 with their stream), so CuPy and PyTorch use the same
 //! memory and ordering without copies or extra synchronisation.
 
-use pyo3::exceptions::PyTypeError;
+use kvpool_core::CoreError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-/// The raw `cudaStream_t` of anything implementing the CUDA stream protocol
-/// (`__cuda_stream__() -> (version, handle)`), or a plain int handle.
-pub fn handle_of(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
-    if let Ok(handle) = obj.extract::<u64>() {
-        return Ok(handle);
-    }
-    if let Ok(method) = obj.getattr("__cuda_stream__") {
-        let (_version, handle): (u64, u64) = method.call0()?.extract()?;
-        return Ok(handle);
-    }
-    Err(PyTypeError::new_err(format!(
-        "stream must implement __cuda_stream__ or be an int handle, got {}",
-        obj.get_type().name()?
-    )))
+/// The raw `cudaStream_t` of an object implementing the CUDA stream protocol
+/// (`__cuda_stream__() -> (version, handle)`: CuPy and PyTorch streams, `pool.stream`). Bare
+/// ints are refused: nothing could check that they name a live stream.
+pub fn handle_of(obj: &Bound<'_, PyAny>) -> Result<u64, CoreError> {
+    let not_a_stream = || {
+        CoreError::InvalidArgument(format!(
+            "stream must implement __cuda_stream__ (a CuPy or PyTorch stream, or pool.stream), got {}",
+            obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+        ))
+    };
+    let method = obj.getattr("__cuda_stream__").map_err(|_| not_a_stream())?;
+    let (_version, handle): (u64, u64) = method
+        .call0()
+        .and_then(|r| r.extract())
+        .map_err(|e| CoreError::InvalidArgument(format!("__cuda_stream__() did not return (version, handle): {e}")))?;
+    Ok(handle)
 }
 
 /// A CUDA stream owned by a pool, for `cupy.cuda.Stream.from_external(pool.stream)`.
@@ -81,7 +83,8 @@ impl DeviceArray {
         d.set_item("strides", py.None())?;
         d.set_item("version", 3)?;
         // The upload was queued on this stream: a consumer on another stream must wait on it.
-        d.set_item("stream", self.stream)?;
+        // The interface reserves 0; the null stream is the legacy default stream, 1.
+        d.set_item("stream", if self.stream == 0 { 1 } else { self.stream })?;
         Ok(d)
     }
     #[getter]

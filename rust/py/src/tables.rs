@@ -226,10 +226,10 @@ fn sync_cuda<'py>(slf: &Bound<'py, PyBlockTables>, stream: Option<&Bound<'py, Py
     let batch = match stream {
         None => this.inner.sync(),
         Some(obj) => {
-            let handle = crate::stream::handle_of(obj)?;
-            // SAFETY: the handle comes from `__cuda_stream__` of an object the caller passed
-            // and we hold for the duration of the call; CUDA streams are per-device-context
-            // objects and the protocol promises a live stream.
+            let handle = crate::stream::handle_of(obj).map_err(crate::errors::PyKvError)?;
+            // SAFETY: the handle comes from `__cuda_stream__` of a stream object the caller
+            // passed and we hold for the duration of the call (bare ints are refused); the
+            // protocol promises a live stream, and `sync_on` checks its context is the pool's.
             unsafe { this.inner.sync_on(handle) }
         }
     }
