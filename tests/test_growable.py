@@ -191,3 +191,50 @@ def test_decode_across_chunk_boundaries_matches_the_reference() -> None:
         q, pool.k_view(1), pool.v_view(1), bt, sl, layout.dtype, None
     )
     np.testing.assert_allclose(out.astype(np.float64), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_shrink_never_unmaps_what_a_live_view_covers() -> None:
+    import gc
+
+    pool = growable()
+    ids = pool.alloc_many(40)
+    v = pool.k_view(0)
+    assert v.shape[0] == 40
+    v[...] = 1.0
+    pool.free_many(ids)
+    assert pool.shrink() == 0, "the view covers every mapped chunk"
+    assert pool.num_blocks == 40
+    assert float(v.astype(np.float64).sum()) == 40 * 384  # reads the whole view: no fault
+    pool.check_invariants()
+    # Growth past the view is given back down to the view's extent, not below.
+    pool.grow(60)
+    released = pool.shrink()
+    assert released > 0
+    assert pool.num_blocks >= 40
+    assert float(v.astype(np.float64).sum()) == 40 * 384
+    # Once the view (and the array over it) is gone, shrink releases the memory.
+    del v
+    gc.collect()
+    assert pool.shrink() > 0
+    assert (pool.num_blocks, pool.stats()["mapped_bytes"]) == (0, 0)
+    pool.check_invariants()
+
+
+def test_a_view_keeps_its_extent_after_growth() -> None:
+    import gc
+
+    pool = growable()
+    pool.grow(5)
+    small = pool.k_view(0)
+    ids = pool.alloc_many(30)
+    assert small.shape[0] == 5
+    assert pool.k_view(0).shape[0] == pool.num_blocks >= 30
+    pool.free_many(ids)
+    gc.collect()  # the temporary full-size view above is gone
+    assert pool.shrink() > 0
+    assert pool.num_blocks == 5  # 5 blocks fill two chunks: nothing of them goes
+    small[...] = 2.0
+    del small
+    gc.collect()
+    assert pool.shrink() == 2 * CHUNK
+    pool.check_invariants()

@@ -189,3 +189,26 @@ def test_decode_over_blocks_straddling_chunks_matches_reference(cp: Any) -> None
     want = reference.paged_attention_decode(cp.asnumpy(q), k, v, tables, lens, layout.dtype)
     err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
     assert err < 1e-2, err
+
+
+def test_shrink_keeps_memory_a_live_view_covers(cp: Any) -> None:
+    import gc
+
+    pool = growable(1024)
+    ids = pool.alloc_many(200)  # ~9.4 MiB: 5 chunks of 2 MiB
+    view = pool.k_view(0)
+    arr = cp.asarray(view)
+    arr[...] = 1
+    pool.free_many(ids)
+    assert pool.shrink() == 0, "the view covers every mapped chunk"
+    assert pool.num_blocks >= 200
+    # Reading the whole view after the shrink is legal (an unmapped chunk would be an
+    # illegal address and poison the context).
+    assert float(arr.astype(cp.float64).sum()) == arr.size
+    cp.cuda.runtime.deviceSynchronize()
+    pool.check_invariants()
+    del arr, view
+    gc.collect()
+    assert pool.shrink() > 0
+    assert (pool.num_blocks, pool.stats()["mapped_bytes"]) == (0, 0)
+    pool.check_invariants()

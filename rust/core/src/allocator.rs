@@ -23,6 +23,11 @@ pub struct BlockAllocator {
     /// Ids `0..num_blocks` exist. Fixed unless the pool is growable.
     num_blocks: CachePadded<AtomicUsize>,
     high_water: CachePadded<AtomicUsize>,
+    /// Free ids off the list in the resize path's hands: taken by [`drain_free`](Self::drain_free)
+    /// (or new ids of a growth) and not yet pushed back or dropped by
+    /// [`set_num_blocks`](Self::set_num_blocks). They count as free, not used. Written only
+    /// under the pool's resize lock; 0 outside a resize.
+    parked: CachePadded<AtomicUsize>,
 }
 
 impl BlockAllocator {
@@ -50,6 +55,7 @@ impl BlockAllocator {
             ref_cnt: (0..max_num_blocks).map(|_| AtomicU32::new(0)).collect(),
             num_blocks: CachePadded::new(AtomicUsize::new(num_blocks)),
             high_water: CachePadded::new(AtomicUsize::new(0)),
+            parked: CachePadded::new(AtomicUsize::new(0)),
         })
     }
 
@@ -61,14 +67,32 @@ impl BlockAllocator {
     pub fn max_num_blocks(&self) -> usize {
         self.ref_cnt.len()
     }
-    /// Blocks that can be allocated now (a snapshot under concurrency).
+    /// Free blocks now (a snapshot under concurrency): those on the free list plus those a
+    /// resize holds off it for a moment (parked), which it gives back.
     pub fn num_free(&self) -> usize {
-        self.free_list.available()
+        self.counts().1
     }
     pub fn num_used(&self) -> usize {
-        // Two loads, not one snapshot: a growth between them could make the difference
-        // negative for an instant.
-        self.num_blocks().saturating_sub(self.num_free())
+        self.counts().0
+    }
+    /// `(num_used, num_free)`. Several loads, not one snapshot, so a resize between them could
+    /// skew the difference; they are ordered so that the error is an undercount of the used
+    /// blocks, never an overcount (the high-water mark built from it never rises past the
+    /// truth):
+    /// - parking (`drain_free`) raises `parked` before popping, unparking (`set_num_blocks`)
+    ///   pushes before zeroing `parked`: reading `parked` before and after the list's count and
+    ///   taking the larger never misses an id in transit;
+    /// - a growth parks its new ids before raising `num_blocks`, a shrink lowers `num_blocks`
+    ///   before unparking the ids it drops: `num_blocks` read before and after, the smaller of
+    ///   the two, is never too large for the free count read in between.
+    fn counts(&self) -> (usize, usize) {
+        let nb_before = self.num_blocks();
+        let parked_before = self.parked.load(Ordering::Acquire);
+        let on_list = self.free_list.available();
+        let parked = parked_before.max(self.parked.load(Ordering::Acquire));
+        let num_blocks = nb_before.min(self.num_blocks());
+        let free = on_list + parked;
+        (num_blocks.saturating_sub(free), free.min(num_blocks))
     }
     /// The most blocks ever in use at once (sampled after each allocation).
     pub fn high_water(&self) -> usize {
@@ -220,24 +244,46 @@ impl BlockAllocator {
         self.ref_cnt[block_id].load(Ordering::Acquire)
     }
 
-    /// Takes every free block off the free list (see [`FreeList::drain`]). Resize path only:
-    /// the caller holds the pool's resize lock and gives the ids back with
+    /// Takes as many ids off the free list as it holds at one moment (as
+    /// [`FreeList::drain`] does; ids pushed meanwhile may leave older ones on the list) and
+    /// parks them: they still count as free. Resize path only: the caller holds the pool's
+    /// resize lock and gives the ids back (or drops them) with
     /// [`set_num_blocks`](Self::set_num_blocks).
     pub(crate) fn drain_free(&self) -> Vec<u32> {
-        self.free_list.drain()
+        loop {
+            let n = self.free_list.available();
+            // Parked before they leave the list, so that a concurrent `num_used` undercounts
+            // for an instant rather than seeing them neither free nor parked.
+            self.parked.fetch_add(n, Ordering::AcqRel);
+            let mut ids = vec![0u32; n];
+            if self.free_list.pop_many(&mut ids).is_ok() {
+                return ids;
+            }
+            // Someone allocated meanwhile: fewer ids are there now. Try again.
+            self.parked.fetch_sub(n, Ordering::AcqRel);
+        }
     }
 
     /// Sets how many blocks exist and pushes `free_ids` (drained or new, all with ref count 0,
     /// all `< num_blocks`, none on the list), sorted so the lowest id is allocated first.
-    /// Resize path only, under the pool's resize lock: a shrink must have drained every id
-    /// `>= num_blocks` first, and a growth raises `num_blocks` before the new ids are pushed,
-    /// so an id on the list is always in range.
+    /// Every parked id must be among `free_ids` or `>= num_blocks` (dropped); afterwards none
+    /// is parked. Resize path only, under the pool's resize lock: a shrink must have drained
+    /// every id `>= num_blocks` first, and a growth raises `num_blocks` before the new ids are
+    /// pushed, so an id on the list is always in range.
     pub(crate) fn set_num_blocks(&self, num_blocks: usize, mut free_ids: Vec<u32>) {
         assert!(num_blocks <= self.max_num_blocks(), "{num_blocks} blocks exceed the capacity {}", self.max_num_blocks());
         debug_assert!(free_ids.iter().all(|&id| (id as usize) < num_blocks));
+        let old = self.num_blocks();
+        if num_blocks > old {
+            // New ids come into existence parked (free, not yet on the list), so that the
+            // rise of num_blocks is never read as blocks in use.
+            self.parked.fetch_add(num_blocks - old, Ordering::AcqRel);
+        }
         self.num_blocks.store(num_blocks, Ordering::Release);
         free_ids.sort_unstable();
         self.free_list.push_chain(&free_ids);
+        // Pushed (counted twice for an instant: an undercount of num_used) or dropped.
+        self.parked.store(0, Ordering::Release);
     }
 
     /// The invariants of DESIGN.md, checked exactly. Only meaningful while no other thread
@@ -245,6 +291,10 @@ impl BlockAllocator {
     pub fn check_invariants(&self) -> Result<(), String> {
         let on_list = self.free_list.snapshot()?;
         let num_blocks = self.num_blocks();
+        let parked = self.parked.load(Ordering::Acquire);
+        if parked != 0 {
+            return Err(format!("{parked} ids are parked outside a resize"));
+        }
         if num_blocks > self.max_num_blocks() {
             return Err(format!("num_blocks {num_blocks} > max_num_blocks {}", self.max_num_blocks()));
         }
@@ -271,7 +321,7 @@ impl BlockAllocator {
                 return Err(format!("block {id} has ref_cnt 0 but is not on the free list (lost)"));
             }
         }
-        if on_list.len() != self.num_free() {
+        if on_list.len() != self.free_list.available() || on_list.len() != self.num_free() {
             return Err(format!(
                 "num_free {} != {} ids on the free list",
                 self.num_free(),

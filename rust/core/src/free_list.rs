@@ -140,9 +140,14 @@ impl FreeList {
         }
     }
 
-    /// Pops every id on the list now (ids pushed meanwhile stay on it). Concurrent pops that
-    /// find the list empty meanwhile fail, so callers that may see this must retry under the
-    /// lock that the drainer holds (see `growth.rs`).
+    /// Pops as many ids as the list held at one moment (`available()`), from the top. It
+    /// does not necessarily pop the ids that were on the list then: ids pushed meanwhile
+    /// land on top and are popped instead, leaving as many older ids on the list. So the
+    /// result is not "every free id"; a caller must treat ids left on the list as possibly
+    /// live (a shrink does: it removes only ids it popped). Concurrent pops that find the list
+    /// empty meanwhile fail, so callers that may see this must retry under the lock that the
+    /// drainer holds (see `growth.rs`). The resize path uses `BlockAllocator::drain_free`,
+    /// which does the same and also counts the popped ids as parked.
     pub fn drain(&self) -> Vec<u32> {
         loop {
             let mut ids = vec![0u32; self.available()];

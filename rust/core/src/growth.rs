@@ -50,6 +50,7 @@ impl Pool {
                 result => return result,
             };
             // Each pass raises num_blocks by the shortfall, so this ends at max_num_blocks.
+            // A pool already there fails fast (re-checked here, under the lock).
             let target = self.num_blocks() + shortfall;
             let grown = if target > self.max_num_blocks() {
                 Err(CoreError::InvalidArgument("max_num_blocks is reached".into()))
@@ -57,9 +58,13 @@ impl Pool {
                 self.grow_locked(guard, target)
             };
             if let Err(e) = grown {
-                // Give back what this call mapped (all of it, unless other threads allocated
-                // some of the new blocks meanwhile).
-                self.shrink_locked(guard, chunks_before)?;
+                // Give back what this call mapped, if anything (all of it, unless other
+                // threads allocated some of the new blocks meanwhile). A failure to give it
+                // back leaves the pool consistent (see `shrink_locked`) and must not replace
+                // the error the caller gets: it asked for blocks and gets none.
+                if guard.mapped_chunks() > chunks_before {
+                    let _ = self.shrink_locked(guard, chunks_before);
+                }
                 return Err(match e {
                     CoreError::InvalidArgument(reason) => self.out_of_blocks(out.len(), &reason),
                     e @ CoreError::OutOfMemory { .. } => self.out_of_blocks(out.len(), &refusal(e)),
@@ -91,9 +96,12 @@ impl Pool {
         Ok(guard.mapped_bytes() - before)
     }
 
-    /// Releases the chunks at the top of the range whose blocks are all free; returns the
-    /// bytes released. Afterwards the free list hands out the lowest ids first, so the top
-    /// of the range tends to drain for the next shrink.
+    /// Releases the chunks at the top of the range whose blocks are all free and that no live
+    /// view reaches into (see [`Pool::pin_view_extent`]); returns the bytes released, which
+    /// is less (possibly 0) while a view pins a larger extent. Afterwards the free list hands
+    /// out the lowest ids first, so the top of the range tends to drain for the next shrink.
+    /// If the backend fails to unmap, the error is returned and the pool stays consistent:
+    /// blocks whose memory is still mapped stay in the pool and on the free list.
     pub fn shrink(&self) -> Result<usize, CoreError> {
         let Some(slab) = self.growable_slab() else { return Ok(0) };
         self.shrink_locked(&mut slab.lock(), 0)
@@ -134,32 +142,43 @@ impl Pool {
         Ok(())
     }
 
-    /// Unmaps the top chunks whose blocks are all free, keeping at least `min_chunks`.
+    /// Unmaps the top chunks whose blocks are all free, keeping at least `min_chunks` and
+    /// every chunk a live view reaches into.
     fn shrink_locked(&self, guard: &mut ResizeGuard<'_>, min_chunks: usize) -> Result<usize, CoreError> {
         let num_blocks = self.num_blocks();
         let mapped = guard.mapped_chunks();
-        // Every free block, in our hands: nobody can allocate one of them until we push it
-        // back. An id not among them is allocated (or in flight) and must stay.
+        // Free blocks, in our hands (parked): nobody can allocate one of them until we push it
+        // back. Not necessarily every free block (ids freed during the drain may leave older
+        // free ids on the list, see `FreeList::drain`); an id not drained is treated as
+        // allocated (or in flight) and stays.
         let drained = self.allocator.drain_free();
         let mut is_free = vec![false; num_blocks];
         for &id in &drained {
             is_free[id as usize] = true;
         }
         let live_end = is_free.iter().rposition(|&free| !free).map_or(0, |id| id + 1);
+        let keep_end = live_end.max(self.max_view_extent());
         let chunk_bytes = guard.chunk_bytes();
-        let keep_chunks = (live_end * self.layout.block_bytes()).div_ceil(chunk_bytes).max(min_chunks);
+        let keep_chunks = (keep_end * self.layout.block_bytes()).div_ceil(chunk_bytes).max(min_chunks);
         if keep_chunks >= mapped {
             self.allocator.set_num_blocks(num_blocks, drained);
             return Ok(0);
         }
         // Blocks new_num_blocks.. are all free (new_num_blocks >= live_end) and now off the
-        // list for good; lower num_blocks before the memory goes.
+        // list; lower num_blocks before the memory goes.
         let new_num_blocks = self.blocks_in(keep_chunks * chunk_bytes);
-        debug_assert!(new_num_blocks >= live_end);
-        let kept = drained.into_iter().filter(|&id| (id as usize) < new_num_blocks).collect();
+        debug_assert!(new_num_blocks >= keep_end);
+        let (kept, removed): (Vec<u32>, Vec<u32>) = drained.into_iter().partition(|&id| (id as usize) < new_num_blocks);
         self.allocator.set_num_blocks(new_num_blocks, kept);
         let before = guard.mapped_bytes();
-        guard.unmap_to(keep_chunks)?;
+        if let Err(e) = guard.unmap_to(keep_chunks) {
+            // Some chunks may still be mapped: their blocks (removed ids, all free) come back.
+            let restored = self.blocks_in(guard.mapped_bytes());
+            let mut free_ids = self.allocator.drain_free();
+            free_ids.extend(removed.into_iter().filter(|&id| (id as usize) < restored));
+            self.allocator.set_num_blocks(restored, free_ids);
+            return Err(e);
+        }
         Ok(before - guard.mapped_bytes())
     }
 
@@ -174,6 +193,9 @@ impl Pool {
                 "need num_blocks * block_bytes <= mapped_bytes <= reserved_bytes, got {num_blocks} * {block_bytes} = {}, {mapped}, {reserved}",
                 num_blocks * block_bytes
             ));
+        }
+        if num_blocks < self.max_view_extent() {
+            return Err(format!("num_blocks {num_blocks} is below a live view's extent {}", self.max_view_extent()));
         }
         if num_blocks != self.blocks_in(mapped) {
             return Err(format!("num_blocks {num_blocks}, but {mapped} mapped bytes hold {}", self.blocks_in(mapped)));

@@ -5,6 +5,7 @@
 //! `max_num_blocks` blocks backed chunk by chunk; `growth.rs` holds grow, shrink and the
 //! allocation slow path). `base_ptr` never changes in either.
 
+use std::collections::BTreeMap;
 use std::ops::Deref;
 use std::sync::{Mutex, Weak};
 
@@ -56,6 +57,9 @@ pub struct Pool {
     /// Everything that holds block references (block tables), so `check_invariants` can
     /// compare the references they hold with the pool's counts. Not on any hot path.
     ref_holders: Mutex<Vec<Weak<dyn RefHolder>>>,
+    /// Extents (in blocks) of the live views over the slab: extent -> number of views. A
+    /// shrink never unmaps memory below the largest (see [`Pool::pin_view_extent`]).
+    view_extents: Mutex<BTreeMap<usize, usize>>,
 }
 
 /// Something that holds references to a pool's blocks (a `BlockTables`).
@@ -71,7 +75,9 @@ pub struct PoolStats {
     /// `num_blocks` for a fixed pool.
     pub max_num_blocks: usize,
     pub growable: bool,
-    /// Bytes backed by memory now (`slab_bytes`), and the reservation (equal for fixed pools).
+    /// Bytes backed by memory now, and the reservation (equal for fixed pools).
+    /// `mapped_bytes` is always the same number as `slab_bytes` (both are the slab's
+    /// `len_bytes`); it is kept under both names, the growable pool's and the fixed pool's.
     pub mapped_bytes: usize,
     pub reserved_bytes: usize,
     /// Mapped chunks and their size (a fixed pool is one chunk: its whole slab).
@@ -81,6 +87,7 @@ pub struct PoolStats {
     pub num_used: usize,
     pub high_water: usize,
     pub block_bytes: usize,
+    /// Same as `mapped_bytes`.
     pub slab_bytes: usize,
     pub device: Device,
     pub memory: Option<MemoryInfo>,
@@ -94,7 +101,7 @@ impl Pool {
             .checked_mul(layout.block_bytes())
             .ok_or_else(|| CoreError::InvalidArgument(format!("{num_blocks} blocks overflow the address space")))?;
         let slab = slab::allocate(device, slab_bytes)?;
-        Ok(Pool { layout, allocator, backing: Backing::Fixed(slab), ref_holders: Mutex::new(Vec::new()) })
+        Ok(Pool { layout, allocator, backing: Backing::Fixed(slab), ref_holders: Mutex::new(Vec::new()), view_extents: Mutex::new(BTreeMap::new()) })
     }
 
     /// A growable pool on `device`: reserves room for `size.max_num_blocks` and maps enough
@@ -134,7 +141,7 @@ impl Pool {
             )));
         }
         let allocator = BlockAllocator::new_growable(0, size.max_num_blocks)?;
-        let pool = Pool { layout, allocator, backing: Backing::Growable(slab), ref_holders: Mutex::new(Vec::new()) };
+        let pool = Pool { layout, allocator, backing: Backing::Growable(slab), ref_holders: Mutex::new(Vec::new()), view_extents: Mutex::new(BTreeMap::new()) };
         pool.grow(size.initial_num_blocks).map_err(|e| match e {
             // Creation asked for memory and did not get it: the slab could not be allocated.
             CoreError::CannotGrow { .. } => CoreError::OutOfMemory {
@@ -243,6 +250,38 @@ impl Pool {
         let mut holders = self.ref_holders.lock().unwrap_or_else(|p| p.into_inner());
         holders.retain(|h| h.strong_count() > 0);
         holders.push(holder);
+    }
+
+    /// Pins the blocks that exist now for a view over the slab: returns `num_blocks`, and
+    /// until [`unpin_view_extent`](Self::unpin_view_extent) is called with it, a shrink keeps
+    /// those blocks' memory mapped (it releases less instead). Taken under the resize lock,
+    /// so the extent returned is mapped and stays so.
+    pub fn pin_view_extent(&self) -> usize {
+        let _guard = self.growable_slab().map(GrowableSlab::lock);
+        let extent = self.num_blocks();
+        *self.view_extents().entry(extent).or_insert(0) += 1;
+        extent
+    }
+
+    /// Releases one pin of `extent` taken by [`pin_view_extent`](Self::pin_view_extent).
+    pub fn unpin_view_extent(&self, extent: usize) {
+        let mut extents = self.view_extents();
+        if let Some(count) = extents.get_mut(&extent) {
+            *count -= 1;
+            if *count == 0 {
+                extents.remove(&extent);
+            }
+        }
+    }
+
+    /// The largest extent a live view pins (0 if none).
+    pub fn max_view_extent(&self) -> usize {
+        self.view_extents().last_key_value().map_or(0, |(&extent, _)| extent)
+    }
+
+    fn view_extents(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, usize>> {
+        // Every update completes without panicking, so a poisoned map is still consistent.
+        self.view_extents.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The CUDA context and the pool's stream (`None` on the host).

@@ -355,3 +355,232 @@ fn alloc_and_free_race_with_shrink() {
     p.shrink().unwrap();
     assert_eq!((p.num_blocks(), p.slab_bytes()), (0, 0));
 }
+
+/// A host backend that unmaps one chunk at a time from the top, like the CUDA backend, and
+/// fails once it has unmapped `unmap_budget` chunks. It keeps its own count (reported through
+/// `mapped_chunks` when `reports`) and refuses, as an error, a call that does not match it.
+struct Flaky {
+    inner: HostChunks,
+    mapped: AtomicUsize,
+    unmap_budget: AtomicUsize,
+    reports: bool,
+    unmap_calls: AtomicUsize,
+}
+
+impl ChunkBackend for Flaky {
+    fn base_ptr(&self) -> u64 {
+        self.inner.base_ptr()
+    }
+    fn chunk_bytes(&self) -> usize {
+        self.inner.chunk_bytes()
+    }
+    fn num_chunks(&self) -> usize {
+        self.inner.num_chunks()
+    }
+    fn device(&self) -> Device {
+        Device::Host
+    }
+    fn memory_info(&self) -> Result<Option<MemoryInfo>, CoreError> {
+        Ok(None)
+    }
+    fn map_chunks(&self, first: usize, count: usize) -> Result<(), CoreError> {
+        if first != self.mapped.load(Ordering::SeqCst) {
+            return Err(CoreError::Cuda(format!("map from {first}, {} mapped", self.mapped.load(Ordering::SeqCst))));
+        }
+        self.inner.map_chunks(first, count)?;
+        self.mapped.store(first + count, Ordering::SeqCst);
+        Ok(())
+    }
+    fn unmap_chunks(&self, first: usize, count: usize) -> Result<(), CoreError> {
+        self.unmap_calls.fetch_add(1, Ordering::SeqCst);
+        if first + count != self.mapped.load(Ordering::SeqCst) {
+            return Err(CoreError::Cuda(format!("unmap {first}..{}, {} mapped", first + count, self.mapped.load(Ordering::SeqCst))));
+        }
+        for top in (first..first + count).rev() {
+            if self.unmap_budget.load(Ordering::SeqCst) == 0 {
+                return Err(CoreError::Cuda("injected unmap failure".into()));
+            }
+            self.unmap_budget.fetch_sub(1, Ordering::SeqCst);
+            self.inner.unmap_chunks(top, 1)?;
+            self.mapped.store(top, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+    fn mapped_chunks(&self) -> Option<usize> {
+        self.reports.then(|| self.mapped.load(Ordering::SeqCst))
+    }
+}
+
+fn flaky_pool(max_num_blocks: usize, unmap_budget: usize, reports: bool) -> (Pool, *const Flaky) {
+    let backend = Box::new(Flaky {
+        inner: HostChunks::new(max_num_blocks * BLOCK, CHUNK).unwrap(),
+        mapped: AtomicUsize::new(0),
+        unmap_budget: AtomicUsize::new(unmap_budget),
+        reports,
+        unmap_calls: AtomicUsize::new(0),
+    });
+    let raw: *const Flaky = &*backend;
+    let pool = Pool::with_chunk_backend(layout(), size(max_num_blocks, 0), backend).unwrap();
+    (pool, raw)
+}
+
+/// Every block is allocated once, written, checked and freed: all of them are usable.
+fn use_every_block(p: &Pool) {
+    let ids = p.alloc_many(p.num_blocks()).unwrap();
+    ids.iter().for_each(|&id| fill(p, id));
+    ids.iter().for_each(|&id| check_filled(p, id));
+    p.free_many(&ids).unwrap();
+}
+
+#[test]
+fn failed_unmap_leaves_the_pool_consistent_and_growable() {
+    // The backend unmaps nothing and keeps no count: the slab must count every chunk as
+    // still mapped, and the blocks on them stay in the pool.
+    let (p, backend) = flaky_pool(64, 0, false);
+    // SAFETY: the backend lives inside `p`, which is alive and never moves it.
+    let backend = unsafe { &*backend };
+    let ids = p.alloc_many(16).unwrap(); // 6 chunks
+    p.free_many(&ids[4..]).unwrap();
+    let err = p.shrink().unwrap_err();
+    assert!(matches!(err, CoreError::Cuda(_)), "{err:?}");
+    assert_eq!((p.num_blocks(), p.slab_bytes(), p.num_free(), p.num_used()), (16, 6 * CHUNK, 12, 4));
+    p.check_invariants().unwrap();
+    p.free_many(&ids[..4]).unwrap();
+    use_every_block(&p);
+    // Growth after the failure maps from the right chunk (no mismatch, no panic).
+    p.alloc_many(40).unwrap();
+    assert_eq!(backend.mapped.load(Ordering::SeqCst) * CHUNK, p.slab_bytes());
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn partly_failed_unmap_counts_what_is_still_mapped() {
+    // The backend unmaps two of the five top chunks, then fails, and reports the rest.
+    let (p, backend) = flaky_pool(64, 2, true);
+    // SAFETY: as above.
+    let backend = unsafe { &*backend };
+    let ids = p.alloc_many(16).unwrap(); // 6 chunks
+    p.free_many(&ids[1..]).unwrap();
+    assert!(matches!(p.shrink(), Err(CoreError::Cuda(_))));
+    assert_eq!(backend.mapped.load(Ordering::SeqCst), 4);
+    assert_eq!((p.slab_bytes(), p.num_blocks()), (4 * CHUNK, 10));
+    assert_eq!((p.num_free(), p.num_used()), (9, 1));
+    p.check_invariants().unwrap();
+    p.free(ids[0]).unwrap();
+    use_every_block(&p);
+    // Growing maps from chunk 4 on, and the next shrink (now allowed) releases everything.
+    p.alloc_many(30).map(|ids| p.free_many(&ids).unwrap()).unwrap();
+    p.check_invariants().unwrap();
+    backend.unmap_budget.store(usize::MAX, Ordering::SeqCst);
+    assert!(p.shrink().unwrap() > 0);
+    assert_eq!((p.num_blocks(), p.slab_bytes(), backend.mapped.load(Ordering::SeqCst)), (0, 0, 0));
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn failed_alloc_at_the_maximum_neither_shrinks_nor_reorders() {
+    let (p, backend) = flaky_pool(16, usize::MAX, true);
+    // SAFETY: as above.
+    let backend = unsafe { &*backend };
+    let ids = p.alloc_many(16).unwrap();
+    assert_eq!(p.num_blocks(), 16);
+    // Free 2 then 14: 14 is on top of the LIFO list. A shrink would re-sort (2 on top).
+    p.free(ids[2]).unwrap();
+    p.free(ids[14]).unwrap();
+    for _ in 0..3 {
+        assert!(matches!(p.alloc_many(3), Err(CoreError::CannotGrow { requested: 3, free: 2, .. })));
+    }
+    assert_eq!(backend.unmap_calls.load(Ordering::SeqCst), 0);
+    assert_eq!(p.alloc().unwrap(), 14, "the free list was not drained and re-sorted");
+    p.check_invariants().unwrap();
+}
+
+/// Allocations that must grow race with each other and with shrinks, on a backend whose
+/// unmaps always fail: a caller that gets no blocks always gets `CannotGrow`, never the
+/// backend's error from giving back what its call mapped, and the pool stays consistent.
+#[test]
+fn a_failed_give_back_never_replaces_cannot_grow() {
+    let (p, _backend) = flaky_pool(48, 0, true);
+    let p = Arc::new(p);
+    let workers: Vec<_> = (0..4)
+        .map(|t| {
+            let p = p.clone();
+            std::thread::spawn(move || {
+                for round in 0..200 {
+                    match p.alloc_many(1 + (t * 7 + round) % 20) {
+                        Ok(ids) => {
+                            std::thread::yield_now();
+                            p.free_many(&ids).unwrap();
+                        }
+                        Err(CoreError::CannotGrow { .. }) => {}
+                        Err(e) => panic!("allocation failed with {e:?}"),
+                    }
+                    if round % 10 == 0 {
+                        let _ = p.shrink();
+                    }
+                }
+            })
+        })
+        .collect();
+    workers.into_iter().for_each(|w| w.join().unwrap());
+    p.check_invariants().unwrap();
+    assert_eq!(p.num_used(), 0);
+}
+
+/// While a resize holds the free ids off the list, they still count as free: the high-water
+/// mark and `num_used` never jump to `num_blocks` because a shrink or growth is under way.
+#[test]
+fn resizes_do_not_inflate_num_used_or_high_water() {
+    let p = Arc::new(pool(256, 0));
+    let base = p.alloc_many(10).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let resizer = {
+        let (p, stop) = (p.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                p.grow(200).unwrap();
+                p.shrink().unwrap();
+            }
+        })
+    };
+    let reader = {
+        let (p, stop) = (p.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let used = p.num_used();
+                assert!(used <= 11, "num_used {used} while at most 11 blocks are held");
+            }
+        })
+    };
+    for _ in 0..20_000 {
+        let id = p.alloc().unwrap();
+        p.free(id).unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    resizer.join().unwrap();
+    reader.join().unwrap();
+    assert!(p.high_water() <= 11, "high_water {}", p.high_water());
+    p.free_many(&base).unwrap();
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn shrink_keeps_what_a_live_view_covers() {
+    let p = pool(64, 0);
+    let ids = p.alloc_many(16).unwrap(); // 6 chunks
+    let extent = p.pin_view_extent();
+    assert_eq!(extent, 16);
+    p.free_many(&ids).unwrap();
+    assert_eq!(p.shrink().unwrap(), 0, "the view covers every mapped chunk");
+    assert_eq!(p.num_blocks(), 16);
+    p.check_invariants().unwrap();
+    // Growth beyond the view can be given back, down to the view's extent.
+    p.grow(40).unwrap();
+    let grown = p.slab_bytes();
+    assert_eq!(p.shrink().unwrap(), grown - 6 * CHUNK);
+    assert_eq!((p.slab_bytes(), p.num_blocks()), (6 * CHUNK, 16));
+    p.unpin_view_extent(extent);
+    assert_eq!(p.shrink().unwrap(), 6 * CHUNK);
+    assert_eq!((p.num_blocks(), p.max_view_extent()), (0, 0));
+    p.check_invariants().unwrap();
+}

@@ -153,8 +153,9 @@ impl PyPool {
     }
 
     /// Releases the chunks at the top of the range whose blocks are all free; returns the
-    /// bytes released (0 for a fixed pool). Views taken before must not touch blocks past
-    /// the new `num_blocks`.
+    /// bytes released (0 for a fixed pool). Memory that a live view (`k_view`/`v_view`, or an
+    /// array over one) covers is kept: the shrink releases less, and the return value says
+    /// how much it did release. Raw pointers (`base_ptr`, `block_ptr`) get no such guarantee.
     fn shrink(&self, py: Python<'_>) -> KvResult<usize> {
         Ok(py.detach(|| self.inner.shrink())?)
     }
@@ -205,7 +206,9 @@ impl PyPool {
     }
 
     /// Layer `layer`'s K cache, `[num_blocks, block_size, num_kv_heads, head_dim]`: a NumPy
-    /// array on the host, an object with `__cuda_array_interface__` on CUDA.
+    /// array on the host, an object with `__cuda_array_interface__` on CUDA. The view covers
+    /// the blocks that exist now (it does not follow a later growth) and, while it lives,
+    /// `shrink` keeps their memory mapped.
     fn k_view(slf: &Bound<'_, Self>, layer: Int) -> PyResult<Py<PyAny>> {
         Self::view(slf, ids::count(layer, "layer").map_err(crate::errors::PyKvError)?, KvPart::K)
     }

@@ -1,6 +1,8 @@
 //! Per-layer K/V views of the slab: `__array_interface__` on the host,
 //! `__cuda_array_interface__` (v3) on CUDA, so NumPy, CuPy and PyTorch see the pool's
-//! memory without a copy. A view holds its pool, so the slab outlives every view.
+//! memory without a copy. A view holds its pool, so the slab outlives every view, and pins
+//! its extent (the blocks that existed when it was made; `Pool::pin_view_extent`) until it is
+//! dropped, so a shrink never unmaps memory that a live view covers.
 
 use kvpool_core::layout::KvPart;
 use kvpool_core::{DType, Device};
@@ -21,24 +23,29 @@ fn typestr(dtype: DType) -> &'static str {
     }
 }
 
-/// `[num_blocks, block_size, num_kv_heads, head_dim]` over one layer's K or V.
+/// `[extent, block_size, num_kv_heads, head_dim]` over one layer's K or V, where `extent` is
+/// the pool's `num_blocks` when the view was made (a view does not follow later growth; take a
+/// new one).
 #[pyclass(module = "kvpool._core", name = "SlabView", frozen)]
 pub struct SlabView {
     pool: Py<PyPool>,
     layer: usize,
     part: KvPart,
+    /// Blocks covered, pinned with the pool until drop.
+    extent: usize,
 }
 
 impl SlabView {
     pub fn new(pool: Py<PyPool>, layer: usize, part: KvPart) -> Self {
-        SlabView { pool, layer, part }
+        let extent = pool.get().inner.pin_view_extent();
+        SlabView { pool, layer, part, extent }
     }
 
     fn interface<'py>(&self, py: Python<'py>, version: u32) -> PyResult<Bound<'py, PyDict>> {
         let pool = &self.pool.get().inner;
         let layout = pool.layout();
         let offset = layout.part_offset_bytes(self.layer, self.part).map_err(crate::errors::PyKvError)?;
-        let (shape, strides) = layout.view_shape_strides(pool.num_blocks());
+        let (shape, strides) = layout.view_shape_strides(self.extent);
         let d = PyDict::new(py);
         d.set_item("shape", PyTuple::new(py, shape)?)?;
         d.set_item("strides", PyTuple::new(py, strides)?)?;
@@ -46,6 +53,13 @@ impl SlabView {
         d.set_item("data", (pool.base_ptr() + offset as u64, false))?;
         d.set_item("version", version)?;
         Ok(d)
+    }
+}
+
+impl Drop for SlabView {
+    fn drop(&mut self) {
+        // `get` needs no GIL (the pool class is frozen); the unpin takes a short mutex only.
+        self.pool.get().inner.unpin_view_extent(self.extent);
     }
 }
 

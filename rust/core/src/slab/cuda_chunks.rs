@@ -143,16 +143,19 @@ impl CudaChunks {
         Ok(handle)
     }
 
-    /// Unmaps and releases the top `count` chunks; stops at the first failure.
+    /// Unmaps and releases the top `count` chunks; stops at the first failure. A handle leaves
+    /// the vector only once its chunk is unmapped, so the vector always mirrors the mapping.
     fn release_top(&self, handles: &mut Vec<sys::CUmemGenericAllocationHandle>, count: usize) -> Result<(), CoreError> {
         for _ in 0..count {
-            let Some(handle) = handles.pop() else { break };
-            let ptr = self.chunk_ptr(handles.len());
-            // SAFETY: chunk `handles.len()` is mapped to `handle` (the vector mirrors the
+            let Some(&handle) = handles.last() else { break };
+            let ptr = self.chunk_ptr(handles.len() - 1);
+            // SAFETY: chunk `handles.len() - 1` is mapped to `handle` (the vector mirrors the
             // mapping) and holds no allocated block; the context was synchronised, so no
             // kernel still reads it.
             check("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr, self.chunk_bytes) })?;
-            // SAFETY: `handle` is no longer mapped; it is released once, here.
+            handles.pop();
+            // SAFETY: `handle` is no longer mapped; it is released once, here (if this fails,
+            // the physical memory leaks, but the address range is free).
             check("cuMemRelease", unsafe { sys::cuMemRelease(handle) })?;
         }
         Ok(())
@@ -183,10 +186,17 @@ impl ChunkBackend for CudaChunks {
         if count == 0 {
             return Ok(());
         }
-        assert!(first + count <= self.num_chunks, "chunks {first}..{} outside the reservation", first + count);
+        if first + count > self.num_chunks {
+            return Err(CoreError::Cuda(format!("chunks {first}..{} lie outside the reservation", first + count)));
+        }
         cuda::bind(&self.ctx)?;
         let mut handles = self.handles();
-        assert_eq!(handles.len(), first, "chunks must be mapped as a prefix");
+        if handles.len() != first {
+            return Err(CoreError::Cuda(format!(
+                "asked to map from chunk {first}, but {} chunks are mapped",
+                handles.len()
+            )));
+        }
         let mapped = (first..first + count).try_for_each(|index| {
             handles.push(self.create_and_map(index)?);
             Ok(())
@@ -216,9 +226,20 @@ impl ChunkBackend for CudaChunks {
         }
         cuda::bind(&self.ctx)?;
         let mut handles = self.handles();
-        assert_eq!(handles.len(), first + count, "only the top chunks can be unmapped");
+        if handles.len() != first + count {
+            return Err(CoreError::Cuda(format!(
+                "asked to unmap chunks {first}..{}, but {} chunks are mapped",
+                first + count,
+                handles.len()
+            )));
+        }
         self.ctx.synchronize().map_err(|e| driver_error("cuCtxSynchronize before unmapping", e))?;
         self.release_top(&mut handles, count)
+    }
+
+    /// The handles mirror the mapping: after a failed unmap, the chunks not yet unmapped.
+    fn mapped_chunks(&self) -> Option<usize> {
+        Some(self.handles().len())
     }
 }
 

@@ -16,8 +16,12 @@
 //! memory API). [`GrowableSlab`] keeps the mapped count behind a mutex that is also the pool's
 //! resize lock (`growth.rs`): holding a [`ResizeGuard`] is what allows changing it.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+#[cfg(loom)]
+use loom::sync::{Mutex, MutexGuard};
+#[cfg(not(loom))]
 use std::sync::{Mutex, MutexGuard};
+
+use crate::sync::{AtomicUsize, Ordering};
 
 use super::{Device, MemoryInfo, Slab};
 use crate::error::CoreError;
@@ -42,7 +46,15 @@ pub trait ChunkBackend: Send + Sync {
     /// `CoreError::OutOfMemory`.
     fn map_chunks(&self, first: usize, count: usize) -> Result<(), CoreError>;
     /// Releases chunks `first..first + count` to the system or driver. Their contents are lost.
+    /// On failure some of them may still be mapped: the slab then asks
+    /// [`mapped_chunks`](Self::mapped_chunks) how many are, and counts that many. A chunk that
+    /// is still mapped must stay usable (its blocks go back to the pool).
     fn unmap_chunks(&self, first: usize, count: usize) -> Result<(), CoreError>;
+    /// How many chunks (a prefix) are mapped, if the backend keeps count; `None` means that a
+    /// failed `unmap_chunks` left every chunk of its range mapped and usable.
+    fn mapped_chunks(&self) -> Option<usize> {
+        None
+    }
     /// The CUDA context and the pool's stream; `None` for host memory.
     #[cfg(feature = "cuda")]
     fn cuda(&self) -> Option<(&std::sync::Arc<cudarc::driver::CudaContext>, &crate::cuda::Stream)> {
@@ -72,9 +84,10 @@ impl GrowableSlab {
 
     /// Takes the resize lock (blocks while another thread grows or shrinks).
     pub fn lock(&self) -> ResizeGuard<'_> {
-        // Nothing panics while the lock is held with the count out of step with the mapping
-        // (the count is updated right after each successful backend call), so a poisoned
-        // lock still guards a consistent count.
+        // The count is set right after each backend call, from the call's outcome (after a
+        // failed unmap, from what the backend reports is still mapped), and nothing between
+        // a backend call and that update can panic: a poisoned lock still guards a count that
+        // matches the mapping.
         let mapped_chunks = self.mapped_chunks.lock().unwrap_or_else(|p| p.into_inner());
         ResizeGuard { slab: self, mapped_chunks }
     }
@@ -123,18 +136,29 @@ impl ResizeGuard<'_> {
     }
 
     /// Unmaps the top chunks until `chunks` are mapped. The caller guarantees that no block
-    /// with a byte in them is allocated (or can become allocated).
+    /// with a byte in them is allocated (or can become allocated) and that no live view
+    /// reaches into them. On failure the count is what the backend reports is still mapped
+    /// (between `chunks` and the count before): [`mapped_chunks`](Self::mapped_chunks) tells
+    /// the caller how many blocks still have memory.
     pub fn unmap_to(&mut self, chunks: usize) -> Result<(), CoreError> {
         let mapped = *self.mapped_chunks;
         if chunks >= mapped {
             return Ok(());
         }
-        let result = self.slab.backend.unmap_chunks(chunks, mapped - chunks);
-        // Even on failure, count the range as unmapped: a chunk wrongly counted as unmapped
-        // makes a later `map_to` fail (the driver refuses to map over it), while one wrongly
-        // counted as mapped would let blocks live on memory that is gone.
-        self.set(chunks);
-        result
+        match self.slab.backend.unmap_chunks(chunks, mapped - chunks) {
+            Ok(()) => {
+                self.set(chunks);
+                Ok(())
+            }
+            Err(e) => {
+                // Count exactly what is still mapped: counting too few would make the next
+                // `map_to` map over live chunks, counting too many would let blocks live on
+                // memory that is gone.
+                let still = self.slab.backend.mapped_chunks().unwrap_or(mapped).clamp(chunks, mapped);
+                self.set(still);
+                Err(e)
+            }
+        }
     }
 
     fn set(&mut self, chunks: usize) {

@@ -76,8 +76,8 @@ impl HostChunks {
 impl Drop for HostChunks {
     fn drop(&mut self) {
         // SAFETY: `base..base + num_chunks * chunk_bytes` is exactly the mapping made in `new`,
-        // unmapped only here; the pool that owns this backend is being dropped, so no view of
-        // it is used any more (Python views hold the pool alive).
+        // unmapped only here; the pool that owns this backend is being dropped, so no Python
+        // view of it is alive (a view holds its pool).
         unsafe { libc::munmap(self.base as *mut libc::c_void, self.num_chunks * self.chunk_bytes) };
     }
 }
@@ -112,14 +112,24 @@ impl ChunkBackend for HostChunks {
 
     fn unmap_chunks(&self, first: usize, count: usize) -> Result<(), CoreError> {
         let (ptr, len) = self.range(first, count);
-        // SAFETY: the range lies inside our reservation and the slab unmaps only chunks that
-        // hold no allocated block, so no Rust reference or live view points into it.
+        // SAFETY: the range lies inside our reservation. The slab unmaps only chunks that
+        // hold no allocated block (shrink drains the free list and removes only drained ids)
+        // and that lie past every live Python view's extent (views pin their extent with the
+        // pool, `Pool::pin_view_extent`), so no view taken through the bindings reads them.
+        // Raw addresses handed out earlier (`base_ptr`, `block_ptr`) are the caller's
+        // responsibility: touching a block past `num_blocks` faults (PROT_NONE below).
         if unsafe { libc::madvise(ptr, len, libc::MADV_DONTNEED) } != 0 {
+            // Nothing changed: the chunks stay mapped and usable (the slab's default).
             return Err(os_error("releasing a chunk (madvise)", len));
         }
         // SAFETY: as above; the pages are already gone, this only makes stray accesses fault.
         if unsafe { libc::mprotect(ptr, len, libc::PROT_NONE) } != 0 {
-            return Err(os_error("protecting a released chunk (mprotect)", len));
+            let e = os_error("protecting a released chunk (mprotect)", len);
+            // The slab counts a failed range as still mapped (we keep no count): make sure it
+            // is readable and writable again, as it was (its pages now read as zero; the
+            // blocks in it were free). SAFETY: as in `map_chunks`.
+            unsafe { libc::mprotect(ptr, len, libc::PROT_READ | libc::PROT_WRITE) };
+            return Err(e);
         }
         Ok(())
     }
