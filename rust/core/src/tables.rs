@@ -42,6 +42,15 @@ pub struct AppendResult {
     pub copies: Vec<BlockCopy>,
 }
 
+/// A batch's table in CSR form: the blocks of request `i` are
+/// `indices[indptr[i]..indptr[i + 1]]`; its last block holds `last_page_len[i]` tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Csr {
+    pub indptr: Vec<i32>,
+    pub indices: Vec<i32>,
+    pub last_page_len: Vec<i32>,
+}
+
 /// The mutable part of `BlockTables`, behind its lock.
 pub struct TablesState {
     rows: Vec<Row>,
@@ -348,7 +357,7 @@ impl BlockTables {
     }
 
     /// The batch in CSR form (FlashInfer's paged_kv_indptr / indices / last_page_len).
-    pub fn csr(&self, request_ids: &[u64]) -> Result<(Vec<i32>, Vec<i32>, Vec<i32>), CoreError> {
+    pub fn csr(&self, request_ids: &[u64]) -> Result<Csr, CoreError> {
         let st = self.lock();
         let block_size = self.block_size();
         let mut indptr = vec![0i32];
@@ -361,7 +370,7 @@ impl BlockTables {
             let n = st.rows[row].num_tokens;
             last_page_len.push(if n == 0 { 0 } else { ((n - 1) % block_size + 1) as i32 });
         }
-        Ok((indptr, indices, last_page_len))
+        Ok(Csr { indptr, indices, last_page_len })
     }
 
     /// Uploads the table and seq_lens of rows `0..len` to the device on the pool's stream.

@@ -11,6 +11,7 @@
 //!      `cuMemcpyHtoDAsync` on the given stream (contiguous dirty rows share one copy; past
 //!      `MAX_COPIES_PER_SYNC` runs, one copy of their bounding range);
 //!   4. records the buffer's event on the stream.
+//!
 //! Kernels launched afterwards on the same stream see the new table with no other sync.
 
 use std::sync::Arc;

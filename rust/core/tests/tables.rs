@@ -113,10 +113,10 @@ fn free_moves_the_last_row_into_the_hole() {
     let (seq_lens, table) = t.gather(&[12]).unwrap();
     assert_eq!(seq_lens, vec![2]);
     assert_eq!(table, vec![last[0], -1, -1, -1]);
-    let (indptr, indices, last_page_len) = t.csr(&[12, 11]).unwrap();
-    assert_eq!(indptr, vec![0, 1, 2]);
-    assert_eq!(indices.len(), 2);
-    assert_eq!(last_page_len, vec![2, 2]);
+    let csr = t.csr(&[12, 11]).unwrap();
+    assert_eq!(csr.indptr, vec![0, 1, 2]);
+    assert_eq!(csr.indices.len(), 2);
+    assert_eq!(csr.last_page_len, vec![2, 2]);
     check(&pool, &t);
 }
 

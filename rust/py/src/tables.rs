@@ -55,7 +55,10 @@ fn token_counts(values: &Bound<'_, PyAny>, n: usize) -> Result<Vec<usize>, CoreE
     .collect()
 }
 
-fn append_result<'py>(py: Python<'py>, r: AppendResult) -> (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray2<i32>>) {
+/// (slot_mapping int64 [n], copies int32 [k, 2]) as returned by the append methods.
+type AppendArrays<'py> = (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray2<i32>>);
+
+fn append_result<'py>(py: Python<'py>, r: AppendResult) -> AppendArrays<'py> {
     let copies: Vec<i32> = r.copies.iter().flat_map(|c| [c.src as i32, c.dst as i32]).collect();
     let copies = PyArray1::from_vec(py, copies).reshape([r.copies.len(), 2]).expect("k x 2 holds 2k entries");
     (PyArray1::from_vec(py, r.slot_mapping), copies)
@@ -93,7 +96,7 @@ impl PyBlockTables {
         py: Python<'py>,
         request_id: &Bound<'py, PyAny>,
         n: Int,
-    ) -> KvResult<(Bound<'py, PyArray1<i64>>, Bound<'py, PyArray2<i32>>)> {
+    ) -> KvResult<AppendArrays<'py>> {
         let rid = self::request_id(request_id)?;
         Ok(append_result(py, self.inner.append_tokens(rid, ids::count(n, "n")?)?))
     }
@@ -104,7 +107,7 @@ impl PyBlockTables {
         py: Python<'py>,
         request_ids: &Bound<'py, PyAny>,
         counts: &Bound<'py, PyAny>,
-    ) -> KvResult<(Bound<'py, PyArray1<i64>>, Bound<'py, PyArray2<i32>>)> {
+    ) -> KvResult<AppendArrays<'py>> {
         let rids = self::request_ids(request_ids)?;
         let counts = token_counts(counts, rids.len())?;
         Ok(append_result(py, self.inner.append_tokens_many(&rids, &counts)?))
@@ -155,8 +158,12 @@ impl PyBlockTables {
         py: Python<'py>,
         request_ids: &Bound<'py, PyAny>,
     ) -> KvResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
-        let (indptr, indices, last) = self.inner.csr(&self::request_ids(request_ids)?)?;
-        Ok((PyArray1::from_vec(py, indptr), PyArray1::from_vec(py, indices), PyArray1::from_vec(py, last)))
+        let csr = self.inner.csr(&self::request_ids(request_ids)?)?;
+        Ok((
+            PyArray1::from_vec(py, csr.indptr),
+            PyArray1::from_vec(py, csr.indices),
+            PyArray1::from_vec(py, csr.last_page_len),
+        ))
     }
 
     /// Makes the table of all rows (in `request_ids()` order) visible to kernels and returns
