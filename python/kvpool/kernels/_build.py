@@ -8,6 +8,7 @@ the CI compile test, so CI compiles exactly what a GPU run compiles.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,9 +35,15 @@ def cuda_dir() -> Path:
     return Path(__file__).resolve().parent / "cuda"
 
 
+INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"$', re.MULTILINE)
+
+
 @functools.cache
 def read_source(name: str) -> str:
-    return (cuda_dir() / name).read_text()
+    """The source text, with `#include "x.cuh"` lines of our own headers inlined (NVRTC then
+    needs no include path, here, in CI and on the user's machine alike)."""
+    text = (cuda_dir() / name).read_text()
+    return INCLUDE.sub(lambda m: read_source(m.group(1)), text)
 
 
 def group_tile(group: int) -> int:

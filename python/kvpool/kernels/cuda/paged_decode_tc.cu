@@ -28,6 +28,8 @@
 #error "paged_decode_tc.cu needs KV_BF16, HEAD_DIM, BLOCK_SIZE, NH, NWARPS and STAGES defined"
 #endif
 
+#include "decode_common.cuh"
+
 #define TILE 16                        // tokens per warp tile (the k of P.V, the n of Q.K^T)
 #define CH (HEAD_DIM / 8)              // 16-byte chunks per row
 #define ROWB (HEAD_DIM * 2)            // bytes per row
@@ -36,26 +38,11 @@
 #define RPI (32 / CH)                  // tile rows covered by one piece index (all lanes)
 #define KSTEPS (HEAD_DIM / 16)
 #define NTHREADS (NWARPS * 32)
-#define NEG_INF (-__int_as_float(0x7f800000))
 
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM must be 64, 128 or 256");
 static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE >= 8, "BLOCK_SIZE: power of two >= 8");
 static_assert(NH == 1 || NH == 2, "NH must be 1 or 2");
 static_assert(STAGES >= 2, "STAGES must be >= 2");
-
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef long long i64;
-
-__device__ __forceinline__ u16 f32_to_elem(float f) {
-    u16 r;
-#if KV_BF16
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-#else
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
-#endif
-    return r;
-}
 
 // Two floats -> one register of two 16-bit elements, `lo` in the low half (lower k index).
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
@@ -94,9 +81,6 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const char* gmem, bool 
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  :: "r"(dst), "l"(gmem), "r"(fill ? 16 : 0) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
 // Byte offset of (row, 16-byte chunk) inside a tile: chunks XOR-swizzled by row & 7.
 __device__ __forceinline__ unsigned swz(int row, int chunk) {
@@ -359,30 +343,4 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
             if (d == 0) part_lse[row] = L > 0.f ? M + log2f(L) : NEG_INF;
         }
     }
-}
-
-// Log-sum-exp merge of the split partials: one CTA per (query head, sequence), HEAD_DIM threads.
-// (The same kernel as in paged_decode.cu.)
-extern "C" __global__ void __launch_bounds__(HEAD_DIM) merge_splits(
-    const float* __restrict__ part_o, const float* __restrict__ part_lse,
-    u16* __restrict__ out, i64 out_seq_stride, i64 out_head_stride,
-    const int* __restrict__ seq_lens, int num_q_heads, int chunk_tokens, int max_splits) {
-    const int qh = blockIdx.x;
-    const int seq = blockIdx.y;
-    const int d = threadIdx.x;
-    const int len = seq_lens[seq];
-    const int n = max(1, min(max_splits, (len + chunk_tokens - 1) / chunk_tokens));
-    const i64 row0 = (i64)seq * max_splits * num_q_heads + qh;
-    float M = NEG_INF;
-    for (int s = 0; s < n; ++s) M = fmaxf(M, part_lse[row0 + (i64)s * num_q_heads]);
-    float L = 0.f, O = 0.f;
-    if (M != NEG_INF) {
-        for (int s = 0; s < n; ++s) {
-            const i64 row = row0 + (i64)s * num_q_heads;
-            const float w = exp2f(part_lse[row] - M);
-            L += w;
-            O = fmaf(w, part_o[row * HEAD_DIM + d], O);
-        }
-    }
-    out[seq * out_seq_stride + (i64)qh * out_head_stride + d] = f32_to_elem(L > 0.f ? O / L : 0.f);
 }
