@@ -57,7 +57,7 @@ impl CudaStream {
 /// A read-only int32 device array owned by a `BlockTables` (its device copy).
 #[pyclass(module = "kvpool._core", name = "DeviceArray", frozen)]
 pub struct DeviceArray {
-    #[allow(dead_code)]
+    /// The `BlockTables` whose device copy this is (kept alive by the array).
     owner: Py<PyAny>,
     ptr: u64,
     shape: Vec<usize>,
@@ -98,5 +98,10 @@ impl DeviceArray {
     #[getter]
     fn stream(&self) -> u64 {
         self.stream
+    }
+    /// The pool whose block tables produced this array (kernels check it is theirs).
+    #[getter]
+    fn pool(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        Ok(self.owner.bind(py).getattr("pool")?.unbind())
     }
 }
