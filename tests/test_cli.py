@@ -10,8 +10,9 @@ import pytest
 
 from kvpool.cli import main
 
-TINY = ["simulate", "--num-requests", "60", "--kv-memory", "512MiB", "--max-model-len", "1024",
+BASE = ["simulate", "--kv-memory", "512MiB", "--max-model-len", "1024",
         "--max-running-seqs", "32", "--max-tokens-per-step", "512", "--no-progress"]
+TINY = [*BASE, "--num-requests", "60"]
 
 SUMMARY_FIELDS = {
     "completed", "steps", "mean_running", "peak_running", "mean_waiting", "peak_blocks_used",
@@ -60,7 +61,7 @@ def test_png_is_a_valid_image(report_dir):
 def test_trace_file_runs(tmp_path, capsys):
     trace = tmp_path / "trace.csv"
     trace.write_text("arrival_s,prompt_tokens,output_tokens\n" + "".join(f"{i * 0.01},{20 + i},{10 + i}\n" for i in range(20)))
-    assert main([*TINY, "--trace", str(trace), "--out", str(tmp_path / "r"), "--no-plot"]) == 0
+    assert main([*BASE, "--trace", str(trace), "--out", str(tmp_path / "r"), "--no-plot"]) == 0
     report = json.loads((tmp_path / "r" / "simulate.json").read_text())
     assert report["workload"]["kind"] == "trace" and report["results"]["paged"]["completed"] == 20
     assert "paged" in capsys.readouterr().out
@@ -69,7 +70,7 @@ def test_trace_file_runs(tmp_path, capsys):
 def test_malformed_trace_is_a_clear_error(tmp_path, capsys):
     trace = tmp_path / "bad.jsonl"
     trace.write_text('{"arrival_s": 0, "prompt_tokens": 4, "output_tokens": 4}\n{"arrival_s": 1, "prompt_tokens": "many"}\n')
-    assert main([*TINY, "--trace", str(trace), "--out", str(tmp_path / "r")]) == 2
+    assert main([*BASE, "--trace", str(trace), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert f"{trace}:2:" in err and "prompt_tokens must be a number" in err
     assert not (tmp_path / "r").exists()
@@ -87,3 +88,82 @@ def test_bad_arguments():
         main(["simulate", "--model", "gpt-5"])
     assert e.value.code == 2
     assert main([*TINY, "--kv-memory", "lots"]) == 2
+    assert main([*TINY, "--kv-memory", "0"]) == 2
+
+
+def test_command_records_the_given_argv(report_dir):
+    report = json.loads((report_dir / "simulate.json").read_text())
+    assert report["command"] == ["kvpool", *TINY, "--out", str(report_dir)]  # not pytest's sys.argv
+
+
+def test_model_names_are_normalised(tmp_path):
+    assert main([*TINY, "--num-requests", "5", "--model", "Llama_3_8B", "--no-plot", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "simulate.json").read_text())
+    assert report["model"]["name"] == "llama-3-8b"
+
+
+def test_cuda_on_a_cpu_box_is_a_clean_error(tmp_path):
+    import kvpool
+
+    if kvpool.cuda_available():
+        pytest.skip("a GPU is present")
+    run = subprocess.run([sys.executable, "-m", "kvpool", *TINY, "--device", "cuda", "--out", str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert "Traceback" not in run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvpool simulate: error: "), run.stderr
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("arrival", ["poisson", "burst"])
+def test_rate_and_arrival_options(tmp_path, arrival):
+    extra = ["--burst-size", "8"] if arrival == "burst" else []
+    out = tmp_path / arrival
+    assert main([*TINY, "--rate", "40", "--arrival", arrival, *extra, "--no-plot", "--out", str(out)]) == 0
+    workload = json.loads((out / "simulate.json").read_text())["workload"]
+    assert workload["arrival"] == arrival and workload["rate_per_s"] == 40
+    assert workload["last_arrival_s"] > 0
+    if arrival == "burst":
+        assert workload["burst_size"] == 8
+        assert workload["last_arrival_s"] == pytest.approx((59 // 8) * 8 / 40)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--rate", "fast"], "rate must be a number"),
+        (["--rate", "0"], "rate must be > 0"),
+        (["--rate", "nan"], "rate must be > 0"),
+        (["--rate", "10", "--arrival", "burst", "--burst-size", "0"], "burst size must be >= 1"),
+        (["--rate", "10", "--arrival", "burst", "--burst-size", "-2"], "burst size must be >= 1"),
+        (["--arrival", "burst"], "--arrival needs a finite --rate"),
+        (["--rate", "inf", "--arrival", "burst"], "--arrival needs a finite --rate"),
+        (["--rate", "10", "--burst-size", "4"], "--burst-size needs --arrival burst"),
+        (["--prefix-tokens", "32"], "--prefix-tokens needs --num-prefixes"),
+        (["--trace", "t.jsonl"], "--num-requests cannot be used with --trace"),
+        (["--trace", "t.jsonl", "--seed", "3", "--rate", "5"], "--num-requests, --seed, --rate cannot be used"),
+    ],
+)
+def test_bad_or_inert_option_combinations(capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        main([*TINY, *args])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unusable_out_fails_before_the_simulation(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main([*TINY, "--out", str(blocker)]) == 1
+    err = capsys.readouterr().err
+    assert "exists and is not a directory" in err and "Traceback" not in err
+    assert main([*TINY, "--out", str(blocker / "sub")]) == 1
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_missing_plot_dependency_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert main([*TINY, "--out", str(tmp_path / "r")]) == 1
+    assert "install kvpool[sim]" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

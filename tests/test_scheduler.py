@@ -202,4 +202,20 @@ def test_bad_configs_are_rejected():
     with pytest.raises(ValueError, match="exceed max_model_len"):
         Scheduler(ContiguousKv(10**6, 1, 16), [Request(0, 0.0, 10, 10)], SchedulerConfig(max_model_len=16))
     with pytest.raises(ValueError, match="blocks"):
-        PagedKv(make_pool(2), 4, MAX_MODEL_LEN).validate(SchedulerConfig(max_model_len=MAX_MODEL_LEN))
+        PagedKv(make_pool(2), 4, MAX_MODEL_LEN).validate(
+            SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_running_seqs=4))
+    with pytest.raises(ValueError, match="4 rows, fewer than max_running_seqs 8"):
+        PagedKv(make_pool(64), 4, MAX_MODEL_LEN).validate(
+            SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_running_seqs=8))
+    with pytest.raises(ValueError, match="blocks per row"):  # tables sized for a shorter max_model_len
+        PagedKv(make_pool(64), 4, MAX_MODEL_LEN // 2).validate(
+            SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_running_seqs=4))
+
+
+def test_duplicate_request_ids_are_rejected():
+    requests = [Request(0, 0.0, 4, 4), Request(7, 0.0, 4, 4), Request(7, 1.0, 2, 2)]
+    config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_running_seqs=4)
+    with pytest.raises(ValueError, match="duplicate request id 7"):
+        Scheduler(PagedKv(make_pool(64), 4, MAX_MODEL_LEN), requests, config)
+    with pytest.raises(ValueError, match="duplicate request id 7"):
+        Scheduler(ContiguousKv(10**6, 1, MAX_MODEL_LEN), requests, config)

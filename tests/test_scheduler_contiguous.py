@@ -45,8 +45,12 @@ def test_contiguous_admission_fails_on_fragmentation():
     ]
     config = SchedulerConfig(max_model_len=60, max_running_seqs=8, max_tokens_per_step=64)
     sched = Scheduler(backend, requests, config, record_events=True)
-    while not any(e[1] == "finish" and e[2] == 2 for e in sched.events):
+    for _ in range(1000):  # bounded: a regression must fail, not hang
+        if any(e[1] == "finish" and e[2] == 2 for e in sched.events):
+            break
         sched.step()
+    else:
+        pytest.fail("request 2 did not finish within 1000 steps")
     sched.step()
     assert backend.space.free_bytes >= 40 and backend.space.largest_hole() < 40
     assert backend.blocked_by_fragmentation > 0
@@ -54,3 +58,18 @@ def test_contiguous_admission_fails_on_fragmentation():
     sched.run()  # once 1 and 3 finish, the holes merge and request 4 is served
     assert all(s.num_finishes == 1 for s in sched.seqs)
     backend.check_drained()
+
+
+def test_first_fit_rejects_empty_frees_and_checks_without_assert():
+    ff = FirstFit(100)
+    a = ff.alloc(30)
+    with pytest.raises(ValueError, match="nbytes must be > 0"):
+        ff.free(a, 0)
+    with pytest.raises(ValueError, match="nbytes must be > 0"):
+        ff.free(a, -5)
+    assert (ff.starts, ff.sizes, ff.free_bytes) == ([30], [70], 70)  # no empty hole was inserted
+    ff.check_invariants()
+    ff.starts.insert(0, 0)  # corrupt the state (an empty hole): the check raises even under -O
+    ff.sizes.insert(0, 0)
+    with pytest.raises(AssertionError, match="empty hole"):
+        ff.check_invariants()

@@ -73,6 +73,12 @@ def test_load_jsonl_and_csv(tmp_path):
         ("word.csv", "arrival_s,prompt_tokens,output_tokens\nsoon,1,1\n", ":2: arrival_s must be a number"),
         ("long.csv", "arrival_s,prompt_tokens,output_tokens\n0,60,10\n", ":2: prompt_tokens + output_tokens = 70"),
         ("empty.jsonl", "\n", "no requests"),
+        ("huge.jsonl", '{"arrival_s": 0, "prompt_tokens": 1%s, "output_tokens": 1}\n' % ("0" * 400),
+         ":1: prompt_tokens is out of range"),
+        ("bool.jsonl", ('{"arrival_s": 0, "prompt_tokens": 1, "output_tokens": 1}\n'
+                        '{"arrival_s": 0, "prompt_tokens": true, "output_tokens": 1}\n'), ":2: prompt_tokens must be a number"),
+        ("boolarr.jsonl", '{"arrival_s": false, "prompt_tokens": 1, "output_tokens": 1}\n',
+         ":1: arrival_s must be a number"),
     ],
 )
 def test_bad_trace_names_the_line(tmp_path, name, text, message):
@@ -91,8 +97,18 @@ def test_presets_and_memory():
     assert parse_bytes("1.5 GB") == 1_500_000_000
     assert parse_bytes("2e9") == 2_000_000_000
     assert num_blocks_for(parse_bytes("16GiB"), p.layout(16)) == 8192
-    for bad in ("", "12 parsecs", "-1GiB"):
+    assert parse_bytes("16G") == 16 * 10**9 and parse_bytes("16gib") == 16 * 2**30  # decimal vs binary
+    assert parse_bytes(4096) == 4096
+    for bad in ("", "12 parsecs", "-1GiB", "0", "0GiB", 0, -5, True):
         with pytest.raises(ValueError):
             parse_bytes(bad)
     with pytest.raises(ValueError, match="unknown model preset"):
         get_preset("gpt-5")
+
+
+@pytest.mark.parametrize("burst_size", [0, -3])
+def test_burst_size_must_be_positive(burst_size):
+    with pytest.raises(ValueError, match="burst_size must be an integer >= 1"):
+        arrival_times(np.random.default_rng(0), 10, 4.0, "burst", burst_size=burst_size)
+    with pytest.raises(ValueError, match="burst_size must be an integer >= 1"):
+        generate("sharegpt", 10, rate=4.0, arrival="burst", burst_size=burst_size)

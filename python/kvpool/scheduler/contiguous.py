@@ -46,6 +46,8 @@ class FirstFit:
         return None
 
     def free(self, start: int, nbytes: int) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be > 0, got {nbytes}")
         i = bisect.bisect_left(self.starts, start)
         prev_end = self.starts[i - 1] + self.sizes[i - 1] if i > 0 else -1
         if start < 0 or start + nbytes > self.capacity or prev_end > start or (
@@ -67,13 +69,18 @@ class FirstFit:
         return max(self.sizes, default=0)
 
     def check_invariants(self) -> None:
-        assert sum(self.sizes) == self.free_bytes, "hole sizes do not add up to free_bytes"
+        """Raise AssertionError if the holes are inconsistent (explicit checks, kept under -O)."""
+        if sum(self.sizes) != self.free_bytes:
+            raise AssertionError("hole sizes do not add up to free_bytes")
+        if len(self.starts) != len(self.sizes):
+            raise AssertionError("hole starts and sizes differ in length")
         for i in range(len(self.starts)):
-            assert self.sizes[i] > 0, "empty hole"
-            if i + 1 < len(self.starts):
-                assert self.starts[i] + self.sizes[i] < self.starts[i + 1], "holes overlap or touch"
-        if self.starts:
-            assert self.starts[0] >= 0 and self.starts[-1] + self.sizes[-1] <= self.capacity
+            if self.sizes[i] <= 0:
+                raise AssertionError(f"empty hole at {self.starts[i]}")
+            if i + 1 < len(self.starts) and self.starts[i] + self.sizes[i] >= self.starts[i + 1]:
+                raise AssertionError(f"holes at {self.starts[i]} and {self.starts[i + 1]} overlap or touch")
+        if self.starts and (self.starts[0] < 0 or self.starts[-1] + self.sizes[-1] > self.capacity):
+            raise AssertionError("a hole leaves [0, capacity)")
 
 
 class ContiguousKv:

@@ -117,7 +117,11 @@ class Scheduler:
     ) -> None:
         config.validate()
         backend.validate(config)
+        seen: set[int] = set()
         for r in requests:
+            if r.request_id in seen:
+                raise ValueError(f"duplicate request id {r.request_id}: every request needs its own id")
+            seen.add(r.request_id)
             if r.prompt_tokens + r.output_tokens > config.max_model_len:
                 raise ValueError(
                     f"request {r.request_id}: prompt {r.prompt_tokens} + output {r.output_tokens} "
@@ -218,7 +222,7 @@ class Scheduler:
             waiting=len(self.waiting),
             preempted=self.num_preemptions - preempt0,
             blocks_used=blocks,
-            tokens_stored=sum(s.kv_tokens for s in self.running),
+            tokens_stored=kv_tokens,
             slots_allocated=slots,
             prefill_tokens=prefill_tokens,
             decode_tokens=len(decoded),

@@ -19,16 +19,29 @@ class PagedKv:
     def __init__(self, pool: kvpool.Pool, max_seqs: int, max_model_len: int) -> None:
         self.pool = pool
         self.block_size = pool.layout.block_size
+        self.max_seqs = max_seqs
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.tables = kvpool.BlockTables(pool, max_seqs, self.max_blocks_per_seq)
         self.alloc_s = 0.0
         self.probe = None  # optional measured.DecodeProbe, run after each decode step
 
     def validate(self, config: SchedulerConfig) -> None:
+        if self.max_seqs < config.max_running_seqs:
+            raise ValueError(
+                f"the block tables have {self.max_seqs} rows, fewer than max_running_seqs "
+                f"{config.max_running_seqs}"
+            )
+        needed = -(-config.max_model_len // self.block_size)
+        if self.max_blocks_per_seq < needed:
+            raise ValueError(
+                f"the block tables have {self.max_blocks_per_seq} blocks per row, fewer than the "
+                f"{needed} blocks of {self.block_size} tokens one sequence of max_model_len "
+                f"{config.max_model_len} needs"
+            )
         if self.pool.num_blocks < self.max_blocks_per_seq:
             raise ValueError(
                 f"the pool has {self.pool.num_blocks} blocks, fewer than the "
-                f"{self.max_blocks_per_seq} one sequence of max_model_len {config.max_model_len} needs"
+                f"{needed} one sequence of max_model_len {config.max_model_len} needs"
             )
 
     def watermark_blocks(self, fraction: float) -> int:

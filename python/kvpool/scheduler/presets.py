@@ -53,8 +53,17 @@ _UNITS = {
 
 
 def parse_bytes(text: str | int) -> int:
-    """'16GiB' -> 17179869184; '1.5 GB' -> 1500000000; plain integers are bytes."""
+    """'16GiB' -> 17179869184; '1.5 GB' -> 1500000000; plain integers are bytes.
+
+    Binary units (KiB, MiB, GiB, TiB) are powers of 1024; decimal ones (K/KB, M/MB, G/GB, T/TB)
+    are powers of 1000, so "16G" is 16e9 bytes while "16GiB" is 16 * 2**30. Units are
+    case-insensitive. The size must be at least one byte.
+    """
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise ValueError(f"memory size must be a string or an integer, got {text!r}")
     if isinstance(text, int):
+        if text < 1:
+            raise ValueError(f"memory size must be positive, got {text}")
         return text
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:

@@ -19,8 +19,9 @@ from kvpool.scheduler.presets import ModelPreset, num_blocks_for
 from kvpool.scheduler.workload import Request, describe
 
 # On the host the simulation needs the allocator, not the bytes: the pool is built over a
-# "proxy" layout with the model's block_size and 512-byte blocks, so 16 GiB of modelled KV does
-# not cost 16 GiB of RAM (and minutes of zeroing). Bytes are accounted with the model's layout.
+# "proxy" layout (1 layer, 1 KV head, head_dim 8) with the model's block_size, i.e. blocks of
+# 2 * 8 * block_size * 2 bytes (512 bytes at block_size 16), so 16 GiB of modelled KV does not
+# cost 16 GiB of RAM (and minutes of zeroing). Bytes are accounted with the model's layout.
 PROXY_LAYOUT_ARGS = (1, 1, 8)
 
 Progress = Callable[[str, int, int], None]
@@ -82,6 +83,17 @@ def _check_served(sched: Scheduler) -> None:
     sched.backend.check_drained()
 
 
+def _version() -> str | None:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover
+        return None
+    try:
+        return version("kvpool")
+    except PackageNotFoundError:
+        return None
+
+
 def run_one(sched: Scheduler, token_bytes: int, progress: Progress | None) -> dict[str, Any]:
     name = sched.backend.name
     cb = (lambda done, total: progress(name, done, total)) if progress else None
@@ -125,8 +137,14 @@ def simulate(spec: SimulationSpec, progress: Progress | None = None) -> dict[str
     contiguous_sched = Scheduler(contiguous, spec.requests, spec.config, step_cost=cost)
     contiguous_result = run_one(contiguous_sched, token_bytes, progress)
 
+    errors = [f"{name}: {p.error}" for name, p in (("paged", probe), ("contiguous", contiguous.probe))
+              if p is not None and p.error is not None]
+    if errors:  # the kernel failed mid-run: the measured figures are partial, not comparable
+        timing = (f"measuring stopped after a kernel failure ({'; '.join(errors)}); "
+                  "step time is modelled, measured_decode covers the steps before the failure")
+
     return {
-        "kvpool_version": getattr(kvpool, "__version__", None),
+        "kvpool_version": _version(),
         "model": {**asdict(preset), "token_bytes": token_bytes, "block_size": layout.block_size,
                   "block_bytes": layout.block_bytes, "dtype": layout.dtype},
         "kv_memory_bytes": capacity,
@@ -144,11 +162,11 @@ def simulate(spec: SimulationSpec, progress: Progress | None = None) -> dict[str
             + (["measured_decode"] if probe is not None else []),
         },
         "results": {"paged": paged_result, "contiguous": contiguous_result},
-        "comparison": compare(paged_result, contiguous_result),
+        "comparison": compare(paged_result, contiguous_result, measured_ok=not errors),
     }
 
 
-def compare(paged: dict[str, Any], contiguous: dict[str, Any]) -> dict[str, Any]:
+def compare(paged: dict[str, Any], contiguous: dict[str, Any], measured_ok: bool = True) -> dict[str, Any]:
     def ratio(key: str) -> float:
         return paged[key] / contiguous[key] if contiguous[key] else float("inf")
 
@@ -159,7 +177,7 @@ def compare(paged: dict[str, Any], contiguous: dict[str, Any]) -> dict[str, Any]
         "paged_kv_utilization": paged["kv_utilization"],
         "contiguous_kv_utilization": contiguous["kv_utilization"],
     }
-    if "measured_decode" in paged and "measured_decode" in contiguous:
+    if measured_ok and "measured_decode" in paged and "measured_decode" in contiguous:
         out["measured_decode_tokens_per_s"] = {
             "paged": paged["measured_decode"]["decode_tokens_per_s"],
             "contiguous": contiguous["measured_decode"]["decode_tokens_per_s"],

@@ -66,13 +66,15 @@ def arrival_times(
     """
     if arrival not in ARRIVALS:
         raise ValueError(f"arrival must be one of {ARRIVALS}, got {arrival!r}")
+    if isinstance(burst_size, bool) or not isinstance(burst_size, (int, np.integer)) or burst_size < 1:
+        raise ValueError(f"burst_size must be an integer >= 1, got {burst_size!r}")
     if rate is None or math.isinf(rate):
         return np.zeros(n)
     if rate <= 0:
         raise ValueError(f"rate must be > 0 requests/s, got {rate}")
     if arrival == "poisson":
         return np.cumsum(rng.exponential(1.0 / rate, n))
-    groups = np.arange(n) // max(1, burst_size)
+    groups = np.arange(n) // burst_size
     return groups * (burst_size / rate)
 
 
@@ -143,8 +145,12 @@ def _field(row: dict, name: str, where: str) -> object:
 
 
 def _number(value: object, name: str, where: str, *, integer: bool, minimum: float) -> float:
+    if isinstance(value, bool):  # JSON true/false are not numbers (float(True) would be 1.0)
+        raise TraceError(f"{where}: {name} must be a number, got {value!r}")
     try:
         x = float(value)  # type: ignore[arg-type]
+    except OverflowError:  # e.g. a 400-digit JSON integer
+        raise TraceError(f"{where}: {name} is out of range, got {str(value)[:20]}...") from None
     except (TypeError, ValueError):
         raise TraceError(f"{where}: {name} must be a number, got {value!r}") from None
     if not math.isfinite(x) or x < minimum or (integer and x != int(x)):
