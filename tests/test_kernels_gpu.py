@@ -15,7 +15,13 @@ import pytest
 
 import kvpool
 from kvpool import reference
-from kvpool.kernels import _build, append_kv, copy_blocks, paged_attention_decode
+from kvpool.kernels import (
+    _build,
+    append_kv,
+    copy_blocks,
+    paged_attention_decode,
+    workspace_elems,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -138,12 +144,13 @@ def test_decode_both_kernels_and_cached_calls(dtype, d, hq, hkv):
         tables = _tables(rng, lens, bs, pool.num_blocks)
         q = _elems_dev(rng, (len(lens), hq, d), dtype)
         label = f"decode_paths[{dtype},d{d},hq{hq},hkv{hkv},rep{rep}]"
+        top = int(lens.max())  # max_seq_len may not exceed the tables' width * block_size
         _check_decode(pool, 0, q, tables, lens, _poisoned(q.shape, dtype), label + "tc",
-                      max_seq_len=400)
+                      max_seq_len=top)
         _check_decode(pool, 0, q, tables, lens, _poisoned(q.shape, dtype), label + "tc_split5",
-                      max_seq_len=400, num_splits=5)
+                      max_seq_len=top, num_splits=5)
         _check_decode(pool, 0, q, tables, lens, _poisoned(q.shape, dtype), label + "cc",
-                      max_seq_len=400, pipeline=1)
+                      max_seq_len=top, pipeline=1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -170,20 +177,30 @@ def test_decode_takes_torch_tensors_and_streams():
     pool = _new_pool(rng, 1, 2, 128, 16, "bfloat16", 40)
     tables = _tables(rng, lens, 16, pool.num_blocks)
     q = torch.randn(3, 8, 128, device="cuda", dtype=torch.bfloat16)
+    bt, sl = torch.from_numpy(tables).cuda(), torch.from_numpy(lens).cuda()
+    outs = [_poisoned((3, 8, 128), "bfloat16") for _ in range(2)]
+    # The pool fill and the NaN poison ran on CuPy's stream, q and the copies on torch's; the
+    # non-blocking stream `s` is ordered with neither: finish both before the calls.
+    cp.cuda.Device().synchronize()
+    torch.cuda.synchronize()
     s = torch.cuda.Stream()
-    out = _poisoned((3, 8, 128), "bfloat16")
+    s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        paged_attention_decode(q.view(torch.int16), pool, 0, torch.from_numpy(tables).cuda(),
-                               torch.from_numpy(lens).cuda(), out=out, stream=s)
+        paged_attention_decode(q.view(torch.int16), pool, 0, bt, sl, out=outs[0], stream=s,
+                               max_seq_len=int(lens.max()))
+        # torch.bfloat16 itself (no __cuda_array_interface__ for it) through the torch reader
+        paged_attention_decode(q, pool, 0, bt, sl, out=outs[1], stream=s,
+                               max_seq_len=int(lens.max()), num_splits=2)
     s.synchronize()
-    got = torch.from_dlpack(out).view(torch.bfloat16).double().cpu().numpy()
     qh = q.view(torch.int16).cpu().numpy().view(np.uint16)
     want = reference.paged_attention_decode(
         qh, cp.asnumpy(cp.asarray(pool.k_view(0))), cp.asnumpy(cp.asarray(pool.v_view(0))),
         tables, lens, "bfloat16")
-    err = _rel_err(got, want)
-    ERRORS["decode_torch_stream"] = err
-    assert err < 1e-2
+    for i, out in enumerate(outs):
+        got = torch.from_dlpack(out).view(torch.bfloat16).double().cpu().numpy()
+        err = _rel_err(got, want)
+        ERRORS[f"decode_torch_stream{i}"] = err
+        assert err < 1e-2
 
 
 def test_decode_rejects_bad_arguments():
@@ -256,3 +273,188 @@ def test_decode_after_append_matches_reference():
     append_kv(k, v, pool, 1, cp.asarray(slots))
     q = _elems_dev(rng, (3, hq, d), "float16")
     _check_decode(pool, 1, q, tables, lens, _poisoned(q.shape, "float16"), "append_then_decode")
+
+
+def test_decode_rejects_tables_of_another_pool():
+    rng = np.random.default_rng(30)
+    pool_a = _new_pool(rng, 1, 2, 64, 16, "float16", 16)
+    pool_b = _new_pool(rng, 1, 2, 64, 16, "float16", 16)
+    tables = kvpool.BlockTables(pool_a, 4, 4)
+    tables.add(0, 20)
+    bt, sl = tables.sync()
+    q = _elems_dev(rng, (1, 2, 64), "float16")
+    out = _poisoned(q.shape, "float16")
+    cp.cuda.runtime.deviceSynchronize()
+    with pytest.raises(kvpool.InvalidArgumentError, match="another pool"):
+        paged_attention_decode(q, pool_b, 0, bt, sl, out=out, max_seq_len=20)
+    with pytest.raises(kvpool.InvalidArgumentError, match="another pool"):
+        paged_attention_decode(q, pool_b, 0, cp.zeros((1, 4), cp.int32), sl, out=out,
+                               max_seq_len=20)
+    cp.cuda.runtime.deviceSynchronize()
+    assert (out.view(cp.uint16) == NAN_BITS["float16"]).all(), "a kernel ran"
+    # The same arrays with their own pool.
+    assert paged_attention_decode(q, pool_a, 0, bt, sl, out=out, max_seq_len=20) is out
+    cp.cuda.runtime.deviceSynchronize()
+    assert not cp.isnan(out).any()
+
+
+SPIN = r"""
+extern "C" __global__ void spin(unsigned long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+}
+"""
+
+
+def test_decode_waits_for_the_stream_of_synced_tables():
+    """BlockTables.sync queues the upload on the pool's stream and names it in the arrays'
+    __cuda_array_interface__; a decode on another stream must wait for it on the device."""
+    rng = np.random.default_rng(31)
+    bs, d, hq, hkv = 16, 128, 8, 2
+    pool = _new_pool(rng, 1, hkv, d, bs, "float16", 64)
+    tables = kvpool.BlockTables(pool, 4, 8)
+    for rid, n in enumerate((37, 90, 5)):
+        tables.add(rid, n)
+    tables.sync()  # the first upload (and any allocation it makes) before the spin
+    cp.cuda.runtime.deviceSynchronize()
+    tables.append_tokens(1, 10)
+    ids = tables.request_ids()
+    host_bt, host_sl = tables.block_table(ids), tables.seq_lens(ids)
+    q = _elems_dev(rng, (len(ids), hq, d), "float16")
+    s = cp.cuda.Stream(non_blocking=True)
+    # Warm up (compile, prepare) with the same shapes so the timed call below is quick.
+    warm = _poisoned(q.shape, "float16")
+    paged_attention_decode(q, pool, 0, cp.asarray(host_bt, dtype=cp.int32),
+                           cp.asarray(host_sl, dtype=cp.int32), out=warm, stream=s,
+                           max_seq_len=100)
+    out = _poisoned(q.shape, "float16")
+    cp.cuda.runtime.deviceSynchronize()
+    pool_stream = cp.cuda.Stream.from_external(pool.stream)
+    with pool_stream:
+        cp.RawModule(code=SPIN).get_function("spin")((1,), (1,), (np.uint64(300_000_000),))
+    bt, sl = tables.sync()  # queued behind the spin
+    assert bt.__cuda_array_interface__["stream"] == pool_stream.ptr != s.ptr
+    paged_attention_decode(q, pool, 0, bt, sl, out=out, stream=s, max_seq_len=100)
+    assert not pool_stream.done, "the upload should still be queued behind the spin kernel"
+    s.synchronize()
+    got = cp.asnumpy(out).astype(np.float64)
+    assert not np.isnan(got).any()
+    want = reference.paged_attention_decode(
+        cp.asnumpy(q), cp.asnumpy(cp.asarray(pool.k_view(0))),
+        cp.asnumpy(cp.asarray(pool.v_view(0))), host_bt, host_sl, "float16")
+    err = _rel_err(got, want)
+    ERRORS["decode_waits_for_tables_stream"] = err
+    assert err < 1e-2
+    cp.cuda.runtime.deviceSynchronize()
+
+
+def test_decode_more_argument_errors_and_empty_batch():
+    rng = np.random.default_rng(32)
+    pool = _new_pool(rng, 1, 2, 64, 16, "float16", 8)
+    q = _elems_dev(rng, (1, 2, 64), "float16")
+    tables = cp.asarray(np.array([[0, 1]], np.int32))
+    lens = cp.asarray(np.array([20], np.int32))
+    err = kvpool.InvalidArgumentError
+    with pytest.raises(err, match="seq_lens"):
+        paged_attention_decode(q, pool, 0, tables, np.array([20], np.int32), max_seq_len=20)
+    for layer in (1, -1, 0.5, "0"):
+        with pytest.raises(err, match="layer"):
+            paged_attention_decode(q, pool, layer, tables, lens, max_seq_len=20)
+    for out in (cp.zeros((1, 2, 32), cp.float16), cp.zeros((2, 2, 64), cp.float16),
+                cp.zeros((1, 2, 64), cp.float32)):
+        with pytest.raises(err, match="out"):
+            paged_attention_decode(q, pool, 0, tables, lens, out=out, max_seq_len=20)
+    with pytest.raises(err, match="out"):
+        paged_attention_decode(q, pool, 0, tables, lens, out=np.zeros((1, 2, 64), np.float16),
+                               max_seq_len=20)
+    with pytest.raises(err, match="pipeline"):
+        paged_attention_decode(q, pool, 0, tables, lens, max_seq_len=20, pipeline=7)
+    with pytest.raises(err, match="exceeds"):  # 2 blocks of 16 tokens hold 32
+        paged_attention_decode(q, pool, 0, tables, lens, max_seq_len=33)
+    with pytest.raises(err, match="max_seq_len"):
+        paged_attention_decode(q, pool, 0, tables, lens, max_seq_len=20.0)
+    wide = cp.asarray(np.array([[0, 1, 2, 3, 4, 5, 6, 7]], np.int32))
+    for ws in (np.zeros(1 << 20, np.float32), cp.zeros(4, cp.float32),
+               cp.zeros(1 << 20, cp.float16)):
+        with pytest.raises(err, match="workspace"):
+            paged_attention_decode(q, pool, 0, wide, lens, max_seq_len=128, num_splits=2,
+                                   workspace=ws)
+    # Empty batch: an empty output, no pointer checks (CuPy's empty arrays have null pointers).
+    e_q, e_bt = cp.empty((0, 2, 64), cp.float16), cp.empty((0, 2), cp.int32)
+    e_sl = cp.empty((0,), cp.int32)
+    res = paged_attention_decode(e_q, pool, 0, e_bt, e_sl)
+    assert res.shape == (0, 2, 64)
+    e_out = cp.empty((0, 2, 64), cp.float16)
+    assert paged_attention_decode(e_q, pool, 0, e_bt, e_sl, out=e_out, max_seq_len=0) is e_out
+
+
+def test_decode_forced_split_and_workspace_without_max_seq_len():
+    """num_splits without max_seq_len reads the longest sequence (a forced split covers every
+    token); a caller's workspace is used as is."""
+    rng = np.random.default_rng(33)
+    bs, d, hq, hkv = 16, 128, 8, 2
+    lens = np.array([700, 3, 129], dtype=np.int32)
+    need = sum(-(-int(n) // bs) for n in lens)
+    pool = _new_pool(rng, 1, hkv, d, bs, "bfloat16", need + 4)
+    tables = _tables(rng, lens, bs, pool.num_blocks)
+    q = _elems_dev(rng, (3, hq, d), "bfloat16")
+    _check_decode(pool, 0, q, tables, lens, _poisoned(q.shape, "bfloat16"), "forced_split4",
+                  num_splits=4)
+    ws = cp.empty(workspace_elems(3, hq, d, 4), cp.float32)
+    _check_decode(pool, 0, q, tables, lens, _poisoned(q.shape, "bfloat16"), "forced_split4_ws",
+                  num_splits=4, max_seq_len=700, workspace=ws)
+
+
+def test_append_kv_argument_errors():
+    rng = np.random.default_rng(34)
+    pool = _new_pool(rng, 1, 2, 64, 16, "float16", 8)
+    k = _elems_dev(rng, (3, 2, 64), "float16")
+    slots = cp.asarray(np.array([0, 5, 17], np.int64))
+    err = kvpool.InvalidArgumentError
+    for layer in (1, -1, 0.5):
+        with pytest.raises(err, match="layer"):
+            append_kv(k, k, pool, layer, slots)
+    with pytest.raises(err, match="element type"):
+        append_kv(k.astype(cp.float32), k, pool, 0, slots)
+    with pytest.raises(err, match="element type"):
+        append_kv(k.view(cp.uint16), k, pool, 0, slots)
+    with pytest.raises(err, match="device array"):
+        append_kv(cp.asnumpy(k), k, pool, 0, slots)
+    with pytest.raises(err, match="slot_mapping"):
+        append_kv(k, k, pool, 0, cp.asnumpy(slots))
+    with pytest.raises(err, match="int64"):
+        append_kv(k, k, pool, 0, slots.astype(cp.int32))
+    with pytest.raises(err, match="k and v"):
+        append_kv(k, k[:2], pool, 0, slots)
+    with pytest.raises(err, match="slot_mapping"):
+        append_kv(k, k, pool, 0, slots[:2])
+    before = cp.asnumpy(cp.asarray(pool.k_view(0)))
+    append_kv(cp.empty((0, 2, 64), cp.float16), cp.empty((0, 2, 64), cp.float16), pool, 0,
+              cp.empty((0,), cp.int64))
+    assert np.array_equal(cp.asnumpy(cp.asarray(pool.k_view(0))), before)
+
+
+def test_append_kv_takes_torch_bfloat16_and_streams():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(35)
+    pool = _new_pool(rng, 1, 2, 64, 16, "bfloat16", 8)
+    host_k = cp.asnumpy(cp.asarray(pool.k_view(0)))
+    host_v = cp.asnumpy(cp.asarray(pool.v_view(0)))
+    k = torch.randn(5, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(5, 2, 64, device="cuda", dtype=torch.bfloat16)
+    slots = np.array([0, 17, -1, 40, 127], np.int64)
+    slots_t = torch.from_numpy(slots).cuda()
+    cp.cuda.Device().synchronize()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    append_kv(k, v, pool, np.int64(0), slots_t, stream=s)
+    s.synchronize()
+    kh = k.view(torch.int16).cpu().numpy().view(host_k.dtype)
+    vh = v.view(torch.int16).cpu().numpy().view(host_v.dtype)
+    reference.append_kv(kh, vh, host_k, host_v, slots)
+    assert np.array_equal(cp.asnumpy(cp.asarray(pool.k_view(0))), host_k)
+    assert np.array_equal(cp.asnumpy(cp.asarray(pool.v_view(0))), host_v)

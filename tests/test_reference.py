@@ -167,3 +167,73 @@ def test_plan_fills_gpu_and_covers_every_token():
     # Short sequences are never cut below MIN_CHUNK tokens.
     assert plan_decode(1, 1, 100, 32, 132).num_splits <= 2
     assert plan_decode(4, 8, 4096, 32, 132, num_splits=1).num_splits == 1
+
+
+def _small_host_pool(dtype):
+    pool = kvpool.Pool(kvpool.KvLayout(1, 2, 64, 8, dtype), 8, device="host")
+    _fill(pool, np.random.default_rng(2))
+    return pool
+
+
+@pytest.mark.parametrize(
+    ("dtype", "q_dtype"),
+    [("float16", np.int16), ("float16", np.uint16), ("float16", np.float32),
+     ("bfloat16", np.float16), ("bfloat16", np.float32), ("bfloat16", np.int32)],
+)
+def test_host_decode_rejects_q_element_types_the_gpu_rejects(dtype, q_dtype):
+    """No numeric conversion and no float16 read as bfloat16 bits: the CUDA path's rule."""
+    pool = _small_host_pool(dtype)
+    tables = np.array([[0, 1]], np.int32)
+    lens = np.array([4], np.int32)
+    with pytest.raises(kvpool.InvalidArgumentError, match="dtype"):
+        paged_attention_decode(np.zeros((1, 2, 64), q_dtype), pool, 0, tables, lens)
+
+
+@pytest.mark.parametrize(("dtype", "q_dtype"), [("float16", np.float16), ("bfloat16", np.uint16),
+                                                ("bfloat16", np.int16)])
+def test_host_decode_accepts_q_element_types_the_gpu_accepts(dtype, q_dtype):
+    pool = _small_host_pool(dtype)
+    q = _random_elems(np.random.default_rng(4), (1, 2, 64), dtype).view(q_dtype)
+    tables = np.array([[0, 1]], np.int32)
+    lens = np.array([10], np.int32)
+    got = paged_attention_decode(q, pool, np.int64(0), tables, lens)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    out = np.zeros(q.shape, np.float16 if dtype == "float16" else np.uint16)
+    assert paged_attention_decode(q, pool, 0, tables, lens, out=out) is out
+    assert np.array_equal(out.view(np.uint16), got.view(np.uint16))
+
+
+def test_host_decode_rejects_bad_out_tables_lens_and_layer():
+    pool = _small_host_pool("float16")
+    q = np.zeros((1, 2, 64), np.float16)
+    tables = np.array([[0, 1]], np.int32)
+    lens = np.array([4], np.int32)
+    for out in (np.zeros((1, 2, 64), np.float32), np.zeros((1, 2, 64), np.int16),
+                np.zeros((2, 2, 64), np.float16), np.zeros((1, 2, 32), np.float16), [0.0]):
+        with pytest.raises(kvpool.InvalidArgumentError, match="out"):
+            paged_attention_decode(q, pool, 0, tables, lens, out=out)
+    with pytest.raises(kvpool.InvalidArgumentError, match="block_tables"):
+        paged_attention_decode(q, pool, 0, tables.astype(np.float32), lens)
+    with pytest.raises(kvpool.InvalidArgumentError, match="seq_lens"):
+        paged_attention_decode(q, pool, 0, tables, lens.astype(np.float64))
+    for layer in (0.5, 0.0, "0", None):
+        with pytest.raises(kvpool.InvalidArgumentError, match="layer"):
+            paged_attention_decode(q, pool, layer, tables, lens)
+
+
+def test_host_append_kv_rejects_element_types_and_float_layer():
+    slots = np.array([3], np.int64)
+    pool16 = _small_host_pool("float16")
+    k16 = np.zeros((1, 2, 64), np.float16)
+    for bad in (np.int16, np.uint16, np.float32):
+        with pytest.raises(kvpool.InvalidArgumentError, match="dtype"):
+            append_kv(np.zeros((1, 2, 64), bad), k16, pool16, 0, slots)
+    with pytest.raises(kvpool.InvalidArgumentError, match="layer"):
+        append_kv(k16, k16, pool16, 0.5, slots)
+    pool_bf = _small_host_pool("bfloat16")
+    with pytest.raises(kvpool.InvalidArgumentError, match="dtype"):
+        append_kv(k16, k16, pool_bf, 0, slots)
+    bits = np.full((1, 2, 64), 0x3F80, np.uint16)  # 1.0 in bfloat16
+    append_kv(bits, bits.view(np.int16), pool_bf, np.int32(0), slots)
+    assert (pool_bf.k_view(0)[0, 3].view(np.uint16) == 0x3F80).all()
+    assert (pool_bf.v_view(0)[0, 3].view(np.uint16) == 0x3F80).all()

@@ -7,6 +7,7 @@ buffers (which CuPy has no dtype for) pass as any 2-byte type.
 
 from __future__ import annotations
 
+import operator
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -29,36 +30,171 @@ class DevArray:
         return self.typestr[1]
 
 
-def dev_array(obj: Any, name: str) -> DevArray:
+# Array readers: (ptr, shape, byte strides, typestr, producer stream) without building
+# __cuda_array_interface__ dicts for the common types (CuPy and torch); anything else goes through
+# the interface. The stream is the interface's "stream" entry (None for CuPy and torch, whose
+# entry only names the consumer's current stream): work on another stream must wait on it.
+_TORCH_TYPESTR: dict[Any, str] = {}
+
+
+def _read_cupy(a: Any) -> tuple:
+    return a.data.ptr, a.shape, a.strides, a.dtype.str, None
+
+
+def _read_torch(t: Any) -> tuple:
+    if not t.is_cuda:
+        raise InvalidArgumentError("must be a device array (__cuda_array_interface__)")
+    ts = _TORCH_TYPESTR.get(t.dtype)
+    if ts is None:
+        import torch
+
+        names = {torch.float16: "<f2", torch.bfloat16: "<V2", torch.float32: "<f4",
+                 torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8", torch.uint8: "|u1"}
+        ts = _TORCH_TYPESTR[t.dtype] = names.get(t.dtype, f"<V{t.element_size()}")
+    size = t.element_size()
+    return t.data_ptr(), tuple(t.shape), tuple(s * size for s in t.stride()), ts, None
+
+
+def _read_cai(obj: Any) -> tuple:
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is None:
-        raise InvalidArgumentError(f"{name} must be a device array (__cuda_array_interface__)")
+        raise InvalidArgumentError("must be a device array (__cuda_array_interface__)")
     shape = tuple(int(s) for s in cai["shape"])
     typestr = cai["typestr"]
-    itemsize = int(typestr[2:])
-    strides_b = cai.get("strides")
-    if strides_b is None:  # C-contiguous
-        acc, rev = itemsize, []
+    strides = cai.get("strides")
+    if strides is None:  # C-contiguous
+        acc, rev = int(typestr[2:]), []
         for s in reversed(shape):
             rev.append(acc)
             acc *= s
-        strides_b = tuple(reversed(rev))
+        strides = tuple(reversed(rev))
+    return int(cai["data"][0]), shape, tuple(strides), typestr, cai.get("stream")
+
+
+_READERS: dict[type, Any] = {}
+
+
+def view(obj: Any, name: str) -> tuple:
+    """(ptr, shape, byte strides, typestr, stream) of a device array; `name` in errors."""
+    reader = _READERS.get(type(obj))
+    if reader is None:
+        mod = type(obj).__module__
+        if mod.startswith("cupy") and hasattr(obj, "data") and hasattr(obj, "strides"):
+            reader = _read_cupy
+        elif mod.startswith("torch") and hasattr(obj, "data_ptr"):
+            reader = _read_torch
+        else:
+            reader = _read_cai
+        _READERS[type(obj)] = reader
+    try:
+        return reader(obj)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"{name} {e}") from None
+
+
+def dev(v: tuple, name: str) -> DevArray:
+    """A DevArray (strides in elements) of a `view` tuple."""
+    ptr, shape, strides_b, typestr = v[0], v[1], v[2], v[3]
+    itemsize = int(typestr[2:])
     if any(s % itemsize for s in strides_b):
         raise InvalidArgumentError(f"{name}: strides must be multiples of the item size")
-    ptr = int(cai["data"][0])
-    return DevArray(ptr, shape, tuple(s // itemsize for s in strides_b), typestr, itemsize)
+    return DevArray(ptr, tuple(shape), tuple(s // itemsize for s in strides_b), typestr, itemsize)
+
+
+def dev_array(obj: Any, name: str) -> DevArray:
+    return dev(view(obj, name), name)
+
+
+_PTR_DEVICE: dict[int, int] = {}
+
+
+def ptr_device(ptr: int) -> int:
+    """Device of a device (or managed) pointer, -1 otherwise; cached per pointer value."""
+    d = _PTR_DEVICE.get(ptr)
+    if d is None:
+        import cupy
+
+        attrs = cupy.cuda.runtime.pointerGetAttributes(ptr)
+        d = attrs.device if attrs.type in (2, 3) else -1
+        if len(_PTR_DEVICE) > 4096:
+            _PTR_DEVICE.clear()
+        _PTR_DEVICE[ptr] = d
+    return d
+
+
+def check_ptr(ptr: int, name: str, device_id: int) -> None:
+    if ptr_device(ptr) != device_id:
+        raise InvalidArgumentError(f"{name} is not in memory of the pool's device cuda:{device_id}")
+
+
+def stream_ptr(stream: Any) -> int:
+    """The CUstream handle of `stream` (None: CuPy's current stream)."""
+    import cupy
+
+    if stream is None:
+        return cupy.cuda.get_current_stream().ptr
+    if type(stream).__module__.startswith("cupy") and hasattr(stream, "ptr"):
+        return stream.ptr
+    handle = getattr(stream, "cuda_stream", None)  # torch
+    if handle is not None:
+        return int(handle)
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        return int((proto() if callable(proto) else proto)[1])
+    raise InvalidArgumentError("stream must be a CuPy stream or have __cuda_stream__")
+
+
+def wait_producers(sp: int, device_id: int, *views: tuple) -> None:
+    """Make stream `sp` wait for the streams the inputs' __cuda_array_interface__ names (the
+    producers, e.g. BlockTables.sync's upload on the pool's stream). Nothing is done when an
+    input names no stream or the launch stream itself."""
+    for v in views:
+        s = v[4]
+        if s is None or s == 0 or s == sp or (s == 1 and sp == 0):  # 1: legacy default, 0
+            continue
+        import cupy
+
+        rt = cupy.cuda.runtime
+        with cupy.cuda.Device(device_id):
+            ev = rt.eventCreateWithFlags(rt.eventDisableTiming)
+            try:
+                rt.eventRecord(ev, int(s))
+                rt.streamWaitEvent(sp, ev, 0)
+            finally:
+                rt.eventDestroy(ev)  # released by CUDA once the wait is done
+
+
+def external_stream(handle: int) -> Any:
+    import cupy
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(int(handle))
+
+
+def elem_ok(kind: str, itemsize: int, dtype: str, elem_bytes: int) -> bool:
+    """An element type (kind, itemsize) holds the pool's `dtype`: float16 -> a 2-byte float;
+    bfloat16 -> any 2-byte type other than a float (CuPy and NumPy have no bfloat16, so such
+    buffers travel as uint16/int16/void); other dtypes -> the same element size."""
+    if elem_bytes == 2:
+        return itemsize == 2 and (kind == "f" if dtype == "float16" else kind in "uiV")
+    return itemsize == elem_bytes
 
 
 def check_elem16(arr: DevArray, name: str, dtype: str) -> None:
-    """arr holds the pool's 16-bit element type: float16 -> '<f2'; bfloat16 -> any 2-byte type
-    other than float16 (CuPy has no bfloat16, so such buffers travel as uint16/int16/void)."""
-    ok = arr.itemsize == 2 and (
-        arr.kind == "f" if dtype == "float16" else arr.kind in "uiV"
-    )
-    if not ok:
+    """arr holds the pool's 16-bit element type (see elem_ok)."""
+    if not elem_ok(arr.kind, arr.itemsize, dtype, 2):
         raise InvalidArgumentError(
             f"{name} has element type {arr.typestr!r}; the pool's dtype is {dtype}"
         )
+
+
+def index_arg(value: Any, name: str) -> int:
+    """An integer argument (int, NumPy integer, ...); floats and other types are refused."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}") from None
 
 
 def check_int_array(arr: DevArray, name: str, itemsize: int, ndim: int) -> None:
@@ -80,22 +216,20 @@ def cupy_stream(stream: Any) -> Any:
         return cupy.cuda.get_current_stream()
     if type(stream).__module__.startswith("cupy") and hasattr(stream, "ptr"):
         return stream
-    proto = getattr(stream, "__cuda_stream__", None)
-    if proto is not None:
-        handle = (proto() if callable(proto) else proto)[1]
-    elif hasattr(stream, "cuda_stream"):
-        handle = stream.cuda_stream
-    else:
-        raise InvalidArgumentError("stream must be a CuPy stream or have __cuda_stream__")
+    handle = stream_ptr(stream)
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None:
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
         try:
             return from_external(stream)
-        except Exception:  # older signature: fall back to the raw handle below
+        except TypeError:  # older signature: fall back to the raw handle below
             pass
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return cupy.cuda.ExternalStream(int(handle))
+    return external_stream(handle)
+
+
+def device_index(pool: Any) -> int:
+    """The CUDA device ordinal of a pool ("cuda:N"; plain "cuda" is 0)."""
+    d = str(pool.device)
+    return int(d.split(":")[1]) if ":" in d else 0
 
 
 def pool_is_cuda(pool: Any) -> bool:

@@ -12,9 +12,15 @@ from kvpool.kernels import _build
 from kvpool.kernels._args import (
     check_elem16,
     check_int_array,
+    check_ptr,
     cupy_stream,
-    dev_array,
+    dev,
+    device_index,
+    elem_ok,
+    index_arg,
     pool_is_cuda,
+    view,
+    wait_producers,
 )
 
 
@@ -23,7 +29,10 @@ def append_kv(
 ) -> None:
     """Write new tokens' K and V ([num_tokens, num_kv_heads, head_dim], the pool's dtype) into
     layer `layer` at slot_mapping[i] = block_id * block_size + offset (int64; -1 skips the
-    token, as does a slot past the pool). Byte-exact; runs on `stream` for a CUDA pool."""
+    token, as does a slot past the pool). Byte-exact; runs on `stream` for a CUDA pool (CuPy,
+    torch or any __cuda_array_interface__ arrays on the pool's device; bfloat16 as 2-byte
+    integers or torch bfloat16)."""
+    layer = index_arg(layer, "layer")
     layout = pool.layout
     if not 0 <= layer < layout.num_layers:
         raise InvalidArgumentError(f"layer {layer} outside 0..{layout.num_layers - 1}")
@@ -35,13 +44,14 @@ def append_kv(
         _check_kv_shapes(k.shape, v.shape, slots.shape, row)
         if slots.dtype != np.int64:
             raise InvalidArgumentError("slot_mapping must be int64")
-        for name, a in (("k", k), ("v", v)):
-            if a.itemsize != layout.elem_bytes:
+        for name, a in (("k", k), ("v", v)):  # the element types the CUDA path accepts
+            if not elem_ok(a.dtype.kind, a.itemsize, layout.dtype, layout.elem_bytes):
                 raise InvalidArgumentError(f"{name} has dtype {a.dtype}; the pool's is {layout.dtype}")
         kc, vc = pool.k_view(layer), pool.v_view(layer)
         reference.append_kv(k.view(kc.dtype), v.view(vc.dtype), kc, vc, slots)
         return
-    ka, va, sa = dev_array(k, "k"), dev_array(v, "v"), dev_array(slot_mapping, "slot_mapping")
+    kv, vv, sv = view(k, "k"), view(v, "v"), view(slot_mapping, "slot_mapping")
+    ka, va, sa = dev(kv, "k"), dev(vv, "v"), dev(sv, "slot_mapping")
     _check_kv_shapes(ka.shape, va.shape, sa.shape, row)
     check_int_array(sa, "slot_mapping", 8, 1)
     st = layout.strides()
@@ -60,6 +70,9 @@ def append_kv(
     n = ka.shape[0]
     if n == 0:
         return
+    device_id = device_index(pool)
+    for name, a in (("k", ka), ("v", va), ("slot_mapping", sa)):
+        check_ptr(a.ptr, name, device_id)
     k_base = pool.base_ptr + layer * st["layer"]
     i64, i32 = np.int64, np.int32
     args = (
@@ -71,8 +84,13 @@ def append_kv(
         i32(layout.block_size), i64(pool.num_blocks * layout.block_size),
         i32(layout.num_kv_heads), i32(row_bytes // 16),
     )
-    with cupy_stream(stream):
-        _build.plain_module("append_kv").get_function("append_kv")((n,), (128,), args)
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        cs = cupy_stream(stream)  # None: the pool device's current stream
+        wait_producers(cs.ptr, device_id, kv, vv, sv)
+        with cs:
+            _build.plain_module("append_kv").get_function("append_kv")((n,), (128,), args)
 
 
 def _check_kv_shapes(k_shape, v_shape, s_shape, row) -> None:
@@ -118,7 +136,7 @@ def copy_blocks(pool: Any, pairs: Any, *, stream: Any = None) -> None:
     if st["block"] % 16 or pool.base_ptr % 16:
         raise InvalidArgumentError("blocks must be 16-byte aligned for copy_blocks")
     chunks = max(1, min(64, -(-layout.block_bytes // (16 * 256 * 4))))
-    with cupy_stream(stream):
+    with cupy.cuda.Device(device_index(pool)), cupy_stream(stream):
         dev_pairs = cupy.asarray(pairs)
         args = (np.uint64(pool.base_ptr), np.uint64(dev_pairs.data.ptr),
                 np.int64(st["block"]), np.int64(layout.block_bytes))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import itertools
@@ -15,11 +16,19 @@ from kvpool import reference
 from kvpool._core import InvalidArgumentError
 from kvpool.kernels import _build
 from kvpool.kernels._args import (
-    DevArray,
     check_elem16,
     check_int_array,
+    check_ptr,
+    device_index,
+    elem_ok,
+    external_stream,
+    index_arg,
     pool_is_cuda,
+    stream_ptr,
+    wait_producers,
 )
+from kvpool.kernels._args import dev as _dev
+from kvpool.kernels._args import view as _view
 from kvpool.kernels._plan import CTAS_PER_SM, DecodePlan, plan_decode
 
 LOG2E = 1.4426950408889634  # the kernel works in the log2 domain (exp2)
@@ -51,7 +60,11 @@ def paged_attention_decode(
     On a CUDA pool every array is a device array (__cuda_array_interface__) and the work runs
     on `stream` (CuPy's current stream by default). max_seq_len (an upper bound of seq_lens,
     read from the host) sizes the split-KV plan; when omitted it is read from seq_lens, which
-    synchronises with the device. num_splits forces a plan; workspace (float32 device array of
+    synchronises with the device (also when num_splits is given, so that the forced split
+    covers every token). max_seq_len may not exceed the block table's width * block_size.
+    Inputs whose __cuda_array_interface__ names a producer stream other than the launch stream
+    (BlockTables.sync's arrays name the pool's stream) are waited for on the device.
+    num_splits forces a plan; workspace (float32 device array of
     at least workspace_elems() elements) avoids an allocation, e.g. under graph capture.
     pipeline picks the kernel, for tests and benchmarks: None or 2 (_build.TC) the tensor-core
     kernel (the default), 1 / 0 the CUDA-core kernel with cp.async stages / register loads.
@@ -59,9 +72,12 @@ def paged_attention_decode(
     repeated call costs a few dictionary look-ups and one or two cuLaunchKernel calls.
     On a host pool the arrays are NumPy and the float64 reference does the work.
     """
+    layer = index_arg(layer, "layer")
     info = _pool_info(pool)
     if getattr(block_tables, "pool", None) is not None:
-        _check_tables_pool(block_tables, pool)
+        _check_tables_pool(block_tables, pool, "block_tables")
+    if getattr(seq_lens, "pool", None) is not None:
+        _check_tables_pool(seq_lens, pool, "seq_lens")
     if not 0 <= layer < info.num_layers:
         raise InvalidArgumentError(f"layer {layer} outside 0..{info.num_layers - 1}")
     if not info.cuda:
@@ -77,10 +93,11 @@ def workspace_elems(num_seqs: int, num_q_heads: int, head_dim: int, num_splits: 
     return num_seqs * num_splits * num_q_heads * (head_dim + 1)
 
 
-def _check_tables_pool(block_tables: Any, pool: Any) -> None:
+def _check_tables_pool(block_tables: Any, pool: Any, name: str = "block_tables") -> None:
+    # BlockTables.pool (and so DeviceArray.pool) is the very Pool object BlockTables was made with.
     owner = getattr(block_tables, "pool", None)
-    if owner is not None and owner is not pool and getattr(owner, "base_ptr", None) != pool.base_ptr:
-        raise InvalidArgumentError("block_tables belong to another pool")
+    if owner is not None and owner is not pool:
+        raise InvalidArgumentError(f"{name} belong to another pool")
 
 
 def _check_shapes(q_shape, bt_shape, sl_shape, layout) -> tuple[int, int, int]:
@@ -102,14 +119,29 @@ def _check_shapes(q_shape, bt_shape, sl_shape, layout) -> tuple[int, int, int]:
 
 def _decode_host(q, pool, layer, block_tables, seq_lens, scale, out):
     layout = pool.layout
-    if hasattr(q, "__cuda_array_interface__"):
-        raise InvalidArgumentError("q is a device array but the pool is on the host")
+    for name, a in (("q", q), ("block_tables", block_tables), ("seq_lens", seq_lens),
+                    ("out", out)):
+        if hasattr(a, "__cuda_array_interface__"):
+            raise InvalidArgumentError(f"{name} is a device array but the pool is on the host")
     q = np.asarray(q)
     tables = np.asarray(block_tables)
     lens = np.asarray(seq_lens)
     _check_shapes(q.shape, tables.shape, lens.shape, layout)
-    if q.itemsize != layout.elem_bytes:
+    # The element types the CUDA path accepts: float16 data for a float16 pool, 2-byte non-float
+    # data (bfloat16 bits) for a bfloat16 pool; never a numeric conversion.
+    if not elem_ok(q.dtype.kind, q.itemsize, layout.dtype, layout.elem_bytes):
         raise InvalidArgumentError(f"q has dtype {q.dtype}; the pool's dtype is {layout.dtype}")
+    for name, a in (("block_tables", tables), ("seq_lens", lens)):
+        if a.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"{name} must be an integer array, got {a.dtype}")
+    if out is not None and (
+        not isinstance(out, np.ndarray) or out.shape != q.shape
+        or not elem_ok(out.dtype.kind, out.itemsize, layout.dtype, layout.elem_bytes)
+    ):
+        raise InvalidArgumentError(
+            f"out must be a NumPy array of shape {q.shape} holding {layout.dtype}, got "
+            f"{getattr(out, 'dtype', type(out))} {getattr(out, 'shape', '')}"
+        )
     nblk = -(-lens.astype(np.int64) // layout.block_size)
     if (lens < 0).any() or (nblk > tables.shape[1]).any():
         raise InvalidArgumentError("a seq_len is negative or needs more blocks than its table row")
@@ -120,25 +152,11 @@ def _decode_host(q, pool, layer, block_tables, seq_lens, scale, out):
     res = reference.paged_attention_decode(
         q, pool.k_view(layer), pool.v_view(layer), tables, lens, layout.dtype, scale
     )
-    res = reference.from_float64(res, layout.dtype).view(q.dtype)
+    res = reference.from_float64(res, layout.dtype)
     if out is None:
-        return res
-    out[...] = res
+        return res.view(q.dtype)
+    out[...] = res.view(out.dtype)
     return out
-
-
-def _device_index(pool: Any) -> int:
-    dev = str(pool.device)
-    return int(dev.split(":")[1]) if ":" in dev else 0
-
-
-def _check_on_device(arr, name: str, device_id: int) -> None:
-    import cupy
-
-    attrs = cupy.cuda.runtime.pointerGetAttributes(arr.ptr)
-    if attrs.type not in (2, 3) or attrs.device != device_id:  # device or managed memory
-        raise InvalidArgumentError(f"{name} is not in memory of the pool's device cuda:{device_id}")
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,7 +185,7 @@ class _PoolInfo:
         self.base_ptr = pool.base_ptr
         self.num_blocks = pool.num_blocks
         if self.cuda:
-            self.device_id = _device_index(pool)
+            self.device_id = device_index(pool)
             self.strides = layout.strides()
             self.dtype = layout.dtype
             self.head_dim = layout.head_dim
@@ -187,112 +205,6 @@ def _pool_info(pool: Any) -> _PoolInfo:
             _POOLS.clear()
         info = _POOLS[key] = _PoolInfo(pool)
     return info
-
-
-# Array readers: (ptr, shape, byte strides, typestr) without building __cuda_array_interface__
-# dicts for the common types (CuPy and torch); anything else goes through the interface.
-_TORCH_TYPESTR: dict[Any, str] = {}
-
-
-def _read_cupy(a: Any) -> tuple:
-    return a.data.ptr, a.shape, a.strides, a.dtype.str
-
-
-def _read_torch(t: Any) -> tuple:
-    if not t.is_cuda:
-        raise InvalidArgumentError("must be a device array (__cuda_array_interface__)")
-    ts = _TORCH_TYPESTR.get(t.dtype)
-    if ts is None:
-        import torch
-
-        names = {torch.float16: "<f2", torch.bfloat16: "<V2", torch.float32: "<f4",
-                 torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8", torch.uint8: "|u1"}
-        ts = _TORCH_TYPESTR[t.dtype] = names.get(t.dtype, f"<V{t.element_size()}")
-    size = t.element_size()
-    return t.data_ptr(), tuple(t.shape), tuple(s * size for s in t.stride()), ts
-
-
-def _read_cai(obj: Any) -> tuple:
-    cai = getattr(obj, "__cuda_array_interface__", None)
-    if cai is None:
-        raise InvalidArgumentError("must be a device array (__cuda_array_interface__)")
-    shape = tuple(int(s) for s in cai["shape"])
-    typestr = cai["typestr"]
-    strides = cai.get("strides")
-    if strides is None:  # C-contiguous
-        acc, rev = int(typestr[2:]), []
-        for s in reversed(shape):
-            rev.append(acc)
-            acc *= s
-        strides = tuple(reversed(rev))
-    return int(cai["data"][0]), shape, tuple(strides), typestr
-
-
-_READERS: dict[type, Any] = {}
-
-
-def _view(obj: Any, name: str) -> tuple:
-    reader = _READERS.get(type(obj))
-    if reader is None:
-        mod = type(obj).__module__
-        if mod.startswith("cupy") and hasattr(obj, "data") and hasattr(obj, "strides"):
-            reader = _read_cupy
-        elif mod.startswith("torch") and hasattr(obj, "data_ptr"):
-            reader = _read_torch
-        else:
-            reader = _read_cai
-        _READERS[type(obj)] = reader
-    try:
-        return reader(obj)
-    except InvalidArgumentError as e:
-        raise InvalidArgumentError(f"{name} {e}") from None
-
-
-def _dev(view: tuple, name: str) -> DevArray:
-    ptr, shape, strides_b, typestr = view
-    itemsize = int(typestr[2:])
-    if any(s % itemsize for s in strides_b):
-        raise InvalidArgumentError(f"{name}: strides must be multiples of the item size")
-    return DevArray(ptr, tuple(shape), tuple(s // itemsize for s in strides_b), typestr, itemsize)
-
-
-_PTR_DEVICE: dict[int, int] = {}
-
-
-def _ptr_device(ptr: int) -> int:
-    """Device of a device (or managed) pointer, -1 otherwise; cached per pointer value."""
-    dev = _PTR_DEVICE.get(ptr)
-    if dev is None:
-        import cupy
-
-        attrs = cupy.cuda.runtime.pointerGetAttributes(ptr)
-        dev = attrs.device if attrs.type in (2, 3) else -1
-        if len(_PTR_DEVICE) > 4096:
-            _PTR_DEVICE.clear()
-        _PTR_DEVICE[ptr] = dev
-    return dev
-
-
-def _check_ptr(ptr: int, name: str, device_id: int) -> None:
-    if _ptr_device(ptr) != device_id:
-        raise InvalidArgumentError(f"{name} is not in memory of the pool's device cuda:{device_id}")
-
-
-def _stream_ptr(stream: Any) -> int:
-    """The CUstream handle of `stream` (None: CuPy's current stream)."""
-    import cupy
-
-    if stream is None:
-        return cupy.cuda.get_current_stream().ptr
-    if type(stream).__module__.startswith("cupy") and hasattr(stream, "ptr"):
-        return stream.ptr
-    handle = getattr(stream, "cuda_stream", None)  # torch
-    if handle is not None:
-        return int(handle)
-    proto = getattr(stream, "__cuda_stream__", None)
-    if proto is not None:
-        return int((proto() if callable(proto) else proto)[1])
-    raise InvalidArgumentError("stream must be a CuPy stream or have __cuda_stream__")
 
 
 class _DecodeArgs(ctypes.Structure):
@@ -415,18 +327,26 @@ def _plan(num_seqs, ctas_per_seq, max_seq_len, tokens_per_iter, num_sms, num_spl
                        ctas_per_sm)
 
 
-_WORKSPACES: dict[tuple[int, int], Any] = {}
+_WORKSPACES: collections.OrderedDict[tuple[int, int], Any] = collections.OrderedDict()
+_MAX_WORKSPACES = 4
 
 
 def _cached_workspace(device_id: int, stream: int, need: int) -> int:
     """A float32 workspace kept per (device, stream): calls on one stream are ordered, so
-    reusing it is safe (also inside a CUDA graph captured on that stream)."""
-    ws = _WORKSPACES.get((device_id, stream))
+    reusing it is safe (also inside a CUDA graph captured on that stream). It is allocated on
+    that stream, so CuPy's pool hands its memory out again (after a replacement or an eviction
+    of the least recently used of the _MAX_WORKSPACES entries) only in that stream's order."""
+    key = (device_id, stream)
+    ws = _WORKSPACES.get(key)
     if ws is None or ws.size < need:
         import cupy
 
-        with cupy.cuda.Device(device_id):
-            ws = _WORKSPACES[(device_id, stream)] = cupy.empty(max(need, 1 << 16), cupy.float32)
+        with cupy.cuda.Device(device_id), external_stream(stream):
+            ws = cupy.empty(max(need, 1 << 16), cupy.float32)
+        _WORKSPACES[key] = ws
+        while len(_WORKSPACES) > _MAX_WORKSPACES:
+            _WORKSPACES.popitem(last=False)
+    _WORKSPACES.move_to_end(key)
     return ws.data.ptr
 
 
@@ -458,34 +378,53 @@ def _decode_cuda(q, pool, info, layer, block_tables, seq_lens, scale, out, strea
         if len(_PREPARED) > 1024:
             _PREPARED.clear()
         _PREPARED[key] = prep
-    dev = info.device_id
-    if qv[0] % 16:
-        raise InvalidArgumentError("q rows must be contiguous and 16-byte aligned")
-    _check_ptr(qv[0], "q", dev)
-    _check_ptr(btv[0], "block_tables", dev)
-    _check_ptr(ov[0], "out", dev)
     num_seqs = prep.num_seqs
     if num_seqs == 0:
         return out
-    if max_seq_len is None and num_splits is None:
+    dev = info.device_id
+    if qv[0] % 16:
+        raise InvalidArgumentError("q rows must be contiguous and 16-byte aligned")
+    check_ptr(qv[0], "q", dev)
+    check_ptr(btv[0], "block_tables", dev)
+    check_ptr(slv[0], "seq_lens", dev)
+    check_ptr(ov[0], "out", dev)
+    sp = stream_ptr(stream)
+    if max_seq_len is None:
         import cupy
 
-        max_seq_len = int(cupy.asarray(seq_lens).max())  # synchronises; pass max_seq_len to avoid
-    plan = _plan(num_seqs, prep.ctas_per_seq, max(int(max_seq_len or 1), 1),
+        # Synchronises (pass max_seq_len to avoid it); read on the launch stream, after the
+        # producers of seq_lens.
+        wait_producers(sp, dev, slv)
+        with cupy.cuda.Device(dev), external_stream(sp):
+            max_seq_len = int(cupy.asarray(seq_lens).max())
+    else:
+        max_seq_len = index_arg(max_seq_len, "max_seq_len")
+    if max_seq_len > btv[1][1] * info.block_size:
+        raise InvalidArgumentError(
+            f"max_seq_len {max_seq_len} exceeds the block tables' {btv[1][1]} blocks of "
+            f"{info.block_size} tokens"
+        )
+    plan = _plan(num_seqs, prep.ctas_per_seq, max(max_seq_len, 1),
                  prep.tokens_per_iter, prep.num_sms,
-                 None if num_splits is None else int(num_splits), prep.ctas_per_sm)
-    sp = _stream_ptr(stream)
+                 None if num_splits is None else index_arg(num_splits, "num_splits"),
+                 prep.ctas_per_sm)
     part_o = part_lse = 0
     if plan.split:
         need = workspace_elems(num_seqs, prep.hq, prep.d, plan.num_splits)
         if workspace is None:
             part_o = _cached_workspace(dev, sp, need)
         else:
-            ws = _dev(_view(workspace, "workspace"), "workspace")
-            if ws.typestr[1:] != "f4" or ws.shape[0] < need:
-                raise InvalidArgumentError(f"workspace must be float32 with >= {need} elements")
+            wv = _view(workspace, "workspace")
+            ws = _dev(wv, "workspace")
+            if ws.typestr[1:] != "f4" or len(ws.shape) != 1 or ws.strides[0] != 1 or (
+                ws.shape[0] < need
+            ):
+                raise InvalidArgumentError(
+                    f"workspace must be a contiguous 1-d float32 array of >= {need} elements")
+            check_ptr(ws.ptr, "workspace", dev)
             part_o = ws.ptr
         part_lse = part_o + 4 * num_seqs * plan.num_splits * prep.hq * prep.d
+    wait_producers(sp, dev, qv, btv, slv, ov)
     with prep.lock:
         a = prep.args
         a.q, a.out, a.part_o, a.part_lse = qv[0], ov[0], part_o, part_lse
@@ -509,9 +448,20 @@ def _launch(prep, gx, gy, gz, threads, smem, stream, fn, params) -> None:
                             ctypes.addressof(params), 0)
     except driver.CUDADriverError:
         # No (or another device's) context current on this thread: make the pool's device
-        # current through the runtime and try once more.
-        import cupy
+        # current through the runtime (which also makes its primary context current; cupy's
+        # Device() context skips setDevice when the id already matches) and try once more. The
+        # caller's current device is restored when it was another one.
+        from cupy.cuda import runtime
 
-        cupy.cuda.runtime.setDevice(prep.device_id)
-        driver.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream,
-                            ctypes.addressof(params), 0)
+        from kvpool._core import CudaError
+
+        prev = runtime.getDevice()
+        runtime.setDevice(prep.device_id)
+        try:
+            driver.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream,
+                                ctypes.addressof(params), 0)
+        except driver.CUDADriverError as e:
+            raise CudaError(f"launching the decode kernel failed: {e}") from e
+        finally:
+            if prev != prep.device_id:
+                runtime.setDevice(prev)

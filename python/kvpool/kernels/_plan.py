@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpool.kernels._build import DECODE_WARPS
-
 CTAS_PER_SM = 4  # resident decode CTAs per SM the plan aims to fill (one wave)
 MIN_CHUNK = 128  # tokens: shorter chunks lost in the H200 split sweep (bench/NOTES_kernels.md)
 
@@ -25,13 +23,6 @@ class DecodePlan:
     @property
     def split(self) -> bool:
         return self.num_splits > 1
-
-
-def tokens_per_iteration(head_dim: int, gq: int) -> int:
-    """Tokens a decode CTA consumes per loop trip (mirrors NSG * UNROLL in paged_decode.cu)."""
-    subgroups = DECODE_WARPS * (32 // (head_dim // 8))
-    unroll = 8 if gq <= 2 else (4 if gq <= 4 else 2)
-    return subgroups * unroll
 
 
 def plan_decode(
