@@ -7,6 +7,7 @@ buffers (which CuPy has no dtype for) pass as any 2-byte type.
 
 from __future__ import annotations
 
+import math
 import operator
 import warnings
 from dataclasses import dataclass
@@ -98,7 +99,12 @@ def dev(v: tuple, name: str) -> DevArray:
     itemsize = int(typestr[2:])
     if any(s % itemsize for s in strides_b):
         raise InvalidArgumentError(f"{name}: strides must be multiples of the item size")
-    return DevArray(ptr, tuple(shape), tuple(s // itemsize for s in strides_b), typestr, itemsize)
+    strides = tuple(s // itemsize for s in strides_b)
+    if 0 in shape:
+        # An empty array's strides mean nothing (CuPy reports zeros): use C order, so the
+        # layout checks that follow judge only arrays that have elements.
+        strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DevArray(ptr, tuple(shape), strides, typestr, itemsize)
 
 
 def dev_array(obj: Any, name: str) -> DevArray:
