@@ -5,6 +5,9 @@ use std::collections::HashMap;
 
 use kvpool_core::{BlockAllocator, CoreError, DType, Device, KvLayout, Pool, PoolSize};
 
+mod common;
+use common::XorShift;
+
 /// 1 layer x K|V x 1 token x 1 head x 128 dims x 2 bytes = 512 bytes per block.
 fn small_layout() -> KvLayout {
     KvLayout::new(1, 1, 128, 1, DType::Float16).unwrap()
@@ -326,21 +329,6 @@ fn pool_memory_bytes_rounds_down_to_whole_blocks() {
         Pool::new(small_layout(), PoolSize::DeviceMemoryFraction(0.5), Device::Host),
         Err(CoreError::InvalidArgument(_))
     ));
-}
-
-/// xorshift64*: a tiny deterministic generator so the random test needs no extra crate.
-struct XorShift(u64);
-
-impl XorShift {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
 }
 
 /// The plain model: which ids are allocated and with how many references.

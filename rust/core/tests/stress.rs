@@ -7,25 +7,14 @@ use std::sync::Barrier;
 
 use kvpool_core::{BlockAllocator, CoreError};
 
+mod common;
+use common::XorShift;
+
 const NUM_THREADS: usize = 8;
 const NUM_BLOCKS: usize = 64;
 const ITERATIONS: usize = 20_000;
 /// Each thread keeps at most this many ids, so together they can exhaust the pool.
 const MAX_HELD: usize = 12;
-
-struct XorShift(u64);
-
-impl XorShift {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
 
 /// Marks `ids` as owned by the calling thread; a flag already set is a double hand-out.
 fn claim(owned: &[AtomicBool], ids: &[u32]) {

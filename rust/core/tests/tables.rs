@@ -8,6 +8,9 @@ use kvpool_core::pool::PoolSize;
 use kvpool_core::tables::{BlockCopy, BlockTables};
 use kvpool_core::{CoreError, DType, Device, KvLayout, Pool};
 
+mod common;
+use common::XorShift;
+
 const BLOCK_SIZE: usize = 4;
 
 fn setup(num_blocks: usize, max_seqs: usize, max_blocks: usize) -> (Arc<Pool>, Arc<BlockTables>) {
@@ -120,22 +123,11 @@ fn free_moves_the_last_row_into_the_hole() {
     check(&pool, &t);
 }
 
-/// A small xorshift so the run is the same on every machine without extra dependencies.
-struct Rng(u64);
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
-}
-
 #[test]
 fn random_operations_match_a_plain_model() {
     let (pool, t) = setup(24, 6, 8);
     let mut model: HashMap<u64, usize> = HashMap::new(); // request -> num_tokens
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut rng = XorShift(0x9E37_79B9_7F4A_7C15);
     let mut next_id = 0u64;
     for _ in 0..3000 {
         let ids: Vec<u64> = {
@@ -143,10 +135,10 @@ fn random_operations_match_a_plain_model() {
             v.sort();
             v
         };
-        let pick = |rng: &mut Rng| ids[rng.below(ids.len() as u64) as usize];
+        let pick = |rng: &mut XorShift| ids[rng.below(ids.len())];
         match rng.below(5) {
             0 => {
-                let n = rng.below(12) as usize;
+                let n = rng.below(12);
                 if t.add(next_id, n).is_ok() {
                     model.insert(next_id, n);
                 }
@@ -154,7 +146,7 @@ fn random_operations_match_a_plain_model() {
             }
             1 if !ids.is_empty() => {
                 let id = pick(&mut rng);
-                let n = rng.below(6) as usize;
+                let n = rng.below(6);
                 let free_before = pool.num_free();
                 match t.append_tokens(id, n) {
                     Ok(_) => *model.get_mut(&id).unwrap() += n,
@@ -170,7 +162,7 @@ fn random_operations_match_a_plain_model() {
             }
             3 if !ids.is_empty() => {
                 let batch: Vec<u64> = ids.iter().copied().filter(|_| rng.below(2) == 0).collect();
-                let counts: Vec<usize> = batch.iter().map(|_| rng.below(3) as usize).collect();
+                let counts: Vec<usize> = batch.iter().map(|_| rng.below(3)).collect();
                 if t.append_tokens_many(&batch, &counts).is_ok() {
                     for (id, n) in batch.iter().zip(&counts) {
                         *model.get_mut(id).unwrap() += n;
