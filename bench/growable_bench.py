@@ -27,13 +27,13 @@ import datetime
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import kvpool
+from provenance import git_commit
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -148,15 +148,6 @@ def copy_rep(cp: Any, live_bytes: int, grow_bytes: int) -> dict[str, Any]:
 
 def median(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in rows)
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def main() -> None:

@@ -20,10 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import threading
 import timeit
@@ -36,6 +33,7 @@ import numpy as np
 
 import kvpool
 import kvpool._core
+from provenance import git_commit, machine
 
 # Llama-3-8B geometry: 2 MiB blocks. Host slabs are zeroed lazily, so 4096 blocks are cheap.
 LAYOUT = kvpool.KvLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
@@ -267,33 +265,6 @@ def elf_section_names(data: bytes) -> set[str]:
         start = strtab_at + int.from_bytes(header[0:4], "little")
         names.add(data[start : data.index(b"\0", start)].decode(errors="replace"))
     return names
-
-
-def git_commit() -> str:
-    try:
-        here = Path(__file__).parent
-        git = ["git", "-C", str(here)]
-        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {
-        "node": platform.node(),
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "load_average_1m_before": round(os.getloadavg()[0], 2),  # other work inflates timings
-    }
 
 
 def targets(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:

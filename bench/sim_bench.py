@@ -15,25 +15,15 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 
 from kvpool.report import _finite
 from kvpool.scheduler import SchedulerConfig, generate, get_preset, parse_bytes
 from kvpool.scheduler.runner import SimulationSpec, simulate
+from provenance import git_commit
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:
@@ -67,7 +57,7 @@ def main() -> None:
         "paged_alloc_share < 0.05": paged["alloc_share"] < 0.05,
     }
     report["environment"] = {
-        "commit": _commit(),
+        "commit": git_commit(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),

@@ -28,10 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -41,6 +38,7 @@ from typing import Any
 import kvpool
 import kvpool._core
 import numpy as np
+from provenance import git_commit, machine
 
 NUM_REQUESTS = 256
 BLOCK_SIZE = 16
@@ -230,28 +228,6 @@ def breakdown(device: str, warmup: int, steps: int, seed: int) -> dict[str, Any]
 
 
 # --- metadata ------------------------------------------------------------------------------------
-
-
-def git_commit() -> str:
-    try:
-        git = ["git", "-C", str(Path(__file__).parent)]
-        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(
-            [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=False
-        )
-        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"node": platform.node(), "platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count()}
 
 
 def gpu_info(cp: Any) -> dict[str, Any]:
