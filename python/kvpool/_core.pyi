@@ -22,6 +22,7 @@ __all__ = [
     "InvalidArgumentError",
     "CudaUnavailableError",
     "CudaError",
+    "KvSystemError",
     "MAX_NUM_BLOCKS",
     "BlockTables",
     "CudaStream",
@@ -46,6 +47,8 @@ class LayoutError(KvError): ...
 class InvalidArgumentError(KvError): ...
 class CudaUnavailableError(KvError): ...
 class CudaError(KvError): ...
+class KvSystemError(KvError):
+    errno: int
 
 def cuda_available() -> bool: ...
 
