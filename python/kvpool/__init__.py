@@ -24,11 +24,13 @@ from kvpool._core import (
     OutOfMemoryError,
     Pool,
     SlabView,
+    TransferError,
     UnknownRequestError,
     cuda_available,
 )
 from kvpool import reference
 from kvpool.kernels import append_kv, copy_blocks, paged_attention_decode
+from kvpool.tp import PoolGroup
 
 __all__ = [
     "MAX_NUM_BLOCKS",
@@ -49,7 +51,9 @@ __all__ = [
     "OutOfBlocksError",
     "OutOfMemoryError",
     "Pool",
+    "PoolGroup",
     "SlabView",
+    "TransferError",
     "UnknownRequestError",
     "append_kv",
     "copy_blocks",
