@@ -11,7 +11,8 @@ scheduler serves all ranks without seeing them. Design notes: ``tp.md``.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 from kvpool._core import BlockTables, InvalidArgumentError, KvError, KvLayout, Pool
 from kvpool.kernels import copy_blocks
@@ -36,6 +37,25 @@ def _devices(devices: str | Sequence[str], tp_size: int) -> list[str]:
     return names
 
 
+@contextlib.contextmanager
+def _keeping_current_device(cuda: bool) -> Iterator[None]:
+    """Creating a pool or uploading a table binds that device's context to the thread; put the
+    caller's current device back afterwards, so a group call does not move CuPy's work."""
+    try:
+        from cupy.cuda import runtime
+    except ImportError:  # without CuPy nothing else tracks a current device
+        cuda = False
+    if not cuda:
+        yield
+        return
+
+    previous = runtime.getDevice()
+    try:
+        yield
+    finally:
+        runtime.setDevice(previous)
+
+
 class PoolGroup:
     """N pools, one per tensor-parallel rank, driven by rank 0's allocator and tables.
 
@@ -57,8 +77,9 @@ class PoolGroup:
         if memory_bytes is not None:
             num_blocks = memory_bytes // self.shard_layout.block_bytes
         names = _devices(devices, tp_size)
-        self.pools: tuple[Pool, ...] = tuple(
-            Pool(self.shard_layout, num_blocks, device=d) for d in names)
+        with _keeping_current_device(names[0] != "host"):
+            self.pools: tuple[Pool, ...] = tuple(
+                Pool(self.shard_layout, num_blocks, device=d) for d in names)
 
     @property
     def primary(self) -> Pool:
@@ -83,10 +104,10 @@ class PoolGroup:
         wait); each pair names its rank's pool, so that rank's kernels accept it. Host: the
         same NumPy arrays for every rank."""
         self._check_tables(tables)
-        first = tables.sync()
         if self.primary.device == "host":
-            return [first] * self.tp_size
-        return [first] + [tables.sync(pool=p) for p in self.pools[1:]]
+            return [tables.sync()] * self.tp_size
+        with _keeping_current_device(True):
+            return [tables.sync()] + [tables.sync(pool=p) for p in self.pools[1:]]
 
     def copy_blocks(self, pairs: Any) -> None:
         """Run copy-on-write block copies (``append_tokens_many``'s ``copies``) on every rank,
