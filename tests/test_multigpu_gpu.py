@@ -133,6 +133,7 @@ def test_tp_decode_over_two_devices_equals_one_device(num_splits):
             want = kvpool.paged_attention_decode(cupy.asarray(q), single, layer, bt, sl,
                                                  stream=single.stream, max_seq_len=max_len,
                                                  num_splits=num_splits)
+            cupy.cuda.Stream.from_external(single.stream).synchronize()
             want = cupy.asnumpy(want)
         parts = []
         for rank, pool in enumerate(group.pools):

@@ -91,7 +91,8 @@ class Transfer:
         limit = self._endpoint.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         while not self.done():
-            if not self._endpoint.transport.peer_alive():
+            # A peer that finished and closed is not a failure if this side is done too.
+            if not self._endpoint.transport.peer_alive() and not self.done():
                 self.fail(f"the peer died during the transfer of request {self.request_id}")
             if time.monotonic() > deadline:
                 self.fail(f"the transfer of request {self.request_id} did not complete "
