@@ -20,8 +20,8 @@ python3 -c 'import cupy, kvpool; from kvpool.transfer.nccl import load_nccl; n =
 
 echo "== gpu2 tests (TP decode vs one GPU; transfers of 1/7/64/1024 blocks between two processes; interrupted transfer)"
 timeout 300 python3 -m pytest -q -rs -m gpu2 tests 2>&1 | tee "$R/gpu2_tests.log" | tail -15
-echo "== single-GPU tests touched by this work (tables, TP group on one device's API)"
-timeout 200 python3 -m pytest -q -m gpu tests/test_tables_gpu.py tests/test_kernels_gpu.py 2>&1 | tee "$R/gpu_tests.log" | tail -5
+echo "== single-GPU table-upload tests (the upload now keeps one uploader per device)"
+timeout 200 python3 -m pytest -q -m gpu tests/test_tables_gpu.py 2>&1 | tee "$R/gpu_tests.log" | tail -5
 
 echo "== transfer benchmark (Llama-3-8B blocks, 1..4096, vs NCCL contiguous and cudaMemcpyPeer)"
 timeout 420 python3 bench/transfer_bench.py --out "$R/transfer_h200x2.json" --commit "$COMMIT" 2>&1 | tee "$R/transfer_bench.log" | tail -12

@@ -114,3 +114,15 @@ def test_tp_decode_equals_decode_over_the_concatenated_heads(tp):
                 *per_rank[r])
             for r, pool in enumerate(group.pools)], axis=1)
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_mirror_sync_needs_the_same_blocks_and_a_gpu():
+    layout = KvLayout(2, 4, 64, 16)
+    primary = kvpool.Pool(layout, 8, device="host")
+    tables = kvpool.BlockTables(primary, 2, 2)
+    with pytest.raises(kvpool.InvalidArgumentError, match="hold the tables' pool's 8 blocks, it holds 9"):
+        tables.sync(pool=kvpool.Pool(layout, 9, device="host"))
+    with pytest.raises(kvpool.InvalidArgumentError, match="CUDA device"):
+        tables.sync(pool=kvpool.Pool(layout, 8, device="host"))
+    table, seq_lens = tables.sync(pool=primary)  # its own pool: a plain sync
+    assert table.shape == (0, 2) and seq_lens.shape == (0,)
