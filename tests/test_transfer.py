@@ -11,6 +11,7 @@ import pytest
 
 import kvpool
 from kvpool.transfer import (
+    AUTO,
     GROUPED,
     STAGED,
     KvReceiver,
@@ -25,7 +26,7 @@ LAYOUT = kvpool.KvLayout(2, 2, 64, 4)
 
 def _side(layout=LAYOUT, num_blocks=64):
     pool = kvpool.Pool(layout, num_blocks, device="host")
-    return pool, kvpool.BlockTables(pool, 8, 32)
+    return pool, kvpool.BlockTables(pool, 32, 32)
 
 
 def _slab(pool):
@@ -102,7 +103,8 @@ def test_pieces_batch_blocks_not_one_call_per_block():
     dst_pool, dst_tables = _side()
     _fill(src_pool, src_tables, 1, 4 * 30, np.random.default_rng(0))
     a, b = fake_transport_pair()
-    _run(KvSender(src_tables, a, chunk_bytes=16 * LAYOUT.block_bytes), KvReceiver(dst_tables, b), 1)
+    _run(KvSender(src_tables, a, mode=STAGED, chunk_bytes=16 * LAYOUT.block_bytes),
+         KvReceiver(dst_tables, b), 1)
     assert a.num_data_calls == 2 and b.num_data_calls == 2  # 30 blocks in two staged chunks
 
 
@@ -215,3 +217,25 @@ def test_many_transfers_in_a_row_leak_nothing():
     assert src_pool.num_used == 0 and dst_pool.num_used == 0
     src_tables.check_invariants()
     dst_tables.check_invariants()
+
+
+def test_auto_sends_few_runs_grouped_and_scattered_blocks_staged():
+    rng = np.random.default_rng(8)
+    src_pool, src_tables = _side()
+    dst_pool, dst_tables = _side()
+    a, b = fake_transport_pair()
+    sender = KvSender(src_tables, a, mode=AUTO, chunk_bytes=64 * LAYOUT.block_bytes)
+    _fill(src_pool, src_tables, 1, 4 * 6, rng)  # fresh pools: one run on both sides
+    _run(sender, KvReceiver(dst_tables, b), 1)
+    assert a.num_data_calls == 1  # one grouped send of the run, no staging
+    for rid in range(10, 30):
+        src_tables.add(rid, 4)
+    for rid in range(10, 30, 2):
+        src_tables.free(rid)
+    _fill(src_pool, src_tables, 2, 4 * 12, rng)
+    want = _blocks_bytes(src_pool, src_tables.blocks(2))
+    before = a.num_data_calls
+    _run(sender, KvReceiver(dst_tables, b), 2)
+    assert a.num_data_calls - before == 1  # 12 scattered blocks: one staged chunk
+    for w, g in zip(want, _blocks_bytes(dst_pool, dst_tables.blocks(2))):
+        np.testing.assert_array_equal(w, g)

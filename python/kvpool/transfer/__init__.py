@@ -9,7 +9,7 @@ in-process :func:`fake_transport_pair`. Design notes: ``transfer.md``.
 """
 
 from kvpool._core import TransferError
-from kvpool.transfer.movers import GROUPED, MODES, STAGED, plan_pieces
+from kvpool.transfer.movers import AUTO, GROUPED, MODES, STAGED, plan_pieces
 from kvpool.transfer.protocol import (
     KvReceiver,
     KvSender,
@@ -30,6 +30,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "AUTO",
     "GROUPED",
     "MODES",
     "STAGED",

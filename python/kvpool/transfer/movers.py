@@ -19,8 +19,19 @@ from typing import Any
 
 import numpy as np
 
-STAGED, GROUPED = "staged", "grouped"
+STAGED, GROUPED, AUTO = "staged", "grouped", "auto"
 MODES = (STAGED, GROUPED)
+# "auto" sends a transfer grouped when its blocks form at most this many runs contiguous on
+# both sides (no gather or scatter to pay for), staged otherwise.
+AUTO_MAX_RUNS = 4
+
+
+def resolve_mode(mode: str, src_ids: np.ndarray, dst_ids: np.ndarray) -> str:
+    """The mode a transfer uses: `mode`, or for "auto" the one AUTO_MAX_RUNS picks."""
+    if mode != AUTO:
+        return mode
+    runs = len(plan_pieces(GROUPED, src_ids, dst_ids, len(src_ids) or 1))
+    return GROUPED if runs <= AUTO_MAX_RUNS else STAGED
 
 
 def plan_pieces(mode: str, src_ids: np.ndarray, dst_ids: np.ndarray,

@@ -4,7 +4,7 @@
     offer {request_id, num_tokens, layout,   -> check layout (refuse on mismatch),
            src_ids, mode, chunk_blocks}         tables.add(request_id, num_tokens)
                                                 (refuse if that fails: nothing changed)
-                                          <- accept {dst_ids}   |   refuse {reason}
+                                          <- accept {dst_ids, mode} | refuse {reason}
     data phase: gather + send per piece  ==  receive + scatter per piece (movers.py)
     handle.wait(): free the sender's         handle.wait(): the request is ready; on a dead
     blocks once its sends completed          peer or a timeout, abort and free its blocks
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvpool._core import BlockTables, KvError, TransferError
-from kvpool.transfer.movers import MODES, STAGED, make_mover, plan_pieces
+from kvpool.transfer.movers import AUTO, MODES, make_mover, plan_pieces, resolve_mode
 from kvpool.transfer.transport import PeerGone, Transport
 
 PROTOCOL_VERSION = 1
@@ -112,14 +112,15 @@ class KvSender:
     """Sends requests of ``tables`` (over the sending pool) through ``transport``.
 
     mode: "staged" (gather into staging chunks of ``chunk_bytes``, one send per chunk,
-    pipelined) or "grouped" (one send per run of blocks contiguous on both sides, in one
-    group; no staging)."""
+    pipelined), "grouped" (one send per run of blocks contiguous on both sides, in one group;
+    no staging) or "auto" (the receiver picks grouped when the blocks form at most
+    ``movers.AUTO_MAX_RUNS`` such runs, staged otherwise)."""
 
-    def __init__(self, tables: BlockTables, transport: Transport, *, mode: str = STAGED,
+    def __init__(self, tables: BlockTables, transport: Transport, *, mode: str = AUTO,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode not in (*MODES, AUTO):
+            raise ValueError(f"mode must be one of {(*MODES, AUTO)}, got {mode!r}")
         self._ep = _Endpoint(tables, transport, timeout_s)
         self.mode = mode
         self.chunk_blocks = max(1, chunk_bytes // self._ep.pool.layout.block_bytes)
@@ -148,7 +149,11 @@ class KvSender:
         if reply.get("kind") != "accept" or reply.get("request_id") != int(request_id):
             raise _error(f"unexpected answer to request {request_id}: {reply}", request_id)
         dst_ids = np.asarray(reply["dst_ids"], dtype=np.int32)
-        pieces = plan_pieces(self.mode, ids, dst_ids, self.chunk_blocks)
+        mode = reply.get("mode")
+        if mode not in MODES or len(dst_ids) != len(ids):
+            raise _error(f"unexpected answer to request {request_id}: mode {mode!r}, "
+                         f"{len(dst_ids)} blocks for {len(ids)}", request_id)
+        pieces = plan_pieces(mode, ids, dst_ids, self.chunk_blocks)
         stream = ep.pool.stream if stream is None else stream
 
         def keep() -> None:  # failure: the request stays, with its blocks
@@ -159,7 +164,7 @@ class KvSender:
                 ep.tables.free(request_id)
 
         try:
-            completion = ep.mover.send(ep.transport, ids, pieces, self.mode, stream)
+            completion = ep.mover.send(ep.transport, ids, pieces, mode, stream)
         except Exception as e:  # a transport or launch error: nothing is freed here
             ep.transport.abort()
             ep.mover.synchronize()
@@ -202,12 +207,13 @@ class KvReceiver:
         def release() -> None:
             ep.tables.free(request_id)
 
+        mode = resolve_mode(offer["mode"], src_ids, dst_ids)
         try:
             ep.transport.send_control({"kind": "accept", "request_id": request_id,
-                                       "dst_ids": dst_ids.tolist()})
-            pieces = plan_pieces(offer["mode"], src_ids, dst_ids, offer["chunk_blocks"])
+                                       "dst_ids": dst_ids.tolist(), "mode": mode})
+            pieces = plan_pieces(mode, src_ids, dst_ids, offer["chunk_blocks"])
             stream = ep.pool.stream if stream is None else stream
-            completion = ep.mover.recv(ep.transport, dst_ids, pieces, offer["mode"], stream)
+            completion = ep.mover.recv(ep.transport, dst_ids, pieces, mode, stream)
         except Exception as e:
             ep.transport.abort()
             ep.mover.synchronize()
@@ -224,7 +230,7 @@ class KvReceiver:
         mismatch = layout_mismatch(offer.get("layout", {}), layout_fingerprint(ep.pool.layout))
         if mismatch:
             return mismatch
-        if offer.get("mode") not in MODES:
+        if offer.get("mode") not in (*MODES, AUTO):
             return f"unknown mode {offer.get('mode')!r}"
         bs = ep.pool.layout.block_size
         num_tokens, src_ids = offer.get("num_tokens"), offer.get("src_ids")
