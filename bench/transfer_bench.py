@@ -160,7 +160,7 @@ def _protocol_times(cupy, np, pool, transport, sizes):
             t0 = time.perf_counter()
             sender.send(rep).wait(timeout=120)
             times.append((time.perf_counter() - t0) * 1e6)
-        rows.append({"num_blocks": n, "mode": "protocol_staged", "median_us": round(statistics.median(times[2:]), 2),
+        rows.append({"num_blocks": n, "mode": "protocol_auto", "median_us": round(statistics.median(times[2:]), 2),
                      "times_us": [round(t, 2) for t in times[2:]]})
     return rows
 
