@@ -3,7 +3,8 @@
 Profiles (pydantic-core keeps the same pair):
 - "ci" (the default, so also whenever CI is set): derandomized, so every run draws the
   same examples; modest example counts; failures print a reproduction blob.
-- "soak": many random examples; select with HYPOTHESIS_PROFILE=soak.
+- "soak": many random examples (5000 per test, or KVPOOL_SOAK_EXAMPLES); select with
+  HYPOTHESIS_PROFILE=soak.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ settings.register_profile(
     "soak",
     derandomize=False,
     deadline=None,
-    max_examples=5_000,
+    max_examples=int(os.environ.get("KVPOOL_SOAK_EXAMPLES", "5000")),
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
