@@ -128,10 +128,6 @@ def dev(v: ArrayView, name: str) -> DevArray:
     return DevArray(ptr, tuple(shape), strides, typestr, itemsize)
 
 
-def dev_array(obj: Any, name: str) -> DevArray:
-    return dev(view(obj, name), name)
-
-
 _PTR_DEVICE: dict[int, int] = {}
 
 
