@@ -1,6 +1,6 @@
 """Growing a KV pool in place (CUDA virtual memory) against the copy path, on one GPU.
 
-Scenario (issue 6): a pool holds `--live-gib` (8) GiB of live KV and must grow by
+Scenario: a pool holds `--live-gib` (8) GiB of live KV and must grow by
 `--grow-gib` (1) GiB.
 
 - vmm: a growable kvpool pool (`growable=True`) whose live blocks are allocated and written;
