@@ -9,7 +9,8 @@ sys.path). Each script stores ``"provenance": provenance(script, commit)``:
 - ``date_utc``; ``machine``: host name, platform, CPU model and count, the 1-minute load
   average before the run (other work on a shared machine inflates timings).
 - ``extension``: the compiled ``kvpool._core`` that actually ran (its path, size, and whether it
-  carries debug info: a debug build is several times slower than the release wheel).
+  carries debug info: a debug build is several times slower than the release wheel); None
+  for a benchmark without the Python package.
 - ``versions`` of Python, NumPy and, when importable, CuPy and torch; ``gpu`` (name, compute
   capability, driver and runtime versions) when CuPy sees a device, else None.
 
@@ -64,9 +65,13 @@ def machine() -> dict[str, Any]:
     }
 
 
-def extension() -> dict[str, Any]:
-    """The compiled module that runs: kvpool._core's own file (not the package's __init__)."""
-    core = importlib.import_module("kvpool._core")
+def extension() -> dict[str, Any] | None:
+    """The compiled module that runs: kvpool._core's own file (not the package's __init__);
+    None when kvpool is not installed (a Rust-only benchmark)."""
+    try:
+        core = importlib.import_module("kvpool._core")
+    except ImportError:
+        return None
     path = Path(core.__file__ or "")
     data = path.read_bytes()
     return {"path": str(path), "bytes": len(data), "debug_info": ".debug_info" in elf_section_names(data)}
@@ -116,7 +121,7 @@ def gpu() -> dict[str, Any] | None:
 def provenance(script: str, given_commit: str | None = None) -> dict[str, Any]:
     """The record every results JSON carries under "provenance" (see the module docstring)."""
     ext = extension()
-    if ext["debug_info"]:
+    if ext is not None and ext["debug_info"]:
         print(f"warning: {ext['path']} is a debug build; timings are not representative", file=sys.stderr)
     return {
         "script": script,
