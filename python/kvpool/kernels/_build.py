@@ -200,6 +200,66 @@ def decode_variants() -> list[DecodeVariant | TcVariant]:
     return default + other + tc_variants()
 
 
+# Paged prefill (paged_prefill.cu): 4 warps x 16 query rows (token x head) per CTA, K/V tiles of
+# PREFILL_BN tokens in PREFILL_STAGES cp.async stages. Block sizes: any power of two up to 256.
+PREFILL_WARPS = 4
+PREFILL_ROWS = 16 * PREFILL_WARPS
+PREFILL_BN = {64: 64, 128: 64, 256: 32}  # D=256 with 64-token tiles needs > 255 registers
+PREFILL_STAGES = 2
+PREFILL_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class PrefillVariant:
+    """A compiled prefill module (the query-head tile and causality are run-time arguments)."""
+
+    dtype: str
+    head_dim: int
+    block_size: int
+
+    source = "paged_prefill.cu"
+    kernel = "paged_prefill"
+
+    @property
+    def kv_tile(self) -> int:
+        return PREFILL_BN[self.head_dim]
+
+    @property
+    def threads(self) -> int:
+        return 32 * PREFILL_WARPS
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        """Q tile plus the K+V stages (mirrors Q_BYTES and KV_TILE_BYTES in the .cu)."""
+        row = 2 * self.head_dim
+        return PREFILL_ROWS * row + PREFILL_STAGES * 2 * self.kv_tile * row
+
+    def options(self) -> tuple[str, ...]:
+        return COMMON_OPTIONS + (
+            f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
+            f"-DHEAD_DIM={self.head_dim}",
+            f"-DBLOCK_SIZE={self.block_size}",
+            f"-DNWARPS={PREFILL_WARPS}",
+            f"-DBN={self.kv_tile}",
+            f"-DSTAGES={PREFILL_STAGES}",
+        )
+
+
+def prefill_variants() -> list[PrefillVariant]:
+    """The prefill variants CI compiles: every dtype and head dim at the block sizes the decode
+    kernels support, plus the smallest and largest other block size at one (dtype, head dim)."""
+    main = [PrefillVariant(dt, hd, bs) for dt in DTYPES for hd in HEAD_DIMS for bs in BLOCK_SIZES]
+    edges = [PrefillVariant("float16", 128, bs) for bs in (PREFILL_BLOCK_SIZES[0],
+                                                           PREFILL_BLOCK_SIZES[-1])]
+    return main + edges
+
+
+def prefill_head_tile(group: int) -> int:
+    """Query heads of one GQA group per prefill CTA: the whole group when it fits the CTA's
+    rows, else its largest divisor that does."""
+    return max(d for d in range(1, min(group, PREFILL_ROWS) + 1) if group % d == 0)
+
+
 def _tile_label(v: DecodeVariant | TcVariant) -> str:
     return f"nh{v.nh}" if isinstance(v, TcVariant) else f"{v.gq},p{v.pipeline}"
 
@@ -211,13 +271,17 @@ def all_sources() -> list[tuple[str, str, tuple[str, ...]]]:
          read_source(v.source), v.options())
         for v in decode_variants()
     ]
+    out += [
+        (f"{v.kernel}[{v.dtype},{v.head_dim},{v.block_size}]", read_source(v.source), v.options())
+        for v in prefill_variants()
+    ]
     out.append(("append_kv", read_source("append_kv.cu"), COMMON_OPTIONS))
     out.append(("copy_blocks", read_source("copy_blocks.cu"), COMMON_OPTIONS))
     return out
 
 
 @functools.cache
-def decode_module(variant: DecodeVariant | TcVariant) -> Any:
+def decode_module(variant: DecodeVariant | TcVariant | PrefillVariant) -> Any:
     import cupy
 
     return cupy.RawModule(code=read_source(variant.source), options=variant.options())
