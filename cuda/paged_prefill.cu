@@ -57,8 +57,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
     float* __restrict__ part_o, float* __restrict__ part_lse,
     const char* __restrict__ k_base, const char* __restrict__ v_base,
     i64 block_stride, i64 token_stride, i64 head_stride, int num_blocks,
-    const int* __restrict__ block_tables, i64 bt_stride, const int* __restrict__ seq_lens,
-    const int* __restrict__ qo_indptr, const int2* __restrict__ work, int total_q,
+    const int* __restrict__ block_tables, i64 bt_stride, int bt_width,
+    const int* __restrict__ seq_lens, const int* __restrict__ qo_indptr, const int2* __restrict__ work, int total_q,
     int num_q_heads, int group, int gh, int q_tile_tokens, int causal, float scale_log2) {
     const int2 item = work[blockIdx.x];
     const int seq = item.x;
@@ -73,7 +73,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
     const int qo_len = qo_indptr[seq + 1] - qo_begin;
     const int len = seq_lens[seq];
     const int prefix = max(len - qo_len, 0);
-    const int q_tokens = min(q_tile_tokens, qo_len - qt0);  // valid query tokens in this tile
+    // Valid query tokens in this tile (never past q's total_q rows, whatever qo_indptr holds).
+    const int q_tokens = min(min(q_tile_tokens, qo_len - qt0), total_q - qo_begin - qt0);
 
     // Keys this CTA's rows can see: [0, kv_total), then this split's share, in whole BN tiles.
     const int kv_total = causal ? min(len, prefix + qt0 + q_tokens) : len;
@@ -124,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
             for (int i = 0; i < BN / RPI; ++i) {
                 const int row = i * RPI + tid / CH;
                 const int t = t0 + row;
-                bool ok = t < kv_end;
+                bool ok = t < kv_end && t / BLOCK_SIZE < bt_width;  // never past the table row
                 i64 off = 0;
                 if (ok) {
                     const int b = __ldg(bt + t / BLOCK_SIZE);

@@ -224,6 +224,7 @@ class _PrefillArgs(ctypes.Structure):
         ("block_stride", ctypes.c_int64), ("token_stride", ctypes.c_int64),
         ("head_stride", ctypes.c_int64), ("num_blocks", ctypes.c_int32),
         ("block_tables", ctypes.c_uint64), ("bt_stride", ctypes.c_int64),
+        ("bt_width", ctypes.c_int32),
         ("seq_lens", ctypes.c_uint64), ("qo_indptr", ctypes.c_uint64), ("work", ctypes.c_uint64),
         ("total_q", ctypes.c_int32), ("num_q_heads", ctypes.c_int32), ("group", ctypes.c_int32),
         ("gh", ctypes.c_int32), ("q_tile_tokens", ctypes.c_int32), ("causal", ctypes.c_int32),
@@ -287,7 +288,7 @@ class _Prepared:
         self.args = _PrefillArgs(
             0, qa.strides[0], qa.strides[1], 0, oa.strides[0], oa.strides[1], 0, 0,
             k_base, k_base + st["kv"], st["block"], st["token"], st["head"], info.num_blocks,
-            0, bt.strides[0], 0, 0, 0, self.total_q, hq, group, gh, 0, 0,
+            0, bt.strides[0], bt.shape[1], 0, 0, 0, self.total_q, hq, group, gh, 0, 0,
             (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E)
         self.params = _param_block(self.args)
         self.margs = _MergeArgs(0, 0, 0, oa.strides[0], oa.strides[1], self.total_q, hq, 0)
@@ -345,8 +346,8 @@ def _prefill_cuda(q, pool, info, layer, qo_indptr, block_tables, seq_lens, causa
         with cupy.cuda.Device(info.device_id):
             out = cupy.empty(tuple(qv[1]), dtype=cupy.float16 if qv[3][1] == "f" else cupy.uint16)
     ov = _view(out, "out")
-    key = (info.serial, layer, qv[1], qv[2], qv[3], ipv[1], ipv[3], btv[1], btv[2], btv[3],
-           slv[1], slv[3], ov[1], ov[2], ov[3], scale)
+    key = (info.serial, layer, qv[1], qv[2], qv[3], ipv[1], ipv[2], ipv[3], btv[1], btv[2],
+           btv[3], slv[1], slv[2], slv[3], ov[1], ov[2], ov[3], scale)
     prep = _PREPARED.get(key)
     if prep is None:
         prep = _Prepared(info, layer, qv, ipv, btv, slv, ov, scale)
