@@ -58,8 +58,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
     const char* __restrict__ k_base, const char* __restrict__ v_base,
     i64 block_stride, i64 token_stride, i64 head_stride, int num_blocks,
     const int* __restrict__ block_tables, i64 bt_stride, int bt_width,
-    const int* __restrict__ seq_lens, const int* __restrict__ qo_indptr, const int2* __restrict__ work, int total_q,
-    int num_q_heads, int group, int gh, int q_tile_tokens, int causal, float scale_log2) {
+    const int* __restrict__ seq_lens, const int* __restrict__ qo_indptr,
+    const int2* __restrict__ work, int total_q, int num_q_heads, int group, int gh,
+    int q_tile_tokens, int causal, float scale_log2) {
     const int2 item = work[blockIdx.x];
     const int seq = item.x;
     const int qt0 = item.y;  // first query token of the tile, relative to the sequence
