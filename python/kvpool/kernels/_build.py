@@ -222,7 +222,7 @@ class PrefillVariant:
 
     @property
     def kv_tile(self) -> int:
-        return PREFILL_BN[self.head_dim]
+        return PREFILL_BN.get(self.head_dim, 64)  # the wrapper refuses other head dims
 
     @property
     def threads(self) -> int:

@@ -133,8 +133,8 @@ def _cached_plan(key, pool, indptr, lens, num_q_heads, causal, num_splits) -> Pr
         layout = pool.layout
         info = _pool_info(pool)
         group = num_q_heads // layout.num_kv_heads
-        bn = _build.PREFILL_BN.get(layout.head_dim, 64)
         variant = _build.PrefillVariant(layout.dtype, layout.head_dim, layout.block_size)
+        bn = variant.kv_tile
         num_sms = _num_sms(info.device_id) if info.cuda else 1
         ctas_per_sm = max(1, (227 * 1024) // (variant.dynamic_smem_bytes + 1024))
         plan = plan_prefill(indptr, lens, num_q_heads, layout.num_kv_heads,
