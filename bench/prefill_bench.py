@@ -106,6 +106,7 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
     row = {"shape": label, "dtype": dtype, "num_seqs": num_seqs, "new_tokens": qo,
            "cached_prefix": prefix, "num_q_heads": HQ, "num_kv_heads": HKV, "head_dim": D,
            "block_size": BS, "causal_flops": flops, "num_items": plan.num_items,
+           "rows_per_cta": plan.rows_per_cta,
            "num_splits": plan.num_splits}
     reps = 4 if quick else 10
 

@@ -191,6 +191,26 @@ def test_prefill_mixed_batch_matches_reference(dtype, d, hq, hkv):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (32, 1)])
+def test_prefill_narrow_and_wide_tiles_agree(dtype, d, hq, hkv):
+    """The same mixed batch through 16-row CTAs and 64-row CTAs (the plan picks one by
+    padding; both are forced here)."""
+    bs = 16
+    rng = np.random.default_rng([d, hq, hkv, len(dtype), 3])
+    qo = np.array([1, 40, 3, 17, 8], dtype=np.int32)
+    lens = np.array([1, 300, 90, 17, 600], dtype=np.int32)
+    pool = _new_pool(rng, hkv, d, bs, dtype, sum(-(-int(n) // bs) for n in lens) + 8, 1)
+    tables = _tables(rng, lens, bs, pool.num_blocks)
+    q = _elems_dev(rng, (int(qo.sum()), hq, d), dtype)
+    for rows in (16, 64):
+        plan = prefill_plan(pool, _indptr(qo), lens, hq, rows_per_cta=rows)
+        assert plan.rows_per_cta == rows
+        _run_and_check(pool, 0, q, qo, tables, lens,
+                       f"rows{rows}[{dtype},d{d},hq{hq},hkv{hkv}]", plan=plan)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bs", [1, 8, 32, 256])
 def test_prefill_not_causal_and_block_sizes(dtype, bs):
     rng = np.random.default_rng([bs, len(dtype), 2])
@@ -264,6 +284,7 @@ def test_speculative_verification_on_long_contexts(dtype):
     q = _elems_dev(rng, (int(qo.sum()), hq, d), dtype)
     plan = prefill_plan(pool, _indptr(qo), lens, hq)
     assert plan.split, "few query tiles over long contexts should split the keys"
+    assert plan.rows_per_cta == 16, "<= 8 draft tokens x GQA-4: 64-row tiles would be padding"
     _run_and_check(pool, 0, q, qo, tables, lens, f"spec[{dtype},auto{plan.num_splits}]",
                    plan=plan)
     for splits in (1, 3, 64):

@@ -8,7 +8,7 @@ import pytest
 import kvpool
 from kvpool import reference
 from kvpool.kernels import PrefillPlan, paged_attention_decode, paged_attention_prefill
-from kvpool.kernels._prefill_plan import plan_prefill
+from kvpool.kernels._prefill_plan import choose_rows, head_tile, plan_prefill
 
 DTYPES = ["float16", "bfloat16"]
 
@@ -193,3 +193,14 @@ def test_plan_splits_few_long_tiles_and_not_many():
     assert short.num_splits == 1  # two KV tiles: nothing worth splitting
     forced = plan_prefill(_indptr([1]), np.array([100]), 32, 8, 4, 64, 64, 132, 2, num_splits=5)
     assert forced.num_splits == 2  # never more splits than KV tiles
+
+
+def test_narrow_tiles_for_few_queries_per_sequence():
+    # GQA-4: 64-row tiles hold 16 tokens, 16-row tiles 4.
+    assert choose_rows(_indptr([4] * 64), 4, 64, 16) == 16  # speculative: 25% of 64 rows used
+    assert choose_rows(_indptr([1] * 8), 1, 64, 16) == 16  # MHA decode
+    assert choose_rows(_indptr([8] * 64), 4, 64, 16) == 16  # 32 of 64 rows: half padding
+    assert choose_rows(_indptr([12] * 64), 4, 64, 16) == 64
+    assert choose_rows(_indptr([4096, 1, 1]), 4, 64, 16) == 64  # a prompt beside decodes
+    assert choose_rows(_indptr([]), 4, 64, 16) == 64
+    assert head_tile(32, 16) == 16 and head_tile(12, 16) == 12 and head_tile(6, 4) == 3

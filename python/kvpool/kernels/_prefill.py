@@ -36,7 +36,13 @@ from kvpool.kernels._decode import (
     _pool_info,
     _PoolInfo,
 )
-from kvpool.kernels._prefill_plan import PrefillPlan, host_lengths, plan_prefill
+from kvpool.kernels._prefill_plan import (
+    PrefillPlan,
+    choose_rows,
+    head_tile,
+    host_lengths,
+    plan_prefill,
+)
 
 
 def paged_attention_prefill(
@@ -108,38 +114,48 @@ def prefill_plan(
     *,
     causal: bool = True,
     num_splits: int | None = None,
+    rows_per_cta: int | None = None,
 ) -> PrefillPlan:
     """A launch plan for paged_attention_prefill from HOST copies (NumPy) of qo_indptr and
-    seq_lens: which query tiles exist, in which order, and the KV split count for this pool's
-    device. Make it once per batch shape and pass it to every layer's call."""
+    seq_lens: which query tiles exist, in which order, the CTA shape (64 query rows, or 16 when
+    most of 64 would be padding) and the KV split count for this pool's device. Make it once per
+    batch shape and pass it to every layer's call. num_splits and rows_per_cta (64 or 16)
+    force a choice, for tests and benchmarks."""
     layout = pool.layout
     num_q_heads = index_arg(num_q_heads, "num_q_heads")
     if num_q_heads <= 0 or num_q_heads % layout.num_kv_heads:
         raise InvalidArgumentError(
             f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {layout.num_kv_heads}")
     indptr, lens = host_lengths(qo_indptr, seq_lens)
+    if rows_per_cta is not None and rows_per_cta not in (16 * _build.PREFILL_WIDE_WARPS,
+                                                         16 * _build.PREFILL_NARROW_WARPS):
+        raise InvalidArgumentError(f"rows_per_cta must be None, 64 or 16, got {rows_per_cta!r}")
     key = (indptr.tobytes(), lens.tobytes(), id(pool), num_q_heads, bool(causal),
-           None if num_splits is None else index_arg(num_splits, "num_splits"))
-    return _cached_plan(key, pool, indptr, lens, num_q_heads, bool(causal), num_splits)
+           None if num_splits is None else index_arg(num_splits, "num_splits"), rows_per_cta)
+    return _cached_plan(key, pool, indptr, lens, num_q_heads, bool(causal), num_splits,
+                        rows_per_cta)
 
 
 _PLANS: collections.OrderedDict[tuple, PrefillPlan] = collections.OrderedDict()
 _MAX_PLANS = 256
 
 
-def _cached_plan(key, pool, indptr, lens, num_q_heads, causal, num_splits) -> PrefillPlan:
+def _cached_plan(key, pool, indptr, lens, num_q_heads, causal, num_splits,
+                 rows_per_cta) -> PrefillPlan:
     plan = _PLANS.get(key)
     if plan is None:
         layout = pool.layout
         info = _pool_info(pool)
         group = num_q_heads // layout.num_kv_heads
-        variant = _build.PrefillVariant(layout.dtype, layout.head_dim, layout.block_size)
-        bn = variant.kv_tile
+        wide = _build.PrefillVariant(layout.dtype, layout.head_dim, layout.block_size)
+        narrow = _build.PrefillVariant(layout.dtype, layout.head_dim, layout.block_size,
+                                       _build.PREFILL_NARROW_WARPS)
+        rows = rows_per_cta or choose_rows(indptr, group, wide.rows, narrow.rows)
+        variant = wide if rows == wide.rows else narrow
         num_sms = _num_sms(info.device_id) if info.cuda else 1
-        ctas_per_sm = max(1, (227 * 1024) // (variant.dynamic_smem_bytes + 1024))
         plan = plan_prefill(indptr, lens, num_q_heads, layout.num_kv_heads,
-                            _build.prefill_head_tile(group), _build.PREFILL_ROWS, bn, num_sms,
-                            min(ctas_per_sm, 2), causal=causal, num_splits=num_splits)
+                            head_tile(group, rows), rows, variant.kv_tile, num_sms,
+                            variant.ctas_per_sm, causal=causal, num_splits=num_splits)
         _PLANS[key] = plan
         while len(_PLANS) > _MAX_PLANS:
             _PLANS.popitem(last=False)
@@ -266,34 +282,44 @@ class _Prepared:
         st = info.strides
         if st["elem"] != 2 or st["head"] != 2 * d or st["token"] % 16 or st["block"] % 16:
             raise InvalidArgumentError(f"layout strides {st} do not fit the prefill kernel")
-        gh = _build.prefill_head_tile(group)
-        if info.num_kv_heads * (group // gh) > 65535:
+        if info.num_kv_heads * group > 65535:
             raise InvalidArgumentError("too many query heads for one launch (> 65535 head tiles)")
-        self.num_seqs, self.hq, self.d, self.group, self.gh = num_seqs, hq, d, group, gh
+        self.num_seqs, self.hq, self.d, self.group = num_seqs, hq, d, group
         self.total_q = qa.shape[0]
         self.device_id = info.device_id
-        variant = self.variant = _build.PrefillVariant(info.dtype, d, info.block_size)
-        self.smem = variant.dynamic_smem_bytes
-        self.threads = variant.threads
-        with cupy.cuda.Device(info.device_id):
-            mod = _build.decode_module(variant)
-            kernel = mod.get_function(variant.kernel)
-            if self.smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < self.smem:
-                kernel.max_dynamic_shared_size_bytes = self.smem
-            merge = mod.get_function("merge_prefill_splits")
-            fn, merge_fn = kernel.kernel, merge.kernel
-        self._keep = (mod, kernel, merge, fn, merge_fn)
-        self.fn, self.merge_fn = fn.ptr, merge_fn.ptr
+        self.info = info
+        self._functions: dict[int, tuple] = {}
         k_base = info.base_ptr + layer * st["layer"]
         self.args = _PrefillArgs(
             0, qa.strides[0], qa.strides[1], 0, oa.strides[0], oa.strides[1], 0, 0,
             k_base, k_base + st["kv"], st["block"], st["token"], st["head"], info.num_blocks,
-            0, bt.strides[0], bt.shape[1], 0, 0, 0, self.total_q, hq, group, gh, 0, 0,
+            0, bt.strides[0], bt.shape[1], 0, 0, 0, self.total_q, hq, group, 0, 0, 0,
             (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E)
         self.params = _param_block(self.args)
         self.margs = _MergeArgs(0, 0, 0, oa.strides[0], oa.strides[1], self.total_q, hq, 0)
         self.mparams = _param_block(self.margs)
         self.lock = threading.Lock()
+
+    def functions(self, warps: int) -> tuple:
+        """(variant, prefill CUfunction, merge CUfunction) of the wide or narrow module."""
+        found = self._functions.get(warps)
+        if found is None:
+            import cupy
+
+            info = self.info
+            variant = _build.PrefillVariant(info.dtype, self.d, info.block_size, warps)
+            smem = variant.dynamic_smem_bytes
+            with cupy.cuda.Device(info.device_id):
+                mod = _build.decode_module(variant)
+                kernel = mod.get_function(variant.kernel)
+                if smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < smem:
+                    kernel.max_dynamic_shared_size_bytes = smem
+                merge = mod.get_function("merge_prefill_splits")
+                # RawKernel.kernel: the cupy.cuda.Function of the current device (its CUfunction).
+                fn, merge_fn = kernel.kernel, merge.kernel
+            found = self._functions[warps] = (variant, fn.ptr, merge_fn.ptr,
+                                              (mod, kernel, merge, fn, merge_fn))
+        return found
 
 
 _PREPARED: dict[tuple, _Prepared] = {}
@@ -386,31 +412,43 @@ def _prefill_cuda(q, pool, info, layer, qo_indptr, block_tables, seq_lens, causa
         part_lse = part_o + 4 * plan.num_splits * plan.total_q * prep.hq * prep.d
     work = _device_work(plan, dev, sp)
     wait_producers(sp, dev, qv, ipv, btv, slv, ov)
-    heads = info.num_kv_heads * (prep.group // prep.gh)
+    variant, fn, merge_fn, _ = prep.functions(plan.rows_per_cta // 16)
+    heads = info.num_kv_heads * (prep.group // plan.head_tile)
     with prep.lock:
         a = prep.args
         a.q, a.out, a.part_o, a.part_lse = qv[0], ov[0], part_o, part_lse
         a.block_tables, a.seq_lens, a.qo_indptr, a.work = btv[0], slv[0], ipv[0], work
-        a.q_tile_tokens, a.causal = plan.q_tile_tokens, int(causal)
-        _launch(prep, plan.num_items, heads, plan.num_splits, prep.threads, prep.smem, sp,
-                prep.fn, prep.params)
+        a.gh, a.q_tile_tokens, a.causal = plan.head_tile, plan.q_tile_tokens, int(causal)
+        _launch(prep, plan.num_items, heads, plan.num_splits, variant.threads,
+                variant.dynamic_smem_bytes, sp, fn, prep.params)
         if plan.split:
             m = prep.margs
             m.part_o, m.part_lse, m.out, m.num_splits = part_o, part_lse, ov[0], plan.num_splits
-            _launch(prep, plan.total_q, prep.hq, 1, prep.d, 0, sp, prep.merge_fn, prep.mparams)
+            _launch(prep, plan.total_q, prep.hq, 1, prep.d, 0, sp, merge_fn, prep.mparams)
     return out
 
 
 def _check_plan(plan: PrefillPlan, prep: _Prepared, info: _PoolInfo, causal: bool,
                 table_width: int) -> None:
-    want = (prep.num_seqs, prep.total_q, prep.hq, info.num_kv_heads, prep.gh, causal,
-            _build.PREFILL_BN[prep.d])
-    got = (plan.num_seqs, plan.total_q, plan.num_q_heads, plan.num_kv_heads, plan.head_tile,
-           plan.causal, plan.kv_tile)
+    want = (prep.num_seqs, prep.total_q, prep.hq, info.num_kv_heads, causal)
+    got = (plan.num_seqs, plan.total_q, plan.num_q_heads, plan.num_kv_heads, plan.causal)
     if want != got:
         raise InvalidArgumentError(
-            "the plan was made for another batch or pool (num_seqs, total_q, num_q_heads, "
-            f"num_kv_heads, head_tile, causal, kv_tile): {got}, this call: {want}")
+            "the plan was made for another batch (num_seqs, total_q, num_q_heads, num_kv_heads, "
+            f"causal): {got}, this call: {want}")
+    warps = plan.rows_per_cta // 16
+    tile_ok = (
+        warps in (_build.PREFILL_WIDE_WARPS, _build.PREFILL_NARROW_WARPS)
+        and plan.rows_per_cta % 16 == 0
+        and prep.group % plan.head_tile == 0
+        and plan.q_tile_tokens == plan.rows_per_cta // plan.head_tile
+        and plan.kv_tile == _build.PrefillVariant(info.dtype, prep.d, info.block_size,
+                                                  warps).kv_tile
+    )
+    if not tile_ok:
+        raise InvalidArgumentError(
+            f"the plan's tiles (rows {plan.rows_per_cta}, head tile {plan.head_tile}, kv tile "
+            f"{plan.kv_tile}) do not fit this pool's prefill kernel")
     if plan.max_seq_len > table_width * info.block_size:
         raise InvalidArgumentError(
             f"a seq_len of the plan ({plan.max_seq_len}) exceeds the block tables' {table_width} "

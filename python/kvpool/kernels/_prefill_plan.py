@@ -40,6 +40,7 @@ class PrefillPlan:
     num_kv_heads: int
     head_tile: int
     q_tile_tokens: int
+    rows_per_cta: int
     kv_tile: int
     causal: bool
     _device_work: dict[int, Any] = field(default_factory=dict, repr=False)
@@ -75,6 +76,29 @@ def host_lengths(qo_indptr: Any, seq_lens: Any) -> tuple[np.ndarray, np.ndarray]
             f"sequence {i} has {int(qo_lens[i])} query tokens but seq_len {int(lens[i])}: the "
             "queries must already be in the cache (append_kv first)")
     return indptr, lens
+
+
+def head_tile(group: int, rows: int) -> int:
+    """Query heads of one GQA group per CTA of `rows` rows: the whole group when it fits, else
+    its largest divisor that does."""
+    return max(d for d in range(1, min(group, rows) + 1) if group % d == 0)
+
+
+def padded_rows(qo_lens: np.ndarray, group: int, rows: int) -> int:
+    """Rows (valid and padding) that tiles of `rows` rows spend on these query lengths."""
+    gh = head_tile(group, rows)
+    tiles = -(-np.asarray(qo_lens, dtype=np.int64) // (rows // gh))
+    return int(tiles.sum()) * (group // gh) * rows
+
+
+def choose_rows(qo_indptr: Any, group: int, wide: int, narrow: int) -> int:
+    """`narrow` rows per CTA when wide tiles would spend at least twice the rows (mostly
+    padding: a few query tokens per sequence, as in decode or speculative verification)."""
+    qo_lens = np.diff(np.asarray(qo_indptr, dtype=np.int64))
+    spent_wide = padded_rows(qo_lens, group, wide)
+    if spent_wide and 2 * padded_rows(qo_lens, group, narrow) <= spent_wide:
+        return narrow
+    return wide
 
 
 def plan_prefill(
@@ -117,4 +141,4 @@ def plan_prefill(
         work=np.ascontiguousarray(work), num_splits=num_splits, num_seqs=len(lens),
         total_q=int(indptr[-1]), max_seq_len=int(lens.max()) if len(lens) else 0,
         num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_tile=head_tile,
-        q_tile_tokens=q_tile, kv_tile=kv_tile, causal=bool(causal))
+        q_tile_tokens=q_tile, rows_per_cta=rows_per_cta, kv_tile=kv_tile, causal=bool(causal))
