@@ -218,12 +218,14 @@ def main():
         Kc = h16(rng.standard_normal((nb, BS, hkv, D)))
         Vc = h16(rng.standard_normal((nb, BS, hkv, D)))
         q = h16(rng.standard_normal((indptr[-1], hq, D)))
-        bn = 32 if D == 256 else 64
-        got = launch(D, BS, q, Kc, Vc, indptr, tables, lens, hq // hkv, causal, splits, BN=bn)
         want = reference(q, Kc, Vc, indptr, tables, lens, BS, causal)
-        err = np.linalg.norm(got - want) / np.linalg.norm(want)
-        print(D, BS, hq, hkv, qo, list(lens), causal, splits, "rel err", f"{err:.2e}",
-              "OK" if err < 1e-3 else "FAIL")
+        # wide CTAs (4 warps, 64 rows) and narrow ones (1 warp, 16 rows), as in _build.py
+        for rows, bn in ((64, 32 if D == 256 else 64), (16, 16 if D == 256 else 32)):
+            got = launch(D, BS, q, Kc, Vc, indptr, tables, lens, hq // hkv, causal, splits,
+                         rows=rows, BN=bn)
+            err = np.linalg.norm(got - want) / np.linalg.norm(want)
+            print(D, BS, hq, hkv, qo, [int(n) for n in lens], causal, splits, f"rows {rows}",
+                  "rel err", f"{err:.2e}", "OK" if err < 1e-3 else "FAIL")
 
 
 if __name__ == "__main__":
