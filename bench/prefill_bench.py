@@ -195,7 +195,6 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
                 row[f"{name}_us"] = None
                 row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
     expanded.clear()
-    del k, v
     fa2 = row.get("flashinfer_fa2_us")
     row["speedup_vs_fa2"] = round(fa2 / row["kvpool_us"], 3) if fa2 and row["kvpool_us"] else None
     peers = [row.get(f"{p}_us") for p in ("flashinfer_fa2", "flashinfer_fa3", "sdpa_flash",

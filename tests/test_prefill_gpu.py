@@ -1,10 +1,11 @@
 """Paged prefill attention on a GPU against the float64 reference (marker `gpu`).
 
 Fresh random inputs per case, shuffled block tables with unused (-1) columns, outputs poisoned
-with NaN before each run and checked fully written. The check is per (sequence, query head):
-the relative error of that head's rows, with a bound per dtype (a mutation case shows that a
-one-key causal-mask slip fails it). Long contexts check a sample of query rows (first, last,
-around tile and block edges, random). Set KVPOOL_ERROR_REPORT=path to dump the errors.
+with NaN before each run and checked fully written. Every (query token, head) row is checked by
+tests/attention_check.py (relative L2 error under the dtype's bound); a mutation case shows
+that a one-key causal-mask slip or a wrong block fails it. Long contexts check a sample of
+query rows (first, last, around tile and block edges, random). Set KVPOOL_ERROR_REPORT=path to
+dump the errors.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 
 import numpy as np
 import pytest
+from attention_check import assert_attention_close, table_with_wrong_block
 
 import kvpool
 from kvpool import reference
@@ -37,9 +39,6 @@ if not HAVE_GPU:
 
 DTYPES = ["float16", "bfloat16"]
 NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
-# Relative error bound of one (sequence, head)'s rows: fp16 keeps P and the output to 11 bits,
-# bf16 to 8 bits.
-BOUND = {"float16": 5e-3, "bfloat16": 1.5e-2}
 ERRORS: dict[str, float] = {}
 
 
@@ -140,15 +139,11 @@ def _expected(pool, layer, q_host, indptr, tables, lens, causal, scale, sample, 
     return res
 
 
-def _errors(got64, indptr, expected):
-    """Largest per-(sequence, head) relative error."""
-    worst = 0.0
-    for i, (rows, want) in expected.items():
-        g = got64[int(indptr[i]) + rows]  # [R, Hq, D]
-        num = np.linalg.norm((g - want).transpose(1, 0, 2).reshape(want.shape[1], -1), axis=1)
-        den = np.linalg.norm(want.transpose(1, 0, 2).reshape(want.shape[1], -1), axis=1)
-        worst = max(worst, float((num / np.maximum(den, 1e-30)).max()))
-    return worst
+def _rows(got, indptr, expected):
+    """The kernel's rows and the expected ones, stacked in the same order."""
+    got_rows = np.concatenate([got[int(indptr[i]) + rows] for i, (rows, _) in expected.items()])
+    want_rows = np.concatenate([want for _, want in expected.values()])
+    return got_rows, want_rows
 
 
 def _run_and_check(pool, layer, q, qo_lens, tables, lens, label, *, causal=True, scale=None,
@@ -164,9 +159,7 @@ def _run_and_check(pool, layer, q, qo_lens, tables, lens, label, *, causal=True,
     assert not np.isnan(got).any(), f"{label}: unwritten or NaN outputs"
     sample = [_sample_rows(int(n), rng=rng) for n in qo_lens]
     want = _expected(pool, layer, cp.asnumpy(q), indptr, tables, lens, causal, scale, sample)
-    err = _errors(got, indptr, want)
-    ERRORS[label] = err
-    assert err < BOUND[lay.dtype], f"{label}: relative error {err}"
+    ERRORS[label] = assert_attention_close(*_rows(got, indptr, want), lay.dtype, label)
     return got
 
 
@@ -311,8 +304,9 @@ def test_one_query_agrees_with_decode(dtype, hq, hkv):
     assert diff < (2e-3 if dtype == "float16" else 1.6e-2)
 
 
-def test_the_check_fails_on_a_one_key_mask_slip():
-    """The per-(sequence, head) check flags an expectation whose causal limit is one key off."""
+def test_the_check_fails_on_a_one_key_mask_slip_or_a_wrong_block():
+    """The per-row check flags an expectation whose causal limit is one key off, and one made
+    through a table with one block swapped."""
     rng = np.random.default_rng(70)
     d, bs, hq, hkv, dtype = 128, 16, 8, 2, "float16"
     qo = np.array([40, 300], dtype=np.int32)
@@ -323,11 +317,15 @@ def test_the_check_fails_on_a_one_key_mask_slip():
     got = _run_and_check(pool, 0, q, qo, tables, lens, "mutation_base")
     indptr = _indptr(qo)
     sample = [_sample_rows(int(n)) for n in qo]
-    for shift in (1, -1):
-        wrong = _expected(pool, 0, cp.asnumpy(q), indptr, tables, lens, True, None, sample, shift)
-        if shift == -1:  # a row that would see no key at all keeps its true expectation
-            wrong = {i: (r, np.nan_to_num(w)) for i, (r, w) in wrong.items()}
-        assert _errors(got, indptr, wrong) > BOUND[dtype], f"a shift of {shift} key passed"
+    q_host = cp.asnumpy(q)
+    wrongs = [_expected(pool, 0, q_host, indptr, tables, lens, True, None, sample, shift)
+              for shift in (1, -1)]
+    wrong_table = table_with_wrong_block(tables, lens, bs, pool.num_blocks, 1, 20)
+    wrongs.append(_expected(pool, 0, q_host, indptr, wrong_table, lens, True, None, sample))
+    for wrong in wrongs:
+        wrong = {i: (r, np.nan_to_num(w)) for i, (r, w) in wrong.items()}  # rows seeing no key
+        with pytest.raises(AssertionError, match="exceed"):
+            assert_attention_close(*_rows(got, indptr, wrong), dtype, "mutated")
 
 
 def test_prefill_takes_synced_tables_and_torch_and_graph_capture():
@@ -353,9 +351,8 @@ def test_prefill_takes_synced_tables_and_torch_and_graph_capture():
     got = _host(out, dtype)
     want = _expected(pool, 0, cp.asnumpy(q), _indptr(qo), host_bt, host_sl, True, None,
                      [np.arange(n) for n in qo])
-    err = _errors(got, _indptr(qo), want)
-    ERRORS["synced_tables"] = err
-    assert err < BOUND[dtype]
+    ERRORS["synced_tables"] = assert_attention_close(*_rows(got, _indptr(qo), want), dtype,
+                                                     "synced_tables")
 
     # CUDA graph: capture a planned call with a caller workspace, poison, replay.
     s = cp.cuda.Stream(non_blocking=True)
@@ -374,7 +371,7 @@ def test_prefill_takes_synced_tables_and_torch_and_graph_capture():
     cp.cuda.runtime.deviceSynchronize()
     graph.launch(s)
     s.synchronize()
-    assert _errors(_host(out, dtype), _indptr(qo), want) < BOUND[dtype]
+    assert_attention_close(*_rows(_host(out, dtype), _indptr(qo), want), dtype, "graph replay")
 
     torch = pytest.importorskip("torch")
     ts = torch.cuda.Stream()
@@ -384,7 +381,7 @@ def test_prefill_takes_synced_tables_and_torch_and_graph_capture():
                                       torch.as_tensor(bt_dev, device="cuda"),
                                       torch.as_tensor(sl_dev, device="cuda"), stream=ts)
     ts.synchronize()
-    assert _errors(_host(res, dtype), _indptr(qo), want) < BOUND[dtype]
+    assert_attention_close(*_rows(_host(res, dtype), _indptr(qo), want), dtype, "torch")
 
 
 def test_prefill_rejects_bad_arguments_before_any_launch():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import functools
 import math
 import threading
 from typing import Any
@@ -19,10 +18,7 @@ from kvpool.kernels._args import (
     check_int_array,
     check_ptr,
     elem_ok,
-    external_stream,
     index_arg,
-    stream_ptr,
-    wait_producers,
 )
 from kvpool.kernels._args import dev as _dev
 from kvpool.kernels._args import view as _view
@@ -30,11 +26,17 @@ from kvpool.kernels._decode import (
     LOG2E,
     _cached_workspace,
     _check_tables_pool,
-    _launch,
     _num_sms,
-    _param_block,
     _pool_info,
     _PoolInfo,
+)
+from kvpool.kernels._launch import (
+    Kernel,
+    cupy_stream,
+    launch,
+    param_block,
+    stream_handle,
+    wait_producers,
 )
 from kvpool.kernels._prefill_plan import (
     PrefillPlan,
@@ -262,8 +264,6 @@ class _Prepared:
     layer, shapes, strides, dtypes and scale."""
 
     def __init__(self, info: _PoolInfo, layer: int, qv, ipv, btv, slv, ov, scale) -> None:
-        import cupy
-
         d = info.head_dim
         qa, ip, bt, sl, oa = (_dev(qv, "q"), _dev(ipv, "qo_indptr"), _dev(btv, "block_tables"),
                               _dev(slv, "seq_lens"), _dev(ov, "out"))
@@ -288,37 +288,30 @@ class _Prepared:
         self.total_q = qa.shape[0]
         self.device_id = info.device_id
         self.info = info
-        self._functions: dict[int, tuple] = {}
+        self._kernels: dict[int, tuple] = {}
         k_base = info.base_ptr + layer * st["layer"]
         self.args = _PrefillArgs(
             0, qa.strides[0], qa.strides[1], 0, oa.strides[0], oa.strides[1], 0, 0,
             k_base, k_base + st["kv"], st["block"], st["token"], st["head"], info.num_blocks,
             0, bt.strides[0], bt.shape[1], 0, 0, 0, self.total_q, hq, group, 0, 0, 0,
             (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E)
-        self.params = _param_block(self.args)
+        self.params = param_block(self.args)
         self.margs = _MergeArgs(0, 0, 0, oa.strides[0], oa.strides[1], self.total_q, hq, 0)
-        self.mparams = _param_block(self.margs)
+        self.mparams = param_block(self.margs)
         self.lock = threading.Lock()
 
-    def functions(self, warps: int) -> tuple:
-        """(variant, prefill CUfunction, merge CUfunction) of the wide or narrow module."""
-        found = self._functions.get(warps)
+    def kernels(self, warps: int) -> tuple:
+        """(variant, prefill Kernel, merge Kernel) of the wide or narrow module."""
+        found = self._kernels.get(warps)
         if found is None:
-            import cupy
-
             info = self.info
             variant = _build.PrefillVariant(info.dtype, self.d, info.block_size, warps)
-            smem = variant.dynamic_smem_bytes
-            with cupy.cuda.Device(info.device_id):
-                mod = _build.decode_module(variant)
-                kernel = mod.get_function(variant.kernel)
-                if smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < smem:
-                    kernel.max_dynamic_shared_size_bytes = smem
-                merge = mod.get_function("merge_prefill_splits")
-                # RawKernel.kernel: the cupy.cuda.Function of the current device (its CUfunction).
-                fn, merge_fn = kernel.kernel, merge.kernel
-            found = self._functions[warps] = (variant, fn.ptr, merge_fn.ptr,
-                                              (mod, kernel, merge, fn, merge_fn))
+            mod = _build.decode_module(variant)
+            found = self._kernels[warps] = (
+                variant,
+                Kernel(mod, variant.kernel, info.device_id, variant.dynamic_smem_bytes),
+                Kernel(mod, "merge_prefill_splits", info.device_id),
+            )
         return found
 
 
@@ -340,7 +333,7 @@ def _host_plan(prep, ipv, slv, sp, qo_indptr, seq_lens, causal, num_splits, pool
     import cupy
 
     wait_producers(sp, prep.device_id, ipv, slv)
-    with cupy.cuda.Device(prep.device_id), external_stream(sp):
+    with cupy.cuda.Device(prep.device_id), cupy_stream(sp):
         indptr = cupy.asnumpy(cupy.asarray(qo_indptr))
         lens = cupy.asnumpy(cupy.asarray(seq_lens))
     return prefill_plan(pool, indptr, lens, prep.hq, causal=causal, num_splits=num_splits)
@@ -351,7 +344,7 @@ def _device_work(plan: PrefillPlan, device_id: int, sp: int) -> int:
     if work is None:
         import cupy
 
-        with cupy.cuda.Device(device_id), external_stream(sp):
+        with cupy.cuda.Device(device_id), cupy_stream(sp):
             work = cupy.asarray(plan.work.reshape(-1) if plan.num_items else
                                 np.zeros(2, np.int32))
         plan._device_work[device_id] = work
@@ -368,12 +361,12 @@ def _prefill_cuda(q, pool, info, layer, qo_indptr, block_tables, seq_lens, causa
     if out is None:
         import cupy
 
-        _check_shapes(qv[1], ipv[1], btv[1], slv[1], info.layout)
+        _check_shapes(qv.shape, ipv.shape, btv.shape, slv.shape, info.layout)
         with cupy.cuda.Device(info.device_id):
-            out = cupy.empty(tuple(qv[1]), dtype=cupy.float16 if qv[3][1] == "f" else cupy.uint16)
+            out = cupy.empty(tuple(qv.shape), dtype=cupy.float16 if qv.is_float else cupy.uint16)
     ov = _view(out, "out")
-    key = (info.serial, layer, qv[1], qv[2], qv[3], ipv[1], ipv[2], ipv[3], btv[1], btv[2],
-           btv[3], slv[1], slv[2], slv[3], ov[1], ov[2], ov[3], scale)
+    key = (info.serial, layer, qv.layout_key, ipv.layout_key, btv.layout_key, slv.layout_key,
+           ov.layout_key, scale)
     prep = _PREPARED.get(key)
     if prep is None:
         prep = _Prepared(info, layer, qv, ipv, btv, slv, ov, scale)
@@ -383,16 +376,16 @@ def _prefill_cuda(q, pool, info, layer, qo_indptr, block_tables, seq_lens, causa
     dev = info.device_id
     for name, v in (("q", qv), ("qo_indptr", ipv), ("block_tables", btv), ("seq_lens", slv),
                     ("out", ov)):
-        if name in ("q", "out") and v[0] % 16:
+        if name in ("q", "out") and v.ptr % 16:
             raise InvalidArgumentError(f"{name} rows must be contiguous and 16-byte aligned")
-        if v[0]:  # an empty array may have no memory at all
-            check_ptr(v[0], name, dev)
-    sp = stream_ptr(stream)
+        if v.ptr:  # an empty array may have no memory at all
+            check_ptr(v.ptr, name, dev)
+    sp = stream_handle(stream)
     if plan is None:
         plan = _host_plan(prep, ipv, slv, sp, qo_indptr, seq_lens, causal, num_splits, pool)
     elif not isinstance(plan, PrefillPlan):
         raise InvalidArgumentError(f"plan must be a PrefillPlan, got {type(plan).__name__}")
-    _check_plan(plan, prep, info, causal, btv[1][1])
+    _check_plan(plan, prep, info, causal, btv.shape[1])
     if plan.num_items == 0:
         return out
     part_o = part_lse = 0
@@ -412,19 +405,19 @@ def _prefill_cuda(q, pool, info, layer, qo_indptr, block_tables, seq_lens, causa
         part_lse = part_o + 4 * plan.num_splits * plan.total_q * prep.hq * prep.d
     work = _device_work(plan, dev, sp)
     wait_producers(sp, dev, qv, ipv, btv, slv, ov)
-    variant, fn, merge_fn, _ = prep.functions(plan.rows_per_cta // 16)
+    variant, kernel, merge = prep.kernels(plan.rows_per_cta // 16)
     heads = info.num_kv_heads * (prep.group // plan.head_tile)
     with prep.lock:
         a = prep.args
-        a.q, a.out, a.part_o, a.part_lse = qv[0], ov[0], part_o, part_lse
-        a.block_tables, a.seq_lens, a.qo_indptr, a.work = btv[0], slv[0], ipv[0], work
+        a.q, a.out, a.part_o, a.part_lse = qv.ptr, ov.ptr, part_o, part_lse
+        a.block_tables, a.seq_lens, a.qo_indptr, a.work = btv.ptr, slv.ptr, ipv.ptr, work
         a.gh, a.q_tile_tokens, a.causal = plan.head_tile, plan.q_tile_tokens, int(causal)
-        _launch(prep, plan.num_items, heads, plan.num_splits, variant.threads,
-                variant.dynamic_smem_bytes, sp, fn, prep.params)
+        launch(kernel, (plan.num_items, heads, plan.num_splits), variant.threads,
+               variant.dynamic_smem_bytes, sp, prep.params)
         if plan.split:
             m = prep.margs
-            m.part_o, m.part_lse, m.out, m.num_splits = part_o, part_lse, ov[0], plan.num_splits
-            _launch(prep, plan.total_q, prep.hq, 1, prep.d, 0, sp, merge_fn, prep.mparams)
+            m.part_o, m.part_lse, m.out, m.num_splits = part_o, part_lse, ov.ptr, plan.num_splits
+            launch(merge, (plan.total_q, prep.hq, 1), prep.d, 0, sp, prep.mparams)
     return out
 
 
