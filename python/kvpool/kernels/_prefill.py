@@ -351,8 +351,8 @@ def _device_work(plan: PrefillPlan, device_id: int, sp: int) -> int:
     return work.data.ptr
 
 
-def _prefill_cuda(q, pool, info, layer, qo_indptr, block_tables, seq_lens, causal, scale, out, stream,
-                  plan, num_splits, workspace):
+def _prefill_cuda(q, pool, info, layer, qo_indptr, block_tables, seq_lens, causal, scale, out,
+                  stream, plan, num_splits, workspace):
     _check_kernel_exists(info)
     qv = _view(q, "q")
     ipv = _view(qo_indptr, "qo_indptr")
