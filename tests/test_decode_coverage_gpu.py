@@ -202,14 +202,15 @@ def test_fused_merge_counters_reset_between_calls_and_graph_replays():
 
 
 def test_the_check_fails_on_a_one_token_error():
-    """Mutation: the reference without each sequence's last token must be refused."""
+    """Mutation: the reference without one sequence's last token must be refused (lengths up to
+    40, where one token moves an output row by several times the bf16 bound)."""
     for dtype in ("float16", "bfloat16"):
         case = Case(60, dtype, 128, 16, 8, 2, [3, 17, 40, 200])
         got = case.run(max_seq_len=200)
         assert_close_per_head(got, case.want, dtype, "unmutated")
         short = reference.paged_attention_decode(case.q_host, case.k, case.v, case.tables,
                                                  case.lens - 1, dtype)
-        for i in range(len(case.lens)):
+        for i in range(3):
             mutated = case.want.copy()
             mutated[i] = short[i]
             with pytest.raises(AssertionError, match="out of bounds"):

@@ -383,28 +383,31 @@ def _cached_workspace(device_id: int, stream: int, need: int) -> int:
     return ws.data.ptr
 
 
-def _check_supported(info: _PoolInfo, pipeline: int) -> None:
+@functools.cache
+def _unsupported(dtype: str, head_dim: int, block_size: int, pipeline: int) -> str | None:
+    """Why no decode kernel runs this pool's shape (None: one does); cached per shape."""
     if pipeline == _build.TC:
-        ok = (info.dtype in _build.DTYPES and info.head_dim in _build.TC_HEAD_DIMS
-              and info.block_size in _build.TC_BLOCK_SIZES)
+        ok = (dtype in _build.DTYPES and head_dim in _build.TC_HEAD_DIMS
+              and block_size in _build.TC_BLOCK_SIZES)
         supported = _build.supported_set()
     else:
-        ok = (info.dtype in _build.DTYPES and info.head_dim in _build.HEAD_DIMS
-              and info.block_size in _build.BLOCK_SIZES)
+        ok = (dtype in _build.DTYPES and head_dim in _build.HEAD_DIMS
+              and block_size in _build.BLOCK_SIZES)
         supported = (f"dtype float16 or bfloat16, head_dim in {_build.HEAD_DIMS}, block_size "
                      f"in {_build.BLOCK_SIZES} (the CUDA-core baseline, pipeline 0/1)")
-    if not ok:
-        raise InvalidArgumentError(
-            f"no decode kernel for dtype {info.dtype}, head_dim {info.head_dim}, "
-            f"block_size {info.block_size}; supported: {supported}"
-        )
+    if ok:
+        return None
+    return (f"no decode kernel for dtype {dtype}, head_dim {head_dim}, block_size {block_size}; "
+            f"supported: {supported}")
 
 
 def _decode_cuda(q, pool, info, layer, block_tables, seq_lens, scale, out, stream, max_seq_len,
                  num_splits, workspace, pipeline):
     if pipeline not in (0, 1, _build.TC):
         raise InvalidArgumentError(f"pipeline must be None, 0, 1 or {_build.TC}")
-    _check_supported(info, pipeline)
+    why = _unsupported(info.dtype, info.head_dim, info.block_size, pipeline)
+    if why is not None:
+        raise InvalidArgumentError(why)
     qv = _view(q, "q")
     btv = _view(block_tables, "block_tables")
     slv = _view(seq_lens, "seq_lens")
