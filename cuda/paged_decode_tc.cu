@@ -182,7 +182,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
     const char* k_head = k_base + kvh * head_stride;
     const char* v_head = v_base + kvh * head_stride;
     const int bs_mask = (1 << bs_log2) - 1;
-    const bool one_block_per_tile = bs_log2 >= 4;  // tiles start at multiples of 16 tokens
+    // A page of >= 16 tokens holds a whole tile when tiles start at multiples of 16 tokens (the
+    // host plans chunks of a multiple of 64; any other chunk falls back to per-row look-ups).
+    const bool one_block_per_tile = bs_log2 >= 4 && (t_begin & (TILE - 1)) == 0;
     const int d_chunks = head_dim >> 3;
 
     const int n_tiles = (t_end - t_begin + TILE - 1) / TILE;

@@ -112,7 +112,7 @@ def run_cta(DP, head_dim, bs, GQ, NW, STAGES, q, Kc, Vc, table, t_begin, t_end, 
                     for lane in range(32):
                         p = i * 32 + lane
                         row, c = p // CH, p % CH
-                        b = blk[lane] if bs_log2 >= 4 else blk[row]
+                        b = blk[lane] if bs_log2 >= 4 and t_begin % TILE == 0 else blk[row]
                         ok = (mask >> row) & 1 and c < d_chunks
                         dst = sk + swz(row, c)
                         assert sk <= dst and dst + 16 <= sk + TB, "copy outside its K tile"
@@ -235,7 +235,7 @@ def main():
              (128, 120, 32, 6, 4, 3, 150, 64, 3), (48, 40, 1, 3, 2, 2, 37, 37, 1),
              (32, 32, 2, 16, 2, 2, 40, 40, 1), (112, 112, 4, 9, 2, 3, 70, 64, 2),
              (256, 256, 256, 8, 2, 2, 33, 33, 1), (96, 96, 64, 1, 4, 3, 200, 64, 4),
-             (64, 56, 128, 5, 2, 4, 5, 5, 1)]
+             (64, 56, 128, 5, 2, 4, 5, 5, 1), (64, 64, 32, 4, 2, 2, 100, 40, 3)]  # unaligned chunks
     worst = 0.0
     for DP, hd, BS, GQ, NW, ST, L, chunk, splits in cases:
         nb = 48
