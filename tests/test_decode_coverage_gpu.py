@@ -17,7 +17,7 @@ import pytest
 
 import kvpool
 from kvpool import reference
-from kvpool.kernels import _build, paged_attention_decode, workspace_elems
+from kvpool.kernels import _build, _decode, paged_attention_decode, workspace_elems
 
 pytestmark = pytest.mark.gpu
 
@@ -199,6 +199,10 @@ def test_fused_merge_counters_reset_between_calls_and_graph_replays():
         s.synchronize()
         want = reference.paged_attention_decode(q_host, b.k, b.v, b.tables, b.lens, "float16")
         assert_close_per_head(_to64(out, "float16"), want, "float16", f"graph_replay{rep}")
+    # Every merging CTA reset its counter: all counter buffers are zero again.
+    cp.cuda.Device().synchronize()
+    for key, counters in _decode._COUNTERS.items():
+        assert int(cp.count_nonzero(counters)) == 0, f"merge counters of {key} left non-zero"
 
 
 def test_the_check_fails_on_a_one_token_error():
