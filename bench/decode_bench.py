@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kvpool
+import provenance  # bench/ is on sys.path when run as python3 bench/decode_bench.py
 from kvpool.kernels import paged_attention_decode, workspace_elems
 from kvpool.kernels import _build
 from kvpool.kernels._plan import TC_CTAS_PER_SM, plan_decode
@@ -337,7 +338,9 @@ def main():
     ceiling, sweep, torch_sum = measure_ceiling()
     print(f"ceiling {ceiling:.3f} TB/s (torch sum {torch_sum:.3f})", flush=True)
     result = {
-        "gpu": torch.cuda.get_device_name(), "commit": os.environ.get("KVPOOL_COMMIT", "unknown"),
+        "gpu": torch.cuda.get_device_name(),
+        "commit": os.environ.get("KVPOOL_COMMIT") or provenance.git_commit(),
+        "machine": provenance.machine(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "ceiling_tb_s": round(ceiling, 4), "ceiling_sweep_tb_s": sweep,
         "torch_sum_tb_s": round(torch_sum, 4),
