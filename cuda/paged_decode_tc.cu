@@ -413,6 +413,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
         const float* po = part_o + (row0 + g) * head_dim + d;
         const i64 step = (i64)num_q_heads * head_dim;
         float O = 0.f;
+#pragma unroll 8
         for (int sp = 0; sp < n_splits; ++sp) O = fmaf(s_w[sp * 16 + g], ld_cg(po + sp * step), O);
         out[seq * out_seq_stride + (i64)(qh0 + g) * out_head_stride + d] = f32_to_elem(O);
     }
