@@ -1,4 +1,6 @@
-"""Every kernel variant compiles with NVRTC for sm_80 and sm_90, no GPU needed (CI).
+"""Every kernel module the library needs compiles with NVRTC for sm_80 and sm_90, no GPU needed
+(CI): all tensor-core decode modules (52: they cover every supported head_dim, block size and
+group), an 8-module subset of the CUDA-core baseline, append_kv and copy_blocks.
 
 Uses NVRTC from PyPI (`cuda-bindings` + `nvidia-cuda-nvrtc`); the kernels need no CUDA headers,
 but the `nvidia-cuda-runtime` include folder is passed when present. Skips only when those

@@ -1,8 +1,9 @@
 """CUDA kernels over a kvpool Pool: paged decode and prefill attention, KV append, block copy.
 
 The sources are in the repository's ``cuda/`` folder (embedded in the extension), compiled at run
-time by NVRTC through CuPy and cached per (dtype, head_dim, block_size, query-head tile). On a host pool the same
-functions run the NumPy float64 reference in :mod:`kvpool.reference`.
+time by NVRTC through CuPy and cached per module (for the decode: dtype, padded head width and
+head-tile size class). On a host pool the same functions run the NumPy float64 reference in
+:mod:`kvpool.reference`.
 """
 
 from kvpool.kernels._cache_ops import append_kv, copy_blocks
