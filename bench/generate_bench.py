@@ -98,7 +98,7 @@ def hf_batches(model, reqs, batch, cache_implementation=None, max_batches=None):
         with torch.inference_mode():
             _, dt = sync_time(lambda: model.generate(
                 input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new,
-                min_new_tokens=new, do_sample=False, **kw))
+                do_sample=False, **kw))
         useful += sum(r.max_new_tokens for r in chunk)
         total_t += dt
         done += 1

@@ -17,8 +17,12 @@ def llama(dtype, device, *, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=1
     torch.manual_seed(seed)
     cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                       num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=inter,
-                      vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+                      vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.device(device):  # initialise on the device: a 1B model is slow to fill on a CPU
+        model = LlamaForCausalLM(cfg).to(dtype=dtype).eval()
+    model.generation_config.eos_token_id = None  # random weights: run every requested token
+    model.generation_config.pad_token_id = 0
     return model
 
 

@@ -105,7 +105,7 @@ def model_generate(model, prompt, n):
     model.set_attn_implementation("sdpa")
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=n,
-                             min_new_tokens=n, do_sample=False, pad_token_id=0)
+                             do_sample=False)
     return out[0, len(prompt):].tolist()
 
 
@@ -143,9 +143,9 @@ def test_torch_views_share_memory_with_the_pool(dtype):
             assert t.shape == (8, 16, 2, 64)
             view = pool.k_view(layer) if part == "k" else pool.v_view(layer)
             assert t.data_ptr() == view.__cuda_array_interface__["data"][0]
-            t[3, 5, 1, 7] = 1.0
+            bits = {1: (torch.uint8, cp.uint8), 2: (torch.int16, cp.uint16),
+                    4: (torch.int32, cp.uint32)}[t.element_size()]
+            t.view(bits[0])[3, 5, 1, 7] = 0x38  # through torch ...
             torch.cuda.synchronize()
-            raw = cp.asarray(view)
-            assert int(raw.view(cp.uint8 if t.element_size() == 1 else cp.uint16
-                                 if t.element_size() == 2 else cp.uint32)[3, 5, 1, 7]) != 0
-            t.zero_()
+            assert int(cp.asarray(view).view(bits[1])[3, 5, 1, 7]) == 0x38  # ... seen by the pool
+            t.view(bits[0]).zero_()

@@ -205,6 +205,8 @@ class TransformersRunner:
     @torch.inference_mode()
     def hidden(self, batch: StepBatch) -> torch.Tensor:
         """Last hidden states [num_tokens, hidden] of one packed step (writes the step's KV)."""
+        if self.model.config._attn_implementation != NAME:  # someone switched it meanwhile
+            self.model.set_attn_implementation(NAME)
         step = KvpoolStep(self.pool, batch, self.device)
         ids = torch.from_numpy(batch.input_ids).to(self.device)[None]
         pos = torch.from_numpy(batch.positions).to(self.device)[None]
