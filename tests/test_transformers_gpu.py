@@ -132,17 +132,20 @@ def test_200_requests_through_a_small_pool_complete_without_leaks():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float8_e4m3fn"])
-def test_torch_views_share_memory_with_the_pool(dtype):
+def test_torch_from_dlpack_shares_memory_with_the_pool(dtype):
     import cupy as cp
 
     pool = kvpool.Pool(kvpool.KvLayout(2, 2, 64, 16, dtype), 8, device="cuda")
     for layer in range(2):
         for part in ("k", "v"):
-            t = pool_layer(pool, layer, part)
-            assert t.dtype == TORCH_DTYPES[dtype] and t.is_cuda
-            assert t.shape == (8, 16, 2, 64)
             view = pool.k_view(layer) if part == "k" else pool.v_view(layer)
+            t = torch.from_dlpack(view)
+            assert t.dtype == TORCH_DTYPES[dtype] and t.is_cuda
+            assert pool_layer(pool, layer, part).data_ptr() == t.data_ptr()
+            assert t.shape == (8, 16, 2, 64)
             assert t.data_ptr() == view.__cuda_array_interface__["data"][0]
+            assert t.stride() == tuple(s // t.element_size()
+                                       for s in view.__cuda_array_interface__["strides"])
             bits = {1: (torch.uint8, cp.uint8), 2: (torch.int16, cp.uint16),
                     4: (torch.int32, cp.uint32)}[t.element_size()]
             t.view(bits[0])[3, 5, 1, 7] = 0x38  # through torch ...

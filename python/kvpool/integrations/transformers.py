@@ -51,13 +51,11 @@ def pool_layer(pool: Any, layer: int, part: str) -> torch.Tensor:
     """Zero-copy torch tensor [num_blocks, block_size, kv_heads, head_dim] of the pool's
     dtype over one layer's K ("k") or V ("v")."""
     v = pool.k_view(layer) if part == "k" else pool.v_view(layer)
-    dtype = pool.layout.dtype
     if _is_cuda(pool):
-        t = torch.as_tensor(v, device=pool_device(pool))
-    else:
-        t = torch.from_numpy(np.asarray(v))
-    # bfloat16 and float8 views expose their storage (uint16, uint8): reinterpret, no copy.
-    return t if t.dtype == TORCH_DTYPES[dtype] else t.view(TORCH_DTYPES[dtype])
+        return torch.from_dlpack(v)  # DLPack carries bfloat16 / float8_e4m3fn as themselves
+    t = torch.from_numpy(np.asarray(v))  # a host view is a NumPy array: raw bits for bf16/fp8
+    dtype = TORCH_DTYPES[pool.layout.dtype]
+    return t if t.dtype == dtype else t.view(dtype)
 
 
 class KvpoolStep:
