@@ -55,7 +55,9 @@ def test_greedy_generation_matches_transformers_generate():
     res = generate(TransformersRunner(model, pool), pool, reqs, max_running_seqs=4)
     model.set_attn_implementation("sdpa")
     for i, p in enumerate(prompts):
-        ref = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)
+        ids = torch.tensor([p])  # an explicit mask: token 0 in a prompt is not padding
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                             do_sample=False)
         assert res.outputs[i] == ref[0, len(p):].tolist()
     assert pool.num_free == pool.num_blocks
 

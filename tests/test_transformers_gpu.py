@@ -104,7 +104,8 @@ def test_greedy_64_tokens_agree_or_diverge_at_a_near_tie():
 def model_generate(model, prompt, n):
     model.set_attn_implementation("sdpa")
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=n,
+        ids = torch.tensor([prompt], device="cuda")  # explicit mask: token 0 is not padding
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                              do_sample=False)
     return out[0, len(prompt):].tolist()
 
