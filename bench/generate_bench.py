@@ -150,7 +150,7 @@ def guarded(name, fn, rows):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--num-requests", type=int, default=128)
+    ap.add_argument("--num-requests", type=int, default=96)
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--max-output", type=int, default=128)
     ap.add_argument("--budget-seqs", type=int, default=32)

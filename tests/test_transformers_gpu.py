@@ -79,26 +79,32 @@ def test_teacher_forced_logits_match_dynamic_cache(shape, dtype):
 
 
 def test_greedy_64_tokens_agree_or_diverge_at_a_near_tie():
-    """Greedy continuations of 16 prompts: the fraction identical over 64 tokens, and at any
-    divergence the reference's top-2 logits are within the teacher-forced bound (a near-tie)."""
+    """Greedy continuations of 16 prompts: the fraction identical over 64 tokens. At a
+    divergence (kvpool picked a, transformers b), both paths are scored on the common prefix:
+    the ranking of a and b can only flip if the reference's gap is at most the two paths'
+    error on those logits, so gap <= |err_a| + |err_b| (+ bf16 slack for the batched step)."""
     model = llama(torch.bfloat16, "cuda", **LLAMA_1B)
     rng = np.random.default_rng(11)
     prompts = _prompts(rng, LLAMA_1B["vocab"], rng.integers(4, 200, 16))
     pool = kvpool.Pool(layout_for(model), 2048, device="cuda")
     reqs = [GenerationRequest(i, p, 64) for i, p in enumerate(prompts)]
     ours = generate(TransformersRunner(model, pool), pool, reqs).outputs
-    same, gaps = 0, []
+    assert pool.num_free == pool.num_blocks
+    same, cases = 0, []
     for i, p in enumerate(prompts):
         ref = model_generate(model, p, 64)
         if ref == ours[i]:
             same += 1
             continue
         j = next(k for k in range(64) if ref[k] != ours[i][k])
-        logits = reference_logits(model, p + ref[:j], [])[-1]
-        gaps.append(abs(logits[ref[j]] - logits[ours[i][j]]).item())
-    REPORT["greedy_64"] = {"identical_fraction": same / len(prompts), "divergence_gaps": gaps}
-    assert pool.num_free == pool.num_blocks
-    assert all(g <= 0.25 for g in gaps), gaps  # bf16 logit noise measured above is ~0.1
+        a, b = ours[i][j], ref[j]
+        r = reference_logits(model, p + ref[:j], [])[-1]
+        o = kvpool_logits(model, [p + ref[:j]], [[]])[0][-1]
+        gap = (r[b] - r[a]).item()
+        err = (o[a] - r[a]).abs().item() + (o[b] - r[b]).abs().item()
+        cases.append({"request": i, "step": j, "ref_gap": gap, "path_error": err})
+    REPORT["greedy_64"] = {"identical_fraction": same / len(prompts), "divergences": cases}
+    assert all(c["ref_gap"] <= c["path_error"] + 0.02 for c in cases), cases
 
 
 def model_generate(model, prompt, n):
