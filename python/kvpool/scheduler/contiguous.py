@@ -15,7 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-from kvpool.scheduler.core import Scheduler, SchedulerConfig, Seq
+from kvpool.scheduler.core import Scheduler, SchedulerConfig
+from kvpool.scheduler.seq import Seq
 
 RESERVE_MODES = ("max_model_len", "request")
 

@@ -2,12 +2,31 @@
 //! `[base_ptr + id * block_bytes, base_ptr + (id + 1) * block_bytes)`.
 //!
 //! A pool is fixed (one allocation of `num_blocks` blocks) or growable (a reserved range of
-//! `max_num_blocks` blocks backed chunk by chunk; `growth.rs` holds grow, shrink and the
-//! allocation slow path). `base_ptr` never changes in either.
+//! `max_num_blocks` blocks backed chunk by chunk). `base_ptr` never changes in either.
+//!
+//! - `mod.rs`: construction, the block API (forwarded to the allocator; allocation grows a
+//!   growable pool), stats and invariants.
+//! - `growth.rs`: grow, shrink and the allocation slow path (design: `growable.md`).
+//! - `views.rs`: the extents live views pin, which a shrink must keep mapped.
+//! - `device.rs`: the CUDA context and the pool's stream (CUDA pools only).
+//!
+//! The allocator is private to the crate: every block operation goes through the pool, so no
+//! caller can allocate past a growable pool's growth path.
+
+#[cfg(feature = "cuda")]
+mod device;
+mod growth;
+mod owner;
+mod views;
+
+#[cfg(feature = "cuda")]
+pub use device::DeviceContext;
 
 use std::collections::BTreeMap;
-use std::ops::Deref;
 use std::sync::{Mutex, Weak};
+
+pub(crate) use owner::Owner;
+use owner::Owners;
 
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
@@ -36,7 +55,7 @@ pub struct GrowableSize {
     pub chunk_bytes: Option<usize>,
 }
 
-pub(crate) enum Backing {
+enum Backing {
     Fixed(Box<dyn Slab>),
     Growable(GrowableSlab),
 }
@@ -51,9 +70,14 @@ impl Backing {
 }
 
 pub struct Pool {
-    pub(crate) layout: KvLayout,
-    pub(crate) allocator: BlockAllocator,
-    pub(crate) backing: Backing,
+    layout: KvLayout,
+    allocator: BlockAllocator,
+    /// Which API each allocated block belongs to (see `owner.rs`).
+    owners: Owners,
+    backing: Backing,
+    /// The CUDA context and the pool's own stream (`None` on the host).
+    #[cfg(feature = "cuda")]
+    device_context: Option<DeviceContext>,
     /// Everything that holds block references (block tables), so `check_invariants` can
     /// compare the references they hold with the pool's counts. Not on any hot path.
     ref_holders: Mutex<Vec<Weak<dyn RefHolder>>>,
@@ -61,6 +85,11 @@ pub struct Pool {
     /// shrink never unmaps memory below the largest (see [`Pool::pin_view_extent`]).
     view_extents: Mutex<BTreeMap<usize, usize>>,
 }
+
+#[cfg(feature = "cuda")]
+type DeviceContextSlot = Option<DeviceContext>;
+#[cfg(not(feature = "cuda"))]
+type DeviceContextSlot = ();
 
 /// Something that holds references to a pool's blocks (a `BlockTables`).
 pub trait RefHolder: Send + Sync {
@@ -76,8 +105,6 @@ pub struct PoolStats {
     pub max_num_blocks: usize,
     pub growable: bool,
     /// Bytes backed by memory now, and the reservation (equal for fixed pools).
-    /// `mapped_bytes` is always the same number as `slab_bytes` (both are the slab's
-    /// `len_bytes`); it is kept under both names, the growable pool's and the fixed pool's.
     pub mapped_bytes: usize,
     pub reserved_bytes: usize,
     /// Mapped chunks and their size (a fixed pool is one chunk: its whole slab).
@@ -87,8 +114,6 @@ pub struct PoolStats {
     pub num_used: usize,
     pub high_water: usize,
     pub block_bytes: usize,
-    /// Same as `mapped_bytes`.
-    pub slab_bytes: usize,
     pub device: Device,
     pub memory: Option<MemoryInfo>,
 }
@@ -96,12 +121,47 @@ pub struct PoolStats {
 impl Pool {
     pub fn new(layout: KvLayout, size: PoolSize, device: Device) -> Result<Self, CoreError> {
         let num_blocks = Self::resolve_num_blocks(&layout, size, device)?;
-        let allocator = BlockAllocator::new(num_blocks)?;
         let slab_bytes = num_blocks
             .checked_mul(layout.block_bytes())
             .ok_or_else(|| CoreError::InvalidArgument(format!("{num_blocks} blocks overflow the address space")))?;
+        let device_context = Self::device_context_for(device)?;
+        // The slab first: it is the large allocation, and it fails cleanly (OutOfMemory)
+        // before any per-block bookkeeping is sized for a count that cannot be backed.
         let slab = slab::allocate(device, slab_bytes)?;
-        Ok(Pool { layout, allocator, backing: Backing::Fixed(slab), ref_holders: Mutex::new(Vec::new()), view_extents: Mutex::new(BTreeMap::new()) })
+        let allocator = BlockAllocator::new(num_blocks)?;
+        Self::assemble(layout, allocator, Backing::Fixed(slab), device_context)
+    }
+
+    /// The parts of a pool, with no holders or views yet.
+    fn assemble(
+        layout: KvLayout,
+        allocator: BlockAllocator,
+        backing: Backing,
+        device_context: DeviceContextSlot,
+    ) -> Result<Self, CoreError> {
+        #[cfg(not(feature = "cuda"))]
+        let () = device_context;
+        Ok(Pool {
+            layout,
+            owners: Owners::new(allocator.max_num_blocks())?,
+            allocator,
+            backing,
+            #[cfg(feature = "cuda")]
+            device_context,
+            ref_holders: Mutex::new(Vec::new()),
+            view_extents: Mutex::new(BTreeMap::new()),
+        })
+    }
+
+    /// The context and stream a pool on `device` needs (none on the host).
+    fn device_context_for(device: Device) -> Result<DeviceContextSlot, CoreError> {
+        match device {
+            Device::Host => Ok(Default::default()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => DeviceContext::new(ordinal).map(Some),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Ok(()),
+        }
     }
 
     /// A growable pool on `device`: reserves room for `size.max_num_blocks` and maps enough
@@ -141,7 +201,8 @@ impl Pool {
             )));
         }
         let allocator = BlockAllocator::new_growable(0, size.max_num_blocks)?;
-        let pool = Pool { layout, allocator, backing: Backing::Growable(slab), ref_holders: Mutex::new(Vec::new()), view_extents: Mutex::new(BTreeMap::new()) };
+        let device_context = Self::device_context_for(slab.device())?;
+        let pool = Self::assemble(layout, allocator, Backing::Growable(slab), device_context)?;
         pool.grow(size.initial_num_blocks).map_err(|e| match e {
             // Creation asked for memory and did not get it: the slab could not be allocated.
             CoreError::CannotGrow { .. } => CoreError::OutOfMemory {
@@ -173,19 +234,139 @@ impl Pool {
                 (info.free_bytes as f64 * fraction) as usize / block_bytes
             }
         };
-        if num_blocks == 0 {
+        if num_blocks == 0 || num_blocks > crate::MAX_NUM_BLOCKS {
+            // Named by what the caller gave: a memory size is not a block count.
+            let given = match size {
+                PoolSize::NumBlocks(n) => return Err(CoreError::InvalidArgument(format!(
+                    "num_blocks must be in 1..={}, got {n}",
+                    crate::MAX_NUM_BLOCKS
+                ))),
+                PoolSize::MemoryBytes(bytes) => format!("memory_bytes={bytes}"),
+                PoolSize::DeviceMemoryFraction(fraction) => format!("gpu_memory_utilization={fraction}"),
+            };
             return Err(CoreError::InvalidArgument(format!(
-                "{size:?} gives 0 blocks of {block_bytes} bytes; a pool needs at least one"
+                "{given} holds {num_blocks} blocks of {block_bytes} bytes; a pool holds 1..={} blocks",
+                crate::MAX_NUM_BLOCKS
             )));
         }
         Ok(num_blocks)
     }
 
+    /// Blocks that exist now (backed by memory).
+    pub fn num_blocks(&self) -> usize {
+        self.allocator.num_blocks()
+    }
+    /// The most blocks this pool can ever hold (`num_blocks` unless growable).
+    pub fn max_num_blocks(&self) -> usize {
+        self.allocator.max_num_blocks()
+    }
+    /// Free blocks now (a snapshot under concurrency).
+    pub fn num_free(&self) -> usize {
+        self.allocator.num_free()
+    }
+    pub fn num_used(&self) -> usize {
+        self.allocator.num_used()
+    }
+    /// The most blocks ever in use at once.
+    pub fn high_water(&self) -> usize {
+        self.allocator.high_water()
+    }
+    /// Current reference count of a block (0: free).
+    pub fn ref_cnt(&self, block_id: u32) -> Result<u32, CoreError> {
+        self.allocator.ref_cnt(block_id)
+    }
+
+    pub fn alloc(&self) -> Result<u32, CoreError> {
+        let mut id = [0u32];
+        self.alloc_into(&mut id)?;
+        Ok(id[0])
+    }
+
+    /// Allocates `count` blocks, all or none, growing a growable pool if needed.
+    pub fn alloc_many(&self, count: usize) -> Result<Vec<u32>, CoreError> {
+        if count > self.max_num_blocks() {
+            // Can never succeed: refuse before sizing a buffer for it.
+            return Err(self.out_of_blocks(count, "the request exceeds max_num_blocks"));
+        }
+        let mut ids = Vec::new();
+        ids.try_reserve_exact(count)
+            .map_err(|_| CoreError::OutOfMemory { requested_bytes: count * 4, device: "host".into() })?;
+        ids.resize(count, 0);
+        self.alloc_into(&mut ids)?;
+        Ok(ids)
+    }
+
+    /// Fills `out` with newly allocated ids (ref count 1), or fails having taken none. A
+    /// growable pool that finds too few free blocks grows first; if it cannot, it fails with
+    /// `CannotGrow` and is exactly as it was.
+    pub fn alloc_into(&self, out: &mut [u32]) -> Result<(), CoreError> {
+        self.alloc_into_for(out, Owner::Pool)
+    }
+
+    /// Drops one reference; the block returns to the free list when its count reaches 0.
+    /// A block that block tables hold is refused (`InvalidBlock`), changing nothing.
+    pub fn free(&self, block_id: u32) -> Result<(), CoreError> {
+        self.free_many_for(&[block_id], Owner::Pool)
+    }
+
+    /// Drops one reference to each id, all or none (bad, repeated, free or table-held ids
+    /// change nothing).
+    pub fn free_many(&self, block_ids: &[u32]) -> Result<(), CoreError> {
+        self.free_many_for(block_ids, Owner::Pool)
+    }
+
+    /// Adds one reference to each id. All must be allocated through the pool API.
+    pub fn share_many(&self, block_ids: &[u32]) -> Result<(), CoreError> {
+        self.share_many_for(block_ids, Owner::Pool)
+    }
+
+    /// [`alloc_into`](Self::alloc_into) on behalf of `owner`, whose tag the new ids get.
+    pub(crate) fn alloc_into_for(&self, out: &mut [u32], owner: Owner) -> Result<(), CoreError> {
+        match (self.allocator.alloc_into(out), self.growable_slab()) {
+            (Err(CoreError::OutOfBlocks { .. }), Some(slab)) => self.alloc_growing(&mut slab.lock(), out)?,
+            (result, _) => result?,
+        }
+        self.owners.set(out, owner);
+        Ok(())
+    }
+
+    /// [`free_many`](Self::free_many) on behalf of `owner`: every allocated id must be its.
+    pub(crate) fn free_many_for(&self, block_ids: &[u32], owner: Owner) -> Result<(), CoreError> {
+        self.check_owner(block_ids, owner)?;
+        match block_ids {
+            [id] => self.allocator.free(*id),
+            _ => self.allocator.free_many(block_ids),
+        }
+    }
+
+    /// [`share_many`](Self::share_many) on behalf of `owner`: every allocated id must be its.
+    pub(crate) fn share_many_for(&self, block_ids: &[u32], owner: Owner) -> Result<(), CoreError> {
+        self.check_owner(block_ids, owner)?;
+        self.allocator.share_many(block_ids)
+    }
+
+    /// The API that allocated `block_id` (meaningful while it is allocated).
+    pub(crate) fn owner(&self, block_id: u32) -> Owner {
+        self.owners.get(block_id)
+    }
+
+    /// Refuses an allocated id that belongs to another owner. Ids out of range or free are
+    /// left to the allocator, which names them (`InvalidBlock`, `DoubleFree`).
+    fn check_owner(&self, block_ids: &[u32], owner: Owner) -> Result<(), CoreError> {
+        let num_blocks = self.num_blocks();
+        for &id in block_ids {
+            if (id as usize) < num_blocks && self.allocator.ref_cnt_unchecked(id as usize) > 0 {
+                let actual = self.owners.get(id);
+                if actual != owner {
+                    return Err(CoreError::InvalidBlock { value: id.to_string(), reason: actual.describe().into() });
+                }
+            }
+        }
+        Ok(())
+    }
+
     pub fn layout(&self) -> &KvLayout {
         &self.layout
-    }
-    pub fn allocator(&self) -> &BlockAllocator {
-        &self.allocator
     }
     pub fn device(&self) -> Device {
         self.backing.slab().device()
@@ -194,7 +375,7 @@ impl Pool {
         self.backing.slab().base_ptr()
     }
     /// Bytes backed by memory now (for a growable pool, the mapped chunks).
-    pub fn slab_bytes(&self) -> usize {
+    pub fn mapped_bytes(&self) -> usize {
         self.backing.slab().len_bytes()
     }
     pub fn is_growable(&self) -> bool {
@@ -231,7 +412,7 @@ impl Pool {
             num_blocks: self.num_blocks(),
             max_num_blocks: self.max_num_blocks(),
             growable: self.is_growable(),
-            mapped_bytes: self.slab_bytes(),
+            mapped_bytes: self.mapped_bytes(),
             reserved_bytes: self.reserved_bytes(),
             num_chunks,
             chunk_bytes,
@@ -239,7 +420,6 @@ impl Pool {
             num_used: self.num_used(),
             high_water: self.high_water(),
             block_bytes: self.layout.block_bytes(),
-            slab_bytes: self.slab_bytes(),
             device: self.device(),
             memory: self.backing.slab().memory_info()?,
         })
@@ -252,49 +432,17 @@ impl Pool {
         holders.push(holder);
     }
 
-    /// Pins the blocks that exist now for a view over the slab: returns `num_blocks`, and
-    /// until [`unpin_view_extent`](Self::unpin_view_extent) is called with it, a shrink keeps
-    /// those blocks' memory mapped (it releases less instead). Taken under the resize lock,
-    /// so the extent returned is mapped and stays so.
-    pub fn pin_view_extent(&self) -> usize {
-        let _guard = self.growable_slab().map(GrowableSlab::lock);
-        let extent = self.num_blocks();
-        *self.view_extents().entry(extent).or_insert(0) += 1;
-        extent
-    }
-
-    /// Releases one pin of `extent` taken by [`pin_view_extent`](Self::pin_view_extent).
-    pub fn unpin_view_extent(&self, extent: usize) {
-        let mut extents = self.view_extents();
-        if let Some(count) = extents.get_mut(&extent) {
-            *count -= 1;
-            if *count == 0 {
-                extents.remove(&extent);
-            }
-        }
-    }
-
-    /// The largest extent a live view pins (0 if none).
-    pub fn max_view_extent(&self) -> usize {
-        self.view_extents().last_key_value().map_or(0, |(&extent, _)| extent)
-    }
-
-    fn view_extents(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, usize>> {
-        // Every update completes without panicking, so a poisoned map is still consistent.
-        self.view_extents.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// The CUDA context and the pool's stream (`None` on the host).
     #[cfg(feature = "cuda")]
-    pub fn cuda(&self) -> Option<(&std::sync::Arc<cudarc::driver::CudaContext>, &crate::cuda::Stream)> {
-        self.backing.slab().cuda()
+    pub fn device_context(&self) -> Option<&DeviceContext> {
+        self.device_context.as_ref()
     }
 
     /// Raw handle of the pool's CUDA stream (`None` on the host).
     pub fn stream_handle(&self) -> Option<u64> {
         #[cfg(feature = "cuda")]
         {
-            self.backing.slab().cuda().map(|(_, stream)| stream.raw() as u64)
+            self.device_context.as_ref().map(|dc| dc.stream().raw() as u64)
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -320,6 +468,9 @@ impl Pool {
             if refs > rc || (exact_refs && refs != rc) {
                 return Err(format!("block {id}: block tables hold {refs} references, its ref_cnt is {rc}"));
             }
+            if refs > 0 && self.owners.get(id as u32) != Owner::Tables {
+                return Err(format!("block {id} is held by block tables but tagged {:?}", self.owners.get(id as u32)));
+            }
         }
         Ok(())
     }
@@ -329,21 +480,13 @@ impl Pool {
             None => {
                 self.allocator.check_invariants()?;
                 let expected = self.num_blocks() * self.layout.block_bytes();
-                if self.slab_bytes() < expected {
-                    return Err(format!("slab holds {} bytes, {} blocks need {expected}", self.slab_bytes(), self.num_blocks()));
+                if self.mapped_bytes() < expected {
+                    return Err(format!("slab holds {} bytes, {} blocks need {expected}", self.mapped_bytes(), self.num_blocks()));
                 }
                 Ok(())
             }
             // Under the resize lock, so the mapping cannot change while it is compared.
             Some(slab) => self.check_growable_invariants(&slab.lock()),
         }
-    }
-}
-
-/// A pool is used through its allocator's methods (`alloc`, `free_many`, ...).
-impl Deref for Pool {
-    type Target = BlockAllocator;
-    fn deref(&self) -> &BlockAllocator {
-        &self.allocator
     }
 }
