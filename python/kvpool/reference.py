@@ -28,6 +28,8 @@ def from_float64(x: npt.NDArray, dtype: str) -> npt.NDArray:
         u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
         rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
         return rounded.astype(np.uint16)
+    if dtype == "float32":
+        return np.asarray(x).astype(np.float32)
     return np.asarray(x).astype(np.float16)
 
 
