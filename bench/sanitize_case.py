@@ -24,6 +24,9 @@ from kvpool.kernels import _build, append_kv, copy_blocks, paged_attention_decod
 
 SEQ_LENS = [1, 15, 17, 100, 600]  # 600: several splits through the fused merge
 HQ, HKV = 6, 2  # GQA group 3: a head tile that is not a power of two
+# Blocks are a multiple of 256 bytes: 8 layers x K,V x 2 heads x 2 bytes x head_dim (a multiple
+# of 8) x block_size is, for every block size; only layers 0 and 1 are filled and read.
+NUM_LAYERS = 8
 NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
 PIPELINES = {"tensor-core": _build.TC, "cuda-core cp.async": 1, "cuda-core registers": 0}
 
@@ -36,7 +39,7 @@ def elems(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> cp.nd
 def run_case(rng: np.random.Generator, dtype: str, d: int, bs: int) -> None:
     need = [-(-n // bs) for n in SEQ_LENS]
     num_blocks = sum(need) + 4
-    pool = kvpool.Pool(kvpool.KvLayout(2, HKV, d, bs, dtype), num_blocks, device="cuda")
+    pool = kvpool.Pool(kvpool.KvLayout(NUM_LAYERS, HKV, d, bs, dtype), num_blocks, device="cuda")
     for layer in range(2):
         for view in (pool.k_view(layer), pool.v_view(layer)):
             a = cp.asarray(view)
