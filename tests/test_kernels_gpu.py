@@ -14,6 +14,7 @@ import os
 import numpy as np
 import pytest
 from attention_check import assert_attention_close
+from gpu_fixtures import cp
 
 import kvpool
 from kvpool import reference
@@ -27,13 +28,6 @@ from kvpool.kernels import (
 
 pytestmark = pytest.mark.gpu
 
-cp = pytest.importorskip("cupy")
-try:
-    HAVE_GPU = cp.cuda.runtime.getDeviceCount() > 0
-except Exception:  # no driver
-    HAVE_GPU = False
-if not HAVE_GPU:
-    pytest.skip("no CUDA device", allow_module_level=True)
 
 DTYPES = ["float16", "bfloat16"]
 NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
@@ -94,7 +88,7 @@ def _check_decode(pool, layer, q, tables, lens, out, label, **kw):
     ERRORS[label] = assert_attention_close(out, want, lay.dtype, label)
 
 
-GROUPS = [(8, 8), (32, 8), (16, 2), (12, 2), (32, 1)]  # MHA, GQA 4, GQA 8, tile 6, MQA (4 tiles of 8)
+GROUPS = [(8, 8), (32, 8), (16, 2), (12, 2), (32, 1)]  # MHA, GQA 4, GQA 8, group 6, MQA 32
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -208,9 +202,14 @@ def test_decode_rejects_bad_arguments():
                                lens)
     with pytest.raises(kvpool.InvalidArgumentError, match="element type"):
         paged_attention_decode(cp.zeros((1, 2, 64), cp.uint16), pool, 0, tables, lens)
-    bad = kvpool.Pool(kvpool.KvLayout(1, 2, 96, 16, "float16"), 4, device="cuda")
+    bad = kvpool.Pool(kvpool.KvLayout(1, 2, 100, 16, "float16"), 4, device="cuda")
     with pytest.raises(kvpool.InvalidArgumentError, match="no decode kernel"):
-        paged_attention_decode(cp.zeros((1, 2, 96), cp.float16), bad, 0, tables, lens)
+        paged_attention_decode(cp.zeros((1, 2, 100), cp.float16), bad, 0, tables, lens)
+    # head_dim 96 runs on the tensor-core kernel, not on the CUDA-core baseline.
+    base = kvpool.Pool(kvpool.KvLayout(1, 2, 96, 16, "float16"), 4, device="cuda")
+    with pytest.raises(kvpool.InvalidArgumentError, match="CUDA-core baseline"):
+        paged_attention_decode(cp.zeros((1, 2, 96), cp.float16), base, 0, tables, lens,
+                               pipeline=1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -29,7 +29,13 @@ from kvpool._core import (
     cuda_available,
 )
 from kvpool import reference
-from kvpool.kernels import append_kv, copy_blocks, paged_attention_decode
+from kvpool.kernels import (
+    append_kv,
+    copy_blocks,
+    paged_attention_decode,
+    paged_attention_prefill,
+    prefill_plan,
+)
 from kvpool.tp import PoolGroup
 
 __all__ = [
@@ -59,5 +65,7 @@ __all__ = [
     "copy_blocks",
     "cuda_available",
     "paged_attention_decode",
+    "paged_attention_prefill",
+    "prefill_plan",
     "reference",
 ]
