@@ -123,7 +123,7 @@ def main() -> int:
                        "NVSHMEM_DISABLE_NVLS": "1"})
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import cupy
-    from provenance import git_commit, machine
+    from provenance import provenance
 
     import kvpool
 
@@ -132,7 +132,7 @@ def main() -> int:
         row = run_shape(cupy, kvpool, batch, seq_len)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    doc = {"benchmark": "tp_decode", "commit": args.commit or git_commit(), "machine": machine(),
+    doc = {"benchmark": "tp_decode", "provenance": provenance(__file__, args.commit),
            "gpus": [cupy.cuda.runtime.getDeviceProperties(d)["name"].decode() for d in (0, 1)],
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "method": f"host wall time of {REPS} launches, both devices synchronised around them",

@@ -241,7 +241,7 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.update(MULTICAST_OFF)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from provenance import git_commit, machine
+    from provenance import provenance
 
     sizes = [1, 64, 1024] if args.quick else SIZES
     ctx = mp.get_context("spawn")
@@ -271,7 +271,7 @@ def main() -> int:
     import cupy
 
     doc = {
-        "benchmark": "transfer", "commit": args.commit or git_commit(), "machine": machine(),
+        "benchmark": "transfer", "provenance": provenance(__file__, args.commit),
         "gpus": [cupy.cuda.runtime.getDeviceProperties(d)["name"].decode() for d in (0, 1)],
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "layout": dict(zip(["num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"], LAYOUT)),
