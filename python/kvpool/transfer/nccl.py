@@ -95,6 +95,42 @@ def _wait_for_file(path: Path, deadline: float) -> tuple[str, int]:
             time.sleep(0.05)
 
 
+def rendezvous_control(rank: int, rendezvous: str | os.PathLike, unique_id: Any, *,
+                       host: str = "127.0.0.1", timeout: float = 120.0) -> tuple[socket.socket, list]:
+    """The control connection of a pair, and the id rank 0 made with ``unique_id()`` and sent
+    over it (see the module docstring for ``rendezvous``)."""
+    rendezvous = str(rendezvous)
+    deadline = time.monotonic() + timeout
+    if rank == 0:
+        uid = unique_id()
+        server = socket.create_server(_listen_address(rendezvous, host))
+        try:
+            if not rendezvous.startswith("tcp://"):
+                bound_host, port = server.getsockname()[:2]
+                tmp = Path(rendezvous + ".tmp")
+                tmp.write_text(json.dumps({"host": bound_host, "port": port}))
+                tmp.replace(rendezvous)
+            server.settimeout(timeout)
+            sock, _ = server.accept()
+        finally:
+            server.close()
+        _send_frame(sock, {"nccl_id": uid})
+    else:
+        address = (_listen_address(rendezvous, host) if rendezvous.startswith("tcp://")
+                   else _wait_for_file(Path(rendezvous), deadline))
+        while True:
+            try:
+                sock = socket.create_connection(address, timeout=timeout)
+                break
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        uid = _recv_frame(sock, timeout)["nccl_id"]
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock, uid
+
+
 class NcclTransport(Transport):
     """A two-rank NCCL communicator with a TCP control channel; make one with connect()."""
 
@@ -109,56 +145,40 @@ class NcclTransport(Transport):
     def connect(cls, rank: int, rendezvous: str | os.PathLike, device_id: int, *,
                 host: str = "127.0.0.1", timeout: float = 120.0) -> NcclTransport:
         """Joins the two processes (blocks until both have called it)."""
-        import cupy
-
         if rank not in (0, 1):
             raise ValueError(f"rank must be 0 or 1, got {rank!r}")
+        import cupy
+
         for key, value in _MULTICAST_OFF.items():
             os.environ.setdefault(key, value)
         nccl = load_nccl()
-        rendezvous = str(rendezvous)
-        deadline = time.monotonic() + timeout
-        if rank == 0:
+
+        def unique_id() -> list:
             with cupy.cuda.Device(device_id):
-                uid = nccl.get_unique_id()
-            server = socket.create_server(_listen_address(rendezvous, host))
-            try:
-                if not rendezvous.startswith("tcp://"):
-                    bound_host, port = server.getsockname()[:2]
-                    tmp = Path(rendezvous + ".tmp")
-                    tmp.write_text(json.dumps({"host": bound_host, "port": port}))
-                    tmp.replace(rendezvous)
-                server.settimeout(timeout)
-                sock, _ = server.accept()
-            finally:
-                server.close()
-            _send_frame(sock, {"nccl_id": list(uid)})
-        else:
-            address = (_listen_address(rendezvous, host) if rendezvous.startswith("tcp://")
-                       else _wait_for_file(Path(rendezvous), deadline))
-            while True:
-                try:
-                    sock = socket.create_connection(address, timeout=timeout)
-                    break
-                except ConnectionRefusedError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
-            uid = tuple(_recv_frame(sock, timeout)["nccl_id"])
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return list(nccl.get_unique_id())
+
+        sock, uid = rendezvous_control(rank, rendezvous, unique_id, host=host, timeout=timeout)
         with cupy.cuda.Device(device_id):
-            comm = nccl.NcclCommunicator(2, uid, rank)
+            comm = nccl.NcclCommunicator(2, tuple(uid), rank)
         return cls(nccl, comm, sock, rank, device_id)
 
+    def _check_open(self) -> None:
+        if self._sock.fileno() < 0:
+            raise PeerGone("this transport was aborted or closed")
+
     def send_control(self, message: dict) -> None:
+        self._check_open()
         try:
             _send_frame(self._sock, message)
         except OSError as e:
             raise PeerGone(f"the control connection failed: {e}") from e
 
     def recv_control(self, timeout: float | None) -> dict:
+        self._check_open()
         try:
             return _recv_frame(self._sock, timeout)
+        except TimeoutError:  # an OSError too, but the peer may still answer
+            raise
         except OSError as e:
             raise PeerGone(f"the control connection failed: {e}") from e
 
