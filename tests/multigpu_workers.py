@@ -150,7 +150,7 @@ def dying_sender(rendezvous: str, results) -> None:
 
         transport = DiesOnSecondSend.connect(0, rendezvous, 0)
         tables.add(1, 64 * 16)
-        KvSender(tables, transport, chunk_bytes=4 * pool.block_bytes).send(1)
+        KvSender(tables, transport, mode="staged", chunk_bytes=4 * pool.block_bytes).send(1)
         results.put(("error", "dying_sender", "the sender did not exit"))
     except Exception:
         results.put(("error", "dying_sender", traceback.format_exc()))
