@@ -28,7 +28,13 @@ from kvpool._core import (
     cuda_available,
 )
 from kvpool import reference
-from kvpool.kernels import append_kv, copy_blocks, paged_attention_decode
+from kvpool.kernels import (
+    append_kv,
+    copy_blocks,
+    paged_attention_decode,
+    paged_attention_prefill,
+    prefill_plan,
+)
 
 __all__ = [
     "MAX_NUM_BLOCKS",
@@ -55,5 +61,7 @@ __all__ = [
     "copy_blocks",
     "cuda_available",
     "paged_attention_decode",
+    "paged_attention_prefill",
+    "prefill_plan",
     "reference",
 ]

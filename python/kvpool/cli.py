@@ -141,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--watermark", type=_fraction, default=0.01,
                    help="fraction of blocks admission keeps free, in [0, 1)")
     s.add_argument("--reserve", default="max_model_len", choices=RESERVE_MODES,
-                   help="what a contiguous request reserves")
+                   help="what a contiguous request reserves: max_model_len tokens, its prompt + "
+                        "output rounded up to a power of two (pow2), or exactly its prompt + output "
+                        "(request, the best case for contiguous)")
     s.add_argument("--measure-every", type=_int_in(1), default=10,
                    help="with --device cuda: time every N-th decode step")
     o = p.add_argument_group("output")

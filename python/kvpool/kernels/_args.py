@@ -1,4 +1,5 @@
-"""Argument plumbing for the CUDA wrappers: device arrays, streams, dtype names.
+"""Argument plumbing for the CUDA wrappers: device arrays, element types, index arguments
+(streams and launches are in _launch.py).
 
 Inputs are taken through ``__cuda_array_interface__`` (CuPy, PyTorch, Numba, kvpool's own
 views) without copies; only the pointer, shape, strides and element type are read, so bfloat16

@@ -231,6 +231,79 @@ def decode_variants() -> list[DecodeVariant | TcVariant]:
     return tc_variants() + cuda_core_variants()
 
 
+# Paged prefill (paged_prefill.cu): 16 query rows (token x head) per warp. Wide CTAs (4 warps,
+# 64 rows, K/V tiles of 64 tokens, 32 at D=256) for prompts; narrow CTAs (1 warp, 16 rows, K/V
+# tiles of 32 tokens, 16 at D=256) when most of a wide tile would be padding (decode-like and
+# speculative batches: a few query tokens x the group per sequence). PREFILL_STAGES cp.async
+# stages.
+# Block sizes: any power of two up to 256.
+PREFILL_WIDE_WARPS = 4
+PREFILL_NARROW_WARPS = 1
+PREFILL_BN = {64: 64, 128: 64, 256: 32}  # wide CTAs; D=256 with 64-token tiles needs > 255 regs
+PREFILL_NARROW_BN = {64: 32, 128: 32, 256: 16}  # 32 at D=256 spills on sm_90
+PREFILL_STAGES = 2
+PREFILL_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class PrefillVariant:
+    """A compiled prefill module (the query-head tile and causality are run-time arguments)."""
+
+    dtype: str
+    head_dim: int
+    block_size: int
+    warps: int = PREFILL_WIDE_WARPS
+
+    source = "paged_prefill.cu"
+    kernel = "paged_prefill"
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.warps
+
+    @property
+    def kv_tile(self) -> int:
+        tiles = PREFILL_NARROW_BN if self.warps == PREFILL_NARROW_WARPS else PREFILL_BN
+        return tiles.get(self.head_dim, 32)  # the wrapper refuses other head dims
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        """Q tile plus the K+V stages (mirrors Q_BYTES and KV_TILE_BYTES in the .cu)."""
+        row = 2 * self.head_dim
+        return self.rows * row + PREFILL_STAGES * 2 * self.kv_tile * row
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """Resident CTAs per SM the split plan aims to fill (by shared memory, at most 2 wide
+        or 8 narrow CTAs)."""
+        cap = 2 if self.warps == PREFILL_WIDE_WARPS else 8
+        return max(1, min(cap, (227 * 1024) // (self.dynamic_smem_bytes + 1024)))
+
+    def options(self) -> tuple[str, ...]:
+        return COMMON_OPTIONS + (
+            f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
+            f"-DHEAD_DIM={self.head_dim}",
+            f"-DBLOCK_SIZE={self.block_size}",
+            f"-DNWARPS={self.warps}",
+            f"-DBN={self.kv_tile}",
+            f"-DSTAGES={PREFILL_STAGES}",
+        )
+
+
+def prefill_variants() -> list[PrefillVariant]:
+    """The prefill variants CI compiles: wide and narrow for every dtype and head dim at the
+    block sizes the decode kernels support, plus the smallest and largest other block size."""
+    main = [PrefillVariant(dt, hd, bs, w) for dt in DTYPES for hd in HEAD_DIMS
+            for bs in BLOCK_SIZES for w in (PREFILL_WIDE_WARPS, PREFILL_NARROW_WARPS)]
+    edges = [PrefillVariant("float16", 128, bs) for bs in (PREFILL_BLOCK_SIZES[0],
+                                                           PREFILL_BLOCK_SIZES[-1])]
+    return main + edges
+
+
 def _label(v: DecodeVariant | TcVariant) -> str:
     if isinstance(v, TcVariant):
         return f"{v.kernel}[{v.dtype},dp{v.dp},nh{v.nh}]"
@@ -240,13 +313,18 @@ def _label(v: DecodeVariant | TcVariant) -> str:
 def all_sources() -> list[tuple[str, str, tuple[str, ...]]]:
     """(label, source, options) for every module the CI compile test builds."""
     out = [(_label(v), read_source(v.source), v.options()) for v in decode_variants()]
+    out += [
+        (f"{v.kernel}[{v.dtype},{v.head_dim},{v.block_size},w{v.warps}]", read_source(v.source),
+         v.options())
+        for v in prefill_variants()
+    ]
     out.append(("append_kv", read_source("append_kv.cu"), COMMON_OPTIONS))
     out.append(("copy_blocks", read_source("copy_blocks.cu"), COMMON_OPTIONS))
     return out
 
 
 @functools.cache
-def decode_module(variant: DecodeVariant | TcVariant) -> Any:
+def decode_module(variant: DecodeVariant | TcVariant | PrefillVariant) -> Any:
     import cupy
 
     return cupy.RawModule(code=read_source(variant.source), options=variant.options())

@@ -157,7 +157,14 @@ impl Pool {
         Ok(before - guard.mapped_bytes())
     }
 
-    /// The growable pool's invariants, with the resize lock held.
+    /// The growable pool's invariants, with the resize lock held (design: `growable.md`):
+    ///
+    /// ```text
+    /// num_blocks * block_bytes <= mapped_bytes <= reserved_bytes
+    /// num_blocks == min(floor(mapped_bytes / block_bytes), max_num_blocks)
+    /// num_blocks >= max over live views of extent
+    /// ref_cnt(id) > 0  =>  (id + 1) * block_bytes <= mapped_bytes      for every id
+    /// ```
     pub(super) fn check_growable_invariants(&self, guard: &ResizeGuard<'_>) -> Result<(), String> {
         self.allocator.check_invariants()?;
         let (num_blocks, block_bytes) = (self.num_blocks(), self.layout.block_bytes());

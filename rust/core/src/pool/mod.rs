@@ -450,9 +450,13 @@ impl Pool {
         }
     }
 
-    /// Checks the allocator's invariants, then that no block has fewer references than the
-    /// registered block tables hold, and, when `exact_refs` is set (nothing but the tables
-    /// holds blocks), that every block's count equals the tables' references exactly.
+    /// Checks [`check_invariants`](Self::check_invariants), then, with `refs(b)` the
+    /// references the registered block tables hold to block `b`:
+    ///
+    /// ```text
+    /// refs(b) <= ref_cnt(b)                  (== when exact_refs: nothing else holds blocks)
+    /// refs(b) > 0  =>  owner(b) == Tables
+    /// ```
     pub fn check_invariants_with(&self, exact_refs: bool) -> Result<(), String> {
         self.check_invariants()?;
         let mut held = vec![0u32; self.num_blocks()];
@@ -475,6 +479,15 @@ impl Pool {
         Ok(())
     }
 
+    /// The allocator's invariants (`num_free + num_used == num_blocks`, every free id on the
+    /// list once and `< num_blocks`, free iff `ref_cnt == 0`), then the memory's:
+    ///
+    /// ```text
+    /// fixed:    num_blocks * block_bytes <= mapped_bytes
+    /// growable: see `check_growable_invariants` (taken under the resize lock)
+    /// ```
+    ///
+    /// Exact only while no other thread uses the pool.
     pub fn check_invariants(&self) -> Result<(), String> {
         match self.growable_slab() {
             None => {
