@@ -2,8 +2,9 @@
 //!
 //! - [`layout`]: where every byte of a KV block lives (the one place strides are computed).
 //! - [`slab`]: the memory that blocks are carved from (host or CUDA device).
-//! - [`free_list`]: the lock-free stack of free block ids (see `free_list.md`).
-//! - [`allocator`]: the free list plus per-block reference counts: alloc, free, share.
+//! - [`free_list`]: the depot, a lock-free stack of free block ids (see `free_list.md`);
+//!   `free_ids.rs` puts per-thread caches (`thread_cache.rs`) in front of it.
+//! - [`allocator`]: the free ids plus per-block reference counts: alloc, free, share.
 //! - [`pool`]: an allocator bound to a slab and a layout; what the bindings expose.
 //!   A growable pool maps its slab chunk by chunk (`growth.rs`, design in `growable.md`).
 //!
@@ -13,6 +14,7 @@ pub mod allocator;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
+mod free_ids;
 pub mod free_list;
 mod growth;
 pub mod layout;
@@ -22,6 +24,7 @@ pub mod tables;
 #[cfg(feature = "cuda")]
 pub mod upload;
 mod sync;
+mod thread_cache;
 
 pub use allocator::BlockAllocator;
 pub use error::CoreError;
