@@ -11,10 +11,8 @@ Writes JSON (argv[1]) with one row per shape; prints a table last.
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -31,6 +29,7 @@ import kvpool
 from kvpool.kernels import paged_attention_decode, workspace_elems
 from kvpool.kernels import _build
 from kvpool.kernels._plan import plan_decode
+from provenance import provenance
 
 HERE = Path(__file__).resolve().parent
 L2_BYTES = 60 << 20
@@ -304,8 +303,7 @@ def main():
     ceiling, sweep, torch_sum = measure_ceiling()
     print(f"ceiling {ceiling:.3f} TB/s (torch sum {torch_sum:.3f})", flush=True)
     result = {
-        "gpu": torch.cuda.get_device_name(), "commit": os.environ.get("KVPOOL_COMMIT", "unknown"),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "provenance": provenance("bench/decode_bench.py"),
         "ceiling_tb_s": round(ceiling, 4), "ceiling_sweep_tb_s": sweep,
         "torch_sum_tb_s": round(torch_sum, 4),
         "timing": "median of 20 CUDA-graph replays of >= 8 calls rotating over R input sets",

@@ -80,7 +80,7 @@ def test_nvrtc_version_is_not_newer_than_the_box_driver():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_kernel_variant_compiles(arch):
     sources = _build.all_sources()
-    assert len(sources) == len(_build.decode_variants()) + 2
+    assert len(sources) == len(_build.decode_variants()) + len(_build.prefill_variants()) + 2
 
     # NVRTC holds the GIL through cuda-bindings: compile in processes.
     with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as ex:

@@ -10,6 +10,7 @@ __all__ = [
     "Pool",
     "SlabView",
     "cuda_available",
+    "kernel_sources",
     "KvError",
     "OutOfBlocksError",
     "OutOfMemoryError",
@@ -22,6 +23,7 @@ __all__ = [
     "InvalidArgumentError",
     "CudaUnavailableError",
     "CudaError",
+    "KvSystemError",
     "MAX_NUM_BLOCKS",
     "BlockTables",
     "CudaStream",
@@ -46,8 +48,11 @@ class LayoutError(KvError): ...
 class InvalidArgumentError(KvError): ...
 class CudaUnavailableError(KvError): ...
 class CudaError(KvError): ...
+class KvSystemError(KvError):
+    errno: int
 
 def cuda_available() -> bool: ...
+def kernel_sources() -> dict[str, str]: ...
 
 @final
 class KvLayout:

@@ -1,13 +1,16 @@
 """Kernel sources, compile-time variants and the per-variant module cache.
 
-The CUDA C++ sources live in ``kernels/cuda/`` (shipped in the wheel) and are compiled at run time by
-NVRTC through ``cupy.RawModule``. The same :func:`variant_options` feed the runtime compile and
+The CUDA C++ sources live in the repository's top-level ``cuda/`` folder; the build embeds them in
+the extension (``kvpool._core.kernel_sources()``), and they are compiled at run time by NVRTC
+through ``cupy.RawModule``. For kernel development, ``KVPOOL_CUDA_DIR=path/to/cuda`` makes the
+library read the sources from that folder instead, so an edit needs no rebuild. The same :func:`variant_options` feed the runtime compile and
 the CI compile test, so CI compiles exactly what a GPU run compiles.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +33,28 @@ TC_MAX_GQ = {64: 16, 128: 16, 256: 8}  # D=256 with 16 heads needs > 255 registe
 TC_STAGES = {64: 4, 128: 3, 256: 2}  # cp.async stages per warp: 64, 96, 128 KB per CTA
 
 
-def cuda_dir() -> Path:
-    """Folder that holds the .cu sources: ``kvpool/kernels/cuda``, shipped inside the wheel."""
-    return Path(__file__).resolve().parent / "cuda"
+SOURCE_DIR_ENV = "KVPOOL_CUDA_DIR"
+
+
+def source_dir() -> Path | None:
+    """The folder named by ``KVPOOL_CUDA_DIR``, or None: then the embedded sources are used."""
+    value = os.environ.get(SOURCE_DIR_ENV)
+    return Path(value) if value else None
+
+
+def _raw_source(name: str) -> str:
+    folder = source_dir()
+    if folder is not None:
+        path = folder / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{SOURCE_DIR_ENV}={folder}: no kernel source {name!r} there")
+        return path.read_text()
+    from .._core import kernel_sources
+
+    embedded = kernel_sources()
+    if name not in embedded:
+        raise FileNotFoundError(f"no kernel source {name!r} in this build (has {sorted(embedded)})")
+    return embedded[name]
 
 
 INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"$', re.MULTILINE)
@@ -41,8 +63,9 @@ INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"$', re.MULTILINE)
 @functools.cache
 def read_source(name: str) -> str:
     """The source text, with `#include "x.cuh"` lines of our own headers inlined (NVRTC then
-    needs no include path, here, in CI and on the user's machine alike)."""
-    text = (cuda_dir() / name).read_text()
+    needs no include path, here, in CI and on the user's machine alike). Cached per process:
+    set ``KVPOOL_CUDA_DIR`` before the first kernel is compiled."""
+    text = _raw_source(name)
     return INCLUDE.sub(lambda m: read_source(m.group(1)), text)
 
 
@@ -177,6 +200,79 @@ def decode_variants() -> list[DecodeVariant | TcVariant]:
     return default + other + tc_variants()
 
 
+# Paged prefill (paged_prefill.cu): 16 query rows (token x head) per warp. Wide CTAs (4 warps,
+# 64 rows, K/V tiles of 64 tokens, 32 at D=256) for prompts; narrow CTAs (1 warp, 16 rows, K/V
+# tiles of 32 tokens, 16 at D=256) when most of a wide tile would be padding (decode-like and
+# speculative batches: a few query tokens x the group per sequence). PREFILL_STAGES cp.async
+# stages.
+# Block sizes: any power of two up to 256.
+PREFILL_WIDE_WARPS = 4
+PREFILL_NARROW_WARPS = 1
+PREFILL_BN = {64: 64, 128: 64, 256: 32}  # wide CTAs; D=256 with 64-token tiles needs > 255 regs
+PREFILL_NARROW_BN = {64: 32, 128: 32, 256: 16}  # 32 at D=256 spills on sm_90
+PREFILL_STAGES = 2
+PREFILL_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class PrefillVariant:
+    """A compiled prefill module (the query-head tile and causality are run-time arguments)."""
+
+    dtype: str
+    head_dim: int
+    block_size: int
+    warps: int = PREFILL_WIDE_WARPS
+
+    source = "paged_prefill.cu"
+    kernel = "paged_prefill"
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.warps
+
+    @property
+    def kv_tile(self) -> int:
+        tiles = PREFILL_NARROW_BN if self.warps == PREFILL_NARROW_WARPS else PREFILL_BN
+        return tiles.get(self.head_dim, 32)  # the wrapper refuses other head dims
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        """Q tile plus the K+V stages (mirrors Q_BYTES and KV_TILE_BYTES in the .cu)."""
+        row = 2 * self.head_dim
+        return self.rows * row + PREFILL_STAGES * 2 * self.kv_tile * row
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """Resident CTAs per SM the split plan aims to fill (by shared memory, at most 2 wide
+        or 8 narrow CTAs)."""
+        cap = 2 if self.warps == PREFILL_WIDE_WARPS else 8
+        return max(1, min(cap, (227 * 1024) // (self.dynamic_smem_bytes + 1024)))
+
+    def options(self) -> tuple[str, ...]:
+        return COMMON_OPTIONS + (
+            f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
+            f"-DHEAD_DIM={self.head_dim}",
+            f"-DBLOCK_SIZE={self.block_size}",
+            f"-DNWARPS={self.warps}",
+            f"-DBN={self.kv_tile}",
+            f"-DSTAGES={PREFILL_STAGES}",
+        )
+
+
+def prefill_variants() -> list[PrefillVariant]:
+    """The prefill variants CI compiles: wide and narrow for every dtype and head dim at the
+    block sizes the decode kernels support, plus the smallest and largest other block size."""
+    main = [PrefillVariant(dt, hd, bs, w) for dt in DTYPES for hd in HEAD_DIMS
+            for bs in BLOCK_SIZES for w in (PREFILL_WIDE_WARPS, PREFILL_NARROW_WARPS)]
+    edges = [PrefillVariant("float16", 128, bs) for bs in (PREFILL_BLOCK_SIZES[0],
+                                                           PREFILL_BLOCK_SIZES[-1])]
+    return main + edges
+
+
 def _tile_label(v: DecodeVariant | TcVariant) -> str:
     return f"nh{v.nh}" if isinstance(v, TcVariant) else f"{v.gq},p{v.pipeline}"
 
@@ -188,13 +284,18 @@ def all_sources() -> list[tuple[str, str, tuple[str, ...]]]:
          read_source(v.source), v.options())
         for v in decode_variants()
     ]
+    out += [
+        (f"{v.kernel}[{v.dtype},{v.head_dim},{v.block_size},w{v.warps}]", read_source(v.source),
+         v.options())
+        for v in prefill_variants()
+    ]
     out.append(("append_kv", read_source("append_kv.cu"), COMMON_OPTIONS))
     out.append(("copy_blocks", read_source("copy_blocks.cu"), COMMON_OPTIONS))
     return out
 
 
 @functools.cache
-def decode_module(variant: DecodeVariant | TcVariant) -> Any:
+def decode_module(variant: DecodeVariant | TcVariant | PrefillVariant) -> Any:
     import cupy
 
     return cupy.RawModule(code=read_source(variant.source), options=variant.options())

@@ -21,14 +21,19 @@ from kvpool.kernels._args import (
     check_ptr,
     device_index,
     elem_ok,
-    external_stream,
     index_arg,
     pool_is_cuda,
-    stream_ptr,
-    wait_producers,
 )
 from kvpool.kernels._args import dev as _dev
 from kvpool.kernels._args import view as _view
+from kvpool.kernels._launch import (
+    Kernel,
+    cupy_stream,
+    launch,
+    param_block,
+    stream_handle,
+    wait_producers,
+)
 from kvpool.kernels._plan import CTAS_PER_SM, DecodePlan, plan_decode
 
 LOG2E = 1.4426950408889634  # the kernel works in the log2 domain (exp2)
@@ -84,7 +89,7 @@ def paged_attention_decode(
         return _decode_host(q, pool, layer, block_tables, seq_lens, scale, out)
     return _decode_cuda(
         q, pool, info, layer, block_tables, seq_lens, scale, out, stream, max_seq_len,
-        num_splits, workspace, _build.TC if pipeline is None else int(pipeline),
+        num_splits, workspace, _build.TC if pipeline is None else index_arg(pipeline, "pipeline"),
     )
 
 
@@ -234,22 +239,11 @@ class _MergeArgs(ctypes.Structure):
     ]
 
 
-def _param_block(struct: ctypes.Structure, skip: tuple[str, ...] = ()) -> Any:
-    """void*[] of the addresses of the struct's fields (the cuLaunchKernel kernelParams)."""
-    base = ctypes.addressof(struct)
-    names = [f[0] for f in struct._fields_ if f[0] not in skip]
-    ptrs = (ctypes.c_void_p * len(names))(
-        *[base + getattr(type(struct), n).offset for n in names])
-    return ptrs
-
-
 class _Prepared:
     """Everything about a decode call that does not change between calls with the same pool,
     layer, shapes, strides, dtypes, scale and kernel choice."""
 
     def __init__(self, info: _PoolInfo, layer: int, qv, btv, slv, ov, scale, pipeline) -> None:
-        import cupy
-
         d = info.head_dim
         qa, bt, sl, oa = _dev(qv, "q"), _dev(btv, "block_tables"), _dev(slv, "seq_lens"), _dev(
             ov, "out")
@@ -286,25 +280,18 @@ class _Prepared:
         self.num_sms = _num_sms(info.device_id)
         self.threads = variant.threads
         self.smem = variant.dynamic_smem_bytes
-        with cupy.cuda.Device(info.device_id):
-            mod = _build.decode_module(variant)
-            kernel = mod.get_function(variant.kernel)
-            if self.smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < self.smem:
-                kernel.max_dynamic_shared_size_bytes = self.smem
-            merge = mod.get_function("merge_splits")
-            # RawKernel.kernel: the cupy.cuda.Function of the current device (its CUfunction).
-            fn, merge_fn = kernel.kernel, merge.kernel
-        self._keep = (mod, kernel, merge, fn, merge_fn)
-        self.fn, self.merge_fn = fn.ptr, merge_fn.ptr
+        mod = _build.decode_module(variant)
+        self.kernel = Kernel(mod, variant.kernel, info.device_id, self.smem)
+        self.merge = Kernel(mod, "merge_splits", info.device_id)
         k_base = info.base_ptr + layer * st["layer"]
         a = self.args = _DecodeArgs(
             0, qa.strides[0], qa.strides[1], 0, oa.strides[0], oa.strides[1], 0, 0,
             k_base, k_base + st["kv"], st["block"], st["token"], st["head"], info.num_blocks,
             0, bt.strides[0], 0, hq, group, gq, 0, 0,
             (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E)
-        self.params = _param_block(a, () if self.tc else ("gq",))
+        self.params = param_block(a, () if self.tc else ("gq",))
         m = self.margs = _MergeArgs(0, 0, 0, oa.strides[0], oa.strides[1], 0, hq, 0, 0)
-        self.mparams = _param_block(m)
+        self.mparams = param_block(m)
         self.lock = threading.Lock()
 
 
@@ -341,7 +328,7 @@ def _cached_workspace(device_id: int, stream: int, need: int) -> int:
     if ws is None or ws.size < need:
         import cupy
 
-        with cupy.cuda.Device(device_id), external_stream(stream):
+        with cupy.cuda.Device(device_id), cupy_stream(stream):
             ws = cupy.empty(max(need, 1 << 16), cupy.float32)
         _WORKSPACES[key] = ws
         while len(_WORKSPACES) > _MAX_WORKSPACES:
@@ -365,13 +352,13 @@ def _decode_cuda(q, pool, info, layer, block_tables, seq_lens, scale, out, strea
     if out is None:
         import cupy
 
-        if len(qv[1]) != 3:
-            _check_shapes(qv[1], btv[1], slv[1], _LayoutDims(info))
+        if len(qv.shape) != 3:
+            _check_shapes(qv.shape, btv.shape, slv.shape, _LayoutDims(info))
         with cupy.cuda.Device(info.device_id):
-            out = cupy.empty(tuple(qv[1]), dtype=cupy.float16 if qv[3][1] == "f" else cupy.uint16)
+            out = cupy.empty(tuple(qv.shape), dtype=cupy.float16 if qv.is_float else cupy.uint16)
     ov = _view(out, "out")
-    key = (info.serial, layer, qv[1], qv[2], qv[3], btv[1], btv[2], btv[3], slv[1], slv[2], slv[3],
-           ov[1], ov[2], ov[3], scale, pipeline)
+    key = (info.serial, layer, qv.layout_key, btv.layout_key, slv.layout_key, ov.layout_key,
+           scale, pipeline)
     prep = _PREPARED.get(key)
     if prep is None:
         prep = _Prepared(info, layer, qv, btv, slv, ov, scale, pipeline)
@@ -382,26 +369,27 @@ def _decode_cuda(q, pool, info, layer, block_tables, seq_lens, scale, out, strea
     if num_seqs == 0:
         return out
     dev = info.device_id
-    if qv[0] % 16:
+    if qv.ptr % 16:
         raise InvalidArgumentError("q rows must be contiguous and 16-byte aligned")
-    check_ptr(qv[0], "q", dev)
-    check_ptr(btv[0], "block_tables", dev)
-    check_ptr(slv[0], "seq_lens", dev)
-    check_ptr(ov[0], "out", dev)
-    sp = stream_ptr(stream)
+    check_ptr(qv.ptr, "q", dev)
+    check_ptr(btv.ptr, "block_tables", dev)
+    check_ptr(slv.ptr, "seq_lens", dev)
+    check_ptr(ov.ptr, "out", dev)
+    sp = stream_handle(stream)
     if max_seq_len is None:
         import cupy
 
         # Synchronises (pass max_seq_len to avoid it); read on the launch stream, after the
         # producers of seq_lens.
         wait_producers(sp, dev, slv)
-        with cupy.cuda.Device(dev), external_stream(sp):
+        with cupy.cuda.Device(dev), cupy_stream(sp):
             max_seq_len = int(cupy.asarray(seq_lens).max())
     else:
         max_seq_len = index_arg(max_seq_len, "max_seq_len")
-    if max_seq_len > btv[1][1] * info.block_size:
+    max_blocks_per_seq = btv.shape[1]
+    if max_seq_len > max_blocks_per_seq * info.block_size:
         raise InvalidArgumentError(
-            f"max_seq_len {max_seq_len} exceeds the block tables' {btv[1][1]} blocks of "
+            f"max_seq_len {max_seq_len} exceeds the block tables' {max_blocks_per_seq} blocks of "
             f"{info.block_size} tokens"
         )
     plan = _plan(num_seqs, prep.ctas_per_seq, max(max_seq_len, 1),
@@ -427,41 +415,14 @@ def _decode_cuda(q, pool, info, layer, block_tables, seq_lens, scale, out, strea
     wait_producers(sp, dev, qv, btv, slv, ov)
     with prep.lock:
         a = prep.args
-        a.q, a.out, a.part_o, a.part_lse = qv[0], ov[0], part_o, part_lse
-        a.block_tables, a.seq_lens = btv[0], slv[0]
+        a.q, a.out, a.part_o, a.part_lse = qv.ptr, ov.ptr, part_o, part_lse
+        a.block_tables, a.seq_lens = btv.ptr, slv.ptr
         a.chunk_tokens, a.max_splits = plan.chunk_tokens, plan.num_splits
-        _launch(prep, plan.num_splits, prep.ctas_per_seq, num_seqs, prep.threads, prep.smem, sp,
-                prep.fn, prep.params)
+        launch(prep.kernel, (plan.num_splits, prep.ctas_per_seq, num_seqs), prep.threads,
+               prep.smem, sp, prep.params)
         if plan.split:
             m = prep.margs
-            m.part_o, m.part_lse, m.out, m.seq_lens = part_o, part_lse, ov[0], slv[0]
+            m.part_o, m.part_lse, m.out, m.seq_lens = part_o, part_lse, ov.ptr, slv.ptr
             m.chunk_tokens, m.max_splits = plan.chunk_tokens, plan.num_splits
-            _launch(prep, prep.hq, num_seqs, 1, prep.d, 0, sp, prep.merge_fn, prep.mparams)
+            launch(prep.merge, (prep.hq, num_seqs, 1), prep.d, 0, sp, prep.mparams)
     return out
-
-
-def _launch(prep, gx, gy, gz, threads, smem, stream, fn, params) -> None:
-    from cupy.cuda import driver
-
-    try:
-        driver.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream,
-                            ctypes.addressof(params), 0)
-    except driver.CUDADriverError:
-        # No (or another device's) context current on this thread: make the pool's device
-        # current through the runtime (which also makes its primary context current; cupy's
-        # Device() context skips setDevice when the id already matches) and try once more. The
-        # caller's current device is restored when it was another one.
-        from cupy.cuda import runtime
-
-        from kvpool._core import CudaError
-
-        prev = runtime.getDevice()
-        runtime.setDevice(prep.device_id)
-        try:
-            driver.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream,
-                                ctypes.addressof(params), 0)
-        except driver.CUDADriverError as e:
-            raise CudaError(f"launching the decode kernel failed: {e}") from e
-        finally:
-            if prev != prep.device_id:
-                runtime.setDevice(prev)

@@ -27,6 +27,7 @@ from typing import Callable, Protocol, Sequence
 
 from kvpool.scheduler.metrics import StepMetrics
 from kvpool.scheduler.policies import Policy, make_policy
+from kvpool.scheduler.seq import Seq
 from kvpool.scheduler.workload import Request
 
 
@@ -52,35 +53,6 @@ class SchedulerConfig:
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         make_policy(self.policy)
-
-
-class Seq:
-    """The serving state of one request."""
-
-    __slots__ = (
-        "request", "prefill_target", "prefilled", "generated", "kv_tokens", "decoding", "running",
-        "last_scheduled_s", "times_scheduled", "first_token_s", "finish_s", "num_preemptions",
-        "num_finishes",
-    )
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-        self.prefill_target = request.prompt_tokens  # prompt (+ generated tokens after preemption)
-        self.prefilled = 0
-        self.generated = 0
-        self.kv_tokens = 0  # tokens whose KV the backend holds for this sequence
-        self.decoding = False
-        self.running = False
-        self.last_scheduled_s = request.arrival_s
-        self.times_scheduled = 0
-        self.first_token_s = -1.0
-        self.finish_s = -1.0
-        self.num_preemptions = 0
-        self.num_finishes = 0
-
-    @property
-    def request_id(self) -> int:
-        return self.request.request_id
 
 
 class KvBackend(Protocol):

@@ -132,6 +132,8 @@ impl BlockAllocator {
         Ok(&self.ref_cnt[block_id as usize])
     }
 
+    /// Tests and benchmarks only: the pool's `alloc` is the one that grows.
+    #[cfg(feature = "internals")]
     pub fn alloc(&self) -> Result<u32, CoreError> {
         let mut id = [0u32];
         self.alloc_into(&mut id)?;
@@ -160,6 +162,8 @@ impl BlockAllocator {
         Ok(())
     }
 
+    /// Tests and benchmarks only: the pool's `alloc_many` is the one that grows.
+    #[cfg(feature = "internals")]
     pub fn alloc_many(&self, count: usize) -> Result<Vec<u32>, CoreError> {
         if count > self.num_blocks() {
             // Can never succeed: refuse before sizing a buffer for it (a huge count would
@@ -306,7 +310,8 @@ impl BlockAllocator {
         self.parked.store(0, Ordering::Release);
     }
 
-    /// The invariants of DESIGN.md, checked exactly. Only meaningful while no other thread
+    /// The pool invariants (`num_free + num_used == num_blocks`, free ids unique and below
+    /// `num_blocks`, free iff ref count 0), checked exactly. Only meaningful while no other thread
     /// mutates the allocator.
     pub fn check_invariants(&self) -> Result<(), String> {
         let on_list = self.free_ids.snapshot()?;

@@ -4,28 +4,32 @@
 //! - [`slab`]: the memory that blocks are carved from (host or CUDA device).
 //! - [`free_list`]: the depot, a lock-free stack of free block ids (see `free_list.md`);
 //!   `free_ids.rs` puts per-thread caches (`thread_cache.rs`) in front of it.
-//! - [`allocator`]: the free ids plus per-block reference counts: alloc, free, share.
-//! - [`pool`]: an allocator bound to a slab and a layout; what the bindings expose.
-//!   A growable pool maps its slab chunk by chunk (`growth.rs`, design in `growable.md`).
+//! - `allocator` (private): the free ids plus per-block reference counts: alloc, free, share.
+//! - [`pool`]: an allocator bound to a slab and a layout; what the bindings expose. Every
+//!   block operation goes through it. A growable pool maps its slab chunk by chunk
+//!   (`pool/growth.rs`, design in `pool/growable.md`).
+//! - [`tables`]: each request's block table, and its upload to the GPU (`tables/upload.rs`,
+//!   design in `tables/upload.md`).
+//! - `driver` (feature `cuda`): probing the CUDA driver, and owning wrappers of its objects.
 //!
 //! Every fallible call returns [`CoreError`] and changes nothing when it fails.
 
-pub mod allocator;
+mod allocator;
 #[cfg(feature = "cuda")]
-pub mod cuda;
+pub mod driver;
 pub mod error;
 mod free_ids;
 pub mod free_list;
-mod growth;
 pub mod layout;
 pub mod pool;
 pub mod slab;
 pub mod tables;
-#[cfg(feature = "cuda")]
-pub mod upload;
 mod sync;
 mod thread_cache;
 
+/// The bare allocator, which never grows a pool: only for this crate's own tests, loom
+/// models and benchmarks (feature `internals`). Everything else goes through [`Pool`].
+#[cfg(feature = "internals")]
 pub use allocator::BlockAllocator;
 pub use error::CoreError;
 pub use layout::{DType, KvLayout};

@@ -4,8 +4,7 @@
 
 use std::sync::Barrier;
 
-use kvpool_core::slab::Device;
-use kvpool_core::{BlockAllocator, CoreError, DType, GrowableSize, KvLayout, Pool};
+use kvpool_core::{BlockAllocator, CoreError, DType, Device, GrowableSize, KvLayout, Pool};
 
 /// Spawns `threads` threads that each allocate `per_thread` blocks and free them (so the ids
 /// end in their caches), all holding at once, then exit.
@@ -110,5 +109,5 @@ fn shrink_reclaims_ids_cached_by_this_and_exited_threads() {
     assert_eq!(p.num_free(), p.num_blocks());
     assert!(p.shrink().unwrap() > 0);
     p.check_invariants().unwrap();
-    assert_eq!((p.num_blocks(), p.slab_bytes()), (0, 0), "a cached id kept its chunk mapped");
+    assert_eq!((p.num_blocks(), p.mapped_bytes()), (0, 0), "a cached id kept its chunk mapped");
 }

@@ -1,0 +1,505 @@
+//! `Pool`: a block allocator bound to a slab and a layout. Block `id` occupies
+//! `[base_ptr + id * block_bytes, base_ptr + (id + 1) * block_bytes)`.
+//!
+//! A pool is fixed (one allocation of `num_blocks` blocks) or growable (a reserved range of
+//! `max_num_blocks` blocks backed chunk by chunk). `base_ptr` never changes in either.
+//!
+//! - `mod.rs`: construction, the block API (forwarded to the allocator; allocation grows a
+//!   growable pool), stats and invariants.
+//! - `growth.rs`: grow, shrink and the allocation slow path (design: `growable.md`).
+//! - `views.rs`: the extents live views pin, which a shrink must keep mapped.
+//! - `device.rs`: the CUDA context and the pool's stream (CUDA pools only).
+//!
+//! The allocator is private to the crate: every block operation goes through the pool, so no
+//! caller can allocate past a growable pool's growth path.
+
+#[cfg(feature = "cuda")]
+mod device;
+mod growth;
+mod owner;
+mod views;
+
+#[cfg(feature = "cuda")]
+pub use device::DeviceContext;
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, Weak};
+
+pub(crate) use owner::Owner;
+use owner::Owners;
+
+use crate::allocator::BlockAllocator;
+use crate::error::CoreError;
+use crate::layout::KvLayout;
+use crate::slab::{self, ChunkBackend, Device, GrowableSlab, MemoryInfo, Slab};
+
+/// How big a pool to make.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PoolSize {
+    NumBlocks(usize),
+    /// As many blocks as fit in this many bytes.
+    MemoryBytes(usize),
+    /// A fraction in (0, 1] of the device's free memory now (vLLM's `gpu_memory_utilization`
+    /// applied to free rather than total memory, since other users may hold the rest).
+    DeviceMemoryFraction(f64),
+}
+
+/// Sizes of a growable pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GrowableSize {
+    /// The reservation: the pool never holds more blocks.
+    pub max_num_blocks: usize,
+    /// Blocks mapped at creation (rounded up to whole chunks, so there may be more).
+    pub initial_num_blocks: usize,
+    /// Bytes per chunk; `None`: 2 MiB on the host, the driver's granularity on CUDA.
+    pub chunk_bytes: Option<usize>,
+}
+
+enum Backing {
+    Fixed(Box<dyn Slab>),
+    Growable(GrowableSlab),
+}
+
+impl Backing {
+    fn slab(&self) -> &dyn Slab {
+        match self {
+            Backing::Fixed(slab) => slab.as_ref(),
+            Backing::Growable(slab) => slab,
+        }
+    }
+}
+
+pub struct Pool {
+    layout: KvLayout,
+    allocator: BlockAllocator,
+    /// Which API each allocated block belongs to (see `owner.rs`).
+    owners: Owners,
+    backing: Backing,
+    /// The CUDA context and the pool's own stream (`None` on the host).
+    #[cfg(feature = "cuda")]
+    device_context: Option<DeviceContext>,
+    /// Everything that holds block references (block tables), so `check_invariants` can
+    /// compare the references they hold with the pool's counts. Not on any hot path.
+    ref_holders: Mutex<Vec<Weak<dyn RefHolder>>>,
+    /// Extents (in blocks) of the live views over the slab: extent -> number of views. A
+    /// shrink never unmaps memory below the largest (see [`Pool::pin_view_extent`]).
+    view_extents: Mutex<BTreeMap<usize, usize>>,
+}
+
+#[cfg(feature = "cuda")]
+type DeviceContextSlot = Option<DeviceContext>;
+#[cfg(not(feature = "cuda"))]
+type DeviceContextSlot = ();
+
+/// Something that holds references to a pool's blocks (a `BlockTables`).
+pub trait RefHolder: Send + Sync {
+    /// Adds, for every block it references, one to `counts[block_id]` per reference.
+    fn count_refs(&self, counts: &mut [u32]);
+}
+
+/// A plain snapshot of a pool's counters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolStats {
+    pub num_blocks: usize,
+    /// `num_blocks` for a fixed pool.
+    pub max_num_blocks: usize,
+    pub growable: bool,
+    /// Bytes backed by memory now, and the reservation (equal for fixed pools).
+    pub mapped_bytes: usize,
+    pub reserved_bytes: usize,
+    /// Mapped chunks and their size (a fixed pool is one chunk: its whole slab).
+    pub num_chunks: usize,
+    pub chunk_bytes: usize,
+    pub num_free: usize,
+    pub num_used: usize,
+    pub high_water: usize,
+    pub block_bytes: usize,
+    pub device: Device,
+    pub memory: Option<MemoryInfo>,
+}
+
+impl Pool {
+    pub fn new(layout: KvLayout, size: PoolSize, device: Device) -> Result<Self, CoreError> {
+        let num_blocks = Self::resolve_num_blocks(&layout, size, device)?;
+        let slab_bytes = num_blocks
+            .checked_mul(layout.block_bytes())
+            .ok_or_else(|| CoreError::InvalidArgument(format!("{num_blocks} blocks overflow the address space")))?;
+        let device_context = Self::device_context_for(device)?;
+        // The slab first: it is the large allocation, and it fails cleanly (OutOfMemory)
+        // before any per-block bookkeeping is sized for a count that cannot be backed.
+        let slab = slab::allocate(device, slab_bytes)?;
+        let allocator = BlockAllocator::new(num_blocks)?;
+        Self::assemble(layout, allocator, Backing::Fixed(slab), device_context)
+    }
+
+    /// The parts of a pool, with no holders or views yet.
+    fn assemble(
+        layout: KvLayout,
+        allocator: BlockAllocator,
+        backing: Backing,
+        device_context: DeviceContextSlot,
+    ) -> Result<Self, CoreError> {
+        #[cfg(not(feature = "cuda"))]
+        let () = device_context;
+        Ok(Pool {
+            layout,
+            owners: Owners::new(allocator.max_num_blocks())?,
+            allocator,
+            backing,
+            #[cfg(feature = "cuda")]
+            device_context,
+            ref_holders: Mutex::new(Vec::new()),
+            view_extents: Mutex::new(BTreeMap::new()),
+        })
+    }
+
+    /// The context and stream a pool on `device` needs (none on the host).
+    fn device_context_for(device: Device) -> Result<DeviceContextSlot, CoreError> {
+        match device {
+            Device::Host => Ok(Default::default()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => DeviceContext::new(ordinal).map(Some),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Ok(()),
+        }
+    }
+
+    /// A growable pool on `device`: reserves room for `size.max_num_blocks` and maps enough
+    /// chunks for `size.initial_num_blocks`.
+    pub fn new_growable(layout: KvLayout, size: GrowableSize, device: Device) -> Result<Self, CoreError> {
+        let reserved_bytes = Self::reservation_for(&layout, size)?;
+        let slab = slab::reserve_growable(device, reserved_bytes, size.chunk_bytes)?;
+        Self::with_growable_slab(layout, size, slab)
+    }
+
+    /// A growable pool over any chunk backend (tests inject failing ones). `size.chunk_bytes`
+    /// is ignored: the backend has its own.
+    pub fn with_chunk_backend(layout: KvLayout, size: GrowableSize, backend: Box<dyn ChunkBackend>) -> Result<Self, CoreError> {
+        Self::reservation_for(&layout, size)?;
+        Self::with_growable_slab(layout, size, GrowableSlab::new(backend))
+    }
+
+    fn reservation_for(layout: &KvLayout, size: GrowableSize) -> Result<usize, CoreError> {
+        if size.max_num_blocks == 0 || size.initial_num_blocks > size.max_num_blocks {
+            return Err(CoreError::InvalidArgument(format!(
+                "a growable pool needs 1 <= max_num_blocks and initial_num_blocks <= max_num_blocks, got {} and {}",
+                size.max_num_blocks, size.initial_num_blocks
+            )));
+        }
+        size.max_num_blocks.checked_mul(layout.block_bytes()).ok_or_else(|| {
+            CoreError::InvalidArgument(format!("{} blocks overflow the address space", size.max_num_blocks))
+        })
+    }
+
+    fn with_growable_slab(layout: KvLayout, size: GrowableSize, slab: GrowableSlab) -> Result<Self, CoreError> {
+        let needed = size.max_num_blocks * layout.block_bytes();
+        if slab.reserved_bytes() < needed {
+            return Err(CoreError::InvalidArgument(format!(
+                "the backend reserves {} bytes, {} blocks need {needed}",
+                slab.reserved_bytes(),
+                size.max_num_blocks
+            )));
+        }
+        let allocator = BlockAllocator::new_growable(0, size.max_num_blocks)?;
+        let device_context = Self::device_context_for(slab.device())?;
+        let pool = Self::assemble(layout, allocator, Backing::Growable(slab), device_context)?;
+        pool.grow(size.initial_num_blocks).map_err(|e| match e {
+            // Creation asked for memory and did not get it: the slab could not be allocated.
+            CoreError::CannotGrow { .. } => CoreError::OutOfMemory {
+                requested_bytes: size.initial_num_blocks * pool.layout.block_bytes(),
+                device: pool.device().to_string(),
+            },
+            e => e,
+        })?;
+        Ok(pool)
+    }
+
+    fn resolve_num_blocks(layout: &KvLayout, size: PoolSize, device: Device) -> Result<usize, CoreError> {
+        let block_bytes = layout.block_bytes();
+        let num_blocks = match size {
+            PoolSize::NumBlocks(n) => n,
+            PoolSize::MemoryBytes(bytes) => bytes / block_bytes,
+            PoolSize::DeviceMemoryFraction(fraction) => {
+                if !(fraction > 0.0 && fraction <= 1.0) {
+                    return Err(CoreError::InvalidArgument(format!(
+                        "gpu_memory_utilization must be in (0, 1], got {fraction}"
+                    )));
+                }
+                let info = slab::device_memory_info(device)?.ok_or_else(|| {
+                    CoreError::InvalidArgument(
+                        "gpu_memory_utilization needs a CUDA device; give num_blocks or memory_bytes for host pools"
+                            .into(),
+                    )
+                })?;
+                (info.free_bytes as f64 * fraction) as usize / block_bytes
+            }
+        };
+        if num_blocks == 0 || num_blocks > crate::MAX_NUM_BLOCKS {
+            // Named by what the caller gave: a memory size is not a block count.
+            let given = match size {
+                PoolSize::NumBlocks(n) => return Err(CoreError::InvalidArgument(format!(
+                    "num_blocks must be in 1..={}, got {n}",
+                    crate::MAX_NUM_BLOCKS
+                ))),
+                PoolSize::MemoryBytes(bytes) => format!("memory_bytes={bytes}"),
+                PoolSize::DeviceMemoryFraction(fraction) => format!("gpu_memory_utilization={fraction}"),
+            };
+            return Err(CoreError::InvalidArgument(format!(
+                "{given} holds {num_blocks} blocks of {block_bytes} bytes; a pool holds 1..={} blocks",
+                crate::MAX_NUM_BLOCKS
+            )));
+        }
+        Ok(num_blocks)
+    }
+
+    /// Blocks that exist now (backed by memory).
+    pub fn num_blocks(&self) -> usize {
+        self.allocator.num_blocks()
+    }
+    /// The most blocks this pool can ever hold (`num_blocks` unless growable).
+    pub fn max_num_blocks(&self) -> usize {
+        self.allocator.max_num_blocks()
+    }
+    /// Free blocks now (a snapshot under concurrency).
+    pub fn num_free(&self) -> usize {
+        self.allocator.num_free()
+    }
+    pub fn num_used(&self) -> usize {
+        self.allocator.num_used()
+    }
+    /// The most blocks ever in use at once.
+    pub fn high_water(&self) -> usize {
+        self.allocator.high_water()
+    }
+    /// Current reference count of a block (0: free).
+    pub fn ref_cnt(&self, block_id: u32) -> Result<u32, CoreError> {
+        self.allocator.ref_cnt(block_id)
+    }
+
+    pub fn alloc(&self) -> Result<u32, CoreError> {
+        let mut id = [0u32];
+        self.alloc_into(&mut id)?;
+        Ok(id[0])
+    }
+
+    /// Allocates `count` blocks, all or none, growing a growable pool if needed.
+    pub fn alloc_many(&self, count: usize) -> Result<Vec<u32>, CoreError> {
+        if count > self.max_num_blocks() {
+            // Can never succeed: refuse before sizing a buffer for it.
+            return Err(self.out_of_blocks(count, "the request exceeds max_num_blocks"));
+        }
+        let mut ids = Vec::new();
+        ids.try_reserve_exact(count)
+            .map_err(|_| CoreError::OutOfMemory { requested_bytes: count * 4, device: "host".into() })?;
+        ids.resize(count, 0);
+        self.alloc_into(&mut ids)?;
+        Ok(ids)
+    }
+
+    /// Fills `out` with newly allocated ids (ref count 1), or fails having taken none. A
+    /// growable pool that finds too few free blocks grows first; if it cannot, it fails with
+    /// `CannotGrow` and is exactly as it was.
+    pub fn alloc_into(&self, out: &mut [u32]) -> Result<(), CoreError> {
+        self.alloc_into_for(out, Owner::Pool)
+    }
+
+    /// Drops one reference; the block returns to the free list when its count reaches 0.
+    /// A block that block tables hold is refused (`InvalidBlock`), changing nothing.
+    pub fn free(&self, block_id: u32) -> Result<(), CoreError> {
+        self.free_many_for(&[block_id], Owner::Pool)
+    }
+
+    /// Drops one reference to each id, all or none (bad, repeated, free or table-held ids
+    /// change nothing).
+    pub fn free_many(&self, block_ids: &[u32]) -> Result<(), CoreError> {
+        self.free_many_for(block_ids, Owner::Pool)
+    }
+
+    /// Adds one reference to each id. All must be allocated through the pool API.
+    pub fn share_many(&self, block_ids: &[u32]) -> Result<(), CoreError> {
+        self.share_many_for(block_ids, Owner::Pool)
+    }
+
+    /// [`alloc_into`](Self::alloc_into) on behalf of `owner`, whose tag the new ids get.
+    pub(crate) fn alloc_into_for(&self, out: &mut [u32], owner: Owner) -> Result<(), CoreError> {
+        match (self.allocator.alloc_into(out), self.growable_slab()) {
+            (Err(CoreError::OutOfBlocks { .. }), Some(slab)) => self.alloc_growing(&mut slab.lock(), out)?,
+            (result, _) => result?,
+        }
+        self.owners.set(out, owner);
+        Ok(())
+    }
+
+    /// [`free_many`](Self::free_many) on behalf of `owner`: every allocated id must be its.
+    pub(crate) fn free_many_for(&self, block_ids: &[u32], owner: Owner) -> Result<(), CoreError> {
+        self.check_owner(block_ids, owner)?;
+        match block_ids {
+            [id] => self.allocator.free(*id),
+            _ => self.allocator.free_many(block_ids),
+        }
+    }
+
+    /// [`share_many`](Self::share_many) on behalf of `owner`: every allocated id must be its.
+    pub(crate) fn share_many_for(&self, block_ids: &[u32], owner: Owner) -> Result<(), CoreError> {
+        self.check_owner(block_ids, owner)?;
+        self.allocator.share_many(block_ids)
+    }
+
+    /// The API that allocated `block_id` (meaningful while it is allocated).
+    pub(crate) fn owner(&self, block_id: u32) -> Owner {
+        self.owners.get(block_id)
+    }
+
+    /// Refuses an allocated id that belongs to another owner. Ids out of range or free are
+    /// left to the allocator, which names them (`InvalidBlock`, `DoubleFree`).
+    fn check_owner(&self, block_ids: &[u32], owner: Owner) -> Result<(), CoreError> {
+        let num_blocks = self.num_blocks();
+        for &id in block_ids {
+            if (id as usize) < num_blocks && self.allocator.ref_cnt_unchecked(id as usize) > 0 {
+                let actual = self.owners.get(id);
+                if actual != owner {
+                    return Err(CoreError::InvalidBlock { value: id.to_string(), reason: actual.describe().into() });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+    pub fn device(&self) -> Device {
+        self.backing.slab().device()
+    }
+    pub fn base_ptr(&self) -> u64 {
+        self.backing.slab().base_ptr()
+    }
+    /// Bytes backed by memory now (for a growable pool, the mapped chunks).
+    pub fn mapped_bytes(&self) -> usize {
+        self.backing.slab().len_bytes()
+    }
+    pub fn is_growable(&self) -> bool {
+        matches!(self.backing, Backing::Growable(_))
+    }
+    /// Bytes of address space the pool holds (its mapped bytes if it is not growable).
+    pub fn reserved_bytes(&self) -> usize {
+        match &self.backing {
+            Backing::Fixed(slab) => slab.len_bytes(),
+            Backing::Growable(slab) => slab.reserved_bytes(),
+        }
+    }
+    pub(crate) fn growable_slab(&self) -> Option<&GrowableSlab> {
+        match &self.backing {
+            Backing::Fixed(_) => None,
+            Backing::Growable(slab) => Some(slab),
+        }
+    }
+
+    /// Address of block `block_id` (allocated or not; the id must be in range).
+    pub fn block_ptr(&self, block_id: u32) -> Result<u64, CoreError> {
+        if block_id as usize >= self.num_blocks() {
+            return Err(CoreError::out_of_range_id(block_id, self.num_blocks()));
+        }
+        Ok(self.base_ptr() + block_id as u64 * self.layout.block_bytes() as u64)
+    }
+
+    pub fn stats(&self) -> Result<PoolStats, CoreError> {
+        let (num_chunks, chunk_bytes) = match &self.backing {
+            Backing::Fixed(slab) => (1, slab.len_bytes()),
+            Backing::Growable(slab) => (slab.mapped_bytes() / slab.chunk_bytes(), slab.chunk_bytes()),
+        };
+        Ok(PoolStats {
+            num_blocks: self.num_blocks(),
+            max_num_blocks: self.max_num_blocks(),
+            growable: self.is_growable(),
+            mapped_bytes: self.mapped_bytes(),
+            reserved_bytes: self.reserved_bytes(),
+            num_chunks,
+            chunk_bytes,
+            num_free: self.num_free(),
+            num_used: self.num_used(),
+            high_water: self.high_water(),
+            block_bytes: self.layout.block_bytes(),
+            device: self.device(),
+            memory: self.backing.slab().memory_info()?,
+        })
+    }
+
+    /// Registers a holder of block references for `check_invariants`.
+    pub fn register_ref_holder(&self, holder: Weak<dyn RefHolder>) {
+        let mut holders = self.ref_holders.lock().unwrap_or_else(|p| p.into_inner());
+        holders.retain(|h| h.strong_count() > 0);
+        holders.push(holder);
+    }
+
+    /// The CUDA context and the pool's stream (`None` on the host).
+    #[cfg(feature = "cuda")]
+    pub fn device_context(&self) -> Option<&DeviceContext> {
+        self.device_context.as_ref()
+    }
+
+    /// Raw handle of the pool's CUDA stream (`None` on the host).
+    pub fn stream_handle(&self) -> Option<u64> {
+        #[cfg(feature = "cuda")]
+        {
+            self.device_context.as_ref().map(|dc| dc.stream().raw() as u64)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            None
+        }
+    }
+
+    /// Checks [`check_invariants`](Self::check_invariants), then, with `refs(b)` the
+    /// references the registered block tables hold to block `b`:
+    ///
+    /// ```text
+    /// refs(b) <= ref_cnt(b)                  (== when exact_refs: nothing else holds blocks)
+    /// refs(b) > 0  =>  owner(b) == Tables
+    /// ```
+    pub fn check_invariants_with(&self, exact_refs: bool) -> Result<(), String> {
+        self.check_invariants()?;
+        let mut held = vec![0u32; self.num_blocks()];
+        let holders: Vec<_> = {
+            let holders = self.ref_holders.lock().unwrap_or_else(|p| p.into_inner());
+            holders.iter().filter_map(Weak::upgrade).collect()
+        };
+        for holder in holders {
+            holder.count_refs(&mut held);
+        }
+        for (id, &refs) in held.iter().enumerate() {
+            let rc = self.allocator.ref_cnt(id as u32).map_err(|e| e.to_string())?;
+            if refs > rc || (exact_refs && refs != rc) {
+                return Err(format!("block {id}: block tables hold {refs} references, its ref_cnt is {rc}"));
+            }
+            if refs > 0 && self.owners.get(id as u32) != Owner::Tables {
+                return Err(format!("block {id} is held by block tables but tagged {:?}", self.owners.get(id as u32)));
+            }
+        }
+        Ok(())
+    }
+
+    /// The allocator's invariants (`num_free + num_used == num_blocks`, every free id on the
+    /// list once and `< num_blocks`, free iff `ref_cnt == 0`), then the memory's:
+    ///
+    /// ```text
+    /// fixed:    num_blocks * block_bytes <= mapped_bytes
+    /// growable: see `check_growable_invariants` (taken under the resize lock)
+    /// ```
+    ///
+    /// Exact only while no other thread uses the pool.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        match self.growable_slab() {
+            None => {
+                self.allocator.check_invariants()?;
+                let expected = self.num_blocks() * self.layout.block_bytes();
+                if self.mapped_bytes() < expected {
+                    return Err(format!("slab holds {} bytes, {} blocks need {expected}", self.mapped_bytes(), self.num_blocks()));
+                }
+                Ok(())
+            }
+            // Under the resize lock, so the mapping cannot change while it is compared.
+            Some(slab) => self.check_growable_invariants(&slab.lock()),
+        }
+    }
+}
