@@ -21,7 +21,11 @@ use crate::thread_cache::{current_slot, ThreadCaches, SLOTS};
 
 /// How often a call that would fail only for ids that another call is moving waits for the
 /// move to land before it reports the shortage it can see.
+#[cfg(not(loom))]
 const MAX_WAITS_FOR_MOVES: usize = 64;
+/// Under loom a wait is a yield that lets the mover finish; two keep the models small.
+#[cfg(loom)]
+const MAX_WAITS_FOR_MOVES: usize = 2;
 
 /// Where `take` found its ids: a high-water sample is cheap only after the cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,14 +189,16 @@ impl FreeIds {
         }
     }
 
+    /// Every head word, each read with a read-modify-write that changes nothing, so that
+    /// each is the latest value (plain loads may return stale ones, which could agree twice).
     fn collect(&self) -> ([u64; SLOTS + 2], usize, usize) {
         let mut words = [0u64; SLOTS + 2];
-        let transit = self.in_transit.load(Ordering::Acquire);
+        let transit = self.in_transit.fetch_add(0, Ordering::AcqRel);
         words[0] = transit;
-        let (depot_head, mut settled) = self.depot.head_and_len();
+        let (depot_head, mut settled) = self.depot.latest_head_and_len();
         words[1] = depot_head;
         for slot in 0..SLOTS {
-            let head = self.caches.head(slot);
+            let head = self.caches.latest_head(slot);
             words[2 + slot] = head;
             settled += head as u32 as usize;
         }

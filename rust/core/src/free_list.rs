@@ -119,11 +119,12 @@ impl FreeList {
         }
     }
 
-    /// The whole head word, `(tag << 32) | top`, and the length under it. Two reads give
+    /// The latest head word, `(tag << 32) | top`, and the length under it. Two reads give
     /// equal words only if no pop or push came between them (the allocator's consistent
-    /// count relies on it).
-    pub fn head_and_len(&self) -> (u64, usize) {
-        let head = self.head.load(Ordering::Acquire);
+    /// count relies on it). A read-modify-write that changes nothing, so it reads the latest
+    /// value in `head`'s modification order, never a stale one (a plain load may).
+    pub fn latest_head_and_len(&self) -> (u64, usize) {
+        let head = self.head.fetch_add(0, Ordering::AcqRel);
         (head, self.len_under(unpack(head).1))
     }
 

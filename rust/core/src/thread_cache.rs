@@ -135,13 +135,14 @@ impl ThreadCaches {
         &self.ids[slot * self.stride + index]
     }
 
-    /// `(tag << 32) | count` of a slot: compared whole by the consistent count.
-    pub(crate) fn head(&self, slot: usize) -> u64 {
-        self.heads[slot].load(Ordering::Acquire)
+    /// The latest `(tag << 32) | count` of a slot, read with a read-modify-write that
+    /// changes nothing (never stale): compared whole by the consistent count.
+    pub(crate) fn latest_head(&self, slot: usize) -> u64 {
+        self.heads[slot].fetch_add(0, Ordering::AcqRel)
     }
 
     pub(crate) fn len(&self, slot: usize) -> usize {
-        count_of(self.head(slot))
+        count_of(self.heads[slot].load(Ordering::Acquire))
     }
 
     /// Slots that may hold ids (bit per slot).
