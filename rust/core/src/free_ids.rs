@@ -62,7 +62,7 @@ impl FreeIds {
     }
 
     fn moving(&self) -> usize {
-        self.in_transit.load(Ordering::Acquire) as u32 as usize
+        head_count(self.in_transit.load(Ordering::Acquire))
     }
 
     fn add_in_transit(&self, n: usize) {
@@ -175,34 +175,28 @@ impl FreeIds {
         moved > 0
     }
 
-    /// `(free ids in depot and caches, ids in transit)` at one instant: two reads of every
-    /// head word that agree (each word carries a tag, so agreeing reads mean nothing moved
-    /// in between). Retries only when another call changed something.
+    /// `(free ids in depot and caches, ids in transit)` at one instant: every head word is
+    /// loaded, then confirmed with a CAS that writes it back unchanged. Every word carries a
+    /// tag or version bumped by each change, so a confirmed word held its loaded value from
+    /// before the last load until its CAS, and all of them together held between the last
+    /// load and the first CAS. (The CAS also rules out a stale load.) Retries only when
+    /// another call changed something.
     fn consistent_count(&self) -> (usize, usize) {
-        let mut before = self.collect();
         loop {
-            let after = self.collect();
-            if after.0 == before.0 {
-                return (after.1, after.2);
+            let transit = self.in_transit.load(Ordering::Acquire);
+            let (depot_head, mut settled) = self.depot.head_and_len();
+            let mut slot_heads = [0u64; SLOTS];
+            for (slot, head) in slot_heads.iter_mut().enumerate() {
+                *head = self.caches.head(slot);
+                settled += head_count(*head);
             }
-            before = after;
+            let confirmed = confirm(&self.in_transit, transit)
+                && self.depot.confirm_head(depot_head)
+                && slot_heads.iter().enumerate().all(|(slot, &head)| self.caches.confirm_head(slot, head));
+            if confirmed {
+                return (settled, head_count(transit));
+            }
         }
-    }
-
-    /// Every head word, each read with a read-modify-write that changes nothing, so that
-    /// each is the latest value (plain loads may return stale ones, which could agree twice).
-    fn collect(&self) -> ([u64; SLOTS + 2], usize, usize) {
-        let mut words = [0u64; SLOTS + 2];
-        let transit = self.in_transit.fetch_add(0, Ordering::AcqRel);
-        words[0] = transit;
-        let (depot_head, mut settled) = self.depot.latest_head_and_len();
-        words[1] = depot_head;
-        for slot in 0..SLOTS {
-            let head = self.caches.latest_head(slot);
-            words[2 + slot] = head;
-            settled += head as u32 as usize;
-        }
-        (words, settled, transit as u32 as usize)
     }
 
     /// Returns `ids` (off every list, each once) to the free ids, `ids[0]` first out next.
@@ -251,6 +245,16 @@ impl FreeIds {
         ids.extend(self.caches.snapshot()?);
         Ok(ids)
     }
+}
+
+/// The count in a `(tag << 32) | count` word.
+fn head_count(word: u64) -> usize {
+    word as u32 as usize
+}
+
+/// A CAS that writes `word` back: true iff `atomic` still holds it (and holds nothing newer).
+fn confirm(atomic: &AtomicU64, word: u64) -> bool {
+    atomic.compare_exchange(word, word, Ordering::AcqRel, Ordering::Acquire).is_ok()
 }
 
 #[cfg(not(loom))]

@@ -119,13 +119,17 @@ impl FreeList {
         }
     }
 
-    /// The latest head word, `(tag << 32) | top`, and the length under it. Two reads give
-    /// equal words only if no pop or push came between them (the allocator's consistent
-    /// count relies on it). A read-modify-write that changes nothing, so it reads the latest
-    /// value in `head`'s modification order, never a stale one (a plain load may).
-    pub fn latest_head_and_len(&self) -> (u64, usize) {
-        let head = self.head.fetch_add(0, Ordering::AcqRel);
+    /// The head word, `(tag << 32) | top`, and the length under it, for the allocator's
+    /// consistent count; [`confirm_head`](Self::confirm_head) checks the word later.
+    pub fn head_and_len(&self) -> (u64, usize) {
+        let head = self.head.load(Ordering::Acquire);
         (head, self.len_under(unpack(head).1))
+    }
+
+    /// True iff `head` still holds `word`: a CAS that writes it back (so it cannot be fooled
+    /// by a stale load). Tags make a match mean that no pop or push came in between.
+    pub fn confirm_head(&self, word: u64) -> bool {
+        self.head.compare_exchange(word, word, Ordering::AcqRel, Ordering::Acquire).is_ok()
     }
 
     /// Pushes `ids` (all currently off the stack, each once) as one chain with one CAS.

@@ -135,14 +135,19 @@ impl ThreadCaches {
         &self.ids[slot * self.stride + index]
     }
 
-    /// The latest `(tag << 32) | count` of a slot, read with a read-modify-write that
-    /// changes nothing (never stale): compared whole by the consistent count.
-    pub(crate) fn latest_head(&self, slot: usize) -> u64 {
-        self.heads[slot].fetch_add(0, Ordering::AcqRel)
+    /// `(tag << 32) | count` of a slot, for the consistent count.
+    pub(crate) fn head(&self, slot: usize) -> u64 {
+        self.heads[slot].load(Ordering::Acquire)
+    }
+
+    /// True iff slot `slot` still holds `word` (a CAS writing it back; the tag makes a match
+    /// mean nothing was added or taken in between).
+    pub(crate) fn confirm_head(&self, slot: usize, word: u64) -> bool {
+        self.heads[slot].compare_exchange(word, word, Ordering::AcqRel, Ordering::Acquire).is_ok()
     }
 
     pub(crate) fn len(&self, slot: usize) -> usize {
-        count_of(self.heads[slot].load(Ordering::Acquire))
+        count_of(self.head(slot))
     }
 
     /// Slots that may hold ids (bit per slot).

@@ -6,7 +6,11 @@
 //!     cargo test -p kvpool-core --release --test loom
 //! ```
 //!
-//! `LOOM_MAX_PREEMPTIONS` overrides the default bound of 3 set in [`model`].
+//! `LOOM_MAX_PREEMPTIONS` overrides the default bound of 3 set in [`model`]. That default is
+//! the soak bound (run it before changing the free list; `three_threads_share_three_blocks`
+//! alone takes far longer than the rest: its four threads each run the slow path through the
+//! caches). CI (`bin/test.sh`) runs every model at bound 2 except that one, which it runs at
+//! bound 0 (every interleaving of whole steps at the yield points, no preemption inside them).
 #![cfg(loom)]
 
 use loom::sync::Arc;
