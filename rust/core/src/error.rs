@@ -33,6 +33,10 @@ pub enum CoreError {
     #[error("cannot allocate {requested_bytes} bytes on {device}: out of memory")]
     OutOfMemory { requested_bytes: usize, device: String },
 
+    /// A prefix-cache reset found cached blocks still referenced.
+    #[error("cannot reset the prefix cache: {in_use} cached blocks are still referenced (free their requests first)")]
+    CacheInUse { in_use: usize },
+
     #[error("invalid layout: {0}")]
     InvalidLayout(String),
 

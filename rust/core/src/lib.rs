@@ -4,6 +4,8 @@
 //! - [`slab`]: the memory that blocks are carved from (host or CUDA device).
 //! - [`free_list`]: the lock-free stack of free block ids (see `free_list.md`).
 //! - [`allocator`]: the free list plus per-block reference counts: alloc, free, share.
+//! - [`prefix_cache`]: full blocks keyed by a hash chain of their content, reused across
+//!   requests; unreferenced cached blocks are evictable (see `prefix_cache.md`).
 //! - [`pool`]: an allocator bound to a slab and a layout; what the bindings expose.
 //!   A growable pool maps its slab chunk by chunk (`growth.rs`, design in `growable.md`).
 //!
@@ -17,6 +19,7 @@ pub mod free_list;
 mod growth;
 pub mod layout;
 pub mod pool;
+pub mod prefix_cache;
 pub mod slab;
 pub mod tables;
 #[cfg(feature = "cuda")]
