@@ -32,10 +32,12 @@ impl Pool {
 
     /// Fills `out` with newly allocated ids (ref count 1), or fails having taken none. A
     /// growable pool that finds too few free blocks grows first; if it cannot, it fails with
-    /// `CannotGrow` and is exactly as it was.
+    /// `CannotGrow` and is exactly as it was. A pool with prefix caching evicts what the
+    /// free list lacks.
     pub fn alloc_into(&self, out: &mut [u32]) -> Result<(), CoreError> {
         match (self.allocator.alloc_into(out), self.growable_slab()) {
             (Err(CoreError::OutOfBlocks { .. }), Some(slab)) => self.alloc_growing(&mut slab.lock(), out),
+            (Err(CoreError::OutOfBlocks { .. }), None) if self.prefix_cache.is_some() => self.alloc_evicting(out),
             (result, _) => result,
         }
     }

@@ -44,10 +44,10 @@ impl BlockHasher {
 
     /// Where one request's chain starts. Everything besides the tokens that decides the KV
     /// goes in here, so every block of the request depends on it: the tenant's `cache_salt`
-    /// (a request never hits a block cached under another salt, or under none), and the
-    /// extra key bytes (LoRA id, multimodal input hashes). Lengths are hashed too, so no two
-    /// different (salt, extra) pairs share a byte stream.
-    pub fn root(&self, cache_salt: Option<&[u8]>, extra_keys: &[u8]) -> BlockHash {
+    /// (a request never hits a block cached under another salt, or under none), the LoRA
+    /// adapter and the extra key bytes (multimodal input hashes, anything else). Lengths are
+    /// hashed too, so no two different inputs share a byte stream.
+    pub fn root(&self, cache_salt: Option<&[u8]>, lora_id: Option<u64>, extra_keys: &[u8]) -> BlockHash {
         let mut h = blake3::Hasher::new_keyed(&self.key);
         h.update(ROOT_TAG);
         match cache_salt {
@@ -60,6 +60,10 @@ impl BlockHasher {
                 h.update(salt);
             }
         }
+        match lora_id {
+            None => h.update(&[0]),
+            Some(id) => h.update(&[1]).update(&id.to_le_bytes()),
+        };
         h.update(&(extra_keys.len() as u64).to_le_bytes());
         h.update(extra_keys);
         BlockHash(*h.finalize().as_bytes())
@@ -98,7 +102,7 @@ mod tests {
     #[test]
     fn chain_depends_on_every_input() {
         let h = BlockHasher::with_key([7; 32]);
-        let root = h.root(None, b"");
+        let root = h.root(None, None, b"");
         let tokens: Vec<u32> = (0..8).collect();
         let base = h.chain(&root, &tokens, 4);
         assert_eq!(base.len(), 2);
@@ -110,13 +114,13 @@ mod tests {
         assert_eq!(changed[0], base[0]);
         assert_ne!(changed[1], base[1]);
         // Salt, extra keys and key each isolate.
-        for root2 in [h.root(Some(b"a"), b""), h.root(Some(b""), b""), h.root(None, b"lora:1")] {
+        for root2 in [h.root(Some(b"a"), None, b""), h.root(Some(b""), None, b""), h.root(None, Some(0), b""), h.root(None, None, b"x")] {
             assert_ne!(root2, root);
             assert_ne!(h.chain(&root2, &tokens, 4)[0], base[0]);
         }
-        assert_ne!(h.root(Some(b"a"), b"b"), h.root(Some(b"ab"), b""), "lengths separate salt from extra keys");
+        assert_ne!(h.root(Some(b"a"), None, b"b"), h.root(Some(b"ab"), None, b""), "lengths separate salt from extra keys");
         let h2 = BlockHasher::with_key([8; 32]);
-        assert_ne!(h2.chain(&h2.root(None, b""), &tokens, 4), base);
+        assert_ne!(h2.chain(&h2.root(None, None, b""), &tokens, 4), base);
         // A trailing partial block is not hashed.
         assert_eq!(h.chain(&root, &tokens[..7], 4).len(), 1);
     }
@@ -125,6 +129,6 @@ mod tests {
     fn random_keys_differ() {
         let a = BlockHasher::new_random().unwrap();
         let b = BlockHasher::new_random().unwrap();
-        assert_ne!(a.root(None, b""), b.root(None, b""));
+        assert_ne!(a.root(None, None, b""), b.root(None, None, b""));
     }
 }

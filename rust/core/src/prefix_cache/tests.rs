@@ -72,7 +72,7 @@ fn setup(n: u32) -> (PrefixCache, FakeRefs) {
 
 /// Caches the full blocks of `tokens` held in `ids`, as the tables do when they fill.
 fn store_all(cache: &PrefixCache, ids: &[u32], tokens: &[u32]) -> Vec<BlockHash> {
-    let root = cache.hasher().root(None, b"");
+    let root = cache.hasher().root(None, None, b"");
     let hashes = cache.hasher().chain(&root, tokens, BS);
     let blocks: Vec<FilledBlock<'_>> = hashes
         .iter()

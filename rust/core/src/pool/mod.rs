@@ -4,6 +4,11 @@
 //! A pool is fixed (one allocation of `num_blocks` blocks) or growable (a reserved range of
 //! `max_num_blocks` blocks backed chunk by chunk; `growth.rs` holds grow, shrink and the
 //! allocation slow path). `base_ptr` never changes in either.
+//!
+//! With prefix caching (`prefix.rs`), cached blocks nobody references are evictable: off
+//! the free list, reused by a hit or evicted when the free list runs short.
+
+mod prefix;
 
 use std::collections::BTreeMap;
 use std::ops::Deref;
@@ -12,6 +17,7 @@ use std::sync::{Mutex, Weak};
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::layout::KvLayout;
+use crate::prefix_cache::PrefixCache;
 use crate::slab::{self, ChunkBackend, Device, GrowableSlab, MemoryInfo, Slab};
 
 /// How big a pool to make.
@@ -60,6 +66,8 @@ pub struct Pool {
     /// Extents (in blocks) of the live views over the slab: extent -> number of views. A
     /// shrink never unmaps memory below the largest (see [`Pool::pin_view_extent`]).
     view_extents: Mutex<BTreeMap<usize, usize>>,
+    /// `None` unless the pool was made [`with_prefix_caching`](Pool::with_prefix_caching).
+    pub(crate) prefix_cache: Option<PrefixCache>,
 }
 
 /// Something that holds references to a pool's blocks (a `BlockTables`).
@@ -83,7 +91,11 @@ pub struct PoolStats {
     /// Mapped chunks and their size (a fixed pool is one chunk: its whole slab).
     pub num_chunks: usize,
     pub chunk_bytes: usize,
+    /// On the free list.
     pub num_free: usize,
+    /// Cached and unreferenced (0 without prefix caching).
+    pub num_evictable: usize,
+    /// Referenced: `num_free + num_evictable + num_used == num_blocks`.
     pub num_used: usize,
     pub high_water: usize,
     pub block_bytes: usize,
@@ -101,7 +113,7 @@ impl Pool {
             .checked_mul(layout.block_bytes())
             .ok_or_else(|| CoreError::InvalidArgument(format!("{num_blocks} blocks overflow the address space")))?;
         let slab = slab::allocate(device, slab_bytes)?;
-        Ok(Pool { layout, allocator, backing: Backing::Fixed(slab), ref_holders: Mutex::new(Vec::new()), view_extents: Mutex::new(BTreeMap::new()) })
+        Ok(Pool { layout, allocator, backing: Backing::Fixed(slab), ref_holders: Mutex::new(Vec::new()), view_extents: Mutex::new(BTreeMap::new()), prefix_cache: None })
     }
 
     /// A growable pool on `device`: reserves room for `size.max_num_blocks` and maps enough
@@ -141,7 +153,7 @@ impl Pool {
             )));
         }
         let allocator = BlockAllocator::new_growable(0, size.max_num_blocks)?;
-        let pool = Pool { layout, allocator, backing: Backing::Growable(slab), ref_holders: Mutex::new(Vec::new()), view_extents: Mutex::new(BTreeMap::new()) };
+        let pool = Pool { layout, allocator, backing: Backing::Growable(slab), ref_holders: Mutex::new(Vec::new()), view_extents: Mutex::new(BTreeMap::new()), prefix_cache: None };
         pool.grow(size.initial_num_blocks).map_err(|e| match e {
             // Creation asked for memory and did not get it: the slab could not be allocated.
             CoreError::CannotGrow { .. } => CoreError::OutOfMemory {
@@ -236,6 +248,7 @@ impl Pool {
             num_chunks,
             chunk_bytes,
             num_free: self.num_free(),
+            num_evictable: self.num_evictable(),
             num_used: self.num_used(),
             high_water: self.high_water(),
             block_bytes: self.layout.block_bytes(),
@@ -327,7 +340,7 @@ impl Pool {
     pub fn check_invariants(&self) -> Result<(), String> {
         match self.growable_slab() {
             None => {
-                self.allocator.check_invariants()?;
+                self.check_block_invariants()?;
                 let expected = self.num_blocks() * self.layout.block_bytes();
                 if self.slab_bytes() < expected {
                     return Err(format!("slab holds {} bytes, {} blocks need {expected}", self.slab_bytes(), self.num_blocks()));

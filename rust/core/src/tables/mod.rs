@@ -9,6 +9,13 @@
 //!
 //! Every mutating call validates everything, then takes all the blocks it needs in one
 //! all-or-nothing allocation, then commits with nothing left that can fail.
+//!
+//! A request added with its token ids (`prefix.rs`) takes part in prefix caching: it starts
+//! from the cached blocks of its longest cached prefix, and each block it fills is cached.
+
+mod prefix;
+
+pub use prefix::{AddResult, PromptKey};
 
 // FxHash: request ids are trusted integers from the scheduler, and SipHash's DoS resistance
 // would cost a third of a 256-request decode step.
@@ -60,6 +67,8 @@ pub struct TablesState {
     /// `row_version[r]` changes whenever row `r`'s table entries change.
     pub(crate) row_version: Vec<u64>,
     next_version: u64,
+    /// Parallel to `rows`: the hash state of requests whose token ids are known.
+    hashes: Vec<Option<prefix::RowHashes>>,
 }
 
 pub struct BlockTables {
@@ -97,13 +106,15 @@ impl BlockTables {
         row_version.resize(max_seqs, 0);
         let mut rows = Vec::new();
         rows.try_reserve_exact(max_seqs).map_err(out_of_memory)?;
+        let mut hashes = Vec::new();
+        hashes.try_reserve_exact(max_seqs).map_err(out_of_memory)?;
         let mut row_of = FxHashMap::default();
         row_of.try_reserve(max_seqs).map_err(out_of_memory)?;
         let tables = Arc::new(BlockTables {
             pool: pool.clone(),
             max_seqs,
             max_blocks_per_seq,
-            state: Mutex::new(TablesState { rows, row_of, table, row_version, next_version: 1 }),
+            state: Mutex::new(TablesState { rows, row_of, table, row_version, next_version: 1, hashes }),
             #[cfg(feature = "cuda")]
             uploader: Mutex::new(None),
         });
@@ -173,17 +184,24 @@ impl BlockTables {
         let num_blocks = self.check_blocks_fit(request_id, num_tokens)?;
         let mut ids = vec![0u32; num_blocks];
         self.pool.alloc_into(&mut ids)?;
-        let row = st.rows.len();
-        st.rows.push(Row { request_id, num_tokens });
-        st.row_of.insert(request_id, row);
-        let entries = self.row_entries_mut(&mut st, row);
-        for (entry, &id) in entries.iter_mut().zip(&ids) {
-            *entry = id as i32;
-        }
-        st.touch(row);
+        let row = self.push_row(&mut st, request_id, num_tokens, &ids);
         let mut slots = Vec::with_capacity(num_tokens);
         self.extend_slots(&mut slots, &st, row, 0, num_tokens);
         Ok(slots)
+    }
+
+    /// Commits a new row holding `ids`; returns its index.
+    fn push_row(&self, st: &mut TablesState, request_id: u64, num_tokens: usize, ids: &[u32]) -> usize {
+        let row = st.rows.len();
+        st.rows.push(Row { request_id, num_tokens });
+        st.hashes.push(None);
+        st.row_of.insert(request_id, row);
+        let entries = self.row_entries_mut(st, row);
+        for (entry, &id) in entries.iter_mut().zip(ids) {
+            *entry = id as i32;
+        }
+        st.touch(row);
+        row
     }
 
     /// Appends `count` tokens to one request. See [`append_tokens_many`](Self::append_tokens_many).
@@ -195,12 +213,34 @@ impl BlockTables {
     /// A request whose partly filled last block is shared (after a fork) gets a fresh copy
     /// of it first: the returned copies must run before the new tokens are written.
     pub fn append_tokens_many(&self, request_ids: &[u64], counts: &[usize]) -> Result<AppendResult, CoreError> {
+        self.append_tokens_many_with_ids(request_ids, counts, None)
+    }
+
+    /// [`append_tokens_many`](Self::append_tokens_many) with the new tokens' ids, all
+    /// requests' concatenated in call order (`sum(counts)` of them), so that the blocks
+    /// they fill are hashed and cached. Without ids a request's later blocks are not cached.
+    pub fn append_tokens_many_with_ids(
+        &self,
+        request_ids: &[u64],
+        counts: &[usize],
+        token_ids: Option<&[u32]>,
+    ) -> Result<AppendResult, CoreError> {
         if request_ids.len() != counts.len() {
             return Err(CoreError::InvalidArgument(format!(
                 "{} request ids but {} counts",
                 request_ids.len(),
                 counts.len()
             )));
+        }
+        if let Some(ids) = token_ids {
+            let total = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+            if total != Some(ids.len()) {
+                return Err(CoreError::InvalidArgument(format!(
+                    "{} token ids for {} new tokens",
+                    ids.len(),
+                    counts.iter().fold(0u128, |a, &c| a + c as u128)
+                )));
+            }
         }
         let block_size = self.block_size();
         let allocator = self.pool.allocator();
@@ -246,7 +286,7 @@ impl BlockTables {
         let mut fresh = fresh.into_iter();
         let mut result = AppendResult { slot_mapping: Vec::with_capacity(counts.iter().sum()), copies: Vec::new() };
         let mut released = Vec::new();
-        for (row, count, new_blocks, copy_last) in plan {
+        for &(row, count, new_blocks, copy_last) in &plan {
             let num_tokens = st.rows[row].num_tokens;
             let old_blocks = blocks_for(num_tokens, block_size);
             let entries = self.row_entries_mut(&mut st, row);
@@ -269,7 +309,10 @@ impl BlockTables {
         // can fail only if the caller freed a table's block behind the tables' back (misuse);
         // then that reference is gone already and there is nothing left to drop.
         for src in released {
-            let _ = allocator.free(src);
+            let _ = self.pool.free(src);
+        }
+        if let Some(cache) = self.pool.prefix_cache() {
+            self.hash_appended(&mut st, cache, plan.iter().map(|&(row, count, ..)| (row, count)), token_ids);
         }
         Ok(result)
     }
@@ -287,6 +330,8 @@ impl BlockTables {
         self.pool.allocator().share_many(&blocks)?;
         let child = st.rows.len();
         st.rows.push(Row { request_id: child_id, num_tokens });
+        let hashes = st.hashes[parent].clone();
+        st.hashes.push(hashes);
         st.row_of.insert(child_id, child);
         let width = self.max_blocks_per_seq;
         st.table.copy_within(parent * width..parent * width + blocks.len(), child * width);
@@ -301,7 +346,7 @@ impl BlockTables {
         let blocks: Vec<u32> = self.row_blocks(&st, row).iter().map(|&b| b as u32).collect();
         // Fails (changing nothing) only if the caller freed one of these blocks directly
         // through the pool: the request then stays, and the error names the block.
-        self.pool.allocator().free_many(&blocks)?;
+        self.pool.free_many(&blocks)?;
         let width = self.max_blocks_per_seq;
         let last = st.rows.len() - 1;
         if row != last {
@@ -312,6 +357,7 @@ impl BlockTables {
         }
         st.table[last * width..(last + 1) * width].fill(NULL_BLOCK);
         st.rows.pop();
+        st.hashes.swap_remove(row);
         st.row_of.remove(&request_id);
         st.touch(row);
         st.touch(last);
@@ -451,7 +497,7 @@ impl BlockTables {
         if st.table[st.rows.len() * width..].iter().any(|&b| b != NULL_BLOCK) {
             return Err("an unused row holds blocks".into());
         }
-        Ok(())
+        self.check_hash_states(&st)
     }
 }
 
@@ -478,7 +524,7 @@ impl Drop for BlockTables {
             let n = blocks_for(r.num_tokens, block_size);
             let blocks: Vec<u32> = st.table[row * width..][..n].iter().map(|&b| b as u32).collect();
             // Cannot fail: a row's blocks are distinct and each holds our reference.
-            let _ = self.pool.allocator().free_many(&blocks);
+            let _ = self.pool.free_many(&blocks);
         }
     }
 }
