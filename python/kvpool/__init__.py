@@ -6,7 +6,12 @@ them out through a lock-free free list. See README.md for the tour.
 
 from kvpool._core import (
     MAX_NUM_BLOCKS,
+    AddResult,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
     BlockTables,
+    CacheInUseError,
     CapacityError,
     CudaError,
     CudaStream,
@@ -31,7 +36,12 @@ from kvpool.kernels import append_kv, copy_blocks, paged_attention_decode
 
 __all__ = [
     "MAX_NUM_BLOCKS",
+    "AddResult",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
     "BlockTables",
+    "CacheInUseError",
     "CapacityError",
     "CudaError",
     "CudaStream",

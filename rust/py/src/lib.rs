@@ -5,6 +5,7 @@ mod errors;
 mod ids;
 mod layout;
 mod pool;
+mod prefix;
 mod stream;
 mod tables;
 mod view;
@@ -26,6 +27,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<stream::CudaStream>()?;
     m.add_class::<stream::DeviceArray>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    prefix::register(m)?;
     errors::register(m)?;
     m.add("MAX_NUM_BLOCKS", kvpool_core::MAX_NUM_BLOCKS)?;
     Ok(())

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kvpool_core::tables::{AppendResult, BlockTables};
+use kvpool_core::tables::{AppendResult, BlockTables, PromptKey};
 use kvpool_core::CoreError;
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
@@ -90,27 +90,61 @@ impl PyBlockTables {
         Ok(PyArray1::from_vec(py, slots))
     }
 
-    /// Appends `n` tokens; returns (slot_mapping int64 [n], copies int32 [k, 2]).
+    /// Adds a request with its prompt's token ids. On a pool with prefix caching it starts
+    /// from the cached blocks of its longest cached prefix (never covering the last token)
+    /// and its other full blocks are cached. `cache_salt` (str or bytes) isolates tenants;
+    /// `lora_id` and `extra_keys` (bytes) are part of every block's key.
+    #[pyo3(signature = (request_id, token_ids, *, cache_salt = None, lora_id = None, extra_keys = None))]
+    fn add_request(
+        &self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        lora_id: Option<Int>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
+    ) -> KvResult<crate::prefix::AddResult> {
+        let rid = self::request_id(request_id)?;
+        let tokens = crate::prefix::token_ids(token_ids)?;
+        let salt = crate::prefix::cache_salt(cache_salt)?;
+        let extra = crate::prefix::extra_keys(extra_keys)?;
+        let lora_id = lora_id.map(|id| ids::count(id, "lora_id").map(|id| id as u64)).transpose()?;
+        let key = PromptKey { cache_salt: salt.as_deref(), lora_id, extra_keys: &extra };
+        let result = self.inner.add_request(rid, &tokens, &key)?;
+        Ok(crate::prefix::AddResult::new(py, result))
+    }
+
+    /// Appends `n` tokens; returns (slot_mapping int64 [n], copies int32 [k, 2]). With
+    /// `token_ids` (n ids), the blocks they fill are cached.
+    #[pyo3(signature = (request_id, n, token_ids = None))]
     fn append_tokens<'py>(
         &self,
         py: Python<'py>,
         request_id: &Bound<'py, PyAny>,
         n: Int,
+        token_ids: Option<&Bound<'py, PyAny>>,
     ) -> KvResult<AppendArrays<'py>> {
         let rid = self::request_id(request_id)?;
-        Ok(append_result(py, self.inner.append_tokens(rid, ids::count(n, "n")?)?))
+        let n = ids::count(n, "n")?;
+        let tokens = token_ids.map(crate::prefix::token_ids).transpose()?;
+        Ok(append_result(py, self.inner.append_tokens_many_with_ids(&[rid], &[n], tokens.as_deref())?))
     }
 
     /// One decode step: appends counts (an int for all, or one per request), all or none.
+    /// With `token_ids` (all requests' new ids concatenated in call order, sum(counts) of
+    /// them), the blocks they fill are cached.
+    #[pyo3(signature = (request_ids, counts, token_ids = None))]
     fn append_tokens_many<'py>(
         &self,
         py: Python<'py>,
         request_ids: &Bound<'py, PyAny>,
         counts: &Bound<'py, PyAny>,
+        token_ids: Option<&Bound<'py, PyAny>>,
     ) -> KvResult<AppendArrays<'py>> {
         let rids = self::request_ids(request_ids)?;
         let counts = token_counts(counts, rids.len())?;
-        Ok(append_result(py, self.inner.append_tokens_many(&rids, &counts)?))
+        let tokens = token_ids.map(crate::prefix::token_ids).transpose()?;
+        Ok(append_result(py, self.inner.append_tokens_many_with_ids(&rids, &counts, tokens.as_deref())?))
     }
 
     /// Adds `child_id` sharing all of `parent_id`'s blocks (copy-on-write on the next append).
