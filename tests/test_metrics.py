@@ -21,7 +21,7 @@ def scrape(registry: CollectorRegistry) -> dict[str, float]:
 
 def test_collector_exports_vllm_names_and_live_values() -> None:
     pool = Pool(LAYOUT, 10, device="host", enable_prefix_caching=True)
-    tables = BlockTables(pool, 4, 8)
+    tables = BlockTables(pool, 4, 10)
     registry = CollectorRegistry()
     registry.register(KvPoolCollector(pool, tables, labels={"model_name": "m"}, preemptions=lambda: 3))
     tables.add_request(1, range(9))
