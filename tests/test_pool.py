@@ -27,7 +27,7 @@ from kvpool import (
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)  # 16 KiB blocks
 NUM_BLOCKS = 8
-STATS_KEYS = {"num_blocks", "num_free", "num_used", "high_water", "block_bytes", "slab_bytes", "device"}
+STATS_KEYS = {"num_blocks", "num_free", "num_used", "high_water", "block_bytes", "mapped_bytes", "device"}
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ class Unchanged:
 
 def slab_bytes(pool: Pool) -> np.ndarray:
     """A raw uint8 view of the whole slab, independent of the pool's own views."""
-    size = pool.stats()["slab_bytes"]
+    size = pool.stats()["mapped_bytes"]
     assert isinstance(size, int)
     return np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(pool.base_ptr))
 
@@ -593,7 +593,7 @@ def test_stats(pool: Pool) -> None:
         "num_used": 2,
         "high_water": 3,
         "block_bytes": LAYOUT.block_bytes,
-        "slab_bytes": NUM_BLOCKS * LAYOUT.block_bytes,
+        "mapped_bytes": NUM_BLOCKS * LAYOUT.block_bytes,
         "device": "host",
     }
     assert stats["num_free"] == pool.num_free and stats["num_used"] == pool.num_used

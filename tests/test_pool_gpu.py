@@ -39,7 +39,7 @@ def device_free_bytes(cp: Any) -> int:
 
 def raw_slab(cp: Any, pool: Pool, dtype: Any) -> Any:
     """The whole slab as one flat CuPy array (independent of the pool's views)."""
-    nbytes = pool.stats()["slab_bytes"]
+    nbytes = pool.stats()["mapped_bytes"]
     assert isinstance(nbytes, int)
     memory = cp.cuda.UnownedMemory(pool.base_ptr, nbytes, owner=pool)
     return cp.ndarray((nbytes // np.dtype(dtype).itemsize,), dtype=dtype, memptr=cp.cuda.MemoryPointer(memory, 0))
@@ -82,7 +82,7 @@ def test_stats_has_device_memory(cp: Any) -> None:
     pool = Pool(LAYOUT, 8, device="cuda")
     stats = pool.stats()
     assert stats["device"] == "cuda:0"
-    assert stats["slab_bytes"] == 8 * LAYOUT.block_bytes
+    assert stats["mapped_bytes"] == 8 * LAYOUT.block_bytes
     free, total = cp.cuda.runtime.memGetInfo()
     assert stats["device_total_bytes"] == total
     assert isinstance(stats["device_free_bytes"], int)

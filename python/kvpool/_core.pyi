@@ -10,6 +10,7 @@ __all__ = [
     "Pool",
     "SlabView",
     "cuda_available",
+    "kernel_sources",
     "KvError",
     "OutOfBlocksError",
     "OutOfMemoryError",
@@ -55,6 +56,7 @@ class CudaUnavailableError(KvError): ...
 class CudaError(KvError): ...
 
 def cuda_available() -> bool: ...
+def kernel_sources() -> dict[str, str]: ...
 
 @final
 class KvLayout:

@@ -1,7 +1,7 @@
 """CUDA kernels over a kvpool Pool: paged decode attention, KV append, block copy.
 
-The sources are in ``kernels/cuda/`` (shipped in the wheel), compiled at run time by NVRTC through
-CuPy and cached per (dtype, head_dim, block_size, query-head tile). On a host pool the same
+The sources are in the repository's ``cuda/`` folder (embedded in the extension), compiled at run
+time by NVRTC through CuPy and cached per (dtype, head_dim, block_size, query-head tile). On a host pool the same
 functions run the NumPy float64 reference in :mod:`kvpool.reference`.
 """
 

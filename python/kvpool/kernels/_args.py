@@ -107,10 +107,6 @@ def dev(v: tuple, name: str) -> DevArray:
     return DevArray(ptr, tuple(shape), strides, typestr, itemsize)
 
 
-def dev_array(obj: Any, name: str) -> DevArray:
-    return dev(view(obj, name), name)
-
-
 _PTR_DEVICE: dict[int, int] = {}
 
 

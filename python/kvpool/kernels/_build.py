@@ -1,13 +1,16 @@
 """Kernel sources, compile-time variants and the per-variant module cache.
 
-The CUDA C++ sources live in ``kernels/cuda/`` (shipped in the wheel) and are compiled at run time by
-NVRTC through ``cupy.RawModule``. The same :func:`variant_options` feed the runtime compile and
+The CUDA C++ sources live in the repository's top-level ``cuda/`` folder; the build embeds them in
+the extension (``kvpool._core.kernel_sources()``), and they are compiled at run time by NVRTC
+through ``cupy.RawModule``. For kernel development, ``KVPOOL_CUDA_DIR=path/to/cuda`` makes the
+library read the sources from that folder instead, so an edit needs no rebuild. The same :func:`variant_options` feed the runtime compile and
 the CI compile test, so CI compiles exactly what a GPU run compiles.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +33,28 @@ TC_MAX_GQ = {64: 16, 128: 16, 256: 8}  # D=256 with 16 heads needs > 255 registe
 TC_STAGES = {64: 4, 128: 3, 256: 2}  # cp.async stages per warp: 64, 96, 128 KB per CTA
 
 
-def cuda_dir() -> Path:
-    """Folder that holds the .cu sources: ``kvpool/kernels/cuda``, shipped inside the wheel."""
-    return Path(__file__).resolve().parent / "cuda"
+SOURCE_DIR_ENV = "KVPOOL_CUDA_DIR"
+
+
+def source_dir() -> Path | None:
+    """The folder named by ``KVPOOL_CUDA_DIR``, or None: then the embedded sources are used."""
+    value = os.environ.get(SOURCE_DIR_ENV)
+    return Path(value) if value else None
+
+
+def _raw_source(name: str) -> str:
+    folder = source_dir()
+    if folder is not None:
+        path = folder / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{SOURCE_DIR_ENV}={folder}: no kernel source {name!r} there")
+        return path.read_text()
+    from .._core import kernel_sources
+
+    embedded = kernel_sources()
+    if name not in embedded:
+        raise FileNotFoundError(f"no kernel source {name!r} in this build (has {sorted(embedded)})")
+    return embedded[name]
 
 
 INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"$', re.MULTILINE)
@@ -41,8 +63,9 @@ INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"$', re.MULTILINE)
 @functools.cache
 def read_source(name: str) -> str:
     """The source text, with `#include "x.cuh"` lines of our own headers inlined (NVRTC then
-    needs no include path, here, in CI and on the user's machine alike)."""
-    text = (cuda_dir() / name).read_text()
+    needs no include path, here, in CI and on the user's machine alike). Cached per process:
+    set ``KVPOOL_CUDA_DIR`` before the first kernel is compiled."""
+    text = _raw_source(name)
     return INCLUDE.sub(lambda m: read_source(m.group(1)), text)
 
 

@@ -111,6 +111,8 @@ impl BlockAllocator {
         Ok(&self.ref_cnt[block_id as usize])
     }
 
+    /// Tests and benchmarks only: the pool's `alloc` is the one that grows.
+    #[cfg(feature = "internals")]
     pub fn alloc(&self) -> Result<u32, CoreError> {
         let mut id = [0u32];
         self.alloc_into(&mut id)?;
@@ -143,6 +145,8 @@ impl BlockAllocator {
         }
     }
 
+    /// Tests and benchmarks only: the pool's `alloc_many` is the one that grows.
+    #[cfg(feature = "internals")]
     pub fn alloc_many(&self, count: usize) -> Result<Vec<u32>, CoreError> {
         if count > self.num_blocks() {
             // Can never succeed: refuse before sizing a buffer for it (a huge count would

@@ -3,29 +3,33 @@
 //! - [`layout`]: where every byte of a KV block lives (the one place strides are computed).
 //! - [`slab`]: the memory that blocks are carved from (host or CUDA device).
 //! - [`free_list`]: the lock-free stack of free block ids (see `free_list.md`).
-//! - [`allocator`]: the free list plus per-block reference counts: alloc, free, share.
+//! - `allocator` (private): the free list plus per-block reference counts: alloc, free, share.
+//! - [`pool`]: an allocator bound to a slab and a layout; what the bindings expose. Every
+//!   block operation goes through it. A growable pool maps its slab chunk by chunk
+//!   (`pool/growth.rs`, design in `pool/growable.md`).
 //! - [`prefix_cache`]: full blocks keyed by a hash chain of their content, reused across
-//!   requests; unreferenced cached blocks are evictable (see `prefix_cache.md`).
-//! - [`pool`]: an allocator bound to a slab and a layout; what the bindings expose.
-//!   A growable pool maps its slab chunk by chunk (`growth.rs`, design in `growable.md`).
+//!   requests; unreferenced cached blocks are evictable (see `prefix_cache/prefix_cache.md`).
+//! - [`tables`]: each request's block table, and its upload to the GPU (`tables/upload.rs`,
+//!   design in `tables/upload.md`).
+//! - `driver` (feature `cuda`): probing the CUDA driver, and owning wrappers of its objects.
 //!
 //! Every fallible call returns [`CoreError`] and changes nothing when it fails.
 
-pub mod allocator;
+mod allocator;
 #[cfg(feature = "cuda")]
-pub mod cuda;
+pub mod driver;
 pub mod error;
 pub mod free_list;
-mod growth;
 pub mod layout;
 pub mod pool;
 pub mod prefix_cache;
 pub mod slab;
 pub mod tables;
-#[cfg(feature = "cuda")]
-pub mod upload;
 mod sync;
 
+/// The bare allocator, which never grows a pool: only for this crate's own tests, loom
+/// models and benchmarks (feature `internals`). Everything else goes through [`Pool`].
+#[cfg(feature = "internals")]
 pub use allocator::BlockAllocator;
 pub use error::CoreError;
 pub use layout::{DType, KvLayout};

@@ -52,6 +52,28 @@ fn assert_fails_unchanged<T: std::fmt::Debug>(
     assert_eq!(snapshot(a), before, "a failed call changed the allocator (error: {err})");
 }
 
+fn pool_snapshot(p: &Pool) -> Snapshot {
+    p.check_invariants().unwrap();
+    Snapshot {
+        num_free: p.num_free(),
+        num_used: p.num_used(),
+        high_water: p.high_water(),
+        ref_cnts: (0..p.num_blocks() as u32).map(|id| p.ref_cnt(id).unwrap()).collect(),
+    }
+}
+
+/// [`assert_fails_unchanged`] through the pool's API (its allocator is private).
+fn assert_pool_fails_unchanged<T: std::fmt::Debug>(
+    p: &Pool,
+    call: impl FnOnce(&Pool) -> Result<T, CoreError>,
+    expected: impl FnOnce(&CoreError) -> bool,
+) {
+    let before = pool_snapshot(p);
+    let err = call(p).expect_err("the call should have failed");
+    assert!(expected(&err), "unexpected error: {err:?}");
+    assert_eq!(pool_snapshot(p), before, "a failed call changed the pool (error: {err})");
+}
+
 fn is_out_of_blocks(requested: usize, free: usize, num_blocks: usize) -> impl FnOnce(&CoreError) -> bool {
     move |e| *e == CoreError::OutOfBlocks { requested, free, num_blocks }
 }
@@ -283,7 +305,7 @@ fn pool_block_ptr_is_base_plus_id_times_block_bytes() {
     let block_bytes = pool.layout().block_bytes() as u64;
     assert_eq!(block_bytes, 512);
     assert_eq!(pool.base_ptr() % 256, 0, "host slabs are 256-byte aligned");
-    assert!(pool.slab_bytes() >= 7 * 512);
+    assert!(pool.mapped_bytes() >= 7 * 512);
     for id in 0..7 {
         assert_eq!(pool.block_ptr(id).unwrap(), pool.base_ptr() + id as u64 * block_bytes);
     }
@@ -309,8 +331,8 @@ fn pool_delegates_to_its_allocator_and_reports_stats() {
     assert_eq!(stats.device, Device::Host);
     assert_eq!(stats.memory, None);
     assert_eq!(pool.device(), Device::Host);
-    assert_fails_unchanged(pool.allocator(), |a| a.alloc_many(4), is_out_of_blocks(4, 3, 6));
-    assert_fails_unchanged(pool.allocator(), |a| a.free(ids[0]), is_double_free(ids[0]));
+    assert_pool_fails_unchanged(&pool, |p| p.alloc_many(4), is_out_of_blocks(4, 3, 6));
+    assert_pool_fails_unchanged(&pool, |p| p.free(ids[0]), is_double_free(ids[0]));
     pool.free_many(&ids[1..]).unwrap();
     pool.check_invariants().unwrap();
     assert_eq!(pool.num_free(), 6);

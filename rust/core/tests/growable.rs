@@ -117,17 +117,17 @@ fn check_filled(pool: &Pool, id: u32) {
 #[test]
 fn starts_with_whole_chunks_and_no_more() {
     let p = pool(100, 0);
-    assert_eq!((p.num_blocks(), p.max_num_blocks(), p.slab_bytes()), (0, 100, 0));
+    assert_eq!((p.num_blocks(), p.max_num_blocks(), p.mapped_bytes()), (0, 100, 0));
     assert_eq!(p.reserved_bytes(), (100 * BLOCK).div_ceil(CHUNK) * CHUNK);
     // 3 blocks need 4608 bytes: two chunks, which hold floor(8192 / 1536) = 5 blocks.
     let p = pool(100, 3);
-    assert_eq!((p.num_blocks(), p.slab_bytes(), p.num_free()), (5, 2 * CHUNK, 5));
+    assert_eq!((p.num_blocks(), p.mapped_bytes(), p.num_free()), (5, 2 * CHUNK, 5));
     let stats = p.stats().unwrap();
     assert!(stats.growable);
     assert_eq!((stats.num_chunks, stats.chunk_bytes, stats.max_num_blocks), (2, CHUNK, 100));
     // The last chunk's spare room never makes more blocks than the maximum.
     let p = pool(7, 7);
-    assert_eq!((p.num_blocks(), p.slab_bytes()), (7, 3 * CHUNK));
+    assert_eq!((p.num_blocks(), p.mapped_bytes()), (7, 3 * CHUNK));
 }
 
 #[test]
@@ -143,7 +143,7 @@ fn alloc_grows_on_demand_and_never_moves_blocks() {
     p.check_invariants().unwrap();
     assert_eq!(p.base_ptr(), base);
     assert!(p.num_blocks() >= 13);
-    assert_eq!(p.num_blocks(), p.slab_bytes() / BLOCK);
+    assert_eq!(p.num_blocks(), p.mapped_bytes() / BLOCK);
     // Lowest ids first, across the growth: 3, 4 (old free) then the new ones.
     assert_eq!(&more[..3], &[3, 4, 5]);
     first.iter().chain(&more).for_each(|&id| check_filled(&p, id));
@@ -214,14 +214,14 @@ fn refused_memory_at_creation_is_reported() {
 fn shrink_releases_only_free_top_chunks() {
     let p = pool(64, 0);
     let ids = p.alloc_many(16).unwrap(); // 16 blocks = 24 KiB = 6 chunks
-    assert_eq!((p.num_blocks(), p.slab_bytes()), (16, 6 * CHUNK));
+    assert_eq!((p.num_blocks(), p.mapped_bytes()), (16, 6 * CHUNK));
     assert_eq!(p.shrink().unwrap(), 0, "every chunk holds a live block");
     ids.iter().for_each(|&id| fill(&p, id));
     // Free 6..16 except 9: block 9 spans bytes 13824..15360, chunk 3.
     let freed: Vec<u32> = (6..16).filter(|&id| id != 9).collect();
     p.free_many(&freed).unwrap();
     assert_eq!(p.shrink().unwrap(), 2 * CHUNK);
-    assert_eq!((p.num_blocks(), p.slab_bytes()), (10, 4 * CHUNK));
+    assert_eq!((p.num_blocks(), p.mapped_bytes()), (10, 4 * CHUNK));
     p.check_invariants().unwrap();
     [0, 1, 2, 3, 4, 5, 9].iter().for_each(|&id| check_filled(&p, id));
     // A second shrink finds nothing more; freeing 9 lets it go down to block 5's chunk
@@ -229,11 +229,11 @@ fn shrink_releases_only_free_top_chunks() {
     assert_eq!(p.shrink().unwrap(), 0);
     p.free(9).unwrap();
     assert_eq!(p.shrink().unwrap(), CHUNK);
-    assert_eq!((p.num_blocks(), p.slab_bytes()), (8, 3 * CHUNK));
+    assert_eq!((p.num_blocks(), p.mapped_bytes()), (8, 3 * CHUNK));
     (0..6).for_each(|id| check_filled(&p, id));
     p.free_many(&[0, 1, 2, 3, 4, 5]).unwrap();
     assert_eq!(p.shrink().unwrap(), 3 * CHUNK);
-    assert_eq!((p.num_blocks(), p.slab_bytes(), p.num_free()), (0, 0, 0));
+    assert_eq!((p.num_blocks(), p.mapped_bytes(), p.num_free()), (0, 0, 0));
     assert!(matches!(p.free(0), Err(CoreError::InvalidBlock { .. })), "no block exists");
     p.check_invariants().unwrap();
     // And it grows back from nothing, handing out 0 first.
@@ -353,7 +353,7 @@ fn alloc_and_free_race_with_shrink() {
     p.check_invariants().unwrap();
     assert_eq!(p.num_used(), 0);
     p.shrink().unwrap();
-    assert_eq!((p.num_blocks(), p.slab_bytes()), (0, 0));
+    assert_eq!((p.num_blocks(), p.mapped_bytes()), (0, 0));
 }
 
 /// A host backend that unmaps one chunk at a time from the top, like the CUDA backend, and
@@ -443,13 +443,13 @@ fn failed_unmap_leaves_the_pool_consistent_and_growable() {
     p.free_many(&ids[4..]).unwrap();
     let err = p.shrink().unwrap_err();
     assert!(matches!(err, CoreError::Cuda(_)), "{err:?}");
-    assert_eq!((p.num_blocks(), p.slab_bytes(), p.num_free(), p.num_used()), (16, 6 * CHUNK, 12, 4));
+    assert_eq!((p.num_blocks(), p.mapped_bytes(), p.num_free(), p.num_used()), (16, 6 * CHUNK, 12, 4));
     p.check_invariants().unwrap();
     p.free_many(&ids[..4]).unwrap();
     use_every_block(&p);
     // Growth after the failure maps from the right chunk (no mismatch, no panic).
     p.alloc_many(40).unwrap();
-    assert_eq!(backend.mapped.load(Ordering::SeqCst) * CHUNK, p.slab_bytes());
+    assert_eq!(backend.mapped.load(Ordering::SeqCst) * CHUNK, p.mapped_bytes());
     p.check_invariants().unwrap();
 }
 
@@ -463,7 +463,7 @@ fn partly_failed_unmap_counts_what_is_still_mapped() {
     p.free_many(&ids[1..]).unwrap();
     assert!(matches!(p.shrink(), Err(CoreError::Cuda(_))));
     assert_eq!(backend.mapped.load(Ordering::SeqCst), 4);
-    assert_eq!((p.slab_bytes(), p.num_blocks()), (4 * CHUNK, 10));
+    assert_eq!((p.mapped_bytes(), p.num_blocks()), (4 * CHUNK, 10));
     assert_eq!((p.num_free(), p.num_used()), (9, 1));
     p.check_invariants().unwrap();
     p.free(ids[0]).unwrap();
@@ -473,7 +473,7 @@ fn partly_failed_unmap_counts_what_is_still_mapped() {
     p.check_invariants().unwrap();
     backend.unmap_budget.store(usize::MAX, Ordering::SeqCst);
     assert!(p.shrink().unwrap() > 0);
-    assert_eq!((p.num_blocks(), p.slab_bytes(), backend.mapped.load(Ordering::SeqCst)), (0, 0, 0));
+    assert_eq!((p.num_blocks(), p.mapped_bytes(), backend.mapped.load(Ordering::SeqCst)), (0, 0, 0));
     p.check_invariants().unwrap();
 }
 
@@ -576,9 +576,9 @@ fn shrink_keeps_what_a_live_view_covers() {
     p.check_invariants().unwrap();
     // Growth beyond the view can be given back, down to the view's extent.
     p.grow(40).unwrap();
-    let grown = p.slab_bytes();
+    let grown = p.mapped_bytes();
     assert_eq!(p.shrink().unwrap(), grown - 6 * CHUNK);
-    assert_eq!((p.slab_bytes(), p.num_blocks()), (6 * CHUNK, 16));
+    assert_eq!((p.mapped_bytes(), p.num_blocks()), (6 * CHUNK, 16));
     p.unpin_view_extent(extent);
     assert_eq!(p.shrink().unwrap(), 6 * CHUNK);
     assert_eq!((p.num_blocks(), p.max_view_extent()), (0, 0));

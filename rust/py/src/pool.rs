@@ -290,7 +290,6 @@ impl PyPool {
             d.set_item("num_evictable", s.num_evictable)?;
             d.set_item("high_water", s.high_water)?;
             d.set_item("block_bytes", s.block_bytes)?;
-            d.set_item("slab_bytes", s.slab_bytes)?;
             d.set_item("device", s.device.to_string())?;
             d.set_item("growable", s.growable)?;
             d.set_item("max_num_blocks", s.max_num_blocks)?;

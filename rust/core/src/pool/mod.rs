@@ -2,16 +2,29 @@
 //! `[base_ptr + id * block_bytes, base_ptr + (id + 1) * block_bytes)`.
 //!
 //! A pool is fixed (one allocation of `num_blocks` blocks) or growable (a reserved range of
-//! `max_num_blocks` blocks backed chunk by chunk; `growth.rs` holds grow, shrink and the
-//! allocation slow path). `base_ptr` never changes in either.
+//! `max_num_blocks` blocks backed chunk by chunk). `base_ptr` never changes in either.
 //!
-//! With prefix caching (`prefix.rs`), cached blocks nobody references are evictable: off
-//! the free list, reused by a hit or evicted when the free list runs short.
+//! - `mod.rs`: construction, the block API (forwarded to the allocator; allocation grows a
+//!   growable pool), stats and invariants.
+//! - `growth.rs`: grow, shrink and the allocation slow path (design: `growable.md`).
+//! - `views.rs`: the extents live views pin, which a shrink must keep mapped.
+//! - `prefix.rs`: the evictable set of prefix caching beside the free list: cached
+//!   blocks nobody references, reused by a hit or evicted when the free list runs short.
+//! - `device.rs`: the CUDA context and the pool's stream (CUDA pools only).
+//!
+//! The allocator is private to the crate: every block operation goes through the pool, so no
+//! caller can allocate past a growable pool's growth path.
 
+#[cfg(feature = "cuda")]
+mod device;
+mod growth;
 mod prefix;
+mod views;
+
+#[cfg(feature = "cuda")]
+pub use device::DeviceContext;
 
 use std::collections::BTreeMap;
-use std::ops::Deref;
 use std::sync::{Mutex, Weak};
 
 use crate::allocator::BlockAllocator;
@@ -42,7 +55,7 @@ pub struct GrowableSize {
     pub chunk_bytes: Option<usize>,
 }
 
-pub(crate) enum Backing {
+enum Backing {
     Fixed(Box<dyn Slab>),
     Growable(GrowableSlab),
 }
@@ -57,9 +70,12 @@ impl Backing {
 }
 
 pub struct Pool {
-    pub(crate) layout: KvLayout,
-    pub(crate) allocator: BlockAllocator,
-    pub(crate) backing: Backing,
+    layout: KvLayout,
+    allocator: BlockAllocator,
+    backing: Backing,
+    /// The CUDA context and the pool's own stream (`None` on the host).
+    #[cfg(feature = "cuda")]
+    device_context: Option<DeviceContext>,
     /// Everything that holds block references (block tables), so `check_invariants` can
     /// compare the references they hold with the pool's counts. Not on any hot path.
     ref_holders: Mutex<Vec<Weak<dyn RefHolder>>>,
@@ -69,6 +85,11 @@ pub struct Pool {
     /// `None` unless the pool was made [`with_prefix_caching`](Pool::with_prefix_caching).
     pub(crate) prefix_cache: Option<PrefixCache>,
 }
+
+#[cfg(feature = "cuda")]
+type DeviceContextSlot = Option<DeviceContext>;
+#[cfg(not(feature = "cuda"))]
+type DeviceContextSlot = ();
 
 /// Something that holds references to a pool's blocks (a `BlockTables`).
 pub trait RefHolder: Send + Sync {
@@ -84,8 +105,6 @@ pub struct PoolStats {
     pub max_num_blocks: usize,
     pub growable: bool,
     /// Bytes backed by memory now, and the reservation (equal for fixed pools).
-    /// `mapped_bytes` is always the same number as `slab_bytes` (both are the slab's
-    /// `len_bytes`); it is kept under both names, the growable pool's and the fixed pool's.
     pub mapped_bytes: usize,
     pub reserved_bytes: usize,
     /// Mapped chunks and their size (a fixed pool is one chunk: its whole slab).
@@ -99,8 +118,6 @@ pub struct PoolStats {
     pub num_used: usize,
     pub high_water: usize,
     pub block_bytes: usize,
-    /// Same as `mapped_bytes`.
-    pub slab_bytes: usize,
     pub device: Device,
     pub memory: Option<MemoryInfo>,
 }
@@ -112,8 +129,36 @@ impl Pool {
         let slab_bytes = num_blocks
             .checked_mul(layout.block_bytes())
             .ok_or_else(|| CoreError::InvalidArgument(format!("{num_blocks} blocks overflow the address space")))?;
+        let device_context = Self::device_context_for(device)?;
         let slab = slab::allocate(device, slab_bytes)?;
-        Ok(Pool { layout, allocator, backing: Backing::Fixed(slab), ref_holders: Mutex::new(Vec::new()), view_extents: Mutex::new(BTreeMap::new()), prefix_cache: None })
+        Ok(Self::assemble(layout, allocator, Backing::Fixed(slab), device_context))
+    }
+
+    /// The parts of a pool, with no holders or views yet.
+    fn assemble(layout: KvLayout, allocator: BlockAllocator, backing: Backing, device_context: DeviceContextSlot) -> Self {
+        #[cfg(not(feature = "cuda"))]
+        let () = device_context;
+        Pool {
+            layout,
+            allocator,
+            backing,
+            #[cfg(feature = "cuda")]
+            device_context,
+            ref_holders: Mutex::new(Vec::new()),
+            view_extents: Mutex::new(BTreeMap::new()),
+            prefix_cache: None,
+        }
+    }
+
+    /// The context and stream a pool on `device` needs (none on the host).
+    fn device_context_for(device: Device) -> Result<DeviceContextSlot, CoreError> {
+        match device {
+            Device::Host => Ok(Default::default()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => DeviceContext::new(ordinal).map(Some),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Ok(()),
+        }
     }
 
     /// A growable pool on `device`: reserves room for `size.max_num_blocks` and maps enough
@@ -153,7 +198,8 @@ impl Pool {
             )));
         }
         let allocator = BlockAllocator::new_growable(0, size.max_num_blocks)?;
-        let pool = Pool { layout, allocator, backing: Backing::Growable(slab), ref_holders: Mutex::new(Vec::new()), view_extents: Mutex::new(BTreeMap::new()), prefix_cache: None };
+        let device_context = Self::device_context_for(slab.device())?;
+        let pool = Self::assemble(layout, allocator, Backing::Growable(slab), device_context);
         pool.grow(size.initial_num_blocks).map_err(|e| match e {
             // Creation asked for memory and did not get it: the slab could not be allocated.
             CoreError::CannotGrow { .. } => CoreError::OutOfMemory {
@@ -193,11 +239,85 @@ impl Pool {
         Ok(num_blocks)
     }
 
+    /// Blocks that exist now (backed by memory).
+    pub fn num_blocks(&self) -> usize {
+        self.allocator.num_blocks()
+    }
+    /// The most blocks this pool can ever hold (`num_blocks` unless growable).
+    pub fn max_num_blocks(&self) -> usize {
+        self.allocator.max_num_blocks()
+    }
+    /// Free blocks now (a snapshot under concurrency).
+    pub fn num_free(&self) -> usize {
+        self.allocator.num_free()
+    }
+    /// Blocks referenced by someone: neither free nor evictable.
+    pub fn num_used(&self) -> usize {
+        self.allocator.num_used().saturating_sub(self.num_evictable())
+    }
+    /// The most blocks ever in use at once.
+    pub fn high_water(&self) -> usize {
+        self.allocator.high_water()
+    }
+    /// Current reference count of a block (0: free).
+    pub fn ref_cnt(&self, block_id: u32) -> Result<u32, CoreError> {
+        self.allocator.ref_cnt(block_id)
+    }
+
+    pub fn alloc(&self) -> Result<u32, CoreError> {
+        let mut id = [0u32];
+        self.alloc_into(&mut id)?;
+        Ok(id[0])
+    }
+
+    /// Allocates `count` blocks, all or none, growing a growable pool if needed.
+    pub fn alloc_many(&self, count: usize) -> Result<Vec<u32>, CoreError> {
+        if count > self.max_num_blocks() {
+            // Can never succeed: refuse before sizing a buffer for it.
+            return Err(self.out_of_blocks(count, "the request exceeds max_num_blocks"));
+        }
+        let mut ids = vec![0u32; count];
+        self.alloc_into(&mut ids)?;
+        Ok(ids)
+    }
+
+    /// Fills `out` with newly allocated ids (ref count 1), or fails having taken none. A
+    /// growable pool that finds too few free blocks grows first; if it cannot, it fails with
+    /// `CannotGrow` and is exactly as it was.
+    pub fn alloc_into(&self, out: &mut [u32]) -> Result<(), CoreError> {
+        match (self.allocator.alloc_into(out), self.growable_slab()) {
+            (Err(CoreError::OutOfBlocks { .. }), Some(slab)) => self.alloc_growing(&mut slab.lock(), out),
+            (Err(CoreError::OutOfBlocks { .. }), None) if self.prefix_cache.is_some() => self.alloc_evicting(out),
+            (result, _) => result,
+        }
+    }
+
+    /// Drops one reference; the block returns to the free list when its count reaches 0
+    /// (or, if it is cached, becomes evictable).
+    pub fn free(&self, block_id: u32) -> Result<(), CoreError> {
+        match &self.prefix_cache {
+            None => self.allocator.free(block_id),
+            Some(cache) => self.free_many_cached(cache, &[block_id]),
+        }
+    }
+
+    /// Drops one reference to each id, all or none (bad, repeated or free ids change nothing).
+    /// With prefix caching, given a request's blocks in order, its cached tail blocks become
+    /// evictable before its head.
+    pub fn free_many(&self, block_ids: &[u32]) -> Result<(), CoreError> {
+        match &self.prefix_cache {
+            None => self.allocator.free_many(block_ids),
+            Some(cache) => self.free_many_cached(cache, block_ids),
+        }
+    }
+
+    /// Adds one reference to each id (a fork sharing blocks). All must be allocated.
+    pub fn share_many(&self, block_ids: &[u32]) -> Result<(), CoreError> {
+        self.allocator.share_many(block_ids)
+    }
+
     pub fn layout(&self) -> &KvLayout {
         &self.layout
-    }
-    pub fn allocator(&self) -> &BlockAllocator {
-        &self.allocator
     }
     pub fn device(&self) -> Device {
         self.backing.slab().device()
@@ -206,7 +326,7 @@ impl Pool {
         self.backing.slab().base_ptr()
     }
     /// Bytes backed by memory now (for a growable pool, the mapped chunks).
-    pub fn slab_bytes(&self) -> usize {
+    pub fn mapped_bytes(&self) -> usize {
         self.backing.slab().len_bytes()
     }
     pub fn is_growable(&self) -> bool {
@@ -243,7 +363,7 @@ impl Pool {
             num_blocks: self.num_blocks(),
             max_num_blocks: self.max_num_blocks(),
             growable: self.is_growable(),
-            mapped_bytes: self.slab_bytes(),
+            mapped_bytes: self.mapped_bytes(),
             reserved_bytes: self.reserved_bytes(),
             num_chunks,
             chunk_bytes,
@@ -252,7 +372,6 @@ impl Pool {
             num_used: self.num_used(),
             high_water: self.high_water(),
             block_bytes: self.layout.block_bytes(),
-            slab_bytes: self.slab_bytes(),
             device: self.device(),
             memory: self.backing.slab().memory_info()?,
         })
@@ -265,49 +384,17 @@ impl Pool {
         holders.push(holder);
     }
 
-    /// Pins the blocks that exist now for a view over the slab: returns `num_blocks`, and
-    /// until [`unpin_view_extent`](Self::unpin_view_extent) is called with it, a shrink keeps
-    /// those blocks' memory mapped (it releases less instead). Taken under the resize lock,
-    /// so the extent returned is mapped and stays so.
-    pub fn pin_view_extent(&self) -> usize {
-        let _guard = self.growable_slab().map(GrowableSlab::lock);
-        let extent = self.num_blocks();
-        *self.view_extents().entry(extent).or_insert(0) += 1;
-        extent
-    }
-
-    /// Releases one pin of `extent` taken by [`pin_view_extent`](Self::pin_view_extent).
-    pub fn unpin_view_extent(&self, extent: usize) {
-        let mut extents = self.view_extents();
-        if let Some(count) = extents.get_mut(&extent) {
-            *count -= 1;
-            if *count == 0 {
-                extents.remove(&extent);
-            }
-        }
-    }
-
-    /// The largest extent a live view pins (0 if none).
-    pub fn max_view_extent(&self) -> usize {
-        self.view_extents().last_key_value().map_or(0, |(&extent, _)| extent)
-    }
-
-    fn view_extents(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, usize>> {
-        // Every update completes without panicking, so a poisoned map is still consistent.
-        self.view_extents.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// The CUDA context and the pool's stream (`None` on the host).
     #[cfg(feature = "cuda")]
-    pub fn cuda(&self) -> Option<(&std::sync::Arc<cudarc::driver::CudaContext>, &crate::cuda::Stream)> {
-        self.backing.slab().cuda()
+    pub fn device_context(&self) -> Option<&DeviceContext> {
+        self.device_context.as_ref()
     }
 
     /// Raw handle of the pool's CUDA stream (`None` on the host).
     pub fn stream_handle(&self) -> Option<u64> {
         #[cfg(feature = "cuda")]
         {
-            self.backing.slab().cuda().map(|(_, stream)| stream.raw() as u64)
+            self.device_context.as_ref().map(|dc| dc.stream().raw() as u64)
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -342,21 +429,13 @@ impl Pool {
             None => {
                 self.check_block_invariants()?;
                 let expected = self.num_blocks() * self.layout.block_bytes();
-                if self.slab_bytes() < expected {
-                    return Err(format!("slab holds {} bytes, {} blocks need {expected}", self.slab_bytes(), self.num_blocks()));
+                if self.mapped_bytes() < expected {
+                    return Err(format!("slab holds {} bytes, {} blocks need {expected}", self.mapped_bytes(), self.num_blocks()));
                 }
                 Ok(())
             }
             // Under the resize lock, so the mapping cannot change while it is compared.
             Some(slab) => self.check_growable_invariants(&slab.lock()),
         }
-    }
-}
-
-/// A pool is used through its allocator's methods (`alloc`, `free_many`, ...).
-impl Deref for Pool {
-    type Target = BlockAllocator;
-    fn deref(&self) -> &BlockAllocator {
-        &self.allocator
     }
 }

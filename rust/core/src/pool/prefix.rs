@@ -6,7 +6,7 @@
 //! dropped under the cache's lock, which puts it on the evictable list.
 
 use crate::error::CoreError;
-use crate::pool::Pool;
+use super::Pool;
 use crate::prefix_cache::{BlockHash, PrefixAlloc, PrefixCache};
 
 impl Pool {
@@ -28,23 +28,9 @@ impl Pool {
         self.prefix_cache.as_ref().map_or(0, PrefixCache::num_evictable)
     }
 
-    /// Blocks referenced by someone: neither free nor evictable.
-    pub fn num_used(&self) -> usize {
-        self.allocator.num_used().saturating_sub(self.num_evictable())
-    }
-
-    /// Drops one reference; see [`free_many`](Self::free_many).
-    pub fn free(&self, block_id: u32) -> Result<(), CoreError> {
-        self.free_many(&[block_id])
-    }
-
-    /// Drops one reference to each id, all or none (validated first). A block left without
-    /// references returns to the free list, or, if it is cached, becomes evictable; given a
-    /// request's blocks in order, its tail blocks become evictable before its head.
-    pub fn free_many(&self, block_ids: &[u32]) -> Result<(), CoreError> {
-        let Some(cache) = &self.prefix_cache else {
-            return self.allocator.free_many(block_ids);
-        };
+    /// [`Pool::free_many`] on a pool with prefix caching: validates everything, then drops
+    /// uncached blocks' references lock-free and cached blocks' under the cache's lock.
+    pub(super) fn free_many_cached(&self, cache: &PrefixCache, block_ids: &[u32]) -> Result<(), CoreError> {
         let num_blocks = self.num_blocks();
         if !block_ids.iter().any(|&id| (id as usize) < num_blocks && cache.is_cached(id)) {
             return self.allocator.free_many(block_ids);

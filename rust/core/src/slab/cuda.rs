@@ -1,33 +1,24 @@
-//! CUDA device slab: one zeroed `cuMemAlloc` in the device's primary context, plus the
-//! pool's own non-blocking stream (block-table uploads and the kernels that read them are
-//! ordered on it).
-
-use std::sync::Arc;
-
-use cudarc::driver::CudaContext;
+//! CUDA device slab: one zeroed `cuMemAlloc` in the device's primary context.
 
 use super::{Device, MemoryInfo, Slab};
-use crate::cuda::{self, DeviceBuffer, Stream};
+use crate::driver::{self, DeviceBuffer};
 use crate::error::CoreError;
 
 pub fn memory_info(ordinal: usize) -> Result<MemoryInfo, CoreError> {
-    let _ctx = cuda::primary_context(ordinal)?;
+    let _ctx = driver::primary_context(ordinal)?;
     let (free_bytes, total_bytes) =
-        cudarc::driver::result::mem_get_info().map_err(|e| cuda::driver_error("cuMemGetInfo", e))?;
+        cudarc::driver::result::mem_get_info().map_err(|e| driver::driver_error("cuMemGetInfo", e))?;
     Ok(MemoryInfo { free_bytes, total_bytes })
 }
 
 pub struct CudaSlab {
     memory: DeviceBuffer,
-    stream: Stream,
 }
 
 impl CudaSlab {
     pub fn new(ordinal: usize, len_bytes: usize) -> Result<Self, CoreError> {
-        let ctx = cuda::primary_context(ordinal)?;
-        let memory = DeviceBuffer::zeroed(&ctx, len_bytes)?;
-        let stream = Stream::new(&ctx)?;
-        Ok(CudaSlab { memory, stream })
+        let ctx = driver::primary_context(ordinal)?;
+        Ok(CudaSlab { memory: DeviceBuffer::zeroed(&ctx, len_bytes)? })
     }
 }
 
@@ -43,8 +34,5 @@ impl Slab for CudaSlab {
     }
     fn memory_info(&self) -> Result<Option<MemoryInfo>, CoreError> {
         memory_info(self.memory.context().ordinal()).map(Some)
-    }
-    fn cuda(&self) -> Option<(&Arc<CudaContext>, &Stream)> {
-        Some((self.memory.context(), &self.stream))
     }
 }

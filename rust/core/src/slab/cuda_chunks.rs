@@ -20,12 +20,11 @@ use cudarc::driver::{sys, CudaContext, DriverError};
 
 use super::growable::ChunkBackend;
 use super::{Device, MemoryInfo};
-use crate::cuda::{self, driver_error, Stream};
+use crate::driver::{self, driver_error};
 use crate::error::CoreError;
 
 pub struct CudaChunks {
     ctx: Arc<CudaContext>,
-    stream: Stream,
     base: sys::CUdeviceptr,
     chunk_bytes: usize,
     num_chunks: usize,
@@ -70,7 +69,7 @@ fn allocation_prop(ctx: &CudaContext) -> sys::CUmemAllocationProp {
 
 /// The driver's minimum mapping granularity for our allocations (2 MiB on current GPUs).
 pub fn granularity(ordinal: usize) -> Result<usize, CoreError> {
-    let ctx = cuda::primary_context(ordinal)?;
+    let ctx = driver::primary_context(ordinal)?;
     let prop = allocation_prop(&ctx);
     let mut bytes = 0usize;
     // SAFETY: both pointers are to live locals of the right types; the context is current.
@@ -92,7 +91,7 @@ impl CudaChunks {
     /// Reserves room for `reserved_bytes` on device `ordinal`, in chunks of `chunk_bytes`
     /// rounded up to the granularity.
     pub fn new(ordinal: usize, reserved_bytes: usize, chunk_bytes: usize) -> Result<Self, CoreError> {
-        let ctx = cuda::primary_context(ordinal)?;
+        let ctx = driver::primary_context(ordinal)?;
         let granule = granularity(ordinal)?;
         let chunk_bytes = chunk_bytes.max(1).div_ceil(granule) * granule;
         let num_chunks = reserved_bytes.max(1).div_ceil(chunk_bytes);
@@ -104,15 +103,7 @@ impl CudaChunks {
         // flags must be 0. The context is current (primary_context binds it).
         let code = unsafe { sys::cuMemAddressReserve(&mut base, len, 0, 0, 0) };
         check_alloc("cuMemAddressReserve", code, len, ordinal)?;
-        let stream = match Stream::new(&ctx) {
-            Ok(stream) => stream,
-            Err(e) => {
-                // SAFETY: `base..base + len` was reserved just above and nothing is mapped in it.
-                let _ = unsafe { sys::cuMemAddressFree(base, len) };
-                return Err(e);
-            }
-        };
-        Ok(CudaChunks { ctx, stream, base, chunk_bytes, num_chunks, handles: Mutex::new(Vec::new()) })
+        Ok(CudaChunks { ctx, base, chunk_bytes, num_chunks, handles: Mutex::new(Vec::new()) })
     }
 
     fn chunk_ptr(&self, index: usize) -> sys::CUdeviceptr {
@@ -178,9 +169,6 @@ impl ChunkBackend for CudaChunks {
     fn memory_info(&self) -> Result<Option<MemoryInfo>, CoreError> {
         super::cuda::memory_info(self.ctx.ordinal()).map(Some)
     }
-    fn cuda(&self) -> Option<(&Arc<CudaContext>, &Stream)> {
-        Some((&self.ctx, &self.stream))
-    }
 
     fn map_chunks(&self, first: usize, count: usize) -> Result<(), CoreError> {
         if count == 0 {
@@ -189,7 +177,7 @@ impl ChunkBackend for CudaChunks {
         if first + count > self.num_chunks {
             return Err(CoreError::Cuda(format!("chunks {first}..{} lie outside the reservation", first + count)));
         }
-        cuda::bind(&self.ctx)?;
+        driver::bind(&self.ctx)?;
         let mut handles = self.handles();
         if handles.len() != first {
             return Err(CoreError::Cuda(format!(
@@ -224,7 +212,7 @@ impl ChunkBackend for CudaChunks {
         if count == 0 {
             return Ok(());
         }
-        cuda::bind(&self.ctx)?;
+        driver::bind(&self.ctx)?;
         let mut handles = self.handles();
         if handles.len() != first + count {
             return Err(CoreError::Cuda(format!(
@@ -246,7 +234,7 @@ impl ChunkBackend for CudaChunks {
 impl Drop for CudaChunks {
     fn drop(&mut self) {
         // Drop may run on any thread; failures cannot be reported and must not panic.
-        if cuda::bind(&self.ctx).is_err() {
+        if driver::bind(&self.ctx).is_err() {
             return;
         }
         let _ = self.ctx.synchronize();

@@ -14,7 +14,7 @@
 //!
 //! A [`ChunkBackend`] does the mapping (host: `mmap`/`mprotect`, CUDA: the driver's virtual
 //! memory API). [`GrowableSlab`] keeps the mapped count behind a mutex that is also the pool's
-//! resize lock (`growth.rs`): holding a [`ResizeGuard`] is what allows changing it.
+//! resize lock (`pool/growth.rs`): holding a [`ResizeGuard`] is what allows changing it.
 
 #[cfg(loom)]
 use loom::sync::{Mutex, MutexGuard};
@@ -53,11 +53,6 @@ pub trait ChunkBackend: Send + Sync {
     /// How many chunks (a prefix) are mapped, if the backend keeps count; `None` means that a
     /// failed `unmap_chunks` left every chunk of its range mapped and usable.
     fn mapped_chunks(&self) -> Option<usize> {
-        None
-    }
-    /// The CUDA context and the pool's stream; `None` for host memory.
-    #[cfg(feature = "cuda")]
-    fn cuda(&self) -> Option<(&std::sync::Arc<cudarc::driver::CudaContext>, &crate::cuda::Stream)> {
         None
     }
 }
@@ -180,9 +175,5 @@ impl Slab for GrowableSlab {
     }
     fn memory_info(&self) -> Result<Option<MemoryInfo>, CoreError> {
         self.backend.memory_info()
-    }
-    #[cfg(feature = "cuda")]
-    fn cuda(&self) -> Option<(&std::sync::Arc<cudarc::driver::CudaContext>, &crate::cuda::Stream)> {
-        self.backend.cuda()
     }
 }

@@ -77,18 +77,13 @@ pub trait Slab: Send + Sync {
     fn device(&self) -> Device;
     /// The device's memory as the driver sees it now; `None` for host memory.
     fn memory_info(&self) -> Result<Option<MemoryInfo>, CoreError>;
-    /// The CUDA context and the pool's stream; `None` for host memory.
-    #[cfg(feature = "cuda")]
-    fn cuda(&self) -> Option<(&std::sync::Arc<cudarc::driver::CudaContext>, &crate::cuda::Stream)> {
-        None
-    }
 }
 
 /// Number of CUDA devices, 0 when there is no driver (never panics).
 pub fn cuda_device_count() -> usize {
     #[cfg(feature = "cuda")]
     {
-        crate::cuda::device_count().unwrap_or(0)
+        crate::driver::device_count().unwrap_or(0)
     }
     #[cfg(not(feature = "cuda"))]
     {

@@ -1,5 +1,5 @@
 //! `BlockTables`: each request's logical-to-physical block map, grown token by token,
-//! shared by fork with copy-on-write, and uploaded to the GPU (see `upload.rs`).
+//! shared by fork with copy-on-write, and uploaded to the GPU (`upload.rs`, design in `upload.md`).
 //!
 //! Requests live in dense rows `0..len` (a persistent batch, as vLLM v1 keeps it): the
 //! kernel's table is the first `len` rows of one `[max_seqs, max_blocks_per_seq]` int32
@@ -24,6 +24,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::CoreError;
 use crate::pool::{Pool, RefHolder};
+
+#[cfg(feature = "cuda")]
+mod upload;
+#[cfg(feature = "cuda")]
+pub use upload::DeviceBatch;
 
 /// Entry of an unused table slot.
 pub const NULL_BLOCK: i32 = -1;
@@ -78,7 +83,7 @@ pub struct BlockTables {
     state: Mutex<TablesState>,
     /// Device copy and staging buffers, made on the first `sync`.
     #[cfg(feature = "cuda")]
-    uploader: Mutex<Option<crate::upload::Uploader>>,
+    uploader: Mutex<Option<upload::Uploader>>,
 }
 
 fn blocks_for(num_tokens: usize, block_size: usize) -> usize {
@@ -243,7 +248,7 @@ impl BlockTables {
             }
         }
         let block_size = self.block_size();
-        let allocator = self.pool.allocator();
+        let pool = &self.pool;
         let mut st = self.lock();
 
         // 1. Validate and plan: rows, capacity, and how many blocks each request takes. A
@@ -264,7 +269,7 @@ impl BlockTables {
             let mut copy_last = false;
             if count > 0 && num_tokens % block_size != 0 {
                 let last = st.table[row * self.max_blocks_per_seq + old_blocks - 1] as u32;
-                let ref_cnt = allocator.ref_cnt(last)?;
+                let ref_cnt = pool.ref_cnt(last)?;
                 // The map is touched only for shared blocks (rare), not on every decode step.
                 if ref_cnt > 1 {
                     let unshared = pending_unshares.entry(last).or_insert(0);
@@ -309,7 +314,7 @@ impl BlockTables {
         // can fail only if the caller freed a table's block behind the tables' back (misuse);
         // then that reference is gone already and there is nothing left to drop.
         for src in released {
-            let _ = self.pool.free(src);
+            let _ = pool.free(src);
         }
         if let Some(cache) = self.pool.prefix_cache() {
             self.hash_appended(&mut st, cache, plan.iter().map(|&(row, count, ..)| (row, count)), token_ids);
@@ -327,7 +332,7 @@ impl BlockTables {
         self.check_row_free(&st, child_id)?;
         let num_tokens = st.rows[parent].num_tokens;
         let blocks: Vec<u32> = self.row_blocks(&st, parent).iter().map(|&b| b as u32).collect();
-        self.pool.allocator().share_many(&blocks)?;
+        self.pool.share_many(&blocks)?;
         let child = st.rows.len();
         st.rows.push(Row { request_id: child_id, num_tokens });
         let hashes = st.hashes[parent].clone();
@@ -421,7 +426,7 @@ impl BlockTables {
 
     /// Uploads the table and seq_lens of rows `0..len` to the device on the pool's stream.
     #[cfg(feature = "cuda")]
-    pub fn sync(&self) -> Result<crate::upload::DeviceBatch, CoreError> {
+    pub fn sync(&self) -> Result<upload::DeviceBatch, CoreError> {
         let stream = self.pool.stream_handle().ok_or_else(not_cuda)?;
         // SAFETY: the pool's own stream lives as long as the pool, which `self` holds.
         unsafe { self.sync_on(stream) }
@@ -432,26 +437,18 @@ impl BlockTables {
     /// # Safety
     /// `stream` must be a live CUDA stream of the pool's device context.
     #[cfg(feature = "cuda")]
-    pub unsafe fn sync_on(&self, stream: u64) -> Result<crate::upload::DeviceBatch, CoreError> {
-        let (ctx, _) = self.pool.cuda().ok_or_else(not_cuda)?;
+    pub unsafe fn sync_on(&self, stream: u64) -> Result<upload::DeviceBatch, CoreError> {
+        let ctx = self.pool.device_context().ok_or_else(not_cuda)?.context();
         // SAFETY: the caller guarantees `stream` is a live stream handle.
-        unsafe { crate::cuda::check_stream_context(ctx, stream as cudarc::driver::sys::CUstream) }?;
+        unsafe { crate::driver::check_stream_context(ctx, stream as cudarc::driver::sys::CUstream) }?;
         let st = self.lock();
         let mut uploader = self.uploader.lock().unwrap_or_else(|p| p.into_inner());
         if uploader.is_none() {
-            *uploader = Some(crate::upload::Uploader::new(ctx, self.max_seqs, self.max_blocks_per_seq)?);
+            *uploader = Some(upload::Uploader::new(ctx, self.max_seqs, self.max_blocks_per_seq)?);
         }
         let uploader = uploader.as_mut().expect("made above");
         // SAFETY: the caller guarantees the stream is live in the pool's context.
         unsafe { uploader.sync(&st, stream as cudarc::driver::sys::CUstream) }
-    }
-
-    /// seq_lens of rows `0..len`, in row order.
-    pub(crate) fn seq_lens_of(st: &TablesState) -> impl Iterator<Item = i32> + '_ {
-        st.rows.iter().map(|r| r.num_tokens as i32)
-    }
-    pub(crate) fn num_rows(st: &TablesState) -> usize {
-        st.rows.len()
     }
 
     fn row_blocks<'s>(&self, st: &'s TablesState, row: usize) -> &'s [i32] {
@@ -507,6 +504,14 @@ fn not_cuda() -> CoreError {
 }
 
 impl TablesState {
+    /// Rows in use: requests `0..num_rows` of the table.
+    pub(crate) fn num_rows(&self) -> usize {
+        self.rows.len()
+    }
+    /// seq_lens of rows `0..num_rows`, in row order.
+    pub(crate) fn seq_lens(&self) -> impl Iterator<Item = i32> + '_ {
+        self.rows.iter().map(|r| r.num_tokens as i32)
+    }
     fn touch(&mut self, row: usize) {
         self.row_version[row] = self.next_version;
         self.next_version += 1;

@@ -9,40 +9,12 @@
 //! retry: a shrink never causes a spurious `OutOfBlocks`.
 
 use crate::error::CoreError;
-use crate::pool::Pool;
+use super::Pool;
 use crate::slab::ResizeGuard;
 
 impl Pool {
-    pub fn alloc(&self) -> Result<u32, CoreError> {
-        let mut id = [0u32];
-        self.alloc_into(&mut id)?;
-        Ok(id[0])
-    }
-
-    /// Allocates `count` blocks, all or none, growing a growable pool if needed.
-    pub fn alloc_many(&self, count: usize) -> Result<Vec<u32>, CoreError> {
-        if count > self.max_num_blocks() {
-            // Can never succeed: refuse before sizing a buffer for it.
-            return Err(self.out_of_blocks(count, "the request exceeds max_num_blocks"));
-        }
-        let mut ids = vec![0u32; count];
-        self.alloc_into(&mut ids)?;
-        Ok(ids)
-    }
-
-    /// Fills `out` with newly allocated ids (ref count 1), or fails having taken none. A
-    /// growable pool that finds too few free blocks grows first; if it cannot, it fails with
-    /// `CannotGrow` and is exactly as it was. A pool with prefix caching evicts what the
-    /// free list lacks.
-    pub fn alloc_into(&self, out: &mut [u32]) -> Result<(), CoreError> {
-        match (self.allocator.alloc_into(out), self.growable_slab()) {
-            (Err(CoreError::OutOfBlocks { .. }), Some(slab)) => self.alloc_growing(&mut slab.lock(), out),
-            (Err(CoreError::OutOfBlocks { .. }), None) if self.prefix_cache.is_some() => self.alloc_evicting(out),
-            (result, _) => result,
-        }
-    }
-
-    fn alloc_growing(&self, guard: &mut ResizeGuard<'_>, out: &mut [u32]) -> Result<(), CoreError> {
+    /// The allocation slow path of [`Pool::alloc_into`], under the resize lock.
+    pub(super) fn alloc_growing(&self, guard: &mut ResizeGuard<'_>, out: &mut [u32]) -> Result<(), CoreError> {
         let chunks_before = guard.mapped_chunks();
         loop {
             // Retry first: the resize we may have waited for (a shrink's drain, another
@@ -110,7 +82,7 @@ impl Pool {
     }
 
     /// `CannotGrow` for a request of `requested` blocks, with the counts as they are now.
-    fn out_of_blocks(&self, requested: usize, reason: &str) -> CoreError {
+    pub(super) fn out_of_blocks(&self, requested: usize, reason: &str) -> CoreError {
         if !self.is_growable() {
             return CoreError::OutOfBlocks { requested, free: self.num_free(), num_blocks: self.num_blocks() };
         }
@@ -185,7 +157,7 @@ impl Pool {
     }
 
     /// The growable pool's invariants, with the resize lock held.
-    pub(crate) fn check_growable_invariants(&self, guard: &ResizeGuard<'_>) -> Result<(), String> {
+    pub(super) fn check_growable_invariants(&self, guard: &ResizeGuard<'_>) -> Result<(), String> {
         self.allocator.check_invariants()?;
         let (num_blocks, block_bytes) = (self.num_blocks(), self.layout.block_bytes());
         let mapped = guard.mapped_bytes();
@@ -202,8 +174,8 @@ impl Pool {
         if num_blocks != self.blocks_in(mapped) {
             return Err(format!("num_blocks {num_blocks}, but {mapped} mapped bytes hold {}", self.blocks_in(mapped)));
         }
-        if self.slab_bytes() != mapped {
-            return Err(format!("slab reports {} mapped bytes, the lock holds {mapped}", self.slab_bytes()));
+        if self.mapped_bytes() != mapped {
+            return Err(format!("slab reports {} mapped bytes, the lock holds {mapped}", self.mapped_bytes()));
         }
         // Mapped chunks cover every allocated block (ids past num_blocks have ref_cnt 0 by
         // the allocator's check; this one restates the memory side of it).

@@ -18,9 +18,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext};
 
-use crate::cuda::{self, DeviceBuffer, Event, PinnedBuffer};
+use super::TablesState;
+use crate::driver::{self, DeviceBuffer, Event, PinnedBuffer};
 use crate::error::CoreError;
-use crate::tables::{BlockTables, TablesState};
 
 /// Beyond this many separate row runs, one copy of the bounding range is cheaper: each
 /// `cuMemcpyHtoDAsync` costs ~2 us of CPU, while an extra KiB of rows costs nanoseconds.
@@ -86,8 +86,8 @@ impl Uploader {
     /// # Safety
     /// `stream` must be a live stream of this uploader's context.
     pub unsafe fn sync(&mut self, st: &TablesState, stream: sys::CUstream) -> Result<DeviceBatch, CoreError> {
-        cuda::bind(&self.ctx)?;
-        let num_rows = BlockTables::num_rows(st);
+        driver::bind(&self.ctx)?;
+        let num_rows = st.num_rows();
         let (max_seqs, width) = (self.max_seqs, self.width);
         // A sync on another stream than the last one must not overtake the last upload: make
         // this stream wait for it on the device (no CPU wait).
@@ -100,7 +100,7 @@ impl Uploader {
 
         let host = staging.buffer.as_i32_mut();
         let (seq_lens, table) = host.split_at_mut(max_seqs);
-        for (dst, len) in seq_lens.iter_mut().zip(BlockTables::seq_lens_of(st)) {
+        for (dst, len) in seq_lens.iter_mut().zip(st.seq_lens()) {
             *dst = len;
         }
         // Rows past `num_rows` are never read by a kernel, but keep them in step too so a
@@ -133,7 +133,7 @@ impl Uploader {
             let src = unsafe { std::slice::from_raw_parts(base_host.add(offset), bytes) };
             // SAFETY: as above for the destination; the caller guarantees `stream` is live.
             unsafe { result::memcpy_htod_async(base_dev + offset as u64, src, stream) }
-                .map_err(|e| cuda::driver_error("cuMemcpyHtoDAsync", e))
+                .map_err(|e| driver::driver_error("cuMemcpyHtoDAsync", e))
         };
         let copied = std::iter::once((0, 4 * num_rows))
             .chain(runs.iter().map(|&(first, last)| (table_offset + 4 * first * width, 4 * (last + 1 - first) * width)))

@@ -157,7 +157,7 @@ impl Drop for PinnedBuffer {
     fn drop(&mut self) {
         if bind(&self.ctx).is_ok() {
             // SAFETY: `ptr` came from `malloc_host` and is freed only here; no copy reads it
-            // any more (owners synchronize their events before dropping, see upload.rs).
+            // any more (owners synchronize their events before dropping, see tables/upload.rs).
             let _ = unsafe { result::free_host(self.ptr as *mut c_void) };
         }
     }
