@@ -65,7 +65,7 @@ class PyPrefixCache:
 
     def __init__(self, num_blocks: int, max_seqs: int, max_blocks_per_seq: int) -> None:
         self.key = os.urandom(32)
-        self.free = list(range(num_blocks - 1, -1, -1))
+        self.free_ids = list(range(num_blocks - 1, -1, -1))
         self.ref = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.map: dict[bytes, int] = {}
@@ -94,14 +94,14 @@ class PyPrefixCache:
         return a.astype(np.uint32, copy=False)
 
     def _alloc(self, n: int, exclude: set[int]) -> list[int]:
-        if len(self.free) >= n:
-            out = [self.free.pop() for _ in range(n)]
+        if len(self.free_ids) >= n:
+            out = [self.free_ids.pop() for _ in range(n)]
         else:
             evictable = [b for b in self.lru if b not in exclude] if exclude else list(self.lru)
-            if len(self.free) + len(evictable) < n:
+            if len(self.free_ids) + len(evictable) < n:
                 raise MemoryError("out of blocks")
-            out = self.free[::-1]
-            self.free.clear()
+            out = self.free_ids[::-1]
+            self.free_ids.clear()
             for b in evictable[: n - len(out)]:
                 del self.lru[b]
                 del self.map[self.hash_of[b]]  # type: ignore[index]
@@ -187,7 +187,7 @@ class PyPrefixCache:
                 if self.hash_of[b] is not None:
                     self.lru[b] = None
                 else:
-                    self.free.append(b)
+                    self.free_ids.append(b)
 
 
 # --- timing ---------------------------------------------------------------------------------------

@@ -12,6 +12,9 @@ use crate::errors::KvResult;
 use crate::ids::{self, Int};
 use crate::pool::PyPool;
 
+/// Prompts at least this long are added with the GIL released.
+const DETACH_MIN_TOKENS: usize = 1024;
+
 /// Request ids: any Python int in 0..2**64.
 fn request_id(value: &Bound<'_, PyAny>) -> Result<u64, CoreError> {
     if value.is_instance_of::<pyo3::types::PyBool>() {
@@ -110,7 +113,12 @@ impl PyBlockTables {
         let extra = crate::prefix::extra_keys(extra_keys)?;
         let lora_id = lora_id.map(|id| ids::count(id, "lora_id").map(|id| id as u64)).transpose()?;
         let key = PromptKey { cache_salt: salt.as_deref(), lora_id, extra_keys: &extra };
-        let result = self.inner.add_request(rid, &tokens, &key)?;
+        // Hashing a long prompt takes tens of microseconds: let other threads run.
+        let result = if tokens.len() >= DETACH_MIN_TOKENS {
+            py.detach(|| self.inner.add_request(rid, &tokens, &key))?
+        } else {
+            self.inner.add_request(rid, &tokens, &key)?
+        };
         Ok(crate::prefix::AddResult::new(py, result))
     }
 

@@ -24,9 +24,8 @@ pub struct BlockHasher {
     key: [u8; 32],
 }
 
-/// Domain tags, so a root can never equal a block hash of some other input.
+/// Domain tag of the roots (block hashes are keyed by their parent, not the pool key).
 const ROOT_TAG: &[u8] = b"kvpool.prefix_cache.root.v1";
-const BLOCK_TAG: &[u8] = b"kvpool.prefix_cache.block.v1";
 
 impl BlockHasher {
     /// A hasher with a fresh key from the operating system's random source.
@@ -70,21 +69,22 @@ impl BlockHasher {
     }
 
     /// The hash of a full block of `tokens` whose predecessor hashed to `parent` (the root
-    /// for a request's first block). `scratch` is reused between calls to avoid allocating.
+    /// for a request's first block): BLAKE3 keyed by the parent hash, over the tokens'
+    /// little-endian bytes. The chain stays secret-keyed (it starts at a root only the pool
+    /// key can make), and 16 tokens are one 64-byte compression. `scratch` is reused between
+    /// calls to avoid allocating.
     pub fn block(&self, parent: &BlockHash, tokens: &[u32], scratch: &mut Vec<u8>) -> BlockHash {
         scratch.clear();
-        scratch.extend_from_slice(BLOCK_TAG);
-        scratch.extend_from_slice(&parent.0);
         for t in tokens {
             scratch.extend_from_slice(&t.to_le_bytes());
         }
-        BlockHash(*blake3::keyed_hash(&self.key, scratch).as_bytes())
+        BlockHash(*blake3::keyed_hash(&parent.0, scratch).as_bytes())
     }
 
     /// Hashes of the full blocks of `tokens` (a trailing partial block is left out), chained
     /// from `parent`.
     pub fn chain(&self, parent: &BlockHash, tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
-        let mut scratch = Vec::with_capacity(BLOCK_TAG.len() + 32 + 4 * block_size);
+        let mut scratch = Vec::with_capacity(4 * block_size);
         let mut hashes = Vec::with_capacity(tokens.len() / block_size);
         let mut parent = *parent;
         for block in tokens.chunks_exact(block_size) {
