@@ -22,11 +22,12 @@ fn token_id(v: i64) -> Result<u32, CoreError> {
 /// Token ids: a 1-D int32/int64/uint32 NumPy array (fast path) or an iterable of ints, each
 /// in 0..2**32. Strings, bytes, bools, floats and nested arrays are refused.
 pub fn token_ids(value: &Bound<'_, PyAny>) -> Result<Vec<u32>, CoreError> {
-    if let Ok(a) = value.extract::<PyReadonlyArray1<'_, i32>>() {
-        return a.as_array().iter().map(|&v| token_id(v as i64)).collect();
-    }
+    // int64 first: NumPy's default integer, and each failed extraction costs an exception.
     if let Ok(a) = value.extract::<PyReadonlyArray1<'_, i64>>() {
         return a.as_array().iter().map(|&v| token_id(v)).collect();
+    }
+    if let Ok(a) = value.extract::<PyReadonlyArray1<'_, i32>>() {
+        return a.as_array().iter().map(|&v| token_id(v as i64)).collect();
     }
     if let Ok(a) = value.extract::<PyReadonlyArray1<'_, u32>>() {
         return Ok(a.as_array().to_vec());
