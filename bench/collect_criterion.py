@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Collect the free-list criterion results into bench/results/free_list_rust.json.
+"""Collect the free-list criterion results into free_list_rust.json (in this run's results folder).
 
 Reproduce (from the repository root):
 
@@ -14,12 +14,13 @@ across all threads: the inverse of aggregate throughput) and their ratio.
 """
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
 import subprocess
 import sys
+
+from provenance import provenance, run_dir
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GROUPS = {"single": 1, "batch16": 16, "batch256": 256}
@@ -61,9 +62,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
     parser.add_argument("--criterion-dir", type=pathlib.Path, default=target / "criterion")
-    parser.add_argument("--machine", default="2-core x86_64 dev VM, no GPU")
+    parser.add_argument("--machine", default="2-core x86_64 dev VM, no GPU", help="a description, recorded")
     parser.add_argument("--note", default="", help="conditions of the run, e.g. other load on the machine")
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results" / "free_list_rust.json")
+    parser.add_argument("--out", type=pathlib.Path, default=None,
+                        help="default: bench/results/<date>_<commit>_<machine>/free_list_rust.json")
     args = parser.parse_args()
 
     found = load(args.criterion_dir)
@@ -86,25 +88,25 @@ def main():
                 "mutex_ci95_ns": [round(x, 3) for x in mutex[2]],
             })
     record = {
+        "provenance": provenance("bench/collect_criterion.py"),
         "benchmark": "rust/core/benches/free_list.rs",
         "command": "cargo bench -p kvpool-core --bench free_list -- --warm-up-time 1 --measurement-time 2",
-        "commit": git("rev-parse", "--short", "HEAD") or "uncommitted",
         "core_sources_modified_since_commit": bool(git("status", "--porcelain", "rust/core/src")),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": args.machine,
+        "machine_description": args.machine,
         "note": args.note,
         "unit": "ns per block round trip (alloc + free of one block), wall clock across all threads",
         "estimate": "criterion slope over the samples (mean where there is no slope), with its 95% interval",
         "ratio": "ours_over_mutex = ours_ns_per_block / mutex_ns_per_block; below 1 means ours is faster",
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    out = args.out or run_dir() / "free_list_rust.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"{'group':<10}{'threads':>8}{'ours ns':>12}{'mutex ns':>12}{'ours/mutex':>12}")
     for r in results:
         print(f"{r['group']:<10}{r['threads']:>8}{r['ours_ns_per_block']:>12.2f}"
               f"{r['mutex_ns_per_block']:>12.2f}{r['ours_over_mutex']:>12.2f}")
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

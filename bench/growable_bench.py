@@ -1,6 +1,6 @@
 """Growing a KV pool in place (CUDA virtual memory) against the copy path, on one GPU.
 
-Scenario (issue 6): a pool holds `--live-gib` (8) GiB of live KV and must grow by
+Scenario: a pool holds `--live-gib` (8) GiB of live KV and must grow by
 `--grow-gib` (1) GiB.
 
 - vmm: a growable kvpool pool (`growable=True`) whose live blocks are allocated and written;
@@ -23,9 +23,7 @@ larger chunks grow faster and shrink coarser. Target: growth >= 20x faster than 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
 import sys
 import time
@@ -33,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import kvpool
-from provenance import git_commit
+from provenance import provenance
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -196,16 +194,8 @@ def main() -> None:
             print(f"chunk {rows[0]['chunk_bytes'] // MiB:>4} MiB  {variants[-1]['how']:<22} "
                   f"grow {grow_s * 1e3:8.3f} ms  shrink {variants[-1]['shrink_ms']:8.3f} ms  "
                   f"{copy_s / grow_s:7.1f}x vs copy", flush=True)
-    props = cp.cuda.runtime.getDeviceProperties(0)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     result = {
-        "benchmark": "growable_bench",
-        "commit": git_commit(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "gpu": name,
-        "driver_version": cp.cuda.runtime.driverGetVersion(),
-        "cupy": cp.__version__,
-        "python": platform.python_version(),
+        "provenance": provenance("bench/growable_bench.py"),
         "layout": LAYOUT_ARGS | {"block_bytes": bb},
         "live_bytes": live_bytes,
         "grow_bytes": grow_bytes,

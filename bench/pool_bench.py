@@ -9,19 +9,21 @@ Cases (each timed as a round trip, so the pool ends where it started):
   single         alloc() + free(id)
   alloc_many256  alloc_many(256) + free_many(ids), per block  target: >= 10x the baseline
 
-With `--device cuda` (GPU machine only) it also times our CUDA pool's alloc()+free() of one
-block against cudaMalloc+cudaFree of one block's bytes and against CuPy's memory pool.
+With `--device cuda` (GPU machine only) it also times our CUDA pool's per-block allocation
+against what a user would pick instead for the same bytes: raw cudaMalloc+cudaFree, CuPy's
+memory pool (`cupy.cuda.MemoryPool.malloc`, freed by dropping the pointer) and, when torch is
+importable, PyTorch's caching allocator (`torch.cuda.caching_allocator_alloc` / `_delete`,
+its raw interface without tensor construction): one block, and 16 blocks per round trip
+(ours one alloc_many(16) + free_many, the caching allocators 16 calls each way).
 
-Usage: python bench/pool_bench.py [--out bench/results/pool_python.json] [--device cuda]
+Usage: python bench/pool_bench.py [--device cuda] [--out FILE] [--commit SHA]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import statistics
-import sys
 import threading
 import timeit
 from collections.abc import Callable, Iterable
@@ -32,8 +34,7 @@ from typing import Any, cast
 import numpy as np
 
 import kvpool
-import kvpool._core
-from provenance import git_commit, machine
+from provenance import provenance, run_dir
 
 # Llama-3-8B geometry: 2 MiB blocks. Host slabs are zeroed lazily, so 4096 blocks are cheap.
 LAYOUT = kvpool.KvLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
@@ -214,57 +215,60 @@ def bench_host(repeat: int, min_time_s: float) -> list[dict[str, Any]]:
     return cases
 
 
-def bench_cuda(repeat: int, min_time_s: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def bench_cuda(repeat: int, min_time_s: float) -> list[dict[str, Any]]:
     import cupy
 
     ours = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="cuda")
     block_bytes = LAYOUT.block_bytes
     runtime = cupy.cuda.runtime
+    mempool = cupy.cuda.MemoryPool()
 
     def raw_malloc_free() -> None:
         runtime.free(runtime.malloc(block_bytes))
 
-    mempool = cupy.cuda.MemoryPool()
-
     def cupy_pool_malloc_free() -> None:
         mempool.malloc(block_bytes)  # returned to the pool when the pointer is dropped
 
-    o, raw = time_pair(round_trip_single(ours), raw_malloc_free, repeat, min_time_s)
-    o2, pooled = time_pair(round_trip_single(ours), cupy_pool_malloc_free, repeat, min_time_s)
-    cases = [
-        case("cuda_alloc_free_single", o, raw, "round trip", "cudaMalloc+cudaFree"),
-        case("cuda_alloc_free_single_vs_cupy_pool", o2, pooled, "round trip", "cupy.cuda.MemoryPool"),
+    def cupy_pool_16() -> None:
+        ptrs = [mempool.malloc(block_bytes) for _ in range(16)]
+        del ptrs
+
+    baselines: list[tuple[str, str, Callable[[], None], int]] = [
+        ("cuda_alloc_free_single", "cudaMalloc+cudaFree", raw_malloc_free, 1),
+        ("cuda_alloc_free_single_vs_cupy_pool", "cupy.cuda.MemoryPool", cupy_pool_malloc_free, 1),
+        ("cuda_alloc_many16_vs_cupy_pool", "cupy.cuda.MemoryPool x16", cupy_pool_16, 16),
     ]
+    try:
+        import torch
+
+        torch_ok = torch.cuda.is_available()
+    except ImportError:
+        torch_ok = False
+    if torch_ok:
+        alloc, delete = torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete
+
+        def torch_single() -> None:
+            delete(alloc(block_bytes))
+
+        def torch_16() -> None:
+            ptrs = [alloc(block_bytes) for _ in range(16)]
+            for p in ptrs:
+                delete(p)
+
+        baselines += [
+            ("cuda_alloc_free_single_vs_torch_caching", "torch caching allocator", torch_single, 1),
+            ("cuda_alloc_many16_vs_torch_caching", "torch caching allocator x16", torch_16, 16),
+        ]
+    cases = []
+    for name, baseline_name, baseline, n in baselines:
+        mine = round_trip_single(ours) if n == 1 else round_trip_many(ours, n)
+        o, b = time_pair(mine, baseline, repeat, min_time_s)
+        cases.append(case(name, o, b, "round trip", baseline_name))
+        if n > 1:
+            cases.append(case(f"{name}_per_block", o.per(n), b.per(n), "block", baseline_name))
     ours.check_invariants()
-    name = runtime.getDeviceProperties(0)["name"]
-    gpu = {
-        "name": name.decode() if isinstance(name, bytes) else str(name),
-        "cupy": cupy.__version__,
-        "cuda_runtime": runtime.runtimeGetVersion(),
-    }
-    return cases, gpu
-
-
-def extension_info() -> dict[str, Any]:
-    """Which compiled module ran, and whether it carries debug info (a `maturin develop`
-    debug build is several times slower than the release wheel: never record those)."""
-    path = Path(kvpool._core.__file__)  # type: ignore[attr-defined]
-    return {"path": str(path), "debug_info": ".debug_info" in elf_section_names(path.read_bytes()), "note": ""}
-
-
-def elf_section_names(data: bytes) -> set[str]:
-    """Section names of a little-endian ELF64 file (empty for anything else)."""
-    if data[:6] != b"\x7fELF\x02\x01":
-        return set()
-    shoff = int.from_bytes(data[0x28:0x30], "little")
-    shentsize, shnum, shstrndx = (int.from_bytes(data[o : o + 2], "little") for o in (0x3A, 0x3C, 0x3E))
-    headers = [data[shoff + i * shentsize : shoff + (i + 1) * shentsize] for i in range(shnum)]
-    strtab_at = int.from_bytes(headers[shstrndx][0x18:0x20], "little")
-    names = set()
-    for header in headers:
-        start = strtab_at + int.from_bytes(header[0:4], "little")
-        names.add(data[start : data.index(b"\0", start)].decode(errors="replace"))
-    return names
+    assert ours.num_free == NUM_BLOCKS
+    return cases
 
 
 def targets(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -289,27 +293,18 @@ def targets(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "pool_python.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON results (default: bench/results/<date>_<commit>_<machine>/pool_<device>.json)")
     parser.add_argument("--device", choices=("host", "cuda"), default="host", help="cuda: also time the CUDA pool")
     parser.add_argument("--repeat", type=int, default=7, help="runs per case; the median is reported")
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds per run")
-    parser.add_argument("--extension-note", default="", help="how the measured extension was built (recorded)")
+    parser.add_argument("--commit", default=None, help="commit to record where git is absent (the GPU box)")
     args = parser.parse_args(argv)
 
-    extension = extension_info()
-    extension["note"] = args.extension_note
-    if extension["debug_info"]:
-        print(f"warning: {extension['path']} is a debug build; timings are not representative", file=sys.stderr)
-    host = machine()  # before the run, so the load average is other work's
+    prov = provenance("bench/pool_bench.py", args.commit)  # before the run: the load average is other work's
     cases = bench_host(args.repeat, args.min_time)
     result: dict[str, Any] = {
-        "benchmark": "bench/pool_bench.py",
-        "commit": git_commit(),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": host,
-        "python": sys.version.split()[0],
-        "numpy": np.__version__,
-        "extension": extension,
+        "provenance": prov,
         "method": (
             f"timeit, ours and baseline in alternating runs, median (and best) of {args.repeat} runs of "
             f">= {args.min_time} s each; ratio = baseline_us / ours_us on the medians"
@@ -320,9 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": targets(cases),
     }
     if args.device == "cuda":
-        cuda_cases, gpu = bench_cuda(args.repeat, args.min_time)
-        result["cases"] += cuda_cases
-        result["gpu"] = gpu
+        result["cases"] += bench_cuda(args.repeat, args.min_time)
 
     for c in result["cases"]:
         print(
@@ -331,9 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     for t in result["targets"]:
         print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    out = args.out or run_dir(args.commit) / f"pool_{args.device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
     return 0
 
 

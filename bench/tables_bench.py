@@ -12,21 +12,27 @@ Paths:
   ours      `BlockTables.append_tokens_many(ids, 1)` + `sync()`. On CUDA, sync stages the
             dirty rows in pinned memory and queues `cuMemcpyHtoDAsync` on the pool's stream.
             On the host, sync returns NumPy copies (there is nothing to upload).
+  incremental  the fair baseline, what a careful scheduler writes without kvpool: one
+            persistent NumPy table, written only where a request took a new block, seq_lens
+            += 1, slots in NumPy, a Python free list. On CUDA the table and seq_lens are copied
+            into one of two pinned staging buffers (after the upload that last read it has
+            finished) and uploaded asynchronously on a CuPy stream (`ndarray.set`); on the host
+            the arrays themselves are returned (ours returns copies).
   rebuild   per-request Python block lists and a Python free list; NumPy builds the slot
             mapping and rebuilds the whole table and seq_lens every step; on CUDA,
-            `cupy.asarray` uploads both every step.
+            `cupy.asarray` uploads both every step (synchronously, from pageable memory).
 
 Host time per step is measured with time.perf_counter around each step (median over --steps
 after --warmup). On CUDA the total wall time of all steps plus a final cudaDeviceSynchronize
-is reported too. Targets (issue 3): ours < 20 us per step, and >= 5x faster than the rebuild.
+is reported too. Targets: ours < 20 us per step, and >= 5x faster than the rebuild; the
+ratio to the incremental baseline is reported beside it.
 
-Usage: python bench/tables_bench.py [--device host|cuda] [--out bench/results/tables_host.json]
+Usage: python bench/tables_bench.py [--device host|cuda] [--out FILE] [--commit SHA]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import statistics
 import sys
@@ -36,9 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import kvpool
-import kvpool._core
 import numpy as np
-from provenance import git_commit, machine
+from provenance import provenance, run_dir
 
 NUM_REQUESTS = 256
 BLOCK_SIZE = 16
@@ -120,7 +125,59 @@ class Rebuild:
         return slots, table, seq_lens
 
 
-def check_same_job(ours: Ours, rebuild: Rebuild, steps: int = 40) -> None:
+class Incremental:
+    """A persistent table written only where it changed; pinned double-buffered async upload."""
+
+    def __init__(self, cp: Any, steps: int, seed: int) -> None:
+        max_blocks, num_blocks = capacity(steps)
+        self.free = list(range(num_blocks - 1, -1, -1))  # a stack, lowest id first
+        self.table = np.full((NUM_REQUESTS, max_blocks), -1, dtype=np.int32)
+        lens = prompt_lengths(seed)
+        self.num_blocks = np.array([-(-n // BLOCK_SIZE) for n in lens], dtype=np.int64)
+        for i, nb in enumerate(self.num_blocks.tolist()):
+            self.table[i, :nb] = [self.free.pop() for _ in range(nb)]
+        self.lens = np.array(lens, dtype=np.int64)
+        self.seq_lens = self.lens.astype(np.int32)
+        self.rows = np.arange(NUM_REQUESTS)
+        self.cp = cp
+        self.steps = 0
+        if cp is not None:
+            import cupyx
+
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            self.staging = [(cupyx.empty_pinned(self.table.shape, np.int32),
+                             cupyx.empty_pinned(self.seq_lens.shape, np.int32)) for _ in range(2)]
+            self.uploaded: list[Any] = [None, None]  # the event of each staging buffer's last upload
+            self.dev_table = cp.empty(self.table.shape, dtype=cp.int32)
+            self.dev_seq_lens = cp.empty(self.seq_lens.shape, dtype=cp.int32)
+
+    def step(self) -> tuple[Any, Any, Any]:
+        offsets = self.lens % BLOCK_SIZE
+        full = np.flatnonzero(offsets == 0)  # these requests' last block is full: take one
+        if len(full):
+            if len(self.free) < len(full):
+                raise kvpool.OutOfBlocksError("the free list is empty")
+            self.table[full, self.num_blocks[full]] = [self.free.pop() for _ in range(len(full))]
+            self.num_blocks[full] += 1
+        slots = self.table[self.rows, self.num_blocks - 1].astype(np.int64) * BLOCK_SIZE + offsets
+        self.lens += 1
+        self.seq_lens += 1
+        if self.cp is None:
+            return slots, self.table, self.seq_lens
+        k = self.steps % 2
+        self.steps += 1
+        if self.uploaded[k] is not None:
+            self.uploaded[k].synchronize()  # never rewrite a buffer whose copy is in flight
+        table, seq_lens = self.staging[k]
+        np.copyto(table, self.table)
+        np.copyto(seq_lens, self.seq_lens)
+        self.dev_table.set(table, stream=self.stream)
+        self.dev_seq_lens.set(seq_lens, stream=self.stream)
+        self.uploaded[k] = self.stream.record()
+        return slots, self.dev_table, self.dev_seq_lens
+
+
+def check_same_job(ours: Ours, rebuild: Rebuild | Incremental, steps: int = 40) -> None:
     """Both paths produce the same shapes, lengths and block counts (the block ids differ:
     two allocators), and every slot lies at its token's offset in that request's last block."""
     for _ in range(steps):
@@ -230,18 +287,6 @@ def breakdown(device: str, warmup: int, steps: int, seed: int) -> dict[str, Any]
 # --- metadata ------------------------------------------------------------------------------------
 
 
-def gpu_info(cp: Any) -> dict[str, Any]:
-    runtime = cp.cuda.runtime
-    props = runtime.getDeviceProperties(cp.cuda.Device().id)
-    name = props["name"]
-    return {
-        "name": name.decode() if isinstance(name, bytes) else name,
-        "driver": runtime.driverGetVersion(),
-        "cuda_runtime": runtime.runtimeGetVersion(),
-        "cupy": cp.__version__,
-    }
-
-
 def targets(ours_us: float, ratio: float, scope: str) -> list[dict[str, Any]]:
     return [
         {"target": f"ours < {TARGET_OURS_US:g} us per step ({scope})", "value_us": ours_us, "pass": ours_us < TARGET_OURS_US},
@@ -261,18 +306,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit", default=None, help="commit to record where git is absent (the GPU box)")
     args = parser.parse_args(argv)
-    out = args.out or Path(__file__).parent / "results" / f"tables_{args.device}.json"
+    out = args.out or run_dir(args.commit) / f"tables_{args.device}.json"
     total_steps = args.warmup + args.steps
 
     check_same_job(Ours("host", 64, args.seed), Rebuild(None, 64, args.seed))
+    check_same_job(Ours("host", 64, args.seed), Incremental(None, 64, args.seed))
     result: dict[str, Any] = {
-        "benchmark": "bench/tables_bench.py",
-        "commit": args.commit or git_commit(),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "python": sys.version.split()[0],
-        "numpy": np.__version__,
-        "extension": str(Path(kvpool._core.__file__)),  # type: ignore[attr-defined]
+        "provenance": provenance("bench/tables_bench.py", args.commit),
         "device": args.device,
         "config": {
             "num_requests": NUM_REQUESTS,
@@ -284,36 +324,44 @@ def main(argv: list[str] | None = None) -> int:
             "timed_steps": args.steps,
         },
         "method": "time.perf_counter around each step; median over the timed steps after warm-up; "
-        "ratio = rebuild median / ours median",
+        "ratio = rebuild median / ours median; ratio_vs_incremental = incremental median / ours median",
     }
 
     if args.device == "host":
         result["scope"] = "host only, no upload: ours = append_tokens_many + sync() returning NumPy; rebuild = NumPy rebuild"
         paths = {
             "ours_append_sync_numpy": run_path(lambda: Ours("host", total_steps, args.seed), args.warmup, args.steps, None),
+            "incremental_numpy": run_path(
+                lambda: Incremental(None, total_steps, args.seed), args.warmup, args.steps, None),
             "rebuild_numpy": run_path(lambda: Rebuild(None, total_steps, args.seed), args.warmup, args.steps, None),
         }
-        ours_key, base_key, scope = "ours_append_sync_numpy", "rebuild_numpy", "host, no upload"
+        ours_key, incr_key, base_key = "ours_append_sync_numpy", "incremental_numpy", "rebuild_numpy"
+        scope = "host, no upload"
     else:
         import cupy as cp
 
-        result["gpu"] = gpu_info(cp)
         result["scope"] = (
             "host time per step with uploads: ours = append_tokens_many + sync() (async upload on the pool's "
-            "stream); rebuild = NumPy rebuild + cupy.asarray(table) + cupy.asarray(seq_lens)"
+            "stream); incremental = persistent NumPy table + pinned double-buffered async upload; "
+            "rebuild = NumPy rebuild + cupy.asarray(table) + cupy.asarray(seq_lens)"
         )
         sync = cp.cuda.runtime.deviceSynchronize
         paths = {
             "ours_append_sync_cuda": run_path(lambda: Ours("cuda", total_steps, args.seed), args.warmup, args.steps, sync),
+            "incremental_numpy_pinned_async": run_path(
+                lambda: Incremental(cp, total_steps, args.seed), args.warmup, args.steps, sync),
             "rebuild_numpy_cupy_asarray": run_path(
                 lambda: Rebuild(cp.asarray, total_steps, args.seed), args.warmup, args.steps, sync
             ),
         }
-        ours_key, base_key, scope = "ours_append_sync_cuda", "rebuild_numpy_cupy_asarray", "CUDA, with upload"
+        ours_key, incr_key, base_key = (
+            "ours_append_sync_cuda", "incremental_numpy_pinned_async", "rebuild_numpy_cupy_asarray")
+        scope = "CUDA, with upload"
 
     result["paths"] = paths
     ratio = paths[base_key]["median_us"] / paths[ours_key]["median_us"]
     result["ratio"] = ratio
+    result["ratio_vs_incremental"] = paths[incr_key]["median_us"] / paths[ours_key]["median_us"]
     result["breakdown"] = breakdown(args.device, args.warmup, args.steps, args.seed)
     result["targets"] = targets(paths[ours_key]["median_us"], ratio, scope)
 
@@ -322,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         if "total_with_device_sync_us_per_step" in p:
             extra = f"   total incl. device sync {p['total_with_device_sync_us_per_step']:.2f} us/step"
         print(f"{name:<30} median {p['median_us']:9.2f} us   p90 {p['p90_us']:9.2f} us{extra}")
-    print(f"ratio (rebuild / ours): x{ratio:.1f}")
+    print(f"ratio (rebuild / ours): x{ratio:.1f}; (incremental / ours): x{result['ratio_vs_incremental']:.2f}")
     print(f"breakdown: {json.dumps(result['breakdown'])}")
     for t in result["targets"]:
         print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}")

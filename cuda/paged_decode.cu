@@ -296,3 +296,28 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode(
         }
     }
 }
+
+// Log-sum-exp merge of the split partials: one CTA per (query head, sequence), HEAD_DIM threads.
+extern "C" __global__ void __launch_bounds__(HEAD_DIM) merge_splits(
+    const float* __restrict__ part_o, const float* __restrict__ part_lse,
+    u16* __restrict__ out, i64 out_seq_stride, i64 out_head_stride,
+    const int* __restrict__ seq_lens, int num_q_heads, int chunk_tokens, int max_splits) {
+    const int qh = blockIdx.x;
+    const int seq = blockIdx.y;
+    const int d = threadIdx.x;
+    const int len = seq_lens[seq];
+    const int n = max(1, min(max_splits, (len + chunk_tokens - 1) / chunk_tokens));
+    const i64 row0 = (i64)seq * max_splits * num_q_heads + qh;
+    float M = NEG_INF;
+    for (int s = 0; s < n; ++s) M = fmaxf(M, part_lse[row0 + (i64)s * num_q_heads]);
+    float L = 0.f, O = 0.f;
+    if (M != NEG_INF) {
+        for (int s = 0; s < n; ++s) {
+            const i64 row = row0 + (i64)s * num_q_heads;
+            const float w = exp2f(part_lse[row] - M);
+            L += w;
+            O = fmaf(w, part_o[row * HEAD_DIM + d], O);
+        }
+    }
+    out[seq * out_seq_stride + (i64)qh * out_head_stride + d] = f32_to_elem(L > 0.f ? O / L : 0.f);
+}

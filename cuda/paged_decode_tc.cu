@@ -1,48 +1,64 @@
-// Paged decode attention on tensor cores (mma.sync m16n8k16, fp16/bf16 in, fp32 accumulate).
-//
-// Same arguments, grid and split-KV partial format as paged_decode.cu (the merge_splits kernel
-// below is the same code), so the host picks either kernel per call.
+// Paged decode attention on tensor cores (mma.sync m16n8k16, fp16/bf16 in, fp32 accumulate),
+// with the split-KV merge fused into the same launch.
 //
 // One CTA per (split chunk, KV head x query-head tile, sequence); NWARPS warps split the
 // chunk's tokens in 16-token tiles (warp w takes tiles w, w+NWARPS, ...). Each warp streams its
-// own tiles of K and V (16 tokens x HEAD_DIM each) into its own shared-memory stages with
+// own tiles of K and V (16 tokens x DP columns each) into its own shared-memory stages with
 // cp.async, STAGES-1 tiles ahead, so the main loop needs no CTA barrier (a __syncwarp orders the
-// warp's copies against its ldmatrix reads). Rows are stored with the 16-byte chunk index XORed
-// by (row & 7), so ldmatrix reads are free of bank conflicts.
+// warp's copies against its ldmatrix reads).
+//
+// Head dims: the kernel is compiled per padded head dim DP (a multiple of 16, the mma K step);
+// the real head_dim (a multiple of 8, <= DP) is a run-time argument. Columns head_dim..DP-1 of
+// Q are zero in registers and those of K/V are zero-filled by cp.async (no global read), so the
+// padding adds nothing to S and its O rows are never written.
+//
+// Block sizes: any power of two (run-time `bs_log2`). Lanes 0-15 (and 16-31, the same rows) each
+// look up the block of one token row of the tile; a page of >= 16 tokens holds the whole tile
+// (one table entry, read by every lane from the same address), a smaller page gives each row its
+// own block id, which the copying lanes take by shuffle. Rows past the sequence end or whose
+// table entry lies outside the pool are zero-filled and masked (a 16-bit row mask per stage).
 //
 // Per tile and warp, with the query-head tile of gq <= 16 heads padded to the 16 rows of M:
-//   S (16 heads x 16 tokens) = Q (16 x D, A fragments in registers) * K^T (B from ldmatrix);
+//   S (16 heads x 16 tokens) = Q (16 x DP, A fragments in registers) * K^T (B from ldmatrix);
 //   online softmax in the log2 domain on the S accumulators (row = head);
-//   O^T (D x 8*NH heads) += V^T (A from ldmatrix.trans) * P^T (B = the S accumulators packed to
+//   O^T (DP x 8*NH heads) += V^T (A from ldmatrix.trans) * P^T (B = the S accumulators packed to
 //   16-bit, no shuffle: the m16n8 C layout of S is the k16n8 B layout of P^T).
-// Keeping O transposed puts D in M, so a head tile of <= 8 (NH=1) wastes nothing in P.V and
-// needs HEAD_DIM/4 accumulator registers per thread (NH=2: HEAD_DIM/2).
-// At the end the NWARPS warp states (m, l, O) are merged through shared memory (the stage
-// buffer), as in paged_decode.cu.
+// At the end the NWARPS warp states (m, l, O) are merged through shared memory (the stage buffer).
 //
-// Compile-time constants (NVRTC -D): KV_BF16, HEAD_DIM (64|128|256), BLOCK_SIZE (power of two,
-// >= 2), NH (1: gq <= 8, 2: gq <= 16), NWARPS, STAGES. The head tile gq is a run-time argument.
+// Split-KV: a sequence whose length needs one chunk writes `out` directly. Otherwise every CTA
+// writes its normalised partial (part_o, part_lse in log2) to the workspace, then the last CTA to
+// arrive for its (sequence, head tile) -- an atomic counter per (sequence, head tile) in the
+// workspace, after a __threadfence -- merges the partials by log-sum-exp and writes `out`, and
+// resets the counter to zero, so the workspace is reusable by the next launch (and by graph
+// replays) without a memset. The counters must be zero before the first launch.
+//
+// Compile-time constants (NVRTC -D): KV_BF16, DP (16..256, multiple of 16), NH (1: gq <= 8,
+// 2: gq <= 16), NWARPS, STAGES (2..4), MAX_SPLITS (the most splits the host plans: the fused
+// merge keeps MAX_SPLITS x 16 weights in shared memory). Everything else is a run-time argument.
 
-#if !defined(KV_BF16) || !defined(HEAD_DIM) || !defined(BLOCK_SIZE) || !defined(NH) || \
-    !defined(NWARPS) || !defined(STAGES)
-#error "paged_decode_tc.cu needs KV_BF16, HEAD_DIM, BLOCK_SIZE, NH, NWARPS and STAGES defined"
+#if !defined(KV_BF16) || !defined(DP) || !defined(NH) || !defined(NWARPS) || !defined(STAGES) || \
+    !defined(MAX_SPLITS)
+#error "paged_decode_tc.cu needs KV_BF16, DP, NH, NWARPS, STAGES and MAX_SPLITS defined"
 #endif
 
 #include "decode_common.cuh"
 
-#define TILE 16                        // tokens per warp tile (the k of P.V, the n of Q.K^T)
-#define CH (HEAD_DIM / 8)              // 16-byte chunks per row
-#define ROWB (HEAD_DIM * 2)            // bytes per row
-#define TILE_BYTES (TILE * ROWB)       // one K or V tile
-#define PPL (TILE * CH / 32)           // 16-byte pieces per lane per K (or V) tile
-#define RPI (32 / CH)                  // tile rows covered by one piece index (all lanes)
-#define KSTEPS (HEAD_DIM / 16)
+#define TILE 16                                   // tokens per warp tile
+#define CH (DP / 8)                               // 16-byte chunks per (padded) row
+#define SCH ((CH % 8 == 0) ? CH : (CH | 1))       // shared-memory row stride in chunks
+#define ROWB (SCH * 16)                           // shared-memory bytes per row
+#define TILE_BYTES (TILE * ROWB)                  // one K or V tile
+#define PPL (TILE * CH / 32)                      // 16-byte pieces per lane per K (or V) tile
+#define KSTEPS (DP / 16)
 #define NTHREADS (NWARPS * 32)
+#define FULL 0xffffffffu
 
-static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM must be 64, 128 or 256");
-static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE >= 8, "BLOCK_SIZE: power of two >= 8");
+static_assert(DP % 16 == 0 && DP >= 16 && DP <= 256, "DP: a multiple of 16 in 16..256");
 static_assert(NH == 1 || NH == 2, "NH must be 1 or 2");
-static_assert(STAGES >= 2, "STAGES must be >= 2");
+static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2..4 (16 mask bits per stage in a u64)");
+static_assert((TILE * CH) % 32 == 0, "pieces per tile must be a multiple of the warp size");
+static_assert(STAGES * 2 * TILE_BYTES * NWARPS >= 4 * MAX_SPLITS * 16,
+              "the merge weights must fit in the stage buffer");
 
 // Two floats -> one register of two 16-bit elements, `lo` in the low half (lower k index).
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
@@ -82,28 +98,42 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const char* gmem, bool 
                  :: "r"(dst), "l"(gmem), "r"(fill ? 16 : 0) : "memory");
 }
 
-// Byte offset of (row, 16-byte chunk) inside a tile: chunks XOR-swizzled by row & 7.
+// Loads of data other CTAs of this launch wrote: through L2, never a stale L1 line.
+__device__ __forceinline__ float ld_cg(const float* p) {
+    float r;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p) : "memory");
+    return r;
+}
+
+// Byte offset of (row, 16-byte chunk) inside a tile. Rows of a multiple of 8 chunks: chunks
+// XOR-swizzled by row & 7; other rows: an odd row stride (SCH). Either way the 8 rows an
+// ldmatrix reads at one chunk column land in 8 different 16-byte bank groups.
 __device__ __forceinline__ unsigned swz(int row, int chunk) {
-    return (unsigned)(row * ROWB + ((chunk ^ (row & 7)) << 4));
+    if (CH % 8 == 0) return (unsigned)(row * ROWB + ((chunk ^ (row & 7)) << 4));
+    return (unsigned)(row * ROWB + (chunk << 4));
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
     const u16* __restrict__ q, i64 q_seq_stride, i64 q_head_stride,
     u16* __restrict__ out, i64 out_seq_stride, i64 out_head_stride,
-    float* __restrict__ part_o, float* __restrict__ part_lse,
+    float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ counters,
     const char* __restrict__ k_base, const char* __restrict__ v_base,
-    i64 block_stride, i64 token_stride, i64 head_stride, int num_blocks,
+    i64 block_stride, i64 token_stride, i64 head_stride, int num_blocks, int bs_log2,
     const int* __restrict__ block_tables, i64 bt_stride, const int* __restrict__ seq_lens,
-    int num_q_heads, int group, int gq, int chunk_tokens, int max_splits, float scale_log2) {
+    int num_q_heads, int head_dim, int group, int gq, int chunk_tokens, int max_splits,
+    float scale_log2) {
     const int split = blockIdx.x;
-    const int n_tiles_h = group / gq;
+    const int n_tiles_h = (group + gq - 1) / gq;
     const int kvh = blockIdx.y / n_tiles_h;
-    const int qh0 = kvh * group + (blockIdx.y % n_tiles_h) * gq;
+    const int tile_h = blockIdx.y % n_tiles_h;
+    const int qh0 = kvh * group + tile_h * gq;
+    const int gq_here = min(gq, group - tile_h * gq);  // the last head tile may be shorter
     const int seq = blockIdx.z;
     const int len = seq_lens[seq];
+    const int n_splits = max(1, min(max_splits, (len + chunk_tokens - 1) / chunk_tokens));
+    if (split >= n_splits) return;  // this sequence is shorter than the longest
     const int t_begin = split * chunk_tokens;
-    if (split > 0 && t_begin >= len) return;  // merge_splits() reads only the splits that exist
-    const int t_end = (split == max_splits - 1) ? len : min(len, t_begin + chunk_tokens);
+    const int t_end = (split == n_splits - 1) ? len : min(len, t_begin + chunk_tokens);
 
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -114,20 +144,22 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
     const unsigned smem_base = (unsigned)__cvta_generic_to_shared(smem);
     const unsigned warp_smem = smem_base + (unsigned)(warp * STAGES * 2 * TILE_BYTES);
 
-    // Q as A fragments (rows = heads of the tile; rows >= gq are zero). Scaling is applied to S.
+    // Q as A fragments (rows = heads of the tile; rows >= gq_here and columns >= head_dim are
+    // zero). Columns come in pairs (2*tig, 2*tig+1) and head_dim is even: one test per pair.
     u32 qa[KSTEPS][4];
     {
         const u16* q_seq = q + seq * q_seq_stride;
-        const bool r0 = gid < gq, r1 = gid + 8 < gq;
+        const bool r0 = gid < gq_here, r1 = gid + 8 < gq_here;
         const u16* p0 = q_seq + (i64)(qh0 + gid) * q_head_stride + tig * 2;
         const u16* p1 = q_seq + (i64)(qh0 + gid + 8) * q_head_stride + tig * 2;
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
-            qa[kk][0] = r0 ? *reinterpret_cast<const u32*>(p0 + kk * 16) : 0u;
-            qa[kk][2] = r0 ? *reinterpret_cast<const u32*>(p0 + kk * 16 + 8) : 0u;
+            const bool c0 = kk * 16 + tig * 2 < head_dim, c1 = kk * 16 + 8 + tig * 2 < head_dim;
+            qa[kk][0] = (r0 && c0) ? *reinterpret_cast<const u32*>(p0 + kk * 16) : 0u;
+            qa[kk][2] = (r0 && c1) ? *reinterpret_cast<const u32*>(p0 + kk * 16 + 8) : 0u;
             if (NH == 2) {
-                qa[kk][1] = r1 ? *reinterpret_cast<const u32*>(p1 + kk * 16) : 0u;
-                qa[kk][3] = r1 ? *reinterpret_cast<const u32*>(p1 + kk * 16 + 8) : 0u;
+                qa[kk][1] = (r1 && c0) ? *reinterpret_cast<const u32*>(p1 + kk * 16) : 0u;
+                qa[kk][3] = (r1 && c1) ? *reinterpret_cast<const u32*>(p1 + kk * 16 + 8) : 0u;
             } else {
                 qa[kk][1] = qa[kk][3] = 0u;
             }
@@ -147,60 +179,56 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
     }
 
     const int* bt = block_tables + seq * bt_stride;
-    const int chunk = lane % CH;  // this lane's 16-byte column in every tile row it copies
-    const char* k_lane = k_base + kvh * head_stride + chunk * 16;
-    const char* v_lane = v_base + kvh * head_stride + chunk * 16;
+    const char* k_head = k_base + kvh * head_stride;
+    const char* v_head = v_base + kvh * head_stride;
+    const int bs_mask = (1 << bs_log2) - 1;
+    // A page of >= 16 tokens holds a whole tile when tiles start at multiples of 16 tokens (the
+    // host plans chunks of a multiple of 64; any other chunk falls back to per-row look-ups).
+    const bool one_block_per_tile = bs_log2 >= 4 && (t_begin & (TILE - 1)) == 0;
+    const int d_chunks = head_dim >> 3;
 
     const int n_tiles = (t_end - t_begin + TILE - 1) / TILE;
     const int n_my = n_tiles > warp ? (n_tiles - warp + NWARPS - 1) / NWARPS : 0;
-    unsigned okbits = 0;  // bits 2*stage, 2*stage+1: tokens 0-7 / 8-15 of that stage's blocks exist
+    unsigned long long rowbits = 0;  // bits 16*stage + r: token row r of that stage is valid
 
     auto issue = [&](int j) {
         const int stage = j % STAGES;
         const int t0 = t_begin + (warp + j * NWARPS) * TILE;
-        bool okA = false, okB = false;
-        i64 offA = 0, offB = 0;
-        if (j < n_my) {
-            const int b0 = __ldg(bt + t0 / BLOCK_SIZE);
-            okA = (unsigned)b0 < (unsigned)num_blocks;  // an entry outside the pool is skipped
-            offA = (i64)b0 * block_stride + (i64)(t0 % BLOCK_SIZE) * token_stride;
-            if (BLOCK_SIZE >= TILE) {
-                okB = okA;
-                offB = offA + 8 * token_stride;
-            } else if (t0 + 8 < t_end) {  // BLOCK_SIZE 8: the second half is the next block
-                const int b1 = __ldg(bt + t0 / BLOCK_SIZE + 1);
-                okB = (unsigned)b1 < (unsigned)num_blocks;
-                offB = (i64)b1 * block_stride;
+        unsigned mask = 0;
+        if (j < n_my) {  // uniform across the warp
+            // This lane's token row (lane & 15): its block id and whether the row exists.
+            const int row_tok = t0 + (lane & 15);
+            const int blk = __ldg(bt + (min(row_tok, t_end - 1) >> bs_log2));
+            const bool row_ok = row_tok < t_end && (unsigned)blk < (unsigned)num_blocks;
+            mask = __ballot_sync(FULL, row_ok) & 0xffffu;
+            const unsigned sk = warp_smem + (unsigned)(stage * 2 * TILE_BYTES);
+#pragma unroll
+            for (int i = 0; i < PPL; ++i) {
+                const int p = i * 32 + lane;
+                const int row = p / CH, c = p % CH;  // compile-time divisors
+                // Pages of >= 16 tokens: every row's block is this lane's; smaller: row's lane's.
+                const int b = one_block_per_tile ? blk : __shfl_sync(FULL, blk, row);
+                const bool ok = ((mask >> row) & 1u) && c < d_chunks;
+                const i64 off = (i64)b * block_stride +
+                                (i64)((t0 + row) & bs_mask) * token_stride + c * 16;
+                const unsigned dst = sk + swz(row, c);
+                cp_async16(dst, ok ? k_head + off : k_head, ok);
+                cp_async16(dst + TILE_BYTES, ok ? v_head + off : v_head, ok);
             }
         }
-        const unsigned sk = warp_smem + (unsigned)(stage * 2 * TILE_BYTES);
-        if (j < n_my) {  // past the warp's last tile only an empty group is committed
-#pragma unroll
-        for (int i = 0; i < PPL; ++i) {
-            const int row = i * RPI + lane / CH;
-            const bool second = i * RPI >= 8;  // compile-time per i: RPI divides 8
-            const bool ok = (t0 + row < t_end) && (second ? okB : okA);
-            const i64 off = (second ? offB + (i64)(row - 8) * token_stride
-                                    : offA + (i64)row * token_stride);
-            const unsigned dst = sk + swz(row, chunk);
-            cp_async16(dst, ok ? k_lane + off : k_lane, ok);
-            cp_async16(dst + TILE_BYTES, ok ? v_lane + off : v_lane, ok);
-        }
-        }
-        const unsigned sh = 2 * stage;
-        okbits = (okbits & ~(3u << sh)) | (((unsigned)okA | ((unsigned)okB << 1)) << sh);
-        cp_async_commit();
+        const unsigned sh = 16 * stage;
+        rowbits = (rowbits & ~(0xffffull << sh)) | ((unsigned long long)mask << sh);
+        cp_async_commit();  // past the warp's last tile an empty group keeps the count uniform
     };
 
 #pragma unroll
     for (int j = 0; j < STAGES - 1; ++j) issue(j);
 
-    // ldmatrix lane roles: matrix mi = lane / 8, row within it lane % 8.
+    // ldmatrix lane roles: matrix mi = lane / 8, row within it lane % 8. K (non-trans, B of
+    // Q.K^T) and V (trans, A of V^T.P^T) use the same four matrices: (tok 0-7, chunk 2k),
+    // (0-7, 2k+1), (8-15, 2k), (8-15, 2k+1).
     const int mi = lane >> 3, mr = lane & 7;
-    // K (non-trans, B of Q.K^T): matrices (tok 0-7, chunk 2kk), (0-7, 2kk+1), (8-15, 2kk), (8-15, 2kk+1).
-    const int k_row = mr + ((mi >> 1) << 3), k_cadd = mi & 1;
-    // V (trans, A of V^T.P^T): (tok 0-7, chunk 2dd), (0-7, 2dd+1), (8-15, 2dd), (8-15, 2dd+1).
-    const int v_row = mr + ((mi >> 1) << 3), v_cadd = mi & 1;
+    const int ld_row = mr + ((mi >> 1) << 3), ld_cadd = mi & 1;
 
     for (int it = 0; it < n_my; ++it) {
         __syncwarp();  // every lane is done reading the stage the next issue overwrites
@@ -210,8 +238,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
         const int stage = it % STAGES;
         const unsigned sk = warp_smem + (unsigned)(stage * 2 * TILE_BYTES);
         const unsigned sv = sk + TILE_BYTES;
-        const int t0 = t_begin + (warp + it * NWARPS) * TILE;
-        const unsigned ok2 = okbits >> (2 * stage);
+        const unsigned rows = (unsigned)(rowbits >> (16 * stage)) & 0xffffu;
 
         // S = Q K^T: s[n-tile][c]: c0,c1 head gid, tokens nt*8+2*tig+{0,1}; c2,c3 head gid+8.
         float s[2][4];
@@ -222,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
             u32 kb[4];
-            ldsm_x4(kb, sk + swz(k_row, 2 * kk + k_cadd));
+            ldsm_x4(kb, sk + swz(ld_row, 2 * kk + ld_cadd));
             mma16816(s[0], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], kb[0], kb[1]);
             mma16816(s[1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], kb[2], kb[3]);
         }
@@ -232,8 +259,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-            for (int e = 0; e < 2; ++e)
-                valid[nt][e] = (t0 + nt * 8 + 2 * tig + e < t_end) && ((ok2 >> nt) & 1u);
+            for (int e = 0; e < 2; ++e) valid[nt][e] = (rows >> (nt * 8 + 2 * tig + e)) & 1u;
         u32 pb[NH][2];  // P^T as B fragments: [head tile][token half]
         float alpha[NH];
 #pragma unroll
@@ -247,8 +273,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
                     x[nt][e] = valid[nt][e] ? s[nt][2 * h + e] * scale_log2 : NEG_INF;
                     mx = fmaxf(mx, x[nt][e]);
                 }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
             alpha[h] = (mx == NEG_INF) ? 1.f : exp2f(m[h] - mx);
             m[h] = mx;
             float p[2][2], sum = 0.f;
@@ -268,8 +294,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
         // of lanes 4*(2*tig) and 4*(2*tig+1).
 #pragma unroll
         for (int h = 0; h < NH; ++h) {
-            const float a0 = __shfl_sync(0xffffffffu, alpha[h], 8 * tig);
-            const float a1 = __shfl_sync(0xffffffffu, alpha[h], 8 * tig + 4);
+            const float a0 = __shfl_sync(FULL, alpha[h], 8 * tig);
+            const float a1 = __shfl_sync(FULL, alpha[h], 8 * tig + 4);
 #pragma unroll
             for (int dd = 0; dd < KSTEPS; ++dd) {
                 o[dd][h][0] *= a0;
@@ -283,7 +309,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
 #pragma unroll
         for (int dd = 0; dd < KSTEPS; ++dd) {
             u32 va[4];
-            ldsm_x4_trans(va, sv + swz(v_row, 2 * dd + v_cadd));
+            ldsm_x4_trans(va, sv + swz(ld_row, 2 * dd + ld_cadd));
 #pragma unroll
             for (int h = 0; h < NH; ++h)
                 mma16816(o[dd][h], va[0], va[1], va[2], va[3], pb[h][0], pb[h][1]);
@@ -296,12 +322,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
     float* merge = reinterpret_cast<float*>(smem);
     float* s_m = merge;                                  // [NWARPS][16]
     float* s_l = merge + NWARPS * 16;                    // [NWARPS][16]
-    float* s_acc = merge + 2 * NWARPS * 16;              // [NWARPS][16][HEAD_DIM]
+    float* s_acc = merge + 2 * NWARPS * 16;              // [NWARPS][16][DP]
 #pragma unroll
     for (int h = 0; h < NH; ++h) {
         float lsum = l[h];
-        lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
-        lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
+        lsum += __shfl_xor_sync(FULL, lsum, 1);
+        lsum += __shfl_xor_sync(FULL, lsum, 2);
         if (tig == 0) {
             s_m[warp * 16 + h * 8 + gid] = m[h];
             s_l[warp * 16 + h * 8 + gid] = lsum;
@@ -309,18 +335,19 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
         const int hd0 = h * 8 + 2 * tig;
 #pragma unroll
         for (int dd = 0; dd < KSTEPS; ++dd) {
-            float* row0 = s_acc + ((i64)warp * 16 + hd0) * HEAD_DIM + dd * 16 + gid;
+            float* row0 = s_acc + (warp * 16 + hd0) * DP + dd * 16 + gid;
             row0[0] = o[dd][h][0];
-            row0[HEAD_DIM] = o[dd][h][1];
+            row0[DP] = o[dd][h][1];
             row0[8] = o[dd][h][2];
-            row0[HEAD_DIM + 8] = o[dd][h][3];
+            row0[DP + 8] = o[dd][h][3];
         }
     }
     __syncthreads();
 
-    for (int i = threadIdx.x; i < gq * HEAD_DIM; i += NTHREADS) {
-        const int g = i / HEAD_DIM;
-        const int d = i % HEAD_DIM;
+    const bool direct = n_splits == 1;
+    for (int i = threadIdx.x; i < gq_here * head_dim; i += NTHREADS) {
+        const int g = i / head_dim;
+        const int d = i - g * head_dim;
         float M = NEG_INF;
 #pragma unroll
         for (int w = 0; w < NWARPS; ++w) M = fmaxf(M, s_m[w * 16 + g]);
@@ -330,17 +357,64 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
             for (int w = 0; w < NWARPS; ++w) {
                 const float wt = exp2f(s_m[w * 16 + g] - M);  // 0 for an empty warp (m = -inf)
                 L = fmaf(wt, s_l[w * 16 + g], L);
-                O = fmaf(wt, s_acc[(w * 16 + g) * HEAD_DIM + d], O);
+                O = fmaf(wt, s_acc[(w * 16 + g) * DP + d], O);
             }
         }
         const float res = L > 0.f ? O / L : 0.f;
         const int qh = qh0 + g;
-        if (part_o == nullptr) {
+        if (direct) {
             out[seq * out_seq_stride + (i64)qh * out_head_stride + d] = f32_to_elem(res);
         } else {
             const i64 row = ((i64)seq * max_splits + split) * num_q_heads + qh;
-            part_o[row * HEAD_DIM + d] = res;
+            part_o[row * head_dim + d] = res;
             if (d == 0) part_lse[row] = L > 0.f ? M + log2f(L) : NEG_INF;
         }
+    }
+    if (direct) return;
+
+    // Fused merge: the last CTA of this (sequence, head tile) to finish combines all partials.
+    __shared__ int s_last;
+    __threadfence();  // this thread's partial stores are visible device-wide before the count
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int* counter = counters + (i64)seq * gridDim.y + blockIdx.y;
+        const int arrived = atomicAdd(counter, 1);
+        s_last = arrived == n_splits - 1;
+        if (s_last) *counter = 0;  // every CTA of this tile has counted: reset for the next launch
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();  // order the partial loads below after the count that saw every arrival
+
+    // Weights w[s][g] = exp2(lse_s - M_g) / L_g in shared memory (the stage buffer is free: every
+    // read of s_acc above is behind the barrier), then out = sum_s w[s][g] * part_o[s][g].
+    float* s_w = merge;  // [MAX_SPLITS][16]
+    const i64 row0 = (i64)seq * max_splits * num_q_heads + qh0;
+    for (int i = threadIdx.x; i < n_splits * gq_here; i += NTHREADS) {
+        const int sp = i / gq_here, g = i - sp * gq_here;
+        s_w[sp * 16 + g] = ld_cg(part_lse + row0 + (i64)sp * num_q_heads + g);
+    }
+    __syncthreads();
+    if (threadIdx.x < gq_here) {
+        const int g = threadIdx.x;
+        float M = NEG_INF;
+        for (int sp = 0; sp < n_splits; ++sp) M = fmaxf(M, s_w[sp * 16 + g]);
+        float L = 0.f;
+        if (M != NEG_INF)
+            for (int sp = 0; sp < n_splits; ++sp) L += exp2f(s_w[sp * 16 + g] - M);
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        for (int sp = 0; sp < n_splits; ++sp)
+            s_w[sp * 16 + g] = M != NEG_INF ? exp2f(s_w[sp * 16 + g] - M) * inv : 0.f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < gq_here * head_dim; i += NTHREADS) {
+        const int g = i / head_dim;
+        const int d = i - g * head_dim;
+        const float* po = part_o + (row0 + g) * head_dim + d;
+        const i64 step = (i64)num_q_heads * head_dim;
+        float O = 0.f;
+#pragma unroll 8
+        for (int sp = 0; sp < n_splits; ++sp) O = fmaf(s_w[sp * 16 + g], ld_cg(po + sp * step), O);
+        out[seq * out_seq_stride + (i64)(qh0 + g) * out_head_stride + d] = f32_to_elem(O);
     }
 }

@@ -1,15 +1,18 @@
-"""Shared pytest setup: Hypothesis profiles and the `gpu` marker's skip.
+"""Shared pytest setup: Hypothesis profiles, the `gpu` marker's skip (the only one GPU tests
+use) and the `cp` fixture (CuPy; helpers for GPU tests are in gpu_fixtures.py).
 
 Profiles (pydantic-core keeps the same pair):
 - "ci" (the default, so also whenever CI is set): derandomized, so every run draws the
   same examples; modest example counts; failures print a reproduction blob.
-- "soak": many random examples; select with HYPOTHESIS_PROFILE=soak.
+- "soak": many random examples (5000 per test, or KVPOOL_SOAK_EXAMPLES); select with
+  HYPOTHESIS_PROFILE=soak.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -26,7 +29,7 @@ settings.register_profile(
     "soak",
     derandomize=False,
     deadline=None,
-    max_examples=5_000,
+    max_examples=int(os.environ.get("KVPOOL_SOAK_EXAMPLES", "5000")),
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -59,3 +62,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason=f"gpu test: {reason}")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cp() -> Any:
+    """CuPy, for tests marked `gpu` (skipped before this runs when CuPy or a GPU is missing)."""
+    import cupy
+
+    return cupy

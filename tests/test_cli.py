@@ -83,12 +83,81 @@ def test_python_dash_m_exit_status(tmp_path):
     assert "cannot read trace" in run.stderr and "Traceback" not in run.stderr
 
 
-def test_bad_arguments():
-    with pytest.raises(SystemExit) as e:
-        main(["simulate", "--model", "gpt-5"])
-    assert e.value.code == 2
-    assert main([*TINY, "--kv-memory", "lots"]) == 2
-    assert main([*TINY, "--kv-memory", "0"]) == 2
+def _refused(capsys, args) -> str:
+    """Run with `args`; it must exit 2 with one stderr line naming the problem; that line."""
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvpool simulate: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "gpt-5"], "argument --model: unknown model preset 'gpt-5'"),
+        (["--kv-memory", "lots"], "--kv-memory: cannot read memory size 'lots'"),
+        (["--kv-memory", "0"], "--kv-memory: memory size must be positive"),
+        (["--kv-memory", "1e400"], "--kv-memory: memory size '1e400' is too large"),
+        (["--kv-memory", "1MiB"], "--kv-memory must hold 1 to 2147483647 blocks of 2097152 bytes"),
+        (["--kv-memory", "1e300"], "--kv-memory must hold 1 to 2147483647 blocks"),
+        (["--max-model-len", "99999999999999999999"], "argument --max-model-len: must be in [2, 2147483647]"),
+        (["--max-model-len", "100000"], "--max-model-len must be in [2, 4096] (one sequence of it must fit"),
+        (["--max-model-len", "1"], "argument --max-model-len: must be in [2, 2147483647], got 1"),
+        (["--block-size", "0"], "argument --block-size: must be in [1, 2147483647], got 0"),
+        (["--block-size", "16.5"], "argument --block-size: must be an integer in [1, 2147483647]"),
+        (["--num-prefixes", "-1"], "argument --num-prefixes: must be in [0, 2147483647], got -1"),
+        (["--num-prefixes", "2", "--prefix-tokens", "-5"], "argument --prefix-tokens: must be in [0, "),
+        (["--num-prefixes", "2", "--prefix-tokens", "1023"], "--prefix-tokens must be in [0, 1022]"),
+        (["--measure-every", "0"], "argument --measure-every: must be in [1, 2147483647], got 0"),
+        (["--num-requests", "0"], "argument --num-requests: must be in [1, 10000000], got 0"),
+        (["--seed", "-1"], "argument --seed: must be in [0, "),
+        (["--watermark", "1"], "argument --watermark: must be a number in [0, 1), got '1'"),
+        (["--watermark", "nan"], "argument --watermark: must be a number in [0, 1)"),
+        (["--max-running-seqs", "0"], "argument --max-running-seqs: must be in [1, "),
+        (["--max-tokens-per-step", "16"], "--max-tokens-per-step must be >= --max-running-seqs (32)"),
+        (["--max-running-seqs", "40000000", "--max-tokens-per-step", "40000000"],
+         "--max-running-seqs must be in [1, 33554431]"),
+        (["--policy", "random"], "argument --policy: invalid choice: 'random'"),
+    ],
+)
+def test_every_bad_option_is_one_line_and_exit_2(capsys, tmp_path, args, message):
+    line = _refused(capsys, [*TINY, *args, "--out", str(tmp_path / "r")])
+    assert message in line, line
+    assert not (tmp_path / "r").exists()
+
+
+def test_block_sizes_the_model_allows_run(tmp_path):
+    # The host pool's stand-in layout takes every block size the model's layout takes.
+    for block_size in (1, 3, 8):
+        out = tmp_path / str(block_size)
+        assert main([*TINY, "--num-requests", "5", "--block-size", str(block_size), "--no-plot",
+                     "--out", str(out)]) == 0
+        report = json.loads((out / "simulate.json").read_text())
+        assert report["model"]["block_size"] == block_size
+        assert report["results"]["paged"]["completed"] == 5
+
+
+def test_options_are_checked_before_anything_is_allocated(capsys, monkeypatch, tmp_path):
+    import kvpool.scheduler.runner as runner
+
+    def no_simulation(*a, **k):
+        raise AssertionError("simulate ran although an option was bad")
+
+    monkeypatch.setattr(runner, "simulate", no_simulation)
+    monkeypatch.setattr("kvpool.BlockTables", no_simulation)
+    monkeypatch.setattr("kvpool.Pool", no_simulation)
+    line = _refused(capsys, [*TINY, "--max-model-len", "10000000", "--out", str(tmp_path / "r")])
+    assert "--max-model-len must be in [2, 4096]" in line
+
+
+def test_python_dash_m_bad_option_is_one_line(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "kvpool", *TINY, "--kv-memory", "1e400",
+                          "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "kvpool simulate: error: --kv-memory: memory size '1e400' is too large to be a number of bytes"]
 
 
 def test_command_records_the_given_argv(report_dir):
@@ -135,8 +204,8 @@ def test_rate_and_arrival_options(tmp_path, arrival):
         (["--rate", "fast"], "rate must be a number"),
         (["--rate", "0"], "rate must be > 0"),
         (["--rate", "nan"], "rate must be > 0"),
-        (["--rate", "10", "--arrival", "burst", "--burst-size", "0"], "burst size must be >= 1"),
-        (["--rate", "10", "--arrival", "burst", "--burst-size", "-2"], "burst size must be >= 1"),
+        (["--rate", "10", "--arrival", "burst", "--burst-size", "0"], "--burst-size: must be in [1, "),
+        (["--rate", "10", "--arrival", "burst", "--burst-size", "-2"], "--burst-size: must be in [1, "),
         (["--arrival", "burst"], "--arrival needs a finite --rate"),
         (["--rate", "inf", "--arrival", "burst"], "--arrival needs a finite --rate"),
         (["--rate", "10", "--burst-size", "4"], "--burst-size needs --arrival burst"),
@@ -146,20 +215,15 @@ def test_rate_and_arrival_options(tmp_path, arrival):
     ],
 )
 def test_bad_or_inert_option_combinations(capsys, args, message):
-    with pytest.raises(SystemExit) as e:
-        main([*TINY, *args])
-    assert e.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in _refused(capsys, [*TINY, *args])
 
 
 def test_unusable_out_fails_before_the_simulation(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert main([*TINY, "--out", str(blocker)]) == 1
-    err = capsys.readouterr().err
-    assert "exists and is not a directory" in err and "Traceback" not in err
-    assert main([*TINY, "--out", str(blocker / "sub")]) == 1
-    assert "is not a directory" in capsys.readouterr().err
+    assert "--out" in _refused(capsys, [*TINY, "--out", str(blocker)])
+    assert "exists and is not a directory" in _refused(capsys, [*TINY, "--out", str(blocker)])
+    assert "is not a directory" in _refused(capsys, [*TINY, "--out", str(blocker / "sub")])
 
 
 def test_missing_plot_dependency_is_a_clear_error(tmp_path, capsys, monkeypatch):

@@ -3,9 +3,9 @@
 The model knows which blocks are held (and the bytes written into each through the host K
 and V views), how many chunks are mapped, and from that how many blocks exist. Rules: alloc,
 alloc_many (growing on demand or failing at the maximum), free, free_many, grow, shrink,
-double free and freeing an id past the end. Invariants after every step: the DESIGN.md
-counts, mapped chunks cover every held block (so no chunk with a live block was unmapped),
-and every held block still holds its bytes, byte for byte, across every growth and shrink.
+double free and freeing an id past the end. Invariants after every step: the pool's
+counts (free + used = num_blocks), mapped chunks cover every held block (so no chunk with a
+live block was unmapped), and every held block still holds its bytes, byte for byte, across every growth and shrink.
 """
 
 from __future__ import annotations

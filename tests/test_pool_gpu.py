@@ -23,20 +23,6 @@ LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)  # 1
 UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 
-@pytest.fixture(scope="module")
-def cp() -> Any:
-    import cupy
-
-    return cupy
-
-
-def device_free_bytes(cp: Any) -> int:
-    cp.cuda.runtime.deviceSynchronize()
-    cp.get_default_memory_pool().free_all_blocks()
-    free, _total = cp.cuda.runtime.memGetInfo()
-    return int(free)
-
-
 def raw_slab(cp: Any, pool: Pool, dtype: Any) -> Any:
     """The whole slab as one flat CuPy array (independent of the pool's views)."""
     nbytes = pool.stats()["mapped_bytes"]

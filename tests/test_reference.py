@@ -7,7 +7,8 @@ import pytest
 
 import kvpool
 from kvpool import reference
-from kvpool.kernels import append_kv, copy_blocks, paged_attention_decode, plan_decode
+from kvpool.kernels import _build, append_kv, copy_blocks, paged_attention_decode, plan_decode
+from kvpool.kernels._plan import MAX_SPLITS
 
 DTYPES = ["float16", "bfloat16"]
 
@@ -167,6 +168,23 @@ def test_plan_fills_gpu_and_covers_every_token():
     # Short sequences are never cut below MIN_CHUNK tokens.
     assert plan_decode(1, 1, 100, 32, 132).num_splits <= 2
     assert plan_decode(4, 8, 4096, 32, 132, num_splits=1).num_splits == 1
+    # The tensor-core kernel's fused merge holds at most MAX_SPLITS partials, forced or not.
+    assert plan_decode(1, 1, 1 << 20, 64, 132, num_splits=1000).num_splits <= MAX_SPLITS
+    assert plan_decode(1, 1, 1 << 20, 64, 10_000).num_splits <= MAX_SPLITS
+
+
+def test_every_supported_decode_shape_maps_to_a_compiled_variant():
+    """The run time never asks for a module the CI compile test did not build, and the head
+    tiles cover each group exactly (no empty last tile, none over the register cap)."""
+    compiled = set(_build.tc_variants())
+    for dtype in _build.DTYPES:
+        for d in _build.TC_HEAD_DIMS:
+            for group in range(1, 66):
+                variant, gq = _build.tc_variant(dtype, d, group)
+                assert variant in compiled and d <= variant.dp < d + 16
+                tiles = -(-group // gq)
+                assert (tiles - 1) * gq < group <= tiles * gq
+                assert gq <= 8 * variant.nh and (variant.nh == 1 or gq > 8)
 
 
 def _small_host_pool(dtype):

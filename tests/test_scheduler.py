@@ -201,9 +201,18 @@ def test_bad_configs_are_rejected():
         SchedulerConfig(policy="random").validate()
     with pytest.raises(ValueError, match="exceed max_model_len"):
         Scheduler(ContiguousKv(10**6, 1, 16), [Request(0, 0.0, 10, 10)], SchedulerConfig(max_model_len=16))
-    with pytest.raises(ValueError, match="blocks"):
+    with pytest.raises(ValueError, match="the pool has 2 blocks, fewer than the 16 one sequence"):
         PagedKv(make_pool(2), 4, MAX_MODEL_LEN).validate(
             SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_running_seqs=4))
+
+
+def test_pool_size_is_checked_against_max_model_len_not_the_table_width():
+    # Tables 32 blocks wide (128 tokens), max_model_len 64 (16 blocks): a 20-block pool holds
+    # one full-length sequence, so it is accepted; a 15-block pool is refused, quoting 16.
+    config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_running_seqs=4)
+    PagedKv(make_pool(20), 4, 2 * MAX_MODEL_LEN).validate(config)
+    with pytest.raises(ValueError, match="the pool has 15 blocks, fewer than the 16 one sequence"):
+        PagedKv(make_pool(15), 4, 2 * MAX_MODEL_LEN).validate(config)
     with pytest.raises(ValueError, match="4 rows, fewer than max_running_seqs 8"):
         PagedKv(make_pool(64), 4, MAX_MODEL_LEN).validate(
             SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_running_seqs=8))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.scheduler import ContiguousKv, FirstFit, Request, Scheduler, SchedulerConfig
+from kvpool.scheduler import ContiguousKv, FirstFit, Request, Scheduler, SchedulerConfig, Seq
 
 
 def test_first_fit_reuses_and_coalesces_holes():
@@ -73,3 +73,21 @@ def test_first_fit_rejects_empty_frees_and_checks_without_assert():
     ff.sizes.insert(0, 0)
     with pytest.raises(AssertionError, match="empty hole"):
         ff.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("reserve", "expected"),
+    [("max_model_len", [64, 64, 64, 64]), ("pow2", [8, 16, 16, 64]), ("request", [5, 9, 16, 40])],
+)
+def test_reservation_modes(reserve, expected):
+    backend = ContiguousKv(10**6, 1, max_model_len=64, reserve=reserve)
+    lengths = [(3, 2), (4, 5), (10, 6), (30, 10)]  # prompt + output: 5, 9, 16, 40
+    for i, (prompt, output) in enumerate(lengths):
+        assert backend.try_admit(Seq(Request(i, 0.0, prompt, output)), prompt, 0)
+    assert [tokens for _offset, tokens in backend.regions.values()] == expected
+    assert backend.reserved_tokens == sum(expected)
+
+
+def test_unknown_reservation_mode_is_refused():
+    with pytest.raises(ValueError, match="reserve must be one of"):
+        ContiguousKv(100, 1, 60, reserve="half")

@@ -45,13 +45,6 @@ extern "C" __global__ void snapshot(const int* __restrict__ src, int* __restrict
 
 
 @pytest.fixture(scope="module")
-def cp() -> Any:
-    import cupy
-
-    return cupy
-
-
-@pytest.fixture(scope="module")
 def kernels(cp: Any) -> Any:
     return cp.RawModule(code=KERNELS)
 

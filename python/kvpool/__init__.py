@@ -23,6 +23,7 @@ from kvpool._core import (
     InvalidBlockError,
     KvError,
     KvLayout,
+    KvSystemError,
     LayoutError,
     OutOfBlocksError,
     OutOfMemoryError,
@@ -32,7 +33,13 @@ from kvpool._core import (
     cuda_available,
 )
 from kvpool import reference
-from kvpool.kernels import append_kv, copy_blocks, paged_attention_decode
+from kvpool.kernels import (
+    append_kv,
+    copy_blocks,
+    paged_attention_decode,
+    paged_attention_prefill,
+    prefill_plan,
+)
 
 __all__ = [
     "MAX_NUM_BLOCKS",
@@ -53,6 +60,7 @@ __all__ = [
     "InvalidBlockError",
     "KvError",
     "KvLayout",
+    "KvSystemError",
     "LayoutError",
     "OutOfBlocksError",
     "OutOfMemoryError",
@@ -63,5 +71,7 @@ __all__ = [
     "copy_blocks",
     "cuda_available",
     "paged_attention_decode",
+    "paged_attention_prefill",
+    "prefill_plan",
     "reference",
 ]

@@ -1,4 +1,10 @@
-"""The `kvpool` command line: `kvpool simulate` compares paged and contiguous KV allocation."""
+"""The `kvpool` command line: `kvpool simulate` compares paged and contiguous KV allocation.
+
+Every option is checked before anything is generated or allocated; a bad one ends the command
+with exit status 2 and one line naming the option and what it accepts. Status 1 is for
+failures that are not the options' fault (a missing package, no CUDA, a report that cannot be
+written after all).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 import kvpool
 from kvpool.scheduler.contiguous import RESERVE_MODES
@@ -33,13 +39,33 @@ def _rate(text: str) -> float:
     return value
 
 
-def _burst_size(text: str) -> int:
+INT32_MAX = 2**31 - 1  # token counts and block ids are int32 in the block tables and kernels
+
+
+def _int_in(minimum: int, maximum: int = INT32_MAX):
+    """An argparse type: an integer in [minimum, maximum] (argparse names the option)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer in [{minimum}, {maximum}], got {text!r}") from None
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"must be in [{minimum}, {maximum}], got {value}")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    """A float in [0, 1)."""
     try:
-        value = int(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"burst size must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"burst size must be >= 1, got {value}")
+        value = math.nan
+    if not 0.0 <= value < 1.0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}")
     return value
 
 
@@ -49,6 +75,13 @@ def _model(text: str) -> str:
         return get_preset(text).name
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad option in one line (no usage block), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -62,12 +95,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 # Generator options: their defaults are None so that an explicitly given one can be detected
 # (and rejected with --trace, which ignores them). The effective defaults:
+MAX_REQUESTS = 10_000_000  # a synthetic workload is generated in memory up front
+
 GENERATOR_DEFAULTS = {"workload": "sharegpt", "num_requests": 2000, "seed": 0, "rate": None,
                       "arrival": "poisson", "burst_size": 64, "num_prefixes": 0, "prefix_tokens": 0}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpool", description=__doc__)
+    parser = _Parser(prog="kvpool", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("simulate", help="serve a workload with paged and with contiguous KV allocation",
                        formatter_class=_HelpFormatter)
@@ -77,33 +112,40 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-memory", default="16GiB",
                    help="KV cache budget: KiB/MiB/GiB/TiB are powers of 1024, K/KB/M/MB/G/GB/T/TB "
                         "powers of 1000 (16G = 16e9 bytes, 16GiB = 16 * 2^30); a plain number is bytes")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--max-model-len", type=int, default=4096, help="longest sequence (contiguous reserves this)")
+    g.add_argument("--block-size", type=_int_in(1), default=16, help="tokens per KV block")
+    g.add_argument("--max-model-len", type=_int_in(2), default=4096,
+                   help="longest sequence (contiguous reserves this); at most the tokens --kv-memory holds")
     g.add_argument("--device", default="host", choices=("auto", "host", "cuda"),
                    help="pool backend (auto: cuda when a GPU is available); with cuda, decode attention "
                         "is also measured when CuPy is installed and the kernels run on the GPU")
     w = p.add_argument_group("workload", "a synthetic workload, or --trace (which excludes the other options here)")
     w.add_argument("--workload", default=None, choices=sorted(LENGTH_MODELS), help="length model (default: sharegpt)")
     w.add_argument("--trace", type=Path, help="JSONL or CSV trace (arrival_s, prompt_tokens, output_tokens)")
-    w.add_argument("--num-requests", type=int, default=None, help="requests to generate (default: 2000)")
+    w.add_argument("--num-requests", type=_int_in(1, MAX_REQUESTS), default=None,
+                   help="requests to generate (default: 2000)")
     w.add_argument("--rate", type=_rate, default=None,
                    help="requests/s; 'inf' = all arrive at t=0 (default: inf)")
     w.add_argument("--arrival", default=None, choices=ARRIVALS, help="arrival process with --rate (default: poisson)")
-    w.add_argument("--burst-size", type=_burst_size, default=None,
+    w.add_argument("--burst-size", type=_int_in(1), default=None,
                    help="requests per burst with --arrival burst, >= 1 (default: 64)")
-    w.add_argument("--num-prefixes", type=int, default=None,
+    w.add_argument("--num-prefixes", type=_int_in(0), default=None,
                    help="groups of requests sharing a prompt prefix (default: 0, none)")
-    w.add_argument("--prefix-tokens", type=int, default=None,
+    w.add_argument("--prefix-tokens", type=_int_in(0), default=None,
                    help="length of the shared prefix; needs --num-prefixes (default: 0)")
-    w.add_argument("--seed", type=int, default=None, help="generator seed (default: 0)")
+    w.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=None, help="generator seed (default: 0)")
     s = p.add_argument_group("scheduler")
     s.add_argument("--policy", default="fcfs", choices=sorted(POLICIES))
-    s.add_argument("--max-running-seqs", type=int, default=256)
-    s.add_argument("--max-tokens-per-step", type=int, default=2048)
-    s.add_argument("--watermark", type=float, default=0.01, help="fraction of blocks admission keeps free")
+    s.add_argument("--max-running-seqs", type=_int_in(1), default=256)
+    s.add_argument("--max-tokens-per-step", type=_int_in(1), default=2048,
+                   help="prefill + decode tokens per step, >= --max-running-seqs")
+    s.add_argument("--watermark", type=_fraction, default=0.01,
+                   help="fraction of blocks admission keeps free, in [0, 1)")
     s.add_argument("--reserve", default="max_model_len", choices=RESERVE_MODES,
-                   help="what a contiguous request reserves")
-    s.add_argument("--measure-every", type=int, default=10, help="with --device cuda: time every N-th decode step")
+                   help="what a contiguous request reserves: max_model_len tokens, its prompt + "
+                        "output rounded up to a power of two (pow2), or exactly its prompt + output "
+                        "(request, the best case for contiguous)")
+    s.add_argument("--measure-every", type=_int_in(1), default=10,
+                   help="with --device cuda: time every N-th decode step")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=Path("kvpool-report"), help="report directory")
     o.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -134,6 +176,42 @@ def check_options(args: argparse.Namespace) -> str | None:
     return None
 
 
+def check_values(args: argparse.Namespace) -> str | None:
+    """Why an option's value does not fit the model and the others (after _fill_defaults), or
+    None. Runs before anything is generated or allocated, so a refusal costs nothing."""
+    try:
+        kv_memory = parse_bytes(args.kv_memory)
+    except ValueError as e:
+        return f"--kv-memory: {e}"
+    try:
+        layout = get_preset(args.model).layout(args.block_size)
+    except (ValueError, kvpool.KvError) as e:
+        return f"--block-size {args.block_size} does not fit {args.model}: {e}"
+    block_bytes = layout.block_bytes
+    num_blocks = kv_memory // block_bytes
+    if not 1 <= num_blocks <= kvpool.MAX_NUM_BLOCKS:
+        return (f"--kv-memory must hold 1 to {kvpool.MAX_NUM_BLOCKS} blocks of {block_bytes} bytes "
+                f"({args.model}, --block-size {args.block_size}), i.e. {block_bytes} to "
+                f"{kvpool.MAX_NUM_BLOCKS * block_bytes} bytes; got {kv_memory}")
+    max_len = min(num_blocks * args.block_size, INT32_MAX)
+    if args.max_model_len > max_len:
+        return (f"--max-model-len must be in [2, {max_len}] (one sequence of it must fit in the "
+                f"{num_blocks} blocks of --kv-memory {args.kv_memory}), got {args.max_model_len}")
+    if args.max_tokens_per_step < args.max_running_seqs:
+        return (f"--max-tokens-per-step must be >= --max-running-seqs ({args.max_running_seqs}): "
+                f"every running sequence decodes one token per step; got {args.max_tokens_per_step}")
+    row_blocks = -(-args.max_model_len // args.block_size)
+    max_seqs = INT32_MAX // row_blocks
+    if args.max_running_seqs > max_seqs:
+        return (f"--max-running-seqs must be in [1, {max_seqs}] (the block table, one row of "
+                f"{row_blocks} blocks per sequence, is limited to {INT32_MAX} entries); "
+                f"got {args.max_running_seqs}")
+    if args.trace is None and args.prefix_tokens > args.max_model_len - 2:
+        return (f"--prefix-tokens must be in [0, {args.max_model_len - 2}] (--max-model-len "
+                f"{args.max_model_len} minus one prompt and one output token); got {args.prefix_tokens}")
+    return None
+
+
 def _fill_defaults(args: argparse.Namespace) -> None:
     for dest, default in GENERATOR_DEFAULTS.items():
         if getattr(args, dest) is None:
@@ -145,8 +223,6 @@ def _fill_defaults(args: argparse.Namespace) -> None:
 def _workload(args: argparse.Namespace) -> tuple[list, dict]:
     if args.trace is not None:
         return load_trace(args.trace, args.max_model_len), {"kind": "trace", "trace": str(args.trace)}
-    if args.num_requests < 1:
-        raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
     requests = generate(
         args.workload, args.num_requests, seed=args.seed, rate=args.rate, arrival=args.arrival,
         burst_size=args.burst_size, max_model_len=args.max_model_len,
@@ -162,24 +238,25 @@ def _workload(args: argparse.Namespace) -> tuple[list, dict]:
 
 
 class SetupError(Exception):
-    """Something outside the simulation (a missing package, an unusable --out) stops the run."""
+    """Something outside the options (a missing package) stops the run."""
 
 
-def _check_out(out: Path) -> None:
-    """Fail before the simulation when the report directory cannot be created or written."""
+def check_out(out: Path) -> str | None:
+    """Why the report directory cannot be created or written, or None."""
     if out.exists():
         if not out.is_dir():
-            raise SetupError(f"--out {out} exists and is not a directory")
+            return f"--out {out} exists and is not a directory"
         if not os.access(out, os.W_OK | os.X_OK):
-            raise SetupError(f"--out {out} is not writable")
-        return
+            return f"--out {out} is not writable"
+        return None
     parent = out.absolute().parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        raise SetupError(f"--out {out}: {parent} is not a directory")
+        return f"--out {out}: {parent} is not a directory"
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise SetupError(f"--out {out}: cannot create it, {parent} is not writable")
+        return f"--out {out}: cannot create it, {parent} is not writable"
+    return None
 
 
 def _check_imports(plot: bool) -> None:
@@ -201,7 +278,6 @@ def simulate_command(args: argparse.Namespace, command: Sequence[str] | None = N
 
     console = Console(stderr=False)
     requests, info = _workload(args)
-    _check_out(args.out)
     config = SchedulerConfig(
         max_model_len=args.max_model_len, max_running_seqs=args.max_running_seqs,
         max_tokens_per_step=args.max_tokens_per_step, watermark=args.watermark, policy=args.policy,
@@ -248,16 +324,21 @@ def _simulate_with_progress(spec, console) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0), or a bad option already reported in one line (2)
+        return e.code if isinstance(e.code, int) else 2
     problem = check_options(args)
-    if problem is not None:  # exits with status 2, like every other argument error
-        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        subparsers.choices[args.command].error(problem)
-    _fill_defaults(args)
+    if problem is None:
+        _fill_defaults(args)
+        problem = check_values(args) or check_out(args.out)
+    if problem is not None:
+        print(f"kvpool {args.command}: error: {problem}", file=sys.stderr)
+        return 2
     command = None if argv is None else [str(a) for a in argv]
     try:
         return simulate_command(args, command)
-    except ValueError as e:  # bad values, including TraceError (a ValueError)
+    except ValueError as e:  # a trace file's contents (TraceError) or a value met mid-run
         print(f"kvpool {args.command}: error: {e}", file=sys.stderr)
         return 2
     except SetupError as e:

@@ -28,6 +28,8 @@ def from_float64(x: npt.NDArray, dtype: str) -> npt.NDArray:
         u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
         rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
         return rounded.astype(np.uint16)
+    if dtype == "float32":
+        return np.asarray(x).astype(np.float32)
     return np.asarray(x).astype(np.float16)
 
 
@@ -79,6 +81,60 @@ def paged_attention_decode(
         k = to_float64(gather_kv(k_cache, block_tables[i], int(n)), dtype)
         v = to_float64(gather_kv(v_cache, block_tables[i], int(n)), dtype)
         out[i] = attention_decode(q64[i], k, v, scale)
+    return out
+
+
+def attention_prefill(
+    q: npt.NDArray[np.float64],
+    k: npt.NDArray[np.float64],
+    v: npt.NDArray[np.float64],
+    scale: float,
+    causal: bool = True,
+) -> npt.NDArray[np.float64]:
+    """One sequence, contiguous: q [T, Hq, D] are the last T of the L context tokens in
+    k/v [L, Hkv, D]; with `causal` query t sees keys 0 .. L - T + t. -> [T, Hq, D] (float64)."""
+    t_len, hq = q.shape[:2]
+    n = k.shape[0]
+    out = np.zeros(q.shape, dtype=np.float64)
+    if n == 0 or t_len == 0:
+        return out
+    group = hq // k.shape[1]
+    kq = np.repeat(k, group, axis=1)
+    vq = np.repeat(v, group, axis=1)
+    s = np.einsum("thd,lhd->htl", q, kq) * scale  # [Hq, T, L]
+    if causal:
+        limit = n - t_len + np.arange(t_len)  # last key each query sees
+        s = np.where(np.arange(n)[None, :] <= limit[:, None], s, -np.inf)
+    s -= s.max(axis=2, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(axis=2, keepdims=True)
+    return np.einsum("htl,lhd->thd", p, vq)
+
+
+def paged_attention_prefill(
+    q: npt.NDArray,
+    k_cache: npt.NDArray,
+    v_cache: npt.NDArray,
+    qo_indptr: npt.NDArray,
+    block_tables: npt.NDArray,
+    seq_lens: npt.NDArray,
+    dtype: str,
+    scale: float | None = None,
+    causal: bool = True,
+) -> npt.NDArray[np.float64]:
+    """Prefill (extend) attention through block tables, in float64: sequence i's queries are
+    q[qo_indptr[i]:qo_indptr[i+1]], the last tokens of its seq_lens[i] cached tokens.
+    q [total_q, Hq, D] -> [total_q, Hq, D]."""
+    q64 = to_float64(q, dtype)
+    if scale is None:
+        scale = 1.0 / np.sqrt(q64.shape[-1])
+    out = np.zeros(q64.shape, dtype=np.float64)
+    indptr = np.asarray(qo_indptr, dtype=np.int64)
+    for i, n in enumerate(np.asarray(seq_lens)):
+        a, b = indptr[i], indptr[i + 1]
+        k = to_float64(gather_kv(k_cache, block_tables[i], int(n)), dtype)
+        v = to_float64(gather_kv(v_cache, block_tables[i], int(n)), dtype)
+        out[a:b] = attention_prefill(q64[a:b], k, v, scale, causal)
     return out
 
 

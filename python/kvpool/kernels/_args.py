@@ -1,4 +1,5 @@
-"""Argument plumbing for the CUDA wrappers: device arrays, streams, dtype names.
+"""Argument plumbing for the CUDA wrappers: device arrays, element types, index arguments
+(streams and launches are in _launch.py).
 
 Inputs are taken through ``__cuda_array_interface__`` (CuPy, PyTorch, Numba, kvpool's own
 views) without copies; only the pointer, shape, strides and element type are read, so bfloat16
@@ -9,9 +10,10 @@ from __future__ import annotations
 
 import math
 import operator
-import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from kvpool._core import InvalidArgumentError
 
@@ -31,18 +33,38 @@ class DevArray:
         return self.typestr[1]
 
 
-# Array readers: (ptr, shape, byte strides, typestr, producer stream) without building
+class ArrayView(NamedTuple):
+    """A device array as its __cuda_array_interface__ describes it, read without copies."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    byte_strides: tuple[int, ...]
+    typestr: str  # NumPy array-interface type string, e.g. "<f2"; bfloat16 reads "<V2" or "<u2"
+    stream: int | None  # the producer stream the interface names (None: no wait needed)
+
+    @property
+    def is_float(self) -> bool:
+        """The element type is a float (float16 data; bfloat16 travels as a 2-byte non-float)."""
+        return self.typestr[1] == "f"
+
+    @property
+    def layout_key(self) -> tuple:
+        """What a prepared launch depends on (all but the pointer and the producer stream)."""
+        return self.shape, self.byte_strides, self.typestr
+
+
+# Array readers: an ArrayView's fields without building
 # __cuda_array_interface__ dicts for the common types (CuPy and torch); anything else goes through
 # the interface. The stream is the interface's "stream" entry (None for CuPy and torch, whose
 # entry only names the consumer's current stream): work on another stream must wait on it.
 _TORCH_TYPESTR: dict[Any, str] = {}
 
 
-def _read_cupy(a: Any) -> tuple:
-    return a.data.ptr, a.shape, a.strides, a.dtype.str, None
+def _read_cupy(a: Any) -> ArrayView:
+    return ArrayView(a.data.ptr, a.shape, a.strides, a.dtype.str, None)
 
 
-def _read_torch(t: Any) -> tuple:
+def _read_torch(t: Any) -> ArrayView:
     if not t.is_cuda:
         raise InvalidArgumentError("must be a device array (__cuda_array_interface__)")
     ts = _TORCH_TYPESTR.get(t.dtype)
@@ -53,10 +75,10 @@ def _read_torch(t: Any) -> tuple:
                  torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8", torch.uint8: "|u1"}
         ts = _TORCH_TYPESTR[t.dtype] = names.get(t.dtype, f"<V{t.element_size()}")
     size = t.element_size()
-    return t.data_ptr(), tuple(t.shape), tuple(s * size for s in t.stride()), ts, None
+    return ArrayView(t.data_ptr(), tuple(t.shape), tuple(s * size for s in t.stride()), ts, None)
 
 
-def _read_cai(obj: Any) -> tuple:
+def _read_cai(obj: Any) -> ArrayView:
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is None:
         raise InvalidArgumentError("must be a device array (__cuda_array_interface__)")
@@ -69,14 +91,14 @@ def _read_cai(obj: Any) -> tuple:
             rev.append(acc)
             acc *= s
         strides = tuple(reversed(rev))
-    return int(cai["data"][0]), shape, tuple(strides), typestr, cai.get("stream")
+    return ArrayView(int(cai["data"][0]), shape, tuple(strides), typestr, cai.get("stream"))
 
 
 _READERS: dict[type, Any] = {}
 
 
-def view(obj: Any, name: str) -> tuple:
-    """(ptr, shape, byte strides, typestr, stream) of a device array; `name` in errors."""
+def view(obj: Any, name: str) -> ArrayView:
+    """The ArrayView of a device array; `name` in errors."""
     reader = _READERS.get(type(obj))
     if reader is None:
         mod = type(obj).__module__
@@ -93,9 +115,9 @@ def view(obj: Any, name: str) -> tuple:
         raise InvalidArgumentError(f"{name} {e}") from None
 
 
-def dev(v: tuple, name: str) -> DevArray:
-    """A DevArray (strides in elements) of a `view` tuple."""
-    ptr, shape, strides_b, typestr = v[0], v[1], v[2], v[3]
+def dev(v: ArrayView, name: str) -> DevArray:
+    """A DevArray (strides in elements) of an ArrayView."""
+    ptr, shape, strides_b, typestr = v.ptr, v.shape, v.byte_strides, v.typestr
     itemsize = int(typestr[2:])
     if any(s % itemsize for s in strides_b):
         raise InvalidArgumentError(f"{name}: strides must be multiples of the item size")
@@ -129,51 +151,6 @@ def check_ptr(ptr: int, name: str, device_id: int) -> None:
         raise InvalidArgumentError(f"{name} is not in memory of the pool's device cuda:{device_id}")
 
 
-def stream_ptr(stream: Any) -> int:
-    """The CUstream handle of `stream` (None: CuPy's current stream)."""
-    import cupy
-
-    if stream is None:
-        return cupy.cuda.get_current_stream().ptr
-    if type(stream).__module__.startswith("cupy") and hasattr(stream, "ptr"):
-        return stream.ptr
-    handle = getattr(stream, "cuda_stream", None)  # torch
-    if handle is not None:
-        return int(handle)
-    proto = getattr(stream, "__cuda_stream__", None)
-    if proto is not None:
-        return int((proto() if callable(proto) else proto)[1])
-    raise InvalidArgumentError("stream must be a CuPy stream or have __cuda_stream__")
-
-
-def wait_producers(sp: int, device_id: int, *views: tuple) -> None:
-    """Make stream `sp` wait for the streams the inputs' __cuda_array_interface__ names (the
-    producers, e.g. BlockTables.sync's upload on the pool's stream). Nothing is done when an
-    input names no stream or the launch stream itself."""
-    for v in views:
-        s = v[4]
-        if s is None or s == 0 or s == sp or (s == 1 and sp == 0):  # 1: legacy default, 0
-            continue
-        import cupy
-
-        rt = cupy.cuda.runtime
-        with cupy.cuda.Device(device_id):
-            ev = rt.eventCreateWithFlags(rt.eventDisableTiming)
-            try:
-                rt.eventRecord(ev, int(s))
-                rt.streamWaitEvent(sp, ev, 0)
-            finally:
-                rt.eventDestroy(ev)  # released by CUDA once the wait is done
-
-
-def external_stream(handle: int) -> Any:
-    import cupy
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return cupy.cuda.ExternalStream(int(handle))
-
-
 def elem_ok(kind: str, itemsize: int, dtype: str, elem_bytes: int) -> bool:
     """An element type (kind, itemsize) holds the pool's `dtype`: float16 -> a 2-byte float;
     bfloat16 -> any 2-byte type other than a float (CuPy and NumPy have no bfloat16, so such
@@ -192,7 +169,10 @@ def check_elem16(arr: DevArray, name: str, dtype: str) -> None:
 
 
 def index_arg(value: Any, name: str) -> int:
-    """An integer argument (int, NumPy integer, ...); floats and other types are refused."""
+    """An integer argument (int, NumPy integer, ...); bools, floats and other types are refused
+    (``True`` would otherwise pass as 1)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
     try:
         return operator.index(value)
     except TypeError:
@@ -207,25 +187,6 @@ def check_int_array(arr: DevArray, name: str, itemsize: int, ndim: int) -> None:
         )
     if arr.strides[-1] != 1:
         raise InvalidArgumentError(f"{name}: the last dimension must be contiguous")
-
-
-def cupy_stream(stream: Any) -> Any:
-    """A CuPy stream for `stream`: None -> CuPy's current stream; a CuPy stream as is; anything
-    with __cuda_stream__ (or a torch stream's `cuda_stream`) wrapped without taking ownership."""
-    import cupy
-
-    if stream is None:
-        return cupy.cuda.get_current_stream()
-    if type(stream).__module__.startswith("cupy") and hasattr(stream, "ptr"):
-        return stream
-    handle = stream_ptr(stream)
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None and hasattr(stream, "__cuda_stream__"):
-        try:
-            return from_external(stream)
-        except TypeError:  # older signature: fall back to the raw handle below
-            pass
-    return external_stream(handle)
 
 
 def device_index(pool: Any) -> int:

@@ -16,21 +16,41 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpool.kernels._plan import MAX_SPLITS  # passed to the .cu: its fused merge's weight area
+
 DTYPES = ("float16", "bfloat16")
+
+# Tensor-core decode (paged_decode_tc.cu): the default path, and the supported set of the public
+# entry point. head_dim is any multiple of 8 in 32..256 (compiled per padded width DP, a multiple
+# of 16; the real head_dim is a run-time argument); block_size any power of two in 1..256 (a
+# run-time shift); any group size (query-head tiles of <= 16 heads, the last one may be shorter).
+TC = 2
+TC_HEAD_DIMS = tuple(range(32, 257, 8))
+TC_BLOCK_SIZES = tuple(1 << i for i in range(9))
+TC_WARPS = 4
+TC_TILE = 16  # tokens per warp tile
+TC_NH2_MAX_DP = 192  # 16-head tiles need DP/2 more accumulator registers: DP 224/256 would spill
+TC_STAGE_BUDGET = 96 * 1024  # shared memory the cp.async stages of one CTA aim for
+
+# The CUDA-core decode (paged_decode.cu, `pipeline=0/1`) is a baseline for tests and benchmarks,
+# with its own narrower set and a separate merge launch.
 HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (8, 16, 32)
-MAX_GQ = 8  # query heads one decode CTA keeps in registers
+MAX_GQ = 8  # query heads one CUDA-core decode CTA keeps in registers
 DECODE_WARPS = 4
 PIPELINE = 1  # CUDA-core decode loads through per-thread cp.async stages (0: straight to registers)
 COMMON_OPTIONS = ("-std=c++17",)
 
-# Tensor-core decode (paged_decode_tc.cu): the default path. `pipeline=TC` selects it explicitly;
-# pipeline 0 / 1 select the CUDA-core kernel (paged_decode.cu) with its two load paths.
-TC = 2
-TC_WARPS = 4
-TC_TILE = 16  # tokens per warp tile
-TC_MAX_GQ = {64: 16, 128: 16, 256: 8}  # D=256 with 16 heads needs > 255 registers (spills)
-TC_STAGES = {64: 4, 128: 3, 256: 2}  # cp.async stages per warp: 64, 96, 128 KB per CTA
+
+def supported_set() -> str:
+    """The shapes the tensor-core decode runs, for error messages."""
+    return ("dtype float16 or bfloat16, head_dim a multiple of 8 in 32..256, block_size a power "
+            "of two in 1..256, any num_q_heads that is a multiple of num_kv_heads")
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The compiled width of a head: head_dim rounded up to the mma K step (16)."""
+    return -(-head_dim // 16) * 16
 
 
 SOURCE_DIR_ENV = "KVPOOL_CUDA_DIR"
@@ -120,29 +140,37 @@ class DecodeVariant:
         )
 
 
-def tc_group_tile(group: int, head_dim: int) -> int:
-    """Query heads per tensor-core decode CTA: the largest divisor of `group` within the
-    16 rows of the mma M dimension (8 for head_dim 256)."""
-    cap = TC_MAX_GQ[head_dim]
-    return max(d for d in range(1, cap + 1) if group % d == 0)
+def tc_head_tile(group: int, dp: int) -> int:
+    """Query heads per tensor-core decode CTA: the group cut into the fewest tiles of at most
+    16 heads (8 for DP > TC_NH2_MAX_DP), as even as possible; the last tile may be shorter."""
+    cap = 16 if dp <= TC_NH2_MAX_DP else 8
+    tiles = -(-group // cap)
+    return -(-group // tiles)
 
 
 @dataclass(frozen=True)
 class TcVariant:
-    """A compiled tensor-core decode module; the head tile gq is a run-time argument, only
-    nh = 1 (gq <= 8) or 2 (gq <= 16) head column tiles are compiled."""
+    """A compiled tensor-core decode module: per dtype, padded head width `dp` and nh = 1
+    (head tile <= 8) or 2 (<= 16). head_dim, block_size and the head tile are run-time."""
 
     dtype: str
-    head_dim: int
-    block_size: int
+    dp: int
     nh: int
 
     source = "paged_decode_tc.cu"
     kernel = "paged_decode_tc"
 
     @property
+    def smem_row_bytes(self) -> int:
+        """Mirrors SCH/ROWB in the .cu: rows of a multiple of 8 chunks are swizzled, others get
+        an odd chunk stride."""
+        ch = self.dp // 8
+        return 16 * (ch if ch % 8 == 0 else ch | 1)
+
+    @property
     def stages(self) -> int:
-        return TC_STAGES[self.head_dim]
+        per_stage = 2 * TC_TILE * self.smem_row_bytes * TC_WARPS
+        return max(2, min(4, TC_STAGE_BUDGET // per_stage))
 
     @property
     def threads(self) -> int:
@@ -154,10 +182,11 @@ class TcVariant:
 
     @property
     def dynamic_smem_bytes(self) -> int:
-        """Per-warp K+V tile stages (mirrors the .cu); the merge area fits inside."""
-        stage = self.stages * 2 * TC_TILE * self.head_dim * 2 * TC_WARPS
-        merge = 4 * TC_WARPS * 16 * (self.head_dim + 2)
-        return max(stage, merge)
+        """Per-warp K+V tile stages (mirrors the .cu); the warp merge area and the fused
+        merge's weights fit inside (static_assert there)."""
+        stage = self.stages * 2 * TC_TILE * self.smem_row_bytes * TC_WARPS
+        merge = 4 * TC_WARPS * 16 * (self.dp + 2)
+        return max(stage, merge, 4 * MAX_SPLITS * 16)
 
     @property
     def ctas_per_sm(self) -> int:
@@ -166,50 +195,128 @@ class TcVariant:
     def options(self) -> tuple[str, ...]:
         return COMMON_OPTIONS + (
             f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
-            f"-DHEAD_DIM={self.head_dim}",
-            f"-DBLOCK_SIZE={self.block_size}",
+            f"-DDP={self.dp}",
             f"-DNH={self.nh}",
             f"-DNWARPS={TC_WARPS}",
             f"-DSTAGES={self.stages}",
+            f"-DMAX_SPLITS={MAX_SPLITS}",
         )
 
 
+def tc_variant(dtype: str, head_dim: int, group: int) -> tuple[TcVariant, int]:
+    """The module and head tile for a (dtype, head_dim, group) in the supported set."""
+    dp = padded_head_dim(head_dim)
+    gq = tc_head_tile(group, dp)
+    return TcVariant(dtype, dp, 1 if gq <= 8 else 2), gq
+
+
 def tc_variants() -> list[TcVariant]:
-    return [
-        TcVariant(dt, hd, bs, nh)
-        for dt in DTYPES
-        for hd in HEAD_DIMS
-        for bs in BLOCK_SIZES
-        for nh in (1, 2)
-        if nh * 8 <= TC_MAX_GQ[hd]
-    ]
+    dps = sorted({padded_head_dim(d) for d in TC_HEAD_DIMS})
+    return [TcVariant(dt, dp, nh) for dt in DTYPES for dp in dps for nh in (1, 2)
+            if nh == 1 or dp <= TC_NH2_MAX_DP]
+
+
+def cuda_core_variants() -> list[DecodeVariant]:
+    """A representative subset of the CUDA-core baseline (CI compiles these; the baseline
+    compiles any of its 192 variants on demand): both dtypes, the three head dims at head tile 4
+    and block size 16 (the block size changes one shift, the tile one loop bound), and the
+    register-load path at head_dim 128."""
+    return [DecodeVariant(dt, hd, 16, 4, p) for dt in DTYPES for hd in HEAD_DIMS
+            for p in (0, 1) if p == PIPELINE or hd == 128]
 
 
 def decode_variants() -> list[DecodeVariant | TcVariant]:
-    """Every decode variant the wrappers can ask for (the CI compile test builds them all),
-    plus the other load path for every tile size at one (dtype, head_dim, block_size)."""
-    default = [
-        DecodeVariant(dt, hd, bs, gq)
-        for dt in DTYPES
-        for hd in HEAD_DIMS
-        for bs in BLOCK_SIZES
-        for gq in range(1, MAX_GQ + 1)
-    ]
-    other = [DecodeVariant(dt, hd, 16, gq, 1 - PIPELINE)
-             for dt in DTYPES for hd in HEAD_DIMS for gq in range(1, MAX_GQ + 1)]
-    return default + other + tc_variants()
+    """What the CI compile test builds: every tensor-core variant (all the default path can
+    ask for) and the CUDA-core baseline subset."""
+    return tc_variants() + cuda_core_variants()
 
 
-def _tile_label(v: DecodeVariant | TcVariant) -> str:
-    return f"nh{v.nh}" if isinstance(v, TcVariant) else f"{v.gq},p{v.pipeline}"
+# Paged prefill (paged_prefill.cu): 16 query rows (token x head) per warp. Wide CTAs (4 warps,
+# 64 rows, K/V tiles of 64 tokens, 32 at D=256) for prompts; narrow CTAs (1 warp, 16 rows, K/V
+# tiles of 32 tokens, 16 at D=256) when most of a wide tile would be padding (decode-like and
+# speculative batches: a few query tokens x the group per sequence). PREFILL_STAGES cp.async
+# stages.
+# Block sizes: any power of two up to 256.
+PREFILL_WIDE_WARPS = 4
+PREFILL_NARROW_WARPS = 1
+PREFILL_BN = {64: 64, 128: 64, 256: 32}  # wide CTAs; D=256 with 64-token tiles needs > 255 regs
+PREFILL_NARROW_BN = {64: 32, 128: 32, 256: 16}  # 32 at D=256 spills on sm_90
+PREFILL_STAGES = 2
+PREFILL_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class PrefillVariant:
+    """A compiled prefill module (the query-head tile and causality are run-time arguments)."""
+
+    dtype: str
+    head_dim: int
+    block_size: int
+    warps: int = PREFILL_WIDE_WARPS
+
+    source = "paged_prefill.cu"
+    kernel = "paged_prefill"
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.warps
+
+    @property
+    def kv_tile(self) -> int:
+        tiles = PREFILL_NARROW_BN if self.warps == PREFILL_NARROW_WARPS else PREFILL_BN
+        return tiles.get(self.head_dim, 32)  # the wrapper refuses other head dims
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        """Q tile plus the K+V stages (mirrors Q_BYTES and KV_TILE_BYTES in the .cu)."""
+        row = 2 * self.head_dim
+        return self.rows * row + PREFILL_STAGES * 2 * self.kv_tile * row
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """Resident CTAs per SM the split plan aims to fill (by shared memory, at most 2 wide
+        or 8 narrow CTAs)."""
+        cap = 2 if self.warps == PREFILL_WIDE_WARPS else 8
+        return max(1, min(cap, (227 * 1024) // (self.dynamic_smem_bytes + 1024)))
+
+    def options(self) -> tuple[str, ...]:
+        return COMMON_OPTIONS + (
+            f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
+            f"-DHEAD_DIM={self.head_dim}",
+            f"-DBLOCK_SIZE={self.block_size}",
+            f"-DNWARPS={self.warps}",
+            f"-DBN={self.kv_tile}",
+            f"-DSTAGES={PREFILL_STAGES}",
+        )
+
+
+def prefill_variants() -> list[PrefillVariant]:
+    """The prefill variants CI compiles: wide and narrow for every dtype and head dim at the
+    block sizes the decode kernels support, plus the smallest and largest other block size."""
+    main = [PrefillVariant(dt, hd, bs, w) for dt in DTYPES for hd in HEAD_DIMS
+            for bs in BLOCK_SIZES for w in (PREFILL_WIDE_WARPS, PREFILL_NARROW_WARPS)]
+    edges = [PrefillVariant("float16", 128, bs) for bs in (PREFILL_BLOCK_SIZES[0],
+                                                           PREFILL_BLOCK_SIZES[-1])]
+    return main + edges
+
+
+def _label(v: DecodeVariant | TcVariant) -> str:
+    if isinstance(v, TcVariant):
+        return f"{v.kernel}[{v.dtype},dp{v.dp},nh{v.nh}]"
+    return f"{v.kernel}[{v.dtype},{v.head_dim},{v.block_size},{v.gq},p{v.pipeline}]"
 
 
 def all_sources() -> list[tuple[str, str, tuple[str, ...]]]:
-    """(label, source, options) for every module the library compiles."""
-    out = [
-        (f"{v.kernel}[{v.dtype},{v.head_dim},{v.block_size},{_tile_label(v)}]",
-         read_source(v.source), v.options())
-        for v in decode_variants()
+    """(label, source, options) for every module the CI compile test builds."""
+    out = [(_label(v), read_source(v.source), v.options()) for v in decode_variants()]
+    out += [
+        (f"{v.kernel}[{v.dtype},{v.head_dim},{v.block_size},w{v.warps}]", read_source(v.source),
+         v.options())
+        for v in prefill_variants()
     ]
     out.append(("append_kv", read_source("append_kv.cu"), COMMON_OPTIONS))
     out.append(("copy_blocks", read_source("copy_blocks.cu"), COMMON_OPTIONS))
@@ -217,7 +324,7 @@ def all_sources() -> list[tuple[str, str, tuple[str, ...]]]:
 
 
 @functools.cache
-def decode_module(variant: DecodeVariant | TcVariant) -> Any:
+def decode_module(variant: DecodeVariant | TcVariant | PrefillVariant) -> Any:
     import cupy
 
     return cupy.RawModule(code=read_source(variant.source), options=variant.options())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from typing import Any
 
 import numpy as np
@@ -13,15 +15,46 @@ from kvpool.kernels._args import (
     check_elem16,
     check_int_array,
     check_ptr,
-    cupy_stream,
     dev,
     device_index,
     elem_ok,
     index_arg,
     pool_is_cuda,
     view,
+)
+from kvpool.kernels._launch import (
+    Kernel,
+    cupy_stream,
+    launch,
+    param_block,
+    stream_handle,
     wait_producers,
 )
+
+_u64, _i64, _i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32
+
+
+class _AppendArgs(ctypes.Structure):
+    """The parameters of append_kv (cuda/append_kv.cu), in order."""
+
+    _fields_ = [
+        ("k", _u64), ("k_tok_stride", _i64), ("k_head_stride", _i64),
+        ("v", _u64), ("v_tok_stride", _i64), ("v_head_stride", _i64),
+        ("slot_mapping", _u64), ("k_base", _u64), ("v_base", _u64),
+        ("block_stride", _i64), ("token_stride", _i64), ("head_stride", _i64),
+        ("block_size", _i32), ("num_slots", _i64), ("num_heads", _i32), ("row_vecs", _i32),
+    ]
+
+
+class _CopyArgs(ctypes.Structure):
+    """The parameters of copy_blocks (cuda/copy_blocks.cu), in order."""
+
+    _fields_ = [("base", _u64), ("pairs", _u64), ("block_stride", _i64), ("block_bytes", _i64)]
+
+
+@functools.cache
+def _kernel(name: str, device_id: int) -> Kernel:
+    return Kernel(_build.plain_module(name), name, device_id)
 
 
 def append_kv(
@@ -74,23 +107,19 @@ def append_kv(
     for name, a in (("k", ka), ("v", va), ("slot_mapping", sa)):
         check_ptr(a.ptr, name, device_id)
     k_base = pool.base_ptr + layer * st["layer"]
-    i64, i32 = np.int64, np.int32
-    args = (
-        np.uint64(ka.ptr), i64(ka.strides[0] * ka.itemsize), i64(ka.strides[1] * ka.itemsize),
-        np.uint64(va.ptr), i64(va.strides[0] * va.itemsize), i64(va.strides[1] * va.itemsize),
-        np.uint64(sa.ptr),
-        np.uint64(k_base), np.uint64(k_base + st["kv"]),
-        i64(st["block"]), i64(st["token"]), i64(st["head"]),
-        i32(layout.block_size), i64(pool.num_blocks * layout.block_size),
-        i32(layout.num_kv_heads), i32(row_bytes // 16),
+    args = _AppendArgs(
+        ka.ptr, ka.strides[0] * ka.itemsize, ka.strides[1] * ka.itemsize,
+        va.ptr, va.strides[0] * va.itemsize, va.strides[1] * va.itemsize,
+        sa.ptr, k_base, k_base + st["kv"], st["block"], st["token"], st["head"],
+        layout.block_size, pool.num_blocks * layout.block_size, layout.num_kv_heads,
+        row_bytes // 16,
     )
     import cupy
 
     with cupy.cuda.Device(device_id):
-        cs = cupy_stream(stream)  # None: the pool device's current stream
-        wait_producers(cs.ptr, device_id, kv, vv, sv)
-        with cs:
-            _build.plain_module("append_kv").get_function("append_kv")((n,), (128,), args)
+        sp = stream_handle(stream)  # None: the pool device's current stream
+        wait_producers(sp, device_id, kv, vv, sv)
+        launch(_kernel("append_kv", device_id), (n, 1, 1), 128, 0, sp, param_block(args))
 
 
 def _check_kv_shapes(k_shape, v_shape, s_shape, row) -> None:
@@ -136,10 +165,11 @@ def copy_blocks(pool: Any, pairs: Any, *, stream: Any = None) -> None:
     if st["block"] % 16 or pool.base_ptr % 16:
         raise InvalidArgumentError("blocks must be 16-byte aligned for copy_blocks")
     chunks = max(1, min(64, -(-layout.block_bytes // (16 * 256 * 4))))
-    with cupy.cuda.Device(device_index(pool)), cupy_stream(stream):
-        dev_pairs = cupy.asarray(pairs)
-        args = (np.uint64(pool.base_ptr), np.uint64(dev_pairs.data.ptr),
-                np.int64(st["block"]), np.int64(layout.block_bytes))
-        _build.plain_module("copy_blocks").get_function("copy_blocks")(
-            (len(pairs), chunks), (256,), args
-        )
+    device_id = device_index(pool)
+    with cupy.cuda.Device(device_id):
+        sp = stream_handle(stream)  # None: the pool device's current stream
+        with cupy_stream(sp):  # the upload of the pairs is ordered before the copy kernel
+            dev_pairs = cupy.asarray(pairs)
+        args = _CopyArgs(pool.base_ptr, dev_pairs.data.ptr, st["block"], layout.block_bytes)
+        launch(_kernel("copy_blocks", device_id), (len(pairs), chunks, 1), 256, 0, sp,
+               param_block(args))

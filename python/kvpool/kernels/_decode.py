@@ -21,15 +21,20 @@ from kvpool.kernels._args import (
     check_ptr,
     device_index,
     elem_ok,
-    external_stream,
     index_arg,
     pool_is_cuda,
-    stream_ptr,
-    wait_producers,
 )
 from kvpool.kernels._args import dev as _dev
 from kvpool.kernels._args import view as _view
-from kvpool.kernels._plan import CTAS_PER_SM, DecodePlan, plan_decode
+from kvpool.kernels._launch import (
+    Kernel,
+    cupy_stream,
+    launch,
+    param_block,
+    stream_handle,
+    wait_producers,
+)
+from kvpool.kernels._plan import CTAS_PER_SM, TC_CTAS_PER_SM, DecodePlan, plan_decode
 
 LOG2E = 1.4426950408889634  # the kernel works in the log2 domain (exp2)
 
@@ -55,7 +60,9 @@ def paged_attention_decode(
     array); num_q_heads must be a multiple of the pool's num_kv_heads (GQA, MHA, MQA).
     block_tables: int32 [num_seqs, max_blocks_per_seq] block ids (unused entries -1);
     seq_lens: int32 [num_seqs] tokens per sequence. Returns `out` ([num_seqs, num_q_heads,
-    head_dim], same dtype as q), allocated when not given.
+    head_dim], same dtype as q), allocated when not given. Supported on a CUDA pool: dtype
+    float16 or bfloat16, head_dim a multiple of 8 in 32..256, block_size a power of two in
+    1..256, any group size; anything else is refused before a launch, naming that set.
 
     On a CUDA pool every array is a device array (__cuda_array_interface__) and the work runs
     on `stream` (CuPy's current stream by default). max_seq_len (an upper bound of seq_lens,
@@ -64,8 +71,11 @@ def paged_attention_decode(
     covers every token). max_seq_len may not exceed the block table's width * block_size.
     Inputs whose __cuda_array_interface__ names a producer stream other than the launch stream
     (BlockTables.sync's arrays name the pool's stream) are waited for on the device.
-    num_splits forces a plan; workspace (float32 device array of
-    at least workspace_elems() elements) avoids an allocation, e.g. under graph capture.
+    num_splits forces a plan (at most MAX_SPLITS = 128 are used); workspace (float32 device
+    array of at least workspace_elems() elements) avoids an allocation, e.g. under graph capture.
+    The split partials are merged inside the same launch by the last CTA of each (sequence,
+    head tile), counted in a zeroed int32 buffer the library keeps per (device, stream); a CUDA
+    graph that holds a call uses the counters of the stream it was captured on.
     pipeline picks the kernel, for tests and benchmarks: None or 2 (_build.TC) the tensor-core
     kernel (the default), 1 / 0 the CUDA-core kernel with cp.async stages / register loads.
     Everything derivable from the pool, layer, shapes, strides and dtypes is cached, so a
@@ -84,13 +94,13 @@ def paged_attention_decode(
         return _decode_host(q, pool, layer, block_tables, seq_lens, scale, out)
     return _decode_cuda(
         q, pool, info, layer, block_tables, seq_lens, scale, out, stream, max_seq_len,
-        num_splits, workspace, _build.TC if pipeline is None else int(pipeline),
+        num_splits, workspace, _build.TC if pipeline is None else index_arg(pipeline, "pipeline"),
     )
 
 
 def workspace_elems(num_seqs: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
     """float32 elements of split-KV workspace a plan with `num_splits` needs."""
-    return num_seqs * num_splits * num_q_heads * (head_dim + 1)
+    return num_seqs * min(num_splits, _build.MAX_SPLITS) * num_q_heads * (head_dim + 1)
 
 
 def _check_tables_pool(block_tables: Any, pool: Any, name: str = "block_tables") -> None:
@@ -213,16 +223,22 @@ class _DecodeArgs(ctypes.Structure):
         ("out", ctypes.c_uint64), ("out_seq_stride", ctypes.c_int64),
         ("out_head_stride", ctypes.c_int64),
         ("part_o", ctypes.c_uint64), ("part_lse", ctypes.c_uint64),
+        ("counters", ctypes.c_uint64),
         ("k_base", ctypes.c_uint64), ("v_base", ctypes.c_uint64),
         ("block_stride", ctypes.c_int64), ("token_stride", ctypes.c_int64),
         ("head_stride", ctypes.c_int64), ("num_blocks", ctypes.c_int32),
+        ("bs_log2", ctypes.c_int32),
         ("block_tables", ctypes.c_uint64), ("bt_stride", ctypes.c_int64),
         ("seq_lens", ctypes.c_uint64),
-        ("num_q_heads", ctypes.c_int32), ("group", ctypes.c_int32),
-        ("gq", ctypes.c_int32),  # tensor-core kernel only (left out of the CUDA-core list)
+        ("num_q_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("group", ctypes.c_int32),
+        ("gq", ctypes.c_int32),
         ("chunk_tokens", ctypes.c_int32), ("max_splits", ctypes.c_int32),
         ("scale_log2", ctypes.c_float),
     ]
+
+
+# _DecodeArgs fields the tensor-core kernel has and the CUDA-core kernel does not.
+_TC_ONLY = ("counters", "bs_log2", "head_dim", "gq")
 
 
 class _MergeArgs(ctypes.Structure):
@@ -234,22 +250,11 @@ class _MergeArgs(ctypes.Structure):
     ]
 
 
-def _param_block(struct: ctypes.Structure, skip: tuple[str, ...] = ()) -> Any:
-    """void*[] of the addresses of the struct's fields (the cuLaunchKernel kernelParams)."""
-    base = ctypes.addressof(struct)
-    names = [f[0] for f in struct._fields_ if f[0] not in skip]
-    ptrs = (ctypes.c_void_p * len(names))(
-        *[base + getattr(type(struct), n).offset for n in names])
-    return ptrs
-
-
 class _Prepared:
     """Everything about a decode call that does not change between calls with the same pool,
     layer, shapes, strides, dtypes, scale and kernel choice."""
 
     def __init__(self, info: _PoolInfo, layer: int, qv, btv, slv, ov, scale, pipeline) -> None:
-        import cupy
-
         d = info.head_dim
         qa, bt, sl, oa = _dev(qv, "q"), _dev(btv, "block_tables"), _dev(slv, "seq_lens"), _dev(
             ov, "out")
@@ -269,9 +274,8 @@ class _Prepared:
         self.num_seqs, self.hq, self.d = num_seqs, hq, d
         self.device_id = info.device_id
         if pipeline == _build.TC:
-            gq = _build.tc_group_tile(group, d)
-            variant = _build.TcVariant(info.dtype, d, info.block_size, 1 if gq <= 8 else 2)
-            ctas_per_sm = variant.ctas_per_sm
+            variant, gq = _build.tc_variant(info.dtype, d, group)
+            ctas_per_sm = TC_CTAS_PER_SM
         elif pipeline in (0, 1):
             gq = _build.group_tile(group)
             variant = _build.DecodeVariant(info.dtype, d, info.block_size, gq, pipeline)
@@ -280,31 +284,26 @@ class _Prepared:
             raise InvalidArgumentError(f"pipeline must be None, 0, 1 or {_build.TC}")
         self.tc = pipeline == _build.TC
         self.variant = variant
-        self.ctas_per_seq = info.num_kv_heads * (group // gq)
+        self.ctas_per_seq = info.num_kv_heads * -(-group // gq)
         self.tokens_per_iter = variant.tokens_per_iter
         self.ctas_per_sm = ctas_per_sm
         self.num_sms = _num_sms(info.device_id)
         self.threads = variant.threads
         self.smem = variant.dynamic_smem_bytes
-        with cupy.cuda.Device(info.device_id):
-            mod = _build.decode_module(variant)
-            kernel = mod.get_function(variant.kernel)
-            if self.smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < self.smem:
-                kernel.max_dynamic_shared_size_bytes = self.smem
-            merge = mod.get_function("merge_splits")
-            # RawKernel.kernel: the cupy.cuda.Function of the current device (its CUfunction).
-            fn, merge_fn = kernel.kernel, merge.kernel
-        self._keep = (mod, kernel, merge, fn, merge_fn)
-        self.fn, self.merge_fn = fn.ptr, merge_fn.ptr
+        mod = _build.decode_module(variant)
+        self.kernel = Kernel(mod, variant.kernel, info.device_id, self.smem)
+        # The CUDA-core baseline merges split partials in a second launch; the tensor-core
+        # kernel merges inside its own launch.
+        self.merge = None if self.tc else Kernel(mod, "merge_splits", info.device_id)
         k_base = info.base_ptr + layer * st["layer"]
         a = self.args = _DecodeArgs(
-            0, qa.strides[0], qa.strides[1], 0, oa.strides[0], oa.strides[1], 0, 0,
+            0, qa.strides[0], qa.strides[1], 0, oa.strides[0], oa.strides[1], 0, 0, 0,
             k_base, k_base + st["kv"], st["block"], st["token"], st["head"], info.num_blocks,
-            0, bt.strides[0], 0, hq, group, gq, 0, 0,
+            info.block_size.bit_length() - 1, 0, bt.strides[0], 0, hq, d, group, gq, 0, 0,
             (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E)
-        self.params = _param_block(a, () if self.tc else ("gq",))
+        self.params = param_block(a, () if self.tc else _TC_ONLY)
         m = self.margs = _MergeArgs(0, 0, 0, oa.strides[0], oa.strides[1], 0, hq, 0, 0)
-        self.mparams = _param_block(m)
+        self.mparams = param_block(m)
         self.lock = threading.Lock()
 
 
@@ -331,6 +330,26 @@ _WORKSPACES: collections.OrderedDict[tuple[int, int], Any] = collections.Ordered
 _MAX_WORKSPACES = 4
 
 
+_COUNTERS: dict[tuple[int, int], Any] = {}
+_RETIRED_COUNTERS: list[Any] = []  # outgrown buffers: a captured CUDA graph may still use them
+
+
+def _counters(device_id: int, stream: int, need: int) -> int:
+    """The fused merge's arrival counters for launches on (device, stream): int32, zeroed at
+    allocation and left zero by every launch (the merging CTA resets its counter). Calls on one
+    stream are ordered, so they share one buffer; another stream gets its own."""
+    key = (device_id, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.size < need:
+        import cupy
+
+        if buf is not None:
+            _RETIRED_COUNTERS.append(buf)
+        with cupy.cuda.Device(device_id), cupy_stream(stream):
+            buf = _COUNTERS[key] = cupy.zeros(max(need, 1 << 16), cupy.int32)
+    return buf.data.ptr
+
+
 def _cached_workspace(device_id: int, stream: int, need: int) -> int:
     """A float32 workspace kept per (device, stream): calls on one stream are ordered, so
     reusing it is safe (also inside a CUDA graph captured on that stream). It is allocated on
@@ -341,7 +360,7 @@ def _cached_workspace(device_id: int, stream: int, need: int) -> int:
     if ws is None or ws.size < need:
         import cupy
 
-        with cupy.cuda.Device(device_id), external_stream(stream):
+        with cupy.cuda.Device(device_id), cupy_stream(stream):
             ws = cupy.empty(max(need, 1 << 16), cupy.float32)
         _WORKSPACES[key] = ws
         while len(_WORKSPACES) > _MAX_WORKSPACES:
@@ -350,28 +369,44 @@ def _cached_workspace(device_id: int, stream: int, need: int) -> int:
     return ws.data.ptr
 
 
+@functools.cache
+def _unsupported(dtype: str, head_dim: int, block_size: int, pipeline: int) -> str | None:
+    """Why no decode kernel runs this pool's shape (None: one does); cached per shape."""
+    if pipeline == _build.TC:
+        ok = (dtype in _build.DTYPES and head_dim in _build.TC_HEAD_DIMS
+              and block_size in _build.TC_BLOCK_SIZES)
+        supported = _build.supported_set()
+    else:
+        ok = (dtype in _build.DTYPES and head_dim in _build.HEAD_DIMS
+              and block_size in _build.BLOCK_SIZES)
+        supported = (f"dtype float16 or bfloat16, head_dim in {_build.HEAD_DIMS}, block_size "
+                     f"in {_build.BLOCK_SIZES} (the CUDA-core baseline, pipeline 0/1)")
+    if ok:
+        return None
+    return (f"no decode kernel for dtype {dtype}, head_dim {head_dim}, block_size {block_size}; "
+            f"supported: {supported}")
+
+
 def _decode_cuda(q, pool, info, layer, block_tables, seq_lens, scale, out, stream, max_seq_len,
                  num_splits, workspace, pipeline):
-    if info.dtype not in _build.DTYPES or info.head_dim not in _build.HEAD_DIMS or (
-        info.block_size not in _build.BLOCK_SIZES
-    ):
-        raise InvalidArgumentError(
-            f"no decode kernel for dtype {info.dtype}, head_dim {info.head_dim}, "
-            f"block_size {info.block_size}"
-        )
+    if pipeline not in (0, 1, _build.TC):
+        raise InvalidArgumentError(f"pipeline must be None, 0, 1 or {_build.TC}")
+    why = _unsupported(info.dtype, info.head_dim, info.block_size, pipeline)
+    if why is not None:
+        raise InvalidArgumentError(why)
     qv = _view(q, "q")
     btv = _view(block_tables, "block_tables")
     slv = _view(seq_lens, "seq_lens")
     if out is None:
         import cupy
 
-        if len(qv[1]) != 3:
-            _check_shapes(qv[1], btv[1], slv[1], _LayoutDims(info))
+        if len(qv.shape) != 3:
+            _check_shapes(qv.shape, btv.shape, slv.shape, _LayoutDims(info))
         with cupy.cuda.Device(info.device_id):
-            out = cupy.empty(tuple(qv[1]), dtype=cupy.float16 if qv[3][1] == "f" else cupy.uint16)
+            out = cupy.empty(tuple(qv.shape), dtype=cupy.float16 if qv.is_float else cupy.uint16)
     ov = _view(out, "out")
-    key = (info.serial, layer, qv[1], qv[2], qv[3], btv[1], btv[2], btv[3], slv[1], slv[2], slv[3],
-           ov[1], ov[2], ov[3], scale, pipeline)
+    key = (info.serial, layer, qv.layout_key, btv.layout_key, slv.layout_key, ov.layout_key,
+           scale, pipeline)
     prep = _PREPARED.get(key)
     if prep is None:
         prep = _Prepared(info, layer, qv, btv, slv, ov, scale, pipeline)
@@ -382,33 +417,34 @@ def _decode_cuda(q, pool, info, layer, block_tables, seq_lens, scale, out, strea
     if num_seqs == 0:
         return out
     dev = info.device_id
-    if qv[0] % 16:
+    if qv.ptr % 16:
         raise InvalidArgumentError("q rows must be contiguous and 16-byte aligned")
-    check_ptr(qv[0], "q", dev)
-    check_ptr(btv[0], "block_tables", dev)
-    check_ptr(slv[0], "seq_lens", dev)
-    check_ptr(ov[0], "out", dev)
-    sp = stream_ptr(stream)
+    check_ptr(qv.ptr, "q", dev)
+    check_ptr(btv.ptr, "block_tables", dev)
+    check_ptr(slv.ptr, "seq_lens", dev)
+    check_ptr(ov.ptr, "out", dev)
+    sp = stream_handle(stream)
     if max_seq_len is None:
         import cupy
 
         # Synchronises (pass max_seq_len to avoid it); read on the launch stream, after the
         # producers of seq_lens.
         wait_producers(sp, dev, slv)
-        with cupy.cuda.Device(dev), external_stream(sp):
+        with cupy.cuda.Device(dev), cupy_stream(sp):
             max_seq_len = int(cupy.asarray(seq_lens).max())
     else:
         max_seq_len = index_arg(max_seq_len, "max_seq_len")
-    if max_seq_len > btv[1][1] * info.block_size:
+    max_blocks_per_seq = btv.shape[1]
+    if max_seq_len > max_blocks_per_seq * info.block_size:
         raise InvalidArgumentError(
-            f"max_seq_len {max_seq_len} exceeds the block tables' {btv[1][1]} blocks of "
+            f"max_seq_len {max_seq_len} exceeds the block tables' {max_blocks_per_seq} blocks of "
             f"{info.block_size} tokens"
         )
     plan = _plan(num_seqs, prep.ctas_per_seq, max(max_seq_len, 1),
                  prep.tokens_per_iter, prep.num_sms,
                  None if num_splits is None else index_arg(num_splits, "num_splits"),
                  prep.ctas_per_sm)
-    part_o = part_lse = 0
+    part_o = part_lse = counters = 0
     if plan.split:
         need = workspace_elems(num_seqs, prep.hq, prep.d, plan.num_splits)
         if workspace is None:
@@ -424,44 +460,21 @@ def _decode_cuda(q, pool, info, layer, block_tables, seq_lens, scale, out, strea
             check_ptr(ws.ptr, "workspace", dev)
             part_o = ws.ptr
         part_lse = part_o + 4 * num_seqs * plan.num_splits * prep.hq * prep.d
+        if prep.tc:
+            counters = _counters(dev, sp, num_seqs * prep.ctas_per_seq)
     wait_producers(sp, dev, qv, btv, slv, ov)
     with prep.lock:
         a = prep.args
-        a.q, a.out, a.part_o, a.part_lse = qv[0], ov[0], part_o, part_lse
-        a.block_tables, a.seq_lens = btv[0], slv[0]
+        a.q, a.out, a.part_o, a.part_lse = qv.ptr, ov.ptr, part_o, part_lse
+        a.block_tables, a.seq_lens = btv.ptr, slv.ptr
         a.chunk_tokens, a.max_splits = plan.chunk_tokens, plan.num_splits
-        _launch(prep, plan.num_splits, prep.ctas_per_seq, num_seqs, prep.threads, prep.smem, sp,
-                prep.fn, prep.params)
-        if plan.split:
+        if prep.tc:
+            a.counters = counters
+        launch(prep.kernel, (plan.num_splits, prep.ctas_per_seq, num_seqs), prep.threads,
+               prep.smem, sp, prep.params)
+        if plan.split and not prep.tc:
             m = prep.margs
-            m.part_o, m.part_lse, m.out, m.seq_lens = part_o, part_lse, ov[0], slv[0]
+            m.part_o, m.part_lse, m.out, m.seq_lens = part_o, part_lse, ov.ptr, slv.ptr
             m.chunk_tokens, m.max_splits = plan.chunk_tokens, plan.num_splits
-            _launch(prep, prep.hq, num_seqs, 1, prep.d, 0, sp, prep.merge_fn, prep.mparams)
+            launch(prep.merge, (prep.hq, num_seqs, 1), prep.d, 0, sp, prep.mparams)
     return out
-
-
-def _launch(prep, gx, gy, gz, threads, smem, stream, fn, params) -> None:
-    from cupy.cuda import driver
-
-    try:
-        driver.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream,
-                            ctypes.addressof(params), 0)
-    except driver.CUDADriverError:
-        # No (or another device's) context current on this thread: make the pool's device
-        # current through the runtime (which also makes its primary context current; cupy's
-        # Device() context skips setDevice when the id already matches) and try once more. The
-        # caller's current device is restored when it was another one.
-        from cupy.cuda import runtime
-
-        from kvpool._core import CudaError
-
-        prev = runtime.getDevice()
-        runtime.setDevice(prep.device_id)
-        try:
-            driver.launchKernel(fn, gx, gy, gz, threads, 1, 1, smem, stream,
-                                ctypes.addressof(params), 0)
-        except driver.CUDADriverError as e:
-            raise CudaError(f"launching the decode kernel failed: {e}") from e
-        finally:
-            if prev != prep.device_id:
-                runtime.setDevice(prev)

@@ -6,12 +6,13 @@ fit. Both run the same loop (core.Scheduler) with the same policies, so their fi
 """
 
 from kvpool.scheduler.contiguous import ContiguousKv, FirstFit, contiguous_scheduler
-from kvpool.scheduler.core import Scheduler, SchedulerConfig, Seq
+from kvpool.scheduler.core import Scheduler, SchedulerConfig
 from kvpool.scheduler.costmodel import H200, Hardware, RooflineCost
 from kvpool.scheduler.metrics import StepMetrics, latency_summary, summarize
 from kvpool.scheduler.paged import PagedKv, paged_scheduler
 from kvpool.scheduler.policies import POLICIES, make_policy
 from kvpool.scheduler.presets import PRESETS, ModelPreset, get_preset, num_blocks_for, parse_bytes
+from kvpool.scheduler.seq import Seq
 from kvpool.scheduler.workload import Request, TraceError, describe, generate, load_trace
 
 __all__ = [

@@ -1,10 +1,16 @@
 """The baseline: every admitted request reserves one contiguous KV region up front.
 
 This is the allocation paging replaces (FasterTransformer, early Orca-style servers): a region
-of `max_model_len` tokens (or, in "request" mode, the request's own prompt + output, as a
-server that trusts max_tokens would) is carved from one byte range by first fit. Regions of
-different sizes leave holes, so external fragmentation is real: admission can fail while the
-free bytes would suffice.
+is carved from one byte range by first fit. What a request reserves (`reserve`):
+
+- "max_model_len": the longest sequence the server accepts (no knowledge of the output length);
+- "pow2": the request's prompt + output rounded up to a power of two, at most max_model_len
+  (size classes, as a buddy allocator hands out);
+- "request": exactly the request's prompt + output, the best case for contiguous allocation
+  (a server that knows every output length in advance).
+
+Regions of different sizes leave holes, so external fragmentation is real: admission can fail
+while the free bytes would suffice.
 """
 
 from __future__ import annotations
@@ -15,9 +21,10 @@ from typing import Sequence
 
 import numpy as np
 
-from kvpool.scheduler.core import Scheduler, SchedulerConfig, Seq
+from kvpool.scheduler.core import Scheduler, SchedulerConfig
+from kvpool.scheduler.seq import Seq
 
-RESERVE_MODES = ("max_model_len", "request")
+RESERVE_MODES = ("max_model_len", "pow2", "request")
 
 
 class FirstFit:
@@ -114,8 +121,11 @@ class ContiguousKv:
         return 0  # reservations cover all growth, nothing to keep back
 
     def _reservation(self, seq: Seq) -> int:
+        need = seq.request.prompt_tokens + seq.request.output_tokens
         if self.reserve == "request":
-            return seq.request.prompt_tokens + seq.request.output_tokens
+            return need
+        if self.reserve == "pow2":
+            return min(self.max_model_len, 1 << (need - 1).bit_length())
         return self.max_model_len
 
     def try_admit(self, seq: Seq, first_chunk: int, watermark_blocks: int) -> bool:

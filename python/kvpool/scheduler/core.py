@@ -27,6 +27,7 @@ from typing import Callable, Protocol, Sequence
 
 from kvpool.scheduler.metrics import StepMetrics
 from kvpool.scheduler.policies import Policy, make_policy
+from kvpool.scheduler.seq import Seq
 from kvpool.scheduler.workload import Request
 
 
@@ -54,33 +55,14 @@ class SchedulerConfig:
         make_policy(self.policy)
 
 
-class Seq:
-    """The serving state of one request."""
+@dataclass(slots=True)
+class StepPlan:
+    """What one `Scheduler.step()` asked of the model: the sequences that decode one token and
+    the prefill chunks `(seq, start, num_tokens)`, after this step's preemptions. A real model
+    runs exactly this; the simulator only counts it."""
 
-    __slots__ = (
-        "request", "prefill_target", "prefilled", "generated", "kv_tokens", "decoding", "running",
-        "last_scheduled_s", "times_scheduled", "first_token_s", "finish_s", "num_preemptions",
-        "num_finishes",
-    )
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-        self.prefill_target = request.prompt_tokens  # prompt (+ generated tokens after preemption)
-        self.prefilled = 0
-        self.generated = 0
-        self.kv_tokens = 0  # tokens whose KV the backend holds for this sequence
-        self.decoding = False
-        self.running = False
-        self.last_scheduled_s = request.arrival_s
-        self.times_scheduled = 0
-        self.first_token_s = -1.0
-        self.finish_s = -1.0
-        self.num_preemptions = 0
-        self.num_finishes = 0
-
-    @property
-    def request_id(self) -> int:
-        return self.request.request_id
+    decode: list[Seq]
+    prefill: list[tuple[Seq, int, int]]
 
 
 class KvBackend(Protocol):
@@ -142,6 +124,7 @@ class Scheduler:
         self.metrics = StepMetrics()
         self.events: list[tuple] | None = [] if record_events else None
         self._watermark_blocks = backend.watermark_blocks(config.watermark)
+        self.last_plan = StepPlan([], [])
 
     # ---- bookkeeping ---------------------------------------------------------------------
 
@@ -162,6 +145,10 @@ class Scheduler:
 
     def _preempt(self, victim: Seq) -> None:
         self._event("preempt", victim.request_id, tuple(s.request_id for s in self.running))
+        plan = self.last_plan
+        if victim in plan.decode:
+            plan.decode.remove(victim)
+        plan.prefill = [c for c in plan.prefill if c[0] is not victim]
         self.backend.release(victim)
         self.running.remove(victim)
         victim.running = victim.decoding = False
@@ -182,6 +169,14 @@ class Scheduler:
         self.num_finished += 1
         self._event("finish", seq.request_id)
 
+    def stop(self, seq: Seq) -> None:
+        """Finish a running sequence now (it met a stop condition the workload did not know,
+        e.g. an end-of-sequence token): its KV is released before the next step."""
+        if not seq.running:
+            raise ValueError(f"request {seq.request_id} is not running")
+        self.running.remove(seq)
+        self._finish(seq)
+
     @property
     def done(self) -> bool:
         return self.num_finished == len(self.seqs)
@@ -193,6 +188,7 @@ class Scheduler:
         wall0 = time.perf_counter()
         alloc0 = self.backend.alloc_s
         preempt0 = self.num_preemptions
+        self.last_plan = StepPlan([], [])
         self._arrive()
         if not self.running and not self.waiting and self._next_arrival < len(self.seqs):
             self.now_s = self.seqs[self._next_arrival].request.arrival_s  # idle until the next one
@@ -244,6 +240,7 @@ class Scheduler:
                 batch.remove(victim)
         if batch:
             self.backend.decode(batch)
+        self.last_plan.decode = list(batch)
         for seq in batch:
             seq.kv_tokens += 1
             seq.generated += 1
@@ -271,6 +268,8 @@ class Scheduler:
         return used
 
     def _prefilled(self, seq: Seq, n: int) -> None:
+        if n:
+            self.last_plan.prefill.append((seq, seq.prefilled, n))
         seq.prefilled += n
         seq.kv_tokens += n
         self._mark_scheduled(seq)

@@ -8,7 +8,8 @@ from typing import Sequence
 import numpy as np
 
 import kvpool
-from kvpool.scheduler.core import Scheduler, SchedulerConfig, Seq
+from kvpool.scheduler.core import Scheduler, SchedulerConfig
+from kvpool.scheduler.seq import Seq
 
 
 class PagedKv:
@@ -38,7 +39,7 @@ class PagedKv:
                 f"{needed} blocks of {self.block_size} tokens one sequence of max_model_len "
                 f"{config.max_model_len} needs"
             )
-        if self.pool.num_blocks < self.max_blocks_per_seq:
+        if self.pool.num_blocks < needed:
             raise ValueError(
                 f"the pool has {self.pool.num_blocks} blocks, fewer than the "
                 f"{needed} one sequence of max_model_len {config.max_model_len} needs"

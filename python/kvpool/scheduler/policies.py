@@ -16,10 +16,9 @@ heap. Ties always fall back to arrival time and then request id, so every order 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from kvpool.scheduler.core import Seq
+from kvpool.scheduler.seq import Seq
 
 
 class Policy(Protocol):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -69,6 +70,8 @@ def parse_bytes(text: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read memory size {text!r}; write e.g. 16GiB, 500MiB or 2e9")
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(value):  # 1e400 reads as infinity
+        raise ValueError(f"memory size {text!r} is too large to be a number of bytes")
     if value < 1:
         raise ValueError(f"memory size must be positive, got {text!r}")
     return int(value)

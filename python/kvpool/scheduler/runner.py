@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -19,10 +20,17 @@ from kvpool.scheduler.presets import ModelPreset, num_blocks_for
 from kvpool.scheduler.workload import Request, describe
 
 # On the host the simulation needs the allocator, not the bytes: the pool is built over a
-# "proxy" layout (1 layer, 1 KV head, head_dim 8) with the model's block_size, i.e. blocks of
-# 2 * 8 * block_size * 2 bytes (512 bytes at block_size 16), so 16 GiB of modelled KV does not
-# cost 16 GiB of RAM (and minutes of zeroing). Bytes are accounted with the model's layout.
-PROXY_LAYOUT_ARGS = (1, 1, 8)
+# "proxy" layout (1 layer, 1 KV head, float16) with the model's block_size, so 16 GiB of
+# modelled KV does not cost 16 GiB of RAM (and minutes of zeroing). Bytes are accounted with
+# the model's layout.
+
+
+def proxy_layout(block_size: int) -> kvpool.KvLayout:
+    """The smallest 1-layer, 1-head layout with `block_size` tokens per block. A block is
+    4 * block_size * head_dim bytes and must be a multiple of 256, so head_dim is
+    64 / gcd(block_size, 64): every block size the model's layout accepts works here too
+    (256 bytes per block at block_size 16, 768 at block_size 3)."""
+    return kvpool.KvLayout(1, 1, 64 // math.gcd(block_size, 64), block_size)
 
 Progress = Callable[[str, int, int], None]
 
@@ -57,8 +65,8 @@ def make_pool(spec: SimulationSpec, device: str) -> tuple[kvpool.Pool, int, str]
         )
     if device == "cuda":
         return kvpool.Pool(layout, num_blocks, device="cuda"), num_blocks, "model layout on the GPU"
-    proxy = kvpool.KvLayout(*PROXY_LAYOUT_ARGS, spec.block_size)
-    return kvpool.Pool(proxy, num_blocks, device="host"), num_blocks, "proxy layout (allocator only)"
+    return (kvpool.Pool(proxy_layout(spec.block_size), num_blocks, device="host"), num_blocks,
+            "proxy layout (allocator only)")
 
 
 def _series(metrics, max_points: int = 1500) -> dict[str, list]:

@@ -8,7 +8,7 @@
 //!
 //! ```text
 //! cargo bench -p kvpool-core --bench free_list -- --warm-up-time 1 --measurement-time 2
-//! python3 bench/collect_criterion.py   # -> bench/results/free_list_rust.json
+//! python3 bench/collect_criterion.py   # -> bench/results/<date>_<commit>_<machine>/free_list_rust.json
 //! ```
 
 use std::hint::black_box;

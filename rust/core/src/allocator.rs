@@ -294,7 +294,8 @@ impl BlockAllocator {
         self.parked.store(0, Ordering::Release);
     }
 
-    /// The invariants of DESIGN.md, checked exactly. Only meaningful while no other thread
+    /// The pool invariants (`num_free + num_used == num_blocks`, free ids unique and below
+    /// `num_blocks`, free iff ref count 0), checked exactly. Only meaningful while no other thread
     /// mutates the allocator.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.check_invariants_with_evictable(&[])

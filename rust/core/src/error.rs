@@ -33,6 +33,11 @@ pub enum CoreError {
     #[error("cannot allocate {requested_bytes} bytes on {device}: out of memory")]
     OutOfMemory { requested_bytes: usize, device: String },
 
+    /// The operating system refused a call for another reason than lack of memory (an
+    /// `mprotect` or `madvise` of a growable host slab, say). `errno` is the OS error code.
+    #[error("{operation} failed: {message} (errno {errno})")]
+    System { operation: String, errno: i32, message: String },
+
     /// A prefix-cache reset found cached blocks still referenced.
     #[error("cannot reset the prefix cache: {in_use} cached blocks are still referenced (free their requests first)")]
     CacheInUse { in_use: usize },

@@ -491,3 +491,12 @@ fn random_sequences_match_a_simple_model() {
         run_random_sequence(seed, num_blocks, 2_000);
     }
 }
+
+#[test]
+fn a_pool_too_large_to_back_is_out_of_memory_before_any_bookkeeping() {
+    // 4 MiB blocks: 10^9 of them are 4 PB, past any address space, so the slab is refused
+    // before the allocator sizes its per-block state for them (which would abort).
+    let layout = KvLayout::new(64, 8, 128, 16, DType::Float16).unwrap();
+    let err = Pool::new(layout, PoolSize::NumBlocks(1_000_000_000), Device::Host).err().unwrap();
+    assert!(matches!(err, CoreError::OutOfMemory { .. }), "{err:?}");
+}

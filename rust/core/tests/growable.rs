@@ -29,11 +29,13 @@ fn pool(max_num_blocks: usize, initial_num_blocks: usize) -> Pool {
     pool
 }
 
-/// A host backend that refuses memory for chunks at or past `refuse_from`.
+/// A host backend that fails with `refusal` (lack of memory unless a test says otherwise)
+/// for chunks at or past `refuse_from`.
 struct Refusing {
     inner: HostChunks,
     refuse_from: AtomicUsize,
     maps: AtomicUsize,
+    refusal: CoreError,
 }
 
 impl ChunkBackend for Refusing {
@@ -55,7 +57,7 @@ impl ChunkBackend for Refusing {
     fn map_chunks(&self, first: usize, count: usize) -> Result<(), CoreError> {
         self.maps.fetch_add(1, Ordering::Relaxed);
         if first + count > self.refuse_from.load(Ordering::Relaxed) {
-            return Err(CoreError::OutOfMemory { requested_bytes: CHUNK, device: "test".into() });
+            return Err(self.refusal.clone());
         }
         self.inner.map_chunks(first, count)
     }
@@ -65,10 +67,16 @@ impl ChunkBackend for Refusing {
 }
 
 fn refusing_pool(max_num_blocks: usize, refuse_from_chunk: usize) -> (Pool, *const Refusing) {
+    let refusal = CoreError::OutOfMemory { requested_bytes: CHUNK, device: "test".into() };
+    failing_pool(max_num_blocks, refuse_from_chunk, refusal)
+}
+
+fn failing_pool(max_num_blocks: usize, refuse_from_chunk: usize, refusal: CoreError) -> (Pool, *const Refusing) {
     let backend = Box::new(Refusing {
         inner: HostChunks::new(max_num_blocks * BLOCK, CHUNK).unwrap(),
         refuse_from: AtomicUsize::new(refuse_from_chunk),
         maps: AtomicUsize::new(0),
+        refusal,
     });
     let raw: *const Refusing = &*backend;
     let pool = Pool::with_chunk_backend(layout(), size(max_num_blocks, 0), backend).unwrap();
@@ -205,6 +213,7 @@ fn refused_memory_at_creation_is_reported() {
         inner: HostChunks::new(100 * BLOCK, CHUNK).unwrap(),
         refuse_from: AtomicUsize::new(1),
         maps: AtomicUsize::new(0),
+        refusal: CoreError::OutOfMemory { requested_bytes: CHUNK, device: "test".into() },
     });
     let err = Pool::with_chunk_backend(layout(), size(100, 10), backend).err().unwrap();
     assert!(matches!(err, CoreError::OutOfMemory { requested_bytes: 15360, .. }), "{err:?}");
@@ -583,4 +592,36 @@ fn shrink_keeps_what_a_live_view_covers() {
     assert_eq!(p.shrink().unwrap(), 6 * CHUNK);
     assert_eq!((p.num_blocks(), p.max_view_extent()), (0, 0));
     p.check_invariants().unwrap();
+}
+
+#[test]
+fn an_os_failure_while_growing_is_reported_as_such_not_as_cannot_grow() {
+    // What `HostChunks` reports when `mprotect` fails for another reason than memory.
+    let os_failure = CoreError::System {
+        operation: format!("committing a chunk (mprotect) of {CHUNK} bytes"),
+        errno: 13,
+        message: "Permission denied (os error 13)".into(),
+    };
+    let (p, _) = failing_pool(16, 2, os_failure.clone());
+    let ids = p.alloc_many(5).unwrap(); // 2 chunks hold 5 blocks
+    let before = snapshot(&p);
+    assert_eq!(p.alloc_many(4), Err(os_failure.clone()), "the allocation slow path");
+    assert_eq!(snapshot(&p), before);
+    assert_eq!(p.alloc(), Err(os_failure.clone()));
+    assert_eq!(p.grow(10), Err(os_failure), "an explicit grow");
+    assert_eq!(snapshot(&p), before);
+    p.free_many(&ids).unwrap();
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn the_maximum_is_cannot_grow_with_its_reason() {
+    let p = pool(5, 0);
+    let ids = p.alloc_many(5).unwrap();
+    let err = p.alloc().unwrap_err();
+    assert!(
+        matches!(&err, CoreError::CannotGrow { requested: 1, free: 0, num_blocks: 5, max_num_blocks: 5, reason } if reason == "max_num_blocks is reached"),
+        "{err:?}"
+    );
+    p.free_many(&ids).unwrap();
 }

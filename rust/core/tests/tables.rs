@@ -202,12 +202,48 @@ fn dropping_the_tables_releases_their_references() {
 }
 
 #[test]
-fn a_block_freed_behind_the_tables_back_is_an_error_not_a_panic() {
+fn a_block_the_tables_hold_cannot_be_freed_or_shared_through_the_pool() {
     let (pool, t) = setup(16, 4, 8);
     t.add(1, 5).unwrap();
-    let stolen = t.blocks(1).unwrap()[0] as u32;
-    pool.free(stolen).unwrap(); // misuse: the table still holds it
-    assert!(matches!(t.free(1), Err(CoreError::DoubleFree { block_id }) if block_id == stolen));
-    assert!(t.contains(1), "a failed free changes nothing");
+    let held = t.blocks(1).unwrap()[0] as u32;
+    let before = (pool.num_free(), pool.ref_cnt(held).unwrap());
+    let refused = |e: Result<(), CoreError>| {
+        matches!(&e, Err(CoreError::InvalidBlock { value, reason }) if *value == held.to_string() && reason.contains("block tables"))
+    };
+    assert!(refused(pool.free(held)));
+    assert!(refused(pool.free_many(&[held])));
+    assert!(refused(pool.share_many(&[held])));
+    assert_eq!((pool.num_free(), pool.ref_cnt(held).unwrap()), before, "a refused call changes nothing");
     t.check_invariants().unwrap();
+    pool.check_invariants_with(true).unwrap();
+    // Freed with its request, the block is the pool's to hand out again, and then the pool API's.
+    t.free(1).unwrap();
+    let all = pool.alloc_many(pool.num_free()).unwrap();
+    assert!(all.contains(&held));
+    pool.free_many(&all).unwrap();
+    pool.check_invariants_with(true).unwrap();
+}
+
+#[test]
+fn the_host_batch_is_the_table_and_seq_lens_of_every_row() {
+    let (_pool, t) = setup(16, 4, 3);
+    t.add(7, 5).unwrap();
+    t.add(9, 1).unwrap();
+    let batch = t.host_batch().unwrap();
+    let (seq_lens, table) = t.gather(&[7, 9]).unwrap();
+    assert_eq!((batch.request_ids, batch.num_seqs, batch.max_blocks_per_seq), (vec![7, 9], 2, 3));
+    assert_eq!((batch.seq_lens, batch.block_table), (seq_lens, table));
+}
+
+#[test]
+fn a_batch_too_large_to_gather_is_out_of_memory_not_an_abort() {
+    // 2^22 repeated ids x a 2^16-wide row x 4 bytes: a 1 TiB dense table, more than any
+    // machine lends one allocation, so sizing it must fail as an error.
+    let (pool, t) = setup(16, 2, 1 << 16);
+    t.add(1, 3).unwrap();
+    let repeated = vec![1u64; 1 << 22];
+    assert!(matches!(t.gather(&repeated), Err(CoreError::OutOfMemory { .. })));
+    // CSR is sized by the blocks held (one per id here): it fits.
+    assert_eq!(t.csr(&repeated).unwrap().indices.len(), 1 << 22);
+    check(&pool, &t);
 }

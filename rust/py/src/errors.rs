@@ -19,6 +19,7 @@ create_exception!(kvpool._core, LayoutError, KvError, "An invalid KvLayout.");
 create_exception!(kvpool._core, InvalidArgumentError, KvError, "An argument out of its valid range.");
 create_exception!(kvpool._core, CudaUnavailableError, KvError, "No CUDA driver or no such device.");
 create_exception!(kvpool._core, CudaError, KvError, "The CUDA driver reported an error.");
+create_exception!(kvpool._core, KvSystemError, KvError, "The operating system refused a call for another reason than lack of memory (an mprotect of a growable host pool, say); attribute `errno`.");
 
 /// Carries a [`CoreError`] to Python (a newtype: neither `CoreError` nor `PyErr` is ours).
 pub struct PyKvError(pub CoreError);
@@ -69,8 +70,34 @@ impl From<PyKvError> for PyErr {
             CoreError::InvalidArgument(_) => InvalidArgumentError::new_err(message),
             CoreError::CudaUnavailable(_) => CudaUnavailableError::new_err(message),
             CoreError::Cuda(_) => CudaError::new_err(message),
+            CoreError::System { errno, .. } => Python::attach(|py| {
+                let err = KvSystemError::new_err(message);
+                let _ = err.value(py).setattr("errno", errno);
+                err
+            }),
         }
     }
+}
+
+/// `OutOfBlocksError` for a request of more blocks than any count (an int beyond 64 bits):
+/// the message and `requested` are the caller's int itself, not a clamped value.
+pub fn out_of_blocks_beyond_any_count(
+    py: Python<'_>,
+    requested: &Py<PyAny>,
+    free: usize,
+    num_blocks: usize,
+    max_num_blocks: Option<usize>,
+) -> PyErr {
+    let shown = requested.bind(py).str().map(|s| s.to_string()).unwrap_or_default();
+    let err = OutOfBlocksError::new_err(format!(
+        "out of blocks: requested {shown}, but only {free} of {num_blocks} are free (a request past 64 bits can never be met)"
+    ));
+    let value = err.value(py);
+    let _ = value.setattr("requested", requested);
+    let _ = value.setattr("free", free);
+    let _ = value.setattr("num_blocks", num_blocks);
+    let _ = value.setattr("max_num_blocks", max_num_blocks);
+    err
 }
 
 pub type KvResult<T> = Result<T, PyKvError>;
@@ -90,5 +117,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InvalidArgumentError", py.get_type::<InvalidArgumentError>())?;
     m.add("CudaUnavailableError", py.get_type::<CudaUnavailableError>())?;
     m.add("CudaError", py.get_type::<CudaError>())?;
+    m.add("KvSystemError", py.get_type::<KvSystemError>())?;
     Ok(())
 }

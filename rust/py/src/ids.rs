@@ -77,9 +77,30 @@ fn collect(values: impl Iterator<Item = i64>, num_blocks: usize) -> Result<Vec<u
     values.map(|v| check_range(v, num_blocks)).collect()
 }
 
-/// A Python int argument for a count or size. Bools are refused; ints beyond i64 saturate
-/// so the range check that follows names them (a bare `OverflowError` would not).
-pub struct Int(pub i64);
+/// A Python int argument for a count or size. Bools are refused. An int beyond i64 keeps
+/// the int itself, so that errors name what the caller passed, never a clamped value.
+pub struct Int {
+    value: i64,
+    /// The caller's int when it does not fit i64 (then `value` is i64::MIN or i64::MAX).
+    big: Option<Py<PyAny>>,
+}
+
+impl Int {
+    pub fn new(value: i64) -> Self {
+        Int { value, big: None }
+    }
+    /// The int as the caller wrote it, in decimal.
+    pub fn shown(&self) -> String {
+        match &self.big {
+            None => self.value.to_string(),
+            Some(big) => Python::attach(|py| big.bind(py).str().map(|s| s.to_string()).unwrap_or_default()),
+        }
+    }
+    /// The caller's int, when it is too large for any count (beyond i64).
+    pub fn too_large(&self) -> Option<&Py<PyAny>> {
+        self.big.as_ref().filter(|_| self.value > 0)
+    }
+}
 
 impl<'a, 'py> FromPyObject<'a, 'py> for Int {
     type Error = PyErr;
@@ -93,17 +114,52 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Int {
             .into());
         }
         match obj.extract::<i64>() {
-            Ok(v) => Ok(Int(v)),
+            Ok(v) => Ok(Int::new(v)),
             Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => {
-                Ok(Int(if obj.lt(0)? { i64::MIN } else { i64::MAX }))
+                let value = if obj.lt(0)? { i64::MIN } else { i64::MAX };
+                Ok(Int { value, big: Some(obj.to_owned().unbind()) })
             }
             Err(e) => Err(e),
         }
     }
 }
 
-/// A non-negative count of blocks (or tokens, or layers).
+/// A non-negative count of blocks (or tokens, or layers) that fits the machine's words.
 pub fn count(value: Int, what: &str) -> Result<usize, CoreError> {
-    let Int(value) = value;
-    usize::try_from(value).map_err(|_| CoreError::InvalidArgument(format!("{what} must be >= 0, got {value}")))
+    if value.too_large().is_some() {
+        return Err(CoreError::InvalidArgument(format!("{what} {} is too large (it does not fit 64 bits)", value.shown())));
+    }
+    usize::try_from(value.value)
+        .map_err(|_| CoreError::InvalidArgument(format!("{what} must be >= 0, got {}", value.shown())))
+}
+
+/// A count of tokens. One beyond 64 bits exceeds every capacity (`CapacityError`, as a
+/// large count that fits does), named as the caller wrote it.
+pub fn tokens(value: Int, what: &str) -> PyResult<usize> {
+    if value.too_large().is_some() {
+        return Err(crate::errors::CapacityError::new_err(format!(
+            "capacity exceeded: {what} {} does not fit 64 bits (a request holds at most {} tokens)",
+            value.shown(),
+            i32::MAX
+        )));
+    }
+    Ok(count(value, what).map_err(crate::errors::PyKvError)?)
+}
+
+/// A fraction argument (a float, or an int). Bools are refused: `True` is not a fraction.
+pub struct Fraction(pub f64);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Fraction {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if obj.is_instance_of::<PyBool>() {
+            return Err(crate::errors::PyKvError(CoreError::InvalidArgument(format!(
+                "expected a fraction, got the bool {}",
+                obj.repr()?
+            )))
+            .into());
+        }
+        obj.extract::<f64>().map(Fraction)
+    }
 }

@@ -1,6 +1,7 @@
 //! `kvpool._core`: the Python face of kvpool-core. Each file binds one core type; the
 //! allocator logic lives in the core crate only.
 
+mod dlpack;
 mod errors;
 mod ids;
 mod kernel_sources;

@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::KvResult;
-use crate::ids::{self, Int};
+use crate::ids::{self, Fraction, Int};
 use crate::layout::PyKvLayout;
 use crate::view::SlabView;
 
@@ -28,12 +28,12 @@ pub struct PyPool {
 fn pool_size(
     num_blocks: Option<Int>,
     memory_bytes: Option<Int>,
-    gpu_memory_utilization: Option<f64>,
+    gpu_memory_utilization: Option<Fraction>,
 ) -> Result<PoolSize, CoreError> {
     match (num_blocks, memory_bytes, gpu_memory_utilization) {
         (Some(n), None, None) => Ok(PoolSize::NumBlocks(ids::count(n, "num_blocks")?)),
         (None, Some(b), None) => Ok(PoolSize::MemoryBytes(ids::count(b, "memory_bytes")?)),
-        (None, None, Some(f)) => Ok(PoolSize::DeviceMemoryFraction(f)),
+        (None, None, Some(Fraction(f))) => Ok(PoolSize::DeviceMemoryFraction(f)),
         _ => Err(CoreError::InvalidArgument(
             "give exactly one of num_blocks, memory_bytes, gpu_memory_utilization".into(),
         )),
@@ -56,7 +56,7 @@ fn growable_size(
         .ok_or_else(|| CoreError::InvalidArgument("growable=True needs max_num_blocks".into()))?;
     Ok(GrowableSize {
         max_num_blocks: ids::count(max_num_blocks, "max_num_blocks")?,
-        initial_num_blocks: ids::count(initial_num_blocks.unwrap_or(Int(0)), "initial_num_blocks")?,
+        initial_num_blocks: ids::count(initial_num_blocks.unwrap_or(Int::new(0)), "initial_num_blocks")?,
         chunk_bytes: chunk_bytes.map(|b| ids::count(b, "chunk_bytes")).transpose()?,
     })
 }
@@ -67,7 +67,7 @@ type PoolMaker = Box<dyn FnOnce() -> Result<Pool, CoreError> + Send>;
 /// Checks the constructor's arguments and says how to make the pool they describe.
 fn pool_maker(
     layout: KvLayout,
-    fixed: (Option<Int>, Option<Int>, Option<f64>),
+    fixed: (Option<Int>, Option<Int>, Option<Fraction>),
     growable: bool,
     grow_args: (Option<Int>, Option<Int>, Option<Int>),
     device: Device,
@@ -125,7 +125,7 @@ impl PyPool {
         layout: PyRef<'_, PyKvLayout>,
         num_blocks: Option<Int>,
         memory_bytes: Option<Int>,
-        gpu_memory_utilization: Option<f64>,
+        gpu_memory_utilization: Option<Fraction>,
         growable: bool,
         max_num_blocks: Option<Int>,
         initial_num_blocks: Option<Int>,
@@ -171,11 +171,18 @@ impl PyPool {
     }
 
     /// Allocates `n` blocks, all or none, as an int32 array.
-    fn alloc_many<'py>(&self, py: Python<'py>, n: Int) -> KvResult<Bound<'py, PyArray1<i32>>> {
-        let n = ids::count(n, "n")?;
+    fn alloc_many<'py>(&self, py: Python<'py>, n: Int) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        if let Some(requested) = n.too_large() {
+            // More than any count: out of blocks, naming the int the caller passed.
+            let pool = &self.inner;
+            let max = pool.is_growable().then(|| pool.max_num_blocks());
+            return Err(crate::errors::out_of_blocks_beyond_any_count(py, requested, pool.num_free(), pool.num_blocks(), max));
+        }
+        let n = ids::count(n, "n").map_err(crate::errors::PyKvError)?;
         // The core refuses n > max_num_blocks before sizing a buffer for n ids; a growable
         // pool that must grow maps memory here (with the GIL held for small n: rare).
-        let out = if n >= DETACH_MIN_BLOCKS { py.detach(|| self.inner.alloc_many(n))? } else { self.inner.alloc_many(n)? };
+        let out = if n >= DETACH_MIN_BLOCKS { py.detach(|| self.inner.alloc_many(n)) } else { self.inner.alloc_many(n) }
+            .map_err(crate::errors::PyKvError)?;
         // Ids are < MAX_NUM_BLOCKS = i32::MAX, so the cast is exact.
         Ok(PyArray1::from_iter(py, out.into_iter().map(|id| id as i32)))
     }
@@ -280,33 +287,31 @@ impl PyPool {
     }
 
     /// A plain dict of counters; CUDA pools add the device's free and total bytes.
-    fn stats<'py>(&self, py: Python<'py>) -> KvResult<Bound<'py, PyDict>> {
-        let s = py.detach(|| self.inner.stats())?;
-        let build = || -> PyResult<Bound<'py, PyDict>> {
-            let d = PyDict::new(py);
-            d.set_item("num_blocks", s.num_blocks)?;
-            d.set_item("num_free", s.num_free)?;
-            d.set_item("num_used", s.num_used)?;
-            d.set_item("num_evictable", s.num_evictable)?;
-            d.set_item("high_water", s.high_water)?;
-            d.set_item("block_bytes", s.block_bytes)?;
-            d.set_item("device", s.device.to_string())?;
-            d.set_item("growable", s.growable)?;
-            d.set_item("max_num_blocks", s.max_num_blocks)?;
-            d.set_item("mapped_bytes", s.mapped_bytes)?;
-            d.set_item("reserved_bytes", s.reserved_bytes)?;
-            d.set_item("num_chunks", s.num_chunks)?;
-            d.set_item("chunk_bytes", s.chunk_bytes)?;
-            if let Some(m) = s.memory {
-                d.set_item("device_free_bytes", m.free_bytes)?;
-                d.set_item("device_total_bytes", m.total_bytes)?;
-            }
-            Ok(d)
-        };
-        build().map_err(|e| CoreError::InvalidArgument(format!("building stats: {e}")).into())
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py.detach(|| self.inner.stats()).map_err(crate::errors::PyKvError)?;
+        // Building the dict can fail only as Python fails (a MemoryError): raise that as it is.
+        let d = PyDict::new(py);
+        d.set_item("num_blocks", s.num_blocks)?;
+        d.set_item("num_free", s.num_free)?;
+        d.set_item("num_used", s.num_used)?;
+        d.set_item("num_evictable", s.num_evictable)?;
+        d.set_item("high_water", s.high_water)?;
+        d.set_item("block_bytes", s.block_bytes)?;
+        d.set_item("device", s.device.to_string())?;
+        d.set_item("growable", s.growable)?;
+        d.set_item("max_num_blocks", s.max_num_blocks)?;
+        d.set_item("mapped_bytes", s.mapped_bytes)?;
+        d.set_item("reserved_bytes", s.reserved_bytes)?;
+        d.set_item("num_chunks", s.num_chunks)?;
+        d.set_item("chunk_bytes", s.chunk_bytes)?;
+        if let Some(m) = s.memory {
+            d.set_item("device_free_bytes", m.free_bytes)?;
+            d.set_item("device_total_bytes", m.total_bytes)?;
+        }
+        Ok(d)
     }
 
-    /// Checks every invariant of DESIGN.md exactly; raises `KvError` naming the first broken
+    /// Checks every invariant exactly; raises `KvError` naming the first broken
     /// one. Call it while no other thread is using the pool.
     /// With `exact_refs=True`, also that every block's ref count equals the references the
     /// pool's block tables hold (true when nothing but tables holds blocks).

@@ -8,7 +8,7 @@ use kvpool_core::CoreError;
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
 
-use crate::errors::KvResult;
+use crate::errors::{KvResult, PyKvError};
 use crate::ids::{self, Int};
 use crate::pool::PyPool;
 
@@ -41,19 +41,16 @@ fn request_ids(values: &Bound<'_, PyAny>) -> Result<Vec<u64>, CoreError> {
 }
 
 /// `counts` is one int for every request, or one per request.
-fn token_counts(values: &Bound<'_, PyAny>, n: usize) -> Result<Vec<usize>, CoreError> {
+fn token_counts(values: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<usize>> {
+    let invalid = |m: String| PyErr::from(crate::errors::PyKvError(CoreError::InvalidArgument(m)));
     if let Ok(count) = values.extract::<Int>() {
-        return Ok(vec![ids::count(count, "count")?; n]);
+        return Ok(vec![ids::tokens(count, "count")?; n]);
     }
-    let iter = values
-        .try_iter()
-        .map_err(|_| CoreError::InvalidArgument("counts must be an int or an iterable of ints".into()))?;
+    let iter = values.try_iter().map_err(|_| invalid("counts must be an int or an iterable of ints".into()))?;
     iter.map(|item| {
-        let item = item.map_err(|e| CoreError::InvalidArgument(e.to_string()))?;
-        let v = item
-            .extract::<Int>()
-            .map_err(|_| CoreError::InvalidArgument(format!("count {item} is not an integer")))?;
-        ids::count(v, "count")
+        let item = item.map_err(|e| invalid(e.to_string()))?;
+        let v = item.extract::<Int>().map_err(|_| invalid(format!("count {item} is not an integer")))?;
+        ids::tokens(v, "count")
     })
     .collect()
 }
@@ -87,9 +84,9 @@ impl PyBlockTables {
     }
 
     /// Adds a request of `num_tokens` tokens; returns their slot mapping (int64).
-    fn add<'py>(&self, py: Python<'py>, request_id: &Bound<'py, PyAny>, num_tokens: Int) -> KvResult<Bound<'py, PyArray1<i64>>> {
-        let rid = self::request_id(request_id)?;
-        let slots = self.inner.add(rid, ids::count(num_tokens, "num_tokens")?)?;
+    fn add<'py>(&self, py: Python<'py>, request_id: &Bound<'py, PyAny>, num_tokens: Int) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let rid = self::request_id(request_id).map_err(PyKvError)?;
+        let slots = self.inner.add(rid, ids::tokens(num_tokens, "num_tokens")?).map_err(PyKvError)?;
         Ok(PyArray1::from_vec(py, slots))
     }
 
@@ -131,11 +128,12 @@ impl PyBlockTables {
         request_id: &Bound<'py, PyAny>,
         n: Int,
         token_ids: Option<&Bound<'py, PyAny>>,
-    ) -> KvResult<AppendArrays<'py>> {
-        let rid = self::request_id(request_id)?;
-        let n = ids::count(n, "n")?;
-        let tokens = token_ids.map(crate::prefix::token_ids).transpose()?;
-        Ok(append_result(py, self.inner.append_tokens_many_with_ids(&[rid], &[n], tokens.as_deref())?))
+    ) -> PyResult<AppendArrays<'py>> {
+        let rid = self::request_id(request_id).map_err(PyKvError)?;
+        let n = ids::tokens(n, "n")?;
+        let tokens = token_ids.map(crate::prefix::token_ids).transpose().map_err(PyKvError)?;
+        let result = self.inner.append_tokens_many_with_ids(&[rid], &[n], tokens.as_deref()).map_err(PyKvError)?;
+        Ok(append_result(py, result))
     }
 
     /// One decode step: appends counts (an int for all, or one per request), all or none.
@@ -148,11 +146,12 @@ impl PyBlockTables {
         request_ids: &Bound<'py, PyAny>,
         counts: &Bound<'py, PyAny>,
         token_ids: Option<&Bound<'py, PyAny>>,
-    ) -> KvResult<AppendArrays<'py>> {
-        let rids = self::request_ids(request_ids)?;
+    ) -> PyResult<AppendArrays<'py>> {
+        let rids = self::request_ids(request_ids).map_err(PyKvError)?;
         let counts = token_counts(counts, rids.len())?;
-        let tokens = token_ids.map(crate::prefix::token_ids).transpose()?;
-        Ok(append_result(py, self.inner.append_tokens_many_with_ids(&rids, &counts, tokens.as_deref())?))
+        let tokens = token_ids.map(crate::prefix::token_ids).transpose().map_err(PyKvError)?;
+        let result = self.inner.append_tokens_many_with_ids(&rids, &counts, tokens.as_deref()).map_err(PyKvError)?;
+        Ok(append_result(py, result))
     }
 
     /// Adds `child_id` sharing all of `parent_id`'s blocks (copy-on-write on the next append).
@@ -180,8 +179,7 @@ impl PyBlockTables {
 
     /// seq_lens (int32) of a batch of requests.
     fn seq_lens<'py>(&self, py: Python<'py>, request_ids: &Bound<'py, PyAny>) -> KvResult<Bound<'py, PyArray1<i32>>> {
-        let (seq_lens, _) = self.inner.gather(&self::request_ids(request_ids)?)?;
-        Ok(PyArray1::from_vec(py, seq_lens))
+        Ok(PyArray1::from_vec(py, self.inner.seq_lens(&self::request_ids(request_ids)?)?))
     }
 
     /// Dense int32 table `[len(request_ids), max_blocks_per_seq]`, unused entries -1.
@@ -223,10 +221,10 @@ impl PyBlockTables {
                 ))
                 .into());
             }
-            let rids = this.inner.request_ids();
-            let (seq_lens, table) = this.inner.gather(&rids).map_err(crate::errors::PyKvError)?;
-            let table = PyArray1::from_vec(py, table).reshape([rids.len(), this.inner.max_blocks_per_seq()])?;
-            return Ok((table.into_any().unbind(), PyArray1::from_vec(py, seq_lens).into_any().unbind()));
+            // One core call, one lock: no other thread's change falls between table and seq_lens.
+            let batch = this.inner.host_batch().map_err(crate::errors::PyKvError)?;
+            let table = PyArray1::from_vec(py, batch.block_table).reshape([batch.num_seqs, batch.max_blocks_per_seq])?;
+            return Ok((table.into_any().unbind(), PyArray1::from_vec(py, batch.seq_lens).into_any().unbind()));
         }
         sync_cuda(slf, stream)
     }
@@ -244,13 +242,10 @@ impl PyBlockTables {
         self.inner.max_blocks_per_seq()
     }
 
-    /// Checks the tables' own invariants and the pool's (references held <= ref counts).
+    /// Checks the tables' own invariants and the pool's (references held <= ref counts),
+    /// with the tables locked for the whole check.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| {
-            self.inner.check_invariants()?;
-            self.inner.pool().check_invariants_with(false)
-        })
-        .map_err(|m| crate::errors::KvError::new_err(format!("invariant violated: {m}")))
+        py.detach(|| self.inner.check_invariants()).map_err(|m| crate::errors::KvError::new_err(format!("invariant violated: {m}")))
     }
 
     fn __len__(&self) -> usize {

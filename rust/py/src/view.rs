@@ -54,6 +54,22 @@ impl SlabView {
         d.set_item("version", version)?;
         Ok(d)
     }
+
+    /// The view as DLPack sees it: the true dtype, strides in elements.
+    fn export(&self) -> PyResult<crate::dlpack::Export> {
+        let pool = &self.pool.get().inner;
+        let layout = pool.layout();
+        let offset = layout.part_offset_bytes(self.layer, self.part).map_err(crate::errors::PyKvError)?;
+        let (shape, strides) = layout.view_shape_strides(self.extent);
+        let elem = layout.elem_bytes();
+        Ok(crate::dlpack::Export {
+            data: pool.base_ptr() + offset as u64,
+            device: pool.device(),
+            dtype: layout.dtype(),
+            shape: shape.iter().map(|&n| n as i64).collect(),
+            strides: strides.iter().map(|&b| (b / elem) as i64).collect(),
+        })
+    }
 }
 
 impl Drop for SlabView {
@@ -87,6 +103,30 @@ impl SlabView {
         // so there is no stream for a consumer to wait on.
         d.set_item("stream", py.None())?;
         Ok(d)
+    }
+
+    /// A DLPack capsule over the view (zero-copy; bfloat16 and float8_e4m3fn as themselves),
+    /// e.g. for `torch.from_dlpack`. The pool issues no asynchronous writes, so `stream` needs
+    /// no synchronisation; a host view takes none (DLPack's rule for CPU data).
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__(
+        slf: &Bound<'_, Self>,
+        stream: Option<Bound<'_, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Py<PyAny>> {
+        let this = slf.get();
+        if stream.is_some() && this.pool.get().inner.device() == Device::Host {
+            return Err(pyo3::exceptions::PyBufferError::new_err("a host view takes no stream"));
+        }
+        let owner = slf.clone().into_any().unbind();
+        crate::dlpack::to_capsule(slf.py(), owner, this.export()?, max_version, dl_device, copy)
+    }
+
+    /// `(device_type, device_id)`: (1, 0) for a host pool, (2, ordinal) for a CUDA pool.
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        crate::dlpack::dl_device(self.pool.get().inner.device())
     }
 
     #[getter]

@@ -8,8 +8,8 @@
 //! concurrent allocations fail only into this slow path, where they wait for the lock and
 //! retry: a shrink never causes a spurious `OutOfBlocks`.
 
-use crate::error::CoreError;
 use super::Pool;
+use crate::error::CoreError;
 use crate::slab::ResizeGuard;
 
 impl Pool {
@@ -27,9 +27,9 @@ impl Pool {
             // A pool already there fails fast (re-checked here, under the lock).
             let target = self.num_blocks() + shortfall;
             let grown = if target > self.max_num_blocks() {
-                Err(CoreError::InvalidArgument("max_num_blocks is reached".into()))
+                Err(GrowError::MaxReached)
             } else {
-                self.grow_locked(guard, target)
+                self.grow_locked(guard, target).map_err(GrowError::Core)
             };
             if let Err(e) = grown {
                 // Give back what this call mapped, if anything (all of it, unless other
@@ -39,10 +39,11 @@ impl Pool {
                 if guard.mapped_chunks() > chunks_before {
                     let _ = self.shrink_locked(guard, chunks_before);
                 }
+                // Only a refusal is "cannot grow"; an OS or driver failure is what it is.
                 return Err(match e {
-                    CoreError::InvalidArgument(reason) => self.out_of_blocks(out.len(), &reason),
-                    e @ CoreError::OutOfMemory { .. } => self.out_of_blocks(out.len(), &refusal(e)),
-                    e => e,
+                    GrowError::MaxReached => self.out_of_blocks(out.len(), "max_num_blocks is reached"),
+                    GrowError::Core(e @ CoreError::OutOfMemory { .. }) => self.out_of_blocks(out.len(), &refusal(e)),
+                    GrowError::Core(e) => e,
                 });
             }
         }
@@ -156,7 +157,14 @@ impl Pool {
         Ok(before - guard.mapped_bytes())
     }
 
-    /// The growable pool's invariants, with the resize lock held.
+    /// The growable pool's invariants, with the resize lock held (design: `growable.md`):
+    ///
+    /// ```text
+    /// num_blocks * block_bytes <= mapped_bytes <= reserved_bytes
+    /// num_blocks == min(floor(mapped_bytes / block_bytes), max_num_blocks)
+    /// num_blocks >= max over live views of extent
+    /// ref_cnt(id) > 0  =>  (id + 1) * block_bytes <= mapped_bytes      for every id
+    /// ```
     pub(super) fn check_growable_invariants(&self, guard: &ResizeGuard<'_>) -> Result<(), String> {
         self.allocator.check_invariants()?;
         let (num_blocks, block_bytes) = (self.num_blocks(), self.layout.block_bytes());
@@ -187,6 +195,14 @@ impl Pool {
         }
         Ok(())
     }
+}
+
+/// Why the allocation slow path could not grow the pool.
+enum GrowError {
+    /// `max_num_blocks` would be exceeded: the pool cannot grow, by its own limit.
+    MaxReached,
+    /// The slab's backend failed: a refusal of memory (`OutOfMemory`) or anything else.
+    Core(CoreError),
 }
 
 /// Why memory was refused, for `CannotGrow`'s reason.

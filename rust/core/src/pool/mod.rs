@@ -18,6 +18,7 @@
 #[cfg(feature = "cuda")]
 mod device;
 mod growth;
+mod owner;
 mod prefix;
 mod views;
 
@@ -26,6 +27,9 @@ pub use device::DeviceContext;
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, Weak};
+
+pub(crate) use owner::Owner;
+use owner::Owners;
 
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
@@ -72,6 +76,8 @@ impl Backing {
 pub struct Pool {
     layout: KvLayout,
     allocator: BlockAllocator,
+    /// Which API each allocated block belongs to (see `owner.rs`).
+    owners: Owners,
     backing: Backing,
     /// The CUDA context and the pool's own stream (`None` on the host).
     #[cfg(feature = "cuda")]
@@ -125,21 +131,29 @@ pub struct PoolStats {
 impl Pool {
     pub fn new(layout: KvLayout, size: PoolSize, device: Device) -> Result<Self, CoreError> {
         let num_blocks = Self::resolve_num_blocks(&layout, size, device)?;
-        let allocator = BlockAllocator::new(num_blocks)?;
         let slab_bytes = num_blocks
             .checked_mul(layout.block_bytes())
             .ok_or_else(|| CoreError::InvalidArgument(format!("{num_blocks} blocks overflow the address space")))?;
         let device_context = Self::device_context_for(device)?;
+        // The slab first: it is the large allocation, and it fails cleanly (OutOfMemory)
+        // before any per-block bookkeeping is sized for a count that cannot be backed.
         let slab = slab::allocate(device, slab_bytes)?;
-        Ok(Self::assemble(layout, allocator, Backing::Fixed(slab), device_context))
+        let allocator = BlockAllocator::new(num_blocks)?;
+        Self::assemble(layout, allocator, Backing::Fixed(slab), device_context)
     }
 
     /// The parts of a pool, with no holders or views yet.
-    fn assemble(layout: KvLayout, allocator: BlockAllocator, backing: Backing, device_context: DeviceContextSlot) -> Self {
+    fn assemble(
+        layout: KvLayout,
+        allocator: BlockAllocator,
+        backing: Backing,
+        device_context: DeviceContextSlot,
+    ) -> Result<Self, CoreError> {
         #[cfg(not(feature = "cuda"))]
         let () = device_context;
-        Pool {
+        Ok(Pool {
             layout,
+            owners: Owners::new(allocator.max_num_blocks())?,
             allocator,
             backing,
             #[cfg(feature = "cuda")]
@@ -147,7 +161,7 @@ impl Pool {
             ref_holders: Mutex::new(Vec::new()),
             view_extents: Mutex::new(BTreeMap::new()),
             prefix_cache: None,
-        }
+        })
     }
 
     /// The context and stream a pool on `device` needs (none on the host).
@@ -199,7 +213,7 @@ impl Pool {
         }
         let allocator = BlockAllocator::new_growable(0, size.max_num_blocks)?;
         let device_context = Self::device_context_for(slab.device())?;
-        let pool = Self::assemble(layout, allocator, Backing::Growable(slab), device_context);
+        let pool = Self::assemble(layout, allocator, Backing::Growable(slab), device_context)?;
         pool.grow(size.initial_num_blocks).map_err(|e| match e {
             // Creation asked for memory and did not get it: the slab could not be allocated.
             CoreError::CannotGrow { .. } => CoreError::OutOfMemory {
@@ -231,9 +245,19 @@ impl Pool {
                 (info.free_bytes as f64 * fraction) as usize / block_bytes
             }
         };
-        if num_blocks == 0 {
+        if num_blocks == 0 || num_blocks > crate::MAX_NUM_BLOCKS {
+            // Named by what the caller gave: a memory size is not a block count.
+            let given = match size {
+                PoolSize::NumBlocks(n) => return Err(CoreError::InvalidArgument(format!(
+                    "num_blocks must be in 1..={}, got {n}",
+                    crate::MAX_NUM_BLOCKS
+                ))),
+                PoolSize::MemoryBytes(bytes) => format!("memory_bytes={bytes}"),
+                PoolSize::DeviceMemoryFraction(fraction) => format!("gpu_memory_utilization={fraction}"),
+            };
             return Err(CoreError::InvalidArgument(format!(
-                "{size:?} gives 0 blocks of {block_bytes} bytes; a pool needs at least one"
+                "{given} holds {num_blocks} blocks of {block_bytes} bytes; a pool holds 1..={} blocks",
+                crate::MAX_NUM_BLOCKS
             )));
         }
         Ok(num_blocks)
@@ -276,7 +300,10 @@ impl Pool {
             // Can never succeed: refuse before sizing a buffer for it.
             return Err(self.out_of_blocks(count, "the request exceeds max_num_blocks"));
         }
-        let mut ids = vec![0u32; count];
+        let mut ids = Vec::new();
+        ids.try_reserve_exact(count)
+            .map_err(|_| CoreError::OutOfMemory { requested_bytes: count * 4, device: "host".into() })?;
+        ids.resize(count, 0);
         self.alloc_into(&mut ids)?;
         Ok(ids)
     }
@@ -285,35 +312,71 @@ impl Pool {
     /// growable pool that finds too few free blocks grows first; if it cannot, it fails with
     /// `CannotGrow` and is exactly as it was.
     pub fn alloc_into(&self, out: &mut [u32]) -> Result<(), CoreError> {
-        match (self.allocator.alloc_into(out), self.growable_slab()) {
-            (Err(CoreError::OutOfBlocks { .. }), Some(slab)) => self.alloc_growing(&mut slab.lock(), out),
-            (Err(CoreError::OutOfBlocks { .. }), None) if self.prefix_cache.is_some() => self.alloc_evicting(out),
-            (result, _) => result,
-        }
+        self.alloc_into_for(out, Owner::Pool)
     }
 
-    /// Drops one reference; the block returns to the free list when its count reaches 0
-    /// (or, if it is cached, becomes evictable).
+    /// Drops one reference; the block returns to the free list when its count reaches 0.
+    /// A block that block tables hold is refused (`InvalidBlock`), changing nothing.
     pub fn free(&self, block_id: u32) -> Result<(), CoreError> {
-        match &self.prefix_cache {
-            None => self.allocator.free(block_id),
-            Some(cache) => self.free_many_cached(cache, &[block_id]),
-        }
+        self.free_many_for(&[block_id], Owner::Pool)
     }
 
-    /// Drops one reference to each id, all or none (bad, repeated or free ids change nothing).
-    /// With prefix caching, given a request's blocks in order, its cached tail blocks become
-    /// evictable before its head.
+    /// Drops one reference to each id, all or none (bad, repeated, free or table-held ids
+    /// change nothing).
     pub fn free_many(&self, block_ids: &[u32]) -> Result<(), CoreError> {
-        match &self.prefix_cache {
-            None => self.allocator.free_many(block_ids),
-            Some(cache) => self.free_many_cached(cache, block_ids),
+        self.free_many_for(block_ids, Owner::Pool)
+    }
+
+    /// Adds one reference to each id. All must be allocated through the pool API.
+    pub fn share_many(&self, block_ids: &[u32]) -> Result<(), CoreError> {
+        self.share_many_for(block_ids, Owner::Pool)
+    }
+
+    /// [`alloc_into`](Self::alloc_into) on behalf of `owner`, whose tag the new ids get.
+    pub(crate) fn alloc_into_for(&self, out: &mut [u32], owner: Owner) -> Result<(), CoreError> {
+        match (self.allocator.alloc_into(out), self.growable_slab()) {
+            (Err(CoreError::OutOfBlocks { .. }), Some(slab)) => self.alloc_growing(&mut slab.lock(), out)?,
+            (Err(CoreError::OutOfBlocks { .. }), None) if self.prefix_cache.is_some() => self.alloc_evicting(out)?,
+            (result, _) => result?,
+        }
+        self.owners.set(out, owner);
+        Ok(())
+    }
+
+    /// [`free_many`](Self::free_many) on behalf of `owner`: every allocated id must be its.
+    pub(crate) fn free_many_for(&self, block_ids: &[u32], owner: Owner) -> Result<(), CoreError> {
+        self.check_owner(block_ids, owner)?;
+        match (&self.prefix_cache, block_ids) {
+            (Some(cache), _) => self.free_many_cached(cache, block_ids),
+            (None, [id]) => self.allocator.free(*id),
+            (None, _) => self.allocator.free_many(block_ids),
         }
     }
 
-    /// Adds one reference to each id (a fork sharing blocks). All must be allocated.
-    pub fn share_many(&self, block_ids: &[u32]) -> Result<(), CoreError> {
+    /// [`share_many`](Self::share_many) on behalf of `owner`: every allocated id must be its.
+    pub(crate) fn share_many_for(&self, block_ids: &[u32], owner: Owner) -> Result<(), CoreError> {
+        self.check_owner(block_ids, owner)?;
         self.allocator.share_many(block_ids)
+    }
+
+    /// The API that allocated `block_id` (meaningful while it is allocated).
+    pub(crate) fn owner(&self, block_id: u32) -> Owner {
+        self.owners.get(block_id)
+    }
+
+    /// Refuses an allocated id that belongs to another owner. Ids out of range or free are
+    /// left to the allocator, which names them (`InvalidBlock`, `DoubleFree`).
+    fn check_owner(&self, block_ids: &[u32], owner: Owner) -> Result<(), CoreError> {
+        let num_blocks = self.num_blocks();
+        for &id in block_ids {
+            if (id as usize) < num_blocks && self.allocator.ref_cnt_unchecked(id as usize) > 0 {
+                let actual = self.owners.get(id);
+                if actual != owner {
+                    return Err(CoreError::InvalidBlock { value: id.to_string(), reason: actual.describe().into() });
+                }
+            }
+        }
+        Ok(())
     }
 
     pub fn layout(&self) -> &KvLayout {
@@ -402,9 +465,13 @@ impl Pool {
         }
     }
 
-    /// Checks the allocator's invariants, then that no block has fewer references than the
-    /// registered block tables hold, and, when `exact_refs` is set (nothing but the tables
-    /// holds blocks), that every block's count equals the tables' references exactly.
+    /// Checks [`check_invariants`](Self::check_invariants), then, with `refs(b)` the
+    /// references the registered block tables hold to block `b`:
+    ///
+    /// ```text
+    /// refs(b) <= ref_cnt(b)                  (== when exact_refs: nothing else holds blocks)
+    /// refs(b) > 0  =>  owner(b) == Tables
+    /// ```
     pub fn check_invariants_with(&self, exact_refs: bool) -> Result<(), String> {
         self.check_invariants()?;
         let mut held = vec![0u32; self.num_blocks()];
@@ -420,10 +487,22 @@ impl Pool {
             if refs > rc || (exact_refs && refs != rc) {
                 return Err(format!("block {id}: block tables hold {refs} references, its ref_cnt is {rc}"));
             }
+            if refs > 0 && self.owners.get(id as u32) != Owner::Tables {
+                return Err(format!("block {id} is held by block tables but tagged {:?}", self.owners.get(id as u32)));
+            }
         }
         Ok(())
     }
 
+    /// The allocator's invariants (`num_free + num_used == num_blocks`, every free id on the
+    /// list once and `< num_blocks`, free iff `ref_cnt == 0`), then the memory's:
+    ///
+    /// ```text
+    /// fixed:    num_blocks * block_bytes <= mapped_bytes
+    /// growable: see `check_growable_invariants` (taken under the resize lock)
+    /// ```
+    ///
+    /// Exact only while no other thread uses the pool.
     pub fn check_invariants(&self) -> Result<(), String> {
         match self.growable_slab() {
             None => {

@@ -6,7 +6,7 @@
 //! dropped under the cache's lock, which puts it on the evictable list.
 
 use crate::error::CoreError;
-use super::Pool;
+use super::{Owner, Pool};
 use crate::prefix_cache::{BlockHash, PrefixAlloc, PrefixCache};
 
 impl Pool {
@@ -64,7 +64,10 @@ impl Pool {
         total_blocks: usize,
         query_tokens: usize,
     ) -> Result<PrefixAlloc, CoreError> {
-        cache.alloc_with_prefix(&self.allocator, hashes, total_blocks, query_tokens)
+        let alloc = cache.alloc_with_prefix(&self.allocator, hashes, total_blocks, query_tokens)?;
+        // Hits were tables' blocks already (only tables cache blocks).
+        self.owners.set(&alloc.fresh, Owner::Tables);
+        Ok(alloc)
     }
 
     /// Drops every cached block back to the free list (after a weight update: their KV is

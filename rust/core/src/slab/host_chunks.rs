@@ -29,13 +29,19 @@ fn page_bytes() -> usize {
     }
 }
 
+/// The last OS error of a call on `bytes` bytes: lack of memory is `OutOfMemory` (a
+/// refusal a growable pool reports as `CannotGrow`), anything else a `System` error.
 fn os_error(what: &str, bytes: usize) -> CoreError {
     let e = io::Error::last_os_error();
     match e.raw_os_error() {
         Some(libc::ENOMEM) | Some(libc::EAGAIN) => {
             CoreError::OutOfMemory { requested_bytes: bytes, device: "host".into() }
         }
-        _ => CoreError::InvalidArgument(format!("{what} of {bytes} bytes failed: {e}")),
+        errno => CoreError::System {
+            operation: format!("{what} of {bytes} bytes"),
+            errno: errno.unwrap_or(0),
+            message: e.to_string(),
+        },
     }
 }
 

@@ -23,7 +23,7 @@ use rustc_hash::FxHashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::CoreError;
-use crate::pool::{Pool, RefHolder};
+use crate::pool::{Owner, Pool, RefHolder};
 
 #[cfg(feature = "cuda")]
 mod upload;
@@ -88,6 +88,29 @@ pub struct BlockTables {
 
 fn blocks_for(num_tokens: usize, block_size: usize) -> usize {
     num_tokens.div_ceil(block_size)
+}
+
+/// An empty vector with room for `len` items, or `OutOfMemory`: outputs sized by the
+/// caller's numbers (token counts, batch lengths) must fail as an error, not abort.
+fn vec_with_capacity<T>(len: usize) -> Result<Vec<T>, CoreError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| CoreError::OutOfMemory {
+        requested_bytes: len.saturating_mul(std::mem::size_of::<T>()),
+        device: "host".into(),
+    })?;
+    Ok(v)
+}
+
+/// A batch's table as the host sees it: the host twin of a device sync.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostBatch {
+    /// `[num_seqs, max_blocks_per_seq]` int32, row-major, -1 padded.
+    pub block_table: Vec<i32>,
+    /// `[num_seqs]`.
+    pub seq_lens: Vec<i32>,
+    pub request_ids: Vec<u64>,
+    pub num_seqs: usize,
+    pub max_blocks_per_seq: usize,
 }
 
 impl BlockTables {
@@ -187,10 +210,10 @@ impl BlockTables {
         }
         self.check_row_free(&st, request_id)?;
         let num_blocks = self.check_blocks_fit(request_id, num_tokens)?;
+        let mut slots = vec_with_capacity(num_tokens)?;
         let mut ids = vec![0u32; num_blocks];
-        self.pool.alloc_into(&mut ids)?;
+        self.pool.alloc_into_for(&mut ids, Owner::Tables)?;
         let row = self.push_row(&mut st, request_id, num_tokens, &ids);
-        let mut slots = Vec::with_capacity(num_tokens);
         self.extend_slots(&mut slots, &st, row, 0, num_tokens);
         Ok(slots)
     }
@@ -283,13 +306,18 @@ impl BlockTables {
             plan.push((row, count, new_blocks, copy_last));
         }
 
+        // Every count fits a row (checked above), so their sum is at most
+        // max_seqs * max_blocks_per_seq * block_size; only the buffer may still not fit.
+        let total_tokens: usize = counts.iter().sum();
+        let slot_mapping = vec_with_capacity(total_tokens)?;
+
         // 2. Take every block at once (all or nothing).
         let mut fresh = vec![0u32; total_new];
-        self.pool.alloc_into(&mut fresh)?; // grows a growable pool
+        self.pool.alloc_into_for(&mut fresh, Owner::Tables)?; // grows a growable pool
 
         // 3. Commit: nothing below can fail.
         let mut fresh = fresh.into_iter();
-        let mut result = AppendResult { slot_mapping: Vec::with_capacity(counts.iter().sum()), copies: Vec::new() };
+        let mut result = AppendResult { slot_mapping, copies: Vec::new() };
         let mut released = Vec::new();
         for &(row, count, new_blocks, copy_last) in &plan {
             let num_tokens = st.rows[row].num_tokens;
@@ -314,7 +342,7 @@ impl BlockTables {
         // can fail only if the caller freed a table's block behind the tables' back (misuse);
         // then that reference is gone already and there is nothing left to drop.
         for src in released {
-            let _ = pool.free(src);
+            let _ = pool.free_many_for(&[src], Owner::Tables);
         }
         if let Some(cache) = self.pool.prefix_cache() {
             self.hash_appended(&mut st, cache, plan.iter().map(|&(row, count, ..)| (row, count)), token_ids);
@@ -332,7 +360,7 @@ impl BlockTables {
         self.check_row_free(&st, child_id)?;
         let num_tokens = st.rows[parent].num_tokens;
         let blocks: Vec<u32> = self.row_blocks(&st, parent).iter().map(|&b| b as u32).collect();
-        self.pool.share_many(&blocks)?;
+        self.pool.share_many_for(&blocks, Owner::Tables)?;
         let child = st.rows.len();
         st.rows.push(Row { request_id: child_id, num_tokens });
         let hashes = st.hashes[parent].clone();
@@ -351,7 +379,7 @@ impl BlockTables {
         let blocks: Vec<u32> = self.row_blocks(&st, row).iter().map(|&b| b as u32).collect();
         // Fails (changing nothing) only if the caller freed one of these blocks directly
         // through the pool: the request then stays, and the error names the block.
-        self.pool.free_many(&blocks)?;
+        self.pool.free_many_for(&blocks, Owner::Tables)?;
         let width = self.max_blocks_per_seq;
         let last = st.rows.len() - 1;
         if row != last {
@@ -397,8 +425,8 @@ impl BlockTables {
     pub fn gather(&self, request_ids: &[u64]) -> Result<(Vec<i32>, Vec<i32>), CoreError> {
         let st = self.lock();
         let width = self.max_blocks_per_seq;
-        let mut seq_lens = Vec::with_capacity(request_ids.len());
-        let mut table = Vec::with_capacity(request_ids.len() * width);
+        let mut seq_lens = vec_with_capacity(request_ids.len())?;
+        let mut table = vec_with_capacity(request_ids.len().saturating_mul(width))?;
         for &request_id in request_ids {
             let row = *st.row_of.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
             seq_lens.push(st.rows[row].num_tokens as i32);
@@ -407,15 +435,46 @@ impl BlockTables {
         Ok((seq_lens, table))
     }
 
+    /// seq_lens of a batch of requests.
+    pub fn seq_lens(&self, request_ids: &[u64]) -> Result<Vec<i32>, CoreError> {
+        let st = self.lock();
+        let mut seq_lens = vec_with_capacity(request_ids.len())?;
+        for &request_id in request_ids {
+            let row = *st.row_of.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+            seq_lens.push(st.rows[row].num_tokens as i32);
+        }
+        Ok(seq_lens)
+    }
+
+    /// The table and seq_lens of rows `0..len`, read under one lock (the host twin of
+    /// [`sync`](Self::sync)): no other thread's change can fall between them.
+    pub fn host_batch(&self) -> Result<HostBatch, CoreError> {
+        let st = self.lock();
+        let (num_seqs, width) = (st.num_rows(), self.max_blocks_per_seq);
+        let mut block_table = vec_with_capacity(num_seqs * width)?;
+        block_table.extend_from_slice(&st.table[..num_seqs * width]);
+        let mut seq_lens = vec_with_capacity(num_seqs)?;
+        seq_lens.extend(st.seq_lens());
+        let mut request_ids = vec_with_capacity(num_seqs)?;
+        request_ids.extend(st.rows.iter().map(|r| r.request_id));
+        Ok(HostBatch { block_table, seq_lens, request_ids, num_seqs, max_blocks_per_seq: width })
+    }
+
     /// The batch in CSR form (FlashInfer's paged_kv_indptr / indices / last_page_len).
     pub fn csr(&self, request_ids: &[u64]) -> Result<Csr, CoreError> {
         let st = self.lock();
         let block_size = self.block_size();
-        let mut indptr = vec![0i32];
-        let mut indices = Vec::new();
-        let mut last_page_len = Vec::with_capacity(request_ids.len());
+        let mut indptr = vec_with_capacity(request_ids.len().saturating_add(1))?;
+        indptr.push(0i32);
+        let mut last_page_len = vec_with_capacity(request_ids.len())?;
+        let mut num_indices = 0usize;
         for &request_id in request_ids {
             let row = *st.row_of.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+            num_indices = num_indices.saturating_add(self.row_blocks(&st, row).len());
+        }
+        let mut indices = vec_with_capacity(num_indices)?;
+        for &request_id in request_ids {
+            let row = st.row_of[&request_id];
             indices.extend_from_slice(self.row_blocks(&st, row));
             indptr.push(indices.len() as i32);
             let n = st.rows[row].num_tokens;
@@ -465,10 +524,40 @@ impl BlockTables {
         out.extend((from..to).map(|p| entries[p / bs] as i64 * bs as i64 + (p % bs) as i64));
     }
 
-    /// DESIGN.md's table invariants: each row covers exactly ceil(num_tokens / block_size)
-    /// blocks, the rest is -1, no block repeats within a row, the index matches the rows.
+    /// Checks, with the tables locked for the whole check (so a concurrent append or free
+    /// cannot show a half-made change), the rows' invariants, the pool's, and that every
+    /// block the rows hold is tagged as the tables' and has at least as many references as
+    /// the rows hold (other tables on the same pool may hold more):
+    ///
+    /// - `num_blocks(row) == ceil(num_tokens(row) / block_size)`, entries past it are -1;
+    /// - `sum over rows of refs(b) <= ref_cnt(b)` and `owner(b) == Tables` for every held `b`.
+    ///
+    /// Other users of the pool (the plain pool API) must be quiet meanwhile.
     pub fn check_invariants(&self) -> Result<(), String> {
         let st = self.lock();
+        self.check_rows(&st)?;
+        self.pool.check_invariants()?;
+        let mut held: FxHashMap<u32, u32> = FxHashMap::default();
+        for row in 0..st.num_rows() {
+            for &b in self.row_blocks(&st, row) {
+                *held.entry(b as u32).or_insert(0) += 1;
+            }
+        }
+        for (&b, &refs) in &held {
+            let rc = self.pool.ref_cnt(b).map_err(|e| e.to_string())?;
+            if refs > rc {
+                return Err(format!("block {b}: the tables hold {refs} references, its ref_cnt is {rc}"));
+            }
+            if self.pool.owner(b) != Owner::Tables {
+                return Err(format!("block {b} is held by the tables but tagged {:?}", self.pool.owner(b)));
+            }
+        }
+        Ok(())
+    }
+
+    /// The rows' invariants: each row covers exactly ceil(num_tokens / block_size) blocks,
+    /// the rest is -1, no block repeats within a row, the index matches the rows.
+    fn check_rows(&self, st: &TablesState) -> Result<(), String> {
         let width = self.max_blocks_per_seq;
         if st.row_of.len() != st.rows.len() {
             return Err(format!("{} index entries for {} rows", st.row_of.len(), st.rows.len()));
@@ -529,7 +618,7 @@ impl Drop for BlockTables {
             let n = blocks_for(r.num_tokens, block_size);
             let blocks: Vec<u32> = st.table[row * width..][..n].iter().map(|&b| b as u32).collect();
             // Cannot fail: a row's blocks are distinct and each holds our reference.
-            let _ = self.pool.free_many(&blocks);
+            let _ = self.pool.free_many_for(&blocks, Owner::Tables);
         }
     }
 }

@@ -1,0 +1,224 @@
+"""Generation throughput on the H200: kvpool's continuous-batching loop against transformers'
+own options on a Llama-3.2-1B-shaped model (bf16, random weights), at one KV memory budget.
+
+Rows (same process, same model, same requests):
+- workload: ShareGPT-like requests (prompt and output lengths from kvpool.scheduler.workload,
+  clipped), random token ids; output tokens/s counts only the tokens each request asked for;
+  peak concurrent sequences at the budget of `--budget-seqs` x (max prompt + max output)
+  tokens of KV:
+  * kvpool: kvpool.generation.generate (TransformersRunner; all requests submitted at t=0)
+  * transformers dynamic cache + SDPA: `generate` in batches of `--budget-seqs`, left padded,
+    max_new_tokens = the batch's longest request (what a user of `generate` does)
+  * transformers static cache: the same on the first two batches (its first call compiles)
+  * transformers continuous batching (`init_continuous_batching`, paged cache), if present
+- fixed shapes: batch 1 and batch 32 of 512-token prompts, 128 new tokens (time per output
+  token at batch 1; the batch-32 ratio against dynamic-cache `generate`).
+Writes JSON (provenance + rows + ratios) to --out. Takes a few minutes on the H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+
+import numpy as np
+import torch
+
+import kvpool
+from kvpool.generation import GenerationRequest, generate
+from kvpool.integrations.transformers import TransformersRunner, layout_for
+from kvpool.scheduler import workload
+from provenance import git_commit, machine
+
+LLAMA_1B = dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256)
+
+
+def build_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**LLAMA_1B, max_position_embeddings=4096, tie_word_embeddings=True)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None  # random weights: lengths are the workload's
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def sharegpt(n, max_prompt, max_output, seed=0):
+    rng = np.random.default_rng(seed)
+    reqs = workload.generate("sharegpt", n, seed=seed, max_model_len=max_prompt + max_output)
+    out = []
+    for r in reqs:
+        p = int(np.clip(r.prompt_tokens, 4, max_prompt))
+        o = int(np.clip(r.output_tokens, 4, max_output))
+        out.append(GenerationRequest(r.request_id, rng.integers(5, 32000, p).tolist(), o))
+    return out
+
+
+def sync_time(fn):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    res = fn()
+    torch.cuda.synchronize()
+    return res, time.perf_counter() - t0
+
+
+def run_kvpool(model, reqs, budget_tokens, max_running=256):
+    layout = layout_for(model, 16)
+    pool = kvpool.Pool(layout, budget_tokens // 16, device="cuda")
+    runner = TransformersRunner(model, pool)
+    generate(runner, pool, reqs[:2])  # warm-up: kernel compiles, allocator
+    res, dt = sync_time(lambda: generate(runner, pool, reqs, max_running_seqs=max_running,
+                                         max_tokens_per_step=4096))
+    tokens = res.num_output_tokens
+    return {"output_tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt,
+            "peak_concurrent": res.peak_running, "steps": res.num_steps,
+            "preemptions": res.num_preemptions, "pool_blocks": pool.num_blocks}
+
+
+def hf_batches(model, reqs, batch, cache_implementation=None, max_batches=None):
+    model.set_attn_implementation("sdpa")
+    useful, total_t, done = 0, 0.0, 0
+    for start in range(0, len(reqs), batch):
+        if max_batches is not None and done >= max_batches:
+            break
+        chunk = reqs[start:start + batch]
+        width = max(len(r.prompt) for r in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(chunk):
+            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[i, width - len(r.prompt):] = 1
+        new = max(r.max_new_tokens for r in chunk)
+        kw = {"cache_implementation": cache_implementation} if cache_implementation else {}
+        with torch.inference_mode():
+            _, dt = sync_time(lambda: model.generate(
+                input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new,
+                do_sample=False, **kw))
+        useful += sum(r.max_new_tokens for r in chunk)
+        total_t += dt
+        done += 1
+    return {"output_tokens": useful, "seconds": total_t, "tokens_per_s": useful / total_t,
+            "peak_concurrent": batch, "requests_run": min(len(reqs), done * batch)}
+
+
+def hf_continuous(model, reqs, budget_tokens):
+    from transformers import GenerationConfig
+    from transformers import ContinuousBatchingConfig
+
+    gc = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=512)
+    cbc = ContinuousBatchingConfig(block_size=256, num_blocks=max(1, budget_tokens // 256))
+    model.set_attn_implementation("paged|sdpa")
+    mgr = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
+    mgr.start()
+    try:
+        def go():
+            for r in reqs:
+                mgr.add_request(r.prompt, request_id=str(r.request_id),
+                                max_new_tokens=r.max_new_tokens)
+            got, tokens = 0, 0
+            while got < len(reqs):
+                out = mgr.get_result(timeout=120)
+                if out is None:
+                    raise RuntimeError(f"continuous batching stopped after {got} results")
+                if out.is_finished():
+                    got += 1
+                    tokens += len(out.generated_tokens)
+            return tokens
+
+        tokens, dt = sync_time(go)
+    finally:
+        mgr.stop(block=True)
+        model.set_attn_implementation("sdpa")
+    return {"output_tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt,
+            "kv_blocks": cbc.num_blocks, "block_size": 256}
+
+
+def guarded(name, fn, rows):
+    t0 = time.perf_counter()
+    try:
+        rows[name] = fn()
+    except Exception as e:  # a baseline missing in this transformers version is a row, not a crash
+        rows[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
+    print(f"{name}: {json.dumps(rows[name])[:300]} ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--num-requests", type=int, default=96)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--max-output", type=int, default=128)
+    ap.add_argument("--budget-seqs", type=int, default=32)
+    ap.add_argument("--commit", default=None)
+    args = ap.parse_args()
+    import transformers
+
+    model = build_model()
+    reqs = sharegpt(args.num_requests, args.max_prompt, args.max_output)
+    budget = args.budget_seqs * (args.max_prompt + args.max_output)
+    rows: dict[str, object] = {}
+    report = {
+        "benchmark": "generate_bench",
+        "commit": args.commit or git_commit(),
+        "machine": machine(),
+        "gpu": torch.cuda.get_device_name(),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "model": {**LLAMA_1B, "dtype": "bfloat16", "weights": "random, seed 0"},
+        "workload": {"kind": "sharegpt", "num_requests": len(reqs),
+                     "max_prompt": args.max_prompt, "max_output": args.max_output,
+                     "mean_prompt": float(np.mean([len(r.prompt) for r in reqs])),
+                     "mean_output": float(np.mean([r.max_new_tokens for r in reqs]))},
+        "kv_budget_tokens": budget,
+        "rows": rows,
+        "ratios": {},
+    }
+
+    def save():  # after every row, so a run cut short still leaves its figures
+        report["ratios"] = ratios(rows)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+    rng = np.random.default_rng(1)
+    fixed = [GenerationRequest(i, rng.integers(5, 32000, 512).tolist(), 128) for i in range(32)]
+    steps = [
+        ("kvpool_loop", lambda: run_kvpool(model, reqs, budget)),
+        ("hf_dynamic_sdpa", lambda: hf_batches(model, reqs, args.budget_seqs)),
+        ("fixed_b1_kvpool", lambda: run_kvpool(model, fixed[:1], 1280)),
+        ("fixed_b1_hf_dynamic", lambda: hf_batches(model, fixed[:1], 1)),
+        ("fixed_b32_kvpool", lambda: run_kvpool(model, fixed, 32 * 640 + 640)),
+        ("fixed_b32_hf_dynamic", lambda: hf_batches(model, fixed, 32)),
+        ("hf_continuous_batching", lambda: hf_continuous(model, reqs, budget)),
+        ("hf_static_first_2_batches",
+         lambda: hf_batches(model, reqs, args.budget_seqs, "static", max_batches=2)),
+    ]
+    for name, fn in steps:
+        guarded(name, fn, rows)
+        save()
+    print(json.dumps(report["ratios"], indent=1))
+
+
+def ratios(rows: dict) -> dict:
+    out: dict[str, object] = {}
+    a = rows.get("kvpool_loop", {})
+    for name in ("hf_dynamic_sdpa", "hf_static_first_2_batches", "hf_continuous_batching"):
+        b = rows.get(name, {})
+        if "tokens_per_s" in a and "tokens_per_s" in b:
+            out[f"kvpool_over_{name}_tokens_per_s"] = a["tokens_per_s"] / b["tokens_per_s"]
+    for bsz in (1, 32):
+        k, h = rows.get(f"fixed_b{bsz}_kvpool", {}), rows.get(f"fixed_b{bsz}_hf_dynamic", {})
+        if "tokens_per_s" in k and "tokens_per_s" in h:
+            out[f"fixed_b{bsz}_kvpool_over_hf_dynamic"] = k["tokens_per_s"] / h["tokens_per_s"]
+            out[f"fixed_b{bsz}_ms_per_output_token"] = {
+                "kvpool": 1e3 * bsz / k["tokens_per_s"], "hf_dynamic": 1e3 * bsz / h["tokens_per_s"]}
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+// Paged prefill (extend) attention on tensor cores (mma.sync m16n8k16, fp16/bf16 in, fp32
+// accumulate), FlashAttention-2 style.
+//
+// A varlen batch: sequence i owns query tokens qo_indptr[i] .. qo_indptr[i+1] of q, which are the
+// LAST qo_len_i of its seq_lens[i] context tokens (already in the cache). With `causal`, query
+// token t (position prefix + t, prefix = seq_len - qo_len) sees keys 0 .. prefix + t; without it,
+// every key of the context.
+//
+// Grid: x = work item (an int2 (sequence, first query token of the tile) of the host plan),
+// y = KV head x query-head tile, z = KV split. One CTA of NWARPS warps owns M = 16 * NWARPS rows;
+// row r is (query token q0 + r / gh, query head qh0 + r % gh), so every K/V tile loaded into
+// shared memory serves all gh query heads of the GQA group that share it. Rows past the tile's
+// q_tile_tokens * gh (or past the sequence's queries) are padding: computed, never written.
+//
+// Per CTA: Q (M x D) by cp.async into shared memory once; K and V tiles of BN tokens gathered
+// through the block table by cp.async into STAGES stages (rows with their 16-byte chunks XORed
+// by row & 7, so ldmatrix is conflict-free). Per tile and warp (16 rows):
+//   S (16 x BN) = Q (A fragments; registers, or ldmatrix per step at D=256) * K^T (B, ldmatrix);
+//   causal / length mask only on tiles that cross a row's limit; online softmax (log2 domain);
+//   O (16 x D) += P (the S accumulators packed to 16-bit: the C layout of m16n8 is the A layout of
+//   m16k16) * V (B, ldmatrix.trans).
+// With gridDim.z > 1 each CTA covers one contiguous run of KV tiles and writes fp32 partials
+// (O, log2-sum-exp) that merge_prefill_splits combines.
+//
+// Compile-time constants (NVRTC -D): KV_BF16, HEAD_DIM (64|128|256), BLOCK_SIZE (power of two),
+// NWARPS, BN (KV tile tokens, multiple of 16), STAGES.
+
+#if !defined(KV_BF16) || !defined(HEAD_DIM) || !defined(BLOCK_SIZE) || !defined(NWARPS) || \
+    !defined(BN) || !defined(STAGES)
+#error "paged_prefill.cu needs KV_BF16, HEAD_DIM, BLOCK_SIZE, NWARPS, BN and STAGES defined"
+#endif
+
+#include "decode_common.cuh"
+
+#define CH (HEAD_DIM / 8)             // 16-byte chunks per row
+#define ROWB (HEAD_DIM * 2)           // bytes per row
+#define NTHREADS (NWARPS * 32)
+#define MROWS (16 * NWARPS)           // query rows (token x head) per CTA
+#define Q_BYTES (MROWS * ROWB)
+#define KV_TILE_BYTES (BN * ROWB)     // one K or V tile
+#define RPI (NTHREADS / CH)           // tile rows covered by one piece index (all threads)
+#define KSTEPS (HEAD_DIM / 16)
+#define NT (BN / 8)                   // n-tiles of S
+#define DT (HEAD_DIM / 8)             // n-tiles of O
+#define Q_IN_REGS (HEAD_DIM <= 128)   // D=256 re-reads Q fragments from shared memory per tile
+
+#include "mma_common.cuh"
+
+static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM must be 64, 128 or 256");
+static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE >= 1, "BLOCK_SIZE: power of two");
+static_assert(BN % 16 == 0 && BN % RPI == 0 && MROWS % RPI == 0, "tile shape");
+static_assert(STAGES >= 2, "STAGES must be >= 2");
+
+extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
+    const u16* __restrict__ q, i64 q_tok_stride, i64 q_head_stride,
+    u16* __restrict__ out, i64 out_tok_stride, i64 out_head_stride,
+    float* __restrict__ part_o, float* __restrict__ part_lse,
+    const char* __restrict__ k_base, const char* __restrict__ v_base,
+    i64 block_stride, i64 token_stride, i64 head_stride, int num_blocks,
+    const int* __restrict__ block_tables, i64 bt_stride, int bt_width,
+    const int* __restrict__ seq_lens, const int* __restrict__ qo_indptr,
+    const int2* __restrict__ work, int total_q, int num_q_heads, int group, int gh,
+    int q_tile_tokens, int causal, float scale_log2) {
+    const int2 item = work[blockIdx.x];
+    const int seq = item.x;
+    const int qt0 = item.y;  // first query token of the tile, relative to the sequence
+    const int n_htiles = group / gh;
+    const int kvh = blockIdx.y / n_htiles;
+    const int qh0 = kvh * group + (blockIdx.y % n_htiles) * gh;
+    const int split = blockIdx.z;
+    const int num_splits = gridDim.z;
+
+    const int qo_begin = qo_indptr[seq];
+    const int qo_len = qo_indptr[seq + 1] - qo_begin;
+    const int len = seq_lens[seq];
+    const int prefix = max(len - qo_len, 0);
+    // Valid query tokens in this tile (never past q's total_q rows, whatever qo_indptr holds).
+    const int q_tokens = min(min(q_tile_tokens, qo_len - qt0), total_q - qo_begin - qt0);
+
+    // Keys this CTA's rows can see: [0, kv_total), then this split's share, in whole BN tiles.
+    const int kv_total = causal ? min(len, prefix + qt0 + q_tokens) : len;
+    const int n_tiles_all = (kv_total + BN - 1) / BN;
+    const int tiles_per_split = (n_tiles_all + num_splits - 1) / num_splits;
+    const int kv_begin = split * tiles_per_split * BN;
+    const int kv_end = min(kv_total, kv_begin + tiles_per_split * BN);
+    const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;
+    // Tiles ending at or before this key need no mask: every row sees all of them.
+    const int kv_nomask = causal ? min(kv_end, prefix + qt0 + 1) : kv_end;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int gid = lane >> 2;  // mma group: row of A/C, column of B
+    const int tig = lane & 3;   // thread in group
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    const unsigned s_q = (unsigned)__cvta_generic_to_shared(smem);
+    const unsigned s_kv = s_q + Q_BYTES;  // STAGES x (K tile, V tile)
+
+    const int chunk = tid % CH;  // this thread's 16-byte column in every row it copies
+
+    // Q rows -> shared memory (padding rows zero-filled). Commit group 0.
+#pragma unroll
+    for (int i = 0; i < MROWS / RPI; ++i) {
+        const int row = i * RPI + tid / CH;
+        const int t = row / gh;
+        const bool ok = row < q_tile_tokens * gh && t < q_tokens;
+        const u16* src = q + (i64)(qo_begin + qt0 + t) * q_tok_stride +
+                         (i64)(qh0 + row % gh) * q_head_stride + chunk * 8;
+        cp_async16(s_q + swz(row, chunk), ok ? reinterpret_cast<const char*>(src)
+                                             : reinterpret_cast<const char*>(q), ok);
+    }
+    cp_async_commit();
+
+    const int* bt = block_tables + (i64)seq * bt_stride;
+    const char* k_lane = k_base + kvh * head_stride + chunk * 16;
+    const char* v_lane = v_base + kvh * head_stride + chunk * 16;
+
+    // K and V of tile j (keys kv_begin + j*BN ...) into stage j % STAGES; one commit group per
+    // call (empty past the last tile, so the wait counts stay uniform).
+    auto issue = [&](int j) {
+        if (j < n_tiles) {
+            const int t0 = kv_begin + j * BN;
+            const unsigned sk = s_kv + (unsigned)((j % STAGES) * 2 * KV_TILE_BYTES);
+#pragma unroll
+            for (int i = 0; i < BN / RPI; ++i) {
+                const int row = i * RPI + tid / CH;
+                const int t = t0 + row;
+                bool ok = t < kv_end && t / BLOCK_SIZE < bt_width;  // never past the table row
+                i64 off = 0;
+                if (ok) {
+                    const int b = __ldg(bt + t / BLOCK_SIZE);
+                    ok = (unsigned)b < (unsigned)num_blocks;  // an entry outside the pool reads zeros
+                    off = (i64)b * block_stride + (i64)(t % BLOCK_SIZE) * token_stride;
+                }
+                const unsigned dst = sk + swz(row, chunk);
+                cp_async16(dst, ok ? k_lane + off : k_lane, ok);
+                cp_async16(dst + KV_TILE_BYTES, ok ? v_lane + off : v_lane, ok);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int j = 0; j < STAGES - 1; ++j) issue(j);
+
+    // Row limits (exclusive key bound) of this thread's two rows: gid and gid + 8 of the warp.
+    int lim[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = warp * 16 + gid + 8 * h;
+        const int t = row / gh;
+        lim[h] = causal ? min(kv_end, prefix + qt0 + t + 1) : kv_end;
+    }
+
+    // ldmatrix lane roles: matrix mi = lane / 8, row mr = lane % 8 within it.
+    const int mi = lane >> 3, mr = lane & 7;
+    // Q (A of Q.K^T, non-trans): (rows 0-7, chunk 2kk), (8-15, 2kk), (0-7, 2kk+1), (8-15, 2kk+1).
+    const int q_row = warp * 16 + mr + ((mi & 1) << 3), q_cadd = mi >> 1;
+    // K (B of Q.K^T, non-trans): (keys 0-7, chunk 2kk), (0-7, 2kk+1), (8-15, 2kk), (8-15, 2kk+1).
+    const int k_row = mr + ((mi >> 1) << 3), k_cadd = mi & 1;
+    // V (B of P.V, trans): (keys 0-7, chunk 2dp), (8-15, 2dp), (0-7, 2dp+1), (8-15, 2dp+1).
+    const int v_row = mr + ((mi & 1) << 3), v_cadd = mi >> 1;
+
+#if Q_IN_REGS
+    u32 qa[KSTEPS][4];
+#endif
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    float o[DT][4];
+#pragma unroll
+    for (int n = 0; n < DT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[n][i] = 0.f;
+
+    for (int j = 0; j < n_tiles; ++j) {
+        issue(j + STAGES - 1);
+        cp_async_wait<STAGES - 1>();  // Q and tile j have landed (this thread's copies) ...
+        __syncthreads();              // ... and everyone's
+#if Q_IN_REGS
+        if (j == 0) {
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; ++kk) ldsm_x4(qa[kk], s_q + swz(q_row, 2 * kk + q_cadd));
+        }
+#endif
+        const unsigned sk = s_kv + (unsigned)((j % STAGES) * 2 * KV_TILE_BYTES);
+        const unsigned sv = sk + KV_TILE_BYTES;
+        const int t0 = kv_begin + j * BN;
+
+        // S = Q K^T: s[nt][0,1] row gid, keys t0 + nt*8 + 2*tig + {0,1}; s[nt][2,3] row gid + 8.
+        float s[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[nt][i] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+#if Q_IN_REGS
+            const u32* a = qa[kk];
+#else
+            u32 a[4];
+            ldsm_x4(a, s_q + swz(q_row, 2 * kk + q_cadd));
+#endif
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                u32 kb[4];
+                ldsm_x4(kb, sk + swz(np * 16 + k_row, 2 * kk + k_cadd));
+                mma16816(s[2 * np], a[0], a[1], a[2], a[3], kb[0], kb[1]);
+                mma16816(s[2 * np + 1], a[0], a[1], a[2], a[3], kb[2], kb[3]);
+            }
+        }
+
+        const bool masked = t0 + BN > kv_nomask;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = m[h];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float x = s[nt][2 * h + e] * scale_log2;
+                    if (masked && t0 + nt * 8 + 2 * tig + e >= lim[h]) x = NEG_INF;
+                    s[nt][2 * h + e] = x;
+                    mx = fmaxf(mx, x);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float base = (mx == NEG_INF) ? 0.f : mx;  // a row with no key yet stays empty
+            const float alpha = exp2f(m[h] - base);
+            m[h] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = exp2f(s[nt][2 * h + e] - base);
+                    s[nt][2 * h + e] = p;
+                    sum += p;
+                }
+            l[h] = l[h] * alpha + sum;  // this lane's part; the quad is summed at the end
+#pragma unroll
+            for (int n = 0; n < DT; ++n) {
+                o[n][2 * h] *= alpha;
+                o[n][2 * h + 1] *= alpha;
+            }
+        }
+
+        // O += P V, P's k16 step kt = keys 16kt .. 16kt+15 = S n-tiles 2kt, 2kt+1.
+#pragma unroll
+        for (int kt = 0; kt < BN / 16; ++kt) {
+            const u32 a0 = pack2(s[2 * kt][0], s[2 * kt][1]);
+            const u32 a1 = pack2(s[2 * kt][2], s[2 * kt][3]);
+            const u32 a2 = pack2(s[2 * kt + 1][0], s[2 * kt + 1][1]);
+            const u32 a3 = pack2(s[2 * kt + 1][2], s[2 * kt + 1][3]);
+#pragma unroll
+            for (int dp = 0; dp < DT / 2; ++dp) {
+                u32 vb[4];
+                ldsm_x4_trans(vb, sv + swz(kt * 16 + v_row, 2 * dp + v_cadd));
+                mma16816(o[2 * dp], a0, a1, a2, a3, vb[0], vb[1]);
+                mma16816(o[2 * dp + 1], a0, a1, a2, a3, vb[2], vb[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with stage j % STAGES before it is refilled
+    }
+    cp_async_wait<0>();
+
+    // Epilogue: this thread holds rows gid, gid + 8 of its warp, columns 8n + 2tig + {0,1}.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float lsum = l[h];
+        lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
+        lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
+        const int row = warp * 16 + gid + 8 * h;
+        const int t = row / gh;
+        if (row >= q_tile_tokens * gh || t >= q_tokens) continue;
+        const int tok = qo_begin + qt0 + t;
+        const int qh = qh0 + row % gh;
+        const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+        if (part_o == nullptr) {
+            u16* dst = out + (i64)tok * out_tok_stride + (i64)qh * out_head_stride + 2 * tig;
+#pragma unroll
+            for (int n = 0; n < DT; ++n)
+                *reinterpret_cast<u32*>(dst + 8 * n) = pack2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+        } else {
+            const i64 prow = ((i64)split * total_q + tok) * num_q_heads + qh;
+            float* dst = part_o + prow * HEAD_DIM + 2 * tig;
+#pragma unroll
+            for (int n = 0; n < DT; ++n)
+                *reinterpret_cast<float2*>(dst + 8 * n) = float2{o[n][2 * h] * inv, o[n][2 * h + 1] * inv};
+            if (tig == 0) part_lse[prow] = lsum > 0.f ? m[h] + log2f(lsum) : NEG_INF;
+        }
+    }
+}
+
+// Log-sum-exp merge of the KV-split partials: one CTA per (query token, query head), HEAD_DIM
+// threads. Partials are [num_splits][total_q][num_q_heads] (O rows of HEAD_DIM, and the lse).
+extern "C" __global__ void __launch_bounds__(HEAD_DIM) merge_prefill_splits(
+    const float* __restrict__ part_o, const float* __restrict__ part_lse,
+    u16* __restrict__ out, i64 out_tok_stride, i64 out_head_stride,
+    int total_q, int num_q_heads, int num_splits) {
+    const int tok = blockIdx.x;
+    const int qh = blockIdx.y;
+    const int d = threadIdx.x;
+    const i64 stride = (i64)total_q * num_q_heads;
+    const i64 row0 = (i64)tok * num_q_heads + qh;
+    float M = NEG_INF;
+    for (int s = 0; s < num_splits; ++s) M = fmaxf(M, part_lse[row0 + s * stride]);
+    float L = 0.f, O = 0.f;
+    if (M != NEG_INF) {
+        for (int s = 0; s < num_splits; ++s) {
+            const i64 row = row0 + s * stride;
+            const float w = exp2f(part_lse[row] - M);  // 0 for an empty split
+            L += w;
+            O = fmaf(w, part_o[row * HEAD_DIM + d], O);
+        }
+    }
+    out[(i64)tok * out_tok_stride + (i64)qh * out_head_stride + d] = f32_to_elem(L > 0.f ? O / L : 0.f);
+}

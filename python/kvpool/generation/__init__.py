@@ -1,0 +1,24 @@
+"""Continuous-batching generation on a kvpool pool: the loop (`generate`), the per-step batch
+a model runner executes (`StepBatch`), batch-independent sampling, and a NumPy toy model.
+
+A model runner is anything with `run(StepBatch) -> tokens`; the transformers one lives in
+kvpool.integrations.transformers (optional extra) so that this package needs no torch.
+"""
+
+from kvpool.generation.batch import StepBatch, build_step, slots_of
+from kvpool.generation.loop import GenerationRequest, GenerationResult, ModelRunner, generate
+from kvpool.generation.sampling import gumbel_noise, sample
+from kvpool.generation.toy import ToyModel
+
+__all__ = [
+    "GenerationRequest",
+    "GenerationResult",
+    "ModelRunner",
+    "StepBatch",
+    "ToyModel",
+    "build_step",
+    "generate",
+    "gumbel_noise",
+    "sample",
+    "slots_of",
+]

@@ -1,0 +1,95 @@
+"""One forward pass as arrays: the packed tokens of a step and the paged-attention metadata.
+
+Packed order: the decode tokens first (one per decoding sequence), then the prefill chunks, each
+a run of consecutive positions of one sequence. Attention of token i of sequence s covers that
+sequence's positions 0..position[i] (causal), read from the pool through the block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """Host arrays describing one step; a model runner moves what it needs to its device.
+
+    - input_ids, positions, slot_mapping: int64 [num_tokens] (slot = block_id * block_size + offset)
+    - num_decode: the first num_decode tokens are decode tokens, one per sequence; their
+      decode_block_table (int32 [num_decode, width]) and decode_seq_lens (int32, including the
+      new token) feed the paged decode kernel; their logits are sampled.
+    - prefill_qo_indptr (int32 [num_prefill + 1], offsets into the prefill tokens, FlashInfer's
+      convention), prefill_block_table (int32 [num_prefill, width]), prefill_seq_lens (int32:
+      cached prefix + chunk) describe the prefill chunks.
+    - temperatures, seeds (one per decode row): sampling parameters; temperature 0 is greedy.
+    """
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    num_decode: int
+    decode_block_table: np.ndarray
+    decode_seq_lens: np.ndarray
+    prefill_qo_indptr: np.ndarray
+    prefill_block_table: np.ndarray
+    prefill_seq_lens: np.ndarray
+    temperatures: np.ndarray
+    seeds: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_prefill(self) -> int:
+        return int(self.prefill_qo_indptr.shape[0]) - 1
+
+
+def slots_of(block_row: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Slot mapping of `positions` of one sequence whose block table row is `block_row`."""
+    return block_row[positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+
+def build_step(
+    tables,
+    decode: list[tuple[int, int, int]],
+    prefill: list[tuple[int, list[int], int]],
+    temperatures: list[float],
+    seeds: list[int],
+) -> StepBatch:
+    """decode: (request_id, token, position) per decoding sequence; prefill: (request_id,
+    chunk tokens, start position) per chunk. The tables must already hold every slot."""
+    bs = tables.pool.layout.block_size
+    ids, pos, slots = [], [], []
+    dec_ids = [d[0] for d in decode]
+    dec_table = tables.block_table(dec_ids) if decode else np.zeros((0, 1), np.int32)
+    for i, (_, token, p) in enumerate(decode):
+        ids.append(np.array([token], np.int64))
+        pos.append(np.array([p], np.int64))
+        slots.append(slots_of(dec_table[i], pos[-1], bs))
+    pre_ids = [c[0] for c in prefill]
+    pre_table = tables.block_table(pre_ids) if prefill else np.zeros((0, 1), np.int32)
+    indptr = [0]
+    for i, (_, chunk, start) in enumerate(prefill):
+        p = np.arange(start, start + len(chunk), dtype=np.int64)
+        ids.append(np.asarray(chunk, np.int64))
+        pos.append(p)
+        slots.append(slots_of(pre_table[i], p, bs))
+        indptr.append(indptr[-1] + len(chunk))
+    cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64))
+    positions = cat(pos)
+    return StepBatch(
+        input_ids=cat(ids),
+        positions=positions,
+        slot_mapping=cat(slots),
+        num_decode=len(decode),
+        decode_block_table=np.ascontiguousarray(dec_table, np.int32),
+        decode_seq_lens=np.array([d[2] + 1 for d in decode], np.int32),
+        prefill_qo_indptr=np.array(indptr, np.int32),
+        prefill_block_table=np.ascontiguousarray(pre_table, np.int32),
+        prefill_seq_lens=np.array([c[2] + len(c[1]) for c in prefill], np.int32),
+        temperatures=np.array(temperatures, np.float32),
+        seeds=np.array(seeds, np.int64),
+    )

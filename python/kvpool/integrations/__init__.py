@@ -1,0 +1,2 @@
+"""Optional integrations; each module imports its third-party library itself, so importing
+kvpool never imports torch or transformers."""

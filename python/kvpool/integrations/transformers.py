@@ -1,0 +1,233 @@
+"""Hugging Face transformers on a kvpool pool (optional extra `kvpool[transformers]`).
+
+`register()` adds the attention function "kvpool" to transformers' public AttentionInterface.
+A model switched to it (`model.set_attn_implementation("kvpool")`) runs a packed step: every
+token of the step in one row ([1, num_tokens]) with explicit position ids, and the step's paged
+metadata passed down the forward as the keyword `kvpool_step` (transformers hands unknown
+keywords on to the attention function, as its own paged attention does with `cache`). In each
+layer the attention function writes the step's K/V into the pool with `kvpool.append_kv`,
+attends decode tokens with `kvpool.paged_attention_decode` over the block tables and prefill
+chunks causally over their cached prefix read back from the pool (`prefill_attention`: torch
+SDPA over the gathered blocks, the one place to swap in a paged prefill kernel).
+
+`TransformersRunner` is the model runner of `kvpool.generation.generate`. A CUDA pool takes
+torch CUDA tensors of the pool's dtype (bfloat16 included); a host pool runs the NumPy float64
+reference kernels, so a small float32 model generates through kvpool on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+
+import kvpool
+from kvpool.generation.batch import StepBatch
+from kvpool.generation.sampling import M1, M2, MASK
+
+NAME = "kvpool"
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+def _is_cuda(pool: Any) -> bool:
+    return str(pool.device).startswith("cuda")
+
+
+def pool_device(pool: Any) -> torch.device:
+    """The torch device of a pool ("cpu" for a host pool)."""
+    d = str(pool.device)
+    return torch.device(d if ":" in d else "cuda:0") if d.startswith("cuda") else torch.device("cpu")
+
+
+def register() -> None:
+    """Make attn_implementation="kvpool" available to every transformers model."""
+    AttentionInterface.register(NAME, kvpool_attention)
+
+
+def pool_layer(pool: Any, layer: int, part: str) -> torch.Tensor:
+    """Zero-copy torch tensor [num_blocks, block_size, kv_heads, head_dim] of the pool's
+    dtype over one layer's K ("k") or V ("v")."""
+    v = pool.k_view(layer) if part == "k" else pool.v_view(layer)
+    if _is_cuda(pool):
+        return torch.from_dlpack(v)  # DLPack carries bfloat16 / float8_e4m3fn as themselves
+    t = torch.from_numpy(np.asarray(v))  # a host view is a NumPy array: raw bits for bf16/fp8
+    dtype = TORCH_DTYPES[pool.layout.dtype]
+    return t if t.dtype == dtype else t.view(dtype)
+
+
+class KvpoolStep:
+    """One step's paged metadata on the model's device, built once per forward and shared by
+    every layer."""
+
+    def __init__(self, pool: Any, batch: StepBatch, device: torch.device) -> None:
+        self.pool, self.batch, self.device = pool, batch, device
+        self.cuda = device.type == "cuda"
+        self.num_decode = batch.num_decode
+        self.block_size = pool.layout.block_size
+        if self.cuda:
+            put = (lambda a: torch.from_numpy(a).to(device, non_blocking=True))
+            self.slot_mapping = put(batch.slot_mapping)
+            self.decode_block_table = put(batch.decode_block_table)
+            self.decode_seq_lens = put(batch.decode_seq_lens)
+            self.max_decode_len = int(batch.decode_seq_lens.max()) if batch.num_decode else 0
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self._views.get(layer)
+        if kv is None:
+            kv = self._views[layer] = (pool_layer(self.pool, layer, "k"),
+                                       pool_layer(self.pool, layer, "v"))
+        return kv
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [num_tokens, kv_heads, head_dim] into the pool at the step's slots."""
+        if self.cuda:
+            kvpool.append_kv(k, v, self.pool, layer, self.slot_mapping,
+                             stream=torch.cuda.current_stream(self.device))
+        else:
+            kvpool.append_kv(_np(k), _np(v), self.pool, layer, self.batch.slot_mapping)
+
+    def decode(self, layer: int, q: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        """Attention of the decode rows q[:num_decode] ([n, q_heads, head_dim]) into out."""
+        n, b = self.num_decode, self.batch
+        if self.cuda:
+            kvpool.paged_attention_decode(
+                q[:n], self.pool, layer, self.decode_block_table, self.decode_seq_lens,
+                scale=scale, out=out[:n], stream=torch.cuda.current_stream(self.device),
+                max_seq_len=self.max_decode_len)
+        else:
+            res = kvpool.paged_attention_decode(_np(q[:n]), self.pool, layer, b.decode_block_table,
+                                                b.decode_seq_lens, scale=scale)
+            out[:n] = torch.from_numpy(np.ascontiguousarray(res))
+
+
+def prefill_attention(step: KvpoolStep, layer: int, q: torch.Tensor, scale: float,
+                      out: torch.Tensor) -> None:
+    """Causal attention of each prefill chunk over its cached prefix and itself, with torch
+    SDPA over K/V gathered from the pool's blocks (the chunk's own K/V are already written)."""
+    b = step.batch
+    if b.num_prefill == 0:
+        return
+    kc, vc = step.kv_cache(layer)
+    bs, n0 = step.block_size, step.num_decode
+    ptr, lens = b.prefill_qo_indptr.tolist(), b.prefill_seq_lens.tolist()
+    table = torch.from_numpy(b.prefill_block_table).to(q.device, non_blocking=True).long()
+    for i in range(b.num_prefill):
+        lo, hi, total = n0 + ptr[i], n0 + ptr[i + 1], lens[i]
+        rows = torch.arange(total, device=q.device)
+        blocks = table[i][rows // bs]
+        k = kc[blocks, rows % bs].transpose(0, 1)  # [kv_heads, total, head_dim]
+        v = vc[blocks, rows % bs].transpose(0, 1)
+        qi = q[lo:hi].transpose(0, 1)  # [q_heads, n, head_dim]
+        start = total - (hi - lo)
+        mask = rows[None, :] <= (start + torch.arange(hi - lo, device=q.device))[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qi[None], k[None].to(q.dtype), v[None].to(q.dtype), attn_mask=mask, scale=scale,
+            enable_gqa=True)
+        out[lo:hi] = o[0].transpose(0, 1)
+
+
+def kvpool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, attention_mask: Any, dropout: float = 0.0,
+                     scaling: float | None = None, kvpool_step: KvpoolStep | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query [1, q_heads, T, D], key/value [1, kv_heads, T, D]
+    of a packed step; returns ([1, T, q_heads, D], None)."""
+    if kvpool_step is None:
+        raise ValueError(
+            "attn_implementation='kvpool' needs the step's paged metadata: run the model through "
+            "kvpool.integrations.transformers.TransformersRunner (or pass kvpool_step=)")
+    if query.shape[0] != 1:
+        raise ValueError(f"kvpool attention takes a packed batch [1, num_tokens], got {query.shape[0]} rows")
+    layer = module.layer_idx
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    scale = float(scaling if scaling is not None else q.shape[-1] ** -0.5)
+    kvpool_step.write(layer, k, v)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if kvpool_step.num_decode:
+        kvpool_step.decode(layer, q, scale, out)
+    prefill_attention(kvpool_step, layer, q, scale, out)
+    return out[None], None
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().numpy()
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 31)
+    x = (x * (M1 & MASK)) & MASK
+    x = x ^ (x >> 29)
+    x = (x * (M2 & MASK)) & MASK
+    return x ^ (x >> 32)
+
+
+def sample(logits: torch.Tensor, temperatures: np.ndarray, seeds: np.ndarray,
+           positions: np.ndarray) -> torch.Tensor:
+    """The torch twin of kvpool.generation.sample (same Gumbel noise), on the logits' device."""
+    out = logits.argmax(dim=1)
+    hot = np.flatnonzero(temperatures > 0)
+    if len(hot):
+        dev = logits.device
+        s = torch.from_numpy(seeds[hot]).to(dev) & MASK
+        key = _mix(s * 1_000_003 + torch.from_numpy(positions[hot]).to(dev))
+        x = _mix(key[:, None] ^ torch.arange(logits.shape[1], device=dev)[None, :])
+        u = ((x >> 11).double() + 0.5) / float(1 << 52)
+        t = torch.from_numpy(temperatures[hot]).to(dev, torch.float64)[:, None]
+        noisy = logits[torch.from_numpy(hot).to(dev)].double() / t - torch.log(-torch.log(u))
+        out[torch.from_numpy(hot).to(dev)] = noisy.argmax(dim=1)
+    return out
+
+
+class TransformersRunner:
+    """A kvpool.generation ModelRunner over a transformers causal LM (Llama, Mistral, Qwen2:
+    a `model.model` decoder and a `model.lm_head`). The pool's layout must match the model:
+    num_layers, num_key_value_heads, head_dim and dtype (see `layout_for`)."""
+
+    def __init__(self, model: Any, pool: Any) -> None:
+        register()
+        model.set_attn_implementation(NAME)
+        want = layout_for(model, pool.layout.block_size)
+        lay = pool.layout
+        got = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype)
+        if got != (want.num_layers, want.num_kv_heads, want.head_dim, want.dtype):
+            raise kvpool.LayoutError(f"pool layout {got} does not fit the model {want}")
+        self.model, self.pool = model, pool
+        self.device = next(model.parameters()).device
+        if self.device != pool_device(pool):
+            raise ValueError(f"model on {self.device} but pool on {pool.device}")
+
+    @torch.inference_mode()
+    def hidden(self, batch: StepBatch) -> torch.Tensor:
+        """Last hidden states [num_tokens, hidden] of one packed step (writes the step's KV)."""
+        if self.model.config._attn_implementation != NAME:  # someone switched it meanwhile
+            self.model.set_attn_implementation(NAME)
+        step = KvpoolStep(self.pool, batch, self.device)
+        ids = torch.from_numpy(batch.input_ids).to(self.device)[None]
+        pos = torch.from_numpy(batch.positions).to(self.device)[None]
+        out = self.model.model(input_ids=ids, position_ids=pos, use_cache=False, kvpool_step=step)
+        return out.last_hidden_state[0]
+
+    @torch.inference_mode()
+    def logits(self, batch: StepBatch) -> torch.Tensor:
+        """float32 logits [num_tokens, vocab] of every token of the step."""
+        return self.model.lm_head(self.hidden(batch)).float()
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> np.ndarray:
+        n = batch.num_decode
+        logits = self.model.lm_head(self.hidden(batch)[:n]).float()
+        return sample(logits, batch.temperatures, batch.seeds, batch.positions[:n]).cpu().numpy()
+
+
+def layout_for(model: Any, block_size: int = 16) -> Any:
+    """The kvpool.KvLayout that holds `model`'s KV cache in its parameters' dtype."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = {v: k for k, v in TORCH_DTYPES.items()}[next(model.parameters()).dtype]
+    return kvpool.KvLayout(num_layers=cfg.num_hidden_layers,
+                           num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                           head_dim=head_dim, block_size=block_size, dtype=dtype)

@@ -1,0 +1,35 @@
+"""Seq: the serving state of one request, shared by the loop (core.py), the KV backends and the
+policies (which read it to order admissions and pick victims)."""
+
+from __future__ import annotations
+
+from kvpool.scheduler.workload import Request
+
+
+class Seq:
+    """The serving state of one request."""
+
+    __slots__ = (
+        "request", "prefill_target", "prefilled", "generated", "kv_tokens", "decoding", "running",
+        "last_scheduled_s", "times_scheduled", "first_token_s", "finish_s", "num_preemptions",
+        "num_finishes",
+    )
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.prefill_target = request.prompt_tokens  # prompt (+ generated tokens after preemption)
+        self.prefilled = 0
+        self.generated = 0
+        self.kv_tokens = 0  # tokens whose KV the backend holds for this sequence
+        self.decoding = False
+        self.running = False
+        self.last_scheduled_s = request.arrival_s
+        self.times_scheduled = 0
+        self.first_token_s = -1.0
+        self.finish_s = -1.0
+        self.num_preemptions = 0
+        self.num_finishes = 0
+
+    @property
+    def request_id(self) -> int:
+        return self.request.request_id

@@ -1,0 +1,254 @@
+//! DLPack export (`__dlpack__` / `__dlpack_device__`) with the true element type, so
+//! `torch.from_dlpack(pool.k_view(0))` is a zero-copy bfloat16 / float8_e4m3fn tensor where
+//! `__array_interface__` can only offer raw integers. Both capsule kinds are produced:
+//! "dltensor_versioned" (DLPack >= 1.0, when the consumer passes `max_version >= (1, 0)`) and
+//! the legacy "dltensor". The tensor's manager context owns a reference to the exporting
+//! Python object (a view, which holds its pool), so the memory outlives every consumer.
+
+use std::ffi::{c_void, CStr};
+
+use kvpool_core::{DType, Device};
+use pyo3::exceptions::PyBufferError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+// The C structs of dlpack.h (v1.x), field for field.
+#[repr(C)]
+struct DLDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+struct DLDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DLTensor {
+    data: *mut c_void,
+    device: DLDevice,
+    ndim: i32,
+    dtype: DLDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+#[repr(C)]
+struct DLPackVersion {
+    major: u32,
+    minor: u32,
+}
+
+#[repr(C)]
+struct DLManagedTensorVersioned {
+    version: DLPackVersion,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensorVersioned)>,
+    flags: u64,
+    dl_tensor: DLTensor,
+}
+
+const KDL_CPU: i32 = 1;
+const KDL_CUDA: i32 = 2;
+const LEGACY: &CStr = c"dltensor";
+const VERSIONED: &CStr = c"dltensor_versioned";
+
+/// `(device_type, device_id)` as `__dlpack_device__` returns it.
+pub fn dl_device(device: Device) -> (i32, i32) {
+    match device {
+        Device::Host => (KDL_CPU, 0),
+        Device::Cuda(ordinal) => (KDL_CUDA, ordinal as i32),
+    }
+}
+
+/// DLPack's (type code, bits) of a pool dtype: kDLFloat = 2, kDLBfloat = 4,
+/// kDLFloat8_e4m3fn = 10.
+fn dl_dtype(dtype: DType) -> DLDataType {
+    let (code, bits) = match dtype {
+        DType::Float16 => (2, 16),
+        DType::Float32 => (2, 32),
+        DType::BFloat16 => (4, 16),
+        DType::Float8E4M3 => (10, 8),
+    };
+    DLDataType { code, bits, lanes: 1 }
+}
+
+/// What an exported tensor describes: a strided array of `dtype` at `data`.
+pub struct Export {
+    pub data: u64,
+    pub device: Device,
+    pub dtype: DType,
+    pub shape: Vec<i64>,
+    /// In elements, as DLPack counts them.
+    pub strides: Vec<i64>,
+}
+
+/// The manager context: the exporter's reference and the shape/stride storage the DLTensor
+/// points into, boxed together with the managed struct itself.
+struct Ctx<M> {
+    managed: M,
+    _owner: Py<PyAny>,
+    shape: Vec<i64>,
+    strides: Vec<i64>,
+}
+
+trait Managed {
+    fn tensor(&mut self) -> &mut DLTensor;
+    fn set_ctx(&mut self, ctx: *mut c_void);
+}
+
+impl Managed for DLManagedTensor {
+    fn tensor(&mut self) -> &mut DLTensor {
+        &mut self.dl_tensor
+    }
+    fn set_ctx(&mut self, ctx: *mut c_void) {
+        self.manager_ctx = ctx;
+    }
+}
+
+impl Managed for DLManagedTensorVersioned {
+    fn tensor(&mut self) -> &mut DLTensor {
+        &mut self.dl_tensor
+    }
+    fn set_ctx(&mut self, ctx: *mut c_void) {
+        self.manager_ctx = ctx;
+    }
+}
+
+/// Boxes the context, points the tensor at its shape/strides and the manager at the box, and
+/// returns the address of the managed struct (what the capsule carries). Freed by the deleter.
+fn leak<M: Managed>(managed: M, owner: Py<PyAny>, shape: Vec<i64>, strides: Vec<i64>) -> *mut c_void {
+    let raw = Box::into_raw(Box::new(Ctx { managed, _owner: owner, shape, strides }));
+    // SAFETY: `raw` is a fresh, unique pointer from Box::into_raw; nothing else sees it yet,
+    // and the Vec buffers it points into never move (the Vecs are not touched again).
+    unsafe {
+        let ctx = &mut *raw;
+        let (shape_ptr, strides_ptr) = (ctx.shape.as_mut_ptr(), ctx.strides.as_mut_ptr());
+        let t = ctx.managed.tensor();
+        t.shape = shape_ptr;
+        t.strides = strides_ptr;
+        ctx.managed.set_ctx(raw as *mut c_void);
+        &mut ctx.managed as *mut M as *mut c_void
+    }
+}
+
+/// Checks the consumer's requests (a copy or another device cannot be honoured: a view is
+/// always the pool's own memory) and returns a capsule over `export`.
+pub fn to_capsule(
+    py: Python<'_>,
+    owner: Py<PyAny>,
+    export: Export,
+    max_version: Option<(u32, u32)>,
+    dl_device_req: Option<(i32, i32)>,
+    copy: Option<bool>,
+) -> PyResult<Py<PyAny>> {
+    if copy == Some(true) {
+        return Err(PyBufferError::new_err("a kvpool view is never copied; copy=True cannot be honoured"));
+    }
+    if let Some(req) = dl_device_req {
+        if req != dl_device(export.device) {
+            return Err(PyBufferError::new_err(format!(
+                "the view lives on DLPack device {:?}, not {req:?}",
+                dl_device(export.device)
+            )));
+        }
+    }
+    let versioned = matches!(max_version, Some((major, _)) if major >= 1);
+    let (device_type, device_id) = dl_device(export.device);
+    let (data, ndim, dtype) = (export.data as *mut c_void, export.shape.len() as i32, export.dtype);
+    let tensor = |shape: *mut i64, strides: *mut i64| DLTensor {
+        data,
+        device: DLDevice { device_type, device_id },
+        ndim,
+        dtype: dl_dtype(dtype),
+        shape,
+        strides,
+        byte_offset: 0,
+    };
+    let (shape, strides) = (export.shape, export.strides);
+    let null = std::ptr::null_mut();
+    let managed_ptr = if versioned {
+        let managed = DLManagedTensorVersioned {
+            version: DLPackVersion { major: 1, minor: 0 },
+            manager_ctx: null,
+            deleter: Some(delete_versioned),
+            flags: 0,
+            dl_tensor: tensor(null as *mut i64, null as *mut i64),
+        };
+        leak(managed, owner, shape, strides)
+    } else {
+        let managed = DLManagedTensor {
+            dl_tensor: tensor(null as *mut i64, null as *mut i64),
+            manager_ctx: null,
+            deleter: Some(delete_legacy),
+        };
+        leak(managed, owner, shape, strides)
+    };
+    let name = if versioned { VERSIONED } else { LEGACY };
+    // SAFETY: `managed_ptr` is valid until its deleter runs; the name is a static C string;
+    // the destructor only touches capsules that still carry that name (unconsumed ones).
+    let capsule = unsafe { ffi::PyCapsule_New(managed_ptr, name.as_ptr(), Some(capsule_destructor)) };
+    if capsule.is_null() {
+        // SAFETY: nothing consumed the tensor; free it through its own deleter.
+        unsafe { call_deleter(managed_ptr, versioned) };
+        return Err(PyErr::fetch(py));
+    }
+    // SAFETY: PyCapsule_New returned a new (owned) reference.
+    Ok(unsafe { Py::from_owned_ptr(py, capsule) })
+}
+
+/// # Safety
+/// `managed` is an unconsumed DLManagedTensor(Versioned) made by `to_capsule`.
+unsafe fn call_deleter(managed: *mut c_void, versioned: bool) {
+    if versioned {
+        // SAFETY: per the contract, a live versioned tensor.
+        unsafe { delete_versioned(managed as *mut DLManagedTensorVersioned) }
+    } else {
+        // SAFETY: per the contract, a live legacy tensor.
+        unsafe { delete_legacy(managed as *mut DLManagedTensor) }
+    }
+}
+
+/// Runs when the capsule dies. A consumer renames the capsule ("used_dltensor...") and owns
+/// the deleter call; a capsule that still has its name was never consumed, so free it here.
+unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
+    for (name, versioned) in [(VERSIONED, true), (LEGACY, false)] {
+        // SAFETY: `capsule` is the capsule being destroyed; IsValid sets no error.
+        if unsafe { ffi::PyCapsule_IsValid(capsule, name.as_ptr()) } == 1 {
+            // SAFETY: the name matched, so the pointer is the unconsumed tensor we stored.
+            let managed = unsafe { ffi::PyCapsule_GetPointer(capsule, name.as_ptr()) };
+            // SAFETY: unconsumed, made by to_capsule.
+            unsafe { call_deleter(managed, versioned) };
+            return;
+        }
+    }
+}
+
+unsafe extern "C" fn delete_legacy(managed: *mut DLManagedTensor) {
+    // SAFETY: manager_ctx is the Box<Ctx<DLManagedTensor>> leaked in to_capsule, freed once
+    // (DLPack calls the deleter exactly once). Dropping it releases the owner's reference,
+    // which needs the GIL: attach takes it (or reuses the held one).
+    unsafe {
+        let ctx = (*managed).manager_ctx as *mut Ctx<DLManagedTensor>;
+        Python::attach(|_| drop(Box::from_raw(ctx)));
+    }
+}
+
+unsafe extern "C" fn delete_versioned(managed: *mut DLManagedTensorVersioned) {
+    // SAFETY: as in delete_legacy, for the versioned struct.
+    unsafe {
+        let ctx = (*managed).manager_ctx as *mut Ctx<DLManagedTensorVersioned>;
+        Python::attach(|_| drop(Box::from_raw(ctx)));
+    }
+}

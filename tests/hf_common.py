@@ -1,0 +1,73 @@
+"""Helpers shared by the transformers tests (CPU host pool and GPU): random-weight Llama-shaped
+models built from a config, the teacher-forced comparison against transformers' own cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import kvpool
+from kvpool.generation import build_step
+from kvpool.integrations.transformers import TransformersRunner, layout_for
+
+
+def llama(dtype, device, *, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16,
+          inter=128, vocab=101, seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=inter,
+                      vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.device(device):  # initialise on the device: a 1B model is slow to fill on a CPU
+        model = LlamaForCausalLM(cfg).to(dtype=dtype).eval()
+    model.generation_config.eos_token_id = None  # random weights: run every requested token
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def reference_logits(model, prompt, forced):
+    """transformers' default path: SDPA + DynamicCache; prefill the prompt, then one decode
+    step per forced token. float32 logits [len(prompt) + len(forced), vocab]."""
+    model.set_attn_implementation("sdpa")
+    dev = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    out = []
+    with torch.inference_mode():
+        ids = torch.tensor([prompt], device=dev)
+        out.append(model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float())
+        for t in forced:
+            ids = torch.tensor([[t]], device=dev)
+            out.append(model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float())
+    return torch.cat(out)
+
+
+def kvpool_logits(model, prompts, forced, *, block_size=16, num_blocks=None):
+    """The same tokens through kvpool: every prompt prefilled in one packed step (ragged), then
+    one packed decode step per forced token for all sequences. Returns per sequence float32
+    logits [len(prompt) + len(forced[i]), vocab]."""
+    dev = next(model.parameters()).device
+    layout = layout_for(model, block_size)
+    need = sum(-(-(len(p) + len(f)) // block_size) for p, f in zip(prompts, forced))
+    pool = kvpool.Pool(layout, num_blocks or need + 4, device="host" if dev.type == "cpu" else str(dev))
+    runner = TransformersRunner(model, pool)
+    width = max(-(-(len(p) + len(f)) // block_size) for p, f in zip(prompts, forced))
+    tables = kvpool.BlockTables(pool, len(prompts), width)
+    for i, p in enumerate(prompts):
+        tables.add(i, len(p))
+    batch = build_step(tables, [], [(i, list(p), 0) for i, p in enumerate(prompts)], [], [])
+    logits = runner.logits(batch)
+    ptr = batch.prefill_qo_indptr
+    per_seq = [[logits[ptr[i]:ptr[i + 1]]] for i in range(len(prompts))]
+    for step in range(max(len(f) for f in forced)):
+        live = [i for i in range(len(prompts)) if step < len(forced[i])]
+        tables.append_tokens_many(np.array(live, np.int64), 1)
+        dec = [(i, forced[i][step], len(prompts[i]) + step) for i in live]
+        batch = build_step(tables, dec, [], [0.0] * len(live), [0] * len(live))
+        logits = runner.logits(batch)
+        for row, i in enumerate(live):
+            per_seq[i].append(logits[row:row + 1])
+    for i in range(len(prompts)):
+        tables.free(i)
+    assert pool.num_free == pool.num_blocks
+    return [torch.cat(x) for x in per_seq]

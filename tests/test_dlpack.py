@@ -1,0 +1,94 @@
+"""DLPack export of pool views: true dtypes (bfloat16, float8_e4m3fn), strides in elements,
+zero copy, both capsule kinds, and the consumer's requests refused when they cannot be met."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+
+import numpy as np
+import pytest
+
+import kvpool
+
+# DLPack's dtype codes (dlpack.h): kDLFloat 2, kDLBfloat 4, kDLFloat8_e4m3fn 10.
+DL_DTYPES = {"float16": (2, 16), "float32": (2, 32), "bfloat16": (4, 16), "float8_e4m3fn": (10, 8)}
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
+                ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class Versioned(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32),
+                ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p),
+                ("flags", ctypes.c_uint64), ("dl_tensor", DLTensor)]
+
+
+def _capsule_pointer(capsule, name: bytes) -> int:
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    return get(capsule, name)
+
+
+def _pool(dtype: str) -> kvpool.Pool:
+    return kvpool.Pool(kvpool.KvLayout(3, 2, 16, 4, dtype), 5, device="host")
+
+
+def _slab_view(array: np.ndarray) -> kvpool.SlabView:
+    """A host pool's view is a NumPy array over a SlabView (its base), which exports DLPack."""
+    assert isinstance(array.base, kvpool.SlabView)
+    return array.base
+
+
+@pytest.mark.parametrize("dtype", sorted(DL_DTYPES))
+@pytest.mark.parametrize("versioned", [False, True])
+def test_capsule_describes_the_view(dtype, versioned):
+    pool = _pool(dtype)
+    view = _slab_view(pool.v_view(2))
+    assert view.__dlpack_device__() == (1, 0)
+    cap = view.__dlpack__(max_version=(1, 0)) if versioned else view.__dlpack__()
+    name = b"dltensor_versioned" if versioned else b"dltensor"
+    ptr = _capsule_pointer(cap, name)
+    if versioned:
+        v = Versioned.from_address(ptr)
+        assert (v.major, v.flags) == (1, 0)
+        t = v.dl_tensor
+    else:
+        t = DLTensor.from_address(ptr)
+    cai = view.__array_interface__
+    elem = pool.layout.elem_bytes
+    assert t.data == cai["data"][0] and (t.device_type, t.device_id) == (1, 0)
+    assert (t.code, t.bits, t.lanes) == (*DL_DTYPES[dtype], 1)
+    assert [t.shape[i] for i in range(t.ndim)] == list(cai["shape"])
+    assert [t.strides[i] for i in range(t.ndim)] == [s // elem for s in cai["strides"]]
+    del cap  # never consumed: the capsule's destructor frees it
+    gc.collect()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_numpy_from_dlpack_shares_memory(dtype):
+    pool = _pool(dtype)
+    arr = np.from_dlpack(_slab_view(pool.k_view(1)))
+    assert arr.shape == (5, 4, 2, 16) and arr.dtype == np.dtype(dtype)
+    arr[4, 3, 1, 7] = 2.5
+    assert np.asarray(pool.k_view(1))[4, 3, 1, 7] == 2.5
+    assert np.asarray(pool.v_view(1))[4, 3, 1, 7] == 0
+    del pool  # the array keeps the view, which keeps the pool
+    gc.collect()
+    assert arr[4, 3, 1, 7] == 2.5
+
+
+def test_requests_that_cannot_be_met_are_refused():
+    view = _slab_view(_pool("float16").k_view(0))
+    with pytest.raises(BufferError, match="never copied"):
+        view.__dlpack__(copy=True)
+    with pytest.raises(BufferError, match="device"):
+        view.__dlpack__(dl_device=(2, 0))
+    with pytest.raises(BufferError, match="no stream"):
+        view.__dlpack__(stream=0)
+    assert view.__dlpack__(copy=False, dl_device=(1, 0)) is not None

@@ -1,0 +1,84 @@
+"""A transformers Llama generating through a host kvpool pool (the NumPy float64 reference
+kernels) against transformers' own cache; skipped where torch or transformers is missing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hf_common import kvpool_logits, llama, reference_logits  # noqa: E402
+
+import kvpool  # noqa: E402
+from kvpool.generation import GenerationRequest, generate, gumbel_noise  # noqa: E402
+from kvpool.integrations.transformers import (  # noqa: E402
+    TransformersRunner,
+    layout_for,
+    pool_layer,
+    sample,
+)
+
+# transformers' own deprecation notices are not ours to fail on
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning",
+                                        "ignore::UserWarning")
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_teacher_forced_logits_match_dynamic_cache(kv_heads):
+    model = llama(torch.float32, "cpu", kv_heads=kv_heads)
+    rng = np.random.default_rng(kv_heads)
+    prompts = [rng.integers(0, 101, n).tolist() for n in (1, 7, 16, 23)]
+    forced = [rng.integers(0, 101, n).tolist() for n in (5, 9, 3, 12)]
+    ours = kvpool_logits(model, prompts, forced, block_size=4)
+    for p, f, got in zip(prompts, forced, ours):
+        ref = reference_logits(model, p, f)
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_teacher_forced_check_fails_on_a_wrong_token():
+    model = llama(torch.float32, "cpu")
+    prompts, forced = [[3, 4, 5, 6, 7]], [[8, 9, 10]]
+    ours = kvpool_logits(model, prompts, forced, block_size=4)[0]
+    ref = reference_logits(model, [3, 4, 5, 6, 7], [8, 9, 11])
+    assert not torch.allclose(ours[-1], ref[-1], atol=1e-4)
+
+
+def test_greedy_generation_matches_transformers_generate():
+    model = llama(torch.float32, "cpu", seed=1)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 101, n).tolist() for n in (3, 11, 6, 20, 1)]
+    pool = kvpool.Pool(layout_for(model, 4), 24, device="host")
+    reqs = [GenerationRequest(i, p, 12) for i, p in enumerate(prompts)]
+    res = generate(TransformersRunner(model, pool), pool, reqs, max_running_seqs=4)
+    model.set_attn_implementation("sdpa")
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])  # an explicit mask: token 0 in a prompt is not padding
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                             do_sample=False)
+        assert res.outputs[i] == ref[0, len(p):].tolist()
+    assert pool.num_free == pool.num_blocks
+
+
+def test_torch_sampling_matches_numpy():
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((6, 50))
+    temps = np.array([0.0, 0.5, 1.0, 2.0, 1.0, 0.0], np.float32)
+    seeds, pos = np.arange(6, dtype=np.int64) * 7, np.arange(6, dtype=np.int64) + 3
+    from kvpool.generation import sample as np_sample
+
+    got = sample(torch.from_numpy(logits), temps, seeds, pos).numpy()
+    assert got.tolist() == np_sample(logits, temps, seeds, pos).tolist()
+    assert np.isfinite(gumbel_noise(seeds, pos, 50)).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_pool_layer_shares_memory_with_the_host_pool(dtype):
+    pool = kvpool.Pool(kvpool.KvLayout(2, 2, 8, 4, dtype), 3, device="host")
+    t = pool_layer(pool, 1, "v")
+    assert t.shape == (3, 4, 2, 8)
+    t[2, 1, 0, 3] = 5.0
+    assert np.asarray(pool.v_view(1))[2, 1, 0, 3] == 5.0
+    assert np.asarray(pool.k_view(1))[2, 1, 0, 3] == 0.0
