@@ -34,7 +34,6 @@ Usage: python bench/prefix_bench.py [--out bench/results/<dir>/prefix_cache_host
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import hashlib
 import json
 import os
@@ -48,7 +47,7 @@ from typing import Any
 
 import kvpool
 import numpy as np
-from provenance import git_commit, machine
+from provenance import provenance, run_dir
 
 BS = 16
 PROMPT = 4096
@@ -298,13 +297,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--iters", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=Path, help="default: prefix_cache_host.json in this run's results folder")
+    parser.add_argument("--commit", default=None, help="commit to record where git is absent")
     args = parser.parse_args()
     report: dict[str, Any] = {
         "benchmark": "prefix_cache_python",
-        "commit": git_commit(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "provenance": provenance("bench/prefix_bench.py", args.commit),
         "note": "dev VM: 2 shared cores, other jobs running; host pool (a CPU benchmark)",
         "block_size": BS,
         "prompt_tokens": PROMPT,
@@ -328,9 +326,9 @@ def main() -> int:
     }
     text = json.dumps(report, indent=2)
     print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    out = args.out or run_dir(args.commit, "dev-vm") / "prefix_cache_host.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
     return 0
 
 
