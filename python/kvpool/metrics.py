@@ -50,7 +50,7 @@ def snapshot(
         Sample("kvpool:num_evictable_blocks", "gauge", "Cached blocks nobody references.", stats["num_evictable"]),
         Sample("kvpool:num_used_blocks", "gauge", "Blocks referenced by requests.", stats["num_used"]),
         Sample("kvpool:high_water_blocks", "gauge", "Most blocks off the free list at once.", stats["high_water"]),
-        Sample("kvpool:slab_bytes", "gauge", "Bytes of KV memory the pool holds.", stats["slab_bytes"]),
+        Sample("kvpool:mapped_bytes", "gauge", "Bytes of KV memory the pool holds.", stats["mapped_bytes"]),
         Sample("kvpool:prefix_cache_cached_blocks", "gauge", "Blocks in the prefix cache.", cache["num_cached_blocks"]),
         Sample("kvpool:prefix_cache_stored_blocks", "counter", "Blocks that entered the prefix cache.",
                cache["stored_blocks"]),
