@@ -96,6 +96,10 @@ class KvScales:
         layer = self._layer(layer)
         ks, vs = self._checked(k_scale, "k_scale"), self._checked(v_scale, "v_scale")
         for arr, val in ((self.k_scale, ks), (self.v_scale, vs)):
+            if self.cuda:
+                import cupy
+
+                val = cupy.asarray(val)
             arr[layer] = val if self.granularity == "head" else val[0]
         self._frozen[layer] = True
 
@@ -184,8 +188,8 @@ def _rows_as_float32(x: Any, cache_dtype: str, name: str) -> Any:
         if a.itemsize != 2:
             raise InvalidArgumentError(f"{name} must hold float16 or bfloat16 values to write "
                                        f"into a {cache_dtype} pool, got {a.typestr!r}")
-        nbytes = (max(0, *[(s - 1) * st for s, st in zip(a.shape, v.byte_strides, strict=True)])
-                  + 2) if 0 not in a.shape else 0
+        nbytes = (sum((n - 1) * st for n, st in zip(a.shape, v.byte_strides, strict=True)) + 2
+                  if 0 not in a.shape else 0)
         mem = cupy.cuda.UnownedMemory(a.ptr, nbytes, x)
         raw = cupy.ndarray(a.shape, cupy.uint16, cupy.cuda.MemoryPointer(mem, 0),
                            strides=v.byte_strides)
