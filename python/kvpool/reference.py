@@ -47,7 +47,7 @@ def quantize_fp8(x: npt.NDArray, dtype: str) -> npt.NDArray[np.uint8]:
     quantum = np.float32(2.0 ** (min_normal_exp - f.mant_bits))
     with np.errstate(over="ignore", invalid="ignore"):
         sub = np.rint(a / quantum).astype(np.float64)
-    sub = np.where(np.isfinite(sub), sub, 0).astype(np.uint32)
+    sub = np.where(np.isfinite(sub), np.minimum(sub, 1 << 20), 0).astype(np.uint32)
     # Normal range: drop 23 - mant_bits mantissa bits with round-to-nearest-even, then rebias.
     drop = 23 - f.mant_bits
     lsb = (mag >> drop) & 1
