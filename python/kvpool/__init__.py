@@ -24,6 +24,7 @@ from kvpool._core import (
     OutOfMemoryError,
     Pool,
     SlabView,
+    TransferError,
     UnknownRequestError,
     cuda_available,
 )
@@ -36,6 +37,7 @@ from kvpool.kernels import (
     paged_attention_prefill,
     prefill_plan,
 )
+from kvpool.tp import PoolGroup
 
 __all__ = [
     "MAX_NUM_BLOCKS",
@@ -57,7 +59,9 @@ __all__ = [
     "OutOfBlocksError",
     "OutOfMemoryError",
     "Pool",
+    "PoolGroup",
     "SlabView",
+    "TransferError",
     "UnknownRequestError",
     "append_kv",
     "copy_blocks",
