@@ -114,7 +114,7 @@ class KvScales:
         if k_amax is None or v_amax is None:
             return False
         if self.granularity == "tensor":
-            k_amax, v_amax = k_amax.max(keepdims=True), v_amax.max(keepdims=True)
+            k_amax, v_amax = np.asarray(k_amax.max()), np.asarray(v_amax.max())
         if not (np.isfinite(k_amax).all() and np.isfinite(v_amax).all()):
             raise InvalidArgumentError("calibrate_from: k or v holds a non-finite value")
         if not (k_amax > 0).all() or not (v_amax > 0).all():
