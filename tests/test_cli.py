@@ -120,7 +120,7 @@ def _refused(capsys, args) -> str:
         (["--max-running-seqs", "40000000", "--max-tokens-per-step", "40000000"],
          "--max-running-seqs must be in [1, 33554431]"),
         (["--policy", "random"], "argument --policy: invalid choice: 'random'"),
-        (["--kv-dtype", "int4"], "argument --kv-dtype: unsupported dtype 'int4'"),
+        (["--kv-dtype", "int4"], 'argument --kv-dtype: invalid layout: unsupported dtype "int4"'),
         (["--kv-dtype", "float32"], "argument --kv-dtype: --kv-dtype must be one of"),
     ],
 )

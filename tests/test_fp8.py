@@ -187,7 +187,7 @@ def test_host_append_and_decode(dtype, granularity, q_dtype):
     exact = reference.paged_attention_decode(q, kf.reshape(16, 4, 2, 32), vf.reshape(16, 4, 2, 32),
                                              tables, lens, "float64", q_dtype=q_dtype)
     err = np.linalg.norm(want - exact) / np.linalg.norm(exact)
-    assert err < (0.1 if dtype == "float8_e5m2" else 0.05)
+    assert err < (0.16 if dtype == "float8_e5m2" else 0.08)  # rounding of 3 (2) mantissa bits
 
 
 def test_fp8_bad_inputs_are_refused():
