@@ -24,6 +24,7 @@ DTYPES = ("float16", "bfloat16")
 # of 16 in 32..256 (16-byte fp8 chunks).
 FP8_DTYPES = {"float8_e4m3fn": 1, "float8_e5m2": 2}
 FP8_HEAD_DIMS = tuple(range(32, 257, 16))
+FP8_NH2_MAX_DP = 128  # the fp16 staging tile's registers: 16-head tiles spill beyond (sm_90)
 
 # Tensor-core decode (paged_decode_tc.cu): the default path, and the supported set of the public
 # entry point. head_dim is any multiple of 8 in 32..256 (compiled per padded width DP, a multiple
@@ -145,10 +146,11 @@ class DecodeVariant:
         )
 
 
-def tc_head_tile(group: int, dp: int) -> int:
+def tc_head_tile(group: int, dp: int, fp8: bool = False) -> int:
     """Query heads per tensor-core decode CTA: the group cut into the fewest tiles of at most
-    16 heads (8 for DP > TC_NH2_MAX_DP), as even as possible; the last tile may be shorter."""
-    cap = 16 if dp <= TC_NH2_MAX_DP else 8
+    16 heads (8 for DP > TC_NH2_MAX_DP, or FP8_NH2_MAX_DP over an fp8 cache), as even as
+    possible; the last tile may be shorter."""
+    cap = 16 if dp <= (FP8_NH2_MAX_DP if fp8 else TC_NH2_MAX_DP) else 8
     tiles = -(-group // cap)
     return -(-group // tiles)
 
@@ -228,7 +230,7 @@ def tc_variant(dtype: str, head_dim: int, group: int,
     """The module and head tile for a (dtype, head_dim, group) in the supported set (q_dtype:
     the query dtype of an fp8 cache)."""
     dp = padded_head_dim(head_dim)
-    gq = tc_head_tile(group, dp)
+    gq = tc_head_tile(group, dp, dtype in FP8_DTYPES)
     return TcVariant(dtype, dp, 1 if gq <= 8 else 2, q_dtype if dtype in FP8_DTYPES else None), gq
 
 
@@ -244,7 +246,7 @@ def fp8_tc_variants() -> list[TcVariant]:
     smallest, an odd chunk count, the common ones, the largest) and both head tiles, the other
     three (format, query) pairs at 64 and 128."""
     main = [TcVariant("float8_e4m3fn", dp, nh, "float16") for dp in (32, 48, 64, 128, 192, 256)
-            for nh in (1, 2) if nh == 1 or dp <= TC_NH2_MAX_DP]
+            for nh in (1, 2) if nh == 1 or dp <= FP8_NH2_MAX_DP]
     other = [TcVariant(dt, dp, 2, q) for dt, q in (("float8_e4m3fn", "bfloat16"),
                                                     ("float8_e5m2", "float16"),
                                                     ("float8_e5m2", "bfloat16"))
