@@ -8,7 +8,7 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site dist/*.whl $(ls .whl/*.whl 2>/dev/null)
 #   PYTHONPATH=/tmp/site COMMIT=<sha> bash bench/gpu_fp8.sh
 # Writes into $OUT/fp8/; prints one PASS/FAIL line per stage; exits non-zero when one fails.
-# Expected: ~1 min tests, ~2 min bench.
+# Expected: ~2 min tests (mostly NVRTC compiles of the fp8 modules), ~2 min bench.
 set -u
 D="${OUT:?set OUT}/fp8"
 mkdir -p "$D"
@@ -31,7 +31,7 @@ if python3 -c "import flashinfer" 2>/dev/null; then
   FI_PID=$!
 fi
 
-KVPOOL_FP8_REPORT="$D/fp8_errors.json" timeout 200 python3 -m pytest -q -rs -m gpu \
+KVPOOL_FP8_REPORT="$D/fp8_errors.json" timeout 300 python3 -m pytest -q -rs -m gpu \
   tests/test_fp8_gpu.py > "$D/gpu_tests.log" 2>&1
 report tests $? "$(tail -1 "$D/gpu_tests.log")"
 
