@@ -37,7 +37,7 @@ report tests $? "$(tail -1 "$D/gpu_tests.log")"
 
 [ $have_fi = 1 ] && { wait "$FI_PID"; echo "flashinfer fp8 warm-up: $(tr '\n' ';' < "$D/fi_warm.log" | cut -c1-300)"; }
 
-(cd bench && KVPOOL_COMMIT=$COMMIT timeout 240 python3 fp8_bench.py "$D/fp8_h200.json") \
+KVPOOL_COMMIT=$COMMIT timeout 240 python3 bench/fp8_bench.py "$D/fp8_h200.json" \
   > "$D/bench.log" 2>&1
 rc=$?
 python3 - "$D/fp8_h200.json" >> "$D/bench.log" 2>&1 <<'PY'
