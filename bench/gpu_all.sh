@@ -14,7 +14,7 @@
 #             is written row by row, so a stop keeps the rows measured)
 # Other areas' scripts run as stages too (not in the default list; each takes minutes):
 #   decode_v4 bench/gpu_decode.sh, prefill bench/gpu_prefill.sh, transformers
-#   bench/gpu_transformers.sh; their files land in the same tarball (decode/, prefill/, ...).
+#   bench/gpu_transformers.sh, fp8 bench/gpu_fp8.sh; their files land in the same tarball (decode/, prefill/, ...).
 # FlashInfer wheels in .whl/ (carried beside dist/) are installed when present.
 # Everything lands in $OUT/$NAME/: summary.txt (the tail of every stage and its exit status)
 # and results.tar.gz (every log and JSON); unpack the latter into bench/results/<run>/.
@@ -84,6 +84,10 @@ stage_prefill() {
   OUT="$WORK" run "bench/gpu_prefill.sh" gpu_prefill.log bash bench/gpu_prefill.sh
 }
 
+stage_fp8() {
+  OUT="$WORK" run "bench/gpu_fp8.sh" gpu_fp8.log bash bench/gpu_fp8.sh
+}
+
 stage_transformers() {
   OUT="$WORK" run "bench/gpu_transformers.sh" gpu_transformers.log bash bench/gpu_transformers.sh
 }
@@ -108,7 +112,7 @@ cat "$WORK/gpu.txt" > "$SUMMARY"
 
 for stage in $STAGES; do
   if ! declare -F "stage_$stage" > /dev/null; then
-    note "unknown stage '$stage' (known: tests bench sanitize decode decode_v4 prefill transformers)"
+    note "unknown stage '$stage' (known: tests bench sanitize decode decode_v4 prefill transformers fp8)"
     exit 2
   fi
   "stage_$stage"

@@ -8,9 +8,14 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
 
+// The query/output element type: the cache's, except over an fp8 cache (Q_BF16 set by the host).
+#ifndef Q_BF16
+#define Q_BF16 KV_BF16
+#endif
+
 __device__ __forceinline__ u16 f32_to_elem(float f) {
     u16 r;
-#if KV_BF16
+#if Q_BF16
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
 #else
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));

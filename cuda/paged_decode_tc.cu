@@ -32,13 +32,31 @@
 // resets the counter to zero, so the workspace is reusable by the next launch (and by graph
 // replays) without a memset. The counters must be zero before the first launch.
 //
+// FP8 caches (KV_FP8 = 1: float8_e4m3fn, 2: float8_e5m2; the host compiles them with KV_BF16 = 0
+// and Q_BF16 = the query dtype): the cp.async stages hold fp8 rows (DP bytes, half the bytes of
+// a 16-bit tile, unswizzled); after a tile lands, each lane converts its 16-byte pieces to fp16
+// by integer ops (e4m3 -> the fp16 bits of value / 256, exact; e5m2 -> exactly the high byte of
+// an fp16) into one per-warp fp16 tile with the 16-bit layout, and the ldmatrix / mma path
+// below is unchanged, in fp16. The fp8 scales (per tensor or per KV head: this CTA's KV head)
+// fold into the softmax scale (K) and into the output (V), with the 256 of e4m3. bfloat16
+// queries are converted to fp16 in registers (exact for |q| in fp16's normal range, 6.1e-5 ..
+// 65504). Needs head_dim % 16 == 0 (16-byte fp8 chunks; the host refuses other head dims).
+//
 // Compile-time constants (NVRTC -D): KV_BF16, DP (16..256, multiple of 16), NH (1: gq <= 8,
 // 2: gq <= 16), NWARPS, STAGES (2..4), MAX_SPLITS (the most splits the host plans: the fused
-// merge keeps MAX_SPLITS x 16 weights in shared memory). Everything else is a run-time argument.
+// merge keeps MAX_SPLITS x 16 weights in shared memory), optionally KV_FP8 and Q_BF16.
+// Everything else is a run-time argument.
 
 #if !defined(KV_BF16) || !defined(DP) || !defined(NH) || !defined(NWARPS) || !defined(STAGES) || \
     !defined(MAX_SPLITS)
 #error "paged_decode_tc.cu needs KV_BF16, DP, NH, NWARPS, STAGES and MAX_SPLITS defined"
+#endif
+
+#ifndef KV_FP8
+#define KV_FP8 0
+#endif
+#if KV_FP8 && KV_BF16
+#error "fp8 caches run the fp16 tensor-core path: compile them with KV_BF16=0"
 #endif
 
 #include "decode_common.cuh"
@@ -49,6 +67,17 @@
 #define ROWB (SCH * 16)                           // shared-memory bytes per row
 #define TILE_BYTES (TILE * ROWB)                  // one K or V tile
 #define PPL (TILE * CH / 32)                      // 16-byte pieces per lane per K (or V) tile
+#if KV_FP8
+#define CH8 (DP / 16)                             // 16-byte fp8 chunks per row
+#define TILE8_BYTES (TILE * DP)                   // one fp8 K or V tile (rows unpadded)
+#define PPL8 ((TILE * CH8 + 31) / 32)             // fp8 pieces per lane per K (or V) tile
+#define STAGE_BYTES (2 * TILE8_BYTES)
+#define WARP_SMEM (STAGES * STAGE_BYTES + 2 * TILE_BYTES)  // stages + the fp16 K/V tile
+#define FP8_F16_SCALE (KV_FP8 == 1 ? 256.f : 1.f)  // fp16 of an e4m3 code = its value / 256
+#else
+#define STAGE_BYTES (2 * TILE_BYTES)
+#define WARP_SMEM (STAGES * STAGE_BYTES)
+#endif
 #define KSTEPS (DP / 16)
 #define NTHREADS (NWARPS * 32)
 #define FULL 0xffffffffu
@@ -57,7 +86,7 @@ static_assert(DP % 16 == 0 && DP >= 16 && DP <= 256, "DP: a multiple of 16 in 16
 static_assert(NH == 1 || NH == 2, "NH must be 1 or 2");
 static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2..4 (16 mask bits per stage in a u64)");
 static_assert((TILE * CH) % 32 == 0, "pieces per tile must be a multiple of the warp size");
-static_assert(STAGES * 2 * TILE_BYTES * NWARPS >= 4 * MAX_SPLITS * 16,
+static_assert(WARP_SMEM * NWARPS >= 4 * MAX_SPLITS * 16,
               "the merge weights must fit in the stage buffer");
 
 // Two floats -> one register of two 16-bit elements, `lo` in the low half (lower k index).
@@ -105,6 +134,46 @@ __device__ __forceinline__ float ld_cg(const float* p) {
     return r;
 }
 
+#if KV_FP8
+// Four fp8 codes (byte i = element i) -> fp16 pairs: lo = elements (0, 1), hi = (2, 3). Each code
+// goes to the high byte of a 16-bit half (byte_perm), which for e5m2 is its fp16 already; for
+// e4m3 the sign stays and exponent + mantissa move right by one bit, giving value / 256 exactly
+// (subnormals too). An e4m3 NaN code (never written by append_kv) would read as 480.
+__device__ __forceinline__ void fp8x4_to_f16x4(u32 w, u32& lo, u32& hi) {
+    lo = __byte_perm(w, 0u, 0x1404);
+    hi = __byte_perm(w, 0u, 0x3424);
+#if KV_FP8 == 1
+    lo = (lo & 0x80008000u) | ((lo >> 1) & 0x3f803f80u);
+    hi = (hi & 0x80008000u) | ((hi >> 1) & 0x3f803f80u);
+#endif
+}
+
+__device__ __forceinline__ uint4 lds128(unsigned addr) {
+    uint4 r;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr) : "memory");
+    return r;
+}
+
+__device__ __forceinline__ void sts128(unsigned addr, u32 a, u32 b, u32 c, u32 d) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
+                 :: "r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+// 16 fp8 codes (one staged chunk: columns 16c..16c+15) -> fp16 chunks 2c and 2c+1 of `row`.
+__device__ __forceinline__ void convert_chunk(unsigned dst_tile, int row, int c, uint4 x);
+#endif
+
+// Q's 16-bit pairs as the mma's operand type: over an fp8 cache with bfloat16 queries, the pair
+// converted to fp16 (the mma runs in fp16 there).
+__device__ __forceinline__ u32 q_operand(u32 x) {
+#if KV_FP8 && Q_BF16
+    return pack2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+#else
+    return x;
+#endif
+}
+
 // Byte offset of (row, 16-byte chunk) inside a tile. Rows of a multiple of 8 chunks: chunks
 // XOR-swizzled by row & 7; other rows: an odd row stride (SCH). Either way the 8 rows an
 // ldmatrix reads at one chunk column land in 8 different 16-byte bank groups.
@@ -112,6 +181,18 @@ __device__ __forceinline__ unsigned swz(int row, int chunk) {
     if (CH % 8 == 0) return (unsigned)(row * ROWB + ((chunk ^ (row & 7)) << 4));
     return (unsigned)(row * ROWB + (chunk << 4));
 }
+
+#if KV_FP8
+__device__ __forceinline__ void convert_chunk(unsigned dst_tile, int row, int c, uint4 x) {
+    u32 a0, a1, b0, b1, c0, c1, d0, d1;
+    fp8x4_to_f16x4(x.x, a0, a1);
+    fp8x4_to_f16x4(x.y, b0, b1);
+    fp8x4_to_f16x4(x.z, c0, c1);
+    fp8x4_to_f16x4(x.w, d0, d1);
+    sts128(dst_tile + swz(row, 2 * c), a0, a1, b0, b1);
+    sts128(dst_tile + swz(row, 2 * c + 1), c0, c1, d0, d1);
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
     const u16* __restrict__ q, i64 q_seq_stride, i64 q_head_stride,
@@ -121,7 +202,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
     i64 block_stride, i64 token_stride, i64 head_stride, int num_blocks, int bs_log2,
     const int* __restrict__ block_tables, i64 bt_stride, const int* __restrict__ seq_lens,
     int num_q_heads, int head_dim, int group, int gq, int chunk_tokens, int max_splits,
-    float scale_log2) {
+    float scale_log2
+#if KV_FP8
+    , const float* __restrict__ k_scale, const float* __restrict__ v_scale, int scale_head_stride
+#endif
+    ) {
     const int split = blockIdx.x;
     const int n_tiles_h = (group + gq - 1) / gq;
     const int kvh = blockIdx.y / n_tiles_h;
@@ -135,6 +220,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
     const int t_begin = split * chunk_tokens;
     const int t_end = (split == n_splits - 1) ? len : min(len, t_begin + chunk_tokens);
 
+#if KV_FP8
+    // Dequantization folded: S uses k_scale through the softmax scale, O gets v_scale at the end.
+    scale_log2 *= k_scale[kvh * scale_head_stride] * FP8_F16_SCALE;
+    const float out_scale = v_scale[kvh * scale_head_stride] * FP8_F16_SCALE;
+#else
+    const float out_scale = 1.f;
+#endif
+
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int gid = lane >> 2;  // mma group (row of A/C, column of B)
@@ -142,7 +235,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
 
     extern __shared__ __align__(128) unsigned char smem[];
     const unsigned smem_base = (unsigned)__cvta_generic_to_shared(smem);
-    const unsigned warp_smem = smem_base + (unsigned)(warp * STAGES * 2 * TILE_BYTES);
+    const unsigned warp_smem = smem_base + (unsigned)(warp * WARP_SMEM);
 
     // Q as A fragments (rows = heads of the tile; rows >= gq_here and columns >= head_dim are
     // zero). Columns come in pairs (2*tig, 2*tig+1) and head_dim is even: one test per pair.
@@ -155,11 +248,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
             const bool c0 = kk * 16 + tig * 2 < head_dim, c1 = kk * 16 + 8 + tig * 2 < head_dim;
-            qa[kk][0] = (r0 && c0) ? *reinterpret_cast<const u32*>(p0 + kk * 16) : 0u;
-            qa[kk][2] = (r0 && c1) ? *reinterpret_cast<const u32*>(p0 + kk * 16 + 8) : 0u;
+            qa[kk][0] = (r0 && c0) ? q_operand(*reinterpret_cast<const u32*>(p0 + kk * 16)) : 0u;
+            qa[kk][2] =
+                (r0 && c1) ? q_operand(*reinterpret_cast<const u32*>(p0 + kk * 16 + 8)) : 0u;
             if (NH == 2) {
-                qa[kk][1] = (r1 && c0) ? *reinterpret_cast<const u32*>(p1 + kk * 16) : 0u;
-                qa[kk][3] = (r1 && c1) ? *reinterpret_cast<const u32*>(p1 + kk * 16 + 8) : 0u;
+                qa[kk][1] =
+                    (r1 && c0) ? q_operand(*reinterpret_cast<const u32*>(p1 + kk * 16)) : 0u;
+                qa[kk][3] =
+                    (r1 && c1) ? q_operand(*reinterpret_cast<const u32*>(p1 + kk * 16 + 8)) : 0u;
             } else {
                 qa[kk][1] = qa[kk][3] = 0u;
             }
@@ -201,7 +297,24 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
             const int blk = __ldg(bt + (min(row_tok, t_end - 1) >> bs_log2));
             const bool row_ok = row_tok < t_end && (unsigned)blk < (unsigned)num_blocks;
             mask = __ballot_sync(FULL, row_ok) & 0xffffu;
-            const unsigned sk = warp_smem + (unsigned)(stage * 2 * TILE_BYTES);
+            const unsigned sk = warp_smem + (unsigned)(stage * STAGE_BYTES);
+#if KV_FP8
+#pragma unroll
+            for (int i = 0; i < PPL8; ++i) {
+                const int p = i * 32 + lane;
+                const bool in_tile = p < TILE * CH8;  // false only in a last, partial round
+                const int row = in_tile ? p / CH8 : 0, c = p % CH8;
+                const int b = one_block_per_tile ? blk : __shfl_sync(FULL, blk, row);
+                if (in_tile) {
+                    const bool ok = ((mask >> row) & 1u) && c < (head_dim >> 4);
+                    const i64 off = (i64)b * block_stride +
+                                    (i64)((t0 + row) & bs_mask) * token_stride + c * 16;
+                    const unsigned dst = sk + (unsigned)(p * 16);  // row-major: row * DP + 16c
+                    cp_async16(dst, ok ? k_head + off : k_head, ok);
+                    cp_async16(dst + TILE8_BYTES, ok ? v_head + off : v_head, ok);
+                }
+            }
+#else
 #pragma unroll
             for (int i = 0; i < PPL; ++i) {
                 const int p = i * 32 + lane;
@@ -215,6 +328,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
                 cp_async16(dst, ok ? k_head + off : k_head, ok);
                 cp_async16(dst + TILE_BYTES, ok ? v_head + off : v_head, ok);
             }
+#endif
         }
         const unsigned sh = 16 * stage;
         rowbits = (rowbits & ~(0xffffull << sh)) | ((unsigned long long)mask << sh);
@@ -236,7 +350,26 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
         cp_async_wait<STAGES - 1>();  // this lane's copies of tile `it` have landed
         __syncwarp();                 // ... and every other lane's
         const int stage = it % STAGES;
-        const unsigned sk = warp_smem + (unsigned)(stage * 2 * TILE_BYTES);
+#if KV_FP8
+        // This warp's fp16 tile (the __syncwarp at the top of the loop ordered the previous
+        // tile's ldmatrix reads of it before these stores).
+        const unsigned sk = warp_smem + (unsigned)(STAGES * STAGE_BYTES);
+        {
+            const unsigned st8 = warp_smem + (unsigned)(stage * STAGE_BYTES);
+#pragma unroll
+            for (int i = 0; i < PPL8; ++i) {
+                const int p = i * 32 + lane;
+                if (p < TILE * CH8) {
+                    convert_chunk(sk, p / CH8, p % CH8, lds128(st8 + p * 16));
+                    convert_chunk(sk + TILE_BYTES, p / CH8, p % CH8,
+                                  lds128(st8 + TILE8_BYTES + p * 16));
+                }
+            }
+            __syncwarp();  // the fp16 tile is complete for every lane's ldmatrix
+        }
+#else
+        const unsigned sk = warp_smem + (unsigned)(stage * STAGE_BYTES);
+#endif
         const unsigned sv = sk + TILE_BYTES;
         const unsigned rows = (unsigned)(rowbits >> (16 * stage)) & 0xffffu;
 
@@ -360,7 +493,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
                 O = fmaf(wt, s_acc[(w * 16 + g) * DP + d], O);
             }
         }
-        const float res = L > 0.f ? O / L : 0.f;
+        const float res = L > 0.f ? O / L * out_scale : 0.f;
         const int qh = qh0 + g;
         if (direct) {
             out[seq * out_seq_stride + (i64)qh * out_head_stride + d] = f32_to_elem(res);

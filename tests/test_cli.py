@@ -120,6 +120,8 @@ def _refused(capsys, args) -> str:
         (["--max-running-seqs", "40000000", "--max-tokens-per-step", "40000000"],
          "--max-running-seqs must be in [1, 33554431]"),
         (["--policy", "random"], "argument --policy: invalid choice: 'random'"),
+        (["--kv-dtype", "int4"], 'argument --kv-dtype: invalid layout: unsupported dtype "int4"'),
+        (["--kv-dtype", "float32"], "argument --kv-dtype: --kv-dtype must be one of"),
     ],
 )
 def test_every_bad_option_is_one_line_and_exit_2(capsys, tmp_path, args, message):
@@ -231,3 +233,15 @@ def test_missing_plot_dependency_is_a_clear_error(tmp_path, capsys, monkeypatch)
     assert main([*TINY, "--out", str(tmp_path / "r")]) == 1
     assert "install kvpool[sim]" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_fp8_cache_holds_twice_the_blocks(tmp_path):
+    runs = {}
+    for dtype in ("float16", "fp8"):
+        out = tmp_path / dtype
+        assert main([*TINY, "--num-requests", "5", "--kv-dtype", dtype, "--no-plot",
+                     "--out", str(out)]) == 0
+        runs[dtype] = json.loads((out / "simulate.json").read_text())
+    assert runs["fp8"]["model"]["dtype"] == "float8_e4m3fn"
+    assert runs["fp8"]["num_blocks"] == 2 * runs["float16"]["num_blocks"]
+    assert runs["fp8"]["model"]["token_bytes"] * 2 == runs["float16"]["model"]["token_bytes"]

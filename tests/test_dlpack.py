@@ -11,8 +11,9 @@ import pytest
 
 import kvpool
 
-# DLPack's dtype codes (dlpack.h): kDLFloat 2, kDLBfloat 4, kDLFloat8_e4m3fn 10.
-DL_DTYPES = {"float16": (2, 16), "float32": (2, 32), "bfloat16": (4, 16), "float8_e4m3fn": (10, 8)}
+# DLPack's dtype codes (dlpack.h): kDLFloat 2, kDLBfloat 4, kDLFloat8_e4m3fn 10, kDLFloat8_e5m2 12.
+DL_DTYPES = {"float16": (2, 16), "float32": (2, 32), "bfloat16": (4, 16), "float8_e4m3fn": (10, 8),
+             "float8_e5m2": (12, 8)}
 
 
 class DLTensor(ctypes.Structure):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import kvpool
 from kvpool import KvLayout, LayoutError
 
-ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
+ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size")
 LLAMA_8B = (32, 8, 128, 16)
 
@@ -67,7 +67,7 @@ def test_block_bytes_overflow() -> None:
         KvLayout(2**40, 2**40, 2**40, 16)
 
 
-@pytest.mark.parametrize("dtype", ["int8", "float64", "", "float16 ", "bfloat", "e5m2"])
+@pytest.mark.parametrize("dtype", ["int8", "float64", "", "float16 ", "bfloat", "e5m3"])
 def test_bad_dtype(dtype: str) -> None:
     with pytest.raises(LayoutError, match="unsupported dtype"):
         KvLayout(*LLAMA_8B, dtype=dtype)
@@ -99,6 +99,8 @@ def test_dtype_must_be_a_string() -> None:
         ("fp8_e4m3", "float8_e4m3fn"),
         ("e4m3", "float8_e4m3fn"),
         ("fp8", "float8_e4m3fn"),
+        ("float8_e5m2", "float8_e5m2"),
+        ("e5m2", "float8_e5m2"),
     ],
 )
 def test_dtype_aliases(alias: str, canonical: str) -> None:

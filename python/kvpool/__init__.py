@@ -35,6 +35,7 @@ from kvpool._core import (
 )
 from kvpool import reference
 from kvpool.kernels import (
+    KvScales,
     append_kv,
     copy_blocks,
     paged_attention_decode,
@@ -62,6 +63,7 @@ __all__ = [
     "InvalidBlockError",
     "KvError",
     "KvLayout",
+    "KvScales",
     "KvSystemError",
     "LayoutError",
     "OutOfBlocksError",

@@ -87,6 +87,20 @@ def _model(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+KV_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def _kv_dtype(text: str) -> str:
+    """A KV cache dtype by any name the layout accepts (fp8 -> float8_e4m3fn)."""
+    try:
+        name = kvpool.KvLayout(1, 1, 64, 16, text).dtype
+    except kvpool.KvError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if name not in KV_DTYPES:
+        raise argparse.ArgumentTypeError(f"--kv-dtype must be one of {KV_DTYPES}, got {text!r}")
+    return name
+
+
 class _Parser(argparse.ArgumentParser):
     """Reports a bad option in one line (no usage block), exit status 2."""
 
@@ -123,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache budget: KiB/MiB/GiB/TiB are powers of 1024, K/KB/M/MB/G/GB/T/TB "
                         "powers of 1000 (16G = 16e9 bytes, 16GiB = 16 * 2^30); a plain number is bytes")
     g.add_argument("--block-size", type=_int_in(1), default=16, help="tokens per KV block")
+    g.add_argument("--kv-dtype", default="float16", type=_kv_dtype, metavar="DTYPE",
+                   help="KV cache element type: float16, bfloat16, fp8 (float8_e4m3fn) or "
+                        "float8_e5m2; fp8 holds twice the tokens in the same --kv-memory"),
     g.add_argument("--max-model-len", type=_int_in(2), default=4096,
                    help="longest sequence (contiguous reserves this); at most the tokens --kv-memory holds")
     g.add_argument("--device", default="host", choices=("auto", "host", "cuda"),
@@ -210,7 +227,7 @@ def check_values(args: argparse.Namespace) -> str | None:
     except ValueError as e:
         return f"--kv-memory: {e}"
     try:
-        layout = get_preset(args.model).layout(args.block_size)
+        layout = get_preset(args.model).layout(args.block_size, args.kv_dtype)
     except (ValueError, kvpool.KvError) as e:
         return f"--block-size {args.block_size} does not fit {args.model}: {e}"
     block_bytes = layout.block_bytes
@@ -311,7 +328,7 @@ def simulate_command(args: argparse.Namespace, command: Sequence[str] | None = N
     spec = SimulationSpec(
         preset=get_preset(args.model), kv_memory_bytes=parse_bytes(args.kv_memory), requests=requests,
         config=config, block_size=args.block_size, device=args.device, reserve=args.reserve,
-        measure_every=args.measure_every, workload_info=info,
+        measure_every=args.measure_every, kv_dtype=args.kv_dtype, workload_info=info,
     )
     if args.disaggregated:
         return _disaggregated(args, spec, console)

@@ -3,7 +3,8 @@
 Used by the tests as the ground truth for the CUDA kernels, and by the host backend
 (``Pool(device="host")``), so the kernel API works without a GPU, slowly. Caches are the
 per-layer views of a pool, ``[num_blocks, block_size, num_kv_heads, head_dim]``; bfloat16
-data is carried as uint16 bit patterns (NumPy has no bfloat16).
+data is carried as uint16 bit patterns and float8 (e4m3fn, e5m2) as uint8 codes (NumPy has
+neither). An fp8 cache holds quantize(x / scale); its reference value is dequantize(code) * scale.
 """
 
 from __future__ import annotations
@@ -14,8 +15,75 @@ import numpy.typing as npt
 NULL_SLOT = -1
 
 
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+
+
+class Fp8Format:
+    """One fp8 format: exponent bias, mantissa bits, largest finite code and value."""
+
+    def __init__(self, bias: int, mant_bits: int, max_code: int, max_value: float) -> None:
+        self.bias, self.mant_bits, self.max_code, self.max_value = (
+            bias, mant_bits, max_code, max_value)
+
+
+FP8 = {
+    "float8_e4m3fn": Fp8Format(7, 3, 0x7E, 448.0),  # no inf; NaN = 0x7f / 0xff
+    "float8_e5m2": Fp8Format(15, 2, 0x7B, 57344.0),  # IEEE-like; 0x7c inf, 0x7d..0x7f NaN
+}
+
+
+def quantize_fp8(x: npt.NDArray, dtype: str) -> npt.NDArray[np.uint8]:
+    """float32 values -> fp8 codes (uint8): round to nearest even, saturating to the largest
+    finite value (infinities too), NaN -> 0x7f with its sign. Bit for bit what append_kv's
+    kernel computes (the same integer algorithm on the float32 bits)."""
+    f = FP8[dtype]
+    b = np.asarray(x, dtype=np.float32).view(np.uint32)
+    sign = ((b >> 24) & 0x80).astype(np.uint32)
+    mag = b & np.uint32(0x7FFFFFFF)
+    a = mag.view(np.float32)
+    min_normal_exp = 1 - f.bias
+    # Subnormal range of the target (a < 2^min_normal_exp): a multiple of the smallest
+    # subnormal, rounded to nearest even by rint (exact: a power-of-two scaling).
+    quantum = np.float32(2.0 ** (min_normal_exp - f.mant_bits))
+    with np.errstate(over="ignore", invalid="ignore"):
+        sub = np.rint(a / quantum).astype(np.float64)
+    sub = np.where(np.isfinite(sub), np.minimum(sub, 1 << 20), 0).astype(np.uint32)
+    # Normal range: drop 23 - mant_bits mantissa bits with round-to-nearest-even, then rebias.
+    drop = 23 - f.mant_bits
+    lsb = (mag >> drop) & 1
+    rounded = (mag.astype(np.uint64) + ((1 << (drop - 1)) - 1) + lsb) >> drop
+    normal = rounded.astype(np.int64) - ((127 - f.bias) << f.mant_bits)
+    normal = np.minimum(normal, f.max_code).astype(np.uint32)
+    exp = (mag >> 23).astype(np.int64) - 127
+    code = np.where(exp < min_normal_exp, sub, normal)
+    code = np.where(a >= np.float32(f.max_value), f.max_code, code)
+    code = np.where(np.isnan(a), 0x7F, code)
+    return (code | sign).astype(np.uint8)
+
+
+def dequantize_fp8(codes: npt.NDArray, dtype: str) -> npt.NDArray[np.float64]:
+    """fp8 codes (uint8) -> float64 (NaN codes -> NaN; e5m2's 0x7c -> inf)."""
+    f = FP8[dtype]
+    c = np.asarray(codes).view(np.uint8).astype(np.int64)
+    sign = np.where(c & 0x80, -1.0, 1.0)
+    e = (c >> f.mant_bits) & ((1 << (7 - f.mant_bits)) - 1)
+    m = (c & ((1 << f.mant_bits) - 1)).astype(np.float64)
+    scale_m = 2.0 ** f.mant_bits
+    val = np.where(e == 0, m / scale_m * 2.0 ** (1 - f.bias),
+                   (1 + m / scale_m) * 2.0 ** (e - f.bias))
+    top = (1 << (7 - f.mant_bits)) - 1  # the all-ones exponent
+    if dtype == "float8_e5m2":
+        val = np.where(e == top, np.where(m == 0, np.inf, np.nan), val)
+    else:
+        val = np.where((c & 0x7F) == 0x7F, np.nan, val)
+    return sign * val
+
+
 def to_float64(x: npt.NDArray, dtype: str) -> npt.NDArray[np.float64]:
-    """Elements of the pool's dtype (float16, or bfloat16 as uint16 bits) as float64."""
+    """Elements of the pool's dtype (float16, bfloat16 as uint16 bits, fp8 as uint8 codes) as
+    float64 (fp8: the unscaled code values)."""
+    if dtype in FP8:
+        return dequantize_fp8(x, dtype)
     if dtype == "bfloat16":
         bits = np.asarray(x).view(np.uint16).astype(np.uint32) << 16
         return bits.view(np.float32).astype(np.float64)
@@ -71,15 +139,23 @@ def paged_attention_decode(
     seq_lens: npt.NDArray,
     dtype: str,
     scale: float | None = None,
+    *,
+    q_dtype: str | None = None,
+    kv_scales: tuple[npt.ArrayLike, npt.ArrayLike] | None = None,
 ) -> npt.NDArray[np.float64]:
-    """Decode attention through block tables, in float64: q [S, Hq, D] -> [S, Hq, D]."""
-    q64 = to_float64(q, dtype)
+    """Decode attention through block tables, in float64: q [S, Hq, D] -> [S, Hq, D].
+    `dtype` is the cache's; q is in `q_dtype` (default: the cache's). kv_scales (an fp8 cache's
+    k and v scales of this layer: scalars or [num_kv_heads]) multiply the dequantized K and V."""
+    q64 = to_float64(q, q_dtype or dtype)
     if scale is None:
         scale = 1.0 / np.sqrt(q64.shape[-1])
+    hkv = k_cache.shape[2]
+    ks, vs = ((np.ones(hkv), np.ones(hkv)) if kv_scales is None else
+              (np.broadcast_to(np.asarray(x, dtype=np.float64), (hkv,)) for x in kv_scales))
     out = np.zeros(q64.shape, dtype=np.float64)
     for i, n in enumerate(np.asarray(seq_lens)):
-        k = to_float64(gather_kv(k_cache, block_tables[i], int(n)), dtype)
-        v = to_float64(gather_kv(v_cache, block_tables[i], int(n)), dtype)
+        k = to_float64(gather_kv(k_cache, block_tables[i], int(n)), dtype) * ks[:, None]
+        v = to_float64(gather_kv(v_cache, block_tables[i], int(n)), dtype) * vs[:, None]
         out[i] = attention_decode(q64[i], k, v, scale)
     return out
 
@@ -153,6 +229,17 @@ def append_kv(
     blk, off = np.divmod(slots[keep], block_size)
     k_cache[blk, off] = np.asarray(k)[keep]
     v_cache[blk, off] = np.asarray(v)[keep]
+
+
+def quantize_kv(x: npt.NDArray, in_dtype: str, scale: npt.ArrayLike, dtype: str
+                ) -> npt.NDArray[np.uint8]:
+    """K or V rows [T, Hkv, D] (float16, or bfloat16 bits) -> fp8 codes of x / scale, as
+    append_kv writes them: the division in float32 (IEEE, round to nearest), then
+    quantize_fp8. scale: a scalar or [Hkv] float32."""
+    x32 = to_float64(x, in_dtype).astype(np.float32)
+    s32 = np.asarray(scale, dtype=np.float32).reshape(-1)
+    s32 = np.broadcast_to(s32, (x32.shape[1],))[None, :, None]
+    return quantize_fp8(x32 / s32, dtype)
 
 
 def copy_blocks(caches: list[npt.NDArray], pairs: npt.NDArray) -> None:

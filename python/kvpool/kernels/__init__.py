@@ -15,9 +15,11 @@ from kvpool.kernels._prefill import (
     prefill_workspace_elems,
 )
 from kvpool.kernels._prefill_plan import PrefillPlan
+from kvpool.kernels._scales import KvScales
 
 __all__ = [
     "DecodePlan",
+    "KvScales",
     "PrefillPlan",
     "append_kv",
     "copy_blocks",

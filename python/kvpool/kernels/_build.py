@@ -19,6 +19,12 @@ from typing import Any
 from kvpool.kernels._plan import MAX_SPLITS  # passed to the .cu: its fused merge's weight area
 
 DTYPES = ("float16", "bfloat16")
+# fp8 caches (KV_FP8 in the .cu: 1 e4m3fn, 2 e5m2); their queries and outputs are float16 or
+# bfloat16, chosen by the caller's q. The tensor-core decode reads them with head_dim a multiple
+# of 16 in 32..256 (16-byte fp8 chunks).
+FP8_DTYPES = {"float8_e4m3fn": 1, "float8_e5m2": 2}
+FP8_HEAD_DIMS = tuple(range(32, 257, 16))
+FP8_NH2_MAX_DP = 128  # the fp16 staging tile's registers: 16-head tiles spill beyond (sm_90)
 
 # Tensor-core decode (paged_decode_tc.cu): the default path, and the supported set of the public
 # entry point. head_dim is any multiple of 8 in 32..256 (compiled per padded width DP, a multiple
@@ -140,10 +146,11 @@ class DecodeVariant:
         )
 
 
-def tc_head_tile(group: int, dp: int) -> int:
+def tc_head_tile(group: int, dp: int, fp8: bool = False) -> int:
     """Query heads per tensor-core decode CTA: the group cut into the fewest tiles of at most
-    16 heads (8 for DP > TC_NH2_MAX_DP), as even as possible; the last tile may be shorter."""
-    cap = 16 if dp <= TC_NH2_MAX_DP else 8
+    16 heads (8 for DP > TC_NH2_MAX_DP, or FP8_NH2_MAX_DP over an fp8 cache), as even as
+    possible; the last tile may be shorter."""
+    cap = 16 if dp <= (FP8_NH2_MAX_DP if fp8 else TC_NH2_MAX_DP) else 8
     tiles = -(-group // cap)
     return -(-group // tiles)
 
@@ -151,11 +158,18 @@ def tc_head_tile(group: int, dp: int) -> int:
 @dataclass(frozen=True)
 class TcVariant:
     """A compiled tensor-core decode module: per dtype, padded head width `dp` and nh = 1
-    (head tile <= 8) or 2 (<= 16). head_dim, block_size and the head tile are run-time."""
+    (head tile <= 8) or 2 (<= 16). head_dim, block_size and the head tile are run-time.
+    An fp8 cache dtype also names the query dtype `q_dtype` (float16 or bfloat16)."""
 
     dtype: str
     dp: int
     nh: int
+    q_dtype: str | None = None
+
+    @property
+    def fp8(self) -> int:
+        """0 for a 16-bit cache, else the .cu's KV_FP8 code."""
+        return FP8_DTYPES.get(self.dtype, 0)
 
     source = "paged_decode_tc.cu"
     kernel = "paged_decode_tc"
@@ -168,9 +182,13 @@ class TcVariant:
         return 16 * (ch if ch % 8 == 0 else ch | 1)
 
     @property
+    def stage_bytes(self) -> int:
+        """One warp's K+V stage (mirrors STAGE_BYTES: fp8 rows are dp bytes, unpadded)."""
+        return 2 * TC_TILE * (self.dp if self.fp8 else self.smem_row_bytes)
+
+    @property
     def stages(self) -> int:
-        per_stage = 2 * TC_TILE * self.smem_row_bytes * TC_WARPS
-        return max(2, min(4, TC_STAGE_BUDGET // per_stage))
+        return max(2, min(4, TC_STAGE_BUDGET // (self.stage_bytes * TC_WARPS)))
 
     @property
     def threads(self) -> int:
@@ -184,7 +202,10 @@ class TcVariant:
     def dynamic_smem_bytes(self) -> int:
         """Per-warp K+V tile stages (mirrors the .cu); the warp merge area and the fused
         merge's weights fit inside (static_assert there)."""
-        stage = self.stages * 2 * TC_TILE * self.smem_row_bytes * TC_WARPS
+        warp = self.stages * self.stage_bytes
+        if self.fp8:
+            warp += 2 * TC_TILE * self.smem_row_bytes  # the fp16 K/V tile (WARP_SMEM)
+        stage = warp * TC_WARPS
         merge = 4 * TC_WARPS * 16 * (self.dp + 2)
         return max(stage, merge, 4 * MAX_SPLITS * 16)
 
@@ -193,7 +214,8 @@ class TcVariant:
         return max(1, min(4, (227 * 1024) // (self.dynamic_smem_bytes + 1024)))
 
     def options(self) -> tuple[str, ...]:
-        return COMMON_OPTIONS + (
+        fp8 = (f"-DKV_FP8={self.fp8}", f"-DQ_BF16={int(self.q_dtype == 'bfloat16')}")
+        return COMMON_OPTIONS + (fp8 if self.fp8 else ()) + (
             f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
             f"-DDP={self.dp}",
             f"-DNH={self.nh}",
@@ -203,17 +225,33 @@ class TcVariant:
         )
 
 
-def tc_variant(dtype: str, head_dim: int, group: int) -> tuple[TcVariant, int]:
-    """The module and head tile for a (dtype, head_dim, group) in the supported set."""
+def tc_variant(dtype: str, head_dim: int, group: int,
+               q_dtype: str | None = None) -> tuple[TcVariant, int]:
+    """The module and head tile for a (dtype, head_dim, group) in the supported set (q_dtype:
+    the query dtype of an fp8 cache)."""
     dp = padded_head_dim(head_dim)
-    gq = tc_head_tile(group, dp)
-    return TcVariant(dtype, dp, 1 if gq <= 8 else 2), gq
+    gq = tc_head_tile(group, dp, dtype in FP8_DTYPES)
+    return TcVariant(dtype, dp, 1 if gq <= 8 else 2, q_dtype if dtype in FP8_DTYPES else None), gq
 
 
 def tc_variants() -> list[TcVariant]:
     dps = sorted({padded_head_dim(d) for d in TC_HEAD_DIMS})
     return [TcVariant(dt, dp, nh) for dt in DTYPES for dp in dps for nh in (1, 2)
             if nh == 1 or dp <= TC_NH2_MAX_DP]
+
+
+def fp8_tc_variants() -> list[TcVariant]:
+    """The fp8 decode modules CI compiles (each is one .cu path with two format constants and
+    two query types, so a subset keeps CI short): e4m3 with fp16 queries at six widths (the
+    smallest, an odd chunk count, the common ones, the largest) and both head tiles, the other
+    three (format, query) pairs at 64 and 128."""
+    main = [TcVariant("float8_e4m3fn", dp, nh, "float16") for dp in (32, 48, 64, 128, 192, 256)
+            for nh in (1, 2) if nh == 1 or dp <= FP8_NH2_MAX_DP]
+    other = [TcVariant(dt, dp, 2, q) for dt, q in (("float8_e4m3fn", "bfloat16"),
+                                                    ("float8_e5m2", "float16"),
+                                                    ("float8_e5m2", "bfloat16"))
+             for dp in (64, 128)]
+    return main + other
 
 
 def cuda_core_variants() -> list[DecodeVariant]:
@@ -228,7 +266,7 @@ def cuda_core_variants() -> list[DecodeVariant]:
 def decode_variants() -> list[DecodeVariant | TcVariant]:
     """What the CI compile test builds: every tensor-core variant (all the default path can
     ask for) and the CUDA-core baseline subset."""
-    return tc_variants() + cuda_core_variants()
+    return tc_variants() + fp8_tc_variants() + cuda_core_variants()
 
 
 # Paged prefill (paged_prefill.cu): 16 query rows (token x head) per warp. Wide CTAs (4 warps,
@@ -306,7 +344,8 @@ def prefill_variants() -> list[PrefillVariant]:
 
 def _label(v: DecodeVariant | TcVariant) -> str:
     if isinstance(v, TcVariant):
-        return f"{v.kernel}[{v.dtype},dp{v.dp},nh{v.nh}]"
+        q = f",q={v.q_dtype}" if v.q_dtype else ""
+        return f"{v.kernel}[{v.dtype}{q},dp{v.dp},nh{v.nh}]"
     return f"{v.kernel}[{v.dtype},{v.head_dim},{v.block_size},{v.gq},p{v.pipeline}]"
 
 

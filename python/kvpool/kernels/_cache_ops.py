@@ -22,6 +22,7 @@ from kvpool.kernels._args import (
     pool_is_cuda,
     view,
 )
+from kvpool.kernels._scales import KvScales
 from kvpool.kernels._launch import (
     Kernel,
     cupy_stream,
@@ -46,6 +47,14 @@ class _AppendArgs(ctypes.Structure):
     ]
 
 
+class _AppendFp8Args(ctypes.Structure):
+    """The parameters of append_kv_fp8 (cuda/append_kv.cu), in order."""
+
+    _fields_ = [*_AppendArgs._fields_,
+                ("k_scale", _u64), ("v_scale", _u64), ("scale_head_stride", _i32),
+                ("in_bf16", _i32), ("fmt", _i32)]
+
+
 class _CopyArgs(ctypes.Structure):
     """The parameters of copy_blocks (cuda/copy_blocks.cu), in order."""
 
@@ -58,17 +67,27 @@ def _kernel(name: str, device_id: int) -> Kernel:
 
 
 def append_kv(
-    k: Any, v: Any, pool: Any, layer: int, slot_mapping: Any, *, stream: Any = None
+    k: Any, v: Any, pool: Any, layer: int, slot_mapping: Any, *, stream: Any = None,
+    scales: KvScales | None = None,
 ) -> None:
     """Write new tokens' K and V ([num_tokens, num_kv_heads, head_dim], the pool's dtype) into
     layer `layer` at slot_mapping[i] = block_id * block_size + offset (int64; -1 skips the
     token, as does a slot past the pool). Byte-exact; runs on `stream` for a CUDA pool (CuPy,
     torch or any __cuda_array_interface__ arrays on the pool's device; bfloat16 as 2-byte
-    integers or torch bfloat16)."""
+    integers or torch bfloat16).
+
+    An fp8 pool (float8_e4m3fn / float8_e5m2) takes float16 or bfloat16 K/V and `scales` (its
+    KvScales) and stores fp8(x / scale), rounded to nearest even and saturated, in the same
+    launch; with `scales.auto_calibrate` an unset layer is calibrated from this write first."""
     layer = index_arg(layer, "layer")
     layout = pool.layout
     if not 0 <= layer < layout.num_layers:
         raise InvalidArgumentError(f"layer {layer} outside 0..{layout.num_layers - 1}")
+    if layout.dtype in reference.FP8:
+        _append_fp8(k, v, pool, layer, slot_mapping, stream, scales)
+        return
+    if scales is not None:
+        raise InvalidArgumentError(f"scales are for fp8 pools; this pool holds {layout.dtype}")
     row = (layout.num_kv_heads, layout.head_dim)
     if not pool_is_cuda(pool):
         if hasattr(k, "__cuda_array_interface__") or hasattr(v, "__cuda_array_interface__"):
@@ -120,6 +139,84 @@ def append_kv(
         sp = stream_handle(stream)  # None: the pool device's current stream
         wait_producers(sp, device_id, kv, vv, sv)
         launch(_kernel("append_kv", device_id), (n, 1, 1), 128, 0, sp, param_block(args))
+
+
+def _append_fp8(k, v, pool, layer, slot_mapping, stream, scales) -> None:
+    layout = pool.layout
+    if not isinstance(scales, KvScales) or scales.pool is not pool:
+        raise InvalidArgumentError(
+            f"append_kv into a {layout.dtype} pool needs scales=KvScales(pool) of this pool")
+    row = (layout.num_kv_heads, layout.head_dim)
+    if not pool_is_cuda(pool):
+        if hasattr(k, "__cuda_array_interface__") or hasattr(v, "__cuda_array_interface__"):
+            raise InvalidArgumentError("k/v are device arrays but the pool is on the host")
+        k, v, slots = np.asarray(k), np.asarray(v), np.asarray(slot_mapping)
+        _check_kv_shapes(k.shape, v.shape, slots.shape, row)
+        if slots.dtype != np.int64:
+            raise InvalidArgumentError("slot_mapping must be int64")
+        in_dtype = _fp8_input_dtype(k.dtype.kind, k.itemsize, v.dtype.kind, v.itemsize,
+                                    layout.dtype)
+        if scales.auto_calibrate:
+            scales.calibrate_from(layer, k, v, slots)
+        ks, vs = scales.layer_scales(layer)
+        kc, vc = pool.k_view(layer), pool.v_view(layer)
+        reference.append_kv(reference.quantize_kv(k, in_dtype, ks, layout.dtype),
+                            reference.quantize_kv(v, in_dtype, vs, layout.dtype), kc, vc, slots)
+        return
+    kv, vv, sv = view(k, "k"), view(v, "v"), view(slot_mapping, "slot_mapping")
+    ka, va, sa = dev(kv, "k"), dev(vv, "v"), dev(sv, "slot_mapping")
+    _check_kv_shapes(ka.shape, va.shape, sa.shape, row)
+    check_int_array(sa, "slot_mapping", 8, 1)
+    in_dtype = _fp8_input_dtype(ka.kind, ka.itemsize, va.kind, va.itemsize, layout.dtype)
+    for name, a in (("k", ka), ("v", va)):
+        if a.strides[2] != 1 or a.ptr % 16 or (a.strides[0] * 2) % 16 or (a.strides[1] * 2) % 16:
+            raise InvalidArgumentError(f"{name} rows must be contiguous and 16-byte aligned")
+    st = layout.strides()
+    if layout.head_dim % 8 or st["head"] != layout.head_dim or st["token"] % 8:
+        raise InvalidArgumentError(f"layout {st} does not fit the fp8 append kernel")
+    n = ka.shape[0]
+    if n == 0:
+        return
+    device_id = device_index(pool)
+    for name, a in (("k", ka), ("v", va), ("slot_mapping", sa)):
+        check_ptr(a.ptr, name, device_id)
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        sp = stream_handle(stream)
+        if scales.auto_calibrate and not scales.is_set(layer):
+            wait_producers(sp, device_id, kv, vv, sv)
+            with cupy_stream(sp):
+                scales.calibrate_from(layer, k, v, slot_mapping)
+        k_base = pool.base_ptr + layer * st["layer"]
+        k_scale, v_scale = scales.ptrs(layer)
+        args = _AppendFp8Args(
+            ka.ptr, ka.strides[0] * 2, ka.strides[1] * 2, va.ptr, va.strides[0] * 2,
+            va.strides[1] * 2, sa.ptr, k_base, k_base + st["kv"], st["block"], st["token"],
+            st["head"], layout.block_size, pool.num_blocks * layout.block_size,
+            layout.num_kv_heads, layout.head_dim // 8, k_scale, v_scale, scales.head_stride,
+            int(in_dtype == "bfloat16"), _build.FP8_DTYPES[layout.dtype],
+        )
+        wait_producers(sp, device_id, kv, vv, sv)
+        launch(_kernel_in("append_kv", "append_kv_fp8", device_id), (n, 1, 1), 128, 0, sp,
+               param_block(args))
+
+
+def _fp8_input_dtype(k_kind: str, k_size: int, v_kind: str, v_size: int, pool_dtype: str) -> str:
+    """float16 or bfloat16: the 16-bit type of k and v written into an fp8 pool (fp8 or other
+    inputs are refused: the pool quantizes, it never copies fp8 bytes)."""
+    kinds = {(k_kind == "f", k_size), (v_kind == "f", v_size)}
+    if len(kinds) != 1 or k_size != 2:
+        raise InvalidArgumentError(
+            f"k and v must both be float16 or both bfloat16 to write into a {pool_dtype} pool "
+            f"(it quantizes while writing), got element types {k_kind}{k_size} and "
+            f"{v_kind}{v_size}")
+    return "float16" if k_kind == "f" else "bfloat16"
+
+
+@functools.cache
+def _kernel_in(module: str, name: str, device_id: int) -> Kernel:
+    return Kernel(_build.plain_module(module), name, device_id)
 
 
 def _check_kv_shapes(k_shape, v_shape, s_shape, row) -> None:

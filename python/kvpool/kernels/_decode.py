@@ -34,6 +34,7 @@ from kvpool.kernels._launch import (
     stream_handle,
     wait_producers,
 )
+from kvpool.kernels._scales import KvScales
 from kvpool.kernels._plan import CTAS_PER_SM, TC_CTAS_PER_SM, DecodePlan, plan_decode
 
 LOG2E = 1.4426950408889634  # the kernel works in the log2 domain (exp2)
@@ -53,6 +54,7 @@ def paged_attention_decode(
     num_splits: int | None = None,
     workspace: Any = None,
     pipeline: int | None = None,
+    scales: KvScales | None = None,
 ) -> Any:
     """Attention of one new query token per sequence over its paged K/V in layer `layer`.
 
@@ -81,6 +83,11 @@ def paged_attention_decode(
     Everything derivable from the pool, layer, shapes, strides and dtypes is cached, so a
     repeated call costs a few dictionary look-ups and one or two cuLaunchKernel calls.
     On a host pool the arrays are NumPy and the float64 reference does the work.
+
+    An fp8 pool (float8_e4m3fn / float8_e5m2; head_dim a multiple of 16 in 32..256, the
+    tensor-core kernel only) needs `scales` (its KvScales); q and out are float16 or bfloat16
+    (q's type decides), K/V are dequantized inside the kernel, fp32 accumulation. bfloat16
+    queries run through fp16 there (exact for |q| in 6.1e-5 .. 65504).
     """
     layer = index_arg(layer, "layer")
     info = _pool_info(pool)
@@ -90,11 +97,18 @@ def paged_attention_decode(
         _check_tables_pool(seq_lens, pool, "seq_lens")
     if not 0 <= layer < info.num_layers:
         raise InvalidArgumentError(f"layer {layer} outside 0..{info.num_layers - 1}")
+    fp8 = info.layout.dtype in _build.FP8_DTYPES
+    if fp8 and (not isinstance(scales, KvScales) or scales.pool is not pool):
+        raise InvalidArgumentError(
+            f"decode over a {info.layout.dtype} pool needs scales=KvScales(pool) of this pool")
+    if not fp8 and scales is not None:
+        raise InvalidArgumentError(f"scales are for fp8 pools; this pool holds {info.layout.dtype}")
     if not info.cuda:
-        return _decode_host(q, pool, layer, block_tables, seq_lens, scale, out)
+        return _decode_host(q, pool, layer, block_tables, seq_lens, scale, out, scales)
     return _decode_cuda(
         q, pool, info, layer, block_tables, seq_lens, scale, out, stream, max_seq_len,
         num_splits, workspace, _build.TC if pipeline is None else index_arg(pipeline, "pipeline"),
+        scales,
     )
 
 
@@ -127,7 +141,7 @@ def _check_shapes(q_shape, bt_shape, sl_shape, layout) -> tuple[int, int, int]:
     return num_seqs, hq, hq // layout.num_kv_heads
 
 
-def _decode_host(q, pool, layer, block_tables, seq_lens, scale, out):
+def _decode_host(q, pool, layer, block_tables, seq_lens, scale, out, scales=None):
     layout = pool.layout
     for name, a in (("q", q), ("block_tables", block_tables), ("seq_lens", seq_lens),
                     ("out", out)):
@@ -138,18 +152,19 @@ def _decode_host(q, pool, layer, block_tables, seq_lens, scale, out):
     lens = np.asarray(seq_lens)
     _check_shapes(q.shape, tables.shape, lens.shape, layout)
     # The element types the CUDA path accepts: float16 data for a float16 pool, 2-byte non-float
-    # data (bfloat16 bits) for a bfloat16 pool; never a numeric conversion.
-    if not elem_ok(q.dtype.kind, q.itemsize, layout.dtype, layout.elem_bytes):
+    # data (bfloat16 bits) for a bfloat16 pool; never a numeric conversion. An fp8 pool: either.
+    q_dtype = fp8_query_dtype(q.dtype.kind, q.itemsize, layout.dtype) if scales else layout.dtype
+    if not elem_ok(q.dtype.kind, q.itemsize, q_dtype, 2 if scales else layout.elem_bytes):
         raise InvalidArgumentError(f"q has dtype {q.dtype}; the pool's dtype is {layout.dtype}")
     for name, a in (("block_tables", tables), ("seq_lens", lens)):
         if a.dtype.kind not in "iu":
             raise InvalidArgumentError(f"{name} must be an integer array, got {a.dtype}")
     if out is not None and (
         not isinstance(out, np.ndarray) or out.shape != q.shape
-        or not elem_ok(out.dtype.kind, out.itemsize, layout.dtype, layout.elem_bytes)
+        or not elem_ok(out.dtype.kind, out.itemsize, q_dtype, q.itemsize)
     ):
         raise InvalidArgumentError(
-            f"out must be a NumPy array of shape {q.shape} holding {layout.dtype}, got "
+            f"out must be a NumPy array of shape {q.shape} holding {q_dtype}, got "
             f"{getattr(out, 'dtype', type(out))} {getattr(out, 'shape', '')}"
         )
     nblk = -(-lens.astype(np.int64) // layout.block_size)
@@ -160,9 +175,10 @@ def _decode_host(q, pool, layer, block_tables, seq_lens, scale, out):
         if ((row < 0) | (row >= pool.num_blocks)).any():
             raise InvalidArgumentError(f"block table row {i} holds an id outside the pool")
     res = reference.paged_attention_decode(
-        q, pool.k_view(layer), pool.v_view(layer), tables, lens, layout.dtype, scale
+        q, pool.k_view(layer), pool.v_view(layer), tables, lens, layout.dtype, scale,
+        q_dtype=q_dtype, kv_scales=scales.layer_scales(layer) if scales else None,
     )
-    res = reference.from_float64(res, layout.dtype)
+    res = reference.from_float64(res, q_dtype)
     if out is None:
         return res.view(q.dtype)
     out[...] = res.view(out.dtype)
@@ -237,6 +253,22 @@ class _DecodeArgs(ctypes.Structure):
     ]
 
 
+class _DecodeFp8Args(ctypes.Structure):
+    """The tensor-core kernel's parameters over an fp8 cache: _DecodeArgs' and the scales."""
+
+    _fields_ = [*_DecodeArgs._fields_, ("k_scale", ctypes.c_uint64),
+                ("v_scale", ctypes.c_uint64), ("scale_head_stride", ctypes.c_int32)]
+
+
+def fp8_query_dtype(kind: str, itemsize: int, pool_dtype: str) -> str:
+    """The query dtype over an fp8 cache: float16 (a 2-byte float) or bfloat16 (any other
+    2-byte type); anything else (fp8 queries among them) is refused."""
+    if itemsize != 2:
+        raise InvalidArgumentError(
+            f"q over a {pool_dtype} pool must be float16 or bfloat16, got a {itemsize}-byte type")
+    return "float16" if kind == "f" else "bfloat16"
+
+
 # _DecodeArgs fields the tensor-core kernel has and the CUDA-core kernel does not.
 _TC_ONLY = ("counters", "bs_log2", "head_dim", "gq")
 
@@ -254,12 +286,17 @@ class _Prepared:
     """Everything about a decode call that does not change between calls with the same pool,
     layer, shapes, strides, dtypes, scale and kernel choice."""
 
-    def __init__(self, info: _PoolInfo, layer: int, qv, btv, slv, ov, scale, pipeline) -> None:
+    def __init__(self, info: _PoolInfo, layer: int, qv, btv, slv, ov, scale, pipeline,
+                 scales=None) -> None:
         d = info.head_dim
         qa, bt, sl, oa = _dev(qv, "q"), _dev(btv, "block_tables"), _dev(slv, "seq_lens"), _dev(
             ov, "out")
         num_seqs, hq, group = _check_shapes(qa.shape, bt.shape, sl.shape, _LayoutDims(info))
-        check_elem16(qa, "q", info.dtype)
+        fp8 = info.dtype in _build.FP8_DTYPES
+        q_dtype = fp8_query_dtype(qa.kind, qa.itemsize, info.dtype) if fp8 else info.dtype
+        check_elem16(qa, "q", q_dtype)
+        if fp8:
+            check_elem16(oa, "out", q_dtype)
         check_int_array(bt, "block_tables", 4, 2)
         check_int_array(sl, "seq_lens", 4, 1)
         if qa.strides[2] != 1 or qa.strides[0] % 8 or qa.strides[1] % 8:
@@ -269,12 +306,13 @@ class _Prepared:
         if oa.shape != qa.shape or oa.itemsize != 2 or oa.strides[2] != 1:
             raise InvalidArgumentError(f"out must be [{num_seqs}, {hq}, {d}] with contiguous rows")
         st = info.strides
-        if st["elem"] != 2 or st["head"] != 2 * d or st["token"] % 16:
+        eb = st["elem"]
+        if eb != (1 if fp8 else 2) or st["head"] != eb * d or st["token"] % 16:
             raise InvalidArgumentError(f"layout strides {st} do not fit the decode kernel")
         self.num_seqs, self.hq, self.d = num_seqs, hq, d
         self.device_id = info.device_id
         if pipeline == _build.TC:
-            variant, gq = _build.tc_variant(info.dtype, d, group)
+            variant, gq = _build.tc_variant(info.dtype, d, group, q_dtype)
             ctas_per_sm = TC_CTAS_PER_SM
         elif pipeline in (0, 1):
             gq = _build.group_tile(group)
@@ -296,11 +334,14 @@ class _Prepared:
         # kernel merges inside its own launch.
         self.merge = None if self.tc else Kernel(mod, "merge_splits", info.device_id)
         k_base = info.base_ptr + layer * st["layer"]
-        a = self.args = _DecodeArgs(
+        a = self.args = (_DecodeFp8Args if fp8 else _DecodeArgs)(
             0, qa.strides[0], qa.strides[1], 0, oa.strides[0], oa.strides[1], 0, 0, 0,
             k_base, k_base + st["kv"], st["block"], st["token"], st["head"], info.num_blocks,
             info.block_size.bit_length() - 1, 0, bt.strides[0], 0, hq, d, group, gq, 0, 0,
             (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E)
+        self.fp8 = fp8
+        if fp8:
+            a.scale_head_stride = scales.head_stride
         self.params = param_block(a, () if self.tc else _TC_ONLY)
         m = self.margs = _MergeArgs(0, 0, 0, oa.strides[0], oa.strides[1], 0, hq, 0, 0)
         self.mparams = param_block(m)
@@ -372,6 +413,14 @@ def _cached_workspace(device_id: int, stream: int, need: int) -> int:
 @functools.cache
 def _unsupported(dtype: str, head_dim: int, block_size: int, pipeline: int) -> str | None:
     """Why no decode kernel runs this pool's shape (None: one does); cached per shape."""
+    if dtype in _build.FP8_DTYPES:
+        if (pipeline == _build.TC and head_dim in _build.FP8_HEAD_DIMS
+                and block_size in _build.TC_BLOCK_SIZES):
+            return None
+        return (f"no decode kernel for dtype {dtype}, head_dim {head_dim}, block_size "
+                f"{block_size}, pipeline {pipeline}; fp8 pools run the tensor-core kernel "
+                f"(pipeline None) with head_dim a multiple of 16 in 32..256 and block_size a "
+                f"power of two in 1..256")
     if pipeline == _build.TC:
         ok = (dtype in _build.DTYPES and head_dim in _build.TC_HEAD_DIMS
               and block_size in _build.TC_BLOCK_SIZES)
@@ -388,7 +437,7 @@ def _unsupported(dtype: str, head_dim: int, block_size: int, pipeline: int) -> s
 
 
 def _decode_cuda(q, pool, info, layer, block_tables, seq_lens, scale, out, stream, max_seq_len,
-                 num_splits, workspace, pipeline):
+                 num_splits, workspace, pipeline, scales=None):
     if pipeline not in (0, 1, _build.TC):
         raise InvalidArgumentError(f"pipeline must be None, 0, 1 or {_build.TC}")
     why = _unsupported(info.dtype, info.head_dim, info.block_size, pipeline)
@@ -406,10 +455,10 @@ def _decode_cuda(q, pool, info, layer, block_tables, seq_lens, scale, out, strea
             out = cupy.empty(tuple(qv.shape), dtype=cupy.float16 if qv.is_float else cupy.uint16)
     ov = _view(out, "out")
     key = (info.serial, layer, qv.layout_key, btv.layout_key, slv.layout_key, ov.layout_key,
-           scale, pipeline)
+           scale, pipeline, None if scales is None else scales.granularity)
     prep = _PREPARED.get(key)
     if prep is None:
-        prep = _Prepared(info, layer, qv, btv, slv, ov, scale, pipeline)
+        prep = _Prepared(info, layer, qv, btv, slv, ov, scale, pipeline, scales)
         if len(_PREPARED) > 1024:
             _PREPARED.clear()
         _PREPARED[key] = prep
@@ -470,6 +519,8 @@ def _decode_cuda(q, pool, info, layer, block_tables, seq_lens, scale, out, strea
         a.chunk_tokens, a.max_splits = plan.chunk_tokens, plan.num_splits
         if prep.tc:
             a.counters = counters
+        if prep.fp8:
+            a.k_scale, a.v_scale = scales.ptrs(layer)
         launch(prep.kernel, (plan.num_splits, prep.ctas_per_seq, num_seqs), prep.threads,
                prep.smem, sp, prep.params)
         if plan.split and not prep.tc:

@@ -94,6 +94,10 @@ def paged_attention_prefill(
             _check_tables_pool(a, pool, name)
     if not 0 <= layer < info.num_layers:
         raise InvalidArgumentError(f"layer {layer} outside 0..{info.num_layers - 1}")
+    if info.layout.dtype in _build.FP8_DTYPES:
+        raise InvalidArgumentError(
+            f"paged_attention_prefill does not read {info.layout.dtype} pools yet (fp8 caches "
+            f"have a decode kernel only); keep prefill on a float16 or bfloat16 pool")
     if not info.cuda:
         return _prefill_host(q, pool, layer, qo_indptr, block_tables, seq_lens, bool(causal),
                              scale, out)

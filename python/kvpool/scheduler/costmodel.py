@@ -31,14 +31,15 @@ class RooflineCost:
 
     preset: ModelPreset
     hardware: Hardware = H200
-    dtype_bytes: int = 2
+    dtype_bytes: int = 2  # weights
+    kv_dtype_bytes: int = 2  # the KV cache (1 for fp8)
 
     def __call__(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
         hw = self.hardware
         if prefill_tokens + decode_seqs == 0:
             return hw.step_overhead_s
         weight_bytes = self.preset.num_params * self.dtype_bytes
-        kv_bytes = kv_tokens * self.preset.token_bytes(self.dtype_bytes)
+        kv_bytes = kv_tokens * self.preset.token_bytes(self.kv_dtype_bytes)
         memory_s = (weight_bytes + kv_bytes) / (hw.hbm_bytes_per_s * hw.efficiency)
         compute_s = (prefill_tokens + decode_seqs) * 2.0 * self.preset.num_params / (hw.dense_flops * hw.efficiency)
         return max(memory_s, compute_s) + hw.step_overhead_s

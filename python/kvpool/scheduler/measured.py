@@ -22,11 +22,15 @@ import numpy as np
 
 class DecodeProbe:
     def __init__(self, pool: Any, num_q_heads: int, every: int = 10) -> None:
+        import functools
+
         import cupy
-        from kvpool.kernels import paged_attention_decode
+        from kvpool.kernels import KvScales, paged_attention_decode
 
         self.cp = cupy
         self.decode = paged_attention_decode
+        if pool.layout.elem_bytes == 1:  # an fp8 cache: the kernel reads its (unit) scales
+            self.decode = functools.partial(paged_attention_decode, scales=KvScales(pool))
         self.pool = pool
         self.num_q_heads = num_q_heads
         self.every = max(1, every)

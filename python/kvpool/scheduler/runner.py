@@ -45,6 +45,7 @@ class SimulationSpec:
     device: str = "auto"  # auto | host | cuda
     reserve: str = "max_model_len"
     measure_every: int = 10
+    kv_dtype: str = "float16"  # the cache's element type (fp8 halves the bytes per token)
     workload_info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -57,7 +58,7 @@ def resolve_device(device: str) -> str:
 
 
 def make_pool(spec: SimulationSpec, device: str) -> tuple[kvpool.Pool, int, str]:
-    layout = spec.preset.layout(spec.block_size)
+    layout = spec.preset.layout(spec.block_size, spec.kv_dtype)
     num_blocks = num_blocks_for(spec.kv_memory_bytes, layout)
     if num_blocks < 1:
         raise ValueError(
@@ -126,10 +127,10 @@ def simulate(spec: SimulationSpec, progress: Progress | None = None) -> dict[str
     """Run both schedulers; the report's figures as a dict (JSON-ready)."""
     device = resolve_device(spec.device)
     preset = spec.preset
-    layout = preset.layout(spec.block_size)
+    layout = preset.layout(spec.block_size, spec.kv_dtype)
     token_bytes = preset.token_bytes(layout.elem_bytes)
     pool, num_blocks, slab = make_pool(spec, device)
-    cost = RooflineCost(preset, dtype_bytes=layout.elem_bytes)
+    cost = RooflineCost(preset, kv_dtype_bytes=layout.elem_bytes)
     probe, timing = make_probe(pool, preset.num_q_heads, spec.measure_every)
 
     paged = PagedKv(pool, spec.config.max_running_seqs, spec.config.max_model_len)

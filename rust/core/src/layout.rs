@@ -19,16 +19,18 @@ pub enum DType {
     BFloat16,
     Float32,
     Float8E4M3,
+    Float8E5M2,
 }
 
 impl DType {
-    pub const ALL: [DType; 4] = [DType::Float16, DType::BFloat16, DType::Float32, DType::Float8E4M3];
+    pub const ALL: [DType; 5] =
+        [DType::Float16, DType::BFloat16, DType::Float32, DType::Float8E4M3, DType::Float8E5M2];
 
     pub fn size_bytes(self) -> usize {
         match self {
             DType::Float16 | DType::BFloat16 => 2,
             DType::Float32 => 4,
-            DType::Float8E4M3 => 1,
+            DType::Float8E4M3 | DType::Float8E5M2 => 1,
         }
     }
 
@@ -39,6 +41,7 @@ impl DType {
             DType::BFloat16 => "bfloat16",
             DType::Float32 => "float32",
             DType::Float8E4M3 => "float8_e4m3fn",
+            DType::Float8E5M2 => "float8_e5m2",
         }
     }
 
@@ -49,8 +52,10 @@ impl DType {
             "bfloat16" | "bf16" => Ok(DType::BFloat16),
             "float32" | "fp32" | "float" | "f4" | "<f4" => Ok(DType::Float32),
             "float8_e4m3fn" | "float8_e4m3" | "fp8_e4m3" | "e4m3" | "fp8" => Ok(DType::Float8E4M3),
+            "float8_e5m2" | "fp8_e5m2" | "e5m2" => Ok(DType::Float8E5M2),
             _ => Err(CoreError::InvalidLayout(format!(
-                "unsupported dtype {name:?}; supported: float16, bfloat16, float32, float8_e4m3fn"
+                "unsupported dtype {name:?}; supported: float16, bfloat16, float32, float8_e4m3fn, \
+                 float8_e5m2"
             ))),
         }
     }

@@ -73,13 +73,14 @@ pub fn dl_device(device: Device) -> (i32, i32) {
 }
 
 /// DLPack's (type code, bits) of a pool dtype: kDLFloat = 2, kDLBfloat = 4,
-/// kDLFloat8_e4m3fn = 10.
+/// kDLFloat8_e4m3fn = 10, kDLFloat8_e5m2 = 12.
 fn dl_dtype(dtype: DType) -> DLDataType {
     let (code, bits) = match dtype {
         DType::Float16 => (2, 16),
         DType::Float32 => (2, 32),
         DType::BFloat16 => (4, 16),
         DType::Float8E4M3 => (10, 8),
+        DType::Float8E5M2 => (12, 8),
     };
     DLDataType { code, bits, lanes: 1 }
 }

@@ -19,7 +19,7 @@ fn typestr(dtype: DType) -> &'static str {
         DType::Float16 => "<f2",
         DType::Float32 => "<f4",
         DType::BFloat16 => "<u2",
-        DType::Float8E4M3 => "|u1",
+        DType::Float8E4M3 | DType::Float8E5M2 => "|u1",
     }
 }
 
