@@ -14,6 +14,8 @@ from kvpool._core import (
     DeviceArray,
     DoubleFreeError,
     DuplicateRequestError,
+    HostTier,
+    HostTierFullError,
     InvalidArgumentError,
     InvalidBlockError,
     KvError,
@@ -25,6 +27,7 @@ from kvpool._core import (
     Pool,
     SlabView,
     UnknownRequestError,
+    WrongTierError,
     cuda_available,
 )
 from kvpool import reference
@@ -46,6 +49,8 @@ __all__ = [
     "DeviceArray",
     "DoubleFreeError",
     "DuplicateRequestError",
+    "HostTier",
+    "HostTierFullError",
     "InvalidArgumentError",
     "InvalidBlockError",
     "KvError",
@@ -57,6 +62,7 @@ __all__ = [
     "Pool",
     "SlabView",
     "UnknownRequestError",
+    "WrongTierError",
     "append_kv",
     "copy_blocks",
     "cuda_available",

@@ -9,6 +9,8 @@
 //!   (`pool/growth.rs`, design in `pool/growable.md`).
 //! - [`tables`]: each request's block table, and its upload to the GPU (`tables/upload.rs`,
 //!   design in `tables/upload.md`).
+//! - [`tier`]: a host tier (a second pool in host memory) and whole requests swapped between
+//!   it and the device (design in `tier/tier.md`).
 //! - `driver` (feature `cuda`): probing the CUDA driver, and owning wrappers of its objects.
 //!
 //! Every fallible call returns [`CoreError`] and changes nothing when it fails.
@@ -22,6 +24,7 @@ pub mod layout;
 pub mod pool;
 pub mod slab;
 pub mod tables;
+pub mod tier;
 mod sync;
 
 /// The bare allocator, which never grows a pool: only for this crate's own tests, loom
