@@ -333,10 +333,8 @@ impl HostTier {
                 continue;
             }
             let p = ts.pending.swap_remove(i);
-            // Cannot fail: each is a reference the tier holds (a block freed behind the
-            // tables' back through the plain pool API would be refused as not the tables').
-            let _ = self.tables.pool().free_many_for(&p.device_blocks, Owner::Tables);
-            let _ = self.host_pool.free_many_for(&p.host_blocks, Owner::Tables);
+            drop_refs(self.tables.pool(), &p.device_blocks);
+            drop_refs(&self.host_pool, &p.host_blocks);
             released.0 += p.device_blocks.len();
             released.1 += p.host_blocks.len();
         }
@@ -414,6 +412,18 @@ impl Drop for HostTier {
     /// (a pending device block to the device pool, which outlives the tier).
     fn drop(&mut self) {
         let _ = self.wait();
+    }
+}
+
+/// Drops one reference per entry of `blocks`, which may repeat a block: one swap of a parent
+/// and its fork copies their shared blocks once per holder. Cannot fail: each entry is a
+/// reference the tier holds (a block freed behind its back through the plain pool API is
+/// refused as not the tables', and that reference is then gone already).
+fn drop_refs(pool: &Pool, blocks: &[u32]) {
+    if pool.free_many_for(blocks, Owner::Tables).is_err() {
+        for &b in blocks {
+            let _ = pool.free_many_for(&[b], Owner::Tables);
+        }
     }
 }
 
