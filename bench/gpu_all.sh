@@ -8,9 +8,14 @@
 #   tests     pytest -m gpu tests (decode errors per case in decode_errors.json)
 #   bench     pool, tables and growable benchmarks (JSON each)
 #   sanitize  compute-sanitizer memcheck (float16 and bfloat16) and racecheck (float16) over
-#             bench/sanitize_case.py: every kernel family, head dims 64/128/256, blocks 8/16/32
+#             bench/sanitize_case.py: every kernel family at its default head dims and block
+#             sizes (padded widths, pages smaller than a tile)
 #   decode    the decode benchmark against SDPA and FlashInfer (stopped after 150 s; its JSON
 #             is written row by row, so a stop keeps the rows measured)
+# Other areas' scripts run as stages too (not in the default list; each takes minutes):
+#   decode_v4 bench/gpu_decode.sh, prefill bench/gpu_prefill.sh, transformers
+#   bench/gpu_transformers.sh; their files land in the same tarball (decode/, prefill/, ...).
+# FlashInfer wheels in .whl/ (carried beside dist/) are installed when present.
 # Everything lands in $OUT/$NAME/: summary.txt (the tail of every stage and its exit status)
 # and results.tar.gz (every log and JSON); unpack the latter into bench/results/<run>/.
 # A failing stage stops the run (the later stages would measure broken code); the exit
@@ -71,6 +76,18 @@ stage_sanitize() {
   return $status
 }
 
+stage_decode_v4() {
+  OUT="$WORK" run "bench/gpu_decode.sh" gpu_decode.log bash bench/gpu_decode.sh
+}
+
+stage_prefill() {
+  OUT="$WORK" run "bench/gpu_prefill.sh" gpu_prefill.log bash bench/gpu_prefill.sh
+}
+
+stage_transformers() {
+  OUT="$WORK" run "bench/gpu_transformers.sh" gpu_transformers.log bash bench/gpu_transformers.sh
+}
+
 stage_decode() {
   run "decode_bench (vs SDPA and FlashInfer when installed)" decode_bench.log \
     timeout 150 python3 bench/decode_bench.py "$WORK/decode_h200.json"
@@ -80,14 +97,18 @@ stage_decode() {
 }
 
 SITE=$(mktemp -d)
-python3 -m pip install -q --no-index --no-deps --target "$SITE" dist/*.whl || { note "wheel install failed"; exit 1; }
+python3 -m pip install -q --no-index --no-deps --target "$SITE" dist/*.whl $(ls .whl/*.whl 2>/dev/null) ||
+  { note "wheel install failed"; exit 1; }
+if NVCC=$(command -v nvcc); then  # FlashInfer's JIT, when its wheels were carried
+  export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$NVCC")")} FLASHINFER_CUDA_ARCH_LIST=9.0a
+fi
 export PYTHONPATH="$SITE"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; echo "commit $KVPOOL_COMMIT"; date -u; } > "$WORK/gpu.txt"
 cat "$WORK/gpu.txt" > "$SUMMARY"
 
 for stage in $STAGES; do
   if ! declare -F "stage_$stage" > /dev/null; then
-    note "unknown stage '$stage' (known: tests bench sanitize decode)"
+    note "unknown stage '$stage' (known: tests bench sanitize decode decode_v4 prefill transformers)"
     exit 2
   fi
   "stage_$stage"

@@ -23,3 +23,21 @@ extern "C" __global__ void __launch_bounds__(256) copy_blocks(
         for (i64 b = vecs * 16; b < block_bytes; ++b) d[b] = s[b];
     }
 }
+
+// move_blocks: copy n whole blocks between two regions, block i from
+// src_base + src_id(i) * src_stride to dst_base + dst_id(i) * dst_stride, where a null id list
+// means the identity (id(i) = i). With a pool's slab on one side and a contiguous staging buffer
+// on the other it is the gather that packs a KV transfer's blocks and the scatter that unpacks
+// them. Grid: (block, chunk), as copy_blocks; block_bytes and both strides are multiples of 16.
+extern "C" __global__ void __launch_bounds__(256) move_blocks(
+    const char* __restrict__ src_base, const int* __restrict__ src_ids, i64 src_stride,
+    char* __restrict__ dst_base, const int* __restrict__ dst_ids, i64 dst_stride, i64 block_bytes) {
+    const i64 i = blockIdx.x;
+    const i64 src = src_ids ? (i64)src_ids[i] : i;
+    const i64 dst = dst_ids ? (i64)dst_ids[i] : i;
+    const uint4* s = reinterpret_cast<const uint4*>(src_base + src * src_stride);
+    uint4* d = reinterpret_cast<uint4*>(dst_base + dst * dst_stride);
+    const i64 vecs = block_bytes / 16;
+    const i64 step = (i64)gridDim.y * blockDim.x;
+    for (i64 v = (i64)blockIdx.y * blockDim.x + threadIdx.x; v < vecs; v += step) d[v] = s[v];
+}

@@ -52,16 +52,28 @@ def _gpu_unavailable_reason() -> str | None:
     return None
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
-    if not gpu_items:
-        return
+def _two_gpus_unavailable_reason() -> str | None:
+    """Why two-GPU tests cannot run here, or None."""
     reason = _gpu_unavailable_reason()
-    if reason is None:
-        return
-    skip = pytest.mark.skip(reason=f"gpu test: {reason}")
-    for item in gpu_items:
-        item.add_marker(skip)
+    if reason is not None:
+        return reason
+    import cupy
+
+    count = cupy.cuda.runtime.getDeviceCount()
+    return None if count >= 2 else f"{count} CUDA device(s), two needed"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for marker, why in (("gpu", _gpu_unavailable_reason), ("gpu2", _two_gpus_unavailable_reason)):
+        marked = [item for item in items if item.get_closest_marker(marker) is not None]
+        if not marked:
+            continue
+        reason = why()
+        if reason is None:
+            continue
+        skip = pytest.mark.skip(reason=f"{marker} test: {reason}")
+        for item in marked:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,7 @@ def reference_logits(model, prompt, forced):
     return torch.cat(out)
 
 
-def kvpool_logits(model, prompts, forced, *, block_size=16, num_blocks=None):
+def kvpool_logits(model, prompts, forced, *, block_size=16, num_blocks=None, prefill="kernel"):
     """The same tokens through kvpool: every prompt prefilled in one packed step (ragged), then
     one packed decode step per forced token for all sequences. Returns per sequence float32
     logits [len(prompt) + len(forced[i]), vocab]."""
@@ -50,7 +50,7 @@ def kvpool_logits(model, prompts, forced, *, block_size=16, num_blocks=None):
     layout = layout_for(model, block_size)
     need = sum(-(-(len(p) + len(f)) // block_size) for p, f in zip(prompts, forced))
     pool = kvpool.Pool(layout, num_blocks or need + 4, device="host" if dev.type == "cpu" else str(dev))
-    runner = TransformersRunner(model, pool)
+    runner = TransformersRunner(model, pool, prefill=prefill)
     width = max(-(-(len(p) + len(f)) // block_size) for p, f in zip(prompts, forced))
     tables = kvpool.BlockTables(pool, len(prompts), width)
     for i, p in enumerate(prompts):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from attention_check import assert_attention_close, decode_reference_without_token
+from gpu_fixtures import cp
 
 import kvpool
 from kvpool import reference
@@ -22,13 +23,6 @@ from kvpool.kernels import _build, _decode, paged_attention_decode, workspace_el
 
 pytestmark = pytest.mark.gpu
 
-cp = pytest.importorskip("cupy")
-try:
-    HAVE_GPU = cp.cuda.runtime.getDeviceCount() > 0
-except Exception:  # no driver
-    HAVE_GPU = False
-if not HAVE_GPU:
-    pytest.skip("no CUDA device", allow_module_level=True)
 
 NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
 

@@ -16,6 +16,7 @@ import os
 import numpy as np
 import pytest
 from attention_check import assert_attention_close, table_with_wrong_block
+from gpu_fixtures import cp
 
 import kvpool
 from kvpool import reference
@@ -29,13 +30,6 @@ from kvpool.kernels import (
 
 pytestmark = pytest.mark.gpu
 
-cp = pytest.importorskip("cupy")
-try:
-    HAVE_GPU = cp.cuda.runtime.getDeviceCount() > 0
-except Exception:  # no driver
-    HAVE_GPU = False
-if not HAVE_GPU:
-    pytest.skip("no CUDA device", allow_module_level=True)
 
 DTYPES = ["float16", "bfloat16"]
 NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}

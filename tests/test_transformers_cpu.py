@@ -25,13 +25,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::F
                                         "ignore::UserWarning")
 
 
+@pytest.mark.parametrize("prefill", ["kernel", "sdpa"])
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
-def test_teacher_forced_logits_match_dynamic_cache(kv_heads):
+def test_teacher_forced_logits_match_dynamic_cache(kv_heads, prefill):
     model = llama(torch.float32, "cpu", kv_heads=kv_heads)
     rng = np.random.default_rng(kv_heads)
     prompts = [rng.integers(0, 101, n).tolist() for n in (1, 7, 16, 23)]
     forced = [rng.integers(0, 101, n).tolist() for n in (5, 9, 3, 12)]
-    ours = kvpool_logits(model, prompts, forced, block_size=4)
+    ours = kvpool_logits(model, prompts, forced, block_size=4, prefill=prefill)
     for p, f, got in zip(prompts, forced, ours):
         ref = reference_logits(model, p, f)
         assert got.shape == ref.shape

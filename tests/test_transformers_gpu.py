@@ -55,9 +55,12 @@ def _prompts(rng, vocab, lens):
     return [rng.integers(0, vocab, n).tolist() for n in lens]
 
 
-@pytest.mark.parametrize("shape", ["llama_1b", "mqa_128"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_teacher_forced_logits_match_dynamic_cache(shape, dtype):
+@pytest.mark.parametrize(("shape", "dtype", "prefill"), [
+    ("llama_1b", "bfloat16", "kernel"), ("llama_1b", "float16", "kernel"),
+    ("mqa_128", "bfloat16", "kernel"), ("mqa_128", "float16", "kernel"),
+    ("llama_1b", "bfloat16", "sdpa"), ("mqa_128", "float16", "sdpa"),  # the cross-check path
+])
+def test_teacher_forced_logits_match_dynamic_cache(shape, dtype, prefill):
     """Per-token logits of the kvpool path against SDPA + DynamicCache on the same tokens.
     Bound: twice the dtype's own noise (the same reference in float32 against the reference
     in `dtype`) plus 1e-3."""
@@ -66,14 +69,14 @@ def test_teacher_forced_logits_match_dynamic_cache(shape, dtype):
     rng = np.random.default_rng(7)
     prompts = _prompts(rng, kw["vocab"], (1, 13, 64, 100, 37))
     forced = _prompts(rng, kw["vocab"], (20, 8, 17, 1, 33))
-    ours = kvpool_logits(model, prompts, forced)
+    ours = kvpool_logits(model, prompts, forced, prefill=prefill)
     refs = [reference_logits(model, p, f) for p, f in zip(prompts, forced)]
     model32 = model.float()
     refs32 = [reference_logits(model32, p, f) for p, f in zip(prompts, forced)]
     err = max((o - r).abs().max().item() for o, r in zip(ours, refs))
     noise = max((r - r32).abs().max().item() for r, r32 in zip(refs, refs32))
     bound = 2 * noise + 1e-3
-    REPORT[f"teacher_forced_{shape}_{dtype}"] = {"max_abs_err": err, "dtype_noise": noise,
+    REPORT[f"teacher_forced_{shape}_{dtype}_{prefill}"] = {"max_abs_err": err, "dtype_noise": noise,
                                                  "bound": bound}
     assert err <= bound, (err, noise)
 

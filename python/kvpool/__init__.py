@@ -26,6 +26,7 @@ from kvpool._core import (
     OutOfMemoryError,
     Pool,
     SlabView,
+    TransferError,
     UnknownRequestError,
     WrongTierError,
     cuda_available,
@@ -38,6 +39,7 @@ from kvpool.kernels import (
     paged_attention_prefill,
     prefill_plan,
 )
+from kvpool.tp import PoolGroup
 
 __all__ = [
     "MAX_NUM_BLOCKS",
@@ -60,7 +62,9 @@ __all__ = [
     "OutOfBlocksError",
     "OutOfMemoryError",
     "Pool",
+    "PoolGroup",
     "SlabView",
+    "TransferError",
     "UnknownRequestError",
     "WrongTierError",
     "append_kv",

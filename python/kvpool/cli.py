@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
 import kvpool
 from kvpool.scheduler.contiguous import RESERVE_MODES
@@ -66,6 +66,16 @@ def _fraction(text: str) -> float:
         value = math.nan
     if not 0.0 <= value < 1.0:  # also rejects nan
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
 
 
@@ -146,6 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "(request, the best case for contiguous)")
     s.add_argument("--measure-every", type=_int_in(1), default=10,
                    help="with --device cuda: time every N-th decode step")
+    d = p.add_argument_group("disaggregated serving", "prefill and decode on two GPUs, KV moved between them")
+    d.add_argument("--disaggregated", action="store_true",
+                   help="compare one prefill GPU + one decode GPU (KV transfer modelled) with two "
+                        "colocated replicas, instead of paged vs contiguous")
+    d.add_argument("--transfer-gbps", type=_positive_float, default=None,
+                   help="KV transfer bandwidth in GB/s (default: 330, or the measured figure of --transfer-json)")
+    d.add_argument("--transfer-latency-us", type=_positive_float, default=None,
+                   help="fixed cost per transfer in us (default: 70, or the measured one-block time of --transfer-json)")
+    d.add_argument("--transfer-json", type=Path, default=None,
+                   help="a bench/transfer_bench.py result: its best bandwidth at the largest size and its "
+                        "best one-block time become the defaults of the two options above")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=Path("kvpool-report"), help="report directory")
     o.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -160,6 +181,11 @@ def _flag(dest: str) -> str:
 def check_options(args: argparse.Namespace) -> str | None:
     """Why the given options do not go together (options that would be silently ignored), or None."""
     given = [d for d in GENERATOR_DEFAULTS if getattr(args, d) is not None]
+    transfer = [f for f in ("transfer_gbps", "transfer_latency_us", "transfer_json") if getattr(args, f) is not None]
+    if transfer and not args.disaggregated:
+        return f"{', '.join(_flag(f) for f in transfer)} need --disaggregated"
+    if args.disaggregated and args.device != "host":
+        return "--disaggregated models its step times; it runs with --device host"
     if args.trace is not None:
         if given:
             return (f"{', '.join(_flag(d) for d in given)} cannot be used with --trace "
@@ -287,6 +313,8 @@ def simulate_command(args: argparse.Namespace, command: Sequence[str] | None = N
         config=config, block_size=args.block_size, device=args.device, reserve=args.reserve,
         measure_every=args.measure_every, workload_info=info,
     )
+    if args.disaggregated:
+        return _disaggregated(args, spec, console)
     t0 = time.perf_counter()
     if args.no_progress:
         report = simulate(spec)
@@ -299,6 +327,51 @@ def simulate_command(args: argparse.Namespace, command: Sequence[str] | None = N
     console.print(f"report: {json_path}")
     if not args.no_plot:
         console.print(f"plot:   {write_png(report, args.out)}")
+    return 0
+
+
+def _transfer_figures(args: argparse.Namespace) -> tuple[float, float, str]:
+    """(GB/s, latency s, where they come from): the options, else the measured JSON, else defaults."""
+    gbps, latency_us, source = 330.0, 70.0, "defaults"
+    if args.transfer_json is not None:
+        import json
+
+        try:
+            summary = json.loads(args.transfer_json.read_text())["summary"]
+            largest = max(summary, key=lambda r: r["num_blocks"])
+            one = min(summary, key=lambda r: r["num_blocks"])
+            gbps, latency_us = float(largest["best_gb_per_s"]), float(one["best_us"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"--transfer-json {args.transfer_json}: not a transfer benchmark result ({e})") from None
+        source = str(args.transfer_json)
+    gbps = args.transfer_gbps or gbps
+    latency_us = args.transfer_latency_us or latency_us
+    return gbps, latency_us * 1e-6, source
+
+
+def _disaggregated(args: argparse.Namespace, spec: Any, console: Any) -> int:
+    import json
+
+    from rich.table import Table
+
+    from kvpool.scheduler.disagg import simulate_disaggregated
+
+    gbps, latency_s, source = _transfer_figures(args)
+    report = simulate_disaggregated(spec, gbps, latency_s)
+    report["transfer"]["source"] = source
+    report["command"] = ["kvpool", *sys.argv[1:]]
+    table = Table(title=f"disaggregated (1 prefill + 1 decode GPU, KV at {gbps:g} GB/s) vs 2 colocated replicas, modelled")
+    for col in ("", "disaggregated", "colocated x2", "ratio"):
+        table.add_column(col, justify="right")
+    ratios = report["ratios_disaggregated_over_colocated"]
+    for key in ratios:
+        table.add_row(key, f"{report['disaggregated'][key]:.4g}", f"{report['colocated_two_replicas'][key]:.4g}",
+                      f"{ratios[key]:.3f}")
+    console.print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "disaggregated.json"
+    path.write_text(json.dumps(report, indent=1))
+    console.print(f"report: {path}")
     return 0
 
 

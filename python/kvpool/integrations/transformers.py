@@ -7,8 +7,8 @@ metadata passed down the forward as the keyword `kvpool_step` (transformers hand
 keywords on to the attention function, as its own paged attention does with `cache`). In each
 layer the attention function writes the step's K/V into the pool with `kvpool.append_kv`,
 attends decode tokens with `kvpool.paged_attention_decode` over the block tables and prefill
-chunks causally over their cached prefix read back from the pool (`prefill_attention`: torch
-SDPA over the gathered blocks, the one place to swap in a paged prefill kernel).
+chunks causally over their cached prefix with `kvpool.paged_attention_prefill` (or, with
+`prefill="sdpa"`, torch SDPA over K/V gathered back from the pool: the cross-check).
 
 `TransformersRunner` is the model runner of `kvpool.generation.generate`. A CUDA pool takes
 torch CUDA tensors of the pool's dtype (bfloat16 included); a host pool runs the NumPy float64
@@ -62,8 +62,11 @@ class KvpoolStep:
     """One step's paged metadata on the model's device, built once per forward and shared by
     every layer."""
 
-    def __init__(self, pool: Any, batch: StepBatch, device: torch.device) -> None:
+    def __init__(self, pool: Any, batch: StepBatch, device: torch.device,
+                 prefill: str = "kernel") -> None:
         self.pool, self.batch, self.device = pool, batch, device
+        self.prefill = PREFILL[prefill]
+        self._plan: Any = None
         self.cuda = device.type == "cuda"
         self.num_decode = batch.num_decode
         self.block_size = pool.layout.block_size
@@ -73,6 +76,9 @@ class KvpoolStep:
             self.decode_block_table = put(batch.decode_block_table)
             self.decode_seq_lens = put(batch.decode_seq_lens)
             self.max_decode_len = int(batch.decode_seq_lens.max()) if batch.num_decode else 0
+            self.qo_indptr = put(batch.prefill_qo_indptr)
+            self.prefill_block_table = put(batch.prefill_block_table)
+            self.prefill_seq_lens = put(batch.prefill_seq_lens)
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,10 +110,32 @@ class KvpoolStep:
             out[:n] = torch.from_numpy(np.ascontiguousarray(res))
 
 
-def prefill_attention(step: KvpoolStep, layer: int, q: torch.Tensor, scale: float,
-                      out: torch.Tensor) -> None:
-    """Causal attention of each prefill chunk over its cached prefix and itself, with torch
-    SDPA over K/V gathered from the pool's blocks (the chunk's own K/V are already written)."""
+def prefill_kernel(step: KvpoolStep, layer: int, q: torch.Tensor, scale: float,
+                   out: torch.Tensor) -> None:
+    """Causal attention of every prefill chunk over its cached prefix and itself with
+    kvpool.paged_attention_prefill (one launch per layer; the plan is made once per step)."""
+    b, n0 = step.batch, step.num_decode
+    if b.num_prefill == 0:
+        return
+    if step._plan is None:
+        step._plan = kvpool.prefill_plan(step.pool, b.prefill_qo_indptr, b.prefill_seq_lens,
+                                         q.shape[1])
+    if step.cuda:
+        kvpool.paged_attention_prefill(
+            q[n0:], step.pool, layer, step.qo_indptr, step.prefill_block_table,
+            step.prefill_seq_lens, scale=scale, out=out[n0:], plan=step._plan,
+            stream=torch.cuda.current_stream(step.device))
+    else:
+        res = kvpool.paged_attention_prefill(
+            _np(q[n0:]), step.pool, layer, b.prefill_qo_indptr, b.prefill_block_table,
+            b.prefill_seq_lens, scale=scale, plan=step._plan)
+        out[n0:] = torch.from_numpy(np.ascontiguousarray(res))
+
+
+def prefill_sdpa(step: KvpoolStep, layer: int, q: torch.Tensor, scale: float,
+                 out: torch.Tensor) -> None:
+    """The same attention with torch SDPA over K/V gathered from the pool's blocks, one chunk
+    at a time: the cross-check of the kernel and a fallback (`prefill="sdpa"`)."""
     b = step.batch
     if b.num_prefill == 0:
         return
@@ -149,8 +177,11 @@ def kvpool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if kvpool_step.num_decode:
         kvpool_step.decode(layer, q, scale, out)
-    prefill_attention(kvpool_step, layer, q, scale, out)
+    kvpool_step.prefill(kvpool_step, layer, q, scale, out)
     return out[None], None
+
+
+PREFILL = {"kernel": prefill_kernel, "sdpa": prefill_sdpa}
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -187,7 +218,10 @@ class TransformersRunner:
     a `model.model` decoder and a `model.lm_head`). The pool's layout must match the model:
     num_layers, num_key_value_heads, head_dim and dtype (see `layout_for`)."""
 
-    def __init__(self, model: Any, pool: Any) -> None:
+    def __init__(self, model: Any, pool: Any, *, prefill: str = "kernel") -> None:
+        if prefill not in PREFILL:
+            raise ValueError(f"prefill must be one of {sorted(PREFILL)}, got {prefill!r}")
+        self.prefill = prefill
         register()
         model.set_attn_implementation(NAME)
         want = layout_for(model, pool.layout.block_size)
@@ -205,7 +239,7 @@ class TransformersRunner:
         """Last hidden states [num_tokens, hidden] of one packed step (writes the step's KV)."""
         if self.model.config._attn_implementation != NAME:  # someone switched it meanwhile
             self.model.set_attn_implementation(NAME)
-        step = KvpoolStep(self.pool, batch, self.device)
+        step = KvpoolStep(self.pool, batch, self.device, self.prefill)
         ids = torch.from_numpy(batch.input_ids).to(self.device)[None]
         pos = torch.from_numpy(batch.positions).to(self.device)[None]
         out = self.model.model(input_ids=ids, position_ids=pos, use_cache=False, kvpool_step=step)

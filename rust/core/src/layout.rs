@@ -148,6 +148,51 @@ impl KvLayout {
         self.num_layers * self.layer_stride_bytes()
     }
 
+    /// The layout of one rank's shard under tensor parallelism over `tp_size` ranks, as vLLM
+    /// shards KV heads: `num_kv_heads / tp_size` heads per rank when `tp_size` divides
+    /// `num_kv_heads`; one head per rank when `num_kv_heads` divides `tp_size` (each head is
+    /// then replicated on `tp_size / num_kv_heads` ranks, as for MQA/GQA models with more
+    /// ranks than KV heads). Any other pair is refused, naming both numbers.
+    pub fn tp_shard(&self, tp_size: usize) -> Result<KvLayout, CoreError> {
+        let heads = self.tp_heads_per_rank(tp_size)?;
+        KvLayout::new(self.num_layers, heads, self.head_dim, self.block_size, self.dtype).map_err(|e| match e {
+            CoreError::InvalidLayout(m) => {
+                CoreError::InvalidLayout(format!("the shard of {} KV heads over {tp_size} ranks: {m}", self.num_kv_heads))
+            }
+            e => e,
+        })
+    }
+
+    /// The KV heads of this (unsharded) layout that rank `rank` of `tp_size` holds, as a
+    /// range `first..first + count` (see [`tp_shard`](Self::tp_shard)).
+    pub fn tp_head_range(&self, tp_size: usize, rank: usize) -> Result<std::ops::Range<usize>, CoreError> {
+        let heads = self.tp_heads_per_rank(tp_size)?;
+        if rank >= tp_size {
+            return Err(CoreError::InvalidArgument(format!("rank {rank} is out of range for tp_size {tp_size}")));
+        }
+        let first = if tp_size <= self.num_kv_heads { rank * heads } else { rank / (tp_size / self.num_kv_heads) };
+        Ok(first..first + heads)
+    }
+
+    fn tp_heads_per_rank(&self, tp_size: usize) -> Result<usize, CoreError> {
+        let h = self.num_kv_heads;
+        if tp_size == 0 {
+            return Err(CoreError::InvalidArgument("tp_size must be positive, got 0".into()));
+        }
+        if h % tp_size == 0 {
+            Ok(h / tp_size)
+        } else if tp_size % h == 0 {
+            Ok(1)
+        } else {
+            Err(CoreError::InvalidLayout(format!(
+                "num_kv_heads {h} cannot be sharded over tp_size {tp_size}: one must divide the other \
+                 ({h} % {tp_size} = {}, {tp_size} % {h} = {})",
+                h % tp_size,
+                tp_size % h
+            )))
+        }
+    }
+
     /// Byte offset of `(layer, part)` inside any block.
     pub fn part_offset_bytes(&self, layer: usize, part: KvPart) -> Result<usize, CoreError> {
         if layer >= self.num_layers {
@@ -222,6 +267,22 @@ mod tests {
             assert_eq!(DType::parse(d.name()).unwrap(), d);
         }
         assert!(DType::parse("int8").is_err());
+    }
+
+    #[test]
+    fn tp_shards_split_or_replicate_heads() {
+        let l = llama8b();
+        let s = l.tp_shard(2).unwrap();
+        assert_eq!((s.num_kv_heads(), s.block_bytes() * 2), (4, l.block_bytes()));
+        assert_eq!(l.tp_head_range(2, 1).unwrap(), 4..8);
+        // 16 ranks over 8 heads: each head on two ranks.
+        assert_eq!(l.tp_shard(16).unwrap().num_kv_heads(), 1);
+        assert_eq!(l.tp_head_range(16, 5).unwrap(), 2..3);
+        assert_eq!(l.tp_head_range(8, 7).unwrap(), 7..8);
+        assert!(l.tp_head_range(2, 2).is_err());
+        assert!(matches!(l.tp_shard(3), Err(CoreError::InvalidLayout(m)) if m.contains("num_kv_heads 8") && m.contains("tp_size 3")));
+        assert!(matches!(l.tp_shard(12), Err(CoreError::InvalidLayout(_))));
+        assert!(l.tp_shard(0).is_err());
     }
 
     #[test]

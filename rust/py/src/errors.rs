@@ -20,6 +20,7 @@ create_exception!(kvpool._core, LayoutError, KvError, "An invalid KvLayout.");
 create_exception!(kvpool._core, InvalidArgumentError, KvError, "An argument out of its valid range.");
 create_exception!(kvpool._core, CudaUnavailableError, KvError, "No CUDA driver or no such device.");
 create_exception!(kvpool._core, CudaError, KvError, "The CUDA driver reported an error.");
+create_exception!(kvpool._core, TransferError, KvError, "A KV transfer between pools was refused (layout mismatch, too few free blocks on the receiver) or failed (peer gone, timeout, transport error); both pools are consistent afterwards (the receiver's blocks freed, the sender's still owned).");
 create_exception!(kvpool._core, KvSystemError, KvError, "The operating system refused a call for another reason than lack of memory (an mprotect of a growable host pool, say); attribute `errno`.");
 
 /// Carries a [`CoreError`] to Python (a newtype: neither `CoreError` nor `PyErr` is ours).
@@ -129,5 +130,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CudaUnavailableError", py.get_type::<CudaUnavailableError>())?;
     m.add("CudaError", py.get_type::<CudaError>())?;
     m.add("KvSystemError", py.get_type::<KvSystemError>())?;
+    m.add("TransferError", py.get_type::<TransferError>())?;
     Ok(())
 }

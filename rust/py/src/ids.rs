@@ -127,7 +127,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Int {
 /// A non-negative count of blocks (or tokens, or layers) that fits the machine's words.
 pub fn count(value: Int, what: &str) -> Result<usize, CoreError> {
     if value.too_large().is_some() {
-        return Err(CoreError::InvalidArgument(format!("{what} {} is too large (it does not fit 64 bits)", value.shown())));
+        return Err(CoreError::InvalidArgument(format!("{what} {} is out of range (past 64 bits)", value.shown())));
     }
     usize::try_from(value.value)
         .map_err(|_| CoreError::InvalidArgument(format!("{what} must be >= 0, got {}", value.shown())))

@@ -65,6 +65,19 @@ impl PyKvLayout {
         self.inner.block_bytes()
     }
 
+    /// The layout of one rank's shard under tensor parallelism over `tp_size` ranks:
+    /// `num_kv_heads / tp_size` heads, or one head when `tp_size` is a multiple of
+    /// `num_kv_heads` (replicated heads). Any other pair raises `LayoutError` naming both.
+    fn tp_shard(&self, tp_size: Int) -> KvResult<Self> {
+        Ok(PyKvLayout { inner: self.inner.tp_shard(ids::count(tp_size, "tp_size")?)? })
+    }
+
+    /// `(first, stop)`: the KV heads of this layout that rank `rank` of `tp_size` holds.
+    fn tp_head_range(&self, tp_size: Int, rank: Int) -> KvResult<(usize, usize)> {
+        let range = self.inner.tp_head_range(ids::count(tp_size, "tp_size")?, ids::count(rank, "rank")?)?;
+        Ok((range.start, range.end))
+    }
+
     /// Byte strides of the block-major layout: block, layer, kv (K to V), token, head, elem.
     fn strides<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let l = &self.inner;

@@ -59,14 +59,16 @@ impl CudaStream {
 pub struct DeviceArray {
     /// The `BlockTables` whose device copy this is (kept alive by the array).
     owner: Py<PyAny>,
+    /// The pool whose kernels may read it: the tables' pool, or the mirror it was synced to.
+    pool: Py<PyAny>,
     ptr: u64,
     shape: Vec<usize>,
     stream: u64,
 }
 
 impl DeviceArray {
-    pub fn new(owner: Py<PyAny>, ptr: u64, shape: Vec<usize>, stream: u64) -> Self {
-        DeviceArray { owner, ptr, shape, stream }
+    pub fn new(owner: Py<PyAny>, pool: Py<PyAny>, ptr: u64, shape: Vec<usize>, stream: u64) -> Self {
+        DeviceArray { owner, pool, ptr, shape, stream }
     }
 }
 
@@ -99,9 +101,15 @@ impl DeviceArray {
     fn stream(&self) -> u64 {
         self.stream
     }
-    /// The pool whose block tables produced this array (kernels check it is theirs).
+    /// The pool whose kernels read this array: the pool of the block tables that produced
+    /// it, or the mirror pool it was synced to (kernels check it is theirs).
     #[getter]
-    fn pool(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        Ok(self.owner.bind(py).getattr("pool")?.unbind())
+    fn pool(&self, py: Python<'_>) -> Py<PyAny> {
+        self.pool.clone_ref(py)
+    }
+    /// The `BlockTables` whose device copy this is.
+    #[getter]
+    fn tables(&self, py: Python<'_>) -> Py<PyAny> {
+        self.owner.clone_ref(py)
     }
 }

@@ -166,10 +166,24 @@ impl PyBlockTables {
     /// `(block_table, seq_lens)`. CUDA pools: uploads only what changed, asynchronously on
     /// the pool's stream (or `stream`, anything with `__cuda_stream__`), and returns device
     /// arrays with `__cuda_array_interface__`. Host pools: NumPy copies.
-    #[pyo3(signature = (stream = None))]
-    fn sync<'py>(slf: &Bound<'py, Self>, stream: Option<&Bound<'py, PyAny>>) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+    ///
+    /// `pool`: a mirror pool (tensor parallelism: another rank's shard, on its own device,
+    /// holding as many blocks) to upload the same table to instead, on its stream (or
+    /// `stream`, which must then be on the mirror's device); the arrays name the mirror as
+    /// their pool, so its kernels accept them.
+    #[pyo3(signature = (stream = None, *, pool = None))]
+    fn sync<'py>(
+        slf: &Bound<'py, Self>,
+        stream: Option<&Bound<'py, PyAny>>,
+        pool: Option<&Bound<'py, PyPool>>,
+    ) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
         let py = slf.py();
         let this = slf.get();
+        if let Some(mirror) = pool {
+            if !mirror.is(this.pool.bind(py)) {
+                return sync_mirror(slf, stream, mirror);
+            }
+        }
         if this.inner.pool().device() == kvpool_core::Device::Host {
             if stream.is_some() {
                 return Err(crate::errors::PyKvError(CoreError::InvalidArgument(
@@ -234,13 +248,37 @@ fn sync_cuda<'py>(slf: &Bound<'py, PyBlockTables>, stream: Option<&Bound<'py, Py
         }
     }
     .map_err(crate::errors::PyKvError)?;
+    device_arrays(slf, this.pool.clone_ref(py).into_any(), batch)
+}
+
+/// The pair of device arrays over a sync's upload, read by `pool`'s kernels.
+fn device_arrays(
+    slf: &Bound<'_, PyBlockTables>,
+    pool: Py<PyAny>,
+    batch: kvpool_core::tables::DeviceBatch,
+) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+    let py = slf.py();
     let owner = slf.clone().into_any().unbind();
     let table = crate::stream::DeviceArray::new(
         owner.clone_ref(py),
+        pool.clone_ref(py),
         batch.block_table_ptr,
         vec![batch.num_seqs, batch.max_blocks_per_seq],
         batch.stream,
     );
-    let seq_lens = crate::stream::DeviceArray::new(owner, batch.seq_lens_ptr, vec![batch.num_seqs], batch.stream);
+    let seq_lens = crate::stream::DeviceArray::new(owner, pool, batch.seq_lens_ptr, vec![batch.num_seqs], batch.stream);
     Ok((Py::new(py, table)?.into_any(), Py::new(py, seq_lens)?.into_any()))
+}
+
+fn sync_mirror<'py>(
+    slf: &Bound<'py, PyBlockTables>,
+    stream: Option<&Bound<'py, PyAny>>,
+    mirror: &Bound<'py, PyPool>,
+) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+    let handle = stream.map(crate::stream::handle_of).transpose().map_err(crate::errors::PyKvError)?;
+    // SAFETY: a given handle comes from `__cuda_stream__` of a stream object the caller passed
+    // and we hold for the call (bare ints are refused); the core checks its context is the
+    // mirror's. Without one, the mirror's own stream is used, and `mirror` is held.
+    let batch = unsafe { slf.get().inner.sync_mirror_on(&mirror.get().inner, handle) }.map_err(crate::errors::PyKvError)?;
+    device_arrays(slf, mirror.clone().into_any().unbind(), batch)
 }

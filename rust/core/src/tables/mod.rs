@@ -75,9 +75,10 @@ pub struct BlockTables {
     max_seqs: usize,
     max_blocks_per_seq: usize,
     state: Mutex<TablesState>,
-    /// Device copy and staging buffers, made on the first `sync`.
+    /// Device copy and staging buffers per device, each made on the first `sync` to it: the
+    /// pool's device, and under tensor parallelism every mirror pool's (`sync_mirror_on`).
     #[cfg(feature = "cuda")]
-    uploader: Mutex<Option<upload::Uploader>>,
+    uploaders: Mutex<Vec<upload::Uploader>>,
 }
 
 fn blocks_for(num_tokens: usize, block_size: usize) -> usize {
@@ -136,7 +137,7 @@ impl BlockTables {
             max_blocks_per_seq,
             state: Mutex::new(TablesState { rows, row_of, table, row_version, next_version: 1, swapped_out: FxHashSet::default() }),
             #[cfg(feature = "cuda")]
-            uploader: Mutex::new(None),
+            uploaders: Mutex::new(Vec::new()),
         });
         let holder: Arc<dyn RefHolder> = tables.clone();
         pool.register_ref_holder(Arc::downgrade(&holder));
@@ -502,15 +503,52 @@ impl BlockTables {
     pub unsafe fn sync_on(&self, stream: u64) -> Result<upload::DeviceBatch, CoreError> {
         let ctx = self.pool.device_context().ok_or_else(not_cuda)?.context();
         // SAFETY: the caller guarantees `stream` is a live stream handle.
+        unsafe { self.sync_in(ctx, stream) }
+    }
+
+    /// Uploads the same table to a mirror pool's device, on `stream` or the mirror's own
+    /// stream: under tensor parallelism one set of tables drives every rank's shard, and each
+    /// rank's kernels read the table from their own device. The mirror must hold as many
+    /// blocks as the tables' pool (the block ids are the same on every rank).
+    ///
+    /// # Safety
+    /// `stream`, when given, must be a live CUDA stream handle.
+    #[cfg(feature = "cuda")]
+    pub unsafe fn sync_mirror_on(&self, mirror: &Pool, stream: Option<u64>) -> Result<upload::DeviceBatch, CoreError> {
+        if mirror.num_blocks() != self.pool.num_blocks() || mirror.is_growable() || self.pool.is_growable() {
+            return Err(CoreError::InvalidArgument(format!(
+                "a mirror pool must be fixed and hold the tables' pool's {} blocks, it holds {}{}",
+                self.pool.num_blocks(),
+                mirror.num_blocks(),
+                if mirror.is_growable() || self.pool.is_growable() { " (growable pools cannot be mirrored)" } else { "" }
+            )));
+        }
+        let device_context = mirror.device_context().ok_or_else(not_cuda)?;
+        let stream = stream.unwrap_or(device_context.stream().raw() as u64);
+        // SAFETY: the mirror's own stream lives as long as the mirror, which the caller holds;
+        // a given stream is live by the caller's guarantee.
+        unsafe { self.sync_in(device_context.context(), stream) }
+    }
+
+    /// Uploads to the device of `ctx` on `stream`, through that device's uploader.
+    ///
+    /// # Safety
+    /// `stream` must be a live CUDA stream handle.
+    #[cfg(feature = "cuda")]
+    unsafe fn sync_in(&self, ctx: &std::sync::Arc<cudarc::driver::CudaContext>, stream: u64) -> Result<upload::DeviceBatch, CoreError> {
+        // SAFETY: the caller guarantees `stream` is a live stream handle.
         unsafe { crate::driver::check_stream_context(ctx, stream as cudarc::driver::sys::CUstream) }?;
         let st = self.lock();
-        let mut uploader = self.uploader.lock().unwrap_or_else(|p| p.into_inner());
-        if uploader.is_none() {
-            *uploader = Some(upload::Uploader::new(ctx, self.max_seqs, self.max_blocks_per_seq)?);
-        }
-        let uploader = uploader.as_mut().expect("made above");
-        // SAFETY: the caller guarantees the stream is live in the pool's context.
-        unsafe { uploader.sync(&st, stream as cudarc::driver::sys::CUstream) }
+        let mut uploaders = self.uploaders.lock().unwrap_or_else(|p| p.into_inner());
+        let index = match uploaders.iter().position(|u| u.ordinal() == ctx.ordinal()) {
+            Some(index) => index,
+            None => {
+                uploaders.push(upload::Uploader::new(ctx, self.max_seqs, self.max_blocks_per_seq)?);
+                uploaders.len() - 1
+            }
+        };
+        // SAFETY: the stream is live and, checked above, in this uploader's context.
+        unsafe { uploaders[index].sync(&st, stream as cudarc::driver::sys::CUstream) }
     }
 
     fn row_blocks<'s>(&self, st: &'s TablesState, row: usize) -> &'s [i32] {

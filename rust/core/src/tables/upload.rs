@@ -81,6 +81,11 @@ impl Uploader {
         })
     }
 
+    /// The device this uploader uploads to.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
     /// Uploads what changed in `st` since the last sync, ordered on `stream`.
     ///
     /// # Safety

@@ -1,0 +1,49 @@
+"""Block-level KV transfer between pools in different processes (disaggregated serving).
+
+A :class:`KvSender` moves one request's blocks out of its pool into the pool of a
+:class:`KvReceiver`, which allocates its own block ids; the protocol (``protocol.py``) refuses
+a layout mismatch before anything moves, and a failed or interrupted transfer leaves both pools
+consistent. Bytes travel through a :class:`Transport`: :class:`NcclTransport` (NCCL
+point-to-point through CuPy, one process per GPU; needs CuPy with NCCL) or, for tests, the
+in-process :func:`fake_transport_pair`. Design notes: ``transfer.md``.
+"""
+
+from kvpool._core import TransferError
+from kvpool.transfer.movers import AUTO, GROUPED, MODES, STAGED, plan_pieces
+from kvpool.transfer.protocol import (
+    KvReceiver,
+    KvSender,
+    Transfer,
+    layout_fingerprint,
+    layout_mismatch,
+)
+from kvpool.transfer.transport import FakeTransport, PeerGone, Transport, fake_transport_pair
+
+
+def __getattr__(name: str):
+    # NcclTransport imports CuPy's NCCL binding: only when asked for.
+    if name == "NcclTransport":
+        from kvpool.transfer.nccl import NcclTransport
+
+        return NcclTransport
+    raise AttributeError(name)
+
+
+__all__ = [
+    "AUTO",
+    "GROUPED",
+    "MODES",
+    "STAGED",
+    "FakeTransport",
+    "KvReceiver",
+    "KvSender",
+    "NcclTransport",
+    "PeerGone",
+    "Transfer",
+    "TransferError",
+    "Transport",
+    "fake_transport_pair",
+    "layout_fingerprint",
+    "layout_mismatch",
+    "plan_pieces",
+]
