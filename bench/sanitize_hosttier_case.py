@@ -25,7 +25,7 @@ for method in ("batch", "runs"):
     slab = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
     slab[...] = cp.asarray(np.random.default_rng(0).integers(0, 64, nbytes, dtype=np.uint8))
     cp.cuda.runtime.deviceSynchronize()
-    before = [cp.asnumpy(cp.asarray(pool.k_view(0))[tables.blocks(r)]) for r in ids]
+    before = [cp.asnumpy(cp.asarray(pool.k_view(0))[cp.asarray(tables.blocks(r))]) for r in ids]
     tier.swap_out(ids)
     tier.wait()
     slab[...] = 0xA5
@@ -37,7 +37,7 @@ for method in ("batch", "runs"):
     out = kvpool.paged_attention_decode(q, pool, 0, cp.asarray(table), cp.asarray(lens),
                                         stream=cp.cuda.Stream.from_external(pool.stream))
     cp.cuda.runtime.deviceSynchronize()
-    after = [cp.asnumpy(cp.asarray(pool.k_view(0))[tables.blocks(r)]) for r in ids]
+    after = [cp.asnumpy(cp.asarray(pool.k_view(0))[cp.asarray(tables.blocks(r))]) for r in ids]
     for b, a in zip(before, after):
         assert (b.view(np.uint16) == a.view(np.uint16)).all(), method
     assert not np.isnan(cp.asnumpy(out)).any()

@@ -57,7 +57,11 @@ impl CudaEngine {
         let mut version = 0i32;
         // SAFETY: `version` is a valid out-pointer; the driver is initialised (context bound).
         unsafe { sys::cuDriverGetVersion(&mut version) }.result().map_err(|e| driver_error("cuDriverGetVersion", e))?;
-        let has_batch = version >= BATCH_DRIVER_VERSION;
+        // cudarc panics on a call into a missing symbol: look it up first.
+        // SAFETY: the driver library is loaded (a context is bound); looking a symbol up calls
+        // nothing.
+        let has_symbol = unsafe { sys::culib().get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync\0") }.is_ok();
+        let has_batch = version >= BATCH_DRIVER_VERSION && has_symbol;
         if method == CopyMethod::Batch && !has_batch {
             return Err(CoreError::InvalidArgument(format!(
                 "copy_method \"batch\" needs cuMemcpyBatchAsync (a CUDA 12.8 driver), this driver is {version}"
