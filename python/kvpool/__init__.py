@@ -19,6 +19,8 @@ from kvpool._core import (
     DeviceArray,
     DoubleFreeError,
     DuplicateRequestError,
+    HostTier,
+    HostTierFullError,
     InvalidArgumentError,
     InvalidBlockError,
     KvError,
@@ -31,6 +33,7 @@ from kvpool._core import (
     SlabView,
     TransferError,
     UnknownRequestError,
+    WrongTierError,
     cuda_available,
 )
 from kvpool import reference
@@ -59,6 +62,8 @@ __all__ = [
     "DeviceArray",
     "DoubleFreeError",
     "DuplicateRequestError",
+    "HostTier",
+    "HostTierFullError",
     "InvalidArgumentError",
     "InvalidBlockError",
     "KvError",
@@ -73,6 +78,7 @@ __all__ = [
     "SlabView",
     "TransferError",
     "UnknownRequestError",
+    "WrongTierError",
     "append_kv",
     "copy_blocks",
     "cuda_available",

@@ -238,6 +238,20 @@ impl Event {
             .map_err(|e| driver_error("cuStreamWaitEvent", e))
     }
 
+    /// Whether the work recorded before this event has finished (true if never recorded).
+    pub fn query(&self) -> Result<bool, CoreError> {
+        if !self.recorded {
+            return Ok(true);
+        }
+        bind(&self.ctx)?;
+        // SAFETY: the event is live and was recorded.
+        match unsafe { sys::cuEventQuery(self.raw) } {
+            sys::cudaError_enum::CUDA_SUCCESS => Ok(true),
+            sys::cudaError_enum::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(driver_error("cuEventQuery", DriverError(e))),
+        }
+    }
+
     /// Blocks until the work recorded before this event has finished (no-op if never recorded).
     pub fn wait(&self) -> Result<(), CoreError> {
         if !self.recorded {

@@ -14,6 +14,14 @@ pub enum CoreError {
     )]
     CannotGrow { requested: usize, free: usize, num_blocks: usize, max_num_blocks: usize, reason: String },
 
+    /// The host tier has too few free blocks for a swap-out; nothing moved.
+    #[error("host tier full: a swap-out needs {requested} host blocks, but only {free} of {num_blocks} are free")]
+    HostTierFull { requested: usize, free: usize, num_blocks: usize },
+
+    /// A request is not on the tier an operation moves it from (`tier` is where it is).
+    #[error("cannot {operation} request {request_id}: it is on the {tier} tier")]
+    WrongTier { request_id: u64, tier: &'static str, operation: &'static str },
+
     #[error("double free: block {block_id} is not allocated (its ref count is already 0)")]
     DoubleFree { block_id: u32 },
 

@@ -12,6 +12,8 @@
 //!   requests; unreferenced cached blocks are evictable (see `prefix_cache/prefix_cache.md`).
 //! - [`tables`]: each request's block table, and its upload to the GPU (`tables/upload.rs`,
 //!   design in `tables/upload.md`).
+//! - [`tier`]: a host tier (a second pool in host memory) and whole requests swapped between
+//!   it and the device (design in `tier/tier.md`).
 //! - `driver` (feature `cuda`): probing the CUDA driver, and owning wrappers of its objects.
 //!
 //! Every fallible call returns [`CoreError`] and changes nothing when it fails.
@@ -27,6 +29,7 @@ pub mod pool;
 pub mod prefix_cache;
 pub mod slab;
 pub mod tables;
+pub mod tier;
 mod sync;
 mod thread_cache;
 

@@ -8,6 +8,8 @@ use pyo3::prelude::*;
 
 create_exception!(kvpool._core, KvError, PyException, "Base class of every kvpool error.");
 create_exception!(kvpool._core, OutOfBlocksError, KvError, "Too few free blocks (and a growable pool could not grow); attributes `requested`, `free`, `num_blocks`, `max_num_blocks` (None for fixed pools).");
+create_exception!(kvpool._core, HostTierFullError, OutOfBlocksError, "The host tier has too few free blocks for a swap-out (nothing moved); attributes `requested`, `free`, `num_blocks`.");
+create_exception!(kvpool._core, WrongTierError, KvError, "A request is not on the tier the operation moves it from (swapping out a request already swapped out, say); attribute `tier`: where it is.");
 create_exception!(kvpool._core, OutOfMemoryError, KvError, "The slab itself could not be allocated.");
 create_exception!(kvpool._core, DoubleFreeError, KvError, "A block was freed that is not allocated.");
 create_exception!(kvpool._core, InvalidBlockError, KvError, "A block id that is not an id of this pool.");
@@ -54,6 +56,20 @@ impl From<PyKvError> for PyErr {
                 let _ = value.setattr("free", free);
                 let _ = value.setattr("num_blocks", num_blocks);
                 let _ = value.setattr("max_num_blocks", max_num_blocks);
+                err
+            }),
+            CoreError::HostTierFull { requested, free, num_blocks } => Python::attach(|py| {
+                let err = HostTierFullError::new_err(message);
+                let value = err.value(py);
+                let _ = value.setattr("requested", requested);
+                let _ = value.setattr("free", free);
+                let _ = value.setattr("num_blocks", num_blocks);
+                let _ = value.setattr("max_num_blocks", py.None());
+                err
+            }),
+            CoreError::WrongTier { tier, .. } => Python::attach(|py| {
+                let err = WrongTierError::new_err(message);
+                let _ = err.value(py).setattr("tier", tier);
                 err
             }),
             CoreError::OutOfMemory { .. } => OutOfMemoryError::new_err(message),
@@ -107,6 +123,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("KvError", py.get_type::<KvError>())?;
     m.add("OutOfBlocksError", py.get_type::<OutOfBlocksError>())?;
+    m.add("HostTierFullError", py.get_type::<HostTierFullError>())?;
+    m.add("WrongTierError", py.get_type::<WrongTierError>())?;
     m.add("OutOfMemoryError", py.get_type::<OutOfMemoryError>())?;
     m.add("DoubleFreeError", py.get_type::<DoubleFreeError>())?;
     m.add("InvalidBlockError", py.get_type::<InvalidBlockError>())?;

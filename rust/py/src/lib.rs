@@ -10,6 +10,7 @@ mod pool;
 mod prefix;
 mod stream;
 mod tables;
+mod tier;
 mod view;
 
 use pyo3::prelude::*;
@@ -26,6 +27,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PyPool>()?;
     m.add_class::<view::SlabView>()?;
     m.add_class::<tables::PyBlockTables>()?;
+    m.add_class::<tier::PyHostTier>()?;
     m.add_class::<stream::CudaStream>()?;
     m.add_class::<stream::DeviceArray>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;

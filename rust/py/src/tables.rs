@@ -16,7 +16,7 @@ use crate::pool::PyPool;
 const DETACH_MIN_TOKENS: usize = 1024;
 
 /// Request ids: any Python int in 0..2**64.
-fn request_id(value: &Bound<'_, PyAny>) -> Result<u64, CoreError> {
+pub fn request_id(value: &Bound<'_, PyAny>) -> Result<u64, CoreError> {
     if value.is_instance_of::<pyo3::types::PyBool>() {
         return Err(CoreError::InvalidArgument(format!("request id {value} is a bool, not an integer")));
     }
@@ -26,7 +26,7 @@ fn request_id(value: &Bound<'_, PyAny>) -> Result<u64, CoreError> {
     })
 }
 
-fn request_ids(values: &Bound<'_, PyAny>) -> Result<Vec<u64>, CoreError> {
+pub fn request_ids(values: &Bound<'_, PyAny>) -> Result<Vec<u64>, CoreError> {
     if let Ok(array) = values.extract::<PyReadonlyArray1<'_, i64>>() {
         return array
             .as_array()

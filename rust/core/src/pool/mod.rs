@@ -142,6 +142,25 @@ impl Pool {
         Self::assemble(layout, allocator, Backing::Fixed(slab), device_context)
     }
 
+    /// A fixed pool of host memory for a host tier (`tier/`): page-locked for CUDA device
+    /// `pinned_for`, so copies between it and that device run asynchronously, or plain host
+    /// memory when `None` (a host tier of a host pool, as CI tests it).
+    pub fn new_host_tier(layout: KvLayout, size: PoolSize, pinned_for: Option<usize>) -> Result<Self, CoreError> {
+        let num_blocks = Self::resolve_num_blocks(&layout, size, Device::Host)?;
+        let slab_bytes = num_blocks
+            .checked_mul(layout.block_bytes())
+            .ok_or_else(|| CoreError::InvalidArgument(format!("{num_blocks} blocks overflow the address space")))?;
+        let slab: Box<dyn Slab> = match pinned_for {
+            None => slab::allocate(Device::Host, slab_bytes)?,
+            #[cfg(feature = "cuda")]
+            Some(ordinal) => Box::new(slab::pinned::PinnedSlab::new(ordinal, slab_bytes)?),
+            #[cfg(not(feature = "cuda"))]
+            Some(_) => return Err(CoreError::CudaUnavailable("kvpool was built without the cuda feature".into())),
+        };
+        let allocator = BlockAllocator::new(num_blocks)?;
+        Self::assemble(layout, allocator, Backing::Fixed(slab), Default::default())
+    }
+
     /// The parts of a pool, with no holders or views yet.
     fn assemble(
         layout: KvLayout,

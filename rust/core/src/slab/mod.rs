@@ -9,6 +9,8 @@ pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod cuda_chunks;
 pub mod growable;
+#[cfg(feature = "cuda")]
+pub mod pinned;
 #[cfg(unix)]
 pub mod host_chunks;
 

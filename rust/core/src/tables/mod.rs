@@ -19,7 +19,7 @@ pub use prefix::{AddResult, PromptKey};
 
 // FxHash: request ids are trusted integers from the scheduler, and SipHash's DoS resistance
 // would cost a third of a 256-request decode step.
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::CoreError;
@@ -72,6 +72,9 @@ pub struct TablesState {
     /// `row_version[r]` changes whenever row `r`'s table entries change.
     pub(crate) row_version: Vec<u64>,
     next_version: u64,
+    /// Requests a host tier holds (swapped out): their ids stay taken, and calls that need a
+    /// row say where they are instead of not knowing them.
+    swapped_out: FxHashSet<u64>,
     /// Parallel to `rows`: the hash state of requests whose token ids are known.
     hashes: Vec<Option<prefix::RowHashes>>,
 }
@@ -143,7 +146,15 @@ impl BlockTables {
             pool: pool.clone(),
             max_seqs,
             max_blocks_per_seq,
-            state: Mutex::new(TablesState { rows, row_of, table, row_version, next_version: 1, hashes }),
+            state: Mutex::new(TablesState {
+                rows,
+                row_of,
+                table,
+                row_version,
+                next_version: 1,
+                hashes,
+                swapped_out: FxHashSet::default(),
+            }),
             #[cfg(feature = "cuda")]
             uploaders: Mutex::new(Vec::new()),
         });
@@ -173,7 +184,7 @@ impl BlockTables {
 
     /// Blocks that `num_tokens` tokens of `request_id` need, if they fit a row (and the token
     /// count fits the kernels' int32 seq_lens).
-    fn check_blocks_fit(&self, request_id: u64, num_tokens: usize) -> Result<usize, CoreError> {
+    pub(crate) fn check_blocks_fit(&self, request_id: u64, num_tokens: usize) -> Result<usize, CoreError> {
         if num_tokens > i32::MAX as usize {
             return Err(CoreError::CapacityExceeded {
                 what: format!("tokens of request {request_id}"),
@@ -192,7 +203,7 @@ impl BlockTables {
         Ok(needed)
     }
 
-    fn check_row_free(&self, st: &TablesState, request_id: u64) -> Result<(), CoreError> {
+    pub(crate) fn check_row_free(&self, st: &TablesState, request_id: u64) -> Result<(), CoreError> {
         if st.rows.len() == self.max_seqs {
             return Err(CoreError::CapacityExceeded {
                 what: format!("sequences (max_seqs) when adding request {request_id}"),
@@ -206,7 +217,7 @@ impl BlockTables {
     /// Adds a request holding `num_tokens` tokens; returns their slot mapping.
     pub fn add(&self, request_id: u64, num_tokens: usize) -> Result<Vec<i64>, CoreError> {
         let mut st = self.lock();
-        if st.row_of.contains_key(&request_id) {
+        if st.holds(request_id) {
             return Err(CoreError::DuplicateRequest { request_id });
         }
         self.check_row_free(&st, request_id)?;
@@ -283,7 +294,7 @@ impl BlockTables {
         let mut in_call = vec![false; st.rows.len()];
         let mut total_new = 0usize;
         for (&request_id, &count) in request_ids.iter().zip(counts) {
-            let row = *st.row_of.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+            let row = st.row(request_id)?;
             if std::mem::replace(&mut in_call[row], true) {
                 return Err(CoreError::InvalidArgument(format!("request id {request_id} appears twice in one call")));
             }
@@ -354,8 +365,8 @@ impl BlockTables {
     /// Adds `child_id` sharing all of `parent_id`'s blocks (reference counts go up).
     pub fn fork(&self, parent_id: u64, child_id: u64) -> Result<(), CoreError> {
         let mut st = self.lock();
-        let parent = *st.row_of.get(&parent_id).ok_or(CoreError::UnknownRequest { request_id: parent_id })?;
-        if st.row_of.contains_key(&child_id) {
+        let parent = st.row(parent_id)?;
+        if st.holds(child_id) {
             return Err(CoreError::DuplicateRequest { request_id: child_id });
         }
         self.check_row_free(&st, child_id)?;
@@ -376,11 +387,53 @@ impl BlockTables {
     /// Removes a request, dropping its references; blocks nobody else holds become free.
     pub fn free(&self, request_id: u64) -> Result<(), CoreError> {
         let mut st = self.lock();
-        let row = *st.row_of.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+        let row = st.row(request_id)?;
         let blocks: Vec<u32> = self.row_blocks(&st, row).iter().map(|&b| b as u32).collect();
         // Fails (changing nothing) only if the caller freed one of these blocks directly
         // through the pool: the request then stays, and the error names the block.
         self.pool.free_many_for(&blocks, Owner::Tables)?;
+        self.remove_row(&mut st, row);
+        Ok(())
+    }
+
+    /// The number of tokens and the blocks of `request_id`, if it has a row.
+    pub(crate) fn row_of_request(&self, st: &TablesState, request_id: u64) -> Option<(usize, Vec<u32>)> {
+        let row = *st.row_of.get(&request_id)?;
+        Some((st.rows[row].num_tokens, self.row_blocks(st, row).iter().map(|&b| b as u32).collect()))
+    }
+
+    /// Removes `request_id`'s row and hands its block references to the caller (a host tier
+    /// moving the request off the device), who frees them later. `None` if it has no row.
+    pub(crate) fn take_row(&self, st: &mut TablesState, request_id: u64) -> Option<(usize, Vec<u32>)> {
+        let taken = self.row_of_request(st, request_id)?;
+        let row = st.row_of[&request_id];
+        self.remove_row(st, row);
+        st.swapped_out.insert(request_id);
+        Some(taken)
+    }
+
+    /// Forgets a request a host tier dropped (its id is free again).
+    pub(crate) fn forget_swapped(&self, request_id: u64) {
+        self.lock().swapped_out.remove(&request_id);
+    }
+
+    /// Adds a row for `request_id` holding `blocks` (allocated with `Owner::Tables`; the caller
+    /// hands their references over). The caller has checked with [`check_row_free`] and
+    /// [`check_blocks_fit`] that it fits, and that `request_id` has no row.
+    ///
+    /// [`check_row_free`]: Self::check_row_free
+    /// [`check_blocks_fit`]: Self::check_blocks_fit
+    pub(crate) fn insert_row(&self, st: &mut TablesState, request_id: u64, num_tokens: usize, blocks: &[u32]) {
+        debug_assert!(!st.row_of.contains_key(&request_id) && st.rows.len() < self.max_seqs);
+        debug_assert_eq!(blocks.len(), blocks_for(num_tokens, self.block_size()));
+        st.swapped_out.remove(&request_id);
+        // No hash state: the blocks it fills from now on are not cached for prefix reuse.
+        self.push_row(st, request_id, num_tokens, blocks);
+    }
+
+    /// Drops row `row` (its references already dealt with): the last row moves into its hole.
+    fn remove_row(&self, st: &mut TablesState, row: usize) {
+        let request_id = st.rows[row].request_id;
         let width = self.max_blocks_per_seq;
         let last = st.rows.len() - 1;
         if row != last {
@@ -395,7 +448,6 @@ impl BlockTables {
         st.row_of.remove(&request_id);
         st.touch(row);
         st.touch(last);
-        Ok(())
     }
 
     pub fn len(&self) -> usize {
@@ -413,12 +465,12 @@ impl BlockTables {
     }
     pub fn num_tokens(&self, request_id: u64) -> Result<usize, CoreError> {
         let st = self.lock();
-        let row = *st.row_of.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+        let row = st.row(request_id)?;
         Ok(st.rows[row].num_tokens)
     }
     pub fn blocks(&self, request_id: u64) -> Result<Vec<i32>, CoreError> {
         let st = self.lock();
-        let row = *st.row_of.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+        let row = st.row(request_id)?;
         Ok(self.row_blocks(&st, row).to_vec())
     }
 
@@ -429,7 +481,7 @@ impl BlockTables {
         let mut seq_lens = vec_with_capacity(request_ids.len())?;
         let mut table = vec_with_capacity(request_ids.len().saturating_mul(width))?;
         for &request_id in request_ids {
-            let row = *st.row_of.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+            let row = st.row(request_id)?;
             seq_lens.push(st.rows[row].num_tokens as i32);
             table.extend_from_slice(&st.table[row * width..(row + 1) * width]);
         }
@@ -441,7 +493,7 @@ impl BlockTables {
         let st = self.lock();
         let mut seq_lens = vec_with_capacity(request_ids.len())?;
         for &request_id in request_ids {
-            let row = *st.row_of.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+            let row = st.row(request_id)?;
             seq_lens.push(st.rows[row].num_tokens as i32);
         }
         Ok(seq_lens)
@@ -470,7 +522,7 @@ impl BlockTables {
         let mut last_page_len = vec_with_capacity(request_ids.len())?;
         let mut num_indices = 0usize;
         for &request_id in request_ids {
-            let row = *st.row_of.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+            let row = st.row(request_id)?;
             num_indices = num_indices.saturating_add(self.row_blocks(&st, row).len());
         }
         let mut indices = vec_with_capacity(num_indices)?;
@@ -600,6 +652,9 @@ impl BlockTables {
         if st.row_of.len() != st.rows.len() {
             return Err(format!("{} index entries for {} rows", st.row_of.len(), st.rows.len()));
         }
+        if let Some(id) = st.swapped_out.iter().find(|id| st.row_of.contains_key(id)) {
+            return Err(format!("request {id} has a row but is swapped out"));
+        }
         for (row, r) in st.rows.iter().enumerate() {
             if st.row_of.get(&r.request_id) != Some(&row) {
                 return Err(format!("request {} is not indexed at row {row}", r.request_id));
@@ -638,6 +693,20 @@ impl TablesState {
     /// seq_lens of rows `0..num_rows`, in row order.
     pub(crate) fn seq_lens(&self) -> impl Iterator<Item = i32> + '_ {
         self.rows.iter().map(|r| r.num_tokens as i32)
+    }
+    /// The row of `request_id`; `WrongTier` if a host tier holds it, else `UnknownRequest`.
+    fn row(&self, request_id: u64) -> Result<usize, CoreError> {
+        match self.row_of.get(&request_id) {
+            Some(&row) => Ok(row),
+            None if self.swapped_out.contains(&request_id) => {
+                Err(CoreError::WrongTier { request_id, tier: "host", operation: "use in the block tables" })
+            }
+            None => Err(CoreError::UnknownRequest { request_id }),
+        }
+    }
+    /// Whether the id is taken: by a row, or by a request swapped out to a host tier.
+    fn holds(&self, request_id: u64) -> bool {
+        self.row_of.contains_key(&request_id) || self.swapped_out.contains(&request_id)
     }
     fn touch(&mut self, row: usize) {
         self.row_version[row] = self.next_version;

@@ -55,7 +55,7 @@ impl BlockTables {
         };
         let bs = self.block_size();
         let mut st = self.lock();
-        if st.row_of.contains_key(&request_id) {
+        if st.holds(request_id) {
             return Err(CoreError::DuplicateRequest { request_id });
         }
         self.check_row_free(&st, request_id)?;
