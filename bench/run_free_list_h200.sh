@@ -26,5 +26,4 @@ python3 bench/collect_criterion.py --criterion-dir "$CRITERION_HOME" --machine "
     --commit "$COMMIT" --out "$OUT/free_list_h200.json"
 
 python3 -m pip install -q --no-index --no-deps --target /tmp/kvpool-site dist/*.whl
-PYTHONPATH=/tmp/kvpool-site python3 bench/pool_bench.py --out "$OUT/pool_python_h200.json" \
-    --extension-note "release wheel $COMMIT"
+PYTHONPATH=/tmp/kvpool-site python3 bench/pool_bench.py --out "$OUT/pool_python_h200.json" --commit "$COMMIT"

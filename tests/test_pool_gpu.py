@@ -16,6 +16,8 @@ import pytest
 import kvpool
 from kvpool import KvLayout, OutOfBlocksError, Pool
 
+from gpu_fixtures import device_free_bytes
+
 pytestmark = pytest.mark.gpu
 
 MiB = 1 << 20
