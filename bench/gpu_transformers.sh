@@ -12,8 +12,8 @@ R="$OUT/transformers"
 mkdir -p "$R"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; echo "commit $COMMIT"; date -u;
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } > "$R/gpu.txt"
-KVPOOL_TRANSFORMERS_REPORT="$R/transformers_gpu_report.json" timeout 240 \
+KVPOOL_TRANSFORMERS_REPORT="$R/transformers_gpu_report.json" timeout 150 \
   python3 -m pytest -q -rs -p no:cacheprovider tests/test_transformers_gpu.py tests/test_transformers_cpu.py \
   tests/test_generation.py 2>&1 | tee "$R/tests.log" | tail -15
-timeout 300 python3 bench/generate_bench.py --out "$R/generate_h200.json" --commit "$COMMIT" 2>&1 \
+timeout 180 python3 bench/generate_bench.py --out "$R/generate_h200.json" --commit "$COMMIT" 2>&1 \
   | tee "$R/bench.log" | tail -30

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_common import kvpool_logits, llama, reference_logits  # noqa: E402
+from hf_common import decision_margins, kvpool_logits, llama, reference_logits, ulp  # noqa: E402
 
 import kvpool  # noqa: E402
 from kvpool.generation import GenerationRequest, generate, gumbel_noise  # noqa: E402
@@ -61,6 +61,27 @@ def test_greedy_generation_matches_transformers_generate():
                              do_sample=False)
         assert res.outputs[i] == ref[0, len(p):].tolist()
     assert pool.num_free == pool.num_blocks
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_generated_tokens_are_the_samplers_decisions_on_the_reference_logits(temperature):
+    """What the GPU loop test checks on bf16: every generated token, rescored on transformers'
+    logits of prompt + output in one forward, is the sampler's decision (here float32, so to
+    within a few float32 ulps); and the check fails on a replaced token."""
+    model = llama(torch.float32, "cpu", seed=2, lm_head_spread=1.0)
+    rng = np.random.default_rng(5)
+    reqs = [GenerationRequest(i, rng.integers(0, 101, n).tolist(), 10, temperature=temperature,
+                              seed=40 + i) for i, n in enumerate((2, 9, 17))]
+    pool = kvpool.Pool(layout_for(model, 4), 8, device="host")  # too small for all three
+    res = generate(TransformersRunner(model, pool), pool, reqs, max_running_seqs=3)
+    assert res.num_preemptions > 0
+    for r in reqs:
+        out = res.outputs[r.request_id]
+        logits = reference_logits(model, list(r.prompt) + out[:-1], [])
+        margins, scales = decision_margins(logits, len(r.prompt), out, temperature, r.seed)
+        assert (margins <= 8 * ulp(torch.float32, scales.max()) / (temperature or 1.0)).all()
+        wrong = out[:-1] + [int(logits[-1].argmin())]
+        assert decision_margins(logits, len(r.prompt), wrong, temperature, r.seed)[0][-1] > 0.1
 
 
 def test_torch_sampling_matches_numpy():
