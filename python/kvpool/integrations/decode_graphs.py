@@ -130,6 +130,7 @@ class DecodeGraphs:
             g = self._graphs[key] = _BucketGraph(self.runner, *key, self.stream, self.mempool)
         return g
 
+    @torch.inference_mode()
     def logits(self, batch: StepBatch, *, replay: bool = True) -> torch.Tensor:
         """float32 logits [num_decode, vocab]: the graph replayed on the step (replay=False:
         the same padded step run eagerly, for tests). Valid until the next call."""
