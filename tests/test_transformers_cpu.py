@@ -104,3 +104,22 @@ def test_pool_layer_shares_memory_with_the_host_pool(dtype):
     t[2, 1, 0, 3] = 5.0
     assert np.asarray(pool.v_view(1))[2, 1, 0, 3] == 5.0
     assert np.asarray(pool.k_view(1))[2, 1, 0, 3] == 0.0
+
+
+def test_packed_layout_round_trips_int32_and_int64_arrays():
+    """One int32 buffer holding a step's arrays: int64 parts at even offsets, so the torch
+    slices view as int64 (what the GPU upload relies on); empty arrays included."""
+    from kvpool.integrations.packed_upload import PackedLayout
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(-2**40, 2**40, 5), rng.integers(-9, 9, (3, 7)).astype(np.int32),
+              rng.integers(0, 2**40, 3), np.zeros((0, 4), np.int32), np.zeros(0, np.int64),
+              rng.integers(-9, 9, 1).astype(np.int32)]
+    layout = PackedLayout.of([a.shape for a in arrays], [a.dtype for a in arrays])
+    assert all(off % 2 == 0 for off in layout.offsets)
+    buf = np.zeros(layout.total, np.int32)
+    for view, a in zip(layout.views(buf), arrays):
+        view[...] = a
+    for got, a in zip(layout.views(torch.from_numpy(buf)), arrays):
+        assert got.dtype == {np.int64: torch.int64, np.int32: torch.int32}[a.dtype.type]
+        assert got.numpy().tolist() == a.tolist() and got.shape == a.shape
