@@ -2,8 +2,8 @@
 
 A step needs up to eight small integer arrays on the device (tokens, positions, slots, block
 tables, lengths, offsets). Copied one by one they cost eight transfers from pageable memory;
-here they are laid out in one int32 buffer (int64 arrays at even offsets, so that a device
-slice can be viewed as int64 without a copy), written into a pinned staging buffer and sent in
+here they are laid out in one int32 buffer (every array at a 16-byte boundary, so that an
+int64 slice can be viewed as int64 without a copy and no kernel meets a misaligned array), written into a pinned staging buffer and sent in
 one asynchronous copy. The staging buffer is reused: before it is overwritten the previous
 copy out of it is waited for (an event), so the host never races a pending transfer.
 """
@@ -30,7 +30,7 @@ class PackedLayout:
         offsets, at = [], 0
         for shape, dt in zip(shapes, dtypes):
             words = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize // 4
-            at += at % 2  # int64 data on an 8-byte boundary
+            at = -(-at // 4) * 4  # 16-byte boundaries
             offsets.append(at)
             at += words
         return PackedLayout(tuple(tuple(s) for s in shapes), tuple(np.dtype(d) for d in dtypes),

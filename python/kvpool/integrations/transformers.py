@@ -85,8 +85,7 @@ class KvpoolStep:
         self.num_splits, self.workspace = num_splits, workspace
         if self.cuda:
             if device_arrays is None:
-                put = (lambda a: torch.from_numpy(a).to(device, non_blocking=True))
-                device_arrays = [put(a) for a in step_arrays(batch)[2:]]
+                raise ValueError("a CUDA step needs its metadata on the device (device_arrays)")
             (self.slot_mapping, self.decode_block_table, self.decode_seq_lens, self.qo_indptr,
              self.prefill_block_table, self.prefill_seq_lens) = device_arrays
             if max_seq_len is None:
