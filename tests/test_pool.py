@@ -722,7 +722,7 @@ def test_view_layer_out_of_range(pool: Pool, method: str) -> None:
             getattr(pool, method)(2**40)
         with pytest.raises(InvalidArgumentError, match="layer must be >= 0"):
             getattr(pool, method)(-1)
-        with pytest.raises(InvalidArgumentError, match="out of range"):
+        with pytest.raises(InvalidArgumentError, match="out of range|is too large"):
             getattr(pool, method)(2**70)
 
 

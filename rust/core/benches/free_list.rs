@@ -1,6 +1,7 @@
 //! The lock-free `BlockAllocator` against a `Mutex<Vec<u32>>` free list doing the same job:
 //! per-block ref counts, range and repeat checks, double-free detection before any change,
-//! all-or-nothing batches. Groups: one block, 16 and 256 blocks per call; 1, 2, 4, 8 threads.
+//! all-or-nothing batches. Groups: one block, 16 and 256 blocks per call; 1, 2, 4, 8, 16
+//! threads.
 //!
 //! One iteration = every thread does one round trip (allocate a batch, free it); throughput is
 //! counted in blocks, so criterion's time per element is wall-clock ns per block round trip
@@ -18,11 +19,11 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvpool_core::{BlockAllocator, CoreError};
 
-const THREADS: [usize; 4] = [1, 2, 4, 8];
+const THREADS: [usize; 5] = [1, 2, 4, 8, 16];
 /// (group name, blocks per call).
 const BATCHES: [(&str, usize); 3] = [("single", 1), ("batch16", 16), ("batch256", 256)];
-/// Enough for 8 threads to hold a batch of 256 each, with room to spare.
-const NUM_BLOCKS: usize = 4096;
+/// Enough for 16 threads to hold a batch of 256 each, with as many again to spare.
+const NUM_BLOCKS: usize = 8192;
 
 /// What both free lists offer the benchmark.
 trait FreeList: Sync {

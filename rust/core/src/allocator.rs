@@ -1,6 +1,8 @@
-//! `BlockAllocator`: the free list plus one atomic reference count per block.
+//! `BlockAllocator`: the free ids (per-thread caches in front of a lock-free depot, see
+//! `free_ids.rs`) plus one atomic reference count per block.
 //!
-//! A block is free iff its `ref_cnt` is 0, and then it is on the free list exactly once.
+//! A block is free iff its `ref_cnt` is 0, and then it is in the free ids exactly once (in
+//! the depot or in one cache).
 //! `ref_cnt` is the per-block state that makes a double free or a stray id an O(1) check
 //! that fails before anything changes. No mutex anywhere: every method is safe to call
 //! from many threads at once.
@@ -13,11 +15,11 @@ use crossbeam_utils::CachePadded;
 use smallvec::SmallVec;
 
 use crate::error::CoreError;
-use crate::free_list::FreeList;
+use crate::free_ids::{FreeIds, Taken};
 use crate::sync::{AtomicU32, AtomicUsize, Ordering};
 
 pub struct BlockAllocator {
-    free_list: FreeList,
+    free_ids: FreeIds,
     /// One count per id up to the capacity (`max_num_blocks`); ids `>= num_blocks` stay 0.
     ref_cnt: Box<[AtomicU32]>,
     /// Ids `0..num_blocks` exist. Fixed unless the pool is growable.
@@ -51,7 +53,7 @@ impl BlockAllocator {
             )));
         }
         Ok(BlockAllocator {
-            free_list: FreeList::new_prefix(max_num_blocks as u32, num_blocks as u32),
+            free_ids: FreeIds::new(max_num_blocks as u32, num_blocks as u32),
             ref_cnt: (0..max_num_blocks).map(|_| AtomicU32::new(0)).collect(),
             num_blocks: CachePadded::new(AtomicUsize::new(num_blocks)),
             high_water: CachePadded::new(AtomicUsize::new(0)),
@@ -88,15 +90,34 @@ impl BlockAllocator {
     fn counts(&self) -> (usize, usize) {
         let nb_before = self.num_blocks();
         let parked_before = self.parked.load(Ordering::Acquire);
-        let on_list = self.free_list.available();
+        let on_list = self.free_ids.available();
         let parked = parked_before.max(self.parked.load(Ordering::Acquire));
         let num_blocks = nb_before.min(self.num_blocks());
         let free = on_list + parked;
         (num_blocks.saturating_sub(free), free.min(num_blocks))
     }
-    /// The most blocks ever in use at once (sampled after each allocation).
+    /// `num_used` for a count of free ids taken a moment ago (the parked ones added).
+    fn used_given(&self, free: usize) -> usize {
+        let free = free + self.parked.load(Ordering::Acquire);
+        self.num_blocks().saturating_sub(free)
+    }
+    /// The most blocks ever in use at once: sampled after every allocation while one thread
+    /// uses the allocator, after every allocation that reached the depot, and on every read
+    /// (so it is never below `num_used`). While several threads' caches hold ids, an
+    /// allocation served by a cache is not sampled (that would read every other thread's
+    /// cache line), so a peak that came and went between samples can be missed.
     pub fn high_water(&self) -> usize {
-        self.high_water.load(Ordering::Relaxed)
+        self.raise_high_water(self.num_used())
+    }
+
+    fn raise_high_water(&self, used: usize) -> usize {
+        // A load first: the shared line is written only when the mark actually rises.
+        let mark = self.high_water.load(Ordering::Relaxed);
+        if used > mark {
+            self.high_water.fetch_max(used, Ordering::Relaxed).max(used)
+        } else {
+            mark
+        }
     }
     /// Current reference count of a block (0: free).
     pub fn ref_cnt(&self, block_id: u32) -> Result<u32, CoreError> {
@@ -123,7 +144,7 @@ impl BlockAllocator {
     /// `OutOfBlocks` having taken none.
     pub fn alloc_into(&self, out: &mut [u32]) -> Result<(), CoreError> {
         let requested = out.len();
-        self.free_list.pop_many(out).map_err(|free| CoreError::OutOfBlocks {
+        let taken = self.free_ids.take(out).map_err(|free| CoreError::OutOfBlocks {
             requested,
             free,
             num_blocks: self.num_blocks(),
@@ -133,11 +154,11 @@ impl BlockAllocator {
             debug_assert_eq!(self.ref_cnt[id as usize].load(Ordering::Relaxed), 0, "block {id} was on the free list in use");
             self.ref_cnt[id as usize].store(1, Ordering::Release);
         }
-        // A load first: the shared line is written only when the mark actually rises.
-        let used = self.num_used();
-        if used > self.high_water.load(Ordering::Relaxed) {
-            self.high_water.fetch_max(used, Ordering::Relaxed);
-        }
+        match (taken, self.free_ids.available_if_alone()) {
+            (_, Some(free)) => self.raise_high_water(self.used_given(free)),
+            (Taken::FromDepot, None) => self.raise_high_water(self.num_used()),
+            (Taken::FromCache, None) => 0,
+        };
         Ok(())
     }
 
@@ -159,7 +180,7 @@ impl BlockAllocator {
         match decrement_if_positive(self.counter(block_id)?) {
             None => Err(CoreError::DoubleFree { block_id }),
             Some(0) => {
-                self.free_list.push_chain(&[block_id]);
+                self.free_ids.put(&[block_id]);
                 Ok(())
             }
             Some(_) => Ok(()),
@@ -197,7 +218,7 @@ impl BlockAllocator {
                 }
             }
         }
-        self.free_list.push_chain(&released);
+        self.free_ids.put(&released);
         Ok(())
     }
 
@@ -217,7 +238,7 @@ impl BlockAllocator {
                     .copied()
                     .filter(|&undo| decrement_if_positive(&self.ref_cnt[undo as usize]) == Some(0))
                     .collect();
-                self.free_list.push_chain(&released);
+                self.free_ids.put(&released);
                 return Err(not_allocated(id));
             }
         }
@@ -248,24 +269,23 @@ impl BlockAllocator {
         self.ref_cnt[block_id].load(Ordering::Acquire)
     }
 
-    /// Takes as many ids off the free list as it holds at one moment (as
-    /// [`FreeList::drain`] does; ids pushed meanwhile may leave older ones on the list) and
-    /// parks them: they still count as free. Resize path only: the caller holds the pool's
-    /// resize lock and gives the ids back (or drops them) with
+    /// Takes every cached id and as many ids off the depot as it holds at one moment, and
+    /// parks them: they still count as free. Ids freed meanwhile may stay behind (in a cache,
+    /// or on the depot under newer ones), so the result is not necessarily every free id: a
+    /// caller treats the ids it did not get as live. Resize path only: the caller holds the
+    /// pool's resize lock and gives the ids back (or drops them) with
     /// [`set_num_blocks`](Self::set_num_blocks).
     pub(crate) fn drain_free(&self) -> Vec<u32> {
-        loop {
-            let n = self.free_list.available();
-            // Parked before they leave the list, so that a concurrent `num_used` undercounts
-            // for an instant rather than seeing them neither free nor parked.
-            self.parked.fetch_add(n, Ordering::AcqRel);
-            let mut ids = vec![0u32; n];
-            if self.free_list.pop_many(&mut ids).is_ok() {
-                return ids;
-            }
-            // Someone allocated meanwhile: fewer ids are there now. Try again.
-            self.parked.fetch_sub(n, Ordering::AcqRel);
-        }
+        // Parked before they leave the depot, so that a concurrent `num_used` undercounts
+        // for an instant rather than seeing them neither free nor parked.
+        self.free_ids.drain(
+            |n| {
+                self.parked.fetch_add(n, Ordering::AcqRel);
+            },
+            |n| {
+                self.parked.fetch_sub(n, Ordering::AcqRel);
+            },
+        )
     }
 
     /// Sets how many blocks exist and pushes `free_ids` (drained or new, all with ref count 0,
@@ -285,7 +305,7 @@ impl BlockAllocator {
         }
         self.num_blocks.store(num_blocks, Ordering::Release);
         free_ids.sort_unstable();
-        self.free_list.push_chain(&free_ids);
+        self.free_ids.put_in_depot(&free_ids);
         // Pushed (counted twice for an instant: an undercount of num_used) or dropped.
         self.parked.store(0, Ordering::Release);
     }
@@ -294,7 +314,7 @@ impl BlockAllocator {
     /// `num_blocks`, free iff ref count 0), checked exactly. Only meaningful while no other thread
     /// mutates the allocator.
     pub fn check_invariants(&self) -> Result<(), String> {
-        let on_list = self.free_list.snapshot()?;
+        let on_list = self.free_ids.snapshot()?;
         let num_blocks = self.num_blocks();
         let parked = self.parked.load(Ordering::Acquire);
         if parked != 0 {
@@ -326,7 +346,7 @@ impl BlockAllocator {
                 return Err(format!("block {id} has ref_cnt 0 but is not on the free list (lost)"));
             }
         }
-        if on_list.len() != self.free_list.available() || on_list.len() != self.num_free() {
+        if on_list.len() != self.free_ids.available() || on_list.len() != self.num_free() {
             return Err(format!(
                 "num_free {} != {} ids on the free list",
                 self.num_free(),
@@ -336,8 +356,9 @@ impl BlockAllocator {
         if self.num_free() + self.num_used() != num_blocks {
             return Err("num_free + num_used != num_blocks".into());
         }
-        if self.high_water() < self.num_used() {
-            return Err(format!("high_water {} < num_used {}", self.high_water(), self.num_used()));
+        let mark = self.high_water.load(Ordering::Relaxed);
+        if mark > self.max_num_blocks() {
+            return Err(format!("high_water {mark} > max_num_blocks {}", self.max_num_blocks()));
         }
         Ok(())
     }

@@ -66,14 +66,18 @@ impl FreeList {
 
     /// Pops `out.len()` ids into `out`, or none; on failure returns how many were free.
     pub fn pop_many(&self, out: &mut [u32]) -> Result<(), usize> {
-        if out.is_empty() {
-            return Ok(());
-        }
+        self.pop_up_to(out, out.len()).map(|_| ())
+    }
+
+    /// Pops as many ids as the list holds, up to `out.len()` and at least `min`, into the
+    /// front of `out`; returns how many. If fewer than `min` are free it pops none and
+    /// returns how many were free.
+    pub fn pop_up_to(&self, out: &mut [u32], min: usize) -> Result<usize, usize> {
         let mut head = self.head.load(Ordering::Acquire);
         loop {
             let (tag, top) = unpack(head);
             let free = self.len_under(top);
-            if free < out.len() {
+            if free < min {
                 // Confirm with a CAS that writes the same head back: if it succeeds, the list
                 // held `free` ids at that instant (this failure's linearisation point), since
                 // `depth[top]` cannot change while `top` stays on the stack.
@@ -85,11 +89,15 @@ impl FreeList {
                     }
                 }
             }
-            // Walk `out.len()` links from the top. A concurrent pop/push can make the links we
-            // read stale; then the tagged head has changed and the CAS below fails.
+            // Walk `n` links from the top. A concurrent pop/push can make the links we read
+            // stale; then the tagged head has changed and the CAS below fails.
+            let n = free.min(out.len());
+            if n == 0 {
+                return Ok(0);
+            }
             let mut id = top;
             let mut complete = true;
-            for slot in out.iter_mut() {
+            for slot in out[..n].iter_mut() {
                 if id == NIL {
                     complete = false;
                     break;
@@ -105,10 +113,23 @@ impl FreeList {
             }
             match self.head.compare_exchange_weak(head, pack(tag.wrapping_add(1), id), Ordering::AcqRel, Ordering::Acquire)
             {
-                Ok(_) => return Ok(()),
+                Ok(_) => return Ok(n),
                 Err(seen) => head = seen,
             }
         }
+    }
+
+    /// The head word, `(tag << 32) | top`, and the length under it, for the allocator's
+    /// consistent count; [`confirm_head`](Self::confirm_head) checks the word later.
+    pub fn head_and_len(&self) -> (u64, usize) {
+        let head = self.head.load(Ordering::Acquire);
+        (head, self.len_under(unpack(head).1))
+    }
+
+    /// True iff `head` still holds `word`: a CAS that writes it back (so it cannot be fooled
+    /// by a stale load). Tags make a match mean that no pop or push came in between.
+    pub fn confirm_head(&self, word: u64) -> bool {
+        self.head.compare_exchange(word, word, Ordering::AcqRel, Ordering::Acquire).is_ok()
     }
 
     /// Pushes `ids` (all currently off the stack, each once) as one chain with one CAS.
@@ -136,23 +157,6 @@ impl FreeList {
             {
                 Ok(_) => return,
                 Err(seen) => head = seen,
-            }
-        }
-    }
-
-    /// Pops as many ids as the list held at one moment (`available()`), from the top. It
-    /// does not necessarily pop the ids that were on the list then: ids pushed meanwhile
-    /// land on top and are popped instead, leaving as many older ids on the list. So the
-    /// result is not "every free id"; a caller must treat ids left on the list as possibly
-    /// live (a shrink does: it removes only ids it popped). Concurrent pops that find the list
-    /// empty meanwhile fail, so callers that may see this must retry under the lock that the
-    /// drainer holds (see `growth.rs`). The resize path uses `BlockAllocator::drain_free`,
-    /// which does the same and also counts the popped ids as parked.
-    pub fn drain(&self) -> Vec<u32> {
-        loop {
-            let mut ids = vec![0u32; self.available()];
-            if self.pop_many(&mut ids).is_ok() {
-                return ids;
             }
         }
     }

@@ -2,8 +2,9 @@
 //!
 //! - [`layout`]: where every byte of a KV block lives (the one place strides are computed).
 //! - [`slab`]: the memory that blocks are carved from (host or CUDA device).
-//! - [`free_list`]: the lock-free stack of free block ids (see `free_list.md`).
-//! - `allocator` (private): the free list plus per-block reference counts: alloc, free, share.
+//! - [`free_list`]: the depot, a lock-free stack of free block ids (see `free_list.md`);
+//!   `free_ids.rs` puts per-thread caches (`thread_cache.rs`) in front of it.
+//! - `allocator` (private): the free ids plus per-block reference counts: alloc, free, share.
 //! - [`pool`]: an allocator bound to a slab and a layout; what the bindings expose. Every
 //!   block operation goes through it. A growable pool maps its slab chunk by chunk
 //!   (`pool/growth.rs`, design in `pool/growable.md`).
@@ -17,12 +18,14 @@ mod allocator;
 #[cfg(feature = "cuda")]
 pub mod driver;
 pub mod error;
+mod free_ids;
 pub mod free_list;
 pub mod layout;
 pub mod pool;
 pub mod slab;
 pub mod tables;
 mod sync;
+mod thread_cache;
 
 /// The bare allocator, which never grows a pool: only for this crate's own tests, loom
 /// models and benchmarks (feature `internals`). Everything else goes through [`Pool`].

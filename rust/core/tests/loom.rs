@@ -6,13 +6,18 @@
 //!     cargo test -p kvpool-core --release --test loom
 //! ```
 //!
-//! `LOOM_MAX_PREEMPTIONS` overrides the default bound of 3 set in [`model`].
+//! `LOOM_MAX_PREEMPTIONS` overrides the default bound of 3 set in [`model`]. That default is
+//! the soak bound (run it before changing the free list; `three_threads_share_three_blocks`
+//! alone takes far longer than the rest: its four threads each run the slow path through the
+//! caches). CI (`bin/test.sh`) runs every model at bound 2 except that one, which it runs at
+//! bound 0 (every interleaving of whole steps at the yield points, no preemption inside them).
 #![cfg(loom)]
 
 use loom::sync::Arc;
 use loom::thread;
 
-use kvpool_core::{BlockAllocator, CoreError};
+use kvpool_core::slab::{ChunkBackend, MemoryInfo};
+use kvpool_core::{BlockAllocator, CoreError, DType, Device, GrowableSize, KvLayout, Pool};
 
 /// Runs `f` under loom with a preemption bound (3 unless `LOOM_MAX_PREEMPTIONS` is set):
 /// enough to reach every bug pattern below, small enough to finish in seconds.
@@ -267,5 +272,116 @@ fn failed_share_undo_handles_repeated_ids() {
                 assert_conserved(&a, &[x]);
             }
         }
+    });
+}
+
+/// The calling thread's cache holds both free ids; another thread's `alloc_many(2)` races
+/// its `alloc()`. The batch must reach the ids in the other cache (a steal), and exactly one
+/// of the two calls gets what it asked for, the loser told the exact shortage.
+#[test]
+fn batch_steals_from_another_threads_cache() {
+    model(|| {
+        let a = Arc::new(BlockAllocator::new(2).unwrap());
+        let ids = a.alloc_many(2).unwrap();
+        a.free_many(&ids).unwrap(); // both now in this thread's cache
+        let batcher = a.clone();
+        let batch = thread::spawn(move || batcher.alloc_many(2));
+        let single = a.alloc();
+        let mut held = Vec::new();
+        match (batch.join().unwrap(), single) {
+            (Ok(got), Err(e)) => {
+                assert_eq!(e, CoreError::OutOfBlocks { requested: 1, free: 0, num_blocks: 2 });
+                held.extend(got);
+            }
+            (Err(e), Ok(id)) => {
+                assert_eq!(e, CoreError::OutOfBlocks { requested: 2, free: 1, num_blocks: 2 });
+                held.push(id);
+            }
+            other => panic!("exactly one call must win: {other:?}"),
+        }
+        assert_conserved(&a, &held);
+    });
+}
+
+/// A thread caches ids and exits while another allocates: nothing is lost with the exiting
+/// thread, and afterwards every id can be allocated again in one call.
+#[test]
+fn ids_cached_by_an_exited_thread_come_back() {
+    model(|| {
+        let a = Arc::new(BlockAllocator::new(3).unwrap());
+        let churner = a.clone();
+        let churn = thread::spawn(move || {
+            let ids = churner.alloc_many(2).unwrap();
+            churner.free_many(&ids).unwrap();
+        });
+        let allocator = a.clone();
+        let alloc = thread::spawn(move || allocator.alloc().unwrap());
+        churn.join().unwrap();
+        let one = alloc.join().unwrap();
+        a.check_invariants().unwrap();
+        assert_eq!(a.num_free(), 2);
+        let mut rest = a.alloc_many(2).unwrap();
+        rest.push(one);
+        assert_conserved(&a, &rest);
+    });
+}
+
+/// Address space only: the grow/shrink model never touches block memory.
+struct NoMemory;
+
+/// One block per chunk: 1 layer x K|V x 1 token x 1 head x 1024 dims x 2 bytes = 4 KiB.
+const BLOCK_BYTES: usize = 4096;
+
+impl ChunkBackend for NoMemory {
+    fn base_ptr(&self) -> u64 {
+        1 << 20
+    }
+    fn chunk_bytes(&self) -> usize {
+        BLOCK_BYTES
+    }
+    fn num_chunks(&self) -> usize {
+        3
+    }
+    fn device(&self) -> Device {
+        Device::Host
+    }
+    fn memory_info(&self) -> Result<Option<MemoryInfo>, CoreError> {
+        Ok(None)
+    }
+    fn map_chunks(&self, _first: usize, _count: usize) -> Result<(), CoreError> {
+        Ok(())
+    }
+    fn unmap_chunks(&self, _first: usize, _count: usize) -> Result<(), CoreError> {
+        Ok(())
+    }
+}
+
+/// A shrink (drain of every cache and the depot into parked ids, `set_num_blocks`) races a
+/// thread that frees a block into its cache and allocates again (growing the pool if the
+/// shrink took its blocks away). No block is lost or handed out twice, the counts stay
+/// exact, and afterwards the pool can still grow to its maximum.
+#[test]
+fn shrink_races_alloc_and_free() {
+    model(|| {
+        let layout = KvLayout::new(1, 1, 1024, 1, DType::Float16).unwrap();
+        let size = GrowableSize { max_num_blocks: 3, initial_num_blocks: 2, chunk_bytes: None };
+        let p = Arc::new(Pool::with_chunk_backend(layout, size, Box::new(NoMemory)).unwrap());
+        let first = p.alloc().unwrap();
+        let worker = {
+            let p = p.clone();
+            thread::spawn(move || {
+                p.free(first).unwrap();
+                p.alloc().unwrap()
+            })
+        };
+        p.shrink().unwrap();
+        let held = worker.join().unwrap();
+        p.check_invariants().unwrap();
+        assert_eq!((p.num_used(), p.num_free()), (1, p.num_blocks() - 1));
+        let mut rest = p.alloc_many(2).unwrap();
+        rest.push(held);
+        rest.sort_unstable();
+        assert_eq!(rest, [0, 1, 2]);
+        p.check_invariants().unwrap();
     });
 }

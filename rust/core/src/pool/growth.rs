@@ -122,10 +122,10 @@ impl Pool {
     fn shrink_locked(&self, guard: &mut ResizeGuard<'_>, min_chunks: usize) -> Result<usize, CoreError> {
         let num_blocks = self.num_blocks();
         let mapped = guard.mapped_chunks();
-        // Free blocks, in our hands (parked): nobody can allocate one of them until we push it
-        // back. Not necessarily every free block (ids freed during the drain may leave older
-        // free ids on the list, see `FreeList::drain`); an id not drained is treated as
-        // allocated (or in flight) and stays.
+        // Free blocks, every thread's cached ones included, in our hands (parked): nobody can
+        // allocate one of them until we push it back. Not necessarily every free block (ids
+        // freed during the drain may stay behind, see `BlockAllocator::drain_free`); an id not
+        // drained is treated as allocated (or in flight) and stays.
         let drained = self.allocator.drain_free();
         let mut is_free = vec![false; num_blocks];
         for &id in &drained {

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of the project in two calls of under 10 minutes on a two-GPU box
+# (nvidia-h200-x2), from the repository root, with dist/ (the release wheel), .whl/ (FlashInfer,
+# optional) and bench/bin/ (the criterion free-list binary) carried:
+#     COMMIT=<sha> PART=1 bash bench/gpu_session.sh     # then, at once, PART=2
+# Independent work runs in lanes at the same time, so that the two calls hold everything; a
+# benchmark never shares its GPU with other work (tests and sanitizers may share one):
+#   part 1  GPU 0: decode benchmark, then prefill benchmark
+#           GPU 1: every single-GPU test but the transformers and fp8 ones (part 2), and, beside
+#                  them, compute-sanitizer memcheck and racecheck over the decode, append, copy
+#                  and prefill kernels
+#           CPU 16-31: the free-list criterion grid and the Python round trip
+#   part 2  both:  two-GPU tests, KV transfer and tensor-parallel decode benchmarks (alone)
+#           GPU 0: transformers tests and generation benchmark
+#           GPU 1: fp8 tests and benchmark, host tier tests and swap benchmark, pool / tables /
+#                  growable benchmarks
+# Each step has its own time limit (a part stays under 9.5 minutes); every log and JSON goes into
+# $OUT/session_part<N>.tar.gz (unpack into bench/results/<run>/) and the last line of each step's
+# output into $OUT/summary_part<N>.txt.
+set -u
+: "${OUT:?set OUT}" "${PART:?set PART to 1 or 2}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export COMMIT=${COMMIT:-unknown} KVPOOL_COMMIT=${COMMIT:-unknown} PYTHONUNBUFFERED=1
+WORK=/tmp/kvpool-session/part$PART
+SUMMARY="$OUT/summary_part$PART.txt"
+mkdir -p "$WORK"
+
+SITE=/tmp/kvpool-session-site  # not the folder bench/run_free_list_h200.sh installs into
+if [ ! -d "$SITE/kvpool" ]; then
+  python3 -m pip install -q --no-index --no-deps --target "$SITE" dist/*.whl $(ls .whl/*.whl 2>/dev/null) \
+    > "$WORK/pip.log" 2>&1 || { echo "wheel install failed" >> "$SUMMARY"; exit 1; }
+fi
+export PYTHONPATH=$SITE
+NVCC=$(command -v nvcc) && export CUDA_HOME=$(dirname "$(dirname "$NVCC")") FLASHINFER_CUDA_ARCH_LIST=9.0a
+{ nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv; nproc; echo "commit $COMMIT"; date -u; } \
+  > "$WORK/gpu.txt" 2>&1
+
+# step NAME LIMIT COMMAND...: runs the command with its output in $WORK/NAME.log; one line to the summary.
+step() {
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  OUT="$WORK" timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc, $((SECONDS - start)) s: $(grep -v '^\s*$' "$WORK/$name.log" | tail -1 | cut -c1-200)" >> "$SUMMARY"
+}
+
+on_gpu() { CUDA_VISIBLE_DEVICES=$1 "${@:2}"; }
+
+part1() {
+  ( on_gpu 0 step decode_bench 330 bash bench/gpu_decode.sh bench
+    on_gpu 0 step prefill_bench 200 python3 bench/prefill_bench.py "$WORK/prefill_h200.json" \
+      --commit "$COMMIT" ) &
+  ( KVPOOL_ERROR_REPORT="$WORK/decode_errors.json" on_gpu 1 step gpu_tests 300 \
+      python3 -m pytest -q -rs -m gpu tests --ignore=tests/test_prefill_gpu.py \
+      --ignore=tests/test_transformers_gpu.py --ignore=tests/test_fp8_gpu.py --durations=15
+    KVPOOL_ERROR_REPORT="$WORK/prefill_errors.json" on_gpu 1 step prefill_tests 120 \
+      python3 -m pytest -q -rs -m gpu tests/test_prefill_gpu.py ) &
+  ( sanitize() { on_gpu 1 step "$1_$2" "$3" compute-sanitizer --tool "$2" --error-exitcode 9 \
+      python3 "bench/$4" "${@:5}"; }
+    sanitize decode memcheck 110 sanitize_case.py
+    sanitize decode racecheck 110 sanitize_case.py --dtypes float16
+    sanitize prefill memcheck 80 sanitize_prefill_case.py
+    sanitize prefill racecheck 100 sanitize_prefill_case.py ) &
+  ( PIN=$(command -v taskset > /dev/null && echo "taskset -c 16-31")
+    step free_list 330 $PIN bash bench/run_free_list_h200.sh ) &
+  wait
+}
+
+part2() {
+  step multigpu 240 bash bench/gpu_multigpu.sh
+  ( on_gpu 0 step transformers 280 bash bench/gpu_transformers.sh ) &
+  ( on_gpu 1 step fp8 140 bash bench/gpu_fp8.sh
+    on_gpu 1 step hosttier 80 bash bench/gpu_hosttier.sh
+    on_gpu 1 step pool_bench 30 python3 bench/pool_bench.py --device cuda --repeat 5 --min-time 0.1 \
+      --out "$WORK/pool_cuda.json"
+    on_gpu 1 step tables_bench 25 python3 bench/tables_bench.py --device cuda --out "$WORK/tables_cuda.json"
+    on_gpu 1 step growable_bench 25 python3 bench/growable_bench.py --out "$WORK/growable_h200.json" ) &
+  wait
+}
+
+pack() { tar -C "$WORK" -czf "$OUT/session_part$PART.tar.gz" . ; }
+trap pack EXIT
+"part$PART"
+cat "$SUMMARY"
