@@ -1,6 +1,8 @@
 """transformers Llama-shaped models generating through a CUDA kvpool pool (marker `gpu`):
-teacher-forced logits against transformers' own cache, greedy agreement, the continuous-
-batching loop on a pool too small for its workload, and zero-copy torch views of the pool.
+greedy agreement with transformers' generate up to near-ties, the continuous-batching loop on
+a pool too small for its workload (every token checked against the sampler's decision on
+transformers' logits), CUDA-graph replays of decode steps against the same step run eagerly,
+teacher-forced logits against transformers' own cache, and zero-copy torch views of the pool.
 
 Numbers are written to $KVPOOL_TRANSFORMERS_REPORT (JSON) when it is set."""
 
@@ -48,8 +50,8 @@ SMALL = dict(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512, 
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _report():
+@pytest.fixture(autouse=True)
+def _report():  # after every test, so a run cut short keeps what it measured
     yield
     path = os.environ.get("KVPOOL_TRANSFORMERS_REPORT")
     if path:
@@ -59,32 +61,6 @@ def _report():
 
 def _prompts(rng, vocab, lens):
     return [rng.integers(0, vocab, n).tolist() for n in lens]
-
-
-@pytest.mark.parametrize(("shape", "dtype", "prefill"), [
-    ("llama_1b", "bfloat16", "kernel"), ("llama_1b", "float16", "kernel"),
-    ("mqa_128", "bfloat16", "kernel"), ("mqa_128", "float16", "kernel"),
-    ("llama_1b", "bfloat16", "sdpa"), ("mqa_128", "float16", "sdpa"),  # the cross-check path
-])
-def test_teacher_forced_logits_match_dynamic_cache(shape, dtype, prefill):
-    """Per-token logits of the kvpool path against SDPA + DynamicCache on the same tokens.
-    Bound: twice the dtype's own noise (the same reference in float32 against the reference
-    in `dtype`) plus 1e-3."""
-    kw = LLAMA_1B if shape == "llama_1b" else MQA_128
-    model = llama(DT[dtype], "cuda", **kw)
-    rng = np.random.default_rng(7)
-    prompts = _prompts(rng, kw["vocab"], (1, 13, 64, 100, 37))
-    forced = _prompts(rng, kw["vocab"], (20, 8, 17, 1, 33))
-    ours = kvpool_logits(model, prompts, forced, prefill=prefill)
-    refs = [reference_logits(model, p, f) for p, f in zip(prompts, forced)]
-    model32 = model.float()
-    refs32 = [reference_logits(model32, p, f) for p, f in zip(prompts, forced)]
-    err = max((o - r).abs().max().item() for o, r in zip(ours, refs))
-    noise = max((r - r32).abs().max().item() for r, r32 in zip(refs, refs32))
-    bound = 2 * noise + 1e-3
-    REPORT[f"teacher_forced_{shape}_{dtype}_{prefill}"] = {"max_abs_err": err, "dtype_noise": noise,
-                                                 "bound": bound}
-    assert err <= bound, (err, noise)
 
 
 NEAR_TIE_ULPS = 4  # bf16 ulps of max|logit|: the logits' own rounding plus the hidden
@@ -267,6 +243,32 @@ def test_generate_with_cuda_graphs_makes_the_samplers_decisions():
         "buckets": sorted(graphed.graphs.captured), "preemptions": res.num_preemptions,
         "identical_to_eager": sum(eager[r.request_id] == res.outputs[r.request_id]
                                   for r in reqs) / len(reqs)}
+
+
+@pytest.mark.parametrize(("shape", "dtype", "prefill"), [
+    ("llama_1b", "bfloat16", "kernel"), ("llama_1b", "float16", "kernel"),
+    ("mqa_128", "bfloat16", "kernel"), ("mqa_128", "float16", "kernel"),
+    ("llama_1b", "bfloat16", "sdpa"), ("mqa_128", "float16", "sdpa"),  # the cross-check path
+])
+def test_teacher_forced_logits_match_dynamic_cache(shape, dtype, prefill):
+    """Per-token logits of the kvpool path against SDPA + DynamicCache on the same tokens.
+    Bound: twice the dtype's own noise (the same reference in float32 against the reference
+    in `dtype`) plus 1e-3."""
+    kw = LLAMA_1B if shape == "llama_1b" else MQA_128
+    model = llama(DT[dtype], "cuda", **kw)
+    rng = np.random.default_rng(7)
+    prompts = _prompts(rng, kw["vocab"], (1, 13, 64, 100, 37))
+    forced = _prompts(rng, kw["vocab"], (20, 8, 17, 1, 33))
+    ours = kvpool_logits(model, prompts, forced, prefill=prefill)
+    refs = [reference_logits(model, p, f) for p, f in zip(prompts, forced)]
+    model32 = model.float()
+    refs32 = [reference_logits(model32, p, f) for p, f in zip(prompts, forced)]
+    err = max((o - r).abs().max().item() for o, r in zip(ours, refs))
+    noise = max((r - r32).abs().max().item() for r, r32 in zip(refs, refs32))
+    bound = 2 * noise + 1e-3
+    REPORT[f"teacher_forced_{shape}_{dtype}_{prefill}"] = {"max_abs_err": err, "dtype_noise": noise,
+                                                 "bound": bound}
+    assert err <= bound, (err, noise)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float8_e4m3fn"])
