@@ -123,3 +123,10 @@ def test_packed_layout_round_trips_int32_and_int64_arrays():
     for got, a in zip(layout.views(torch.from_numpy(buf)), arrays):
         assert got.dtype == {np.int64: torch.int64, np.int32: torch.int32}[a.dtype.type]
         assert got.numpy().tolist() == a.tolist() and got.shape == a.shape
+
+
+def test_cuda_graphs_are_refused_on_a_host_pool():
+    model = llama(torch.float32, "cpu")
+    pool = kvpool.Pool(layout_for(model, 4), 4, device="host")
+    with pytest.raises(ValueError, match="CUDA pool"):
+        TransformersRunner(model, pool, cuda_graphs=True)
