@@ -6,7 +6,12 @@ them out through a lock-free free list. See README.md for the tour.
 
 from kvpool._core import (
     MAX_NUM_BLOCKS,
+    AddResult,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
     BlockTables,
+    CacheInUseError,
     CapacityError,
     CudaError,
     CudaStream,
@@ -40,7 +45,12 @@ from kvpool.tp import PoolGroup
 
 __all__ = [
     "MAX_NUM_BLOCKS",
+    "AddResult",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
     "BlockTables",
+    "CacheInUseError",
     "CapacityError",
     "CudaError",
     "CudaStream",

@@ -314,6 +314,12 @@ impl BlockAllocator {
     /// `num_blocks`, free iff ref count 0), checked exactly. Only meaningful while no other thread
     /// mutates the allocator.
     pub fn check_invariants(&self) -> Result<(), String> {
+        self.check_invariants_with_evictable(&[])
+    }
+
+    /// [`check_invariants`](Self::check_invariants) for a pool with a prefix cache: the
+    /// `evictable` blocks have ref count 0 but are held off the free list by the cache.
+    pub(crate) fn check_invariants_with_evictable(&self, evictable: &[u32]) -> Result<(), String> {
         let on_list = self.free_ids.snapshot()?;
         let num_blocks = self.num_blocks();
         let parked = self.parked.load(Ordering::Acquire);
@@ -324,12 +330,22 @@ impl BlockAllocator {
             return Err(format!("num_blocks {num_blocks} > max_num_blocks {}", self.max_num_blocks()));
         }
         let mut seen = vec![false; num_blocks];
+        let mut held_by_cache = vec![false; num_blocks];
+        for &id in evictable {
+            match held_by_cache.get_mut(id as usize) {
+                Some(held) => *held = true,
+                None => return Err(format!("evictable block {id} >= num_blocks {num_blocks}")),
+            }
+        }
         for &id in &on_list {
             if id as usize >= num_blocks {
                 return Err(format!("block {id} is on the free list but num_blocks is {num_blocks}"));
             }
             if std::mem::replace(&mut seen[id as usize], true) {
                 return Err(format!("block {id} is on the free list twice"));
+            }
+            if held_by_cache[id as usize] {
+                return Err(format!("block {id} is both on the free list and evictable"));
             }
             let rc = self.ref_cnt[id as usize].load(Ordering::Acquire);
             if rc != 0 {
@@ -342,7 +358,7 @@ impl BlockAllocator {
                 if rc != 0 {
                     return Err(format!("block {id} >= num_blocks {num_blocks} has ref_cnt {rc}"));
                 }
-            } else if !seen[id] && rc == 0 {
+            } else if !seen[id] && !held_by_cache[id] && rc == 0 {
                 return Err(format!("block {id} has ref_cnt 0 but is not on the free list (lost)"));
             }
         }
@@ -381,4 +397,42 @@ fn increment_if_positive(x: &AtomicU32) -> Option<u32> {
     x.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| if v == 0 { None } else { v.checked_add(1) })
         .ok()
         .map(|old| old + 1)
+}
+
+/// The prefix cache's view of the allocator: reference counts and the free list, used with
+/// the cache's lock held (see `prefix_cache/mod.rs`).
+impl crate::prefix_cache::BlockRefs for BlockAllocator {
+    fn num_blocks(&self) -> usize {
+        self.num_blocks()
+    }
+    fn num_free(&self) -> usize {
+        self.free_ids.available()
+    }
+    fn ref_cnt(&self, id: u32) -> u32 {
+        self.ref_cnt[id as usize].load(Ordering::Acquire)
+    }
+    fn set_first_ref(&self, id: u32) {
+        debug_assert_eq!(self.ref_cnt[id as usize].load(Ordering::Relaxed), 0, "block {id} is referenced");
+        self.ref_cnt[id as usize].store(1, Ordering::Release);
+    }
+    fn add_ref(&self, id: u32) {
+        self.ref_cnt[id as usize].fetch_add(1, Ordering::AcqRel);
+    }
+    fn drop_ref(&self, id: u32) -> Option<u32> {
+        decrement_if_positive(&self.ref_cnt[id as usize])
+    }
+    fn pop_free(&self, out: &mut [u32]) -> Result<(), usize> {
+        self.free_ids.take(out)?;
+        for &id in out.iter() {
+            self.ref_cnt[id as usize].store(1, Ordering::Release);
+        }
+        self.raise_high_water(self.num_used());
+        Ok(())
+    }
+    fn push_free(&self, ids: &[u32]) {
+        for &id in ids {
+            self.ref_cnt[id as usize].store(0, Ordering::Release);
+        }
+        self.free_ids.put(ids);
+    }
 }

@@ -38,6 +38,10 @@ pub enum CoreError {
     #[error("{operation} failed: {message} (errno {errno})")]
     System { operation: String, errno: i32, message: String },
 
+    /// A prefix-cache reset found cached blocks still referenced.
+    #[error("cannot reset the prefix cache: {in_use} cached blocks are still referenced (free their requests first)")]
+    CacheInUse { in_use: usize },
+
     #[error("invalid layout: {0}")]
     InvalidLayout(String),
 

@@ -8,6 +8,8 @@
 //! - [`pool`]: an allocator bound to a slab and a layout; what the bindings expose. Every
 //!   block operation goes through it. A growable pool maps its slab chunk by chunk
 //!   (`pool/growth.rs`, design in `pool/growable.md`).
+//! - [`prefix_cache`]: full blocks keyed by a hash chain of their content, reused across
+//!   requests; unreferenced cached blocks are evictable (see `prefix_cache/prefix_cache.md`).
 //! - [`tables`]: each request's block table, and its upload to the GPU (`tables/upload.rs`,
 //!   design in `tables/upload.md`).
 //! - `driver` (feature `cuda`): probing the CUDA driver, and owning wrappers of its objects.
@@ -22,6 +24,7 @@ mod free_ids;
 pub mod free_list;
 pub mod layout;
 pub mod pool;
+pub mod prefix_cache;
 pub mod slab;
 pub mod tables;
 mod sync;

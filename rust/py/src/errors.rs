@@ -14,6 +14,7 @@ create_exception!(kvpool._core, InvalidBlockError, KvError, "A block id that is 
 create_exception!(kvpool._core, UnknownRequestError, KvError, "A request id that is not in the block tables.");
 create_exception!(kvpool._core, DuplicateRequestError, KvError, "A request id that is already in the block tables.");
 create_exception!(kvpool._core, CapacityError, KvError, "A fixed capacity (max_seqs, max_blocks_per_seq) would be exceeded.");
+create_exception!(kvpool._core, CacheInUseError, KvError, "A prefix-cache reset while cached blocks are still referenced; attribute `in_use` (how many).");
 create_exception!(kvpool._core, LayoutError, KvError, "An invalid KvLayout.");
 create_exception!(kvpool._core, InvalidArgumentError, KvError, "An argument out of its valid range.");
 create_exception!(kvpool._core, CudaUnavailableError, KvError, "No CUDA driver or no such device.");
@@ -61,6 +62,11 @@ impl From<PyKvError> for PyErr {
             CoreError::UnknownRequest { .. } => UnknownRequestError::new_err(message),
             CoreError::DuplicateRequest { .. } => DuplicateRequestError::new_err(message),
             CoreError::CapacityExceeded { .. } => CapacityError::new_err(message),
+            CoreError::CacheInUse { in_use } => Python::attach(|py| {
+                let err = CacheInUseError::new_err(message);
+                let _ = err.value(py).setattr("in_use", in_use);
+                err
+            }),
             CoreError::InvalidLayout(_) => LayoutError::new_err(message),
             CoreError::InvalidArgument(_) => InvalidArgumentError::new_err(message),
             CoreError::CudaUnavailable(_) => CudaUnavailableError::new_err(message),
@@ -107,6 +113,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("UnknownRequestError", py.get_type::<UnknownRequestError>())?;
     m.add("DuplicateRequestError", py.get_type::<DuplicateRequestError>())?;
     m.add("CapacityError", py.get_type::<CapacityError>())?;
+    m.add("CacheInUseError", py.get_type::<CacheInUseError>())?;
     m.add("LayoutError", py.get_type::<LayoutError>())?;
     m.add("InvalidArgumentError", py.get_type::<InvalidArgumentError>())?;
     m.add("CudaUnavailableError", py.get_type::<CudaUnavailableError>())?;

@@ -7,6 +7,7 @@ mod ids;
 mod kernel_sources;
 mod layout;
 mod pool;
+mod prefix;
 mod stream;
 mod tables;
 mod view;
@@ -29,6 +30,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<stream::DeviceArray>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_sources::kernel_sources, m)?)?;
+    prefix::register(m)?;
     errors::register(m)?;
     m.add("MAX_NUM_BLOCKS", kvpool_core::MAX_NUM_BLOCKS)?;
     Ok(())

@@ -117,6 +117,7 @@ impl PyPool {
         initial_num_blocks = None,
         chunk_bytes = None,
         device = "auto",
+        enable_prefix_caching = false,
     ))]
     #[allow(clippy::too_many_arguments)] // one per keyword of the Python signature
     fn new(
@@ -130,6 +131,7 @@ impl PyPool {
         initial_num_blocks: Option<Int>,
         chunk_bytes: Option<Int>,
         device: &str,
+        enable_prefix_caching: bool,
     ) -> KvResult<Self> {
         let device = Device::parse(device)?;
         let create = pool_maker(
@@ -140,7 +142,10 @@ impl PyPool {
             device,
         )?;
         // Allocating and zeroing a large slab takes time: let other threads run.
-        let pool = py.detach(create)?;
+        let mut pool = py.detach(create)?;
+        if enable_prefix_caching {
+            pool = pool.with_prefix_caching()?;
+        }
         Ok(PyPool { inner: Arc::new(pool) })
     }
 
@@ -289,6 +294,7 @@ impl PyPool {
         d.set_item("num_blocks", s.num_blocks)?;
         d.set_item("num_free", s.num_free)?;
         d.set_item("num_used", s.num_used)?;
+        d.set_item("num_evictable", s.num_evictable)?;
         d.set_item("high_water", s.high_water)?;
         d.set_item("block_bytes", s.block_bytes)?;
         d.set_item("device", s.device.to_string())?;
@@ -313,6 +319,49 @@ impl PyPool {
     fn check_invariants(&self, py: Python<'_>, exact_refs: bool) -> PyResult<()> {
         py.detach(|| self.inner.check_invariants_with(exact_refs))
             .map_err(|m| crate::errors::KvError::new_err(format!("invariant violated: {m}")))
+    }
+
+    /// Whether the pool was made with `enable_prefix_caching=True`.
+    #[getter]
+    fn prefix_caching(&self) -> bool {
+        self.inner.prefix_cache().is_some()
+    }
+    /// Cached blocks nobody references: reused by a hit or evicted when the free list runs
+    /// short. `num_free + num_evictable + num_used == num_blocks`.
+    #[getter]
+    fn num_evictable(&self) -> usize {
+        self.inner.num_evictable()
+    }
+
+    /// Prefix-cache counters (queries and hits in tokens, as vLLM counts them) and gauges.
+    fn prefix_cache_stats<'py>(&self, py: Python<'py>) -> KvResult<Bound<'py, PyDict>> {
+        let s = self.inner.prefix_cache().map(|c| c.stats()).unwrap_or_default();
+        crate::prefix::stats_dict(py, &s).map_err(|e| CoreError::InvalidArgument(format!("building stats: {e}")).into())
+    }
+
+    /// Drops every cached block nobody references back to the free list (after a weight
+    /// update) and returns how many. Raises `CacheInUseError`, changing nothing, while any
+    /// cached block is referenced.
+    fn reset_prefix_cache(&self) -> KvResult<usize> {
+        Ok(self.inner.reset_prefix_cache()?)
+    }
+
+    /// Starts (or, with False, stops and clears) queueing KV events for `take_kv_events`.
+    #[pyo3(signature = (enabled = true))]
+    fn enable_kv_cache_events(&self, enabled: bool) -> KvResult<()> {
+        let cache = self.inner.prefix_cache().ok_or_else(|| {
+            CoreError::InvalidArgument("KV events need a pool made with enable_prefix_caching=True".into())
+        })?;
+        cache.set_events_enabled(enabled);
+        Ok(())
+    }
+
+    /// Every queued KV event (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`), oldest
+    /// first; the queue is empty afterwards.
+    fn take_kv_events(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
+        let Some(cache) = self.inner.prefix_cache() else { return Ok(Vec::new()) };
+        let medium = if self.inner.device() == Device::Host { "CPU" } else { "GPU" };
+        crate::prefix::events_to_py(py, cache.drain_events(), medium)
     }
 
     fn __repr__(&self) -> String {

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kvpool_core::tables::{AppendResult, BlockTables};
+use kvpool_core::tables::{AppendResult, BlockTables, PromptKey};
 use kvpool_core::CoreError;
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
@@ -11,6 +11,9 @@ use pyo3::prelude::*;
 use crate::errors::{KvResult, PyKvError};
 use crate::ids::{self, Int};
 use crate::pool::PyPool;
+
+/// Prompts at least this long are added with the GIL released.
+const DETACH_MIN_TOKENS: usize = 1024;
 
 /// Request ids: any Python int in 0..2**64.
 fn request_id(value: &Bound<'_, PyAny>) -> Result<u64, CoreError> {
@@ -87,27 +90,68 @@ impl PyBlockTables {
         Ok(PyArray1::from_vec(py, slots))
     }
 
-    /// Appends `n` tokens; returns (slot_mapping int64 [n], copies int32 [k, 2]).
+    /// Adds a request with its prompt's token ids. On a pool with prefix caching it starts
+    /// from the cached blocks of its longest cached prefix (never covering the last token)
+    /// and its other full blocks are cached. `cache_salt` (str or bytes) isolates tenants;
+    /// `lora_id` and `extra_keys` (bytes) are part of every block's key.
+    #[pyo3(signature = (request_id, token_ids, *, cache_salt = None, lora_id = None, extra_keys = None))]
+    fn add_request(
+        &self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        lora_id: Option<Int>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
+    ) -> KvResult<crate::prefix::AddResult> {
+        let rid = self::request_id(request_id)?;
+        let tokens = crate::prefix::token_ids(token_ids)?;
+        let salt = crate::prefix::cache_salt(cache_salt)?;
+        let extra = crate::prefix::extra_keys(extra_keys)?;
+        let lora_id = lora_id.map(|id| ids::count(id, "lora_id").map(|id| id as u64)).transpose()?;
+        let key = PromptKey { cache_salt: salt.as_deref(), lora_id, extra_keys: &extra };
+        // Hashing a long prompt takes tens of microseconds: let other threads run.
+        let result = if tokens.len() >= DETACH_MIN_TOKENS {
+            py.detach(|| self.inner.add_request(rid, &tokens, &key))?
+        } else {
+            self.inner.add_request(rid, &tokens, &key)?
+        };
+        Ok(crate::prefix::AddResult::new(py, result))
+    }
+
+    /// Appends `n` tokens; returns (slot_mapping int64 [n], copies int32 [k, 2]). With
+    /// `token_ids` (n ids), the blocks they fill are cached.
+    #[pyo3(signature = (request_id, n, token_ids = None))]
     fn append_tokens<'py>(
         &self,
         py: Python<'py>,
         request_id: &Bound<'py, PyAny>,
         n: Int,
+        token_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<AppendArrays<'py>> {
         let rid = self::request_id(request_id).map_err(PyKvError)?;
-        Ok(append_result(py, self.inner.append_tokens(rid, ids::tokens(n, "n")?).map_err(PyKvError)?))
+        let n = ids::tokens(n, "n")?;
+        let tokens = token_ids.map(crate::prefix::token_ids).transpose().map_err(PyKvError)?;
+        let result = self.inner.append_tokens_many_with_ids(&[rid], &[n], tokens.as_deref()).map_err(PyKvError)?;
+        Ok(append_result(py, result))
     }
 
     /// One decode step: appends counts (an int for all, or one per request), all or none.
+    /// With `token_ids` (all requests' new ids concatenated in call order, sum(counts) of
+    /// them), the blocks they fill are cached.
+    #[pyo3(signature = (request_ids, counts, token_ids = None))]
     fn append_tokens_many<'py>(
         &self,
         py: Python<'py>,
         request_ids: &Bound<'py, PyAny>,
         counts: &Bound<'py, PyAny>,
+        token_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<AppendArrays<'py>> {
         let rids = self::request_ids(request_ids).map_err(PyKvError)?;
         let counts = token_counts(counts, rids.len())?;
-        Ok(append_result(py, self.inner.append_tokens_many(&rids, &counts).map_err(PyKvError)?))
+        let tokens = token_ids.map(crate::prefix::token_ids).transpose().map_err(PyKvError)?;
+        let result = self.inner.append_tokens_many_with_ids(&rids, &counts, tokens.as_deref()).map_err(PyKvError)?;
+        Ok(append_result(py, result))
     }
 
     /// Adds `child_id` sharing all of `parent_id`'s blocks (copy-on-write on the next append).

@@ -8,6 +8,8 @@
 //!   growable pool), stats and invariants.
 //! - `growth.rs`: grow, shrink and the allocation slow path (design: `growable.md`).
 //! - `views.rs`: the extents live views pin, which a shrink must keep mapped.
+//! - `prefix.rs`: the evictable set of prefix caching beside the free list: cached
+//!   blocks nobody references, reused by a hit or evicted when the free list runs short.
 //! - `device.rs`: the CUDA context and the pool's stream (CUDA pools only).
 //!
 //! The allocator is private to the crate: every block operation goes through the pool, so no
@@ -17,6 +19,7 @@
 mod device;
 mod growth;
 mod owner;
+mod prefix;
 mod views;
 
 #[cfg(feature = "cuda")]
@@ -31,6 +34,7 @@ use owner::Owners;
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::layout::KvLayout;
+use crate::prefix_cache::PrefixCache;
 use crate::slab::{self, ChunkBackend, Device, GrowableSlab, MemoryInfo, Slab};
 
 /// How big a pool to make.
@@ -84,6 +88,8 @@ pub struct Pool {
     /// Extents (in blocks) of the live views over the slab: extent -> number of views. A
     /// shrink never unmaps memory below the largest (see [`Pool::pin_view_extent`]).
     view_extents: Mutex<BTreeMap<usize, usize>>,
+    /// `None` unless the pool was made [`with_prefix_caching`](Pool::with_prefix_caching).
+    pub(crate) prefix_cache: Option<PrefixCache>,
 }
 
 #[cfg(feature = "cuda")]
@@ -110,7 +116,11 @@ pub struct PoolStats {
     /// Mapped chunks and their size (a fixed pool is one chunk: its whole slab).
     pub num_chunks: usize,
     pub chunk_bytes: usize,
+    /// On the free list.
     pub num_free: usize,
+    /// Cached and unreferenced (0 without prefix caching).
+    pub num_evictable: usize,
+    /// Referenced: `num_free + num_evictable + num_used == num_blocks`.
     pub num_used: usize,
     pub high_water: usize,
     pub block_bytes: usize,
@@ -150,6 +160,7 @@ impl Pool {
             device_context,
             ref_holders: Mutex::new(Vec::new()),
             view_extents: Mutex::new(BTreeMap::new()),
+            prefix_cache: None,
         })
     }
 
@@ -264,8 +275,9 @@ impl Pool {
     pub fn num_free(&self) -> usize {
         self.allocator.num_free()
     }
+    /// Blocks referenced by someone: neither free nor evictable.
     pub fn num_used(&self) -> usize {
-        self.allocator.num_used()
+        self.allocator.num_used().saturating_sub(self.num_evictable())
     }
     /// The most blocks ever in use at once.
     pub fn high_water(&self) -> usize {
@@ -324,6 +336,7 @@ impl Pool {
     pub(crate) fn alloc_into_for(&self, out: &mut [u32], owner: Owner) -> Result<(), CoreError> {
         match (self.allocator.alloc_into(out), self.growable_slab()) {
             (Err(CoreError::OutOfBlocks { .. }), Some(slab)) => self.alloc_growing(&mut slab.lock(), out)?,
+            (Err(CoreError::OutOfBlocks { .. }), None) if self.prefix_cache.is_some() => self.alloc_evicting(out)?,
             (result, _) => result?,
         }
         self.owners.set(out, owner);
@@ -333,9 +346,10 @@ impl Pool {
     /// [`free_many`](Self::free_many) on behalf of `owner`: every allocated id must be its.
     pub(crate) fn free_many_for(&self, block_ids: &[u32], owner: Owner) -> Result<(), CoreError> {
         self.check_owner(block_ids, owner)?;
-        match block_ids {
-            [id] => self.allocator.free(*id),
-            _ => self.allocator.free_many(block_ids),
+        match (&self.prefix_cache, block_ids) {
+            (Some(cache), _) => self.free_many_cached(cache, block_ids),
+            (None, [id]) => self.allocator.free(*id),
+            (None, _) => self.allocator.free_many(block_ids),
         }
     }
 
@@ -417,6 +431,7 @@ impl Pool {
             num_chunks,
             chunk_bytes,
             num_free: self.num_free(),
+            num_evictable: self.num_evictable(),
             num_used: self.num_used(),
             high_water: self.high_water(),
             block_bytes: self.layout.block_bytes(),
@@ -491,7 +506,7 @@ impl Pool {
     pub fn check_invariants(&self) -> Result<(), String> {
         match self.growable_slab() {
             None => {
-                self.allocator.check_invariants()?;
+                self.check_block_invariants()?;
                 let expected = self.num_blocks() * self.layout.block_bytes();
                 if self.mapped_bytes() < expected {
                     return Err(format!("slab holds {} bytes, {} blocks need {expected}", self.mapped_bytes(), self.num_blocks()));

@@ -9,6 +9,13 @@
 //!
 //! Every mutating call validates everything, then takes all the blocks it needs in one
 //! all-or-nothing allocation, then commits with nothing left that can fail.
+//!
+//! A request added with its token ids (`prefix.rs`) takes part in prefix caching: it starts
+//! from the cached blocks of its longest cached prefix, and each block it fills is cached.
+
+mod prefix;
+
+pub use prefix::{AddResult, PromptKey};
 
 // FxHash: request ids are trusted integers from the scheduler, and SipHash's DoS resistance
 // would cost a third of a 256-request decode step.
@@ -65,6 +72,8 @@ pub struct TablesState {
     /// `row_version[r]` changes whenever row `r`'s table entries change.
     pub(crate) row_version: Vec<u64>,
     next_version: u64,
+    /// Parallel to `rows`: the hash state of requests whose token ids are known.
+    hashes: Vec<Option<prefix::RowHashes>>,
 }
 
 pub struct BlockTables {
@@ -126,13 +135,15 @@ impl BlockTables {
         row_version.resize(max_seqs, 0);
         let mut rows = Vec::new();
         rows.try_reserve_exact(max_seqs).map_err(out_of_memory)?;
+        let mut hashes = Vec::new();
+        hashes.try_reserve_exact(max_seqs).map_err(out_of_memory)?;
         let mut row_of = FxHashMap::default();
         row_of.try_reserve(max_seqs).map_err(out_of_memory)?;
         let tables = Arc::new(BlockTables {
             pool: pool.clone(),
             max_seqs,
             max_blocks_per_seq,
-            state: Mutex::new(TablesState { rows, row_of, table, row_version, next_version: 1 }),
+            state: Mutex::new(TablesState { rows, row_of, table, row_version, next_version: 1, hashes }),
             #[cfg(feature = "cuda")]
             uploaders: Mutex::new(Vec::new()),
         });
@@ -203,16 +214,23 @@ impl BlockTables {
         let mut slots = vec_with_capacity(num_tokens)?;
         let mut ids = vec![0u32; num_blocks];
         self.pool.alloc_into_for(&mut ids, Owner::Tables)?;
+        let row = self.push_row(&mut st, request_id, num_tokens, &ids);
+        self.extend_slots(&mut slots, &st, row, 0, num_tokens);
+        Ok(slots)
+    }
+
+    /// Commits a new row holding `ids`; returns its index.
+    fn push_row(&self, st: &mut TablesState, request_id: u64, num_tokens: usize, ids: &[u32]) -> usize {
         let row = st.rows.len();
         st.rows.push(Row { request_id, num_tokens });
+        st.hashes.push(None);
         st.row_of.insert(request_id, row);
-        let entries = self.row_entries_mut(&mut st, row);
-        for (entry, &id) in entries.iter_mut().zip(&ids) {
+        let entries = self.row_entries_mut(st, row);
+        for (entry, &id) in entries.iter_mut().zip(ids) {
             *entry = id as i32;
         }
         st.touch(row);
-        self.extend_slots(&mut slots, &st, row, 0, num_tokens);
-        Ok(slots)
+        row
     }
 
     /// Appends `count` tokens to one request. See [`append_tokens_many`](Self::append_tokens_many).
@@ -224,12 +242,34 @@ impl BlockTables {
     /// A request whose partly filled last block is shared (after a fork) gets a fresh copy
     /// of it first: the returned copies must run before the new tokens are written.
     pub fn append_tokens_many(&self, request_ids: &[u64], counts: &[usize]) -> Result<AppendResult, CoreError> {
+        self.append_tokens_many_with_ids(request_ids, counts, None)
+    }
+
+    /// [`append_tokens_many`](Self::append_tokens_many) with the new tokens' ids, all
+    /// requests' concatenated in call order (`sum(counts)` of them), so that the blocks
+    /// they fill are hashed and cached. Without ids a request's later blocks are not cached.
+    pub fn append_tokens_many_with_ids(
+        &self,
+        request_ids: &[u64],
+        counts: &[usize],
+        token_ids: Option<&[u32]>,
+    ) -> Result<AppendResult, CoreError> {
         if request_ids.len() != counts.len() {
             return Err(CoreError::InvalidArgument(format!(
                 "{} request ids but {} counts",
                 request_ids.len(),
                 counts.len()
             )));
+        }
+        if let Some(ids) = token_ids {
+            let total = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+            if total != Some(ids.len()) {
+                return Err(CoreError::InvalidArgument(format!(
+                    "{} token ids for {} new tokens",
+                    ids.len(),
+                    counts.iter().fold(0u128, |a, &c| a + c as u128)
+                )));
+            }
         }
         let block_size = self.block_size();
         let pool = &self.pool;
@@ -280,7 +320,7 @@ impl BlockTables {
         let mut fresh = fresh.into_iter();
         let mut result = AppendResult { slot_mapping, copies: Vec::new() };
         let mut released = Vec::new();
-        for (row, count, new_blocks, copy_last) in plan {
+        for &(row, count, new_blocks, copy_last) in &plan {
             let num_tokens = st.rows[row].num_tokens;
             let old_blocks = blocks_for(num_tokens, block_size);
             let entries = self.row_entries_mut(&mut st, row);
@@ -305,6 +345,9 @@ impl BlockTables {
         for src in released {
             let _ = pool.free_many_for(&[src], Owner::Tables);
         }
+        if let Some(cache) = self.pool.prefix_cache() {
+            self.hash_appended(&mut st, cache, plan.iter().map(|&(row, count, ..)| (row, count)), token_ids);
+        }
         Ok(result)
     }
 
@@ -321,6 +364,8 @@ impl BlockTables {
         self.pool.share_many_for(&blocks, Owner::Tables)?;
         let child = st.rows.len();
         st.rows.push(Row { request_id: child_id, num_tokens });
+        let hashes = st.hashes[parent].clone();
+        st.hashes.push(hashes);
         st.row_of.insert(child_id, child);
         let width = self.max_blocks_per_seq;
         st.table.copy_within(parent * width..parent * width + blocks.len(), child * width);
@@ -346,6 +391,7 @@ impl BlockTables {
         }
         st.table[last * width..(last + 1) * width].fill(NULL_BLOCK);
         st.rows.pop();
+        st.hashes.swap_remove(row);
         st.row_of.remove(&request_id);
         st.touch(row);
         st.touch(last);
@@ -575,7 +621,7 @@ impl BlockTables {
         if st.table[st.rows.len() * width..].iter().any(|&b| b != NULL_BLOCK) {
             return Err("an unused row holds blocks".into());
         }
-        Ok(())
+        self.check_hash_states(&st)
     }
 }
 

@@ -1,0 +1,97 @@
+//! The pool's side of prefix caching: the evictable set beside the free list.
+//!
+//! Allocation takes the lock-free free list first, unchanged; only when it runs short does
+//! it take the cache's lock and evict (see `growth.rs`, `alloc_into`). Dropping references
+//! stays lock-free for blocks that are not cached; a cached block's last reference is
+//! dropped under the cache's lock, which puts it on the evictable list.
+
+use crate::error::CoreError;
+use super::{Owner, Pool};
+use crate::prefix_cache::{BlockHash, PrefixAlloc, PrefixCache};
+
+impl Pool {
+    /// Turns prefix caching on for a new pool (before it is shared). Fixed pools only.
+    pub fn with_prefix_caching(mut self) -> Result<Self, CoreError> {
+        if self.is_growable() {
+            return Err(CoreError::InvalidArgument("prefix caching needs a fixed pool, not a growable one".into()));
+        }
+        self.prefix_cache = Some(PrefixCache::new(self.num_blocks(), self.layout.block_size())?);
+        Ok(self)
+    }
+
+    pub fn prefix_cache(&self) -> Option<&PrefixCache> {
+        self.prefix_cache.as_ref()
+    }
+
+    /// Cached blocks nobody references (0 without prefix caching).
+    pub fn num_evictable(&self) -> usize {
+        self.prefix_cache.as_ref().map_or(0, PrefixCache::num_evictable)
+    }
+
+    /// [`Pool::free_many`] on a pool with prefix caching: validates everything, then drops
+    /// uncached blocks' references lock-free and cached blocks' under the cache's lock.
+    pub(super) fn free_many_cached(&self, cache: &PrefixCache, block_ids: &[u32]) -> Result<(), CoreError> {
+        let num_blocks = self.num_blocks();
+        if !block_ids.iter().any(|&id| (id as usize) < num_blocks && cache.is_cached(id)) {
+            return self.allocator.free_many(block_ids);
+        }
+        self.allocator.check_distinct_and_in_range(block_ids)?;
+        if let Some(&id) = block_ids.iter().find(|&&id| self.allocator.ref_cnt_unchecked(id as usize) == 0) {
+            return Err(CoreError::DoubleFree { block_id: id });
+        }
+        // A block we hold cannot change between cached and not (only its sole holder
+        // caches it, and only unreferenced blocks are dropped), so the split is stable.
+        let (cached, plain): (Vec<u32>, Vec<u32>) = block_ids.iter().partition(|&&id| cache.is_cached(id));
+        self.allocator.free_many(&plain)?;
+        cache.release(&self.allocator, &cached);
+        Ok(())
+    }
+
+    /// Fills `out` from the free list and, what it lacks, by evicting cached blocks.
+    pub(crate) fn alloc_evicting(&self, out: &mut [u32]) -> Result<(), CoreError> {
+        match &self.prefix_cache {
+            Some(cache) => cache.alloc_evicting(&self.allocator, out),
+            None => self.allocator.alloc_into(out),
+        }
+    }
+
+    /// References the cached blocks of the longest prefix of `hashes` and allocates the
+    /// rest of `total_blocks` (see [`PrefixCache::alloc_with_prefix`]).
+    pub(crate) fn alloc_with_prefix(
+        &self,
+        cache: &PrefixCache,
+        hashes: &[BlockHash],
+        total_blocks: usize,
+        query_tokens: usize,
+    ) -> Result<PrefixAlloc, CoreError> {
+        let alloc = cache.alloc_with_prefix(&self.allocator, hashes, total_blocks, query_tokens)?;
+        // Hits were tables' blocks already (only tables cache blocks).
+        self.owners.set(&alloc.fresh, Owner::Tables);
+        Ok(alloc)
+    }
+
+    /// Drops every cached block back to the free list (after a weight update: their KV is
+    /// stale); returns how many. Refuses with `CacheInUse`, changing nothing, while a cached
+    /// block is referenced. Without prefix caching there is nothing to drop.
+    pub fn reset_prefix_cache(&self) -> Result<usize, CoreError> {
+        match &self.prefix_cache {
+            Some(cache) => cache.reset(&self.allocator),
+            None => Ok(0),
+        }
+    }
+
+    /// The allocator's invariants, the cache's, and
+    /// `num_free + num_evictable + num_used == num_blocks`.
+    pub(crate) fn check_block_invariants(&self) -> Result<(), String> {
+        let Some(cache) = &self.prefix_cache else {
+            return self.allocator.check_invariants();
+        };
+        self.allocator.check_invariants_with_evictable(&cache.evictable_ids())?;
+        cache.check_invariants(&self.allocator)?;
+        let (free, evictable, used) = (self.allocator.num_free(), self.num_evictable(), self.num_used());
+        if free + evictable + used != self.num_blocks() {
+            return Err(format!("num_free {free} + num_evictable {evictable} + num_used {used} != num_blocks {}", self.num_blocks()));
+        }
+        Ok(())
+    }
+}

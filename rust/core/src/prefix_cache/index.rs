@@ -1,0 +1,188 @@
+//! `CacheIndex`: the hash -> block map, each block's hash, and the evictable list. Plain
+//! single-threaded data; `PrefixCache` keeps it behind its mutex and does the reference
+//! counting around it.
+
+use rustc_hash::FxHashMap;
+
+use super::events::{EventQueue, KvEvent};
+use super::hash::BlockHash;
+use super::lru::EvictableList;
+use super::stats::PrefixCacheStats;
+
+pub struct CacheIndex {
+    /// Content -> the one block that holds it.
+    map: FxHashMap<BlockHash, u32>,
+    /// Block -> its content hash, if cached. `map[hash_of[b]] == b` for every cached `b`.
+    hash_of: Vec<Option<BlockHash>>,
+    lru: EvictableList,
+    pub events: EventQueue,
+    /// The counters; the gauges in it are filled in by [`stats`](Self::stats).
+    counters: PrefixCacheStats,
+}
+
+impl CacheIndex {
+    pub fn new(num_blocks: usize) -> Self {
+        CacheIndex {
+            map: FxHashMap::default(),
+            hash_of: vec![None; num_blocks],
+            lru: EvictableList::new(num_blocks),
+            events: EventQueue::default(),
+            counters: PrefixCacheStats::default(),
+        }
+    }
+
+    pub fn lookup(&self, hash: &BlockHash) -> Option<u32> {
+        self.map.get(hash).copied()
+    }
+    pub fn hash_of(&self, id: u32) -> Option<BlockHash> {
+        self.hash_of[id as usize]
+    }
+    pub fn is_evictable(&self, id: u32) -> bool {
+        self.lru.contains(id)
+    }
+    pub fn num_evictable(&self) -> usize {
+        self.lru.len()
+    }
+    pub fn num_cached(&self) -> usize {
+        self.map.len()
+    }
+    /// Evictable ids, least recently used first.
+    pub fn evictable(&self) -> impl Iterator<Item = u32> + '_ {
+        self.lru.iter()
+    }
+    /// Cached ids (any order).
+    pub fn cached(&self) -> impl Iterator<Item = u32> + '_ {
+        self.map.values().copied()
+    }
+
+    /// Records that block `id` (referenced, not cached) holds the content `hash`. Returns
+    /// false and changes nothing when another block holds that content already: then `id`
+    /// stays uncached (a duplicate computed before the first was stored).
+    pub fn insert(&mut self, id: u32, hash: BlockHash) -> bool {
+        debug_assert!(self.hash_of[id as usize].is_none(), "block {id} is cached already");
+        if self.map.contains_key(&hash) {
+            return false;
+        }
+        self.map.insert(hash, id);
+        self.hash_of[id as usize] = Some(hash);
+        self.counters.stored_blocks += 1;
+        true
+    }
+
+    /// A cached block's last reference is gone: it becomes the most recently used evictable.
+    pub fn push_evictable(&mut self, id: u32) {
+        debug_assert!(self.hash_of[id as usize].is_some(), "block {id} is not cached");
+        self.lru.push_back(id);
+    }
+
+    /// A hit on an evictable block takes it off the evictable list; false if it was not on it.
+    pub fn revive(&mut self, id: u32) -> bool {
+        self.lru.remove(id)
+    }
+
+    /// Takes the least recently used evictable block and forgets its content.
+    pub fn evict(&mut self) -> Option<(u32, BlockHash)> {
+        let id = self.lru.pop_front()?;
+        let hash = self.hash_of[id as usize].take().expect("an evictable block is cached");
+        self.map.remove(&hash);
+        self.counters.evictions += 1;
+        Some((id, hash))
+    }
+
+    /// Forgets every cached block; all must be evictable. Returns their ids.
+    pub fn clear(&mut self) -> Vec<u32> {
+        debug_assert_eq!(self.lru.len(), self.map.len(), "a cached block is still referenced");
+        let ids: Vec<u32> = std::iter::from_fn(|| self.lru.pop_front()).collect();
+        for &id in &ids {
+            self.hash_of[id as usize] = None;
+        }
+        self.map.clear();
+        self.counters.resets += 1;
+        self.events.push(KvEvent::AllBlocksCleared);
+        ids
+    }
+
+    pub fn record_query(&mut self, query_tokens: usize, hit_tokens: usize) {
+        self.counters.requests += 1;
+        self.counters.queries += query_tokens as u64;
+        self.counters.hits += hit_tokens as u64;
+    }
+
+    pub fn stats(&self) -> PrefixCacheStats {
+        PrefixCacheStats { num_cached_blocks: self.map.len(), num_evictable_blocks: self.lru.len(), ..self.counters }
+    }
+
+    /// Map and hashes agree (every cached block is in the map once, under its own hash), the
+    /// list is well linked, and exactly the cached blocks with `ref_cnt(b) == 0` are on it.
+    pub fn check(&self, ref_cnt: impl Fn(u32) -> u32) -> Result<(), String> {
+        self.lru.check()?;
+        for (hash, &id) in &self.map {
+            if self.hash_of.get(id as usize).copied().flatten() != Some(*hash) {
+                return Err(format!("the map sends {hash:?} to block {id}, which does not hold it"));
+            }
+        }
+        let hashed = self.hash_of.iter().filter(|h| h.is_some()).count();
+        if hashed != self.map.len() {
+            return Err(format!("{hashed} blocks hold a hash, the map has {} entries", self.map.len()));
+        }
+        for (id, hash) in self.hash_of.iter().enumerate() {
+            let id = id as u32;
+            let rc = ref_cnt(id);
+            match (hash.is_some(), rc == 0, self.lru.contains(id)) {
+                (true, true, false) => return Err(format!("cached block {id} has ref_cnt 0 but is not evictable (lost)")),
+                (_, false, true) => return Err(format!("block {id} is evictable with ref_cnt {rc}")),
+                (false, _, true) => return Err(format!("block {id} is evictable but not cached")),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(n: u8) -> BlockHash {
+        BlockHash([n; 32])
+    }
+
+    #[test]
+    fn insert_evict_revive_clear() {
+        let mut idx = CacheIndex::new(4);
+        idx.events.set_enabled(true);
+        assert!(idx.insert(0, h(1)));
+        assert!(!idx.insert(1, h(1)), "one block per content");
+        assert!(idx.insert(2, h(2)));
+        assert_eq!(idx.lookup(&h(1)), Some(0));
+        let refs = |id: u32| u32::from(id == 1);
+        idx.push_evictable(2);
+        idx.push_evictable(0);
+        idx.check(refs).unwrap();
+        assert!(idx.revive(2));
+        assert!(!idx.revive(2));
+        idx.push_evictable(2);
+        // 0 is now the least recently used.
+        assert_eq!(idx.evict(), Some((0, h(1))));
+        assert_eq!(idx.lookup(&h(1)), None);
+        assert_eq!(idx.hash_of(0), None);
+        idx.check(refs).unwrap();
+        assert_eq!(idx.clear(), vec![2]);
+        assert_eq!(idx.num_cached(), 0);
+        idx.check(refs).unwrap();
+        let s = idx.stats();
+        assert_eq!((s.stored_blocks, s.evictions, s.resets), (2, 1, 1));
+        assert_eq!(idx.events.drain(), vec![KvEvent::AllBlocksCleared]);
+    }
+
+    #[test]
+    fn check_catches_a_referenced_evictable_block() {
+        let mut idx = CacheIndex::new(2);
+        idx.insert(0, h(1));
+        idx.push_evictable(0);
+        assert!(idx.check(|_| 1).unwrap_err().contains("evictable with ref_cnt 1"));
+        assert!(idx.check(|_| 0).is_ok());
+        idx.revive(0);
+        assert!(idx.check(|_| 0).unwrap_err().contains("lost"));
+    }
+}

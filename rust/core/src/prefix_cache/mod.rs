@@ -1,0 +1,319 @@
+//! The prefix cache: full blocks keyed by a hash of their content and of everything before
+//! them, so a new request whose prompt starts like an earlier one reuses that KV instead
+//! of computing it (design: `prefix_cache.md`).
+//!
+//! - [`hash`]: the keyed BLAKE3 chain (per-pool random key, per-request salt and extra keys).
+//! - [`index`]: the hash -> block map and the evictable list (plain data, behind one mutex).
+//! - [`lru`]: the evictable list itself, O(1) push, revive and evict.
+//! - [`events`]: the opt-in queue of KV events for cache-aware routers.
+//! - [`stats`]: the counters.
+//!
+//! A block is in exactly one of three states:
+//!
+//! ```text
+//!            alloc (lock-free)              store (sole holder, block full)
+//!   free  ----------------------->  used  ------------------------------>  used + cached
+//!     ^                             |  ^                                      |   ^
+//!     |  last ref dropped           |  |                    last ref dropped  |   | hit (revive)
+//!     +-----------------------------+  |                                      v   |
+//!     |                                +------ evict (hash dropped) ----  evictable
+//!     +------------------------------- reset ------------------------------------+
+//! ```
+//!
+//! `num_free + num_evictable + num_used == num_blocks`. The free list is never touched by
+//! the cache except to push back blocks it drops on a reset or a failed call; allocation
+//! tries the lock-free free list first and comes here only when it runs short.
+
+pub mod events;
+pub mod hash;
+pub mod index;
+pub mod lru;
+pub mod stats;
+
+use std::sync::{Mutex, MutexGuard};
+
+use crate::error::CoreError;
+use crate::sync::{AtomicBool, AtomicUsize, Ordering};
+pub use events::KvEvent;
+pub use hash::{BlockHash, BlockHasher};
+use index::CacheIndex;
+pub use stats::PrefixCacheStats;
+
+/// What the cache needs from the allocator: reference counts and the free list. Every
+/// method but `pop_free` and `push_free` is called with the cache's lock held.
+pub trait BlockRefs {
+    /// Blocks that exist.
+    fn num_blocks(&self) -> usize;
+    /// Ids on the free list now.
+    fn num_free(&self) -> usize;
+    fn ref_cnt(&self, id: u32) -> u32;
+    /// Gives a block nobody references (an evictable block the caller just took off the
+    /// evictable list) its first reference.
+    fn set_first_ref(&self, id: u32);
+    /// Adds a reference to a block that has some and cannot lose its last meanwhile.
+    fn add_ref(&self, id: u32);
+    /// Drops one reference unless there is none; returns the count left.
+    fn drop_ref(&self, id: u32) -> Option<u32>;
+    /// Pops exactly `out.len()` ids (each with ref count 1) or none; on failure, how many
+    /// were free.
+    fn pop_free(&self, out: &mut [u32]) -> Result<(), usize>;
+    /// Returns blocks nobody references (ref count 0) to the free list.
+    fn push_free(&self, ids: &[u32]);
+}
+
+/// What an add found in the cache and what it allocated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixAlloc {
+    /// The cached blocks of the prompt's head, in order (now referenced by the caller).
+    pub hits: Vec<u32>,
+    /// Fresh blocks for the rest.
+    pub fresh: Vec<u32>,
+}
+
+/// One block a request just filled: its id, its hash, its tokens.
+pub struct FilledBlock<'a> {
+    pub block_id: u32,
+    pub hash: BlockHash,
+    pub token_ids: &'a [u32],
+}
+
+pub struct PrefixCache {
+    hasher: BlockHasher,
+    block_size: usize,
+    index: Mutex<CacheIndex>,
+    /// `cached[b]`: block `b` has a hash. Set only by the block's sole holder and cleared
+    /// only while nobody holds it (eviction, reset), so a holder dropping its reference can
+    /// read it without the lock to pick the lock-free path or the cached one.
+    cached: Box<[AtomicBool]>,
+    /// The evictable list's length, readable without the lock (pool counts).
+    num_evictable: AtomicUsize,
+}
+
+impl PrefixCache {
+    pub fn new(num_blocks: usize, block_size: usize) -> Result<Self, CoreError> {
+        Ok(Self::with_hasher(num_blocks, block_size, BlockHasher::new_random()?))
+    }
+
+    pub fn with_hasher(num_blocks: usize, block_size: usize, hasher: BlockHasher) -> Self {
+        PrefixCache {
+            hasher,
+            block_size,
+            index: Mutex::new(CacheIndex::new(num_blocks)),
+            cached: (0..num_blocks).map(|_| AtomicBool::new(false)).collect(),
+            num_evictable: AtomicUsize::new(0),
+        }
+    }
+
+    pub fn hasher(&self) -> &BlockHasher {
+        &self.hasher
+    }
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    fn lock(&self) -> MutexGuard<'_, CacheIndex> {
+        // Every critical section leaves the index consistent before anything can panic.
+        self.index.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether `id` is cached. Exact for a block the caller holds a reference to.
+    pub fn is_cached(&self, id: u32) -> bool {
+        self.cached[id as usize].load(Ordering::Acquire)
+    }
+    /// Evictable blocks now (a snapshot under concurrency).
+    pub fn num_evictable(&self) -> usize {
+        self.num_evictable.load(Ordering::Acquire)
+    }
+
+    /// The add path: references the longest cached prefix of `hashes` and allocates
+    /// `total_blocks - hits` fresh blocks (free list first, then evicting the least
+    /// recently used blocks that are not among the hits), all or nothing. `query_tokens`
+    /// is the prompt length, counted in the stats on success.
+    pub fn alloc_with_prefix(
+        &self,
+        refs: &dyn BlockRefs,
+        hashes: &[BlockHash],
+        total_blocks: usize,
+        query_tokens: usize,
+    ) -> Result<PrefixAlloc, CoreError> {
+        let mut idx = self.lock();
+        let hits: Vec<u32> = hashes.iter().map_while(|h| idx.lookup(h)).take(total_blocks).collect();
+        let hits_evictable = hits.iter().filter(|&&id| idx.is_evictable(id)).count();
+        let mut fresh = vec![0u32; total_blocks - hits.len()];
+        let from_free = self.pop_some_free(refs, &mut fresh);
+        let to_evict = fresh.len() - from_free;
+        let evictable = idx.num_evictable() - hits_evictable;
+        if to_evict > evictable {
+            refs.push_free(&fresh[..from_free]);
+            return Err(CoreError::OutOfBlocks { requested: fresh.len(), free: from_free + evictable, num_blocks: refs.num_blocks() });
+        }
+        // Commit: nothing below can fail. Hits first, so that no eviction takes one.
+        for &id in &hits {
+            if idx.revive(id) {
+                refs.set_first_ref(id);
+            } else {
+                refs.add_ref(id);
+            }
+        }
+        self.evict_into(refs, &mut idx, &mut fresh[from_free..]);
+        idx.record_query(query_tokens, hits.len() * self.block_size);
+        self.num_evictable.store(idx.num_evictable(), Ordering::Release);
+        Ok(PrefixAlloc { hits, fresh })
+    }
+
+    /// The allocation slow path: fills `out` from the free list and, for what it lacks, by
+    /// evicting, all or nothing.
+    pub fn alloc_evicting(&self, refs: &dyn BlockRefs, out: &mut [u32]) -> Result<(), CoreError> {
+        let mut idx = self.lock();
+        let from_free = self.pop_some_free(refs, out);
+        if out.len() - from_free > idx.num_evictable() {
+            refs.push_free(&out[..from_free]);
+            return Err(CoreError::OutOfBlocks {
+                requested: out.len(),
+                free: from_free + idx.num_evictable(),
+                num_blocks: refs.num_blocks(),
+            });
+        }
+        self.evict_into(refs, &mut idx, &mut out[from_free..]);
+        self.num_evictable.store(idx.num_evictable(), Ordering::Release);
+        Ok(())
+    }
+
+    /// Pops as many of `out.len()` ids as the free list holds into the front of `out`;
+    /// returns how many. Other threads may pop meanwhile, so it retries with what is there.
+    fn pop_some_free(&self, refs: &dyn BlockRefs, out: &mut [u32]) -> usize {
+        loop {
+            let n = refs.num_free().min(out.len());
+            if refs.pop_free(&mut out[..n]).is_ok() {
+                return n;
+            }
+        }
+    }
+
+    /// Evicts one block per entry of `out` (the caller checked there are enough) and hands
+    /// each out with one reference; queues one `BlockRemoved` for them.
+    fn evict_into(&self, refs: &dyn BlockRefs, idx: &mut CacheIndex, out: &mut [u32]) {
+        let mut removed = Vec::with_capacity(out.len());
+        for slot in out.iter_mut() {
+            let (id, hash) = idx.evict().expect("the caller counted the evictable blocks");
+            self.cached[id as usize].store(false, Ordering::Release);
+            refs.set_first_ref(id);
+            removed.push(hash);
+            *slot = id;
+        }
+        if !removed.is_empty() {
+            idx.events.push(KvEvent::BlockRemoved { block_hashes: removed });
+        }
+    }
+
+    /// Caches blocks one request just filled, in order, each the sole reference of its
+    /// holder; `parent` is the hash before the first (None at the start of the request).
+    /// A block whose content another block holds already stays uncached. Queues one
+    /// `BlockStored` per run of consecutive stored blocks. Returns how many were stored.
+    pub fn store(&self, parent: Option<BlockHash>, blocks: &[FilledBlock<'_>], lora_id: Option<u64>) -> usize {
+        let mut idx = self.lock();
+        let mut stored = 0;
+        let mut run: Option<KvEvent> = None;
+        let mut parent = parent;
+        for block in blocks {
+            if idx.insert(block.block_id, block.hash) {
+                self.cached[block.block_id as usize].store(true, Ordering::Release);
+                stored += 1;
+                if idx.events.enabled() {
+                    match run.as_mut() {
+                        Some(KvEvent::BlockStored { block_hashes, token_ids, .. }) => {
+                            block_hashes.push(block.hash);
+                            token_ids.extend_from_slice(block.token_ids);
+                        }
+                        _ => {
+                            run = Some(KvEvent::BlockStored {
+                                block_hashes: vec![block.hash],
+                                parent_block_hash: parent,
+                                token_ids: block.token_ids.to_vec(),
+                                block_size: self.block_size,
+                                lora_id,
+                            })
+                        }
+                    }
+                }
+            } else if let Some(event) = run.take() {
+                idx.events.push(event);
+            }
+            parent = Some(block.hash);
+        }
+        if let Some(event) = run {
+            idx.events.push(event);
+        }
+        stored
+    }
+
+    /// Drops one reference to each of `ids` (all cached, each referenced by the caller),
+    /// given in the request's order. Blocks left unreferenced become evictable, the last
+    /// block first: among one request's blocks, its tail is evicted before its head.
+    pub fn release(&self, refs: &dyn BlockRefs, ids: &[u32]) {
+        let mut idx = self.lock();
+        for &id in ids.iter().rev() {
+            debug_assert!(self.is_cached(id));
+            if refs.drop_ref(id) == Some(0) {
+                idx.push_evictable(id);
+            }
+        }
+        self.num_evictable.store(idx.num_evictable(), Ordering::Release);
+    }
+
+    /// Drops every cached block (after a weight update, say) and returns how many went
+    /// back to the free list. Refuses, changing nothing, while any cached block is
+    /// referenced: its KV would be stale too.
+    pub fn reset(&self, refs: &dyn BlockRefs) -> Result<usize, CoreError> {
+        let mut idx = self.lock();
+        let in_use = idx.num_cached() - idx.num_evictable();
+        if in_use > 0 {
+            return Err(CoreError::CacheInUse { in_use });
+        }
+        let ids = idx.clear();
+        for &id in &ids {
+            self.cached[id as usize].store(false, Ordering::Release);
+        }
+        refs.push_free(&ids);
+        self.num_evictable.store(0, Ordering::Release);
+        Ok(ids.len())
+    }
+
+    pub fn set_events_enabled(&self, enabled: bool) {
+        self.lock().events.set_enabled(enabled);
+    }
+    pub fn events_enabled(&self) -> bool {
+        self.lock().events.enabled()
+    }
+    /// Every queued event, oldest first.
+    pub fn drain_events(&self) -> Vec<KvEvent> {
+        self.lock().events.drain()
+    }
+
+    pub fn stats(&self) -> PrefixCacheStats {
+        self.lock().stats()
+    }
+
+    /// Evictable ids, least recently used first (tests and invariant checks).
+    pub fn evictable_ids(&self) -> Vec<u32> {
+        self.lock().evictable().collect()
+    }
+
+    /// The index's own checks, plus: the lock-free flags and counter agree with it.
+    pub fn check_invariants(&self, refs: &dyn BlockRefs) -> Result<(), String> {
+        let idx = self.lock();
+        idx.check(|id| refs.ref_cnt(id))?;
+        for (id, flag) in self.cached.iter().enumerate() {
+            if flag.load(Ordering::Acquire) != idx.hash_of(id as u32).is_some() {
+                return Err(format!("block {id}: the cached flag disagrees with the map"));
+            }
+        }
+        if self.num_evictable() != idx.num_evictable() {
+            return Err(format!("num_evictable {} != {} on the list", self.num_evictable(), idx.num_evictable()));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;
