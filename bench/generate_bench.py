@@ -6,13 +6,15 @@ Rows (same process, same model, same requests):
   clipped), random token ids; output tokens/s counts only the tokens each request asked for;
   peak concurrent sequences at the budget of `--budget-seqs` x (max prompt + max output)
   tokens of KV:
-  * kvpool: kvpool.generation.generate (TransformersRunner; all requests submitted at t=0)
+  * kvpool: kvpool.generation.generate (TransformersRunner; all requests submitted at t=0),
+    eager and with CUDA graphs of the decode-only steps (`cuda_graphs=True`; graphs are
+    captured in the warm-up, which replays the workload's batch sizes)
   * transformers dynamic cache + SDPA: `generate` in batches of `--budget-seqs`, left padded,
     max_new_tokens = the batch's longest request (what a user of `generate` does)
   * transformers static cache: the same on the first two batches (its first call compiles)
   * transformers continuous batching (`init_continuous_batching`, paged cache), if present
 - fixed shapes: batch 1 and batch 32 of 512-token prompts, 128 new tokens (time per output
-  token at batch 1; the batch-32 ratio against dynamic-cache `generate`).
+  token at batch 1, ms per step at batch 32; ratios against dynamic-cache `generate`).
 Writes JSON (provenance + rows + ratios) to --out. Takes a few minutes on the H200.
 """
 
@@ -67,17 +69,25 @@ def sync_time(fn):
     return res, time.perf_counter() - t0
 
 
-def run_kvpool(model, reqs, budget_tokens, max_running=256):
+def run_kvpool(model, reqs, budget_tokens, max_running=256, cuda_graphs=False):
     layout = layout_for(model, 16)
     pool = kvpool.Pool(layout, budget_tokens // 16, device="cuda")
-    runner = TransformersRunner(model, pool)
-    generate(runner, pool, reqs[:2])  # warm-up: kernel compiles, allocator
-    res, dt = sync_time(lambda: generate(runner, pool, reqs, max_running_seqs=max_running,
-                                         max_tokens_per_step=4096))
+    runner = TransformersRunner(model, pool, cuda_graphs=cuda_graphs)
+    longest = max(len(r.prompt) + r.max_new_tokens for r in reqs)  # fixes the table width
+    run = (lambda rs: generate(runner, pool, rs, max_running_seqs=max_running,
+                               max_tokens_per_step=4096, max_model_len=longest))
+    # warm-up: kernel compiles, allocator; with graphs, the buckets of a short run of every
+    # request (a bucket first met in the timed run is captured there, and counted)
+    run([GenerationRequest(r.request_id, r.prompt, 8) for r in reqs] if cuda_graphs
+        else reqs[:2])
+    res, dt = sync_time(lambda: run(reqs))
     tokens = res.num_output_tokens
-    return {"output_tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt,
-            "peak_concurrent": res.peak_running, "steps": res.num_steps,
-            "preemptions": res.num_preemptions, "pool_blocks": pool.num_blocks}
+    row = {"output_tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt,
+           "peak_concurrent": res.peak_running, "steps": res.num_steps,
+           "preemptions": res.num_preemptions, "pool_blocks": pool.num_blocks}
+    if cuda_graphs:
+        row["graph_buckets"] = [b for b, _ in runner.graphs.captured]
+    return row
 
 
 def hf_batches(model, reqs, batch, cache_implementation=None, max_batches=None):
@@ -189,10 +199,14 @@ def main() -> None:
     fixed = [GenerationRequest(i, rng.integers(5, 32000, 512).tolist(), 128) for i in range(32)]
     steps = [
         ("kvpool_loop", lambda: run_kvpool(model, reqs, budget)),
+        ("kvpool_loop_graphs", lambda: run_kvpool(model, reqs, budget, cuda_graphs=True)),
         ("hf_dynamic_sdpa", lambda: hf_batches(model, reqs, args.budget_seqs)),
         ("fixed_b1_kvpool", lambda: run_kvpool(model, fixed[:1], 1280)),
+        ("fixed_b1_kvpool_graphs", lambda: run_kvpool(model, fixed[:1], 1280, cuda_graphs=True)),
         ("fixed_b1_hf_dynamic", lambda: hf_batches(model, fixed[:1], 1)),
         ("fixed_b32_kvpool", lambda: run_kvpool(model, fixed, 32 * 640 + 640)),
+        ("fixed_b32_kvpool_graphs",
+         lambda: run_kvpool(model, fixed, 32 * 640 + 640, cuda_graphs=True)),
         ("fixed_b32_hf_dynamic", lambda: hf_batches(model, fixed, 32)),
         ("hf_continuous_batching", lambda: hf_continuous(model, reqs, budget)),
         ("hf_static_first_2_batches",
@@ -206,17 +220,22 @@ def main() -> None:
 
 def ratios(rows: dict) -> dict:
     out: dict[str, object] = {}
-    a = rows.get("kvpool_loop", {})
-    for name in ("hf_dynamic_sdpa", "hf_static_first_2_batches", "hf_continuous_batching"):
-        b = rows.get(name, {})
-        if "tokens_per_s" in a and "tokens_per_s" in b:
-            out[f"kvpool_over_{name}_tokens_per_s"] = a["tokens_per_s"] / b["tokens_per_s"]
+    tps = {k: v["tokens_per_s"] for k, v in rows.items() if "tokens_per_s" in v}
+    for ours in ("kvpool_loop", "kvpool_loop_graphs"):
+        for name in ("hf_dynamic_sdpa", "hf_static_first_2_batches", "hf_continuous_batching"):
+            if ours in tps and name in tps:
+                out[f"{ours}_over_{name}_tokens_per_s"] = tps[ours] / tps[name]
     for bsz in (1, 32):
-        k, h = rows.get(f"fixed_b{bsz}_kvpool", {}), rows.get(f"fixed_b{bsz}_hf_dynamic", {})
-        if "tokens_per_s" in k and "tokens_per_s" in h:
-            out[f"fixed_b{bsz}_kvpool_over_hf_dynamic"] = k["tokens_per_s"] / h["tokens_per_s"]
-            out[f"fixed_b{bsz}_ms_per_output_token"] = {
-                "kvpool": 1e3 * bsz / k["tokens_per_s"], "hf_dynamic": 1e3 * bsz / h["tokens_per_s"]}
+        h = tps.get(f"fixed_b{bsz}_hf_dynamic")
+        ms = {}
+        for ours in ("kvpool", "kvpool_graphs", "hf_dynamic"):
+            k = tps.get(f"fixed_b{bsz}_{ours}")
+            if k:
+                ms[ours] = 1e3 * bsz / k  # a step gives each of the bsz sequences a token
+                if h and ours != "hf_dynamic":
+                    out[f"fixed_b{bsz}_{ours}_over_hf_dynamic"] = k / h
+        if ms:  # at batch 1: ms per output token
+            out[f"fixed_b{bsz}_ms_per_step"] = ms
     return out
 
 

@@ -13,7 +13,10 @@ from kvpool.integrations.transformers import TransformersRunner, layout_for
 
 
 def llama(dtype, device, *, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16,
-          inter=128, vocab=101, seed=0):
+          inter=128, vocab=101, seed=0, lm_head_spread=0.0):
+    """A random-weight Llama. lm_head_spread > 0 scales each lm_head row by
+    exp(spread * N(0, 1)): a few tokens then dominate and greedy decisions have margins
+    (with equal row norms the top two of a large vocabulary are often within a few ulps)."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                       num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=inter,
@@ -23,7 +26,35 @@ def llama(dtype, device, *, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=1
         model = LlamaForCausalLM(cfg).to(dtype=dtype).eval()
     model.generation_config.eos_token_id = None  # random weights: run every requested token
     model.generation_config.pad_token_id = 0
+    if lm_head_spread:
+        w = model.lm_head.weight
+        with torch.no_grad():
+            scale = torch.exp(lm_head_spread * torch.randn(w.shape[0], 1, device=w.device))
+            w.mul_(scale.to(w.dtype))
     return model
+
+
+def ulp(dtype, magnitude: float) -> float:
+    """The spacing of `dtype` at `magnitude` (the resolution of a logit that large)."""
+    return torch.finfo(dtype).eps * 2.0 ** np.floor(np.log2(max(magnitude, 1e-30)))
+
+
+def decision_margins(logits, prompt_len, chosen, temperatures=0.0, seed=0):
+    """How far each chosen token is from the decision a sampler makes on `logits` (float32
+    [prompt_len + len(chosen) - 1 or more, vocab] of prompt + chosen, one forward): row
+    prompt_len - 1 + k decided chosen[k]. Greedy: max(logit) - logit[chosen]; temperature t:
+    the same on logit / t + the request's Gumbel noise (kvpool.generation.gumbel_noise).
+    Returns (margins, scales): float64 [len(chosen)] each, scale = max|logit| of the row."""
+    from kvpool.generation import gumbel_noise
+
+    rows = logits[prompt_len - 1:prompt_len - 1 + len(chosen)].double().cpu().numpy()
+    scales = np.abs(rows).max(axis=1)
+    if temperatures:
+        pos = np.arange(prompt_len - 1, prompt_len - 1 + len(chosen), dtype=np.int64)
+        seeds = np.full(len(chosen), seed, np.int64)
+        rows = rows / temperatures + gumbel_noise(seeds, pos, rows.shape[1])
+    picked = rows[np.arange(len(chosen)), np.asarray(chosen)]
+    return rows.max(axis=1) - picked, scales
 
 
 def reference_logits(model, prompt, forced):

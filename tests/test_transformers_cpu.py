@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_common import kvpool_logits, llama, reference_logits  # noqa: E402
+from hf_common import decision_margins, kvpool_logits, llama, reference_logits, ulp  # noqa: E402
 
 import kvpool  # noqa: E402
 from kvpool.generation import GenerationRequest, generate, gumbel_noise  # noqa: E402
@@ -63,6 +63,27 @@ def test_greedy_generation_matches_transformers_generate():
     assert pool.num_free == pool.num_blocks
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_generated_tokens_are_the_samplers_decisions_on_the_reference_logits(temperature):
+    """What the GPU loop test checks on bf16: every generated token, rescored on transformers'
+    logits of prompt + output in one forward, is the sampler's decision (here float32, so to
+    within a few float32 ulps); and the check fails on a replaced token."""
+    model = llama(torch.float32, "cpu", seed=2, lm_head_spread=1.0)
+    rng = np.random.default_rng(5)
+    reqs = [GenerationRequest(i, rng.integers(0, 101, n).tolist(), 10, temperature=temperature,
+                              seed=40 + i) for i, n in enumerate((2, 9, 17))]
+    pool = kvpool.Pool(layout_for(model, 4), 8, device="host")  # too small for all three
+    res = generate(TransformersRunner(model, pool), pool, reqs, max_running_seqs=3)
+    assert res.num_preemptions > 0
+    for r in reqs:
+        out = res.outputs[r.request_id]
+        logits = reference_logits(model, list(r.prompt) + out[:-1], [])
+        margins, scales = decision_margins(logits, len(r.prompt), out, temperature, r.seed)
+        assert (margins <= 8 * ulp(torch.float32, scales.max()) / (temperature or 1.0)).all()
+        wrong = out[:-1] + [int(logits[-1].argmin())]
+        assert decision_margins(logits, len(r.prompt), wrong, temperature, r.seed)[0][-1] > 0.1
+
+
 def test_torch_sampling_matches_numpy():
     rng = np.random.default_rng(1)
     logits = rng.standard_normal((6, 50))
@@ -83,3 +104,29 @@ def test_pool_layer_shares_memory_with_the_host_pool(dtype):
     t[2, 1, 0, 3] = 5.0
     assert np.asarray(pool.v_view(1))[2, 1, 0, 3] == 5.0
     assert np.asarray(pool.k_view(1))[2, 1, 0, 3] == 0.0
+
+
+def test_packed_layout_round_trips_int32_and_int64_arrays():
+    """One int32 buffer holding a step's arrays at 16-byte offsets, so that the torch slices
+    of int64 arrays view as int64 (what the GPU upload relies on); empty arrays included."""
+    from kvpool.integrations.packed_upload import PackedLayout
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(-2**40, 2**40, 5), rng.integers(-9, 9, (3, 7)).astype(np.int32),
+              rng.integers(0, 2**40, 3), np.zeros((0, 4), np.int32), np.zeros(0, np.int64),
+              rng.integers(-9, 9, 1).astype(np.int32)]
+    layout = PackedLayout.of([a.shape for a in arrays], [a.dtype for a in arrays])
+    assert all(off % 4 == 0 for off in layout.offsets)
+    buf = np.zeros(layout.total, np.int32)
+    for view, a in zip(layout.views(buf), arrays):
+        view[...] = a
+    for got, a in zip(layout.views(torch.from_numpy(buf)), arrays):
+        assert got.dtype == {np.int64: torch.int64, np.int32: torch.int32}[a.dtype.type]
+        assert got.numpy().tolist() == a.tolist() and got.shape == a.shape
+
+
+def test_cuda_graphs_are_refused_on_a_host_pool():
+    model = llama(torch.float32, "cpu")
+    pool = kvpool.Pool(layout_for(model, 4), 4, device="host")
+    with pytest.raises(ValueError, match="CUDA pool"):
+        TransformersRunner(model, pool, cuda_graphs=True)

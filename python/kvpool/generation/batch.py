@@ -62,13 +62,13 @@ def build_step(
     """decode: (request_id, token, position) per decoding sequence; prefill: (request_id,
     chunk tokens, start position) per chunk. The tables must already hold every slot."""
     bs = tables.pool.layout.block_size
-    ids, pos, slots = [], [], []
-    dec_ids = [d[0] for d in decode]
-    dec_table = tables.block_table(dec_ids) if decode else np.zeros((0, 1), np.int32)
-    for i, (_, token, p) in enumerate(decode):
-        ids.append(np.array([token], np.int64))
-        pos.append(np.array([p], np.int64))
-        slots.append(slots_of(dec_table[i], pos[-1], bs))
+    dec_table = (tables.block_table([d[0] for d in decode]) if decode
+                 else np.zeros((0, 1), np.int32))
+    dec = np.array([d[1:] for d in decode], np.int64).reshape(-1, 2)  # (token, position)
+    dec_pos = dec[:, 1]
+    ids, pos = [dec[:, 0]], [dec_pos]
+    slots = [dec_table[np.arange(len(decode)), dec_pos // bs].astype(np.int64) * bs
+             + dec_pos % bs]
     pre_ids = [c[0] for c in prefill]
     pre_table = tables.block_table(pre_ids) if prefill else np.zeros((0, 1), np.int32)
     indptr = [0]
@@ -78,15 +78,13 @@ def build_step(
         pos.append(p)
         slots.append(slots_of(pre_table[i], p, bs))
         indptr.append(indptr[-1] + len(chunk))
-    cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64))
-    positions = cat(pos)
     return StepBatch(
-        input_ids=cat(ids),
-        positions=positions,
-        slot_mapping=cat(slots),
+        input_ids=np.concatenate(ids),
+        positions=np.concatenate(pos),
+        slot_mapping=np.concatenate(slots),
         num_decode=len(decode),
         decode_block_table=np.ascontiguousarray(dec_table, np.int32),
-        decode_seq_lens=np.array([d[2] + 1 for d in decode], np.int32),
+        decode_seq_lens=(dec_pos + 1).astype(np.int32),
         prefill_qo_indptr=np.array(indptr, np.int32),
         prefill_block_table=np.ascontiguousarray(pre_table, np.int32),
         prefill_seq_lens=np.array([c[2] + len(c[1]) for c in prefill], np.int32),

@@ -2,7 +2,7 @@
 
 A token sampled at temperature t > 0 is argmax(logits / t + g) where g is Gumbel noise drawn
 from hash(seed, position, vocab index). The noise depends on nothing but the request's seed and
-the position, so a request samples the same tokens alone or in any batch, and the NumPy and
+the position, so a request draws the same noise alone or in any batch, and the NumPy and
 torch versions agree bit for bit on the noise (the integer hash is exact in both).
 """
 

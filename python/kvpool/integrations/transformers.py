@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 import kvpool
 from kvpool.generation.batch import StepBatch
 from kvpool.generation.sampling import M1, M2, MASK
+from kvpool.integrations.packed_upload import PinnedStaging, upload
 
 NAME = "kvpool"
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -58,27 +59,38 @@ def pool_layer(pool: Any, layer: int, part: str) -> torch.Tensor:
     return t if t.dtype == dtype else t.view(dtype)
 
 
+def step_arrays(batch: StepBatch) -> list[np.ndarray]:
+    """The host arrays a CUDA step uploads, in KvpoolStep's order after (input_ids, positions)."""
+    return [batch.input_ids, batch.positions, batch.slot_mapping, batch.decode_block_table,
+            batch.decode_seq_lens, batch.prefill_qo_indptr, batch.prefill_block_table,
+            batch.prefill_seq_lens]
+
+
 class KvpoolStep:
     """One step's paged metadata on the model's device, built once per forward and shared by
-    every layer."""
+    every layer. `device_arrays` are the CUDA copies of (slot_mapping, decode_block_table,
+    decode_seq_lens, prefill_qo_indptr, prefill_block_table, prefill_seq_lens); a captured
+    decode step also fixes the decode plan: max_seq_len (a bound), num_splits and workspace."""
 
     def __init__(self, pool: Any, batch: StepBatch, device: torch.device,
-                 prefill: str = "kernel") -> None:
+                 prefill: str = "kernel", device_arrays: list[torch.Tensor] | None = None, *,
+                 max_seq_len: int | None = None, num_splits: int | None = None,
+                 workspace: torch.Tensor | None = None) -> None:
         self.pool, self.batch, self.device = pool, batch, device
         self.prefill = PREFILL[prefill]
         self._plan: Any = None
         self.cuda = device.type == "cuda"
         self.num_decode = batch.num_decode
         self.block_size = pool.layout.block_size
+        self.num_splits, self.workspace = num_splits, workspace
         if self.cuda:
-            put = (lambda a: torch.from_numpy(a).to(device, non_blocking=True))
-            self.slot_mapping = put(batch.slot_mapping)
-            self.decode_block_table = put(batch.decode_block_table)
-            self.decode_seq_lens = put(batch.decode_seq_lens)
-            self.max_decode_len = int(batch.decode_seq_lens.max()) if batch.num_decode else 0
-            self.qo_indptr = put(batch.prefill_qo_indptr)
-            self.prefill_block_table = put(batch.prefill_block_table)
-            self.prefill_seq_lens = put(batch.prefill_seq_lens)
+            if device_arrays is None:
+                raise ValueError("a CUDA step needs its metadata on the device (device_arrays)")
+            (self.slot_mapping, self.decode_block_table, self.decode_seq_lens, self.qo_indptr,
+             self.prefill_block_table, self.prefill_seq_lens) = device_arrays
+            if max_seq_len is None:
+                max_seq_len = int(batch.decode_seq_lens.max()) if batch.num_decode else 0
+            self.max_decode_len = max_seq_len
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +115,8 @@ class KvpoolStep:
             kvpool.paged_attention_decode(
                 q[:n], self.pool, layer, self.decode_block_table, self.decode_seq_lens,
                 scale=scale, out=out[:n], stream=torch.cuda.current_stream(self.device),
-                max_seq_len=self.max_decode_len)
+                max_seq_len=self.max_decode_len, num_splits=self.num_splits,
+                workspace=self.workspace)
         else:
             res = kvpool.paged_attention_decode(_np(q[:n]), self.pool, layer, b.decode_block_table,
                                                 b.decode_seq_lens, scale=scale)
@@ -216,9 +229,15 @@ def sample(logits: torch.Tensor, temperatures: np.ndarray, seeds: np.ndarray,
 class TransformersRunner:
     """A kvpool.generation ModelRunner over a transformers causal LM (Llama, Mistral, Qwen2:
     a `model.model` decoder and a `model.lm_head`). The pool's layout must match the model:
-    num_layers, num_key_value_heads, head_dim and dtype (see `layout_for`)."""
+    num_layers, num_key_value_heads, head_dim and dtype (see `layout_for`).
 
-    def __init__(self, model: Any, pool: Any, *, prefill: str = "kernel") -> None:
+    cuda_graphs=True (CUDA pool) replays a captured CUDA graph for every decode-only step of
+    at most max_graph_batch sequences (kvpool.integrations.decode_graphs): the step is padded
+    to a power-of-two bucket and its decode plan fixed per bucket, so its logits can differ
+    from the eager step's in the last bits (other GEMM shapes, other split of the KV)."""
+
+    def __init__(self, model: Any, pool: Any, *, prefill: str = "kernel",
+                 cuda_graphs: bool = False, max_graph_batch: int = 256) -> None:
         if prefill not in PREFILL:
             raise ValueError(f"prefill must be one of {sorted(PREFILL)}, got {prefill!r}")
         self.prefill = prefill
@@ -233,17 +252,35 @@ class TransformersRunner:
         self.device = next(model.parameters()).device
         if self.device != pool_device(pool):
             raise ValueError(f"model on {self.device} but pool on {pool.device}")
+        self.graphs = None
+        if cuda_graphs:
+            if self.device.type != "cuda":
+                raise ValueError("cuda_graphs=True needs a CUDA pool and model")
+            from kvpool.integrations.decode_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, max_graph_batch)
+        self._staging = PinnedStaging() if self.device.type == "cuda" else None
+
+    def _ensure_attention(self) -> None:
+        if self.model.config._attn_implementation != NAME:  # someone switched it meanwhile
+            self.model.set_attn_implementation(NAME)
+
+    def forward_hidden(self, ids: torch.Tensor, pos: torch.Tensor, step: KvpoolStep) -> torch.Tensor:
+        """Last hidden states [num_tokens, hidden] of ids / pos ([1, num_tokens] int64)."""
+        out = self.model.model(input_ids=ids, position_ids=pos, use_cache=False, kvpool_step=step)
+        return out.last_hidden_state[0]
 
     @torch.inference_mode()
     def hidden(self, batch: StepBatch) -> torch.Tensor:
         """Last hidden states [num_tokens, hidden] of one packed step (writes the step's KV)."""
-        if self.model.config._attn_implementation != NAME:  # someone switched it meanwhile
-            self.model.set_attn_implementation(NAME)
-        step = KvpoolStep(self.pool, batch, self.device, self.prefill)
-        ids = torch.from_numpy(batch.input_ids).to(self.device)[None]
-        pos = torch.from_numpy(batch.positions).to(self.device)[None]
-        out = self.model.model(input_ids=ids, position_ids=pos, use_cache=False, kvpool_step=step)
-        return out.last_hidden_state[0]
+        self._ensure_attention()
+        if self._staging is None:
+            step = KvpoolStep(self.pool, batch, self.device, self.prefill)
+            ids, pos = torch.from_numpy(batch.input_ids), torch.from_numpy(batch.positions)
+        else:
+            ids, pos, *meta = upload(self._staging, step_arrays(batch), self.device)
+            step = KvpoolStep(self.pool, batch, self.device, self.prefill, meta)
+        return self.forward_hidden(ids[None], pos[None], step)
 
     @torch.inference_mode()
     def logits(self, batch: StepBatch) -> torch.Tensor:
@@ -251,9 +288,18 @@ class TransformersRunner:
         return self.model.lm_head(self.hidden(batch)).float()
 
     @torch.inference_mode()
+    def decode_logits(self, batch: StepBatch) -> torch.Tensor:
+        """float32 logits [num_decode, vocab] of the decode rows (a graph replay where one
+        covers the step)."""
+        if self.graphs is not None and self.graphs.covers(batch):
+            self._ensure_attention()
+            return self.graphs.logits(batch)
+        return self.model.lm_head(self.hidden(batch)[:batch.num_decode]).float()
+
+    @torch.inference_mode()
     def run(self, batch: StepBatch) -> np.ndarray:
+        logits = self.decode_logits(batch)
         n = batch.num_decode
-        logits = self.model.lm_head(self.hidden(batch)[:n]).float()
         return sample(logits, batch.temperatures, batch.seeds, batch.positions[:n]).cpu().numpy()
 
 
