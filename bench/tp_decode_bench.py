@@ -67,7 +67,9 @@ def run_shape(cupy, kvpool, batch, seq_len):
     group = kvpool.PoolGroup(layout, 2, num_blocks, devices="cuda")
     single = kvpool.Pool(layout, num_blocks, device="cuda:0")
     width = seq_len // BS
-    tables, ref_tables = group.tables(batch, width), kvpool.BlockTables(single, batch, width)
+    max_seqs = max(batch, 64)  # the 64 shuffling requests below are live at once
+    tables = group.tables(max_seqs, width)
+    ref_tables = kvpool.BlockTables(single, max_seqs, width)
     for t in (tables, ref_tables):  # shuffle both free lists the same way
         for i in range(64):
             t.add(10_000 + i, BS)

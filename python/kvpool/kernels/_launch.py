@@ -80,7 +80,9 @@ class Kernel:
 
         with cupy.cuda.Device(device_id):
             raw = module.get_function(name)
-            if min_dynamic_smem > 48 * 1024 and raw.max_dynamic_shared_size_bytes < min_dynamic_smem:
+            # The default cap is 48 KiB less the kernel's static shared memory (the fp8 decode's
+            # staging tile is static), so compare with the cap, not with 48 KiB.
+            if raw.max_dynamic_shared_size_bytes < min_dynamic_smem:
                 raw.max_dynamic_shared_size_bytes = min_dynamic_smem
             fn = raw.kernel  # the cupy.cuda.Function of the current device
         self._owners = (module, raw, fn)

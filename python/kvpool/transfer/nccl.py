@@ -159,7 +159,10 @@ class NcclTransport(Transport):
 
         sock, uid = rendezvous_control(rank, rendezvous, unique_id, host=host, timeout=timeout)
         with cupy.cuda.Device(device_id):
-            comm = nccl.NcclCommunicator(2, tuple(uid), rank)
+            try:  # CuPy 14 takes the id as bytes, CuPy 13 as the tuple get_unique_id gave
+                comm = nccl.NcclCommunicator(2, bytes(b & 0xFF for b in uid), rank)
+            except TypeError:
+                comm = nccl.NcclCommunicator(2, tuple(uid), rank)
         return cls(nccl, comm, sock, rank, device_id)
 
     def _check_open(self) -> None:
