@@ -88,18 +88,18 @@ impl BlockAllocator {
     ///   before unparking the ids it drops: `num_blocks` read before and after, the smaller of
     ///   the two, is never too large for the free count read in between.
     fn counts(&self) -> (usize, usize) {
-        let nb_before = self.num_blocks();
-        let parked_before = self.parked.load(Ordering::Acquire);
-        let on_list = self.free_ids.available();
-        let parked = parked_before.max(self.parked.load(Ordering::Acquire));
-        let num_blocks = nb_before.min(self.num_blocks());
-        let free = on_list + parked;
+        let (num_blocks, free) = self.bracketed(|| self.free_ids.available());
         (num_blocks.saturating_sub(free), free.min(num_blocks))
     }
-    /// `num_used` for a count of free ids taken a moment ago (the parked ones added).
-    fn used_given(&self, free: usize) -> usize {
-        let free = free + self.parked.load(Ordering::Acquire);
-        self.num_blocks().saturating_sub(free)
+    /// `(num_blocks, free)` around a count of free ids taken by `count_free`, with the loads
+    /// ordered as [`counts`](Self::counts) says, so that a resize meanwhile can only make
+    /// `num_blocks - free` too small, never too large.
+    fn bracketed(&self, count_free: impl FnOnce() -> usize) -> (usize, usize) {
+        let nb_before = self.num_blocks();
+        let parked_before = self.parked.load(Ordering::Acquire);
+        let on_list = count_free();
+        let parked = parked_before.max(self.parked.load(Ordering::Acquire));
+        (nb_before.min(self.num_blocks()), on_list + parked)
     }
     /// The most blocks ever in use at once: sampled after every allocation while one thread
     /// uses the allocator, after every allocation that reached the depot, and on every read
@@ -154,8 +154,16 @@ impl BlockAllocator {
             debug_assert_eq!(self.ref_cnt[id as usize].load(Ordering::Relaxed), 0, "block {id} was on the free list in use");
             self.ref_cnt[id as usize].store(1, Ordering::Release);
         }
-        match (taken, self.free_ids.available_if_alone()) {
-            (_, Some(free)) => self.raise_high_water(self.used_given(free)),
+        // Alone, the exact count is cheap; it is bracketed like `counts` because a resize
+        // may run meanwhile (a growth read between the count and `num_blocks` would look
+        // like blocks in use).
+        let mut alone = None;
+        let (num_blocks, free) = self.bracketed(|| {
+            alone = self.free_ids.available_if_alone();
+            alone.unwrap_or(0)
+        });
+        match (taken, alone) {
+            (_, Some(_)) => self.raise_high_water(num_blocks.saturating_sub(free)),
             (Taken::FromDepot, None) => self.raise_high_water(self.num_used()),
             (Taken::FromCache, None) => 0,
         };
