@@ -1,7 +1,6 @@
-// Tensor-core helpers for the prefill kernel: mma.sync m16n8k16 (fp16/bf16 in, fp32 accumulate),
-// ldmatrix (plain and transposed), 16-byte cp.async with zero fill, 16-bit packing, and the
-// XOR swizzle of tile rows in shared memory. Inlined like decode_common.cuh (needs it first, and
-// KV_BF16 and ROWB, the bytes of one tile row, defined).
+// Tensor-core helpers of the decode and prefill kernels: mma.sync m16n8k16 (fp16/bf16 in, fp32
+// accumulate), ldmatrix (plain and transposed), 16-byte cp.async with zero fill and 16-bit
+// packing. Inlined like decode_common.cuh (needs it first, and KV_BF16 defined).
 
 // Two floats -> one register of two 16-bit elements, `lo` in the low half (lower k index).
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
@@ -41,10 +40,4 @@ __device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], unsigned addr) {
 __device__ __forceinline__ void cp_async16(unsigned dst, const char* gmem, bool fill) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  :: "r"(dst), "l"(gmem), "r"(fill ? 16 : 0) : "memory");
-}
-
-// Byte offset of (row, 16-byte chunk) inside a tile: chunks XOR-swizzled by row & 7, so the 8
-// rows one ldmatrix matrix reads fall in 8 different bank groups.
-__device__ __forceinline__ unsigned swz(int row, int chunk) {
-    return (unsigned)(row * ROWB + ((chunk ^ (row & 7)) << 4));
 }

@@ -46,6 +46,12 @@
 
 #include "mma_common.cuh"
 
+// Byte offset of (row, 16-byte chunk) inside a tile: chunks XOR-swizzled by row & 7, so the 8
+// rows one ldmatrix matrix reads fall in 8 different bank groups.
+__device__ __forceinline__ unsigned swz(int row, int chunk) {
+    return (unsigned)(row * ROWB + ((chunk ^ (row & 7)) << 4));
+}
+
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM must be 64, 128 or 256");
 static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE >= 1, "BLOCK_SIZE: power of two");
 static_assert(BN % 16 == 0 && BN % RPI == 0 && MROWS % RPI == 0, "tile shape");
