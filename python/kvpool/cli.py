@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 import kvpool
+from kvpool import cli_host_tier
 from kvpool.scheduler.contiguous import RESERVE_MODES
 from kvpool.scheduler.core import SchedulerConfig
 from kvpool.scheduler.policies import POLICIES
@@ -184,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--transfer-json", type=Path, default=None,
                    help="a bench/transfer_bench.py result: its best bandwidth at the largest size and its "
                         "best one-block time become the defaults of the two options above")
+    cli_host_tier.add_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=Path("kvpool-report"), help="report directory")
     o.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -201,6 +203,9 @@ def check_options(args: argparse.Namespace) -> str | None:
     transfer = [f for f in ("transfer_gbps", "transfer_latency_us", "transfer_json") if getattr(args, f) is not None]
     if transfer and not args.disaggregated:
         return f"{', '.join(_flag(f) for f in transfer)} need --disaggregated"
+    host_tier_problem = cli_host_tier.check_options(args)
+    if host_tier_problem is not None:
+        return host_tier_problem
     if args.disaggregated and args.device != "host":
         return "--disaggregated models its step times; it runs with --device host"
     if args.trace is not None:
@@ -249,6 +254,9 @@ def check_values(args: argparse.Namespace) -> str | None:
         return (f"--max-running-seqs must be in [1, {max_seqs}] (the block table, one row of "
                 f"{row_blocks} blocks per sequence, is limited to {INT32_MAX} entries); "
                 f"got {args.max_running_seqs}")
+    host_tier_problem = cli_host_tier.check_values(args, block_bytes)
+    if host_tier_problem is not None:
+        return host_tier_problem
     if args.trace is None and args.prefix_tokens > args.max_model_len - 2:
         return (f"--prefix-tokens must be in [0, {args.max_model_len - 2}] (--max-model-len "
                 f"{args.max_model_len} minus one prompt and one output token); got {args.prefix_tokens}")
@@ -329,6 +337,7 @@ def simulate_command(args: argparse.Namespace, command: Sequence[str] | None = N
         preset=get_preset(args.model), kv_memory_bytes=parse_bytes(args.kv_memory), requests=requests,
         config=config, block_size=args.block_size, device=args.device, reserve=args.reserve,
         measure_every=args.measure_every, kv_dtype=args.kv_dtype, workload_info=info,
+        host_tier=cli_host_tier.spec(args),
     )
     if args.disaggregated:
         return _disaggregated(args, spec, console)
@@ -400,7 +409,8 @@ def _simulate_with_progress(spec, console) -> dict:
     total = len(spec.requests)
     with Progress(TextColumn("{task.description:<11}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=False) as bar:
-        tasks = {name: bar.add_task(name, total=total) for name in ("paged", "contiguous")}
+        names = ("paged", "paged_host_tier", "contiguous") if spec.host_tier else ("paged", "contiguous")
+        tasks = {name: bar.add_task(name, total=total) for name in names}
         last = {"t": 0.0}
 
         def progress(name: str, done: int, total: int) -> None:

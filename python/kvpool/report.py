@@ -40,7 +40,7 @@ def write_png(report: dict[str, Any], out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / PNG_NAME
     fig, (ax_util, ax_run) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
-    colors = {"paged": "tab:blue", "contiguous": "tab:orange"}
+    colors = {"paged": "tab:blue", "paged_host_tier": "tab:green", "contiguous": "tab:orange"}
     for name, result in report["results"].items():
         s = result["series"]
         util = np.array([np.nan if u is None else u for u in s["kv_utilization"]], dtype=float)
@@ -84,19 +84,48 @@ ROWS = (
 )
 
 
-def table_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+# With a host tier (--cpu-kv-memory) the table gains these rows; `key` is read from a result,
+# "host_tier.<name>" from its host-tier counters (the other columns show "-").
+HOST_TIER_ROWS = (
+    ("preemptions by swap", "host_tier.swapped_out", "{:,}"),
+    ("preemptions by recompute", "host_tier.recomputed", "{:,}"),
+    ("  of which host tier full", "host_tier.recomputed_tier_full", "{:,}"),
+    ("recomputed tokens", "recomputed_tokens", "{:,}"),
+    ("swapped bytes (out + in)", "host_tier.swapped_bytes", _gib),
+    ("modelled copy time", "host_tier.copy_s", "{:.2f} s"),
+    ("TTFT mean (modelled)", "ttft_mean_s", "{:.2f} s"),
+    ("TTFT p99 (modelled)", "ttft_p99_s", "{:.2f} s"),
+    ("latency p99 (modelled)", "latency_p99_s", "{:.1f} s"),
+)
+
+COLUMNS = {"paged": "paged", "paged_host_tier": "paged + host tier", "contiguous": "contiguous"}
+
+
+def _cell(result: dict[str, Any], key: str, fmt: Any) -> str:
+    if key.startswith("host_tier."):
+        counts = result.get("host_tier")
+        name = key.removeprefix("host_tier.")
+        if counts is None:
+            v = None
+        elif name == "swapped_bytes":
+            v = counts["swapped_out_bytes"] + counts["swapped_in_bytes"]
+        else:
+            v = counts[name]
+    else:
+        v = result.get(key)
+    return "-" if v is None else (fmt(v) if callable(fmt) else fmt.format(v))
+
+
+def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
+    """(label, one cell per result in report order)."""
+    results = list(report["results"].values())
     paged, contiguous = report["results"]["paged"], report["results"]["contiguous"]
-    rows = []
-    for label, key, fmt in ROWS:
-        cells = []
-        for r in (paged, contiguous):
-            v = r.get(key)
-            cells.append("-" if v is None else (fmt(v) if callable(fmt) else fmt.format(v)))
-        rows.append((label, *cells))
+    rows_spec = ROWS + (HOST_TIER_ROWS if "paged_host_tier" in report["results"] else ())
+    rows = [(label, *(_cell(r, key, fmt) for r in results)) for label, key, fmt in rows_spec]
     if "measured_decode" in paged and "measured_decode" in contiguous:
         rows.append(("decode tokens / s (measured, attention)",
-                     f"{paged['measured_decode']['decode_tokens_per_s']:,.0f}",
-                     f"{contiguous['measured_decode']['decode_tokens_per_s']:,.0f}"))
+                     *(f"{r['measured_decode']['decode_tokens_per_s']:,.0f}" if "measured_decode" in r else "-"
+                       for r in results)))
     return rows
 
 
@@ -105,8 +134,8 @@ def print_table(report: dict[str, Any], console: Any) -> None:
 
     table = Table(title="kvpool simulate: paged vs contiguous (same KV memory)")
     table.add_column("")
-    table.add_column("paged", justify="right")
-    table.add_column("contiguous", justify="right")
+    for name in report["results"]:
+        table.add_column(COLUMNS.get(name, name), justify="right")
     for row in table_rows(report):
         table.add_row(*row)
     console.print(table)
@@ -115,5 +144,25 @@ def print_table(report: dict[str, Any], console: Any) -> None:
         f"paged serves [bold]{c['mean_concurrency_ratio']:.2f}x[/bold] the mean concurrency of contiguous "
         f"reservation at KV utilization [bold]{c['paged_kv_utilization']:.3f}[/bold]."
     )
+    if "host_tier_comparison" in report:
+        console.print(host_tier_line(report))
     console.print(f"time: {report['timing']['decode_attention']}; simulated clock is modelled "
                   f"({report['timing']['model']['hardware']}).")
+
+
+def host_tier_line(report: dict[str, Any]) -> str:
+    """One sentence: what the host tier changed against paged recompute-only."""
+    h = report["host_tier_comparison"]
+    tier = report["results"]["paged_host_tier"]["host_tier"]
+    return (
+        f"host tier ({tier['mode']}, {tier['host_link_bytes_per_s'] / 1e9:g} GB/s): "
+        f"{h['preemptions_by_swap']:,} preemptions by swap, {h['preemptions_by_recompute']:,} by recompute "
+        f"({h['recomputed_because_tier_full']:,} with the tier full); "
+        f"{h['recomputed_tokens_saved']:,} recomputed tokens saved, {_gib(h['swapped_bytes'])} copied; "
+        f"throughput x{_ratio(h['modelled_throughput_ratio'])}, TTFT mean x{_ratio(h['ttft_mean_ratio'])}, "
+        f"latency mean x{_ratio(h['latency_mean_ratio'])} against paged without a tier."
+    )
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"

@@ -4,9 +4,10 @@ One call to `Scheduler.step()` is one forward pass of the model:
 
 1. requests whose arrival time has come join the waiting queue;
 2. every running sequence that has finished its prefill decodes one token, with one batched
-   call to the KV backend; if the backend lacks room, the policy's victim is preempted by
-   recompute (its KV is freed, it goes back to the waiting queue and later re-prefills its
-   prompt plus the tokens it had generated) until the batch fits;
+   call to the KV backend; if the backend lacks room, the policy's victim is preempted until
+   the batch fits: by recompute (its KV is freed, it goes back to the waiting queue and later
+   re-prefills its prompt plus the tokens it had generated) or, with a swapper (swap.py), by
+   swap (its KV moves to the host tier and comes back when it is readmitted, no prefill);
 3. sequences still in prefill get the next chunk of their prompt, within the token budget
    (chunked prefill), preempting victims the same way when the pool is dry;
 4. waiting sequences are admitted in policy order while the budget, the running limit and
@@ -83,6 +84,16 @@ class KvBackend(Protocol):
     def check_drained(self) -> None: ...
 
 
+class Swapper(Protocol):
+    """Preemption by swap (swap.HostTierSwapper): optional; without one, every preemption
+    recomputes."""
+
+    def preempt(self, seq: Seq) -> bool: ...  # True: swapped out; False: recompute it
+    def try_swap_in(self, seq: Seq, watermark_blocks: int) -> bool: ...
+    def take_copy_seconds(self) -> float: ...  # modelled copy time to add to this step
+    def check_drained(self) -> None: ...
+
+
 StepCost = Callable[[int, int, int], float]  # (prefill tokens, decode seqs, KV tokens read) -> s
 
 
@@ -96,6 +107,7 @@ class Scheduler:
         config: SchedulerConfig = SchedulerConfig(),
         step_cost: StepCost | None = None,
         record_events: bool = False,
+        swapper: Swapper | None = None,
     ) -> None:
         config.validate()
         backend.validate(config)
@@ -121,6 +133,8 @@ class Scheduler:
         self.step_index = 0
         self.num_finished = 0
         self.num_preemptions = 0
+        self.swapper = swapper
+        self.recomputed_tokens = 0  # tokens whose KV a recompute preemption dropped
         self.metrics = StepMetrics()
         self.events: list[tuple] | None = [] if record_events else None
         self._watermark_blocks = backend.watermark_blocks(config.watermark)
@@ -149,13 +163,19 @@ class Scheduler:
         if victim in plan.decode:
             plan.decode.remove(victim)
         plan.prefill = [c for c in plan.prefill if c[0] is not victim]
-        self.backend.release(victim)
         self.running.remove(victim)
-        victim.running = victim.decoding = False
-        victim.prefilled = victim.kv_tokens = 0
-        victim.prefill_target = victim.request.prompt_tokens + victim.generated
+        victim.running = False
         victim.num_preemptions += 1
         self.num_preemptions += 1
+        if self.swapper is not None and self.swapper.preempt(victim):
+            victim.swapped = True  # keeps its KV, prefill progress and decoding state
+            self._event("swap_out", victim.request_id)
+        else:
+            self.backend.release(victim)
+            self.recomputed_tokens += victim.kv_tokens
+            victim.decoding = False
+            victim.prefilled = victim.kv_tokens = 0
+            victim.prefill_target = victim.request.prompt_tokens + victim.generated
         self._enqueue(victim)
 
     def _pick_victim(self) -> Seq:
@@ -204,6 +224,8 @@ class Scheduler:
         prefill_tokens += self._admit(budget - prefill_tokens)
         kv_tokens = sum(s.kv_tokens for s in self.running)
         dt = self.step_cost(prefill_tokens, len(decoded), kv_tokens)
+        if self.swapper is not None:
+            dt += self.swapper.take_copy_seconds()
         end_s = self.now_s + dt
         for seq in decoded:
             if seq.generated == 1:
@@ -283,6 +305,10 @@ class Scheduler:
             seq = self.waiting[0][2]
             n = min(seq.prefill_target, budget - used)
             watermark = self._watermark_blocks if self.running else 0  # an idle pool admits anyone
+            if seq.swapped:
+                if not self._swap_in(seq, watermark):
+                    break
+                continue
             if not self.backend.try_admit(seq, n, watermark):
                 self._event("blocked", seq.request_id)
                 break
@@ -293,6 +319,19 @@ class Scheduler:
             self._prefilled(seq, n)
             used += n
         return used
+
+    def _swap_in(self, seq: Seq, watermark: int) -> bool:
+        """Readmit a swapped-out sequence: its blocks come back, it uses no prefill budget."""
+        assert self.swapper is not None
+        if not self.swapper.try_swap_in(seq, watermark):
+            self._event("blocked", seq.request_id)
+            return False
+        heapq.heappop(self.waiting)
+        self._event("swap_in", seq.request_id)
+        seq.swapped = False
+        seq.running = True
+        self.running.append(seq)
+        return True
 
     # ---- the whole run -------------------------------------------------------------------
 

@@ -55,3 +55,8 @@ class RooflineCost:
             "step_overhead_s": hw.step_overhead_s,
             "formula": "max((weights + KV read) / (bw * eff), tokens * 2 * params / (flops * eff)) + overhead",
         }
+
+    def prefill_seconds(self, tokens: int) -> float:
+        """The compute term of prefilling `tokens` tokens: what recomputing them costs."""
+        hw = self.hardware
+        return tokens * 2.0 * self.preset.num_params / (hw.dense_flops * hw.efficiency)

@@ -17,6 +17,7 @@ from kvpool.scheduler.measured import make_probe
 from kvpool.scheduler.metrics import latency_summary, summarize
 from kvpool.scheduler.paged import PagedKv
 from kvpool.scheduler.presets import ModelPreset, num_blocks_for
+from kvpool.scheduler.swap import HostTierSpec, HostTierSwapper
 from kvpool.scheduler.workload import Request, describe
 
 # On the host the simulation needs the allocator, not the bytes: the pool is built over a
@@ -47,6 +48,7 @@ class SimulationSpec:
     measure_every: int = 10
     kv_dtype: str = "float16"  # the cache's element type (fp8 halves the bytes per token)
     workload_info: dict[str, Any] = field(default_factory=dict)
+    host_tier: HostTierSpec | None = None  # also run paged with preemption into a host tier
 
 
 def resolve_device(device: str) -> str:
@@ -90,6 +92,8 @@ def _check_served(sched: Scheduler) -> None:
         if seq.num_finishes != 1 or seq.generated != seq.request.output_tokens:
             raise AssertionError(f"request {seq.request_id} was not served exactly once")
     sched.backend.check_drained()
+    if sched.swapper is not None:
+        sched.swapper.check_drained()
 
 
 def _version() -> str | None:
@@ -118,6 +122,9 @@ def run_one(sched: Scheduler, token_bytes: int, progress: Progress | None) -> di
     probe = getattr(sched.backend, "probe", None)
     if probe is not None:
         out["measured_decode"] = probe.summary()
+    out["recomputed_tokens"] = sched.recomputed_tokens
+    if sched.swapper is not None:
+        out["host_tier"] = sched.swapper.summary()
     if isinstance(sched.backend, ContiguousKv):
         out["blocked_by_fragmentation"] = sched.backend.blocked_by_fragmentation
     return out
@@ -137,6 +144,9 @@ def simulate(spec: SimulationSpec, progress: Progress | None = None) -> dict[str
     paged.probe = probe
     paged_sched = Scheduler(paged, spec.requests, spec.config, step_cost=cost)
     paged_result = run_one(paged_sched, token_bytes, progress)
+    tier_result = None
+    if spec.host_tier is not None:
+        tier_result = run_host_tier(spec, pool, cost, layout.block_bytes, token_bytes, progress)
 
     capacity = num_blocks * layout.block_bytes  # the same bytes as the paged pool
     contiguous = ContiguousKv(capacity, token_bytes, spec.config.max_model_len, spec.reserve)
@@ -152,7 +162,7 @@ def simulate(spec: SimulationSpec, progress: Progress | None = None) -> dict[str
         timing = (f"measuring stopped after a kernel failure ({'; '.join(errors)}); "
                   "step time is modelled, measured_decode covers the steps before the failure")
 
-    return {
+    report = {
         "kvpool_version": _version(),
         "model": {**asdict(preset), "token_bytes": token_bytes, "block_size": layout.block_size,
                   "block_bytes": layout.block_bytes, "dtype": layout.dtype},
@@ -172,6 +182,47 @@ def simulate(spec: SimulationSpec, progress: Progress | None = None) -> dict[str
         },
         "results": {"paged": paged_result, "contiguous": contiguous_result},
         "comparison": compare(paged_result, contiguous_result, measured_ok=not errors),
+    }
+    if tier_result is not None:
+        report["results"] = {"paged": paged_result, "paged_host_tier": tier_result, "contiguous": contiguous_result}
+        report["host_tier_comparison"] = compare_host_tier(tier_result, paged_result)
+    return report
+
+
+def run_host_tier(spec: SimulationSpec, pool: kvpool.Pool, cost: RooflineCost, block_bytes: int,
+                  token_bytes: int, progress: Progress | None) -> dict[str, Any]:
+    """The paged scheduler again on the same (drained) pool, preempting into a host tier of
+    `spec.host_tier.memory_bytes` (in the model's blocks)."""
+    tier = spec.host_tier
+    assert tier is not None
+    backend = PagedKv(pool, spec.config.max_running_seqs, spec.config.max_model_len)
+    backend.name = "paged_host_tier"
+    swapper = HostTierSwapper(backend, tier.memory_bytes // block_bytes, mode=tier.mode, link=tier.link,
+                              prefill_s_per_token=cost.prefill_seconds(1), block_bytes=block_bytes)
+    sched = Scheduler(backend, spec.requests, spec.config, step_cost=cost, swapper=swapper)
+    return run_one(sched, token_bytes, progress)
+
+
+def compare_host_tier(tier: dict[str, Any], no_tier: dict[str, Any]) -> dict[str, Any]:
+    """Paged with a host tier against paged without one (every preemption recomputed)."""
+    def ratio(key: str) -> float | None:
+        return tier[key] / no_tier[key] if no_tier[key] else None
+
+    counts = tier["host_tier"]
+    return {
+        "preemptions": {"host_tier": tier["preemptions"], "no_tier": no_tier["preemptions"]},
+        "preemptions_by_swap": counts["swapped_out"],
+        "preemptions_by_recompute": counts["recomputed"],
+        "recomputed_because_tier_full": counts["recomputed_tier_full"],
+        "recomputed_tokens": {"host_tier": tier["recomputed_tokens"], "no_tier": no_tier["recomputed_tokens"]},
+        "recomputed_tokens_saved": no_tier["recomputed_tokens"] - tier["recomputed_tokens"],
+        "swapped_bytes": counts["swapped_out_bytes"] + counts["swapped_in_bytes"],
+        "modelled_copy_s": counts["copy_s"],
+        "modelled_throughput_ratio": ratio("modelled_output_tokens_per_s"),
+        "ttft_mean_ratio": ratio("ttft_mean_s"),
+        "ttft_p99_ratio": ratio("ttft_p99_s"),
+        "latency_mean_ratio": ratio("latency_mean_s"),
+        "latency_p99_ratio": ratio("latency_p99_s"),
     }
 
 
