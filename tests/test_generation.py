@@ -151,3 +151,27 @@ def test_gumbel_noise_depends_on_seed_and_position_only():
     logits = np.zeros((3, 100))
     logits[:, 7] = 1e9
     assert sample(logits, np.array([0.0, 1.0, 2.0]), seeds, pos).tolist() == [7, 7, 7]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_requests_swapped_to_a_host_tier_resume_with_the_same_tokens(temperature):
+    from kvpool.scheduler.swap import HostTierSwapper
+
+    reqs = requests(120, seed=4, temperature=temperature)
+    pool = make_pool(40)
+    swappers = []
+
+    def make_swapper(backend):
+        swappers.append(HostTierSwapper(backend, 256, mode="swap", prefill_s_per_token=1.0,
+                                        block_bytes=pool.block_bytes))
+        return swappers[0]
+
+    res = generate(ToyModel(pool, VOCAB, seed=3), pool, reqs, max_running_seqs=32,
+                   max_tokens_per_step=64, make_swapper=make_swapper)
+    counts = swappers[0].counts
+    assert counts.swapped_out > 0 and counts.swapped_in == counts.swapped_out
+    # A victim holding no KV yet (a one-token prompt before its first decode) has nothing to swap.
+    assert all(c.reason == "no KV" for _, c in swappers[0].choices if c.kind == "recompute")
+    assert res.num_preemptions == counts.swapped_out + counts.recomputed
+    assert res.outputs == alone(reqs)  # the KV came back byte for byte
+    assert pool.num_free == pool.num_blocks

@@ -2,7 +2,8 @@
 
 Every step the scheduler decides, on the real pool and block tables, which running sequences
 decode a token, which prompts get a prefill chunk, which waiting requests join and which are
-preempted (by recompute) when the pool runs dry; the model runner then executes exactly that
+preempted when the pool runs dry (by recompute, or by swap into a host tier when a swapper is
+given: a swapped request resumes decoding from its copied-back KV, without a prefill); the model runner then executes exactly that
 step. Requests finish (EOS or max_new_tokens) between steps and their blocks return at once.
 
 Mapping onto the scheduler's units: a request with a prompt of P tokens is a scheduler request
@@ -14,12 +15,12 @@ its known tokens minus the last one, and a preempted sequence re-prefills exactl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
 from kvpool.generation.batch import StepBatch, build_step
-from kvpool.scheduler.core import Scheduler, SchedulerConfig
+from kvpool.scheduler.core import Scheduler, SchedulerConfig, Swapper
 from kvpool.scheduler.paged import PagedKv
 from kvpool.scheduler.workload import Request
 
@@ -78,9 +79,12 @@ def generate(
     max_model_len: int | None = None,
     policy: str = "fcfs",
     watermark: float = 0.01,
+    make_swapper: Callable[[PagedKv], Swapper] | None = None,
 ) -> GenerationResult:
     """Serve every request to completion through `runner` on `pool` (all its blocks free at
-    the start, and again at the end: checked). Returns the generated tokens per request."""
+    the start, and again at the end: checked). Returns the generated tokens per request.
+    `make_swapper(backend)` (e.g. a kvpool.scheduler.swap.HostTierSwapper over the backend's
+    tables) lets preemption swap into a host tier; its tier is checked drained at the end."""
     _check(requests)
     longest = max((len(r.prompt) + r.max_new_tokens for r in requests), default=2)
     config = SchedulerConfig(
@@ -91,10 +95,12 @@ def generate(
         policy=policy,
     )
     backend = PagedKv(pool, max_running_seqs, config.max_model_len)
+    swapper = None if make_swapper is None else make_swapper(backend)
     sched = Scheduler(
         backend,
         [Request(r.request_id, 0.0, len(r.prompt) - 1, r.max_new_tokens + 1) for r in requests],
         config,
+        swapper=swapper,
     )
     by_id = {r.request_id: r for r in requests}
     tokens = {r.request_id: list(r.prompt) for r in requests}
@@ -128,4 +134,6 @@ def generate(
                 sched.stop(seq)
     result.num_preemptions = sched.num_preemptions
     backend.check_drained()
+    if swapper is not None:
+        swapper.check_drained()
     return result
