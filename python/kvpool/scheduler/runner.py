@@ -1,4 +1,5 @@
-"""One simulation: the same workload through the paged and the contiguous scheduler."""
+"""One simulation: the same workload through the paged and the contiguous scheduler, and, with
+a host tier (SimulationSpec.host_tier), through the paged scheduler preempting into it."""
 
 from __future__ import annotations
 

@@ -83,6 +83,7 @@ class HostTierSwapper:
     def preempt(self, seq: Seq) -> bool:
         """Swap `seq` out (True) or leave it to the caller to recompute (False, nothing done)."""
         num_blocks = self._blocks(seq.kv_tokens)
+        self.tier.poll()  # host blocks of finished swap-ins are free again
         choice = choose_preemption(
             self.mode, kv_tokens=seq.kv_tokens, swap_bytes=num_blocks * self.block_bytes,
             host_blocks_needed=num_blocks, host_blocks_free=self.tier.pool.num_free, link=self.link,
