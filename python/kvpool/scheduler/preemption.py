@@ -61,6 +61,11 @@ class PreemptionChoice:
     recompute_s: float  # modelled cost of prefilling the dropped tokens again
 
 
+def check_mode(mode: str) -> None:
+    if mode not in PREEMPTION_MODES:
+        raise ValueError(f"preemption mode must be one of {', '.join(PREEMPTION_MODES)}, got {mode!r}")
+
+
 def swap_seconds(swap_bytes: int, link: HostLink) -> float:
     """Out now and in later: two copies of the victim's blocks."""
     return 2.0 * link.copy_seconds(swap_bytes)
@@ -78,8 +83,7 @@ def choose_preemption(
 ) -> PreemptionChoice:
     """Swap or recompute one victim holding `kv_tokens` tokens in blocks of `swap_bytes` bytes
     (all of them), given the host tier's free blocks."""
-    if mode not in PREEMPTION_MODES:
-        raise ValueError(f"preemption mode must be one of {', '.join(PREEMPTION_MODES)}, got {mode!r}")
+    check_mode(mode)
     swap_s = swap_seconds(swap_bytes, link)
     recompute_s = kv_tokens * prefill_s_per_token
     if mode == "recompute":

@@ -1,4 +1,4 @@
-"""The swapper: preemption into a kvpool.HostTier for the paged backend.
+"""The swapper: preemption into a kvpool.HostTier for the paged backend (design: preemption.md).
 
 The scheduler (core.py) asks `preempt(seq)` for every victim; the swapper picks swap or
 recompute (preemption.choose_preemption) and, for a swap, moves the request's blocks to the
@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import kvpool
 from kvpool.scheduler.paged import PagedKv
-from kvpool.scheduler.preemption import HostLink, PreemptionChoice, choose_preemption
+from kvpool.scheduler.preemption import HostLink, PreemptionChoice, check_mode, choose_preemption
 from kvpool.scheduler.seq import Seq
 
 
@@ -64,8 +64,7 @@ class HostTierSwapper:
         prefill_s_per_token: float,
         block_bytes: int,
     ) -> None:
-        choose_preemption(mode, kv_tokens=0, swap_bytes=0, host_blocks_needed=0, host_blocks_free=0,
-                          link=link, prefill_s_per_token=0.0)  # refuses a bad mode before allocating
+        check_mode(mode)  # before the tier is allocated
         self.backend = backend
         self.tier = kvpool.HostTier(backend.tables, num_blocks=num_host_blocks)
         self.mode = mode
