@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Host tier on the GPU box, self-checking: the GPU tests (with the scheduler swapping over a
 # CUDA pool), compute-sanitizer memcheck on a swap case, the swap benchmark, and
-# `kvpool simulate --device cuda --cpu-kv-memory` (completes and drains both tiers). Run from the repository root after installing the wheel and
-# setting PYTHONPATH, e.g. through the device tool with carry ["dist"]:
+# `kvpool simulate --device cuda --cpu-kv-memory` (completes and drains both tiers). Run from
+# the repository root after installing the wheel and setting PYTHONPATH, e.g. through the
+# device tool with carry ["dist"]:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site dist/*.whl
 #   PYTHONPATH=/tmp/site COMMIT=<sha> bash bench/gpu_hosttier.sh
 # Writes into $OUT/hosttier/; prints one PASS/FAIL line per stage and exits non-zero when any
