@@ -9,7 +9,7 @@ plain `model.generate(...)`:
     cache.close()  # every block back to the pool
 
 The cache holds no tensors. Each row of generate's batch is a request of a BlockTables; its
-`update` only marks the cache as the one the next attention call works for (a Llama-family
+`update` only marks the cache as the one the next attention call of that layer works for (a Llama-family
 layer calls `past_key_values.update` and then its attention function), and the attention
 function "kvpool" does the rest: at layer 0 of every forward it turns the padded batch into a
 packed step (kvpool.integrations.padded_batch: left padding is read from generate's position
@@ -35,11 +35,15 @@ from kvpool.generation.batch import build_step
 from kvpool.integrations.packed_upload import PinnedStaging, upload
 from kvpool.integrations.padded_batch import PaddedStep, plan_padded_step, prompt_lens
 
-_ACTIVE = threading.local()  # .cache: the KvpoolCache whose update ran last on this thread
+_ACTIVE = threading.local()  # .entry: (cache, layer) of the last update on this thread
 
 
-def active_cache() -> KvpoolCache | None:
-    return getattr(_ACTIVE, "cache", None)
+def take_active(layer_idx: int) -> KvpoolCache | None:
+    """The KvpoolCache whose update of `layer_idx` is the last one on this thread, once: the
+    entry is cleared, so a later forward without a kvpool cache never sees a stale one."""
+    entry = getattr(_ACTIVE, "entry", None)
+    _ACTIVE.entry = None
+    return entry[0] if entry is not None and entry[1] == layer_idx else None
 
 
 class _KvpoolLayer(CacheLayerMixin):
@@ -66,7 +70,7 @@ class _KvpoolLayer(CacheLayerMixin):
         return self.cache.seen_width
 
     def get_max_length(self) -> int:
-        return self.cache.max_cache_len
+        return -1  # as a dynamic cache: generate's length limits apply, the tables' width is checked
 
     def reset(self) -> None:
         pass
@@ -95,7 +99,7 @@ class KvpoolCache(Cache):
         check_layout(model, pool)
         self.pool, self.prefill = pool, prefill
         self.device = pool_device(pool)
-        self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
+        self.max_rows = max_batch_size
         bs = pool.layout.block_size
         self.tables = kvpool.BlockTables(pool, max_batch_size, -(-max_cache_len // bs))
         self.num_rows = 0
@@ -108,7 +112,7 @@ class KvpoolCache(Cache):
         super().__init__(layers=[_KvpoolLayer(self) for _ in range(pool.layout.num_layers)])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        _ACTIVE.cache = self
+        _ACTIVE.entry = (self, layer_idx)
         return key_states, value_states
 
     # -- lifetime of rows -------------------------------------------------------------------
@@ -139,8 +143,8 @@ class KvpoolCache(Cache):
 
     def begin_step(self, batch_size: int, width: int, position_ids: torch.Tensor | None) -> None:
         if self.num_rows == 0:
-            if batch_size > self.max_batch_size:
-                raise ValueError(f"batch of {batch_size} rows; the cache holds {self.max_batch_size}")
+            if batch_size > self.max_rows:
+                raise ValueError(f"batch of {batch_size} rows; the cache holds {self.max_rows}")
             if position_ids is None:
                 new = np.full(batch_size, width, np.int64)
             else:

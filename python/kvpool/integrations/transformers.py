@@ -198,9 +198,9 @@ def kvpool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     Returns ([B, T, q_heads, D], None)."""
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     if kvpool_step is None:
-        from kvpool.integrations.hf_cache import active_cache
+        from kvpool.integrations.hf_cache import take_active
 
-        cache = active_cache()
+        cache = take_active(module.layer_idx)
         if cache is None:
             raise ValueError(
                 "attn_implementation='kvpool' needs a kvpool cache: pass past_key_values="
