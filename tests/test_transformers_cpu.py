@@ -188,3 +188,26 @@ def test_attention_without_a_cache_or_step_raises():
     model.set_attn_implementation("kvpool")
     with pytest.raises(ValueError, match="KvpoolCache"), torch.inference_mode():
         model(torch.tensor([[1, 2, 3]]), use_cache=False)
+
+
+def test_the_cache_logits_check_sees_a_misplaced_token(monkeypatch):
+    """Mutation: the packed step's last token gathered from its neighbour's column; the
+    per-step logits then miss the default cache's by far more than the tolerance."""
+    import kvpool.integrations.hf_cache as hf_cache
+    from hf_common import cache_generate, dynamic_generate
+
+    real = hf_cache.plan_padded_step
+
+    def misplaced(cached, new, width):
+        plan = real(cached, new, width)
+        gather = plan.gather.copy()
+        gather[-1] = gather[-2]
+        return hf_cache.PaddedStep(plan.decode_rows, plan.prefill_rows, plan.new_lens, gather)
+
+    model = llama(torch.float32, "cpu", seed=3)
+    prompts = [[4, 8, 15, 16], [23, 42, 7]]
+    _, ref_logits = dynamic_generate(model, prompts, 2)
+    monkeypatch.setattr(hf_cache, "plan_padded_step", misplaced)
+    pool = kvpool.Pool(layout_for(model, 4), 12, device="host")
+    _, logits, _ = cache_generate(model, pool, prompts, 2)
+    assert not torch.allclose(logits[0], ref_logits[0], atol=1e-4, rtol=1e-4)
