@@ -31,6 +31,6 @@ run() {  # run NAME LIMIT PYTEST-ARGS...: one pytest run, its summary line into 
   local rc=$?
   echo "$name: exit $rc: $(grep -E 'passed|failed|error' "$R/$name.log" | tail -1)" >> "$R/summary.txt"
 }
-run tests 200 tests/test_transformers_gpu.py tests/test_paged_metadata_gpu.py
-run cpu_tests 80 tests/test_transformers_cpu.py tests/test_padded_batch.py tests/test_paged_metadata.py
+run tests 170 tests/test_transformers_gpu.py tests/test_paged_metadata_gpu.py
+run cpu_tests 110 tests/test_transformers_cpu.py tests/test_padded_batch.py tests/test_paged_metadata.py
 cat "$R/summary.txt"
