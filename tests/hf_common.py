@@ -102,3 +102,60 @@ def kvpool_logits(model, prompts, forced, *, block_size=16, num_blocks=None, pre
         tables.free(i)
     assert pool.num_free == pool.num_blocks
     return [torch.cat(x) for x in per_seq]
+
+
+def left_padded(prompts, device, pad=0):
+    """generate's input for ragged prompts: ids and attention mask [batch, longest], padding on
+    the left."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def cache_generate(model, pool, prompts, n, *, eos=None, prefill="kernel", **kw):
+    """model.generate with a KvpoolCache over `pool` (attn_implementation "kvpool") on a
+    left-padded batch. Returns (new tokens per row, trimmed after EOS, the per-step logits
+    [steps, batch, vocab] when output_logits is asked for, the cache, closed)."""
+    from transformers import StoppingCriteriaList
+
+    from kvpool.integrations.transformers import KvpoolCache, register
+
+    register()
+    model.set_attn_implementation("kvpool")
+    dev = next(model.parameters()).device
+    ids, mask = left_padded(prompts, dev)
+    cache = KvpoolCache(model, pool, max_batch_size=len(prompts),
+                        max_cache_len=max(len(p) for p in prompts) + n, prefill=prefill)
+    stop = StoppingCriteriaList([cache.release_at_eos(eos)] if eos is not None else [])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n,
+                             eos_token_id=eos, stopping_criteria=stop, return_dict_in_generate=True,
+                             output_logits=True, **kw)
+    released = set(cache.finished)
+    cache.close()
+    assert pool.num_free == pool.num_blocks
+    return _trim(out.sequences[:, ids.shape[1]:], eos), out.logits, released
+
+
+def dynamic_generate(model, prompts, n, *, eos=None, **kw):
+    """The same batch through transformers' default cache with SDPA."""
+    model.set_attn_implementation("sdpa")
+    dev = next(model.parameters()).device
+    ids, mask = left_padded(prompts, dev)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, eos_token_id=eos,
+                             return_dict_in_generate=True, output_logits=True, **kw)
+    return _trim(out.sequences[:, ids.shape[1]:], eos), out.logits
+
+
+def _trim(tokens, eos):
+    rows = []
+    for row in tokens.tolist():
+        if eos is not None and eos in row:
+            row = row[:row.index(eos) + 1]
+        rows.append(row)
+    return rows

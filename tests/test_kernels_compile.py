@@ -1,7 +1,7 @@
 """Every kernel module the library needs compiles with NVRTC for sm_80 and sm_90, no GPU needed
 (CI): all tensor-core decode modules (52: they cover every supported head_dim, block size and
 group), 16 of the fp8 decode modules (e4m3 / e5m2 caches with fp16 / bf16 queries), an 8-module
-subset of the CUDA-core baseline, append_kv (with append_kv_fp8) and copy_blocks. The fp8
+subset of the CUDA-core baseline, append_kv (with append_kv_fp8), copy_blocks and paged_metadata. The fp8
 conversions are integer arithmetic, so sm_80 compiles and runs the same code as sm_90.
 
 Uses NVRTC from PyPI (`cuda-bindings` + `nvidia-cuda-nvrtc`); the kernels need no CUDA headers,
@@ -84,7 +84,7 @@ def test_nvrtc_version_is_not_newer_than_the_box_driver():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_kernel_variant_compiles(arch):
     sources = _build.all_sources()
-    assert len(sources) == len(_build.decode_variants()) + len(_build.prefill_variants()) + 2
+    assert len(sources) == len(_build.decode_variants()) + len(_build.prefill_variants()) + 3
 
     # NVRTC holds the GIL through cuda-bindings: compile in processes.
     with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as ex:

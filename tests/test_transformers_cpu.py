@@ -130,3 +130,84 @@ def test_cuda_graphs_are_refused_on_a_host_pool():
     pool = kvpool.Pool(layout_for(model, 4), 4, device="host")
     with pytest.raises(ValueError, match="CUDA pool"):
         TransformersRunner(model, pool, cuda_graphs=True)
+
+
+def test_kvpool_cache_generate_matches_dynamic_cache_greedy_with_eos():
+    """model.generate with a KvpoolCache on a host pool (float64 reference kernels, float32
+    model): a left-padded batch of 4 ragged prompts; the same tokens as the default cache, an
+    EOS that ends two rows early releases their blocks, and the pool is whole afterwards."""
+    from hf_common import cache_generate, dynamic_generate
+
+    model = llama(torch.float32, "cpu", seed=2)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1, 101, n).tolist() for n in (5, 1, 12, 8)]
+    ref, _ = dynamic_generate(model, prompts, 10)
+    eos = ref[0][3]  # a token the first row emits at step 3: it finishes there
+    pad = (eos + 1) % 101
+    ref, _ = dynamic_generate(model, prompts, 10, eos=eos, pad_token_id=pad)
+    pool = kvpool.Pool(layout_for(model, 4), 40, device="host")
+    ours, _, released = cache_generate(model, pool, prompts, 10, eos=eos, pad_token_id=pad)
+    assert ours == ref
+    assert len(ours[0]) == 4 and released == {i for i, r in enumerate(ours) if r[-1] == eos}
+
+
+def test_kvpool_cache_teacher_forced_logits_match_dynamic_cache():
+    """The logits generate() saw at every step (prefill of a padded batch, then decodes) from
+    the kvpool cache against the default cache's, float32: within 1e-4."""
+    from hf_common import cache_generate, dynamic_generate
+
+    model = llama(torch.float32, "cpu", kv_heads=1, seed=3)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 101, n).tolist() for n in (9, 2, 17)]
+    ref, ref_logits = dynamic_generate(model, prompts, 6)
+    pool = kvpool.Pool(layout_for(model, 4), 40, device="host")
+    ours, logits, _ = cache_generate(model, pool, prompts, 6)
+    assert ours == ref
+    for a, b in zip(logits, ref_logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_kvpool_cache_sampling_equals_dynamic_cache_with_the_same_seed():
+    from hf_common import cache_generate, dynamic_generate
+
+    model = llama(torch.float32, "cpu", seed=4)
+    prompts = [[5, 6, 7], [9], [1, 2, 3, 4, 5, 6]]
+    torch.manual_seed(0)
+    ref, _ = dynamic_generate(model, prompts, 8, do_sample=True, temperature=1.0, top_k=0)
+    torch.manual_seed(0)
+    pool = kvpool.Pool(layout_for(model, 4), 30, device="host")
+    ours, _, _ = cache_generate(model, pool, prompts, 8, do_sample=True, temperature=1.0, top_k=0)
+    assert ours == ref
+
+
+def test_attention_without_a_cache_or_step_raises():
+    from kvpool.integrations.transformers import register
+
+    model = llama(torch.float32, "cpu")
+    register()
+    model.set_attn_implementation("kvpool")
+    with pytest.raises(ValueError, match="KvpoolCache"), torch.inference_mode():
+        model(torch.tensor([[1, 2, 3]]), use_cache=False)
+
+
+def test_the_cache_logits_check_sees_a_misplaced_token(monkeypatch):
+    """Mutation: the packed step's last token gathered from its neighbour's column; the
+    per-step logits then miss the default cache's by far more than the tolerance."""
+    import kvpool.integrations.hf_cache as hf_cache
+    from hf_common import cache_generate, dynamic_generate
+
+    real = hf_cache.plan_padded_step
+
+    def misplaced(cached, new, width):
+        plan = real(cached, new, width)
+        gather = plan.gather.copy()
+        gather[-1] = gather[-2]
+        return hf_cache.PaddedStep(plan.decode_rows, plan.prefill_rows, plan.new_lens, gather)
+
+    model = llama(torch.float32, "cpu", seed=3)
+    prompts = [[4, 8, 15, 16], [23, 42, 7]]
+    _, ref_logits = dynamic_generate(model, prompts, 2)
+    monkeypatch.setattr(hf_cache, "plan_padded_step", misplaced)
+    pool = kvpool.Pool(layout_for(model, 4), 12, device="host")
+    _, logits, _ = cache_generate(model, pool, prompts, 2)
+    assert not torch.allclose(logits[0], ref_logits[0], atol=1e-4, rtol=1e-4)

@@ -43,6 +43,7 @@ from kvpool.kernels import (
     copy_blocks,
     paged_attention_decode,
     paged_attention_prefill,
+    paged_metadata,
     prefill_plan,
 )
 from kvpool.tp import PoolGroup
@@ -84,6 +85,7 @@ __all__ = [
     "cuda_available",
     "paged_attention_decode",
     "paged_attention_prefill",
+    "paged_metadata",
     "prefill_plan",
     "reference",
 ]

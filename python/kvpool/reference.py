@@ -247,3 +247,44 @@ def copy_blocks(caches: list[npt.NDArray], pairs: npt.NDArray) -> None:
     pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
     for cache in caches:
         cache[pairs[:, 1]] = cache[pairs[:, 0]]
+
+
+def paged_metadata(
+    block_table: npt.NDArray, seq_lens: npt.NDArray, block_size: int,
+    qo_indptr: npt.NDArray | None = None, num_slots: int = 0, num_indices: int | None = None,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int32],
+           npt.NDArray[np.int32]]:
+    """What the paged_metadata kernel writes, from block_table (int32 [num_seqs, width]) and
+    seq_lens (tokens per sequence, including the step's): (slot_mapping int64 [num_slots],
+    indptr int32 [num_seqs + 1], indices int32 [num_indices], last_page_len int32 [num_seqs]).
+
+    The slot mapping covers a packed step whose sequence s owns tokens qo_indptr[s] ..
+    qo_indptr[s + 1] - 1, the last positions of the sequence; -1 past the step's tokens or
+    past the table row. The CSR is FlashInfer's page table: ceil(seq_len / block_size) pages
+    per sequence (at most width), indices -1 past indptr[-1] (num_indices defaults to
+    num_seqs * width, the most any table can need)."""
+    table = np.asarray(block_table, np.int64)
+    lens = np.asarray(seq_lens, np.int64)
+    num_seqs, width = table.shape
+    pages = np.minimum(-(-np.maximum(lens, 0) // block_size), width)
+    indptr = np.zeros(num_seqs + 1, np.int32)
+    indptr[1:] = np.cumsum(pages)
+    n_idx = num_seqs * width if num_indices is None else num_indices
+    indices = np.full(n_idx, -1, np.int32)
+    for s in range(num_seqs):
+        indices[indptr[s]:indptr[s + 1]] = table[s, :pages[s]][:max(0, n_idx - indptr[s])]
+    last = np.where(pages > 0, np.minimum(lens - (pages - 1) * block_size, block_size), 0)
+    slots = np.full(num_slots, NULL_SLOT, np.int64)
+    if qo_indptr is not None:
+        ptr = np.asarray(qo_indptr, np.int64)
+        for s in range(num_seqs):
+            n = ptr[s + 1] - ptr[s]
+            pos = np.arange(lens[s] - n, lens[s])
+            page = np.where(pos >= 0, pos // block_size, width)
+            ok = page < width
+            vals = np.full(n, NULL_SLOT, np.int64)
+            vals[ok] = table[s, page[ok]] * block_size + pos[ok] % block_size
+            dst = np.arange(ptr[s], ptr[s + 1])
+            keep = (dst >= 0) & (dst < num_slots)
+            slots[dst[keep]] = vals[keep]
+    return slots, indptr, indices, last.astype(np.int32)

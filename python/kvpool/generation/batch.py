@@ -7,7 +7,7 @@ sequence's positions 0..position[i] (causal), read from the pool through the blo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,6 +24,8 @@ class StepBatch:
       convention), prefill_block_table (int32 [num_prefill, width]), prefill_seq_lens (int32:
       cached prefix + chunk) describe the prefill chunks.
     - temperatures, seeds (one per decode row): sampling parameters; temperature 0 is greedy.
+    - decode_request_ids (int64, one per decode row): whose token each row decides (for runners
+      that keep per-request state or record what they decided).
     """
 
     input_ids: np.ndarray
@@ -37,6 +39,7 @@ class StepBatch:
     prefill_seq_lens: np.ndarray
     temperatures: np.ndarray
     seeds: np.ndarray
+    decode_request_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def num_tokens(self) -> int:
@@ -90,4 +93,5 @@ def build_step(
         prefill_seq_lens=np.array([c[2] + len(c[1]) for c in prefill], np.int32),
         temperatures=np.array(temperatures, np.float32),
         seeds=np.array(seeds, np.int64),
+        decode_request_ids=np.array([d[0] for d in decode], np.int64),
     )

@@ -10,6 +10,10 @@ attends decode tokens with `kvpool.paged_attention_decode` over the block tables
 chunks causally over their cached prefix with `kvpool.paged_attention_prefill` (or, with
 `prefill="sdpa"`, torch SDPA over K/V gathered back from the pool: the cross-check).
 
+`KvpoolCache` (kvpool.integrations.hf_cache) is the same attention under plain
+`model.generate(..., past_key_values=KvpoolCache(model, pool, ...))`: a padded batch with left
+padding, greedy or sampled, rows released at EOS.
+
 `TransformersRunner` is the model runner of `kvpool.generation.generate`. A CUDA pool takes
 torch CUDA tensors of the pool's dtype (bfloat16 included); a host pool runs the NumPy float64
 reference kernels, so a small float32 model generates through kvpool on the CPU.
@@ -171,27 +175,42 @@ def prefill_sdpa(step: KvpoolStep, layer: int, q: torch.Tensor, scale: float,
         out[lo:hi] = o[0].transpose(0, 1)
 
 
+def attend_packed(step: KvpoolStep, layer: int, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One layer of a packed step: q [num_tokens, q_heads, D], k/v [num_tokens, kv_heads, D]
+    (decode rows first). Writes k/v into the pool; returns the attention [num_tokens,
+    q_heads, D]."""
+    step.write(layer, k, v)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if step.num_decode:
+        step.decode(layer, q, scale, out)
+    step.prefill(step, layer, q, scale, out)
+    return out
+
+
 def kvpool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor, attention_mask: Any, dropout: float = 0.0,
                      scaling: float | None = None, kvpool_step: KvpoolStep | None = None,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers attention function: query [1, q_heads, T, D], key/value [1, kv_heads, T, D]
-    of a packed step; returns ([1, T, q_heads, D], None)."""
+    """transformers attention function. With `kvpool_step` (TransformersRunner): a packed step,
+    query [1, q_heads, T, D], key/value [1, kv_heads, T, D]. Without it, the forward of a model
+    whose past_key_values is a KvpoolCache (generate): a padded batch [B, heads, T, D].
+    Returns ([B, T, q_heads, D], None)."""
+    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     if kvpool_step is None:
-        raise ValueError(
-            "attn_implementation='kvpool' needs the step's paged metadata: run the model through "
-            "kvpool.integrations.transformers.TransformersRunner (or pass kvpool_step=)")
+        from kvpool.integrations.hf_cache import take_active
+
+        cache = take_active(module.layer_idx)
+        if cache is None:
+            raise ValueError(
+                "attn_implementation='kvpool' needs a kvpool cache: pass past_key_values="
+                "KvpoolCache(...) to generate / forward, or run the model through "
+                "kvpool.integrations.transformers.TransformersRunner")
+        return cache.attend(module, query, key, value, scale, kwargs.get("position_ids")), None
     if query.shape[0] != 1:
         raise ValueError(f"kvpool attention takes a packed batch [1, num_tokens], got {query.shape[0]} rows")
-    layer = module.layer_idx
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    scale = float(scaling if scaling is not None else q.shape[-1] ** -0.5)
-    kvpool_step.write(layer, k, v)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if kvpool_step.num_decode:
-        kvpool_step.decode(layer, q, scale, out)
-    kvpool_step.prefill(kvpool_step, layer, q, scale, out)
-    return out[None], None
+    return attend_packed(kvpool_step, module.layer_idx, q, k, v, scale)[None], None
 
 
 PREFILL = {"kernel": prefill_kernel, "sdpa": prefill_sdpa}
@@ -243,11 +262,7 @@ class TransformersRunner:
         self.prefill = prefill
         register()
         model.set_attn_implementation(NAME)
-        want = layout_for(model, pool.layout.block_size)
-        lay = pool.layout
-        got = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype)
-        if got != (want.num_layers, want.num_kv_heads, want.head_dim, want.dtype):
-            raise kvpool.LayoutError(f"pool layout {got} does not fit the model {want}")
+        check_layout(model, pool)
         self.model, self.pool = model, pool
         self.device = next(model.parameters()).device
         if self.device != pool_device(pool):
@@ -303,6 +318,15 @@ class TransformersRunner:
         return sample(logits, batch.temperatures, batch.seeds, batch.positions[:n]).cpu().numpy()
 
 
+def check_layout(model: Any, pool: Any) -> None:
+    """Raise LayoutError unless the pool's layout holds `model`'s KV cache."""
+    want = layout_for(model, pool.layout.block_size)
+    lay = pool.layout
+    got = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype)
+    if got != (want.num_layers, want.num_kv_heads, want.head_dim, want.dtype):
+        raise kvpool.LayoutError(f"pool layout {got} does not fit the model {want}")
+
+
 def layout_for(model: Any, block_size: int = 16) -> Any:
     """The kvpool.KvLayout that holds `model`'s KV cache in its parameters' dtype."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -311,3 +335,8 @@ def layout_for(model: Any, block_size: int = 16) -> Any:
     return kvpool.KvLayout(num_layers=cfg.num_hidden_layers,
                            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
                            head_dim=head_dim, block_size=block_size, dtype=dtype)
+
+
+from kvpool.integrations.hf_cache import KvpoolCache  # noqa: E402  (generate's cache; needs the above)
+
+__all__ = ["KvpoolCache", "TransformersRunner", "kvpool_attention", "layout_for", "register"]

@@ -8,6 +8,7 @@ head-tile size class). On a host pool the same functions run the NumPy float64 r
 
 from kvpool.kernels._cache_ops import append_kv, copy_blocks
 from kvpool.kernels._decode import paged_attention_decode, workspace_elems
+from kvpool.kernels._metadata import paged_metadata
 from kvpool.kernels._plan import DecodePlan, plan_decode
 from kvpool.kernels._prefill import (
     paged_attention_prefill,
@@ -25,6 +26,7 @@ __all__ = [
     "copy_blocks",
     "paged_attention_decode",
     "paged_attention_prefill",
+    "paged_metadata",
     "plan_decode",
     "prefill_plan",
     "prefill_workspace_elems",

@@ -359,6 +359,7 @@ def all_sources() -> list[tuple[str, str, tuple[str, ...]]]:
     ]
     out.append(("append_kv", read_source("append_kv.cu"), COMMON_OPTIONS))
     out.append(("copy_blocks", read_source("copy_blocks.cu"), COMMON_OPTIONS))
+    out.append(("paged_metadata", read_source("paged_metadata.cu"), COMMON_OPTIONS))
     return out
 
 
