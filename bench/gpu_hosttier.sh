@@ -6,17 +6,8 @@
 #   PYTHONPATH=/tmp/site COMMIT=<sha> bash bench/gpu_hosttier.sh
 # Writes into $OUT/hosttier/; prints one PASS/FAIL line per stage and exits non-zero when any
 # fails. Expected: well under 4 minutes (tests ~30 s, sanitizer ~30 s, bench ~2 min).
-set -u
-D="${OUT:?set OUT}/hosttier"
-mkdir -p "$D"
-export PYTHONUNBUFFERED=1
-COMMIT=${COMMIT:-unknown}
-status=0
-report() {  # stage, exit code, detail
-  if [ "$2" -eq 0 ]; then echo "PASS $1 $3"; else echo "FAIL $1 (exit $2) $3"; status=1; fi
-  echo "$1 exit $2 $3" >> "$D/summary.txt"
-}
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; echo "commit $COMMIT"; date -u; } > "$D/gpu.txt"
+. "$(dirname "$0")/gpu_common.sh"
+gpu_setup hosttier
 
 timeout 240 python3 -m pytest -q -rs -m gpu tests/test_host_tier_gpu.py tests/test_host_tier_state.py > "$D/gpu_tests.log" 2>&1
 report tests $? "$(tail -1 "$D/gpu_tests.log")"
