@@ -8,7 +8,10 @@ are skipped there when CuPy or a CUDA device is missing, so these helpers may as
 - Attention kernel inputs and outputs: `to_device` and `device_elems` (elements of a KV
   dtype on the device; random ones come from attention_inputs.py), `cuda_pool` (a CUDA pool
   filled with random elements), `poisoned` (an output full of NaN, so an unwritten element
-  shows), `dump_errors` (the measured errors, for $KVPOOL_ERROR_REPORT).
+  shows), `error_report` (a module fixture that writes the measured errors to the file
+  $KVPOOL_ERROR_REPORT names).
+- `SPIN_SOURCE`: CUDA C of a kernel `spin(ns)` that keeps its stream busy for `ns` nanoseconds
+  (to show that work queued behind it waits).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 from typing import Any, Sequence
 
 import numpy as np
+import pytest
 from attention_inputs import random_elems
 
 import kvpool
@@ -72,10 +76,29 @@ def poisoned(shape: Sequence[int], dtype: str) -> Any:
     return out
 
 
-def dump_errors(errors: dict[str, float], env: str = "KVPOOL_ERROR_REPORT") -> None:
-    """Writes the measured errors (largest row error per case) to the file $env names, if set."""
-    path = os.environ.get(env)
-    if path:
-        with open(path, "w") as f:
-            json.dump({"max_rel_err": max(errors.values(), default=None), "cases": errors}, f,
-                      indent=1)
+def error_report(errors: dict[str, float], env: str = "KVPOOL_ERROR_REPORT") -> Any:
+    """An autouse module fixture: after the module's tests, the largest row error of each case
+    in `errors` goes to the file $env names (JSON), if it is set. Assign it to a module name."""
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _write_error_report() -> Any:
+        yield
+        path = os.environ.get(env)
+        if path:
+            with open(path, "w") as f:
+                json.dump({"max_rel_err": max(errors.values(), default=None), "cases": errors}, f,
+                          indent=1)
+
+    return _write_error_report
+
+
+SPIN_SOURCE = r"""
+extern "C" __global__ void spin(unsigned long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+}
+"""

@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 from attention_check import assert_attention_close
 from attention_inputs import shuffled_tables
-from gpu_fixtures import NAN_BITS, cp, cuda_pool, device_elems, dump_errors, poisoned
+from gpu_fixtures import (
+    NAN_BITS,
+    SPIN_SOURCE,
+    cp,
+    cuda_pool,
+    device_elems,
+    error_report,
+    poisoned,
+)
 
 import kvpool
 from kvpool import reference
@@ -30,11 +38,7 @@ pytestmark = pytest.mark.gpu
 DTYPES = ["float16", "bfloat16"]
 ERRORS: dict[str, float] = {}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _error_report():
-    yield
-    dump_errors(ERRORS)
+_error_report = error_report(ERRORS)
 
 
 def _check_decode(pool, layer, q, tables, lens, out, label, **kw):
@@ -249,18 +253,6 @@ def test_decode_rejects_tables_of_another_pool():
     assert not cp.isnan(out).any()
 
 
-SPIN = r"""
-extern "C" __global__ void spin(unsigned long long ns) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        __nanosleep(1000);
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < ns);
-}
-"""
-
-
 def test_decode_waits_for_the_stream_of_synced_tables():
     """BlockTables.sync queues the upload on the pool's stream and names it in the arrays'
     __cuda_array_interface__; a decode on another stream must wait for it on the device."""
@@ -286,7 +278,7 @@ def test_decode_waits_for_the_stream_of_synced_tables():
     cp.cuda.runtime.deviceSynchronize()
     pool_stream = cp.cuda.Stream.from_external(pool.stream)
     with pool_stream:
-        cp.RawModule(code=SPIN).get_function("spin")((1,), (1,), (np.uint64(300_000_000),))
+        cp.RawModule(code=SPIN_SOURCE).get_function("spin")((1,), (1,), (np.uint64(300_000_000),))
     bt, sl = tables.sync()  # queued behind the spin
     assert bt.__cuda_array_interface__["stream"] == pool_stream.ptr != s.ptr
     paged_attention_decode(q, pool, 0, bt, sl, out=out, stream=s, max_seq_len=100)

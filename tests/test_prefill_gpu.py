@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from attention_check import as_float64, assert_attention_close, table_with_wrong_block
 from attention_inputs import qo_indptr, shuffled_tables
-from gpu_fixtures import NAN_BITS, cp, cuda_pool, device_elems, dump_errors, poisoned
+from gpu_fixtures import NAN_BITS, cp, cuda_pool, device_elems, error_report, poisoned
 
 import kvpool
 from kvpool import reference
@@ -32,11 +32,7 @@ pytestmark = pytest.mark.gpu
 DTYPES = ["float16", "bfloat16"]
 ERRORS: dict[str, float] = {}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _error_report():
-    yield
-    dump_errors(ERRORS)
+_error_report = error_report(ERRORS)
 
 
 def _sample_rows(qo_len, limit=48, rng=None):
