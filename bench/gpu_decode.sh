@@ -2,8 +2,8 @@
 # Decode kernel v4 on the GPU box, self-checking: GPU tests (coverage + kernel tests), the decode
 # benchmark against SDPA and FlashInfer, compute-sanitizer memcheck and racecheck on
 # bench/sanitize_case.py. Run from the repository root after installing the wheel (and, when
-# present, the FlashInfer wheels) and setting PYTHONPATH, e.g. through the device tool with
-# carry ["dist", ".whl"]:
+# present, the FlashInfer wheels) and setting PYTHONPATH, e.g. with dist/ and .whl/
+# copied to the GPU machine:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site dist/*.whl $(ls .whl/*.whl 2>/dev/null)
 #   PYTHONPATH=/tmp/site COMMIT=<sha> bash bench/gpu_decode.sh [tests] [bench] [sanitize]
 # (no stage named: all three). Writes into $OUT/decode/; prints one PASS/FAIL line per stage and

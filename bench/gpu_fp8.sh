@@ -3,8 +3,8 @@
 # fp8 decode against the float64 reference on the dequantized cache, end-to-end error against
 # the unquantized cache), then the fp8 decode benchmark (ours fp8 vs ours fp16 vs FlashInfer
 # fp8). Run from the repository root after installing the wheel (and, when present, the
-# FlashInfer wheels) and setting PYTHONPATH, e.g. through the device tool with carry
-# ["dist", ".whl"]:
+# FlashInfer wheels) and setting PYTHONPATH, e.g. with dist/ and .whl/ copied to
+# the GPU machine:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site dist/*.whl $(ls .whl/*.whl 2>/dev/null)
 #   PYTHONPATH=/tmp/site COMMIT=<sha> bash bench/gpu_fp8.sh
 # Writes into $OUT/fp8/; prints one PASS/FAIL line per stage; exits non-zero when one fails.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Host tier on the GPU box, self-checking: the GPU tests, compute-sanitizer memcheck on a swap
 # case, and the swap benchmark. Run from the repository root after installing the wheel and
-# setting PYTHONPATH, e.g. through the device tool with carry ["dist"]:
+# setting PYTHONPATH, e.g. with dist/ copied to the GPU machine:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site dist/*.whl
 #   PYTHONPATH=/tmp/site COMMIT=<sha> bash bench/gpu_hosttier.sh
 # Writes into $OUT/hosttier/; prints one PASS/FAIL line per stage and exits non-zero when any
