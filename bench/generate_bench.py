@@ -32,7 +32,7 @@ import kvpool
 from kvpool.generation import GenerationRequest, generate
 from kvpool.integrations.transformers import TransformersRunner, layout_for
 from kvpool.scheduler import workload
-from provenance import git_commit, machine
+from provenance import provenance
 
 LLAMA_1B = dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256)
@@ -174,11 +174,7 @@ def main() -> None:
     rows: dict[str, object] = {}
     report = {
         "benchmark": "generate_bench",
-        "commit": args.commit or git_commit(),
-        "machine": machine(),
-        "gpu": torch.cuda.get_device_name(),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "torch": torch.__version__,
+        "provenance": provenance("bench/generate_bench.py", args.commit),
         "transformers": transformers.__version__,
         "model": {**LLAMA_1B, "dtype": "bfloat16", "weights": "random, seed 0"},
         "workload": {"kind": "sharegpt", "num_requests": len(reqs),

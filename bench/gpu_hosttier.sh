@@ -2,23 +2,14 @@
 # Host tier on the GPU box, self-checking: the GPU tests (with the scheduler swapping over a
 # CUDA pool), compute-sanitizer memcheck on a swap case, the swap benchmark, and
 # `kvpool simulate --device cuda --cpu-kv-memory` (completes and drains both tiers). Run from
-# the repository root after installing the wheel and setting PYTHONPATH, e.g. through the
-# device tool with carry ["dist"]:
+# the repository root after installing the wheel and setting PYTHONPATH, e.g. with dist/ copied
+# to the GPU machine:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site dist/*.whl
 #   PYTHONPATH=/tmp/site COMMIT=<sha> bash bench/gpu_hosttier.sh
 # Writes into $OUT/hosttier/; prints one PASS/FAIL line per stage and exits non-zero when any
 # fails. Expected: well under 5 minutes (tests ~40 s, sanitizer ~30 s, bench ~2 min, simulate ~1 min).
-set -u
-D="${OUT:?set OUT}/hosttier"
-mkdir -p "$D"
-export PYTHONUNBUFFERED=1
-COMMIT=${COMMIT:-unknown}
-status=0
-report() {  # stage, exit code, detail
-  if [ "$2" -eq 0 ]; then echo "PASS $1 $3"; else echo "FAIL $1 (exit $2) $3"; status=1; fi
-  echo "$1 exit $2 $3" >> "$D/summary.txt"
-}
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; echo "commit $COMMIT"; date -u; } > "$D/gpu.txt"
+. "$(dirname "$0")/gpu_common.sh"
+gpu_setup hosttier
 
 timeout 240 python3 -m pytest -q -rs -m gpu tests/test_host_tier_gpu.py tests/test_host_tier_state.py \
     tests/test_swap_scheduler_gpu.py > "$D/gpu_tests.log" 2>&1

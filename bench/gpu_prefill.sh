@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Paged prefill on the GPU box in one call, from the repository root, after the wheel is built
 # here (`maturin build --release --locked -o dist`) and FlashInfer's wheels are in .whl/
-# (optional: without them the bench reports FlashInfer "not run"). Device tool, carry
-# ["dist", ".whl"]:   COMMIT=<sha> bash bench/gpu_prefill.sh
+# (optional: without them the bench reports FlashInfer "not run"), both copied to the GPU
+# machine:   COMMIT=<sha> bash bench/gpu_prefill.sh
 # Everything lands in $OUT/prefill/: the GPU test log and error report, the sanitizer logs, the
 # bench JSON and log. Typically ~4 minutes; the timeouts keep the worst case under 10.
 set -u

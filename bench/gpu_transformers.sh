@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The transformers integration on the H200 box, from the repository root: its tests
 # (bench/gpu_transformers_tests.sh) and then bench/generate_bench.py. Build the wheel here
-# (`maturin build --release --locked -o dist`), then through the device tool with carry
-# ["dist"]:  COMMIT=<sha> bash bench/gpu_transformers.sh
+# (`maturin build --release --locked -o dist`), then on the GPU machine, with dist/ copied
+# there:  COMMIT=<sha> bash bench/gpu_transformers.sh
 # torch and transformers come from the box. Results land in $OUT/transformers/.
 set -u
 bash bench/gpu_transformers_tests.sh  # the bench runs whatever the tests found

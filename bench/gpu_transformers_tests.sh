@@ -3,7 +3,7 @@
 # (no benchmark): the GPU tests (generation loop, KvpoolCache under model.generate, teacher-forced
 # logits, CUDA graphs, DLPack views), the paged_metadata kernel against its reference (poisoned
 # outputs, CUDA-graph replay), and the host-pool transformers tests. Build the wheel here
-# (`maturin build --release --locked -o dist`), then through the device tool with carry ["dist"]:
+# (`maturin build --release --locked -o dist`), then on the GPU machine, with dist/ copied there:
 #     COMMIT=<sha> bash bench/gpu_transformers_tests.sh
 # torch and transformers come from the box. Logs and JSON land in $OUT/transformers/:
 # gpu.txt, tests.log (pytest's summary last), transformers_gpu_report.json (measured errors,

@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     for t in result["targets"]:
         print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}")
-    out = args.out or run_dir(args.commit) / f"pool_{args.device}.json"
+    out = args.out or run_dir(prov["commit"]) / f"pool_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -14,7 +14,6 @@ Usage: python3 bench/prefill_bench.py OUT.json [--commit SHA] [--quick]
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import traceback
@@ -212,6 +211,7 @@ def main():
     ap.add_argument("--commit", default=None)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     args = ap.parse_args()
+    prov = provenance.provenance("bench/prefill_bench.py", args.commit)
     dense = {dt: matmul_tflops(torch.bfloat16 if dt == "bfloat16" else torch.float16)
              for dt in ("float16", "bfloat16")}
     rows = []
@@ -236,11 +236,8 @@ def main():
         fi_version = f"not run ({type(e).__name__})"
     doc = {
         "benchmark": "paged prefill attention, causal, TFLOP/s of causal FLOPs",
-        "commit": args.commit or provenance.git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
-        "machine": provenance.machine(),
-        "torch": torch.__version__, "cupy": cp.__version__, "flashinfer": fi_version,
+        "provenance": prov,
+        "flashinfer": fi_version,
         "dense_matmul_tflops": {k: round(v, 1) for k, v in dense.items()},
         "rows": rows,
     }

@@ -2,13 +2,13 @@
 # The free-list benchmarks on the 16-core H200 host, ours against the baselines in the same run:
 #  - the criterion grid of rust/core/benches/free_list.rs (1, 2, 4, 8, 16 threads x 1, 16, 256
 #    blocks per call, against a Mutex<Vec<u32>> with the same checks), from a binary built on
-#    the dev machine and carried (bench/bin/ is ignored by git):
-#        CARGO_TARGET_DIR=/work/cargo-target cargo bench -p kvpool-core --bench free_list --no-run
+#    the development machine and copied along (bench/bin/ is ignored by git):
+#        cargo bench -p kvpool-core --bench free_list --no-run
 #        cp <the executable it names> bench/bin/free_list_bench
 #  - the Python 16-block alloc_many/free_many round trip against the pure-Python pool with the
 #    same checks (bench/pool_bench.py), from the release wheel in dist/
 #    (maturin build --release --locked -o dist).
-# Through the device tool, with carry ["bench/bin", "dist"]:
+# On the GPU host, with bench/bin/ and dist/ copied into the checkout:
 #     COMMIT=<sha> bash bench/run_free_list_h200.sh
 # Writes $OUT/free_list_h200.json and $OUT/pool_python_h200.json (copy them into bench/results/).
 # About 2 minutes for the grid, 1 for the Python cases.

@@ -67,7 +67,7 @@ def main() -> None:
     args = ap.parse_args()
     prov = provenance("bench/sim_bench.py", args.commit)
     runs = {reserve: run(args, reserve) for reserve in args.reserve.split(",")}
-    out = args.out or run_dir(args.commit) / f"simulate_{args.workload}_{args.model}_{args.device}.json"
+    out = args.out or run_dir(prov["commit"]) / f"simulate_{args.workload}_{args.model}_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(_finite({"provenance": prov, "runs_by_reserve": runs}), indent=1) + "\n")
     summary = {

@@ -151,10 +151,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode(
     const int qh0 = kvh * group + (blockIdx.y % n_tiles) * GQ;
     const int seq = blockIdx.z;
     const int len = seq_lens[seq];
-    const int t_begin = split * chunk_tokens;
-    if (split > 0 && t_begin >= len) return;  // merge_splits() reads only the splits that exist
-    // The last split takes whatever is left, so a short planned chunk never drops tokens.
-    const int t_end = (split == max_splits - 1) ? len : min(len, t_begin + chunk_tokens);
+    const SplitRange range = split_range(split, len, chunk_tokens, max_splits);
+    if (split >= range.num_splits) return;  // merge_splits() reads only the splits that exist
+    const int t_begin = range.t_begin, t_end = range.t_end;
 
     const int lane = threadIdx.x & 31;
     const int dl = lane % TPT;                               // which 8 elements of the row
@@ -306,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) merge_splits(
     const int seq = blockIdx.y;
     const int d = threadIdx.x;
     const int len = seq_lens[seq];
-    const int n = max(1, min(max_splits, (len + chunk_tokens - 1) / chunk_tokens));
+    const int n = num_splits_of(len, chunk_tokens, max_splits);
     const i64 row0 = (i64)seq * max_splits * num_q_heads + qh;
     float M = NEG_INF;
     for (int s = 0; s < n; ++s) M = fmaxf(M, part_lse[row0 + (i64)s * num_q_heads]);

@@ -179,10 +179,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
     const int gq_here = min(gq, group - tile_h * gq);  // the last head tile may be shorter
     const int seq = blockIdx.z;
     const int len = seq_lens[seq];
-    const int n_splits = max(1, min(max_splits, (len + chunk_tokens - 1) / chunk_tokens));
+    const SplitRange range = split_range(split, len, chunk_tokens, max_splits);
+    const int n_splits = range.num_splits;
     if (split >= n_splits) return;  // this sequence is shorter than the longest
-    const int t_begin = split * chunk_tokens;
-    const int t_end = (split == n_splits - 1) ? len : min(len, t_begin + chunk_tokens);
+    const int t_begin = range.t_begin, t_end = range.t_end;
 
 #if KV_FP8
     // Dequantization folded: S uses k_scale through the softmax scale, O gets v_scale at the end.

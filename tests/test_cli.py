@@ -72,7 +72,7 @@ def test_malformed_trace_is_a_clear_error(tmp_path, capsys):
     trace.write_text('{"arrival_s": 0, "prompt_tokens": 4, "output_tokens": 4}\n{"arrival_s": 1, "prompt_tokens": "many"}\n')
     assert main([*BASE, "--trace", str(trace), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
-    assert f"{trace}:2:" in err and "prompt_tokens must be a number" in err
+    assert f"--trace {trace}:2:" in err and "prompt_tokens must be a number" in err
     assert not (tmp_path / "r").exists()
 
 
@@ -80,7 +80,8 @@ def test_python_dash_m_exit_status(tmp_path):
     run = subprocess.run([sys.executable, "-m", "kvpool", "simulate", "--trace", str(tmp_path / "missing.jsonl")],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
-    assert "cannot read trace" in run.stderr and "Traceback" not in run.stderr
+    assert "error: --trace " in run.stderr and "cannot read trace" in run.stderr
+    assert "Traceback" not in run.stderr
 
 
 def _refused(capsys, args) -> str:
@@ -97,9 +98,11 @@ def _refused(capsys, args) -> str:
     ("args", "message"),
     [
         (["--model", "gpt-5"], "argument --model: unknown model preset 'gpt-5'"),
-        (["--kv-memory", "lots"], "--kv-memory: cannot read memory size 'lots'"),
-        (["--kv-memory", "0"], "--kv-memory: memory size must be positive"),
-        (["--kv-memory", "1e400"], "--kv-memory: memory size '1e400' is too large"),
+        (["--kv-memory", "lots"], "bytes; cannot read memory size 'lots'"),
+        (["--kv-memory", "0"], "--kv-memory must hold 1 to 2147483647 blocks of 2097152 bytes"),
+        (["--kv-memory", "0"], "bytes; memory size must be positive"),
+        (["--kv-memory", "1e400"], "bytes; memory size '1e400' is too large"),
+        (["--kv-memory", "1e400"], "i.e. 2097152 to 4503599625273344 bytes"),
         (["--kv-memory", "1MiB"], "--kv-memory must hold 1 to 2147483647 blocks of 2097152 bytes"),
         (["--kv-memory", "1e300"], "--kv-memory must hold 1 to 2147483647 blocks"),
         (["--max-model-len", "99999999999999999999"], "argument --max-model-len: must be in [2, 2147483647]"),
@@ -120,8 +123,9 @@ def _refused(capsys, args) -> str:
         (["--max-running-seqs", "40000000", "--max-tokens-per-step", "40000000"],
          "--max-running-seqs must be in [1, 33554431]"),
         (["--policy", "random"], "argument --policy: invalid choice: 'random'"),
-        (["--kv-dtype", "int4"], 'argument --kv-dtype: invalid layout: unsupported dtype "int4"'),
-        (["--kv-dtype", "float32"], "argument --kv-dtype: --kv-dtype must be one of"),
+        (["--kv-dtype", "int4"], "argument --kv-dtype: must be one of float16, bfloat16, "
+                                 "float8_e4m3fn, float8_e5m2 (fp8 = float8_e4m3fn), got 'int4'"),
+        (["--kv-dtype", "float32"], "argument --kv-dtype: must be one of float16, bfloat16, "),
     ],
 )
 def test_every_bad_option_is_one_line_and_exit_2(capsys, tmp_path, args, message):
@@ -159,7 +163,9 @@ def test_python_dash_m_bad_option_is_one_line(tmp_path):
                           "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
-        "kvpool simulate: error: --kv-memory: memory size '1e400' is too large to be a number of bytes"]
+        "kvpool simulate: error: --kv-memory must hold 1 to 2147483647 blocks of 2097152 bytes "
+        "(llama-3-8b, --block-size 16), i.e. 2097152 to 4503599625273344 bytes; "
+        "memory size '1e400' is too large to be a number of bytes"]
 
 
 def test_command_records_the_given_argv(report_dir):

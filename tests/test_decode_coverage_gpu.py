@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attention_check import assert_attention_close, decode_reference_without_token
-from gpu_fixtures import cp
+from attention_check import as_float64, assert_attention_close, decode_reference_without_token
+from attention_inputs import random_elems
+from gpu_fixtures import NAN_BITS, cp, cuda_pool, poisoned, to_device
 
 import kvpool
 from kvpool import reference
@@ -24,27 +25,10 @@ from kvpool.kernels import _build, _decode, paged_attention_decode, workspace_el
 pytestmark = pytest.mark.gpu
 
 
-NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
-
-
-def _elems(rng, shape, dtype):
-    return reference.from_float64(rng.standard_normal(shape), dtype)
-
-
-def _dev(host, dtype):
-    return cp.asarray(host.view(np.uint16) if dtype == "bfloat16" else host)
-
-
 def _pool(rng, hkv, d, bs, dtype, num_blocks):
     """A one-layer CUDA pool filled with N(0, 1) elements; returns (pool, k host, v host)."""
-    pool = kvpool.Pool(kvpool.KvLayout(1, hkv, d, bs, dtype), num_blocks, device="cuda")
-    host = []
-    for view in (pool.k_view(0), pool.v_view(0)):
-        arr = cp.asarray(view)
-        vals = _elems(rng, arr.shape, dtype)
-        arr[...] = _dev(vals, dtype).view(arr.dtype)
-        host.append(cp.asnumpy(arr))
-    return pool, host[0], host[1]
+    pool = cuda_pool(rng, hkv, d, bs, dtype, num_blocks, 1)
+    return pool, cp.asnumpy(cp.asarray(pool.k_view(0))), cp.asnumpy(cp.asarray(pool.v_view(0)))
 
 
 def _tight_tables(rng, lens, bs, extra_cols=0):
@@ -60,17 +44,6 @@ def _tight_tables(rng, lens, bs, extra_cols=0):
     return tables, sum(need)
 
 
-def _poisoned(shape, dtype):
-    out = cp.empty(shape, dtype=cp.float16 if dtype == "float16" else cp.uint16)
-    out.view(cp.uint16)[...] = NAN_BITS[dtype]
-    return out
-
-
-def _to64(out, dtype):
-    return reference.to_float64(cp.asnumpy(out).view(np.uint16 if dtype == "bfloat16"
-                                                     else np.float16), dtype)
-
-
 class Case:
     """One pool + tables + q; `check` runs the kernel (any keyword arguments) and compares."""
 
@@ -79,17 +52,17 @@ class Case:
         self.dtype, self.lens = dtype, np.asarray(lens, np.int32)
         self.tables, nblk = _tight_tables(rng, self.lens, bs, extra_cols)
         self.pool, self.k, self.v = _pool(rng, hkv, d, bs, dtype, nblk)
-        self.q_host = _elems(rng, (len(lens), hq, d), dtype)
-        self.q = _dev(self.q_host, dtype)
+        self.q_host = random_elems(rng, (len(lens), hq, d), dtype)
+        self.q = to_device(self.q_host, dtype)
         self.bt, self.sl = cp.asarray(self.tables), cp.asarray(self.lens)
         self.want = reference.paged_attention_decode(self.q_host, self.k, self.v, self.tables,
                                                      self.lens, dtype)
 
     def run(self, **kw):
-        out = _poisoned(self.q.shape, self.dtype)
+        out = poisoned(self.q.shape, self.dtype)
         res = paged_attention_decode(self.q, self.pool, 0, self.bt, self.sl, out=out, **kw)
         assert res is out
-        return _to64(out, self.dtype)
+        return as_float64(out, self.dtype)
 
     def check(self, label, **kw):
         assert_attention_close(self.run(**kw), self.want, self.dtype, label)
@@ -158,7 +131,7 @@ def test_fused_merge_counters_reset_between_calls_and_graph_replays():
         b.check(f"seq_b{rep}", max_seq_len=1000, num_splits=9)
         b.check(f"seq_b_auto{rep}", max_seq_len=1000)
     s = cp.cuda.Stream(non_blocking=True)
-    out = _poisoned(b.q.shape, "float16")
+    out = poisoned(b.q.shape, "float16")
     ws = cp.empty(workspace_elems(5, 8, 64, 9), cp.float32)
     with s:
         call = lambda: paged_attention_decode(b.q, b.pool, 0, b.bt, b.sl, out=out,  # noqa: E731
@@ -170,7 +143,7 @@ def test_fused_merge_counters_reset_between_calls_and_graph_replays():
         graph = s.end_capture()
     rng = np.random.default_rng(52)
     for rep in range(3):
-        q_host = _elems(rng, b.q.shape, "float16")
+        q_host = random_elems(rng, b.q.shape, "float16")
         b.q[...] = cp.asarray(q_host)
         out.view(cp.uint16)[...] = NAN_BITS["float16"]
         s.synchronize()
@@ -178,7 +151,7 @@ def test_fused_merge_counters_reset_between_calls_and_graph_replays():
         graph.launch(s)
         s.synchronize()
         want = reference.paged_attention_decode(q_host, b.k, b.v, b.tables, b.lens, "float16")
-        assert_attention_close(_to64(out, "float16"), want, "float16", f"graph_replay{rep}")
+        assert_attention_close(as_float64(out, "float16"), want, "float16", f"graph_replay{rep}")
     # Every merging CTA reset its counter: all counter buffers are zero again.
     cp.cuda.Device().synchronize()
     for key, counters in _decode._COUNTERS.items():
@@ -211,8 +184,8 @@ def test_unsupported_shapes_fail_before_any_launch(d, bs, dtype):
     except kvpool.KvError:
         pytest.skip("the layout itself refuses this shape")
     pool = kvpool.Pool(layout, 4, device="cuda")
-    q = _poisoned((1, 4, d), dtype)
-    out = _poisoned((1, 4, d), dtype)
+    q = poisoned((1, 4, d), dtype)
+    out = poisoned((1, 4, d), dtype)
     bt = cp.zeros((1, 4), cp.int32)
     sl = cp.ones((1,), cp.int32)
     with pytest.raises(kvpool.InvalidArgumentError, match="supported: .*multiple of 8 in 32..256"):

@@ -13,7 +13,8 @@ import os
 
 import numpy as np
 import pytest
-from attention_check import row_errors
+from attention_check import as_float64, row_errors
+from gpu_fixtures import cp, poisoned, to_device
 
 import kvpool
 from kvpool import InvalidArgumentError, KvScales, reference
@@ -21,19 +22,10 @@ from kvpool.kernels import append_kv, paged_attention_decode
 
 pytestmark = pytest.mark.gpu
 
-cp = pytest.importorskip("cupy")
-try:
-    HAVE_GPU = cp.cuda.runtime.getDeviceCount() > 0
-except Exception:  # no driver
-    HAVE_GPU = False
-if not HAVE_GPU:
-    pytest.skip("no CUDA device", allow_module_level=True)
-
 FP8 = ("float8_e4m3fn", "float8_e5m2")
 BOUND = 1e-2  # kernel vs float64 on the dequantized cache, per row
 MEAN_E2E_BOUND = {("float8_e4m3fn", False): 0.07, ("float8_e5m2", False): 0.14,
                   ("float8_e4m3fn", True): 0.3, ("float8_e5m2", True): 0.55}
-NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
 REPORT: dict = {}
 
 
@@ -44,15 +36,6 @@ def _write_report():
     if path and REPORT:
         with open(path, "w") as f:
             json.dump(REPORT, f, indent=1, sort_keys=True)
-
-
-def _dev(host, dtype):
-    return cp.asarray(host.view(np.uint16) if dtype == "bfloat16" else host)
-
-
-def _to64(out, dtype):
-    return reference.to_float64(cp.asnumpy(out).view(np.uint16 if dtype == "bfloat16"
-                                                     else np.float16), dtype)
 
 
 class Fp8Case:
@@ -89,14 +72,14 @@ class Fp8Case:
         if not calibrate:
             self.scales.set(0, *[np.full(hkv if granularity == "head" else (), s)
                                  for s in fixed_scales])
-        append_kv(_dev(self.k_in, q_dtype), _dev(self.v_in, q_dtype), self.pool, 0,
+        append_kv(to_device(self.k_in, q_dtype), to_device(self.v_in, q_dtype), self.pool, 0,
                   cp.asarray(slots), scales=self.scales)
         cp.cuda.runtime.deviceSynchronize()
         self.kc, self.vc = cp.asnumpy(cp.asarray(self.pool.k_view(0))), cp.asnumpy(
             cp.asarray(self.pool.v_view(0)))
         self.ks, self.vs = self.scales.layer_scales(0)
         self.q_host = reference.from_float64(rng.standard_normal((len(lens), hq, d)), q_dtype)
-        self.q, self.bt, self.sl = (_dev(self.q_host, q_dtype), cp.asarray(self.tables),
+        self.q, self.bt, self.sl = (to_device(self.q_host, q_dtype), cp.asarray(self.tables),
                                     cp.asarray(self.lens))
         self.want = reference.paged_attention_decode(
             self.q_host, self.kc, self.vc, self.tables, self.lens, dtype, q_dtype=q_dtype,
@@ -111,12 +94,11 @@ class Fp8Case:
             assert bad == 0, f"{bad} fp8 codes differ from the NumPy quantizer"
 
     def run(self, **kw):
-        out = cp.empty(self.q.shape, cp.float16 if self.q_dtype == "float16" else cp.uint16)
-        out.view(cp.uint16)[...] = NAN_BITS[self.q_dtype]
+        out = poisoned(self.q.shape, self.q_dtype)
         res = paged_attention_decode(self.q, self.pool, 0, self.bt, self.sl, out=out,
                                      scales=self.scales, **kw)
         assert res is out
-        return _to64(out, self.q_dtype)
+        return as_float64(out, self.q_dtype)
 
     def check(self, label, **kw):
         err = row_errors(self.run(**kw), self.want, self.q_dtype)

@@ -8,13 +8,19 @@ KVPOOL_ERROR_REPORT=path to dump the measured errors (the largest row error of e
 
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 import pytest
 from attention_check import assert_attention_close
-from gpu_fixtures import cp
+from attention_inputs import shuffled_tables
+from gpu_fixtures import (
+    NAN_BITS,
+    SPIN_SOURCE,
+    cp,
+    cuda_pool,
+    device_elems,
+    error_report,
+    poisoned,
+)
 
 import kvpool
 from kvpool import reference
@@ -30,50 +36,9 @@ pytestmark = pytest.mark.gpu
 
 
 DTYPES = ["float16", "bfloat16"]
-NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
 ERRORS: dict[str, float] = {}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _error_report():
-    yield
-    path = os.environ.get("KVPOOL_ERROR_REPORT")
-    if path:
-        with open(path, "w") as f:
-            json.dump({"max_rel_err": max(ERRORS.values(), default=None), "cases": ERRORS}, f,
-                      indent=1)
-
-
-def _elems_dev(rng, shape, dtype):
-    """Random N(0,1) elements of `dtype` on the device (bfloat16 as uint16 bits)."""
-    host = reference.from_float64(rng.standard_normal(shape), dtype)
-    return cp.asarray(host.view(np.uint16) if dtype == "bfloat16" else host)
-
-
-def _new_pool(rng, num_layers, hkv, d, bs, dtype, num_blocks):
-    pool = kvpool.Pool(kvpool.KvLayout(num_layers, hkv, d, bs, dtype), num_blocks, device="cuda")
-    for layer in range(num_layers):
-        for view in (pool.k_view(layer), pool.v_view(layer)):
-            arr = cp.asarray(view)
-            arr[...] = _elems_dev(rng, arr.shape, dtype).view(arr.dtype)
-    return pool
-
-
-def _tables(rng, seq_lens, bs, num_blocks, extra=3):
-    need = [-(-int(n) // bs) for n in seq_lens]
-    ids = rng.permutation(num_blocks)[: sum(need)]
-    tables = np.full((len(seq_lens), max(need) + extra), -1, dtype=np.int32)
-    at = 0
-    for i, n in enumerate(need):
-        tables[i, :n] = ids[at : at + n]
-        at += n
-    return tables
-
-
-def _poisoned(shape, dtype):
-    out = cp.empty(shape, dtype=cp.float16 if dtype == "float16" else cp.uint16)
-    out.view(cp.uint16)[...] = NAN_BITS[dtype]
-    return out
+_error_report = error_report(ERRORS)
 
 
 def _check_decode(pool, layer, q, tables, lens, out, label, **kw):
@@ -100,19 +65,19 @@ def test_decode_matches_reference(dtype, d, bs, hq, hkv):
     lens = np.array([1, bs - 1, bs, 3 * bs + 5, 137, 300], dtype=np.int32)
     rng.shuffle(lens)
     need = sum(-(-int(n) // bs) for n in lens)
-    pool = _new_pool(rng, 2, hkv, d, bs, dtype, need + 40)
-    tables = _tables(rng, lens, bs, pool.num_blocks)
-    q = _elems_dev(rng, (len(lens), hq, d), dtype)
+    pool = cuda_pool(rng, hkv, d, bs, dtype, need + 40, 2)
+    tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
+    q = device_elems(rng, (len(lens), hq, d), dtype)
     label = f"decode[{dtype},d{d},bs{bs},hq{hq},hkv{hkv}]"
-    _check_decode(pool, 1, q, tables, lens, _poisoned(q.shape, dtype), label, max_seq_len=300)
+    _check_decode(pool, 1, q, tables, lens, poisoned(q.shape, dtype), label, max_seq_len=300)
     # The same inputs through a forced split (chunks of a few loop steps) and the LSE merge.
-    _check_decode(pool, 1, q, tables, lens, _poisoned(q.shape, dtype), label + "split3",
+    _check_decode(pool, 1, q, tables, lens, poisoned(q.shape, dtype), label + "split3",
                   num_splits=3, max_seq_len=300)
     if bs == 16:  # the other load path (cp.async stages vs registers), plain and split
         other = 1 - _build.PIPELINE
-        _check_decode(pool, 1, q, tables, lens, _poisoned(q.shape, dtype), label + "other",
+        _check_decode(pool, 1, q, tables, lens, poisoned(q.shape, dtype), label + "other",
                       max_seq_len=300, pipeline=other)
-        _check_decode(pool, 1, q, tables, lens, _poisoned(q.shape, dtype), label + "other_split3",
+        _check_decode(pool, 1, q, tables, lens, poisoned(q.shape, dtype), label + "other_split3",
                       num_splits=3, max_seq_len=300, pipeline=other)
 
 
@@ -125,18 +90,18 @@ def test_decode_both_kernels_and_cached_calls(dtype, d, hq, hkv):
     but the pointers): each call must read its own q, tables and lengths."""
     rng = np.random.default_rng([d, hq, hkv, len(dtype), 77])
     bs = 16
-    pool = _new_pool(rng, 1, hkv, d, bs, dtype, 160)
+    pool = cuda_pool(rng, hkv, d, bs, dtype, 160, 1)
     for rep in range(2):
         lens = rng.integers(1, 400, size=5).astype(np.int32)
-        tables = _tables(rng, lens, bs, pool.num_blocks)
-        q = _elems_dev(rng, (len(lens), hq, d), dtype)
+        tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
+        q = device_elems(rng, (len(lens), hq, d), dtype)
         label = f"decode_paths[{dtype},d{d},hq{hq},hkv{hkv},rep{rep}]"
         top = int(lens.max())  # max_seq_len may not exceed the tables' width * block_size
-        _check_decode(pool, 0, q, tables, lens, _poisoned(q.shape, dtype), label + "tc",
+        _check_decode(pool, 0, q, tables, lens, poisoned(q.shape, dtype), label + "tc",
                       max_seq_len=top)
-        _check_decode(pool, 0, q, tables, lens, _poisoned(q.shape, dtype), label + "tc_split5",
+        _check_decode(pool, 0, q, tables, lens, poisoned(q.shape, dtype), label + "tc_split5",
                       max_seq_len=top, num_splits=5)
-        _check_decode(pool, 0, q, tables, lens, _poisoned(q.shape, dtype), label + "cc",
+        _check_decode(pool, 0, q, tables, lens, poisoned(q.shape, dtype), label + "cc",
                       max_seq_len=top, pipeline=1)
 
 
@@ -148,12 +113,12 @@ def test_decode_long_contexts_auto_split(dtype, num_seqs, max_len):
     lens = rng.integers(1, max_len + 1, size=num_seqs).astype(np.int32)
     lens[0] = max_len
     need = sum(-(-int(n) // bs) for n in lens)
-    pool = _new_pool(rng, 1, hkv, d, bs, dtype, need + 8)
-    tables = _tables(rng, lens, bs, pool.num_blocks)
-    q = _elems_dev(rng, (num_seqs, hq, d), dtype)
+    pool = cuda_pool(rng, hkv, d, bs, dtype, need + 8, 1)
+    tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
+    q = device_elems(rng, (num_seqs, hq, d), dtype)
     label = f"decode_auto[{dtype},S{num_seqs},L{max_len}]"
-    _check_decode(pool, 0, q, tables, lens, _poisoned(q.shape, dtype), label, scale=0.05)
-    _check_decode(pool, 0, q, tables, lens, _poisoned(q.shape, dtype), label + "hint",
+    _check_decode(pool, 0, q, tables, lens, poisoned(q.shape, dtype), label, scale=0.05)
+    _check_decode(pool, 0, q, tables, lens, poisoned(q.shape, dtype), label + "hint",
                   max_seq_len=max_len)
 
 
@@ -161,11 +126,11 @@ def test_decode_takes_torch_tensors_and_streams():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(5)
     lens = np.array([33, 1, 250], dtype=np.int32)
-    pool = _new_pool(rng, 1, 2, 128, 16, "bfloat16", 40)
-    tables = _tables(rng, lens, 16, pool.num_blocks)
+    pool = cuda_pool(rng, 2, 128, 16, "bfloat16", 40, 1)
+    tables = shuffled_tables(rng, lens, 16, pool.num_blocks, extra=3)
     q = torch.randn(3, 8, 128, device="cuda", dtype=torch.bfloat16)
     bt, sl = torch.from_numpy(tables).cuda(), torch.from_numpy(lens).cuda()
-    outs = [_poisoned((3, 8, 128), "bfloat16") for _ in range(2)]
+    outs = [poisoned((3, 8, 128), "bfloat16") for _ in range(2)]
     # The pool fill and the NaN poison ran on CuPy's stream, q and the copies on torch's; the
     # non-blocking stream `s` is ordered with neither: finish both before the calls.
     cp.cuda.Device().synchronize()
@@ -190,7 +155,7 @@ def test_decode_takes_torch_tensors_and_streams():
 
 def test_decode_rejects_bad_arguments():
     rng = np.random.default_rng(1)
-    pool = _new_pool(rng, 1, 2, 64, 16, "float16", 8)
+    pool = cuda_pool(rng, 2, 64, 16, "float16", 8, 1)
     lens = cp.asarray(np.array([4], np.int32))
     tables = cp.zeros((1, 2), dtype=cp.int32)
     with pytest.raises(kvpool.InvalidArgumentError, match="dtype"):
@@ -217,14 +182,14 @@ def test_decode_rejects_bad_arguments():
 @pytest.mark.parametrize("bs", [8, 32])
 def test_append_kv_matches_reference(dtype, d, bs):
     rng = np.random.default_rng([d, bs, len(dtype), 9])
-    pool = _new_pool(rng, 3, 4, d, bs, dtype, 24)
+    pool = cuda_pool(rng, 4, d, bs, dtype, 24, 3)
     host = [(cp.asnumpy(cp.asarray(pool.k_view(i))), cp.asnumpy(cp.asarray(pool.v_view(i))))
             for i in range(3)]
     n = 50
     slots = rng.permutation(pool.num_blocks * bs)[:n].astype(np.int64)
     slots[[3, 17]] = -1
-    k = _elems_dev(rng, (n, 4, d), dtype)
-    v = _elems_dev(rng, (n, 4, d), dtype)
+    k = device_elems(rng, (n, 4, d), dtype)
+    v = device_elems(rng, (n, 4, d), dtype)
     append_kv(k, v, pool, 2, cp.asarray(slots))
     reference.append_kv(cp.asnumpy(k), cp.asnumpy(v), host[2][0], host[2][1], slots)
     for i in range(3):
@@ -235,7 +200,7 @@ def test_append_kv_matches_reference(dtype, d, bs):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_copy_blocks_matches_reference(dtype):
     rng = np.random.default_rng([len(dtype), 4])
-    pool = _new_pool(rng, 4, 8, 128, 16, dtype, 64)
+    pool = cuda_pool(rng, 8, 128, 16, dtype, 64, 4)
     views = lambda: [cp.asnumpy(cp.asarray(f(i))) for i in range(4)  # noqa: E731
                      for f in (pool.k_view, pool.v_view)]
     host = views()
@@ -254,26 +219,26 @@ def test_decode_after_append_matches_reference():
     rng = np.random.default_rng(21)
     bs, d, hkv, hq = 16, 128, 4, 16
     lens = np.array([45, 16, 1], dtype=np.int32)
-    pool = _new_pool(rng, 2, hkv, d, bs, "float16", 32)
-    tables = _tables(rng, lens, bs, pool.num_blocks)
+    pool = cuda_pool(rng, hkv, d, bs, "float16", 32, 2)
+    tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
     slots = np.concatenate([tables[i, np.arange(n) // bs].astype(np.int64) * bs + np.arange(n) % bs
                             for i, n in enumerate(lens)])
-    k = _elems_dev(rng, (len(slots), hkv, d), "float16")
-    v = _elems_dev(rng, (len(slots), hkv, d), "float16")
+    k = device_elems(rng, (len(slots), hkv, d), "float16")
+    v = device_elems(rng, (len(slots), hkv, d), "float16")
     append_kv(k, v, pool, 1, cp.asarray(slots))
-    q = _elems_dev(rng, (3, hq, d), "float16")
-    _check_decode(pool, 1, q, tables, lens, _poisoned(q.shape, "float16"), "append_then_decode")
+    q = device_elems(rng, (3, hq, d), "float16")
+    _check_decode(pool, 1, q, tables, lens, poisoned(q.shape, "float16"), "append_then_decode")
 
 
 def test_decode_rejects_tables_of_another_pool():
     rng = np.random.default_rng(30)
-    pool_a = _new_pool(rng, 1, 2, 64, 16, "float16", 16)
-    pool_b = _new_pool(rng, 1, 2, 64, 16, "float16", 16)
+    pool_a = cuda_pool(rng, 2, 64, 16, "float16", 16, 1)
+    pool_b = cuda_pool(rng, 2, 64, 16, "float16", 16, 1)
     tables = kvpool.BlockTables(pool_a, 4, 4)
     tables.add(0, 20)
     bt, sl = tables.sync()
-    q = _elems_dev(rng, (1, 2, 64), "float16")
-    out = _poisoned(q.shape, "float16")
+    q = device_elems(rng, (1, 2, 64), "float16")
+    out = poisoned(q.shape, "float16")
     cp.cuda.runtime.deviceSynchronize()
     with pytest.raises(kvpool.InvalidArgumentError, match="another pool"):
         paged_attention_decode(q, pool_b, 0, bt, sl, out=out, max_seq_len=20)
@@ -288,24 +253,12 @@ def test_decode_rejects_tables_of_another_pool():
     assert not cp.isnan(out).any()
 
 
-SPIN = r"""
-extern "C" __global__ void spin(unsigned long long ns) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        __nanosleep(1000);
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < ns);
-}
-"""
-
-
 def test_decode_waits_for_the_stream_of_synced_tables():
     """BlockTables.sync queues the upload on the pool's stream and names it in the arrays'
     __cuda_array_interface__; a decode on another stream must wait for it on the device."""
     rng = np.random.default_rng(31)
     bs, d, hq, hkv = 16, 128, 8, 2
-    pool = _new_pool(rng, 1, hkv, d, bs, "float16", 64)
+    pool = cuda_pool(rng, hkv, d, bs, "float16", 64, 1)
     tables = kvpool.BlockTables(pool, 4, 8)
     for rid, n in enumerate((37, 90, 5)):
         tables.add(rid, n)
@@ -314,18 +267,18 @@ def test_decode_waits_for_the_stream_of_synced_tables():
     tables.append_tokens(1, 10)
     ids = tables.request_ids()
     host_bt, host_sl = tables.block_table(ids), tables.seq_lens(ids)
-    q = _elems_dev(rng, (len(ids), hq, d), "float16")
+    q = device_elems(rng, (len(ids), hq, d), "float16")
     s = cp.cuda.Stream(non_blocking=True)
     # Warm up (compile, prepare) with the same shapes so the timed call below is quick.
-    warm = _poisoned(q.shape, "float16")
+    warm = poisoned(q.shape, "float16")
     paged_attention_decode(q, pool, 0, cp.asarray(host_bt, dtype=cp.int32),
                            cp.asarray(host_sl, dtype=cp.int32), out=warm, stream=s,
                            max_seq_len=100)
-    out = _poisoned(q.shape, "float16")
+    out = poisoned(q.shape, "float16")
     cp.cuda.runtime.deviceSynchronize()
     pool_stream = cp.cuda.Stream.from_external(pool.stream)
     with pool_stream:
-        cp.RawModule(code=SPIN).get_function("spin")((1,), (1,), (np.uint64(300_000_000),))
+        cp.RawModule(code=SPIN_SOURCE).get_function("spin")((1,), (1,), (np.uint64(300_000_000),))
     bt, sl = tables.sync()  # queued behind the spin
     assert bt.__cuda_array_interface__["stream"] == pool_stream.ptr != s.ptr
     paged_attention_decode(q, pool, 0, bt, sl, out=out, stream=s, max_seq_len=100)
@@ -341,8 +294,8 @@ def test_decode_waits_for_the_stream_of_synced_tables():
 
 def test_decode_more_argument_errors_and_empty_batch():
     rng = np.random.default_rng(32)
-    pool = _new_pool(rng, 1, 2, 64, 16, "float16", 8)
-    q = _elems_dev(rng, (1, 2, 64), "float16")
+    pool = cuda_pool(rng, 2, 64, 16, "float16", 8, 1)
+    q = device_elems(rng, (1, 2, 64), "float16")
     tables = cp.asarray(np.array([[0, 1]], np.int32))
     lens = cp.asarray(np.array([20], np.int32))
     err = kvpool.InvalidArgumentError
@@ -386,20 +339,20 @@ def test_decode_forced_split_and_workspace_without_max_seq_len():
     bs, d, hq, hkv = 16, 128, 8, 2
     lens = np.array([700, 3, 129], dtype=np.int32)
     need = sum(-(-int(n) // bs) for n in lens)
-    pool = _new_pool(rng, 1, hkv, d, bs, "bfloat16", need + 4)
-    tables = _tables(rng, lens, bs, pool.num_blocks)
-    q = _elems_dev(rng, (3, hq, d), "bfloat16")
-    _check_decode(pool, 0, q, tables, lens, _poisoned(q.shape, "bfloat16"), "forced_split4",
+    pool = cuda_pool(rng, hkv, d, bs, "bfloat16", need + 4, 1)
+    tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
+    q = device_elems(rng, (3, hq, d), "bfloat16")
+    _check_decode(pool, 0, q, tables, lens, poisoned(q.shape, "bfloat16"), "forced_split4",
                   num_splits=4)
     ws = cp.empty(workspace_elems(3, hq, d, 4), cp.float32)
-    _check_decode(pool, 0, q, tables, lens, _poisoned(q.shape, "bfloat16"), "forced_split4_ws",
+    _check_decode(pool, 0, q, tables, lens, poisoned(q.shape, "bfloat16"), "forced_split4_ws",
                   num_splits=4, max_seq_len=700, workspace=ws)
 
 
 def test_append_kv_argument_errors():
     rng = np.random.default_rng(34)
-    pool = _new_pool(rng, 1, 2, 64, 16, "float16", 8)
-    k = _elems_dev(rng, (3, 2, 64), "float16")
+    pool = cuda_pool(rng, 2, 64, 16, "float16", 8, 1)
+    k = device_elems(rng, (3, 2, 64), "float16")
     slots = cp.asarray(np.array([0, 5, 17], np.int64))
     err = kvpool.InvalidArgumentError
     for layer in (1, -1, 0.5):
@@ -428,7 +381,7 @@ def test_append_kv_argument_errors():
 def test_append_kv_takes_torch_bfloat16_and_streams():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(35)
-    pool = _new_pool(rng, 1, 2, 64, 16, "bfloat16", 8)
+    pool = cuda_pool(rng, 2, 64, 16, "bfloat16", 8, 1)
     host_k = cp.asnumpy(cp.asarray(pool.k_view(0)))
     host_v = cp.asnumpy(cp.asarray(pool.v_view(0)))
     k = torch.randn(5, 2, 64, device="cuda", dtype=torch.bfloat16)

@@ -82,8 +82,11 @@ def test_alloc_many_past_64_bits_names_the_count(pool: Pool) -> None:
 
 
 def test_memory_bytes_errors_talk_about_memory_bytes() -> None:
-    with pytest.raises(InvalidArgumentError, match=rf"memory_bytes {2**64} is out of range"):
-        Pool(LAYOUT, memory_bytes=2**64, device="host")
+    for too_large in (2**63, 2**64):
+        with pytest.raises(InvalidArgumentError,
+                           match=rf"^invalid argument: memory_bytes {too_large} is out of range "
+                                 rf"\(at most {2**63 - 1}\)$"):
+            Pool(LAYOUT, memory_bytes=too_large, device="host")
     with pytest.raises(InvalidArgumentError, match=rf"memory_bytes={2**62} holds \d+ blocks"):
         Pool(LAYOUT, memory_bytes=2**62, device="host")
 

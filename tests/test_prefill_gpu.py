@@ -10,13 +10,11 @@ dump the errors.
 
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 import pytest
-from attention_check import assert_attention_close, table_with_wrong_block
-from gpu_fixtures import cp
+from attention_check import as_float64, assert_attention_close, table_with_wrong_block
+from attention_inputs import qo_indptr, shuffled_tables
+from gpu_fixtures import NAN_BITS, cp, cuda_pool, device_elems, error_report, poisoned
 
 import kvpool
 from kvpool import reference
@@ -32,58 +30,9 @@ pytestmark = pytest.mark.gpu
 
 
 DTYPES = ["float16", "bfloat16"]
-NAN_BITS = {"float16": 0x7E00, "bfloat16": 0x7FC0}
 ERRORS: dict[str, float] = {}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _error_report():
-    yield
-    path = os.environ.get("KVPOOL_ERROR_REPORT")
-    if path:
-        with open(path, "w") as f:
-            json.dump({"max_rel_err": max(ERRORS.values(), default=None), "cases": ERRORS}, f,
-                      indent=1)
-
-
-def _elems_dev(rng, shape, dtype):
-    host = reference.from_float64(rng.standard_normal(shape), dtype)
-    return cp.asarray(host.view(np.uint16) if dtype == "bfloat16" else host)
-
-
-def _new_pool(rng, hkv, d, bs, dtype, num_blocks, num_layers=2):
-    pool = kvpool.Pool(kvpool.KvLayout(num_layers, hkv, d, bs, dtype), num_blocks, device="cuda")
-    for layer in range(num_layers):
-        for view in (pool.k_view(layer), pool.v_view(layer)):
-            arr = cp.asarray(view)
-            arr[...] = _elems_dev(rng, arr.shape, dtype).view(arr.dtype)
-    return pool
-
-
-def _tables(rng, seq_lens, bs, num_blocks, extra=3):
-    need = [-(-int(n) // bs) for n in seq_lens]
-    ids = rng.permutation(num_blocks)[: sum(need)]
-    tables = np.full((len(seq_lens), max(need) + extra), -1, dtype=np.int32)
-    at = 0
-    for i, n in enumerate(need):
-        tables[i, :n] = ids[at : at + n]
-        at += n
-    return tables
-
-
-def _indptr(qo_lens):
-    return np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
-
-
-def _poisoned(shape, dtype):
-    out = cp.empty(shape, dtype=cp.float16 if dtype == "float16" else cp.uint16)
-    out.view(cp.uint16)[...] = NAN_BITS[dtype]
-    return out
-
-
-def _host(out, dtype):
-    return reference.to_float64(cp.asnumpy(out).view(np.uint16 if dtype == "bfloat16"
-                                                     else np.float16), dtype)
+_error_report = error_report(ERRORS)
 
 
 def _sample_rows(qo_len, limit=48, rng=None):
@@ -143,13 +92,13 @@ def _rows(got, indptr, expected):
 def _run_and_check(pool, layer, q, qo_lens, tables, lens, label, *, causal=True, scale=None,
                    rng=None, **kw):
     lay = pool.layout
-    indptr = _indptr(qo_lens)
-    out = _poisoned(q.shape, lay.dtype)
+    indptr = qo_indptr(qo_lens)
+    out = poisoned(q.shape, lay.dtype)
     res = paged_attention_prefill(q, pool, layer, cp.asarray(indptr), cp.asarray(tables),
                                   cp.asarray(np.asarray(lens, np.int32)), causal=causal,
                                   scale=scale, out=out, **kw)
     assert res is out
-    got = _host(out, lay.dtype)
+    got = as_float64(out, lay.dtype)
     assert not np.isnan(got).any(), f"{label}: unwritten or NaN outputs"
     sample = [_sample_rows(int(n), rng=rng) for n in qo_lens]
     want = _expected(pool, layer, cp.asnumpy(q), indptr, tables, lens, causal, scale, sample)
@@ -171,9 +120,9 @@ def test_prefill_mixed_batch_matches_reference(dtype, d, hq, hkv):
     qo = np.array([1, 70, 5, 64, 1, 130, 4], dtype=np.int32)
     lens = np.array([1, 70, 300, 64 + 33, 700, 130, 513], dtype=np.int32)
     need = sum(-(-int(n) // bs) for n in lens)
-    pool = _new_pool(rng, hkv, d, bs, dtype, need + 40)
-    tables = _tables(rng, lens, bs, pool.num_blocks)
-    q = _elems_dev(rng, (int(qo.sum()), hq, d), dtype)
+    pool = cuda_pool(rng, hkv, d, bs, dtype, need + 40, 2)
+    tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
+    q = device_elems(rng, (int(qo.sum()), hq, d), dtype)
     _run_and_check(pool, 1, q, qo, tables, lens, f"mixed[{dtype},d{d},bs{bs},hq{hq},hkv{hkv}]")
 
 
@@ -187,11 +136,11 @@ def test_prefill_narrow_and_wide_tiles_agree(dtype, d, hq, hkv):
     rng = np.random.default_rng([d, hq, hkv, len(dtype), 3])
     qo = np.array([1, 40, 3, 17, 8], dtype=np.int32)
     lens = np.array([1, 300, 90, 17, 600], dtype=np.int32)
-    pool = _new_pool(rng, hkv, d, bs, dtype, sum(-(-int(n) // bs) for n in lens) + 8, 1)
-    tables = _tables(rng, lens, bs, pool.num_blocks)
-    q = _elems_dev(rng, (int(qo.sum()), hq, d), dtype)
+    pool = cuda_pool(rng, hkv, d, bs, dtype, sum(-(-int(n) // bs) for n in lens) + 8, 1)
+    tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
+    q = device_elems(rng, (int(qo.sum()), hq, d), dtype)
     for rows in (16, 64):
-        plan = prefill_plan(pool, _indptr(qo), lens, hq, rows_per_cta=rows)
+        plan = prefill_plan(pool, qo_indptr(qo), lens, hq, rows_per_cta=rows)
         assert plan.rows_per_cta == rows
         _run_and_check(pool, 0, q, qo, tables, lens,
                        f"rows{rows}[{dtype},d{d},hq{hq},hkv{hkv}]", plan=plan)
@@ -204,9 +153,9 @@ def test_prefill_not_causal_and_block_sizes(dtype, bs):
     d, hq, hkv = 128, 8, 2
     qo = np.array([33, 1, 100], dtype=np.int32)
     lens = np.array([33, 200, 180], dtype=np.int32)
-    pool = _new_pool(rng, hkv, d, bs, dtype, sum(-(-int(n) // bs) for n in lens) + 8)
-    tables = _tables(rng, lens, bs, pool.num_blocks)
-    q = _elems_dev(rng, (int(qo.sum()), hq, d), dtype)
+    pool = cuda_pool(rng, hkv, d, bs, dtype, sum(-(-int(n) // bs) for n in lens) + 8, 2)
+    tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
+    q = device_elems(rng, (int(qo.sum()), hq, d), dtype)
     for causal in (False, True):
         _run_and_check(pool, 0, q, qo, tables, lens, f"bs{bs}[{dtype},causal={causal}]",
                        causal=causal, scale=0.07)
@@ -222,9 +171,9 @@ def test_prefill_long_prompts_and_prefixes(qo_len, prefix):
     rng = np.random.default_rng([qo_len, prefix])
     d, bs, hq, hkv = 128, 16, 32, 8
     n = qo_len + prefix
-    pool = _new_pool(rng, hkv, d, bs, dtype, -(-n // bs) + 8, num_layers=1)
-    tables = _tables(rng, [n], bs, pool.num_blocks)
-    q = _elems_dev(rng, (qo_len, hq, d), dtype)
+    pool = cuda_pool(rng, hkv, d, bs, dtype, -(-n // bs) + 8, 1)
+    tables = shuffled_tables(rng, [n], bs, pool.num_blocks, extra=3)
+    q = device_elems(rng, (qo_len, hq, d), dtype)
     _run_and_check(pool, 0, q, np.array([qo_len]), tables, [n],
                    f"long[{dtype},q{qo_len},prefix{prefix}]", rng=rng)
 
@@ -235,20 +184,20 @@ def test_chunked_prefill_with_append_kv():
     rng = np.random.default_rng(40)
     d, bs, hq, hkv, dtype = 128, 16, 16, 4, "float16"
     n = 3000
-    pool = _new_pool(rng, hkv, d, bs, dtype, -(-n // bs) + 16)
-    tables = _tables(rng, [n], bs, pool.num_blocks)
+    pool = cuda_pool(rng, hkv, d, bs, dtype, -(-n // bs) + 16, 2)
+    tables = shuffled_tables(rng, [n], bs, pool.num_blocks, extra=3)
     slots = (tables[0, np.arange(n) // bs].astype(np.int64) * bs + np.arange(n) % bs)
-    k = _elems_dev(rng, (n, hkv, d), dtype)
-    v = _elems_dev(rng, (n, hkv, d), dtype)
-    q = _elems_dev(rng, (n, hq, d), dtype)
+    k = device_elems(rng, (n, hkv, d), dtype)
+    v = device_elems(rng, (n, hkv, d), dtype)
+    q = device_elems(rng, (n, hq, d), dtype)
     bt = cp.asarray(tables)
     at, chunks = 0, []
     for size in (1000, 999, 1, 1000):
         append_kv(k[at:at + size], v[at:at + size], pool, 0, cp.asarray(slots[at:at + size]))
-        out = _poisoned((size, hq, d), dtype)
-        paged_attention_prefill(q[at:at + size], pool, 0, cp.asarray(_indptr([size])), bt,
+        out = poisoned((size, hq, d), dtype)
+        paged_attention_prefill(q[at:at + size], pool, 0, cp.asarray(qo_indptr([size])), bt,
                                 cp.asarray(np.array([at + size], np.int32)), out=out)
-        chunks.append(_host(out, dtype))
+        chunks.append(as_float64(out, dtype))
         at += size
     chunked = np.concatenate(chunks)
     assert not np.isnan(chunked).any()
@@ -266,16 +215,16 @@ def test_speculative_verification_on_long_contexts(dtype):
     d, bs, hq, hkv = 128, 16, 32, 8
     qo = rng.integers(2, 9, 12).astype(np.int32)
     lens = rng.integers(3000, 9000, 12).astype(np.int32)
-    pool = _new_pool(rng, hkv, d, bs, dtype, sum(-(-int(n) // bs) for n in lens) + 8, 1)
-    tables = _tables(rng, lens, bs, pool.num_blocks)
-    q = _elems_dev(rng, (int(qo.sum()), hq, d), dtype)
-    plan = prefill_plan(pool, _indptr(qo), lens, hq)
+    pool = cuda_pool(rng, hkv, d, bs, dtype, sum(-(-int(n) // bs) for n in lens) + 8, 1)
+    tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
+    q = device_elems(rng, (int(qo.sum()), hq, d), dtype)
+    plan = prefill_plan(pool, qo_indptr(qo), lens, hq)
     assert plan.split, "few query tiles over long contexts should split the keys"
     assert plan.rows_per_cta == 16, "<= 8 draft tokens x GQA-4: 64-row tiles would be padding"
     _run_and_check(pool, 0, q, qo, tables, lens, f"spec[{dtype},auto{plan.num_splits}]",
                    plan=plan)
     for splits in (1, 3, 64):
-        forced = prefill_plan(pool, _indptr(qo), lens, hq, num_splits=splits)
+        forced = prefill_plan(pool, qo_indptr(qo), lens, hq, num_splits=splits)
         ws = cp.empty(max(prefill_workspace_elems(forced, d), 1), cp.float32)
         _run_and_check(pool, 0, q, qo, tables, lens, f"spec[{dtype},split{splits}]",
                        plan=forced, workspace=ws)
@@ -287,13 +236,13 @@ def test_one_query_agrees_with_decode(dtype, hq, hkv):
     rng = np.random.default_rng([60, hq, hkv, len(dtype)])
     d, bs = 128, 16
     lens = np.array([1, 15, 16, 17, 1000, 5000], dtype=np.int32)
-    pool = _new_pool(rng, hkv, d, bs, dtype, sum(-(-int(n) // bs) for n in lens) + 8, 1)
-    tables = _tables(rng, lens, bs, pool.num_blocks)
-    q = _elems_dev(rng, (len(lens), hq, d), dtype)
+    pool = cuda_pool(rng, hkv, d, bs, dtype, sum(-(-int(n) // bs) for n in lens) + 8, 1)
+    tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
+    q = device_elems(rng, (len(lens), hq, d), dtype)
     got = _run_and_check(pool, 0, q, np.ones(len(lens), np.int32), tables, lens,
                          f"as_decode[{dtype},hq{hq},hkv{hkv}]")
     dec = paged_attention_decode(q, pool, 0, cp.asarray(tables), cp.asarray(lens))
-    diff = float(np.abs(got - _host(dec, dtype)).max())
+    diff = float(np.abs(got - as_float64(dec, dtype)).max())
     ERRORS[f"prefill_vs_decode[{dtype},hq{hq},hkv{hkv}]"] = diff
     assert diff < (2e-3 if dtype == "float16" else 1.6e-2)
 
@@ -305,11 +254,11 @@ def test_the_check_fails_on_a_one_key_mask_slip_or_a_wrong_block():
     d, bs, hq, hkv, dtype = 128, 16, 8, 2, "float16"
     qo = np.array([40, 300], dtype=np.int32)
     lens = np.array([40, 700], dtype=np.int32)
-    pool = _new_pool(rng, hkv, d, bs, dtype, 64, 1)
-    tables = _tables(rng, lens, bs, pool.num_blocks)
-    q = _elems_dev(rng, (int(qo.sum()), hq, d), dtype)
+    pool = cuda_pool(rng, hkv, d, bs, dtype, 64, 1)
+    tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
+    q = device_elems(rng, (int(qo.sum()), hq, d), dtype)
     got = _run_and_check(pool, 0, q, qo, tables, lens, "mutation_base")
-    indptr = _indptr(qo)
+    indptr = qo_indptr(qo)
     sample = [_sample_rows(int(n)) for n in qo]
     q_host = cp.asnumpy(q)
     wrongs = [_expected(pool, 0, q_host, indptr, tables, lens, True, None, sample, shift)
@@ -327,7 +276,7 @@ def test_prefill_takes_synced_tables_and_torch_and_graph_capture():
     CUDA-graph capture replayed with a planned call and a caller workspace."""
     rng = np.random.default_rng(80)
     d, bs, hq, hkv, dtype = 128, 16, 8, 2, "float16"
-    pool = _new_pool(rng, hkv, d, bs, dtype, 128, 1)
+    pool = cuda_pool(rng, hkv, d, bs, dtype, 128, 1)
     tables = kvpool.BlockTables(pool, 4, 64)
     lens = [600, 37, 5]
     for rid, n in enumerate(lens):
@@ -337,21 +286,21 @@ def test_prefill_takes_synced_tables_and_torch_and_graph_capture():
     host_bt = np.asarray(tables.block_table(ids), np.int32)
     host_sl = np.asarray(tables.seq_lens(ids), np.int32)
     qo = np.minimum(host_sl, [3, 37, 1]).astype(np.int32)  # rows in request_ids order
-    q = _elems_dev(rng, (int(qo.sum()), hq, d), dtype)
-    plan = prefill_plan(pool, _indptr(qo), host_sl, hq, num_splits=2)
-    out = _poisoned(q.shape, dtype)
-    paged_attention_prefill(q, pool, 0, cp.asarray(_indptr(qo)), bt, sl, out=out, plan=plan)
+    q = device_elems(rng, (int(qo.sum()), hq, d), dtype)
+    plan = prefill_plan(pool, qo_indptr(qo), host_sl, hq, num_splits=2)
+    out = poisoned(q.shape, dtype)
+    paged_attention_prefill(q, pool, 0, cp.asarray(qo_indptr(qo)), bt, sl, out=out, plan=plan)
     cp.cuda.runtime.deviceSynchronize()
-    got = _host(out, dtype)
-    want = _expected(pool, 0, cp.asnumpy(q), _indptr(qo), host_bt, host_sl, True, None,
+    got = as_float64(out, dtype)
+    want = _expected(pool, 0, cp.asnumpy(q), qo_indptr(qo), host_bt, host_sl, True, None,
                      [np.arange(n) for n in qo])
-    ERRORS["synced_tables"] = assert_attention_close(*_rows(got, _indptr(qo), want), dtype,
+    ERRORS["synced_tables"] = assert_attention_close(*_rows(got, qo_indptr(qo), want), dtype,
                                                      "synced_tables")
 
     # CUDA graph: capture a planned call with a caller workspace, poison, replay.
     s = cp.cuda.Stream(non_blocking=True)
     ws = cp.empty(prefill_workspace_elems(plan, d), cp.float32)
-    ip_dev, bt_dev, sl_dev = (cp.asarray(_indptr(qo)), cp.asarray(host_bt),
+    ip_dev, bt_dev, sl_dev = (cp.asarray(qo_indptr(qo)), cp.asarray(host_bt),
                               cp.asarray(host_sl))
     with s:
         paged_attention_prefill(q, pool, 0, ip_dev, bt_dev, sl_dev, out=out, plan=plan,
@@ -365,7 +314,7 @@ def test_prefill_takes_synced_tables_and_torch_and_graph_capture():
     cp.cuda.runtime.deviceSynchronize()
     graph.launch(s)
     s.synchronize()
-    assert_attention_close(*_rows(_host(out, dtype), _indptr(qo), want), dtype, "graph replay")
+    assert_attention_close(*_rows(as_float64(out, dtype), qo_indptr(qo), want), dtype, "graph replay")
 
     torch = pytest.importorskip("torch")
     ts = torch.cuda.Stream()
@@ -375,19 +324,19 @@ def test_prefill_takes_synced_tables_and_torch_and_graph_capture():
                                       torch.as_tensor(bt_dev, device="cuda"),
                                       torch.as_tensor(sl_dev, device="cuda"), stream=ts)
     ts.synchronize()
-    assert_attention_close(*_rows(_host(res, dtype), _indptr(qo), want), dtype, "torch")
+    assert_attention_close(*_rows(as_float64(cp.asarray(res), dtype), qo_indptr(qo), want), dtype, "torch")
 
 
 def test_prefill_rejects_bad_arguments_before_any_launch():
     rng = np.random.default_rng(90)
     d, bs, hq, hkv, dtype = 64, 16, 4, 2, "float16"
-    pool = _new_pool(rng, hkv, d, bs, dtype, 16, 1)
-    other = _new_pool(rng, hkv, d, bs, dtype, 16, 1)
-    q = _elems_dev(rng, (5, hq, d), dtype)
-    ip = cp.asarray(_indptr([5]))
+    pool = cuda_pool(rng, hkv, d, bs, dtype, 16, 1)
+    other = cuda_pool(rng, hkv, d, bs, dtype, 16, 1)
+    q = device_elems(rng, (5, hq, d), dtype)
+    ip = cp.asarray(qo_indptr([5]))
     bt = cp.asarray(np.array([[0, 1, -1]], np.int32))
     sl = cp.asarray(np.array([20], np.int32))
-    out = _poisoned(q.shape, dtype)
+    out = poisoned(q.shape, dtype)
     err = kvpool.InvalidArgumentError
     cases = [
         (dict(seq_lens=cp.asarray(np.array([4], np.int32))), "query tokens but seq_len"),
@@ -400,8 +349,8 @@ def test_prefill_rejects_bad_arguments_before_any_launch():
         (dict(out=cp.zeros((5, hq, d), cp.float32)), "out"),
         (dict(out=cp.zeros((4, hq, d), cp.float16)), "out"),
         (dict(causal=1), "causal"),
-        (dict(plan=prefill_plan(pool, _indptr([4]), np.array([20]), hq)), "plan"),
-        (dict(plan=prefill_plan(pool, _indptr([5]), np.array([20]), hq, causal=False)), "plan"),
+        (dict(plan=prefill_plan(pool, qo_indptr([4]), np.array([20]), hq)), "plan"),
+        (dict(plan=prefill_plan(pool, qo_indptr([5]), np.array([20]), hq, causal=False)), "plan"),
         (dict(plan="plan"), "PrefillPlan"),
     ]
     for change, match in cases:
@@ -422,7 +371,7 @@ def test_prefill_rejects_bad_arguments_before_any_launch():
     bad_d = kvpool.Pool(kvpool.KvLayout(1, 1, 96, 16, dtype), 4, device="cuda")
     with pytest.raises(err, match="no prefill kernel"):
         paged_attention_prefill(cp.zeros((1, 1, 96), cp.float16), bad_d, 0, cp.asarray(
-            _indptr([1])), cp.zeros((1, 1), cp.int32), cp.ones(1, cp.int32))
+            qo_indptr([1])), cp.zeros((1, 1), cp.int32), cp.ones(1, cp.int32))
     # An empty batch is a no-op.
     e = paged_attention_prefill(cp.empty((0, hq, d), cp.float16), pool, 0,
                                 cp.zeros(1, cp.int32), cp.empty((0, 2), cp.int32),

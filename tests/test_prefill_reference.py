@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from attention_inputs import fill_host_pool, qo_indptr, random_elems, shuffled_tables
 
 import kvpool
 from kvpool import reference
@@ -13,31 +14,9 @@ from kvpool.kernels._prefill_plan import choose_rows, head_tile, plan_prefill
 DTYPES = ["float16", "bfloat16"]
 
 
-def _random_elems(rng, shape, dtype):
-    return reference.from_float64(rng.standard_normal(shape), dtype)
-
-
 def _host_pool(rng, hkv, d, bs, dtype, num_blocks=96):
-    pool = kvpool.Pool(kvpool.KvLayout(2, hkv, d, bs, dtype), num_blocks, device="host")
-    for layer in range(2):
-        for view in (pool.k_view(layer), pool.v_view(layer)):
-            view[...] = _random_elems(rng, view.shape, dtype).view(view.dtype)
-    return pool
-
-
-def _tables(rng, seq_lens, bs, num_blocks, extra=2):
-    need = [-(-int(n) // bs) for n in seq_lens]
-    ids = rng.permutation(num_blocks)[: sum(need)]
-    tables = np.full((len(seq_lens), max(need) + extra), -1, dtype=np.int32)
-    at = 0
-    for i, n in enumerate(need):
-        tables[i, :n] = ids[at : at + n]
-        at += n
-    return tables
-
-
-def _indptr(qo_lens):
-    return np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    layout = kvpool.KvLayout(2, hkv, d, bs, dtype)
+    return fill_host_pool(kvpool.Pool(layout, num_blocks, device="host"), rng)
 
 
 def _direct(q64, k_rows, v_rows, scale, causal):
@@ -64,9 +43,9 @@ def test_prefill_matches_direct_attention(dtype, hq, hkv, causal):
     pool = _host_pool(rng, hkv, d, bs, dtype)
     qo_lens = np.array([1, 7, 20, 3], dtype=np.int32)
     seq_lens = np.array([1, 30, 20, 41], dtype=np.int32)  # prefixes 0, 23, 0, 38
-    tables = _tables(rng, seq_lens, bs, pool.num_blocks)
-    indptr = _indptr(qo_lens)
-    q = _random_elems(rng, (int(indptr[-1]), hq, d), dtype)
+    tables = shuffled_tables(rng, seq_lens, bs, pool.num_blocks)
+    indptr = qo_indptr(qo_lens)
+    q = random_elems(rng, (int(indptr[-1]), hq, d), dtype)
     got = paged_attention_prefill(q, pool, 1, indptr, tables, seq_lens, causal=causal, scale=0.2)
     assert got.dtype == q.dtype and got.shape == q.shape
     q64 = reference.to_float64(q, dtype)
@@ -90,14 +69,14 @@ def test_prefill_of_one_query_is_decode(dtype):
     rng = np.random.default_rng(5)
     pool = _host_pool(rng, 2, 64, 16, dtype)
     seq_lens = np.array([1, 17, 64, 100], dtype=np.int32)
-    tables = _tables(rng, seq_lens, 16, pool.num_blocks)
-    q = _random_elems(rng, (4, 8, 64), dtype)
+    tables = shuffled_tables(rng, seq_lens, 16, pool.num_blocks)
+    q = random_elems(rng, (4, 8, 64), dtype)
     want = reference.paged_attention_decode(q, pool.k_view(0), pool.v_view(0), tables, seq_lens,
                                             dtype)
     got = reference.paged_attention_prefill(q, pool.k_view(0), pool.v_view(0),
-                                            _indptr([1, 1, 1, 1]), tables, seq_lens, dtype)
+                                            qo_indptr([1, 1, 1, 1]), tables, seq_lens, dtype)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
-    host = paged_attention_prefill(q, pool, 0, _indptr([1, 1, 1, 1]), tables, seq_lens)
+    host = paged_attention_prefill(q, pool, 0, qo_indptr([1, 1, 1, 1]), tables, seq_lens)
     assert np.array_equal(host, paged_attention_decode(q, pool, 0, tables, seq_lens))
 
 
@@ -107,12 +86,12 @@ def test_chunked_prefill_equals_one_call():
     rng = np.random.default_rng(9)
     pool = _host_pool(rng, 1, 64, 8, "float16")
     n = 37
-    tables = _tables(rng, [n], 8, pool.num_blocks)
-    q = _random_elems(rng, (n, 2, 64), "float16")
-    whole = paged_attention_prefill(q, pool, 0, _indptr([n]), tables, np.array([n], np.int32))
+    tables = shuffled_tables(rng, [n], 8, pool.num_blocks)
+    q = random_elems(rng, (n, 2, 64), "float16")
+    whole = paged_attention_prefill(q, pool, 0, qo_indptr([n]), tables, np.array([n], np.int32))
     at = 0
     for chunk in (10, 16, 11):
-        part = paged_attention_prefill(q[at:at + chunk], pool, 0, _indptr([chunk]), tables,
+        part = paged_attention_prefill(q[at:at + chunk], pool, 0, qo_indptr([chunk]), tables,
                                        np.array([at + chunk], np.int32))
         assert np.array_equal(part, whole[at:at + chunk])
         at += chunk
@@ -123,7 +102,7 @@ def test_empty_context_and_empty_batch():
     pool = _host_pool(rng, 1, 64, 8, "float16")
     tables = np.full((2, 2), -1, np.int32)
     q = np.zeros((0, 2, 64), np.float16)
-    out = paged_attention_prefill(q, pool, 0, _indptr([0, 0]), tables, np.array([0, 0], np.int32))
+    out = paged_attention_prefill(q, pool, 0, qo_indptr([0, 0]), tables, np.array([0, 0], np.int32))
     assert out.shape == (0, 2, 64)
 
 
@@ -133,7 +112,7 @@ def test_prefill_rejects_bad_arguments():
     q = np.zeros((5, 4, 64), np.float16)
     tables = np.array([[1, 2, -1]], np.int32)
     lens = np.array([10], np.int32)
-    ip = _indptr([5])
+    ip = qo_indptr([5])
     paged_attention_prefill(q, pool, 0, ip, tables, lens)  # the good call
     err = kvpool.InvalidArgumentError
     with pytest.raises(err, match="query tokens but seq_len"):
@@ -141,7 +120,7 @@ def test_prefill_rejects_bad_arguments():
     with pytest.raises(err, match="start at 0"):
         paged_attention_prefill(q, pool, 0, np.array([1, 5], np.int32), tables, lens)
     with pytest.raises(err, match="qo_indptr ends"):
-        paged_attention_prefill(q, pool, 0, _indptr([4]), tables, lens)
+        paged_attention_prefill(q, pool, 0, qo_indptr([4]), tables, lens)
     with pytest.raises(err, match=r"qo_indptr must be \[2\]"):
         paged_attention_prefill(q, pool, 0, np.array([0, 2, 5], np.int32), tables, lens)
     with pytest.raises(err, match="multiple"):
@@ -174,7 +153,7 @@ def _covered(plan: PrefillPlan, qo_lens) -> list[tuple[int, int]]:
 def test_plan_covers_every_query_once_longest_first(causal):
     qo_lens = np.array([100, 1, 0, 37, 1], dtype=np.int64)
     seq_lens = np.array([100, 500, 5, 2000, 64], dtype=np.int64)
-    plan = plan_prefill(_indptr(qo_lens), seq_lens, 32, 8, 4, 64, 64, 132, 2, causal=causal)
+    plan = plan_prefill(qo_indptr(qo_lens), seq_lens, 32, 8, 4, 64, 64, 132, 2, causal=causal)
     assert plan.q_tile_tokens == 16 and plan.work.dtype == np.int32
     assert _covered(plan, qo_lens) == sorted(
         (i, t) for i, n in enumerate(qo_lens) for t in range(n))
@@ -185,22 +164,22 @@ def test_plan_covers_every_query_once_longest_first(causal):
 
 
 def test_plan_splits_few_long_tiles_and_not_many():
-    few = plan_prefill(_indptr([4]), np.array([32768]), 32, 8, 4, 64, 64, 132, 2)
+    few = plan_prefill(qo_indptr([4]), np.array([32768]), 32, 8, 4, 64, 64, 132, 2)
     assert few.num_items == 1 and few.num_splits > 1
-    many = plan_prefill(_indptr([4096] * 8), np.array([4096] * 8), 32, 8, 4, 64, 64, 132, 2)
+    many = plan_prefill(qo_indptr([4096] * 8), np.array([4096] * 8), 32, 8, 4, 64, 64, 132, 2)
     assert many.num_splits == 1
-    short = plan_prefill(_indptr([1]), np.array([100]), 32, 8, 4, 64, 64, 132, 2)
+    short = plan_prefill(qo_indptr([1]), np.array([100]), 32, 8, 4, 64, 64, 132, 2)
     assert short.num_splits == 1  # two KV tiles: nothing worth splitting
-    forced = plan_prefill(_indptr([1]), np.array([100]), 32, 8, 4, 64, 64, 132, 2, num_splits=5)
+    forced = plan_prefill(qo_indptr([1]), np.array([100]), 32, 8, 4, 64, 64, 132, 2, num_splits=5)
     assert forced.num_splits == 2  # never more splits than KV tiles
 
 
 def test_narrow_tiles_for_few_queries_per_sequence():
     # GQA-4: 64-row tiles hold 16 tokens, 16-row tiles 4.
-    assert choose_rows(_indptr([4] * 64), 4, 64, 16) == 16  # speculative: 25% of 64 rows used
-    assert choose_rows(_indptr([1] * 8), 1, 64, 16) == 16  # MHA decode
-    assert choose_rows(_indptr([8] * 64), 4, 64, 16) == 16  # 32 of 64 rows: half padding
-    assert choose_rows(_indptr([12] * 64), 4, 64, 16) == 64
-    assert choose_rows(_indptr([4096, 1, 1]), 4, 64, 16) == 64  # a prompt beside decodes
-    assert choose_rows(_indptr([]), 4, 64, 16) == 64
+    assert choose_rows(qo_indptr([4] * 64), 4, 64, 16) == 16  # speculative: 25% of 64 rows used
+    assert choose_rows(qo_indptr([1] * 8), 1, 64, 16) == 16  # MHA decode
+    assert choose_rows(qo_indptr([8] * 64), 4, 64, 16) == 16  # 32 of 64 rows: half padding
+    assert choose_rows(qo_indptr([12] * 64), 4, 64, 16) == 64
+    assert choose_rows(qo_indptr([4096, 1, 1]), 4, 64, 16) == 64  # a prompt beside decodes
+    assert choose_rows(qo_indptr([]), 4, 64, 16) == 64
     assert head_tile(32, 16) == 16 and head_tile(12, 16) == 12 and head_tile(6, 4) == 3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from attention_inputs import fill_host_pool, random_elems, shuffled_tables
 
 import kvpool
 from kvpool import reference
@@ -11,29 +12,6 @@ from kvpool.kernels import _build, append_kv, copy_blocks, paged_attention_decod
 from kvpool.kernels._plan import MAX_SPLITS
 
 DTYPES = ["float16", "bfloat16"]
-
-
-def _random_elems(rng, shape, dtype):
-    return reference.from_float64(rng.standard_normal(shape), dtype)
-
-
-def _fill(pool, rng):
-    lay = pool.layout
-    for layer in range(lay.num_layers):
-        for view in (pool.k_view(layer), pool.v_view(layer)):
-            view[...] = _random_elems(rng, view.shape, lay.dtype).view(view.dtype)
-
-
-def _tables(rng, seq_lens, block_size, num_blocks, extra=2):
-    """Shuffled, disjoint block tables with `extra` unused (-1) columns."""
-    need = [-(-int(n) // block_size) for n in seq_lens]
-    ids = rng.permutation(num_blocks)[: sum(need)]
-    tables = np.full((len(seq_lens), max(need) + extra), -1, dtype=np.int32)
-    at = 0
-    for i, n in enumerate(need):
-        tables[i, :n] = ids[at : at + n]
-        at += n
-    return tables
 
 
 def _direct(q64, k_rows, v_rows, scale):
@@ -64,10 +42,10 @@ def test_decode_matches_direct_attention(dtype, hq, hkv, block_size):
     d = 64
     lay = kvpool.KvLayout(2, hkv, d, block_size, dtype)
     pool = kvpool.Pool(lay, 64, device="host")
-    _fill(pool, rng)
+    fill_host_pool(pool, rng)
     seq_lens = np.array([1, block_size, block_size + 3, 5 * block_size - 1], dtype=np.int32)
-    tables = _tables(rng, seq_lens, block_size, pool.num_blocks)
-    q = _random_elems(rng, (len(seq_lens), hq, d), dtype)
+    tables = shuffled_tables(rng, seq_lens, block_size, pool.num_blocks)
+    q = random_elems(rng, (len(seq_lens), hq, d), dtype)
     scale = 0.3
     got = paged_attention_decode(q, pool, 1, tables, seq_lens, scale=scale)
     assert got.dtype == q.dtype and got.shape == q.shape
@@ -92,8 +70,8 @@ def test_decode_default_scale_and_empty_sequence():
     rng = np.random.default_rng(7)
     lay = kvpool.KvLayout(1, 2, 64, 8, "float16")
     pool = kvpool.Pool(lay, 8, device="host")
-    _fill(pool, rng)
-    q = _random_elems(rng, (2, 2, 64), "float16")
+    fill_host_pool(pool, rng)
+    q = random_elems(rng, (2, 2, 64), "float16")
     tables = np.array([[3, -1], [-1, -1]], dtype=np.int32)
     lens = np.array([8, 0], dtype=np.int32)
     out = np.full_like(q, np.nan)
@@ -126,10 +104,10 @@ def test_append_kv_writes_slots_and_skips_null(dtype):
     rng = np.random.default_rng(11)
     lay = kvpool.KvLayout(3, 2, 64, 16, dtype)
     pool = kvpool.Pool(lay, 4, device="host")
-    _fill(pool, rng)
+    fill_host_pool(pool, rng)
     before = [(pool.k_view(i).copy(), pool.v_view(i).copy()) for i in range(3)]
-    k = _random_elems(rng, (5, 2, 64), dtype)
-    v = _random_elems(rng, (5, 2, 64), dtype)
+    k = random_elems(rng, (5, 2, 64), dtype)
+    v = random_elems(rng, (5, 2, 64), dtype)
     slots = np.array([17, -1, 0, 63, 40], dtype=np.int64)
     append_kv(k, v, pool, 1, slots)
     for layer, (kb, vb) in enumerate(before):
@@ -147,7 +125,7 @@ def test_copy_blocks_all_layers_and_checks():
     rng = np.random.default_rng(3)
     lay = kvpool.KvLayout(2, 2, 64, 8, "float16")
     pool = kvpool.Pool(lay, 6, device="host")
-    _fill(pool, rng)
+    fill_host_pool(pool, rng)
     snap = [(pool.k_view(i).copy(), pool.v_view(i).copy()) for i in range(2)]
     copy_blocks(pool, np.array([[0, 3], [2, 5]]))
     for i, (kb, vb) in enumerate(snap):
@@ -189,7 +167,7 @@ def test_every_supported_decode_shape_maps_to_a_compiled_variant():
 
 def _small_host_pool(dtype):
     pool = kvpool.Pool(kvpool.KvLayout(1, 2, 64, 8, dtype), 8, device="host")
-    _fill(pool, np.random.default_rng(2))
+    fill_host_pool(pool, np.random.default_rng(2))
     return pool
 
 
@@ -211,7 +189,7 @@ def test_host_decode_rejects_q_element_types_the_gpu_rejects(dtype, q_dtype):
                                                 ("bfloat16", np.int16)])
 def test_host_decode_accepts_q_element_types_the_gpu_accepts(dtype, q_dtype):
     pool = _small_host_pool(dtype)
-    q = _random_elems(np.random.default_rng(4), (1, 2, 64), dtype).view(q_dtype)
+    q = random_elems(np.random.default_rng(4), (1, 2, 64), dtype).view(q_dtype)
     tables = np.array([[0, 1]], np.int32)
     lens = np.array([10], np.int32)
     got = paged_attention_decode(q, pool, np.int64(0), tables, lens)

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gpu_fixtures import SPIN_SOURCE
+
 from kvpool import BlockTables, KvLayout, Pool
 
 pytestmark = pytest.mark.gpu
@@ -25,16 +27,7 @@ MAX_SEQS = 64
 MAX_BLOCKS = 32
 SPIN_NS = 50_000_000  # 50 ms: far longer than anything the host does meanwhile
 
-KERNELS = r"""
-extern "C" __global__ void spin(unsigned long long ns) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        __nanosleep(1000);
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < ns);
-}
-
+KERNELS = SPIN_SOURCE + r"""
 extern "C" __global__ void snapshot(const int* __restrict__ src, int* __restrict__ dst, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {

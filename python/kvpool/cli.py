@@ -95,10 +95,11 @@ def _kv_dtype(text: str) -> str:
     """A KV cache dtype by any name the layout accepts (fp8 -> float8_e4m3fn)."""
     try:
         name = kvpool.KvLayout(1, 1, 64, 16, text).dtype
-    except kvpool.KvError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    except kvpool.KvError:
+        name = None
     if name not in KV_DTYPES:
-        raise argparse.ArgumentTypeError(f"--kv-dtype must be one of {KV_DTYPES}, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"must be one of {', '.join(KV_DTYPES)} (fp8 = float8_e4m3fn), got {text!r}")
     return name
 
 
@@ -228,19 +229,20 @@ def check_values(args: argparse.Namespace) -> str | None:
     """Why an option's value does not fit the model and the others (after _fill_defaults), or
     None. Runs before anything is generated or allocated, so a refusal costs nothing."""
     try:
-        kv_memory = parse_bytes(args.kv_memory)
-    except ValueError as e:
-        return f"--kv-memory: {e}"
-    try:
         layout = get_preset(args.model).layout(args.block_size, args.kv_dtype)
     except (ValueError, kvpool.KvError) as e:
         return f"--block-size {args.block_size} does not fit {args.model}: {e}"
     block_bytes = layout.block_bytes
+    allowed = (f"--kv-memory must hold 1 to {kvpool.MAX_NUM_BLOCKS} blocks of {block_bytes} bytes "
+               f"({args.model}, --block-size {args.block_size}), i.e. {block_bytes} to "
+               f"{kvpool.MAX_NUM_BLOCKS * block_bytes} bytes")
+    try:
+        kv_memory = parse_bytes(args.kv_memory)
+    except ValueError as e:
+        return f"{allowed}; {e}"
     num_blocks = kv_memory // block_bytes
     if not 1 <= num_blocks <= kvpool.MAX_NUM_BLOCKS:
-        return (f"--kv-memory must hold 1 to {kvpool.MAX_NUM_BLOCKS} blocks of {block_bytes} bytes "
-                f"({args.model}, --block-size {args.block_size}), i.e. {block_bytes} to "
-                f"{kvpool.MAX_NUM_BLOCKS * block_bytes} bytes; got {kv_memory}")
+        return f"{allowed}; got {kv_memory}"
     max_len = min(num_blocks * args.block_size, INT32_MAX)
     if args.max_model_len > max_len:
         return (f"--max-model-len must be in [2, {max_len}] (one sequence of it must fit in the "
@@ -273,7 +275,11 @@ def _fill_defaults(args: argparse.Namespace) -> None:
 
 def _workload(args: argparse.Namespace) -> tuple[list, dict]:
     if args.trace is not None:
-        return load_trace(args.trace, args.max_model_len), {"kind": "trace", "trace": str(args.trace)}
+        try:
+            requests = load_trace(args.trace, args.max_model_len)
+        except ValueError as e:  # TraceError: the message starts with the file's name
+            raise ValueError(f"--trace {e}") from None
+        return requests, {"kind": "trace", "trace": str(args.trace)}
     requests = generate(
         args.workload, args.num_requests, seed=args.seed, rate=args.rate, arrival=args.arrival,
         burst_size=args.burst_size, max_model_len=args.max_model_len,

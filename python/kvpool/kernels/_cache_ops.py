@@ -61,11 +61,6 @@ class _CopyArgs(ctypes.Structure):
     _fields_ = [("base", _u64), ("pairs", _u64), ("block_stride", _i64), ("block_bytes", _i64)]
 
 
-@functools.cache
-def _kernel(name: str, device_id: int) -> Kernel:
-    return Kernel(_build.plain_module(name), name, device_id)
-
-
 def append_kv(
     k: Any, v: Any, pool: Any, layer: int, slot_mapping: Any, *, stream: Any = None,
     scales: KvScales | None = None,
@@ -90,22 +85,14 @@ def append_kv(
         raise InvalidArgumentError(f"scales are for fp8 pools; this pool holds {layout.dtype}")
     row = (layout.num_kv_heads, layout.head_dim)
     if not pool_is_cuda(pool):
-        if hasattr(k, "__cuda_array_interface__") or hasattr(v, "__cuda_array_interface__"):
-            raise InvalidArgumentError("k/v are device arrays but the pool is on the host")
-        k, v, slots = np.asarray(k), np.asarray(v), np.asarray(slot_mapping)
-        _check_kv_shapes(k.shape, v.shape, slots.shape, row)
-        if slots.dtype != np.int64:
-            raise InvalidArgumentError("slot_mapping must be int64")
+        k, v, slots = _host_inputs(k, v, slot_mapping, row)
         for name, a in (("k", k), ("v", v)):  # the element types the CUDA path accepts
             if not elem_ok(a.dtype.kind, a.itemsize, layout.dtype, layout.elem_bytes):
                 raise InvalidArgumentError(f"{name} has dtype {a.dtype}; the pool's is {layout.dtype}")
         kc, vc = pool.k_view(layer), pool.v_view(layer)
         reference.append_kv(k.view(kc.dtype), v.view(vc.dtype), kc, vc, slots)
         return
-    kv, vv, sv = view(k, "k"), view(v, "v"), view(slot_mapping, "slot_mapping")
-    ka, va, sa = dev(kv, "k"), dev(vv, "v"), dev(sv, "slot_mapping")
-    _check_kv_shapes(ka.shape, va.shape, sa.shape, row)
-    check_int_array(sa, "slot_mapping", 8, 1)
+    (kv, vv, sv), (ka, va, sa) = _device_inputs(k, v, slot_mapping, row)
     st = layout.strides()
     row_bytes = layout.head_dim * layout.elem_bytes
     for name, a in (("k", ka), ("v", va)):
@@ -122,9 +109,7 @@ def append_kv(
     n = ka.shape[0]
     if n == 0:
         return
-    device_id = device_index(pool)
-    for name, a in (("k", ka), ("v", va), ("slot_mapping", sa)):
-        check_ptr(a.ptr, name, device_id)
+    device_id = _on_pool_device(pool, ka, va, sa)
     k_base = pool.base_ptr + layer * st["layer"]
     args = _AppendArgs(
         ka.ptr, ka.strides[0] * ka.itemsize, ka.strides[1] * ka.itemsize,
@@ -138,7 +123,8 @@ def append_kv(
     with cupy.cuda.Device(device_id):
         sp = stream_handle(stream)  # None: the pool device's current stream
         wait_producers(sp, device_id, kv, vv, sv)
-        launch(_kernel("append_kv", device_id), (n, 1, 1), 128, 0, sp, param_block(args))
+        launch(_kernel("append_kv", "append_kv", device_id), (n, 1, 1), 128, 0, sp,
+               param_block(args))
 
 
 def _append_fp8(k, v, pool, layer, slot_mapping, stream, scales) -> None:
@@ -148,12 +134,7 @@ def _append_fp8(k, v, pool, layer, slot_mapping, stream, scales) -> None:
             f"append_kv into a {layout.dtype} pool needs scales=KvScales(pool) of this pool")
     row = (layout.num_kv_heads, layout.head_dim)
     if not pool_is_cuda(pool):
-        if hasattr(k, "__cuda_array_interface__") or hasattr(v, "__cuda_array_interface__"):
-            raise InvalidArgumentError("k/v are device arrays but the pool is on the host")
-        k, v, slots = np.asarray(k), np.asarray(v), np.asarray(slot_mapping)
-        _check_kv_shapes(k.shape, v.shape, slots.shape, row)
-        if slots.dtype != np.int64:
-            raise InvalidArgumentError("slot_mapping must be int64")
+        k, v, slots = _host_inputs(k, v, slot_mapping, row)
         in_dtype = _fp8_input_dtype(k.dtype.kind, k.itemsize, v.dtype.kind, v.itemsize,
                                     layout.dtype)
         if scales.auto_calibrate:
@@ -163,10 +144,7 @@ def _append_fp8(k, v, pool, layer, slot_mapping, stream, scales) -> None:
         reference.append_kv(reference.quantize_kv(k, in_dtype, ks, layout.dtype),
                             reference.quantize_kv(v, in_dtype, vs, layout.dtype), kc, vc, slots)
         return
-    kv, vv, sv = view(k, "k"), view(v, "v"), view(slot_mapping, "slot_mapping")
-    ka, va, sa = dev(kv, "k"), dev(vv, "v"), dev(sv, "slot_mapping")
-    _check_kv_shapes(ka.shape, va.shape, sa.shape, row)
-    check_int_array(sa, "slot_mapping", 8, 1)
+    (kv, vv, sv), (ka, va, sa) = _device_inputs(k, v, slot_mapping, row)
     in_dtype = _fp8_input_dtype(ka.kind, ka.itemsize, va.kind, va.itemsize, layout.dtype)
     for name, a in (("k", ka), ("v", va)):
         if a.strides[2] != 1 or a.ptr % 16 or (a.strides[0] * 2) % 16 or (a.strides[1] * 2) % 16:
@@ -177,9 +155,7 @@ def _append_fp8(k, v, pool, layer, slot_mapping, stream, scales) -> None:
     n = ka.shape[0]
     if n == 0:
         return
-    device_id = device_index(pool)
-    for name, a in (("k", ka), ("v", va), ("slot_mapping", sa)):
-        check_ptr(a.ptr, name, device_id)
+    device_id = _on_pool_device(pool, ka, va, sa)
     import cupy
 
     with cupy.cuda.Device(device_id):
@@ -198,7 +174,7 @@ def _append_fp8(k, v, pool, layer, slot_mapping, stream, scales) -> None:
             int(in_dtype == "bfloat16"), _build.FP8_DTYPES[layout.dtype],
         )
         wait_producers(sp, device_id, kv, vv, sv)
-        launch(_kernel_in("append_kv", "append_kv_fp8", device_id), (n, 1, 1), 128, 0, sp,
+        launch(_kernel("append_kv", "append_kv_fp8", device_id), (n, 1, 1), 128, 0, sp,
                param_block(args))
 
 
@@ -215,8 +191,39 @@ def _fp8_input_dtype(k_kind: str, k_size: int, v_kind: str, v_size: int, pool_dt
 
 
 @functools.cache
-def _kernel_in(module: str, name: str, device_id: int) -> Kernel:
+def _kernel(module: str, name: str, device_id: int) -> Kernel:
     return Kernel(_build.plain_module(module), name, device_id)
+
+
+def _host_inputs(k: Any, v: Any, slot_mapping: Any,
+                 row: tuple[int, int]) -> tuple[np.ndarray, ...]:
+    """k, v and slot_mapping for a host pool, as NumPy arrays of the right shapes (int64 slots)."""
+    if hasattr(k, "__cuda_array_interface__") or hasattr(v, "__cuda_array_interface__"):
+        raise InvalidArgumentError("k/v are device arrays but the pool is on the host")
+    k, v, slots = np.asarray(k), np.asarray(v), np.asarray(slot_mapping)
+    _check_kv_shapes(k.shape, v.shape, slots.shape, row)
+    if slots.dtype != np.int64:
+        raise InvalidArgumentError("slot_mapping must be int64")
+    return k, v, slots
+
+
+def _device_inputs(k: Any, v: Any, slot_mapping: Any,
+                   row: tuple[int, int]) -> tuple[tuple, tuple]:
+    """(views, device arrays) of k, v and slot_mapping for a CUDA pool, shapes checked (int64
+    slots); the views carry the producers' streams, for wait_producers."""
+    views = view(k, "k"), view(v, "v"), view(slot_mapping, "slot_mapping")
+    ka, va, sa = (dev(a, name) for a, name in zip(views, ("k", "v", "slot_mapping")))
+    _check_kv_shapes(ka.shape, va.shape, sa.shape, row)
+    check_int_array(sa, "slot_mapping", 8, 1)
+    return views, (ka, va, sa)
+
+
+def _on_pool_device(pool: Any, ka: Any, va: Any, sa: Any) -> int:
+    """The pool's device, after checking that k, v and slot_mapping live on it."""
+    device_id = device_index(pool)
+    for name, a in (("k", ka), ("v", va), ("slot_mapping", sa)):
+        check_ptr(a.ptr, name, device_id)
+    return device_id
 
 
 def _check_kv_shapes(k_shape, v_shape, s_shape, row) -> None:
@@ -268,5 +275,5 @@ def copy_blocks(pool: Any, pairs: Any, *, stream: Any = None) -> None:
         with cupy_stream(sp):  # the upload of the pairs is ordered before the copy kernel
             dev_pairs = cupy.asarray(pairs)
         args = _CopyArgs(pool.base_ptr, dev_pairs.data.ptr, st["block"], layout.block_bytes)
-        launch(_kernel("copy_blocks", device_id), (len(pairs), chunks, 1), 256, 0, sp,
-               param_block(args))
+        launch(_kernel("copy_blocks", "copy_blocks", device_id), (len(pairs), chunks, 1), 256,
+               0, sp, param_block(args))

@@ -107,7 +107,7 @@ pub fn out_of_blocks_beyond_any_count(
 ) -> PyErr {
     let shown = requested.bind(py).str().map(|s| s.to_string()).unwrap_or_default();
     let err = OutOfBlocksError::new_err(format!(
-        "out of blocks: requested {shown}, but only {free} of {num_blocks} are free (a request past 64 bits can never be met)"
+        "out of blocks: requested {shown}, but only {free} of {num_blocks} are free (a request past 2**63 - 1 blocks can never be met)"
     ));
     let value = err.value(py);
     let _ = value.setattr("requested", requested);

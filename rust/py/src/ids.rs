@@ -127,7 +127,11 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Int {
 /// A non-negative count of blocks (or tokens, or layers) that fits the machine's words.
 pub fn count(value: Int, what: &str) -> Result<usize, CoreError> {
     if value.too_large().is_some() {
-        return Err(CoreError::InvalidArgument(format!("{what} {} is out of range (past 64 bits)", value.shown())));
+        return Err(CoreError::InvalidArgument(format!(
+            "{what} {} is out of range (at most {})",
+            value.shown(),
+            i64::MAX
+        )));
     }
     usize::try_from(value.value)
         .map_err(|_| CoreError::InvalidArgument(format!("{what} must be >= 0, got {}", value.shown())))
@@ -138,7 +142,7 @@ pub fn count(value: Int, what: &str) -> Result<usize, CoreError> {
 pub fn tokens(value: Int, what: &str) -> PyResult<usize> {
     if value.too_large().is_some() {
         return Err(crate::errors::CapacityError::new_err(format!(
-            "capacity exceeded: {what} {} does not fit 64 bits (a request holds at most {} tokens)",
+            "capacity exceeded: {what} {} is past any count (a request holds at most {} tokens)",
             value.shown(),
             i32::MAX
         )));

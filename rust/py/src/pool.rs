@@ -334,9 +334,10 @@ impl PyPool {
     }
 
     /// Prefix-cache counters (queries and hits in tokens, as vLLM counts them) and gauges.
-    fn prefix_cache_stats<'py>(&self, py: Python<'py>) -> KvResult<Bound<'py, PyDict>> {
+    /// A failure to build the dict (a MemoryError) is raised as it is.
+    fn prefix_cache_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.prefix_cache().map(|c| c.stats()).unwrap_or_default();
-        crate::prefix::stats_dict(py, &s).map_err(|e| CoreError::InvalidArgument(format!("building stats: {e}")).into())
+        crate::prefix::stats_dict(py, &s)
     }
 
     /// Drops every cached block nobody references back to the free list (after a weight
