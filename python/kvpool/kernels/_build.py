@@ -146,6 +146,20 @@ class DecodeVariant:
         )
 
 
+def fp8_row_bytes(dp: int) -> tuple[int, int]:
+    """Shared-memory bytes of one fp8 K row and one V row (mirrors K_ROW / V_ROW in
+    fp8_fragments.cuh: the lane's unit widths set the padding that keeps loads conflict-free)."""
+    ksteps = dp // 16
+    k_vw = 16 if ksteps % 4 == 0 else 8 if ksteps % 2 == 0 else 4
+    k_row = dp
+    while k_row % (8 * k_vw) != 4 * k_vw:
+        k_row += 16
+    v_row = dp
+    while v_row % 64 != 16:
+        v_row += 16
+    return k_row, v_row
+
+
 def tc_head_tile(group: int, dp: int, fp8: bool = False) -> int:
     """Query heads per tensor-core decode CTA: the group cut into the fewest tiles of at most
     16 heads (8 for DP > TC_NH2_MAX_DP, or FP8_NH2_MAX_DP over an fp8 cache), as even as
@@ -183,8 +197,10 @@ class TcVariant:
 
     @property
     def stage_bytes(self) -> int:
-        """One warp's K+V stage (mirrors STAGE_BYTES: fp8 rows are dp bytes, unpadded)."""
-        return 2 * TC_TILE * (self.dp if self.fp8 else self.smem_row_bytes)
+        """One warp's K+V stage (mirrors STAGE_BYTES; fp8 rows: K_ROW and V_ROW)."""
+        if self.fp8:
+            return TC_TILE * sum(fp8_row_bytes(self.dp))
+        return 2 * TC_TILE * self.smem_row_bytes
 
     @property
     def stages(self) -> int:
@@ -202,10 +218,7 @@ class TcVariant:
     def dynamic_smem_bytes(self) -> int:
         """Per-warp K+V tile stages (mirrors the .cu); the warp merge area and the fused
         merge's weights fit inside (static_assert there)."""
-        warp = self.stages * self.stage_bytes
-        if self.fp8:
-            warp += 2 * TC_TILE * self.smem_row_bytes  # the fp16 K/V tile (WARP_SMEM)
-        stage = warp * TC_WARPS
+        stage = self.stages * self.stage_bytes * TC_WARPS
         merge = 4 * TC_WARPS * 16 * (self.dp + 2)
         return max(stage, merge, 4 * MAX_SPLITS * 16)
 
