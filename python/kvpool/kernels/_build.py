@@ -24,7 +24,7 @@ DTYPES = ("float16", "bfloat16")
 # of 16 in 32..256 (16-byte fp8 chunks).
 FP8_DTYPES = {"float8_e4m3fn": 1, "float8_e5m2": 2}
 FP8_HEAD_DIMS = tuple(range(32, 257, 16))
-FP8_NH2_MAX_DP = 128  # the fp16 staging tile's registers: 16-head tiles spill beyond (sm_90)
+FP8_NH2_MAX_DP = 128  # 16-head fp8 tiles: DP 192 needs 255 registers, DP 256 spills (sm_90)
 
 # Tensor-core decode (paged_decode_tc.cu): the default path, and the supported set of the public
 # entry point. head_dim is any multiple of 8 in 32..256 (compiled per padded width DP, a multiple
