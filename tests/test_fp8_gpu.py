@@ -165,6 +165,19 @@ def test_shapes(d, bs, hq, hkv):
     case.check("forced splits", num_splits=3, max_seq_len=300)
 
 
+@pytest.mark.parametrize(("dtype", "q_dtype", "d", "hq", "hkv"), [
+    ("float8_e5m2", "float16", 48, 16, 1), ("float8_e5m2", "bfloat16", 96, 8, 2),
+    ("float8_e5m2", "float16", 256, 8, 1), ("float8_e4m3fn", "bfloat16", 80, 12, 2),
+    ("float8_e4m3fn", "float16", 64, 16, 1)])
+def test_fragment_widths(dtype, q_dtype, d, hq, hkv):
+    """Each lane's K/V unit width (4/8/16 bytes for K, 2/4/8/16 for V, set by the head width)
+    for both formats and query types, 8- and 16-head tiles."""
+    case = Fp8Case([d, hq, len(dtype), len(q_dtype)], dtype, q_dtype, d, 16, hq, hkv,
+                   [1, 33, 250], "head")
+    case.check(f"{dtype} q={q_dtype} d={d} hq={hq} hkv={hkv}")
+    case.check("forced splits", num_splits=3, max_seq_len=250)
+
+
 def test_set_scales_and_saturation():
     """Calibrated-by-hand scales too small for the data: values saturate, still bit-exact."""
     case = Fp8Case(5, "float8_e4m3fn", "bfloat16", 64, 16, 8, 2, [40, 3], calibrate=False,
