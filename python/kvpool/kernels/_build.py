@@ -298,12 +298,14 @@ PREFILL_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 @dataclass(frozen=True)
 class PrefillVariant:
-    """A compiled prefill module (the query-head tile and causality are run-time arguments)."""
+    """A compiled prefill module (the query-head tile and causality are run-time arguments).
+    An fp8 cache dtype also names the query dtype `q_dtype` (float16 or bfloat16)."""
 
     dtype: str
     head_dim: int
     block_size: int
     warps: int = PREFILL_WIDE_WARPS
+    q_dtype: str | None = None
 
     source = "paged_prefill.cu"
     kernel = "paged_prefill"
@@ -335,7 +337,9 @@ class PrefillVariant:
         return max(1, min(cap, (227 * 1024) // (self.dynamic_smem_bytes + 1024)))
 
     def options(self) -> tuple[str, ...]:
-        return COMMON_OPTIONS + (
+        fp8 = FP8_DTYPES.get(self.dtype, 0)
+        fp8_opts = (f"-DKV_FP8={fp8}", f"-DQ_BF16={int(self.q_dtype == 'bfloat16')}")
+        return COMMON_OPTIONS + (fp8_opts if fp8 else ()) + (
             f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
             f"-DHEAD_DIM={self.head_dim}",
             f"-DBLOCK_SIZE={self.block_size}",
@@ -352,7 +356,11 @@ def prefill_variants() -> list[PrefillVariant]:
             for bs in BLOCK_SIZES for w in (PREFILL_WIDE_WARPS, PREFILL_NARROW_WARPS)]
     edges = [PrefillVariant("float16", 128, bs) for bs in (PREFILL_BLOCK_SIZES[0],
                                                            PREFILL_BLOCK_SIZES[-1])]
-    return main + edges
+    fp8 = [PrefillVariant("float8_e4m3fn", hd, 16, w, "float16") for hd in HEAD_DIMS
+           for w in (PREFILL_WIDE_WARPS, PREFILL_NARROW_WARPS)]
+    fp8 += [PrefillVariant(dt, 128, 16, PREFILL_WIDE_WARPS, q) for dt, q in (
+        ("float8_e4m3fn", "bfloat16"), ("float8_e5m2", "float16"), ("float8_e5m2", "bfloat16"))]
+    return main + edges + fp8
 
 
 def _label(v: DecodeVariant | TcVariant) -> str:
@@ -366,7 +374,8 @@ def all_sources() -> list[tuple[str, str, tuple[str, ...]]]:
     """(label, source, options) for every module the CI compile test builds."""
     out = [(_label(v), read_source(v.source), v.options()) for v in decode_variants()]
     out += [
-        (f"{v.kernel}[{v.dtype},{v.head_dim},{v.block_size},w{v.warps}]", read_source(v.source),
+        (f"{v.kernel}[{v.dtype}{',q=' + v.q_dtype if v.q_dtype else ''},{v.head_dim},"
+         f"{v.block_size},w{v.warps}]", read_source(v.source),
          v.options())
         for v in prefill_variants()
     ]
