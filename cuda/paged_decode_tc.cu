@@ -33,14 +33,15 @@
 // replays) without a memset. The counters must be zero before the first launch.
 //
 // FP8 caches (KV_FP8 = 1: float8_e4m3fn, 2: float8_e5m2; the host compiles them with KV_BF16 = 0
-// and Q_BF16 = the query dtype): the cp.async stages hold fp8 rows (DP bytes, half the bytes of
-// a 16-bit tile, unswizzled); after a tile lands, each lane converts its 16-byte pieces to fp16
-// by integer ops (e4m3 -> the fp16 bits of value / 256, exact; e5m2 -> exactly the high byte of
-// an fp16) into one per-warp fp16 tile with the 16-bit layout, and the ldmatrix / mma path
-// below is unchanged, in fp16. The fp8 scales (per tensor or per KV head: this CTA's KV head)
-// fold into the softmax scale (K) and into the output (V), with the 256 of e4m3. bfloat16
-// queries are converted to fp16 in registers (exact for |q| in fp16's normal range, 6.1e-5 ..
-// 65504). Needs head_dim % 16 == 0 (16-byte fp8 chunks; the host refuses other head dims).
+// and Q_BF16 = the query dtype): the cp.async stages hold the fp8 rows as they are in the cache
+// (half the bytes of a 16-bit tile; rows padded, not swizzled); no ldmatrix and no fp16 copy of
+// the tile: each lane reads its own fragment bytes with vector shared loads and converts fp8
+// pairs to f16x2 in registers right before the mma (fp8_fragments.cuh: the dim permutation
+// that makes a lane's bytes contiguous, for Q/K and for V/O). The mma runs in fp16. The fp8
+// scales (per tensor or per KV head: this CTA's KV head) fold into the softmax scale (K) and
+// into the output (V). bfloat16 queries are converted to fp16 in registers (exact for |q| in
+// fp16's normal range, 6.1e-5 .. 65504). Needs head_dim % 16 == 0 (16-byte fp8 chunks; the
+// host refuses other head dims).
 //
 // Compile-time constants (NVRTC -D): KV_BF16, DP (16..256, multiple of 16), NH (1: gq <= 8,
 // 2: gq <= 16), NWARPS, STAGES (2..4), MAX_SPLITS (the most splits the host plans: the fused
@@ -67,18 +68,17 @@
 #define ROWB (SCH * 16)                           // shared-memory bytes per row
 #define TILE_BYTES (TILE * ROWB)                  // one K or V tile
 #define PPL (TILE * CH / 32)                      // 16-byte pieces per lane per K (or V) tile
+#define KSTEPS (DP / 16)
 #if KV_FP8
+#include "fp8_fragments.cuh"
 #define CH8 (DP / 16)                             // 16-byte fp8 chunks per row
-#define TILE8_BYTES (TILE * DP)                   // one fp8 K or V tile (rows unpadded)
 #define PPL8 ((TILE * CH8 + 31) / 32)             // fp8 pieces per lane per K (or V) tile
-#define STAGE_BYTES (2 * TILE8_BYTES)
-#define WARP_SMEM (STAGES * STAGE_BYTES + 2 * TILE_BYTES)  // stages + the fp16 K/V tile
-#define FP8_F16_SCALE (KV_FP8 == 1 ? 256.f : 1.f)  // fp16 of an e4m3 code = its value / 256
+#define K8_TILE_BYTES (TILE * K_ROW)              // one fp8 K tile (padded rows)
+#define STAGE_BYTES (K8_TILE_BYTES + TILE * V_ROW)  // ... and the V tile after it
 #else
 #define STAGE_BYTES (2 * TILE_BYTES)
-#define WARP_SMEM (STAGES * STAGE_BYTES)
 #endif
-#define KSTEPS (DP / 16)
+#define WARP_SMEM (STAGES * STAGE_BYTES)
 #define NTHREADS (NWARPS * 32)
 #define FULL 0xffffffffu
 
@@ -98,36 +98,6 @@ __device__ __forceinline__ float ld_cg(const float* p) {
     return r;
 }
 
-#if KV_FP8
-// Four fp8 codes (byte i = element i) -> fp16 pairs: lo = elements (0, 1), hi = (2, 3). Each code
-// goes to the high byte of a 16-bit half (byte_perm), which for e5m2 is its fp16 already; for
-// e4m3 the sign stays and exponent + mantissa move right by one bit, giving value / 256 exactly
-// (subnormals too). An e4m3 NaN code (never written by append_kv) would read as 480.
-__device__ __forceinline__ void fp8x4_to_f16x4(u32 w, u32& lo, u32& hi) {
-    lo = __byte_perm(w, 0u, 0x1404);
-    hi = __byte_perm(w, 0u, 0x3424);
-#if KV_FP8 == 1
-    lo = (lo & 0x80008000u) | ((lo >> 1) & 0x3f803f80u);
-    hi = (hi & 0x80008000u) | ((hi >> 1) & 0x3f803f80u);
-#endif
-}
-
-__device__ __forceinline__ uint4 lds128(unsigned addr) {
-    uint4 r;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr) : "memory");
-    return r;
-}
-
-__device__ __forceinline__ void sts128(unsigned addr, u32 a, u32 b, u32 c, u32 d) {
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
-                 :: "r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
-}
-
-// 16 fp8 codes (one staged chunk: columns 16c..16c+15) -> fp16 chunks 2c and 2c+1 of `row`.
-__device__ __forceinline__ void convert_chunk(unsigned dst_tile, int row, int c, uint4 x);
-#endif
-
 // Q's 16-bit pairs as the mma's operand type: over an fp8 cache with bfloat16 queries, the pair
 // converted to fp16 (the mma runs in fp16 there).
 __device__ __forceinline__ u32 q_operand(u32 x) {
@@ -145,18 +115,6 @@ __device__ __forceinline__ unsigned swz(int row, int chunk) {
     if (CH % 8 == 0) return (unsigned)(row * ROWB + ((chunk ^ (row & 7)) << 4));
     return (unsigned)(row * ROWB + (chunk << 4));
 }
-
-#if KV_FP8
-__device__ __forceinline__ void convert_chunk(unsigned dst_tile, int row, int c, uint4 x) {
-    u32 a0, a1, b0, b1, c0, c1, d0, d1;
-    fp8x4_to_f16x4(x.x, a0, a1);
-    fp8x4_to_f16x4(x.y, b0, b1);
-    fp8x4_to_f16x4(x.z, c0, c1);
-    fp8x4_to_f16x4(x.w, d0, d1);
-    sts128(dst_tile + swz(row, 2 * c), a0, a1, b0, b1);
-    sts128(dst_tile + swz(row, 2 * c + 1), c0, c1, d0, d1);
-}
-#endif
 
 extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
     const u16* __restrict__ q, i64 q_seq_stride, i64 q_head_stride,
@@ -209,6 +167,22 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
         const bool r0 = gid < gq_here, r1 = gid + 8 < gq_here;
         const u16* p0 = q_seq + (i64)(qh0 + gid) * q_head_stride + tig * 2;
         const u16* p1 = q_seq + (i64)(qh0 + gid + 8) * q_head_stride + tig * 2;
+#if KV_FP8
+        // fp8_fragments.cuh's dims: k-step kk takes dims k_dim .. k_dim + 3 (a0/a1: the first
+        // pair, a2/a3: the second). head_dim is a multiple of 16: one test per k-step.
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+            const int c = k_dim(kk, tig);
+            const bool in = c < head_dim;
+            qa[kk][0] = (r0 && in) ? q_operand(*reinterpret_cast<const u32*>(p0 - tig * 2 + c)) : 0u;
+            qa[kk][2] =
+                (r0 && in) ? q_operand(*reinterpret_cast<const u32*>(p0 - tig * 2 + c + 2)) : 0u;
+            qa[kk][1] =
+                (NH == 2 && r1 && in) ? q_operand(*reinterpret_cast<const u32*>(p1 - tig * 2 + c)) : 0u;
+            qa[kk][3] = (NH == 2 && r1 && in)
+                            ? q_operand(*reinterpret_cast<const u32*>(p1 - tig * 2 + c + 2)) : 0u;
+        }
+#else
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
             const bool c0 = kk * 16 + tig * 2 < head_dim, c1 = kk * 16 + 8 + tig * 2 < head_dim;
@@ -224,6 +198,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
                 qa[kk][1] = qa[kk][3] = 0u;
             }
         }
+#endif
     }
 
     float m[NH], l[NH];
@@ -273,9 +248,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
                     const bool ok = ((mask >> row) & 1u) && c < (head_dim >> 4);
                     const i64 off = (i64)b * block_stride +
                                     (i64)((t0 + row) & bs_mask) * token_stride + c * 16;
-                    const unsigned dst = sk + (unsigned)(p * 16);  // row-major: row * DP + 16c
-                    cp_async16(dst, ok ? k_head + off : k_head, ok);
-                    cp_async16(dst + TILE8_BYTES, ok ? v_head + off : v_head, ok);
+                    const unsigned dk = sk + (unsigned)(row * K_ROW + c * 16);
+                    const unsigned dv = sk + (unsigned)(K8_TILE_BYTES + row * V_ROW + c * 16);
+                    cp_async16(dk, ok ? k_head + off : k_head, ok);
+                    cp_async16(dv, ok ? v_head + off : v_head, ok);
                 }
             }
 #else
@@ -315,26 +291,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
         __syncwarp();                 // ... and every other lane's
         const int stage = it % STAGES;
 #if KV_FP8
-        // This warp's fp16 tile (the __syncwarp at the top of the loop ordered the previous
-        // tile's ldmatrix reads of it before these stores).
-        const unsigned sk = warp_smem + (unsigned)(STAGES * STAGE_BYTES);
-        {
-            const unsigned st8 = warp_smem + (unsigned)(stage * STAGE_BYTES);
-#pragma unroll
-            for (int i = 0; i < PPL8; ++i) {
-                const int p = i * 32 + lane;
-                if (p < TILE * CH8) {
-                    convert_chunk(sk, p / CH8, p % CH8, lds128(st8 + p * 16));
-                    convert_chunk(sk + TILE_BYTES, p / CH8, p % CH8,
-                                  lds128(st8 + TILE8_BYTES + p * 16));
-                }
-            }
-            __syncwarp();  // the fp16 tile is complete for every lane's ldmatrix
-        }
+        // This lane's fragment bytes of the stage (fp8_fragments.cuh): K rows gid, 8 + gid;
+        // V rows 2tig, 2tig+1, 2tig+8, 2tig+9.
+        const unsigned char* k8 = smem + warp * WARP_SMEM + stage * STAGE_BYTES;
+        const unsigned char* v8 = k8 + K8_TILE_BYTES;
 #else
         const unsigned sk = warp_smem + (unsigned)(stage * STAGE_BYTES);
-#endif
         const unsigned sv = sk + TILE_BYTES;
+#endif
         const unsigned rows = (unsigned)(rowbits >> (16 * stage)) & 0xffffu;
 
         // S = Q K^T: s[n-tile][c]: c0,c1 head gid, tokens nt*8+2*tig+{0,1}; c2,c3 head gid+8.
@@ -343,6 +307,23 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) s[nt][i] = 0.f;
+#if KV_FP8
+#pragma unroll
+        for (int j = 0; j < K_UNITS; ++j) {
+            u32 w[2][K_VW / 4];  // [n-tile] this lane's unit 4j + tig of token rows gid, 8 + gid
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+                lds_unit<K_VW>(k8 + (nt * 8 + gid) * K_ROW + (4 * j + tig) * K_VW, w[nt]);
+#pragma unroll
+            for (int e = 0; e < K_KPU; ++e) {
+                const int kk = j * K_KPU + e;
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt)
+                    mma16816(s[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3],
+                             f16x2_of_fp8x2(w[nt][e]), f16x2_of_fp8x2(w[nt][e] >> 16));
+            }
+        }
+#else
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
             u32 kb[4];
@@ -350,6 +331,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
             mma16816(s[0], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], kb[0], kb[1]);
             mma16816(s[1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], kb[2], kb[3]);
         }
+#endif
 
         // Online softmax per head row (h = 0: head gid, h = 1: head gid + 8).
         bool valid[2][2];
@@ -403,6 +385,28 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
         }
 
         // O^T += V^T P^T.
+#if KV_FP8
+#pragma unroll
+        for (int u = 0; u < V_UNITS; ++u) {
+            u32 w[4][V_WORDS];  // token rows 2tig, 2tig+1, 2tig+8, 2tig+9: unit 8u + gid
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                lds_unit<V_VW>(v8 + (2 * tig + (r & 1) + (r >> 1) * 8) * V_ROW + (8 * u + gid) * V_VW,
+                               w[r]);
+#pragma unroll
+            for (int e = 0; e < V_DPU; ++e) {
+                // Bytes 2e (A row gid) and 2e+1 (row gid + 8) of the unit, two tokens per half.
+                const u32 sel = (e & 1) ? 0x7362u : 0x5140u;
+                const u32 lo = __byte_perm(w[0][e / 2], w[1][e / 2], sel);  // tokens 2tig, +1
+                const u32 hi = __byte_perm(w[2][e / 2], w[3][e / 2], sel);  // tokens 2tig+8, +9
+                const u32 va0 = f16x2_of_fp8x2(lo), va1 = f16x2_of_fp8x2(lo >> 16);
+                const u32 va2 = f16x2_of_fp8x2(hi), va3 = f16x2_of_fp8x2(hi >> 16);
+#pragma unroll
+                for (int h = 0; h < NH; ++h)
+                    mma16816(o[u * V_DPU + e][h], va0, va1, va2, va3, pb[h][0], pb[h][1]);
+            }
+        }
+#else
 #pragma unroll
         for (int dd = 0; dd < KSTEPS; ++dd) {
             u32 va[4];
@@ -411,6 +415,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
             for (int h = 0; h < NH; ++h)
                 mma16816(o[dd][h], va[0], va[1], va[2], va[3], pb[h][0], pb[h][1]);
         }
+#endif
     }
     cp_async_wait<0>();
     __syncthreads();  // the stage buffer becomes the merge area
@@ -432,11 +437,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
         const int hd0 = h * 8 + 2 * tig;
 #pragma unroll
         for (int dd = 0; dd < KSTEPS; ++dd) {
+#if KV_FP8
+            float* row0 = s_acc + (warp * 16 + hd0) * DP + v_dim(dd, 0, gid);
+            const int half = v_dim(dd, 1, gid) - v_dim(dd, 0, gid);
+#else
             float* row0 = s_acc + (warp * 16 + hd0) * DP + dd * 16 + gid;
+            const int half = 8;
+#endif
             row0[0] = o[dd][h][0];
             row0[DP] = o[dd][h][1];
-            row0[8] = o[dd][h][2];
-            row0[DP + 8] = o[dd][h][3];
+            row0[half] = o[dd][h][2];
+            row0[DP + half] = o[dd][h][3];
         }
     }
     __syncthreads();

@@ -22,15 +22,32 @@
 // With gridDim.z > 1 each CTA covers one contiguous run of KV tiles and writes fp32 partials
 // (O, log2-sum-exp) that merge_prefill_splits combines.
 //
+// FP8 caches (KV_FP8 = 1: float8_e4m3fn, 2: float8_e5m2; compiled with KV_BF16 = 0 and Q_BF16 =
+// the query dtype): each thread loads its 8 fp8 bytes of a K/V row straight from global memory
+// and stores them converted to fp16 into the same swizzled tile the 16-bit path fills by
+// cp.async, so everything after the loads is the fp16 path (the simplest correct form; the
+// loads are synchronous). bfloat16 queries are converted to fp16 after ldmatrix; the scales
+// fold into the softmax scale (K) and the output (V), per tensor or per KV head.
+//
 // Compile-time constants (NVRTC -D): KV_BF16, HEAD_DIM (64|128|256), BLOCK_SIZE (power of two),
-// NWARPS, BN (KV tile tokens, multiple of 16), STAGES.
+// NWARPS, BN (KV tile tokens, multiple of 16), STAGES, optionally KV_FP8 and Q_BF16.
 
 #if !defined(KV_BF16) || !defined(HEAD_DIM) || !defined(BLOCK_SIZE) || !defined(NWARPS) || \
     !defined(BN) || !defined(STAGES)
 #error "paged_prefill.cu needs KV_BF16, HEAD_DIM, BLOCK_SIZE, NWARPS, BN and STAGES defined"
 #endif
 
+#ifndef KV_FP8
+#define KV_FP8 0
+#endif
+#if KV_FP8 && KV_BF16
+#error "fp8 caches run the fp16 tensor-core path: compile them with KV_BF16=0"
+#endif
+
 #include "decode_common.cuh"
+#if KV_FP8
+#include "fp8_convert.cuh"
+#endif
 
 #define CH (HEAD_DIM / 8)             // 16-byte chunks per row
 #define ROWB (HEAD_DIM * 2)           // bytes per row
@@ -45,6 +62,35 @@
 #define Q_IN_REGS (HEAD_DIM <= 128)   // D=256 re-reads Q fragments from shared memory per tile
 
 #include "mma_common.cuh"
+
+// Q's 16-bit pairs as the mma's operand type (bfloat16 queries over an fp8 cache: to fp16), and
+// two output floats packed in the query dtype.
+__device__ __forceinline__ u32 q_operand(u32 x) {
+#if KV_FP8 && Q_BF16
+    return pack2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+#else
+    return x;
+#endif
+}
+
+__device__ __forceinline__ u32 pack_out(float lo, float hi) {
+#if KV_FP8 && Q_BF16
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return pack2(lo, hi);
+#endif
+}
+
+#if KV_FP8
+// 8 fp8 codes (element i in byte i) -> 8 fp16 at a 16-byte shared-memory chunk.
+__device__ __forceinline__ void store_fp8_as_f16(unsigned dst, uint2 x) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
+                 :: "r"(dst), "r"(f16x2_of_fp8x2(x.x)), "r"(f16x2_of_fp8x2(x.x >> 16)),
+                    "r"(f16x2_of_fp8x2(x.y)), "r"(f16x2_of_fp8x2(x.y >> 16)) : "memory");
+}
+#endif
 
 // Byte offset of (row, 16-byte chunk) inside a tile: chunks XOR-swizzled by row & 7, so the 8
 // rows one ldmatrix matrix reads fall in 8 different bank groups.
@@ -66,7 +112,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
     const int* __restrict__ block_tables, i64 bt_stride, int bt_width,
     const int* __restrict__ seq_lens, const int* __restrict__ qo_indptr,
     const int2* __restrict__ work, int total_q, int num_q_heads, int group, int gh,
-    int q_tile_tokens, int causal, float scale_log2) {
+    int q_tile_tokens, int causal, float scale_log2
+#if KV_FP8
+    , const float* __restrict__ k_scale, const float* __restrict__ v_scale, int scale_head_stride
+#endif
+    ) {
     const int2 item = work[blockIdx.x];
     const int seq = item.x;
     const int qt0 = item.y;  // first query token of the tile, relative to the sequence
@@ -75,6 +125,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
     const int qh0 = kvh * group + (blockIdx.y % n_htiles) * gh;
     const int split = blockIdx.z;
     const int num_splits = gridDim.z;
+#if KV_FP8
+    scale_log2 *= k_scale[kvh * scale_head_stride] * FP8_F16_SCALE;
+    const float out_scale = v_scale[kvh * scale_head_stride] * FP8_F16_SCALE;
+#else
+    const float out_scale = 1.f;
+#endif
 
     const int qo_begin = qo_indptr[seq];
     const int qo_len = qo_indptr[seq + 1] - qo_begin;
@@ -119,8 +175,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
     cp_async_commit();
 
     const int* bt = block_tables + (i64)seq * bt_stride;
+#if KV_FP8
+    const char* k_lane = k_base + kvh * head_stride + chunk * 8;  // 8 fp8 codes per chunk
+    const char* v_lane = v_base + kvh * head_stride + chunk * 8;
+#else
     const char* k_lane = k_base + kvh * head_stride + chunk * 16;
     const char* v_lane = v_base + kvh * head_stride + chunk * 16;
+#endif
 
     // K and V of tile j (keys kv_begin + j*BN ...) into stage j % STAGES; one commit group per
     // call (empty past the last tile, so the wait counts stay uniform).
@@ -140,8 +201,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
                     off = (i64)b * block_stride + (i64)(t % BLOCK_SIZE) * token_stride;
                 }
                 const unsigned dst = sk + swz(row, chunk);
+#if KV_FP8
+                store_fp8_as_f16(dst, ok ? __ldg(reinterpret_cast<const uint2*>(k_lane + off))
+                                         : make_uint2(0u, 0u));
+                store_fp8_as_f16(dst + KV_TILE_BYTES,
+                                 ok ? __ldg(reinterpret_cast<const uint2*>(v_lane + off))
+                                    : make_uint2(0u, 0u));
+#else
                 cp_async16(dst, ok ? k_lane + off : k_lane, ok);
                 cp_async16(dst + KV_TILE_BYTES, ok ? v_lane + off : v_lane, ok);
+#endif
             }
         }
         cp_async_commit();
@@ -184,7 +253,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
 #if Q_IN_REGS
         if (j == 0) {
 #pragma unroll
-            for (int kk = 0; kk < KSTEPS; ++kk) ldsm_x4(qa[kk], s_q + swz(q_row, 2 * kk + q_cadd));
+            for (int kk = 0; kk < KSTEPS; ++kk) {
+                ldsm_x4(qa[kk], s_q + swz(q_row, 2 * kk + q_cadd));
+#if KV_FP8 && Q_BF16
+#pragma unroll
+                for (int i = 0; i < 4; ++i) qa[kk][i] = q_operand(qa[kk][i]);
+#endif
+            }
         }
 #endif
         const unsigned sk = s_kv + (unsigned)((j % STAGES) * 2 * KV_TILE_BYTES);
@@ -204,6 +279,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
 #else
             u32 a[4];
             ldsm_x4(a, s_q + swz(q_row, 2 * kk + q_cadd));
+#if KV_FP8 && Q_BF16
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] = q_operand(a[i]);
+#endif
 #endif
 #pragma unroll
             for (int np = 0; np < NT / 2; ++np) {
@@ -279,12 +358,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
         if (row >= q_tile_tokens * gh || t >= q_tokens) continue;
         const int tok = qo_begin + qt0 + t;
         const int qh = qh0 + row % gh;
-        const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+        const float inv = lsum > 0.f ? out_scale / lsum : 0.f;
         if (part_o == nullptr) {
             u16* dst = out + (i64)tok * out_tok_stride + (i64)qh * out_head_stride + 2 * tig;
 #pragma unroll
             for (int n = 0; n < DT; ++n)
-                *reinterpret_cast<u32*>(dst + 8 * n) = pack2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+                *reinterpret_cast<u32*>(dst + 8 * n) = pack_out(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
         } else {
             const i64 prow = ((i64)split * total_q + tok) * num_q_heads + qh;
             float* dst = part_o + prow * HEAD_DIM + 2 * tig;

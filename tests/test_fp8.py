@@ -178,6 +178,11 @@ def test_host_append_and_decode(dtype, granularity, q_dtype):
     want = reference.paged_attention_decode(q, pool.k_view(1), pool.v_view(1), tables, lens,
                                             dtype, q_dtype=q_dtype, kv_scales=(ks, vs))
     np.testing.assert_allclose(reference.to_float64(got, q_dtype), want, rtol=1e-2, atol=1e-2)
+    # Prefill of one query per sequence (it sees every key) is the same attention.
+    pre = kvpool.paged_attention_prefill(q, pool, 1, np.array([0, 1, 2], np.int32), tables, lens,
+                                         scales=s)
+    assert pre.dtype == q.dtype
+    np.testing.assert_allclose(reference.to_float64(pre, q_dtype), want, rtol=1e-2, atol=1e-2)
     # ... and close to attention over the unquantized K/V (the end-to-end quantization error).
     kf = np.zeros((16 * 4, 2, 32))
     vf = np.zeros_like(kf)
@@ -214,6 +219,12 @@ def test_fp8_bad_inputs_are_refused():
         kvpool.paged_attention_decode(q, pool, 0, tables, lens)
     with pytest.raises(InvalidArgumentError, match="float16 or bfloat16"):
         kvpool.paged_attention_decode(q.view(np.uint8)[..., :32], pool, 0, tables, lens, scales=s)
-    with pytest.raises(InvalidArgumentError, match="prefill"):
+    with pytest.raises(InvalidArgumentError, match="scales"):
         kvpool.paged_attention_prefill(q, pool, 0, np.array([0, 1], np.int32), tables, lens)
+    with pytest.raises(InvalidArgumentError, match="float16 or bfloat16"):
+        kvpool.paged_attention_prefill(q.view(np.uint8)[..., :32], pool, 0,
+                                       np.array([0, 1], np.int32), tables, lens, scales=s)
+    with pytest.raises(InvalidArgumentError, match="fp8 pools"):
+        kvpool.paged_attention_prefill(q, _host_pool("float16"), 0, np.array([0, 1], np.int32),
+                                       tables, lens, scales=s)
     assert (pool.k_view(0) == 0).all()  # nothing was written by a refused call

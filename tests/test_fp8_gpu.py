@@ -1,6 +1,6 @@
 """fp8 KV caches on the GPU: the quantizing append_kv bit for bit against the NumPy quantizer,
-the fp8 tensor-core decode per (sequence, query head) against the float64 reference on the
-dequantized cache (relative L2 per row < 1e-2), and the end-to-end error of fp8 against the
+the fp8 tensor-core decode per (sequence, query head) and the fp8 prefill per (query token,
+head) against the float64 reference on the dequantized cache (relative L2 per row < 1e-2), and the end-to-end error of fp8 against the
 unquantized cache for random and outlier-heavy K/V (written to $KVPOOL_FP8_REPORT as JSON when
 set). Outputs are poisoned with NaN before every call; a mutation case proves the check fails
 on a one-token bug.
@@ -18,7 +18,7 @@ from gpu_fixtures import cp, poisoned, to_device
 
 import kvpool
 from kvpool import InvalidArgumentError, KvScales, reference
-from kvpool.kernels import append_kv, paged_attention_decode
+from kvpool.kernels import append_kv, paged_attention_decode, paged_attention_prefill, prefill_plan
 
 pytestmark = pytest.mark.gpu
 
@@ -147,6 +147,19 @@ def test_shapes(d, bs, hq, hkv):
     case.check("forced splits", num_splits=3, max_seq_len=300)
 
 
+@pytest.mark.parametrize(("dtype", "q_dtype", "d", "hq", "hkv"), [
+    ("float8_e5m2", "float16", 48, 16, 1), ("float8_e5m2", "bfloat16", 96, 8, 2),
+    ("float8_e5m2", "float16", 256, 8, 1), ("float8_e4m3fn", "bfloat16", 80, 12, 2),
+    ("float8_e4m3fn", "float16", 64, 16, 1)])
+def test_fragment_widths(dtype, q_dtype, d, hq, hkv):
+    """Each lane's K/V unit width (4/8/16 bytes for K, 2/4/8/16 for V, set by the head width)
+    for both formats and query types, 8- and 16-head tiles."""
+    case = Fp8Case([d, hq, len(dtype), len(q_dtype)], dtype, q_dtype, d, 16, hq, hkv,
+                   [1, 33, 250], "head")
+    case.check(f"{dtype} q={q_dtype} d={d} hq={hq} hkv={hkv}")
+    case.check("forced splits", num_splits=3, max_seq_len=250)
+
+
 def test_set_scales_and_saturation():
     """Calibrated-by-hand scales too small for the data: values saturate, still bit-exact."""
     case = Fp8Case(5, "float8_e4m3fn", "bfloat16", 64, 16, 8, 2, [40, 3], calibrate=False,
@@ -169,6 +182,53 @@ def test_mutation_is_caught():
                                          1 / np.sqrt(128))
     assert (row_errors(got, case.want, "float16") < BOUND).all()
     assert (row_errors(got, want, "float16")[0] >= BOUND).any()  # one token of 200 is seen
+
+
+def _prefill(case, qo_lens, causal=True, **plan_kw):
+    """Prefill over the case's fp8 cache: each sequence's last qo_lens tokens as queries.
+    Returns (output in float64, reference on the dequantized cache, q)."""
+    rng = np.random.default_rng(len(qo_lens))
+    indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    hq, d = case.q.shape[1], case.q.shape[2]
+    q_host = reference.from_float64(rng.standard_normal((int(indptr[-1]), hq, d)), case.q_dtype)
+    plan = prefill_plan(case.pool, indptr, case.lens, hq, causal=causal, **plan_kw)
+    out = cp.empty(q_host.shape, cp.float16 if case.q_dtype == "float16" else cp.uint16)
+    out.view(cp.uint16)[...] = NAN_BITS[case.q_dtype]
+    res = paged_attention_prefill(_dev(q_host, case.q_dtype), case.pool, 0, cp.asarray(indptr),
+                                  case.bt, case.sl, causal=causal, out=out, plan=plan,
+                                  scales=case.scales)
+    assert res is out
+    want = reference.paged_attention_prefill(q_host, case.kc, case.vc, indptr, case.tables,
+                                             case.lens, case.dtype, None, causal,
+                                             q_dtype=case.q_dtype, kv_scales=(case.ks, case.vs))
+    return _to64(out, case.q_dtype), want, q_host, indptr
+
+
+PREFILL_QO = [1, 15, 16, 5, 64, 300]  # queries per sequence of LENS (the last tokens)
+
+
+@pytest.mark.parametrize(("dtype", "q_dtype", "d", "granularity"), [
+    ("float8_e4m3fn", "float16", 128, "tensor"), ("float8_e4m3fn", "bfloat16", 64, "head"),
+    ("float8_e5m2", "float16", 256, "head"), ("float8_e5m2", "bfloat16", 128, "tensor")])
+def test_prefill_against_dequantized_reference(dtype, q_dtype, d, granularity):
+    case = Fp8Case([len(dtype), len(q_dtype), d], dtype, q_dtype, d, 16, 8, 2, LENS, granularity)
+    for label, kw in (("wide", {}), ("narrow, split", {"rows_per_cta": 16, "num_splits": 3})):
+        got, want, _, _ = _prefill(case, PREFILL_QO, **kw)
+        err = row_errors(got, want, q_dtype)
+        assert (err < BOUND).all(), f"{label}: {(err >= BOUND).sum()} rows over {BOUND} ({err.max():.3g})"
+        REPORT.setdefault("prefill_vs_dequantized_reference", {})[
+            f"{dtype},q={q_dtype},d={d},{granularity},{label}"] = float(err.max())
+
+
+def test_prefill_mutation_is_caught():
+    """The check sees causality: the non-causal reference differs on multi-query sequences."""
+    case = Fp8Case(11, "float8_e4m3fn", "float16", 128, 16, 8, 2, LENS)
+    got, want, q_host, indptr = _prefill(case, PREFILL_QO)
+    assert (row_errors(got, want, "float16") < BOUND).all()
+    wrong = reference.paged_attention_prefill(q_host, case.kc, case.vc, indptr, case.tables,
+                                              case.lens, case.dtype, None, False,
+                                              q_dtype="float16", kv_scales=(case.ks, case.vs))
+    assert (row_errors(got, wrong, "float16") >= BOUND).any()
 
 
 @pytest.mark.parametrize("dtype", FP8)

@@ -1,8 +1,9 @@
 """Every kernel module the library needs compiles with NVRTC for sm_80 and sm_90, no GPU needed
 (CI): all tensor-core decode modules (52: they cover every supported head_dim, block size and
 group), 16 of the fp8 decode modules (e4m3 / e5m2 caches with fp16 / bf16 queries), an 8-module
-subset of the CUDA-core baseline, append_kv (with append_kv_fp8), copy_blocks and paged_metadata. The fp8
-conversions are integer arithmetic, so sm_80 compiles and runs the same code as sm_90.
+subset of the CUDA-core baseline, append_kv (with append_kv_fp8), copy_blocks and paged_metadata.
+The fp8 decode converts fp8 pairs with `cvt ... e4m3x2/e5m2x2` on sm_89+ and with integer
+arithmetic (exact, emulated) on sm_80, so both archs compile every fp8 module.
 
 Uses NVRTC from PyPI (`cuda-bindings` + `nvidia-cuda-nvrtc`); the kernels need no CUDA headers,
 but the `nvidia-cuda-runtime` include folder is passed when present. Skips only when those

@@ -197,19 +197,26 @@ def paged_attention_prefill(
     dtype: str,
     scale: float | None = None,
     causal: bool = True,
+    q_dtype: str | None = None,
+    kv_scales: tuple[npt.ArrayLike, npt.ArrayLike] | None = None,
 ) -> npt.NDArray[np.float64]:
     """Prefill (extend) attention through block tables, in float64: sequence i's queries are
     q[qo_indptr[i]:qo_indptr[i+1]], the last tokens of its seq_lens[i] cached tokens.
-    q [total_q, Hq, D] -> [total_q, Hq, D]."""
-    q64 = to_float64(q, dtype)
+    q [total_q, Hq, D] -> [total_q, Hq, D]. `dtype` is the cache's; q is in `q_dtype` (default:
+    the cache's); kv_scales (an fp8 cache's K and V scales, scalars or per KV head) multiply the
+    cached values, so the result is attention over the dequantized cache."""
+    q64 = to_float64(q, q_dtype or dtype)
+    hkv = k_cache.shape[2]
+    ks, vs = ((np.ones(hkv), np.ones(hkv)) if kv_scales is None else
+              (np.broadcast_to(np.asarray(x, dtype=np.float64), (hkv,)) for x in kv_scales))
     if scale is None:
         scale = 1.0 / np.sqrt(q64.shape[-1])
     out = np.zeros(q64.shape, dtype=np.float64)
     indptr = np.asarray(qo_indptr, dtype=np.int64)
     for i, n in enumerate(np.asarray(seq_lens)):
         a, b = indptr[i], indptr[i + 1]
-        k = to_float64(gather_kv(k_cache, block_tables[i], int(n)), dtype)
-        v = to_float64(gather_kv(v_cache, block_tables[i], int(n)), dtype)
+        k = to_float64(gather_kv(k_cache, block_tables[i], int(n)), dtype) * ks[None, :, None]
+        v = to_float64(gather_kv(v_cache, block_tables[i], int(n)), dtype) * vs[None, :, None]
         out[a:b] = attention_prefill(q64[a:b], k, v, scale, causal)
     return out
 

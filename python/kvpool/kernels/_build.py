@@ -24,7 +24,7 @@ DTYPES = ("float16", "bfloat16")
 # of 16 in 32..256 (16-byte fp8 chunks).
 FP8_DTYPES = {"float8_e4m3fn": 1, "float8_e5m2": 2}
 FP8_HEAD_DIMS = tuple(range(32, 257, 16))
-FP8_NH2_MAX_DP = 128  # the fp16 staging tile's registers: 16-head tiles spill beyond (sm_90)
+FP8_NH2_MAX_DP = 128  # 16-head fp8 tiles: DP 192 needs 255 registers, DP 256 spills (sm_90)
 
 # Tensor-core decode (paged_decode_tc.cu): the default path, and the supported set of the public
 # entry point. head_dim is any multiple of 8 in 32..256 (compiled per padded width DP, a multiple
@@ -146,6 +146,20 @@ class DecodeVariant:
         )
 
 
+def fp8_row_bytes(dp: int) -> tuple[int, int]:
+    """Shared-memory bytes of one fp8 K row and one V row (mirrors K_ROW / V_ROW in
+    fp8_fragments.cuh: the lane's unit widths set the padding that keeps loads conflict-free)."""
+    ksteps = dp // 16
+    k_vw = 16 if ksteps % 4 == 0 else 8 if ksteps % 2 == 0 else 4
+    k_row = dp
+    while k_row % (8 * k_vw) != 4 * k_vw:
+        k_row += 16
+    v_row = dp
+    while v_row % 64 != 16:
+        v_row += 16
+    return k_row, v_row
+
+
 def tc_head_tile(group: int, dp: int, fp8: bool = False) -> int:
     """Query heads per tensor-core decode CTA: the group cut into the fewest tiles of at most
     16 heads (8 for DP > TC_NH2_MAX_DP, or FP8_NH2_MAX_DP over an fp8 cache), as even as
@@ -183,8 +197,10 @@ class TcVariant:
 
     @property
     def stage_bytes(self) -> int:
-        """One warp's K+V stage (mirrors STAGE_BYTES: fp8 rows are dp bytes, unpadded)."""
-        return 2 * TC_TILE * (self.dp if self.fp8 else self.smem_row_bytes)
+        """One warp's K+V stage (mirrors STAGE_BYTES; fp8 rows: K_ROW and V_ROW)."""
+        if self.fp8:
+            return TC_TILE * sum(fp8_row_bytes(self.dp))
+        return 2 * TC_TILE * self.smem_row_bytes
 
     @property
     def stages(self) -> int:
@@ -202,10 +218,7 @@ class TcVariant:
     def dynamic_smem_bytes(self) -> int:
         """Per-warp K+V tile stages (mirrors the .cu); the warp merge area and the fused
         merge's weights fit inside (static_assert there)."""
-        warp = self.stages * self.stage_bytes
-        if self.fp8:
-            warp += 2 * TC_TILE * self.smem_row_bytes  # the fp16 K/V tile (WARP_SMEM)
-        stage = warp * TC_WARPS
+        stage = self.stages * self.stage_bytes * TC_WARPS
         merge = 4 * TC_WARPS * 16 * (self.dp + 2)
         return max(stage, merge, 4 * MAX_SPLITS * 16)
 
@@ -285,12 +298,14 @@ PREFILL_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 @dataclass(frozen=True)
 class PrefillVariant:
-    """A compiled prefill module (the query-head tile and causality are run-time arguments)."""
+    """A compiled prefill module (the query-head tile and causality are run-time arguments).
+    An fp8 cache dtype also names the query dtype `q_dtype` (float16 or bfloat16)."""
 
     dtype: str
     head_dim: int
     block_size: int
     warps: int = PREFILL_WIDE_WARPS
+    q_dtype: str | None = None
 
     source = "paged_prefill.cu"
     kernel = "paged_prefill"
@@ -322,7 +337,9 @@ class PrefillVariant:
         return max(1, min(cap, (227 * 1024) // (self.dynamic_smem_bytes + 1024)))
 
     def options(self) -> tuple[str, ...]:
-        return COMMON_OPTIONS + (
+        fp8 = FP8_DTYPES.get(self.dtype, 0)
+        fp8_opts = (f"-DKV_FP8={fp8}", f"-DQ_BF16={int(self.q_dtype == 'bfloat16')}")
+        return COMMON_OPTIONS + (fp8_opts if fp8 else ()) + (
             f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
             f"-DHEAD_DIM={self.head_dim}",
             f"-DBLOCK_SIZE={self.block_size}",
@@ -339,7 +356,11 @@ def prefill_variants() -> list[PrefillVariant]:
             for bs in BLOCK_SIZES for w in (PREFILL_WIDE_WARPS, PREFILL_NARROW_WARPS)]
     edges = [PrefillVariant("float16", 128, bs) for bs in (PREFILL_BLOCK_SIZES[0],
                                                            PREFILL_BLOCK_SIZES[-1])]
-    return main + edges
+    fp8 = [PrefillVariant("float8_e4m3fn", hd, 16, w, "float16") for hd in HEAD_DIMS
+           for w in (PREFILL_WIDE_WARPS, PREFILL_NARROW_WARPS)]
+    fp8 += [PrefillVariant(dt, 128, 16, PREFILL_WIDE_WARPS, q) for dt, q in (
+        ("float8_e4m3fn", "bfloat16"), ("float8_e5m2", "float16"), ("float8_e5m2", "bfloat16"))]
+    return main + edges + fp8
 
 
 def _label(v: DecodeVariant | TcVariant) -> str:
@@ -353,7 +374,8 @@ def all_sources() -> list[tuple[str, str, tuple[str, ...]]]:
     """(label, source, options) for every module the CI compile test builds."""
     out = [(_label(v), read_source(v.source), v.options()) for v in decode_variants()]
     out += [
-        (f"{v.kernel}[{v.dtype},{v.head_dim},{v.block_size},w{v.warps}]", read_source(v.source),
+        (f"{v.kernel}[{v.dtype}{',q=' + v.q_dtype if v.q_dtype else ''},{v.head_dim},"
+         f"{v.block_size},w{v.warps}]", read_source(v.source),
          v.options())
         for v in prefill_variants()
     ]

@@ -29,6 +29,7 @@ from kvpool.kernels._decode import (
     _num_sms,
     _pool_info,
     _PoolInfo,
+    fp8_query_dtype,
 )
 from kvpool.kernels._launch import (
     Kernel,
@@ -38,6 +39,7 @@ from kvpool.kernels._launch import (
     stream_handle,
     wait_producers,
 )
+from kvpool.kernels._scales import KvScales
 from kvpool.kernels._prefill_plan import (
     PrefillPlan,
     choose_rows,
@@ -62,6 +64,7 @@ def paged_attention_prefill(
     plan: PrefillPlan | None = None,
     num_splits: int | None = None,
     workspace: Any = None,
+    scales: KvScales | None = None,
 ) -> Any:
     """Attention of a varlen batch of query tokens over their sequences' paged K/V in `layer`.
 
@@ -84,6 +87,10 @@ def paged_attention_prefill(
     num_splits forces the KV split count of a plan made here; `workspace` (float32 device array
     of >= prefill_workspace_elems() elements) avoids an allocation when the plan splits.
     On a host pool the arrays are NumPy and the float64 reference does the work.
+
+    An fp8 pool (float8_e4m3fn / float8_e5m2) needs `scales` (its KvScales); q and out are then
+    float16 or bfloat16 (bfloat16 as 2-byte integers), and the result is attention over the
+    dequantized cache.
     """
     layer = index_arg(layer, "layer")
     if not isinstance(causal, (bool, np.bool_)):
@@ -94,15 +101,17 @@ def paged_attention_prefill(
             _check_tables_pool(a, pool, name)
     if not 0 <= layer < info.num_layers:
         raise InvalidArgumentError(f"layer {layer} outside 0..{info.num_layers - 1}")
-    if info.layout.dtype in _build.FP8_DTYPES:
+    fp8 = info.layout.dtype in _build.FP8_DTYPES
+    if fp8 and (not isinstance(scales, KvScales) or scales.pool is not pool):
         raise InvalidArgumentError(
-            f"paged_attention_prefill does not read {info.layout.dtype} pools yet (fp8 caches "
-            f"have a decode kernel only); keep prefill on a float16 or bfloat16 pool")
+            f"prefill over a {info.layout.dtype} pool needs scales=KvScales(pool) of this pool")
+    if not fp8 and scales is not None:
+        raise InvalidArgumentError(f"scales are for fp8 pools; this pool holds {info.layout.dtype}")
     if not info.cuda:
         return _prefill_host(q, pool, layer, qo_indptr, block_tables, seq_lens, bool(causal),
-                             scale, out)
+                             scale, out, scales)
     return _prefill_cuda(q, pool, info, layer, qo_indptr, block_tables, seq_lens, bool(causal), scale,
-                         out, stream, plan, num_splits, workspace)
+                         out, stream, plan, num_splits, workspace, scales)
 
 
 def prefill_workspace_elems(plan: PrefillPlan, head_dim: int) -> int:
@@ -197,7 +206,8 @@ def _check_table_rows(tables: np.ndarray, lens: np.ndarray, block_size: int, num
             raise InvalidArgumentError(f"block table row {i} holds an id outside the pool")
 
 
-def _prefill_host(q, pool, layer, qo_indptr, block_tables, seq_lens, causal, scale, out):
+def _prefill_host(q, pool, layer, qo_indptr, block_tables, seq_lens, causal, scale, out,
+                  scales=None):
     layout = pool.layout
     arrays = (("q", q), ("qo_indptr", qo_indptr), ("block_tables", block_tables),
               ("seq_lens", seq_lens), ("out", out))
@@ -212,19 +222,22 @@ def _prefill_host(q, pool, layer, qo_indptr, block_tables, seq_lens, causal, sca
     indptr, lens = host_lengths(qo_indptr, seq_lens)
     if indptr[-1] != q.shape[0]:
         raise InvalidArgumentError(f"qo_indptr ends at {indptr[-1]}, q has {q.shape[0]} tokens")
-    if not elem_ok(q.dtype.kind, q.itemsize, layout.dtype, layout.elem_bytes):
+    # An fp8 pool: float16 or bfloat16 queries (and outputs of the same type).
+    q_dtype = fp8_query_dtype(q.dtype.kind, q.itemsize, layout.dtype) if scales else layout.dtype
+    q_bytes = 2 if scales else layout.elem_bytes
+    if not elem_ok(q.dtype.kind, q.itemsize, q_dtype, q_bytes):
         raise InvalidArgumentError(f"q has dtype {q.dtype}; the pool's dtype is {layout.dtype}")
     if out is not None and (
         not isinstance(out, np.ndarray) or out.shape != q.shape
-        or not elem_ok(out.dtype.kind, out.itemsize, layout.dtype, layout.elem_bytes)
+        or not elem_ok(out.dtype.kind, out.itemsize, q_dtype, q_bytes)
     ):
         raise InvalidArgumentError(
-            f"out must be a NumPy array of shape {q.shape} holding {layout.dtype}")
+            f"out must be a NumPy array of shape {q.shape} holding {q_dtype}")
     _check_table_rows(tables, lens, layout.block_size, pool.num_blocks)
     res = reference.paged_attention_prefill(
         q, pool.k_view(layer), pool.v_view(layer), indptr, tables, lens, layout.dtype, scale,
-        causal)
-    res = reference.from_float64(res, layout.dtype)
+        causal, q_dtype=q_dtype, kv_scales=scales.layer_scales(layer) if scales else None)
+    res = reference.from_float64(res, q_dtype)
     if out is None:
         return res.view(q.dtype)
     out[...] = res.view(out.dtype)
@@ -254,6 +267,13 @@ class _PrefillArgs(ctypes.Structure):
     ]
 
 
+class _PrefillFp8Args(ctypes.Structure):
+    """The prefill kernel's parameters over an fp8 cache: _PrefillArgs' and the scales."""
+
+    _fields_ = [*_PrefillArgs._fields_, ("k_scale", ctypes.c_uint64),
+                ("v_scale", ctypes.c_uint64), ("scale_head_stride", ctypes.c_int32)]
+
+
 class _MergeArgs(ctypes.Structure):
     _fields_ = [
         ("part_o", ctypes.c_uint64), ("part_lse", ctypes.c_uint64), ("out", ctypes.c_uint64),
@@ -267,24 +287,30 @@ class _Prepared:
     """Everything about a prefill call that does not change between calls with the same pool,
     layer, shapes, strides, dtypes and scale."""
 
-    def __init__(self, info: _PoolInfo, layer: int, qv, ipv, btv, slv, ov, scale) -> None:
+    def __init__(self, info: _PoolInfo, layer: int, qv, ipv, btv, slv, ov, scale,
+                 scales=None) -> None:
         d = info.head_dim
         qa, ip, bt, sl, oa = (_dev(qv, "q"), _dev(ipv, "qo_indptr"), _dev(btv, "block_tables"),
                               _dev(slv, "seq_lens"), _dev(ov, "out"))
         num_seqs, hq, group = _check_shapes(qa.shape, ip.shape, bt.shape, sl.shape, info.layout)
-        check_elem16(qa, "q", info.dtype)
+        fp8 = info.dtype in _build.FP8_DTYPES
+        q_dtype = fp8_query_dtype(qa.kind, qa.itemsize, info.dtype) if fp8 else info.dtype
+        check_elem16(qa, "q", q_dtype)
+        if fp8:
+            check_elem16(oa, "out", q_dtype)
         check_int_array(ip, "qo_indptr", 4, 1)
         check_int_array(bt, "block_tables", 4, 2)
         check_int_array(sl, "seq_lens", 4, 1)
         for name, a in (("q", qa), ("out", oa)):
             if a.strides[2] != 1 or a.strides[0] % 8 or a.strides[1] % 8:
                 raise InvalidArgumentError(f"{name} rows must be contiguous and 16-byte aligned")
-        if oa.shape != qa.shape or not elem_ok(oa.kind, oa.itemsize, info.dtype, 2):
+        if oa.shape != qa.shape or not elem_ok(oa.kind, oa.itemsize, q_dtype, 2):
             raise InvalidArgumentError(
-                f"out must be [{qa.shape[0]}, {hq}, {d}] holding {info.dtype}, got "
+                f"out must be [{qa.shape[0]}, {hq}, {d}] holding {q_dtype}, got "
                 f"{oa.typestr} {oa.shape}")
         st = info.strides
-        if st["elem"] != 2 or st["head"] != 2 * d or st["token"] % 16 or st["block"] % 16:
+        eb = 1 if fp8 else 2
+        if st["elem"] != eb or st["head"] != eb * d or st["token"] % 16 or st["block"] % 16:
             raise InvalidArgumentError(f"layout strides {st} do not fit the prefill kernel")
         if info.num_kv_heads * group > 65535:
             raise InvalidArgumentError("too many query heads for one launch (> 65535 head tiles)")
@@ -292,13 +318,17 @@ class _Prepared:
         self.total_q = qa.shape[0]
         self.device_id = info.device_id
         self.info = info
+        self.q_dtype = q_dtype if fp8 else None
+        self.fp8 = fp8
         self._kernels: dict[int, tuple] = {}
         k_base = info.base_ptr + layer * st["layer"]
-        self.args = _PrefillArgs(
+        self.args = (_PrefillFp8Args if fp8 else _PrefillArgs)(
             0, qa.strides[0], qa.strides[1], 0, oa.strides[0], oa.strides[1], 0, 0,
             k_base, k_base + st["kv"], st["block"], st["token"], st["head"], info.num_blocks,
             0, bt.strides[0], bt.shape[1], 0, 0, 0, self.total_q, hq, group, 0, 0, 0,
             (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E)
+        if fp8:
+            self.args.scale_head_stride = scales.head_stride
         self.params = param_block(self.args)
         self.margs = _MergeArgs(0, 0, 0, oa.strides[0], oa.strides[1], self.total_q, hq, 0)
         self.mparams = param_block(self.margs)
@@ -309,7 +339,8 @@ class _Prepared:
         found = self._kernels.get(warps)
         if found is None:
             info = self.info
-            variant = _build.PrefillVariant(info.dtype, self.d, info.block_size, warps)
+            variant = _build.PrefillVariant(info.dtype, self.d, info.block_size, warps,
+                                            self.q_dtype)
             mod = _build.decode_module(variant)
             found = self._kernels[warps] = (
                 variant,
@@ -323,7 +354,8 @@ _PREPARED: dict[tuple, _Prepared] = {}
 
 
 def _check_kernel_exists(info: _PoolInfo) -> None:
-    if info.dtype not in _build.DTYPES or info.head_dim not in _build.HEAD_DIMS or (
+    dtypes = (*_build.DTYPES, *_build.FP8_DTYPES)
+    if info.dtype not in dtypes or info.head_dim not in _build.HEAD_DIMS or (
         info.block_size not in _build.PREFILL_BLOCK_SIZES
     ):
         raise InvalidArgumentError(
@@ -356,7 +388,7 @@ def _device_work(plan: PrefillPlan, device_id: int, sp: int) -> int:
 
 
 def _prefill_cuda(q, pool, info, layer, qo_indptr, block_tables, seq_lens, causal, scale, out,
-                  stream, plan, num_splits, workspace):
+                  stream, plan, num_splits, workspace, scales=None):
     _check_kernel_exists(info)
     qv = _view(q, "q")
     ipv = _view(qo_indptr, "qo_indptr")
@@ -370,10 +402,10 @@ def _prefill_cuda(q, pool, info, layer, qo_indptr, block_tables, seq_lens, causa
             out = cupy.empty(tuple(qv.shape), dtype=cupy.float16 if qv.is_float else cupy.uint16)
     ov = _view(out, "out")
     key = (info.serial, layer, qv.layout_key, ipv.layout_key, btv.layout_key, slv.layout_key,
-           ov.layout_key, scale)
+           ov.layout_key, scale, None if scales is None else scales.granularity)
     prep = _PREPARED.get(key)
     if prep is None:
-        prep = _Prepared(info, layer, qv, ipv, btv, slv, ov, scale)
+        prep = _Prepared(info, layer, qv, ipv, btv, slv, ov, scale, scales)
         if len(_PREPARED) > 1024:
             _PREPARED.clear()
         _PREPARED[key] = prep
@@ -416,6 +448,8 @@ def _prefill_cuda(q, pool, info, layer, qo_indptr, block_tables, seq_lens, causa
         a.q, a.out, a.part_o, a.part_lse = qv.ptr, ov.ptr, part_o, part_lse
         a.block_tables, a.seq_lens, a.qo_indptr, a.work = btv.ptr, slv.ptr, ipv.ptr, work
         a.gh, a.q_tile_tokens, a.causal = plan.head_tile, plan.q_tile_tokens, int(causal)
+        if prep.fp8:
+            a.k_scale, a.v_scale = scales.ptrs(layer)
         launch(kernel, (plan.num_items, heads, plan.num_splits), variant.threads,
                variant.dynamic_smem_bytes, sp, prep.params)
         if plan.split:
