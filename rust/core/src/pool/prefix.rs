@@ -7,7 +7,9 @@
 
 use crate::error::CoreError;
 use super::{Owner, Pool};
+use crate::prefix_cache::spill::SpillTier;
 use crate::prefix_cache::{BlockHash, PrefixAlloc, PrefixCache};
+use crate::tier::engine::Engine;
 
 impl Pool {
     /// Turns prefix caching on for a new pool (before it is shared). Fixed pools only.
@@ -17,6 +19,38 @@ impl Pool {
         }
         self.prefix_cache = Some(PrefixCache::new(self.num_blocks(), self.layout.block_size())?);
         Ok(self)
+    }
+
+    /// Gives the prefix cache a second tier of `num_blocks` host blocks (pinned for a CUDA
+    /// pool): cached blocks this pool evicts spill there instead of being dropped, and a
+    /// prefix hit on one copies it back. Before the pool is shared.
+    pub fn with_prefix_host_tier(mut self, num_blocks: usize) -> Result<Self, CoreError> {
+        let (device_base, stream, block_size) = (self.base_ptr(), self.stream_handle().unwrap_or(0), self.layout.block_size());
+        let engine = self.spill_engine()?;
+        let pinned_for = match self.device() {
+            crate::slab::Device::Host => None,
+            crate::slab::Device::Cuda(ordinal) => Some(ordinal),
+        };
+        let host = Pool::new_host_tier(self.layout, super::PoolSize::NumBlocks(num_blocks), pinned_for)?;
+        let cache = self
+            .prefix_cache
+            .as_mut()
+            .ok_or_else(|| CoreError::InvalidArgument("a prefix-cache host tier needs prefix caching on the pool".into()))?;
+        cache.set_spill_tier(SpillTier::new(host, engine, device_base, stream, block_size));
+        Ok(self)
+    }
+
+    /// The copy engine of a host tier for this pool: memcpy on the host, a copy stream on CUDA.
+    #[cfg(feature = "cuda")]
+    fn spill_engine(&self) -> Result<Engine, CoreError> {
+        match self.device_context() {
+            Some(dc) => Ok(Engine::Cuda(crate::tier::engine::CudaEngine::new(dc.context(), crate::tier::CopyMethod::Auto)?)),
+            None => Ok(Engine::Host),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    fn spill_engine(&self) -> Result<Engine, CoreError> {
+        Ok(Engine::Host)
     }
 
     pub fn prefix_cache(&self) -> Option<&PrefixCache> {
@@ -67,6 +101,8 @@ impl Pool {
         let alloc = cache.alloc_with_prefix(&self.allocator, hashes, total_blocks, query_tokens)?;
         // Hits were tables' blocks already (only tables cache blocks).
         self.owners.set(&alloc.fresh, Owner::Tables);
+        // Revived hits are in use again, like fresh blocks.
+        cache.raise_used_high_water(self.num_used());
         Ok(alloc)
     }
 

@@ -74,13 +74,19 @@ fn setup(n: u32) -> (PrefixCache, FakeRefs) {
 fn store_all(cache: &PrefixCache, ids: &[u32], tokens: &[u32]) -> Vec<BlockHash> {
     let root = cache.hasher().root(None, None, b"");
     let hashes = cache.hasher().chain(&root, tokens, BS);
-    let blocks: Vec<FilledBlock<'_>> = hashes
+    let blocks: Vec<FilledBlock> = hashes
         .iter()
         .zip(ids)
-        .zip(tokens.chunks_exact(BS))
-        .map(|((&hash, &block_id), token_ids)| FilledBlock { block_id, hash, token_ids })
+        .enumerate()
+        .map(|(i, (&hash, &block_id))| FilledBlock {
+            block_id,
+            hash,
+            parent: i.checked_sub(1).map(|p| hashes[p]),
+            tokens_at: i * BS,
+            lora_id: None,
+        })
         .collect();
-    cache.store(None, &blocks, None);
+    cache.store(&blocks, tokens);
     hashes
 }
 
@@ -141,7 +147,7 @@ fn eviction_when_free_list_runs_short_never_takes_a_hit() {
     let mut tail = a.fresh[2..].to_vec();
     tail.sort_unstable();
     assert_eq!(evicted, tail);
-    assert_eq!(cache.drain_events(), vec![KvEvent::BlockRemoved { block_hashes: vec![hashes[3], hashes[2]] }]);
+    assert_eq!(cache.drain_events(), vec![KvEvent::BlockRemoved { block_hashes: vec![hashes[3], hashes[2]], medium: Medium::Pool }]);
     cache.check_invariants(&refs).unwrap();
     assert_eq!(cache.stats().evictions, 2);
     // Nothing left: a failed call changes nothing.

@@ -65,28 +65,40 @@ impl BlockTables {
         let max_hits = (num_tokens.saturating_sub(1) / bs).min(hashes.len());
         let alloc = self.pool.alloc_with_prefix(cache, &hashes[..max_hits], num_blocks, num_tokens)?;
 
-        // Commit: nothing below can fail.
+        // Commit: nothing below can fail. Blocks swapped in from the host tier count as hits
+        // (their KV is there) and are cached again like the fresh ones.
         let num_hits = alloc.hits.len();
+        let num_cached = num_hits + alloc.swapped_in;
         let ids: Vec<u32> = alloc.hits.into_iter().chain(alloc.fresh).collect();
         let row = self.push_row(&mut st, request_id, num_tokens, &ids);
-        let filled: Vec<FilledBlock<'_>> = (num_hits..hashes.len())
-            .map(|i| FilledBlock { block_id: ids[i], hash: hashes[i], token_ids: &token_ids[i * bs..(i + 1) * bs] })
+        let filled: Vec<FilledBlock> = (num_hits..hashes.len())
+            .map(|i| FilledBlock {
+                block_id: ids[i],
+                hash: hashes[i],
+                parent: i.checked_sub(1).map(|p| hashes[p]),
+                tokens_at: i * bs,
+                lora_id: key.lora_id,
+            })
             .collect();
-        cache.store(num_hits.checked_sub(1).map(|i| hashes[i]), &filled, key.lora_id);
+        cache.store(&filled, token_ids);
+        // Room for a block: decode appends one token at a time without reallocating.
+        let mut pending = Vec::with_capacity(bs);
+        pending.extend_from_slice(&token_ids[hashes.len() * bs..]);
         st.hashes[row] = Some(RowHashes {
             root,
             last: hashes.last().copied(),
-            pending: token_ids[hashes.len() * bs..].to_vec(),
+            pending,
             lora_id: key.lora_id,
         });
-        let mut slot_mapping = Vec::with_capacity(num_tokens - num_hits * bs);
-        self.extend_slots(&mut slot_mapping, &st, row, num_hits * bs, num_tokens);
-        Ok(AddResult { num_cached_tokens: num_hits * bs, slot_mapping })
+        let mut slot_mapping = Vec::with_capacity(num_tokens - num_cached * bs);
+        self.extend_slots(&mut slot_mapping, &st, row, num_cached * bs, num_tokens);
+        Ok(AddResult { num_cached_tokens: num_cached * bs, slot_mapping })
     }
 
     /// After an append committed (and copy-on-write released its sources, so each block
-    /// being filled has one holder): hashes and caches the blocks that the new tokens filled.
-    /// `appended` is `(row, count)` in call order; `token_ids` all requests' new ids.
+    /// being filled has one holder): hashes the blocks that the new tokens filled and caches
+    /// them all under one acquisition of the cache's lock. `appended` is `(row, count)` in
+    /// call order; `token_ids` all requests' new ids.
     pub(super) fn hash_appended(
         &self,
         st: &mut TablesState,
@@ -96,7 +108,9 @@ impl BlockTables {
     ) {
         let bs = self.block_size();
         let width = self.max_blocks_per_seq;
-        let mut scratch = Vec::new();
+        let mut filled = Vec::new();
+        // The tokens of the filled blocks, `bs` per block in `filled`'s order.
+        let mut filled_tokens = Vec::new();
         let mut offset = 0;
         for (row, count) in appended {
             let new_ids = token_ids.map(|ids| &ids[offset..offset + count]);
@@ -109,22 +123,25 @@ impl BlockTables {
                 }
                 continue;
             };
-            h.pending.extend_from_slice(new_ids);
-            if h.pending.len() < bs {
+            if h.pending.len() + new_ids.len() < bs {
+                h.pending.extend_from_slice(new_ids);
                 continue;
             }
+            h.pending.extend_from_slice(new_ids);
             let first_block = (st.rows[row].num_tokens - h.pending.len()) / bs;
-            let parent = h.last;
-            let mut filled = Vec::with_capacity(h.pending.len() / bs);
             for (k, tokens) in h.pending.chunks_exact(bs).enumerate() {
-                let hash = cache.hasher().block(&h.last.unwrap_or(h.root), tokens, &mut scratch);
+                let parent = h.last;
+                let hash = cache.hasher().block(&parent.unwrap_or(h.root), tokens);
                 h.last = Some(hash);
                 let block_id = st.table[row * width + first_block + k] as u32;
-                filled.push(FilledBlock { block_id, hash, token_ids: tokens });
+                filled.push(FilledBlock { block_id, hash, parent, tokens_at: filled_tokens.len(), lora_id: h.lora_id });
+                filled_tokens.extend_from_slice(tokens);
             }
-            cache.store(parent, &filled, h.lora_id);
             let full = h.pending.len() - h.pending.len() % bs;
             h.pending.drain(..full);
+        }
+        if !filled.is_empty() {
+            cache.store(&filled, &filled_tokens);
         }
     }
 
