@@ -15,7 +15,9 @@ impl Pool {
     /// Turns prefix caching on for a new pool (before it is shared). Fixed pools only.
     pub fn with_prefix_caching(mut self) -> Result<Self, CoreError> {
         if self.is_growable() {
-            return Err(CoreError::InvalidArgument("prefix caching needs a fixed pool, not a growable one".into()));
+            return Err(CoreError::InvalidArgument(
+                "prefix caching needs a fixed pool, not a growable one (a shrink cannot yet reclaim chunks that hold evictable cached blocks)".into(),
+            ));
         }
         self.prefix_cache = Some(PrefixCache::new(self.num_blocks(), self.layout.block_size())?);
         Ok(self)

@@ -4,6 +4,8 @@
 //! Keyed BLAKE3 with a random per-pool key: without the key nobody outside the process can
 //! predict a hash, so nobody can forge a block that collides with another tenant's prefix.
 
+use std::borrow::Cow;
+
 use crate::error::CoreError;
 
 /// 256 bits of keyed BLAKE3: collisions are out of reach, so a map hit is a content match.
@@ -92,16 +94,16 @@ impl BlockHasher {
 /// The tokens' little-endian bytes, read in place (no copy: the hash of a 4096-token prompt
 /// is on the hot path of every add).
 #[cfg(target_endian = "little")]
-fn le_bytes(tokens: &[u32]) -> &[u8] {
+fn le_bytes(tokens: &[u32]) -> Cow<'_, [u8]> {
     // SAFETY: u32 has no padding bytes, so all `4 * len` bytes behind the pointer are
     // initialised; u8 needs no alignment; the slice borrows `tokens` for its lifetime. On a
     // little-endian target these bytes are exactly each token's `to_le_bytes()`.
-    unsafe { std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens)) }
+    Cow::Borrowed(unsafe { std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens)) })
 }
 
 #[cfg(target_endian = "big")]
-fn le_bytes(tokens: &[u32]) -> Vec<u8> {
-    tokens.iter().flat_map(|t| t.to_le_bytes()).collect()
+fn le_bytes(tokens: &[u32]) -> Cow<'_, [u8]> {
+    Cow::Owned(tokens.iter().flat_map(|t| t.to_le_bytes()).collect())
 }
 
 #[cfg(test)]

@@ -23,8 +23,9 @@ pub struct CacheIndex {
 impl CacheIndex {
     pub fn new(num_blocks: usize) -> Self {
         CacheIndex {
-            // Sized for every block up front: a decode step never pays for a rehash.
-            map: FxHashMap::with_capacity_and_hasher(num_blocks, Default::default()),
+            // Grown as blocks are cached, not sized for every block: a dense map keeps a
+            // decode step's inserts in cache (sized up front, they cost more than the rehashes).
+            map: FxHashMap::default(),
             hash_of: vec![None; num_blocks],
             lru: EvictableList::new(num_blocks),
             events: EventQueue::default(),

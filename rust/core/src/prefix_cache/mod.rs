@@ -6,6 +6,7 @@
 //! - [`index`]: the hash -> block map and the evictable list (plain data, behind one mutex).
 //! - [`lru`]: the evictable list itself, O(1) push, revive and evict.
 //! - [`events`]: the opt-in queue of KV events for cache-aware routers.
+//! - [`spill`]: the optional second tier in host memory that evicted blocks spill to.
 //! - [`stats`]: the counters.
 //!
 //! A block is in exactly one of three states:
