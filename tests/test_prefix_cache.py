@@ -222,9 +222,44 @@ def test_bad_input_raises_and_changes_nothing(call, error) -> None:  # type: ign
     pool.check_invariants(exact_refs=True)
 
 
-def test_growable_pools_refuse_prefix_caching() -> None:
-    with pytest.raises(InvalidArgumentError, match="growable"):
-        Pool(LAYOUT, growable=True, max_num_blocks=8, device="host", enable_prefix_caching=True)
+def test_growable_pools_evict_before_growing_and_shrink_past_the_cache() -> None:
+    # 2048-byte blocks, 4 KiB chunks: two blocks per chunk.
+    pool = Pool(LAYOUT, growable=True, max_num_blocks=8, chunk_bytes=4096, device="host", enable_prefix_caching=True)
+    t = BlockTables(pool, 4, 8)
+    t.add_request(1, range(9))  # blocks 0, 1 (cached), 2: the pool grows to 2 chunks
+    t.add(2, 12)  # 3 more blocks, none evictable: grows to 3 chunks
+    assert (pool.num_blocks, pool.num_free) == (6, 0)
+    high = max(t.blocks(2).tolist())
+    t.free(1)
+    assert (pool.num_free, pool.num_evictable, pool.num_used) == (1, 2, 3)
+    # A hit revives the cached blocks of a growable pool like any other.
+    assert t.add_request(3, range(9)).num_cached_tokens == 8
+    t.free(3)
+    # A shrink never drops a referenced block, nor evicts cached blocks below one.
+    assert pool.shrink() == 0 and pool.num_evictable == 2 and pool.ref_cnt(high) == 1
+    pool.check_invariants(exact_refs=True)
+    # Needing 4 with 1 free + 2 evictable: grows by what is missing, evicts the rest.
+    evictions = pool.prefix_cache_stats()["evictions"]
+    t.add(4, 16)
+    assert pool.num_blocks == 8  # 7 needed, a whole chunk mapped: 3 free, so 1 evicted
+    assert (pool.prefix_cache_stats()["evictions"] - evictions, pool.num_evictable) == (1, 1)
+    pool.check_invariants(exact_refs=True)
+    t.free(4)
+    t.free(2)
+    # Nothing referenced: the shrink evicts the cached blocks that hold chunks and releases all.
+    assert pool.shrink() > 0
+    assert (pool.num_blocks, pool.num_evictable, pool.num_used) == (0, 0, 0)
+    assert pool.prefix_cache_stats()["num_cached_blocks"] == 0
+    pool.check_invariants(exact_refs=True)
+    # Past max_num_blocks even counting the evictable blocks: refused, nothing changed.
+    t.add_request(5, range(9))
+    t.free(5)
+    t.add(7, 1)
+    assert (pool.num_blocks, pool.num_free, pool.num_evictable) == (4, 1, 2)
+    with pytest.raises(kvpool.OutOfBlocksError, match="max_num_blocks"):
+        t.add(6, 32)  # 8 blocks: 3 at hand, 5 more would pass max_num_blocks
+    assert (pool.num_blocks, pool.num_free, pool.num_evictable) == (4, 1, 2)
+    pool.check_invariants(exact_refs=True)
 
 
 # --- content: a hit sees exactly the KV it would have computed ---------------------------------

@@ -23,7 +23,16 @@ import pytest
 from hypothesis import Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
-from kvpool import BlockTables, CacheInUseError, CapacityError, KvLayout, OutOfBlocksError, Pool
+from kvpool import (
+    BlockTables,
+    CacheInUseError,
+    CapacityError,
+    InvalidArgumentError,
+    KvLayout,
+    OutOfBlocksError,
+    Pool,
+)
+from kvpool.metrics import snapshot
 
 BS = 4
 LAYERS = 2
@@ -367,3 +376,27 @@ def test_a_hit_on_the_host_tier_brings_the_kv_back() -> None:
     s = pool.prefix_cache_stats()
     assert (s["num_cached_blocks"], s["host_num_cached_blocks"], s["swapped_in_blocks"]) == (2, 0, 2)
     pool.check_invariants(exact_refs=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"prefix_cache_host_blocks": 4}, "enable_prefix_caching"),
+        ({"enable_prefix_caching": True, "prefix_cache_host_blocks": -1}, "prefix_cache_host_blocks"),
+        ({"enable_prefix_caching": True, "prefix_cache_host_blocks": True}, "bool"),
+    ],
+)
+def test_a_host_tier_needs_prefix_caching_and_a_count(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=match):
+        Pool(LAYOUT, 8, device="host", **kwargs)  # type: ignore[arg-type]
+
+
+def test_metrics_export_the_host_tier() -> None:
+    pool = Pool(LAYOUT, 2, device="host", enable_prefix_caching=True, prefix_cache_host_blocks=2)
+    tables = BlockTables(pool, 1, 2)
+    tables.add_request(1, range(5))
+    tables.free(1)
+    pool.free_many(pool.alloc_many(2))  # spills the cached block
+    tables.add_request(2, range(5))  # and brings it back
+    got = {s.name: s.value for s in snapshot(pool)}
+    assert (got["kvpool:prefix_cache_host_cached_blocks"], got["kvpool:prefix_cache_swapped_in_blocks"]) == (0, 1)

@@ -57,6 +57,10 @@ def snapshot(
                cache["stored_blocks"]),
         Sample("kvpool:prefix_cache_evictions", "counter", "Cached blocks evicted for reuse.", cache["evictions"]),
         Sample("kvpool:prefix_cache_resets", "counter", "Prefix-cache resets.", cache["resets"]),
+        Sample("kvpool:prefix_cache_host_cached_blocks", "gauge", "Blocks in the prefix cache's host tier.",
+               cache["host_num_cached_blocks"]),
+        Sample("kvpool:prefix_cache_swapped_in_blocks", "counter",
+               "Cached blocks copied back from the host tier on a hit.", cache["swapped_in_blocks"]),
     ]
     if tables is not None:
         samples.append(Sample("vllm:num_requests_running", "gauge", "Requests in the block tables.", len(tables)))

@@ -361,8 +361,8 @@ impl Pool {
     /// [`alloc_into`](Self::alloc_into) on behalf of `owner`, whose tag the new ids get.
     pub(crate) fn alloc_into_for(&self, out: &mut [u32], owner: Owner) -> Result<(), CoreError> {
         match (self.allocator.alloc_into(out), self.growable_slab()) {
+            (Err(CoreError::OutOfBlocks { .. }), _) if self.prefix_cache.is_some() => self.alloc_evicting(out)?,
             (Err(CoreError::OutOfBlocks { .. }), Some(slab)) => self.alloc_growing(&mut slab.lock(), out)?,
-            (Err(CoreError::OutOfBlocks { .. }), None) if self.prefix_cache.is_some() => self.alloc_evicting(out)?,
             (result, _) => result?,
         }
         if let Some(cache) = &self.prefix_cache {

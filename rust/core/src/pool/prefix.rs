@@ -12,14 +12,11 @@ use crate::prefix_cache::{BlockHash, PrefixAlloc, PrefixCache};
 use crate::tier::engine::Engine;
 
 impl Pool {
-    /// Turns prefix caching on for a new pool (before it is shared). Fixed pools only.
+    /// Turns prefix caching on for a new pool (before it is shared). A growable pool evicts
+    /// before it grows (evictable blocks count as free), and its shrink evicts the evictable
+    /// blocks above the highest referenced one first, so that their chunks can go.
     pub fn with_prefix_caching(mut self) -> Result<Self, CoreError> {
-        if self.is_growable() {
-            return Err(CoreError::InvalidArgument(
-                "prefix caching needs a fixed pool, not a growable one (a shrink cannot yet reclaim chunks that hold evictable cached blocks)".into(),
-            ));
-        }
-        self.prefix_cache = Some(PrefixCache::new(self.num_blocks(), self.layout.block_size())?);
+        self.prefix_cache = Some(PrefixCache::new(self.max_num_blocks(), self.layout.block_size())?);
         Ok(self)
     }
 
@@ -83,11 +80,26 @@ impl Pool {
         Ok(())
     }
 
-    /// Fills `out` from the free list and, what it lacks, by evicting cached blocks.
+    /// Fills `out` from the free list and, what it lacks, by evicting cached blocks. A
+    /// growable pool grows only when free and evictable blocks together fall short, by the
+    /// shortfall, then retries (another thread may take the new blocks first; then this
+    /// fails as it would have).
     pub(crate) fn alloc_evicting(&self, out: &mut [u32]) -> Result<(), CoreError> {
-        match &self.prefix_cache {
-            Some(cache) => cache.alloc_evicting(&self.allocator, out),
-            None => self.allocator.alloc_into(out),
+        let Some(cache) = &self.prefix_cache else { return self.allocator.alloc_into(out) };
+        match cache.alloc_evicting(&self.allocator, out) {
+            Err(CoreError::OutOfBlocks { requested, free, .. }) if self.is_growable() => {
+                self.grow(self.num_blocks() + (requested - free))?;
+                cache.alloc_evicting(&self.allocator, out)
+            }
+            result => result,
+        }
+    }
+
+    /// Before a shrink: evicts the evictable blocks above both the highest referenced block
+    /// and every live view's extent (they alone keep those chunks mapped).
+    pub(super) fn evict_for_shrink(&self) {
+        if let Some(cache) = &self.prefix_cache {
+            cache.evict_above(&self.allocator, self.max_view_extent());
         }
     }
 
@@ -100,7 +112,14 @@ impl Pool {
         total_blocks: usize,
         query_tokens: usize,
     ) -> Result<PrefixAlloc, CoreError> {
-        let alloc = cache.alloc_with_prefix(&self.allocator, hashes, total_blocks, query_tokens)?;
+        let alloc = match cache.alloc_with_prefix(&self.allocator, hashes, total_blocks, query_tokens) {
+            // Short even counting the evictable blocks: grow as `alloc_evicting` does.
+            Err(CoreError::OutOfBlocks { requested, free, .. }) if self.is_growable() => {
+                self.grow(self.num_blocks() + (requested - free))?;
+                cache.alloc_with_prefix(&self.allocator, hashes, total_blocks, query_tokens)?
+            }
+            result => result?,
+        };
         // Hits were tables' blocks already (only tables cache blocks).
         self.owners.set(&alloc.fresh, Owner::Tables);
         // Revived hits are in use again, like fresh blocks.

@@ -100,6 +100,13 @@ impl CacheIndex {
         hash
     }
 
+    /// Evicts block `id` (cached and evictable) out of LRU order (a shrink reclaiming its
+    /// chunk); returns its hash.
+    pub fn evict_block(&mut self, id: u32) -> BlockHash {
+        self.counters.evictions += 1;
+        self.remove(id)
+    }
+
     /// Counts blocks a second tier handed back to the pool.
     pub fn record_swap_in(&mut self, num_blocks: usize) {
         self.counters.swapped_in_blocks += num_blocks as u64;

@@ -262,6 +262,31 @@ impl PrefixCache {
         }
     }
 
+    /// Evicts every evictable block above both the highest referenced block and `keep_below`
+    /// (a shrink then releases their chunks); with a host tier they spill there. Returns how
+    /// many went back to the free list.
+    pub fn evict_above(&self, refs: &dyn BlockRefs, keep_below: usize) -> usize {
+        let mut idx = self.lock();
+        let num_blocks = refs.num_blocks();
+        let live_end = (0..num_blocks as u32).rev().find(|&id| refs.ref_cnt(id) > 0).map_or(0, |id| id as usize + 1);
+        let above = live_end.max(keep_below);
+        let ids: Vec<u32> = idx.evictable().filter(|&id| id as usize >= above).collect();
+        if ids.is_empty() {
+            return 0;
+        }
+        let evicted: Vec<(u32, BlockHash)> = ids.iter().map(|&id| (id, idx.evict_block(id))).collect();
+        for &id in &ids {
+            self.cached[id as usize].store(false, Ordering::Release);
+        }
+        idx.events.push(KvEvent::BlockRemoved { block_hashes: evicted.iter().map(|&(_, h)| h).collect(), medium: Medium::Pool });
+        if let Some(tier) = &self.spill {
+            tier.spill(&evicted, &mut idx.events);
+        }
+        refs.push_free(&ids);
+        self.num_evictable.store(idx.num_evictable(), Ordering::Release);
+        ids.len()
+    }
+
     /// Caches blocks that requests just filled, each the sole reference of its holder, under
     /// one acquisition of the lock (a decode step fills blocks of many requests at once). A
     /// block whose content another block holds already stays uncached. Queues one
