@@ -33,13 +33,13 @@ pub struct AddResult {
 }
 
 /// The hash state of a request whose token ids are known: enough to hash its next block.
+/// The tokens of its partly filled last block (`num_tokens % block_size` of them) are in
+/// the tables' `pending_tokens`, at the row's slot.
 #[derive(Debug, Clone)]
 pub(crate) struct RowHashes {
     root: BlockHash,
     /// Hash of the last full block; `None` before the first.
     last: Option<BlockHash>,
-    /// Tokens of the partly filled last block.
-    pending: Vec<u32>,
     lora_id: Option<u64>,
 }
 
@@ -81,15 +81,9 @@ impl BlockTables {
             })
             .collect();
         cache.store(&filled, token_ids);
-        // Room for a block: decode appends one token at a time without reallocating.
-        let mut pending = Vec::with_capacity(bs);
-        pending.extend_from_slice(&token_ids[hashes.len() * bs..]);
-        st.hashes[row] = Some(RowHashes {
-            root,
-            last: hashes.last().copied(),
-            pending,
-            lora_id: key.lora_id,
-        });
+        let tail = &token_ids[hashes.len() * bs..];
+        st.pending_tokens[row * bs..][..tail.len()].copy_from_slice(tail);
+        st.hashes[row] = Some(RowHashes { root, last: hashes.last().copied(), lora_id: key.lora_id });
         let mut slot_mapping = Vec::with_capacity(num_tokens - num_cached * bs);
         self.extend_slots(&mut slot_mapping, &st, row, num_cached * bs, num_tokens);
         Ok(AddResult { num_cached_tokens: num_cached * bs, slot_mapping })
@@ -123,22 +117,26 @@ impl BlockTables {
                 }
                 continue;
             };
-            if h.pending.len() + new_ids.len() < bs {
-                h.pending.extend_from_slice(new_ids);
-                continue;
-            }
-            h.pending.extend_from_slice(new_ids);
-            let first_block = (st.rows[row].num_tokens - h.pending.len()) / bs;
-            for (k, tokens) in h.pending.chunks_exact(bs).enumerate() {
+            // The row's partial block, in place: a decode step writes one token here and
+            // hashes only when the block fills.
+            let pending = &mut st.pending_tokens[row * bs..(row + 1) * bs];
+            let mut pos = st.rows[row].num_tokens - count;
+            let mut new_ids = new_ids;
+            while !new_ids.is_empty() {
+                let (at, take) = (pos % bs, (bs - pos % bs).min(new_ids.len()));
+                pending[at..at + take].copy_from_slice(&new_ids[..take]);
+                new_ids = &new_ids[take..];
+                pos += take;
+                if pos % bs != 0 {
+                    break;
+                }
                 let parent = h.last;
-                let hash = cache.hasher().block(&parent.unwrap_or(h.root), tokens);
+                let hash = cache.hasher().block(&parent.unwrap_or(h.root), pending);
                 h.last = Some(hash);
-                let block_id = st.table[row * width + first_block + k] as u32;
+                let block_id = st.table[row * width + pos / bs - 1] as u32;
                 filled.push(FilledBlock { block_id, hash, parent, tokens_at: filled_tokens.len(), lora_id: h.lora_id });
-                filled_tokens.extend_from_slice(tokens);
+                filled_tokens.extend_from_slice(pending);
             }
-            let full = h.pending.len() - h.pending.len() % bs;
-            h.pending.drain(..full);
         }
         if !filled.is_empty() {
             cache.store(&filled, &filled_tokens);
@@ -153,14 +151,8 @@ impl BlockTables {
         let bs = self.block_size();
         for (r, h) in st.rows.iter().zip(&st.hashes) {
             let Some(h) = h else { continue };
-            if h.pending.len() != r.num_tokens % bs || h.last.is_some() != (r.num_tokens >= bs) {
-                return Err(format!(
-                    "request {}: {} pending tokens and last hash {:?} for {} tokens",
-                    r.request_id,
-                    h.pending.len(),
-                    h.last,
-                    r.num_tokens
-                ));
+            if h.last.is_some() != (r.num_tokens >= bs) {
+                return Err(format!("request {}: last hash {:?} for {} tokens", r.request_id, h.last, r.num_tokens));
             }
         }
         Ok(())
