@@ -215,3 +215,33 @@ def test_refusals_move_nothing():
     assert tier.location(1) == "host" and tier.location(2) == "device"
     tier.check_invariants()
     pool.check_invariants(exact_refs=True)
+
+
+def test_prefix_cache_host_tier_round_trip_is_byte_exact():
+    """Cached blocks the pool evicts spill to the prefix cache's host tier and come back on a
+    hit byte for byte (the device slab is poisoned in between, so only the host had them)."""
+    rng = np.random.default_rng(11)
+    pool = kvpool.Pool(LAYOUT, 64, device="cuda", enable_prefix_caching=True, prefix_cache_host_blocks=64)
+    tables = kvpool.BlockTables(pool, 4, 64)
+    prompt = rng.integers(0, 50_000, 40 * BS + 3)
+    tables.add_request(1, prompt)
+    bb = pool.block_bytes
+    slab = _slab(pool)
+    slab[...] = cp.asarray(rng.integers(0, 256, slab.size, dtype=np.uint8))
+    cp.cuda.runtime.deviceSynchronize()
+    blocks = tables.blocks(1).tolist()[:40]
+    before = [cp.asnumpy(x) for x in _block_bytes(slab, blocks, bb)]
+    tables.free(1)
+    held = pool.alloc_many(64)  # 24 free + the 40 cached blocks, evicted: they spill
+    assert pool.prefix_cache_stats()["host_num_cached_blocks"] == 40
+    cp.cuda.runtime.deviceSynchronize()
+    slab[...] = POISON
+    cp.cuda.runtime.deviceSynchronize()
+    pool.free_many(held)
+    assert tables.add_request(2, prompt).num_cached_tokens == 40 * BS
+    cp.cuda.runtime.deviceSynchronize()
+    for k, (b, want) in enumerate(zip(tables.blocks(2).tolist()[:40], before)):
+        assert (cp.asnumpy(slab[b * bb:(b + 1) * bb]) == want).all(), f"block {k} after the swap-in"
+    s = pool.prefix_cache_stats()
+    assert (s["host_num_cached_blocks"], s["swapped_in_blocks"]) == (0, 40)
+    pool.check_invariants(exact_refs=True)

@@ -115,6 +115,43 @@ def test_free_makes_cached_blocks_evictable_and_reset_drops_them() -> None:
     pool.check_invariants(exact_refs=True)
 
 
+def test_high_water_counts_referenced_blocks_not_evictable_ones() -> None:
+    pool, t = make(num_blocks=8)
+    t.add_request(1, range(10))  # 3 blocks, 2 of them cached
+    t.free(1)
+    assert (pool.num_free, pool.num_evictable, pool.num_used, pool.high_water) == (6, 2, 0, 3)
+    t.add_request(2, range(20, 44))  # 6 blocks from the free list: none free, 2 evictable
+    assert (pool.num_free, pool.num_evictable, pool.num_used) == (0, 2, 6)
+    assert pool.high_water == 6 and pool.stats()["high_water"] == 6, "evictable blocks are not in use"
+    t.free(2)
+    assert (pool.num_evictable, pool.num_used, pool.high_water) == (8, 0, 6)
+    # Reviving 6 cached blocks and evicting 1 for the last token: 7 in use.
+    assert t.add_request(3, [*range(20, 44), 99]).num_cached_tokens == 24
+    assert (pool.num_evictable, pool.num_used, pool.high_water) == (1, 7, 7)
+    pool.check_invariants(exact_refs=True)
+
+
+def test_one_decode_step_reports_each_requests_blocks_with_their_parent() -> None:
+    pool, t = make()
+    pool.enable_kv_cache_events()
+    t.add_request(1, [1, 2, 3])
+    t.add_request(2, [4, 5, 6, 7, 8, 9, 10])
+    (first,) = pool.take_kv_events()
+    assert first.token_ids == [4, 5, 6, 7]
+    # One step fills request 1's block 0 and request 2's block 1: stored under one lock,
+    # reported as two runs (their chains differ).
+    t.append_tokens_many(np.array([1, 2]), 1, np.array([4, 11], dtype=np.int32))
+    e1, e2 = pool.take_kv_events()
+    assert (e1.token_ids, e1.parent_block_hash) == ([1, 2, 3, 4], None)
+    assert (e2.token_ids, e2.parent_block_hash) == ([8, 9, 10, 11], first.block_hashes[0])
+    # Request 1 filling two blocks in one step is one run.
+    t.append_tokens(1, 8, np.arange(5, 13, dtype=np.uint32))
+    (run,) = pool.take_kv_events()
+    assert run.token_ids == list(range(5, 13)) and run.parent_block_hash == e1.block_hashes[0]
+    assert len(run.block_hashes) == 2
+    pool.check_invariants(exact_refs=True)
+
+
 def test_kv_events_follow_vllm_names_and_order() -> None:
     pool, t = make(num_blocks=4)
     t.add_request(9, range(9))
@@ -156,6 +193,9 @@ def test_kv_events_follow_vllm_names_and_order() -> None:
         (lambda t: t.add_request(1, [1, True]), InvalidArgumentError),
         (lambda t: t.add_request(1, [1, -1]), InvalidArgumentError),
         (lambda t: t.add_request(1, [1, 2**32]), InvalidArgumentError),
+        (lambda t: t.add_request(1, np.array([1, -1], dtype=np.int32)), InvalidArgumentError),
+        (lambda t: t.add_request(1, np.array([1, 2**32], dtype=np.int64)), InvalidArgumentError),
+        (lambda t: t.add_request(1, np.arange(8, dtype=np.int64)[::-2] - 5), InvalidArgumentError),
         (lambda t: t.add_request(1, np.zeros((2, 2), dtype=np.int64)), InvalidArgumentError),
         (lambda t: t.add_request(1, np.zeros(3, dtype=np.float32)), InvalidArgumentError),
         (lambda t: t.add_request(1, 5), InvalidArgumentError),
@@ -182,9 +222,44 @@ def test_bad_input_raises_and_changes_nothing(call, error) -> None:  # type: ign
     pool.check_invariants(exact_refs=True)
 
 
-def test_growable_pools_refuse_prefix_caching() -> None:
-    with pytest.raises(InvalidArgumentError, match="growable"):
-        Pool(LAYOUT, growable=True, max_num_blocks=8, device="host", enable_prefix_caching=True)
+def test_growable_pools_evict_before_growing_and_shrink_past_the_cache() -> None:
+    # 2048-byte blocks, 4 KiB chunks: two blocks per chunk.
+    pool = Pool(LAYOUT, growable=True, max_num_blocks=8, chunk_bytes=4096, device="host", enable_prefix_caching=True)
+    t = BlockTables(pool, 4, 8)
+    t.add_request(1, range(9))  # blocks 0, 1 (cached), 2: the pool grows to 2 chunks
+    t.add(2, 12)  # 3 more blocks, none evictable: grows to 3 chunks
+    assert (pool.num_blocks, pool.num_free) == (6, 0)
+    high = max(t.blocks(2).tolist())
+    t.free(1)
+    assert (pool.num_free, pool.num_evictable, pool.num_used) == (1, 2, 3)
+    # A hit revives the cached blocks of a growable pool like any other.
+    assert t.add_request(3, range(9)).num_cached_tokens == 8
+    t.free(3)
+    # A shrink never drops a referenced block, nor evicts cached blocks below one.
+    assert pool.shrink() == 0 and pool.num_evictable == 2 and pool.ref_cnt(high) == 1
+    pool.check_invariants(exact_refs=True)
+    # Needing 4 with 1 free + 2 evictable: grows by what is missing, evicts the rest.
+    evictions = pool.prefix_cache_stats()["evictions"]
+    t.add(4, 16)
+    assert pool.num_blocks == 8  # 7 needed, a whole chunk mapped: 3 free, so 1 evicted
+    assert (pool.prefix_cache_stats()["evictions"] - evictions, pool.num_evictable) == (1, 1)
+    pool.check_invariants(exact_refs=True)
+    t.free(4)
+    t.free(2)
+    # Nothing referenced: the shrink evicts the cached blocks that hold chunks and releases all.
+    assert pool.shrink() > 0
+    assert (pool.num_blocks, pool.num_evictable, pool.num_used) == (0, 0, 0)
+    assert pool.prefix_cache_stats()["num_cached_blocks"] == 0
+    pool.check_invariants(exact_refs=True)
+    # Past max_num_blocks even counting the evictable blocks: refused, nothing changed.
+    t.add_request(5, range(9))
+    t.free(5)
+    t.add(7, 1)
+    assert (pool.num_blocks, pool.num_free, pool.num_evictable) == (4, 1, 2)
+    with pytest.raises(kvpool.OutOfBlocksError, match="max_num_blocks"):
+        t.add(6, 32)  # 8 blocks: 3 at hand, 5 more would pass max_num_blocks
+    assert (pool.num_blocks, pool.num_free, pool.num_evictable) == (4, 1, 2)
+    pool.check_invariants(exact_refs=True)
 
 
 # --- content: a hit sees exactly the KV it would have computed ---------------------------------

@@ -49,13 +49,18 @@ def snapshot(
         Sample("kvpool:num_free_blocks", "gauge", "Blocks on the free list.", stats["num_free"]),
         Sample("kvpool:num_evictable_blocks", "gauge", "Cached blocks nobody references.", stats["num_evictable"]),
         Sample("kvpool:num_used_blocks", "gauge", "Blocks referenced by requests.", stats["num_used"]),
-        Sample("kvpool:high_water_blocks", "gauge", "Most blocks off the free list at once.", stats["high_water"]),
+        Sample("kvpool:high_water_blocks", "gauge",
+               "Most blocks referenced at once (evictable cached blocks count as free).", stats["high_water"]),
         Sample("kvpool:mapped_bytes", "gauge", "Bytes of KV memory the pool holds.", stats["mapped_bytes"]),
         Sample("kvpool:prefix_cache_cached_blocks", "gauge", "Blocks in the prefix cache.", cache["num_cached_blocks"]),
         Sample("kvpool:prefix_cache_stored_blocks", "counter", "Blocks that entered the prefix cache.",
                cache["stored_blocks"]),
         Sample("kvpool:prefix_cache_evictions", "counter", "Cached blocks evicted for reuse.", cache["evictions"]),
         Sample("kvpool:prefix_cache_resets", "counter", "Prefix-cache resets.", cache["resets"]),
+        Sample("kvpool:prefix_cache_host_cached_blocks", "gauge", "Blocks in the prefix cache's host tier.",
+               cache["host_num_cached_blocks"]),
+        Sample("kvpool:prefix_cache_swapped_in_blocks", "counter",
+               "Cached blocks copied back from the host tier on a hit.", cache["swapped_in_blocks"]),
     ]
     if tables is not None:
         samples.append(Sample("vllm:num_requests_running", "gauge", "Requests in the block tables.", len(tables)))

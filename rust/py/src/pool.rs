@@ -118,6 +118,7 @@ impl PyPool {
         chunk_bytes = None,
         device = "auto",
         enable_prefix_caching = false,
+        prefix_cache_host_blocks = None,
     ))]
     #[allow(clippy::too_many_arguments)] // one per keyword of the Python signature
     fn new(
@@ -132,8 +133,13 @@ impl PyPool {
         chunk_bytes: Option<Int>,
         device: &str,
         enable_prefix_caching: bool,
+        prefix_cache_host_blocks: Option<Int>,
     ) -> KvResult<Self> {
         let device = Device::parse(device)?;
+        let host_blocks = prefix_cache_host_blocks.map(|n| ids::count(n, "prefix_cache_host_blocks")).transpose()?;
+        if host_blocks.is_some() && !enable_prefix_caching {
+            return Err(CoreError::InvalidArgument("prefix_cache_host_blocks needs enable_prefix_caching=True".into()).into());
+        }
         let create = pool_maker(
             layout.inner,
             (num_blocks, memory_bytes, gpu_memory_utilization),
@@ -145,6 +151,9 @@ impl PyPool {
         let mut pool = py.detach(create)?;
         if enable_prefix_caching {
             pool = pool.with_prefix_caching()?;
+        }
+        if let Some(n) = host_blocks {
+            pool = py.detach(|| pool.with_prefix_host_tier(n))?;
         }
         Ok(PyPool { inner: Arc::new(pool) })
     }

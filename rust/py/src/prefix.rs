@@ -1,7 +1,7 @@
 //! Prefix caching for Python: token ids, salts and keys checked into core types, the
 //! `add_request` result, KV event objects (vLLM's field names) and the stats dict.
 
-use kvpool_core::prefix_cache::{BlockHash, KvEvent, PrefixCacheStats};
+use kvpool_core::prefix_cache::{BlockHash, KvEvent, Medium, PrefixCacheStats};
 use kvpool_core::CoreError;
 use numpy::{PyArray1, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -15,19 +15,43 @@ fn type_name(value: &Bound<'_, PyAny>) -> String {
     value.get_type().name().map(|n| n.to_string()).unwrap_or_default()
 }
 
+/// Integers checked into token ids in one pass the compiler vectorises (a 4096-token
+/// prompt costs about a microsecond); the first bad one is named.
+fn checked_token_ids<T: Copy + Into<i64>>(values: impl ExactSizeIterator<Item = T> + Clone) -> Result<Vec<u32>, CoreError> {
+    let mut out = Vec::with_capacity(values.len());
+    let mut all_fit = true;
+    out.extend(values.clone().map(|v| {
+        let v: i64 = v.into();
+        all_fit &= (0..=u32::MAX as i64).contains(&v);
+        v as u32
+    }));
+    if all_fit {
+        return Ok(out);
+    }
+    let bad = values.map(Into::into).find(|v: &i64| u32::try_from(*v).is_err()).unwrap_or_default();
+    Err(invalid(format!("token id {bad} is not in 0..2**32")))
+}
+
 fn token_id(v: i64) -> Result<u32, CoreError> {
     u32::try_from(v).map_err(|_| invalid(format!("token id {v} is not in 0..2**32")))
 }
 
-/// Token ids: a 1-D int32/int64/uint32 NumPy array (fast path) or an iterable of ints, each
-/// in 0..2**32. Strings, bytes, bools, floats and nested arrays are refused.
+/// Token ids: a 1-D int32/int64/uint32 NumPy array (fast path: read in place through
+/// rust-numpy, checked and narrowed in one pass) or an iterable of ints, each in 0..2**32.
+/// Strings, bytes, bools, floats and nested arrays are refused.
 pub fn token_ids(value: &Bound<'_, PyAny>) -> Result<Vec<u32>, CoreError> {
     // int64 first: NumPy's default integer, and each failed extraction costs an exception.
     if let Ok(a) = value.extract::<PyReadonlyArray1<'_, i64>>() {
-        return a.as_array().iter().map(|&v| token_id(v)).collect();
+        return match a.as_slice() {
+            Ok(s) => checked_token_ids(s.iter().copied()),
+            Err(_) => checked_token_ids(a.as_array().iter().copied()),
+        };
     }
     if let Ok(a) = value.extract::<PyReadonlyArray1<'_, i32>>() {
-        return a.as_array().iter().map(|&v| token_id(v as i64)).collect();
+        return match a.as_slice() {
+            Ok(s) => checked_token_ids(s.iter().copied()),
+            Err(_) => checked_token_ids(a.as_array().iter().copied()),
+        };
     }
     if let Ok(a) = value.extract::<PyReadonlyArray1<'_, u32>>() {
         return Ok(a.as_array().to_vec());
@@ -161,7 +185,8 @@ impl BlockStored {
     }
 }
 
-/// Blocks left the cache, evicted for reuse (vLLM's `BlockRemoved`).
+/// Blocks left one tier of the cache: evicted for reuse, or moved to the other tier (vLLM's
+/// `BlockRemoved`).
 #[pyclass(module = "kvpool._core", name = "BlockRemoved", frozen)]
 pub struct BlockRemoved {
     block_hashes: Vec<BlockHash>,
@@ -194,16 +219,24 @@ impl AllBlocksCleared {
     }
 }
 
-/// Python objects for drained events, in order.
-pub fn events_to_py(py: Python<'_>, events: Vec<KvEvent>, medium: &'static str) -> PyResult<Vec<Py<PyAny>>> {
+/// Python objects for drained events, in order. `pool_medium` names the pool's own memory
+/// ("GPU" or "CPU"); the host tier is "CPU".
+pub fn events_to_py(py: Python<'_>, events: Vec<KvEvent>, pool_medium: &'static str) -> PyResult<Vec<Py<PyAny>>> {
+    let name = |medium: Medium| match medium {
+        Medium::Pool => pool_medium,
+        Medium::HostTier => "CPU",
+    };
     events
         .into_iter()
         .map(|event| {
             Ok(match event {
-                KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, lora_id } => {
+                KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium } => {
+                    let medium = name(medium);
                     Py::new(py, BlockStored { block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium })?.into_any()
                 }
-                KvEvent::BlockRemoved { block_hashes } => Py::new(py, BlockRemoved { block_hashes, medium })?.into_any(),
+                KvEvent::BlockRemoved { block_hashes, medium } => {
+                    Py::new(py, BlockRemoved { block_hashes, medium: name(medium) })?.into_any()
+                }
                 KvEvent::AllBlocksCleared => Py::new(py, AllBlocksCleared {})?.into_any(),
             })
         })
@@ -221,6 +254,11 @@ pub fn stats_dict<'py>(py: Python<'py>, s: &PrefixCacheStats) -> PyResult<Bound<
     d.set_item("stored_blocks", s.stored_blocks)?;
     d.set_item("evictions", s.evictions)?;
     d.set_item("resets", s.resets)?;
+    d.set_item("host_num_blocks", s.host_num_blocks)?;
+    d.set_item("host_num_cached_blocks", s.host_num_cached_blocks)?;
+    d.set_item("host_stored_blocks", s.host_stored_blocks)?;
+    d.set_item("host_evictions", s.host_evictions)?;
+    d.set_item("swapped_in_blocks", s.swapped_in_blocks)?;
     Ok(d)
 }
 

@@ -79,7 +79,9 @@ impl Pool {
     /// blocks whose memory is still mapped stay in the pool and on the free list.
     pub fn shrink(&self) -> Result<usize, CoreError> {
         let Some(slab) = self.growable_slab() else { return Ok(0) };
-        self.shrink_locked(&mut slab.lock(), 0)
+        let mut guard = slab.lock();
+        self.evict_for_shrink();
+        self.shrink_locked(&mut guard, 0)
     }
 
     /// `CannotGrow` for a request of `requested` blocks, with the counts as they are now.
@@ -166,7 +168,7 @@ impl Pool {
     /// ref_cnt(id) > 0  =>  (id + 1) * block_bytes <= mapped_bytes      for every id
     /// ```
     pub(super) fn check_growable_invariants(&self, guard: &ResizeGuard<'_>) -> Result<(), String> {
-        self.allocator.check_invariants()?;
+        self.check_block_invariants()?;
         let (num_blocks, block_bytes) = (self.num_blocks(), self.layout.block_bytes());
         let mapped = guard.mapped_bytes();
         let reserved = self.reserved_bytes();

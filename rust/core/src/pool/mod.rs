@@ -122,6 +122,7 @@ pub struct PoolStats {
     pub num_evictable: usize,
     /// Referenced: `num_free + num_evictable + num_used == num_blocks`.
     pub num_used: usize,
+    /// The most blocks ever used (referenced) at once; evictable blocks are not used.
     pub high_water: usize,
     pub block_bytes: usize,
     pub device: Device,
@@ -298,9 +299,15 @@ impl Pool {
     pub fn num_used(&self) -> usize {
         self.allocator.num_used().saturating_sub(self.num_evictable())
     }
-    /// The most blocks ever in use at once.
+    /// The most blocks ever in use at once. With prefix caching, "in use" is referenced:
+    /// evictable cached blocks count as free (as in vLLM's usage), so a pool full of
+    /// reusable cache does not look full. Sampled after every allocation (and, with prefix
+    /// caching, every prefix hit) and on every read; exact while one thread uses the pool.
     pub fn high_water(&self) -> usize {
-        self.allocator.high_water()
+        match &self.prefix_cache {
+            Some(cache) => cache.raise_used_high_water(self.num_used()),
+            None => self.allocator.high_water(),
+        }
     }
     /// Current reference count of a block (0: free).
     pub fn ref_cnt(&self, block_id: u32) -> Result<u32, CoreError> {
@@ -354,9 +361,12 @@ impl Pool {
     /// [`alloc_into`](Self::alloc_into) on behalf of `owner`, whose tag the new ids get.
     pub(crate) fn alloc_into_for(&self, out: &mut [u32], owner: Owner) -> Result<(), CoreError> {
         match (self.allocator.alloc_into(out), self.growable_slab()) {
+            (Err(CoreError::OutOfBlocks { .. }), _) if self.prefix_cache.is_some() => self.alloc_evicting(out)?,
             (Err(CoreError::OutOfBlocks { .. }), Some(slab)) => self.alloc_growing(&mut slab.lock(), out)?,
-            (Err(CoreError::OutOfBlocks { .. }), None) if self.prefix_cache.is_some() => self.alloc_evicting(out)?,
             (result, _) => result?,
+        }
+        if let Some(cache) = &self.prefix_cache {
+            cache.raise_used_high_water(self.num_used());
         }
         self.owners.set(out, owner);
         Ok(())

@@ -7,16 +7,49 @@
 
 use crate::error::CoreError;
 use super::{Owner, Pool};
+use crate::prefix_cache::spill::SpillTier;
 use crate::prefix_cache::{BlockHash, PrefixAlloc, PrefixCache};
+use crate::tier::engine::Engine;
 
 impl Pool {
-    /// Turns prefix caching on for a new pool (before it is shared). Fixed pools only.
+    /// Turns prefix caching on for a new pool (before it is shared). A growable pool evicts
+    /// before it grows (evictable blocks count as free), and its shrink evicts the evictable
+    /// blocks above the highest referenced one first, so that their chunks can go.
     pub fn with_prefix_caching(mut self) -> Result<Self, CoreError> {
-        if self.is_growable() {
-            return Err(CoreError::InvalidArgument("prefix caching needs a fixed pool, not a growable one".into()));
-        }
-        self.prefix_cache = Some(PrefixCache::new(self.num_blocks(), self.layout.block_size())?);
+        self.prefix_cache = Some(PrefixCache::new(self.max_num_blocks(), self.layout.block_size())?);
         Ok(self)
+    }
+
+    /// Gives the prefix cache a second tier of `num_blocks` host blocks (pinned for a CUDA
+    /// pool): cached blocks this pool evicts spill there instead of being dropped, and a
+    /// prefix hit on one copies it back. Before the pool is shared.
+    pub fn with_prefix_host_tier(mut self, num_blocks: usize) -> Result<Self, CoreError> {
+        let (device_base, stream, block_size) = (self.base_ptr(), self.stream_handle().unwrap_or(0), self.layout.block_size());
+        let engine = self.spill_engine()?;
+        let pinned_for = match self.device() {
+            crate::slab::Device::Host => None,
+            crate::slab::Device::Cuda(ordinal) => Some(ordinal),
+        };
+        let host = Pool::new_host_tier(self.layout, super::PoolSize::NumBlocks(num_blocks), pinned_for)?;
+        let cache = self
+            .prefix_cache
+            .as_mut()
+            .ok_or_else(|| CoreError::InvalidArgument("a prefix-cache host tier needs prefix caching on the pool".into()))?;
+        cache.set_spill_tier(SpillTier::new(host, engine, device_base, stream, block_size));
+        Ok(self)
+    }
+
+    /// The copy engine of a host tier for this pool: memcpy on the host, a copy stream on CUDA.
+    #[cfg(feature = "cuda")]
+    fn spill_engine(&self) -> Result<Engine, CoreError> {
+        match self.device_context() {
+            Some(dc) => Ok(Engine::Cuda(crate::tier::engine::CudaEngine::new(dc.context(), crate::tier::CopyMethod::Auto)?)),
+            None => Ok(Engine::Host),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    fn spill_engine(&self) -> Result<Engine, CoreError> {
+        Ok(Engine::Host)
     }
 
     pub fn prefix_cache(&self) -> Option<&PrefixCache> {
@@ -47,11 +80,26 @@ impl Pool {
         Ok(())
     }
 
-    /// Fills `out` from the free list and, what it lacks, by evicting cached blocks.
+    /// Fills `out` from the free list and, what it lacks, by evicting cached blocks. A
+    /// growable pool grows only when free and evictable blocks together fall short, by the
+    /// shortfall, then retries (another thread may take the new blocks first; then this
+    /// fails as it would have).
     pub(crate) fn alloc_evicting(&self, out: &mut [u32]) -> Result<(), CoreError> {
-        match &self.prefix_cache {
-            Some(cache) => cache.alloc_evicting(&self.allocator, out),
-            None => self.allocator.alloc_into(out),
+        let Some(cache) = &self.prefix_cache else { return self.allocator.alloc_into(out) };
+        match cache.alloc_evicting(&self.allocator, out) {
+            Err(CoreError::OutOfBlocks { requested, free, .. }) if self.is_growable() => {
+                self.grow(self.num_blocks() + (requested - free))?;
+                cache.alloc_evicting(&self.allocator, out)
+            }
+            result => result,
+        }
+    }
+
+    /// Before a shrink: evicts the evictable blocks above both the highest referenced block
+    /// and every live view's extent (they alone keep those chunks mapped).
+    pub(super) fn evict_for_shrink(&self) {
+        if let Some(cache) = &self.prefix_cache {
+            cache.evict_above(&self.allocator, self.max_view_extent());
         }
     }
 
@@ -64,9 +112,18 @@ impl Pool {
         total_blocks: usize,
         query_tokens: usize,
     ) -> Result<PrefixAlloc, CoreError> {
-        let alloc = cache.alloc_with_prefix(&self.allocator, hashes, total_blocks, query_tokens)?;
+        let alloc = match cache.alloc_with_prefix(&self.allocator, hashes, total_blocks, query_tokens) {
+            // Short even counting the evictable blocks: grow as `alloc_evicting` does.
+            Err(CoreError::OutOfBlocks { requested, free, .. }) if self.is_growable() => {
+                self.grow(self.num_blocks() + (requested - free))?;
+                cache.alloc_with_prefix(&self.allocator, hashes, total_blocks, query_tokens)?
+            }
+            result => result?,
+        };
         // Hits were tables' blocks already (only tables cache blocks).
         self.owners.set(&alloc.fresh, Owner::Tables);
+        // Revived hits are in use again, like fresh blocks.
+        cache.raise_used_high_water(self.num_used());
         Ok(alloc)
     }
 

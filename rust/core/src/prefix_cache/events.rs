@@ -8,21 +8,33 @@ use std::collections::VecDeque;
 
 use super::hash::BlockHash;
 
+/// Where a block is stored: vLLM's `medium` field. The Python layer names them ("GPU" for
+/// a CUDA pool, "CPU" for a host pool and for the host tier).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Medium {
+    /// The pool's own memory.
+    Pool,
+    /// The prefix cache's second tier in host memory.
+    HostTier,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEvent {
     /// Consecutive blocks of one request entered the cache. `parent_block_hash` is the hash
     /// of the block before the first one (None for a request's first block);
-    /// `token_ids` are the tokens of all of them, `block_size` per block.
+    /// `token_ids` are the tokens of all of them, `block_size` per block. Blocks spilled to
+    /// the host tier are reported as vLLM's CPU offloading reports them: no parent, no tokens.
     BlockStored {
         block_hashes: Vec<BlockHash>,
         parent_block_hash: Option<BlockHash>,
         token_ids: Vec<u32>,
         block_size: usize,
         lora_id: Option<u64>,
+        medium: Medium,
     },
-    /// These blocks left the cache (evicted for reuse).
-    BlockRemoved { block_hashes: Vec<BlockHash> },
-    /// Every cached block was dropped (a reset).
+    /// These blocks left one tier of the cache (evicted for reuse, or moved to the other).
+    BlockRemoved { block_hashes: Vec<BlockHash>, medium: Medium },
+    /// Every cached block was dropped, on both tiers (a reset).
     AllBlocksCleared,
 }
 

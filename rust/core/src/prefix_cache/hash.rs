@@ -4,6 +4,8 @@
 //! Keyed BLAKE3 with a random per-pool key: without the key nobody outside the process can
 //! predict a hash, so nobody can forge a block that collides with another tenant's prefix.
 
+use std::borrow::Cow;
+
 use crate::error::CoreError;
 
 /// 256 bits of keyed BLAKE3: collisions are out of reach, so a map hit is a content match.
@@ -71,28 +73,37 @@ impl BlockHasher {
     /// The hash of a full block of `tokens` whose predecessor hashed to `parent` (the root
     /// for a request's first block): BLAKE3 keyed by the parent hash, over the tokens'
     /// little-endian bytes. The chain stays secret-keyed (it starts at a root only the pool
-    /// key can make), and 16 tokens are one 64-byte compression. `scratch` is reused between
-    /// calls to avoid allocating.
-    pub fn block(&self, parent: &BlockHash, tokens: &[u32], scratch: &mut Vec<u8>) -> BlockHash {
-        scratch.clear();
-        for t in tokens {
-            scratch.extend_from_slice(&t.to_le_bytes());
-        }
-        BlockHash(*blake3::keyed_hash(&parent.0, scratch).as_bytes())
+    /// key can make), and 16 tokens are one 64-byte compression.
+    pub fn block(&self, parent: &BlockHash, tokens: &[u32]) -> BlockHash {
+        BlockHash(*blake3::keyed_hash(&parent.0, &le_bytes(tokens)).as_bytes())
     }
 
     /// Hashes of the full blocks of `tokens` (a trailing partial block is left out), chained
     /// from `parent`.
     pub fn chain(&self, parent: &BlockHash, tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
-        let mut scratch = Vec::with_capacity(4 * block_size);
         let mut hashes = Vec::with_capacity(tokens.len() / block_size);
         let mut parent = *parent;
         for block in tokens.chunks_exact(block_size) {
-            parent = self.block(&parent, block, &mut scratch);
+            parent = self.block(&parent, block);
             hashes.push(parent);
         }
         hashes
     }
+}
+
+/// The tokens' little-endian bytes, read in place (no copy: the hash of a 4096-token prompt
+/// is on the hot path of every add).
+#[cfg(target_endian = "little")]
+fn le_bytes(tokens: &[u32]) -> Cow<'_, [u8]> {
+    // SAFETY: u32 has no padding bytes, so all `4 * len` bytes behind the pointer are
+    // initialised; u8 needs no alignment; the slice borrows `tokens` for its lifetime. On a
+    // little-endian target these bytes are exactly each token's `to_le_bytes()`.
+    Cow::Borrowed(unsafe { std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens)) })
+}
+
+#[cfg(target_endian = "big")]
+fn le_bytes(tokens: &[u32]) -> Cow<'_, [u8]> {
+    Cow::Owned(tokens.iter().flat_map(|t| t.to_le_bytes()).collect())
 }
 
 #[cfg(test)]
@@ -123,6 +134,15 @@ mod tests {
         assert_ne!(h2.chain(&h2.root(None, None, b""), &tokens, 4), base);
         // A trailing partial block is not hashed.
         assert_eq!(h.chain(&root, &tokens[..7], 4).len(), 1);
+    }
+
+    #[test]
+    fn block_hashes_the_tokens_little_endian_bytes() {
+        let h = BlockHasher::with_key([3; 32]);
+        let parent = h.root(None, None, b"");
+        let tokens = [1u32, 0x0102_0304, u32::MAX, 7];
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        assert_eq!(h.block(&parent, &tokens).0, *blake3::keyed_hash(&parent.0, &bytes).as_bytes());
     }
 
     #[test]

@@ -23,6 +23,8 @@ pub struct CacheIndex {
 impl CacheIndex {
     pub fn new(num_blocks: usize) -> Self {
         CacheIndex {
+            // Grown as blocks are cached, not sized for every block: a dense map keeps a
+            // decode step's inserts in cache (sized up front, they cost more than the rehashes).
             map: FxHashMap::default(),
             hash_of: vec![None; num_blocks],
             lru: EvictableList::new(num_blocks),
@@ -60,10 +62,10 @@ impl CacheIndex {
     /// stays uncached (a duplicate computed before the first was stored).
     pub fn insert(&mut self, id: u32, hash: BlockHash) -> bool {
         debug_assert!(self.hash_of[id as usize].is_none(), "block {id} is cached already");
-        if self.map.contains_key(&hash) {
-            return false;
-        }
-        self.map.insert(hash, id);
+        match self.map.entry(hash) {
+            std::collections::hash_map::Entry::Occupied(_) => return false,
+            std::collections::hash_map::Entry::Vacant(slot) => slot.insert(id),
+        };
         self.hash_of[id as usize] = Some(hash);
         self.counters.stored_blocks += 1;
         true
@@ -87,6 +89,27 @@ impl CacheIndex {
         self.map.remove(&hash);
         self.counters.evictions += 1;
         Some((id, hash))
+    }
+
+    /// Takes cached, evictable block `id` out of the cache (a second tier handing its
+    /// content back); returns its hash.
+    pub fn remove(&mut self, id: u32) -> BlockHash {
+        let hash = self.hash_of[id as usize].take().expect("only cached blocks are removed");
+        self.map.remove(&hash);
+        self.lru.remove(id);
+        hash
+    }
+
+    /// Evicts block `id` (cached and evictable) out of LRU order (a shrink reclaiming its
+    /// chunk); returns its hash.
+    pub fn evict_block(&mut self, id: u32) -> BlockHash {
+        self.counters.evictions += 1;
+        self.remove(id)
+    }
+
+    /// Counts blocks a second tier handed back to the pool.
+    pub fn record_swap_in(&mut self, num_blocks: usize) {
+        self.counters.swapped_in_blocks += num_blocks as u64;
     }
 
     /// Forgets every cached block; all must be evictable. Returns their ids.

@@ -6,6 +6,7 @@
 //! - [`index`]: the hash -> block map and the evictable list (plain data, behind one mutex).
 //! - [`lru`]: the evictable list itself, O(1) push, revive and evict.
 //! - [`events`]: the opt-in queue of KV events for cache-aware routers.
+//! - [`spill`]: the optional second tier in host memory that evicted blocks spill to.
 //! - [`stats`]: the counters.
 //!
 //! A block is in exactly one of three states:
@@ -28,15 +29,17 @@ pub mod events;
 pub mod hash;
 pub mod index;
 pub mod lru;
+pub mod spill;
 pub mod stats;
 
 use std::sync::{Mutex, MutexGuard};
 
 use crate::error::CoreError;
 use crate::sync::{AtomicBool, AtomicUsize, Ordering};
-pub use events::KvEvent;
+pub use events::{KvEvent, Medium};
 pub use hash::{BlockHash, BlockHasher};
 use index::CacheIndex;
+use spill::SpillTier;
 pub use stats::PrefixCacheStats;
 
 /// What the cache needs from the allocator: reference counts and the free list. Every
@@ -66,15 +69,23 @@ pub trait BlockRefs {
 pub struct PrefixAlloc {
     /// The cached blocks of the prompt's head, in order (now referenced by the caller).
     pub hits: Vec<u32>,
+    /// How many of `fresh`, from the front, hold the blocks after `hits` copied back from the
+    /// host tier (hits too: their KV need not be computed; the caller caches them again).
+    pub swapped_in: usize,
     /// Fresh blocks for the rest.
     pub fresh: Vec<u32>,
 }
 
-/// One block a request just filled: its id, its hash, its tokens.
-pub struct FilledBlock<'a> {
+/// One block a request just filled. Its `block_size` tokens are `tokens[tokens_at..]` of
+/// the slice passed to [`PrefixCache::store`] with it.
+pub struct FilledBlock {
     pub block_id: u32,
     pub hash: BlockHash,
-    pub token_ids: &'a [u32],
+    /// The hash of the request's block before it (None for a request's first block).
+    pub parent: Option<BlockHash>,
+    pub tokens_at: usize,
+    /// The request's LoRA adapter, reported in KV events.
+    pub lora_id: Option<u64>,
 }
 
 pub struct PrefixCache {
@@ -87,6 +98,11 @@ pub struct PrefixCache {
     cached: Box<[AtomicBool]>,
     /// The evictable list's length, readable without the lock (pool counts).
     num_evictable: AtomicUsize,
+    /// The most blocks referenced at once (evictable blocks are not in use: vLLM's usage
+    /// counts them as free). The pool samples it after every allocation and hit.
+    used_high_water: AtomicUsize,
+    /// Where evicted blocks go instead of being dropped, if anywhere.
+    spill: Option<SpillTier>,
 }
 
 impl PrefixCache {
@@ -101,7 +117,17 @@ impl PrefixCache {
             index: Mutex::new(CacheIndex::new(num_blocks)),
             cached: (0..num_blocks).map(|_| AtomicBool::new(false)).collect(),
             num_evictable: AtomicUsize::new(0),
+            used_high_water: AtomicUsize::new(0),
+            spill: None,
         }
+    }
+
+    /// Gives the cache a second tier (before the pool is shared).
+    pub(crate) fn set_spill_tier(&mut self, tier: SpillTier) {
+        self.spill = Some(tier);
+    }
+    pub fn spill_tier(&self) -> Option<&SpillTier> {
+        self.spill.as_ref()
     }
 
     pub fn hasher(&self) -> &BlockHasher {
@@ -125,6 +151,18 @@ impl PrefixCache {
         self.num_evictable.load(Ordering::Acquire)
     }
 
+    /// Raises the high-water mark of referenced blocks to `num_used` if that is higher;
+    /// returns the mark.
+    pub fn raise_used_high_water(&self, num_used: usize) -> usize {
+        // A load first: the shared line is written only when the mark actually rises.
+        let mark = self.used_high_water.load(Ordering::Relaxed);
+        if num_used > mark {
+            self.used_high_water.fetch_max(num_used, Ordering::Relaxed).max(num_used)
+        } else {
+            mark
+        }
+    }
+
     /// The add path: references the longest cached prefix of `hashes` and allocates
     /// `total_blocks - hits` fresh blocks (free list first, then evicting the least
     /// recently used blocks that are not among the hits), all or nothing. `query_tokens`
@@ -138,6 +176,10 @@ impl PrefixCache {
     ) -> Result<PrefixAlloc, CoreError> {
         let mut idx = self.lock();
         let hits: Vec<u32> = hashes.iter().map_while(|h| idx.lookup(h)).take(total_blocks).collect();
+        let host_hits = match &self.spill {
+            Some(tier) => tier.lookup_run(&hashes[hits.len()..total_blocks.min(hashes.len())]),
+            None => Vec::new(),
+        };
         let hits_evictable = hits.iter().filter(|&&id| idx.is_evictable(id)).count();
         let mut fresh = vec![0u32; total_blocks - hits.len()];
         let from_free = self.pop_some_free(refs, &mut fresh);
@@ -147,7 +189,8 @@ impl PrefixCache {
             refs.push_free(&fresh[..from_free]);
             return Err(CoreError::OutOfBlocks { requested: fresh.len(), free: from_free + evictable, num_blocks: refs.num_blocks() });
         }
-        // Commit: nothing below can fail. Hits first, so that no eviction takes one.
+        // Commit: nothing below can fail. Hits first, so that no eviction takes one (and
+        // host hits off the host tier, so that no spill drops one).
         for &id in &hits {
             if idx.revive(id) {
                 refs.set_first_ref(id);
@@ -155,10 +198,18 @@ impl PrefixCache {
                 refs.add_ref(id);
             }
         }
+        let tier = self.spill.as_ref().filter(|_| !host_hits.is_empty());
+        if let Some(tier) = tier {
+            tier.take(&host_hits, &mut idx.events);
+        }
         self.evict_into(refs, &mut idx, &mut fresh[from_free..]);
-        idx.record_query(query_tokens, hits.len() * self.block_size);
+        let swapped_in = match tier {
+            Some(tier) if tier.swap_in(&host_hits, &fresh[..host_hits.len()]) => host_hits.len(),
+            _ => 0,
+        };
+        idx.record_query(query_tokens, (hits.len() + swapped_in) * self.block_size);
         self.num_evictable.store(idx.num_evictable(), Ordering::Release);
-        Ok(PrefixAlloc { hits, fresh })
+        Ok(PrefixAlloc { hits, swapped_in, fresh })
     }
 
     /// The allocation slow path: fills `out` from the free list and, for what it lacks, by
@@ -191,55 +242,97 @@ impl PrefixCache {
     }
 
     /// Evicts one block per entry of `out` (the caller checked there are enough) and hands
-    /// each out with one reference; queues one `BlockRemoved` for them.
+    /// each out with one reference; queues one `BlockRemoved` for them. With a host tier,
+    /// their content spills there first.
     fn evict_into(&self, refs: &dyn BlockRefs, idx: &mut CacheIndex, out: &mut [u32]) {
-        let mut removed = Vec::with_capacity(out.len());
+        if out.is_empty() {
+            return;
+        }
+        let mut evicted = Vec::with_capacity(out.len());
         for slot in out.iter_mut() {
             let (id, hash) = idx.evict().expect("the caller counted the evictable blocks");
             self.cached[id as usize].store(false, Ordering::Release);
             refs.set_first_ref(id);
-            removed.push(hash);
+            evicted.push((id, hash));
             *slot = id;
         }
-        if !removed.is_empty() {
-            idx.events.push(KvEvent::BlockRemoved { block_hashes: removed });
+        idx.events.push(KvEvent::BlockRemoved { block_hashes: evicted.iter().map(|&(_, h)| h).collect(), medium: Medium::Pool });
+        if let Some(tier) = &self.spill {
+            tier.spill(&evicted, &mut idx.events);
         }
     }
 
-    /// Caches blocks one request just filled, in order, each the sole reference of its
-    /// holder; `parent` is the hash before the first (None at the start of the request).
-    /// A block whose content another block holds already stays uncached. Queues one
-    /// `BlockStored` per run of consecutive stored blocks. Returns how many were stored.
-    pub fn store(&self, parent: Option<BlockHash>, blocks: &[FilledBlock<'_>], lora_id: Option<u64>) -> usize {
+    /// Evicts every evictable block above both the highest referenced block and `keep_below`
+    /// (a shrink then releases their chunks); with a host tier they spill there. Returns how
+    /// many went back to the free list.
+    pub fn evict_above(&self, refs: &dyn BlockRefs, keep_below: usize) -> usize {
+        let mut idx = self.lock();
+        let num_blocks = refs.num_blocks();
+        let live_end = (0..num_blocks as u32).rev().find(|&id| refs.ref_cnt(id) > 0).map_or(0, |id| id as usize + 1);
+        let above = live_end.max(keep_below);
+        let ids: Vec<u32> = idx.evictable().filter(|&id| id as usize >= above).collect();
+        if ids.is_empty() {
+            return 0;
+        }
+        let evicted: Vec<(u32, BlockHash)> = ids.iter().map(|&id| (id, idx.evict_block(id))).collect();
+        for &id in &ids {
+            self.cached[id as usize].store(false, Ordering::Release);
+        }
+        idx.events.push(KvEvent::BlockRemoved { block_hashes: evicted.iter().map(|&(_, h)| h).collect(), medium: Medium::Pool });
+        if let Some(tier) = &self.spill {
+            tier.spill(&evicted, &mut idx.events);
+        }
+        refs.push_free(&ids);
+        self.num_evictable.store(idx.num_evictable(), Ordering::Release);
+        ids.len()
+    }
+
+    /// Caches blocks that requests just filled, each the sole reference of its holder, under
+    /// one acquisition of the lock (a decode step fills blocks of many requests at once). A
+    /// block whose content another block holds already stays uncached. Queues one
+    /// `BlockStored` per run of stored blocks that chain (each the parent of the next, one
+    /// LoRA). Returns how many were stored.
+    pub fn store(&self, blocks: &[FilledBlock], tokens: &[u32]) -> usize {
+        let bs = self.block_size;
         let mut idx = self.lock();
         let mut stored = 0;
         let mut run: Option<KvEvent> = None;
-        let mut parent = parent;
         for block in blocks {
-            if idx.insert(block.block_id, block.hash) {
+            let inserted = idx.insert(block.block_id, block.hash);
+            if inserted {
                 self.cached[block.block_id as usize].store(true, Ordering::Release);
                 stored += 1;
-                if idx.events.enabled() {
-                    match run.as_mut() {
-                        Some(KvEvent::BlockStored { block_hashes, token_ids, .. }) => {
-                            block_hashes.push(block.hash);
-                            token_ids.extend_from_slice(block.token_ids);
-                        }
-                        _ => {
-                            run = Some(KvEvent::BlockStored {
-                                block_hashes: vec![block.hash],
-                                parent_block_hash: parent,
-                                token_ids: block.token_ids.to_vec(),
-                                block_size: self.block_size,
-                                lora_id,
-                            })
-                        }
-                    }
-                }
-            } else if let Some(event) = run.take() {
-                idx.events.push(event);
             }
-            parent = Some(block.hash);
+            if !idx.events.enabled() {
+                continue;
+            }
+            let chains = matches!(&run, Some(KvEvent::BlockStored { block_hashes, lora_id, .. })
+                if block_hashes.last().copied() == block.parent && *lora_id == block.lora_id);
+            if !(inserted && chains) {
+                if let Some(event) = run.take() {
+                    idx.events.push(event);
+                }
+            }
+            if !inserted {
+                continue;
+            }
+            let block_tokens = &tokens[block.tokens_at..block.tokens_at + bs];
+            match run.as_mut() {
+                Some(KvEvent::BlockStored { block_hashes, token_ids, .. }) => {
+                    block_hashes.push(block.hash);
+                    token_ids.extend_from_slice(block_tokens);
+                }
+                _ => {
+                    run = Some(KvEvent::BlockStored {
+                        block_hashes: vec![block.hash],
+                        parent_block_hash: block.parent,
+                        token_ids: block_tokens.to_vec(),
+                        block_size: bs,
+                        lora_id: block.lora_id,
+                        medium: Medium::Pool,
+                    })
+                }
+            }
         }
         if let Some(event) = run {
             idx.events.push(event);
@@ -275,6 +368,9 @@ impl PrefixCache {
             self.cached[id as usize].store(false, Ordering::Release);
         }
         refs.push_free(&ids);
+        if let Some(tier) = &self.spill {
+            tier.clear();
+        }
         self.num_evictable.store(0, Ordering::Release);
         Ok(ids.len())
     }
@@ -291,7 +387,17 @@ impl PrefixCache {
     }
 
     pub fn stats(&self) -> PrefixCacheStats {
-        self.lock().stats()
+        let idx = self.lock();
+        let mut stats = idx.stats();
+        if let Some(tier) = &self.spill {
+            let host = tier.counters();
+            stats.host_num_blocks = tier.num_blocks();
+            stats.host_num_cached_blocks = host.num_cached_blocks;
+            stats.host_stored_blocks = host.stored_blocks;
+            stats.host_evictions = host.evictions;
+            stats.swapped_in_blocks = host.swapped_in_blocks;
+        }
+        stats
     }
 
     /// Evictable ids, least recently used first (tests and invariant checks).
@@ -311,7 +417,10 @@ impl PrefixCache {
         if self.num_evictable() != idx.num_evictable() {
             return Err(format!("num_evictable {} != {} on the list", self.num_evictable(), idx.num_evictable()));
         }
-        Ok(())
+        match &self.spill {
+            Some(tier) => tier.check_invariants(),
+            None => Ok(()),
+        }
     }
 }
 

@@ -19,6 +19,13 @@ pub struct PrefixCacheStats {
     pub evictions: u64,
     /// Successful resets.
     pub resets: u64,
+    /// Host tier (0 without one): its blocks, those holding a spilled block now, blocks
+    /// spilled into it, blocks it dropped to make room, blocks copied back on a hit.
+    pub host_num_blocks: usize,
+    pub host_num_cached_blocks: usize,
+    pub host_stored_blocks: u64,
+    pub host_evictions: u64,
+    pub swapped_in_blocks: u64,
 }
 
 impl PrefixCacheStats {

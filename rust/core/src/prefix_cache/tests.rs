@@ -74,13 +74,19 @@ fn setup(n: u32) -> (PrefixCache, FakeRefs) {
 fn store_all(cache: &PrefixCache, ids: &[u32], tokens: &[u32]) -> Vec<BlockHash> {
     let root = cache.hasher().root(None, None, b"");
     let hashes = cache.hasher().chain(&root, tokens, BS);
-    let blocks: Vec<FilledBlock<'_>> = hashes
+    let blocks: Vec<FilledBlock> = hashes
         .iter()
         .zip(ids)
-        .zip(tokens.chunks_exact(BS))
-        .map(|((&hash, &block_id), token_ids)| FilledBlock { block_id, hash, token_ids })
+        .enumerate()
+        .map(|(i, (&hash, &block_id))| FilledBlock {
+            block_id,
+            hash,
+            parent: i.checked_sub(1).map(|p| hashes[p]),
+            tokens_at: i * BS,
+            lora_id: None,
+        })
         .collect();
-    cache.store(None, &blocks, None);
+    cache.store(&blocks, tokens);
     hashes
 }
 
@@ -141,7 +147,7 @@ fn eviction_when_free_list_runs_short_never_takes_a_hit() {
     let mut tail = a.fresh[2..].to_vec();
     tail.sort_unstable();
     assert_eq!(evicted, tail);
-    assert_eq!(cache.drain_events(), vec![KvEvent::BlockRemoved { block_hashes: vec![hashes[3], hashes[2]] }]);
+    assert_eq!(cache.drain_events(), vec![KvEvent::BlockRemoved { block_hashes: vec![hashes[3], hashes[2]], medium: Medium::Pool }]);
     cache.check_invariants(&refs).unwrap();
     assert_eq!(cache.stats().evictions, 2);
     // Nothing left: a failed call changes nothing.
@@ -193,4 +199,54 @@ fn events_off_queue_nothing() {
     store_all(&cache, &a.fresh, &[1, 2, 3, 4]);
     assert!(cache.drain_events().is_empty());
     assert_eq!(cache.stats().stored_blocks, 1);
+}
+
+/// A cache over 4 "pool" blocks (a plain buffer stands in for the pool's slab) with a host
+/// tier of 2 blocks.
+fn setup_with_host_tier() -> (PrefixCache, FakeRefs, Vec<u8>, usize) {
+    use crate::layout::{DType, KvLayout};
+    use crate::pool::{Pool, PoolSize};
+    let layout = KvLayout::new(1, 1, 16, BS, DType::Float16).unwrap();
+    let block_bytes = layout.block_bytes();
+    let device = vec![0u8; 4 * block_bytes];
+    let host = Pool::new_host_tier(layout, PoolSize::NumBlocks(2), None).unwrap();
+    let tier = spill::SpillTier::new(host, crate::tier::engine::Engine::Host, device.as_ptr() as u64, 0, BS);
+    let (mut cache, refs) = setup(4);
+    cache.set_spill_tier(tier);
+    (cache, refs, device, block_bytes)
+}
+
+#[test]
+fn evicted_blocks_spill_to_the_host_tier_and_come_back_on_a_hit() {
+    let (cache, refs, mut device, bb) = setup_with_host_tier();
+    cache.set_events_enabled(true);
+    let tokens: Vec<u32> = (0..12).collect();
+    let a = cache.alloc_with_prefix(&refs, &[], 3, 12).unwrap();
+    let hashes = store_all(&cache, &a.fresh, &tokens);
+    for (k, &b) in a.fresh.iter().enumerate() {
+        device[b as usize * bb..][..bb].fill(10 + k as u8);
+    }
+    cache.release(&refs, &a.fresh);
+    cache.drain_events();
+    // Four blocks needed: the three cached ones are evicted; the host keeps the newest two
+    // (the head of the request, released last).
+    let mut out = [0u32; 4];
+    cache.alloc_evicting(&refs, &mut out).unwrap();
+    let events = cache.drain_events();
+    assert_eq!(events[0], KvEvent::BlockRemoved { block_hashes: vec![hashes[2], hashes[1], hashes[0]], medium: Medium::Pool });
+    assert!(matches!(&events[1], KvEvent::BlockStored { block_hashes, token_ids, parent_block_hash: None, medium: Medium::HostTier, .. }
+        if block_hashes == &[hashes[1], hashes[0]] && token_ids.is_empty()));
+    assert_eq!(cache.spill_tier().unwrap().cached_hashes(), [hashes[1], hashes[0]]);
+    device.fill(0xEE);
+    refs.push_free(&out);
+    cache.check_invariants(&refs).unwrap();
+    // The prompt again: nothing in the pool, its first two blocks on the host.
+    let b = cache.alloc_with_prefix(&refs, &hashes[..2], 3, 12).unwrap();
+    assert_eq!((b.hits.len(), b.swapped_in), (0, 2));
+    for (k, &blk) in b.fresh[..2].iter().enumerate() {
+        assert!(device[blk as usize * bb..][..bb].iter().all(|&x| x == 10 + k as u8), "block {k} came back");
+    }
+    let s = cache.stats();
+    assert_eq!((s.hits, s.host_num_cached_blocks, s.host_stored_blocks, s.swapped_in_blocks), (8, 0, 2, 2));
+    cache.check_invariants(&refs).unwrap();
 }

@@ -77,6 +77,9 @@ pub struct TablesState {
     swapped_out: FxHashSet<u64>,
     /// Parallel to `rows`: the hash state of requests whose token ids are known.
     hashes: Vec<Option<prefix::RowHashes>>,
+    /// `[max_seqs][block_size]` (prefix-caching pools only): row r's tokens of its partly
+    /// filled last block, `num_tokens % block_size` of them, at `r * block_size`.
+    pending_tokens: Vec<u32>,
 }
 
 pub struct BlockTables {
@@ -140,6 +143,15 @@ impl BlockTables {
         rows.try_reserve_exact(max_seqs).map_err(out_of_memory)?;
         let mut hashes = Vec::new();
         hashes.try_reserve_exact(max_seqs).map_err(out_of_memory)?;
+        let mut pending_tokens = Vec::new();
+        if pool.prefix_cache().is_some() {
+            let len = max_seqs.saturating_mul(pool.layout().block_size());
+            pending_tokens.try_reserve_exact(len).map_err(|_| CoreError::OutOfMemory {
+                requested_bytes: len.saturating_mul(4),
+                device: "host".into(),
+            })?;
+            pending_tokens.resize(len, 0);
+        }
         let mut row_of = FxHashMap::default();
         row_of.try_reserve(max_seqs).map_err(out_of_memory)?;
         let tables = Arc::new(BlockTables {
@@ -153,6 +165,7 @@ impl BlockTables {
                 row_version,
                 next_version: 1,
                 hashes,
+                pending_tokens,
                 swapped_out: FxHashSet::default(),
             }),
             #[cfg(feature = "cuda")]
@@ -377,6 +390,7 @@ impl BlockTables {
         st.rows.push(Row { request_id: child_id, num_tokens });
         let hashes = st.hashes[parent].clone();
         st.hashes.push(hashes);
+        self.move_pending(&mut st, parent, child);
         st.row_of.insert(child_id, child);
         let width = self.max_blocks_per_seq;
         st.table.copy_within(parent * width..parent * width + blocks.len(), child * width);
@@ -441,6 +455,7 @@ impl BlockTables {
             let moved = st.rows[last];
             st.rows[row] = moved;
             st.row_of.insert(moved.request_id, row);
+            self.move_pending(st, last, row);
         }
         st.table[last * width..(last + 1) * width].fill(NULL_BLOCK);
         st.rows.pop();
@@ -448,6 +463,14 @@ impl BlockTables {
         st.row_of.remove(&request_id);
         st.touch(row);
         st.touch(last);
+    }
+
+    /// Copies row `from`'s pending tokens to row `to` (a fork, or a row moving into a hole).
+    fn move_pending(&self, st: &mut TablesState, from: usize, to: usize) {
+        if !st.pending_tokens.is_empty() {
+            let bs = self.block_size();
+            st.pending_tokens.copy_within(from * bs..(from + 1) * bs, to * bs);
+        }
     }
 
     pub fn len(&self) -> usize {

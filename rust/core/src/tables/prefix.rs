@@ -33,13 +33,13 @@ pub struct AddResult {
 }
 
 /// The hash state of a request whose token ids are known: enough to hash its next block.
+/// The tokens of its partly filled last block (`num_tokens % block_size` of them) are in
+/// the tables' `pending_tokens`, at the row's slot.
 #[derive(Debug, Clone)]
 pub(crate) struct RowHashes {
     root: BlockHash,
     /// Hash of the last full block; `None` before the first.
     last: Option<BlockHash>,
-    /// Tokens of the partly filled last block.
-    pending: Vec<u32>,
     lora_id: Option<u64>,
 }
 
@@ -65,28 +65,34 @@ impl BlockTables {
         let max_hits = (num_tokens.saturating_sub(1) / bs).min(hashes.len());
         let alloc = self.pool.alloc_with_prefix(cache, &hashes[..max_hits], num_blocks, num_tokens)?;
 
-        // Commit: nothing below can fail.
+        // Commit: nothing below can fail. Blocks swapped in from the host tier count as hits
+        // (their KV is there) and are cached again like the fresh ones.
         let num_hits = alloc.hits.len();
+        let num_cached = num_hits + alloc.swapped_in;
         let ids: Vec<u32> = alloc.hits.into_iter().chain(alloc.fresh).collect();
         let row = self.push_row(&mut st, request_id, num_tokens, &ids);
-        let filled: Vec<FilledBlock<'_>> = (num_hits..hashes.len())
-            .map(|i| FilledBlock { block_id: ids[i], hash: hashes[i], token_ids: &token_ids[i * bs..(i + 1) * bs] })
+        let filled: Vec<FilledBlock> = (num_hits..hashes.len())
+            .map(|i| FilledBlock {
+                block_id: ids[i],
+                hash: hashes[i],
+                parent: i.checked_sub(1).map(|p| hashes[p]),
+                tokens_at: i * bs,
+                lora_id: key.lora_id,
+            })
             .collect();
-        cache.store(num_hits.checked_sub(1).map(|i| hashes[i]), &filled, key.lora_id);
-        st.hashes[row] = Some(RowHashes {
-            root,
-            last: hashes.last().copied(),
-            pending: token_ids[hashes.len() * bs..].to_vec(),
-            lora_id: key.lora_id,
-        });
-        let mut slot_mapping = Vec::with_capacity(num_tokens - num_hits * bs);
-        self.extend_slots(&mut slot_mapping, &st, row, num_hits * bs, num_tokens);
-        Ok(AddResult { num_cached_tokens: num_hits * bs, slot_mapping })
+        cache.store(&filled, token_ids);
+        let tail = &token_ids[hashes.len() * bs..];
+        st.pending_tokens[row * bs..][..tail.len()].copy_from_slice(tail);
+        st.hashes[row] = Some(RowHashes { root, last: hashes.last().copied(), lora_id: key.lora_id });
+        let mut slot_mapping = Vec::with_capacity(num_tokens - num_cached * bs);
+        self.extend_slots(&mut slot_mapping, &st, row, num_cached * bs, num_tokens);
+        Ok(AddResult { num_cached_tokens: num_cached * bs, slot_mapping })
     }
 
     /// After an append committed (and copy-on-write released its sources, so each block
-    /// being filled has one holder): hashes and caches the blocks that the new tokens filled.
-    /// `appended` is `(row, count)` in call order; `token_ids` all requests' new ids.
+    /// being filled has one holder): hashes the blocks that the new tokens filled and caches
+    /// them all under one acquisition of the cache's lock. `appended` is `(row, count)` in
+    /// call order; `token_ids` all requests' new ids.
     pub(super) fn hash_appended(
         &self,
         st: &mut TablesState,
@@ -96,7 +102,9 @@ impl BlockTables {
     ) {
         let bs = self.block_size();
         let width = self.max_blocks_per_seq;
-        let mut scratch = Vec::new();
+        let mut filled = Vec::new();
+        // The tokens of the filled blocks, `bs` per block in `filled`'s order.
+        let mut filled_tokens = Vec::new();
         let mut offset = 0;
         for (row, count) in appended {
             let new_ids = token_ids.map(|ids| &ids[offset..offset + count]);
@@ -109,22 +117,29 @@ impl BlockTables {
                 }
                 continue;
             };
-            h.pending.extend_from_slice(new_ids);
-            if h.pending.len() < bs {
-                continue;
-            }
-            let first_block = (st.rows[row].num_tokens - h.pending.len()) / bs;
-            let parent = h.last;
-            let mut filled = Vec::with_capacity(h.pending.len() / bs);
-            for (k, tokens) in h.pending.chunks_exact(bs).enumerate() {
-                let hash = cache.hasher().block(&h.last.unwrap_or(h.root), tokens, &mut scratch);
+            // The row's partial block, in place: a decode step writes one token here and
+            // hashes only when the block fills.
+            let pending = &mut st.pending_tokens[row * bs..(row + 1) * bs];
+            let mut pos = st.rows[row].num_tokens - count;
+            let mut new_ids = new_ids;
+            while !new_ids.is_empty() {
+                let (at, take) = (pos % bs, (bs - pos % bs).min(new_ids.len()));
+                pending[at..at + take].copy_from_slice(&new_ids[..take]);
+                new_ids = &new_ids[take..];
+                pos += take;
+                if pos % bs != 0 {
+                    break;
+                }
+                let parent = h.last;
+                let hash = cache.hasher().block(&parent.unwrap_or(h.root), pending);
                 h.last = Some(hash);
-                let block_id = st.table[row * width + first_block + k] as u32;
-                filled.push(FilledBlock { block_id, hash, token_ids: tokens });
+                let block_id = st.table[row * width + pos / bs - 1] as u32;
+                filled.push(FilledBlock { block_id, hash, parent, tokens_at: filled_tokens.len(), lora_id: h.lora_id });
+                filled_tokens.extend_from_slice(pending);
             }
-            cache.store(parent, &filled, h.lora_id);
-            let full = h.pending.len() - h.pending.len() % bs;
-            h.pending.drain(..full);
+        }
+        if !filled.is_empty() {
+            cache.store(&filled, &filled_tokens);
         }
     }
 
@@ -136,14 +151,8 @@ impl BlockTables {
         let bs = self.block_size();
         for (r, h) in st.rows.iter().zip(&st.hashes) {
             let Some(h) = h else { continue };
-            if h.pending.len() != r.num_tokens % bs || h.last.is_some() != (r.num_tokens >= bs) {
-                return Err(format!(
-                    "request {}: {} pending tokens and last hash {:?} for {} tokens",
-                    r.request_id,
-                    h.pending.len(),
-                    h.last,
-                    r.num_tokens
-                ));
+            if h.last.is_some() != (r.num_tokens >= bs) {
+                return Err(format!("request {}: last hash {:?} for {} tokens", r.request_id, h.last, r.num_tokens));
             }
         }
         Ok(())

@@ -16,7 +16,7 @@
 //! - `plan.rs`: which destination each source block gets, and the runs one copy each moves.
 //! - `engine.rs`: memcpy (host pools) or the CUDA engine (`cuda.rs`: copy stream, events).
 
-mod engine;
+pub(crate) mod engine;
 mod plan;
 #[cfg(feature = "cuda")]
 mod cuda;
