@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 from attention_check import as_float64, row_errors
-from gpu_fixtures import cp, poisoned, to_device
+from gpu_fixtures import NAN_BITS, cp, poisoned, to_device
 
 import kvpool
 from kvpool import InvalidArgumentError, KvScales, reference
