@@ -194,14 +194,14 @@ def _prefill(case, qo_lens, causal=True, **plan_kw):
     plan = prefill_plan(case.pool, indptr, case.lens, hq, causal=causal, **plan_kw)
     out = cp.empty(q_host.shape, cp.float16 if case.q_dtype == "float16" else cp.uint16)
     out.view(cp.uint16)[...] = NAN_BITS[case.q_dtype]
-    res = paged_attention_prefill(_dev(q_host, case.q_dtype), case.pool, 0, cp.asarray(indptr),
+    res = paged_attention_prefill(to_device(q_host, case.q_dtype), case.pool, 0, cp.asarray(indptr),
                                   case.bt, case.sl, causal=causal, out=out, plan=plan,
                                   scales=case.scales)
     assert res is out
     want = reference.paged_attention_prefill(q_host, case.kc, case.vc, indptr, case.tables,
                                              case.lens, case.dtype, None, causal,
                                              q_dtype=case.q_dtype, kv_scales=(case.ks, case.vs))
-    return _to64(out, case.q_dtype), want, q_host, indptr
+    return as_float64(out, case.q_dtype), want, q_host, indptr
 
 
 PREFILL_QO = [1, 15, 16, 5, 64, 300]  # queries per sequence of LENS (the last tokens)
