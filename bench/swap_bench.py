@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import cupy as cp
-import numpy as np
 
 import kvpool
 from provenance import provenance

@@ -22,5 +22,8 @@ RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom LOOM_MAX_PREEMPTIONS=0 \
     cargo test --locked -p kvpool-core --release --test loom -- --exact three_threads_share_three_blocks
 echo "loom took $((SECONDS - loom_start)) s"
 
+echo "== ruff (pyflakes rules: an undefined name in a GPU-only test fails here, not on the GPU)"
+ruff check --select F tests python bench
+
 echo "== pytest"
 python -m pytest -q tests
