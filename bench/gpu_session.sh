@@ -1,25 +1,23 @@
 #!/usr/bin/env bash
-# Every GPU check and benchmark of the project in three calls of under 10 minutes on a two-GPU box
+# Every GPU check and benchmark of the project in two calls of under 10 minutes on a two-GPU box
 # (nvidia-h200-x2), from the repository root, with dist/ (the release wheel), .whl/ (FlashInfer,
 # optional) and bench/bin/ (the criterion free-list binary) carried:
-#     COMMIT=<sha> PART=1 bash bench/gpu_session.sh     # then PART=2, PART=3
-# Independent work runs in lanes at the same time, so that the two calls hold everything; a
-# benchmark never shares its GPU with other work (tests and sanitizers may share one):
+#     COMMIT=<sha> PART=1 bash bench/gpu_session.sh     # then PART=2
+# Independent work runs in lanes at the same time; a benchmark never shares its GPU with other
+# work (tests and sanitizers may share one):
 #   part 1  GPU 0: decode benchmark, then prefill benchmark
-#           GPU 1: every single-GPU test but the transformers and fp8 ones (part 2), and, beside
-#                  them, compute-sanitizer memcheck and racecheck over the decode, append, copy
-#                  and prefill kernels
+#           GPU 1: every single-GPU test but the transformers ones, then the fp8, host tier,
+#                  pool, tables and growable scripts (each its tests, then its benchmark); at the
+#                  start, beside the tests, compute-sanitizer memcheck and racecheck over the
+#                  decode, append, copy and prefill kernels
 #           CPU 16-31: the free-list criterion grid and the Python round trip
-#   part 2  GPU 0: decode benchmark
-#           GPU 1: fp8 tests and benchmark, host tier tests and swap benchmark, pool / tables /
-#                  growable benchmarks
-#   part 3  both:  two-GPU tests, KV transfer and tensor-parallel decode benchmarks (alone),
+#   part 2  both:  two-GPU tests, KV transfer and tensor-parallel decode benchmarks (alone),
 #           then the transformers tests and generation benchmark
 # Each step has its own time limit (a part stays under 9.5 minutes); every log and JSON goes into
 # $OUT/session_part<N>.tar.gz (unpack into bench/results/<run>/) and the last line of each step's
 # output into $OUT/summary_part<N>.txt.
 set -u
-: "${OUT:?set OUT}" "${PART:?set PART to 1, 2 or 3}"
+: "${OUT:?set OUT}" "${PART:?set PART to 1 or 2}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export COMMIT=${COMMIT:-unknown} KVPOOL_COMMIT=${COMMIT:-unknown} PYTHONUNBUFFERED=1
 WORK=/tmp/kvpool-session/part$PART
@@ -51,11 +49,18 @@ part1() {
   ( on_gpu 0 step decode_bench 330 bash bench/gpu_decode.sh bench
     on_gpu 0 step prefill_bench 200 python3 bench/prefill_bench.py "$WORK/prefill_h200.json" \
       --commit "$COMMIT" ) &
-  ( KVPOOL_ERROR_REPORT="$WORK/decode_errors.json" on_gpu 1 step gpu_tests 300 \
+  ( KVPOOL_ERROR_REPORT="$WORK/decode_errors.json" on_gpu 1 step gpu_tests 200 \
       python3 -m pytest -q -rs -m gpu tests --ignore=tests/test_prefill_gpu.py \
       --ignore=tests/test_transformers_gpu.py --ignore=tests/test_fp8_gpu.py --durations=15
-    KVPOOL_ERROR_REPORT="$WORK/prefill_errors.json" on_gpu 1 step prefill_tests 120 \
-      python3 -m pytest -q -rs -m gpu tests/test_prefill_gpu.py ) &
+    KVPOOL_ERROR_REPORT="$WORK/prefill_errors.json" on_gpu 1 step prefill_tests 90 \
+      python3 -m pytest -q -rs -m gpu tests/test_prefill_gpu.py
+    on_gpu 1 step fp8 200 bash bench/gpu_fp8.sh
+    on_gpu 1 step hosttier 150 bash bench/gpu_hosttier.sh
+    on_gpu 1 step pool_bench 30 python3 bench/pool_bench.py --device cuda --repeat 5 --min-time 0.1 \
+      --out "$WORK/pool_cuda.json" --commit "$COMMIT"
+    on_gpu 1 step tables_bench 25 python3 bench/tables_bench.py --device cuda --out "$WORK/tables_cuda.json" \
+      --commit "$COMMIT"
+    on_gpu 1 step growable_bench 25 python3 bench/growable_bench.py --out "$WORK/growable_h200.json" ) &
   ( sanitize() { on_gpu 1 step "$1_$2" "$3" compute-sanitizer --tool "$2" --error-exitcode 9 \
       python3 "bench/$4" "${@:5}"; }
     sanitize decode memcheck 110 sanitize_case.py
@@ -68,21 +73,8 @@ part1() {
 }
 
 part2() {
-  ( on_gpu 0 step decode_bench 330 bash bench/gpu_decode.sh bench ) &
-  ( on_gpu 1 step fp8 140 bash bench/gpu_fp8.sh
-    on_gpu 1 step hosttier 80 bash bench/gpu_hosttier.sh
-    on_gpu 1 step pool_gpu_tests 40 python3 -m pytest -q -m gpu tests/test_pool_gpu.py
-    on_gpu 1 step pool_bench 30 python3 bench/pool_bench.py --device cuda --repeat 5 --min-time 0.1 \
-      --out "$WORK/pool_cuda.json" --commit "$COMMIT"
-    on_gpu 1 step tables_bench 25 python3 bench/tables_bench.py --device cuda --out "$WORK/tables_cuda.json" \
-      --commit "$COMMIT"
-    on_gpu 1 step growable_bench 25 python3 bench/growable_bench.py --out "$WORK/growable_h200.json" ) &
-  wait
-}
-
-part3() {
   step multigpu 250 bash bench/gpu_multigpu.sh
-  on_gpu 0 step transformers 290 bash bench/gpu_transformers.sh
+  on_gpu 0 step transformers 330 bash bench/gpu_transformers.sh
 }
 
 pack() { tar -C "$WORK" -czf "$OUT/session_part$PART.tar.gz" . ; }
