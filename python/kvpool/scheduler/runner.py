@@ -47,6 +47,7 @@ class SimulationSpec:
     measure_every: int = 10
     kv_dtype: str = "float16"  # the cache's element type (fp8 halves the bytes per token)
     workload_info: dict[str, Any] = field(default_factory=dict)
+    prefix_caching: bool = False  # also run paged with prefix caching (prefix_sim.py)
 
 
 def resolve_device(device: str) -> str:
@@ -57,7 +58,7 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def make_pool(spec: SimulationSpec, device: str) -> tuple[kvpool.Pool, int, str]:
+def make_pool(spec: SimulationSpec, device: str, prefix_caching: bool = False) -> tuple[kvpool.Pool, int, str]:
     layout = spec.preset.layout(spec.block_size, spec.kv_dtype)
     num_blocks = num_blocks_for(spec.kv_memory_bytes, layout)
     if num_blocks < 1:
@@ -65,9 +66,10 @@ def make_pool(spec: SimulationSpec, device: str) -> tuple[kvpool.Pool, int, str]
             f"a KV budget of {spec.kv_memory_bytes} bytes holds no block of {layout.block_bytes} bytes"
         )
     if device == "cuda":
-        return kvpool.Pool(layout, num_blocks, device="cuda"), num_blocks, "model layout on the GPU"
-    return (kvpool.Pool(proxy_layout(spec.block_size), num_blocks, device="host"), num_blocks,
-            "proxy layout (allocator only)")
+        return (kvpool.Pool(layout, num_blocks, device="cuda", enable_prefix_caching=prefix_caching), num_blocks,
+                "model layout on the GPU")
+    return (kvpool.Pool(proxy_layout(spec.block_size), num_blocks, device="host", enable_prefix_caching=prefix_caching),
+            num_blocks, "proxy layout (allocator only)")
 
 
 def _series(metrics, max_points: int = 1500) -> dict[str, list]:
@@ -152,7 +154,7 @@ def simulate(spec: SimulationSpec, progress: Progress | None = None) -> dict[str
         timing = (f"measuring stopped after a kernel failure ({'; '.join(errors)}); "
                   "step time is modelled, measured_decode covers the steps before the failure")
 
-    return {
+    report = {
         "kvpool_version": _version(),
         "model": {**asdict(preset), "token_bytes": token_bytes, "block_size": layout.block_size,
                   "block_bytes": layout.block_bytes, "dtype": layout.dtype},
@@ -173,6 +175,11 @@ def simulate(spec: SimulationSpec, progress: Progress | None = None) -> dict[str
         "results": {"paged": paged_result, "contiguous": contiguous_result},
         "comparison": compare(paged_result, contiguous_result, measured_ok=not errors),
     }
+    if spec.prefix_caching:
+        from kvpool.scheduler.prefix_sim import run_prefix_caching
+
+        run_prefix_caching(spec, device, report, token_bytes, cost, progress)
+    return report
 
 
 def compare(paged: dict[str, Any], contiguous: dict[str, Any], measured_ok: bool = True) -> dict[str, Any]:

@@ -12,7 +12,7 @@ class Seq:
     __slots__ = (
         "request", "prefill_target", "prefilled", "generated", "kv_tokens", "decoding", "running",
         "last_scheduled_s", "times_scheduled", "first_token_s", "finish_s", "num_preemptions",
-        "num_finishes",
+        "num_finishes", "num_cached_tokens",
     )
 
     def __init__(self, request: Request) -> None:
@@ -29,6 +29,7 @@ class Seq:
         self.finish_s = -1.0
         self.num_preemptions = 0
         self.num_finishes = 0
+        self.num_cached_tokens = 0  # of prefill_target, found in the prefix cache at admission
 
     @property
     def request_id(self) -> int:
