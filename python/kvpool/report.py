@@ -29,8 +29,12 @@ def write_json(report: dict[str, Any], out_dir: Path) -> Path:
     return path
 
 
+CACHED = "paged_prefix_caching"  # the result of the prefix-caching run, when there is one
+
+
 def write_png(report: dict[str, Any], out_dir: Path) -> Path:
-    """KV utilization and running requests over (modelled) time, paged against contiguous."""
+    """KV utilization and running requests over (modelled) time, paged against contiguous
+    (and paged with prefix caching, whose hit rate over time gets a third panel)."""
     import matplotlib
     import numpy as np
 
@@ -39,8 +43,11 @@ def write_png(report: dict[str, Any], out_dir: Path) -> Path:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / PNG_NAME
-    fig, (ax_util, ax_run) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
-    colors = {"paged": "tab:blue", "contiguous": "tab:orange"}
+    cached = report["results"].get(CACHED)
+    panels = 3 if cached is not None else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(9, 3.25 * panels), sharex=True)
+    ax_util, ax_run = axes[0], axes[1]
+    colors = {"paged": "tab:blue", "contiguous": "tab:orange", CACHED: "tab:green"}
     for name, result in report["results"].items():
         s = result["series"]
         util = np.array([np.nan if u is None else u for u in s["kv_utilization"]], dtype=float)
@@ -54,8 +61,15 @@ def write_png(report: dict[str, Any], out_dir: Path) -> Path:
     ax_util.set_ylabel("KV utilization\n(tokens stored / slots allocated)")
     ax_util.set_ylim(0, 1.05)
     ax_run.set_ylabel("running requests")
-    ax_run.set_xlabel(f"time (s, {report['timing']['clock']})")
-    for ax in (ax_util, ax_run):
+    if cached is not None:
+        s = cached["series"]
+        rate = np.array([np.nan if u is None else u for u in s["prefix_hit_rate"]], dtype=float)
+        axes[2].plot(s["time_s"], rate, label=f"{CACHED} (overall {cached['prefix_hit_rate']:.3f})",
+                     color=colors[CACHED], lw=1.2)
+        axes[2].set_ylabel("prefix cache hit rate\n(cached / prompt tokens)")
+        axes[2].set_ylim(0, 1.05)
+    axes[-1].set_xlabel(f"time (s, {report['timing']['clock']})")
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(loc="best")
     fig.tight_layout()
@@ -67,6 +81,13 @@ def write_png(report: dict[str, Any], out_dir: Path) -> Path:
 def _gib(x: float) -> str:
     return f"{x / 2**30:.2f} GiB"
 
+
+CACHE_ROWS = (
+    ("prefix hit rate (tokens)", "prefix_hit_rate", "{:.3f}"),
+    ("prefill tokens", "prefill_tokens", "{:,}"),
+    ("TTFT mean (modelled)", "ttft_mean_s", "{:.2f} s"),
+    ("TTFT p99 (modelled)", "ttft_p99_s", "{:.2f} s"),
+)
 
 ROWS = (
     ("completed requests", "completed", "{:,}"),
@@ -84,29 +105,34 @@ ROWS = (
 )
 
 
-def table_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
-    paged, contiguous = report["results"]["paged"], report["results"]["contiguous"]
+def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Rows of (label, paged, contiguous[, paged with prefix caching])."""
+    results = report["results"]
+    columns = [results["paged"], results["contiguous"]] + ([results[CACHED]] if CACHED in results else [])
     rows = []
-    for label, key, fmt in ROWS:
+    for label, key, fmt in ROWS + (CACHE_ROWS if CACHED in results else ()):
         cells = []
-        for r in (paged, contiguous):
+        for r in columns:
             v = r.get(key)
             cells.append("-" if v is None else (fmt(v) if callable(fmt) else fmt.format(v)))
         rows.append((label, *cells))
-    if "measured_decode" in paged and "measured_decode" in contiguous:
+    if all("measured_decode" in r for r in columns):
         rows.append(("decode tokens / s (measured, attention)",
-                     f"{paged['measured_decode']['decode_tokens_per_s']:,.0f}",
-                     f"{contiguous['measured_decode']['decode_tokens_per_s']:,.0f}"))
+                     *(f"{r['measured_decode']['decode_tokens_per_s']:,.0f}" for r in columns)))
     return rows
 
 
 def print_table(report: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
-    table = Table(title="kvpool simulate: paged vs contiguous (same KV memory)")
+    cached = CACHED in report["results"]
+    table = Table(title="kvpool simulate: paged vs contiguous" + (" vs paged with prefix caching" if cached else "")
+                  + " (same KV memory)")
     table.add_column("")
     table.add_column("paged", justify="right")
     table.add_column("contiguous", justify="right")
+    if cached:
+        table.add_column("paged + prefix caching", justify="right")
     for row in table_rows(report):
         table.add_row(*row)
     console.print(table)
@@ -115,5 +141,13 @@ def print_table(report: dict[str, Any], console: Any) -> None:
         f"paged serves [bold]{c['mean_concurrency_ratio']:.2f}x[/bold] the mean concurrency of contiguous "
         f"reservation at KV utilization [bold]{c['paged_kv_utilization']:.3f}[/bold]."
     )
+    if cached:
+        pc = report["prefix_caching"]
+        console.print(
+            f"prefix caching: hit rate [bold]{pc['hit_rate_tokens']:.3f}[/bold] of prompt tokens, "
+            f"{pc['prefill_tokens_saved']:,} prefill tokens saved ({pc['prefill_tokens_saved_fraction']:.1%}), "
+            f"throughput x{pc['modelled_throughput_ratio']:.2f}, TTFT mean x{pc['ttft_mean_ratio']:.2f}, "
+            f"peak concurrency x{pc['peak_concurrency_ratio']:.2f} against caching off."
+        )
     console.print(f"time: {report['timing']['decode_attention']}; simulated clock is modelled "
                   f"({report['timing']['model']['hardware']}).")

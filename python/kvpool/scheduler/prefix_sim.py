@@ -49,6 +49,10 @@ def run_prefix_caching(spec, device: str, report: dict[str, Any], token_bytes: i
     result = run_one(sched, token_bytes, progress)
     result["series"]["prefix_hit_rate"] = hit_rate_series(sched.metrics, result["series"]["step"])
     result["prefix_cache_stats"] = backend.stats_at_end
+    # A shared block holds its tokens once for several requests: utilization (tokens the
+    # requests hold / slots allocated) can pass 1, and "wasted" slots are not defined.
+    result["mean_wasted_kv_bytes"] = result["peak_wasted_kv_bytes"] = None
+    result["kv_utilization_note"] = "tokens held by the requests / slots allocated; above 1 when blocks are shared"
     report["results"]["paged_prefix_caching"] = result
     report["prefix_caching"] = compare_caching(result, report["results"]["paged"])
 
