@@ -69,7 +69,7 @@ def read_trace(path: Path, trace_format: str = "auto", max_model_len: int | None
             requests = load_trace(path, max_model_len)
         except TraceError as e:
             raise TraceError(f"--trace {e}") from None
-        return with_token_streams(requests, seed), TraceInfo(fmt)
+        return _streams(requests, seed, path), TraceInfo(fmt)
     reader = {"azure": _azure, "burstgpt": _burstgpt, "mooncake": _mooncake, "sharegpt": _sharegpt}[fmt]
     rows, info = reader(path, text, think_time_s)
     requests, too_long = _fit(rows, max_model_len)
@@ -77,7 +77,14 @@ def read_trace(path: Path, trace_format: str = "auto", max_model_len: int | None
         raise TraceError(f"--trace {path}: no request of the {fmt} trace fits"
                          + (f" max_model_len {max_model_len}" if too_long else " (the trace is empty)"))
     info = TraceInfo(fmt, too_long, info.skipped_failed)
-    return with_token_streams(requests, seed), info
+    return _streams(requests, seed, path), info
+
+
+def _streams(requests: list[Request], seed: int, path: Path) -> list[Request]:
+    try:
+        return with_token_streams(requests, seed)
+    except TraceError as e:  # a conversation whose turns do not hold each other
+        raise TraceError(f"--trace {path}: {e}") from None
 
 
 def detect_format(path: Path, text: str) -> str:
@@ -106,7 +113,7 @@ def _read(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise TraceError(f"--trace {path}: cannot read the trace: {e}") from None
+        raise TraceError(f"--trace {path}: cannot read trace: {e}") from None
 
 
 def _fit(rows: list[Request], max_model_len: int | None) -> tuple[list[Request], int]:
