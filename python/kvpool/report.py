@@ -32,7 +32,7 @@ def write_json(report: dict[str, Any], out_dir: Path) -> Path:
 CACHED = "paged_prefix_caching"  # the result of the prefix-caching run, when there is one
 
 
-def write_png(report: dict[str, Any], out_dir: Path) -> Path:
+def write_png(report: dict[str, Any], out_dir: Path, dpi: int = 110) -> Path:
     """KV utilization and running requests over (modelled) time, paged against contiguous
     (and paged with prefix caching, whose hit rate over time gets a third panel)."""
     import matplotlib
@@ -59,13 +59,16 @@ def write_png(report: dict[str, Any], out_dir: Path) -> Path:
         f"{report['workload'].get('num_requests')} requests ({report['workload'].get('kind', 'trace')})"
     )
     ax_util.set_ylabel("KV utilization\n(tokens stored / slots allocated)")
-    ax_util.set_ylim(0, 1.05)
+    peak = max((u for r in report["results"].values() for u in r["series"]["kv_utilization"] if u is not None), default=1)
+    ax_util.set_ylim(0, max(1.05, 1.05 * peak))  # above 1 with prefix caching: shared blocks
     ax_run.set_ylabel("running requests")
     if cached is not None:
         s = cached["series"]
-        rate = np.array([np.nan if u is None else u for u in s["prefix_hit_rate"]], dtype=float)
-        axes[2].plot(s["time_s"], rate, label=f"{CACHED} (overall {cached['prefix_hit_rate']:.3f})",
-                     color=colors[CACHED], lw=1.2)
+        rate, total = (np.array([np.nan if u is None else u for u in s[k]], dtype=float)
+                       for k in ("prefix_hit_rate", "prefix_hit_rate_cumulative"))
+        axes[2].plot(s["time_s"], rate, label="over a fiftieth of the steps", color=colors[CACHED], lw=0.8, alpha=0.6)
+        axes[2].plot(s["time_s"], total, label=f"since the start (overall {cached['prefix_hit_rate']:.3f})",
+                     color="black", lw=1.5)
         axes[2].set_ylabel("prefix cache hit rate\n(cached / prompt tokens)")
         axes[2].set_ylim(0, 1.05)
     axes[-1].set_xlabel(f"time (s, {report['timing']['clock']})")
@@ -73,7 +76,7 @@ def write_png(report: dict[str, Any], out_dir: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 

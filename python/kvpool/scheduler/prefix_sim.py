@@ -19,11 +19,11 @@ from kvpool.scheduler.measured import make_probe
 
 def hit_rate_series(metrics, steps: list[int], window_steps: int | None = None) -> list[float | None]:
     """The prefix hit rate (cached / queried tokens of the requests admitted) over the
-    `window_steps` steps up to each of `steps` (default: a hundredth of the run); None
-    where nothing was admitted in the window."""
+    `window_steps` steps up to each of `steps` (default: a fiftieth of the run; the whole
+    run so far with window_steps=-1); None where nothing was admitted in the window."""
     a = metrics.arrays()
     n = len(metrics)
-    window = window_steps or max(1, n // 100)
+    window = n if window_steps == -1 else (window_steps or max(1, n // 50))
     queried = np.concatenate([[0], np.cumsum(a["queried_tokens"])])
     cached = np.concatenate([[0], np.cumsum(a["cached_tokens"])])
     out: list[float | None] = []
@@ -47,7 +47,9 @@ def run_prefix_caching(spec, device: str, report: dict[str, Any], token_bytes: i
         backend.probe = make_probe(pool, spec.preset.num_q_heads, spec.measure_every)[0]
     sched = Scheduler(backend, spec.requests, spec.config, step_cost=cost)
     result = run_one(sched, token_bytes, progress)
-    result["series"]["prefix_hit_rate"] = hit_rate_series(sched.metrics, result["series"]["step"])
+    steps = result["series"]["step"]
+    result["series"]["prefix_hit_rate"] = hit_rate_series(sched.metrics, steps)
+    result["series"]["prefix_hit_rate_cumulative"] = hit_rate_series(sched.metrics, steps, window_steps=-1)
     result["prefix_cache_stats"] = backend.stats_at_end
     # A shared block holds its tokens once for several requests: utilization (tokens the
     # requests hold / slots allocated) can pass 1, and "wasted" slots are not defined.
