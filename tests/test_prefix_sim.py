@@ -11,7 +11,7 @@ from kvpool.scheduler import Request, Scheduler, SchedulerConfig, generate, get_
 from kvpool.scheduler.prefix import PrefixCachedKv
 from kvpool.scheduler.runner import SimulationSpec, proxy_layout, simulate
 from kvpool.scheduler.sharing import generate_multiturn, shares_prefixes, with_token_streams
-from kvpool.scheduler.tokens import TokenStream
+from kvpool.scheduler.tokens import TokenStream, segment_ids
 
 BS = 16
 CONFIG = SchedulerConfig(max_model_len=512, max_running_seqs=8, max_tokens_per_step=512)
@@ -35,6 +35,14 @@ def test_token_streams_share_exactly_their_prefix():
     again = with_token_streams([Request(i, 0.0, 100, 4, 0, i % 2, 70) for i in range(4)], seed=5)
     assert all(np.array_equal(a.tokens.ids(104), b) for a, b in zip(again, ids))
     assert shares_prefixes(reqs) and not shares_prefixes(with_token_streams([Request(0, 0.0, 9, 1), Request(1, 0.0, 9, 1)]))
+
+
+def test_a_shorter_segment_is_a_prefix_of_a_longer_one():
+    # Requests of one group with different prefix lengths, and a Mooncake block cut at a
+    # prompt's end, rely on this.
+    long = segment_ids(3, (1, 2), 5000)
+    assert all(np.array_equal(segment_ids(3, (1, 2), n), long[:n]) for n in (1, 16, 511, 512, 3000))
+    assert not np.array_equal(segment_ids(3, (1, 3), 16), long[:16])
 
 
 @pytest.mark.parametrize("spacing_s", [1000.0, 0.0])

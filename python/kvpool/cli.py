@@ -312,7 +312,9 @@ def _workload(args: argparse.Namespace) -> tuple[list, dict]:
     else:
         requests, info = synthetic_workload(args)
     shared = shares_prefixes(requests)
-    if args.prefix_caching is None:
+    if args.disaggregated:
+        args.prefix_caching, why = False, "not modelled with --disaggregated"
+    elif args.prefix_caching is None:
         args.prefix_caching = shared
         why = "the workload shares prompt tokens" if shared else "no two requests share prompt tokens"
     else:
@@ -371,7 +373,7 @@ def simulate_command(args: argparse.Namespace, command: Sequence[str] | None = N
         preset=get_preset(args.model), kv_memory_bytes=parse_bytes(args.kv_memory), requests=requests,
         config=config, block_size=args.block_size, device=args.device, reserve=args.reserve,
         measure_every=args.measure_every, kv_dtype=args.kv_dtype, workload_info=info,
-        prefix_caching=bool(args.prefix_caching) and not args.disaggregated,
+        prefix_caching=args.prefix_caching,
     )
     if args.disaggregated:
         return _disaggregated(args, spec, console)
