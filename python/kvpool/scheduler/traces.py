@@ -163,7 +163,7 @@ def _csv_rows(path: Path, text: str, fmt: str, columns: tuple[str, ...]):
 
 
 def _azure(path: Path, text: str, _think: float | None) -> tuple[list[Request], TraceInfo]:
-    out = []
+    out: list[Request] = []
     for where, row in _csv_rows(path, text, "azure", AZURE_COLUMNS):
         try:
             t = datetime.datetime.fromisoformat(row["TIMESTAMP"].strip()).timestamp()
@@ -176,7 +176,8 @@ def _azure(path: Path, text: str, _think: float | None) -> tuple[list[Request], 
 
 
 def _burstgpt(path: Path, text: str, _think: float | None) -> tuple[list[Request], TraceInfo]:
-    out, failed = [], 0
+    out: list[Request] = []
+    failed = 0
     for where, row in _csv_rows(path, text, "burstgpt", BURSTGPT_COLUMNS):
         t = _seconds(row["Timestamp"], "Timestamp", where)
         prompt = _count(row["Request tokens"], "Request tokens", where)
@@ -189,7 +190,7 @@ def _burstgpt(path: Path, text: str, _think: float | None) -> tuple[list[Request
 
 
 def _mooncake(path: Path, text: str, _think: float | None) -> tuple[list[Request], TraceInfo]:
-    out = []
+    out: list[Request] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
