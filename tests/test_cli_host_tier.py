@@ -69,6 +69,28 @@ def test_without_the_option_nothing_changes(tmp_path):
     assert list(report["results"]) == ["paged", "contiguous"] and "host_tier_comparison" not in report
 
 
+def test_a_shared_prefix_workload_gets_the_tier_and_no_prefix_caching_run(tmp_path):
+    # Prefix caching would be on by default here; with a host tier it is off (not modelled).
+    assert main([*PREEMPTING, "--num-requests", "20", "--num-prefixes", "2", "--prefix-tokens", "64",
+                 "--cpu-kv-memory", "8GiB", "--no-plot", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "simulate.json").read_text())
+    assert list(report["results"]) == ["paged", "paged_host_tier", "contiguous"]
+    assert report["workload"]["prefix_sharing"] is True
+    assert report["workload"]["prefix_caching"] == "off (not modelled with --cpu-kv-memory)"
+    assert "prefix_caching" not in report
+
+
+def test_the_simulator_refuses_a_host_tier_with_prefix_caching():
+    from kvpool.scheduler.presets import get_preset
+    from kvpool.scheduler.runner import SimulationSpec, simulate
+    from kvpool.scheduler.swap import HostTierSpec
+
+    spec = SimulationSpec(preset=get_preset("llama-3-8b"), kv_memory_bytes=2**30, requests=[],
+                          host_tier=HostTierSpec(2**30), prefix_caching=True)
+    with pytest.raises(ValueError, match="host tier and prefix caching are not modelled together"):
+        simulate(spec)
+
+
 def _refused(capsys, args) -> str:
     assert main(args) == 2
     err = capsys.readouterr().err

@@ -22,7 +22,9 @@ from kvpool.scheduler.contiguous import RESERVE_MODES
 from kvpool.scheduler.core import SchedulerConfig
 from kvpool.scheduler.policies import POLICIES
 from kvpool.scheduler.presets import PRESETS, get_preset, parse_bytes
-from kvpool.scheduler.workload import ARRIVALS, LENGTH_MODELS, generate, load_trace
+from kvpool.scheduler.sharing import MULTITURN
+from kvpool.scheduler.traces import TRACE_FORMATS
+from kvpool.scheduler.workload import ARRIVALS, LENGTH_MODELS
 
 
 def _rate(text: str) -> float:
@@ -80,6 +82,17 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _seconds(text: str) -> float:
+    """A finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
 def _model(text: str) -> str:
     """A preset name, case and '_' / '-' insensitive (Llama-3-8B, llama_3_8b)."""
     try:
@@ -124,7 +137,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 MAX_REQUESTS = 10_000_000  # a synthetic workload is generated in memory up front
 
 GENERATOR_DEFAULTS = {"workload": "sharegpt", "num_requests": 2000, "seed": 0, "rate": None,
-                      "arrival": "poisson", "burst_size": 64, "num_prefixes": 0, "prefix_tokens": 0}
+                      "arrival": "poisson", "burst_size": 64, "num_prefixes": 0, "prefix_tokens": 0,
+                      "turns": 4, "think_time": None}
+MAX_TURNS = 1000
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,8 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pool backend (auto: cuda when a GPU is available); with cuda, decode attention "
                         "is also measured when CuPy is installed and the kernels run on the GPU")
     w = p.add_argument_group("workload", "a synthetic workload, or --trace (which excludes the other options here)")
-    w.add_argument("--workload", default=None, choices=sorted(LENGTH_MODELS), help="length model (default: sharegpt)")
-    w.add_argument("--trace", type=Path, help="JSONL or CSV trace (arrival_s, prompt_tokens, output_tokens)")
+    w.add_argument("--workload", default=None, choices=[*sorted(LENGTH_MODELS), MULTITURN],
+                   help="length model, or multiturn: conversations whose turns' prompts hold the earlier "
+                        "turns and answers (ShareGPT lengths per message) (default: sharegpt)")
+    w.add_argument("--trace", type=Path,
+                   help="trace file: ours (JSONL or CSV: arrival_s, prompt_tokens, output_tokens, optional "
+                        "prefix_group + prefix_tokens or conversation_id), or an Azure LLM inference, "
+                        "BurstGPT, Mooncake or ShareGPT trace (see --trace-format)")
+    w.add_argument("--trace-format", default=None, choices=TRACE_FORMATS,
+                   help="the --trace file's format (default: auto, from its name and header)")
     w.add_argument("--num-requests", type=_int_in(1, MAX_REQUESTS), default=None,
                    help="requests to generate (default: 2000)")
     w.add_argument("--rate", type=_rate, default=None,
@@ -161,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="groups of requests sharing a prompt prefix (default: 0, none)")
     w.add_argument("--prefix-tokens", type=_int_in(0), default=None,
                    help="length of the shared prefix; needs --num-prefixes (default: 0)")
+    w.add_argument("--turns", type=_int_in(1, MAX_TURNS), default=None,
+                   help="turns per conversation with --workload multiturn (default: 4)")
+    w.add_argument("--think-time", type=_seconds, default=None,
+                   help="mean seconds between a conversation's turns (exponential; turns arrive on "
+                        "schedule, open loop) with --workload multiturn, or the gap between the turns "
+                        "of a ShareGPT --trace (default: 10)")
     w.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=None, help="generator seed (default: 0)")
     s = p.add_argument_group("scheduler")
     s.add_argument("--policy", default="fcfs", choices=sorted(POLICIES))
@@ -175,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(request, the best case for contiguous)")
     s.add_argument("--measure-every", type=_int_in(1), default=10,
                    help="with --device cuda: time every N-th decode step")
+    s.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="also serve the workload with prefix caching (cached prompt blocks are shared and "
+                        "not prefilled) and compare it with caching off at the same KV memory; not with "
+                        "--cpu-kv-memory (default: on when requests share prompt tokens and there is no "
+                        "host tier)")
     d = p.add_argument_group("disaggregated serving", "prefill and decode on two GPUs, KV moved between them")
     d.add_argument("--disaggregated", action="store_true",
                    help="compare one prefill GPU + one decode GPU (KV transfer modelled) with two "
@@ -200,7 +233,14 @@ def _flag(dest: str) -> str:
 
 def check_options(args: argparse.Namespace) -> str | None:
     """Why the given options do not go together (options that would be silently ignored), or None."""
-    given = [d for d in GENERATOR_DEFAULTS if getattr(args, d) is not None]
+    given = [d for d in GENERATOR_DEFAULTS if getattr(args, d) is not None and d != "think_time"]
+    if args.trace_format is not None and args.trace is None:
+        return "--trace-format needs --trace"
+    if args.prefix_caching and args.disaggregated:
+        return "--prefix-caching is not modelled with --disaggregated"
+    if args.prefix_caching and args.cpu_kv_memory is not None:
+        return ("--prefix-caching is not modelled with --cpu-kv-memory (the host tier swaps a sequence's "
+                "own blocks, a prefix cache shares them); drop one, or add --no-prefix-caching")
     transfer = [f for f in ("transfer_gbps", "transfer_latency_us", "transfer_json") if getattr(args, f) is not None]
     if transfer and not args.disaggregated:
         return f"{', '.join(_flag(f) for f in transfer)} need --disaggregated"
@@ -222,6 +262,9 @@ def check_options(args: argparse.Namespace) -> str | None:
         return "--burst-size needs --arrival burst"
     if args.prefix_tokens is not None and not args.num_prefixes:
         return "--prefix-tokens needs --num-prefixes >= 1 (without prefix groups there is no shared prefix)"
+    if (args.turns is not None or args.think_time is not None) and args.workload != MULTITURN:
+        flag = "--turns" if args.turns is not None else "--think-time"
+        return f"{flag} needs --workload {MULTITURN} (or, --think-time, a ShareGPT --trace)"
     return None
 
 
@@ -274,23 +317,26 @@ def _fill_defaults(args: argparse.Namespace) -> None:
 
 
 def _workload(args: argparse.Namespace) -> tuple[list, dict]:
+    """The requests (with token ids) and what the report says about them."""
+    from kvpool.scheduler.sharing import shares_prefixes
+    from kvpool.scheduler.workload_options import synthetic_workload, trace_workload
+
     if args.trace is not None:
-        try:
-            requests = load_trace(args.trace, args.max_model_len)
-        except ValueError as e:  # TraceError: the message starts with the file's name
-            raise ValueError(f"--trace {e}") from None
-        return requests, {"kind": "trace", "trace": str(args.trace)}
-    requests = generate(
-        args.workload, args.num_requests, seed=args.seed, rate=args.rate, arrival=args.arrival,
-        burst_size=args.burst_size, max_model_len=args.max_model_len,
-        num_prefixes=args.num_prefixes, prefix_tokens=args.prefix_tokens,
-    )
-    info = {"kind": args.workload, "seed": args.seed, "arrival": args.arrival if args.rate else "all at t=0",
-            "rate_per_s": args.rate if args.rate else math.inf, "num_prefixes": args.num_prefixes,
-            "prefix_tokens": args.prefix_tokens,
-            "prefix_sharing": "not exploited by the schedulers (prefixes are stored per request)"}
-    if args.rate and args.arrival == "burst":
-        info["burst_size"] = args.burst_size
+        requests, info = trace_workload(args)
+    else:
+        requests, info = synthetic_workload(args)
+    shared = shares_prefixes(requests)
+    if args.disaggregated:
+        args.prefix_caching, why = False, "not modelled with --disaggregated"
+    elif args.cpu_kv_memory is not None:
+        args.prefix_caching, why = False, "not modelled with --cpu-kv-memory"
+    elif args.prefix_caching is None:
+        args.prefix_caching = shared
+        why = "the workload shares prompt tokens" if shared else "no two requests share prompt tokens"
+    else:
+        why = "--prefix-caching" if args.prefix_caching else "--no-prefix-caching"
+    info["prefix_sharing"] = shared
+    info["prefix_caching"] = f"{'on' if args.prefix_caching else 'off'} ({why})"
     return requests, info
 
 
@@ -344,6 +390,7 @@ def simulate_command(args: argparse.Namespace, command: Sequence[str] | None = N
         config=config, block_size=args.block_size, device=args.device, reserve=args.reserve,
         measure_every=args.measure_every, kv_dtype=args.kv_dtype, workload_info=info,
         host_tier=cli_host_tier.spec(args),
+        prefix_caching=args.prefix_caching,
     )
     if args.disaggregated:
         return _disaggregated(args, spec, console)
@@ -415,7 +462,8 @@ def _simulate_with_progress(spec, console) -> dict:
     total = len(spec.requests)
     with Progress(TextColumn("{task.description:<11}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=False) as bar:
-        names = ("paged", "paged_host_tier", "contiguous") if spec.host_tier else ("paged", "contiguous")
+        names = ("paged",) + (("paged_host_tier",) if spec.host_tier else ()) + ("contiguous",) \
+            + (("paged_prefix_caching",) if spec.prefix_caching else ())
         tasks = {name: bar.add_task(name, total=total) for name in names}
         last = {"t": 0.0}
 

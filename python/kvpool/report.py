@@ -29,8 +29,12 @@ def write_json(report: dict[str, Any], out_dir: Path) -> Path:
     return path
 
 
-def write_png(report: dict[str, Any], out_dir: Path) -> Path:
-    """KV utilization and running requests over (modelled) time, paged against contiguous."""
+CACHED = "paged_prefix_caching"  # the result of the prefix-caching run, when there is one
+
+
+def write_png(report: dict[str, Any], out_dir: Path, dpi: int = 110) -> Path:
+    """KV utilization and running requests over (modelled) time, paged against contiguous
+    (and paged with prefix caching, whose hit rate over time gets a third panel)."""
     import matplotlib
     import numpy as np
 
@@ -39,8 +43,11 @@ def write_png(report: dict[str, Any], out_dir: Path) -> Path:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / PNG_NAME
-    fig, (ax_util, ax_run) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
-    colors = {"paged": "tab:blue", "paged_host_tier": "tab:green", "contiguous": "tab:orange"}
+    cached = report["results"].get(CACHED)
+    panels = 3 if cached is not None else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(9, 3.25 * panels), sharex=True)
+    ax_util, ax_run = axes[0], axes[1]
+    colors = {"paged": "tab:blue", "paged_host_tier": "tab:green", "contiguous": "tab:orange", CACHED: "tab:green"}
     for name, result in report["results"].items():
         s = result["series"]
         util = np.array([np.nan if u is None else u for u in s["kv_utilization"]], dtype=float)
@@ -52,14 +59,24 @@ def write_png(report: dict[str, Any], out_dir: Path) -> Path:
         f"{report['workload'].get('num_requests')} requests ({report['workload'].get('kind', 'trace')})"
     )
     ax_util.set_ylabel("KV utilization\n(tokens stored / slots allocated)")
-    ax_util.set_ylim(0, 1.05)
+    peak = max((u for r in report["results"].values() for u in r["series"]["kv_utilization"] if u is not None), default=1)
+    ax_util.set_ylim(0, max(1.05, 1.05 * peak))  # above 1 with prefix caching: shared blocks
     ax_run.set_ylabel("running requests")
-    ax_run.set_xlabel(f"time (s, {report['timing']['clock']})")
-    for ax in (ax_util, ax_run):
+    if cached is not None:
+        s = cached["series"]
+        rate, total = (np.array([np.nan if u is None else u for u in s[k]], dtype=float)
+                       for k in ("prefix_hit_rate", "prefix_hit_rate_cumulative"))
+        axes[2].plot(s["time_s"], rate, label="over a fiftieth of the steps", color=colors[CACHED], lw=0.8, alpha=0.6)
+        axes[2].plot(s["time_s"], total, label=f"since the start (overall {cached['prefix_hit_rate']:.3f})",
+                     color="black", lw=1.5)
+        axes[2].set_ylabel("prefix cache hit rate\n(cached / prompt tokens)")
+        axes[2].set_ylim(0, 1.05)
+    axes[-1].set_xlabel(f"time (s, {report['timing']['clock']})")
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 
@@ -67,6 +84,13 @@ def write_png(report: dict[str, Any], out_dir: Path) -> Path:
 def _gib(x: float) -> str:
     return f"{x / 2**30:.2f} GiB"
 
+
+CACHE_ROWS = (
+    ("prefix hit rate (tokens)", "prefix_hit_rate", "{:.3f}"),
+    ("prefill tokens", "prefill_tokens", "{:,}"),
+    ("TTFT mean (modelled)", "ttft_mean_s", "{:.2f} s"),
+    ("TTFT p99 (modelled)", "ttft_p99_s", "{:.2f} s"),
+)
 
 ROWS = (
     ("completed requests", "completed", "{:,}"),
@@ -98,7 +122,8 @@ HOST_TIER_ROWS = (
     ("latency p99 (modelled)", "latency_p99_s", "{:.1f} s"),
 )
 
-COLUMNS = {"paged": "paged", "paged_host_tier": "paged + host tier", "contiguous": "contiguous"}
+COLUMNS = {"paged": "paged", "paged_host_tier": "paged + host tier", "contiguous": "contiguous",
+           CACHED: "paged + prefix caching"}
 
 
 def _cell(result: dict[str, Any], key: str, fmt: Any) -> str:
@@ -117,10 +142,12 @@ def _cell(result: dict[str, Any], key: str, fmt: Any) -> str:
 
 
 def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
-    """(label, one cell per result in report order)."""
+    """(label, one cell per result in report order). A report has a host-tier result or a
+    prefix-caching one, never both (the simulator does not combine them)."""
     results = list(report["results"].values())
     paged, contiguous = report["results"]["paged"], report["results"]["contiguous"]
-    rows_spec = ROWS + (HOST_TIER_ROWS if "paged_host_tier" in report["results"] else ())
+    rows_spec = ROWS + (HOST_TIER_ROWS if "paged_host_tier" in report["results"] else ()) \
+        + (CACHE_ROWS if CACHED in report["results"] else ())
     rows = [(label, *(_cell(r, key, fmt) for r in results)) for label, key, fmt in rows_spec]
     if "measured_decode" in paged and "measured_decode" in contiguous:
         rows.append(("decode tokens / s (measured, attention)",
@@ -132,7 +159,9 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
 def print_table(report: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
-    table = Table(title="kvpool simulate: paged vs contiguous (same KV memory)")
+    cached = CACHED in report["results"]
+    table = Table(title="kvpool simulate: paged vs contiguous" + (" vs paged with prefix caching" if cached else "")
+                  + " (same KV memory)")
     table.add_column("")
     for name in report["results"]:
         table.add_column(COLUMNS.get(name, name), justify="right")
@@ -146,6 +175,14 @@ def print_table(report: dict[str, Any], console: Any) -> None:
     )
     if "host_tier_comparison" in report:
         console.print(host_tier_line(report))
+    if cached:
+        pc = report["prefix_caching"]
+        console.print(
+            f"prefix caching: hit rate [bold]{pc['hit_rate_tokens']:.3f}[/bold] of prompt tokens, "
+            f"{pc['prefill_tokens_saved']:,} prefill tokens saved ({pc['prefill_tokens_saved_fraction']:.1%}), "
+            f"throughput x{pc['modelled_throughput_ratio']:.2f}, TTFT mean x{pc['ttft_mean_ratio']:.2f}, "
+            f"peak concurrency x{pc['peak_concurrency_ratio']:.2f} against caching off."
+        )
     console.print(f"time: {report['timing']['decode_attention']}; simulated clock is modelled "
                   f"({report['timing']['model']['hardware']}).")
 

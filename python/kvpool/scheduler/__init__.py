@@ -2,7 +2,8 @@
 
 `paged_scheduler` serves requests from a kvpool.Pool through kvpool.BlockTables;
 `contiguous_scheduler` reserves max_model_len tokens per request from one byte range by first
-fit. Both run the same loop (core.Scheduler) with the same policies, so their figures compare.
+fit; `PrefixCachedKv` serves from a pool with prefix caching (requests sharing prompt tokens,
+see sharing.py and traces.py). Both run the same loop (core.Scheduler) with the same policies, so their figures compare.
 """
 
 from kvpool.scheduler.contiguous import ContiguousKv, FirstFit, contiguous_scheduler
@@ -11,8 +12,12 @@ from kvpool.scheduler.costmodel import H200, Hardware, RooflineCost
 from kvpool.scheduler.metrics import StepMetrics, latency_summary, summarize
 from kvpool.scheduler.paged import PagedKv, paged_scheduler
 from kvpool.scheduler.policies import POLICIES, make_policy
+from kvpool.scheduler.prefix import PrefixCachedKv
 from kvpool.scheduler.presets import PRESETS, ModelPreset, get_preset, num_blocks_for, parse_bytes
 from kvpool.scheduler.seq import Seq
+from kvpool.scheduler.sharing import generate_multiturn, with_token_streams
+from kvpool.scheduler.tokens import TokenStream
+from kvpool.scheduler.traces import TRACE_FORMATS, read_trace
 from kvpool.scheduler.workload import Request, TraceError, describe, generate, load_trace
 
 __all__ = [
@@ -24,16 +29,20 @@ __all__ = [
     "Hardware",
     "ModelPreset",
     "PagedKv",
+    "PrefixCachedKv",
     "Request",
     "RooflineCost",
     "Scheduler",
     "SchedulerConfig",
     "Seq",
+    "TRACE_FORMATS",
+    "TokenStream",
     "StepMetrics",
     "TraceError",
     "contiguous_scheduler",
     "describe",
     "generate",
+    "generate_multiturn",
     "get_preset",
     "latency_summary",
     "load_trace",
@@ -41,5 +50,7 @@ __all__ = [
     "num_blocks_for",
     "paged_scheduler",
     "parse_bytes",
+    "read_trace",
     "summarize",
+    "with_token_streams",
 ]

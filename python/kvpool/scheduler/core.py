@@ -12,7 +12,8 @@ One call to `Scheduler.step()` is one forward pass of the model:
    (chunked prefill), preempting victims the same way when the pool is dry;
 4. waiting sequences are admitted in policy order while the budget, the running limit and
    the backend allow it; admission stops at the first one that does not fit (no skipping,
-   so the policy order is the admission order).
+   so the policy order is the admission order). A backend with a prefix cache reports the
+   leading tokens it holds already (`seq.num_cached_tokens`); the prefill starts after them.
 
 Semantics of a request: its prompt is prefilled (possibly over several steps), then it decodes
 `output_tokens` steps, each appending one token of KV and emitting one token. Time is modelled
@@ -73,7 +74,7 @@ class KvBackend(Protocol):
     alloc_s: float  # seconds spent in allocator calls, accumulated; the scheduler reads it
 
     def validate(self, config: SchedulerConfig) -> None: ...
-    def try_admit(self, seq: Seq, first_chunk: int, watermark_blocks: int) -> bool: ...
+    def try_admit(self, seq: Seq, first_chunk: int, watermark_blocks: int) -> bool: ...  # sets seq.num_cached_tokens
     def prefill_shortfall(self, seq: Seq, n: int) -> int: ...
     def extend(self, seq: Seq, n: int) -> None: ...
     def decode_shortfall(self, seqs: Sequence[Seq]) -> int: ...
@@ -135,6 +136,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.swapper = swapper
         self.recomputed_tokens = 0  # tokens whose KV a recompute preemption dropped
+        self.num_queried_tokens = 0  # tokens to prefill at admission (prefix cache queries)
+        self.num_cached_tokens = 0  # of which the backend's prefix cache held the KV
         self.metrics = StepMetrics()
         self.events: list[tuple] | None = [] if record_events else None
         self._watermark_blocks = backend.watermark_blocks(config.watermark)
@@ -208,6 +211,7 @@ class Scheduler:
         wall0 = time.perf_counter()
         alloc0 = self.backend.alloc_s
         preempt0 = self.num_preemptions
+        queried0, cached0 = self.num_queried_tokens, self.num_cached_tokens
         self.last_plan = StepPlan([], [])
         self._arrive()
         if not self.running and not self.waiting and self._next_arrival < len(self.seqs):
@@ -244,6 +248,8 @@ class Scheduler:
             slots_allocated=slots,
             prefill_tokens=prefill_tokens,
             decode_tokens=len(decoded),
+            queried_tokens=self.num_queried_tokens - queried0,
+            cached_tokens=self.num_cached_tokens - cached0,
             alloc_s=self.backend.alloc_s - alloc0,
             wall_s=time.perf_counter() - wall0,
         )
@@ -316,6 +322,7 @@ class Scheduler:
             self._event("admit", seq.request_id)
             seq.running = True
             self.running.append(seq)
+            n = self._skip_cached(seq, budget - used)
             self._prefilled(seq, n)
             used += n
         return used
@@ -332,6 +339,15 @@ class Scheduler:
         seq.running = True
         self.running.append(seq)
         return True
+
+    def _skip_cached(self, seq: Seq, budget: int) -> int:
+        """Prompt tokens the backend found in its prefix cache at admission need no prefill:
+        the sequence starts after them. Returns the first chunk to compute within `budget`."""
+        cached = seq.num_cached_tokens
+        self.num_queried_tokens += seq.prefill_target
+        self.num_cached_tokens += cached
+        seq.prefilled = seq.kv_tokens = cached
+        return min(seq.prefill_target - cached, budget)
 
     # ---- the whole run -------------------------------------------------------------------
 

@@ -16,6 +16,8 @@ FIELDS = (
     "slots_allocated",  # token slots reserved for them (blocks x block_size, or reservations)
     "prefill_tokens",
     "decode_tokens",
+    "queried_tokens",  # tokens to prefill of the requests admitted (prefix cache queries)
+    "cached_tokens",  # of which the prefix cache held the KV (no prefill needed)
     "alloc_s",  # measured: perf_counter around pool / block-table / first-fit calls
     "wall_s",  # measured: the whole step of the simulator
 )
@@ -52,6 +54,7 @@ def summarize(metrics: StepMetrics, token_bytes: int) -> dict[str, Any]:
     out_tokens = int(a["decode_tokens"].sum())
     batch_tokens = out_tokens + int(a["prefill_tokens"].sum())
     sim_s = float(a["time_s"][-1])
+    queried, cached = int(a["queried_tokens"].sum()), int(a["cached_tokens"].sum())
     return {
         "steps": steps,
         "mean_running": float(a["running"].mean()),
@@ -64,6 +67,9 @@ def summarize(metrics: StepMetrics, token_bytes: int) -> dict[str, Any]:
         "preemptions": int(a["preempted"].sum()),
         "output_tokens": out_tokens,
         "prefill_tokens": batch_tokens - out_tokens,
+        "queried_tokens": queried,
+        "cached_tokens": cached,
+        "prefix_hit_rate": cached / queried if queried else 0.0,
         "tokens_per_step": batch_tokens / steps,
         "output_tokens_per_step": out_tokens / steps,
         "modelled_time_s": sim_s,

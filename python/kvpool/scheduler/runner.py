@@ -1,5 +1,7 @@
 """One simulation: the same workload through the paged and the contiguous scheduler, and, with
-a host tier (SimulationSpec.host_tier), through the paged scheduler preempting into it."""
+a host tier (SimulationSpec.host_tier), through the paged scheduler preempting into it, or, with
+SimulationSpec.prefix_caching, through the paged scheduler with prefix caching (prefix_sim.py).
+The two extra runs are not combined: swapping does not model blocks shared by a prefix cache."""
 
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class SimulationSpec:
     kv_dtype: str = "float16"  # the cache's element type (fp8 halves the bytes per token)
     workload_info: dict[str, Any] = field(default_factory=dict)
     host_tier: HostTierSpec | None = None  # also run paged with preemption into a host tier
+    prefix_caching: bool = False  # also run paged with prefix caching (prefix_sim.py)
 
 
 def resolve_device(device: str) -> str:
@@ -60,7 +63,7 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def make_pool(spec: SimulationSpec, device: str) -> tuple[kvpool.Pool, int, str]:
+def make_pool(spec: SimulationSpec, device: str, prefix_caching: bool = False) -> tuple[kvpool.Pool, int, str]:
     layout = spec.preset.layout(spec.block_size, spec.kv_dtype)
     num_blocks = num_blocks_for(spec.kv_memory_bytes, layout)
     if num_blocks < 1:
@@ -68,9 +71,10 @@ def make_pool(spec: SimulationSpec, device: str) -> tuple[kvpool.Pool, int, str]
             f"a KV budget of {spec.kv_memory_bytes} bytes holds no block of {layout.block_bytes} bytes"
         )
     if device == "cuda":
-        return kvpool.Pool(layout, num_blocks, device="cuda"), num_blocks, "model layout on the GPU"
-    return (kvpool.Pool(proxy_layout(spec.block_size), num_blocks, device="host"), num_blocks,
-            "proxy layout (allocator only)")
+        return (kvpool.Pool(layout, num_blocks, device="cuda", enable_prefix_caching=prefix_caching), num_blocks,
+                "model layout on the GPU")
+    return (kvpool.Pool(proxy_layout(spec.block_size), num_blocks, device="host", enable_prefix_caching=prefix_caching),
+            num_blocks, "proxy layout (allocator only)")
 
 
 def _series(metrics, max_points: int = 1500) -> dict[str, list]:
@@ -132,7 +136,11 @@ def run_one(sched: Scheduler, token_bytes: int, progress: Progress | None) -> di
 
 
 def simulate(spec: SimulationSpec, progress: Progress | None = None) -> dict[str, Any]:
-    """Run both schedulers; the report's figures as a dict (JSON-ready)."""
+    """Run both schedulers (and the extra run the spec asks for); the report's figures as a
+    dict (JSON-ready)."""
+    if spec.host_tier is not None and spec.prefix_caching:
+        raise ValueError("a host tier and prefix caching are not modelled together: the host tier "
+                         "swaps a sequence's own blocks, a prefix cache shares them between sequences")
     device = resolve_device(spec.device)
     preset = spec.preset
     layout = preset.layout(spec.block_size, spec.kv_dtype)
@@ -187,6 +195,10 @@ def simulate(spec: SimulationSpec, progress: Progress | None = None) -> dict[str
     if tier_result is not None:
         report["results"] = {"paged": paged_result, "paged_host_tier": tier_result, "contiguous": contiguous_result}
         report["host_tier_comparison"] = compare_host_tier(tier_result, paged_result)
+    if spec.prefix_caching:
+        from kvpool.scheduler.prefix_sim import run_prefix_caching
+
+        run_prefix_caching(spec, device, report, token_bytes, cost, progress)
     return report
 
 

@@ -12,7 +12,7 @@ class Seq:
     __slots__ = (
         "request", "prefill_target", "prefilled", "generated", "kv_tokens", "decoding", "running",
         "last_scheduled_s", "times_scheduled", "first_token_s", "finish_s", "num_preemptions",
-        "num_finishes", "swapped",
+        "num_finishes", "swapped", "num_cached_tokens",
     )
 
     def __init__(self, request: Request) -> None:
@@ -30,6 +30,7 @@ class Seq:
         self.num_preemptions = 0
         self.num_finishes = 0
         self.swapped = False  # preempted by swap: its KV waits on the host tier
+        self.num_cached_tokens = 0  # of prefill_target, found in the prefix cache at admission
 
     @property
     def request_id(self) -> int:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from kvpool.scheduler.tokens import TokenStream
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,9 @@ class Request:
     priority: int = 0
     prefix_id: int = -1  # requests with the same prefix_id start with the same prefix_tokens
     prefix_tokens: int = 0
+    conversation_id: int = -1  # turns of one conversation: each prompt holds the earlier turns
+    # The token ids of prompt + output (prefix caching needs them; sharing.with_token_streams)
+    tokens: TokenStream | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,13 +173,37 @@ def _request(row: dict, index: int, where: str, max_model_len: int | None) -> Re
     priority = int(_number(row.get("priority", 0) or 0, "priority", where, integer=True, minimum=-(2**31)))
     if max_model_len is not None and prompt + output > max_model_len:
         raise TraceError(f"{where}: prompt_tokens + output_tokens = {prompt + output} exceeds max_model_len {max_model_len}")
-    return Request(index, arrival, prompt, output, priority)
+    group, shared, conversation = _sharing_fields(row, prompt, where)
+    return Request(index, arrival, prompt, output, priority, group, shared, conversation)
+
+
+def _sharing_fields(row: dict, prompt: int, where: str) -> tuple[int, int, int]:
+    """Optional (prefix_group, prefix_tokens, conversation_id); -1, 0, -1 when absent."""
+
+    def optional(name: str, minimum: int) -> int | None:
+        value = row.get(name)
+        if value in (None, ""):
+            return None
+        return int(_number(value, name, where, integer=True, minimum=minimum))
+
+    group = optional("prefix_group", 0)
+    shared = optional("prefix_tokens", 0)
+    conversation = optional("conversation_id", 0)
+    if (group is None) != (shared is None):
+        raise TraceError(f"{where}: prefix_group and prefix_tokens go together (requests of one group "
+                         "share their first prefix_tokens tokens)")
+    if shared is not None and shared > prompt:
+        raise TraceError(f"{where}: prefix_tokens {shared} exceeds prompt_tokens {prompt}")
+    return (-1 if group is None else group, shared or 0, -1 if conversation is None else conversation)
 
 
 def load_trace(path: str | Path, max_model_len: int | None = None) -> list[Request]:
     """Read a JSONL (one object per line) or CSV (header row) trace; sorted by arrival time.
 
-    Fields: arrival_s (seconds), prompt_tokens, output_tokens, optional priority. A bad line
+    Fields: arrival_s (seconds), prompt_tokens, output_tokens, optional priority, and for
+    prefix sharing optional prefix_group + prefix_tokens (requests of one group share their
+    first prefix_tokens tokens) or conversation_id (the rows of one conversation, in arrival
+    order: each prompt holds the previous prompt and its output, then new tokens). A bad line
     raises TraceError naming the file and the line number.
     """
     path = Path(path)
