@@ -37,6 +37,41 @@ TC_WARPS = 4
 TC_TILE = 16  # tokens per warp tile
 TC_NH2_MAX_DP = 192  # 16-head tiles need DP/2 more accumulator registers: DP 224/256 would spill
 TC_STAGE_BUDGET = 96 * 1024  # shared memory the cp.async stages of one CTA aim for
+SMEM_PER_SM = 227 * 1024  # sm_80 / sm_90: the most dynamic shared memory one CTA may have
+
+# Tuning of the fp8 decode only (the 16-bit modules never read it), for sweeps on a GPU:
+# KVPOOL_FP8_DECODE="warps=W,stages=S,fill=F" sets the warps per CTA, the cp.async stages per
+# warp (2..4; default: what TC_STAGE_BUDGET holds) and the CTAs per SM the split-KV plan aims
+# to fill (default TC_CTAS_PER_SM). Unset or empty: today's defaults.
+FP8_DECODE_ENV = "KVPOOL_FP8_DECODE"
+FP8_DECODE_WARPS = (2, 4, 6, 8)
+
+
+@dataclass(frozen=True)
+class Fp8DecodeTuning:
+    warps: int = TC_WARPS
+    stages: int = 0  # 0: derived from TC_STAGE_BUDGET like the 16-bit modules
+    fill: int = 0  # 0: the plan's TC_CTAS_PER_SM
+
+
+def fp8_decode_tuning() -> Fp8DecodeTuning:
+    """The fp8 decode tuning from KVPOOL_FP8_DECODE (read when a decode call is prepared)."""
+    text = os.environ.get(FP8_DECODE_ENV, "").strip()
+    if not text:
+        return Fp8DecodeTuning()
+    fields = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or name not in ("warps", "stages", "fill") or not value.strip().isdigit():
+            raise ValueError(f"{FP8_DECODE_ENV}={text!r}: expected warps=W,stages=S,fill=F")
+        fields[name] = int(value)
+    tuning = Fp8DecodeTuning(**fields)
+    if (tuning.warps not in FP8_DECODE_WARPS or tuning.stages not in (0, 2, 3, 4)
+            or not 0 <= tuning.fill <= 4):
+        raise ValueError(f"{FP8_DECODE_ENV}={text!r}: warps in {FP8_DECODE_WARPS}, "
+                         "stages 2..4 (or 0), fill 1..4 (or 0)")
+    return tuning
 
 # The CUDA-core decode (paged_decode.cu, `pipeline=0/1`) is a baseline for tests and benchmarks,
 # with its own narrower set and a separate merge launch.
@@ -179,6 +214,8 @@ class TcVariant:
     dp: int
     nh: int
     q_dtype: str | None = None
+    warps: int = TC_WARPS
+    fixed_stages: int = 0  # 0: as many stages (2..4) as TC_STAGE_BUDGET holds
 
     @property
     def fp8(self) -> int:
@@ -204,27 +241,29 @@ class TcVariant:
 
     @property
     def stages(self) -> int:
-        return max(2, min(4, TC_STAGE_BUDGET // (self.stage_bytes * TC_WARPS)))
+        if self.fixed_stages:
+            return self.fixed_stages
+        return max(2, min(4, TC_STAGE_BUDGET // (self.stage_bytes * self.warps)))
 
     @property
     def threads(self) -> int:
-        return 32 * TC_WARPS
+        return 32 * self.warps
 
     @property
     def tokens_per_iter(self) -> int:
-        return TC_TILE * TC_WARPS
+        return TC_TILE * self.warps
 
     @property
     def dynamic_smem_bytes(self) -> int:
         """Per-warp K+V tile stages (mirrors the .cu); the warp merge area and the fused
         merge's weights fit inside (static_assert there)."""
-        stage = self.stages * self.stage_bytes * TC_WARPS
-        merge = 4 * TC_WARPS * 16 * (self.dp + 2)
+        stage = self.stages * self.stage_bytes * self.warps
+        merge = 4 * self.warps * 16 * (self.dp + 2)
         return max(stage, merge, 4 * MAX_SPLITS * 16)
 
     @property
     def ctas_per_sm(self) -> int:
-        return max(1, min(4, (227 * 1024) // (self.dynamic_smem_bytes + 1024)))
+        return max(1, min(4, SMEM_PER_SM // (self.dynamic_smem_bytes + 1024)))
 
     def options(self) -> tuple[str, ...]:
         fp8 = (f"-DKV_FP8={self.fp8}", f"-DQ_BF16={int(self.q_dtype == 'bfloat16')}")
@@ -232,19 +271,28 @@ class TcVariant:
             f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
             f"-DDP={self.dp}",
             f"-DNH={self.nh}",
-            f"-DNWARPS={TC_WARPS}",
+            f"-DNWARPS={self.warps}",
             f"-DSTAGES={self.stages}",
             f"-DMAX_SPLITS={MAX_SPLITS}",
         )
 
 
-def tc_variant(dtype: str, head_dim: int, group: int,
-               q_dtype: str | None = None) -> tuple[TcVariant, int]:
+def tc_variant(dtype: str, head_dim: int, group: int, q_dtype: str | None = None,
+               tuning: Fp8DecodeTuning | None = None) -> tuple[TcVariant, int]:
     """The module and head tile for a (dtype, head_dim, group) in the supported set (q_dtype:
-    the query dtype of an fp8 cache)."""
+    the query dtype of an fp8 cache; tuning: the fp8 decode's warps and stages, ignored for
+    16-bit caches)."""
     dp = padded_head_dim(head_dim)
-    gq = tc_head_tile(group, dp, dtype in FP8_DTYPES)
-    return TcVariant(dtype, dp, 1 if gq <= 8 else 2, q_dtype if dtype in FP8_DTYPES else None), gq
+    fp8 = dtype in FP8_DTYPES
+    gq = tc_head_tile(group, dp, fp8)
+    variant = TcVariant(dtype, dp, 1 if gq <= 8 else 2, q_dtype if fp8 else None)
+    if fp8 and tuning is not None:
+        variant = TcVariant(variant.dtype, dp, variant.nh, variant.q_dtype, tuning.warps,
+                            tuning.stages)
+        if variant.dynamic_smem_bytes > SMEM_PER_SM:
+            raise ValueError(f"{FP8_DECODE_ENV}: {tuning} needs {variant.dynamic_smem_bytes} "
+                             f"bytes of shared memory per CTA (at most {SMEM_PER_SM})")
+    return variant, gq
 
 
 def tc_variants() -> list[TcVariant]:

@@ -1,0 +1,46 @@
+"""KVPOOL_FP8_DECODE: the fp8 decode's tuning knob (no GPU). Unset, every module is today's; set,
+only fp8 decode modules change, and bad values are refused with a message naming the variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.kernels import _build
+from kvpool.kernels._build import FP8_DECODE_ENV, Fp8DecodeTuning, fp8_decode_tuning, tc_variant
+
+
+def test_unset_or_empty_is_the_default(monkeypatch):
+    monkeypatch.delenv(FP8_DECODE_ENV, raising=False)
+    assert fp8_decode_tuning() == Fp8DecodeTuning()
+    monkeypatch.setenv(FP8_DECODE_ENV, " ")
+    tuning = fp8_decode_tuning()
+    assert tuning == Fp8DecodeTuning()
+    plain, _ = tc_variant("float8_e4m3fn", 128, 4, "float16")
+    tuned, _ = tc_variant("float8_e4m3fn", 128, 4, "float16", tuning)
+    assert tuned.options() == plain.options()
+    assert "-DNWARPS=4" in plain.options() and "-DSTAGES=4" in plain.options()
+
+
+def test_a_tuning_changes_only_fp8_modules(monkeypatch):
+    monkeypatch.setenv(FP8_DECODE_ENV, "warps=8,stages=3,fill=2")
+    tuning = fp8_decode_tuning()
+    assert tuning == Fp8DecodeTuning(warps=8, stages=3, fill=2)
+    v, gq = tc_variant("float8_e4m3fn", 128, 4, "float16", tuning)
+    assert gq == 4 and "-DNWARPS=8" in v.options() and "-DSTAGES=3" in v.options()
+    assert v.threads == 256 and v.tokens_per_iter == 128
+    assert v.dynamic_smem_bytes == 3 * 8 * 16 * sum(_build.fp8_row_bytes(128))
+    for dtype in _build.DTYPES:
+        assert tc_variant(dtype, 128, 4, None, tuning) == tc_variant(dtype, 128, 4)
+
+
+@pytest.mark.parametrize("text", ["warps=5", "stages=1", "stages=5", "fill=9", "warps=x",
+                                  "warp=4", "warps", "warps=-4"])
+def test_bad_values_are_refused(monkeypatch, text):
+    monkeypatch.setenv(FP8_DECODE_ENV, text)
+    with pytest.raises(ValueError, match=FP8_DECODE_ENV):
+        fp8_decode_tuning()
+
+
+def test_a_tuning_beyond_shared_memory_is_refused():
+    with pytest.raises(ValueError, match="shared memory"):
+        tc_variant("float8_e4m3fn", 256, 4, "float16", Fp8DecodeTuning(warps=8, stages=4))
