@@ -41,6 +41,14 @@ def test_bad_values_are_refused(monkeypatch, text):
         fp8_decode_tuning()
 
 
-def test_a_tuning_beyond_shared_memory_is_refused():
-    with pytest.raises(ValueError, match="shared memory"):
-        tc_variant("float8_e4m3fn", 256, 4, "float16", Fp8DecodeTuning(warps=8, stages=4))
+def test_fixed_stages_are_lowered_to_fit_shared_memory():
+    v, _ = tc_variant("float8_e4m3fn", 256, 4, "float16", Fp8DecodeTuning(warps=8, stages=4))
+    assert 2 <= v.stages < 4 and v.dynamic_smem_bytes <= _build.SMEM_PER_SM
+    assert f"-DSTAGES={v.stages}" in v.options()
+
+
+def test_ci_compiles_the_default_fp8_modules():
+    for v in _build.fp8_tc_variants():
+        assert (v.warps, v.fixed_stages) == (_build.FP8_DECODE_DEFAULT.warps,
+                                            _build.FP8_DECODE_DEFAULT.stages)
+        assert v == tc_variant(v.dtype, v.dp, 16 if v.nh == 2 else 8, v.q_dtype)[0]

@@ -54,11 +54,16 @@ class Fp8DecodeTuning:
     fill: int = 0  # 0: the plan's TC_CTAS_PER_SM
 
 
+# The fp8 decode's defaults (what runs with KVPOOL_FP8_DECODE unset, and what CI compiles).
+FP8_DECODE_DEFAULT = Fp8DecodeTuning()
+
+
 def fp8_decode_tuning() -> Fp8DecodeTuning:
-    """The fp8 decode tuning from KVPOOL_FP8_DECODE (read when a decode call is prepared)."""
+    """The fp8 decode tuning from KVPOOL_FP8_DECODE (read when a decode call is prepared);
+    fields it leaves out take Fp8DecodeTuning's defaults."""
     text = os.environ.get(FP8_DECODE_ENV, "").strip()
     if not text:
-        return Fp8DecodeTuning()
+        return FP8_DECODE_DEFAULT
     fields = {}
     for item in text.split(","):
         name, sep, value = item.partition("=")
@@ -280,19 +285,26 @@ class TcVariant:
 def tc_variant(dtype: str, head_dim: int, group: int, q_dtype: str | None = None,
                tuning: Fp8DecodeTuning | None = None) -> tuple[TcVariant, int]:
     """The module and head tile for a (dtype, head_dim, group) in the supported set (q_dtype:
-    the query dtype of an fp8 cache; tuning: the fp8 decode's warps and stages, ignored for
-    16-bit caches)."""
+    the query dtype of an fp8 cache; tuning: the fp8 decode's warps and stages, default
+    FP8_DECODE_DEFAULT, ignored for 16-bit caches)."""
     dp = padded_head_dim(head_dim)
     fp8 = dtype in FP8_DTYPES
     gq = tc_head_tile(group, dp, fp8)
     variant = TcVariant(dtype, dp, 1 if gq <= 8 else 2, q_dtype if fp8 else None)
-    if fp8 and tuning is not None:
-        variant = TcVariant(variant.dtype, dp, variant.nh, variant.q_dtype, tuning.warps,
-                            tuning.stages)
-        if variant.dynamic_smem_bytes > SMEM_PER_SM:
-            raise ValueError(f"{FP8_DECODE_ENV}: {tuning} needs {variant.dynamic_smem_bytes} "
-                             f"bytes of shared memory per CTA (at most {SMEM_PER_SM})")
-    return variant, gq
+    return (tuned(variant, tuning or FP8_DECODE_DEFAULT) if fp8 else variant), gq
+
+
+def tuned(variant: TcVariant, tuning: Fp8DecodeTuning) -> TcVariant:
+    """An fp8 decode module with the tuning's warps and stages (a fixed stage count that does
+    not fit in shared memory at this width is lowered, down to 2)."""
+    v = TcVariant(variant.dtype, variant.dp, variant.nh, variant.q_dtype, tuning.warps,
+                  tuning.stages)
+    while v.fixed_stages > 2 and v.dynamic_smem_bytes > SMEM_PER_SM:
+        v = TcVariant(v.dtype, v.dp, v.nh, v.q_dtype, v.warps, v.fixed_stages - 1)
+    if v.dynamic_smem_bytes > SMEM_PER_SM:
+        raise ValueError(f"{FP8_DECODE_ENV}: {tuning} needs {v.dynamic_smem_bytes} bytes of "
+                         f"shared memory per CTA at head width {v.dp} (at most {SMEM_PER_SM})")
+    return v
 
 
 def tc_variants() -> list[TcVariant]:
@@ -312,7 +324,7 @@ def fp8_tc_variants() -> list[TcVariant]:
                                                     ("float8_e5m2", "float16"),
                                                     ("float8_e5m2", "bfloat16"))
              for dp in (64, 128)]
-    return main + other
+    return [tuned(v, FP8_DECODE_DEFAULT) for v in main + other]
 
 
 def cuda_core_variants() -> list[DecodeVariant]:
