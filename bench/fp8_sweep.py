@@ -10,7 +10,13 @@ pages, input rotations beyond L2, CUDA-graph replays) every candidate is
   - timed, with our fp16 decode (library default) on the same shape in the same run as baseline.
 The read ceiling is measured in the same run; "frac" counts fp8 bytes. Writes JSON (argv[1]),
 prints one table (microseconds, speedup over our fp16, fraction of the ceiling) and the best
-candidate per shape. Meant to finish in well under two minutes on an H200.
+candidate per shape.
+
+Then the fp8 prefill on fp8_prefill_bench.py's shapes: our fp16 prefill, the fp8 prefill with
+synchronous loads (default) and with KVPOOL_FP8_PREFILL_ASYNC=1 (cp.async into fp8 staging
+tiles). The two fp8 forms do the same arithmetic on the same fp16 tiles, so their outputs must be
+bit-identical (the synchronous form is the one the GPU tests check against float64).
+Meant to finish in well under two minutes on an H200.
 """
 
 from __future__ import annotations
@@ -27,11 +33,14 @@ import numpy as np
 import torch
 from decode_bench import GRID, HKV, HQ, ROTATE_BYTES, measure_ceiling, median_graph_us
 from fp8_bench import BS, D, K_SCALE, V_SCALE, make_pool
+from fp8_prefill_bench import SHAPES as PREFILL_SHAPES
+from fp8_prefill_bench import run as run_prefill
+from prefill_bench import causal_flops
 from provenance import provenance
 
 import kvpool
-from kvpool.kernels import _decode, paged_attention_decode, workspace_elems
-from kvpool.kernels._build import FP8_DECODE_ENV
+from kvpool.kernels import _decode, _prefill, paged_attention_decode, workspace_elems
+from kvpool.kernels._build import FP8_DECODE_ENV, FP8_PREFILL_ASYNC_ENV
 
 BOUND = 1e-2
 # (name, KVPOOL_FP8_DECODE): DP 128 x head tile 4 modules at 141 registers (<= 3 CTAs of 4 warps
@@ -148,6 +157,38 @@ def sweep_shape(batch, seq_len, ceiling):
     return row
 
 
+def sweep_prefill():
+    """fp16 / fp8 sync / fp8 async prefill rows (same seeds: same q, same K/V values)."""
+    rows = []
+    for label, num_seqs, qo, prefix in PREFILL_SHAPES:
+        row = {"shape": label, "num_seqs": num_seqs, "new_tokens": qo, "cached_prefix": prefix}
+        try:
+            flops = causal_flops(num_seqs, qo, prefix)
+            outs = {}
+            for key, dtype, async_ in (("fp16", "float16", "0"), ("fp8_sync", "float8_e4m3fn", "0"),
+                                       ("fp8_async", "float8_e4m3fn", "1")):
+                os.environ[FP8_PREFILL_ASYNC_ENV] = async_
+                _prefill._PREPARED.clear()
+                us, outs[key], _ = run_prefill(dtype, num_seqs, qo, prefix)
+                row[f"{key}_us"] = round(us, 2)
+                row[f"{key}_tflops"] = round(flops / (us * 1e-6) / 1e12, 1)
+                torch.cuda.empty_cache()
+                cp.get_default_memory_pool().free_all_blocks()
+            row["finite"] = bool(outs["fp8_sync"].isfinite().all())
+            row["async_equals_sync"] = bool(torch.equal(outs["fp8_async"], outs["fp8_sync"]))
+            row["ok"] = row["finite"] and row["async_equals_sync"]
+        except Exception as e:  # noqa: BLE001 - record and go on
+            traceback.print_exc()
+            row["ok"] = False
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        finally:
+            os.environ.pop(FP8_PREFILL_ASYNC_ENV, None)
+            _prefill._PREPARED.clear()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main():
     t0 = time.time()
     out_path = sys.argv[1] if len(sys.argv) > 1 else "fp8_sweep.json"
@@ -167,6 +208,9 @@ def main():
         with open(out_path, "w") as f:
             json.dump(result, f, indent=1)
         print(f"{row['shape']} done at {time.time() - t0:.0f} s", flush=True)
+    result["prefill"] = sweep_prefill()
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
     names = [n for n, _ in CANDIDATES]
     print("fp8 decode us (x our fp16 / fraction of ceiling); FAIL: wrong result")
     print(f"{'shape':>9} {'fp16':>6} " + " ".join(f"{n:>17}" for n in names))
@@ -185,6 +229,16 @@ def main():
         for r in result["rows"] if "error" not in r))
     fails = [(r["shape"], n) for r in result["rows"] for n, c in r.get("candidates", {}).items()
              if not c.get("ok")]
+    print("fp8 prefill us (TFLOP/s): fp16, fp8 sync, fp8 async (KVPOOL_FP8_PREFILL_ASYNC=1)")
+    for r in result["prefill"]:
+        if "error" in r:
+            print(f"{r['shape']:>20} error {r['error']}")
+            continue
+        print(f"{r['shape']:>20} " + " ".join(f"{r[k + '_us']:8.1f} ({r[k + '_tflops']:5.1f})"
+                                           for k in ("fp16", "fp8_sync", "fp8_async"))
+              + f"  async/sync {r['fp8_sync_us'] / r['fp8_async_us']:.2f}x"
+              + f"  bit-identical {r['async_equals_sync']}")
+    fails += [("prefill " + r["shape"], "async") for r in result["prefill"] if not r["ok"]]
     print(f"{len(fails)} failed candidate runs {fails}; total {time.time() - t0:.0f} s")
 
 

@@ -1,5 +1,6 @@
-"""KVPOOL_FP8_DECODE: the fp8 decode's tuning knob (no GPU). Unset, every module is today's; set,
-only fp8 decode modules change, and bad values are refused with a message naming the variable."""
+"""KVPOOL_FP8_DECODE (the fp8 decode's tuning) and KVPOOL_FP8_PREFILL_ASYNC, no GPU. Unset, every
+module is today's; set, only fp8 modules change; bad values are refused with a message naming
+the variable."""
 
 from __future__ import annotations
 
@@ -52,3 +53,24 @@ def test_ci_compiles_the_default_fp8_modules():
         assert (v.warps, v.fixed_stages) == (_build.FP8_DECODE_DEFAULT.warps,
                                             _build.FP8_DECODE_DEFAULT.stages)
         assert v == tc_variant(v.dtype, v.dp, 16 if v.nh == 2 else 8, v.q_dtype)[0]
+
+
+def test_fp8_prefill_async_switch(monkeypatch):
+    monkeypatch.delenv(_build.FP8_PREFILL_ASYNC_ENV, raising=False)
+    assert _build.fp8_prefill_async() is _build.FP8_PREFILL_ASYNC_DEFAULT
+    monkeypatch.setenv(_build.FP8_PREFILL_ASYNC_ENV, "1")
+    assert _build.fp8_prefill_async() is True
+    monkeypatch.setenv(_build.FP8_PREFILL_ASYNC_ENV, "0")
+    assert _build.fp8_prefill_async() is False
+    monkeypatch.setenv(_build.FP8_PREFILL_ASYNC_ENV, "yes")
+    with pytest.raises(ValueError, match=_build.FP8_PREFILL_ASYNC_ENV):
+        _build.fp8_prefill_async()
+    for hd in _build.HEAD_DIMS:
+        for w in (_build.PREFILL_WIDE_WARPS, _build.PREFILL_NARROW_WARPS):
+            sync = _build.PrefillVariant("float8_e4m3fn", hd, 16, w, "float16")
+            async_ = _build.PrefillVariant("float8_e4m3fn", hd, 16, w, "float16", True)
+            assert "-DKV_FP8_ASYNC=1" in async_.options()
+            assert "-DKV_FP8_ASYNC=1" not in sync.options()
+            # one fp16 tile + two fp8 staging tiles: the synchronous form's two fp16 tiles
+            assert async_.dynamic_smem_bytes == sync.dynamic_smem_bytes
+            assert async_.kv_tile == sync.kv_tile and async_.ctas_per_sm == sync.ctas_per_sm

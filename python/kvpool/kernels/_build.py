@@ -353,6 +353,19 @@ PREFILL_NARROW_WARPS = 1
 PREFILL_BN = {64: 64, 128: 64, 256: 32}  # wide CTAs; D=256 with 64-token tiles needs > 255 regs
 PREFILL_NARROW_BN = {64: 32, 128: 32, 256: 16}  # 32 at D=256 spills on sm_90
 PREFILL_STAGES = 2
+# KVPOOL_FP8_PREFILL_ASYNC=1: fp8 prefill modules load K/V with cp.async into fp8 staging tiles
+# and convert them per tile (KV_FP8_ASYNC in the .cu); unset or 0: synchronous loads. Default
+# off until measured; FP8_PREFILL_ASYNC_DEFAULT is what runs with the variable unset.
+FP8_PREFILL_ASYNC_ENV = "KVPOOL_FP8_PREFILL_ASYNC"
+FP8_PREFILL_ASYNC_DEFAULT = False
+
+
+def fp8_prefill_async() -> bool:
+    """Whether fp8 prefill modules load asynchronously (read when a prefill call is prepared)."""
+    text = os.environ.get(FP8_PREFILL_ASYNC_ENV, "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"{FP8_PREFILL_ASYNC_ENV}={text!r}: expected 0 or 1")
+    return FP8_PREFILL_ASYNC_DEFAULT if not text else text == "1"
 PREFILL_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -366,6 +379,7 @@ class PrefillVariant:
     block_size: int
     warps: int = PREFILL_WIDE_WARPS
     q_dtype: str | None = None
+    fp8_async: bool = False  # KV_FP8_ASYNC (fp8 caches only)
 
     source = "paged_prefill.cu"
     kernel = "paged_prefill"
@@ -385,8 +399,12 @@ class PrefillVariant:
 
     @property
     def dynamic_smem_bytes(self) -> int:
-        """Q tile plus the K+V stages (mirrors Q_BYTES and KV_TILE_BYTES in the .cu)."""
+        """Q tile plus the K+V stages (mirrors Q_BYTES, KV_TILE_BYTES, KV_BUFS and
+        STAGING_BYTES in the .cu)."""
         row = 2 * self.head_dim
+        if self.fp8_async:  # one fp16 K+V tile, STAGES fp8 K+V staging tiles
+            return (self.rows * row + 2 * self.kv_tile * row
+                    + PREFILL_STAGES * 2 * self.kv_tile * self.head_dim)
         return self.rows * row + PREFILL_STAGES * 2 * self.kv_tile * row
 
     @property
@@ -398,7 +416,8 @@ class PrefillVariant:
 
     def options(self) -> tuple[str, ...]:
         fp8 = FP8_DTYPES.get(self.dtype, 0)
-        fp8_opts = (f"-DKV_FP8={fp8}", f"-DQ_BF16={int(self.q_dtype == 'bfloat16')}")
+        fp8_opts = (f"-DKV_FP8={fp8}", f"-DQ_BF16={int(self.q_dtype == 'bfloat16')}") + (
+            ("-DKV_FP8_ASYNC=1",) if self.fp8_async else ())
         return COMMON_OPTIONS + (fp8_opts if fp8 else ()) + (
             f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
             f"-DHEAD_DIM={self.head_dim}",
@@ -420,6 +439,10 @@ def prefill_variants() -> list[PrefillVariant]:
            for w in (PREFILL_WIDE_WARPS, PREFILL_NARROW_WARPS)]
     fp8 += [PrefillVariant(dt, 128, 16, PREFILL_WIDE_WARPS, q) for dt, q in (
         ("float8_e4m3fn", "bfloat16"), ("float8_e5m2", "float16"), ("float8_e5m2", "bfloat16"))]
+    # The asynchronous fp8 loads (KVPOOL_FP8_PREFILL_ASYNC): every head dim wide, 128 narrow.
+    fp8 += [PrefillVariant("float8_e4m3fn", hd, 16, w, "float16", True) for hd, w in (
+        (64, PREFILL_WIDE_WARPS), (128, PREFILL_WIDE_WARPS), (256, PREFILL_WIDE_WARPS),
+        (128, PREFILL_NARROW_WARPS))]
     return main + edges + fp8
 
 
@@ -435,7 +458,7 @@ def all_sources() -> list[tuple[str, str, tuple[str, ...]]]:
     out = [(_label(v), read_source(v.source), v.options()) for v in decode_variants()]
     out += [
         (f"{v.kernel}[{v.dtype}{',q=' + v.q_dtype if v.q_dtype else ''},{v.head_dim},"
-         f"{v.block_size},w{v.warps}]", read_source(v.source),
+         f"{v.block_size},w{v.warps}{',async' if v.fp8_async else ''}]", read_source(v.source),
          v.options())
         for v in prefill_variants()
     ]
