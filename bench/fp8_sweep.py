@@ -222,10 +222,11 @@ def main():
             cells.append(f"{c['us']:6.1f} {c['x_fp16']:4.2f}/{c['frac']:.2f}" if c.get("ok")
                          else f"{'FAIL':>17}")
         print(f"{r['shape']:>9} {r['fp16_us']:6.1f} " + " ".join(f"{x:>17}" for x in cells))
-    print("best per shape:", ", ".join(
-        f"{r['shape']}="
-        f"{min(((c['us'], n) for n, c in r['candidates'].items() if c.get('ok')), default=(0, '-'))[1]}"
-        for r in result["rows"] if "error" not in r))
+    def best(r):
+        timed = [(c["us"], n) for n, c in r["candidates"].items() if c.get("ok")]
+        return min(timed)[1] if timed else "-"
+    print("best per shape:", ", ".join(f"{r['shape']}={best(r)}" for r in result["rows"]
+                                       if "error" not in r))
     fails = [(r["shape"], n) for r in result["rows"] for n, c in r.get("candidates", {}).items()
              if not c.get("ok")]
     print(f"decode sweep done at {time.time() - t0:.0f} s", flush=True)
