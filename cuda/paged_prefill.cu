@@ -28,6 +28,12 @@
 // cp.async, so everything after the loads is the fp16 path (the simplest correct form; the
 // loads are synchronous). bfloat16 queries are converted to fp16 after ldmatrix; the scales
 // fold into the softmax scale (K) and the output (V), per tensor or per KV head.
+// KV_FP8_ASYNC = 1 (fp8 only) makes those loads asynchronous: each thread cp.asyncs its 8 fp8
+// bytes of a row into STAGES fp8 staging tiles (rows of HEAD_DIM bytes, after the fp16 tile),
+// and once its own copies of tile j have landed converts exactly those bytes into a single fp16
+// K/V tile (no barrier needed before the conversion: a thread reads only what it copied; the
+// fp16 tile's previous readers are behind the loop's closing __syncthreads). Shared memory is
+// the same as the synchronous form at STAGES = 2: one fp16 tile + two fp8 tiles = two fp16 tiles.
 //
 // Compile-time constants (NVRTC -D): KV_BF16, HEAD_DIM (64|128|256), BLOCK_SIZE (power of two),
 // NWARPS, BN (KV tile tokens, multiple of 16), STAGES, optionally KV_FP8 and Q_BF16.
@@ -43,6 +49,12 @@
 #if KV_FP8 && KV_BF16
 #error "fp8 caches run the fp16 tensor-core path: compile them with KV_BF16=0"
 #endif
+#ifndef KV_FP8_ASYNC
+#define KV_FP8_ASYNC 0
+#endif
+#if KV_FP8_ASYNC && !KV_FP8
+#error "KV_FP8_ASYNC needs an fp8 cache (KV_FP8)"
+#endif
 
 #include "decode_common.cuh"
 #if KV_FP8
@@ -55,6 +67,8 @@
 #define MROWS (16 * NWARPS)           // query rows (token x head) per CTA
 #define Q_BYTES (MROWS * ROWB)
 #define KV_TILE_BYTES (BN * ROWB)     // one K or V tile
+#define KV_BUFS (KV_FP8_ASYNC ? 1 : STAGES)  // fp16 K/V tiles (async fp8: one, filled per tile)
+#define STAGING_BYTES (BN * HEAD_DIM)  // one fp8 K or V staging tile (KV_FP8_ASYNC)
 #define RPI (NTHREADS / CH)           // tile rows covered by one piece index (all threads)
 #define KSTEPS (HEAD_DIM / 16)
 #define NT (BN / 8)                   // n-tiles of S
@@ -82,6 +96,15 @@ __device__ __forceinline__ u32 pack_out(float lo, float hi) {
     return pack2(lo, hi);
 #endif
 }
+
+#if KV_FP8_ASYNC
+// 8 bytes global -> shared (through L1: cp.async.cg takes only 16); with fill false nothing is
+// read and zeros are written.
+__device__ __forceinline__ void cp_async8(unsigned dst, const char* gmem, bool fill) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;"
+                 :: "r"(dst), "l"(gmem), "r"(fill ? 8 : 0) : "memory");
+}
+#endif
 
 #if KV_FP8
 // 8 fp8 codes (element i in byte i) -> 8 fp16 at a 16-byte shared-memory chunk.
@@ -157,7 +180,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
 
     extern __shared__ __align__(128) unsigned char smem[];
     const unsigned s_q = (unsigned)__cvta_generic_to_shared(smem);
-    const unsigned s_kv = s_q + Q_BYTES;  // STAGES x (K tile, V tile)
+    const unsigned s_kv = s_q + Q_BYTES;  // KV_BUFS x (K tile, V tile)
+#if KV_FP8_ASYNC
+    const unsigned s_stage = s_kv + KV_BUFS * 2 * KV_TILE_BYTES;  // STAGES x (fp8 K, fp8 V)
+#endif
 
     const int chunk = tid % CH;  // this thread's 16-byte column in every row it copies
 
@@ -188,7 +214,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
     auto issue = [&](int j) {
         if (j < n_tiles) {
             const int t0 = kv_begin + j * BN;
-            const unsigned sk = s_kv + (unsigned)((j % STAGES) * 2 * KV_TILE_BYTES);
+#if !KV_FP8_ASYNC
+            const unsigned sk = s_kv + (unsigned)((j % KV_BUFS) * 2 * KV_TILE_BYTES);
+#endif
 #pragma unroll
             for (int i = 0; i < BN / RPI; ++i) {
                 const int row = i * RPI + tid / CH;
@@ -200,14 +228,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
                     ok = (unsigned)b < (unsigned)num_blocks;  // an entry outside the pool reads zeros
                     off = (i64)b * block_stride + (i64)(t % BLOCK_SIZE) * token_stride;
                 }
+#if KV_FP8_ASYNC
+                const unsigned st = s_stage + (unsigned)((j % STAGES) * 2 * STAGING_BYTES +
+                                                         row * HEAD_DIM + chunk * 8);
+                cp_async8(st, ok ? k_lane + off : k_lane, ok);
+                cp_async8(st + STAGING_BYTES, ok ? v_lane + off : v_lane, ok);
+#elif KV_FP8
                 const unsigned dst = sk + swz(row, chunk);
-#if KV_FP8
                 store_fp8_as_f16(dst, ok ? __ldg(reinterpret_cast<const uint2*>(k_lane + off))
                                          : make_uint2(0u, 0u));
                 store_fp8_as_f16(dst + KV_TILE_BYTES,
                                  ok ? __ldg(reinterpret_cast<const uint2*>(v_lane + off))
                                     : make_uint2(0u, 0u));
 #else
+                const unsigned dst = sk + swz(row, chunk);
                 cp_async16(dst, ok ? k_lane + off : k_lane, ok);
                 cp_async16(dst + KV_TILE_BYTES, ok ? v_lane + off : v_lane, ok);
 #endif
@@ -249,6 +283,21 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
     for (int j = 0; j < n_tiles; ++j) {
         issue(j + STAGES - 1);
         cp_async_wait<STAGES - 1>();  // Q and tile j have landed (this thread's copies) ...
+#if KV_FP8_ASYNC
+        // ... this thread's staged fp8 bytes of tile j -> the fp16 tile (zero-filled rows: 0).
+#pragma unroll
+        for (int i = 0; i < BN / RPI; ++i) {
+            const int row = i * RPI + tid / CH;
+            const unsigned st = s_stage + (unsigned)((j % STAGES) * 2 * STAGING_BYTES +
+                                                     row * HEAD_DIM + chunk * 8);
+            uint2 kx, vx;
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(kx.x), "=r"(kx.y) : "r"(st));
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];"
+                         : "=r"(vx.x), "=r"(vx.y) : "r"(st + STAGING_BYTES));
+            store_fp8_as_f16(s_kv + swz(row, chunk), kx);
+            store_fp8_as_f16(s_kv + KV_TILE_BYTES + swz(row, chunk), vx);
+        }
+#endif
         __syncthreads();              // ... and everyone's
 #if Q_IN_REGS
         if (j == 0) {
@@ -262,7 +311,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
             }
         }
 #endif
-        const unsigned sk = s_kv + (unsigned)((j % STAGES) * 2 * KV_TILE_BYTES);
+        const unsigned sk = s_kv + (unsigned)((j % KV_BUFS) * 2 * KV_TILE_BYTES);
         const unsigned sv = sk + KV_TILE_BYTES;
         const int t0 = kv_begin + j * BN;
 

@@ -37,6 +37,46 @@ TC_WARPS = 4
 TC_TILE = 16  # tokens per warp tile
 TC_NH2_MAX_DP = 192  # 16-head tiles need DP/2 more accumulator registers: DP 224/256 would spill
 TC_STAGE_BUDGET = 96 * 1024  # shared memory the cp.async stages of one CTA aim for
+SMEM_PER_SM = 227 * 1024  # sm_80 / sm_90: the most dynamic shared memory one CTA may have
+
+# Tuning of the fp8 decode only (the 16-bit modules never read it), for sweeps on a GPU:
+# KVPOOL_FP8_DECODE="warps=W,stages=S,fill=F" sets the warps per CTA, the cp.async stages per
+# warp (2..4; default: what TC_STAGE_BUDGET holds) and the CTAs per SM the split-KV plan aims
+# to fill (default TC_CTAS_PER_SM). Unset or empty: today's defaults.
+FP8_DECODE_ENV = "KVPOOL_FP8_DECODE"
+FP8_DECODE_WARPS = (2, 4, 6, 8)
+
+
+@dataclass(frozen=True)
+class Fp8DecodeTuning:
+    warps: int = TC_WARPS
+    stages: int = 0  # 0: derived from TC_STAGE_BUDGET like the 16-bit modules
+    fill: int = 0  # 0: the plan's TC_CTAS_PER_SM
+
+
+# The fp8 decode's defaults (what runs with KVPOOL_FP8_DECODE unset, and what CI compiles).
+FP8_DECODE_DEFAULT = Fp8DecodeTuning()
+
+
+def fp8_decode_tuning() -> Fp8DecodeTuning:
+    """The fp8 decode tuning from KVPOOL_FP8_DECODE (read when a decode call is prepared);
+    fields it leaves out take Fp8DecodeTuning's defaults."""
+    text = os.environ.get(FP8_DECODE_ENV, "").strip()
+    if not text:
+        return FP8_DECODE_DEFAULT
+    fields = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or name not in ("warps", "stages", "fill") or not value.strip().isdigit():
+            raise ValueError(f"{FP8_DECODE_ENV}={text!r}: expected warps=W,stages=S,fill=F")
+        fields[name] = int(value)
+    tuning = Fp8DecodeTuning(**fields)
+    if (tuning.warps not in FP8_DECODE_WARPS or tuning.stages not in (0, 2, 3, 4)
+            or not 0 <= tuning.fill <= 4):
+        raise ValueError(f"{FP8_DECODE_ENV}={text!r}: warps in {FP8_DECODE_WARPS}, "
+                         "stages 2..4 (or 0), fill 1..4 (or 0)")
+    return tuning
 
 # The CUDA-core decode (paged_decode.cu, `pipeline=0/1`) is a baseline for tests and benchmarks,
 # with its own narrower set and a separate merge launch.
@@ -179,6 +219,8 @@ class TcVariant:
     dp: int
     nh: int
     q_dtype: str | None = None
+    warps: int = TC_WARPS
+    fixed_stages: int = 0  # 0: as many stages (2..4) as TC_STAGE_BUDGET holds
 
     @property
     def fp8(self) -> int:
@@ -204,27 +246,29 @@ class TcVariant:
 
     @property
     def stages(self) -> int:
-        return max(2, min(4, TC_STAGE_BUDGET // (self.stage_bytes * TC_WARPS)))
+        if self.fixed_stages:
+            return self.fixed_stages
+        return max(2, min(4, TC_STAGE_BUDGET // (self.stage_bytes * self.warps)))
 
     @property
     def threads(self) -> int:
-        return 32 * TC_WARPS
+        return 32 * self.warps
 
     @property
     def tokens_per_iter(self) -> int:
-        return TC_TILE * TC_WARPS
+        return TC_TILE * self.warps
 
     @property
     def dynamic_smem_bytes(self) -> int:
         """Per-warp K+V tile stages (mirrors the .cu); the warp merge area and the fused
         merge's weights fit inside (static_assert there)."""
-        stage = self.stages * self.stage_bytes * TC_WARPS
-        merge = 4 * TC_WARPS * 16 * (self.dp + 2)
+        stage = self.stages * self.stage_bytes * self.warps
+        merge = 4 * self.warps * 16 * (self.dp + 2)
         return max(stage, merge, 4 * MAX_SPLITS * 16)
 
     @property
     def ctas_per_sm(self) -> int:
-        return max(1, min(4, (227 * 1024) // (self.dynamic_smem_bytes + 1024)))
+        return max(1, min(4, SMEM_PER_SM // (self.dynamic_smem_bytes + 1024)))
 
     def options(self) -> tuple[str, ...]:
         fp8 = (f"-DKV_FP8={self.fp8}", f"-DQ_BF16={int(self.q_dtype == 'bfloat16')}")
@@ -232,19 +276,35 @@ class TcVariant:
             f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
             f"-DDP={self.dp}",
             f"-DNH={self.nh}",
-            f"-DNWARPS={TC_WARPS}",
+            f"-DNWARPS={self.warps}",
             f"-DSTAGES={self.stages}",
             f"-DMAX_SPLITS={MAX_SPLITS}",
         )
 
 
-def tc_variant(dtype: str, head_dim: int, group: int,
-               q_dtype: str | None = None) -> tuple[TcVariant, int]:
+def tc_variant(dtype: str, head_dim: int, group: int, q_dtype: str | None = None,
+               tuning: Fp8DecodeTuning | None = None) -> tuple[TcVariant, int]:
     """The module and head tile for a (dtype, head_dim, group) in the supported set (q_dtype:
-    the query dtype of an fp8 cache)."""
+    the query dtype of an fp8 cache; tuning: the fp8 decode's warps and stages, default
+    FP8_DECODE_DEFAULT, ignored for 16-bit caches)."""
     dp = padded_head_dim(head_dim)
-    gq = tc_head_tile(group, dp, dtype in FP8_DTYPES)
-    return TcVariant(dtype, dp, 1 if gq <= 8 else 2, q_dtype if dtype in FP8_DTYPES else None), gq
+    fp8 = dtype in FP8_DTYPES
+    gq = tc_head_tile(group, dp, fp8)
+    variant = TcVariant(dtype, dp, 1 if gq <= 8 else 2, q_dtype if fp8 else None)
+    return (tuned(variant, tuning or FP8_DECODE_DEFAULT) if fp8 else variant), gq
+
+
+def tuned(variant: TcVariant, tuning: Fp8DecodeTuning) -> TcVariant:
+    """An fp8 decode module with the tuning's warps and stages (a fixed stage count that does
+    not fit in shared memory at this width is lowered, down to 2)."""
+    v = TcVariant(variant.dtype, variant.dp, variant.nh, variant.q_dtype, tuning.warps,
+                  tuning.stages)
+    while v.fixed_stages > 2 and v.dynamic_smem_bytes > SMEM_PER_SM:
+        v = TcVariant(v.dtype, v.dp, v.nh, v.q_dtype, v.warps, v.fixed_stages - 1)
+    if v.dynamic_smem_bytes > SMEM_PER_SM:
+        raise ValueError(f"{FP8_DECODE_ENV}: {tuning} needs {v.dynamic_smem_bytes} bytes of "
+                         f"shared memory per CTA at head width {v.dp} (at most {SMEM_PER_SM})")
+    return v
 
 
 def tc_variants() -> list[TcVariant]:
@@ -264,7 +324,7 @@ def fp8_tc_variants() -> list[TcVariant]:
                                                     ("float8_e5m2", "float16"),
                                                     ("float8_e5m2", "bfloat16"))
              for dp in (64, 128)]
-    return main + other
+    return [tuned(v, FP8_DECODE_DEFAULT) for v in main + other]
 
 
 def cuda_core_variants() -> list[DecodeVariant]:
@@ -293,6 +353,19 @@ PREFILL_NARROW_WARPS = 1
 PREFILL_BN = {64: 64, 128: 64, 256: 32}  # wide CTAs; D=256 with 64-token tiles needs > 255 regs
 PREFILL_NARROW_BN = {64: 32, 128: 32, 256: 16}  # 32 at D=256 spills on sm_90
 PREFILL_STAGES = 2
+# KVPOOL_FP8_PREFILL_ASYNC=1: fp8 prefill modules load K/V with cp.async into fp8 staging tiles
+# and convert them per tile (KV_FP8_ASYNC in the .cu); unset or 0: synchronous loads. Default
+# off until measured; FP8_PREFILL_ASYNC_DEFAULT is what runs with the variable unset.
+FP8_PREFILL_ASYNC_ENV = "KVPOOL_FP8_PREFILL_ASYNC"
+FP8_PREFILL_ASYNC_DEFAULT = False
+
+
+def fp8_prefill_async() -> bool:
+    """Whether fp8 prefill modules load asynchronously (read when a prefill call is prepared)."""
+    text = os.environ.get(FP8_PREFILL_ASYNC_ENV, "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"{FP8_PREFILL_ASYNC_ENV}={text!r}: expected 0 or 1")
+    return FP8_PREFILL_ASYNC_DEFAULT if not text else text == "1"
 PREFILL_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -306,6 +379,7 @@ class PrefillVariant:
     block_size: int
     warps: int = PREFILL_WIDE_WARPS
     q_dtype: str | None = None
+    fp8_async: bool = False  # KV_FP8_ASYNC (fp8 caches only)
 
     source = "paged_prefill.cu"
     kernel = "paged_prefill"
@@ -325,8 +399,12 @@ class PrefillVariant:
 
     @property
     def dynamic_smem_bytes(self) -> int:
-        """Q tile plus the K+V stages (mirrors Q_BYTES and KV_TILE_BYTES in the .cu)."""
+        """Q tile plus the K+V stages (mirrors Q_BYTES, KV_TILE_BYTES, KV_BUFS and
+        STAGING_BYTES in the .cu)."""
         row = 2 * self.head_dim
+        if self.fp8_async:  # one fp16 K+V tile, STAGES fp8 K+V staging tiles
+            return (self.rows * row + 2 * self.kv_tile * row
+                    + PREFILL_STAGES * 2 * self.kv_tile * self.head_dim)
         return self.rows * row + PREFILL_STAGES * 2 * self.kv_tile * row
 
     @property
@@ -338,7 +416,8 @@ class PrefillVariant:
 
     def options(self) -> tuple[str, ...]:
         fp8 = FP8_DTYPES.get(self.dtype, 0)
-        fp8_opts = (f"-DKV_FP8={fp8}", f"-DQ_BF16={int(self.q_dtype == 'bfloat16')}")
+        fp8_opts = (f"-DKV_FP8={fp8}", f"-DQ_BF16={int(self.q_dtype == 'bfloat16')}") + (
+            ("-DKV_FP8_ASYNC=1",) if self.fp8_async else ())
         return COMMON_OPTIONS + (fp8_opts if fp8 else ()) + (
             f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
             f"-DHEAD_DIM={self.head_dim}",
@@ -360,6 +439,10 @@ def prefill_variants() -> list[PrefillVariant]:
            for w in (PREFILL_WIDE_WARPS, PREFILL_NARROW_WARPS)]
     fp8 += [PrefillVariant(dt, 128, 16, PREFILL_WIDE_WARPS, q) for dt, q in (
         ("float8_e4m3fn", "bfloat16"), ("float8_e5m2", "float16"), ("float8_e5m2", "bfloat16"))]
+    # The asynchronous fp8 loads (KVPOOL_FP8_PREFILL_ASYNC): every head dim wide, 128 narrow.
+    fp8 += [PrefillVariant("float8_e4m3fn", hd, 16, w, "float16", True) for hd, w in (
+        (64, PREFILL_WIDE_WARPS), (128, PREFILL_WIDE_WARPS), (256, PREFILL_WIDE_WARPS),
+        (128, PREFILL_NARROW_WARPS))]
     return main + edges + fp8
 
 
@@ -375,7 +458,7 @@ def all_sources() -> list[tuple[str, str, tuple[str, ...]]]:
     out = [(_label(v), read_source(v.source), v.options()) for v in decode_variants()]
     out += [
         (f"{v.kernel}[{v.dtype}{',q=' + v.q_dtype if v.q_dtype else ''},{v.head_dim},"
-         f"{v.block_size},w{v.warps}]", read_source(v.source),
+         f"{v.block_size},w{v.warps}{',async' if v.fp8_async else ''}]", read_source(v.source),
          v.options())
         for v in prefill_variants()
     ]

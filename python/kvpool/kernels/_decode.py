@@ -312,8 +312,12 @@ class _Prepared:
         self.num_seqs, self.hq, self.d = num_seqs, hq, d
         self.device_id = info.device_id
         if pipeline == _build.TC:
-            variant, gq = _build.tc_variant(info.dtype, d, group, q_dtype)
-            ctas_per_sm = TC_CTAS_PER_SM
+            try:  # a bad KVPOOL_FP8_DECODE: a KvError naming the variable, nothing prepared
+                tuning = _build.fp8_decode_tuning() if fp8 else None
+                variant, gq = _build.tc_variant(info.dtype, d, group, q_dtype, tuning)
+            except ValueError as e:
+                raise InvalidArgumentError(str(e)) from None
+            ctas_per_sm = (tuning.fill if tuning and tuning.fill else TC_CTAS_PER_SM)
         elif pipeline in (0, 1):
             gq = _build.group_tile(group)
             variant = _build.DecodeVariant(info.dtype, d, info.block_size, gq, pipeline)

@@ -339,8 +339,12 @@ class _Prepared:
         found = self._kernels.get(warps)
         if found is None:
             info = self.info
+            try:  # a bad KVPOOL_FP8_PREFILL_ASYNC: a KvError naming the variable
+                fp8_async = info.dtype in _build.FP8_DTYPES and _build.fp8_prefill_async()
+            except ValueError as e:
+                raise InvalidArgumentError(str(e)) from None
             variant = _build.PrefillVariant(info.dtype, self.d, info.block_size, warps,
-                                            self.q_dtype)
+                                            self.q_dtype, fp8_async)
             mod = _build.decode_module(variant)
             found = self._kernels[warps] = (
                 variant,
