@@ -1,5 +1,5 @@
-"""KVPOOL_FP8_DECODE (the fp8 decode's tuning) and KVPOOL_FP8_PREFILL_ASYNC, no GPU. Unset, every
-module is today's; set, only fp8 modules change; bad values are refused with a message naming
+"""KVPOOL_FP8_DECODE (the fp8 decode's tuning) and KVPOOL_FP8_PREFILL_ASYNC, no GPU. Unset, the fp8
+modules take Fp8DecodeTuning's defaults; set, only fp8 modules change; bad values are refused with a message naming
 the variable."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def test_unset_or_empty_is_the_default(monkeypatch):
     plain, _ = tc_variant("float8_e4m3fn", 128, 4, "float16")
     tuned, _ = tc_variant("float8_e4m3fn", 128, 4, "float16", tuning)
     assert tuned.options() == plain.options()
-    assert "-DNWARPS=4" in plain.options() and "-DSTAGES=4" in plain.options()
+    assert "-DNWARPS=6" in plain.options() and "-DSTAGES=3" in plain.options()
 
 
 def test_a_tuning_changes_only_fp8_modules(monkeypatch):

@@ -41,17 +41,24 @@ SMEM_PER_SM = 227 * 1024  # sm_80 / sm_90: the most dynamic shared memory one CT
 
 # Tuning of the fp8 decode only (the 16-bit modules never read it), for sweeps on a GPU:
 # KVPOOL_FP8_DECODE="warps=W,stages=S,fill=F" sets the warps per CTA, the cp.async stages per
-# warp (2..4; default: what TC_STAGE_BUDGET holds) and the CTAs per SM the split-KV plan aims
-# to fill (default TC_CTAS_PER_SM). Unset or empty: today's defaults.
+# warp (2..4; 0: what TC_STAGE_BUDGET holds) and the CTAs per SM the split-KV plan aims
+# to fill (0: TC_CTAS_PER_SM). Unset or empty: Fp8DecodeTuning's defaults.
 FP8_DECODE_ENV = "KVPOOL_FP8_DECODE"
 FP8_DECODE_WARPS = (2, 4, 6, 8)
 
 
 @dataclass(frozen=True)
 class Fp8DecodeTuning:
-    warps: int = TC_WARPS
-    stages: int = 0  # 0: derived from TC_STAGE_BUDGET like the 16-bit modules
-    fill: int = 0  # 0: the plan's TC_CTAS_PER_SM
+    """The defaults: 6 warps x 3 stages, the plan filling one CTA per SM. In the H200 sweep of
+    bench/fp8_sweep.py (bench/results/2026-12-01_270740b_h200/fp8_sweep.json) they were the
+    fastest or within 3 % of it on the large shapes (1.70-1.77x our fp16 there, against
+    1.61-1.73x for 4 warps x 4 stages); on 8x8192 1.47x against 1.21x (the best there, 4 warps
+    filling 2 CTAs per SM, 1.60x); on 1x4096 they are slower (15.7 us against 13.0 us, 0.88x our fp16), where 8 warps were fastest (11.6 us) but
+    lost 20-25 % on the large shapes."""
+
+    warps: int = 6
+    stages: int = 3  # 0: derived from TC_STAGE_BUDGET like the 16-bit modules
+    fill: int = 1  # 0: the plan's TC_CTAS_PER_SM
 
 
 # The fp8 decode's defaults (what runs with KVPOOL_FP8_DECODE unset, and what CI compiles).
