@@ -4,6 +4,7 @@ and checks that hold while other threads mutate the tables."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -70,6 +71,59 @@ def test_a_pool_too_large_for_any_memory_is_out_of_memory_not_an_abort() -> None
     huge_blocks = KvLayout(num_layers=64, num_kv_heads=8, head_dim=128, block_size=16)
     with pytest.raises(OutOfMemoryError):
         Pool(huge_blocks, 10**9, device="host")
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
+
+
+# Per-block bookkeeping (reference counts, free-list links, owner tags: 13 bytes a block) used
+# to be allocated and written at creation for every block a pool could ever hold: a growable
+# pool of the most blocks (2**31 - 1) wrote 16 GB before mapping anything (an abort, or the
+# OOM killer), a fixed pool of 2**26 blocks 800 MB. Now it is reserved fallibly and committed
+# only as ids are used: creation either fails with OutOfMemoryError (an address-space or
+# overcommit limit) or costs little resident memory. (The slabs themselves are lazily zeroed.)
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: Pool(LAYOUT, 2**26, device="host"), id="fixed"),
+        pytest.param(lambda: Pool(LAYOUT, device="host", growable=True, max_num_blocks=2**31 - 1), id="growable"),
+    ],
+)
+def test_per_block_bookkeeping_is_not_allocated_up_front(make) -> None:  # noqa: ANN001
+    before = resident_bytes()
+    try:
+        big = make()
+    except OutOfMemoryError:
+        return
+    grown = None if before is None else resident_bytes() - before
+    assert grown is None or grown < 256 * 2**20, f"creating the pool took {grown} resident bytes"
+    ids = big.alloc_many(1000)
+    big.free_many(ids)
+    assert big.num_used == 0 and big.high_water == 1000
+
+
+def test_a_huge_sequence_of_block_ids_is_refused_without_sizing_a_buffer_for_it(pool: Pool) -> None:
+    ids = pool.alloc_many(4)
+    before = counts(pool)
+    # len() is 10**12: a buffer of that many ids cannot exist; the first stray id is refused.
+    with pytest.raises(InvalidBlockError):
+        pool.free_many(range(10**12))
+    assert counts(pool) == before
+    pool.free_many(ids)
+
+
+def test_a_huge_sequence_of_token_ids_is_out_of_memory() -> None:
+    tables = BlockTables(Pool(LAYOUT, 16, device="host", enable_prefix_caching=True), 2, 4)
+    with pytest.raises(OutOfMemoryError):
+        tables.add_request(1, range(2**62))
+    assert len(tables) == 0 and 1 not in tables
+    tables.check_invariants()
 
 
 def test_alloc_many_past_64_bits_names_the_count(pool: Pool) -> None:

@@ -17,19 +17,16 @@ use smallvec::SmallVec;
 use crate::error::CoreError;
 use crate::free_ids::{FreeIds, Taken};
 use crate::sync::{AtomicU32, AtomicUsize, Ordering};
+use crate::zeroed::zeroed_atomic_u32s;
 
 pub struct BlockAllocator {
     free_ids: FreeIds,
     /// One count per id up to the capacity (`max_num_blocks`); ids `>= num_blocks` stay 0.
+    /// Lazily committed (`zeroed.rs`): memory only for the ids that were ever allocated.
     ref_cnt: Box<[AtomicU32]>,
     /// Ids `0..num_blocks` exist. Fixed unless the pool is growable.
     num_blocks: CachePadded<AtomicUsize>,
     high_water: CachePadded<AtomicUsize>,
-    /// Free ids off the list in the resize path's hands: taken by [`drain_free`](Self::drain_free)
-    /// (or new ids of a growth) and not yet pushed back or dropped by
-    /// [`set_num_blocks`](Self::set_num_blocks). They count as free, not used. Written only
-    /// under the pool's resize lock; 0 outside a resize.
-    parked: CachePadded<AtomicUsize>,
 }
 
 impl BlockAllocator {
@@ -53,11 +50,10 @@ impl BlockAllocator {
             )));
         }
         Ok(BlockAllocator {
-            free_ids: FreeIds::new(max_num_blocks as u32, num_blocks as u32),
-            ref_cnt: (0..max_num_blocks).map(|_| AtomicU32::new(0)).collect(),
+            free_ids: FreeIds::new(max_num_blocks as u32, num_blocks as u32)?,
+            ref_cnt: zeroed_atomic_u32s(max_num_blocks)?,
             num_blocks: CachePadded::new(AtomicUsize::new(num_blocks)),
             high_water: CachePadded::new(AtomicUsize::new(0)),
-            parked: CachePadded::new(AtomicUsize::new(0)),
         })
     }
 
@@ -77,29 +73,29 @@ impl BlockAllocator {
     pub fn num_used(&self) -> usize {
         self.counts().0
     }
-    /// `(num_used, num_free)`. Several loads, not one snapshot, so a resize between them could
-    /// skew the difference; they are ordered so that the error is an undercount of the used
-    /// blocks, never an overcount (the high-water mark built from it never rises past the
-    /// truth):
-    /// - parking (`drain_free`) raises `parked` before popping, unparking (`set_num_blocks`)
-    ///   pushes before zeroing `parked`: reading `parked` before and after the list's count and
-    ///   taking the larger never misses an id in transit;
-    /// - a growth parks its new ids before raising `num_blocks`, a shrink lowers `num_blocks`
-    ///   before unparking the ids it drops: `num_blocks` read before and after, the smaller of
-    ///   the two, is never too large for the free count read in between.
+    /// `(num_used, num_free)`: `num_blocks` and the free ids, counted as one
+    /// [`counted`](Self::counted) read.
     fn counts(&self) -> (usize, usize) {
-        let (num_blocks, free) = self.bracketed(|| self.free_ids.available());
+        let (num_blocks, free) = self.counted(|| Some(self.free_ids.in_places())).expect("a full count always counts");
         (num_blocks.saturating_sub(free), free.min(num_blocks))
     }
-    /// `(num_blocks, free)` around a count of free ids taken by `count_free`, with the loads
-    /// ordered as [`counts`](Self::counts) says, so that a resize meanwhile can only make
-    /// `num_blocks - free` too small, never too large.
-    fn bracketed(&self, count_free: impl FnOnce() -> usize) -> (usize, usize) {
-        let nb_before = self.num_blocks();
-        let parked_before = self.parked.load(Ordering::Acquire);
-        let on_list = count_free();
-        let parked = parked_before.max(self.parked.load(Ordering::Acquire));
-        (nb_before.min(self.num_blocks()), on_list + parked)
+
+    /// `(num_blocks, free ids)` with the ids in places counted by `in_places` (`None`: it
+    /// declined to count), inside [`FreeIds::stable`] so that no moving or parked id is
+    /// missed. `num_blocks` is read on both sides of the places: a resize changes it only
+    /// while it has ids parked (a growth parks its new ids before raising it, a shrink lowers
+    /// it before unparking the ids it drops), so two different values mean that a resize's
+    /// parked ids, counted as free, cover the whole read, and the larger value is the one they
+    /// belong to. Hence `num_blocks - free` never exceeds the blocks in use at some moment of
+    /// the read (an id counted twice while it moves makes it lower, never higher).
+    fn counted(&self, mut in_places: impl FnMut() -> Option<usize>) -> Option<(usize, usize)> {
+        let count = self.free_ids.stable(|| {
+            let before = self.num_blocks();
+            let in_places = in_places();
+            (before.max(self.num_blocks()), in_places)
+        });
+        let (num_blocks, in_places) = count.read;
+        in_places.map(|n| (num_blocks, n + count.off_list))
     }
     /// The most blocks ever in use at once: sampled after every allocation while one thread
     /// uses the allocator, after every allocation that reached the depot, and on every read
@@ -154,16 +150,10 @@ impl BlockAllocator {
             debug_assert_eq!(self.ref_cnt[id as usize].load(Ordering::Relaxed), 0, "block {id} was on the free list in use");
             self.ref_cnt[id as usize].store(1, Ordering::Release);
         }
-        // Alone, the exact count is cheap; it is bracketed like `counts` because a resize
-        // may run meanwhile (a growth read between the count and `num_blocks` would look
-        // like blocks in use).
-        let mut alone = None;
-        let (num_blocks, free) = self.bracketed(|| {
-            alone = self.free_ids.available_if_alone();
-            alone.unwrap_or(0)
-        });
-        match (taken, alone) {
-            (_, Some(_)) => self.raise_high_water(num_blocks.saturating_sub(free)),
+        // Alone, the exact count is cheap; it is a `counted` read because a resize may drain
+        // our cache onto the depot or park ids meanwhile.
+        match (taken, self.counted(|| self.free_ids.in_places_if_alone())) {
+            (_, Some((num_blocks, free))) => self.raise_high_water(num_blocks.saturating_sub(free)),
             (Taken::FromDepot, None) => self.raise_high_water(self.num_used()),
             (Taken::FromCache, None) => 0,
         };
@@ -284,16 +274,7 @@ impl BlockAllocator {
     /// pool's resize lock and gives the ids back (or drops them) with
     /// [`set_num_blocks`](Self::set_num_blocks).
     pub(crate) fn drain_free(&self) -> Vec<u32> {
-        // Parked before they leave the depot, so that a concurrent `num_used` undercounts
-        // for an instant rather than seeing them neither free nor parked.
-        self.free_ids.drain(
-            |n| {
-                self.parked.fetch_add(n, Ordering::AcqRel);
-            },
-            |n| {
-                self.parked.fetch_sub(n, Ordering::AcqRel);
-            },
-        )
+        self.free_ids.drain()
     }
 
     /// Sets how many blocks exist and pushes `free_ids` (drained or new, all with ref count 0,
@@ -306,16 +287,13 @@ impl BlockAllocator {
         assert!(num_blocks <= self.max_num_blocks(), "{num_blocks} blocks exceed the capacity {}", self.max_num_blocks());
         debug_assert!(free_ids.iter().all(|&id| (id as usize) < num_blocks));
         let old = self.num_blocks();
-        if num_blocks > old {
-            // New ids come into existence parked (free, not yet on the list), so that the
-            // rise of num_blocks is never read as blocks in use.
-            self.parked.fetch_add(num_blocks - old, Ordering::AcqRel);
-        }
+        // `num_blocks` changes only while ids are parked (see `counted`): new ids come into
+        // existence parked (free, not yet on the list), and ids a shrink drops stay parked
+        // until the lower `num_blocks` is stored. So the change is never read as blocks in use.
+        self.free_ids.park(num_blocks.saturating_sub(old));
         self.num_blocks.store(num_blocks, Ordering::Release);
         free_ids.sort_unstable();
-        self.free_ids.put_in_depot(&free_ids);
-        // Pushed (counted twice for an instant: an undercount of num_used) or dropped.
-        self.parked.store(0, Ordering::Release);
+        self.free_ids.unpark_into_depot(&free_ids);
     }
 
     /// The pool invariants (`num_free + num_used == num_blocks`, free ids unique and below
@@ -330,10 +308,6 @@ impl BlockAllocator {
     pub(crate) fn check_invariants_with_evictable(&self, evictable: &[u32]) -> Result<(), String> {
         let on_list = self.free_ids.snapshot()?;
         let num_blocks = self.num_blocks();
-        let parked = self.parked.load(Ordering::Acquire);
-        if parked != 0 {
-            return Err(format!("{parked} ids are parked outside a resize"));
-        }
         if num_blocks > self.max_num_blocks() {
             return Err(format!("num_blocks {num_blocks} > max_num_blocks {}", self.max_num_blocks()));
         }

@@ -9,12 +9,16 @@
 //!   and tries again. A call fails only when a consistent count of depot and caches is short.
 //! - A free that does not fit its cache goes to the depot as one chain (one CAS).
 //!
-//! Ids between two places (taken from a slot, not yet on the depot) are counted in
-//! `in_transit`, raised before they leave and lowered after they land, so every count of the
-//! free ids is exact or, during a move, an overcount, never an undercount.
+//! Ids between two places (taken from a slot, not yet on the depot, or the reverse) are
+//! counted in `in_transit`, raised before they leave and lowered after they land; ids the
+//! resize path holds off the list are counted in `parked`. Both words carry a version bumped
+//! by every change, and a count of the free ids is accepted only if neither word changed
+//! while the places were read (see [`FreeIds::stable`]): then an id that stayed free
+//! throughout the count was counted, at least once.
 
 use crossbeam_utils::CachePadded;
 
+use crate::error::CoreError;
 use crate::free_list::FreeList;
 use crate::sync::{AtomicU64, Ordering};
 use crate::thread_cache::{current_slot, ThreadCaches, SLOTS};
@@ -37,28 +41,79 @@ pub(crate) enum Taken {
 pub(crate) struct FreeIds {
     depot: FreeList,
     caches: ThreadCaches,
-    /// `(version << 32) | ids in transit`; the version makes any change visible to the
-    /// consistent count even if the number comes back to the same value.
+    /// `(version << 32) | ids in transit` between the depot and a cache; the version makes
+    /// any change visible to a count even if the number comes back to the same value.
     in_transit: CachePadded<AtomicU64>,
+    /// `(version << 32) | ids parked`: free ids the resize path holds off the list (drained,
+    /// or new ids of a growth not yet pushed). Written only under the pool's resize lock; 0
+    /// outside a resize.
+    parked: CachePadded<AtomicU64>,
+}
+
+/// What [`FreeIds::stable`] read: the caller's result, and the free ids outside every place
+/// (moving or parked) while it ran.
+pub(crate) struct Stable<R> {
+    pub(crate) read: R,
+    pub(crate) off_list: usize,
 }
 
 impl FreeIds {
     /// Room for ids `0..capacity`, holding `0..len` in the depot, lowest id on top.
-    pub(crate) fn new(capacity: u32, len: u32) -> Self {
-        FreeIds {
-            depot: FreeList::new_prefix(capacity, len),
+    pub(crate) fn new(capacity: u32, len: u32) -> Result<Self, CoreError> {
+        Ok(FreeIds {
+            depot: FreeList::new_prefix(capacity, len)?,
             caches: ThreadCaches::new(capacity as usize),
             in_transit: CachePadded::new(AtomicU64::new(0)),
-        }
+            parked: CachePadded::new(AtomicU64::new(0)),
+        })
     }
 
-    /// Free ids now: depot, caches and ids in transit (a snapshot under concurrency; during
-    /// a move it may count the moving ids twice, never miss them).
+    /// Free ids now: depot, caches, ids in transit and parked ids (a snapshot under
+    /// concurrency, see [`stable`](Self::stable)).
     pub(crate) fn available(&self) -> usize {
-        // Transit first: a move raises it before its ids leave a slot and lowers it after
-        // they land, so reading it before the places they move between cannot miss them.
-        let moving = self.moving();
-        moving + self.caches.total() + self.depot.available()
+        let count = self.stable(|| self.in_places());
+        count.read + count.off_list
+    }
+
+    /// Ids in the depot and the caches, read one place at a time: exact only inside
+    /// [`stable`](Self::stable) (a move between two reads could hide its ids from both).
+    pub(crate) fn in_places(&self) -> usize {
+        self.caches.total() + self.depot.available()
+    }
+
+    /// Ids in the depot and the calling thread's cache if no other cache can hold any (then
+    /// that is every id in a place, with no slot scan); `None` when other caches may hold ids.
+    /// Exact only inside [`stable`](Self::stable).
+    pub(crate) fn in_places_if_alone(&self) -> Option<usize> {
+        let slot = current_slot();
+        let mine = slot.map_or(0, |s| 1u64 << s);
+        let depot = self.depot.available();
+        let cached = slot.map_or(0, |s| self.caches.len(s));
+        (self.caches.occupied() & !mine == 0).then_some(depot + cached)
+    }
+
+    /// Runs `read` (which counts ids in places) until neither `parked` nor `in_transit`
+    /// changed around it, and returns its result with the ids those two words counted.
+    ///
+    /// Why this is a sound count: a move raises `in_transit` before its ids leave one place
+    /// and lowers it after they land in the other, and the resize path parks ids before they
+    /// leave the depot and unparks them after they are back. If a read of the places missed
+    /// ids (saw the place they left after they left, and the place they went to before they
+    /// landed), it acquired the CAS that took them, which comes after the raise in the
+    /// mover's program order, so the second load of the word sees the raise or a later value:
+    /// a changed word, and `read` runs again. If both loads show the same word, any move or
+    /// park under way is counted in it. So an id free throughout the count is counted (a move
+    /// under way may count one twice: a count errs high, never low). Retries only when another
+    /// call moved or parked ids meanwhile (lock-free).
+    pub(crate) fn stable<R>(&self, mut read: impl FnMut() -> R) -> Stable<R> {
+        loop {
+            let parked = self.parked.load(Ordering::Acquire);
+            let transit = self.in_transit.load(Ordering::Acquire);
+            let result = read();
+            if self.in_transit.load(Ordering::Acquire) == transit && self.parked.load(Ordering::Acquire) == parked {
+                return Stable { read: result, off_list: head_count(transit) + head_count(parked) };
+            }
+        }
     }
 
     fn moving(&self) -> usize {
@@ -77,15 +132,19 @@ impl FreeIds {
         }
     }
 
-    /// Free ids if only the calling thread's cache can hold any (then the count is exact
-    /// with no slot scan); `None` when other caches may hold ids.
-    pub(crate) fn available_if_alone(&self) -> Option<usize> {
-        let slot = current_slot();
-        let mine = slot.map_or(0, |s| 1u64 << s);
-        let moving = self.moving();
-        let depot = self.depot.available();
-        let cached = slot.map_or(0, |s| self.caches.len(s));
-        (self.caches.occupied() & !mine == 0).then_some(moving + depot + cached)
+    /// Counts `n` more ids as parked (the resize path, under its lock; before they leave the
+    /// depot, or before new ids come into existence).
+    pub(crate) fn park(&self, n: usize) {
+        self.parked.fetch_add((1 << 32) + n as u64, Ordering::AcqRel);
+    }
+
+    fn unpark(&self, n: usize) {
+        self.parked.fetch_add((1u64 << 32).wrapping_sub(n as u64), Ordering::AcqRel);
+    }
+
+    /// Ids parked now (the resize path's own count).
+    fn num_parked(&self) -> usize {
+        head_count(self.parked.load(Ordering::Acquire))
     }
 
     /// Fills `out` with free ids, or takes none and returns how many were free.
@@ -210,27 +269,32 @@ impl FreeIds {
         }
     }
 
-    /// Pushes `ids` onto the depot, `ids[0]` on top (the resize path's sorted ids).
-    pub(crate) fn put_in_depot(&self, ids: &[u32]) {
+    /// Pushes `ids` (every parked id that still exists) onto the depot, `ids[0]` on top, then
+    /// unparks every parked id: those pushed, and those dropped because a shrink removed
+    /// them. The resize path only, under its lock.
+    pub(crate) fn unpark_into_depot(&self, ids: &[u32]) {
+        // Pushed before they are unparked: counted twice for an instant, never missed.
         self.depot.push_chain(ids);
+        self.unpark(self.num_parked());
     }
 
     /// Moves every cache onto the depot, then takes as many ids as the depot holds at one
-    /// moment, counting them in `parked` before they leave. Ids freed meanwhile may stay
-    /// behind (in a cache or under newer ids): callers treat ids they did not get as live.
-    pub(crate) fn drain(&self, park: impl Fn(usize), unpark: impl Fn(usize)) -> Vec<u32> {
+    /// moment, parking them before they leave. Ids freed meanwhile may stay behind (in a
+    /// cache or under newer ids): callers treat ids they did not get as live. The resize path
+    /// only, under its lock; [`unpark_into_depot`](Self::unpark_into_depot) ends the park.
+    pub(crate) fn drain(&self) -> Vec<u32> {
         for slot in 0..SLOTS {
             self.move_to_depot(slot);
         }
         loop {
             let n = self.depot.available();
-            park(n);
+            self.park(n);
             let mut ids = vec![0u32; n];
             if self.depot.pop_many(&mut ids).is_ok() {
                 return ids;
             }
             // Someone allocated meanwhile: fewer ids are there now. Try again.
-            unpark(n);
+            self.unpark(n);
         }
     }
 
@@ -240,6 +304,10 @@ impl FreeIds {
         let moving = self.moving();
         if moving != 0 {
             return Err(format!("{moving} ids are in transit outside any call"));
+        }
+        let parked = self.num_parked();
+        if parked != 0 {
+            return Err(format!("{parked} ids are parked outside a resize"));
         }
         let mut ids = self.depot.snapshot()?;
         ids.extend(self.caches.snapshot()?);

@@ -7,10 +7,15 @@
 //! - The length is `depth[top]`, so one CAS on `head` is the whole of a pop or a push: a
 //!   batch pop walks `n` links and swings `head` past them, or, when `depth[top] < n`,
 //!   fails having changed nothing (all-or-nothing without a lock or a second counter).
+//! - `next` and `depth` are stored relative to the list as it was created (XOR with the fresh
+//!   value), so a new list is all zeroes: nothing is written at creation, and the arrays take
+//!   memory only for the ids that are pushed (see `zeroed.rs`).
 
 use crossbeam_utils::CachePadded;
 
+use crate::error::CoreError;
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use crate::zeroed::zeroed_atomic_u32s;
 
 /// End-of-stack marker in `head` and `next`.
 const NIL: u32 = u32::MAX;
@@ -24,29 +29,61 @@ fn unpack(head: u64) -> (u32, u32) {
 
 pub struct FreeList {
     head: CachePadded<AtomicU64>,
+    /// `next[id] ^ fresh_next(id)` (see [`next_of`](Self::next_of)).
     next: Box<[AtomicU32]>,
+    /// `depth[id] ^ fresh_depth(id)` (see [`depth_of`](Self::depth_of)).
     depth: Box<[AtomicU32]>,
+    /// The list was created holding `0..fresh_len`, linked in order.
+    fresh_len: u32,
 }
 
 impl FreeList {
     /// A list holding every id in `0..capacity`, lowest id on top (so allocation starts low).
-    pub fn new_full(capacity: u32) -> Self {
+    pub fn new_full(capacity: u32) -> Result<Self, CoreError> {
         Self::new_prefix(capacity, capacity)
     }
 
     /// A list with room for ids `0..capacity` holding `0..len`, lowest id on top. The ids
-    /// `len..capacity` can be pushed later (a growable pool's unmapped blocks).
-    pub fn new_prefix(capacity: u32, len: u32) -> Self {
+    /// `len..capacity` can be pushed later (a growable pool's unmapped blocks). Writes
+    /// nothing per id; `OutOfMemory` if the arrays cannot be reserved.
+    pub fn new_prefix(capacity: u32, len: u32) -> Result<Self, CoreError> {
         assert!(capacity < NIL, "capacity {capacity} collides with the NIL marker");
         assert!(len <= capacity, "{len} ids do not fit a list of capacity {capacity}");
-        let next = (0..capacity).map(|id| AtomicU32::new(if id + 1 < len { id + 1 } else { NIL })).collect();
-        let depth = (0..capacity).map(|id| AtomicU32::new(len.saturating_sub(id))).collect();
+        let next = zeroed_atomic_u32s(capacity as usize)?;
+        let depth = zeroed_atomic_u32s(capacity as usize)?;
         let top = if len == 0 { NIL } else { 0 };
-        FreeList { head: CachePadded::new(AtomicU64::new(pack(0, top))), next, depth }
+        Ok(FreeList { head: CachePadded::new(AtomicU64::new(pack(0, top))), next, depth, fresh_len: len })
     }
 
     pub fn capacity(&self) -> usize {
         self.next.len()
+    }
+
+    /// `next[id]` as created: the fresh list links `0..fresh_len` in order.
+    fn fresh_next(&self, id: u32) -> u32 {
+        if id + 1 < self.fresh_len {
+            id + 1
+        } else {
+            NIL
+        }
+    }
+
+    /// The id below `id` on the stack (meaningful while `id` is on it).
+    fn next_of(&self, id: u32, order: Ordering) -> u32 {
+        self.next[id as usize].load(order) ^ self.fresh_next(id)
+    }
+
+    fn set_next(&self, id: u32, next: u32) {
+        self.next[id as usize].store(next ^ self.fresh_next(id), Ordering::Relaxed);
+    }
+
+    /// Ids from `id` to the bottom, `id` included (meaningful while `id` is on the stack).
+    fn depth_of(&self, id: u32, order: Ordering) -> u32 {
+        self.depth[id as usize].load(order) ^ self.fresh_len.saturating_sub(id)
+    }
+
+    fn set_depth(&self, id: u32, depth: u32) {
+        self.depth[id as usize].store(depth ^ self.fresh_len.saturating_sub(id), Ordering::Relaxed);
     }
 
     /// Ids on the list in the stack under `top` (read after an Acquire load of `head`).
@@ -54,7 +91,7 @@ impl FreeList {
         if top == NIL {
             0
         } else {
-            self.depth[top as usize].load(Ordering::Relaxed) as usize
+            self.depth_of(top, Ordering::Relaxed) as usize
         }
     }
 
@@ -103,7 +140,7 @@ impl FreeList {
                     break;
                 }
                 *slot = id;
-                id = self.next[id as usize].load(Ordering::Relaxed);
+                id = self.next_of(id, Ordering::Relaxed);
             }
             if !complete {
                 #[cfg(loom)]
@@ -141,16 +178,16 @@ impl FreeList {
         // Link the chain privately: nobody reads `next` of an id that is off the stack
         // except a stale walker, whose CAS will fail.
         for pair in ids.windows(2) {
-            self.next[pair[0] as usize].store(pair[1], Ordering::Relaxed);
+            self.set_next(pair[0], pair[1]);
         }
         let mut head = self.head.load(Ordering::Acquire);
         loop {
             let (tag, top) = unpack(head);
             let below = self.len_under(top) as u32;
-            self.next[last as usize].store(top, Ordering::Relaxed);
+            self.set_next(last, top);
             let len = ids.len() as u32;
             for (k, &id) in ids.iter().enumerate() {
-                self.depth[id as usize].store(below + len - k as u32, Ordering::Relaxed);
+                self.set_depth(id, below + len - k as u32);
             }
             // Release publishes the links and depths written above to whoever acquires this head.
             match self.head.compare_exchange_weak(head, pack(tag.wrapping_add(1), first), Ordering::AcqRel, Ordering::Acquire)
@@ -174,12 +211,12 @@ impl FreeList {
             if ids.len() > self.capacity() {
                 return Err("free list has a cycle".into());
             }
-            let depth = self.depth[id as usize].load(Ordering::Acquire) as usize;
+            let depth = self.depth_of(id, Ordering::Acquire) as usize;
             if depth != expected - ids.len() {
                 return Err(format!("block {id} has depth {depth}, {} ids lie under it", expected - ids.len()));
             }
             ids.push(id);
-            id = self.next[id as usize].load(Ordering::Acquire);
+            id = self.next_of(id, Ordering::Acquire);
         }
         if ids.len() != expected {
             return Err(format!("the top's depth says {expected} ids, the links hold {}", ids.len()));

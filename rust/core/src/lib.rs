@@ -32,6 +32,7 @@ pub mod tables;
 pub mod tier;
 mod sync;
 mod thread_cache;
+mod zeroed;
 
 /// The bare allocator, which never grows a pool: only for this crate's own tests, loom
 /// models and benchmarks (feature `internals`). Everything else goes through [`Pool`].

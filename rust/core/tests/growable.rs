@@ -580,8 +580,6 @@ fn resizes_do_not_inflate_num_used() {
 }
 
 #[test]
-#[ignore = "known defect: with per-thread caches the high-water mark can overcount by a few blocks \
-            under a concurrent grow/shrink (seen about once in 40 runs); run with --ignored"]
 fn resizes_do_not_inflate_high_water() {
     let (p, base) = resize_while_allocating();
     assert!(p.high_water() <= 11, "high_water {}", p.high_water());

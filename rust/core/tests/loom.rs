@@ -9,8 +9,11 @@
 //! `LOOM_MAX_PREEMPTIONS` overrides the default bound of 3 set in [`model`]. That default is
 //! the soak bound (run it before changing the free list; `three_threads_share_three_blocks`
 //! alone takes far longer than the rest: its four threads each run the slow path through the
-//! caches). CI (`bin/test.sh`) runs every model at bound 2 except that one, which it runs at
-//! bound 0 (every interleaving of whole steps at the yield points, no preemption inside them).
+//! caches). CI (`bin/test.sh`) runs every model at bound 2 except two: that one at bound 0
+//! (every interleaving of whole steps at the yield points, no preemption inside them), and
+//! `growth_does_not_inflate_the_high_water_of_a_cached_alloc` (a whole growth against an
+//! allocation: minutes at bound 2) at bound 1, which is enough for its bug pattern (one
+//! preemption of the allocating thread between two reads of its count).
 #![cfg(loom)]
 
 use loom::sync::Arc;
@@ -383,5 +386,50 @@ fn shrink_races_alloc_and_free() {
         rest.sort_unstable();
         assert_eq!(rest, [0, 1, 2]);
         p.check_invariants().unwrap();
+    });
+}
+
+/// A growth (which drains every cache, this thread's included, onto the depot and parks it)
+/// races an allocation served by this thread's cache. The high-water sample taken after the
+/// allocation counts the free ids across the depot and the cache while the drain moves them
+/// from one to the other; it must never see them in neither place (which would count them
+/// as used): the mark stays at the one block held.
+#[test]
+fn growth_does_not_inflate_the_high_water_of_a_cached_alloc() {
+    model(|| {
+        let layout = KvLayout::new(1, 1, 1024, 1, DType::Float16).unwrap();
+        let size = GrowableSize { max_num_blocks: 3, initial_num_blocks: 2, chunk_bytes: None };
+        let p = Arc::new(Pool::with_chunk_backend(layout, size, Box::new(NoMemory)).unwrap());
+        // One block held at a time from here on; the allocation refilled this thread's
+        // cache, so after the free both free ids are in it.
+        let id = p.alloc().unwrap();
+        p.free(id).unwrap();
+        let resizer = {
+            let p = p.clone();
+            thread::spawn(move || {
+                p.grow(3).unwrap();
+            })
+        };
+        let held = p.alloc().unwrap();
+        resizer.join().unwrap();
+        assert_eq!(p.high_water(), 1, "one block was held at a time");
+        p.free(held).unwrap();
+        p.check_invariants().unwrap();
+    });
+}
+
+/// Another thread counts the free ids while an allocation refills its cache from the depot
+/// (the refill leaves the depot before it lands in the cache): the count never misses the
+/// moving ids, so `num_used` never exceeds the one block held.
+#[test]
+fn a_count_during_a_refill_does_not_miss_the_moving_ids() {
+    model(|| {
+        let a = Arc::new(BlockAllocator::new(3).unwrap());
+        let allocator = a.clone();
+        let alloc = thread::spawn(move || allocator.alloc().unwrap());
+        let used = a.num_used();
+        assert!(used <= 1, "num_used {used} while at most one block is held");
+        let held = alloc.join().unwrap();
+        assert_conserved(&a, &[held]);
     });
 }

@@ -111,3 +111,40 @@ fn shrink_reclaims_ids_cached_by_this_and_exited_threads() {
     p.check_invariants().unwrap();
     assert_eq!((p.num_blocks(), p.mapped_bytes()), (0, 0), "a cached id kept its chunk mapped");
 }
+
+#[test]
+fn cached_ids_count_as_free_for_the_high_water_mark() {
+    let a = BlockAllocator::new(64).unwrap();
+    for _ in 0..3 {
+        // The second and third rounds are served from this thread's cache.
+        let ids = a.alloc_many(10).unwrap();
+        a.free_many(&ids).unwrap();
+    }
+    assert_eq!(a.high_water(), 10);
+    // Ids cached by an exited thread are free too: allocating around them does not count them.
+    churn_in_threads(&a, 1, 20);
+    let ids = a.alloc_many(5).unwrap();
+    assert_eq!((a.high_water(), a.num_used()), (20, 5));
+    a.free_many(&ids).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn a_growth_keeps_cached_ids_free_and_hands_out_the_lowest_first() {
+    let p = growable_pool(64, 0);
+    let ids = p.alloc_many(8).unwrap();
+    p.free_many(&ids[2..]).unwrap(); // 6 ids in this thread's cache
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let more = p.alloc_many(4).unwrap();
+            p.free_many(&more).unwrap(); // and some in an exited thread's cache
+        });
+    });
+    let free_before = p.num_free();
+    p.grow(p.num_blocks() + 20).unwrap();
+    p.check_invariants().unwrap();
+    assert_eq!((p.num_used(), p.num_free()), (2, p.num_blocks() - 2));
+    assert!(p.num_free() >= free_before + 20, "{} free after growing from {free_before}", p.num_free());
+    assert_eq!(p.alloc_many(3).unwrap(), [2, 3, 4], "the growth sorted the cached ids back in");
+    assert_eq!(p.high_water(), 8, "the first allocation held 8");
+}

@@ -65,7 +65,12 @@ pub fn block_ids(values: &Bound<'_, PyAny>, num_blocks: usize) -> Result<Vec<u32
             values.get_type().name().map(|n| n.to_string()).unwrap_or_default()
         ))
     })?;
-    let mut ids = Vec::with_capacity(values.len().unwrap_or(0));
+    // Sized by the caller's sequence, so fallibly; more than `num_blocks + 1` ids hold a
+    // repeat or a stray id (refused below), so more room than that is never needed up front.
+    let mut ids = Vec::new();
+    let room = values.len().unwrap_or(0).min(num_blocks.saturating_add(1));
+    ids.try_reserve_exact(room)
+        .map_err(|_| CoreError::OutOfMemory { requested_bytes: room.saturating_mul(4), device: "host".into() })?;
     for item in iter {
         let item = item.map_err(|e| CoreError::InvalidArgument(format!("iterating block ids: {e}")))?;
         ids.push(block_id(&item, num_blocks)?);

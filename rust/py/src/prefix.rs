@@ -69,7 +69,10 @@ pub fn token_ids(value: &Bound<'_, PyAny>) -> Result<Vec<u32>, CoreError> {
     let iter = value
         .try_iter()
         .map_err(|_| invalid(format!("token_ids must be a sequence of ints, got {}", type_name(value))))?;
-    let mut out = Vec::with_capacity(value.len().unwrap_or(0));
+    let mut out = Vec::new();
+    let room = value.len().unwrap_or(0);
+    out.try_reserve_exact(room)
+        .map_err(|_| CoreError::OutOfMemory { requested_bytes: room.saturating_mul(4), device: "host".into() })?;
     for item in iter {
         let item = item.map_err(|e| invalid(format!("iterating token_ids: {e}")))?;
         if item.is_instance_of::<PyBool>() {

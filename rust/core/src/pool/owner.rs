@@ -6,10 +6,10 @@
 
 // Plain std atomics, not the loom facade: the tag is not part of the lock-free protocol the
 // loom models check (it is written only by the thread that just popped the block).
-use std::alloc::{alloc_zeroed, Layout};
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use crate::error::CoreError;
+use crate::zeroed::zeroed_slice;
 
 /// The API a block was allocated through. `Pool` is 0, so fresh (zeroed) tags read as it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,20 +35,7 @@ pub(crate) struct Owners(Box<[AtomicU8]>);
 
 impl Owners {
     pub(crate) fn new(capacity: usize) -> Result<Self, CoreError> {
-        let out_of_memory = || CoreError::OutOfMemory { requested_bytes: capacity, device: "host".into() };
-        if capacity == 0 {
-            return Ok(Owners(Box::new([])));
-        }
-        let layout = Layout::array::<AtomicU8>(capacity).map_err(|_| out_of_memory())?;
-        // SAFETY: `layout` has a non-zero size (capacity > 0, one byte each).
-        let ptr = unsafe { alloc_zeroed(layout) } as *mut AtomicU8;
-        if ptr.is_null() {
-            return Err(out_of_memory());
-        }
-        // SAFETY: `ptr` is a fresh zeroed allocation of `capacity` `AtomicU8`s made with the
-        // layout `Box<[AtomicU8]>` frees with (`Layout::array::<AtomicU8>(capacity)`), and an
-        // all-zero byte is a valid `AtomicU8` (`Owner::Pool`).
-        Ok(Owners(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, capacity)) }))
+        zeroed_slice(capacity).map(Owners)
     }
 
     /// Tags freshly allocated ids (ours alone: just popped off the free list).
