@@ -13,11 +13,13 @@
 #           CPU 16-31: the free-list criterion grid and the Python round trip
 #   part 2  both:  two-GPU tests, KV transfer and tensor-parallel decode benchmarks (alone),
 #           then the transformers tests and generation benchmark
+# On one GPU, PART=1a, 1b and 2t do part 1's work and the transformers half of part 2 in three
+# calls (the two-GPU work needs the two-GPU box).
 # Each step has its own time limit (a part stays under 9.5 minutes); every log and JSON goes into
 # $OUT/session_part<N>.tar.gz (unpack into bench/results/<run>/) and the last line of each step's
 # output into $OUT/summary_part<N>.txt.
 set -u
-: "${OUT:?set OUT}" "${PART:?set PART to 1 or 2}"
+: "${OUT:?set OUT}" "${PART:?set PART to 1 or 2 (two GPUs), or 1a, 1b, 2t (one GPU)}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export COMMIT=${COMMIT:-unknown} KVPOOL_COMMIT=${COMMIT:-unknown} PYTHONUNBUFFERED=1
 WORK=/tmp/kvpool-session/part$PART
@@ -74,6 +76,42 @@ part1() {
 
 part2() {
   step multigpu 250 bash bench/gpu_multigpu.sh
+  on_gpu 0 step transformers 330 bash bench/gpu_transformers.sh
+}
+
+# One GPU (nvidia-h200) instead of two: the same work in three calls, benchmarks alone on the GPU.
+part1a() {  # the decode and prefill benchmarks; the free-list grid on the CPU beside them
+  ( on_gpu 0 step decode_bench 330 bash bench/gpu_decode.sh bench
+    on_gpu 0 step prefill_bench 200 python3 bench/prefill_bench.py "$WORK/prefill_h200.json" \
+      --commit "$COMMIT" ) &
+  ( PIN=$(command -v taskset > /dev/null && echo "taskset -c 8-15")
+    step free_list 330 $PIN bash bench/run_free_list_h200.sh ) &
+  wait
+}
+
+part1b() {  # every single-GPU test but the transformers ones, sanitizers, then the other scripts
+  ( KVPOOL_ERROR_REPORT="$WORK/decode_errors.json" on_gpu 0 step gpu_tests 200 \
+      python3 -m pytest -q -rs -m gpu tests --ignore=tests/test_prefill_gpu.py \
+      --ignore=tests/test_transformers_gpu.py --ignore=tests/test_fp8_gpu.py --durations=15
+    KVPOOL_ERROR_REPORT="$WORK/prefill_errors.json" on_gpu 0 step prefill_tests 90 \
+      python3 -m pytest -q -rs -m gpu tests/test_prefill_gpu.py ) &
+  ( sanitize() { on_gpu 0 step "$1_$2" "$3" compute-sanitizer --tool "$2" --error-exitcode 9 \
+      python3 "bench/$4" "${@:5}"; }
+    sanitize decode memcheck 110 sanitize_case.py
+    sanitize decode racecheck 110 sanitize_case.py --dtypes float16
+    sanitize prefill memcheck 80 sanitize_prefill_case.py
+    sanitize prefill racecheck 100 sanitize_prefill_case.py ) &
+  wait
+  on_gpu 0 step fp8 200 bash bench/gpu_fp8.sh
+  on_gpu 0 step hosttier 150 bash bench/gpu_hosttier.sh
+  on_gpu 0 step pool_bench 30 python3 bench/pool_bench.py --device cuda --repeat 5 --min-time 0.1 \
+    --out "$WORK/pool_cuda.json" --commit "$COMMIT"
+  on_gpu 0 step tables_bench 25 python3 bench/tables_bench.py --device cuda --out "$WORK/tables_cuda.json" \
+    --commit "$COMMIT"
+  on_gpu 0 step growable_bench 25 python3 bench/growable_bench.py --out "$WORK/growable_h200.json"
+}
+
+part2t() {  # the transformers tests and generation benchmark
   on_gpu 0 step transformers 330 bash bench/gpu_transformers.sh
 }
 
