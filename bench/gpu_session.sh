@@ -47,30 +47,48 @@ step() {
 
 on_gpu() { CUDA_VISIBLE_DEVICES=$1 "${@:2}"; }
 
+# The lanes, each given the GPU it runs on (the free-list lane: the CPUs it is pinned to).
+bench_lane() {  # the decode and prefill benchmarks
+  on_gpu "$1" step decode_bench 330 bash bench/gpu_decode.sh bench
+  on_gpu "$1" step prefill_bench 200 python3 bench/prefill_bench.py "$WORK/prefill_h200.json" \
+    --commit "$COMMIT"
+}
+test_lane() {  # every single-GPU test but the transformers and fp8 ones (gpu_fp8.sh runs those)
+  KVPOOL_ERROR_REPORT="$WORK/decode_errors.json" on_gpu "$1" step gpu_tests 200 \
+    python3 -m pytest -q -rs -m gpu tests --ignore=tests/test_prefill_gpu.py \
+    --ignore=tests/test_transformers_gpu.py --ignore=tests/test_fp8_gpu.py --durations=15
+  KVPOOL_ERROR_REPORT="$WORK/prefill_errors.json" on_gpu "$1" step prefill_tests 90 \
+    python3 -m pytest -q -rs -m gpu tests/test_prefill_gpu.py
+}
+scripts_lane() {  # fp8, host tier, pool, tables and growable: each its tests, then its benchmark
+  on_gpu "$1" step fp8 200 bash bench/gpu_fp8.sh
+  on_gpu "$1" step hosttier 150 bash bench/gpu_hosttier.sh
+  on_gpu "$1" step pool_bench 30 python3 bench/pool_bench.py --device cuda --repeat 5 --min-time 0.1 \
+    --out "$WORK/pool_cuda.json" --commit "$COMMIT"
+  on_gpu "$1" step tables_bench 25 python3 bench/tables_bench.py --device cuda --out "$WORK/tables_cuda.json" \
+    --commit "$COMMIT"
+  on_gpu "$1" step growable_bench 25 python3 bench/growable_bench.py --out "$WORK/growable_h200.json"
+}
+sanitizer_lane() {
+  sanitize() { on_gpu "$GPU" step "$1_$2" "$3" compute-sanitizer --tool "$2" --error-exitcode 9 \
+    python3 "bench/$4" "${@:5}"; }
+  local GPU=$1
+  sanitize decode memcheck 110 sanitize_case.py
+  sanitize decode racecheck 110 sanitize_case.py --dtypes float16
+  sanitize prefill memcheck 80 sanitize_prefill_case.py
+  sanitize prefill racecheck 100 sanitize_prefill_case.py
+}
+free_list_lane() {
+  local PIN
+  PIN=$(command -v taskset > /dev/null && echo "taskset -c $1")
+  step free_list 330 $PIN bash bench/run_free_list_h200.sh
+}
+
 part1() {
-  ( on_gpu 0 step decode_bench 330 bash bench/gpu_decode.sh bench
-    on_gpu 0 step prefill_bench 200 python3 bench/prefill_bench.py "$WORK/prefill_h200.json" \
-      --commit "$COMMIT" ) &
-  ( KVPOOL_ERROR_REPORT="$WORK/decode_errors.json" on_gpu 1 step gpu_tests 200 \
-      python3 -m pytest -q -rs -m gpu tests --ignore=tests/test_prefill_gpu.py \
-      --ignore=tests/test_transformers_gpu.py --ignore=tests/test_fp8_gpu.py --durations=15
-    KVPOOL_ERROR_REPORT="$WORK/prefill_errors.json" on_gpu 1 step prefill_tests 90 \
-      python3 -m pytest -q -rs -m gpu tests/test_prefill_gpu.py
-    on_gpu 1 step fp8 200 bash bench/gpu_fp8.sh
-    on_gpu 1 step hosttier 150 bash bench/gpu_hosttier.sh
-    on_gpu 1 step pool_bench 30 python3 bench/pool_bench.py --device cuda --repeat 5 --min-time 0.1 \
-      --out "$WORK/pool_cuda.json" --commit "$COMMIT"
-    on_gpu 1 step tables_bench 25 python3 bench/tables_bench.py --device cuda --out "$WORK/tables_cuda.json" \
-      --commit "$COMMIT"
-    on_gpu 1 step growable_bench 25 python3 bench/growable_bench.py --out "$WORK/growable_h200.json" ) &
-  ( sanitize() { on_gpu 1 step "$1_$2" "$3" compute-sanitizer --tool "$2" --error-exitcode 9 \
-      python3 "bench/$4" "${@:5}"; }
-    sanitize decode memcheck 110 sanitize_case.py
-    sanitize decode racecheck 110 sanitize_case.py --dtypes float16
-    sanitize prefill memcheck 80 sanitize_prefill_case.py
-    sanitize prefill racecheck 100 sanitize_prefill_case.py ) &
-  ( PIN=$(command -v taskset > /dev/null && echo "taskset -c 16-31")
-    step free_list 330 $PIN bash bench/run_free_list_h200.sh ) &
+  bench_lane 0 &
+  ( test_lane 1; scripts_lane 1 ) &
+  sanitizer_lane 1 &
+  free_list_lane 16-31 &
   wait
 }
 
@@ -81,34 +99,16 @@ part2() {
 
 # One GPU (nvidia-h200) instead of two: the same work in three calls, benchmarks alone on the GPU.
 part1a() {  # the decode and prefill benchmarks; the free-list grid on the CPU beside them
-  ( on_gpu 0 step decode_bench 330 bash bench/gpu_decode.sh bench
-    on_gpu 0 step prefill_bench 200 python3 bench/prefill_bench.py "$WORK/prefill_h200.json" \
-      --commit "$COMMIT" ) &
-  ( PIN=$(command -v taskset > /dev/null && echo "taskset -c 8-15")
-    step free_list 330 $PIN bash bench/run_free_list_h200.sh ) &
+  bench_lane 0 &
+  free_list_lane 8-15 &
   wait
 }
 
-part1b() {  # every single-GPU test but the transformers ones, sanitizers, then the other scripts
-  ( KVPOOL_ERROR_REPORT="$WORK/decode_errors.json" on_gpu 0 step gpu_tests 200 \
-      python3 -m pytest -q -rs -m gpu tests --ignore=tests/test_prefill_gpu.py \
-      --ignore=tests/test_transformers_gpu.py --ignore=tests/test_fp8_gpu.py --durations=15
-    KVPOOL_ERROR_REPORT="$WORK/prefill_errors.json" on_gpu 0 step prefill_tests 90 \
-      python3 -m pytest -q -rs -m gpu tests/test_prefill_gpu.py ) &
-  ( sanitize() { on_gpu 0 step "$1_$2" "$3" compute-sanitizer --tool "$2" --error-exitcode 9 \
-      python3 "bench/$4" "${@:5}"; }
-    sanitize decode memcheck 110 sanitize_case.py
-    sanitize decode racecheck 110 sanitize_case.py --dtypes float16
-    sanitize prefill memcheck 80 sanitize_prefill_case.py
-    sanitize prefill racecheck 100 sanitize_prefill_case.py ) &
+part1b() {  # the tests with the sanitizers beside them, then the other scripts
+  test_lane 0 &
+  sanitizer_lane 0 &
   wait
-  on_gpu 0 step fp8 200 bash bench/gpu_fp8.sh
-  on_gpu 0 step hosttier 150 bash bench/gpu_hosttier.sh
-  on_gpu 0 step pool_bench 30 python3 bench/pool_bench.py --device cuda --repeat 5 --min-time 0.1 \
-    --out "$WORK/pool_cuda.json" --commit "$COMMIT"
-  on_gpu 0 step tables_bench 25 python3 bench/tables_bench.py --device cuda --out "$WORK/tables_cuda.json" \
-    --commit "$COMMIT"
-  on_gpu 0 step growable_bench 25 python3 bench/growable_bench.py --out "$WORK/growable_h200.json"
+  scripts_lane 0
 }
 
 part2t() {  # the transformers tests and generation benchmark
