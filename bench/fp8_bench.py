@@ -49,7 +49,10 @@ def make_pool(dtype, num_blocks, gen):
     return pool, cache
 
 
-def bench_shape(batch, seq_len, ceiling):
+def shape_inputs(batch, seq_len):
+    """The inputs of one grid shape, seeded by the shape: (lens, K+V elements per rotation,
+    rotations, num_blocks, torch generator, block tables and queries per rotation, lens on the
+    device). Rotations over disjoint blocks keep the caches out of L2 between timed calls."""
     rng = np.random.default_rng(batch * 31 + seq_len)
     lens = np.full(batch, seq_len, np.int32)
     elems = int(lens.sum()) * HKV * D * 2
@@ -63,6 +66,11 @@ def bench_shape(batch, seq_len, ceiling):
                                .reshape(batch, blocks_per_seq)).cuda() for r in range(rot)]
     lens_t = torch.from_numpy(lens).cuda()
     qs = [torch.randn((batch, HQ, D), device="cuda", generator=gen).half() for _ in range(rot)]
+    return lens, elems, rot, num_blocks, gen, tables, lens_t, qs
+
+
+def bench_shape(batch, seq_len, ceiling):
+    lens, elems, rot, num_blocks, gen, tables, lens_t, qs = shape_inputs(batch, seq_len)
     row = {"shape": f"{batch}x{seq_len}", "batch": batch, "seq_len": seq_len, "head_dim": D,
            "num_q_heads": HQ, "num_kv_heads": HKV, "block_size": BS, "rotations": rot,
            "kv_bytes_fp16": elems * 2, "kv_bytes_fp8": elems}

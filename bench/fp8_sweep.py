@@ -29,10 +29,9 @@ import time
 import traceback
 
 import cupy as cp
-import numpy as np
 import torch
-from decode_bench import GRID, HKV, HQ, ROTATE_BYTES, measure_ceiling, median_graph_us
-from fp8_bench import BS, D, K_SCALE, V_SCALE, make_pool
+from decode_bench import GRID, HKV, HQ, measure_ceiling, median_graph_us
+from fp8_bench import BS, D, K_SCALE, V_SCALE, make_pool, shape_inputs
 from fp8_prefill_bench import SHAPES as PREFILL_SHAPES
 from fp8_prefill_bench import run as run_prefill
 from prefill_bench import causal_flops
@@ -47,7 +46,8 @@ PREFILL_START_LIMIT_S = 85  # seconds into the run after which the prefill part 
 # (name, KVPOOL_FP8_DECODE): DP 128 x head tile 4 modules at 141 registers (<= 3 CTAs of 4 warps
 # per SM by registers). Shared memory per CTA: 5376 B per warp and stage.
 CANDIDATES = [
-    ("default", ""),                          # 4 warps x 4 stages (86 KB, 2 CTAs/SM), fill 1
+    ("default", ""),                          # Fp8DecodeTuning's: 6 warps x 3 stages, fill 1
+    ("w4s0f0", "warps=4,stages=0,fill=0"),    # the first defaults: 4 warps x 4 stages, fill 1
     ("w4s4f2", "warps=4,stages=4,fill=2"),
     ("w4s3f1", "warps=4,stages=3,fill=1"),    # 64.5 KB: 3 CTAs/SM, 12 warps
     ("w4s3f2", "warps=4,stages=3,fill=2"),
@@ -99,19 +99,7 @@ def row_rel_err(out, ref):
 
 
 def sweep_shape(batch, seq_len, ceiling):
-    rng = np.random.default_rng(batch * 31 + seq_len)
-    lens = np.full(batch, seq_len, np.int32)
-    elems = int(lens.sum()) * HKV * D * 2
-    rot = max(1, min(16, math.ceil(ROTATE_BYTES / (elems * 2))))
-    blocks_per_seq = -(-seq_len // BS)
-    num_blocks = rot * batch * blocks_per_seq
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(batch * 7919 + seq_len)
-    perm = rng.permutation(num_blocks).astype(np.int32)
-    tables = [torch.from_numpy(perm[r * batch * blocks_per_seq:(r + 1) * batch * blocks_per_seq]
-                               .reshape(batch, blocks_per_seq)).cuda() for r in range(rot)]
-    lens_t = torch.from_numpy(lens).cuda()
-    qs = [torch.randn((batch, HQ, D), device="cuda", generator=gen).half() for _ in range(rot)]
+    lens, elems, rot, num_blocks, gen, tables, lens_t, qs = shape_inputs(batch, seq_len)
     row = {"shape": f"{batch}x{seq_len}", "batch": batch, "seq_len": seq_len, "rotations": rot,
            "kv_bytes_fp8": elems, "candidates": {}}
     ws = cp.empty(workspace_elems(batch, HQ, D, 128), cp.float32)
