@@ -20,10 +20,12 @@ echo "== loom model checks of the free list (CI bounds; the soak run is bench/lo
 # that samples the high-water mark): bound 2, then 1, then 0 for the ones that take many minutes
 # at bound 1. rust/core/src/free_list.md lists the bounds each model has been run at.
 loom_start=$SECONDS
+loom_ran=""
 loom() {  # bound, model names (each run alone, exact)
   local bound=$1
   shift
   for model in "$@"; do
+    loom_ran="$loom_ran $model"
     RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom LOOM_MAX_PREEMPTIONS=$bound \
         cargo test --locked -p kvpool-core --release --test loom -q -- --exact "$model"
   done
@@ -36,6 +38,12 @@ loom 1 alloc_many_is_all_or_nothing_under_contention batch_steals_from_another_t
     shrink_races_alloc_and_free
 loom 0 ids_cached_by_an_exited_thread_come_back tagged_head_defeats_aba \
     tagged_head_defeats_aba_for_chains three_threads_share_three_blocks
+# Every model in rust/core/tests/loom.rs runs at some bound: a new model missing from the lists
+# above fails here instead of never running.
+for model in $(RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
+    cargo test --locked -p kvpool-core --release --test loom -q -- --list 2>/dev/null | sed -n 's/: test$//p'); do
+  case " $loom_ran " in *" $model "*) ;; *) echo "loom model $model is not in bin/test.sh's lists"; exit 1 ;; esac
+done
 echo "loom took $((SECONDS - loom_start)) s"
 
 echo "== ruff (pyflakes rules: an undefined name in a GPU-only test fails here, not on the GPU)"
