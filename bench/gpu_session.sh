@@ -11,15 +11,17 @@
 #                  start, beside the tests, compute-sanitizer memcheck and racecheck over the
 #                  decode, append, copy and prefill kernels
 #           CPU 16-31: the free-list criterion grid and the Python round trip
+#           (scripts include the scheduler simulation with --device cuda, 2,000 requests)
 #   part 2  both:  two-GPU tests, KV transfer and tensor-parallel decode benchmarks (alone),
 #           then the transformers tests and generation benchmark
-# On one GPU, PART=1a, 1b and 2t do part 1's work and the transformers half of part 2 in three
-# calls (the two-GPU work needs the two-GPU box).
+# On one GPU, PART=1a, 1b, 1f and 2t do part 1's work and the transformers half of part 2 in four
+# calls (the free-list grid alone, so that its 16 threads have the host's cores; the two-GPU work
+# needs the two-GPU box).
 # Each step has its own time limit (a part stays under 9.5 minutes); every log and JSON goes into
 # $OUT/session_part<N>.tar.gz (unpack into bench/results/<run>/) and the last line of each step's
 # output into $OUT/summary_part<N>.txt.
 set -u
-: "${OUT:?set OUT}" "${PART:?set PART to 1 or 2 (two GPUs), or 1a, 1b, 2t (one GPU)}"
+: "${OUT:?set OUT}" "${PART:?set PART to 1 or 2 (two GPUs), or 1a, 1b, 1f, 2t (one GPU)}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export COMMIT=${COMMIT:-unknown} KVPOOL_COMMIT=${COMMIT:-unknown} PYTHONUNBUFFERED=1
 WORK=/tmp/kvpool-session/part$PART
@@ -68,6 +70,8 @@ scripts_lane() {  # fp8, host tier, pool, tables and growable: each its tests, t
   on_gpu "$1" step tables_bench 25 python3 bench/tables_bench.py --device cuda --out "$WORK/tables_cuda.json" \
     --commit "$COMMIT"
   on_gpu "$1" step growable_bench 25 python3 bench/growable_bench.py --out "$WORK/growable_h200.json"
+  on_gpu "$1" step sim_cuda 60 python3 bench/sim_bench.py --device cuda --num-requests 2000 \
+    --out "$WORK/simulate_sharegpt_llama-3-8b_cuda.json" --commit "$COMMIT"
 }
 sanitizer_lane() {
   sanitize() { on_gpu "$GPU" step "$1_$2" "$3" compute-sanitizer --tool "$2" --error-exitcode 9 \
@@ -98,10 +102,12 @@ part2() {
 }
 
 # One GPU (nvidia-h200) instead of two: the same work in three calls, benchmarks alone on the GPU.
-part1a() {  # the decode and prefill benchmarks; the free-list grid on the CPU beside them
-  bench_lane 0 &
-  free_list_lane 8-15 &
-  wait
+part1a() {  # the decode and prefill benchmarks
+  bench_lane 0
+}
+
+part1f() {  # the free-list grid and the Python round trip, alone on the host's every core
+  free_list_lane "0-$(($(nproc) - 1))"
 }
 
 part1b() {  # the tests with the sanitizers beside them, then the other scripts
