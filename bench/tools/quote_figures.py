@@ -168,7 +168,7 @@ class Report:
         print("    " + header)
         print("    " + "|---" * (header.count("|") - 1) + "|")
         for cells in rows:
-            line = "| " + " | ".join(cells) + " |"
+            line = " ".join(("| " + " | ".join(cells) + " |").split())  # an empty cell as "| |"
             print(f"    {self.mark(line)}{line}")
         print()
 
@@ -505,8 +505,10 @@ def bench_allocator(rep, f):
 
     def r(name, nd_ours, nd_base, nd_ratio, label, base_label, target=""):
         x = c[name]
+        # a per-block case stores its times rounded to 4 decimals: its ratio from the round trip
+        y = c[name.removesuffix("_per_block")]
         return [label, rnd(x["ours_us"], nd_ours) + " us", f"{base_label}{rnd(x['baseline_us'], nd_base)} us",
-                rnd(x["baseline_us"] / x["ours_us"], nd_ratio) + "x", target]
+                rnd(y["baseline_us"] / y["ours_us"], nd_ratio) + "x", target]
 
     t16 = all(t["pass"] for t in tg if "16" in t["target"] and "256" not in t["target"])
     t256 = [t for t in tg if "n=256" in t["target"]][0]["pass"]
@@ -532,6 +534,12 @@ def bench_allocator(rep, f):
         row[4] = row[4].replace("**met**", "met")
     rep.table(f"pool_cuda.json cases (ratio = baseline_us / ours_us); dev-VM row {f['pool_python']}",
               "| | kvpool | baseline | ratio | target |", rows)
+    alone = g / "pool_python_h200.json"  # the same Python cases, run alone on the host
+    if alone.exists():
+        a16 = {x["name"]: x for x in load(alone)["cases"]}["alloc_many16_free_many"]
+        rep.info(f"pool_python_h200.json (not quoted): alloc_many(16) + free_many "
+                 f"{rnd(a16['ours_us'], 2)} us vs {rnd(a16['baseline_us'], 2)} us, "
+                 f"{rnd(a16['baseline_us'] / a16['ours_us'], 2)}x", src=str(alone))
 
 
 def bench_free_list(rep, f):
@@ -675,7 +683,7 @@ def bench_decode(rep, f):
     rep.section("bench/README.md Results", "paged decode attention, v4")
     d = load(f["gpu"] / "decode/decode_h200_v4.json")
     rows = d["rows"]
-    rep.fig("`decode/decode_h200_v4.json` (`decode/bench.log`), {} rows; read ceiling {} TB/s",
+    rep.fig("decode/decode_h200_v4.json` (`decode/bench.log`), {} rows; read ceiling {} TB/s",
             len(rows), rnd(d["ceiling_tb_s"], 2), src="decode_h200_v4.json rows, ceiling_tb_s")
     out = []
     for r in decode_table_rows(rows):
@@ -1138,8 +1146,10 @@ def bench_transformers(rep, f):
 
 
 def prov_commit(path):
-    p = load(path).get("provenance") or {}
-    return f"{p.get('commit', '?')} ({p.get('date_utc', '?')})"
+    """'c3a772c (2026-12-01T03:26:36+00:00)' from a JSON's provenance (or its older forms)."""
+    d = load(path)
+    p = d.get("provenance") or d.get("environment") or d
+    return f"{p.get('commit', '?')} ({p.get('date_utc') or p.get('date', '?')})"
 
 
 NOT_FROM_DATA = """
@@ -1196,15 +1206,17 @@ def main():
             rep.add_doc(name, a.readmes / "README.md")
         rep.add_doc("bench/README.md Results", a.readmes / "bench/README.md", "Results")
 
-    print("Inputs (provenance commit and date):")
+    print("Inputs (provenance commit and date; for a folder, of one JSON in it):")
+    named = {"gpu": "pool_cuda.json", "gpu2": "multigpu/transfer_h200x2.json",
+             "free_list": "free_list_h200.json"}
     for k, p in f.items():
-        if p is None or k in ("gpu", "gpu2", "free_list"):
-            print(f"  {k:12} {p}")
-        else:
-            try:
-                print(f"  {k:12} {p}  commit {prov_commit(p)}")
-            except (OSError, ValueError) as e:
-                print(f"  {k:12} {p}  ({e.__class__.__name__})")
+        if p is None:
+            print(f"  {k:12} -")
+            continue
+        try:
+            print(f"  {k:12} {p}  commit {prov_commit(p / named[k] if k in named else p)}")
+        except (OSError, ValueError, AttributeError) as e:
+            print(f"  {k:12} {p}  ({e.__class__.__name__}: {e})")
 
     sections = [readme_scheduler, readme_results, readme_dev_vm, readme_gpu_rest, readme_other,
                 bench_scheduler, bench_gpu_intro, bench_allocator, bench_free_list,
