@@ -295,15 +295,18 @@ def readme_dev_vm(rep, f):
             src="prefix_cache decode_step.caching_overhead")
 
 
-def readme_gpu_rest(rep, f):
+def readme_hosttier(rep, f):
     g = f["gpu"]
-    rep.section("README.md Results", "host tier and preemption by swap")
+    rep.section("README.md Results", "host tier (H200)")
     h = hosttier(load(g / "hosttier/swap_h200.json"))
     rep.fig("2 MiB-block swaps at {} of a 1 GiB pinned copy's bandwidth ({} GB/s); 64 KiB "
             "fragmented blocks {}", h["big"], h["ceiling"], h["small_frag"],
             src="hosttier/swap_h200.json rows method=batch, num_blocks>=64: swap_{out,in}"
                 "_vs_ceiling; ceiling_1gib")
-    swap_sim_readme(rep, f)
+
+
+def readme_gpu_tail(rep, f):
+    g = f["gpu"]
     if f.get("gpu2"):
         rep.section("README.md Results", "two GPUs")
         tr = transfer(f)
@@ -341,8 +344,9 @@ def readme_gpu_rest(rep, f):
             src="growable_h200.json vmm[how=pool.grow].speedup_vs_copy (rounded down)")
 
 
-def readme_other(rep, f):
-    """README.md outside Results: the swap table, the prefix-caching paragraph, the greedy test."""
+def readme_swap_table(rep, f):
+    """README.md outside Results: the swap table (Use it), then the prefix-caching paragraph and
+    the greedy test (below)."""
     rep.section("README.md (Use it, Prefix caching, transformers)", "swap table")
     d = load(f["swap_sim"])
     rows = d["rows"]
@@ -368,6 +372,9 @@ def readme_other(rep, f):
     rep.fig("At 10 GB/s `auto` loses {} %", pct(1 - r10["throughput_ratio"], 1),
             src="swap_sim rows[10 GB/s auto].throughput_ratio")
 
+
+
+def readme_prefix_paragraph(rep, f):
     rep.section("README.md (Prefix caching)", "paragraph")
     runs = load(f["prefix_sim"])["runs"]
     sp, mt = runs["system_prompts"], runs["multiturn"]
@@ -391,6 +398,9 @@ def readme_other(rep, f):
             pct(mtc["prefill_tokens_saved_fraction"]), rnd(mtc["modelled_throughput_ratio"], 2),
             rnd(mtc["ttft_mean_ratio"], 2), src="prefix_sim runs.multiturn.prefix_caching")
 
+
+
+def readme_greedy_paragraph(rep, f):
     rep.section("README.md (Generate with a transformers model)", "greedy divergence paragraph")
     greedy_paragraph(rep, f, readme=True)
 
@@ -991,7 +1001,8 @@ def gib_label(s):
     return re.sub(r"(\d)([KMGT]iB)", r"\1 \2", s)
 
 
-def swap_sim_readme(rep, f):
+def readme_swap_sim(rep, f):
+    rep.section("README.md Results", "preemption by swap (dev VM)")
     d = load(f["swap_sim"])
     rows = d["rows"]
     top = [r for r in rows if r["mode"] == "auto" and r["cpu_kv_memory"] == rows[0]["cpu_kv_memory"]]
@@ -1218,7 +1229,8 @@ def main():
         except (OSError, ValueError, AttributeError) as e:
             print(f"  {k:12} {p}  ({e.__class__.__name__}: {e})")
 
-    sections = [readme_scheduler, readme_results, readme_dev_vm, readme_gpu_rest, readme_other,
+    sections = [readme_scheduler, readme_results, readme_dev_vm, readme_hosttier, readme_swap_sim, readme_gpu_tail,
+                readme_swap_table, readme_prefix_paragraph, readme_greedy_paragraph,
                 bench_scheduler, bench_gpu_intro, bench_allocator, bench_free_list,
                 bench_tables_growable, bench_decode, bench_fp8, bench_prefill, bench_prefix,
                 bench_hosttier, bench_swap_sim, bench_multigpu, bench_transformers]
