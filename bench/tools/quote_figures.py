@@ -197,7 +197,7 @@ def readme_scheduler(rep, f):
                     "kv_utilization, .comparison.mean_concurrency_ratio")
 
 
-def readme_results(rep, f):
+def readme_pool_tables(rep, f):
     g = f["gpu"]
     pool = {c["name"]: c for c in load(g / "pool_cuda.json")["cases"]}
     pool_targets = load(g / "pool_cuda.json")["targets"]
@@ -227,6 +227,10 @@ def readme_results(rep, f):
             rnd(paths["rebuild_numpy_cupy_asarray"]["median_us"] / ours, 0),
             src="tables_cuda.json paths.*.median_us")
 
+
+
+def readme_kernels(rep, f):
+    g = f["gpu"]
     rep.section("README.md Results", "decode, fp8, prefill (H200)")
     dec = decode_groups(load(g / "decode/decode_h200_v4.json")["rows"])
     rep.fig("{} of the measured read ceiling on batches of 128k+ tokens (D=128), {}x the best "
@@ -681,12 +685,16 @@ def variant(r, with_shape):
 def decode_table_rows(rows):
     """The rows bench/README.md's decode table shows, in its order (the rest are in the JSON)."""
     def pick(shape, D=128, Hq=32, ragged=False):
-        return [r for r in rows if r["shape"].rstrip("r") == shape and r["head_dim"] == D
-                and r["num_q_heads"] == Hq and r["dtype"] == "float16" and r["block_size"] == 16
-                and r["ragged"] == ragged][0]
+        found = [r for r in rows if r["shape"].rstrip("r") == shape and r["head_dim"] == D
+                 and r["num_q_heads"] == Hq and r["dtype"] == "float16" and r["block_size"] == 16
+                 and r["ragged"] == ragged]
+        if not found:
+            print(f"  !! decode row {shape} D={D} Hq={Hq} ragged={ragged} is not in the JSON")
+        return found
     main = [r for r in rows if is_default(r)]  # every shape at the reference configuration
-    return main + [pick("1x4096", 64), pick("32x4096", 64), pick("32x4096", 192),
-                   pick("32x4096", 80), pick("1x4096", Hq=64), pick("32x8192", ragged=True)]
+    return main + [r for p in (pick("1x4096", 64), pick("32x4096", 64), pick("32x4096", 192),
+                               pick("32x4096", 80), pick("1x4096", Hq=64),
+                               pick("32x8192", ragged=True)) for r in p[:1]]
 
 
 def bench_decode(rep, f):
@@ -713,6 +721,12 @@ def bench_decode(rep, f):
               "from the raw us",
               "| B x L | dtype | D | Hq | kvpool us | SDPA cuDNN | FlashInfer | FlashInfer TC | "
               "x best FI | x best peer |", out)
+    rep.fig("FlashInfer {} decode supports only head dims", load(f["gpu"] / "prefill_h200.json")["flashinfer"],
+            src="prefill_h200.json flashinfer (the decode JSON does not name its version)")
+    shown = [id(r) for r in decode_table_rows(rows)]
+    rep.info("rows only in the JSON (README: 'D=96/112/256, block sizes 1/64/128, bf16, Hq=8 and "
+             "64, the other ragged rows'): " + ", ".join(
+                 variant(r, True) for r in rows if id(r) not in shown), src="decode_h200_v4.json rows")
     grp = decode_groups(rows)
     large, small = grp["large"], grp["small"]
     reach = [r["shape"] for r in large if r["kvpool_frac"] >= 0.95]
@@ -824,6 +838,7 @@ def bench_prefill(rep, f):
     bf16 = [r for r in rows if r["dtype"] == "bfloat16"]
     rep.fig("dense fp16 matmul {} TFLOP/s in the same run", rnd(d["dense_matmul_tflops"]["float16"]),
             src="prefill_h200.json dense_matmul_tflops.float16")
+
     out = []
     for i, r in enumerate(fp16):
         shape = r["shape"] + (" cached" if " on " in r["shape"] and "chunk" not in r["shape"]
@@ -1173,6 +1188,7 @@ Quoted figures this script does not recompute (not in the JSON of one run; check
   bench/README.md swap sim: "Below about 9.7 GB/s", "n blocks x 210 us + 15 us", "27 us per
     token" (model constants); README.md "below about 10 GB/s"
   bench/README.md fp8: "6 warps x 3 stages" (fp8_sweep.json at 270740b, not re-run)
+  README.md (Use it): "55 GB/s each way, 15 us per call" (the simulator's default host link)
   "(run at c3a772c)", "aac2c51", "2026-12-01": the run names (the provenance lines printed here)
 """
 
@@ -1229,7 +1245,7 @@ def main():
         except (OSError, ValueError, AttributeError) as e:
             print(f"  {k:12} {p}  ({e.__class__.__name__}: {e})")
 
-    sections = [readme_scheduler, readme_results, readme_dev_vm, readme_hosttier, readme_swap_sim, readme_gpu_tail,
+    sections = [readme_scheduler, readme_pool_tables, readme_kernels, readme_dev_vm, readme_hosttier, readme_swap_sim, readme_gpu_tail,
                 readme_swap_table, readme_prefix_paragraph, readme_greedy_paragraph,
                 bench_scheduler, bench_gpu_intro, bench_allocator, bench_free_list,
                 bench_tables_growable, bench_decode, bench_fp8, bench_prefill, bench_prefix,
