@@ -232,18 +232,18 @@ def readme_pool_tables(rep, f):
 def readme_kernels(rep, f):
     g = f["gpu"]
     rep.section("README.md Results", "decode, fp8, prefill (H200)")
-    dec = decode_groups(load(g / "decode/decode_h200_v4.json")["rows"])
+    dec = decode_groups(measured(load(g / "decode/decode_h200_v4.json")["rows"], "kvpool_us"))
     rep.fig("{} of the measured read ceiling on batches of 128k+ tokens (D=128), {}x the best "
             "FlashInfer mode, {}x cuDNN SDPA; small shapes {}x the best peer, {} the 1.3x target",
             rng([r["kvpool_frac"] for r in dec["large"]]),
-            rng([best_fi(r) / r["kvpool_us"] for r in dec["large"]]),
-            rng([r["sdpa_cudnn_us"] / r["kvpool_us"] for r in dec["large"]]),
+            rng([best_fi(r) / r["kvpool_us"] for r in dec["large"] if best_fi(r)]),
+            rng([r["sdpa_cudnn_us"] / r["kvpool_us"] for r in dec["large"] if r.get("sdpa_cudnn_us")]),
             rng([r["best_peer_us"] / r["kvpool_us"] for r in dec["small"]]),
             "meeting" if min(r["best_peer_us"] / r["kvpool_us"] for r in dec["small"]) >= 1.3
             else "missing",
             src="decode/decode_h200_v4.json rows: large = D=128 fp16 Hq32 block16 B*L>=128k, "
                 "small = every unragged row with B*L<128k; kvpool_frac, peer_us / kvpool_us")
-    fp8 = load(g / "fp8/fp8_h200.json")["rows"]
+    fp8 = measured(load(g / "fp8/fp8_h200.json")["rows"], "kvpool_fp8_us")
     fp8p = load(g / "fp8/fp8_prefill_h200.json")["rows"]
     low = min(fp8, key=fp8_vs_fp16)
     rep.fig("fp8 decode: {}x our own fp16 decode on large shapes (1.8x aimed for, {}), {}x it on {}; "
@@ -255,7 +255,7 @@ def readme_kernels(rep, f):
             rng([r["kvpool_fp16_us"] / r["kvpool_fp8_us"] for r in fp8p]),
             src="fp8/fp8_h200.json rows (large: B*L>=128k) kvpool_fp16_us / kvpool_fp8_us, "
                 "min(flashinfer*_fp8_us) / kvpool_fp8_us; fp8/fp8_prefill_h200.json rows")
-    pre = load(g / "prefill_h200.json")["rows"]
+    pre = measured(load(g / "prefill_h200.json")["rows"], "kvpool_us")
     full = [r for r in pre if "spec" not in r["shape"]]  # full-size: every row but 64 x 4 spec, both dtypes
     rep.fig("prefill: {} TFLOP/s, {}x FlashInfer fa2 and {}x the best peer (FlashInfer fa3 or "
             "cuDNN) on full-size shapes",
@@ -660,7 +660,18 @@ def decode_groups(rows):
 
 
 def best_fi(r):
-    return min(r["flashinfer_us"], r["flashinfer_tc_us"])
+    """The faster FlashInfer mode's time, None where neither ran."""
+    times = [t for t in (r.get("flashinfer_us"), r.get("flashinfer_tc_us")) if t]
+    return min(times) if times else None
+
+
+def measured(rows, key):
+    """Rows the benchmark measured (a row that failed has an 'error' and no time); the rest named."""
+    bad = [r for r in rows if "error" in r or not r.get(key)]
+    for r in bad:
+        print(f"  !! row {r.get('shape')} {r.get('dtype', '')} D={r.get('head_dim')} left out: "
+              f"{r.get('error', 'no ' + key)}")
+    return [r for r in rows if r not in bad]
 
 
 def variant(r, with_shape):
@@ -700,20 +711,20 @@ def decode_table_rows(rows):
 def bench_decode(rep, f):
     rep.section("bench/README.md Results", "paged decode attention, v4")
     d = load(f["gpu"] / "decode/decode_h200_v4.json")
-    rows = d["rows"]
+    rows = measured(d["rows"], "kvpool_us")
     rep.fig("decode/decode_h200_v4.json` (`decode/bench.log`), {} rows; read ceiling {} TB/s",
-            len(rows), rnd(d["ceiling_tb_s"], 2), src="decode_h200_v4.json rows, ceiling_tb_s")
+            len(d["rows"]), rnd(d["ceiling_tb_s"], 2), src="decode_h200_v4.json rows, ceiling_tb_s")
     out = []
     for r in decode_table_rows(rows):
-        fi = r.get("flashinfer_us")
+        fi = best_fi(r)
         out.append([
             f"{r['batch']}x{r['seq_len']}" + (" ragged" if r["ragged"] else ""),
             "fp16" if r["dtype"] == "float16" else "bf16", str(r["head_dim"]), str(r["num_q_heads"]),
             f"{rnd(r['kvpool_us'], 1)} ({rnd(r['kvpool_frac'], 2)})",
             "not run" if r.get("sdpa_cudnn_us") is None
             else f"{rnd(r['sdpa_cudnn_us'], 1)} ({rnd(r['sdpa_cudnn_frac'], 2)})",
-            "n/a" if fi is None else rnd(fi, 1),
-            "n/a" if fi is None else rnd(r["flashinfer_tc_us"], 1),
+            rnd(r["flashinfer_us"], 1) if r.get("flashinfer_us") else "n/a",
+            rnd(r["flashinfer_tc_us"], 1) if r.get("flashinfer_tc_us") else "n/a",
             "" if fi is None else rnd(best_fi(r) / r["kvpool_us"], 2),
             rnd(r["best_peer_us"] / r["kvpool_us"], 2)])
     rep.table("decode_h200_v4.json rows: every fp16 D=128 Hq32 block-16 shape, then D=64 1x4096 and "
@@ -734,8 +745,8 @@ def bench_decode(rep, f):
     rep.fig("Large shapes: {} of the ceiling; only {} reach the 0.95 target (**missed** on {}); {}x "
             "the best FlashInfer mode and {}x cuDNN.",
             rng([r["kvpool_frac"] for r in large]), join_and(reach), ", ".join(miss),
-            rng([best_fi(r) / r["kvpool_us"] for r in large]),
-            rng([r["sdpa_cudnn_us"] / r["kvpool_us"] for r in large]),
+            rng([best_fi(r) / r["kvpool_us"] for r in large if best_fi(r)]),
+            rng([r["sdpa_cudnn_us"] / r["kvpool_us"] for r in large if r.get("sdpa_cudnn_us")]),
             src="large = fp16 D=128 Hq32 block16 unragged rows with B*L >= 128k")
     shapes = sorted({r["shape"] for r in small},
                     key=lambda s: SMALL_ORDER.index(s) if s in SMALL_ORDER else len(SMALL_ORDER))
@@ -785,7 +796,7 @@ def bench_fp8(rep, f):
     g = f["gpu"]
     rep.section("bench/README.md Results", "fp8 decode and prefill")
     d = load(g / "fp8/fp8_h200.json")
-    rows = d["rows"]
+    rows = measured(d["rows"], "kvpool_fp8_us")
     rep.fig("bytes, ceiling {} TB/s", rnd(d["ceiling_tb_s"], 2), src="fp8/fp8_h200.json ceiling_tb_s")
     out = [[r["shape"], rnd(r["kvpool_fp16_us"], 1), rnd(r["kvpool_fp8_us"], 1),
             rnd(r["flashinfer_fp8_us"], 1), rnd(r["flashinfer_tc_fp8_us"], 1),
@@ -833,7 +844,7 @@ def bench_prefill(rep, f):
     g = f["gpu"]
     rep.section("bench/README.md Results", "prefill")
     d = load(g / "prefill_h200.json")
-    rows = d["rows"]
+    rows = measured(d["rows"], "kvpool_us")
     fp16 = [r for r in rows if r["dtype"] == "float16"]
     bf16 = [r for r in rows if r["dtype"] == "bfloat16"]
     rep.fig("dense fp16 matmul {} TFLOP/s in the same run", rnd(d["dense_matmul_tflops"]["float16"]),
