@@ -29,10 +29,18 @@ Single files or folders can be named apart (they override the folders above): --
       --swap-sim bench/results/2026-12-01_83cc753_dev-vm/swap_sim_llama-3-8b.json \\
       --pool-python bench/results/pool_python.json
 
+Re-quoting: run it on the new folders; every `DIFFERS` line is the README phrase with the new
+numbers, to paste over the old one (the tables whole); run it again until only the known
+differences are left (below). The folder names in the READMEs' file paths, and the commit they
+name the run by, are edited by hand (the commits are printed under "Inputs").
+
 Rounding: half up on the number as stored (0.575 -> 0.58), ratios from the raw times (not from
 a ratio the JSON stored rounded). Figures that come from no single JSON (other runs, plots,
 model constants) are not printed; they are listed at the end. A section whose file is missing
-prints why and the rest go on. Standard library only; not part of the test suite.
+prints why and the rest go on; a benchmark row that failed is named and left out.
+Known differences on the 2026-12-01 files: bench/README.md's free-list table and the sentence
+after it took their ratios from the JSON's 3-decimal `ours_over_mutex` (143 for 152, 29 for 30,
+1.14x and 2.9x for 1.13x and 3.0x); this script divides the raw times. Standard library only; not part of the test suite.
 """
 
 import argparse
