@@ -40,7 +40,8 @@ model constants) are not printed; they are listed at the end. A section whose fi
 prints why and the rest go on; a benchmark row that failed is named and left out.
 Known differences on the 2026-12-01 files: bench/README.md's free-list table and the sentence
 after it took their ratios from the JSON's 3-decimal `ours_over_mutex` (143 for 152, 29 for 30,
-1.14x and 2.9x for 1.13x and 3.0x); this script divides the raw times. Standard library only; not part of the test suite.
+1.14x and 2.9x for 1.13x and 3.0x); this script divides the raw times.
+Standard library only; not part of the test suite.
 """
 
 import argparse
@@ -740,7 +741,8 @@ def bench_decode(rep, f):
               "from the raw us",
               "| B x L | dtype | D | Hq | kvpool us | SDPA cuDNN | FlashInfer | FlashInfer TC | "
               "x best FI | x best peer |", out)
-    rep.fig("FlashInfer {} decode supports only head dims", load(f["gpu"] / "prefill_h200.json")["flashinfer"],
+    rep.fig("FlashInfer {} decode supports only head dims",
+            load(f["gpu"] / "prefill_h200.json")["flashinfer"],
             src="prefill_h200.json flashinfer (the decode JSON does not name its version)")
     shown = [id(r) for r in decode_table_rows(rows)]
     rep.info("rows only in the JSON (README: 'D=96/112/256, block sizes 1/64/128, bf16, Hq=8 and "
@@ -834,7 +836,8 @@ def bench_fp8(rep, f):
         shape = r["shape"] + (" cached" if " on " in r["shape"] else "")
         tail = " TFLOP/s against our fp16 prefill's " if i == 0 else " against "
         parts.append(f"{shape} {rnd(r['kvpool_fp8_tflops'], 1)}{tail}"
-                     f"{rnd(r['kvpool_fp16_tflops'], 1)} ({rnd(r['kvpool_fp16_us'] / r['kvpool_fp8_us'], 2)}x)")
+                     f"{rnd(r['kvpool_fp16_tflops'], 1)} "
+                     f"({rnd(r['kvpool_fp16_us'] / r['kvpool_fp8_us'], 2)}x)")
     rep.fig("{}: the fp8 prefill is {} our fp16 prefill on every shape", ", ".join(parts),
             "slower than" if all(r["kvpool_fp8_us"] > r["kvpool_fp16_us"] for r in pre)
             else "NOT slower than", src="fp8/fp8_prefill_h200.json rows")
@@ -1087,11 +1090,13 @@ def bench_swap_sim(rep, f):
     forced = sorted([r for r in rows if r["mode"] == "swap" and r["throughput_ratio"] < 1],
                     key=lambda r: -r["host_link_gbps"])
     rep.fig("where forcing swap loses {}", join_and(pct(1 - r["throughput_ratio"]) + " %" for r in forced),
-            src="swap_sim rows mode=swap below 1x: " + ", ".join(f"{r['host_link_gbps']:g} GB/s" for r in forced))
+            src="swap_sim rows mode=swap below 1x: "
+                + ", ".join(f"{r['host_link_gbps']:g} GB/s" for r in forced))
     mid = [r for r in rows if r["mode"] == "auto" and r["by_swap"] and r["by_recompute"]
            and not r["tier_full"]]
     for r in mid:
-        rep.fig("`auto` still swaps {} victims", r["by_swap"], src=f"swap_sim row {r['host_link_gbps']:g} GB/s auto")
+        rep.fig("`auto` still swaps {} victims", r["by_swap"],
+                src=f"swap_sim row {r['host_link_gbps']:g} GB/s auto")
         rep.fig("ends {} % below no tier", pct(1 - r["throughput_ratio"], 1),
                 src=f"swap_sim row {r['host_link_gbps']:g} GB/s auto throughput_ratio")
     small = [r for r in rows if r["tier_full"]]
@@ -1264,7 +1269,8 @@ def main():
         except (OSError, ValueError, AttributeError) as e:
             print(f"  {k:12} {p}  ({e.__class__.__name__}: {e})")
 
-    sections = [readme_scheduler, readme_pool_tables, readme_kernels, readme_dev_vm, readme_hosttier, readme_swap_sim, readme_gpu_tail,
+    sections = [readme_scheduler, readme_pool_tables, readme_kernels, readme_dev_vm, readme_hosttier,
+                readme_swap_sim, readme_gpu_tail,
                 readme_swap_table, readme_prefix_paragraph, readme_greedy_paragraph,
                 bench_scheduler, bench_gpu_intro, bench_allocator, bench_free_list,
                 bench_tables_growable, bench_decode, bench_fp8, bench_prefill, bench_prefix,
