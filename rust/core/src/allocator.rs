@@ -105,9 +105,9 @@ impl BlockAllocator {
 
     fn raise_high_water(&self, used: usize) -> usize {
         // A load first: the shared line is written only when the mark actually rises.
-        let mark = self.high_water.load(Ordering::Relaxed);
+        let mark = self.high_water.load(Ordering::SeqCst);
         if used > mark {
-            self.high_water.fetch_max(used, Ordering::Relaxed).max(used)
+            self.high_water.fetch_max(used, Ordering::SeqCst).max(used)
         } else {
             mark
         }

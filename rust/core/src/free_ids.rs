@@ -246,16 +246,20 @@ impl FreeIds {
     /// another call changed something.
     fn consistent_count(&self) -> (usize, usize) {
         loop {
-            let off_list = self.off_list.load(Ordering::Acquire);
+            let off_list = self.off_list.load(Ordering::SeqCst);
             let (depot_head, mut settled) = self.depot.head_and_len();
             let mut slot_heads = [0u64; SLOTS];
             for (slot, head) in slot_heads.iter_mut().enumerate() {
                 *head = self.caches.head(slot);
                 settled += head_count(*head);
             }
-            let confirmed = confirm(&self.off_list, off_list)
-                && self.depot.confirm_head(depot_head)
-                && slot_heads.iter().enumerate().all(|(slot, &head)| self.caches.confirm_head(slot, head));
+            // Every word is confirmed even after one failed: a CAS reads the latest value, so
+            // the next pass loads nothing older than what this one confirmed against.
+            let mut confirmed = confirm(&self.off_list, off_list);
+            confirmed &= self.depot.confirm_head(depot_head);
+            for (slot, &head) in slot_heads.iter().enumerate() {
+                confirmed &= self.caches.confirm_head(slot, head);
+            }
             if confirmed {
                 return (settled, head_count(off_list));
             }
@@ -326,7 +330,7 @@ fn head_count(word: u64) -> usize {
 
 /// A CAS that writes `word` back: true iff `atomic` still holds it (and holds nothing newer).
 fn confirm(atomic: &AtomicU64, word: u64) -> bool {
-    atomic.compare_exchange(word, word, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    atomic.compare_exchange(word, word, Ordering::SeqCst, Ordering::SeqCst).is_ok()
 }
 
 #[cfg(not(loom))]
