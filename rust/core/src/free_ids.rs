@@ -106,7 +106,10 @@ impl FreeIds {
     /// value: a changed word, and `read` runs again. If both loads show the same word, any
     /// move or park under way is counted in it. So an id free throughout the count is counted
     /// (a move under way may count one twice: a count errs high, never low). Retries only when
-    /// another call moved or parked ids meanwhile (lock-free).
+    /// another call moved or parked ids meanwhile (lock-free). Acquire would do for all this;
+    /// the word's loads and changes are SeqCst so that a load returns its latest change (same
+    /// instructions as Acquire on x86-64), which also gives the loom models one value per load
+    /// instead of every stale one (`free_list.md`, loom section).
     pub(crate) fn stable<R>(&self, mut read: impl FnMut() -> R) -> Stable<R> {
         loop {
             let before = self.off_list.load(Ordering::SeqCst);
