@@ -8,8 +8,9 @@
 //!
 //! `LOOM_MAX_PREEMPTIONS` overrides the default bound of 3 set in [`model`]. That default is
 //! the soak bound (run `bench/loom_bounds.sh` before changing the free list; the two ABA
-//! models and `three_threads_share_three_blocks` take minutes there). CI (`bin/test.sh`) runs
-//! every model at bound 3 except those three, at bound 2, and
+//! models take more than a minute there, `three_threads_share_three_blocks` more than a minute
+//! at bound 2). CI (`bin/test.sh`) runs every model at bound 3 except those three (the ABA
+//! models at bound 2, the three-thread model at bound 1) and
 //! `growth_does_not_inflate_the_high_water_of_a_cached_alloc`, at bound 5: loom reaches its
 //! bug pattern (the growth parking a depot id between two reads of the sample) only at its
 //! fifth preemption, and it finishes in seconds there.
