@@ -17,8 +17,9 @@ cargo test --locked -p kvpool-core
 echo "== loom model checks of the free list (CI bounds; the soak run is bench/loom_bounds.sh)"
 # Each model at the highest preemption bound that finishes in about a minute on a 2-core machine
 # shared with other builds (rust/core/src/free_list.md has the times per bound): 3 where it does,
-# else 2; the three-thread model (four threads with the main one) only at 1. The growth model runs at 5: its bug pattern (the growth parking a depot id in the middle
-# of the sample) is the fifth preemption loom's search reaches, and it takes seconds there.
+# else 2; the three-thread model (four threads with the main one) only at 1. The growth model
+# runs at 5: its bug pattern (the growth parking a depot id in the middle of the sample) is the
+# fifth preemption loom's search reaches, and it takes seconds there.
 loom_start=$SECONDS
 loom_ran=""
 loom() {  # bound, model names (each run alone, exact)
