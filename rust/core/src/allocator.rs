@@ -82,18 +82,15 @@ impl BlockAllocator {
 
     /// `(num_blocks, free ids)` with the ids in places counted by `in_places` (`None`: it
     /// declined to count), inside [`FreeIds::stable`] so that no moving or parked id is
-    /// missed. `num_blocks` is read on both sides of the places: a resize changes it only
-    /// while it has ids parked (a growth parks its new ids before raising it, a shrink lowers
-    /// it before unparking the ids it drops), so two different values mean that a resize's
-    /// parked ids, counted as free, cover the whole read, and the larger value is the one they
-    /// belong to. Hence `num_blocks - free` never exceeds the blocks in use at some moment of
-    /// the read (an id counted twice while it moves makes it lower, never higher).
+    /// missed. `num_blocks - free` never exceeds the blocks in use at some moment of the read:
+    /// a resize changes `num_blocks` only while the ids it adds or drops are parked (a growth
+    /// parks its new ids before raising it, a shrink lowers it before unparking the ids it
+    /// drops), so a count that loaded the new value, or that could have loaded either value,
+    /// saw the park in the versioned word of `stable` and counts those ids as free: whichever
+    /// value it read, the result is at most the truth (exactly it for the larger one). An id
+    /// counted twice while it moves also makes it lower, never higher.
     fn counted(&self, mut in_places: impl FnMut() -> Option<usize>) -> Option<(usize, usize)> {
-        let count = self.free_ids.stable(|| {
-            let before = self.num_blocks();
-            let in_places = in_places();
-            (before.max(self.num_blocks()), in_places)
-        });
+        let count = self.free_ids.stable(|| (self.num_blocks(), in_places()));
         let (num_blocks, in_places) = count.read;
         in_places.map(|n| (num_blocks, n + count.off_list))
     }
@@ -108,9 +105,9 @@ impl BlockAllocator {
 
     fn raise_high_water(&self, used: usize) -> usize {
         // A load first: the shared line is written only when the mark actually rises.
-        let mark = self.high_water.load(Ordering::Relaxed);
+        let mark = self.high_water.load(Ordering::SeqCst);
         if used > mark {
-            self.high_water.fetch_max(used, Ordering::Relaxed).max(used)
+            self.high_water.fetch_max(used, Ordering::SeqCst).max(used)
         } else {
             mark
         }
@@ -150,14 +147,25 @@ impl BlockAllocator {
             debug_assert_eq!(self.ref_cnt[id as usize].load(Ordering::Relaxed), 0, "block {id} was on the free list in use");
             self.ref_cnt[id as usize].store(1, Ordering::Release);
         }
-        // Alone, the exact count is cheap; it is a `counted` read because a resize may drain
-        // our cache onto the depot or park ids meanwhile.
-        match (taken, self.counted(|| self.free_ids.in_places_if_alone())) {
-            (_, Some((num_blocks, free))) => self.raise_high_water(num_blocks.saturating_sub(free)),
-            (Taken::FromDepot, None) => self.raise_high_water(self.num_used()),
-            (Taken::FromCache, None) => 0,
-        };
+        self.sample_high_water(taken);
         Ok(())
+    }
+
+    /// The high-water sample after an allocation. Alone (no other cache holds ids), the exact
+    /// count is cheap: the depot and our cache, whose length `take` already knows. After a
+    /// call that reached the depot, every occupied cache is read. After one served by our
+    /// cache while other caches hold ids, nothing is sampled (that would read every other
+    /// thread's cache line). Either count is a `counted` read because a resize may drain our
+    /// cache onto the depot or park ids meanwhile.
+    fn sample_high_water(&self, taken: Taken) {
+        let in_places = || match self.free_ids.in_places_if_alone(taken.cached) {
+            Some(n) => Some(n),
+            None if taken.from_cache => None,
+            None => Some(self.free_ids.in_places()),
+        };
+        if let Some((num_blocks, free)) = self.counted(in_places) {
+            self.raise_high_water(num_blocks.saturating_sub(free));
+        }
     }
 
     /// Tests and benchmarks only: the pool's `alloc_many` is the one that grows.

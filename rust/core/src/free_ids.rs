@@ -9,45 +9,49 @@
 //!   and tries again. A call fails only when a consistent count of depot and caches is short.
 //! - A free that does not fit its cache goes to the depot as one chain (one CAS).
 //!
-//! Ids between two places (taken from a slot, not yet on the depot, or the reverse) are
-//! counted in `in_transit`, raised before they leave and lowered after they land; ids the
-//! resize path holds off the list are counted in `parked`. Both words carry a version bumped
-//! by every change, and a count of the free ids is accepted only if neither word changed
-//! while the places were read (see [`FreeIds::stable`]): then an id that stayed free
-//! throughout the count was counted, at least once.
+//! Ids between two places (taken from a slot, not yet on the depot, or the reverse) and ids
+//! the resize path holds off the list (parked) are counted in one word, `off_list`, raised
+//! before they leave a place and lowered after they land. The word carries a version bumped
+//! by every change, and a count of the free ids is accepted only if it did not change while
+//! the places were read (see [`FreeIds::stable`]): then an id that stayed free throughout the
+//! count was counted, at least once.
 
 use crossbeam_utils::CachePadded;
 
 use crate::error::CoreError;
 use crate::free_list::FreeList;
-use crate::sync::{AtomicU64, Ordering};
+use crate::sync::{AtomicU64, AtomicUsize, Ordering};
 use crate::thread_cache::{current_slot, ThreadCaches, SLOTS};
 
-/// How often a call that would fail only for ids that another call is moving waits for the
-/// move to land before it reports the shortage it can see.
+/// How often a call that would fail only for ids that another call is moving (or a resize
+/// holds parked) waits for them to land before it reports the shortage it can see.
 #[cfg(not(loom))]
 const MAX_WAITS_FOR_MOVES: usize = 64;
 /// Under loom a wait is a yield that lets the mover finish; two keep the models small.
 #[cfg(loom)]
 const MAX_WAITS_FOR_MOVES: usize = 2;
 
-/// Where `take` found its ids: a high-water sample is cheap only after the cache.
+/// What `take` did, for the high-water sample that follows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Taken {
-    FromCache,
-    FromDepot,
+pub(crate) struct Taken {
+    /// The ids came from the caller's cache alone (nothing shared was touched).
+    pub(crate) from_cache: bool,
+    /// Ids the call left in the caller's cache. Only the owner adds to its cache, so until it
+    /// adds again this is at least what the cache holds (others may take some meanwhile).
+    pub(crate) cached: usize,
 }
 
 pub(crate) struct FreeIds {
     depot: FreeList,
     caches: ThreadCaches,
-    /// `(version << 32) | ids in transit` between the depot and a cache; the version makes
-    /// any change visible to a count even if the number comes back to the same value.
-    in_transit: CachePadded<AtomicU64>,
-    /// `(version << 32) | ids parked`: free ids the resize path holds off the list (drained,
-    /// or new ids of a growth not yet pushed). Written only under the pool's resize lock; 0
-    /// outside a resize.
-    parked: CachePadded<AtomicU64>,
+    /// `(version << 32) | free ids outside every place`: ids in transit between the depot
+    /// and a cache, plus ids parked by the resize path (drained, or new ids of a growth not
+    /// yet pushed). The version makes any change visible to a count even if the number comes
+    /// back to the same value. One word, so a validated count loads one line twice.
+    off_list: CachePadded<AtomicU64>,
+    /// The parked ids among `off_list`: the resize path's own tally, written and read only
+    /// under the pool's resize lock (and by the quiescent [`snapshot`](Self::snapshot)).
+    parked: AtomicUsize,
 }
 
 /// What [`FreeIds::stable`] read: the caller's result, and the free ids outside every place
@@ -63,8 +67,8 @@ impl FreeIds {
         Ok(FreeIds {
             depot: FreeList::new_prefix(capacity, len)?,
             caches: ThreadCaches::new(capacity as usize),
-            in_transit: CachePadded::new(AtomicU64::new(0)),
-            parked: CachePadded::new(AtomicU64::new(0)),
+            off_list: CachePadded::new(AtomicU64::new(0)),
+            parked: AtomicUsize::new(0),
         })
     }
 
@@ -81,88 +85,86 @@ impl FreeIds {
         self.caches.total() + self.depot.available()
     }
 
-    /// Ids in the depot and the calling thread's cache if no other cache can hold any (then
-    /// that is every id in a place, with no slot scan); `None` when other caches may hold ids.
-    /// Exact only inside [`stable`](Self::stable).
-    pub(crate) fn in_places_if_alone(&self) -> Option<usize> {
-        let slot = current_slot();
-        let mine = slot.map_or(0, |s| 1u64 << s);
-        let depot = self.depot.available();
-        let cached = slot.map_or(0, |s| self.caches.len(s));
-        (self.caches.occupied() & !mine == 0).then_some(depot + cached)
+    /// Ids in the depot plus `cached` (the calling thread's cache, as [`Taken::cached`] bounds
+    /// it) if no other cache can hold any: then that is every id in a place, counted high
+    /// rather than low, with no slot scan. `None`, having read only the occupied mask, when
+    /// other caches may hold ids. Exact only inside [`stable`](Self::stable).
+    pub(crate) fn in_places_if_alone(&self, cached: usize) -> Option<usize> {
+        let mine = current_slot().map_or(0, |s| 1u64 << s);
+        (self.caches.occupied() & !mine == 0).then(|| self.depot.available() + cached)
     }
 
-    /// Runs `read` (which counts ids in places) until neither `parked` nor `in_transit`
-    /// changed around it, and returns its result with the ids those two words counted.
+    /// Runs `read` (which counts ids in places) until `off_list` did not change around it,
+    /// and returns its result with the ids that word counted.
     ///
-    /// Why this is a sound count: a move raises `in_transit` before its ids leave one place
-    /// and lowers it after they land in the other, and the resize path parks ids before they
-    /// leave the depot and unparks them after they are back. If a read of the places missed
-    /// ids (saw the place they left after they left, and the place they went to before they
-    /// landed), it acquired the CAS that took them, which comes after the raise in the
-    /// mover's program order, so the second load of the word sees the raise or a later value:
-    /// a changed word, and `read` runs again. If both loads show the same word, any move or
-    /// park under way is counted in it. So an id free throughout the count is counted (a move
-    /// under way may count one twice: a count errs high, never low). Retries only when another
-    /// call moved or parked ids meanwhile (lock-free).
+    /// Why this is a sound count: a move raises `off_list` before its ids leave one place and
+    /// lowers it after they land in the other, and the resize path parks ids (raises it)
+    /// before they leave the depot and unparks them after they are back. If a read of the
+    /// places missed ids (saw the place they left after they left, and the place they went to
+    /// before they landed), it acquired the CAS that took them, which comes after the raise
+    /// in the mover's program order, so the second load of the word sees the raise or a later
+    /// value: a changed word, and `read` runs again. If both loads show the same word, any
+    /// move or park under way is counted in it. So an id free throughout the count is counted
+    /// (a move under way may count one twice: a count errs high, never low). Retries only when
+    /// another call moved or parked ids meanwhile (lock-free). Acquire would do for all this;
+    /// the word's loads and changes are SeqCst so that a load returns its latest change (same
+    /// instructions as Acquire on x86-64), which also gives the loom models one value per load
+    /// instead of every stale one (`free_list.md`, loom section).
     pub(crate) fn stable<R>(&self, mut read: impl FnMut() -> R) -> Stable<R> {
         loop {
-            let parked = self.parked.load(Ordering::Acquire);
-            let transit = self.in_transit.load(Ordering::Acquire);
+            let before = self.off_list.load(Ordering::SeqCst);
             let result = read();
-            if self.in_transit.load(Ordering::Acquire) == transit && self.parked.load(Ordering::Acquire) == parked {
-                return Stable { read: result, off_list: head_count(transit) + head_count(parked) };
+            if self.off_list.load(Ordering::SeqCst) == before {
+                return Stable { read: result, off_list: head_count(before) };
             }
         }
     }
 
-    fn moving(&self) -> usize {
-        head_count(self.in_transit.load(Ordering::Acquire))
-    }
-
-    fn add_in_transit(&self, n: usize) {
+    /// Counts `n` more ids as outside every place (before they leave one); bumps the version.
+    fn announce(&self, n: usize) {
         if n > 0 {
-            self.in_transit.fetch_add((1 << 32) + n as u64, Ordering::AcqRel);
+            self.off_list.fetch_add((1 << 32) + n as u64, Ordering::SeqCst);
         }
     }
 
-    fn remove_in_transit(&self, n: usize) {
+    /// Counts `n` ids back in a place (after they landed); bumps the version.
+    fn land(&self, n: usize) {
         if n > 0 {
-            self.in_transit.fetch_add((1u64 << 32).wrapping_sub(n as u64), Ordering::AcqRel);
+            self.off_list.fetch_add((1u64 << 32).wrapping_sub(n as u64), Ordering::SeqCst);
         }
     }
 
     /// Counts `n` more ids as parked (the resize path, under its lock; before they leave the
     /// depot, or before new ids come into existence).
     pub(crate) fn park(&self, n: usize) {
-        self.parked.fetch_add((1 << 32) + n as u64, Ordering::AcqRel);
+        self.parked.fetch_add(n, Ordering::Relaxed);
+        self.announce(n);
     }
 
     fn unpark(&self, n: usize) {
-        self.parked.fetch_add((1u64 << 32).wrapping_sub(n as u64), Ordering::AcqRel);
-    }
-
-    /// Ids parked now (the resize path's own count).
-    fn num_parked(&self) -> usize {
-        head_count(self.parked.load(Ordering::Acquire))
+        self.parked.fetch_sub(n, Ordering::Relaxed);
+        self.land(n);
     }
 
     /// Fills `out` with free ids, or takes none and returns how many were free.
     pub(crate) fn take(&self, out: &mut [u32]) -> Result<Taken, usize> {
-        if out.is_empty() {
-            return Ok(Taken::FromCache);
-        }
         let slot = current_slot();
+        if out.is_empty() {
+            return Ok(Taken { from_cache: true, cached: slot.map_or(0, |s| self.caches.len(s)) });
+        }
         if let Some(s) = slot {
-            if self.caches.take(s, out) {
-                self.caches.mark_if_empty(s);
-                return Ok(Taken::FromCache);
+            if let Some(left) = self.caches.take(s, out) {
+                if left == 0 {
+                    self.caches.mark_empty(s);
+                }
+                return Ok(Taken { from_cache: true, cached: left });
             }
         }
-        self.take_slow(slot, out).map(|()| Taken::FromDepot)
+        self.take_slow(slot, out).map(|cached| Taken { from_cache: false, cached })
     }
 
-    fn take_slow(&self, slot: Option<usize>, out: &mut [u32]) -> Result<(), usize> {
+    /// Returns how many ids it left in the caller's cache.
+    fn take_slow(&self, slot: Option<usize>, out: &mut [u32]) -> Result<usize, usize> {
         let n = out.len();
         let refill = if slot.is_some() { self.caches.capacity() / 2 } else { 0 };
         let mut popped = vec![0u32; n + refill];
@@ -171,12 +173,12 @@ impl FreeIds {
             if let Some(s) = slot {
                 self.move_to_depot(s);
             }
-            if self.pop_with_refill(slot, &mut popped, n, refill) {
+            if let Some(cached) = self.pop_with_refill(slot, &mut popped, n, refill) {
                 out.copy_from_slice(&popped[..n]);
-                if let Some(s) = slot {
-                    self.caches.mark_if_empty(s);
+                if let (Some(s), 0) = (slot, cached) {
+                    self.caches.mark_empty(s);
                 }
-                return Ok(());
+                return Ok(cached);
             }
             let mut stole = false;
             for other in (0..SLOTS).filter(|&other| Some(other) != slot) {
@@ -185,16 +187,18 @@ impl FreeIds {
             if stole {
                 continue;
             }
-            let (settled, moving) = self.consistent_count();
-            if settled + moving < n || settled < n && waits == MAX_WAITS_FOR_MOVES {
+            let (settled, off_list) = self.consistent_count();
+            if settled + off_list < n || settled < n && waits == MAX_WAITS_FOR_MOVES {
                 if let Some(s) = slot {
                     self.caches.mark_if_empty(s);
                 }
-                return Err(if settled + moving < n { settled + moving } else { settled });
+                return Err(if settled + off_list < n { settled + off_list } else { settled });
             }
             if settled < n {
-                // Enough ids exist only counting those another call is moving: let it land
-                // them (a few instructions unless that thread is descheduled mid-move).
+                // Enough ids exist only counting those another call is moving or a resize
+                // holds: let them land (a move is a few instructions unless that thread is
+                // descheduled mid-move; a growable pool's caller that still fails waits for a
+                // resize on its lock).
                 waits += 1;
                 yield_now();
             }
@@ -202,22 +206,25 @@ impl FreeIds {
     }
 
     /// Pops `n` ids plus up to `refill` more in one CAS; the extra ids go into the caller's
-    /// (empty) cache. False, having taken nothing, if the depot holds fewer than `n`.
-    fn pop_with_refill(&self, slot: Option<usize>, popped: &mut [u32], n: usize, refill: usize) -> bool {
+    /// (empty) cache. Returns how many went there, or `None`, having taken nothing, if the
+    /// depot holds fewer than `n`.
+    fn pop_with_refill(&self, slot: Option<usize>, popped: &mut [u32], n: usize, refill: usize) -> Option<usize> {
         // Counted before they leave the depot: the extra ids are in our hands until pushed.
-        self.add_in_transit(refill);
+        self.announce(refill);
         let result = self.depot.pop_up_to(popped, n);
+        let mut cached = 0;
         if let (Ok(k), Some(s)) = (result, slot) {
             let extra = &popped[n..k];
-            let fits = self.caches.push(s, extra);
-            if !fits {
+            if self.caches.push(s, extra) {
+                cached = extra.len();
+            } else {
                 // Only we add to our slot and we emptied it, so this is unreachable; stay
                 // correct anyway.
                 self.depot.push_chain(extra);
             }
         }
-        self.remove_in_transit(refill);
-        result.is_ok()
+        self.land(refill);
+        result.ok().map(|_| cached)
     }
 
     /// Moves the ids of `slot` onto the depot, top staying on top; false if there were none.
@@ -226,15 +233,15 @@ impl FreeIds {
         if count == 0 {
             return false;
         }
-        self.add_in_transit(count);
+        self.announce(count);
         let mut ids: Vec<u32> = Vec::new();
         let moved = self.caches.take_up_to(slot, count, &mut ids);
         self.depot.push_chain(&ids);
-        self.remove_in_transit(count);
+        self.land(count);
         moved > 0
     }
 
-    /// `(free ids in depot and caches, ids in transit)` at one instant: every head word is
+    /// `(free ids in depot and caches, ids off the list)` at one instant: every head word is
     /// loaded, then confirmed with a CAS that writes it back unchanged. Every word carries a
     /// tag or version bumped by each change, so a confirmed word held its loaded value from
     /// before the last load until its CAS, and all of them together held between the last
@@ -242,18 +249,22 @@ impl FreeIds {
     /// another call changed something.
     fn consistent_count(&self) -> (usize, usize) {
         loop {
-            let transit = self.in_transit.load(Ordering::Acquire);
+            let off_list = self.off_list.load(Ordering::SeqCst);
             let (depot_head, mut settled) = self.depot.head_and_len();
             let mut slot_heads = [0u64; SLOTS];
             for (slot, head) in slot_heads.iter_mut().enumerate() {
                 *head = self.caches.head(slot);
                 settled += head_count(*head);
             }
-            let confirmed = confirm(&self.in_transit, transit)
-                && self.depot.confirm_head(depot_head)
-                && slot_heads.iter().enumerate().all(|(slot, &head)| self.caches.confirm_head(slot, head));
+            // Every word is confirmed even after one failed: a CAS reads the latest value, so
+            // the next pass loads nothing older than what this one confirmed against.
+            let mut confirmed = confirm(&self.off_list, off_list);
+            confirmed &= self.depot.confirm_head(depot_head);
+            for (slot, &head) in slot_heads.iter().enumerate() {
+                confirmed &= self.caches.confirm_head(slot, head);
+            }
             if confirmed {
-                return (settled, head_count(transit));
+                return (settled, head_count(off_list));
             }
         }
     }
@@ -275,7 +286,7 @@ impl FreeIds {
     pub(crate) fn unpark_into_depot(&self, ids: &[u32]) {
         // Pushed before they are unparked: counted twice for an instant, never missed.
         self.depot.push_chain(ids);
-        self.unpark(self.num_parked());
+        self.unpark(self.parked.load(Ordering::Relaxed));
     }
 
     /// Moves every cache onto the depot, then takes as many ids as the depot holds at one
@@ -301,13 +312,13 @@ impl FreeIds {
     /// Every free id (depot top first, then each cache top first). Only meaningful while no
     /// other thread touches the allocator.
     pub(crate) fn snapshot(&self) -> Result<Vec<u32>, String> {
-        let moving = self.moving();
-        if moving != 0 {
-            return Err(format!("{moving} ids are in transit outside any call"));
-        }
-        let parked = self.num_parked();
+        let parked = self.parked.load(Ordering::Acquire);
         if parked != 0 {
             return Err(format!("{parked} ids are parked outside a resize"));
+        }
+        let off_list = head_count(self.off_list.load(Ordering::Acquire));
+        if off_list != 0 {
+            return Err(format!("{off_list} ids are in transit outside any call"));
         }
         let mut ids = self.depot.snapshot()?;
         ids.extend(self.caches.snapshot()?);
@@ -322,7 +333,7 @@ fn head_count(word: u64) -> usize {
 
 /// A CAS that writes `word` back: true iff `atomic` still holds it (and holds nothing newer).
 fn confirm(atomic: &AtomicU64, word: u64) -> bool {
-    atomic.compare_exchange(word, word, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    atomic.compare_exchange(word, word, Ordering::SeqCst, Ordering::SeqCst).is_ok()
 }
 
 #[cfg(not(loom))]

@@ -166,14 +166,14 @@ impl ThreadCaches {
         total
     }
 
-    /// Takes `out.len()` ids from the top of `slot` (top first) or, if it holds fewer, none.
-    /// Any thread.
-    pub(crate) fn take(&self, slot: usize, out: &mut [u32]) -> bool {
+    /// Takes `out.len()` ids from the top of `slot` (top first) and returns how many it left
+    /// there, or, if it holds fewer, takes none. Any thread.
+    pub(crate) fn take(&self, slot: usize, out: &mut [u32]) -> Option<usize> {
         let mut head = self.heads[slot].load(Ordering::Acquire);
         loop {
             let count = count_of(head);
             if count < out.len() {
-                return false;
+                return None;
             }
             for (k, id) in out.iter_mut().enumerate() {
                 *id = self.id(slot, count - 1 - k).load(Ordering::Relaxed);
@@ -184,7 +184,7 @@ impl ThreadCaches {
             // of those positions.
             let new = pack(tag_of(head).wrapping_add(1), (count - out.len()) as u32);
             match self.heads[slot].compare_exchange_weak(head, new, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return true,
+                Ok(_) => return Some(count - out.len()),
                 Err(seen) => head = seen,
             }
         }
@@ -238,8 +238,14 @@ impl ThreadCaches {
     /// adds to the slot, so it cannot refill between the check and the clear.
     pub(crate) fn mark_if_empty(&self, slot: usize) {
         if self.len(slot) == 0 {
-            self.occupied.fetch_and(!(1u64 << slot), Ordering::AcqRel);
+            self.mark_empty(slot);
         }
+    }
+
+    /// Clears `slot`'s occupied bit. Only the owner, right after its own take or move left
+    /// the slot empty: nobody else adds to it, so it is still empty.
+    pub(crate) fn mark_empty(&self, slot: usize) {
+        self.occupied.fetch_and(!(1u64 << slot), Ordering::AcqRel);
     }
 
     /// The ids of every slot, top first per slot. Only meaningful while no other thread

@@ -7,13 +7,13 @@
 //! ```
 //!
 //! `LOOM_MAX_PREEMPTIONS` overrides the default bound of 3 set in [`model`]. That default is
-//! the soak bound (run it before changing the free list; `three_threads_share_three_blocks`
-//! alone takes far longer than the rest: its four threads each run the slow path through the
-//! caches). CI (`bin/test.sh`) runs every model at bound 2 except two: that one at bound 0
-//! (every interleaving of whole steps at the yield points, no preemption inside them), and
-//! `growth_does_not_inflate_the_high_water_of_a_cached_alloc` (a whole growth against an
-//! allocation: minutes at bound 2) at bound 1, which is enough for its bug pattern (one
-//! preemption of the allocating thread between two reads of its count).
+//! the soak bound (run `bench/loom_bounds.sh` before changing the free list; the two ABA
+//! models take more than a minute there, `three_threads_share_three_blocks` more than a minute
+//! at bound 2). CI (`bin/test.sh`) runs every model at bound 3 except those three (the ABA
+//! models at bound 2, the three-thread model at bound 1) and
+//! `growth_does_not_inflate_the_high_water_of_a_cached_alloc`, at bound 5: loom reaches its
+//! bug pattern (the growth parking a depot id between two reads of the sample) only at its
+//! fifth preemption, and it finishes in seconds there.
 #![cfg(loom)]
 
 use loom::sync::Arc;
@@ -329,8 +329,11 @@ fn ids_cached_by_an_exited_thread_come_back() {
     });
 }
 
-/// Address space only: the grow/shrink model never touches block memory.
-struct NoMemory;
+/// Address space only, for `num_chunks` blocks: the grow/shrink models never touch block
+/// memory.
+struct NoMemory {
+    num_chunks: usize,
+}
 
 /// One block per chunk: 1 layer x K|V x 1 token x 1 head x 1024 dims x 2 bytes = 4 KiB.
 const BLOCK_BYTES: usize = 4096;
@@ -343,7 +346,7 @@ impl ChunkBackend for NoMemory {
         BLOCK_BYTES
     }
     fn num_chunks(&self) -> usize {
-        3
+        self.num_chunks
     }
     fn device(&self) -> Device {
         Device::Host
@@ -368,7 +371,7 @@ fn shrink_races_alloc_and_free() {
     model(|| {
         let layout = KvLayout::new(1, 1, 1024, 1, DType::Float16).unwrap();
         let size = GrowableSize { max_num_blocks: 3, initial_num_blocks: 2, chunk_bytes: None };
-        let p = Arc::new(Pool::with_chunk_backend(layout, size, Box::new(NoMemory)).unwrap());
+        let p = Arc::new(Pool::with_chunk_backend(layout, size, Box::new(NoMemory { num_chunks: 3 })).unwrap());
         let first = p.alloc().unwrap();
         let worker = {
             let p = p.clone();
@@ -389,25 +392,26 @@ fn shrink_races_alloc_and_free() {
     });
 }
 
-/// A growth (which drains every cache, this thread's included, onto the depot and parks it)
-/// races an allocation served by this thread's cache. The high-water sample taken after the
-/// allocation counts the free ids across the depot and the cache while the drain moves them
-/// from one to the other; it must never see them in neither place (which would count them
-/// as used): the mark stays at the one block held.
+/// A growth (which drains every cache, this thread's included, onto the depot, parks the
+/// depot's ids, and pushes them back with the new ids) races an allocation served by this
+/// thread's cache while the depot also holds a free id. The high-water sample taken after the
+/// allocation counts the depot (and this cache) while the drain parks the depot's ids; it
+/// must never miss them (which would count them as used): the mark stays at the one block
+/// held.
 #[test]
 fn growth_does_not_inflate_the_high_water_of_a_cached_alloc() {
     model(|| {
         let layout = KvLayout::new(1, 1, 1024, 1, DType::Float16).unwrap();
-        let size = GrowableSize { max_num_blocks: 3, initial_num_blocks: 2, chunk_bytes: None };
-        let p = Arc::new(Pool::with_chunk_backend(layout, size, Box::new(NoMemory)).unwrap());
-        // One block held at a time from here on; the allocation refilled this thread's
-        // cache, so after the free both free ids are in it.
+        let size = GrowableSize { max_num_blocks: 4, initial_num_blocks: 3, chunk_bytes: None };
+        let p = Arc::new(Pool::with_chunk_backend(layout, size, Box::new(NoMemory { num_chunks: 4 })).unwrap());
+        // One block held at a time from here on. The allocation popped one id for this
+        // thread's cache and left the third in the depot; after the free the cache holds two.
         let id = p.alloc().unwrap();
         p.free(id).unwrap();
         let resizer = {
             let p = p.clone();
             thread::spawn(move || {
-                p.grow(3).unwrap();
+                p.grow(4).unwrap();
             })
         };
         let held = p.alloc().unwrap();
