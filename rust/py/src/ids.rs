@@ -64,9 +64,17 @@ pub fn block_ids(values: &Bound<'_, PyAny>, num_blocks: usize) -> PyResult<Block
             .into());
         }
         if let Some(ints) = IntArray::of(array) {
-            let mut ids = with_room(ints.iter().len(), num_blocks)?;
-            for v in ints.iter() {
-                ids.push(check_range(v, num_blocks).map_err(PyKvError)?);
+            let mut ids = with_room(ints.len(), num_blocks)?;
+            let mut first_bad = None;
+            ints.for_each(|v| {
+                // A negative id wraps past any count.
+                if v as u64 >= num_blocks as u64 && first_bad.is_none() {
+                    first_bad = Some(v);
+                }
+                ids.push(v as u32);
+            });
+            if let Some(bad) = first_bad {
+                check_range(bad, num_blocks).map_err(PyKvError)?; // refuses it, naming why
             }
             return Ok(ids);
         }
