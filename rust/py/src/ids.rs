@@ -52,9 +52,10 @@ pub fn block_id(value: &Bound<'_, PyAny>, num_blocks: usize) -> Result<u32, Core
 /// per-step batch costs no heap allocation.
 pub type BlockIds = SmallVec<[u32; crate::pool::DETACH_MIN_BLOCKS]>;
 
-/// A sequence of block ids: a 1-D int32/int64 NumPy array (fast path, read in place) or any
-/// iterable of ints. An exception the caller's iterable raises propagates as it is.
-pub fn block_ids(values: &Bound<'_, PyAny>, num_blocks: usize) -> PyResult<BlockIds> {
+/// A sequence of block ids, into `ids` (empty): a 1-D int32/int64 NumPy array (fast path,
+/// read in place) or any iterable of ints. An exception the caller's iterable raises
+/// propagates as it is.
+pub fn block_ids(values: &Bound<'_, PyAny>, num_blocks: usize, ids: &mut BlockIds) -> PyResult<()> {
     if let Ok(array) = values.cast::<PyUntypedArray>() {
         if array.ndim() != 1 {
             return Err(PyKvError(CoreError::InvalidArgument(format!(
@@ -64,19 +65,19 @@ pub fn block_ids(values: &Bound<'_, PyAny>, num_blocks: usize) -> PyResult<Block
             .into());
         }
         if let Some(ints) = IntArray::of(array) {
-            let mut ids = with_room(ints.len(), num_blocks)?;
+            reserve(ids, ints.len(), num_blocks)?;
             let mut first_bad = None;
-            ints.for_each(|v| {
+            ids.extend(ints.values().map(|v| {
                 // A negative id wraps past any count.
                 if v as u64 >= num_blocks as u64 && first_bad.is_none() {
                     first_bad = Some(v);
                 }
-                ids.push(v as u32);
-            });
+                v as u32
+            }));
             if let Some(bad) = first_bad {
                 check_range(bad, num_blocks).map_err(PyKvError)?; // refuses it, naming why
             }
-            return Ok(ids);
+            return Ok(());
         }
         if array.dtype().kind() == b'b' {
             return Err(PyKvError(invalid(values, "a bool is not a block id (for a mask, pass np.flatnonzero(mask))")).into());
@@ -92,23 +93,21 @@ pub fn block_ids(values: &Bound<'_, PyAny>, num_blocks: usize) -> PyResult<Block
         )))
         .into()
     })?;
-    let mut ids = with_room(values.len().unwrap_or(0), num_blocks)?;
+    reserve(ids, values.len().unwrap_or(0), num_blocks)?;
     for item in iter {
         ids.push(block_id(&item?, num_blocks).map_err(PyKvError)?);
     }
-    Ok(ids)
+    Ok(())
 }
 
 /// Room for `len` ids, sized by the caller's sequence, so fallibly; more than
 /// `num_blocks + 1` ids hold a repeat or a stray id (refused later), so more room than that
 /// is never needed up front.
-fn with_room(len: usize, num_blocks: usize) -> PyResult<BlockIds> {
-    let mut ids = BlockIds::new();
+fn reserve(ids: &mut BlockIds, len: usize, num_blocks: usize) -> PyResult<()> {
     let room = len.min(num_blocks.saturating_add(1));
     ids.try_reserve_exact(room).map_err(|_| {
-        PyKvError(CoreError::OutOfMemory { requested_bytes: room.saturating_mul(4), device: "host".into() })
-    })?;
-    Ok(ids)
+        PyKvError(CoreError::OutOfMemory { requested_bytes: room.saturating_mul(4), device: "host".into() }).into()
+    })
 }
 
 /// A Python int argument for a count, size or index. An int beyond i64 keeps the int

@@ -53,29 +53,27 @@ impl<'a, 'py> IntArray<'a, 'py> {
         self.len
     }
 
-    /// Calls `f` on every element, in order, as i64 (one loop per element width).
-    pub fn for_each(&self, f: impl FnMut(i64)) {
-        if self.wide {
-            self.each::<i64>(f)
-        } else {
-            self.each::<i32>(f)
-        }
-    }
-
-    fn each<T: Copy + Into<i64>>(&self, mut f: impl FnMut(i64)) {
-        let mut at = self.data;
-        for _ in 0..self.len {
-            // SAFETY: one of `len` elements: NumPy keeps every `data + i * strides[0]` with
-            // `i < shape[0]` inside the buffer, which lives while we hold the array, and `T`
-            // is the dtype's width (checked in `of`). The read tolerates misalignment (a view
-            // of a byte buffer can be misaligned) and every bit pattern is a valid integer. We
-            // hold the GIL and call no Python code while reading, so no Python thread writes
-            // the buffer meanwhile, and we form no Rust reference to it (a borrow another
-            // extension holds through rust-numpy is not aliased); a write by native code that
-            // released the GIL would be the caller's race, as with any reader of a NumPy buffer.
-            f(unsafe { at.cast::<T>().read_unaligned() }.into());
-            at = at.wrapping_offset(self.stride_bytes);
-        }
+    /// The elements, in order, as i64.
+    pub fn values(&self) -> impl ExactSizeIterator<Item = i64> + '_ {
+        (0..self.len).map(move |i| {
+            let at = self.data.wrapping_offset(i as isize * self.stride_bytes);
+            // SAFETY: `i < len`, so `at` is an element: NumPy keeps every
+            // `data + i * strides[0]` with `i < shape[0]` inside the buffer, which lives while
+            // we hold the array, and the width is the dtype's (checked in `of`). The reads
+            // tolerate misalignment (a view of a byte buffer can be misaligned) and every bit
+            // pattern is a valid integer. We hold the GIL and call no Python code while
+            // reading, so no Python thread writes the buffer meanwhile, and we form no Rust
+            // reference to it (a borrow another extension holds through rust-numpy is not
+            // aliased); a write by native code that released the GIL would be the caller's
+            // race, as with any reader of a NumPy buffer.
+            unsafe {
+                if self.wide {
+                    at.cast::<i64>().read_unaligned()
+                } else {
+                    i64::from(at.cast::<i32>().read_unaligned())
+                }
+            }
+        })
     }
 }
 

@@ -218,7 +218,8 @@ impl PyPool {
     /// Frees many blocks. Every id is checked first (range, repeats, double free); if any is
     /// bad nothing is freed. An exception the caller's iterable raises propagates as it is.
     fn free_many(&self, py: Python<'_>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
-        let ids = ids::block_ids(block_ids, self.inner.num_blocks())?;
+        let mut ids = ids::BlockIds::new();
+        ids::block_ids(block_ids, self.inner.num_blocks(), &mut ids)?;
         if ids.len() >= DETACH_MIN_BLOCKS {
             py.detach(|| self.inner.free_many(&ids))
         } else {

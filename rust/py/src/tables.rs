@@ -34,10 +34,8 @@ pub fn request_id(value: &Bound<'_, PyAny>) -> Result<u64, CoreError> {
 /// exception the caller's iterable raises propagates as it is.
 pub fn request_ids(values: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     if let Some(ints) = values.cast::<PyUntypedArray>().ok().and_then(IntArray::of) {
-        let mut rids = Vec::with_capacity(ints.len());
-        ints.for_each(|v| rids.push(v));
-        return rids
-            .into_iter()
+        return ints
+            .values()
             .map(|v| u64::try_from(v).map_err(|_| PyKvError(CoreError::InvalidArgument(format!("request id {v} is negative"))).into()))
             .collect();
     }
