@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from kvpool import (
     BlockTables,
     HostTier,
@@ -113,9 +112,9 @@ def test_a_keyboard_interrupt_from_the_callers_generator_propagates(tables: Bloc
 def test_a_non_iterable_is_still_invalid_argument(tables: BlockTables) -> None:
     with unchanged(tables):
         with pytest.raises(InvalidArgumentError, match="iterable"):
-            tables.pool.free_many(3.5)
+            tables.pool.free_many(3.5)  # type: ignore[arg-type]
         with pytest.raises(InvalidArgumentError, match="iterable"):
-            tables.seq_lens(3.5)
+            tables.seq_lens(3.5)  # type: ignore[arg-type]
 
 
 # --- bools are refused, naming the argument ------------------------------------------------
@@ -249,7 +248,7 @@ def id_arrays(ids: list[int]) -> dict[str, np.ndarray]:
     misaligned[:] = ids  # writes through to `raw`, at an odd address
     readonly = np.array(ids, dtype=np.int32)
     readonly.flags.writeable = False
-    arrays = {
+    arrays: dict[str, np.ndarray] = {
         "int32": np.array(ids, dtype=np.int32),
         "int64": np.array(ids, dtype=np.int64),
         "longlong": np.array(ids, dtype=np.longlong),
