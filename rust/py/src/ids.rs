@@ -3,10 +3,14 @@
 //! `InvalidBlockError`, never a bare `OverflowError` or `TypeError`.
 
 use kvpool_core::CoreError;
-use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
-use pyo3::exceptions::PyOverflowError;
+use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyInt};
+use smallvec::SmallVec;
+
+use crate::errors::PyKvError;
+use crate::int_array::{is_numpy_bool, IntArray};
 
 fn invalid(value: &Bound<'_, PyAny>, reason: impl Into<String>) -> CoreError {
     let shown = value.repr().map(|r| r.to_string()).unwrap_or_else(|_| "<unprintable>".into());
@@ -30,6 +34,7 @@ pub fn block_id(value: &Bound<'_, PyAny>, num_blocks: usize) -> Result<u32, Core
     }
     match value.extract::<i64>() {
         Ok(v) => check_range(v, num_blocks),
+        Err(_) if is_numpy_bool(value) => Err(invalid(value, "a bool is not a block id")),
         Err(e) if e.is_instance_of::<PyOverflowError>(value.py()) || value.is_instance_of::<PyInt>() => {
             Err(invalid(value, "too large for any block id"))
         }
@@ -43,67 +48,112 @@ pub fn block_id(value: &Bound<'_, PyAny>, num_blocks: usize) -> Result<u32, Core
     }
 }
 
-/// A sequence of block ids: an int32/int64 NumPy array (fast path) or any iterable of ints.
-pub fn block_ids(values: &Bound<'_, PyAny>, num_blocks: usize) -> Result<Vec<u32>, CoreError> {
-    if let Ok(array) = values.extract::<PyReadonlyArray1<'_, i32>>() {
-        return collect(array.as_array().iter().map(|&v| v as i64), num_blocks);
-    }
-    if let Ok(array) = values.extract::<PyReadonlyArray1<'_, i64>>() {
-        return collect(array.as_array().iter().copied(), num_blocks);
-    }
-    if let Ok(array) = values.cast::<numpy::PyUntypedArray>() {
+/// Block ids of one call: up to `DETACH_MIN_BLOCKS` on the stack, so a scheduler's
+/// per-step batch costs no heap allocation.
+pub type BlockIds = SmallVec<[u32; crate::pool::DETACH_MIN_BLOCKS]>;
+
+/// A sequence of block ids, into `ids` (empty): a 1-D int32/int64 NumPy array (fast path,
+/// read in place) or any iterable of ints. An exception the caller's iterable raises
+/// propagates as it is.
+pub fn block_ids(values: &Bound<'_, PyAny>, num_blocks: usize, ids: &mut BlockIds) -> PyResult<()> {
+    if let Ok(array) = values.cast::<PyUntypedArray>() {
         if array.ndim() != 1 {
-            return Err(CoreError::InvalidArgument(format!(
+            return Err(PyKvError(CoreError::InvalidArgument(format!(
                 "block ids must be one-dimensional, got an array of shape {:?}",
                 array.shape()
-            )));
+            )))
+            .into());
+        }
+        if let Some(ints) = IntArray::of(array) {
+            reserve(ids, ints.len(), num_blocks)?;
+            let mut first_bad = None;
+            ids.extend(ints.values().map(|v| {
+                // A negative id wraps past any count.
+                if v as u64 >= num_blocks as u64 && first_bad.is_none() {
+                    first_bad = Some(v);
+                }
+                v as u32
+            }));
+            if let Some(bad) = first_bad {
+                check_range(bad, num_blocks).map_err(PyKvError)?; // refuses it, naming why
+            }
+            return Ok(());
+        }
+        if array.dtype().kind() == b'b' {
+            return Err(PyKvError(invalid(values, "a bool is not a block id (for a mask, pass np.flatnonzero(mask))")).into());
         }
     }
-    let iter = values.try_iter().map_err(|_| {
-        CoreError::InvalidArgument(format!(
+    let iter = values.try_iter().map_err(|e| {
+        if !e.is_instance_of::<PyTypeError>(values.py()) {
+            return e; // raised by the caller's __iter__
+        }
+        PyKvError(CoreError::InvalidArgument(format!(
             "block ids must be an iterable of ints, got {}",
             values.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-        ))
+        )))
+        .into()
     })?;
-    // Sized by the caller's sequence, so fallibly; more than `num_blocks + 1` ids hold a
-    // repeat or a stray id (refused below), so more room than that is never needed up front.
-    let mut ids = Vec::new();
-    let room = values.len().unwrap_or(0).min(num_blocks.saturating_add(1));
-    ids.try_reserve_exact(room)
-        .map_err(|_| CoreError::OutOfMemory { requested_bytes: room.saturating_mul(4), device: "host".into() })?;
+    reserve(ids, values.len().unwrap_or(0), num_blocks)?;
     for item in iter {
-        let item = item.map_err(|e| CoreError::InvalidArgument(format!("iterating block ids: {e}")))?;
-        ids.push(block_id(&item, num_blocks)?);
+        ids.push(block_id(&item?, num_blocks).map_err(PyKvError)?);
     }
-    Ok(ids)
+    Ok(())
 }
 
-fn collect(values: impl Iterator<Item = i64>, num_blocks: usize) -> Result<Vec<u32>, CoreError> {
-    values.map(|v| check_range(v, num_blocks)).collect()
+/// Room for `len` ids, sized by the caller's sequence, so fallibly; more than
+/// `num_blocks + 1` ids hold a repeat or a stray id (refused later), so more room than that
+/// is never needed up front.
+fn reserve(ids: &mut BlockIds, len: usize, num_blocks: usize) -> PyResult<()> {
+    let room = len.min(num_blocks.saturating_add(1));
+    ids.try_reserve_exact(room).map_err(|_| {
+        PyKvError(CoreError::OutOfMemory { requested_bytes: room.saturating_mul(4), device: "host".into() }).into()
+    })
 }
 
-/// A Python int argument for a count or size. Bools are refused. An int beyond i64 keeps
-/// the int itself, so that errors name what the caller passed, never a clamped value.
+/// A Python int argument for a count, size or index. An int beyond i64 keeps the int
+/// itself, so that errors name what the caller passed, never a clamped value. A bool
+/// (Python's or NumPy's) is kept too and refused by [`count`] and [`tokens`], whose errors
+/// name the argument.
 pub struct Int {
     value: i64,
-    /// The caller's int when it does not fit i64 (then `value` is i64::MIN or i64::MAX).
-    big: Option<Py<PyAny>>,
+    given: Given,
+}
+
+/// What the caller passed for an [`Int`], when it is not simply `value`.
+enum Given {
+    /// An int that fits i64: `value` itself.
+    Fits,
+    /// An int beyond i64 (then `value` is i64::MIN or i64::MAX).
+    Big(Py<PyAny>),
+    /// A bool, refused wherever an `Int` is used.
+    Bool(Py<PyAny>),
 }
 
 impl Int {
     pub fn new(value: i64) -> Self {
-        Int { value, big: None }
+        Int { value, given: Given::Fits }
     }
-    /// The int as the caller wrote it, in decimal.
+    /// The int as the caller wrote it, in decimal (a bool as its repr).
     pub fn shown(&self) -> String {
-        match &self.big {
-            None => self.value.to_string(),
-            Some(big) => Python::attach(|py| big.bind(py).str().map(|s| s.to_string()).unwrap_or_default()),
+        match &self.given {
+            Given::Fits => self.value.to_string(),
+            Given::Big(big) => Python::attach(|py| big.bind(py).str().map(|s| s.to_string()).unwrap_or_default()),
+            Given::Bool(b) => Python::attach(|py| b.bind(py).repr().map(|s| s.to_string()).unwrap_or_default()),
         }
     }
     /// The caller's int, when it is too large for any count (beyond i64).
     pub fn too_large(&self) -> Option<&Py<PyAny>> {
-        self.big.as_ref().filter(|_| self.value > 0)
+        match &self.given {
+            Given::Big(big) if self.value > 0 => Some(big),
+            _ => None,
+        }
+    }
+    /// Refuses a bool (`True` would otherwise count as 1), naming the argument.
+    pub fn refuse_bool(&self, what: &str) -> Result<(), CoreError> {
+        match self.given {
+            Given::Bool(_) => Err(CoreError::InvalidArgument(format!("{what} must be an int, not a bool (got {})", self.shown()))),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -112,18 +162,15 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Int {
 
     fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         if obj.is_instance_of::<PyBool>() {
-            return Err(crate::errors::PyKvError(CoreError::InvalidArgument(format!(
-                "expected an integer count, got the bool {}",
-                obj.repr()?
-            )))
-            .into());
+            return Ok(Int { value: 0, given: Given::Bool(obj.to_owned().unbind()) });
         }
         match obj.extract::<i64>() {
             Ok(v) => Ok(Int::new(v)),
             Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => {
                 let value = if obj.lt(0)? { i64::MIN } else { i64::MAX };
-                Ok(Int { value, big: Some(obj.to_owned().unbind()) })
+                Ok(Int { value, given: Given::Big(obj.to_owned().unbind()) })
             }
+            Err(_) if is_numpy_bool(&obj) => Ok(Int { value: 0, given: Given::Bool(obj.to_owned().unbind()) }),
             Err(e) => Err(e),
         }
     }
@@ -131,6 +178,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Int {
 
 /// A non-negative count of blocks (or tokens, or layers) that fits the machine's words.
 pub fn count(value: Int, what: &str) -> Result<usize, CoreError> {
+    value.refuse_bool(what)?;
     if value.too_large().is_some() {
         return Err(CoreError::InvalidArgument(format!(
             "{what} {} is out of range (at most {})",
@@ -155,14 +203,15 @@ pub fn tokens(value: Int, what: &str) -> PyResult<usize> {
     Ok(count(value, what).map_err(crate::errors::PyKvError)?)
 }
 
-/// A fraction argument (a float, or an int). Bools are refused: `True` is not a fraction.
+/// A fraction argument (a float, or an int). Bools (NumPy's too) are refused: `True` is not
+/// a fraction.
 pub struct Fraction(pub f64);
 
 impl<'a, 'py> FromPyObject<'a, 'py> for Fraction {
     type Error = PyErr;
 
     fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        if obj.is_instance_of::<PyBool>() {
+        if obj.is_instance_of::<PyBool>() || is_numpy_bool(&obj) {
             return Err(crate::errors::PyKvError(CoreError::InvalidArgument(format!(
                 "expected a fraction, got the bool {}",
                 obj.repr()?

@@ -21,6 +21,7 @@ impl PyKvLayout {
     fn new(num_layers: Int, num_kv_heads: Int, head_dim: Int, block_size: Int, dtype: &str) -> KvResult<Self> {
         let dtype = DType::parse(dtype)?;
         let size = |value: Int, what: &str| {
+            value.refuse_bool(what)?;
             let shown = value.shown();
             ids::count(value, what).map_err(|_| CoreError::InvalidLayout(format!("{what} must be positive, got {shown}")))
         };

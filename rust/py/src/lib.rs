@@ -4,6 +4,7 @@
 mod dlpack;
 mod errors;
 mod ids;
+mod int_array;
 mod kernel_sources;
 mod layout;
 mod pool;

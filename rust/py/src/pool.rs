@@ -12,12 +12,14 @@ use pyo3::types::PyDict;
 
 use crate::errors::KvResult;
 use crate::ids::{self, Fraction, Int};
+use crate::int_array::NewIdArray;
 use crate::layout::PyKvLayout;
 use crate::view::SlabView;
 
 /// Batches at least this large run with the GIL released. Below it, the release and
-/// re-acquire (~0.1 us) would cost more than the allocation itself.
-const DETACH_MIN_BLOCKS: usize = 64;
+/// re-acquire (~0.1 us) would cost more than the allocation itself, and the ids of one call
+/// sit on the stack.
+pub const DETACH_MIN_BLOCKS: usize = 64;
 
 /// A pool of fixed-size KV blocks carved from one slab of host or CUDA memory.
 #[pyclass(module = "kvpool._core", name = "Pool", frozen)]
@@ -188,12 +190,23 @@ impl PyPool {
             return Err(crate::errors::out_of_blocks_beyond_any_count(py, requested, pool.num_free(), pool.num_blocks(), max));
         }
         let n = ids::count(n, "n").map_err(crate::errors::PyKvError)?;
-        // The core refuses n > max_num_blocks before sizing a buffer for n ids; a growable
-        // pool that must grow maps memory here (with the GIL held for small n: rare).
-        let out = if n >= DETACH_MIN_BLOCKS { py.detach(|| self.inner.alloc_many(n)) } else { self.inner.alloc_many(n) }
-            .map_err(crate::errors::PyKvError)?;
-        // Ids are < MAX_NUM_BLOCKS = i32::MAX, so the cast is exact.
-        Ok(PyArray1::from_iter(py, out.into_iter().map(|id| id as i32)))
+        let pool = &self.inner;
+        if n > pool.max_num_blocks() {
+            // Never met: the core refuses it, naming the counts, before sizing any buffer.
+            let ids = pool.alloc_many(n).map_err(crate::errors::PyKvError)?;
+            return Ok(NewIdArray::new(py, ids.len())?.fill(&ids));
+        }
+        // The array first: if NumPy cannot make it, no block has been taken.
+        let array = NewIdArray::new(py, n)?;
+        if n < DETACH_MIN_BLOCKS {
+            let mut ids = [0u32; DETACH_MIN_BLOCKS];
+            pool.alloc_into(&mut ids[..n]).map_err(crate::errors::PyKvError)?;
+            Ok(array.fill(&ids[..n]))
+        } else {
+            // A growable pool that must grow maps memory here.
+            let ids = py.detach(|| pool.alloc_many(n)).map_err(crate::errors::PyKvError)?;
+            Ok(array.fill(&ids))
+        }
     }
 
     /// Drops one reference to a block; it is free again when no reference is left.
@@ -203,15 +216,16 @@ impl PyPool {
     }
 
     /// Frees many blocks. Every id is checked first (range, repeats, double free); if any is
-    /// bad nothing is freed.
-    fn free_many(&self, py: Python<'_>, block_ids: &Bound<'_, PyAny>) -> KvResult<()> {
-        let ids = ids::block_ids(block_ids, self.inner.num_blocks())?;
+    /// bad nothing is freed. An exception the caller's iterable raises propagates as it is.
+    fn free_many(&self, py: Python<'_>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut ids = ids::BlockIds::new();
+        ids::block_ids(block_ids, self.inner.num_blocks(), &mut ids)?;
         if ids.len() >= DETACH_MIN_BLOCKS {
-            py.detach(|| self.inner.free_many(&ids))?;
+            py.detach(|| self.inner.free_many(&ids))
         } else {
-            self.inner.free_many(&ids)?;
+            self.inner.free_many(&ids)
         }
-        Ok(())
+        .map_err(|e| crate::errors::PyKvError(e).into())
     }
 
     /// Current reference count of a block (0: free).

@@ -7,6 +7,9 @@ use numpy::{PyArray1, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyDict, PyString};
 
+use crate::errors::PyKvError;
+use crate::int_array::is_numpy_bool;
+
 fn invalid(message: String) -> CoreError {
     CoreError::InvalidArgument(message)
 }
@@ -38,51 +41,57 @@ fn token_id(v: i64) -> Result<u32, CoreError> {
 
 /// Token ids: a 1-D int32/int64/uint32 NumPy array (fast path: read in place through
 /// rust-numpy, checked and narrowed in one pass) or an iterable of ints, each in 0..2**32.
-/// Strings, bytes, bools, floats and nested arrays are refused.
-pub fn token_ids(value: &Bound<'_, PyAny>) -> Result<Vec<u32>, CoreError> {
+/// Strings, bytes, bools, floats and nested arrays are refused; an exception the caller's
+/// iterable raises propagates as it is.
+pub fn token_ids(value: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     // int64 first: NumPy's default integer, and each failed extraction costs an exception.
     if let Ok(a) = value.extract::<PyReadonlyArray1<'_, i64>>() {
         return match a.as_slice() {
-            Ok(s) => checked_token_ids(s.iter().copied()),
-            Err(_) => checked_token_ids(a.as_array().iter().copied()),
+            Ok(s) => Ok(checked_token_ids(s.iter().copied()).map_err(PyKvError)?),
+            Err(_) => Ok(checked_token_ids(a.as_array().iter().copied()).map_err(PyKvError)?),
         };
     }
     if let Ok(a) = value.extract::<PyReadonlyArray1<'_, i32>>() {
         return match a.as_slice() {
-            Ok(s) => checked_token_ids(s.iter().copied()),
-            Err(_) => checked_token_ids(a.as_array().iter().copied()),
+            Ok(s) => Ok(checked_token_ids(s.iter().copied()).map_err(PyKvError)?),
+            Err(_) => Ok(checked_token_ids(a.as_array().iter().copied()).map_err(PyKvError)?),
         };
     }
     if let Ok(a) = value.extract::<PyReadonlyArray1<'_, u32>>() {
         return Ok(a.as_array().to_vec());
     }
     if let Ok(a) = value.cast::<PyUntypedArray>() {
-        return Err(invalid(format!(
+        return Err(PyKvError(invalid(format!(
             "token_ids must be a 1-D integer array, got shape {:?} of dtype {}",
             a.shape(),
             a.dtype().str().map(|s| s.to_string()).unwrap_or_default()
-        )));
+        )))
+        .into());
     }
     if value.is_instance_of::<PyString>() || value.is_instance_of::<PyBytes>() || value.is_instance_of::<PyByteArray>() {
-        return Err(invalid(format!("token_ids must be a sequence of ints, got {}", type_name(value))));
+        return Err(PyKvError(invalid(format!("token_ids must be a sequence of ints, got {}", type_name(value)))).into());
     }
-    let iter = value
-        .try_iter()
-        .map_err(|_| invalid(format!("token_ids must be a sequence of ints, got {}", type_name(value))))?;
+    let iter = value.try_iter().map_err(|e| {
+        if e.is_instance_of::<pyo3::exceptions::PyTypeError>(value.py()) {
+            PyKvError(invalid(format!("token_ids must be a sequence of ints, got {}", type_name(value)))).into()
+        } else {
+            e // raised by the caller's __iter__
+        }
+    })?;
     let mut out = Vec::new();
     let room = value.len().unwrap_or(0);
     out.try_reserve_exact(room)
-        .map_err(|_| CoreError::OutOfMemory { requested_bytes: room.saturating_mul(4), device: "host".into() })?;
+        .map_err(|_| PyKvError(CoreError::OutOfMemory { requested_bytes: room.saturating_mul(4), device: "host".into() }))?;
     for item in iter {
-        let item = item.map_err(|e| invalid(format!("iterating token_ids: {e}")))?;
-        if item.is_instance_of::<PyBool>() {
-            return Err(invalid(format!("token id {item} is a bool, not an int")));
+        let item = item?;
+        if item.is_instance_of::<PyBool>() || is_numpy_bool(&item) {
+            return Err(PyKvError(invalid(format!("token id {item} is a bool, not an int"))).into());
         }
         let v = item.extract::<i64>().map_err(|_| {
             let shown = item.repr().map(|r| r.to_string()).unwrap_or_default();
-            invalid(format!("token id {shown} is not an int in 0..2**32"))
+            PyKvError(invalid(format!("token id {shown} is not an int in 0..2**32")))
         })?;
-        out.push(token_id(v)?);
+        out.push(token_id(v).map_err(PyKvError)?);
     }
     Ok(out)
 }

@@ -5,50 +5,64 @@ use std::sync::Arc;
 
 use kvpool_core::tables::{AppendResult, BlockTables, PromptKey};
 use kvpool_core::CoreError;
-use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArray};
 use pyo3::prelude::*;
 
 use crate::errors::{KvResult, PyKvError};
 use crate::ids::{self, Int};
+use crate::int_array::{is_numpy_bool, IntArray};
 use crate::pool::PyPool;
 
 /// Prompts at least this long are added with the GIL released.
 const DETACH_MIN_TOKENS: usize = 1024;
 
-/// Request ids: any Python int in 0..2**64.
+/// Request ids: any Python int in 0..2**64. Bools (NumPy's too) are refused.
 pub fn request_id(value: &Bound<'_, PyAny>) -> Result<u64, CoreError> {
     if value.is_instance_of::<pyo3::types::PyBool>() {
         return Err(CoreError::InvalidArgument(format!("request id {value} is a bool, not an integer")));
     }
     value.extract::<u64>().map_err(|_| {
+        if is_numpy_bool(value) {
+            return CoreError::InvalidArgument(format!("request id {value} is a bool, not an integer"));
+        }
         let shown = value.repr().map(|r| r.to_string()).unwrap_or_default();
         CoreError::InvalidArgument(format!("request id {shown} is not an integer in 0..2**64"))
     })
 }
 
-pub fn request_ids(values: &Bound<'_, PyAny>) -> Result<Vec<u64>, CoreError> {
-    if let Ok(array) = values.extract::<PyReadonlyArray1<'_, i64>>() {
-        return array
-            .as_array()
-            .iter()
-            .map(|&v| u64::try_from(v).map_err(|_| CoreError::InvalidArgument(format!("request id {v} is negative"))))
+/// Request ids: a 1-D int64 NumPy array (read in place) or any iterable of ints. An
+/// exception the caller's iterable raises propagates as it is.
+pub fn request_ids(values: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    if let Some(ints) = values.cast::<PyUntypedArray>().ok().and_then(IntArray::of) {
+        return ints
+            .values()
+            .map(|v| u64::try_from(v).map_err(|_| PyKvError(CoreError::InvalidArgument(format!("request id {v} is negative"))).into()))
             .collect();
     }
-    let iter = values
-        .try_iter()
-        .map_err(|_| CoreError::InvalidArgument("request_ids must be an iterable of ints".into()))?;
-    iter.map(|item| request_id(&item.map_err(|e| CoreError::InvalidArgument(e.to_string()))?)).collect()
+    let iter = values.try_iter().map_err(|e| iterable_error(e, values.py(), "request_ids must be an iterable of ints"))?;
+    iter.map(|item| Ok(request_id(&item?).map_err(PyKvError)?)).collect()
 }
 
-/// `counts` is one int for every request, or one per request.
+/// The error for an argument that `iter()` refused: the caller's own exception from its
+/// `__iter__` as it is, or `InvalidArgumentError` when the value is not iterable.
+fn iterable_error(e: PyErr, py: Python<'_>, message: &str) -> PyErr {
+    if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py) {
+        PyKvError(CoreError::InvalidArgument(message.into())).into()
+    } else {
+        e
+    }
+}
+
+/// `counts` is one int for every request, or one per request. An exception the caller's
+/// iterable raises propagates as it is.
 fn token_counts(values: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<usize>> {
     let invalid = |m: String| PyErr::from(crate::errors::PyKvError(CoreError::InvalidArgument(m)));
     if let Ok(count) = values.extract::<Int>() {
         return Ok(vec![ids::tokens(count, "count")?; n]);
     }
-    let iter = values.try_iter().map_err(|_| invalid("counts must be an int or an iterable of ints".into()))?;
+    let iter = values.try_iter().map_err(|e| iterable_error(e, values.py(), "counts must be an int or an iterable of ints"))?;
     iter.map(|item| {
-        let item = item.map_err(|e| invalid(e.to_string()))?;
+        let item = item?;
         let v = item.extract::<Int>().map_err(|_| invalid(format!("count {item} is not an integer")))?;
         ids::tokens(v, "count")
     })
@@ -103,19 +117,20 @@ impl PyBlockTables {
         cache_salt: Option<&Bound<'_, PyAny>>,
         lora_id: Option<Int>,
         extra_keys: Option<&Bound<'_, PyAny>>,
-    ) -> KvResult<crate::prefix::AddResult> {
-        let rid = self::request_id(request_id)?;
+    ) -> PyResult<crate::prefix::AddResult> {
+        let rid = self::request_id(request_id).map_err(PyKvError)?;
         let tokens = crate::prefix::token_ids(token_ids)?;
-        let salt = crate::prefix::cache_salt(cache_salt)?;
-        let extra = crate::prefix::extra_keys(extra_keys)?;
-        let lora_id = lora_id.map(|id| ids::count(id, "lora_id").map(|id| id as u64)).transpose()?;
+        let salt = crate::prefix::cache_salt(cache_salt).map_err(PyKvError)?;
+        let extra = crate::prefix::extra_keys(extra_keys).map_err(PyKvError)?;
+        let lora_id = lora_id.map(|id| ids::count(id, "lora_id").map(|id| id as u64)).transpose().map_err(PyKvError)?;
         let key = PromptKey { cache_salt: salt.as_deref(), lora_id, extra_keys: &extra };
         // Hashing a long prompt takes tens of microseconds: let other threads run.
         let result = if tokens.len() >= DETACH_MIN_TOKENS {
-            py.detach(|| self.inner.add_request(rid, &tokens, &key))?
+            py.detach(|| self.inner.add_request(rid, &tokens, &key))
         } else {
-            self.inner.add_request(rid, &tokens, &key)?
-        };
+            self.inner.add_request(rid, &tokens, &key)
+        }
+        .map_err(PyKvError)?;
         Ok(crate::prefix::AddResult::new(py, result))
     }
 
@@ -131,7 +146,7 @@ impl PyBlockTables {
     ) -> PyResult<AppendArrays<'py>> {
         let rid = self::request_id(request_id).map_err(PyKvError)?;
         let n = ids::tokens(n, "n")?;
-        let tokens = token_ids.map(crate::prefix::token_ids).transpose().map_err(PyKvError)?;
+        let tokens = token_ids.map(crate::prefix::token_ids).transpose()?;
         let result = self.inner.append_tokens_many_with_ids(&[rid], &[n], tokens.as_deref()).map_err(PyKvError)?;
         Ok(append_result(py, result))
     }
@@ -147,9 +162,9 @@ impl PyBlockTables {
         counts: &Bound<'py, PyAny>,
         token_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<AppendArrays<'py>> {
-        let rids = self::request_ids(request_ids).map_err(PyKvError)?;
+        let rids = self::request_ids(request_ids)?;
         let counts = token_counts(counts, rids.len())?;
-        let tokens = token_ids.map(crate::prefix::token_ids).transpose().map_err(PyKvError)?;
+        let tokens = token_ids.map(crate::prefix::token_ids).transpose()?;
         let result = self.inner.append_tokens_many_with_ids(&rids, &counts, tokens.as_deref()).map_err(PyKvError)?;
         Ok(append_result(py, result))
     }
@@ -178,14 +193,14 @@ impl PyBlockTables {
     }
 
     /// seq_lens (int32) of a batch of requests.
-    fn seq_lens<'py>(&self, py: Python<'py>, request_ids: &Bound<'py, PyAny>) -> KvResult<Bound<'py, PyArray1<i32>>> {
-        Ok(PyArray1::from_vec(py, self.inner.seq_lens(&self::request_ids(request_ids)?)?))
+    fn seq_lens<'py>(&self, py: Python<'py>, request_ids: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        Ok(PyArray1::from_vec(py, self.inner.seq_lens(&self::request_ids(request_ids)?).map_err(PyKvError)?))
     }
 
     /// Dense int32 table `[len(request_ids), max_blocks_per_seq]`, unused entries -1.
-    fn block_table<'py>(&self, py: Python<'py>, request_ids: &Bound<'py, PyAny>) -> KvResult<Bound<'py, PyArray2<i32>>> {
+    fn block_table<'py>(&self, py: Python<'py>, request_ids: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let rids = self::request_ids(request_ids)?;
-        let (_, table) = self.inner.gather(&rids)?;
+        let (_, table) = self.inner.gather(&rids).map_err(PyKvError)?;
         Ok(PyArray1::from_vec(py, table)
             .reshape([rids.len(), self.inner.max_blocks_per_seq()])
             .expect("n rows of max_blocks_per_seq"))
@@ -197,8 +212,8 @@ impl PyBlockTables {
         &self,
         py: Python<'py>,
         request_ids: &Bound<'py, PyAny>,
-    ) -> KvResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
-        let csr = self.inner.csr(&self::request_ids(request_ids)?)?;
+    ) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
+        let csr = self.inner.csr(&self::request_ids(request_ids)?).map_err(PyKvError)?;
         Ok((
             PyArray1::from_vec(py, csr.indptr),
             PyArray1::from_vec(py, csr.indices),

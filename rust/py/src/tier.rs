@@ -70,7 +70,7 @@ impl PyHostTier {
         request_ids: &Bound<'py, PyAny>,
         stream: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let ids = self::request_ids(request_ids).map_err(PyKvError)?;
+        let ids = self::request_ids(request_ids)?;
         let stream = stream_arg(stream).map_err(PyKvError)?;
         // SAFETY: a caller's stream comes from `__cuda_stream__` of an object held for the call
         // (bare ints are refused), and its context is checked by the core.
@@ -87,7 +87,7 @@ impl PyHostTier {
         request_ids: &Bound<'py, PyAny>,
         stream: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let ids = self::request_ids(request_ids).map_err(PyKvError)?;
+        let ids = self::request_ids(request_ids)?;
         let stream = stream_arg(stream).map_err(PyKvError)?;
         // SAFETY: as in `swap_out`.
         let stats = py.detach(|| unsafe { self.inner.swap_in(&ids, stream) }).map_err(PyKvError)?;

@@ -1,0 +1,90 @@
+"""Where the time of pool_bench.py's 16-block round trip goes, from Python, in one run.
+
+Each row is one call pattern on the same host pool; differences between rows bound the parts:
+
+  getter              pool.num_free: entering a PyO3 method and back, nothing else
+  ref_cnt             pool.ref_cnt(0): a method with one int argument checked
+  empty_round_trip    alloc_many(0) + free_many(empty int32 array): both calls, the NumPy array
+                      made and freed, the array read path; no block moves
+  single              alloc() + free(id)
+  round_trip16        alloc_many(16) + free_many(ids): pool_bench.py's alloc_many16 case
+  round_trip16_list   alloc_many(16) + free_many(list of 16 ints): the iterable path
+
+round_trip16 - empty_round_trip is the core's work for 16 blocks plus the per-id reads and
+writes of the binding (the core alone is criterion's batch16/ours/1 in benches/free_list.rs).
+No baseline: pool_bench.py compares with the pure-Python pool; this only splits our time.
+
+Usage: python bench/pool_breakdown.py [--out FILE] [--commit SHA]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import timeit
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kvpool
+from provenance import provenance, run_dir
+
+LAYOUT = kvpool.KvLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
+NUM_BLOCKS = 4096  # as in pool_bench.py
+
+
+def patterns(pool: kvpool.Pool) -> dict[str, Callable[[], object]]:
+    alloc, free, alloc_many, free_many = pool.alloc, pool.free, pool.alloc_many, pool.free_many
+    return {
+        "getter": lambda: pool.num_free,
+        "ref_cnt": lambda: pool.ref_cnt(0),
+        "empty_round_trip": lambda: free_many(alloc_many(0)),  # an empty int32 array each way
+        "single": lambda: free(alloc()),
+        "round_trip16": lambda: free_many(alloc_many(16)),
+        "round_trip16_list": lambda: free_many(alloc_many(16).tolist()),
+    }
+
+
+def time_all(fns: dict[str, Callable[[], object]], repeat: int, min_time_s: float) -> dict[str, dict[str, float]]:
+    """Median and best per-call time (ns) of each pattern, in interleaved runs."""
+    timers = {name: timeit.Timer(fn) for name, fn in fns.items()}
+    numbers = {name: max(1, int(t.autorange()[0] * min_time_s / 0.2)) for name, t in timers.items()}
+    runs: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, t in timers.items():
+            runs[name].append(t.timeit(numbers[name]) / numbers[name] * 1e9)
+    return {name: {"median_ns": round(statistics.median(r), 1), "best_ns": round(min(r), 1)} for name, r in runs.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON results (default: bench/results/<date>_<commit>_<machine>/pool_breakdown.json)")
+    parser.add_argument("--repeat", type=int, default=7, help="runs per pattern; the median is reported")
+    parser.add_argument("--min-time", type=float, default=0.2, help="seconds per run")
+    parser.add_argument("--commit", default=None, help="commit to record where git is absent (the GPU box)")
+    args = parser.parse_args(argv)
+
+    prov = provenance("bench/pool_breakdown.py", args.commit)
+    pool = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="host")
+    rows = time_all(patterns(pool), args.repeat, args.min_time)
+    pool.check_invariants()
+    assert pool.num_free == NUM_BLOCKS
+    result: dict[str, Any] = {
+        "provenance": prov,
+        "method": f"timeit, patterns interleaved, median (and best) of {args.repeat} runs of >= {args.min_time} s each",
+        "num_blocks": NUM_BLOCKS,
+        "rows": rows,
+    }
+    for name, r in rows.items():
+        print(f"{name:<20} median {r['median_ns']:8.1f} ns   best {r['best_ns']:8.1f} ns")
+    out = args.out or run_dir(prov["commit"]) / "pool_breakdown.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
