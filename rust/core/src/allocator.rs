@@ -192,8 +192,8 @@ impl BlockAllocator {
             return self.free(*id);
         }
         let mut released: SmallVec<[u32; INLINE_IDS]> = SmallVec::new();
-        self.ref_cnt.release_many(block_ids, self.num_blocks(), &mut released)?;
-        self.free_ids.put(&released);
+        let released = self.ref_cnt.release_many(block_ids, self.num_blocks(), &mut released)?;
+        self.free_ids.put(released);
         Ok(())
     }
 

@@ -37,6 +37,7 @@ pub(crate) struct RefCounts {
 /// `lanes` is set if one of them is in lane `k`, and of `zeroed`, once the run is committed,
 /// if the run took that lane's count to 0. Small, because a batch keeps up to
 /// [`INLINE_IDS`] of them on the stack.
+#[derive(Clone, Copy)]
 struct Run {
     word: u32,
     start: u32,
@@ -46,6 +47,8 @@ struct Run {
 }
 
 impl Run {
+    const EMPTY: Run = Run { word: 0, start: 0, end: 0, lanes: 0, zeroed: 0 };
+
     fn units(&self) -> u64 {
         spread(self.lanes)
     }
@@ -54,7 +57,28 @@ impl Run {
     }
 }
 
-type Runs = SmallVec<[Run; INLINE_IDS]>;
+/// Room for the runs of a batch: on the stack up to [`INLINE_IDS`] ids, else on the heap.
+/// (A batch has at most one run per id, so the room is known before splitting.)
+enum RunsRoom {
+    Inline([Run; INLINE_IDS]),
+    Heap(Vec<Run>),
+}
+
+impl RunsRoom {
+    fn for_batch(ids: &[u32]) -> Self {
+        if ids.len() <= INLINE_IDS {
+            RunsRoom::Inline([Run::EMPTY; INLINE_IDS])
+        } else {
+            RunsRoom::Heap(vec![Run::EMPTY; ids.len()])
+        }
+    }
+    fn slots(&mut self) -> &mut [Run] {
+        match self {
+            RunsRoom::Inline(runs) => runs,
+            RunsRoom::Heap(runs) => runs,
+        }
+    }
+}
 
 impl RefCounts {
     /// `len` counts, all 0, lazily committed (`zeroed.rs`).
@@ -143,35 +167,41 @@ impl RefCounts {
     /// Range and repeat checks of a batch (ids `>= num_blocks`, an id twice), before anything
     /// changes.
     pub(crate) fn check_batch(&self, ids: &[u32], num_blocks: usize) -> Result<(), CoreError> {
-        split_into_runs(ids, num_blocks, &mut Runs::new())
+        split_into_runs(ids, num_blocks, RunsRoom::for_batch(ids).slots()).map(drop)
     }
 
     /// Drops one reference to each of `ids` (distinct, each referenced, all `< num_blocks`,
-    /// or nothing changes) and appends those whose count reached 0 to `released`, in the
-    /// order of `ids`. One RMW per run of ids sharing a word.
+    /// or nothing changes) and returns those whose count reached 0, in the order of `ids`:
+    /// `ids` itself when that is all of them (the common case, nothing copied), else the
+    /// ones it put in `released`. One RMW per run of ids sharing a word.
     ///
     /// Checked before any write: range, repeats (a repeat within a run shows as a lane set
     /// twice; across runs, as two runs of one word with a lane in common), and a load of every
     /// word (a count of 0 is a double free). The commit then re-checks each word in its RMW:
     /// a racing free of one of our references (caller misuse) can still take a count to 0
     /// between the two passes, and then the runs already committed are undone.
-    pub(crate) fn release_many(
+    pub(crate) fn release_many<'a>(
         &self,
-        ids: &[u32],
+        ids: &'a [u32],
         num_blocks: usize,
-        released: &mut SmallVec<[u32; INLINE_IDS]>,
-    ) -> Result<(), CoreError> {
-        let mut runs = Runs::new();
-        split_into_runs(ids, num_blocks, &mut runs)?;
+        released: &'a mut SmallVec<[u32; INLINE_IDS]>,
+    ) -> Result<&'a [u32], CoreError> {
+        let mut room = RunsRoom::for_batch(ids);
+        let runs = split_into_runs(ids, num_blocks, room.slots())?;
         if runs.iter().any(|run| !all_referenced(self.words[run.word as usize].load(Ordering::Acquire), run.units())) {
             return Err(self.first_unreferenced(ids));
         }
+        let mut all_zeroed = true;
         for done in 0..runs.len() {
             let run = &runs[done];
             let units = run.units();
             let word = &self.words[run.word as usize];
             match word.fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| all_referenced(w, units).then(|| w - units)) {
-                Ok(old) => runs[done].zeroed = run.lanes & !gather(nonzero_lanes(old - units)),
+                Ok(old) => {
+                    let zeroed = run.lanes & !gather(nonzero_lanes(old - units));
+                    all_zeroed &= zeroed == run.lanes;
+                    runs[done].zeroed = zeroed;
+                }
                 Err(_) => {
                     let culprit = self.first_unreferenced(run.ids(ids));
                     runs[..done].iter().for_each(|run| self.undo(run));
@@ -179,10 +209,13 @@ impl RefCounts {
                 }
             }
         }
-        for run in &runs {
+        if all_zeroed {
+            return Ok(ids);
+        }
+        for run in runs.iter() {
             released.extend(run.ids(ids).iter().copied().filter(|&id| run.zeroed & lane_bit(id) != 0));
         }
-        Ok(())
+        Ok(released)
     }
 
     /// Gives back the references a committed run dropped. The counts it took to 0 are ours
@@ -208,28 +241,33 @@ impl RefCounts {
 
 /// Splits a batch into runs of neighbours sharing a word; rejects ids `>= num_blocks` (the
 /// first one) and ids repeated (the first one seen a second time, in the order of `ids`).
-fn split_into_runs(ids: &[u32], num_blocks: usize, runs: &mut Runs) -> Result<(), CoreError> {
-    if let Some(&id) = ids.iter().find(|&&id| id as usize >= num_blocks) {
+fn split_into_runs<'a>(ids: &[u32], num_blocks: usize, room: &'a mut [Run]) -> Result<&'a mut [Run], CoreError> {
+    // The largest id first (a loop without early exit, which vectorises), then the first
+    // culprit only on the error path.
+    if ids.iter().copied().max().is_some_and(|max| max as usize >= num_blocks) {
+        let id = ids.iter().copied().find(|&id| id as usize >= num_blocks).unwrap_or_default();
         return Err(CoreError::out_of_range_id(id, num_blocks));
     }
-    let Some(&first) = ids.first() else { return Ok(()) };
+    let Some(&first) = ids.first() else { return Ok(&mut room[..0]) };
     // The run being built stays in plain locals (registers); it is stored once it ends.
     // Ids are below 2^31 (`MAX_NUM_BLOCKS`), so positions and words fit in 32 bits.
-    let (mut word, mut start, mut lanes, mut repeated) = (first / LANES as u32, 0u32, lane_bit(first), 0u8);
+    let (mut word, mut start, mut lanes, mut repeated, mut n) = (first / LANES as u32, 0u32, lane_bit(first), 0u8, 0);
     for (i, &id) in ids.iter().enumerate().skip(1) {
         if id / LANES as u32 == word {
             repeated |= lanes & lane_bit(id);
             lanes |= lane_bit(id);
         } else {
-            runs.push(Run { word, start, end: i as u32, lanes, zeroed: 0 });
+            room[n] = Run { word, start, end: i as u32, lanes, zeroed: 0 };
+            n += 1;
             (word, start, lanes) = (id / LANES as u32, i as u32, lane_bit(id));
         }
     }
-    runs.push(Run { word, start, end: ids.len() as u32, lanes, zeroed: 0 });
+    room[n] = Run { word, start, end: ids.len() as u32, lanes, zeroed: 0 };
+    let runs = &mut room[..n + 1];
     if repeated != 0 || runs_overlap(runs, ids) {
         return Err(CoreError::InvalidBlock { value: first_repeated(ids).to_string(), reason: "repeated in one call".into() });
     }
-    Ok(())
+    Ok(runs)
 }
 
 /// Whether two runs of one word share a lane (the same id twice). Pairwise over the runs
@@ -267,12 +305,14 @@ fn lane_bit(id: u32) -> u8 {
 
 /// A 1 in lane `k` for each bit `k` of `lanes`.
 fn spread(lanes: u8) -> u64 {
-    (0..LANES as u32).filter(|k| lanes & (1 << k) != 0).map(|k| 1u64 << (k * LANE_BITS)).sum()
+    let lanes = u64::from(lanes);
+    (lanes & 1) | (lanes & 2) << (LANE_BITS - 1) | (lanes & 4) << (2 * LANE_BITS - 2) | (lanes & 8) << (3 * LANE_BITS - 3)
 }
 
 /// Bit `k` set for each lane `k` whose top bit is set in `high` (a mask of lane top bits).
 fn gather(high: u64) -> u8 {
-    (0..LANES as u32).filter(|k| high & (1 << (k * LANE_BITS + LANE_BITS - 1)) != 0).map(|k| 1u8 << k).sum()
+    let bits = high >> (LANE_BITS - 1) & (ONES);
+    (bits | bits >> (LANE_BITS - 1) | bits >> (2 * LANE_BITS - 2) | bits >> (3 * LANE_BITS - 3)) as u8 & 0xf
 }
 
 fn lane_value(word: u64, id: u32) -> u32 {
@@ -316,6 +356,15 @@ mod tests {
     }
 
     #[test]
+    fn spread_and_gather_are_inverse() {
+        for lanes in 0..16u8 {
+            assert_eq!(gather(lanes_high(spread(lanes))), lanes);
+            assert_eq!(spread(lanes).count_ones(), lanes.count_ones());
+        }
+        assert_eq!(spread(0b1010), unit(1) | unit(3));
+    }
+
+    #[test]
     fn counts_of_one_word_are_independent() {
         let refs = RefCounts::new(8).unwrap();
         refs.set_first(&[1, 2]);
@@ -345,17 +394,17 @@ mod tests {
     fn release_many_finds_repeats_across_runs_and_keeps_the_batch_order() {
         let refs = RefCounts::new(16).unwrap();
         refs.set_first(&(0..16).collect::<Vec<_>>());
-        let mut released = SmallVec::new();
+        let release = |ids: &[u32]| refs.release_many(ids, 16, &mut SmallVec::new()).map(<[u32]>::to_vec);
         let repeated = |value: &str| CoreError::InvalidBlock { value: value.into(), reason: "repeated in one call".into() };
-        assert_eq!(refs.release_many(&[0, 5, 1, 0], 16, &mut released).unwrap_err().to_string(), repeated("0").to_string());
-        assert_eq!(refs.release_many(&[2, 3, 3], 16, &mut released).unwrap_err().to_string(), repeated("3").to_string());
-        assert!(matches!(refs.release_many(&[2, 16], 16, &mut released), Err(CoreError::InvalidBlock { .. })));
-        assert!(released.is_empty() && (0..16).all(|id| refs.get(id) == 1));
+        assert_eq!(release(&[0, 5, 1, 0]).unwrap_err(), repeated("0"));
+        assert_eq!(release(&[2, 3, 3]).unwrap_err(), repeated("3"));
+        assert!(matches!(release(&[2, 16]), Err(CoreError::InvalidBlock { .. })));
+        assert!((0..16).all(|id| refs.get(id) == 1));
         refs.share(9).unwrap();
-        refs.release_many(&[3, 2, 9, 8, 0], 16, &mut released).unwrap();
-        assert_eq!(released.as_slice(), [3, 2, 8, 0]);
+        assert_eq!(release(&[3, 2, 9, 8, 0]).unwrap(), [3, 2, 8, 0]);
         assert_eq!(refs.get(9), 1);
-        assert_eq!(refs.release_many(&[1, 2], 16, &mut released).unwrap_err(), CoreError::DoubleFree { block_id: 2 });
+        assert_eq!(release(&[12, 15, 14]).unwrap(), [12, 15, 14]);
+        assert_eq!(release(&[1, 2]).unwrap_err(), CoreError::DoubleFree { block_id: 2 });
         assert_eq!(refs.get(1), 1);
     }
 
