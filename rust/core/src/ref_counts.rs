@@ -33,27 +33,23 @@ pub(crate) struct RefCounts {
     len: usize,
 }
 
-/// Ids next to each other in a batch that share a word: `ids[start..end]`; bit `k` of
+/// The longest stretch of ids next to each other in a batch that share a word: bit `k` of
 /// `lanes` is set if one of them is in lane `k`, and of `zeroed`, once the run is committed,
-/// if the run took that lane's count to 0. Small, because a batch keeps up to
-/// [`INLINE_IDS`] of them on the stack.
+/// if the run took that lane's count to 0. Eight bytes, because a batch keeps up to
+/// [`INLINE_IDS`] of them on the stack; which ids a run holds follows from the order (the
+/// next ones of the batch while their word is the run's).
 #[derive(Clone, Copy)]
 struct Run {
     word: u32,
-    start: u32,
-    end: u32,
     lanes: u8,
     zeroed: u8,
 }
 
 impl Run {
-    const EMPTY: Run = Run { word: 0, start: 0, end: 0, lanes: 0, zeroed: 0 };
+    const EMPTY: Run = Run { word: 0, lanes: 0, zeroed: 0 };
 
     fn units(&self) -> u64 {
         spread(self.lanes)
-    }
-    fn ids<'a>(&self, ids: &'a [u32]) -> &'a [u32] {
-        &ids[self.start as usize..self.end as usize]
     }
 }
 
@@ -203,7 +199,7 @@ impl RefCounts {
                     runs[done].zeroed = zeroed;
                 }
                 Err(_) => {
-                    let culprit = self.first_unreferenced(run.ids(ids));
+                    let culprit = self.first_unreferenced(ids);
                     runs[..done].iter().for_each(|run| self.undo(run));
                     return Err(culprit);
                 }
@@ -212,8 +208,15 @@ impl RefCounts {
         if all_zeroed {
             return Ok(ids);
         }
-        for run in runs.iter() {
-            released.extend(run.ids(ids).iter().copied().filter(|&id| run.zeroed & lane_bit(id) != 0));
+        let mut run = runs.iter();
+        let mut current = run.next();
+        for &id in ids {
+            let in_current = current.filter(|r| r.word == id / LANES as u32);
+            let Some(r) = in_current.or_else(|| run.next()) else { break };
+            current = Some(r);
+            if r.zeroed & lane_bit(id) != 0 {
+                released.push(id);
+            }
         }
         Ok(released)
     }
@@ -250,19 +253,19 @@ fn split_into_runs<'a>(ids: &[u32], num_blocks: usize, room: &'a mut [Run]) -> R
     }
     let Some(&first) = ids.first() else { return Ok(&mut room[..0]) };
     // The run being built stays in plain locals (registers); it is stored once it ends.
-    // Ids are below 2^31 (`MAX_NUM_BLOCKS`), so positions and words fit in 32 bits.
-    let (mut word, mut start, mut lanes, mut repeated, mut n) = (first / LANES as u32, 0u32, lane_bit(first), 0u8, 0);
-    for (i, &id) in ids.iter().enumerate().skip(1) {
+    // Ids are below 2^31 (`MAX_NUM_BLOCKS`), so words fit in 32 bits.
+    let (mut word, mut lanes, mut repeated, mut n) = (first / LANES as u32, lane_bit(first), 0u8, 0);
+    for &id in &ids[1..] {
         if id / LANES as u32 == word {
             repeated |= lanes & lane_bit(id);
             lanes |= lane_bit(id);
         } else {
-            room[n] = Run { word, start, end: i as u32, lanes, zeroed: 0 };
+            room[n] = Run { word, lanes, zeroed: 0 };
             n += 1;
-            (word, start, lanes) = (id / LANES as u32, i as u32, lane_bit(id));
+            (word, lanes) = (id / LANES as u32, lane_bit(id));
         }
     }
-    room[n] = Run { word, start, end: ids.len() as u32, lanes, zeroed: 0 };
+    room[n] = Run { word, lanes, zeroed: 0 };
     let runs = &mut room[..n + 1];
     if repeated != 0 || runs_overlap(runs, ids) {
         return Err(CoreError::InvalidBlock { value: first_repeated(ids).to_string(), reason: "repeated in one call".into() });
@@ -404,6 +407,10 @@ mod tests {
         assert_eq!(release(&[3, 2, 9, 8, 0]).unwrap(), [3, 2, 8, 0]);
         assert_eq!(refs.get(9), 1);
         assert_eq!(release(&[12, 15, 14]).unwrap(), [12, 15, 14]);
+        // One word in two runs, a shared block between them.
+        refs.share(4).unwrap();
+        assert_eq!(release(&[5, 4, 1, 6]).unwrap(), [5, 1, 6]);
+        assert_eq!(refs.get(4), 1);
         assert_eq!(release(&[1, 2]).unwrap_err(), CoreError::DoubleFree { block_id: 2 });
         assert_eq!(refs.get(1), 1);
     }
@@ -413,7 +420,7 @@ mod tests {
         let refs = RefCounts::new(4).unwrap();
         refs.set_first(&[0, 1, 2]);
         refs.share(1).unwrap();
-        let run = Run { word: 0, start: 0, end: 2, lanes: 0b11, zeroed: 0b01 };
+        let run = Run { word: 0, lanes: 0b11, zeroed: 0b01 };
         refs.words[0].fetch_sub(unit(0) | unit(1), Ordering::AcqRel);
         refs.undo(&run);
         assert_eq!([refs.get(0), refs.get(1), refs.get(2)], [1, 2, 1]);
