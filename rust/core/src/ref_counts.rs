@@ -407,12 +407,12 @@ mod tests {
         assert_eq!(release(&[3, 2, 9, 8, 0]).unwrap(), [3, 2, 8, 0]);
         assert_eq!(refs.get(9), 1);
         assert_eq!(release(&[12, 15, 14]).unwrap(), [12, 15, 14]);
+        assert_eq!(release(&[1, 2]).unwrap_err(), CoreError::DoubleFree { block_id: 2 });
+        assert_eq!(refs.get(1), 1);
         // One word in two runs, a shared block between them.
         refs.share(4).unwrap();
         assert_eq!(release(&[5, 4, 1, 6]).unwrap(), [5, 1, 6]);
         assert_eq!(refs.get(4), 1);
-        assert_eq!(release(&[1, 2]).unwrap_err(), CoreError::DoubleFree { block_id: 2 });
-        assert_eq!(refs.get(1), 1);
     }
 
     #[test]
