@@ -273,12 +273,20 @@ fn split_into_runs<'a>(ids: &[u32], num_blocks: usize, room: &'a mut [Run]) -> R
     Ok(runs)
 }
 
-/// Whether two runs of one word share a lane (the same id twice). Pairwise over the runs
-/// when there are few (a batch of neighbours is a few runs: the check is nearly free), else
-/// over a sorted copy of the ids.
+/// Whether two runs of one word share a lane (the same id twice). Up to [`INLINE_IDS`]
+/// runs: a 64-bit filter of the words seen (`word % 64`) lets only a run whose word may
+/// have been seen search the earlier runs, so neighbours (consecutive words) and most
+/// scattered batches cost one pass; words that collide in the filter cost a pairwise
+/// search, no worse than comparing every pair. More runs: a sorted copy of the ids.
 fn runs_overlap(runs: &[Run], ids: &[u32]) -> bool {
     if runs.len() <= INLINE_IDS {
-        runs.iter().enumerate().any(|(i, b)| runs[..i].iter().any(|a| a.word == b.word && a.lanes & b.lanes != 0))
+        let mut seen = 0u64;
+        runs.iter().enumerate().any(|(i, b)| {
+            let bit = 1u64 << (b.word % 64);
+            let maybe_seen = seen & bit != 0;
+            seen |= bit;
+            maybe_seen && runs[..i].iter().any(|a| a.word == b.word && a.lanes & b.lanes != 0)
+        })
     } else {
         let mut sorted = ids.to_vec();
         sorted.sort_unstable();
