@@ -33,7 +33,8 @@ loom() {  # bound, model names (each run alone, exact)
 loom 2 a_count_during_a_refill_does_not_miss_the_moving_ids alloc_races_free \
     concurrent_double_free_has_one_winner failed_batch_free_undo_keeps_the_list_consistent \
     failed_share_undo_handles_repeated_ids share_races_free \
-    growth_does_not_inflate_the_high_water_of_a_cached_alloc
+    growth_does_not_inflate_the_high_water_of_a_cached_alloc \
+    neighbours_in_one_word_free_and_alloc_at_once failed_batch_free_across_words_undoes_its_runs
 loom 1 alloc_many_is_all_or_nothing_under_contention batch_steals_from_another_threads_cache \
     shrink_races_alloc_and_free
 loom 0 ids_cached_by_an_exited_thread_come_back tagged_head_defeats_aba \

@@ -198,8 +198,11 @@ impl RefCounts {
                     all_zeroed &= zeroed == run.lanes;
                     runs[done].zeroed = zeroed;
                 }
-                Err(_) => {
-                    let culprit = self.first_unreferenced(ids);
+                Err(w) => {
+                    // The id of the first lane that the racing call took to 0.
+                    let (word, gone) = (run.word, run.lanes & !gather(nonzero_lanes(w)));
+                    let culprit = ids.iter().copied().find(|&id| id / LANES as u32 == word && gone & lane_bit(id) != 0);
+                    let culprit = CoreError::DoubleFree { block_id: culprit.unwrap_or(ids[0]) };
                     runs[..done].iter().for_each(|run| self.undo(run));
                     return Err(culprit);
                 }
