@@ -204,7 +204,7 @@ impl BlockAllocator {
             self.check_in_range(id)?;
             match self.ref_cnt.get(id) {
                 0 => return Err(not_allocated(id)),
-                MAX_SHARED.. => return Err(too_many_refs(id)),
+                count @ MAX_SHARED.. => return Err(too_many_refs(id, count)),
                 _ => {}
             }
         }
@@ -216,7 +216,7 @@ impl BlockAllocator {
                 let released: Vec<u32> =
                     block_ids[..done].iter().copied().filter(|&undo| self.ref_cnt.drop_one(undo) == Some(0)).collect();
                 self.free_ids.put(&released);
-                return Err(if count == 0 { not_allocated(id) } else { too_many_refs(id) });
+                return Err(if count == 0 { not_allocated(id) } else { too_many_refs(id, count) });
             }
         }
         Ok(())
@@ -331,10 +331,10 @@ fn not_allocated(id: u32) -> CoreError {
     CoreError::InvalidBlock { value: id.to_string(), reason: "not allocated".into() }
 }
 
-fn too_many_refs(id: u32) -> CoreError {
+fn too_many_refs(id: u32, count: u32) -> CoreError {
     CoreError::InvalidBlock {
         value: id.to_string(),
-        reason: format!("already has {MAX_SHARED} references, the most a block can be shared by"),
+        reason: format!("already has {count} references (a fork raises a count to at most {MAX_SHARED})"),
     }
 }
 
