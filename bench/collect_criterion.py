@@ -23,7 +23,7 @@ import sys
 from provenance import provenance, run_dir
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-GROUPS = {"single": 1, "batch16": 16, "batch256": 256}
+GROUPS = {"single": 1, "batch16": 16, "batch256": 256, "batch16_scattered": 16}
 IMPLS = ("ours", "mutex")
 
 
@@ -103,9 +103,9 @@ def main():
     out = args.out or run_dir() / "free_list_rust.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"{'group':<10}{'threads':>8}{'ours ns':>12}{'mutex ns':>12}{'ours/mutex':>12}")
+    print(f"{'group':<18}{'threads':>8}{'ours ns':>12}{'mutex ns':>12}{'ours/mutex':>12}")
     for r in results:
-        print(f"{r['group']:<10}{r['threads']:>8}{r['ours_ns_per_block']:>12.2f}"
+        print(f"{r['group']:<18}{r['threads']:>8}{r['ours_ns_per_block']:>12.2f}"
               f"{r['mutex_ns_per_block']:>12.2f}{r['ours_over_mutex']:>12.2f}")
     print(f"wrote {out}")
 

@@ -36,7 +36,8 @@ loom 3 a_count_during_a_refill_does_not_miss_the_moving_ids alloc_races_free \
     concurrent_double_free_has_one_winner failed_batch_free_undo_keeps_the_list_consistent \
     failed_share_undo_handles_repeated_ids share_races_free shrink_races_alloc_and_free \
     batch_steals_from_another_threads_cache ids_cached_by_an_exited_thread_come_back \
-    alloc_many_is_all_or_nothing_under_contention
+    alloc_many_is_all_or_nothing_under_contention \
+    neighbours_in_one_word_free_and_alloc_at_once failed_batch_free_across_words_undoes_its_runs
 loom 2 tagged_head_defeats_aba tagged_head_defeats_aba_for_chains
 loom 1 three_threads_share_three_blocks
 # Every model in rust/core/tests/loom.rs runs at some bound: a new model missing from the lists

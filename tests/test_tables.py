@@ -14,6 +14,7 @@ from kvpool import (
     CapacityError,
     DuplicateRequestError,
     InvalidArgumentError,
+    InvalidBlockError,
     KvError,
     KvLayout,
     OutOfBlocksError,
@@ -411,6 +412,28 @@ def test_free_after_fork_keeps_shared_blocks(tables: BlockTables) -> None:
     assert copies.shape == (0, 2) and slots.tolist() == [blocks[-1] * BS + 1]
     tables.free(2)
     assert pool.num_free == NUM_BLOCKS
+    check(tables)
+
+
+def test_fork_past_the_most_references_a_block_holds_fails_and_changes_nothing() -> None:
+    """Reference counts are 16 bits wide: a fork stops at 65 534 references to one block."""
+    most_shared = 65_534
+    pool = Pool(LAYOUT, 4, device="host")
+    tables = BlockTables(pool, most_shared + 1, 1)
+    tables.add(0, BS)
+    block = int(tables.blocks(0)[0])
+    for child in range(1, most_shared):
+        tables.fork(0, child)
+    assert pool.ref_cnt(block) == most_shared
+    free = pool.num_free
+    with pytest.raises(InvalidBlockError, match=f"block id {block}: already has {most_shared} references"):
+        tables.fork(0, most_shared)
+    assert pool.ref_cnt(block) == most_shared and pool.num_free == free
+    assert most_shared not in tables and len(tables.request_ids()) == most_shared
+    # One reference fewer, and the fork goes through.
+    tables.free(1)
+    tables.fork(0, most_shared)
+    assert pool.ref_cnt(block) == most_shared
     check(tables)
 
 

@@ -1,7 +1,11 @@
 //! The lock-free `BlockAllocator` against a `Mutex<Vec<u32>>` free list doing the same job:
 //! per-block ref counts, range and repeat checks, double-free detection before any change,
 //! all-or-nothing batches. Groups: one block, 16 and 256 blocks per call; 1, 2, 4, 8, 16
-//! threads.
+//! threads. Each starts from a fresh pool, whose free list hands out neighbouring ids (0, 1,
+//! 2, ...), and a LIFO list keeps handing back the ids a batch freed, so a batch's ids stay
+//! neighbours: the case our packed reference counts serve best (one atomic word per four ids).
+//! `batch16_scattered` first frees the whole pool one id at a time in a random order, so a
+//! batch's ids are scattered (about one word per id): the case they serve worst.
 //!
 //! One iteration = every thread does one round trip (allocate a batch, free it); throughput is
 //! counted in blocks, so criterion's time per element is wall-clock ns per block round trip
@@ -20,8 +24,9 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use kvpool_core::{BlockAllocator, CoreError};
 
 const THREADS: [usize; 5] = [1, 2, 4, 8, 16];
-/// (group name, blocks per call).
-const BATCHES: [(&str, usize); 3] = [("single", 1), ("batch16", 16), ("batch256", 256)];
+/// (group name, blocks per call, free list shuffled first).
+const BATCHES: [(&str, usize, bool); 4] =
+    [("single", 1, false), ("batch16", 16, false), ("batch256", 256, false), ("batch16_scattered", 16, true)];
 /// Enough for 16 threads to hold a batch of 256 each, with as many again to spare.
 const NUM_BLOCKS: usize = 8192;
 
@@ -112,6 +117,24 @@ impl FreeList for MutexFreeList {
     }
 }
 
+/// Allocates every block, then frees them one at a time in a fixed pseudo-random order, so
+/// that the free list hands out scattered ids from then on.
+fn scatter(list: &dyn FreeList) {
+    let mut ids = vec![0u32; NUM_BLOCKS];
+    list.alloc_into(&mut ids).unwrap();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    for i in (1..ids.len()).rev() {
+        // xorshift64: deterministic, and no dependency for a shuffle.
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        ids.swap(i, (state % (i as u64 + 1)) as usize);
+    }
+    for id in ids {
+        list.free_many(&[id]).unwrap();
+    }
+}
+
 /// Runs `iters` round trips of `batch` blocks on each of `threads` threads; returns the wall
 /// time from the first thread's start to the last thread's end (thread spawns excluded).
 fn run_round_trips(list: &dyn FreeList, threads: usize, batch: usize, iters: u64) -> Duration {
@@ -141,16 +164,22 @@ fn run_round_trips(list: &dyn FreeList, threads: usize, batch: usize, iters: u64
 }
 
 fn free_list_benches(c: &mut Criterion) {
-    for (name, batch) in BATCHES {
+    for (name, batch, scattered) in BATCHES {
         let mut group = c.benchmark_group(name);
         for threads in THREADS {
             group.throughput(Throughput::Elements((threads * batch) as u64));
             let ours = BlockAllocator::new(NUM_BLOCKS).unwrap();
+            if scattered {
+                scatter(&ours);
+            }
             group.bench_with_input(BenchmarkId::new("ours", threads), &threads, |b, &threads| {
                 b.iter_custom(|iters| run_round_trips(&ours, threads, batch, iters))
             });
             assert_eq!(ours.num_free(), NUM_BLOCKS);
             let mutex = MutexFreeList::new(NUM_BLOCKS);
+            if scattered {
+                scatter(&mutex);
+            }
             group.bench_with_input(BenchmarkId::new("mutex", threads), &threads, |b, &threads| {
                 b.iter_custom(|iters| run_round_trips(&mutex, threads, batch, iters))
             });

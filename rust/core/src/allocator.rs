@@ -1,5 +1,6 @@
 //! `BlockAllocator`: the free ids (per-thread caches in front of a lock-free depot, see
-//! `free_ids.rs`) plus one atomic reference count per block.
+//! `free_ids.rs`) plus one reference count per block (`ref_counts.rs`: 16-bit counts packed
+//! four to an atomic word).
 //!
 //! A block is free iff its `ref_cnt` is 0, and then it is in the free ids exactly once (in
 //! the depot or in one cache).
@@ -16,14 +17,14 @@ use smallvec::SmallVec;
 
 use crate::error::CoreError;
 use crate::free_ids::{FreeIds, Taken};
-use crate::sync::{AtomicU32, AtomicUsize, Ordering};
-use crate::zeroed::zeroed_atomic_u32s;
+use crate::ref_counts::{RefCounts, INLINE_IDS, MAX_SHARED};
+use crate::sync::{AtomicUsize, Ordering};
 
 pub struct BlockAllocator {
     free_ids: FreeIds,
     /// One count per id up to the capacity (`max_num_blocks`); ids `>= num_blocks` stay 0.
     /// Lazily committed (`zeroed.rs`): memory only for the ids that were ever allocated.
-    ref_cnt: Box<[AtomicU32]>,
+    ref_cnt: RefCounts,
     /// Ids `0..num_blocks` exist. Fixed unless the pool is growable.
     num_blocks: CachePadded<AtomicUsize>,
     high_water: CachePadded<AtomicUsize>,
@@ -51,7 +52,7 @@ impl BlockAllocator {
         }
         Ok(BlockAllocator {
             free_ids: FreeIds::new(max_num_blocks as u32, num_blocks as u32)?,
-            ref_cnt: zeroed_atomic_u32s(max_num_blocks)?,
+            ref_cnt: RefCounts::new(max_num_blocks)?,
             num_blocks: CachePadded::new(AtomicUsize::new(num_blocks)),
             high_water: CachePadded::new(AtomicUsize::new(0)),
         })
@@ -114,15 +115,16 @@ impl BlockAllocator {
     }
     /// Current reference count of a block (0: free).
     pub fn ref_cnt(&self, block_id: u32) -> Result<u32, CoreError> {
-        Ok(self.counter(block_id)?.load(Ordering::Acquire))
+        self.check_in_range(block_id)?;
+        Ok(self.ref_cnt.get(block_id))
     }
 
-    fn counter(&self, block_id: u32) -> Result<&AtomicU32, CoreError> {
+    fn check_in_range(&self, block_id: u32) -> Result<(), CoreError> {
         let num_blocks = self.num_blocks();
         if block_id as usize >= num_blocks {
             return Err(CoreError::out_of_range_id(block_id, num_blocks));
         }
-        Ok(&self.ref_cnt[block_id as usize])
+        Ok(())
     }
 
     /// Tests and benchmarks only: the pool's `alloc` is the one that grows.
@@ -142,11 +144,7 @@ impl BlockAllocator {
             free,
             num_blocks: self.num_blocks(),
         })?;
-        for &id in out.iter() {
-            // The pop made the block ours alone: a plain store, no read-modify-write.
-            debug_assert_eq!(self.ref_cnt[id as usize].load(Ordering::Relaxed), 0, "block {id} was on the free list in use");
-            self.ref_cnt[id as usize].store(1, Ordering::Release);
-        }
+        self.ref_cnt.set_first(out);
         self.sample_high_water(taken);
         Ok(())
     }
@@ -183,7 +181,8 @@ impl BlockAllocator {
 
     /// Drops one reference; the block returns to the free list when its count reaches 0.
     pub fn free(&self, block_id: u32) -> Result<(), CoreError> {
-        match decrement_if_positive(self.counter(block_id)?) {
+        self.check_in_range(block_id)?;
+        match self.ref_cnt.drop_one(block_id) {
             None => Err(CoreError::DoubleFree { block_id }),
             Some(0) => {
                 self.free_ids.put(&[block_id]);
@@ -194,58 +193,38 @@ impl BlockAllocator {
     }
 
     /// Drops one reference to each id. Validates all of them first (range, repeats, not
-    /// allocated) and changes nothing if any is bad.
+    /// allocated) and changes nothing if any is bad (see [`RefCounts::release_many`]).
     pub fn free_many(&self, block_ids: &[u32]) -> Result<(), CoreError> {
-        self.check_distinct_and_in_range(block_ids)?;
-        if let Some(&id) = block_ids.iter().find(|&&id| self.ref_cnt[id as usize].load(Ordering::Acquire) == 0) {
-            return Err(CoreError::DoubleFree { block_id: id });
+        if let [id] = block_ids {
+            // The same checks and errors, without the batch bookkeeping.
+            return self.free(*id);
         }
-        // Commit. A concurrent free of one of our ids (a race in the caller) can still make a
-        // decrement find 0; then undo ours and report it, so the failed call changes nothing.
         let mut released: SmallVec<[u32; INLINE_IDS]> = SmallVec::new();
-        for (done, &id) in block_ids.iter().enumerate() {
-            match decrement_if_positive(&self.ref_cnt[id as usize]) {
-                Some(0) => released.push(id),
-                Some(_) => {}
-                None => {
-                    for &undo in &block_ids[..done] {
-                        let counter = &self.ref_cnt[undo as usize];
-                        if released.contains(&undo) {
-                            // We took it to 0 and have not pushed it: it is ours alone.
-                            counter.fetch_add(1, Ordering::AcqRel);
-                        } else {
-                            // If another holder dropped the last reference meanwhile and
-                            // pushed the block, it must not regain a count: then our reference
-                            // stays dropped (only a racing misuse of the caller gets here).
-                            let _ = increment_if_positive(counter);
-                        }
-                    }
-                    return Err(CoreError::DoubleFree { block_id: id });
-                }
-            }
-        }
-        self.free_ids.put(&released);
+        let released = self.ref_cnt.release_many(block_ids, self.num_blocks(), &mut released)?;
+        self.free_ids.put(released);
         Ok(())
     }
 
-    /// Adds one reference to each id (a fork sharing blocks). All must be allocated.
+    /// Adds one reference to each id (a fork sharing blocks; an id may repeat). All must be
+    /// allocated, with fewer than [`MAX_SHARED`] references each.
     pub fn share_many(&self, block_ids: &[u32]) -> Result<(), CoreError> {
         for &id in block_ids {
-            if self.counter(id)?.load(Ordering::Acquire) == 0 {
-                return Err(not_allocated(id));
+            self.check_in_range(id)?;
+            match self.ref_cnt.get(id) {
+                0 => return Err(not_allocated(id)),
+                count @ MAX_SHARED.. => return Err(too_many_refs(id, count)),
+                _ => {}
             }
         }
         for (done, &id) in block_ids.iter().enumerate() {
-            if increment_if_positive(&self.ref_cnt[id as usize]).is_none() {
-                // Freed under our feet by a racing caller: drop the references we added, one
-                // by one (the prefix may repeat an id, so it is not a valid `free_many`).
-                let released: Vec<u32> = block_ids[..done]
-                    .iter()
-                    .copied()
-                    .filter(|&undo| decrement_if_positive(&self.ref_cnt[undo as usize]) == Some(0))
-                    .collect();
+            if let Err(count) = self.ref_cnt.share(id) {
+                // Freed under our feet by a racing caller, or an id repeated up to the limit:
+                // drop the references we added, one by one (the prefix may repeat an id, so
+                // it is not a valid `free_many`).
+                let released: Vec<u32> =
+                    block_ids[..done].iter().copied().filter(|&undo| self.ref_cnt.drop_one(undo) == Some(0)).collect();
                 self.free_ids.put(&released);
-                return Err(not_allocated(id));
+                return Err(if count == 0 { not_allocated(id) } else { too_many_refs(id, count) });
             }
         }
         Ok(())
@@ -253,26 +232,12 @@ impl BlockAllocator {
 
     /// Rejects ids past the end and ids repeated within one call.
     pub fn check_distinct_and_in_range(&self, block_ids: &[u32]) -> Result<(), CoreError> {
-        for &id in block_ids {
-            self.counter(id)?;
-        }
-        let repeated = if block_ids.len() <= INLINE_IDS {
-            // Small batches: pairwise, without allocating.
-            block_ids.iter().enumerate().find(|&(i, id)| block_ids[..i].contains(id)).map(|(_, &id)| id)
-        } else {
-            let mut sorted = block_ids.to_vec();
-            sorted.sort_unstable();
-            sorted.windows(2).find(|p| p[0] == p[1]).map(|p| p[0])
-        };
-        match repeated {
-            Some(id) => Err(CoreError::InvalidBlock { value: id.to_string(), reason: "repeated in one call".into() }),
-            None => Ok(()),
-        }
+        self.ref_cnt.check_batch(block_ids, self.num_blocks())
     }
 
     /// Reference count of any id below the capacity, existing or not (invariant checks).
     pub(crate) fn ref_cnt_unchecked(&self, block_id: usize) -> u32 {
-        self.ref_cnt[block_id].load(Ordering::Acquire)
+        self.ref_cnt.get(block_id as u32)
     }
 
     /// Takes every cached id and as many ids off the depot as it holds at one moment, and
@@ -337,13 +302,13 @@ impl BlockAllocator {
             if held_by_cache[id as usize] {
                 return Err(format!("block {id} is both on the free list and evictable"));
             }
-            let rc = self.ref_cnt[id as usize].load(Ordering::Acquire);
+            let rc = self.ref_cnt.get(id);
             if rc != 0 {
                 return Err(format!("block {id} is on the free list with ref_cnt {rc}"));
             }
         }
-        for (id, rc) in self.ref_cnt.iter().enumerate() {
-            let rc = rc.load(Ordering::Acquire);
+        for id in 0..self.max_num_blocks() {
+            let rc = self.ref_cnt.get(id as u32);
             if id >= num_blocks {
                 if rc != 0 {
                     return Err(format!("block {id} >= num_blocks {num_blocks} has ref_cnt {rc}"));
@@ -370,23 +335,15 @@ impl BlockAllocator {
     }
 }
 
-/// Batches up to this size are freed without touching the heap.
-const INLINE_IDS: usize = 32;
-
 fn not_allocated(id: u32) -> CoreError {
     CoreError::InvalidBlock { value: id.to_string(), reason: "not allocated".into() }
 }
 
-/// `x -= 1` unless it is 0; returns the new value.
-fn decrement_if_positive(x: &AtomicU32) -> Option<u32> {
-    x.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1)).ok().map(|old| old - 1)
-}
-
-/// `x += 1` unless it is 0 (a free block cannot gain a reference); returns the new value.
-fn increment_if_positive(x: &AtomicU32) -> Option<u32> {
-    x.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| if v == 0 { None } else { v.checked_add(1) })
-        .ok()
-        .map(|old| old + 1)
+fn too_many_refs(id: u32, count: u32) -> CoreError {
+    CoreError::InvalidBlock {
+        value: id.to_string(),
+        reason: format!("already has {count} references (a fork raises a count to at most {MAX_SHARED})"),
+    }
 }
 
 /// The prefix cache's view of the allocator: reference counts and the free list, used with
@@ -399,29 +356,26 @@ impl crate::prefix_cache::BlockRefs for BlockAllocator {
         self.free_ids.available()
     }
     fn ref_cnt(&self, id: u32) -> u32 {
-        self.ref_cnt[id as usize].load(Ordering::Acquire)
+        self.ref_cnt.get(id)
     }
     fn set_first_ref(&self, id: u32) {
-        debug_assert_eq!(self.ref_cnt[id as usize].load(Ordering::Relaxed), 0, "block {id} is referenced");
-        self.ref_cnt[id as usize].store(1, Ordering::Release);
+        self.ref_cnt.set_first(&[id]);
     }
     fn add_ref(&self, id: u32) {
-        self.ref_cnt[id as usize].fetch_add(1, Ordering::AcqRel);
+        self.ref_cnt.add_held(id);
     }
     fn drop_ref(&self, id: u32) -> Option<u32> {
-        decrement_if_positive(&self.ref_cnt[id as usize])
+        self.ref_cnt.drop_one(id)
     }
     fn pop_free(&self, out: &mut [u32]) -> Result<(), usize> {
         self.free_ids.take(out)?;
-        for &id in out.iter() {
-            self.ref_cnt[id as usize].store(1, Ordering::Release);
-        }
+        self.ref_cnt.set_first(out);
         self.raise_high_water(self.num_used());
         Ok(())
     }
     fn push_free(&self, ids: &[u32]) {
         for &id in ids {
-            self.ref_cnt[id as usize].store(0, Ordering::Release);
+            self.ref_cnt.clear(id);
         }
         self.free_ids.put(ids);
     }

@@ -4,7 +4,8 @@
 //! - [`slab`]: the memory that blocks are carved from (host or CUDA device).
 //! - [`free_list`]: the depot, a lock-free stack of free block ids (see `free_list.md`);
 //!   `free_ids.rs` puts per-thread caches (`thread_cache.rs`) in front of it.
-//! - `allocator` (private): the free ids plus per-block reference counts: alloc, free, share.
+//! - `allocator` (private): the free ids plus per-block reference counts (`ref_counts.rs`,
+//!   16-bit counts packed four to a word): alloc, free, share.
 //! - [`pool`]: an allocator bound to a slab and a layout; what the bindings expose. Every
 //!   block operation goes through it. A growable pool maps its slab chunk by chunk
 //!   (`pool/growth.rs`, design in `pool/growable.md`).
@@ -27,6 +28,7 @@ pub mod free_list;
 pub mod layout;
 pub mod pool;
 pub mod prefix_cache;
+mod ref_counts;
 pub mod slab;
 pub mod tables;
 pub mod tier;
@@ -41,6 +43,7 @@ pub use allocator::BlockAllocator;
 pub use error::CoreError;
 pub use layout::{DType, KvLayout};
 pub use pool::{GrowableSize, Pool, PoolSize, PoolStats};
+pub use ref_counts::MAX_REF_CNT;
 pub use slab::Device;
 
 /// Block ids are handed to kernels as int32, so a pool never holds more blocks than this.

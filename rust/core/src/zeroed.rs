@@ -22,6 +22,8 @@ pub(crate) unsafe trait ZeroIsValid {}
 unsafe impl ZeroIsValid for std::sync::atomic::AtomicU32 {}
 // SAFETY: as above.
 unsafe impl ZeroIsValid for std::sync::atomic::AtomicU8 {}
+// SAFETY: as above.
+unsafe impl ZeroIsValid for std::sync::atomic::AtomicU64 {}
 
 /// `len` zeroes, lazily committed; `OutOfMemory` if the address space cannot be had.
 pub(crate) fn zeroed_slice<T: ZeroIsValid>(len: usize) -> Result<Box<[T]>, CoreError> {
@@ -54,5 +56,19 @@ pub(crate) fn zeroed_atomic_u32s(len: usize) -> Result<Box<[crate::sync::AtomicU
     v.try_reserve_exact(len)
         .map_err(|_| CoreError::OutOfMemory { requested_bytes: len.saturating_mul(4), device: "host".into() })?;
     v.extend((0..len).map(|_| crate::sync::AtomicU32::new(0)));
+    Ok(v.into_boxed_slice())
+}
+
+/// `len` atomic 64-bit zeroes of the crate's sync facade, as [`zeroed_atomic_u32s`].
+#[cfg(not(loom))]
+pub(crate) fn zeroed_atomic_u64s(len: usize) -> Result<Box<[crate::sync::AtomicU64]>, CoreError> {
+    zeroed_slice(len)
+}
+#[cfg(loom)]
+pub(crate) fn zeroed_atomic_u64s(len: usize) -> Result<Box<[crate::sync::AtomicU64]>, CoreError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len)
+        .map_err(|_| CoreError::OutOfMemory { requested_bytes: len.saturating_mul(8), device: "host".into() })?;
+    v.extend((0..len).map(|_| crate::sync::AtomicU64::new(0)));
     Ok(v.into_boxed_slice())
 }

@@ -248,6 +248,60 @@ fn failed_batch_free_undo_keeps_the_list_consistent() {
     });
 }
 
+/// Reference counts are packed four to a word (ids 0-3 share one). A batch free of two of
+/// them (one RMW of the word) races an allocation that gives a third its first reference
+/// (another RMW of the same word): neither may lose the other's change.
+#[test]
+fn neighbours_in_one_word_free_and_alloc_at_once() {
+    model(|| {
+        let a = Arc::new(BlockAllocator::new(4).unwrap());
+        let ids = a.alloc_many(3).unwrap();
+        a.share_many(&[ids[2]]).unwrap();
+        let freer = a.clone();
+        let free_ids = [ids[0], ids[2]];
+        let free = thread::spawn(move || freer.free_many(&free_ids).unwrap());
+        let allocator = a.clone();
+        let alloc = thread::spawn(move || allocator.alloc().unwrap());
+        free.join().unwrap();
+        let got = alloc.join().unwrap();
+        assert!(got == ids[0] || got == 3, "{got}");
+        assert_eq!(a.ref_cnt(ids[2]).unwrap(), 1);
+        assert_conserved(&a, &[ids[1], ids[2], got]);
+    });
+}
+
+/// A batch whose ids span two words, one of them twice (`[x, z, y]`: x and y share a word,
+/// z is in the next), races a free of `[y, x]` that double-frees `y`. One call fails with a
+/// double free of `y`. If the first fails after committing part of its batch, its undo gives
+/// back what it dropped in the other word and never raises a count that the winner took to
+/// 0 and pushed.
+#[test]
+fn failed_batch_free_across_words_undoes_its_runs() {
+    model(|| {
+        let a = Arc::new(BlockAllocator::new(8).unwrap());
+        let ids = a.alloc_many(5).unwrap();
+        let (x, y, z) = (ids[0], ids[1], ids[4]);
+        a.free_many(&ids[2..4]).unwrap();
+        a.share_many(&[x]).unwrap();
+        let threads: Vec<_> = [vec![x, z, y], vec![y, x]]
+            .into_iter()
+            .map(|batch| {
+                let a = a.clone();
+                thread::spawn(move || a.free_many(&batch))
+            })
+            .collect();
+        let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1, "{results:?}");
+        assert!(results.contains(&Err(CoreError::DoubleFree { block_id: y })));
+        a.check_invariants().unwrap();
+        assert_eq!(a.ref_cnt(y).unwrap(), 0);
+        // The long batch won: z is free; else its undo gave z back.
+        assert_eq!(a.ref_cnt(z).unwrap(), if results[0].is_ok() { 0 } else { 1 });
+        let held: Vec<u32> = [x, z].into_iter().filter(|&id| a.ref_cnt(id).unwrap() == 1).collect();
+        assert_conserved(&a, &held);
+    });
+}
+
 /// A fork listing the same block twice races a (buggy) free of another block in the fork.
 /// The fork fails and takes back its references; that must not panic or leak.
 #[test]

@@ -53,7 +53,8 @@ pub trait BlockRefs {
     /// Gives a block nobody references (an evictable block the caller just took off the
     /// evictable list) its first reference.
     fn set_first_ref(&self, id: u32);
-    /// Adds a reference to a block that has some and cannot lose its last meanwhile.
+    /// Adds a reference to a block that has some, fewer than [`MAX_REF_CNT`](crate::MAX_REF_CNT),
+    /// and cannot lose its last meanwhile.
     fn add_ref(&self, id: u32);
     /// Drops one reference unless there is none; returns the count left.
     fn drop_ref(&self, id: u32) -> Option<u32>;
@@ -175,7 +176,14 @@ impl PrefixCache {
         query_tokens: usize,
     ) -> Result<PrefixAlloc, CoreError> {
         let mut idx = self.lock();
-        let hits: Vec<u32> = hashes.iter().map_while(|h| idx.lookup(h)).take(total_blocks).collect();
+        // A block already at the most references a block can hold ends the hits: the rest
+        // is allocated fresh (shares stop one below it, so the check holds until the commit).
+        let hits: Vec<u32> = hashes
+            .iter()
+            .map_while(|h| idx.lookup(h))
+            .take(total_blocks)
+            .take_while(|&id| refs.ref_cnt(id) < crate::MAX_REF_CNT)
+            .collect();
         let host_hits = match &self.spill {
             Some(tier) => tier.lookup_run(&hashes[hits.len()..total_blocks.min(hashes.len())]),
             None => Vec::new(),
