@@ -368,9 +368,10 @@ impl crate::prefix_cache::BlockRefs for BlockAllocator {
         self.ref_cnt.drop_one(id)
     }
     fn pop_free(&self, out: &mut [u32]) -> Result<(), usize> {
-        self.free_ids.take(out)?;
+        let taken = self.free_ids.take(out)?;
         self.ref_cnt.set_first(out);
-        self.raise_high_water(self.num_used());
+        // The same cheap sample as `alloc_into` (a full count would scan every cache slot).
+        self.sample_high_water(taken);
         Ok(())
     }
     fn push_free(&self, ids: &[u32]) {
