@@ -222,6 +222,18 @@ fn share_races_free() {
     });
 }
 
+/// Each batch freed by its own thread, all at once; the results in the order of `batches`.
+fn free_many_at_once(a: &Arc<BlockAllocator>, batches: Vec<Vec<u32>>) -> Vec<Result<(), CoreError>> {
+    let threads: Vec<_> = batches
+        .into_iter()
+        .map(|batch| {
+            let a = a.clone();
+            thread::spawn(move || a.free_many(&batch))
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
 /// Two batch frees that both list `y` (held once) and `x` (held twice), in opposite orders.
 /// One must fail with a double free of `y`; its undo must not give a reference back to a
 /// block that the other call already returned to the free list.
@@ -231,14 +243,7 @@ fn failed_batch_free_undo_keeps_the_list_consistent() {
         let a = Arc::new(BlockAllocator::new(2).unwrap());
         let (x, y) = (a.alloc().unwrap(), a.alloc().unwrap());
         a.share_many(&[x]).unwrap();
-        let threads: Vec<_> = [[x, y], [y, x]]
-            .into_iter()
-            .map(|ids| {
-                let a = a.clone();
-                thread::spawn(move || a.free_many(&ids))
-            })
-            .collect();
-        let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        let results = free_many_at_once(&a, vec![vec![x, y], vec![y, x]]);
         assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1, "{results:?}");
         assert!(results.contains(&Err(CoreError::DoubleFree { block_id: y })));
         a.check_invariants().unwrap();
@@ -283,14 +288,7 @@ fn failed_batch_free_across_words_undoes_its_runs() {
         let (x, y, z) = (ids[0], ids[1], ids[4]);
         a.free_many(&ids[2..4]).unwrap();
         a.share_many(&[x]).unwrap();
-        let threads: Vec<_> = [vec![x, z, y], vec![y, x]]
-            .into_iter()
-            .map(|batch| {
-                let a = a.clone();
-                thread::spawn(move || a.free_many(&batch))
-            })
-            .collect();
-        let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        let results = free_many_at_once(&a, vec![vec![x, z, y], vec![y, x]]);
         assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1, "{results:?}");
         assert!(results.contains(&Err(CoreError::DoubleFree { block_id: y })));
         a.check_invariants().unwrap();
