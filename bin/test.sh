@@ -16,8 +16,8 @@ cargo test --locked -p kvpool-core
 
 echo "== loom model checks of the free list (CI bounds; the soak run is bench/loom_bounds.sh)"
 # Each model at the highest preemption bound that finishes in about a minute on a 2-core machine
-# shared with other builds (rust/core/src/free_list.md has the times per bound): 3 where it does,
-# else 2; the three-thread model (four threads with the main one) only at 1. The growth model
+# (rust/core/src/free_list.md has the times per bound): 3, except the three-thread model (four
+# threads with the main one), which takes minutes at 2 and runs at 1. The growth model
 # runs at 5: its bug pattern (the growth parking a depot id in the middle of the sample) is the
 # fifth preemption loom's search reaches, and it takes seconds there.
 loom_start=$SECONDS
@@ -37,8 +37,8 @@ loom 3 a_count_during_a_refill_does_not_miss_the_moving_ids alloc_races_free \
     failed_share_undo_handles_repeated_ids share_races_free shrink_races_alloc_and_free \
     batch_steals_from_another_threads_cache ids_cached_by_an_exited_thread_come_back \
     alloc_many_is_all_or_nothing_under_contention \
-    neighbours_in_one_word_free_and_alloc_at_once failed_batch_free_across_words_undoes_its_runs
-loom 2 tagged_head_defeats_aba tagged_head_defeats_aba_for_chains
+    neighbours_in_one_word_free_and_alloc_at_once failed_batch_free_across_words_undoes_its_runs \
+    tagged_head_defeats_aba tagged_head_defeats_aba_for_chains
 loom 1 three_threads_share_three_blocks
 # Every model in rust/core/tests/loom.rs runs at some bound: a new model missing from the lists
 # above fails here instead of never running.
