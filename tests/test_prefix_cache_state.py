@@ -11,7 +11,7 @@ of a hit are the model's cached blocks. Settings come from the profile tests/con
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +28,7 @@ from kvpool import (
     OutOfBlocksError,
     Pool,
 )
+from prefix_model import PoolModel
 
 BS = 4
 NUM_BLOCKS = 20
@@ -75,55 +76,10 @@ class Req:
         return (self.salt, self.lora, tuple(self.tokens[: (j + 1) * BS]))
 
 
-class Model:
+class Model(PoolModel):
     def __init__(self) -> None:
+        super().__init__(NUM_BLOCKS)
         self.requests: dict[int, Req] = {}
-        self.ref_cnt: Counter[int] = Counter()
-        self.cache: dict[tuple[object, ...], int] = {}
-        self.key_of: dict[int, tuple[object, ...]] = {}
-        self.lru: OrderedDict[int, None] = OrderedDict()  # least recently used first
-        self.free: set[int] = set(range(NUM_BLOCKS))
-        self.queries = self.hits = self.evictions = self.stored = 0
-
-    def available(self, exclude: set[int] = frozenset()) -> int:  # type: ignore[assignment]
-        return len(self.free) + sum(1 for b in self.lru if b not in exclude)
-
-    def take(self, got: list[int], exclude: set[int] = frozenset()) -> None:  # type: ignore[assignment]
-        """The pool handed out `got` as fresh blocks: check them and record them."""
-        assert len(set(got)) == len(got), f"one block handed out twice: {got}"
-        k = len(got)
-        if k <= len(self.free):
-            assert set(got) <= self.free, f"{got} are not all free"
-            event("alloc: from the free list")
-        else:
-            evict = [b for b in self.lru if b not in exclude][: k - len(self.free)]
-            assert set(got) == self.free | set(evict), f"expected the free {self.free} and LRU {evict}, got {got}"
-            event("alloc: evicted")
-            for b in evict:
-                del self.lru[b]
-                del self.cache[self.key_of.pop(b)]
-                self.evictions += 1
-        for b in got:
-            self.free.discard(b)
-            assert self.ref_cnt[b] == 0
-            self.ref_cnt[b] = 1
-
-    def drop(self, b: int) -> None:
-        self.ref_cnt[b] -= 1
-        assert self.ref_cnt[b] >= 0
-        if self.ref_cnt[b] == 0:
-            del self.ref_cnt[b]
-            if b in self.key_of:
-                self.lru[b] = None
-            else:
-                self.free.add(b)
-
-    def store(self, req: Req, j: int) -> None:
-        key = req.key(j)
-        if key not in self.cache:
-            self.cache[key] = req.blocks[j]
-            self.key_of[req.blocks[j]] = key
-            self.stored += 1
 
 
 class PrefixCacheMachine(RuleBasedStateMachine):

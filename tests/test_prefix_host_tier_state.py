@@ -33,6 +33,7 @@ from kvpool import (
     Pool,
 )
 from kvpool.metrics import snapshot
+from prefix_model import PoolModel
 
 BS = 4
 LAYERS = 2
@@ -76,45 +77,22 @@ class Req:
         return (self.salt, tuple(self.tokens[: (j + 1) * BS]))
 
 
-class Model:
-    """Both tiers. Pool: ref counts, the cache (content key -> block), evictable blocks in LRU
-    order, free blocks. Host tier: the keys it holds in LRU order (a host block holds nothing
-    else), and blocks taken out for a swap-in in progress."""
+class Model(PoolModel):
+    """Both tiers. The pool (`PoolModel`), and the host tier: the keys it holds in LRU order
+    (a host block holds nothing else), and blocks taken out for a swap-in in progress."""
 
     def __init__(self) -> None:
+        super().__init__(NUM_BLOCKS)
         self.requests: dict[int, Req] = {}
-        self.ref_cnt: Counter[int] = Counter()
-        self.cache: dict[tuple[object, ...], int] = {}
-        self.key_of: dict[int, tuple[object, ...]] = {}
-        self.lru: OrderedDict[int, None] = OrderedDict()
-        self.free: set[int] = set(range(NUM_BLOCKS))
         self.host: OrderedDict[tuple[object, ...], None] = OrderedDict()
         self.host_taken = 0
-        self.queries = self.hits = self.evictions = self.stored = 0
         self.host_stored = self.host_evictions = self.swapped_in = 0
 
-    def available(self, exclude: set[int] = frozenset()) -> int:  # type: ignore[assignment]
-        return len(self.free) + sum(1 for b in self.lru if b not in exclude)
-
-    def take(self, got: list[int], exclude: set[int] = frozenset()) -> None:  # type: ignore[assignment]
-        """The pool handed out `got`: from the free list, then evicting (spilling) LRU blocks."""
-        assert len(set(got)) == len(got)
-        evicted: list[tuple[object, ...]] = []
-        if len(got) <= len(self.free):
-            assert set(got) <= self.free, f"{got} are not all free"
-        else:
-            evict = [b for b in self.lru if b not in exclude][: len(got) - len(self.free)]
-            assert set(got) == self.free | set(evict), f"expected the free {self.free} and LRU {evict}, got {got}"
-            for b in evict:
-                del self.lru[b]
-                key = self.key_of.pop(b)
-                del self.cache[key]
-                evicted.append(key)
-                self.evictions += 1
-        for b in got:
-            self.free.discard(b)
-            self.ref_cnt[b] = 1
+    def take(self, got: list[int], exclude: set[int] = frozenset()) -> list[tuple[object, ...]]:  # type: ignore[assignment]
+        """The pool handed out `got`; the keys it evicted spill to the host tier."""
+        evicted = super().take(got, exclude)
         self.spill(evicted)
+        return evicted
 
     def spill(self, evicted: list[tuple[object, ...]]) -> None:
         if not evicted:
@@ -131,22 +109,6 @@ class Model:
             if key not in self.host:
                 self.host[key] = None
                 self.host_stored += 1
-
-    def drop(self, b: int) -> None:
-        self.ref_cnt[b] -= 1
-        if self.ref_cnt[b] == 0:
-            del self.ref_cnt[b]
-            if b in self.key_of:
-                self.lru[b] = None
-            else:
-                self.free.add(b)
-
-    def store(self, req: Req, j: int) -> None:
-        key = req.key(j)
-        if key not in self.cache:
-            self.cache[key] = req.blocks[j]
-            self.key_of[req.blocks[j]] = key
-            self.stored += 1
 
 
 class PrefixHostTierMachine(RuleBasedStateMachine):
