@@ -83,6 +83,8 @@ def test_our_format_with_prefix_groups_and_conversations():
          "(burstgpt): missing column 'Response tokens'"),
         ("m.jsonl", '{"timestamp": 0, "output_length": 3, "hash_ids": [1]}\n',
          "(mooncake): missing field 'input_length'"),
+        ("m2.jsonl", '{"timestamp": 0, "input_length": 3, "output_length": 3, "hash_ids": [1]}\n{oops\n',
+         "m2.jsonl:2: not valid JSON"),
         ("s.json", '[{"id": "x", "turns": []}]', "(sharegpt): missing field 'conversations'"),
         ("s2.json", '[{"id": "x", "conversations": [{"from": "human"}]}]', "(sharegpt): missing field 'value'"),
         ("k.jsonl", '{"arrival_s": 0, "prompt_tokens": 5}\n', "missing field 'output_tokens'"),

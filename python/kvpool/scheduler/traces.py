@@ -35,7 +35,7 @@ from pathlib import Path
 
 from kvpool.scheduler.sharing import DEFAULT_THINK_TIME_S, with_token_streams
 from kvpool.scheduler.tokens import HASH, PRIVATE, TokenStream
-from kvpool.scheduler.workload import Request, TraceError, load_trace
+from kvpool.scheduler.workload import Request, TraceError, jsonl_rows, load_trace
 
 TRACE_FORMATS = ("auto", "kvpool", "azure", "burstgpt", "mooncake", "sharegpt")
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -191,14 +191,7 @@ def _burstgpt(path: Path, text: str, _think: float | None) -> tuple[list[Request
 
 def _mooncake(path: Path, text: str, _think: float | None) -> tuple[list[Request], TraceInfo]:
     out: list[Request] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"--trace {path}:{lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
+    for where, row in jsonl_rows(text, f"--trace {path}"):
         if not isinstance(row, dict):
             raise TraceError(f"{where}: expected an object with {', '.join(MOONCAKE_FIELDS)}")
         for name in MOONCAKE_FIELDS[:3]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -221,16 +222,22 @@ def load_trace(path: str | Path, max_model_len: int | None = None) -> list[Reque
     return requests
 
 
-def _load_jsonl(path: Path, text: str, max_model_len: int | None) -> list[Request]:
-    out: list[Request] = []
+def jsonl_rows(text: str, label: str) -> Iterator[tuple[str, object]]:
+    """`(where, value)` for each non-blank line of a JSON Lines text, `where` being
+    `label:lineno` for messages; a line that is not JSON raises `TraceError` naming it."""
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        where = f"{path}:{lineno}"
+        where = f"{label}:{lineno}"
         try:
-            row = json.loads(line)
+            yield where, json.loads(line)
         except json.JSONDecodeError as e:
             raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
+
+
+def _load_jsonl(path: Path, text: str, max_model_len: int | None) -> list[Request]:
+    out: list[Request] = []
+    for where, row in jsonl_rows(text, str(path)):
         out.append(_request(row, len(out), where, max_model_len))
     return out
 
