@@ -20,7 +20,7 @@ import pathlib
 import subprocess
 import sys
 
-from provenance import provenance, run_dir
+from provenance import provenance, run_dir, write_json
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GROUPS = {"single": 1, "batch16": 16, "batch256": 256, "batch16_scattered": 16}
@@ -101,8 +101,7 @@ def main():
         "results": results,
     }
     out = args.out or run_dir() / "free_list_rust.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    write_json(out, record, indent=2)
     print(f"{'group':<18}{'threads':>8}{'ours ns':>12}{'mutex ns':>12}{'ours/mutex':>12}")
     for r in results:
         print(f"{r['group']:<18}{r['threads']:>8}{r['ours_ns_per_block']:>12.2f}"

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from provenance import provenance
+from provenance import provenance, write_json
 
 MANY_THREADS = (8, 16)
 MANY_THREADS_MIN_SPEEDUP = 3.0
@@ -101,7 +101,7 @@ def main() -> None:
     report = {"provenance": provenance("bench/free_list_targets.py"), "measured_in": {k: v.get("commit") for k, v in sources.items()},
               "targets": targets(args.run)}
     out = args.run / "free_list_targets.json"
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(out, report)
     for t in report["targets"]:
         status = "" if "met" not in t else ("met" if t["met"] else "MISSED")
         print(f"{status:7s} {t['target']}")

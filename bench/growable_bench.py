@@ -23,7 +23,6 @@ larger chunks grow faster and shrink coarser. Target: growth >= 20x faster than 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import kvpool
-from provenance import provenance
+from provenance import provenance, write_json
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -211,8 +210,7 @@ def main() -> None:
     }
     print(f"copy path: {copy_s * 1e3:.3f} ms for {live_bytes / GiB:.1f} GiB live + {grow_bytes / GiB:.1f} GiB")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.out, result)
         print(f"wrote {args.out}")
 
 

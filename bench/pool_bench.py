@@ -22,7 +22,6 @@ Usage: python bench/pool_bench.py [--device cuda] [--out FILE] [--commit SHA]
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import threading
 import timeit
@@ -34,7 +33,7 @@ from typing import Any, cast
 import numpy as np
 
 import kvpool
-from provenance import provenance, run_dir
+from provenance import provenance, run_dir, write_json
 
 # Llama-3-8B geometry: 2 MiB blocks. Host slabs are zeroed lazily, so 4096 blocks are cheap.
 LAYOUT = kvpool.KvLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
@@ -333,8 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in result["targets"]:
         print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}")
     out = args.out or run_dir(prov["commit"]) / f"pool_{args.device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out, result, indent=2)
     print(f"wrote {out}")
     return 0
 

@@ -20,7 +20,6 @@ Usage: python bench/pool_breakdown.py [--out FILE] [--commit SHA]
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import timeit
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import kvpool
-from provenance import provenance, run_dir
+from provenance import provenance, run_dir, write_json
 
 LAYOUT = kvpool.KvLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
 NUM_BLOCKS = 4096  # as in pool_bench.py
@@ -80,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in rows.items():
         print(f"{name:<20} median {r['median_ns']:8.1f} ns   best {r['best_ns']:8.1f} ns")
     out = args.out or run_dir(prov["commit"]) / "pool_breakdown.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out, result, indent=2)
     print(f"wrote {out}")
     return 0
 

@@ -47,7 +47,7 @@ from typing import Any
 
 import kvpool
 import numpy as np
-from provenance import provenance, run_dir
+from provenance import provenance, run_dir, write_json
 
 BS = 16
 PROMPT = 4096
@@ -327,8 +327,7 @@ def main() -> int:
     text = json.dumps(report, indent=2)
     print(text)
     out = args.out or run_dir(args.commit, "dev-vm") / "prefix_cache_host.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
+    write_json(out, report, indent=2)
     return 0
 
 

@@ -29,7 +29,7 @@ from kvpool.report import _finite, write_png
 from kvpool.scheduler import SchedulerConfig, generate, get_preset, parse_bytes
 from kvpool.scheduler.runner import SimulationSpec, simulate
 from kvpool.scheduler.sharing import generate_multiturn, with_token_streams
-from provenance import provenance, run_dir
+from provenance import provenance, run_dir, write_json
 
 
 def workloads(args: argparse.Namespace) -> dict[str, tuple[list, dict[str, Any]]]:
@@ -85,7 +85,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = {name: run(name, reqs, info, args, out_dir) for name, (reqs, info) in workloads(args).items()}
     path = out_dir / "prefix_sim.json"
-    path.write_text(json.dumps(_finite({"provenance": prov, "runs": runs}), indent=1) + "\n")
+    write_json(path, _finite({"provenance": prov, "runs": runs}))
     summary = {name: {k: round(v, 4) if isinstance(v, float) else v for k, v in r["prefix_caching"].items()}
                for name, r in runs.items()}
     print(json.dumps({"path": str(path), **summary}, indent=1))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import json
 import os
 import platform
 import subprocess
@@ -142,3 +143,9 @@ def run_dir(given_commit: str | None = None, machine_name: str | None = None) ->
     path = RESULTS / f"{date}_{commit(given_commit)}_{name}"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def write_json(path: Path, record: Any, indent: int = 1) -> None:
+    """Writes a results record as JSON (its folder made if missing), newline-terminated."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=indent) + "\n")

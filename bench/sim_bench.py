@@ -23,7 +23,7 @@ from kvpool.report import _finite
 from kvpool.scheduler import SchedulerConfig, generate, get_preset, parse_bytes
 from kvpool.scheduler.contiguous import RESERVE_MODES
 from kvpool.scheduler.runner import SimulationSpec, simulate
-from provenance import provenance, run_dir
+from provenance import provenance, run_dir, write_json
 
 
 def run(args: argparse.Namespace, reserve: str) -> dict[str, Any]:
@@ -68,8 +68,7 @@ def main() -> None:
     prov = provenance("bench/sim_bench.py", args.commit)
     runs = {reserve: run(args, reserve) for reserve in args.reserve.split(",")}
     out = args.out or run_dir(prov["commit"]) / f"simulate_{args.workload}_{args.model}_{args.device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(_finite({"provenance": prov, "runs_by_reserve": runs}), indent=1) + "\n")
+    write_json(out, _finite({"provenance": prov, "runs_by_reserve": runs}))
     summary = {
         reserve: {
             "mean_concurrency_ratio": round(r["comparison"]["mean_concurrency_ratio"], 2),

@@ -27,7 +27,7 @@ from pathlib import Path
 import cupy as cp
 
 import kvpool
-from provenance import provenance
+from provenance import provenance, write_json
 
 LAYOUTS = {
     "llama-3-8b (2 MiB blocks)": dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16),
@@ -160,8 +160,7 @@ def main() -> None:
                   f"{REPEATS} after one warm-up; latency: wall time of the call until the copy completed",
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     worst = [r for r in rows if r["num_blocks"] >= 64 and r["method"] == "batch"]
     for r in worst:
         print(f"{r['layout']:28s} n={r['num_blocks']:5d} frag={r['fragmented']!s:5s} "

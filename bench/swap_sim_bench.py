@@ -16,7 +16,6 @@ Times are modelled (costmodel.RooflineCost, copies from preemption.HostLink), no
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from kvpool.scheduler import SchedulerConfig, generate, get_preset, parse_bytes
 from kvpool.scheduler.preemption import HostLink
 from kvpool.scheduler.runner import SimulationSpec, simulate
 from kvpool.scheduler.swap import HostTierSpec
-from provenance import provenance, run_dir
+from provenance import provenance, run_dir, write_json
 
 # (host link GB/s, mode, host tier size)
 CASES = (
@@ -99,9 +98,8 @@ def main() -> None:
               f"TTFT mean x{r['ttft_mean_ratio']:.3f} latency mean x{r['latency_mean_ratio']:.3f} "
               f"({report['total_wall_s']:.1f} s)", flush=True)
     out = args.out or run_dir(args.commit) / f"swap_sim_{args.model}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(_finite({"provenance": prov, "args": vars(args) | {"out": str(out)},
-                                       "rows": rows, "reports": reports}), indent=1) + "\n")
+    write_json(out, _finite({"provenance": prov, "args": vars(args) | {"out": str(out)},
+                             "rows": rows, "reports": reports}))
     print(f"wrote {out}")
 
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import kvpool
 import numpy as np
-from provenance import provenance, run_dir
+from provenance import provenance, run_dir, write_json
 
 NUM_REQUESTS = 256
 BLOCK_SIZE = 16
@@ -374,8 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"breakdown: {json.dumps(result['breakdown'])}")
     for t in result["targets"]:
         print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out, result, indent=2)
     print(f"wrote {out}")
     return 0
 
