@@ -23,14 +23,6 @@ use crate::free_list::FreeList;
 use crate::sync::{AtomicU64, AtomicUsize, Ordering};
 use crate::thread_cache::{current_slot, ThreadCaches, SLOTS};
 
-/// How often a call that would fail only for ids that another call is moving (or a resize
-/// holds parked) waits for them to land before it reports the shortage it can see.
-#[cfg(not(loom))]
-const MAX_WAITS_FOR_MOVES: usize = 64;
-/// Under loom a wait is a yield that lets the mover finish; two keep the models small.
-#[cfg(loom)]
-const MAX_WAITS_FOR_MOVES: usize = 2;
-
 /// What `take` did, for the high-water sample that follows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Taken {
@@ -164,22 +156,32 @@ impl FreeIds {
     }
 
     /// Returns how many ids it left in the caller's cache.
+    ///
+    /// Refuses only when a consistent count is short: then fewer than `n` ids were free at one
+    /// instant (the count errs high, never low). When enough ids exist only counting those
+    /// another call is moving or a resize holds parked, it yields until they land and tries
+    /// again; it never refuses for ids in someone else's hands.
     fn take_slow(&self, slot: Option<usize>, out: &mut [u32]) -> Result<usize, usize> {
         let n = out.len();
-        let refill = if slot.is_some() { self.caches.capacity() / 2 } else { 0 };
+        // A refill on the first pass only. Once the depot has fallen short the pool is nearly
+        // empty: hoarding then would starve other callers, and a refill announced (counted
+        // off the list, see `pop_with_refill`) that the depot cannot supply is ids that do not
+        // exist, which would keep a caller near a refusal waiting for them to land.
+        let mut refill = if slot.is_some() { self.caches.capacity() / 2 } else { 0 };
         let mut popped = vec![0u32; n + refill];
         let mut waits = 0;
         loop {
             if let Some(s) = slot {
                 self.move_to_depot(s);
             }
-            if let Some(cached) = self.pop_with_refill(slot, &mut popped, n, refill) {
+            if let Some(cached) = self.pop_with_refill(slot, &mut popped[..n + refill], n, refill) {
                 out.copy_from_slice(&popped[..n]);
                 if let (Some(s), 0) = (slot, cached) {
                     self.caches.mark_empty(s);
                 }
                 return Ok(cached);
             }
+            refill = 0;
             let mut stole = false;
             for other in (0..SLOTS).filter(|&other| Some(other) != slot) {
                 stole |= self.move_to_depot(other);
@@ -188,19 +190,20 @@ impl FreeIds {
                 continue;
             }
             let (settled, off_list) = self.consistent_count();
-            if settled + off_list < n || settled < n && waits == MAX_WAITS_FOR_MOVES {
+            if settled + off_list < n {
                 if let Some(s) = slot {
                     self.caches.mark_if_empty(s);
                 }
-                return Err(if settled + off_list < n { settled + off_list } else { settled });
+                return Err(settled + off_list);
             }
             if settled < n {
-                // Enough ids exist only counting those another call is moving or a resize
-                // holds: let them land (a move is a few instructions unless that thread is
-                // descheduled mid-move; a growable pool's caller that still fails waits for a
-                // resize on its lock).
+                // Enough ids exist only counting those off the list: a move lands them within
+                // a few of the mover's own steps, and the resize path holds parked ids only
+                // while it sorts and pushes them back, taking none itself. Waiting takes long
+                // only while that thread is descheduled; refusing instead would claim fewer
+                // free ids than there are (`free_list.md`, "Progress").
+                wait_for_moves(waits);
                 waits += 1;
-                yield_now();
             }
         }
     }
@@ -336,11 +339,21 @@ fn confirm(atomic: &AtomicU64, word: u64) -> bool {
     atomic.compare_exchange(word, word, Ordering::SeqCst, Ordering::SeqCst).is_ok()
 }
 
+/// One wait for ids off the list to land (the `waits`-th of this call).
 #[cfg(not(loom))]
-fn yield_now() {
+fn wait_for_moves(_waits: usize) {
     std::thread::yield_now();
 }
+
+/// Under loom: a yield, and after the first two of a call, no more alternatives explored in
+/// this execution. With two callers waiting on a third thread's move, loom's scheduler may
+/// switch between the two waiters forever without running the mover (tokio-rs/loom#53: a
+/// yield makes every switch free), so the model never ends. The rest of the execution runs on
+/// loom's default schedule, which runs the thread that yielded least, the mover.
 #[cfg(loom)]
-fn yield_now() {
+fn wait_for_moves(waits: usize) {
     loom::thread::yield_now();
+    if waits >= 1 {
+        loom::skip_branch();
+    }
 }

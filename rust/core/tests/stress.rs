@@ -118,6 +118,31 @@ fn threads_never_share_an_id_and_every_block_comes_back() {
     a.check_invariants().unwrap();
 }
 
+/// Together the threads never hold more blocks than the pool has, so no allocation may be
+/// refused, however the calls interleave: a refusal means fewer than `n` blocks were free at
+/// one instant, never that some were on their way between a cache and the depot. (Frees fill
+/// each thread's cache, so most allocations that miss their own cache steal from others.)
+#[test]
+fn no_refusal_while_the_demand_fits_the_pool() {
+    const MOST_PER_THREAD: usize = NUM_BLOCKS / NUM_THREADS;
+    let a = BlockAllocator::new(NUM_BLOCKS).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..NUM_THREADS {
+            let a = &a;
+            s.spawn(move || {
+                let mut rng = XorShift(t as u64 + 101);
+                for _ in 0..ITERATIONS {
+                    let n = 1 + rng.below(MOST_PER_THREAD);
+                    let ids = a.alloc_many(n).unwrap_or_else(|e| panic!("alloc_many({n}) with at least {n} free: {e:?}"));
+                    a.free_many(&ids).unwrap();
+                }
+            });
+        }
+    });
+    a.check_invariants().unwrap();
+    assert_eq!(a.num_free(), NUM_BLOCKS);
+}
+
 /// Forks race with frees of other references to the same blocks: each thread shares a block
 /// it holds and drops both references, so the counts must come back to zero exactly.
 #[test]
