@@ -14,6 +14,13 @@ python -m pip install -q '.[test]'
 echo "== cargo test (kvpool-core)"
 cargo test --locked -p kvpool-core
 
+echo "== clippy (every crate and target, warnings are errors)"
+if cargo clippy --version > /dev/null 2>&1; then
+  cargo clippy --locked --workspace --all-targets -q -- -D warnings
+else
+  echo "clippy is not installed here (rustup component add clippy): skipped"
+fi
+
 echo "== loom model checks of the free list (CI bounds; the soak run is bench/loom_bounds.sh)"
 # Each model at the highest preemption bound that finishes in about a minute on a 2-core machine
 # (rust/core/src/free_list.md has the times per bound): 3, except two. The three-thread model

@@ -67,4 +67,7 @@ impl EventQueue {
     pub fn len(&self) -> usize {
         self.queue.len()
     }
+    pub fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
 }

@@ -699,7 +699,7 @@ impl BlockTables {
         if st.table[st.rows.len() * width..].iter().any(|&b| b != NULL_BLOCK) {
             return Err("an unused row holds blocks".into());
         }
-        self.check_hash_states(&st)
+        self.check_hash_states(st)
     }
 }
 
