@@ -3,6 +3,9 @@
 # (nvidia-h200-x2), from the repository root, with dist/ (the release wheel), .whl/ (FlashInfer,
 # optional) and bench/bin/ (the criterion free-list binary) carried:
 #     COMMIT=<sha> PART=1 bash bench/gpu_session.sh     # then PART=2
+# Give the sha literally (the commit the wheel was built at, tree clean): a checkout copied to
+# the GPU machine may carry git metadata older than its files, so `git rev-parse` there can name
+# an earlier commit.
 # Independent work runs in lanes at the same time; a benchmark never shares its GPU with other
 # work (tests and sanitizers may share one):
 #   part 1  GPU 0: decode benchmark, then prefill benchmark
