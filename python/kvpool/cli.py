@@ -126,7 +126,7 @@ class _Parser(argparse.ArgumentParser):
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except None ones (options whose default is described in their help)."""
 
-    def _get_help_string(self, action: argparse.Action) -> str:
+    def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default is None:
             return action.help or ""
         return super()._get_help_string(action)

@@ -311,6 +311,7 @@ class _Prepared:
             raise InvalidArgumentError(f"layout strides {st} do not fit the decode kernel")
         self.num_seqs, self.hq, self.d = num_seqs, hq, d
         self.device_id = info.device_id
+        variant: _build.TcVariant | _build.DecodeVariant
         if pipeline == _build.TC:
             try:  # a bad KVPOOL_FP8_DECODE: a KvError naming the variable, nothing prepared
                 tuning = _build.fp8_decode_tuning() if fp8 else None

@@ -92,7 +92,7 @@ class Kernel:
 
 
 @functools.cache
-def _field_offsets(struct_type: type, skip: tuple[str, ...]) -> tuple[int, ...]:
+def _field_offsets(struct_type: type[ctypes.Structure], skip: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(getattr(struct_type, f[0]).offset
                  for f in struct_type._fields_ if f[0] not in skip)
 

@@ -93,6 +93,7 @@ class Swapper(Protocol):
     def try_swap_in(self, seq: Seq, watermark_blocks: int) -> bool: ...
     def take_copy_seconds(self) -> float: ...  # modelled copy time to add to this step
     def check_drained(self) -> None: ...
+    def summary(self) -> dict[str, object]: ...  # the host-tier figures of the report
 
 
 StepCost = Callable[[int, int, int], float]  # (prefill tokens, decode seqs, KV tokens read) -> s
@@ -128,7 +129,7 @@ class Scheduler:
         self.step_cost = step_cost or (lambda prefill, decode, kv: 1.0)
         self.seqs = [Seq(r) for r in sorted(requests, key=lambda r: (r.arrival_s, r.request_id))]
         self._next_arrival = 0
-        self.waiting: list[tuple[tuple, Seq]] = []  # heap by admission key
+        self.waiting: list[tuple[tuple, int, Seq]] = []  # heap by (admission key, request id)
         self.running: list[Seq] = []  # admission order
         self.now_s = 0.0
         self.step_index = 0

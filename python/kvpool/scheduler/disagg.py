@@ -21,6 +21,7 @@ from kvpool.scheduler.core import Scheduler
 from kvpool.scheduler.costmodel import RooflineCost
 from kvpool.scheduler.paged import PagedKv
 from kvpool.scheduler.runner import SimulationSpec, make_pool
+from kvpool.scheduler.workload import Request
 
 
 def _prefill_times(spec: SimulationSpec, cost: RooflineCost) -> dict[int, float]:
@@ -31,7 +32,8 @@ def _prefill_times(spec: SimulationSpec, cost: RooflineCost) -> dict[int, float]
     now, i = 0.0, 0
     while i < len(reqs):
         now = max(now, reqs[i].arrival_s)
-        batch, tokens = [], 0
+        batch: list[Request] = []
+        tokens = 0
         while i < len(reqs) and reqs[i].arrival_s <= now and (not batch or tokens + reqs[i].prompt_tokens <= cap):
             batch.append(reqs[i])
             tokens += reqs[i].prompt_tokens

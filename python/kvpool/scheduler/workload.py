@@ -165,7 +165,7 @@ def _number(value: object, name: str, where: str, *, integer: bool, minimum: flo
     return x
 
 
-def _request(row: dict, index: int, where: str, max_model_len: int | None) -> Request:
+def _request(row: object, index: int, where: str, max_model_len: int | None) -> Request:
     if not isinstance(row, dict):
         raise TraceError(f"{where}: expected an object with arrival_s, prompt_tokens, output_tokens")
     arrival = _number(_field(row, "arrival_s", where), "arrival_s", where, integer=False, minimum=0)

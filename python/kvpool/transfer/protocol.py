@@ -187,7 +187,8 @@ class KvReceiver:
         offer (which the sender is told about) or a dead peer."""
         ep = self._ep
         offer = ep._control("waiting for an offer", None, timeout)
-        request_id = offer.get("request_id")
+        # Untrusted (from the peer): tables.add validates it; a bad one refuses the offer.
+        request_id: Any = offer.get("request_id")
         reason = self._check(offer)
         if reason is None:
             try:

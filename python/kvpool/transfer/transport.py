@@ -61,8 +61,8 @@ class _Link:
     direction, and whether the link is closed (a peer gone)."""
 
     def __init__(self) -> None:
-        self.control = (queue.Queue(), queue.Queue())
-        self.data = (queue.Queue(), queue.Queue())
+        self.control: tuple[queue.Queue[dict], queue.Queue[dict]] = (queue.Queue(), queue.Queue())
+        self.data: tuple[queue.Queue[bytes], queue.Queue[bytes]] = (queue.Queue(), queue.Queue())
         self.closed = threading.Event()
 
 
