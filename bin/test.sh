@@ -59,5 +59,8 @@ echo "loom took $((SECONDS - loom_start)) s"
 echo "== ruff (pyflakes rules: an undefined name in a GPU-only test fails here, not on the GPU)"
 ruff check --select F tests python bench
 
+echo "== mypy (python/kvpool; settings in pyproject.toml)"
+mypy
+
 echo "== pytest"
 python -m pytest -q tests
