@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs kvpool with its test dependencies into ./.venv and runs every test that needs no
-# GPU: Rust unit/property/stress tests, loom model checks, the stub check and pytest.
+# GPU: Rust unit/property/stress tests, clippy, loom model checks, ruff, mypy and pytest (with
+# the stub check).
 # GPU tests (marker `gpu`) skip themselves here; run them on a GPU machine with
 # bench/gpu_all.sh (see bench/README.md).
 set -euo pipefail
