@@ -267,11 +267,16 @@ def readme_kernels(rep, f):
         src="prefill_h200.json rows, fastest of fa2, fa3, sdpa_flash, sdpa_cudnn")
 
 
-def readme_dev_vm(rep, f):
-    rep.section("README.md Results", "prefix caching in the scheduler (dev VM)")
+def prefix_sim_runs(f):
+    """The prefix_sim workloads (system prompts, multiturn) and their prefix-caching results."""
     runs = load(f["prefix_sim"])["runs"]
     sp, mt = runs["system_prompts"], runs["multiturn"]
-    spc, mtc = sp["prefix_caching"], mt["prefix_caching"]
+    return sp, mt, sp["prefix_caching"], mt["prefix_caching"]
+
+
+def readme_dev_vm(rep, f):
+    rep.section("README.md Results", "prefix caching in the scheduler (dev VM)")
+    sp, mt, spc, mtc = prefix_sim_runs(f)
     rep.fig("{} shared {}-token system prompts hit {} of prompt tokens, {} % less prefill, {}x "
             "output tokens/s; {}-turn conversations hit {}, {} % less prefill, {}x",
             sp["workload"]["num_prefixes"], thou(sp["workload"]["prefix_tokens"]),
@@ -378,9 +383,7 @@ def readme_swap_table(rep, f):
 
 def readme_prefix_paragraph(rep, f):
     rep.section("README.md (Prefix caching)", "paragraph")
-    runs = load(f["prefix_sim"])["runs"]
-    sp, mt = runs["system_prompts"], runs["multiturn"]
-    spc, mtc = sp["prefix_caching"], mt["prefix_caching"]
+    sp, mt, spc, mtc = prefix_sim_runs(f)
     rep.fig("(Llama-3-8B geometry, {} GiB of KV, {} requests, modelled H200 step times;",
             rnd(sp["kv_memory_bytes"] / 2**30), thou(sp["workload"]["num_requests"]),
             src="prefix_sim runs.system_prompts.kv_memory_bytes, workload.num_requests")

@@ -52,11 +52,7 @@ pub(crate) fn zeroed_atomic_u32s(len: usize) -> Result<Box<[crate::sync::AtomicU
 }
 #[cfg(loom)]
 pub(crate) fn zeroed_atomic_u32s(len: usize) -> Result<Box<[crate::sync::AtomicU32]>, CoreError> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(len)
-        .map_err(|_| CoreError::OutOfMemory { requested_bytes: len.saturating_mul(4), device: "host".into() })?;
-    v.extend((0..len).map(|_| crate::sync::AtomicU32::new(0)));
-    Ok(v.into_boxed_slice())
+    atomics_one_by_one(len, || crate::sync::AtomicU32::new(0))
 }
 
 /// `len` atomic 64-bit zeroes of the crate's sync facade, as [`zeroed_atomic_u32s`].
@@ -66,9 +62,17 @@ pub(crate) fn zeroed_atomic_u64s(len: usize) -> Result<Box<[crate::sync::AtomicU
 }
 #[cfg(loom)]
 pub(crate) fn zeroed_atomic_u64s(len: usize) -> Result<Box<[crate::sync::AtomicU64]>, CoreError> {
+    atomics_one_by_one(len, || crate::sync::AtomicU64::new(0))
+}
+
+/// Under loom: `len` atomics made by `zero`, with the allocation failure reported.
+#[cfg(loom)]
+fn atomics_one_by_one<T>(len: usize, zero: impl Fn() -> T) -> Result<Box<[T]>, CoreError> {
     let mut v = Vec::new();
-    v.try_reserve_exact(len)
-        .map_err(|_| CoreError::OutOfMemory { requested_bytes: len.saturating_mul(8), device: "host".into() })?;
-    v.extend((0..len).map(|_| crate::sync::AtomicU64::new(0)));
+    v.try_reserve_exact(len).map_err(|_| CoreError::OutOfMemory {
+        requested_bytes: len.saturating_mul(std::mem::size_of::<T>()),
+        device: "host".into(),
+    })?;
+    v.extend((0..len).map(|_| zero()));
     Ok(v.into_boxed_slice())
 }
