@@ -23,7 +23,9 @@ Single files or folders can be named apart (they override the folders above): --
       --gpu2 bench/results/2026-12-01_aac2c51_h200x2 --vm bench/results/2026-12-01_14b2a4d_dev-vm
 
 Re-quoting: run it on the new folders; every `DIFFERS` line is the README phrase with the new
-numbers, to paste over the old one (the tables whole); run it again until none differ. The folder names in the READMEs' file paths, and the commit they
+numbers, to paste over the old one (the tables whole). `--write` does that paste where only
+numbers changed (the old wording found with any number in each number's place, line breaks kept)
+and lists the phrases left for a hand edit; run it again until none differ. The folder names in the READMEs' file paths, and the commit they
 name the run by, are edited by hand (the commits are printed under "Inputs").
 
 Rounding: half up on the number as stored (0.575 -> 0.58), ratios from the raw times (not from
@@ -123,22 +125,79 @@ def section_text(path, heading):
     return " ".join(text[start:end if end > 0 else None].split())
 
 
+NUMBER = r"\d+(?:,\d{3})*(?:\.\d+)?"  # 7, 0.98, 18,006, 4.66 (not the comma of "1, 16")
+
+
+def phrase_pattern(phrase):
+    """A regex for `phrase` with any number in place of each of its numbers (captured) and any
+    run of whitespace for each space: it finds the old wording of a re-measured phrase, however
+    the README wraps it."""
+    parts = re.split(f"({NUMBER})", " ".join(phrase.split()))
+    return re.compile("".join(f"({NUMBER})" if i % 2 else r"\s+".join(map(re.escape, part.split(" ")))
+                              for i, part in enumerate(parts)))
+
+
+def requote(text, start, end, phrase):
+    """`text` with the old wording of `phrase` inside text[start:end] given the phrase's numbers,
+    whitespace and line breaks kept; None when no single place fits. Where several places fit
+    (table rows of one shape), the one sharing most numbers with the phrase is taken (the row's
+    label cells), and a tie is no answer."""
+    new = re.findall(NUMBER, " ".join(phrase.split()))
+    found = list(phrase_pattern(phrase).finditer(text, start, end))
+    if not found:
+        return None
+    def shared(m):
+        return sum(old == n for old, n in zip(m.groups(), new))
+    found.sort(key=shared, reverse=True)
+    if len(found) > 1 and shared(found[0]) == shared(found[1]):
+        return None
+    m = found[0]
+    for i in reversed(range(len(new))):
+        text = text[:m.start(i + 1)] + new[i] + text[m.end(i + 1):]
+    return text
+
+
 class Report:
     """Prints figures and tables and looks each one up in the README it belongs to."""
 
     def __init__(self, check):
         self.check = check
         self.docs = {}
+        self.places = {}  # doc name -> (path, heading or None): where --write edits it
         self.doc = None
         self.counts = {"ok": 0, "DIFFERS": 0}
         self.differs = []
+        self.stale = []  # (doc name, phrase) for every DIFFERS
 
     def add_doc(self, name, path, heading=None):
         text = Path(path).read_text()
+        self.places[name] = (Path(path), heading)
         if heading:
             self.docs[name] = section_text(path, heading)
         else:
             self.docs[name] = " ".join(text.split())
+
+    def write(self):
+        """Puts every DIFFERS phrase in place of its old wording (numbers only: a changed word
+        is left for a hand edit). Returns the phrases it could not place."""
+        texts = {path: path.read_text() for path, _ in self.places.values()}
+        left = []
+        for doc, phrase in self.stale:
+            path, heading = self.places[doc]
+            text = texts[path]
+            start, end = 0, len(text)
+            if heading:
+                start = text.index(f"\n## {heading}\n")
+                end = text.find("\n## ", start + 1)
+                end = len(text) if end < 0 else end
+            new = requote(text, start, end, phrase)
+            if new is None:
+                left.append(f"{doc}: {phrase}")
+            else:
+                texts[path] = new
+        for path, text in texts.items():
+            path.write_text(text)
+        return left
 
     def section(self, doc, title):
         self.doc = doc
@@ -151,6 +210,7 @@ class Report:
         self.counts[key] += 1
         if key == "DIFFERS":
             self.differs.append(f"{self.doc}: {text}")
+            self.stale.append((self.doc, text))
         return f"[{key:7}] "
 
     def fig(self, template, *values, src):
@@ -1231,7 +1291,11 @@ def main():
     ap.add_argument("--readmes", type=Path, default=REPO,
                     help="folder holding README.md and bench/README.md to check against")
     ap.add_argument("--no-check", action="store_true", help="do not look phrases up in the READMEs")
+    ap.add_argument("--write", action="store_true",
+                    help="edit the READMEs: each DIFFERS phrase's numbers put in place of the old ones")
     a = ap.parse_args()
+    if a.write and a.no_check:
+        ap.error("--write needs the READMEs checked (leave out --no-check)")
 
     def vm(name, given):
         if given:
@@ -1288,6 +1352,12 @@ def main():
         print(f"README check: {rep.counts['ok']} phrases and table rows found as printed, "
               f"{rep.counts['DIFFERS']} differ:")
         for line in rep.differs:
+            print("  " + line)
+    if a.write:
+        left = rep.write()
+        print(f"\n--write: {len(rep.stale) - len(left)} phrases re-quoted in place, {len(left)} left "
+              "for a hand edit (a word changed, or no single place fits):")
+        for line in left:
             print("  " + line)
 
 
