@@ -17,16 +17,18 @@ README's text (whitespace collapsed): `ok` means the README already says exactly
   --vm    dev-VM folder written by bench/vm_session.sh
 Single files or folders can be named apart (they override the folders above): --free-list DIR,
 --sim-cuda FILE, --sim-host FILE, --prefix-sim FILE, --prefix-cache FILE, --swap-sim FILE,
---pool-python FILE. The figures quoted now (commit 14b2a4d) come from
+--pool-python FILE. The figures quoted now (commit 0da9aa7) come from
 
-    python bench/tools/quote_figures.py --gpu bench/results/2026-12-01_14b2a4d_h200 \\
-      --gpu2 bench/results/2026-12-01_aac2c51_h200x2 --vm bench/results/2026-12-01_14b2a4d_dev-vm
+    python bench/tools/quote_figures.py --gpu bench/results/2026-12-01_0da9aa7_h200x2 \\
+      --gpu2 bench/results/2026-12-01_0da9aa7_h200x2 --vm bench/results/2026-12-01_0da9aa7_dev-vm \\
+      --free-list bench/results/2026-12-01_0da9aa7_h200x2/free_list_alone
 
 Re-quoting: run it on the new folders; every `DIFFERS` line is the README phrase with the new
 numbers, to paste over the old one (the tables whole). `--write` does that paste where only
-numbers changed (the old wording found with any number in each number's place, line breaks kept)
-and lists the phrases left for a hand edit; run it again until none differ. The folder names in the READMEs' file paths, and the commit they
-name the run by, are edited by hand (the commits are printed under "Inputs").
+numbers changed (the old wording found with any number in each number's place, line breaks
+kept) and lists the phrases left for a hand edit; run it again until none differ. The folder
+names in the READMEs' file paths, and the commit they name the run by, are edited by hand (the
+commits are printed under "Inputs").
 
 Rounding: half up on the number as stored (0.575 -> 0.58), ratios from the raw times (not from
 a ratio the JSON stored rounded). Figures that come from no single JSON (other runs, plots,
@@ -275,6 +277,17 @@ def readme_pool_tables(rep, f):
     rep.fig("the 16-block Python round trip is {}x a pure-Python free list, {} the 10x target",
             rnd(c16["baseline_us"] / c16["ours_us"], 1), "meeting" if met10 else "short of",
             src="pool_cuda.json cases[alloc_many16_free_many], targets['>= 10x ... 16-block']")
+    res = load(f["free_list"] / "free_list_h200.json")["results"]
+    speedups = {(r["group"], r["threads"]): r["mutex_ns_per_block"] / r["ours_ns_per_block"] for r in res}
+    many = [x for (_, t), x in speedups.items() if t in (8, 16)]
+    single = [x for (_, t), x in speedups.items() if t == 1]
+    single_ok = all(1 / speedups[(group, 1)] <= 1.2 for group in ("single", "batch16"))
+    rep.fig("the lock-free free list in Rust is {}-{}x a `Mutex<Vec<u32>>` at 8-16 threads (every "
+            "batch size) and {}-{}x it single-threaded, {} the 1.2x aimed for on 1- and 16-block batches",
+            rnd(min(many), 1), rnd(max(many)), rnd(min(single), 2), rnd(max(single), 2),
+            "meeting" if single_ok else "missing",
+            src="free_list_h200.json results: mutex_ns_per_block / ours_ns_per_block, threads 8 and 16, "
+                "and 1")
     t = load(g / "tables_cuda.json")
     paths = t["paths"]
     ours = paths["ours_append_sync_cuda"]["median_us"]
@@ -556,16 +569,22 @@ def bench_scheduler(rep, f):
 def bench_gpu_intro(rep, f):
     g = f["gpu"]
     rep.section("bench/README.md Results", "the H200 run: tests and sanitizers")
-    counts = [passed(g / p) for p in ("gpu_tests.log", "prefill_tests.log", "fp8/gpu_tests.log",
-                                      "transformers/tests.log", "transformers/cpu_tests.log")]
+    logs = {"gpu": g / "gpu_tests.log", "prefill": g / "prefill_tests.log", "fp8": g / "fp8/gpu_tests.log",
+            "host tier": g / "hosttier/gpu_tests.log", "transformers": g / "transformers/tests.log",
+            "cpu": g / "transformers/cpu_tests.log"}
+    if f["gpu2"]:
+        logs["two-GPU"] = f["gpu2"] / "multigpu/gpu2_tests.log"
+    counts = {name: passed(log) for name, log in logs.items()}
     errors = sanitizer_errors(g / "decode_memcheck.log", g / "decode_racecheck.log",
                               g / "prefill_memcheck.log", g / "prefill_racecheck.log")
-    rep.fig("tests ({} GPU tests, {} prefill, {} fp8, {} transformers GPU and {} host tests "
-            "passed), memcheck and racecheck ({} errors)", *[p for p, _ in counts], errors,
+    rep.fig("tests ({} GPU tests, {} prefill, {} fp8, {} host tier, {} transformers GPU and {} host, "
+            "{} two-GPU tests passed), memcheck and racecheck ({} errors)",
+            *[counts[name][0] if name in counts else "(no --gpu2)" for name in
+              ("gpu", "prefill", "fp8", "host tier", "transformers", "cpu", "two-GPU")], errors,
             src="'N passed' of gpu_tests.log, prefill_tests.log, fp8/gpu_tests.log, "
-                "transformers/tests.log, transformers/cpu_tests.log; {decode,prefill}_"
-                "{memcheck,racecheck}.log summaries")
-    failed = [p for p, (_, n) in zip(("gpu", "prefill", "fp8", "transformers", "cpu"), counts) if n != "0"]
+                "hosttier/gpu_tests.log, transformers/tests.log, transformers/cpu_tests.log, "
+                "--gpu2 multigpu/gpu2_tests.log; {decode,prefill}_{memcheck,racecheck}.log summaries")
+    failed = [name for name, (_, n) in counts.items() if n != "0"]
     if failed:
         rep.info("FAILED tests in: " + ", ".join(failed), src="test logs")
     rep.info(f"commit {prov_commit(g / 'pool_cuda.json')} (the READMEs name the GPU run by it)",
@@ -1003,7 +1022,7 @@ def bench_prefix(rep, f):
 
     rep.section("bench/README.md Results", "prefix caching from Python")
     pc = load(f["prefix_cache"])
-    rep.fig("dev VM under load {},", rnd(pc["provenance"]["machine"]["load_average_1m_before"]),
+    rep.fig("dev VM at load {},", rnd(pc["provenance"]["machine"]["load_average_1m_before"], 1),
             src="prefix_cache provenance.machine.load_average_1m_before")
     miss, hit, step = pc["add_miss"], pc["add_hit"], pc["decode_step"]
 
@@ -1272,7 +1291,12 @@ Quoted figures this script does not recompute (not in the JSON of one run; check
     token" (model constants); README.md "below about 10 GB/s"
   bench/README.md fp8: "6 warps x 3 stages" (fp8_sweep.json at 270740b, not re-run)
   README.md (Use it): "55 GB/s each way, 15 us per call" (the simulator's default host link)
-  "(run at c3a772c)", "aac2c51", "2026-12-01": the run names (the provenance lines printed here)
+  bench/README.md free list: the single-threaded rows of the lane run beside the GPU work
+    ("1.10x and 1.16x", `free_list_h200.json` in the --gpu folder) and of 1e82866 ("1.18x and 1.42x")
+  bench/README.md decode host time "at 14b2a4d ... 17.1-19.6 us unsplit and 13 of 22 met";
+    prefix caching from Python "9.2x in the run at 14b2a4d" (the previous runs of record)
+  rust/core/src/free_list.md, pool/growable.md, slab/mod.rs, cuda/README.md: their own figures
+  "(run at c3a772c)", "0da9aa7", "2026-12-01": the run names (the provenance lines printed here)
 """
 
 
