@@ -63,6 +63,32 @@ def test_a_hit_never_covers_the_last_prompt_token() -> None:
     pool.check_invariants(exact_refs=True)
 
 
+def test_a_block_at_the_most_references_takes_no_more_hits() -> None:
+    # Reference counts are 16 bits. A cached block that 65,535 requests hold ends the hits of
+    # the next request, which gets fresh blocks for the same tokens instead of an overflowed
+    # count; once one holder is gone, the block takes hits again.
+    most = 65_535
+    pool = Pool(LAYOUT, most + 8, device="host", enable_prefix_caching=True)
+    t = BlockTables(pool, most + 2, 4)
+    prompt = range(BS + 1)  # one full block that can hit, and the block of the last token
+    for rid in range(most):
+        assert t.add_request(rid, prompt).num_cached_tokens == (0 if rid == 0 else BS)
+    shared = int(t.blocks(0)[0])
+    assert pool.ref_cnt(shared) == most
+    extra = t.add_request(most, prompt)
+    assert extra.num_cached_tokens == 0
+    assert int(t.blocks(most)[0]) != shared and pool.ref_cnt(shared) == most
+    pool.check_invariants(exact_refs=True)
+    t.free(1)
+    assert t.add_request(most + 1, prompt).num_cached_tokens == BS
+    assert pool.ref_cnt(shared) == most
+    for rid in t.request_ids():
+        t.free(rid)
+    assert pool.num_free + pool.num_evictable == pool.num_blocks
+    t.check_invariants()
+    pool.check_invariants(exact_refs=True)
+
+
 def test_salts_lora_and_extra_keys_isolate() -> None:
     pool, t = make()
     t.add_request(0, range(9))

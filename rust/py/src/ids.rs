@@ -55,6 +55,12 @@ pub type BlockIds = SmallVec<[u32; crate::pool::DETACH_MIN_BLOCKS]>;
 /// A sequence of block ids, into `ids` (empty): a 1-D int32/int64 NumPy array (fast path,
 /// read in place) or any iterable of ints. An exception the caller's iterable raises
 /// propagates as it is.
+///
+/// `ids` is filled in place rather than returned: returned inside a `PyResult`, the inline
+/// buffer (64 ids, 256 bytes) is built in this frame and copied out to the caller's, a
+/// memcpy per call on the `free_many` path that runs every scheduler step (callgrind on the
+/// dev VM counted 852 instructions for a 16-id `free_many` returning it, 589 with the
+/// out-parameter).
 pub fn block_ids(values: &Bound<'_, PyAny>, num_blocks: usize, ids: &mut BlockIds) -> PyResult<()> {
     if let Ok(array) = values.cast::<PyUntypedArray>() {
         if array.ndim() != 1 {
