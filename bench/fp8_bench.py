@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from decode_bench import GRID, HKV, HQ, ROTATE_BYTES, measure_ceiling, median_graph_us
 from provenance import provenance
+from shape_grid import measure_grid
 
 import kvpool
 from kvpool.kernels import paged_attention_decode, workspace_elems
@@ -153,15 +154,8 @@ def main():
               "torch_sum_tb_s": round(torch_sum, 4), "k_scale": K_SCALE, "v_scale": V_SCALE,
               "timing": "median of 20 CUDA-graph replays of >= 8 calls rotating over R input sets",
               "torch": torch.__version__, "cupy": cp.__version__, "rows": []}
-    for batch, seq_len in GRID:
-        try:
-            row = bench_shape(batch, seq_len, ceiling)
-        except Exception as e:  # noqa: BLE001 - record and go on
-            traceback.print_exc()
-            row = {"shape": f"{batch}x{seq_len}", "error": f"{type(e).__name__}: {e}"[:300]}
-        result["rows"].append(row)
-        with open(out_path, "w") as f:
-            json.dump(result, f, indent=1)
+    for row in measure_grid(GRID, lambda batch, seq_len: bench_shape(batch, seq_len, ceiling),
+                            result, out_path):
         print(json.dumps(row), flush=True)
     print(f"{'shape':>10} {'fp16 us':>8} {'fp8 us':>8} {'x fp16':>7} {'frac':>6} "
           f"{'FI us':>8} {'FI tc us':>8} {'x FI':>6}")

@@ -36,6 +36,7 @@ from fp8_prefill_bench import SHAPES as PREFILL_SHAPES
 from fp8_prefill_bench import run as run_prefill
 from prefill_bench import causal_flops
 from provenance import provenance
+from shape_grid import measure_grid
 
 import kvpool
 from kvpool.kernels import _decode, _prefill, paged_attention_decode, workspace_elems
@@ -187,15 +188,8 @@ def main():
               "bound": BOUND, "candidates": dict(CANDIDATES),
               "timing": "median of 20 CUDA-graph replays of >= 8 calls rotating over R input sets",
               "rows": []}
-    for batch, seq_len in GRID:
-        try:
-            row = sweep_shape(batch, seq_len, ceiling)
-        except Exception as e:  # noqa: BLE001 - record and go on
-            traceback.print_exc()
-            row = {"shape": f"{batch}x{seq_len}", "error": f"{type(e).__name__}: {e}"[:300]}
-        result["rows"].append(row)
-        with open(out_path, "w") as f:
-            json.dump(result, f, indent=1)
+    for row in measure_grid(GRID, lambda batch, seq_len: sweep_shape(batch, seq_len, ceiling),
+                            result, out_path):
         print(f"{row['shape']} done at {time.time() - t0:.0f} s", flush=True)
     names = [n for n, _ in CANDIDATES]
     print("fp8 decode us (x our fp16 / fraction of ceiling); FAIL: wrong result")

@@ -41,3 +41,33 @@ def test_vm_session_refuses_a_dirty_tree_before_writing_anything(tmp_path):
     assert run.returncode != 0
     assert "working tree has changes" not in run.stderr
     assert "provenance" in run.stderr
+
+
+def test_the_shape_grid_records_a_failing_shape_and_writes_after_every_row(tmp_path, capsys):
+    # bench/shape_grid.py (the fp8 benchmarks' loop) imports nothing GPU-only, so its contract
+    # is checked here: a shape that raises becomes a row with its error and the next shape still
+    # runs, and the JSON on disk holds every row measured so far at each step.
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("shape_grid", REPO / "bench" / "shape_grid.py")
+    shape_grid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shape_grid)
+
+    def measure(batch, seq_len):
+        if batch == 2:
+            raise RuntimeError("no kernel for this shape")
+        return {"shape": f"{batch}x{seq_len}", "us": batch * seq_len}
+
+    out = tmp_path / "grid.json"
+    result = {"rows": []}
+    seen = []
+    for row in shape_grid.measure_grid([(1, 8), (2, 8), (3, 8)], measure, result, str(out)):
+        on_disk = json.loads(out.read_text())["rows"]
+        assert on_disk[-1] == row and len(on_disk) == len(seen) + 1
+        seen.append(row)
+    assert seen == [{"shape": "1x8", "us": 8},
+                    {"shape": "2x8", "error": "RuntimeError: no kernel for this shape"},
+                    {"shape": "3x8", "us": 24}]
+    assert result["rows"] == seen
+    assert "RuntimeError: no kernel for this shape" in capsys.readouterr().err  # the traceback
