@@ -59,7 +59,7 @@ VARIANTS = [("bfloat16", 128, (1, 32768), {}), ("bfloat16", 128, (32, 4096), {})
             ("float16", 128, (16, 1024), {"ragged": True}),
             ("bfloat16", 128, (64, 2048), {"ragged": True, "hq": 64})]
 SWEEP_SPLITS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-HOST_CALLS = 200
+HOST_BATCHES, HOST_BATCH_CALLS = 10, 20  # host time: median of 10 batches of 20 calls
 
 
 def median_graph_us(calls, reps=20, inner=None):
@@ -108,17 +108,22 @@ def median_eager_us(calls, reps=20, inner=None):
     return statistics.median(times)
 
 
-def host_us(call, n=HOST_CALLS):
-    """Host (CPU) time per call of `call`, eager, no synchronisation inside the loop."""
+def host_us(call, batches=HOST_BATCHES, n=HOST_BATCH_CALLS):
+    """Host (CPU) time per call of `call`, eager: the median over `batches` batches of `n` calls
+    (no synchronisation inside a batch, the device drained between batches), so that a pause of
+    the Python process (a garbage collection, a preemption on a busy host) costs one batch, not
+    the figure."""
     s = torch.cuda.current_stream()
     call(s)
     torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        call(s)
-    el = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return el / n * 1e6
+    per_call = []
+    for _ in range(batches):
+        t = time.perf_counter()
+        for _ in range(n):
+            call(s)
+        per_call.append((time.perf_counter() - t) / n)
+        torch.cuda.synchronize()
+    return statistics.median(per_call) * 1e6
 
 
 def measure_ceiling():
@@ -348,6 +353,7 @@ def main():
         "ceiling_tb_s": round(ceiling, 4), "ceiling_sweep_tb_s": sweep,
         "torch_sum_tb_s": round(torch_sum, 4),
         "timing": "median of 20 CUDA-graph replays of >= 8 calls rotating over R input sets",
+        "host_timing": f"*_host_us: median over {HOST_BATCHES} batches of {HOST_BATCH_CALLS} eager calls",
         "torch": torch.__version__, "cupy": cp.__version__, "rows": [],
     }
     cases = [("float16", 128, s, {}) for s in GRID] + VARIANTS
