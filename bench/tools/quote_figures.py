@@ -41,6 +41,7 @@ import argparse
 import json
 import math
 import re
+import statistics
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
@@ -863,6 +864,10 @@ def bench_decode(rep, f):
         src="rows num_splits == 1, kvpool_host_us; exceptions: those at or above the 20 us target")
     rep.fig("and {} us with a split", rng([r["kvpool_host_us"] for r in split], 1),
             src="rows num_splits > 1, kvpool_host_us")
+    vs_fi = [r["kvpool_host_us"] / r["flashinfer_tc_host_us"] for r in rows if r.get("flashinfer_tc_host_us")]
+    rep.fig("Within one run, ours is {}x the host time of FlashInfer's tensor-core `run`, median {}",
+            rng(vs_fi), rnd(statistics.median(vs_fi), 2),
+            src="rows kvpool_host_us / flashinfer_tc_host_us")
     rep.info(f"< 20 us host target met on {sum(r['kvpool_host_us'] < 20 for r in unsplit)} of "
              f"{len(unsplit)} unsplit rows, {sum(r['kvpool_host_us'] < 20 for r in split)} of "
              f"{len(split)} split rows (README: 'met on most unsplit shapes and **missed** on most "
@@ -1295,6 +1300,8 @@ Quoted figures this script does not recompute (not in the JSON of one run; check
     ("1.10x and 1.16x", `free_list_h200.json` in the --gpu folder) and of 1e82866 ("1.18x and 1.42x")
   bench/README.md decode host time "at 14b2a4d ... 17.1-19.6 us unsplit and 13 of 22 met";
     prefix caching from Python "9.2x in the run at 14b2a4d" (the previous runs of record)
+  bench/README.md decode host time of the later run alone on one H200 ("37.0 us ... at df04f03",
+    "6 of 22", "df04f03: 0.61-1.79x, median 1.08"; `2026-12-01_df04f03_h200/decode/`)
   rust/core/src/free_list.md, pool/growable.md, slab/mod.rs, cuda/README.md: their own figures
   "(run at c3a772c)", "0da9aa7", "2026-12-01": the run names (the provenance lines printed here)
 """
