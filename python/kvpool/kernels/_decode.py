@@ -97,12 +97,7 @@ def paged_attention_decode(
         _check_tables_pool(seq_lens, pool, "seq_lens")
     if not 0 <= layer < info.num_layers:
         raise InvalidArgumentError(f"layer {layer} outside 0..{info.num_layers - 1}")
-    fp8 = info.layout.dtype in _build.FP8_DTYPES
-    if fp8 and (not isinstance(scales, KvScales) or scales.pool is not pool):
-        raise InvalidArgumentError(
-            f"decode over a {info.layout.dtype} pool needs scales=KvScales(pool) of this pool")
-    if not fp8 and scales is not None:
-        raise InvalidArgumentError(f"scales are for fp8 pools; this pool holds {info.layout.dtype}")
+    _check_scales(pool, info, scales, "decode")
     if not info.cuda:
         return _decode_host(q, pool, layer, block_tables, seq_lens, scale, out, scales)
     return _decode_cuda(
@@ -115,6 +110,25 @@ def paged_attention_decode(
 def workspace_elems(num_seqs: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
     """float32 elements of split-KV workspace a plan with `num_splits` needs."""
     return num_seqs * min(num_splits, _build.MAX_SPLITS) * num_q_heads * (head_dim + 1)
+
+
+def _check_scales(pool: Any, info: _PoolInfo, scales: KvScales | None, op: str) -> None:
+    """An fp8 pool needs its own KvScales; any other pool takes none."""
+    if info.layout.dtype in _build.FP8_DTYPES:
+        if not isinstance(scales, KvScales) or scales.pool is not pool:
+            raise InvalidArgumentError(
+                f"{op} over a {info.layout.dtype} pool needs scales=KvScales(pool) of this pool")
+    elif scales is not None:
+        raise InvalidArgumentError(f"scales are for fp8 pools; this pool holds {info.layout.dtype}")
+
+
+def _host_result(res: np.ndarray, q_dtype: str, q: np.ndarray, out: Any) -> Any:
+    """The float64 reference's result in q's element type: into `out` when given."""
+    res = reference.from_float64(res, q_dtype)
+    if out is None:
+        return res.view(q.dtype)
+    out[...] = res.view(out.dtype)
+    return out
 
 
 def _check_tables_pool(block_tables: Any, pool: Any, name: str = "block_tables") -> None:
@@ -178,11 +192,7 @@ def _decode_host(q, pool, layer, block_tables, seq_lens, scale, out, scales=None
         q, pool.k_view(layer), pool.v_view(layer), tables, lens, layout.dtype, scale,
         q_dtype=q_dtype, kv_scales=scales.layer_scales(layer) if scales else None,
     )
-    res = reference.from_float64(res, q_dtype)
-    if out is None:
-        return res.view(q.dtype)
-    out[...] = res.view(out.dtype)
-    return out
+    return _host_result(res, q_dtype, q, out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,6 +406,19 @@ def _counters(device_id: int, stream: int, need: int) -> int:
     return buf.data.ptr
 
 
+def _workspace_ptr(workspace: Any, need: int, device_id: int, stream: int) -> int:
+    """The split partials' float32 workspace of >= `need` elements: the caller's (checked) or
+    the one cached for (device, stream)."""
+    if workspace is None:
+        return _cached_workspace(device_id, stream, need)
+    ws = _dev(_view(workspace, "workspace"), "workspace")
+    if ws.typestr[1:] != "f4" or len(ws.shape) != 1 or ws.strides[0] != 1 or ws.shape[0] < need:
+        raise InvalidArgumentError(
+            f"workspace must be a contiguous 1-d float32 array of >= {need} elements")
+    check_ptr(ws.ptr, "workspace", device_id)
+    return ws.ptr
+
+
 def _cached_workspace(device_id: int, stream: int, need: int) -> int:
     """A float32 workspace kept per (device, stream): calls on one stream are ordered, so
     reusing it is safe (also inside a CUDA graph captured on that stream). It is allocated on
@@ -501,18 +524,7 @@ def _decode_cuda(q, pool, info, layer, block_tables, seq_lens, scale, out, strea
     part_o = part_lse = counters = 0
     if plan.split:
         need = workspace_elems(num_seqs, prep.hq, prep.d, plan.num_splits)
-        if workspace is None:
-            part_o = _cached_workspace(dev, sp, need)
-        else:
-            wv = _view(workspace, "workspace")
-            ws = _dev(wv, "workspace")
-            if ws.typestr[1:] != "f4" or len(ws.shape) != 1 or ws.strides[0] != 1 or (
-                ws.shape[0] < need
-            ):
-                raise InvalidArgumentError(
-                    f"workspace must be a contiguous 1-d float32 array of >= {need} elements")
-            check_ptr(ws.ptr, "workspace", dev)
-            part_o = ws.ptr
+        part_o = _workspace_ptr(workspace, need, dev, sp)
         part_lse = part_o + 4 * num_seqs * plan.num_splits * prep.hq * prep.d
         if prep.tc:
             counters = _counters(dev, sp, num_seqs * prep.ctas_per_seq)

@@ -24,11 +24,13 @@ from kvpool.kernels._args import dev as _dev
 from kvpool.kernels._args import view as _view
 from kvpool.kernels._decode import (
     LOG2E,
-    _cached_workspace,
+    _check_scales,
     _check_tables_pool,
+    _host_result,
     _num_sms,
     _pool_info,
     _PoolInfo,
+    _workspace_ptr,
     fp8_query_dtype,
 )
 from kvpool.kernels._launch import (
@@ -101,12 +103,7 @@ def paged_attention_prefill(
             _check_tables_pool(a, pool, name)
     if not 0 <= layer < info.num_layers:
         raise InvalidArgumentError(f"layer {layer} outside 0..{info.num_layers - 1}")
-    fp8 = info.layout.dtype in _build.FP8_DTYPES
-    if fp8 and (not isinstance(scales, KvScales) or scales.pool is not pool):
-        raise InvalidArgumentError(
-            f"prefill over a {info.layout.dtype} pool needs scales=KvScales(pool) of this pool")
-    if not fp8 and scales is not None:
-        raise InvalidArgumentError(f"scales are for fp8 pools; this pool holds {info.layout.dtype}")
+    _check_scales(pool, info, scales, "prefill")
     if not info.cuda:
         return _prefill_host(q, pool, layer, qo_indptr, block_tables, seq_lens, bool(causal),
                              scale, out, scales)
@@ -237,11 +234,7 @@ def _prefill_host(q, pool, layer, qo_indptr, block_tables, seq_lens, causal, sca
     res = reference.paged_attention_prefill(
         q, pool.k_view(layer), pool.v_view(layer), indptr, tables, lens, layout.dtype, scale,
         causal, q_dtype=q_dtype, kv_scales=scales.layer_scales(layer) if scales else None)
-    res = reference.from_float64(res, q_dtype)
-    if out is None:
-        return res.view(q.dtype)
-    out[...] = res.view(out.dtype)
-    return out
+    return _host_result(res, q_dtype, q, out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,17 +424,7 @@ def _prefill_cuda(q, pool, info, layer, qo_indptr, block_tables, seq_lens, causa
     part_o = part_lse = 0
     if plan.split:
         need = prefill_workspace_elems(plan, prep.d)
-        if workspace is None:
-            part_o = _cached_workspace(dev, sp, need)
-        else:
-            ws = _dev(_view(workspace, "workspace"), "workspace")
-            if ws.typestr[1:] != "f4" or len(ws.shape) != 1 or ws.strides[0] != 1 or (
-                ws.shape[0] < need
-            ):
-                raise InvalidArgumentError(
-                    f"workspace must be a contiguous 1-d float32 array of >= {need} elements")
-            check_ptr(ws.ptr, "workspace", dev)
-            part_o = ws.ptr
+        part_o = _workspace_ptr(workspace, need, dev, sp)
         part_lse = part_o + 4 * plan.num_splits * plan.total_q * prep.hq * prep.d
     work = _device_work(plan, dev, sp)
     wait_producers(sp, dev, qv, ipv, btv, slv, ov)
