@@ -230,6 +230,30 @@ def test_speculative_verification_on_long_contexts(dtype):
                        plan=forced, workspace=ws)
 
 
+def test_a_bad_caller_workspace_is_refused_before_a_launch():
+    # A split plan with a workspace too small, of another type or not 1-d: refused naming the
+    # workspace and what it must be, and the output is left untouched (still all NaN).
+    rng = np.random.default_rng(70)
+    d, bs, hq, hkv = 128, 16, 32, 8
+    qo, lens = np.array([4, 4], np.int32), np.array([3000, 4000], np.int32)
+    pool = cuda_pool(rng, hkv, d, bs, "float16", sum(-(-int(n) // bs) for n in lens) + 8, 1)
+    tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
+    q = device_elems(rng, (int(qo.sum()), hq, d), "float16")
+    plan = prefill_plan(pool, qo_indptr(qo), lens, hq, num_splits=3)
+    assert plan.split
+    need = prefill_workspace_elems(plan, d)
+    out = poisoned(q.shape, "float16")
+    args = (q, pool, 0, cp.asarray(qo_indptr(qo)), cp.asarray(tables), cp.asarray(lens))
+    for ws in (cp.empty(need - 1, cp.float32), cp.empty(need, cp.float16),
+               cp.empty((need, 1), cp.float32)):
+        with pytest.raises(kvpool.InvalidArgumentError,
+                           match=f"workspace must be a contiguous 1-d float32 array of >= {need}"):
+            paged_attention_prefill(*args, plan=plan, out=out, workspace=ws)
+    assert (out.view(cp.uint16) == NAN_BITS["float16"]).all()
+    paged_attention_prefill(*args, plan=plan, out=out, workspace=cp.empty(need, cp.float32))
+    assert not cp.isnan(out).any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (8, 8), (32, 1)])
 def test_one_query_agrees_with_decode(dtype, hq, hkv):
