@@ -408,7 +408,8 @@ def _counters(device_id: int, stream: int, need: int) -> int:
 
 def _workspace_ptr(workspace: Any, need: int, device_id: int, stream: int) -> int:
     """The split partials' float32 workspace of >= `need` elements: the caller's (checked) or
-    the one cached for (device, stream)."""
+    the one cached for (device, stream). Decode and prefill share it (and _check_scales,
+    _host_result); their GPU tests passed on it (bench/results/2026-12-01_8452903_h200/)."""
     if workspace is None:
         return _cached_workspace(device_id, stream, need)
     ws = _dev(_view(workspace, "workspace"), "workspace")
