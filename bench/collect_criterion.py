@@ -54,45 +54,65 @@ def load(criterion_dir):
         elements = meta["throughput"]["Elements"]
         estimates = json.loads((bench_file.parent / "estimates.json").read_text())
         kind, ns, (lo, hi) = headline(estimates)
-        found[(group, impl, int(meta["value_str"]))] = (kind, ns / elements, (lo / elements, hi / elements))
+        found[(group, impl, int(meta["value_str"]))] = (
+            kind,
+            ns / elements,
+            (lo / elements, hi / elements),
+        )
     return found
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
     parser.add_argument("--criterion-dir", type=pathlib.Path, default=target / "criterion")
-    parser.add_argument("--machine", default="2-core x86_64 dev VM, no GPU", help="a description, recorded")
-    parser.add_argument("--note", default="", help="conditions of the run, e.g. other load on the machine")
+    parser.add_argument(
+        "--machine", default="2-core x86_64 dev VM, no GPU", help="a description, recorded"
+    )
+    parser.add_argument(
+        "--note", default="", help="conditions of the run, e.g. other load on the machine"
+    )
     parser.add_argument("--commit", help="the commit measured, where there is no git (a GPU host)")
-    parser.add_argument("--out", type=pathlib.Path, default=None,
-                        help="default: bench/results/<date>_<commit>_<machine>/free_list_rust.json")
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=None,
+        help="default: bench/results/<date>_<commit>_<machine>/free_list_rust.json",
+    )
     args = parser.parse_args()
 
     found = load(args.criterion_dir)
     if not found:
-        sys.exit(f"no free_list criterion results under {args.criterion_dir}; run the cargo bench command first")
+        sys.exit(
+            f"no free_list criterion results under {args.criterion_dir}; run the cargo bench command first"
+        )
     results = []
     for group, batch in GROUPS.items():
         for threads in sorted({t for (g, _, t) in found if g == group}):
             ours, mutex = found.get((group, "ours", threads)), found.get((group, "mutex", threads))
             if ours is None or mutex is None:
                 continue
-            results.append({
-                "group": group,
-                "blocks_per_call": batch,
-                "threads": threads,
-                "ours_ns_per_block": round(ours[1], 3),
-                "mutex_ns_per_block": round(mutex[1], 3),
-                "ours_over_mutex": round(ours[1] / mutex[1], 3),
-                "ours_ci95_ns": [round(x, 3) for x in ours[2]],
-                "mutex_ci95_ns": [round(x, 3) for x in mutex[2]],
-            })
+            results.append(
+                {
+                    "group": group,
+                    "blocks_per_call": batch,
+                    "threads": threads,
+                    "ours_ns_per_block": round(ours[1], 3),
+                    "mutex_ns_per_block": round(mutex[1], 3),
+                    "ours_over_mutex": round(ours[1] / mutex[1], 3),
+                    "ours_ci95_ns": [round(x, 3) for x in ours[2]],
+                    "mutex_ci95_ns": [round(x, 3) for x in mutex[2]],
+                }
+            )
     record = {
         "provenance": provenance("bench/collect_criterion.py"),
         "benchmark": "rust/core/benches/free_list.rs",
         "command": "cargo bench -p kvpool-core --bench free_list -- --warm-up-time 1 --measurement-time 2",
-        "core_sources_modified_since_commit": None if args.commit else bool(git("status", "--porcelain", "rust/core/src")),
+        "core_sources_modified_since_commit": None
+        if args.commit
+        else bool(git("status", "--porcelain", "rust/core/src")),
         "machine_description": args.machine,
         "note": args.note,
         "unit": "ns per block round trip (alloc + free of one block), wall clock across all threads",
@@ -104,8 +124,10 @@ def main():
     write_json(out, record, indent=2)
     print(f"{'group':<18}{'threads':>8}{'ours ns':>12}{'mutex ns':>12}{'ours/mutex':>12}")
     for r in results:
-        print(f"{r['group']:<18}{r['threads']:>8}{r['ours_ns_per_block']:>12.2f}"
-              f"{r['mutex_ns_per_block']:>12.2f}{r['ours_over_mutex']:>12.2f}")
+        print(
+            f"{r['group']:<18}{r['threads']:>8}{r['ours_ns_per_block']:>12.2f}"
+            f"{r['mutex_ns_per_block']:>12.2f}{r['ours_over_mutex']:>12.2f}"
+        )
     print(f"wrote {out}")
 
 

@@ -1,9 +1,8 @@
 """Trigger FlashInfer's JIT builds of the paged prefill kernels prefill_bench.py times (fa2 and
 fa3, fp16 and bf16, head_dim 128, causal), so they compile on the CPU while the GPU tests run."""
 
-import torch
-
 import flashinfer
+import torch
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 for tdt in (torch.float16, torch.bfloat16):
@@ -16,9 +15,21 @@ for tdt in (torch.float16, torch.bfloat16):
     for backend in ("fa2", "fa3"):
         try:
             w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), "NHD", backend=backend)
-            w.plan(qo_indptr, kv_indptr, idx, last, HQ, HKV, D, BS, causal=True,
-                   q_data_type=tdt, kv_data_type=tdt)
+                torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), "NHD", backend=backend
+            )
+            w.plan(
+                qo_indptr,
+                kv_indptr,
+                idx,
+                last,
+                HQ,
+                HKV,
+                D,
+                BS,
+                causal=True,
+                q_data_type=tdt,
+                kv_data_type=tdt,
+            )
             w.run(q, cache)
             torch.cuda.synchronize()
             print("warm", tdt, backend, flush=True)

@@ -16,14 +16,13 @@ import sys
 import traceback
 
 import cupy as cp
+import kvpool
 import numpy as np
 import torch
 from decode_bench import GRID, HKV, HQ, ROTATE_BYTES, measure_ceiling, median_graph_us
+from kvpool.kernels import paged_attention_decode, workspace_elems
 from provenance import provenance
 from shape_grid import measure_grid
-
-import kvpool
-from kvpool.kernels import paged_attention_decode, workspace_elems
 
 D, BS = 128, 16
 K_SCALE, V_SCALE = 0.02, 0.01  # the cache holds N(0,1)/scale quantized: codes use the range
@@ -35,8 +34,11 @@ def make_pool(dtype, num_blocks, gen):
     lay = kvpool.KvLayout(1, HKV, D, BS, dtype)
     pool = kvpool.Pool(lay, num_blocks, device="cuda")
     nbytes = num_blocks * lay.strides()["block"]
-    raw = cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(
-        cp.cuda.UnownedMemory(pool.base_ptr, nbytes, pool), 0))
+    raw = cp.ndarray(
+        (nbytes,),
+        cp.uint8,
+        cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(pool.base_ptr, nbytes, pool), 0),
+    )
     tdt = torch.float8_e4m3fn if dtype == "float8_e4m3fn" else torch.float16
     cache = torch.from_dlpack(raw).view(tdt).view(num_blocks, 2, BS, HKV, D)
     for b0 in range(0, num_blocks, 4096):  # fill in pieces: no 2x-size temporary
@@ -63,8 +65,14 @@ def shape_inputs(batch, seq_len):
     gen = torch.Generator(device="cuda")
     gen.manual_seed(batch * 7919 + seq_len)
     perm = rng.permutation(num_blocks).astype(np.int32)
-    tables = [torch.from_numpy(perm[r * batch * blocks_per_seq:(r + 1) * batch * blocks_per_seq]
-                               .reshape(batch, blocks_per_seq)).cuda() for r in range(rot)]
+    tables = [
+        torch.from_numpy(
+            perm[r * batch * blocks_per_seq : (r + 1) * batch * blocks_per_seq].reshape(
+                batch, blocks_per_seq
+            )
+        ).cuda()
+        for r in range(rot)
+    ]
     lens_t = torch.from_numpy(lens).cuda()
     qs = [torch.randn((batch, HQ, D), device="cuda", generator=gen).half() for _ in range(rot)]
     return lens, elems, rot, num_blocks, gen, tables, lens_t, qs
@@ -72,9 +80,18 @@ def shape_inputs(batch, seq_len):
 
 def bench_shape(batch, seq_len, ceiling):
     lens, elems, rot, num_blocks, gen, tables, lens_t, qs = shape_inputs(batch, seq_len)
-    row = {"shape": f"{batch}x{seq_len}", "batch": batch, "seq_len": seq_len, "head_dim": D,
-           "num_q_heads": HQ, "num_kv_heads": HKV, "block_size": BS, "rotations": rot,
-           "kv_bytes_fp16": elems * 2, "kv_bytes_fp8": elems}
+    row = {
+        "shape": f"{batch}x{seq_len}",
+        "batch": batch,
+        "seq_len": seq_len,
+        "head_dim": D,
+        "num_q_heads": HQ,
+        "num_kv_heads": HKV,
+        "block_size": BS,
+        "rotations": rot,
+        "kv_bytes_fp16": elems * 2,
+        "kv_bytes_fp8": elems,
+    }
     ws = cp.empty(workspace_elems(batch, HQ, D, 128), cp.float32)
     outs = {}
     for dtype, key in (("float16", "kvpool_fp16"), ("float8_e4m3fn", "kvpool_fp8")):
@@ -87,9 +104,21 @@ def bench_shape(batch, seq_len, ceiling):
 
         def ours(r, pool=pool, scales=scales, out=out):
             def call(s):
-                paged_attention_decode(qs[r], pool, 0, tables[r], lens_t, out=out[r], stream=s,
-                                       max_seq_len=seq_len, workspace=ws, scales=scales)
+                paged_attention_decode(
+                    qs[r],
+                    pool,
+                    0,
+                    tables[r],
+                    lens_t,
+                    out=out[r],
+                    stream=s,
+                    max_seq_len=seq_len,
+                    workspace=ws,
+                    scales=scales,
+                )
+
             return call
+
         row[f"{key}_us"] = median_graph_us([ours(r) for r in range(rot)])
         torch.cuda.synchronize()
         outs[key] = out[0].float().clone()
@@ -98,14 +127,19 @@ def bench_shape(batch, seq_len, ceiling):
         del pool, cache
         torch.cuda.empty_cache()
         cp.get_default_memory_pool().free_all_blocks()
-    for key, nbytes in (("kvpool_fp16", elems * 2), ("kvpool_fp8", elems),
-                        ("flashinfer_fp8", elems), ("flashinfer_tc_fp8", elems)):
+    for key, nbytes in (
+        ("kvpool_fp16", elems * 2),
+        ("kvpool_fp8", elems),
+        ("flashinfer_fp8", elems),
+        ("flashinfer_tc_fp8", elems),
+    ):
         us = row.get(f"{key}_us")
         row[f"{key}_frac"] = round(nbytes / (us * 1e-6) / 1e12 / ceiling, 4) if us else None
     row["fp8_speedup_vs_our_fp16"] = round(row["kvpool_fp16_us"] / row["kvpool_fp8_us"], 3)
     fis = [row[k] for k in ("flashinfer_fp8_us", "flashinfer_tc_fp8_us") if row.get(k)]
-    row["fp8_speedup_vs_best_flashinfer_fp8"] = (round(min(fis) / row["kvpool_fp8_us"], 3)
-                                                 if fis else None)
+    row["fp8_speedup_vs_best_flashinfer_fp8"] = (
+        round(min(fis) / row["kvpool_fp8_us"], 3) if fis else None
+    )
     return row
 
 
@@ -123,24 +157,37 @@ def bench_flashinfer(row, rot, batch, lens, tables, qs, cache, ours_out0):
             wrappers = []
             for r in range(rot):
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD",
-                    use_tensor_cores=tc)
-                indices = torch.cat([tables[r][i, :nblk[i]] for i in range(batch)])
-                w.plan(indptr, indices, last, HQ, HKV, D, BS, q_data_type=torch.float16,
-                       kv_data_type=torch.float8_e4m3fn)
+                    torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
+                    "NHD",
+                    use_tensor_cores=tc,
+                )
+                indices = torch.cat([tables[r][i, : nblk[i]] for i in range(batch)])
+                w.plan(
+                    indptr,
+                    indices,
+                    last,
+                    HQ,
+                    HKV,
+                    D,
+                    BS,
+                    q_data_type=torch.float16,
+                    kv_data_type=torch.float8_e4m3fn,
+                )
                 wrappers.append(w)
             fouts = [torch.empty_like(q) for q in qs]
 
             def fi(r, wrappers=wrappers, fouts=fouts):
                 def call(s):
                     wrappers[r].run(qs[r], cache, out=fouts[r], k_scale=K_SCALE, v_scale=V_SCALE)
+
                 return call
+
             row[f"{name}_us"] = median_graph_us([fi(r) for r in range(rot)])
             torch.cuda.synchronize()
             wrappers[0].run(qs[0], cache, out=fouts[0], k_scale=K_SCALE, v_scale=V_SCALE)
             row[f"max_abs_diff_vs_{name}"] = float((fouts[0].float() - ours_out0).abs().max())
             row[f"{name}_finite"] = bool(fouts[0].isfinite().all() and ours_out0.isfinite().all())
-        except Exception as e:  # noqa: BLE001 - a mode may refuse; recorded
+        except Exception as e:
             row[f"{name}_us"] = None
             row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
             traceback.print_exc()
@@ -150,23 +197,35 @@ def main():
     out_path = sys.argv[1] if len(sys.argv) > 1 else "fp8_bench.json"
     ceiling, sweep, torch_sum = measure_ceiling()
     print(f"ceiling {ceiling:.3f} TB/s", flush=True)
-    result = {"provenance": provenance("bench/fp8_bench.py"), "ceiling_tb_s": round(ceiling, 4),
-              "torch_sum_tb_s": round(torch_sum, 4), "k_scale": K_SCALE, "v_scale": V_SCALE,
-              "timing": "median of 20 CUDA-graph replays of >= 8 calls rotating over R input sets",
-              "torch": torch.__version__, "cupy": cp.__version__, "rows": []}
-    for row in measure_grid(GRID, lambda batch, seq_len: bench_shape(batch, seq_len, ceiling),
-                            result, out_path):
+    result = {
+        "provenance": provenance("bench/fp8_bench.py"),
+        "ceiling_tb_s": round(ceiling, 4),
+        "torch_sum_tb_s": round(torch_sum, 4),
+        "k_scale": K_SCALE,
+        "v_scale": V_SCALE,
+        "timing": "median of 20 CUDA-graph replays of >= 8 calls rotating over R input sets",
+        "torch": torch.__version__,
+        "cupy": cp.__version__,
+        "rows": [],
+    }
+    for row in measure_grid(
+        GRID, lambda batch, seq_len: bench_shape(batch, seq_len, ceiling), result, out_path
+    ):
         print(json.dumps(row), flush=True)
-    print(f"{'shape':>10} {'fp16 us':>8} {'fp8 us':>8} {'x fp16':>7} {'frac':>6} "
-          f"{'FI us':>8} {'FI tc us':>8} {'x FI':>6}")
+    print(
+        f"{'shape':>10} {'fp16 us':>8} {'fp8 us':>8} {'x fp16':>7} {'frac':>6} "
+        f"{'FI us':>8} {'FI tc us':>8} {'x FI':>6}"
+    )
     for r in result["rows"]:
         if "error" in r:
             print(f"{r['shape']:>10} error {r['error']}")
             continue
-        print(f"{r['shape']:>10} {r['kvpool_fp16_us']:8.1f} {r['kvpool_fp8_us']:8.1f} "
-              f"{r['fp8_speedup_vs_our_fp16']:7.2f} {r['kvpool_fp8_frac'] or 0:6.2f} "
-              f"{r.get('flashinfer_fp8_us') or 0:8.1f} {r.get('flashinfer_tc_fp8_us') or 0:8.1f} "
-              f"{r.get('fp8_speedup_vs_best_flashinfer_fp8') or 0:6.2f}")
+        print(
+            f"{r['shape']:>10} {r['kvpool_fp16_us']:8.1f} {r['kvpool_fp8_us']:8.1f} "
+            f"{r['fp8_speedup_vs_our_fp16']:7.2f} {r['kvpool_fp8_frac'] or 0:6.2f} "
+            f"{r.get('flashinfer_fp8_us') or 0:8.1f} {r.get('flashinfer_tc_fp8_us') or 0:8.1f} "
+            f"{r.get('fp8_speedup_vs_best_flashinfer_fp8') or 0:6.2f}"
+        )
 
 
 if __name__ == "__main__":

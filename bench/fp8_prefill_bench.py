@@ -16,13 +16,12 @@ import sys
 import traceback
 
 import cupy as cp
+import kvpool
 import numpy as np
 import torch
-from prefill_bench import BS, D, HKV, HQ, causal_flops, event_us
-from provenance import provenance
-
-import kvpool
 from kvpool.kernels import paged_attention_prefill, prefill_plan, prefill_workspace_elems
+from prefill_bench import BS, HKV, HQ, D, causal_flops, event_us
+from provenance import provenance
 
 SHAPES = [("1 x 4k", 1, 4096, 0), ("8 x 2k", 8, 2048, 0), ("4 x 2k chunk on 6k", 4, 2048, 6144)]
 K_SCALE, V_SCALE = 0.02, 0.01
@@ -34,8 +33,11 @@ def run(dtype, num_seqs, qo, prefix):
     num_blocks = num_seqs * blocks_per_seq + 8
     pool = kvpool.Pool(kvpool.KvLayout(1, HKV, D, BS, dtype), num_blocks, device="cuda")
     nbytes = num_blocks * pool.layout.strides()["block"]
-    raw = cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(
-        cp.cuda.UnownedMemory(pool.base_ptr, nbytes, pool), 0))
+    raw = cp.ndarray(
+        (nbytes,),
+        cp.uint8,
+        cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(pool.base_ptr, nbytes, pool), 0),
+    )
     gen = torch.Generator(device="cuda")
     gen.manual_seed(num_seqs * 7919 + seq_len)
     x = torch.randn((num_blocks, 2, BS, HKV, D), device="cuda", generator=gen)
@@ -44,14 +46,18 @@ def run(dtype, num_seqs, qo, prefix):
         x[:, 0] /= K_SCALE
         x[:, 1] /= V_SCALE
         torch.from_dlpack(raw).view(torch.float8_e4m3fn).view(x.shape).copy_(
-            x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn))
+            x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        )
         scales = kvpool.KvScales(pool)
         scales.set(0, K_SCALE, V_SCALE)
     else:
         torch.from_dlpack(raw).view(torch.float16).view(x.shape).copy_(x.half())
     rng = np.random.default_rng(num_seqs * 31 + seq_len)
-    tables = torch.from_numpy(rng.permutation(num_blocks)[: num_seqs * blocks_per_seq]
-                              .astype(np.int32).reshape(num_seqs, blocks_per_seq)).cuda()
+    tables = torch.from_numpy(
+        rng.permutation(num_blocks)[: num_seqs * blocks_per_seq]
+        .astype(np.int32)
+        .reshape(num_seqs, blocks_per_seq)
+    ).cuda()
     lens = np.full(num_seqs, seq_len, np.int32)
     indptr = np.arange(num_seqs + 1, dtype=np.int32) * qo
     q = torch.randn(num_seqs * qo, HQ, D, device="cuda", generator=gen).half()
@@ -61,20 +67,34 @@ def run(dtype, num_seqs, qo, prefix):
     lens_t, indptr_t = torch.from_numpy(lens).cuda(), torch.from_numpy(indptr).cuda()
 
     def call():
-        paged_attention_prefill(q, pool, 0, indptr_t, tables, lens_t, out=out, plan=plan,
-                                workspace=ws, scales=scales)
+        paged_attention_prefill(
+            q, pool, 0, indptr_t, tables, lens_t, out=out, plan=plan, workspace=ws, scales=scales
+        )
+
     us = event_us(call)
     return us, out.float().clone(), plan
 
 
 def main():
     out_path = sys.argv[1] if len(sys.argv) > 1 else "fp8_prefill_bench.json"
-    result = {"provenance": provenance("bench/fp8_prefill_bench.py"), "k_scale": K_SCALE,
-              "v_scale": V_SCALE, "timing": "median of 10 CUDA-event windows of 3 calls",
-              "rows": []}
+    result = {
+        "provenance": provenance("bench/fp8_prefill_bench.py"),
+        "k_scale": K_SCALE,
+        "v_scale": V_SCALE,
+        "timing": "median of 10 CUDA-event windows of 3 calls",
+        "rows": [],
+    }
     for label, num_seqs, qo, prefix in SHAPES:
-        row = {"shape": label, "num_seqs": num_seqs, "new_tokens": qo, "cached_prefix": prefix,
-               "head_dim": D, "num_q_heads": HQ, "num_kv_heads": HKV, "block_size": BS}
+        row = {
+            "shape": label,
+            "num_seqs": num_seqs,
+            "new_tokens": qo,
+            "cached_prefix": prefix,
+            "head_dim": D,
+            "num_q_heads": HQ,
+            "num_kv_heads": HKV,
+            "block_size": BS,
+        }
         try:
             flops = causal_flops(num_seqs, qo, prefix)
             outs = {}
@@ -88,8 +108,9 @@ def main():
             row["fp8_finite"] = bool(outs["kvpool_fp8"].isfinite().all())
             # Same random K/V and q (same generator seed), fp8-rounded: close, not equal.
             row["max_abs_diff_fp8_vs_fp16"] = float(
-                (outs["kvpool_fp8"] - outs["kvpool_fp16"]).abs().max())
-        except Exception as e:  # noqa: BLE001 - record and go on
+                (outs["kvpool_fp8"] - outs["kvpool_fp16"]).abs().max()
+            )
+        except Exception as e:
             traceback.print_exc()
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         result["rows"].append(row)

@@ -29,35 +29,34 @@ import time
 import traceback
 
 import cupy as cp
+import kvpool
 import torch
 from decode_bench import GRID, HKV, HQ, measure_ceiling, median_graph_us
-from fp8_bench import BS, D, K_SCALE, V_SCALE, make_pool, shape_inputs
+from fp8_bench import BS, K_SCALE, V_SCALE, D, make_pool, shape_inputs
 from fp8_prefill_bench import SHAPES as PREFILL_SHAPES
 from fp8_prefill_bench import run as run_prefill
+from kvpool.kernels import _decode, _prefill, paged_attention_decode, workspace_elems
+from kvpool.kernels._build import FP8_DECODE_ENV, FP8_PREFILL_ASYNC_ENV
 from prefill_bench import causal_flops
 from provenance import provenance
 from shape_grid import measure_grid
-
-import kvpool
-from kvpool.kernels import _decode, _prefill, paged_attention_decode, workspace_elems
-from kvpool.kernels._build import FP8_DECODE_ENV, FP8_PREFILL_ASYNC_ENV
 
 BOUND = 1e-2
 PREFILL_START_LIMIT_S = 85  # seconds into the run after which the prefill part is skipped
 # (name, KVPOOL_FP8_DECODE): DP 128 x head tile 4 modules at 141 registers (<= 3 CTAs of 4 warps
 # per SM by registers). Shared memory per CTA: 5376 B per warp and stage.
 CANDIDATES = [
-    ("default", ""),                          # Fp8DecodeTuning's: 6 warps x 3 stages, fill 1
-    ("w4s0f0", "warps=4,stages=0,fill=0"),    # the first defaults: 4 warps x 4 stages, fill 1
+    ("default", ""),  # Fp8DecodeTuning's: 6 warps x 3 stages, fill 1
+    ("w4s0f0", "warps=4,stages=0,fill=0"),  # the first defaults: 4 warps x 4 stages, fill 1
     ("w4s4f2", "warps=4,stages=4,fill=2"),
-    ("w4s3f1", "warps=4,stages=3,fill=1"),    # 64.5 KB: 3 CTAs/SM, 12 warps
+    ("w4s3f1", "warps=4,stages=3,fill=1"),  # 64.5 KB: 3 CTAs/SM, 12 warps
     ("w4s3f2", "warps=4,stages=3,fill=2"),
     ("w4s3f3", "warps=4,stages=3,fill=3"),
-    ("w4s2f3", "warps=4,stages=2,fill=3"),    # 43 KB (3 CTAs/SM by registers)
-    ("w6s3f1", "warps=6,stages=3,fill=1"),    # 96.8 KB: 2 CTAs/SM, 12 warps
+    ("w4s2f3", "warps=4,stages=2,fill=3"),  # 43 KB (3 CTAs/SM by registers)
+    ("w6s3f1", "warps=6,stages=3,fill=1"),  # 96.8 KB: 2 CTAs/SM, 12 warps
     ("w6s3f2", "warps=6,stages=3,fill=2"),
-    ("w8s3f1", "warps=8,stages=3,fill=1"),    # 129 KB: 1 CTA/SM, 8 warps
-    ("w8s4f1", "warps=8,stages=4,fill=1"),    # 172 KB: 1 CTA/SM, 8 warps, 3 tiles ahead
+    ("w8s3f1", "warps=8,stages=3,fill=1"),  # 129 KB: 1 CTA/SM, 8 warps
+    ("w8s4f1", "warps=8,stages=4,fill=1"),  # 172 KB: 1 CTA/SM, 8 warps, 3 tiles ahead
 ]
 
 
@@ -77,7 +76,7 @@ def reference(q, cache, table, lens):
     out = torch.empty(q.shape, dtype=torch.float64, device="cuda")
     for b in range(q.shape[0]):
         n = int(lens[b])
-        blocks = table[b, :-(-n // BS)].long()
+        blocks = table[b, : -(-n // BS)].long()
         # Gather as bytes (index kernels for float8 are not a given), then dequantize.
         kv = cache.view(torch.uint8)[blocks].view(cache.dtype).float().double()
         k = kv[:, 0].reshape(-1, HKV, D)[:n] * K_SCALE
@@ -101,8 +100,14 @@ def row_rel_err(out, ref):
 
 def sweep_shape(batch, seq_len, ceiling):
     lens, elems, rot, num_blocks, gen, tables, lens_t, qs = shape_inputs(batch, seq_len)
-    row = {"shape": f"{batch}x{seq_len}", "batch": batch, "seq_len": seq_len, "rotations": rot,
-           "kv_bytes_fp8": elems, "candidates": {}}
+    row = {
+        "shape": f"{batch}x{seq_len}",
+        "batch": batch,
+        "seq_len": seq_len,
+        "rotations": rot,
+        "kv_bytes_fp8": elems,
+        "candidates": {},
+    }
     ws = cp.empty(workspace_elems(batch, HQ, D, 128), cp.float32)
     for dtype in ("float16", "float8_e4m3fn"):
         pool, cache = make_pool(dtype, num_blocks, gen)
@@ -115,9 +120,21 @@ def sweep_shape(batch, seq_len, ceiling):
 
         def call(r, pool=pool, scales=scales, out=out):
             def run(s):
-                paged_attention_decode(qs[r], pool, 0, tables[r], lens_t, out=out[r], stream=s,
-                                       max_seq_len=seq_len, workspace=ws, scales=scales)
+                paged_attention_decode(
+                    qs[r],
+                    pool,
+                    0,
+                    tables[r],
+                    lens_t,
+                    out=out[r],
+                    stream=s,
+                    max_seq_len=seq_len,
+                    workspace=ws,
+                    scales=scales,
+                )
+
             return run
+
         if dtype == "float16":
             set_tuning("")
             row["fp16_us"] = median_graph_us([call(r) for r in range(rot)])
@@ -135,7 +152,7 @@ def sweep_shape(batch, seq_len, ceiling):
                     res["us"] = median_graph_us([call(r) for r in range(rot)])
                     res["x_fp16"] = round(row["fp16_us"] / res["us"], 3)
                     res["frac"] = round(elems / (res["us"] * 1e-6) / 1e12 / ceiling, 4)
-                except Exception as e:  # noqa: BLE001 - a candidate may be refused; recorded
+                except Exception as e:
                     traceback.print_exc()
                     res["ok"] = False
                     res["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -155,8 +172,11 @@ def sweep_prefill():
         try:
             flops = causal_flops(num_seqs, qo, prefix)
             outs = {}
-            for key, dtype, async_ in (("fp16", "float16", "0"), ("fp8_sync", "float8_e4m3fn", "0"),
-                                       ("fp8_async", "float8_e4m3fn", "1")):
+            for key, dtype, async_ in (
+                ("fp16", "float16", "0"),
+                ("fp8_sync", "float8_e4m3fn", "0"),
+                ("fp8_async", "float8_e4m3fn", "1"),
+            ):
                 os.environ[FP8_PREFILL_ASYNC_ENV] = async_
                 _prefill._PREPARED.clear()
                 us, outs[key], _ = run_prefill(dtype, num_seqs, qo, prefix)
@@ -167,7 +187,7 @@ def sweep_prefill():
             row["finite"] = bool(outs["fp8_sync"].isfinite().all())
             row["async_equals_sync"] = bool(torch.equal(outs["fp8_async"], outs["fp8_sync"]))
             row["ok"] = row["finite"] and row["async_equals_sync"]
-        except Exception as e:  # noqa: BLE001 - record and go on
+        except Exception as e:
             traceback.print_exc()
             row["ok"] = False
             row["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -184,12 +204,17 @@ def main():
     out_path = sys.argv[1] if len(sys.argv) > 1 else "fp8_sweep.json"
     ceiling, _, _ = measure_ceiling()
     print(f"ceiling {ceiling:.3f} TB/s", flush=True)
-    result = {"provenance": provenance("bench/fp8_sweep.py"), "ceiling_tb_s": round(ceiling, 4),
-              "bound": BOUND, "candidates": dict(CANDIDATES),
-              "timing": "median of 20 CUDA-graph replays of >= 8 calls rotating over R input sets",
-              "rows": []}
-    for row in measure_grid(GRID, lambda batch, seq_len: sweep_shape(batch, seq_len, ceiling),
-                            result, out_path):
+    result = {
+        "provenance": provenance("bench/fp8_sweep.py"),
+        "ceiling_tb_s": round(ceiling, 4),
+        "bound": BOUND,
+        "candidates": dict(CANDIDATES),
+        "timing": "median of 20 CUDA-graph replays of >= 8 calls rotating over R input sets",
+        "rows": [],
+    }
+    for row in measure_grid(
+        GRID, lambda batch, seq_len: sweep_shape(batch, seq_len, ceiling), result, out_path
+    ):
         print(f"{row['shape']} done at {time.time() - t0:.0f} s", flush=True)
     names = [n for n, _ in CANDIDATES]
     print("fp8 decode us (x our fp16 / fraction of ceiling); FAIL: wrong result")
@@ -201,16 +226,27 @@ def main():
         cells = []
         for n in names:
             c = r["candidates"][n]
-            cells.append(f"{c['us']:6.1f} {c['x_fp16']:4.2f}/{c['frac']:.2f}" if c.get("ok")
-                         else f"{'FAIL':>17}")
+            cells.append(
+                f"{c['us']:6.1f} {c['x_fp16']:4.2f}/{c['frac']:.2f}"
+                if c.get("ok")
+                else f"{'FAIL':>17}"
+            )
         print(f"{r['shape']:>9} {r['fp16_us']:6.1f} " + " ".join(f"{x:>17}" for x in cells))
+
     def best(r):
         timed = [(c["us"], n) for n, c in r["candidates"].items() if c.get("ok")]
         return min(timed)[1] if timed else "-"
-    print("best per shape:", ", ".join(f"{r['shape']}={best(r)}" for r in result["rows"]
-                                       if "error" not in r))
-    fails = [(r["shape"], n) for r in result["rows"] for n, c in r.get("candidates", {}).items()
-             if not c.get("ok")]
+
+    print(
+        "best per shape:",
+        ", ".join(f"{r['shape']}={best(r)}" for r in result["rows"] if "error" not in r),
+    )
+    fails = [
+        (r["shape"], n)
+        for r in result["rows"]
+        for n, c in r.get("candidates", {}).items()
+        if not c.get("ok")
+    ]
     print(f"decode sweep done at {time.time() - t0:.0f} s", flush=True)
     # The prefill part compiles a few larger modules: skip it rather than lose the run's end.
     result["prefill"] = sweep_prefill() if time.time() - t0 < PREFILL_START_LIMIT_S else []
@@ -223,10 +259,15 @@ def main():
         if "error" in r:
             print(f"{r['shape']:>20} error {r['error']}")
             continue
-        print(f"{r['shape']:>20} " + " ".join(f"{r[k + '_us']:8.1f} ({r[k + '_tflops']:5.1f})"
-                                           for k in ("fp16", "fp8_sync", "fp8_async"))
-              + f"  async/sync {r['fp8_sync_us'] / r['fp8_async_us']:.2f}x"
-              + f"  bit-identical {r['async_equals_sync']}")
+        print(
+            f"{r['shape']:>20} "
+            + " ".join(
+                f"{r[k + '_us']:8.1f} ({r[k + '_tflops']:5.1f})"
+                for k in ("fp16", "fp8_sync", "fp8_async")
+            )
+            + f"  async/sync {r['fp8_sync_us'] / r['fp8_async_us']:.2f}x"
+            + f"  bit-identical {r['async_equals_sync']}"
+        )
     fails += [("prefill " + r["shape"], "async") for r in result["prefill"] if not r["ok"]]
     print(f"{len(fails)} failed candidate runs {fails}; total {time.time() - t0:.0f} s")
 

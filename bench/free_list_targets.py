@@ -57,37 +57,66 @@ def speedup(row: dict[str, Any]) -> float:
 
 
 def round_trip(path: Path) -> dict[str, Any]:
-    case = next(c for c in json.loads(path.read_text())["cases"] if c["name"] == "alloc_many16_free_many")
-    return {"file": path.name, "ours_us": case["ours_us"], "baseline_us": case["baseline_us"],
-            "ratio": round(case["baseline_us"] / case["ours_us"], 2)}
+    case = next(
+        c for c in json.loads(path.read_text())["cases"] if c["name"] == "alloc_many16_free_many"
+    )
+    return {
+        "file": path.name,
+        "ours_us": case["ours_us"],
+        "baseline_us": case["baseline_us"],
+        "ratio": round(case["baseline_us"] / case["ours_us"], 2),
+    }
 
 
 def targets(run: Path) -> list[dict[str, Any]]:
     grid = json.loads((run / "free_list_h200.json").read_text())["results"]
     out = []
-    many = {f"{g}/{t}": round(speedup(grid_row(grid, g, t)), 2)
-            for g in ("single", "batch16", "batch256", "batch16_scattered") for t in MANY_THREADS}
+    many = {
+        f"{g}/{t}": round(speedup(grid_row(grid, g, t)), 2)
+        for g in ("single", "batch16", "batch256", "batch16_scattered")
+        for t in MANY_THREADS
+    }
     judged = {k: v for k, v in many.items() if not k.startswith("batch16_scattered")}
-    out.append({"target": f">= {MANY_THREADS_MIN_SPEEDUP}x the mutex at 8 and 16 threads, every batch size",
-                "measured_speedup": many, "met": min(judged.values()) >= MANY_THREADS_MIN_SPEEDUP,
-                "note": "batch16_scattered is shown, not judged (the target names 1, 16 and 256 blocks)"})
+    out.append(
+        {
+            "target": f">= {MANY_THREADS_MIN_SPEEDUP}x the mutex at 8 and 16 threads, every batch size",
+            "measured_speedup": many,
+            "met": min(judged.values()) >= MANY_THREADS_MIN_SPEEDUP,
+            "note": "batch16_scattered is shown, not judged (the target names 1, 16 and 256 blocks)",
+        }
+    )
     slow = {g: round(1 / speedup(grid_row(grid, g, 1)), 2) for g in ("single", "batch16")}
     met = max(slow.values()) <= SINGLE_THREAD_MAX_SLOWDOWN
-    out.append({"target": f"single-threaded within {SINGLE_THREAD_MAX_SLOWDOWN}x of the mutex, 1 and 16 blocks per call",
-                "measured_slowdown": slow,
-                "scattered_slowdown": round(1 / speedup(grid_row(grid, "batch16_scattered", 1)), 2),
-                "met": met, **({} if met else {"why": WHY_SINGLE_THREAD})})
-    out.append({"target": "single-threaded, 256 blocks per call: state what bounds it",
-                "measured_slowdown": round(1 / speedup(grid_row(grid, "batch256", 1)), 2),
-                "why": WHY_BATCH256})
+    out.append(
+        {
+            "target": f"single-threaded within {SINGLE_THREAD_MAX_SLOWDOWN}x of the mutex, 1 and 16 blocks per call",
+            "measured_slowdown": slow,
+            "scattered_slowdown": round(1 / speedup(grid_row(grid, "batch16_scattered", 1)), 2),
+            "met": met,
+            **({} if met else {"why": WHY_SINGLE_THREAD}),
+        }
+    )
+    out.append(
+        {
+            "target": "single-threaded, 256 blocks per call: state what bounds it",
+            "measured_slowdown": round(1 / speedup(grid_row(grid, "batch256", 1)), 2),
+            "why": WHY_BATCH256,
+        }
+    )
     for name in ("pool_cuda.json", "pool_python_h200.json"):
         if not (run / name).exists():
             continue
         trip = round_trip(run / name)
         met = trip["ours_us"] < ROUND_TRIP_MAX_US and trip["ratio"] >= ROUND_TRIP_MIN_RATIO
-        out.append({"target": f"Python 16-block alloc_many + free_many < {ROUND_TRIP_MAX_US} us and "
-                              f">= {ROUND_TRIP_MIN_RATIO}x the pure-Python pool", "measured": trip,
-                    "met": met, **({} if met else {"why": WHY_ROUND_TRIP})})
+        out.append(
+            {
+                "target": f"Python 16-block alloc_many + free_many < {ROUND_TRIP_MAX_US} us and "
+                f">= {ROUND_TRIP_MIN_RATIO}x the pure-Python pool",
+                "measured": trip,
+                "met": met,
+                **({} if met else {"why": WHY_ROUND_TRIP}),
+            }
+        )
     return out
 
 
@@ -95,11 +124,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", type=Path, help="the run folder holding free_list_h200.json")
     args = ap.parse_args()
-    sources = {name: json.loads((args.run / name).read_text())["provenance"]
-               for name in ("free_list_h200.json", "pool_cuda.json", "pool_python_h200.json")
-               if (args.run / name).exists() and "provenance" in json.loads((args.run / name).read_text())}
-    report = {"provenance": provenance("bench/free_list_targets.py"), "measured_in": {k: v.get("commit") for k, v in sources.items()},
-              "targets": targets(args.run)}
+    sources = {
+        name: json.loads((args.run / name).read_text())["provenance"]
+        for name in ("free_list_h200.json", "pool_cuda.json", "pool_python_h200.json")
+        if (args.run / name).exists() and "provenance" in json.loads((args.run / name).read_text())
+    }
+    report = {
+        "provenance": provenance("bench/free_list_targets.py"),
+        "measured_in": {k: v.get("commit") for k, v in sources.items()},
+        "targets": targets(args.run),
+    }
     out = args.run / "free_list_targets.json"
     write_json(out, report)
     for t in report["targets"]:

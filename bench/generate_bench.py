@@ -25,17 +25,23 @@ import json
 import time
 import traceback
 
+import kvpool
 import numpy as np
 import torch
-
-import kvpool
 from kvpool.generation import GenerationRequest, generate
 from kvpool.integrations.transformers import TransformersRunner, layout_for
 from kvpool.scheduler import workload
 from provenance import provenance
 
-LLAMA_1B = dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256)
+LLAMA_1B = dict(
+    num_hidden_layers=16,
+    hidden_size=2048,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    intermediate_size=8192,
+    vocab_size=128256,
+)
 
 
 def build_model():
@@ -74,17 +80,28 @@ def run_kvpool(model, reqs, budget_tokens, max_running=256, cuda_graphs=False):
     pool = kvpool.Pool(layout, budget_tokens // 16, device="cuda")
     runner = TransformersRunner(model, pool, cuda_graphs=cuda_graphs)
     longest = max(len(r.prompt) + r.max_new_tokens for r in reqs)  # fixes the table width
-    run = (lambda rs: generate(runner, pool, rs, max_running_seqs=max_running,
-                               max_tokens_per_step=4096, max_model_len=longest))
+    run = lambda rs: generate(
+        runner,
+        pool,
+        rs,
+        max_running_seqs=max_running,
+        max_tokens_per_step=4096,
+        max_model_len=longest,
+    )
     # warm-up: kernel compiles, allocator; with graphs, the buckets of a short run of every
     # request (a bucket first met in the timed run is captured there, and counted)
-    run([GenerationRequest(r.request_id, r.prompt, 8) for r in reqs] if cuda_graphs
-        else reqs[:2])
+    run([GenerationRequest(r.request_id, r.prompt, 8) for r in reqs] if cuda_graphs else reqs[:2])
     res, dt = sync_time(lambda: run(reqs))
     tokens = res.num_output_tokens
-    row = {"output_tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt,
-           "peak_concurrent": res.peak_running, "steps": res.num_steps,
-           "preemptions": res.num_preemptions, "pool_blocks": pool.num_blocks}
+    row = {
+        "output_tokens": tokens,
+        "seconds": dt,
+        "tokens_per_s": tokens / dt,
+        "peak_concurrent": res.peak_running,
+        "steps": res.num_steps,
+        "preemptions": res.num_preemptions,
+        "pool_blocks": pool.num_blocks,
+    }
     if cuda_graphs:
         row["graph_buckets"] = [b for b, _ in runner.graphs.captured]
     return row
@@ -96,29 +113,39 @@ def hf_batches(model, reqs, batch, cache_implementation=None, max_batches=None):
     for start in range(0, len(reqs), batch):
         if max_batches is not None and done >= max_batches:
             break
-        chunk = reqs[start:start + batch]
+        chunk = reqs[start : start + batch]
         width = max(len(r.prompt) for r in chunk)
         ids = torch.zeros((len(chunk), width), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, r in enumerate(chunk):
-            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
-            mask[i, width - len(r.prompt):] = 1
+            ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
+            mask[i, width - len(r.prompt) :] = 1
         new = max(r.max_new_tokens for r in chunk)
         kw = {"cache_implementation": cache_implementation} if cache_implementation else {}
         with torch.inference_mode():
-            _, dt = sync_time(lambda: model.generate(
-                input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new,
-                do_sample=False, **kw))
+            _, dt = sync_time(
+                lambda: model.generate(
+                    input_ids=ids.cuda(),
+                    attention_mask=mask.cuda(),
+                    max_new_tokens=new,
+                    do_sample=False,
+                    **kw,
+                )
+            )
         useful += sum(r.max_new_tokens for r in chunk)
         total_t += dt
         done += 1
-    return {"output_tokens": useful, "seconds": total_t, "tokens_per_s": useful / total_t,
-            "peak_concurrent": batch, "requests_run": min(len(reqs), done * batch)}
+    return {
+        "output_tokens": useful,
+        "seconds": total_t,
+        "tokens_per_s": useful / total_t,
+        "peak_concurrent": batch,
+        "requests_run": min(len(reqs), done * batch),
+    }
 
 
 def hf_continuous(model, reqs, budget_tokens):
-    from transformers import GenerationConfig
-    from transformers import ContinuousBatchingConfig
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     gc = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=512)
     cbc = ContinuousBatchingConfig(block_size=256, num_blocks=max(1, budget_tokens // 256))
@@ -126,10 +153,12 @@ def hf_continuous(model, reqs, budget_tokens):
     mgr = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
     mgr.start()
     try:
+
         def go():
             for r in reqs:
-                mgr.add_request(r.prompt, request_id=str(r.request_id),
-                                max_new_tokens=r.max_new_tokens)
+                mgr.add_request(
+                    r.prompt, request_id=str(r.request_id), max_new_tokens=r.max_new_tokens
+                )
             got, tokens = 0, 0
             while got < len(reqs):
                 out = mgr.get_result(timeout=120)
@@ -144,8 +173,13 @@ def hf_continuous(model, reqs, budget_tokens):
     finally:
         mgr.stop(block=True)
         model.set_attn_implementation("sdpa")
-    return {"output_tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt,
-            "kv_blocks": cbc.num_blocks, "block_size": 256}
+    return {
+        "output_tokens": tokens,
+        "seconds": dt,
+        "tokens_per_s": tokens / dt,
+        "kv_blocks": cbc.num_blocks,
+        "block_size": 256,
+    }
 
 
 def guarded(name, fn, rows):
@@ -177,10 +211,14 @@ def main() -> None:
         "provenance": provenance("bench/generate_bench.py", args.commit),
         "transformers": transformers.__version__,
         "model": {**LLAMA_1B, "dtype": "bfloat16", "weights": "random, seed 0"},
-        "workload": {"kind": "sharegpt", "num_requests": len(reqs),
-                     "max_prompt": args.max_prompt, "max_output": args.max_output,
-                     "mean_prompt": float(np.mean([len(r.prompt) for r in reqs])),
-                     "mean_output": float(np.mean([r.max_new_tokens for r in reqs]))},
+        "workload": {
+            "kind": "sharegpt",
+            "num_requests": len(reqs),
+            "max_prompt": args.max_prompt,
+            "max_output": args.max_output,
+            "mean_prompt": float(np.mean([len(r.prompt) for r in reqs])),
+            "mean_output": float(np.mean([r.max_new_tokens for r in reqs])),
+        },
         "kv_budget_tokens": budget,
         "rows": rows,
         "ratios": {},
@@ -201,12 +239,16 @@ def main() -> None:
         ("fixed_b1_kvpool_graphs", lambda: run_kvpool(model, fixed[:1], 1280, cuda_graphs=True)),
         ("fixed_b1_hf_dynamic", lambda: hf_batches(model, fixed[:1], 1)),
         ("fixed_b32_kvpool", lambda: run_kvpool(model, fixed, 32 * 640 + 640)),
-        ("fixed_b32_kvpool_graphs",
-         lambda: run_kvpool(model, fixed, 32 * 640 + 640, cuda_graphs=True)),
+        (
+            "fixed_b32_kvpool_graphs",
+            lambda: run_kvpool(model, fixed, 32 * 640 + 640, cuda_graphs=True),
+        ),
         ("fixed_b32_hf_dynamic", lambda: hf_batches(model, fixed, 32)),
         ("hf_continuous_batching", lambda: hf_continuous(model, reqs, budget)),
-        ("hf_static_first_2_batches",
-         lambda: hf_batches(model, reqs, args.budget_seqs, "static", max_batches=2)),
+        (
+            "hf_static_first_2_batches",
+            lambda: hf_batches(model, reqs, args.budget_seqs, "static", max_batches=2),
+        ),
     ]
     for name, fn in steps:
         guarded(name, fn, rows)

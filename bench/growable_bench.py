@@ -35,7 +35,13 @@ from provenance import provenance, write_json
 GiB = 1 << 30
 MiB = 1 << 20
 # Llama-3-8B's KV: 32 layers x 8 KV heads x 128 dims, 16-token blocks, fp16: 2 MiB blocks.
-LAYOUT_ARGS = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16, "dtype": "float16"}
+LAYOUT_ARGS = {
+    "num_layers": 32,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+    "block_size": 16,
+    "dtype": "float16",
+}
 TARGET_SPEEDUP = 20.0
 
 
@@ -43,11 +49,13 @@ def load_cupy() -> Any:
     """CuPy with a usable device, or exit with a message saying what is missing."""
     try:
         import cupy
-    except Exception as e:  # noqa: BLE001  (ImportError, or CuPy failing to find its CUDA libraries)
-        sys.exit(f"growable_bench: needs CuPy and a CUDA GPU (pip install 'kvpool[cuda13]'): {type(e).__name__}: {e}")
+    except Exception as e:
+        sys.exit(
+            f"growable_bench: needs CuPy and a CUDA GPU (pip install 'kvpool[cuda13]'): {type(e).__name__}: {e}"
+        )
     try:
         count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # noqa: BLE001  (no driver: CuPy raises its own runtime error)
+    except Exception as e:
         sys.exit(f"growable_bench: no CUDA driver: {type(e).__name__}: {e}")
     if count == 0 or not kvpool.cuda_available():
         sys.exit("growable_bench: no CUDA device visible (kvpool.cuda_available() is False)")
@@ -82,15 +90,29 @@ def fingerprint(cp: Any, arr: Any) -> list[int]:
 
 def fill_pattern(cp: Any, arr: Any, seed: int) -> None:
     """A position-dependent pattern, written in place (no 8 GiB temporaries)."""
-    kernel = cp.ElementwiseKernel("uint32 seed", "uint32 w", "w = (unsigned int)i * 2654435761u + seed", "fill_pattern")
+    kernel = cp.ElementwiseKernel(
+        "uint32 seed", "uint32 w", "w = (unsigned int)i * 2654435761u + seed", "fill_pattern"
+    )
     kernel(seed, arr.view(cp.uint32))
 
 
-def vmm_rep(cp: Any, layout: kvpool.KvLayout, live_blocks: int, grow_blocks: int, chunk_bytes: int | None,
-            on_demand: bool) -> dict[str, Any]:
+def vmm_rep(
+    cp: Any,
+    layout: kvpool.KvLayout,
+    live_blocks: int,
+    grow_blocks: int,
+    chunk_bytes: int | None,
+    on_demand: bool,
+) -> dict[str, Any]:
     bb = layout.block_bytes
-    pool = kvpool.Pool(layout, growable=True, max_num_blocks=live_blocks + grow_blocks,
-                       initial_num_blocks=live_blocks, chunk_bytes=chunk_bytes, device="cuda")
+    pool = kvpool.Pool(
+        layout,
+        growable=True,
+        max_num_blocks=live_blocks + grow_blocks,
+        initial_num_blocks=live_blocks,
+        chunk_bytes=chunk_bytes,
+        device="cuda",
+    )
     live = pool.alloc_many(live_blocks)
     assert live.tolist() == list(range(live_blocks))
     live_bytes = live_blocks * bb
@@ -105,7 +127,9 @@ def vmm_rep(cp: Any, layout: kvpool.KvLayout, live_blocks: int, grow_blocks: int
         grown_ids = pool.alloc_many(grow_blocks)
     free_after = free_bytes(cp)
     assert pool.base_ptr == base, "the base pointer moved"
-    assert fingerprint(cp, raw(cp, pool.base_ptr, live_bytes, pool)) == before_print, "live KV changed"
+    assert fingerprint(cp, raw(cp, pool.base_ptr, live_bytes, pool)) == before_print, (
+        "live KV changed"
+    )
     new = raw(cp, pool.base_ptr + live_bytes, grow_blocks * bb, pool)
     new.fill(3)  # the new memory is mapped and writable
     pool.free_many(grown_ids)
@@ -133,7 +157,9 @@ def copy_rep(cp: Any, live_bytes: int, grow_bytes: int) -> dict[str, Any]:
     def resize() -> Any:
         nonlocal old
         new = cp.empty(live_bytes + grow_bytes, dtype=cp.uint8)
-        cp.cuda.runtime.memcpy(new.data.ptr, old.data.ptr, live_bytes, cp.cuda.runtime.memcpyDeviceToDevice)
+        cp.cuda.runtime.memcpy(
+            new.data.ptr, old.data.ptr, live_bytes, cp.cuda.runtime.memcpyDeviceToDevice
+        )
         old = None  # cudaFree (no memory pool)
         return new
 
@@ -148,13 +174,19 @@ def median(rows: list[dict[str, Any]], key: str) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--live-gib", type=float, default=8.0)
     ap.add_argument("--grow-gib", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--chunk-mib", type=str, default="0,32,128",
-                    help="comma-separated chunk sizes to try; 0 = the driver's minimum granularity")
+    ap.add_argument(
+        "--chunk-mib",
+        type=str,
+        default="0,32,128",
+        help="comma-separated chunk sizes to try; 0 = the driver's minimum granularity",
+    )
     args = ap.parse_args()
     cp = load_cupy()
     cp.cuda.set_allocator(None)  # every cp.empty/free reaches cudaMalloc/cudaFree
@@ -174,25 +206,33 @@ def main() -> None:
     for chunk_mib in [int(c) for c in args.chunk_mib.split(",") if c.strip()]:
         chunk = chunk_mib * MiB if chunk_mib else None
         for on_demand in (False, True):
-            rows = [vmm_rep(cp, layout, live_blocks, grow_blocks, chunk, on_demand) for _ in range(args.reps)]
+            rows = [
+                vmm_rep(cp, layout, live_blocks, grow_blocks, chunk, on_demand)
+                for _ in range(args.reps)
+            ]
             grow_s = median(rows, "grow_s")
-            variants.append({
-                "chunk_bytes": rows[0]["chunk_bytes"],
-                "how": "alloc_many on demand" if on_demand else "pool.grow",
-                "grow_ms": grow_s * 1e3,
-                "grow_ms_all": [r["grow_s"] * 1e3 for r in rows],
-                "shrink_ms": median(rows, "shrink_s") * 1e3,
-                "speedup_vs_copy": copy_s / grow_s,
-                "meets_target": copy_s / grow_s >= TARGET_SPEEDUP,
-                "chunks_mapped": rows[0]["chunks_mapped"],
-                "mapped_bytes": rows[0]["mapped_bytes"],
-                "released_bytes": rows[0]["released_bytes"],
-                "device_free_drop_bytes": rows[0]["device_free_drop_bytes"],
-                "device_free_rise_bytes": rows[0]["device_free_rise_bytes"],
-            })
-            print(f"chunk {rows[0]['chunk_bytes'] // MiB:>4} MiB  {variants[-1]['how']:<22} "
-                  f"grow {grow_s * 1e3:8.3f} ms  shrink {variants[-1]['shrink_ms']:8.3f} ms  "
-                  f"{copy_s / grow_s:7.1f}x vs copy", flush=True)
+            variants.append(
+                {
+                    "chunk_bytes": rows[0]["chunk_bytes"],
+                    "how": "alloc_many on demand" if on_demand else "pool.grow",
+                    "grow_ms": grow_s * 1e3,
+                    "grow_ms_all": [r["grow_s"] * 1e3 for r in rows],
+                    "shrink_ms": median(rows, "shrink_s") * 1e3,
+                    "speedup_vs_copy": copy_s / grow_s,
+                    "meets_target": copy_s / grow_s >= TARGET_SPEEDUP,
+                    "chunks_mapped": rows[0]["chunks_mapped"],
+                    "mapped_bytes": rows[0]["mapped_bytes"],
+                    "released_bytes": rows[0]["released_bytes"],
+                    "device_free_drop_bytes": rows[0]["device_free_drop_bytes"],
+                    "device_free_rise_bytes": rows[0]["device_free_rise_bytes"],
+                }
+            )
+            print(
+                f"chunk {rows[0]['chunk_bytes'] // MiB:>4} MiB  {variants[-1]['how']:<22} "
+                f"grow {grow_s * 1e3:8.3f} ms  shrink {variants[-1]['shrink_ms']:8.3f} ms  "
+                f"{copy_s / grow_s:7.1f}x vs copy",
+                flush=True,
+            )
     result = {
         "provenance": provenance("bench/growable_bench.py"),
         "layout": LAYOUT_ARGS | {"block_bytes": bb},
@@ -208,7 +248,9 @@ def main() -> None:
         "vmm": variants,
         "target_speedup": TARGET_SPEEDUP,
     }
-    print(f"copy path: {copy_s * 1e3:.3f} ms for {live_bytes / GiB:.1f} GiB live + {grow_bytes / GiB:.1f} GiB")
+    print(
+        f"copy path: {copy_s * 1e3:.3f} ms for {live_bytes / GiB:.1f} GiB live + {grow_bytes / GiB:.1f} GiB"
+    )
     if args.out:
         write_json(args.out, result)
         print(f"wrote {args.out}")

@@ -30,9 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
-
 import kvpool
+import numpy as np
 from provenance import provenance, run_dir, write_json
 
 # Llama-3-8B geometry: 2 MiB blocks. Host slabs are zeroed lazily, so 4096 blocks are cheap.
@@ -66,7 +65,9 @@ class PyFreeListPool:
         with self._lock:
             free = self._free
             if n > len(free):
-                raise kvpool.OutOfBlocksError(f"requested {n}, free {len(free)} of {self.num_blocks}")
+                raise kvpool.OutOfBlocksError(
+                    f"requested {n}, free {len(free)} of {self.num_blocks}"
+                )
             ids = free[len(free) - n :]
             del free[len(free) - n :]
             ref_cnt = self._ref_cnt
@@ -207,7 +208,15 @@ def bench_host(repeat: int, min_time_s: float) -> list[dict[str, Any]]:
         o, b = time_pair(round_trip_many(ours, n), round_trip_many(baseline, n), repeat, min_time_s)
         cases.append(case(f"alloc_many{n}_free_many", o, b, "round trip", "python_free_list"))
         if n == 256:
-            cases.append(case("alloc_many256_free_many_per_block", o.per(n), b.per(n), "block", "python_free_list"))
+            cases.append(
+                case(
+                    "alloc_many256_free_many_per_block",
+                    o.per(n),
+                    b.per(n),
+                    "block",
+                    "python_free_list",
+                )
+            )
     o, b = time_pair(round_trip_single(ours), round_trip_single(baseline), repeat, min_time_s)
     cases.append(case("alloc_free_single", o, b, "round trip", "python_free_list"))
     ours.check_invariants()
@@ -300,15 +309,27 @@ def targets(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None,
-                        help="JSON results (default: bench/results/<date>_<commit>_<machine>/pool_<device>.json)")
-    parser.add_argument("--device", choices=("host", "cuda"), default="host", help="cuda: also time the CUDA pool")
-    parser.add_argument("--repeat", type=int, default=7, help="runs per case; the median is reported")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON results (default: bench/results/<date>_<commit>_<machine>/pool_<device>.json)",
+    )
+    parser.add_argument(
+        "--device", choices=("host", "cuda"), default="host", help="cuda: also time the CUDA pool"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=7, help="runs per case; the median is reported"
+    )
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds per run")
-    parser.add_argument("--commit", default=None, help="commit to record where git is absent (the GPU box)")
+    parser.add_argument(
+        "--commit", default=None, help="commit to record where git is absent (the GPU box)"
+    )
     args = parser.parse_args(argv)
 
-    prov = provenance("bench/pool_bench.py", args.commit)  # before the run: the load average is other work's
+    prov = provenance(
+        "bench/pool_bench.py", args.commit
+    )  # before the run: the load average is other work's
     cases = bench_host(args.repeat, args.min_time)
     result: dict[str, Any] = {
         "provenance": prov,

@@ -45,7 +45,9 @@ def patterns(pool: kvpool.Pool) -> dict[str, Callable[[], object]]:
     }
 
 
-def time_all(fns: dict[str, Callable[[], object]], repeat: int, min_time_s: float) -> dict[str, dict[str, float]]:
+def time_all(
+    fns: dict[str, Callable[[], object]], repeat: int, min_time_s: float
+) -> dict[str, dict[str, float]]:
     """Median and best per-call time (ns) of each pattern, in interleaved runs."""
     timers = {name: timeit.Timer(fn) for name, fn in fns.items()}
     numbers = {name: max(1, int(t.autorange()[0] * min_time_s / 0.2)) for name, t in timers.items()}
@@ -53,16 +55,27 @@ def time_all(fns: dict[str, Callable[[], object]], repeat: int, min_time_s: floa
     for _ in range(repeat):
         for name, t in timers.items():
             runs[name].append(t.timeit(numbers[name]) / numbers[name] * 1e9)
-    return {name: {"median_ns": round(statistics.median(r), 1), "best_ns": round(min(r), 1)} for name, r in runs.items()}
+    return {
+        name: {"median_ns": round(statistics.median(r), 1), "best_ns": round(min(r), 1)}
+        for name, r in runs.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None,
-                        help="JSON results (default: bench/results/<date>_<commit>_<machine>/pool_breakdown.json)")
-    parser.add_argument("--repeat", type=int, default=7, help="runs per pattern; the median is reported")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON results (default: bench/results/<date>_<commit>_<machine>/pool_breakdown.json)",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=7, help="runs per pattern; the median is reported"
+    )
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds per run")
-    parser.add_argument("--commit", default=None, help="commit to record where git is absent (the GPU box)")
+    parser.add_argument(
+        "--commit", default=None, help="commit to record where git is absent (the GPU box)"
+    )
     args = parser.parse_args(argv)
 
     prov = provenance("bench/pool_breakdown.py", args.commit)

@@ -19,15 +19,13 @@ import statistics
 import traceback
 
 import cupy as cp
+import kvpool
 import numpy as np
+import provenance
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
-import provenance
-
-import kvpool
 from kvpool.kernels import paged_attention_prefill, prefill_plan, prefill_workspace_elems
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 # (label, sequences, new tokens each, cached prefix each)
@@ -81,9 +79,13 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
     pool = kvpool.Pool(lay, num_blocks, device="cuda")
     st = lay.strides()
     assert st["block"] == 2 * BS * HKV * D * 2 and st["kv"] == BS * HKV * D * 2
-    slab = cp.ndarray((num_blocks, 2, BS, HKV, D), dtype=cp.uint16,
-                      memptr=cp.cuda.MemoryPointer(
-                          cp.cuda.UnownedMemory(pool.base_ptr, num_blocks * st["block"], pool), 0))
+    slab = cp.ndarray(
+        (num_blocks, 2, BS, HKV, D),
+        dtype=cp.uint16,
+        memptr=cp.cuda.MemoryPointer(
+            cp.cuda.UnownedMemory(pool.base_ptr, num_blocks * st["block"], pool), 0
+        ),
+    )
     cache = torch.from_dlpack(slab.view(cp.int16)).view(tdt)  # NHD paged cache over our slab
     gen = torch.Generator(device="cuda")
     gen.manual_seed(num_seqs * 7919 + seq_len)
@@ -102,16 +104,27 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
     plan = prefill_plan(pool, indptr, lens, HQ)
     ws = cp.empty(max(prefill_workspace_elems(plan, D), 1), cp.float32)
     flops = causal_flops(num_seqs, qo, prefix)
-    row = {"shape": label, "dtype": dtype, "num_seqs": num_seqs, "new_tokens": qo,
-           "cached_prefix": prefix, "num_q_heads": HQ, "num_kv_heads": HKV, "head_dim": D,
-           "block_size": BS, "causal_flops": flops, "num_items": plan.num_items,
-           "rows_per_cta": plan.rows_per_cta,
-           "num_splits": plan.num_splits}
+    row = {
+        "shape": label,
+        "dtype": dtype,
+        "num_seqs": num_seqs,
+        "new_tokens": qo,
+        "cached_prefix": prefix,
+        "num_q_heads": HQ,
+        "num_kv_heads": HKV,
+        "head_dim": D,
+        "block_size": BS,
+        "causal_flops": flops,
+        "num_items": plan.num_items,
+        "rows_per_cta": plan.rows_per_cta,
+        "num_splits": plan.num_splits,
+    }
     reps = 4 if quick else 10
 
     def ours():
-        paged_attention_prefill(as_arg(q), pool, 0, indptr_t, tables_t, lens_t, out=as_arg(out),
-                                plan=plan, workspace=ws)
+        paged_attention_prefill(
+            as_arg(q), pool, 0, indptr_t, tables_t, lens_t, out=as_arg(out), plan=plan, workspace=ws
+        )
 
     def record(name, fn):
         try:
@@ -129,17 +142,30 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
 
     try:
         import flashinfer
+
         kv_indptr = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda") * blocks_per_seq
-        last = torch.full((num_seqs,), seq_len - (blocks_per_seq - 1) * BS, dtype=torch.int32,
-                          device="cuda")
+        last = torch.full(
+            (num_seqs,), seq_len - (blocks_per_seq - 1) * BS, dtype=torch.int32, device="cuda"
+        )
         for backend in ("fa2", "fa3"):
             name = f"flashinfer_{backend}"
             try:
                 w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                    torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), "NHD",
-                    backend=backend)
-                w.plan(indptr_t, kv_indptr, tables_t.reshape(-1), last, HQ, HKV, D, BS,
-                       causal=True, q_data_type=tdt, kv_data_type=tdt)
+                    torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), "NHD", backend=backend
+                )
+                w.plan(
+                    indptr_t,
+                    kv_indptr,
+                    tables_t.reshape(-1),
+                    last,
+                    HQ,
+                    HKV,
+                    D,
+                    BS,
+                    causal=True,
+                    q_data_type=tdt,
+                    kv_data_type=tdt,
+                )
                 fout = torch.empty_like(q)
                 w.run(q, cache, out=fout)
                 torch.cuda.synchronize()
@@ -172,21 +198,27 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
             expanded["v"] = v.repeat_interleave(HQ // HKV, dim=1)
         return expanded["k"], expanded["v"]
 
-    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
-                          ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+    for name, backend in (
+        ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+        ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+    ):
+
         def sdpa(backend=backend, gqa=True):
             kk, vv = kv_for(gqa)
             with sdpa_kernel([backend]):
                 if mask is None:
-                    return F.scaled_dot_product_attention(q4, kk, vv, is_causal=True,
-                                                          enable_gqa=gqa)
+                    return F.scaled_dot_product_attention(
+                        q4, kk, vv, is_causal=True, enable_gqa=gqa
+                    )
                 return F.scaled_dot_product_attention(q4, kk, vv, attn_mask=mask, enable_gqa=gqa)
+
         for gqa in (True, False):
             try:
                 ref = sdpa(gqa=gqa)
                 torch.cuda.synchronize()
                 row[f"max_abs_diff_vs_{name}"] = float(
-                    (ref.transpose(1, 2).reshape(-1, HQ, D).float() - ours_out).abs().max())
+                    (ref.transpose(1, 2).reshape(-1, HQ, D).float() - ours_out).abs().max()
+                )
                 row[f"{name}_kv"] = "enable_gqa" if gqa else "KV heads repeated"
                 record(name, lambda gqa=gqa, sdpa=sdpa: sdpa(gqa=gqa))
                 break
@@ -196,10 +228,14 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
     expanded.clear()
     fa2 = row.get("flashinfer_fa2_us")
     row["speedup_vs_fa2"] = round(fa2 / row["kvpool_us"], 3) if fa2 and row["kvpool_us"] else None
-    peers = [row.get(f"{p}_us") for p in ("flashinfer_fa2", "flashinfer_fa3", "sdpa_flash",
-                                          "sdpa_cudnn") if row.get(f"{p}_us")]
-    row["speedup_vs_best_peer"] = (round(min(peers) / row["kvpool_us"], 3)
-                                   if peers and row["kvpool_us"] else None)
+    peers = [
+        row.get(f"{p}_us")
+        for p in ("flashinfer_fa2", "flashinfer_fa3", "sdpa_flash", "sdpa_cudnn")
+        if row.get(f"{p}_us")
+    ]
+    row["speedup_vs_best_peer"] = (
+        round(min(peers) / row["kvpool_us"], 3) if peers and row["kvpool_us"] else None
+    )
     torch.cuda.empty_cache()
     cp.get_default_memory_pool().free_all_blocks()
     return row
@@ -212,8 +248,10 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     args = ap.parse_args()
     prov = provenance.provenance("bench/prefill_bench.py", args.commit)
-    dense = {dt: matmul_tflops(torch.bfloat16 if dt == "bfloat16" else torch.float16)
-             for dt in ("float16", "bfloat16")}
+    dense = {
+        dt: matmul_tflops(torch.bfloat16 if dt == "bfloat16" else torch.float16)
+        for dt in ("float16", "bfloat16")
+    }
     rows = []
     for dtype in ("float16", "bfloat16"):
         for label, n, qo, prefix in SHAPES:
@@ -225,12 +263,16 @@ def main():
                 traceback.print_exc()
                 rows.append({"shape": label, "dtype": dtype, "error": f"{type(e).__name__}: {e}"})
             r = rows[-1]
-            print(f"{label:>22} {dtype:8} ours {r.get('kvpool_tflops')} TF/s "
-                  f"fa2 {r.get('flashinfer_fa2_tflops')} fa3 {r.get('flashinfer_fa3_tflops')} "
-                  f"sdpa flash {r.get('sdpa_flash_tflops')} cudnn {r.get('sdpa_cudnn_tflops')} "
-                  f"x fa2 {r.get('speedup_vs_fa2')}", flush=True)
+            print(
+                f"{label:>22} {dtype:8} ours {r.get('kvpool_tflops')} TF/s "
+                f"fa2 {r.get('flashinfer_fa2_tflops')} fa3 {r.get('flashinfer_fa3_tflops')} "
+                f"sdpa flash {r.get('sdpa_flash_tflops')} cudnn {r.get('sdpa_cudnn_tflops')} "
+                f"x fa2 {r.get('speedup_vs_fa2')}",
+                flush=True,
+            )
     try:
         import flashinfer
+
         fi_version = flashinfer.__version__
     except Exception as e:
         fi_version = f"not run ({type(e).__name__})"

@@ -117,7 +117,9 @@ class PyPrefixCache:
             self.map[h] = block
             self.hash_of[block] = h
 
-    def add_request(self, rid: int, token_ids: Any, cache_salt: str | None = None) -> tuple[int, np.ndarray]:
+    def add_request(
+        self, rid: int, token_ids: Any, cache_salt: str | None = None
+    ) -> tuple[int, np.ndarray]:
         rid = self._check_request_id(rid)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a str")
@@ -148,7 +150,12 @@ class PyPrefixCache:
         blocks = hits + fresh
         for i in range(len(hits), len(hashes)):
             self._store(blocks[i], hashes[i])
-        self.requests[rid] = [blocks, n, hashes[-1] if hashes else root, list(tokens[len(hashes) * BS :])]
+        self.requests[rid] = [
+            blocks,
+            n,
+            hashes[-1] if hashes else root,
+            list(tokens[len(hashes) * BS :]),
+        ]
         self.queries += n
         self.hits += len(hits) * BS
         pos = np.arange(len(hits) * BS, n, dtype=np.int64)
@@ -194,7 +201,9 @@ class PyPrefixCache:
 # --- timing ---------------------------------------------------------------------------------------
 
 
-def timed(call: Callable[[], object], untimed: Callable[[], object], warmup: int, iters: int) -> list[float]:
+def timed(
+    call: Callable[[], object], untimed: Callable[[], object], warmup: int, iters: int
+) -> list[float]:
     times = []
     for i in range(warmup + iters):
         t0 = time.perf_counter()
@@ -208,8 +217,13 @@ def timed(call: Callable[[], object], untimed: Callable[[], object], warmup: int
 
 def summary(times: list[float]) -> dict[str, float]:
     us = sorted(t * 1e6 for t in times)
-    return {"median_us": statistics.median(us), "p10_us": us[len(us) // 10], "p90_us": us[9 * len(us) // 10],
-            "mean_us": statistics.fmean(us), "n": len(us)}
+    return {
+        "median_us": statistics.median(us),
+        "p10_us": us[len(us) // 10],
+        "p90_us": us[9 * len(us) // 10],
+        "mean_us": statistics.fmean(us),
+        "n": len(us),
+    }
 
 
 def bench_add(hit: bool, warmup: int, iters: int, seed: int) -> dict[str, Any]:
@@ -231,7 +245,9 @@ def bench_add(hit: bool, warmup: int, iters: int, seed: int) -> dict[str, Any]:
         if name == "ours":
             pool = kvpool.Pool(LAYOUT, num_blocks, device="host", enable_prefix_caching=True)
             tables = kvpool.BlockTables(pool, 4, PROMPT // BS + 1)
-            add: Callable[[int, np.ndarray], int] = lambda rid, p: tables.add_request(rid, p).num_cached_tokens
+            add: Callable[[int, np.ndarray], int] = lambda rid, p: (
+                tables.add_request(rid, p).num_cached_tokens
+            )
             free: Callable[[int], None] = tables.free
         else:
             py = PyPrefixCache(num_blocks, 4, PROMPT // BS + 1)
@@ -251,8 +267,12 @@ def bench_add(hit: bool, warmup: int, iters: int, seed: int) -> dict[str, Any]:
 
         results[name] = summary(timed(call, untimed, warmup, iters))
         expected = (PROMPT // BS - 1) * BS if hit else 0
-        assert set(cached) == {expected}, f"{name}: cached tokens {set(cached)}, expected {expected}"
-    results["ratio_python_over_ours"] = results["python"]["median_us"] / results["ours"]["median_us"]
+        assert set(cached) == {expected}, (
+            f"{name}: cached tokens {set(cached)}, expected {expected}"
+        )
+    results["ratio_python_over_ours"] = (
+        results["python"]["median_us"] / results["ours"]["median_us"]
+    )
     return results
 
 
@@ -280,15 +300,26 @@ def bench_decode(warmup: int, iters: int, seed: int) -> dict[str, Any]:
             for rid, p in enumerate(prompts):
                 tables.add_request(rid, p)
             step_it = iter(tokens)
-            append = (lambda t=tables: t.append_tokens_many(ids, 1, next(step_it))) if caching else (
-                lambda t=tables: t.append_tokens_many(ids, 1))
-            call = (lambda a=append, t=tables: (a(), t.sync())) if name.endswith("_sync") else append
+            append = (
+                (lambda t=tables: t.append_tokens_many(ids, 1, next(step_it)))
+                if caching
+                else (lambda t=tables: t.append_tokens_many(ids, 1))
+            )
+            call = (
+                (lambda a=append, t=tables: (a(), t.sync())) if name.endswith("_sync") else append
+            )
         results[name] = summary(timed(call, lambda: None, warmup, iters))
     # The append alone, and a scheduler's whole step (append, then the table and seq_lens
     # for the kernels: on the host, `sync` returns NumPy copies).
-    results["caching_overhead"] = results["ours_on"]["median_us"] / results["ours_off"]["median_us"] - 1
-    results["caching_overhead_with_sync"] = results["ours_on_sync"]["median_us"] / results["ours_off_sync"]["median_us"] - 1
-    results["ratio_python_over_ours"] = results["python"]["median_us"] / results["ours_on"]["median_us"]
+    results["caching_overhead"] = (
+        results["ours_on"]["median_us"] / results["ours_off"]["median_us"] - 1
+    )
+    results["caching_overhead_with_sync"] = (
+        results["ours_on_sync"]["median_us"] / results["ours_off_sync"]["median_us"] - 1
+    )
+    results["ratio_python_over_ours"] = (
+        results["python"]["median_us"] / results["ours_on"]["median_us"]
+    )
     return results
 
 
@@ -297,7 +328,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--iters", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="default: prefix_cache_host.json in this run's results folder")
+    parser.add_argument(
+        "--out", type=Path, help="default: prefix_cache_host.json in this run's results folder"
+    )
     parser.add_argument("--commit", default=None, help="commit to record where git is absent")
     args = parser.parse_args()
     report: dict[str, Any] = {
@@ -320,8 +353,10 @@ def main() -> int:
             "add_hit_ratio": report["add_hit"]["ratio_python_over_ours"] >= TARGET_RATIO,
             "decode_ratio": report["decode_step"]["ratio_python_over_ours"] >= TARGET_RATIO,
             "add_hit_us": report["add_hit"]["ours"]["median_us"] < TARGET_HIT_US,
-            "decode_overhead_append_only": report["decode_step"]["caching_overhead"] < TARGET_DECODE_OVERHEAD,
-            "decode_overhead_with_sync": report["decode_step"]["caching_overhead_with_sync"] < TARGET_DECODE_OVERHEAD,
+            "decode_overhead_append_only": report["decode_step"]["caching_overhead"]
+            < TARGET_DECODE_OVERHEAD,
+            "decode_overhead_with_sync": report["decode_step"]["caching_overhead_with_sync"]
+            < TARGET_DECODE_OVERHEAD,
         },
     }
     text = json.dumps(report, indent=2)

@@ -34,24 +34,59 @@ from provenance import provenance, run_dir, write_json
 
 def workloads(args: argparse.Namespace) -> dict[str, tuple[list, dict[str, Any]]]:
     common = dict(seed=args.seed, max_model_len=args.max_model_len)
-    system = with_token_streams(generate("sharegpt", args.num_requests, rate=args.rate, num_prefixes=args.num_prefixes,
-                                         prefix_tokens=args.prefix_tokens, **common), args.seed)
-    multiturn = generate_multiturn(args.num_requests, turns=args.turns, think_time_s=args.think_time,
-                                   rate=args.conversation_rate, **common)
+    system = with_token_streams(
+        generate(
+            "sharegpt",
+            args.num_requests,
+            rate=args.rate,
+            num_prefixes=args.num_prefixes,
+            prefix_tokens=args.prefix_tokens,
+            **common,
+        ),
+        args.seed,
+    )
+    multiturn = generate_multiturn(
+        args.num_requests,
+        turns=args.turns,
+        think_time_s=args.think_time,
+        rate=args.conversation_rate,
+        **common,
+    )
     return {
-        "system_prompts": (system, {"kind": "sharegpt", "arrival": "poisson", "rate_per_s": args.rate,
-                                    "num_prefixes": args.num_prefixes, "prefix_tokens": args.prefix_tokens}),
-        "multiturn": (multiturn, {"kind": "multiturn", "turns": args.turns, "think_time_s": args.think_time,
-                                  "conversation_rate_per_s": args.conversation_rate,
-                                  "conversations": len({r.conversation_id for r in multiturn})}),
+        "system_prompts": (
+            system,
+            {
+                "kind": "sharegpt",
+                "arrival": "poisson",
+                "rate_per_s": args.rate,
+                "num_prefixes": args.num_prefixes,
+                "prefix_tokens": args.prefix_tokens,
+            },
+        ),
+        "multiturn": (
+            multiturn,
+            {
+                "kind": "multiturn",
+                "turns": args.turns,
+                "think_time_s": args.think_time,
+                "conversation_rate_per_s": args.conversation_rate,
+                "conversations": len({r.conversation_id for r in multiturn}),
+            },
+        ),
     }
 
 
-def run(name: str, requests: list, info: dict[str, Any], args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+def run(
+    name: str, requests: list, info: dict[str, Any], args: argparse.Namespace, out_dir: Path
+) -> dict[str, Any]:
     spec = SimulationSpec(
-        preset=get_preset(args.model), kv_memory_bytes=parse_bytes(args.kv_memory), requests=requests,
-        config=SchedulerConfig(max_model_len=args.max_model_len), device="host",
-        workload_info={**info, "seed": args.seed}, prefix_caching=True,
+        preset=get_preset(args.model),
+        kv_memory_bytes=parse_bytes(args.kv_memory),
+        requests=requests,
+        config=SchedulerConfig(max_model_len=args.max_model_len),
+        device="host",
+        workload_info={**info, "seed": args.seed},
+        prefix_caching=True,
     )
     t0 = time.perf_counter()
     report = simulate(spec)
@@ -76,18 +111,31 @@ def main() -> None:
     ap.add_argument("--prefix-tokens", type=int, default=1024)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--think-time", type=float, default=10.0)
-    ap.add_argument("--conversation-rate", type=float, default=5.0, help="multiturn: new conversations/s")
-    ap.add_argument("--out-dir", type=Path, default=None, help="default: bench/results/<date>_<commit>_<machine>/")
+    ap.add_argument(
+        "--conversation-rate", type=float, default=5.0, help="multiturn: new conversations/s"
+    )
+    ap.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="default: bench/results/<date>_<commit>_<machine>/",
+    )
     ap.add_argument("--commit", default=None, help="commit to record where git is absent")
     args = ap.parse_args()
     prov = provenance("bench/prefix_sim_bench.py", args.commit)
     out_dir = args.out_dir or run_dir(args.commit)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = {name: run(name, reqs, info, args, out_dir) for name, (reqs, info) in workloads(args).items()}
+    runs = {
+        name: run(name, reqs, info, args, out_dir) for name, (reqs, info) in workloads(args).items()
+    }
     path = out_dir / "prefix_sim.json"
     write_json(path, _finite({"provenance": prov, "runs": runs}))
-    summary = {name: {k: round(v, 4) if isinstance(v, float) else v for k, v in r["prefix_caching"].items()}
-               for name, r in runs.items()}
+    summary = {
+        name: {
+            k: round(v, 4) if isinstance(v, float) else v for k, v in r["prefix_caching"].items()
+        }
+        for name, r in runs.items()
+    }
     print(json.dumps({"path": str(path), **summary}, indent=1))
 
 

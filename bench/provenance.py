@@ -36,9 +36,15 @@ def git_commit() -> str:
     """Short hash of HEAD, with "-dirty" when tracked files differ from it; "unknown" without git."""
     git = ["git", "-C", str(Path(__file__).resolve().parent)]
     try:
-        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=False)
+        head = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
@@ -54,7 +60,9 @@ def machine() -> dict[str, Any]:
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu
+            )
     except OSError:
         pass
     return {
@@ -75,7 +83,11 @@ def extension() -> dict[str, Any] | None:
         return None
     path = Path(core.__file__ or "")
     data = path.read_bytes()
-    return {"path": str(path), "bytes": len(data), "debug_info": ".debug_info" in elf_section_names(data)}
+    return {
+        "path": str(path),
+        "bytes": len(data),
+        "debug_info": ".debug_info" in elf_section_names(data),
+    }
 
 
 def elf_section_names(data: bytes) -> set[str]:
@@ -83,7 +95,9 @@ def elf_section_names(data: bytes) -> set[str]:
     if data[:6] != b"\x7fELF\x02\x01":
         return set()
     shoff = int.from_bytes(data[0x28:0x30], "little")
-    shentsize, shnum, shstrndx = (int.from_bytes(data[o : o + 2], "little") for o in (0x3A, 0x3C, 0x3E))
+    shentsize, shnum, shstrndx = (
+        int.from_bytes(data[o : o + 2], "little") for o in (0x3A, 0x3C, 0x3E)
+    )
     headers = [data[shoff + i * shentsize : shoff + (i + 1) * shentsize] for i in range(shnum)]
     strtab_at = int.from_bytes(headers[shstrndx][0x18:0x20], "little")
     names = set()
@@ -123,15 +137,22 @@ def provenance(script: str, given_commit: str | None = None) -> dict[str, Any]:
     """The record every results JSON carries under "provenance" (see the module docstring)."""
     ext = extension()
     if ext is not None and ext["debug_info"]:
-        print(f"warning: {ext['path']} is a debug build; timings are not representative", file=sys.stderr)
+        print(
+            f"warning: {ext['path']} is a debug build; timings are not representative",
+            file=sys.stderr,
+        )
     return {
         "script": script,
         "commit": commit(given_commit),
         "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "extension": ext,
-        "versions": {"python": platform.python_version(), "numpy": _version("numpy"),
-                     "cupy": _version("cupy"), "torch": _version("torch")},
+        "versions": {
+            "python": platform.python_version(),
+            "numpy": _version("numpy"),
+            "cupy": _version("cupy"),
+            "torch": _version("torch"),
+        },
         "gpu": gpu(),
     }
 

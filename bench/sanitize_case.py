@@ -17,9 +17,8 @@ from __future__ import annotations
 import argparse
 
 import cupy as cp
-import numpy as np
-
 import kvpool
+import numpy as np
 from kvpool.kernels import _build, append_kv, copy_blocks, paged_attention_decode
 
 SEQ_LENS = [1, 15, 17, 100, 600]  # 600: several splits through the fused merge
@@ -47,7 +46,7 @@ def run_case(rng: np.random.Generator, dtype: str, d: int, bs: int) -> None:
     tables = np.full((len(SEQ_LENS), max(need) + 2), -1, dtype=np.int32)
     ids, at = rng.permutation(num_blocks), 0
     for i, n in enumerate(need):
-        tables[i, :n] = ids[at:at + n]
+        tables[i, :n] = ids[at : at + n]
         at += n
     bt, lens = cp.asarray(tables), cp.asarray(np.array(SEQ_LENS, dtype=np.int32))
     q = elems(rng, (len(SEQ_LENS), HQ, d), dtype)
@@ -57,12 +56,25 @@ def run_case(rng: np.random.Generator, dtype: str, d: int, bs: int) -> None:
         for splits in (None, 1, 3):
             out = cp.empty(q.shape, dtype=q.dtype)
             out.view(cp.uint16)[...] = NAN_BITS[dtype]
-            paged_attention_decode(q, pool, 1, bt, lens, out=out, num_splits=splits,
-                                   pipeline=pipeline, max_seq_len=max(SEQ_LENS))
+            paged_attention_decode(
+                q,
+                pool,
+                1,
+                bt,
+                lens,
+                out=out,
+                num_splits=splits,
+                pipeline=pipeline,
+                max_seq_len=max(SEQ_LENS),
+            )
             host = cp.asnumpy(out.view(cp.uint16))
-            exp = (host >> (10 if dtype == "float16" else 7)) & (0x1F if dtype == "float16" else 0xFF)
+            exp = (host >> (10 if dtype == "float16" else 7)) & (
+                0x1F if dtype == "float16" else 0xFF
+            )
             if (exp == (0x1F if dtype == "float16" else 0xFF)).any():
-                raise AssertionError(f"{name} decode left NaN rows ({dtype}, d={d}, bs={bs}, splits={splits})")
+                raise AssertionError(
+                    f"{name} decode left NaN rows ({dtype}, d={d}, bs={bs}, splits={splits})"
+                )
     slots = cp.asarray(np.array([5, -1, num_blocks * bs - 1, num_blocks * bs + 7], dtype=np.int64))
     kv = elems(rng, (4, HKV, d), dtype)
     append_kv(kv, kv, pool, 0, slots)
@@ -83,8 +95,10 @@ def main() -> None:
                 run_case(rng, dtype, d, bs)
                 cases += 1
     cp.cuda.Device().synchronize()
-    print(f"sanitize case done: {cases} (dtype, head_dim, block_size) cases, "
-          f"{len(PIPELINES)} decode kernels x 2 split modes, append_kv, copy_blocks each")
+    print(
+        f"sanitize case done: {cases} (dtype, head_dim, block_size) cases, "
+        f"{len(PIPELINES)} decode kernels x 2 split modes, append_kv, copy_blocks each"
+    )
 
 
 if __name__ == "__main__":

@@ -5,9 +5,8 @@ not survive the round trip."""
 from __future__ import annotations
 
 import cupy as cp
-import numpy as np
-
 import kvpool
+import numpy as np
 
 BS = 16
 layout = kvpool.KvLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=BS)
@@ -34,8 +33,14 @@ for method in ("batch", "runs"):
     tier.wait()
     table, lens = tables.block_table(ids), tables.seq_lens(ids)
     q = cp.asarray(np.random.default_rng(1).standard_normal((4, 4, 64)).astype(np.float16))
-    out = kvpool.paged_attention_decode(q, pool, 0, cp.asarray(table), cp.asarray(lens),
-                                        stream=cp.cuda.Stream.from_external(pool.stream))
+    out = kvpool.paged_attention_decode(
+        q,
+        pool,
+        0,
+        cp.asarray(table),
+        cp.asarray(lens),
+        stream=cp.cuda.Stream.from_external(pool.stream),
+    )
     cp.cuda.runtime.deviceSynchronize()
     after = [cp.asnumpy(cp.asarray(pool.k_view(0))[cp.asarray(tables.blocks(r))]) for r in ids]
     for b, a in zip(before, after):

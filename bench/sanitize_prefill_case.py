@@ -2,9 +2,8 @@
 compute-sanitizer memcheck and racecheck."""
 
 import cupy as cp
-import numpy as np
-
 import kvpool
+import numpy as np
 from kvpool.kernels import paged_attention_prefill, prefill_plan
 
 rng = np.random.default_rng(0)
@@ -21,7 +20,7 @@ for dtype, d, bs in (("float16", 128, 16), ("bfloat16", 64, 8)):
     at = 0
     for i, n in enumerate(lens):
         nb = -(-int(n) // bs)
-        tables[i, :nb] = ids[at:at + nb]
+        tables[i, :nb] = ids[at : at + nb]
         at += nb
     q = cp.asarray(rng.integers(0, 0x3C00, size=(int(qo.sum()), 8, d), dtype=np.uint16))
     if dtype == "float16":
@@ -29,7 +28,15 @@ for dtype, d, bs in (("float16", 128, 16), ("bfloat16", 64, 8)):
     for causal in (True, False):
         for splits in (None, 1, 3):
             plan = prefill_plan(pool, indptr, lens, 8, causal=causal, num_splits=splits)
-            paged_attention_prefill(q, pool, 0, cp.asarray(indptr), cp.asarray(tables),
-                                    cp.asarray(lens), causal=causal, plan=plan)
+            paged_attention_prefill(
+                q,
+                pool,
+                0,
+                cp.asarray(indptr),
+                cp.asarray(tables),
+                cp.asarray(lens),
+                causal=causal,
+                plan=plan,
+            )
 cp.cuda.Device().synchronize()
 print("sanitize prefill case done")

@@ -14,14 +14,18 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 
-def measure_grid(grid: Iterable[tuple[int, int]], measure: Callable[[int, int], dict[str, Any]],
-                 result: dict[str, Any], out_path: str) -> Iterator[dict[str, Any]]:
+def measure_grid(
+    grid: Iterable[tuple[int, int]],
+    measure: Callable[[int, int], dict[str, Any]],
+    result: dict[str, Any],
+    out_path: str,
+) -> Iterator[dict[str, Any]]:
     """Appends `measure(batch, seq_len)` for each shape to result["rows"], writes `result` to
     `out_path`, and yields the row (for the caller's progress line)."""
     for batch, seq_len in grid:
         try:
             row = measure(batch, seq_len)
-        except Exception as e:  # noqa: BLE001 - record and go on
+        except Exception as e:
             traceback.print_exc()
             row = {"shape": f"{batch}x{seq_len}", "error": f"{type(e).__name__}: {e}"[:300]}
         result["rows"].append(row)

@@ -27,10 +27,16 @@ from provenance import provenance, run_dir, write_json
 
 
 def run(args: argparse.Namespace, reserve: str) -> dict[str, Any]:
-    requests = generate(args.workload, args.num_requests, seed=args.seed, max_model_len=args.max_model_len)
+    requests = generate(
+        args.workload, args.num_requests, seed=args.seed, max_model_len=args.max_model_len
+    )
     spec = SimulationSpec(
-        preset=get_preset(args.model), kv_memory_bytes=parse_bytes(args.kv_memory), requests=requests,
-        config=SchedulerConfig(max_model_len=args.max_model_len), device=args.device, reserve=reserve,
+        preset=get_preset(args.model),
+        kv_memory_bytes=parse_bytes(args.kv_memory),
+        requests=requests,
+        config=SchedulerConfig(max_model_len=args.max_model_len),
+        device=args.device,
+        reserve=reserve,
         workload_info={"kind": args.workload, "seed": args.seed, "arrival": "all at t=0"},
     )
     t0 = time.perf_counter()
@@ -58,16 +64,28 @@ def main() -> None:
     ap.add_argument("--workload", default="sharegpt")
     ap.add_argument("--device", default="host")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--reserve", default=",".join(RESERVE_MODES),
-                    help="comma-separated contiguous reservation modes to run")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="JSON results (default: bench/results/<date>_<commit>_<machine>/"
-                         "simulate_<workload>_<model>_<device>.json)")
-    ap.add_argument("--commit", default=None, help="commit to record where git is absent (the GPU box)")
+    ap.add_argument(
+        "--reserve",
+        default=",".join(RESERVE_MODES),
+        help="comma-separated contiguous reservation modes to run",
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON results (default: bench/results/<date>_<commit>_<machine>/"
+        "simulate_<workload>_<model>_<device>.json)",
+    )
+    ap.add_argument(
+        "--commit", default=None, help="commit to record where git is absent (the GPU box)"
+    )
     args = ap.parse_args()
     prov = provenance("bench/sim_bench.py", args.commit)
     runs = {reserve: run(args, reserve) for reserve in args.reserve.split(",")}
-    out = args.out or run_dir(prov["commit"]) / f"simulate_{args.workload}_{args.model}_{args.device}.json"
+    out = (
+        args.out
+        or run_dir(prov["commit"]) / f"simulate_{args.workload}_{args.model}_{args.device}.json"
+    )
     write_json(out, _finite({"provenance": prov, "runs_by_reserve": runs}))
     summary = {
         reserve: {

@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import cupy as cp
-
 import kvpool
 from provenance import provenance, write_json
 
@@ -61,8 +60,12 @@ def ceiling(nbytes, stream):
     host = cp.cuda.alloc_pinned_memory(nbytes)
     dev = cp.cuda.alloc(nbytes)
     rt = cp.cuda.runtime
-    h2d = median_of(lambda: rt.memcpyAsync(dev.ptr, host.ptr, nbytes, rt.memcpyHostToDevice, stream.ptr), stream)
-    d2h = median_of(lambda: rt.memcpyAsync(host.ptr, dev.ptr, nbytes, rt.memcpyDeviceToHost, stream.ptr), stream)
+    h2d = median_of(
+        lambda: rt.memcpyAsync(dev.ptr, host.ptr, nbytes, rt.memcpyHostToDevice, stream.ptr), stream
+    )
+    d2h = median_of(
+        lambda: rt.memcpyAsync(host.ptr, dev.ptr, nbytes, rt.memcpyDeviceToHost, stream.ptr), stream
+    )
     return {"bytes": nbytes, "h2d_gbps": nbytes / h2d[0] / 1e9, "d2h_gbps": nbytes / d2h[0] / 1e9}
 
 
@@ -104,14 +107,21 @@ def bench_layout(name, shape, stream):
                     tier.wait()
                 out_gpu = statistics.median(r[0] for r in outs[1:])
                 in_gpu = statistics.median(r[0] for r in ins[1:])
-                rows.append({
-                    "layout": name, "block_bytes": bb, "num_blocks": n, "fragmented": fragmented,
-                    "method": method, "num_copies": stats["num_copies"],
-                    "swap_out_gbps": nbytes / out_gpu / 1e9, "swap_in_gbps": nbytes / in_gpu / 1e9,
-                    "swap_out_latency_us": statistics.median(r[1] for r in outs[1:]) * 1e6,
-                    "swap_in_latency_us": statistics.median(r[1] for r in ins[1:]) * 1e6,
-                    "ceiling_same_size": same_size,
-                })
+                rows.append(
+                    {
+                        "layout": name,
+                        "block_bytes": bb,
+                        "num_blocks": n,
+                        "fragmented": fragmented,
+                        "method": method,
+                        "num_copies": stats["num_copies"],
+                        "swap_out_gbps": nbytes / out_gpu / 1e9,
+                        "swap_in_gbps": nbytes / in_gpu / 1e9,
+                        "swap_out_latency_us": statistics.median(r[1] for r in outs[1:]) * 1e6,
+                        "swap_in_latency_us": statistics.median(r[1] for r in ins[1:]) * 1e6,
+                        "ceiling_same_size": same_size,
+                    }
+                )
             loop = per_block_loop(pool, tiers["runs"].pool, tables.blocks(0), bb, stream)
             rows[-1]["per_block_loop"] = loop
             rows[-2]["per_block_loop"] = loop
@@ -123,7 +133,9 @@ def bench_layout(name, shape, stream):
 def per_block_loop(pool, host_pool, blocks, bb, stream):
     """One cudaMemcpyAsync per block from Python, device blocks -> host blocks 0..n and back."""
     rt = cp.cuda.runtime
-    pairs = [(pool.base_ptr + int(b) * bb, host_pool.base_ptr + i * bb) for i, b in enumerate(blocks)]
+    pairs = [
+        (pool.base_ptr + int(b) * bb, host_pool.base_ptr + i * bb) for i, b in enumerate(blocks)
+    ]
 
     def d2h():
         for dev, host in pairs:
@@ -135,8 +147,12 @@ def per_block_loop(pool, host_pool, blocks, bb, stream):
 
     out, inn = median_of(d2h, stream), median_of(h2d, stream)
     n = len(pairs) * bb
-    return {"d2h_gbps": n / out[0] / 1e9, "h2d_gbps": n / inn[0] / 1e9,
-            "d2h_latency_us": out[1] * 1e6, "h2d_latency_us": inn[1] * 1e6}
+    return {
+        "d2h_gbps": n / out[0] / 1e9,
+        "h2d_gbps": n / inn[0] / 1e9,
+        "d2h_latency_us": out[1] * 1e6,
+        "h2d_latency_us": inn[1] * 1e6,
+    }
 
 
 def main() -> None:
@@ -157,14 +173,16 @@ def main() -> None:
         "provenance": provenance("bench/swap_bench.py", args.commit),
         "ceiling_1gib": big,
         "method": "GPU time between CUDA events on the copy stream; medians of "
-                  f"{REPEATS} after one warm-up; latency: wall time of the call until the copy completed",
+        f"{REPEATS} after one warm-up; latency: wall time of the call until the copy completed",
         "rows": rows,
     }
     write_json(args.out, result)
     worst = [r for r in rows if r["num_blocks"] >= 64 and r["method"] == "batch"]
     for r in worst:
-        print(f"{r['layout']:28s} n={r['num_blocks']:5d} frag={r['fragmented']!s:5s} "
-              f"out {r['swap_out_vs_ceiling']:.2f} in {r['swap_in_vs_ceiling']:.2f} of the 1 GiB ceiling")
+        print(
+            f"{r['layout']:28s} n={r['num_blocks']:5d} frag={r['fragmented']!s:5s} "
+            f"out {r['swap_out_vs_ceiling']:.2f} in {r['swap_in_vs_ceiling']:.2f} of the 1 GiB ceiling"
+        )
 
 
 if __name__ == "__main__":

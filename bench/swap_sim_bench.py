@@ -45,18 +45,25 @@ def row(gbps: float, mode: str, tier_size: str, report: dict[str, Any]) -> dict[
     h = report["host_tier_comparison"]
     tier, no_tier = report["results"]["paged_host_tier"], report["results"]["paged"]
     return {
-        "host_link_gbps": gbps, "mode": mode, "cpu_kv_memory": tier_size,
-        "preemptions_no_tier": no_tier["preemptions"], "preemptions_tier": tier["preemptions"],
-        "by_swap": h["preemptions_by_swap"], "by_recompute": h["preemptions_by_recompute"],
+        "host_link_gbps": gbps,
+        "mode": mode,
+        "cpu_kv_memory": tier_size,
+        "preemptions_no_tier": no_tier["preemptions"],
+        "preemptions_tier": tier["preemptions"],
+        "by_swap": h["preemptions_by_swap"],
+        "by_recompute": h["preemptions_by_recompute"],
         "tier_full": h["recomputed_because_tier_full"],
         "recomputed_tokens_no_tier": no_tier["recomputed_tokens"],
         "recomputed_tokens_tier": tier["recomputed_tokens"],
-        "swapped_gib": h["swapped_bytes"] / 2**30, "copy_s": h["modelled_copy_s"],
+        "swapped_gib": h["swapped_bytes"] / 2**30,
+        "copy_s": h["modelled_copy_s"],
         "output_tokens_per_s_no_tier": no_tier["modelled_output_tokens_per_s"],
         "output_tokens_per_s_tier": tier["modelled_output_tokens_per_s"],
         "throughput_ratio": h["modelled_throughput_ratio"],
-        "ttft_mean_ratio": h["ttft_mean_ratio"], "ttft_p99_ratio": h["ttft_p99_ratio"],
-        "latency_mean_ratio": h["latency_mean_ratio"], "latency_p99_ratio": h["latency_p99_ratio"],
+        "ttft_mean_ratio": h["ttft_mean_ratio"],
+        "ttft_p99_ratio": h["ttft_p99_ratio"],
+        "latency_mean_ratio": h["latency_mean_ratio"],
+        "latency_p99_ratio": h["latency_p99_ratio"],
     }
 
 
@@ -69,18 +76,29 @@ def main() -> None:
     ap.add_argument("--max-running-seqs", type=int, default=256)
     ap.add_argument("--workload", default="sharegpt")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None,
-                    help="JSON results (default: bench/results/<date>_<commit>_<machine>/swap_sim_<model>.json)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON results (default: bench/results/<date>_<commit>_<machine>/swap_sim_<model>.json)",
+    )
     ap.add_argument("--commit", default=None, help="commit to record where git is absent")
     args = ap.parse_args()
     prov = provenance("bench/swap_sim_bench.py", args.commit)
-    requests = generate(args.workload, args.num_requests, seed=args.seed, max_model_len=args.max_model_len)
-    config = SchedulerConfig(max_model_len=args.max_model_len, max_running_seqs=args.max_running_seqs)
+    requests = generate(
+        args.workload, args.num_requests, seed=args.seed, max_model_len=args.max_model_len
+    )
+    config = SchedulerConfig(
+        max_model_len=args.max_model_len, max_running_seqs=args.max_running_seqs
+    )
     rows, reports = [], []
     for gbps, mode, tier_size in CASES:
         spec = SimulationSpec(
-            preset=get_preset(args.model), kv_memory_bytes=parse_bytes(args.kv_memory), requests=requests,
-            config=config, device="host",
+            preset=get_preset(args.model),
+            kv_memory_bytes=parse_bytes(args.kv_memory),
+            requests=requests,
+            config=config,
+            device="host",
             workload_info={"kind": args.workload, "seed": args.seed, "arrival": "all at t=0"},
             host_tier=HostTierSpec(parse_bytes(tier_size), mode, HostLink(gbps * 1e9)),
         )
@@ -92,14 +110,26 @@ def main() -> None:
         rows.append(row(gbps, mode, tier_size, report))
         reports.append(report)
         r = rows[-1]
-        print(f"{gbps:5.1f} GB/s {mode:9} {tier_size:>6}: swap {r['by_swap']:5} recompute {r['by_recompute']:5} "
-              f"(full {r['tier_full']:4}) recomputed tokens {r['recomputed_tokens_tier']:8,} vs "
-              f"{r['recomputed_tokens_no_tier']:8,}  throughput x{r['throughput_ratio']:.3f} "
-              f"TTFT mean x{r['ttft_mean_ratio']:.3f} latency mean x{r['latency_mean_ratio']:.3f} "
-              f"({report['total_wall_s']:.1f} s)", flush=True)
+        print(
+            f"{gbps:5.1f} GB/s {mode:9} {tier_size:>6}: swap {r['by_swap']:5} recompute {r['by_recompute']:5} "
+            f"(full {r['tier_full']:4}) recomputed tokens {r['recomputed_tokens_tier']:8,} vs "
+            f"{r['recomputed_tokens_no_tier']:8,}  throughput x{r['throughput_ratio']:.3f} "
+            f"TTFT mean x{r['ttft_mean_ratio']:.3f} latency mean x{r['latency_mean_ratio']:.3f} "
+            f"({report['total_wall_s']:.1f} s)",
+            flush=True,
+        )
     out = args.out or run_dir(args.commit) / f"swap_sim_{args.model}.json"
-    write_json(out, _finite({"provenance": prov, "args": vars(args) | {"out": str(out)},
-                             "rows": rows, "reports": reports}))
+    write_json(
+        out,
+        _finite(
+            {
+                "provenance": prov,
+                "args": vars(args) | {"out": str(out)},
+                "rows": rows,
+                "reports": reports,
+            }
+        ),
+    )
     print(f"wrote {out}")
 
 

@@ -117,7 +117,9 @@ class Rebuild:
         self.lens += 1
         table = np.full((NUM_REQUESTS, self.max_blocks), -1, dtype=np.int32)
         table[self.columns < self.num_blocks[:, None]] = np.fromiter(
-            (b for blocks in self.blocks for b in blocks), dtype=np.int32, count=int(self.num_blocks.sum())
+            (b for blocks in self.blocks for b in blocks),
+            dtype=np.int32,
+            count=int(self.num_blocks.sum()),
         )
         seq_lens = self.lens.astype(np.int32)
         if self.upload is not None:
@@ -145,9 +147,17 @@ class Incremental:
             import cupyx
 
             self.stream = cp.cuda.Stream(non_blocking=True)
-            self.staging = [(cupyx.empty_pinned(self.table.shape, np.int32),
-                             cupyx.empty_pinned(self.seq_lens.shape, np.int32)) for _ in range(2)]
-            self.uploaded: list[Any] = [None, None]  # the event of each staging buffer's last upload
+            self.staging = [
+                (
+                    cupyx.empty_pinned(self.table.shape, np.int32),
+                    cupyx.empty_pinned(self.seq_lens.shape, np.int32),
+                )
+                for _ in range(2)
+            ]
+            self.uploaded: list[Any] = [
+                None,
+                None,
+            ]  # the event of each staging buffer's last upload
             self.dev_table = cp.empty(self.table.shape, dtype=cp.int32)
             self.dev_seq_lens = cp.empty(self.seq_lens.shape, dtype=cp.int32)
 
@@ -270,7 +280,11 @@ def breakdown(device: str, warmup: int, steps: int, seed: int) -> dict[str, Any]
             tables = kvpool.BlockTables(pool, NUM_REQUESTS, rounds + 2)
             for rid in range(NUM_REQUESTS):
                 tables.add(rid, BLOCK_SIZE)
-            rows = np.arange(k) if layout == "contiguous" else np.arange(k) * (NUM_REQUESTS // max(k, 1))
+            rows = (
+                np.arange(k)
+                if layout == "contiguous"
+                else np.arange(k) * (NUM_REQUESTS // max(k, 1))
+            )
             ids = np.array(tables.request_ids(), dtype=np.int64)[rows]
             tables.sync()
             times = []
@@ -289,8 +303,16 @@ def breakdown(device: str, warmup: int, steps: int, seed: int) -> dict[str, Any]
 
 def targets(ours_us: float, ratio: float, scope: str) -> list[dict[str, Any]]:
     return [
-        {"target": f"ours < {TARGET_OURS_US:g} us per step ({scope})", "value_us": ours_us, "pass": ours_us < TARGET_OURS_US},
-        {"target": f"ours >= {TARGET_RATIO:g}x faster than the rebuild ({scope})", "value_ratio": ratio, "pass": ratio >= TARGET_RATIO},
+        {
+            "target": f"ours < {TARGET_OURS_US:g} us per step ({scope})",
+            "value_us": ours_us,
+            "pass": ours_us < TARGET_OURS_US,
+        },
+        {
+            "target": f"ours >= {TARGET_RATIO:g}x faster than the rebuild ({scope})",
+            "value_ratio": ratio,
+            "pass": ratio >= TARGET_RATIO,
+        },
     ]
 
 
@@ -300,11 +322,20 @@ def targets(ours_us: float, ratio: float, scope: str) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("host", "cuda"), default="host")
-    parser.add_argument("--out", type=Path, default=None, help="JSON results (default: bench/results/tables_<device>.json)")
-    parser.add_argument("--steps", type=int, default=2000, help="timed steps per path; the median is reported")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON results (default: bench/results/tables_<device>.json)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=2000, help="timed steps per path; the median is reported"
+    )
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--commit", default=None, help="commit to record where git is absent (the GPU box)")
+    parser.add_argument(
+        "--commit", default=None, help="commit to record where git is absent (the GPU box)"
+    )
     args = parser.parse_args(argv)
     out = args.out or run_dir(args.commit) / f"tables_{args.device}.json"
     total_steps = args.warmup + args.steps
@@ -328,14 +359,25 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     if args.device == "host":
-        result["scope"] = "host only, no upload: ours = append_tokens_many + sync() returning NumPy; rebuild = NumPy rebuild"
+        result["scope"] = (
+            "host only, no upload: ours = append_tokens_many + sync() returning NumPy; rebuild = NumPy rebuild"
+        )
         paths = {
-            "ours_append_sync_numpy": run_path(lambda: Ours("host", total_steps, args.seed), args.warmup, args.steps, None),
+            "ours_append_sync_numpy": run_path(
+                lambda: Ours("host", total_steps, args.seed), args.warmup, args.steps, None
+            ),
             "incremental_numpy": run_path(
-                lambda: Incremental(None, total_steps, args.seed), args.warmup, args.steps, None),
-            "rebuild_numpy": run_path(lambda: Rebuild(None, total_steps, args.seed), args.warmup, args.steps, None),
+                lambda: Incremental(None, total_steps, args.seed), args.warmup, args.steps, None
+            ),
+            "rebuild_numpy": run_path(
+                lambda: Rebuild(None, total_steps, args.seed), args.warmup, args.steps, None
+            ),
         }
-        ours_key, incr_key, base_key = "ours_append_sync_numpy", "incremental_numpy", "rebuild_numpy"
+        ours_key, incr_key, base_key = (
+            "ours_append_sync_numpy",
+            "incremental_numpy",
+            "rebuild_numpy",
+        )
         scope = "host, no upload"
     else:
         import cupy as cp
@@ -347,15 +389,21 @@ def main(argv: list[str] | None = None) -> int:
         )
         sync = cp.cuda.runtime.deviceSynchronize
         paths = {
-            "ours_append_sync_cuda": run_path(lambda: Ours("cuda", total_steps, args.seed), args.warmup, args.steps, sync),
+            "ours_append_sync_cuda": run_path(
+                lambda: Ours("cuda", total_steps, args.seed), args.warmup, args.steps, sync
+            ),
             "incremental_numpy_pinned_async": run_path(
-                lambda: Incremental(cp, total_steps, args.seed), args.warmup, args.steps, sync),
+                lambda: Incremental(cp, total_steps, args.seed), args.warmup, args.steps, sync
+            ),
             "rebuild_numpy_cupy_asarray": run_path(
                 lambda: Rebuild(cp.asarray, total_steps, args.seed), args.warmup, args.steps, sync
             ),
         }
         ours_key, incr_key, base_key = (
-            "ours_append_sync_cuda", "incremental_numpy_pinned_async", "rebuild_numpy_cupy_asarray")
+            "ours_append_sync_cuda",
+            "incremental_numpy_pinned_async",
+            "rebuild_numpy_cupy_asarray",
+        )
         scope = "CUDA, with upload"
 
     result["paths"] = paths
@@ -368,9 +416,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, p in paths.items():
         extra = ""
         if "total_with_device_sync_us_per_step" in p:
-            extra = f"   total incl. device sync {p['total_with_device_sync_us_per_step']:.2f} us/step"
+            extra = (
+                f"   total incl. device sync {p['total_with_device_sync_us_per_step']:.2f} us/step"
+            )
         print(f"{name:<30} median {p['median_us']:9.2f} us   p90 {p['p90_us']:9.2f} us{extra}")
-    print(f"ratio (rebuild / ours): x{ratio:.1f}; (incremental / ours): x{result['ratio_vs_incremental']:.2f}")
+    print(
+        f"ratio (rebuild / ours): x{ratio:.1f}; (incremental / ours): x{result['ratio_vs_incremental']:.2f}"
+    )
     print(f"breakdown: {json.dumps(result['breakdown'])}")
     for t in result["targets"]:
         print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}")

@@ -87,20 +87,36 @@ def run_shape(cupy, kvpool, batch, seq_len):
     qs, outs = [], []
     for rank in (0, 1):
         with cupy.cuda.Device(rank):
-            qs.append(cupy.asarray(q[:, 16 * rank:16 * (rank + 1)]))
+            qs.append(cupy.asarray(q[:, 16 * rank : 16 * (rank + 1)]))
             outs.append(cupy.empty_like(qs[-1]))
 
     def one(num_splits=None):
         with cupy.cuda.Device(0):
-            kvpool.paged_attention_decode(q0, single, 0, bt, sl, out=out0, stream=single.stream,
-                                          max_seq_len=seq_len, num_splits=num_splits)
+            kvpool.paged_attention_decode(
+                q0,
+                single,
+                0,
+                bt,
+                sl,
+                out=out0,
+                stream=single.stream,
+                max_seq_len=seq_len,
+                num_splits=num_splits,
+            )
 
     def tp(num_splits=None):
         for rank, pool in enumerate(group.pools):
             with cupy.cuda.Device(rank):
-                kvpool.paged_attention_decode(qs[rank], pool, 0, *per_rank[rank], out=outs[rank],
-                                              stream=pool.stream, max_seq_len=seq_len,
-                                              num_splits=num_splits)
+                kvpool.paged_attention_decode(
+                    qs[rank],
+                    pool,
+                    0,
+                    *per_rank[rank],
+                    out=outs[rank],
+                    stream=pool.stream,
+                    max_seq_len=seq_len,
+                    num_splits=num_splits,
+                )
 
     one(1)
     tp(1)
@@ -111,9 +127,15 @@ def run_shape(cupy, kvpool, batch, seq_len):
     one_us = _time(cupy, one, [0])
     tp_us = _time(cupy, tp, [0, 1])
     kv_bytes = batch * seq_len * 2 * HKV * D * 2
-    return {"batch": batch, "seq_len": seq_len, "kv_mb": round(kv_bytes / 1e6),
-            "one_gpu_us": round(one_us, 2), "tp2_us": round(tp_us, 2),
-            "speedup": round(one_us / tp_us, 3), "tp_equals_one_gpu_bitwise_one_split": equal}
+    return {
+        "batch": batch,
+        "seq_len": seq_len,
+        "kv_mb": round(kv_bytes / 1e6),
+        "one_gpu_us": round(one_us, 2),
+        "tp2_us": round(tp_us, 2),
+        "speedup": round(one_us / tp_us, 3),
+        "tp_equals_one_gpu_bitwise_one_split": equal,
+    }
 
 
 def main() -> int:
@@ -121,25 +143,32 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
-    os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                       "NVSHMEM_DISABLE_NVLS": "1"})
+    os.environ.update(
+        {
+            "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1",
+        }
+    )
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import cupy
-    from provenance import provenance
-
     import kvpool
+    from provenance import provenance
 
     rows = []
     for batch, seq_len in SHAPES:
         row = run_shape(cupy, kvpool, batch, seq_len)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    doc = {"benchmark": "tp_decode", "provenance": provenance(__file__, args.commit),
-           "gpus": [cupy.cuda.runtime.getDeviceProperties(d)["name"].decode() for d in (0, 1)],
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "method": f"host wall time of {REPS} launches, both devices synchronised around them",
-           "shape": {"hq": HQ, "hkv": HKV, "head_dim": D, "block_size": BS, "dtype": "float16"},
-           "rows": rows}
+    doc = {
+        "benchmark": "tp_decode",
+        "provenance": provenance(__file__, args.commit),
+        "gpus": [cupy.cuda.runtime.getDeviceProperties(d)["name"].decode() for d in (0, 1)],
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "method": f"host wall time of {REPS} launches, both devices synchronised around them",
+        "shape": {"hq": HQ, "hkv": HKV, "head_dim": D, "block_size": BS, "dtype": "float16"},
+        "rows": rows,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)

@@ -32,8 +32,11 @@ import tempfile
 import time
 import traceback
 
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 LAYOUT = (32, 8, 128, 16, "float16")
 SIZES = [1, 2, 4, 16, 64, 256, 1024, 4096]
 CHUNK_MIB = [16, 64, 256]
@@ -63,7 +66,9 @@ def _setup(rank: int, max_blocks: int):
 
 def _slab(cupy, pool):
     mem = cupy.cuda.UnownedMemory(pool.base_ptr, pool.num_blocks * pool.block_bytes, pool)
-    return cupy.ndarray((pool.num_blocks, pool.block_bytes), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+    return cupy.ndarray(
+        (pool.num_blocks, pool.block_bytes), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0)
+    )
 
 
 def worker(rank: int, rendezvous: str, sizes: list[int], results) -> None:
@@ -131,10 +136,17 @@ def _worker(rank, rendezvous, sizes, results):
                 results.put(("sample", rank, n, mode, chunk_mib, digest))
             if rank == 1:
                 us = statistics.median(times)
-                rows.append({"num_blocks": n, "bytes": n * bb, "mode": mode,
-                             "chunk_mib": chunk_mib or None, "median_us": round(us, 2),
-                             "gb_per_s": round(n * bb / us / 1e3, 2),
-                             "times_us": [round(t, 2) for t in times]})
+                rows.append(
+                    {
+                        "num_blocks": n,
+                        "bytes": n * bb,
+                        "mode": mode,
+                        "chunk_mib": chunk_mib or None,
+                        "median_us": round(us, 2),
+                        "gb_per_s": round(n * bb / us / 1e3, 2),
+                        "times_us": [round(t, 2) for t in times],
+                    }
+                )
     if rank == 0:
         rows = _protocol_times(cupy, np, pool, transport, sizes)
     else:
@@ -160,8 +172,14 @@ def _protocol_times(cupy, np, pool, transport, sizes):
             t0 = time.perf_counter()
             sender.send(rep).wait(timeout=120)
             times.append((time.perf_counter() - t0) * 1e6)
-        rows.append({"num_blocks": n, "mode": "protocol_auto", "median_us": round(statistics.median(times[2:]), 2),
-                     "times_us": [round(t, 2) for t in times[2:]]})
+        rows.append(
+            {
+                "num_blocks": n,
+                "mode": "protocol_auto",
+                "median_us": round(statistics.median(times[2:]), 2),
+                "times_us": [round(t, 2) for t in times[2:]],
+            }
+        )
     return rows
 
 
@@ -171,7 +189,7 @@ def _protocol_receive(cupy, np, pool, transport, sizes):
 
     tables = kvpool.BlockTables(pool, 4, max(sizes))
     receiver = KvReceiver(tables, transport)
-    for n in [s for s in sizes if s <= 64]:
+    for _n in [s for s in sizes if s <= 64]:
         for _ in range(12):
             transport.send_control({"go": True})
             t = receiver.recv(timeout=120)
@@ -204,8 +222,16 @@ def _memcpy_peer(cupy, sizes, bb):
                 if rep >= 2:
                     times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
             us = statistics.median(times)
-            rows.append({"num_blocks": n, "bytes": n * bb, "mode": "memcpy_peer", "median_us": round(us, 2),
-                         "gb_per_s": round(n * bb / us / 1e3, 2), "times_us": [round(t, 2) for t in times]})
+            rows.append(
+                {
+                    "num_blocks": n,
+                    "bytes": n * bb,
+                    "mode": "memcpy_peer",
+                    "median_us": round(us, 2),
+                    "gb_per_s": round(n * bb / us / 1e3, 2),
+                    "times_us": [round(t, 2) for t in times],
+                }
+            )
     return rows
 
 
@@ -220,16 +246,23 @@ def _summary(rows):
         best = min(ours, key=lambda r: r["median_us"])
         staged = min((r for r in ours if r["mode"] == "staged"), key=lambda r: r["median_us"])
         grouped = next(r for r in ours if r["mode"] == "grouped")
-        out.append({
-            "num_blocks": n, "best": f"{best['mode']}/{best['chunk_mib']}",
-            "best_us": best["median_us"], "best_gb_per_s": best["gb_per_s"],
-            "nccl_contiguous_us": base["median_us"], "nccl_contiguous_gb_per_s": base["gb_per_s"],
-            "memcpy_peer_gb_per_s": peer and peer["gb_per_s"],
-            "best_over_contiguous_bandwidth": round(best["gb_per_s"] / base["gb_per_s"], 3),
-            "staged_over_contiguous_bandwidth": round(staged["gb_per_s"] / base["gb_per_s"], 3),
-            "grouped_over_contiguous_bandwidth": round(grouped["gb_per_s"] / base["gb_per_s"], 3),
-            "best_latency_over_contiguous": round(best["median_us"] / base["median_us"], 3),
-        })
+        out.append(
+            {
+                "num_blocks": n,
+                "best": f"{best['mode']}/{best['chunk_mib']}",
+                "best_us": best["median_us"],
+                "best_gb_per_s": best["gb_per_s"],
+                "nccl_contiguous_us": base["median_us"],
+                "nccl_contiguous_gb_per_s": base["gb_per_s"],
+                "memcpy_peer_gb_per_s": peer and peer["gb_per_s"],
+                "best_over_contiguous_bandwidth": round(best["gb_per_s"] / base["gb_per_s"], 3),
+                "staged_over_contiguous_bandwidth": round(staged["gb_per_s"] / base["gb_per_s"], 3),
+                "grouped_over_contiguous_bandwidth": round(
+                    grouped["gb_per_s"] / base["gb_per_s"], 3
+                ),
+                "best_latency_over_contiguous": round(best["median_us"] / base["median_us"], 3),
+            }
+        )
     return out
 
 
@@ -271,13 +304,19 @@ def main() -> int:
     import cupy
 
     doc = {
-        "benchmark": "transfer", "provenance": provenance(__file__, args.commit),
+        "benchmark": "transfer",
+        "provenance": provenance(__file__, args.commit),
         "gpus": [cupy.cuda.runtime.getDeviceProperties(d)["name"].decode() for d in (0, 1)],
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "layout": dict(zip(["num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"], LAYOUT)),
-        "block_bytes": 2 << 20, "byte_exact_samples": not mismatched,
+        "layout": dict(
+            zip(["num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"], LAYOUT)
+        ),
+        "block_bytes": 2 << 20,
+        "byte_exact_samples": not mismatched,
         "mismatched_samples": [list(map(str, k)) for k in mismatched],
-        "summary": _summary(rows[1]), "rows": rows[1], "protocol": rows[0],
+        "summary": _summary(rows[1]),
+        "rows": rows[1],
+        "protocol": rows[0],
         "env": {k: os.environ.get(k) for k in MULTICAST_OFF},
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs kvpool with its test dependencies into ./.venv and runs every test that needs no
-# GPU: Rust unit/property/stress tests, clippy, loom model checks, ruff, mypy and pytest (with
-# the stub check).
+# GPU: formatting, Rust unit/property/stress tests, clippy, loom model checks, ruff, mypy and
+# pytest (with the stub check).
 # GPU tests (marker `gpu`) skip themselves here; run them on a GPU machine with
 # bench/gpu_all.sh (see bench/README.md).
 set -euo pipefail
@@ -11,6 +11,10 @@ python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q '.[test]'
+
+echo "== formatting (rustfmt.toml, [tool.ruff] in pyproject.toml)"
+cargo fmt --all -- --check
+ruff format --check tests python bench
 
 echo "== cargo test (kvpool-core)"
 cargo test --locked -p kvpool-core
@@ -57,8 +61,8 @@ for model in $(RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
 done
 echo "loom took $((SECONDS - loom_start)) s"
 
-echo "== ruff (pyflakes rules: an undefined name in a GPU-only test fails here, not on the GPU)"
-ruff check --select F tests python bench
+echo "== ruff (rules in pyproject.toml: an undefined name in a GPU-only test fails here, not on the GPU)"
+ruff check tests python bench
 
 echo "== mypy (python/kvpool; settings in pyproject.toml)"
 mypy

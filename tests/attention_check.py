@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
 from kvpool import reference
 
 # Largest allowed relative L2 error of one output row, per KV/output dtype.
@@ -80,12 +79,20 @@ def without_token(k: np.ndarray, v: np.ndarray, token: int) -> tuple[np.ndarray,
 
 
 def decode_reference_without_token(
-    q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
-    seq_lens: np.ndarray, dtype: str, seq: int, token: int, scale: float | None = None,
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    dtype: str,
+    seq: int,
+    token: int,
+    scale: float | None = None,
 ) -> np.ndarray:
     """reference.paged_attention_decode, except that sequence `seq` does not see `token`."""
-    want = reference.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, dtype,
-                                            scale)
+    want = reference.paged_attention_decode(
+        q, k_cache, v_cache, block_tables, seq_lens, dtype, scale
+    )
     q64 = reference.to_float64(q, dtype)
     if scale is None:
         scale = 1.0 / np.sqrt(q64.shape[-1])
@@ -97,7 +104,11 @@ def decode_reference_without_token(
 
 
 def table_with_wrong_block(
-    block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int, num_blocks: int, seq: int,
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    block_size: int,
+    num_blocks: int,
+    seq: int,
     index: int,
 ) -> np.ndarray:
     """A copy of the tables in which sequence `seq`'s `index`-th block is replaced by a block
@@ -105,7 +116,7 @@ def table_with_wrong_block(
     used = -(-int(seq_lens[seq]) // block_size)
     if not 0 <= index < used:
         raise ValueError(f"sequence {seq} uses blocks 0..{used - 1}, not {index}")
-    own = set(int(b) for b in block_tables[seq, :used])
+    own = {int(b) for b in block_tables[seq, :used]}
     if len(own) == num_blocks:
         raise ValueError("the sequence uses every block: no wrong one to swap in")
     wrong = int(block_tables[seq, index])

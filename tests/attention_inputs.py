@@ -9,10 +9,10 @@ CuPy here; the device-side helpers are in gpu_fixtures.py).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
-
 from kvpool import reference
 
 
@@ -20,8 +20,13 @@ def random_elems(rng: np.random.Generator, shape: Sequence[int], dtype: str) -> 
     return reference.from_float64(rng.standard_normal(shape), dtype)
 
 
-def shuffled_tables(rng: np.random.Generator, seq_lens: Sequence[int], block_size: int,
-                    num_blocks: int, extra: int = 2) -> np.ndarray:
+def shuffled_tables(
+    rng: np.random.Generator,
+    seq_lens: Sequence[int],
+    block_size: int,
+    num_blocks: int,
+    extra: int = 2,
+) -> np.ndarray:
     """Shuffled, disjoint block tables, one row per sequence, with `extra` unused (-1) columns."""
     need = [-(-int(n) // block_size) for n in seq_lens]
     ids = rng.permutation(num_blocks)[: sum(need)]

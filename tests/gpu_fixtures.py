@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
+import kvpool
 import numpy as np
 import pytest
 from attention_inputs import random_elems
-
-import kvpool
 
 
 class _LazyCupy:
@@ -57,8 +57,15 @@ def device_elems(rng: np.random.Generator, shape: Sequence[int], dtype: str) -> 
     return to_device(random_elems(rng, shape, dtype), dtype)
 
 
-def cuda_pool(rng: np.random.Generator, num_kv_heads: int, head_dim: int, block_size: int,
-              dtype: str, num_blocks: int, num_layers: int) -> Any:
+def cuda_pool(
+    rng: np.random.Generator,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: str,
+    num_blocks: int,
+    num_layers: int,
+) -> Any:
     """A CUDA pool whose every K and V element is random (`device_elems`)."""
     layout = kvpool.KvLayout(num_layers, num_kv_heads, head_dim, block_size, dtype)
     pool = kvpool.Pool(layout, num_blocks, device="cuda")
@@ -86,8 +93,11 @@ def error_report(errors: dict[str, float], env: str = "KVPOOL_ERROR_REPORT") -> 
         path = os.environ.get(env)
         if path:
             with open(path, "w") as f:
-                json.dump({"max_rel_err": max(errors.values(), default=None), "cases": errors}, f,
-                          indent=1)
+                json.dump(
+                    {"max_rel_err": max(errors.values(), default=None), "cases": errors},
+                    f,
+                    indent=1,
+                )
 
     return _write_error_report
 

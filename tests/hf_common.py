@@ -3,25 +3,46 @@ models built from a config, the teacher-forced comparison against transformers' 
 
 from __future__ import annotations
 
+import kvpool
 import numpy as np
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
-
-import kvpool
 from kvpool.generation import build_step
 from kvpool.integrations.transformers import TransformersRunner, layout_for
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 
-def llama(dtype, device, *, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16,
-          inter=128, vocab=101, seed=0, lm_head_spread=0.0):
+def llama(
+    dtype,
+    device,
+    *,
+    layers=2,
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    inter=128,
+    vocab=101,
+    seed=0,
+    lm_head_spread=0.0,
+):
     """A random-weight Llama. lm_head_spread > 0 scales each lm_head row by
     exp(spread * N(0, 1)): a few tokens then dominate and greedy decisions have margins
     (with equal row norms the top two of a large vocabulary are often within a few ulps)."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=inter,
-                      vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     with torch.device(device):  # initialise on the device: a 1B model is slow to fill on a CPU
         model = LlamaForCausalLM(cfg).to(dtype=dtype).eval()
     model.generation_config.eos_token_id = None  # random weights: run every requested token
@@ -47,7 +68,7 @@ def decision_margins(logits, prompt_len, chosen, temperatures=0.0, seed=0):
     Returns (margins, scales): float64 [len(chosen)] each, scale = max|logit| of the row."""
     from kvpool.generation import gumbel_noise
 
-    rows = logits[prompt_len - 1:prompt_len - 1 + len(chosen)].double().cpu().numpy()
+    rows = logits[prompt_len - 1 : prompt_len - 1 + len(chosen)].double().cpu().numpy()
     scales = np.abs(rows).max(axis=1)
     if temperatures:
         pos = np.arange(prompt_len - 1, prompt_len - 1 + len(chosen), dtype=np.int64)
@@ -69,7 +90,9 @@ def reference_logits(model, prompt, forced):
         out.append(model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float())
         for t in forced:
             ids = torch.tensor([[t]], device=dev)
-            out.append(model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float())
+            out.append(
+                model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float()
+            )
     return torch.cat(out)
 
 
@@ -80,7 +103,9 @@ def kvpool_logits(model, prompts, forced, *, block_size=16, num_blocks=None, pre
     dev = next(model.parameters()).device
     layout = layout_for(model, block_size)
     need = sum(-(-(len(p) + len(f)) // block_size) for p, f in zip(prompts, forced))
-    pool = kvpool.Pool(layout, num_blocks or need + 4, device="host" if dev.type == "cpu" else str(dev))
+    pool = kvpool.Pool(
+        layout, num_blocks or need + 4, device="host" if dev.type == "cpu" else str(dev)
+    )
     runner = TransformersRunner(model, pool, prefill=prefill)
     width = max(-(-(len(p) + len(f)) // block_size) for p, f in zip(prompts, forced))
     tables = kvpool.BlockTables(pool, len(prompts), width)
@@ -89,7 +114,7 @@ def kvpool_logits(model, prompts, forced, *, block_size=16, num_blocks=None, pre
     batch = build_step(tables, [], [(i, list(p), 0) for i, p in enumerate(prompts)], [], [])
     logits = runner.logits(batch)
     ptr = batch.prefill_qo_indptr
-    per_seq = [[logits[ptr[i]:ptr[i + 1]]] for i in range(len(prompts))]
+    per_seq = [[logits[ptr[i] : ptr[i + 1]]] for i in range(len(prompts))]
     for step in range(max(len(f) for f in forced)):
         live = [i for i in range(len(prompts)) if step < len(forced[i])]
         tables.append_tokens_many(np.array(live, np.int64), 1)
@@ -97,7 +122,7 @@ def kvpool_logits(model, prompts, forced, *, block_size=16, num_blocks=None, pre
         batch = build_step(tables, dec, [], [0.0] * len(live), [0] * len(live))
         logits = runner.logits(batch)
         for row, i in enumerate(live):
-            per_seq[i].append(logits[row:row + 1])
+            per_seq[i].append(logits[row : row + 1])
     for i in range(len(prompts)):
         tables.free(i)
     assert pool.num_free == pool.num_blocks
@@ -111,8 +136,8 @@ def left_padded(prompts, device, pad=0):
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -120,25 +145,37 @@ def cache_generate(model, pool, prompts, n, *, eos=None, prefill="kernel", **kw)
     """model.generate with a KvpoolCache over `pool` (attn_implementation "kvpool") on a
     left-padded batch. Returns (new tokens per row, trimmed after EOS, the per-step logits
     [steps, batch, vocab] when output_logits is asked for, the cache, closed)."""
-    from transformers import StoppingCriteriaList
-
     from kvpool.integrations.transformers import KvpoolCache, register
+    from transformers import StoppingCriteriaList
 
     register()
     model.set_attn_implementation("kvpool")
     dev = next(model.parameters()).device
     ids, mask = left_padded(prompts, dev)
-    cache = KvpoolCache(model, pool, max_batch_size=len(prompts),
-                        max_cache_len=max(len(p) for p in prompts) + n, prefill=prefill)
+    cache = KvpoolCache(
+        model,
+        pool,
+        max_batch_size=len(prompts),
+        max_cache_len=max(len(p) for p in prompts) + n,
+        prefill=prefill,
+    )
     stop = StoppingCriteriaList([cache.release_at_eos(eos)] if eos is not None else [])
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n,
-                             eos_token_id=eos, stopping_criteria=stop, return_dict_in_generate=True,
-                             output_logits=True, **kw)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            past_key_values=cache,
+            max_new_tokens=n,
+            eos_token_id=eos,
+            stopping_criteria=stop,
+            return_dict_in_generate=True,
+            output_logits=True,
+            **kw,
+        )
     released = set(cache.finished)
     cache.close()
     assert pool.num_free == pool.num_blocks
-    return _trim(out.sequences[:, ids.shape[1]:], eos), out.logits, released
+    return _trim(out.sequences[:, ids.shape[1] :], eos), out.logits, released
 
 
 def dynamic_generate(model, prompts, n, *, eos=None, **kw):
@@ -147,15 +184,22 @@ def dynamic_generate(model, prompts, n, *, eos=None, **kw):
     dev = next(model.parameters()).device
     ids, mask = left_padded(prompts, dev)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, eos_token_id=eos,
-                             return_dict_in_generate=True, output_logits=True, **kw)
-    return _trim(out.sequences[:, ids.shape[1]:], eos), out.logits
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            eos_token_id=eos,
+            return_dict_in_generate=True,
+            output_logits=True,
+            **kw,
+        )
+    return _trim(out.sequences[:, ids.shape[1] :], eos), out.logits
 
 
 def _trim(tokens, eos):
     rows = []
     for row in tokens.tolist():
         if eos is not None and eos in row:
-            row = row[:row.index(eos) + 1]
+            row = row[: row.index(eos) + 1]
         rows.append(row)
     return rows

@@ -11,8 +11,11 @@ import hashlib
 import os
 import traceback
 
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 LAYOUT = (4, 8, 128, 16, "float16")  # 256 KiB blocks
 NUM_BLOCKS = 2600
 HQ = 32
@@ -61,7 +64,8 @@ def sender(rendezvous: str, sizes: list[int], modes: list[str], results) -> None
         transport = NcclTransport.connect(0, rendezvous, 0)
         cupy.random.seed(1)
         _slab(cupy, pool, cupy.float16)[...] = cupy.random.standard_normal(
-            (pool.num_blocks, pool.block_bytes // 2), dtype=cupy.float32).astype(cupy.float16)
+            (pool.num_blocks, pool.block_bytes // 2), dtype=cupy.float32
+        ).astype(cupy.float16)
         cupy.cuda.Device(0).synchronize()  # the fill ran on the legacy stream
         _scatter_free_list(tables, 2)
         rid = 0
@@ -85,7 +89,6 @@ def receiver(rendezvous: str, count: int, results) -> None:
         cupy, kvpool, pool, tables = _setup(1)
         import numpy as np
         from attention_check import assert_attention_close
-
         from kvpool import reference
         from kvpool.transfer import KvReceiver, NcclTransport
 
@@ -98,8 +101,9 @@ def receiver(rendezvous: str, count: int, results) -> None:
             t.wait(timeout=120)
             rid = t.request_id
             digests = _digests(cupy, pool, tables.blocks(rid))
-            decode_error = _decode_check(cupy, kvpool, reference, pool, tables, rid, rng,
-                                         assert_attention_close)
+            decode_error = _decode_check(
+                cupy, kvpool, reference, pool, tables, rid, rng, assert_attention_close
+            )
             results.put(("received", rid, digests, decode_error))
             tables.free(rid)
         tables.check_invariants()
@@ -119,8 +123,9 @@ def _decode_check(cupy, kvpool, reference, pool, tables, rid, rng, assert_close)
     lens = tables.seq_lens([rid])
     stream = cupy.cuda.Stream.from_external(pool.stream)
     with stream:
-        out = kvpool.paged_attention_decode(cupy.asarray(q), pool, layer, cupy.asarray(row),
-                                            cupy.asarray(lens), stream=pool.stream)
+        out = kvpool.paged_attention_decode(
+            cupy.asarray(q), pool, layer, cupy.asarray(row), cupy.asarray(lens), stream=pool.stream
+        )
         stream.synchronize()
     k = cupy.asnumpy(cupy.asarray(pool.k_view(layer)))
     v = cupy.asnumpy(cupy.asarray(pool.v_view(layer)))
@@ -173,12 +178,14 @@ def surviving_receiver(rendezvous: str, results) -> None:
             message = str(e)
         tables.check_invariants()
         pool.check_invariants(exact_refs=True)
-        consistent = (1 not in tables and 500 in tables and pool.num_used == before
-                      and t.state == "failed")
+        consistent = (
+            1 not in tables and 500 in tables and pool.num_used == before and t.state == "failed"
+        )
         # The pool is still usable: a new request, a block copy, a device sync.
         tables.add(2, 100)
-        kvpool.copy_blocks(pool, [[int(tables.blocks(500)[0]), int(tables.blocks(2)[0])]],
-                           stream=pool.stream)
+        kvpool.copy_blocks(
+            pool, [[int(tables.blocks(500)[0]), int(tables.blocks(2)[0])]], stream=pool.stream
+        )
         cupy.cuda.Device(1).synchronize()
         results.put(("interrupted", message, consistent, pool.num_used))
     except Exception:

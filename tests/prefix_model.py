@@ -45,7 +45,9 @@ class PoolModel:
             event("alloc: from the free list")
         else:
             evict = [b for b in self.lru if b not in exclude][: len(got) - len(self.free)]
-            assert set(got) == self.free | set(evict), f"expected the free {self.free} and LRU {evict}, got {got}"
+            assert set(got) == self.free | set(evict), (
+                f"expected the free {self.free} and LRU {evict}, got {got}"
+            )
             event("alloc: evicted")
             for b in evict:
                 del self.lru[b]

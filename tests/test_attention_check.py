@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from kvpool import reference
 from attention_check import (
     TOLERANCE,
     as_float64,
@@ -16,6 +14,7 @@ from attention_check import (
     row_errors,
     table_with_wrong_block,
 )
+from kvpool import reference
 
 DTYPES = ["float16", "bfloat16"]
 BLOCK_SIZE = 16
@@ -33,7 +32,7 @@ def _case(dtype: str, seed: int = 0):
     tables = np.full((len(lens), int(need.max()) + 2), -1, dtype=np.int32)
     at = 0
     for i, n in enumerate(need):
-        tables[i, :n] = ids[at:at + n]
+        tables[i, :n] = ids[at : at + n]
         at += n
 
     def elems(shape):
@@ -62,7 +61,9 @@ def test_a_dropped_token_fails(dtype):
         if n < 2:
             continue  # dropping the only token leaves nothing to attend to
         # first token, last token, each side of the first block boundary, one in the middle
-        for token in sorted({0, BLOCK_SIZE - 1, BLOCK_SIZE, int(n) // 2, int(n) - 1} & set(range(n))):
+        for token in sorted(
+            {0, BLOCK_SIZE - 1, BLOCK_SIZE, int(n) // 2, int(n) - 1} & set(range(n))
+        ):
             wrong = decode_reference_without_token(q, k, v, tables, lens, dtype, seq, token)
             wrong_rounded = reference.from_float64(wrong, dtype)
             with pytest.raises(AssertionError, match=rf"worst row \({seq}, "):
@@ -79,7 +80,8 @@ def test_one_wrong_block_fails(dtype):
         for index in range(-(-int(n) // BLOCK_SIZE)):
             bad = table_with_wrong_block(tables, lens, BLOCK_SIZE, num_blocks, seq, index)
             got = reference.from_float64(
-                reference.paged_attention_decode(q, k, v, bad, lens, dtype), dtype)
+                reference.paged_attention_decode(q, k, v, bad, lens, dtype), dtype
+            )
             with pytest.raises(AssertionError, match=r"1 of \d+ rows|\d+ of \d+ rows"):
                 assert_attention_close(got, want, dtype, f"wrong block {seq}/{index}")
             errs = row_errors(got, want, dtype)
@@ -93,7 +95,8 @@ def test_a_whole_batch_norm_would_miss_what_the_row_check_catches():
     seq = len(lens) - 1  # the longest sequence: one token weighs least there
     wrong = reference.from_float64(
         decode_reference_without_token(q, k, v, tables, lens, dtype, seq, int(lens[seq]) // 2),
-        dtype)
+        dtype,
+    )
     batch_err = np.linalg.norm(as_float64(wrong, dtype) - want) / np.linalg.norm(want)
     assert batch_err < 1e-2  # what the suite's former whole-batch check accepted
     with pytest.raises(AssertionError):
@@ -106,7 +109,9 @@ def test_unwritten_rows_fail(dtype):
     got = reference.from_float64(want, dtype)
     nan_bits = {"float16": 0x7E00, "bfloat16": 0x7FC0}[dtype]
     got.view(np.uint16)[3, 5, 7] = nan_bits
-    with pytest.raises(AssertionError, match=r"1 of 56 rows .*worst row \(3, 5\).*1 rows unwritten"):
+    with pytest.raises(
+        AssertionError, match=r"1 of 56 rows .*worst row \(3, 5\).*1 rows unwritten"
+    ):
         assert_attention_close(got, want, dtype, "poisoned")
 
 

@@ -10,8 +10,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _git(cwd: Path, *args: str) -> None:
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        cwd=cwd,
+        check=True,
+        capture_output=True,
+    )
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
@@ -26,8 +30,9 @@ def test_vm_session_refuses_a_dirty_tree_before_writing_anything(tmp_path):
     _git(tmp_path, "commit", "-q", "-m", "clean")
     (tmp_path / "tracked.txt").write_text("changed\n")
 
-    run = subprocess.run(["bash", "bench/vm_session.sh"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=60)
+    run = subprocess.run(
+        ["bash", "bench/vm_session.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
 
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip() == "vm_session.sh: the working tree has changes; commit them first"
@@ -36,8 +41,9 @@ def test_vm_session_refuses_a_dirty_tree_before_writing_anything(tmp_path):
     # Committed, the same tree passes the check and goes on to its first step (which fails
     # here, where bench/provenance.py does not exist): the refusal was the dirty tree's.
     _git(tmp_path, "commit", "-q", "-am", "committed")
-    run = subprocess.run(["bash", "bench/vm_session.sh"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=60)
+    run = subprocess.run(
+        ["bash", "bench/vm_session.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert run.returncode != 0
     assert "working tree has changes" not in run.stderr
     assert "provenance" in run.stderr
@@ -66,8 +72,10 @@ def test_the_shape_grid_records_a_failing_shape_and_writes_after_every_row(tmp_p
         on_disk = json.loads(out.read_text())["rows"]
         assert on_disk[-1] == row and len(on_disk) == len(seen) + 1
         seen.append(row)
-    assert seen == [{"shape": "1x8", "us": 8},
-                    {"shape": "2x8", "error": "RuntimeError: no kernel for this shape"},
-                    {"shape": "3x8", "us": 24}]
+    assert seen == [
+        {"shape": "1x8", "us": 8},
+        {"shape": "2x8", "error": "RuntimeError: no kernel for this shape"},
+        {"shape": "3x8", "us": 24},
+    ]
     assert result["rows"] == seen
     assert "RuntimeError: no kernel for this shape" in capsys.readouterr().err  # the traceback

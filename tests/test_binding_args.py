@@ -125,7 +125,9 @@ BOOLS = [True, False, np.True_, np.False_]
 @pytest.mark.parametrize("method", ["k_view", "v_view"])
 @pytest.mark.parametrize("flag", BOOLS, ids=repr)
 def test_a_bool_layer_is_refused_by_name(pool: Pool, method: str, flag: Any) -> None:
-    with pytest.raises(InvalidArgumentError, match=r"^invalid argument: layer must be an int, not a bool \(got "):
+    with pytest.raises(
+        InvalidArgumentError, match=r"^invalid argument: layer must be an int, not a bool \(got "
+    ):
         getattr(pool, method)(flag)
 
 
@@ -133,7 +135,10 @@ COUNT_CALLS: dict[str, tuple[str, Callable[[BlockTables, Any], object]]] = {
     "Pool.alloc_many": ("n", lambda t, b: t.pool.alloc_many(b)),
     "Pool.grow": ("num_blocks", lambda t, b: t.pool.grow(b)),
     "Pool()": ("num_blocks", lambda t, b: Pool(LAYOUT, b, device="host")),
-    "Pool(memory_bytes)": ("memory_bytes", lambda t, b: Pool(LAYOUT, memory_bytes=b, device="host")),
+    "Pool(memory_bytes)": (
+        "memory_bytes",
+        lambda t, b: Pool(LAYOUT, memory_bytes=b, device="host"),
+    ),
     "KvLayout()": ("num_layers", lambda t, b: KvLayout(b, 1, 16, 4)),
     "KvLayout.tp_shard": ("tp_size", lambda t, b: LAYOUT.tp_shard(b)),
     "BlockTables()": ("max_seqs", lambda t, b: BlockTables(t.pool, b, 4)),
@@ -150,12 +155,18 @@ COUNT_CALLS: dict[str, tuple[str, Callable[[BlockTables, Any], object]]] = {
 @pytest.mark.parametrize("flag", BOOLS, ids=repr)
 def test_a_bool_count_is_refused_by_name(tables: BlockTables, call: str, flag: Any) -> None:
     name, fn = COUNT_CALLS[call]
-    with unchanged(tables), pytest.raises(InvalidArgumentError, match=rf"{name} must be an int, not a bool"):
+    with (
+        unchanged(tables),
+        pytest.raises(InvalidArgumentError, match=rf"{name} must be an int, not a bool"),
+    ):
         fn(tables, flag)
 
 
 def test_a_numpy_bool_array_of_counts_is_refused(tables: BlockTables) -> None:
-    with unchanged(tables), pytest.raises(InvalidArgumentError, match="count must be an int, not a bool"):
+    with (
+        unchanged(tables),
+        pytest.raises(InvalidArgumentError, match="count must be an int, not a bool"),
+    ):
         tables.append_tokens_many([1, 2], np.array([True, False]))
 
 
@@ -277,10 +288,16 @@ def test_free_many_reads_every_array_layout(pool: Pool, layout: str) -> None:
 
 @pytest.mark.parametrize(
     ("layout", "bad"),
-    [(layout, bad) for layout in sorted(id_arrays([1])) for bad in (-1, NUM_BLOCKS, "repeat")
-     if (layout, bad) != ("uint32", -1)],  # -1 is no uint32
+    [
+        (layout, bad)
+        for layout in sorted(id_arrays([1]))
+        for bad in (-1, NUM_BLOCKS, "repeat")
+        if (layout, bad) != ("uint32", -1)
+    ],  # -1 is no uint32
 )
-def test_free_many_refuses_a_bad_id_in_every_array_layout(pool: Pool, layout: str, bad: Any) -> None:
+def test_free_many_refuses_a_bad_id_in_every_array_layout(
+    pool: Pool, layout: str, bad: Any
+) -> None:
     held = pool.alloc_many(8).tolist()
     ids = held[:3] + [held[1] if bad == "repeat" else bad] + held[4:]
     before = pool.stats(), [pool.ref_cnt(b) for b in range(NUM_BLOCKS)]

@@ -11,13 +11,20 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 # A run folder (dated, or one of the older names), then optionally a path inside it.
-CITED = re.compile(r"((?:\d{4}-\d{2}-\d{2}_[0-9a-f]{7,40}_[A-Za-z0-9-]+)|gpu_run_[0-9a-f]{7})"
-                   r"((?:/[A-Za-z0-9_.{}*-]+)*)")
+CITED = re.compile(
+    r"((?:\d{4}-\d{2}-\d{2}_[0-9a-f]{7,40}_[A-Za-z0-9-]+)|gpu_run_[0-9a-f]{7})"
+    r"((?:/[A-Za-z0-9_.{}*-]+)*)"
+)
 
 
 def cited_paths():
-    files = subprocess.run(["git", "ls-files", "*.md", "*.py", "*.rs", "*.sh", "*.toml"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "*.md", "*.py", "*.rs", "*.sh", "*.toml"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     for name in files:
         if name.startswith("bench/results/2"):  # a run's own logs name folders of the GPU machine
             continue
@@ -30,11 +37,13 @@ def expand(rest):
     m = re.search(r"\{(\d+)\.\.(\d+)\}", rest)
     if not m:
         return [rest]
-    return [rest[:m.start()] + str(i) + rest[m.end():] for i in range(int(m[1]), int(m[2]) + 1)]
+    return [rest[: m.start()] + str(i) + rest[m.end() :] for i in range(int(m[1]), int(m[2]) + 1)]
 
 
-@pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(),
-                    reason="lists the tracked files with git")
+@pytest.mark.skipif(
+    shutil.which("git") is None or not (REPO / ".git").exists(),
+    reason="lists the tracked files with git",
+)
 def test_every_cited_result_exists():
     missing = []
     seen = 0
@@ -42,10 +51,7 @@ def test_every_cited_result_exists():
         seen += 1
         for r in expand(rest.rstrip(".")):
             target = RESULTS / (run + r)
-            if "*" in r:
-                ok = any(RESULTS.glob(run + r))
-            else:
-                ok = target.exists()
+            ok = any(RESULTS.glob(run + r)) if "*" in r else target.exists()
             if not ok:
                 missing.append(f"{source}: {run}{r}")
     assert seen > 20, "the pattern found too few citations to be checking anything"

@@ -5,13 +5,24 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from kvpool.cli import main
 from kvpool.report import table_rows
 
 # 128 MiB of Llama-3-8B KV is 64 blocks: 32 sequences with long outputs must preempt.
-PREEMPTING = ["simulate", "--kv-memory", "128MiB", "--max-model-len", "1024", "--max-running-seqs", "32",
-              "--max-tokens-per-step", "512", "--num-requests", "80", "--no-progress"]
+PREEMPTING = [
+    "simulate",
+    "--kv-memory",
+    "128MiB",
+    "--max-model-len",
+    "1024",
+    "--max-running-seqs",
+    "32",
+    "--max-tokens-per-step",
+    "512",
+    "--num-requests",
+    "80",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +44,10 @@ def test_three_schedulers_at_the_same_gpu_memory(tier_report):
     h = report["host_tier_comparison"]
     assert h["preemptions"]["no_tier"] > 0
     assert h["preemptions_by_swap"] + h["preemptions_by_recompute"] == h["preemptions"]["host_tier"]
-    assert h["recomputed_tokens_saved"] == h["recomputed_tokens"]["no_tier"] - h["recomputed_tokens"]["host_tier"]
+    assert (
+        h["recomputed_tokens_saved"]
+        == h["recomputed_tokens"]["no_tier"] - h["recomputed_tokens"]["host_tier"]
+    )
     assert h["swapped_bytes"] == 2 * tier["swapped_out_bytes"]
     assert (out / "simulate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -50,15 +64,31 @@ def test_forced_modes_and_link_options(tmp_path):
     runs = {}
     for mode, extra in (("swap", []), ("recompute", []), ("auto", ["--host-link-gbps", "1"])):
         out = tmp_path / mode
-        assert main([*PREEMPTING, "--cpu-kv-memory", "64GiB", "--preemption", mode, *extra, "--no-plot",
-                     "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    *PREEMPTING,
+                    "--cpu-kv-memory",
+                    "64GiB",
+                    "--preemption",
+                    mode,
+                    *extra,
+                    "--no-plot",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         runs[mode] = json.loads((out / "simulate.json").read_text())
     swap = runs["swap"]["host_tier_comparison"]
     assert swap["preemptions_by_recompute"] == 0 and swap["preemptions_by_swap"] > 0
     assert runs["recompute"]["host_tier_comparison"]["preemptions_by_swap"] == 0
     # Recompute through the tier is the run without one.
-    assert runs["recompute"]["results"]["paged_host_tier"]["modelled_time_s"] == \
-        runs["recompute"]["results"]["paged"]["modelled_time_s"]
+    assert (
+        runs["recompute"]["results"]["paged_host_tier"]["modelled_time_s"]
+        == runs["recompute"]["results"]["paged"]["modelled_time_s"]
+    )
     slow = runs["auto"]["results"]["paged_host_tier"]["host_tier"]
     assert slow["host_link_bytes_per_s"] == 1e9 and slow["swapped_out"] == 0  # recompute is cheaper
 
@@ -66,13 +96,32 @@ def test_forced_modes_and_link_options(tmp_path):
 def test_without_the_option_nothing_changes(tmp_path):
     assert main([*PREEMPTING, "--num-requests", "10", "--no-plot", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "simulate.json").read_text())
-    assert list(report["results"]) == ["paged", "contiguous"] and "host_tier_comparison" not in report
+    assert (
+        list(report["results"]) == ["paged", "contiguous"] and "host_tier_comparison" not in report
+    )
 
 
 def test_a_shared_prefix_workload_gets_the_tier_and_no_prefix_caching_run(tmp_path):
     # Prefix caching would be on by default here; with a host tier it is off (not modelled).
-    assert main([*PREEMPTING, "--num-requests", "20", "--num-prefixes", "2", "--prefix-tokens", "64",
-                 "--cpu-kv-memory", "8GiB", "--no-plot", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                *PREEMPTING,
+                "--num-requests",
+                "20",
+                "--num-prefixes",
+                "2",
+                "--prefix-tokens",
+                "64",
+                "--cpu-kv-memory",
+                "8GiB",
+                "--no-plot",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "simulate.json").read_text())
     assert list(report["results"]) == ["paged", "paged_host_tier", "contiguous"]
     assert report["workload"]["prefix_sharing"] is True
@@ -85,8 +134,13 @@ def test_the_simulator_refuses_a_host_tier_with_prefix_caching():
     from kvpool.scheduler.runner import SimulationSpec, simulate
     from kvpool.scheduler.swap import HostTierSpec
 
-    spec = SimulationSpec(preset=get_preset("llama-3-8b"), kv_memory_bytes=2**30, requests=[],
-                          host_tier=HostTierSpec(2**30), prefix_caching=True)
+    spec = SimulationSpec(
+        preset=get_preset("llama-3-8b"),
+        kv_memory_bytes=2**30,
+        requests=[],
+        host_tier=HostTierSpec(2**30),
+        prefix_caching=True,
+    )
     with pytest.raises(ValueError, match="host tier and prefix caching are not modelled together"):
         simulate(spec)
 
@@ -103,20 +157,42 @@ def _refused(capsys, args) -> str:
     ("args", "message"),
     [
         (["--cpu-kv-memory", "-1"], "--cpu-kv-memory: cannot read memory size '-1'"),
-        (["--cpu-kv-memory", "1e400"], "--cpu-kv-memory: memory size '1e400' is too large to be a number of bytes"),
+        (
+            ["--cpu-kv-memory", "1e400"],
+            "--cpu-kv-memory: memory size '1e400' is too large to be a number of bytes",
+        ),
         (["--cpu-kv-memory", "0"], "--cpu-kv-memory: memory size must be positive"),
         (["--cpu-kv-memory", "lots"], "--cpu-kv-memory: cannot read memory size 'lots'"),
-        (["--cpu-kv-memory", "1MiB"], "--cpu-kv-memory must hold 1 to 2147483647 blocks of 2097152 bytes"),
+        (
+            ["--cpu-kv-memory", "1MiB"],
+            "--cpu-kv-memory must hold 1 to 2147483647 blocks of 2097152 bytes",
+        ),
         (["--cpu-kv-memory", "1e300"], "--cpu-kv-memory must hold 1 to 2147483647 blocks"),
         (["--preemption", "swap"], "--preemption need --cpu-kv-memory"),
-        (["--host-link-gbps", "20", "--host-link-latency-us", "5"],
-         "--host-link-gbps, --host-link-latency-us need --cpu-kv-memory"),
-        (["--cpu-kv-memory", "1GiB", "--preemption", "always"], "argument --preemption: invalid choice: 'always'"),
-        (["--cpu-kv-memory", "1GiB", "--host-link-gbps", "0"], "argument --host-link-gbps: must be a finite number > 0"),
-        (["--cpu-kv-memory", "1GiB", "--host-link-gbps", "inf"], "argument --host-link-gbps: must be a finite number > 0"),
-        (["--cpu-kv-memory", "1GiB", "--host-link-latency-us", "-1"],
-         "argument --host-link-latency-us: must be a finite number >= 0"),
-        (["--cpu-kv-memory", "1GiB", "--disaggregated"], "--cpu-kv-memory cannot be used with --disaggregated"),
+        (
+            ["--host-link-gbps", "20", "--host-link-latency-us", "5"],
+            "--host-link-gbps, --host-link-latency-us need --cpu-kv-memory",
+        ),
+        (
+            ["--cpu-kv-memory", "1GiB", "--preemption", "always"],
+            "argument --preemption: invalid choice: 'always'",
+        ),
+        (
+            ["--cpu-kv-memory", "1GiB", "--host-link-gbps", "0"],
+            "argument --host-link-gbps: must be a finite number > 0",
+        ),
+        (
+            ["--cpu-kv-memory", "1GiB", "--host-link-gbps", "inf"],
+            "argument --host-link-gbps: must be a finite number > 0",
+        ),
+        (
+            ["--cpu-kv-memory", "1GiB", "--host-link-latency-us", "-1"],
+            "argument --host-link-latency-us: must be a finite number >= 0",
+        ),
+        (
+            ["--cpu-kv-memory", "1GiB", "--disaggregated"],
+            "--cpu-kv-memory cannot be used with --disaggregated",
+        ),
     ],
 )
 def test_bad_host_tier_options(capsys, tmp_path, args, message):
@@ -135,5 +211,6 @@ def test_a_bad_tier_size_is_refused_before_anything_is_allocated(capsys, monkeyp
         monkeypatch.setattr(name, no_simulation)
     monkeypatch.setattr(runner, "simulate", no_simulation)
     for size in ("-1", "1e400"):
-        assert "--cpu-kv-memory" in _refused(capsys, [*PREEMPTING, "--cpu-kv-memory", size,
-                                                      "--out", str(tmp_path / "r")])
+        assert "--cpu-kv-memory" in _refused(
+            capsys, [*PREEMPTING, "--cpu-kv-memory", size, "--out", str(tmp_path / "r")]
+        )

@@ -12,13 +12,12 @@ kernel's real output against a reference that misses one token.
 
 from __future__ import annotations
 
+import kvpool
 import numpy as np
 import pytest
 from attention_check import as_float64, assert_attention_close, decode_reference_without_token
 from attention_inputs import random_elems
 from gpu_fixtures import NAN_BITS, cp, cuda_pool, poisoned, to_device
-
-import kvpool
 from kvpool import reference
 from kvpool.kernels import _build, _decode, paged_attention_decode, workspace_elems
 
@@ -39,7 +38,7 @@ def _tight_tables(rng, lens, bs, extra_cols=0):
     tables = np.full((len(lens), max(need) + extra_cols), -1, dtype=np.int32)
     at = 0
     for i, n in enumerate(need):
-        tables[i, :n] = ids[at:at + n]
+        tables[i, :n] = ids[at : at + n]
         at += n
     return tables, sum(need)
 
@@ -55,8 +54,9 @@ class Case:
         self.q_host = random_elems(rng, (len(lens), hq, d), dtype)
         self.q = to_device(self.q_host, dtype)
         self.bt, self.sl = cp.asarray(self.tables), cp.asarray(self.lens)
-        self.want = reference.paged_attention_decode(self.q_host, self.k, self.v, self.tables,
-                                                     self.lens, dtype)
+        self.want = reference.paged_attention_decode(
+            self.q_host, self.k, self.v, self.tables, self.lens, dtype
+        )
 
     def run(self, **kw):
         out = poisoned(self.q.shape, self.dtype)
@@ -79,7 +79,8 @@ def _ragged(bs, cap_blocks):
 
 
 HEAD_DIM_CASES = [("float16", d) for d in _build.TC_HEAD_DIMS] + [
-    ("bfloat16", d) for d in (40, 72, 120, 200, 256)]
+    ("bfloat16", d) for d in (40, 72, 120, 200, 256)
+]
 
 
 @pytest.mark.parametrize(("dtype", "d"), HEAD_DIM_CASES)
@@ -134,8 +135,17 @@ def test_fused_merge_counters_reset_between_calls_and_graph_replays():
     out = poisoned(b.q.shape, "float16")
     ws = cp.empty(workspace_elems(5, 8, 64, 9), cp.float32)
     with s:
-        call = lambda: paged_attention_decode(b.q, b.pool, 0, b.bt, b.sl, out=out,  # noqa: E731
-                                              max_seq_len=1000, num_splits=9, workspace=ws)
+        call = lambda: paged_attention_decode(
+            b.q,
+            b.pool,
+            0,
+            b.bt,
+            b.sl,
+            out=out,
+            max_seq_len=1000,
+            num_splits=9,
+            workspace=ws,
+        )
         call()  # warm-up: compile, prepare, counters for this stream
         s.synchronize()
         s.begin_capture()
@@ -170,14 +180,22 @@ def test_the_check_fails_on_a_one_token_error():
                 assert_attention_close(got, case.want, dtype, f"unmutated {kw}")
                 for seq, token in ((0, 2), (1, 16), (2, 15)):
                     mutated = decode_reference_without_token(
-                        case.q_host, case.k, case.v, case.tables, case.lens, dtype, seq, token)
+                        case.q_host, case.k, case.v, case.tables, case.lens, dtype, seq, token
+                    )
                     with pytest.raises(AssertionError, match="exceed"):
                         assert_attention_close(got, mutated, dtype, f"mutated seq {seq}")
 
 
-@pytest.mark.parametrize(("d", "bs", "dtype"), [(36, 16, "float16"), (264, 16, "float16"),
-                                                (128, 512, "float16"), (128, 24, "bfloat16"),
-                                                (16, 16, "float16")])
+@pytest.mark.parametrize(
+    ("d", "bs", "dtype"),
+    [
+        (36, 16, "float16"),
+        (264, 16, "float16"),
+        (128, 512, "float16"),
+        (128, 24, "bfloat16"),
+        (16, 16, "float16"),
+    ],
+)
 def test_unsupported_shapes_fail_before_any_launch(d, bs, dtype):
     try:
         layout = kvpool.KvLayout(1, 2, d, bs, dtype)

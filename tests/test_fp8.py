@@ -5,10 +5,9 @@ reference on the dequantized cache."""
 
 from __future__ import annotations
 
+import kvpool
 import numpy as np
 import pytest
-
-import kvpool
 from kvpool import InvalidArgumentError, KvScales, reference
 
 FP8 = ("float8_e4m3fn", "float8_e5m2")
@@ -40,7 +39,9 @@ def test_quantize_matches_ml_dtypes_bit_for_bit(dtype):
     got = reference.quantize_fp8(x, dtype)
     want = x.astype(ml).view(np.uint8)
     bad = np.flatnonzero(got != want)
-    assert bad.size == 0, f"{bad.size} mismatches, first {x[bad[:5]]}: {got[bad[:5]]} vs {want[bad[:5]]}"
+    assert bad.size == 0, (
+        f"{bad.size} mismatches, first {x[bad[:5]]}: {got[bad[:5]]} vs {want[bad[:5]]}"
+    )
 
 
 @pytest.mark.parametrize("dtype", FP8)
@@ -64,8 +65,9 @@ def test_round_trip_of_every_finite_code(dtype):
 @pytest.mark.parametrize("dtype", FP8)
 def test_saturation_and_nan(dtype):
     f = reference.FP8[dtype]
-    x = np.array([f.max_value * 1.01, 1e30, np.inf, -np.inf, -1e30, np.nan, -np.nan],
-                 dtype=np.float32)
+    x = np.array(
+        [f.max_value * 1.01, 1e30, np.inf, -np.inf, -1e30, np.nan, -np.nan], dtype=np.float32
+    )
     got = reference.quantize_fp8(x, dtype)
     assert list(got[:3]) == [f.max_code] * 3
     assert list(got[3:5]) == [0x80 | f.max_code] * 2
@@ -73,17 +75,21 @@ def test_saturation_and_nan(dtype):
 
 
 def test_known_codes():
-    e4m3 = reference.quantize_fp8(np.array([1.0, 448.0, 2.0**-9, 2.0**-10, 3 * 2.0**-10,
-                                            -2.0**-6, 0.0], np.float32), "float8_e4m3fn")
+    e4m3 = reference.quantize_fp8(
+        np.array([1.0, 448.0, 2.0**-9, 2.0**-10, 3 * 2.0**-10, -(2.0**-6), 0.0], np.float32),
+        "float8_e4m3fn",
+    )
     # 2^-10 is a tie between 0 and 2^-9: even (0) wins; 3 * 2^-10 ties 2^-9 and 2^-8: 2^-8.
     assert list(e4m3) == [0x38, 0x7E, 0x01, 0x00, 0x02, 0x88, 0x00]
-    e5m2 = reference.quantize_fp8(np.array([1.0, 57344.0, 2.0**-16, -2.0**-14], np.float32),
-                                  "float8_e5m2")
+    e5m2 = reference.quantize_fp8(
+        np.array([1.0, 57344.0, 2.0**-16, -(2.0**-14)], np.float32), "float8_e5m2"
+    )
     assert list(e5m2) == [0x3C, 0x7B, 0x01, 0x84]
 
 
-def _host_pool(dtype="float8_e4m3fn", num_kv_heads=2, head_dim=32, block_size=4, layers=2,
-               num_blocks=8):
+def _host_pool(
+    dtype="float8_e4m3fn", num_kv_heads=2, head_dim=32, block_size=4, layers=2, num_blocks=8
+):
     layout = kvpool.KvLayout(layers, num_kv_heads, head_dim, block_size, dtype)
     return kvpool.Pool(layout, num_blocks, device="host")
 
@@ -163,8 +169,9 @@ def test_host_append_and_decode(dtype, granularity, q_dtype):
     ks, vs = s.layer_scales(1)
     # The cache holds exactly the reference quantizer's codes.
     kc = pool.k_view(1).reshape(-1, 2, 32)
-    np.testing.assert_array_equal(kc[slots[slots >= 0]],
-                                  reference.quantize_kv(k, q_dtype, ks, dtype)[slots >= 0])
+    np.testing.assert_array_equal(
+        kc[slots[slots >= 0]], reference.quantize_kv(k, q_dtype, ks, dtype)[slots >= 0]
+    )
     # Dequantized, it is within fp8's half-ulp of the input (relative 2^-4 / 2^-3).
     deq = reference.to_float64(kc[slots[slots >= 0]], dtype) * ks[None, :, None]
     kin = reference.to_float64(k, q_dtype)[slots >= 0]
@@ -175,12 +182,14 @@ def test_host_append_and_decode(dtype, granularity, q_dtype):
     lens = np.array([8, 9], dtype=np.int32)
     q = reference.from_float64(rng.standard_normal((2, 4, 32)), q_dtype)
     got = kvpool.paged_attention_decode(q, pool, 1, tables, lens, scales=s)
-    want = reference.paged_attention_decode(q, pool.k_view(1), pool.v_view(1), tables, lens,
-                                            dtype, q_dtype=q_dtype, kv_scales=(ks, vs))
+    want = reference.paged_attention_decode(
+        q, pool.k_view(1), pool.v_view(1), tables, lens, dtype, q_dtype=q_dtype, kv_scales=(ks, vs)
+    )
     np.testing.assert_allclose(reference.to_float64(got, q_dtype), want, rtol=1e-2, atol=1e-2)
     # Prefill of one query per sequence (it sees every key) is the same attention.
-    pre = kvpool.paged_attention_prefill(q, pool, 1, np.array([0, 1, 2], np.int32), tables, lens,
-                                         scales=s)
+    pre = kvpool.paged_attention_prefill(
+        q, pool, 1, np.array([0, 1, 2], np.int32), tables, lens, scales=s
+    )
     assert pre.dtype == q.dtype
     np.testing.assert_allclose(reference.to_float64(pre, q_dtype), want, rtol=1e-2, atol=1e-2)
     # ... and close to attention over the unquantized K/V (the end-to-end quantization error).
@@ -189,8 +198,15 @@ def test_host_append_and_decode(dtype, granularity, q_dtype):
     keep = slots >= 0
     kf[slots[keep]] = reference.to_float64(k, q_dtype)[keep]
     vf[slots[keep]] = reference.to_float64(v, q_dtype)[keep]
-    exact = reference.paged_attention_decode(q, kf.reshape(16, 4, 2, 32), vf.reshape(16, 4, 2, 32),
-                                             tables, lens, "float64", q_dtype=q_dtype)
+    exact = reference.paged_attention_decode(
+        q,
+        kf.reshape(16, 4, 2, 32),
+        vf.reshape(16, 4, 2, 32),
+        tables,
+        lens,
+        "float64",
+        q_dtype=q_dtype,
+    )
     err = np.linalg.norm(want - exact) / np.linalg.norm(exact)
     assert err < (0.16 if dtype == "float8_e5m2" else 0.08)  # rounding of 3 (2) mantissa bits
 
@@ -203,8 +219,9 @@ def test_fp8_bad_inputs_are_refused():
     with pytest.raises(InvalidArgumentError, match="scales"):
         kvpool.append_kv(k, k, pool, 0, slots)
     with pytest.raises(InvalidArgumentError, match="float16 or both bfloat16"):
-        kvpool.append_kv(k.view(np.uint8)[..., :32], k.view(np.uint8)[..., :32], pool, 0, slots,
-                         scales=s)
+        kvpool.append_kv(
+            k.view(np.uint8)[..., :32], k.view(np.uint8)[..., :32], pool, 0, slots, scales=s
+        )
     with pytest.raises(InvalidArgumentError, match="float16 or both bfloat16"):
         kvpool.append_kv(k, k.view(np.uint16), pool, 0, slots, scales=s)
     other = KvScales(_host_pool())
@@ -222,9 +239,11 @@ def test_fp8_bad_inputs_are_refused():
     with pytest.raises(InvalidArgumentError, match="scales"):
         kvpool.paged_attention_prefill(q, pool, 0, np.array([0, 1], np.int32), tables, lens)
     with pytest.raises(InvalidArgumentError, match="float16 or bfloat16"):
-        kvpool.paged_attention_prefill(q.view(np.uint8)[..., :32], pool, 0,
-                                       np.array([0, 1], np.int32), tables, lens, scales=s)
+        kvpool.paged_attention_prefill(
+            q.view(np.uint8)[..., :32], pool, 0, np.array([0, 1], np.int32), tables, lens, scales=s
+        )
     with pytest.raises(InvalidArgumentError, match="fp8 pools"):
-        kvpool.paged_attention_prefill(q, _host_pool("float16"), 0, np.array([0, 1], np.int32),
-                                       tables, lens, scales=s)
+        kvpool.paged_attention_prefill(
+            q, _host_pool("float16"), 0, np.array([0, 1], np.int32), tables, lens, scales=s
+        )
     assert (pool.k_view(0) == 0).all()  # nothing was written by a refused call

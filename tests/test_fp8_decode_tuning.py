@@ -5,7 +5,6 @@ the variable."""
 from __future__ import annotations
 
 import pytest
-
 from kvpool.kernels import _build
 from kvpool.kernels._build import FP8_DECODE_ENV, Fp8DecodeTuning, fp8_decode_tuning, tc_variant
 
@@ -34,8 +33,9 @@ def test_a_tuning_changes_only_fp8_modules(monkeypatch):
         assert tc_variant(dtype, 128, 4, None, tuning) == tc_variant(dtype, 128, 4)
 
 
-@pytest.mark.parametrize("text", ["warps=5", "stages=1", "stages=5", "fill=9", "warps=x",
-                                  "warp=4", "warps", "warps=-4"])
+@pytest.mark.parametrize(
+    "text", ["warps=5", "stages=1", "stages=5", "fill=9", "warps=x", "warp=4", "warps", "warps=-4"]
+)
 def test_bad_values_are_refused(monkeypatch, text):
     monkeypatch.setenv(FP8_DECODE_ENV, text)
     with pytest.raises(ValueError, match=FP8_DECODE_ENV):
@@ -50,8 +50,10 @@ def test_fixed_stages_are_lowered_to_fit_shared_memory():
 
 def test_ci_compiles_the_default_fp8_modules():
     for v in _build.fp8_tc_variants():
-        assert (v.warps, v.fixed_stages) == (_build.FP8_DECODE_DEFAULT.warps,
-                                            _build.FP8_DECODE_DEFAULT.stages)
+        assert (v.warps, v.fixed_stages) == (
+            _build.FP8_DECODE_DEFAULT.warps,
+            _build.FP8_DECODE_DEFAULT.stages,
+        )
         assert v == tc_variant(v.dtype, v.dp, 16 if v.nh == 2 else 8, v.q_dtype)[0]
 
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import os
 
+import kvpool
 import numpy as np
 import pytest
 from attention_check import as_float64, row_errors
 from gpu_fixtures import NAN_BITS, cp, poisoned, to_device
-
-import kvpool
 from kvpool import InvalidArgumentError, KvScales, reference
 from kvpool.kernels import append_kv, paged_attention_decode, paged_attention_prefill, prefill_plan
 
@@ -24,8 +23,12 @@ pytestmark = pytest.mark.gpu
 
 FP8 = ("float8_e4m3fn", "float8_e5m2")
 BOUND = 1e-2  # kernel vs float64 on the dequantized cache, per row
-MEAN_E2E_BOUND = {("float8_e4m3fn", False): 0.07, ("float8_e5m2", False): 0.14,
-                  ("float8_e4m3fn", True): 0.3, ("float8_e5m2", True): 0.55}
+MEAN_E2E_BOUND = {
+    ("float8_e4m3fn", False): 0.07,
+    ("float8_e5m2", False): 0.14,
+    ("float8_e4m3fn", True): 0.3,
+    ("float8_e5m2", True): 0.55,
+}
 REPORT: dict = {}
 
 
@@ -42,8 +45,21 @@ class Fp8Case:
     """A one-layer fp8 pool filled through the quantizing append_kv from 16-bit K/V; tables that
     use every block (shuffled); q; the references."""
 
-    def __init__(self, seed, dtype, q_dtype, d, bs, hq, hkv, lens, granularity="tensor",
-                 outliers=False, calibrate=True, fixed_scales=(0.02, 0.01)):
+    def __init__(
+        self,
+        seed,
+        dtype,
+        q_dtype,
+        d,
+        bs,
+        hq,
+        hkv,
+        lens,
+        granularity="tensor",
+        outliers=False,
+        calibrate=True,
+        fixed_scales=(0.02, 0.01),
+    ):
         rng = np.random.default_rng(seed)
         self.dtype, self.q_dtype, self.lens = dtype, q_dtype, np.asarray(lens, np.int32)
         need = [-(-int(n) // bs) for n in lens]
@@ -53,7 +69,7 @@ class Fp8Case:
         self.tables = np.full((len(lens), max(need)), -1, np.int32)
         at = 0
         for i, n in enumerate(need):
-            self.tables[i, :n] = ids[at:at + n]
+            self.tables[i, :n] = ids[at : at + n]
             at += n
         # Every slot of the pool gets a token; plus padding rows (slot -1) full of garbage.
         n_tok = nblk * bs
@@ -70,20 +86,39 @@ class Fp8Case:
         self.slots = slots
         self.scales = KvScales(self.pool, granularity, auto_calibrate=calibrate)
         if not calibrate:
-            self.scales.set(0, *[np.full(hkv if granularity == "head" else (), s)
-                                 for s in fixed_scales])
-        append_kv(to_device(self.k_in, q_dtype), to_device(self.v_in, q_dtype), self.pool, 0,
-                  cp.asarray(slots), scales=self.scales)
+            self.scales.set(
+                0, *[np.full(hkv if granularity == "head" else (), s) for s in fixed_scales]
+            )
+        append_kv(
+            to_device(self.k_in, q_dtype),
+            to_device(self.v_in, q_dtype),
+            self.pool,
+            0,
+            cp.asarray(slots),
+            scales=self.scales,
+        )
         cp.cuda.runtime.deviceSynchronize()
-        self.kc, self.vc = cp.asnumpy(cp.asarray(self.pool.k_view(0))), cp.asnumpy(
-            cp.asarray(self.pool.v_view(0)))
+        self.kc, self.vc = (
+            cp.asnumpy(cp.asarray(self.pool.k_view(0))),
+            cp.asnumpy(cp.asarray(self.pool.v_view(0))),
+        )
         self.ks, self.vs = self.scales.layer_scales(0)
         self.q_host = reference.from_float64(rng.standard_normal((len(lens), hq, d)), q_dtype)
-        self.q, self.bt, self.sl = (to_device(self.q_host, q_dtype), cp.asarray(self.tables),
-                                    cp.asarray(self.lens))
+        self.q, self.bt, self.sl = (
+            to_device(self.q_host, q_dtype),
+            cp.asarray(self.tables),
+            cp.asarray(self.lens),
+        )
         self.want = reference.paged_attention_decode(
-            self.q_host, self.kc, self.vc, self.tables, self.lens, dtype, q_dtype=q_dtype,
-            kv_scales=(self.ks, self.vs))
+            self.q_host,
+            self.kc,
+            self.vc,
+            self.tables,
+            self.lens,
+            dtype,
+            q_dtype=q_dtype,
+            kv_scales=(self.ks, self.vs),
+        )
 
     def check_append_bits(self):
         keep = self.slots >= 0
@@ -95,15 +130,18 @@ class Fp8Case:
 
     def run(self, **kw):
         out = poisoned(self.q.shape, self.q_dtype)
-        res = paged_attention_decode(self.q, self.pool, 0, self.bt, self.sl, out=out,
-                                     scales=self.scales, **kw)
+        res = paged_attention_decode(
+            self.q, self.pool, 0, self.bt, self.sl, out=out, scales=self.scales, **kw
+        )
         assert res is out
         return as_float64(out, self.q_dtype)
 
     def check(self, label, **kw):
         err = row_errors(self.run(**kw), self.want, self.q_dtype)
         worst = float(err.max())
-        assert (err < BOUND).all(), f"{label}: {(err >= BOUND).sum()} rows over {BOUND} (worst {worst:.3g})"
+        assert (err < BOUND).all(), (
+            f"{label}: {(err >= BOUND).sum()} rows over {BOUND} (worst {worst:.3g})"
+        )
         return worst
 
     def unquantized_reference(self):
@@ -114,9 +152,15 @@ class Fp8Case:
         vf = np.zeros_like(kf)
         kf[self.slots[keep]] = reference.to_float64(self.k_in[keep], self.q_dtype)
         vf[self.slots[keep]] = reference.to_float64(self.v_in[keep], self.q_dtype)
-        return reference.paged_attention_decode(self.q_host, kf.reshape(shape), vf.reshape(shape),
-                                                self.tables, self.lens, "float64",
-                                                q_dtype=self.q_dtype)
+        return reference.paged_attention_decode(
+            self.q_host,
+            kf.reshape(shape),
+            vf.reshape(shape),
+            self.tables,
+            self.lens,
+            "float64",
+            q_dtype=self.q_dtype,
+        )
 
 
 LENS = [1, 15, 16, 17, 100, 700]
@@ -126,44 +170,91 @@ LENS = [1, 15, 16, 17, 100, 700]
 @pytest.mark.parametrize("q_dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("granularity", ["tensor", "head"])
 def test_append_bits_and_decode(dtype, q_dtype, granularity):
-    case = Fp8Case([len(dtype), len(q_dtype), len(granularity)], dtype, q_dtype, 128, 16, 32, 8,
-                   LENS, granularity)
+    case = Fp8Case(
+        [len(dtype), len(q_dtype), len(granularity)],
+        dtype,
+        q_dtype,
+        128,
+        16,
+        32,
+        8,
+        LENS,
+        granularity,
+    )
     case.check_append_bits()
     assert case.ks.max() < 1.0  # calibrated from the real rows, not from the 5e4 padding
     worst = case.check(f"{dtype} q={q_dtype} {granularity}")
     worst_split = case.check("forced splits", num_splits=5, max_seq_len=max(LENS))
     REPORT.setdefault("kernel_vs_dequantized_reference", {})[
-        f"{dtype},q={q_dtype},{granularity}"] = max(worst, worst_split)
+        f"{dtype},q={q_dtype},{granularity}"
+    ] = max(worst, worst_split)
 
 
-@pytest.mark.parametrize(("d", "bs", "hq", "hkv"), [
-    (32, 1, 4, 4), (48, 8, 17, 1), (64, 8, 8, 2), (96, 32, 12, 4), (128, 64, 8, 1),
-    (192, 16, 16, 1), (256, 16, 8, 8), (256, 256, 4, 2), (80, 2, 8, 4)])
+@pytest.mark.parametrize(
+    ("d", "bs", "hq", "hkv"),
+    [
+        (32, 1, 4, 4),
+        (48, 8, 17, 1),
+        (64, 8, 8, 2),
+        (96, 32, 12, 4),
+        (128, 64, 8, 1),
+        (192, 16, 16, 1),
+        (256, 16, 8, 8),
+        (256, 256, 4, 2),
+        (80, 2, 8, 4),
+    ],
+)
 def test_shapes(d, bs, hq, hkv):
-    case = Fp8Case([d, bs, hq, hkv], "float8_e4m3fn", "float16", d, bs, hq, hkv,
-                   [1, bs, 2 * bs + 1, 300], "head")
+    case = Fp8Case(
+        [d, bs, hq, hkv],
+        "float8_e4m3fn",
+        "float16",
+        d,
+        bs,
+        hq,
+        hkv,
+        [1, bs, 2 * bs + 1, 300],
+        "head",
+    )
     case.check_append_bits()
     case.check(f"d={d} bs={bs} hq={hq} hkv={hkv}")
     case.check("forced splits", num_splits=3, max_seq_len=300)
 
 
-@pytest.mark.parametrize(("dtype", "q_dtype", "d", "hq", "hkv"), [
-    ("float8_e5m2", "float16", 48, 16, 1), ("float8_e5m2", "bfloat16", 96, 8, 2),
-    ("float8_e5m2", "float16", 256, 8, 1), ("float8_e4m3fn", "bfloat16", 80, 12, 2),
-    ("float8_e4m3fn", "float16", 64, 16, 1)])
+@pytest.mark.parametrize(
+    ("dtype", "q_dtype", "d", "hq", "hkv"),
+    [
+        ("float8_e5m2", "float16", 48, 16, 1),
+        ("float8_e5m2", "bfloat16", 96, 8, 2),
+        ("float8_e5m2", "float16", 256, 8, 1),
+        ("float8_e4m3fn", "bfloat16", 80, 12, 2),
+        ("float8_e4m3fn", "float16", 64, 16, 1),
+    ],
+)
 def test_fragment_widths(dtype, q_dtype, d, hq, hkv):
     """Each lane's K/V unit width (4/8/16 bytes for K, 2/4/8/16 for V, set by the head width)
     for both formats and query types, 8- and 16-head tiles."""
-    case = Fp8Case([d, hq, len(dtype), len(q_dtype)], dtype, q_dtype, d, 16, hq, hkv,
-                   [1, 33, 250], "head")
+    case = Fp8Case(
+        [d, hq, len(dtype), len(q_dtype)], dtype, q_dtype, d, 16, hq, hkv, [1, 33, 250], "head"
+    )
     case.check(f"{dtype} q={q_dtype} d={d} hq={hq} hkv={hkv}")
     case.check("forced splits", num_splits=3, max_seq_len=250)
 
 
 def test_set_scales_and_saturation():
     """Calibrated-by-hand scales too small for the data: values saturate, still bit-exact."""
-    case = Fp8Case(5, "float8_e4m3fn", "bfloat16", 64, 16, 8, 2, [40, 3], calibrate=False,
-                   fixed_scales=(0.002, 0.001))
+    case = Fp8Case(
+        5,
+        "float8_e4m3fn",
+        "bfloat16",
+        64,
+        16,
+        8,
+        2,
+        [40, 3],
+        calibrate=False,
+        fixed_scales=(0.002, 0.001),
+    )
     case.check_append_bits()
     assert (case.kc.view(np.uint8) & 0x7F == 0x7E).any()  # some saturated
     case.check("fixed scales")
@@ -178,8 +269,9 @@ def test_mutation_is_caught():
     v = reference.to_float64(reference.gather_kv(case.vc, case.tables[0], n), case.dtype)
     k, v = k * case.ks[None, :, None], v * case.vs[None, :, None]
     q64 = reference.to_float64(case.q_host, "float16")
-    want[0] = reference.attention_decode(q64[0], np.delete(k, 77, 0), np.delete(v, 77, 0),
-                                         1 / np.sqrt(128))
+    want[0] = reference.attention_decode(
+        q64[0], np.delete(k, 77, 0), np.delete(v, 77, 0), 1 / np.sqrt(128)
+    )
     assert (row_errors(got, case.want, "float16") < BOUND).all()
     assert (row_errors(got, want, "float16")[0] >= BOUND).any()  # one token of 200 is seen
 
@@ -194,30 +286,58 @@ def _prefill(case, qo_lens, causal=True, **plan_kw):
     plan = prefill_plan(case.pool, indptr, case.lens, hq, causal=causal, **plan_kw)
     out = cp.empty(q_host.shape, cp.float16 if case.q_dtype == "float16" else cp.uint16)
     out.view(cp.uint16)[...] = NAN_BITS[case.q_dtype]
-    res = paged_attention_prefill(to_device(q_host, case.q_dtype), case.pool, 0, cp.asarray(indptr),
-                                  case.bt, case.sl, causal=causal, out=out, plan=plan,
-                                  scales=case.scales)
+    res = paged_attention_prefill(
+        to_device(q_host, case.q_dtype),
+        case.pool,
+        0,
+        cp.asarray(indptr),
+        case.bt,
+        case.sl,
+        causal=causal,
+        out=out,
+        plan=plan,
+        scales=case.scales,
+    )
     assert res is out
-    want = reference.paged_attention_prefill(q_host, case.kc, case.vc, indptr, case.tables,
-                                             case.lens, case.dtype, None, causal,
-                                             q_dtype=case.q_dtype, kv_scales=(case.ks, case.vs))
+    want = reference.paged_attention_prefill(
+        q_host,
+        case.kc,
+        case.vc,
+        indptr,
+        case.tables,
+        case.lens,
+        case.dtype,
+        None,
+        causal,
+        q_dtype=case.q_dtype,
+        kv_scales=(case.ks, case.vs),
+    )
     return as_float64(out, case.q_dtype), want, q_host, indptr
 
 
 PREFILL_QO = [1, 15, 16, 5, 64, 300]  # queries per sequence of LENS (the last tokens)
 
 
-@pytest.mark.parametrize(("dtype", "q_dtype", "d", "granularity"), [
-    ("float8_e4m3fn", "float16", 128, "tensor"), ("float8_e4m3fn", "bfloat16", 64, "head"),
-    ("float8_e5m2", "float16", 256, "head"), ("float8_e5m2", "bfloat16", 128, "tensor")])
+@pytest.mark.parametrize(
+    ("dtype", "q_dtype", "d", "granularity"),
+    [
+        ("float8_e4m3fn", "float16", 128, "tensor"),
+        ("float8_e4m3fn", "bfloat16", 64, "head"),
+        ("float8_e5m2", "float16", 256, "head"),
+        ("float8_e5m2", "bfloat16", 128, "tensor"),
+    ],
+)
 def test_prefill_against_dequantized_reference(dtype, q_dtype, d, granularity):
     case = Fp8Case([len(dtype), len(q_dtype), d], dtype, q_dtype, d, 16, 8, 2, LENS, granularity)
     for label, kw in (("wide", {}), ("narrow, split", {"rows_per_cta": 16, "num_splits": 3})):
         got, want, _, _ = _prefill(case, PREFILL_QO, **kw)
         err = row_errors(got, want, q_dtype)
-        assert (err < BOUND).all(), f"{label}: {(err >= BOUND).sum()} rows over {BOUND} ({err.max():.3g})"
+        assert (err < BOUND).all(), (
+            f"{label}: {(err >= BOUND).sum()} rows over {BOUND} ({err.max():.3g})"
+        )
         REPORT.setdefault("prefill_vs_dequantized_reference", {})[
-            f"{dtype},q={q_dtype},d={d},{granularity},{label}"] = float(err.max())
+            f"{dtype},q={q_dtype},d={d},{granularity},{label}"
+        ] = float(err.max())
 
 
 def test_prefill_mutation_is_caught():
@@ -225,9 +345,19 @@ def test_prefill_mutation_is_caught():
     case = Fp8Case(11, "float8_e4m3fn", "float16", 128, 16, 8, 2, LENS)
     got, want, q_host, indptr = _prefill(case, PREFILL_QO)
     assert (row_errors(got, want, "float16") < BOUND).all()
-    wrong = reference.paged_attention_prefill(q_host, case.kc, case.vc, indptr, case.tables,
-                                              case.lens, case.dtype, None, False,
-                                              q_dtype="float16", kv_scales=(case.ks, case.vs))
+    wrong = reference.paged_attention_prefill(
+        q_host,
+        case.kc,
+        case.vc,
+        indptr,
+        case.tables,
+        case.lens,
+        case.dtype,
+        None,
+        False,
+        q_dtype="float16",
+        kv_scales=(case.ks, case.vs),
+    )
     assert (row_errors(got, wrong, "float16") >= BOUND).any()
 
 
@@ -237,8 +367,18 @@ def test_end_to_end_error_against_fp16(dtype, outliers):
     """fp8 against attention over the unquantized cache: reported, with a loose bound."""
     errs = {}
     for gran in ("tensor", "head"):
-        case = Fp8Case([7, len(dtype), outliers], dtype, "float16", 128, 16, 32, 8,
-                       [64, 1000, 4000], gran, outliers=outliers)
+        case = Fp8Case(
+            [7, len(dtype), outliers],
+            dtype,
+            "float16",
+            128,
+            16,
+            32,
+            8,
+            [64, 1000, 4000],
+            gran,
+            outliers=outliers,
+        )
         exact = case.unquantized_reference()
         got = case.run()
         err = row_errors(got, exact, "float16")
@@ -249,7 +389,8 @@ def test_end_to_end_error_against_fp16(dtype, outliers):
         bound = MEAN_E2E_BOUND[dtype, outliers]
         assert errs[gran]["mean_row"] < bound, (gran, errs[gran], bound)
     REPORT.setdefault("end_to_end_vs_unquantized", {})[
-        f"{dtype},{'outliers' if outliers else 'random'}"] = errs
+        f"{dtype},{'outliers' if outliers else 'random'}"
+    ] = errs
 
 
 def test_bad_scales_and_inputs():
@@ -262,8 +403,7 @@ def test_bad_scales_and_inputs():
     k = cp.zeros((2, 2, 64), cp.float16)
     slots = cp.asarray(np.array([0, 1], np.int64))
     with pytest.raises(InvalidArgumentError, match="float16 or both bfloat16"):
-        append_kv(k.view(cp.uint8)[..., :64], k.view(cp.uint8)[..., :64], pool, 0, slots,
-                  scales=s)
+        append_kv(k.view(cp.uint8)[..., :64], k.view(cp.uint8)[..., :64], pool, 0, slots, scales=s)
     with pytest.raises(InvalidArgumentError, match="scales"):
         append_kv(k, k, pool, 0, slots)
     q = cp.zeros((1, 4, 64), cp.float16)
@@ -276,8 +416,9 @@ def test_bad_scales_and_inputs():
         paged_attention_decode(q, pool, 0, bt, sl, scales=s, pipeline=1)
     odd = kvpool.Pool(kvpool.KvLayout(1, 1, 40, 16, "float8_e4m3fn"), 2, device="cuda")
     with pytest.raises(InvalidArgumentError, match="multiple of 16"):
-        paged_attention_decode(cp.zeros((1, 1, 40), cp.float16), odd, 0, bt, sl,
-                               scales=KvScales(odd))
+        paged_attention_decode(
+            cp.zeros((1, 1, 40), cp.float16), odd, 0, bt, sl, scales=KvScales(odd)
+        )
 
 
 def test_torch_sees_float8():

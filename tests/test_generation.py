@@ -3,10 +3,9 @@ request completes, outputs equal running each request alone, no block leaks, EOS
 
 from __future__ import annotations
 
+import kvpool
 import numpy as np
 import pytest
-
-import kvpool
 from kvpool.generation import (
     GenerationRequest,
     StepBatch,
@@ -20,8 +19,9 @@ VOCAB = 61
 
 
 def make_pool(num_blocks: int, block_size: int = 4) -> kvpool.Pool:
-    layout = kvpool.KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=block_size,
-                             dtype="float32")
+    layout = kvpool.KvLayout(
+        num_layers=2, num_kv_heads=2, head_dim=8, block_size=block_size, dtype="float32"
+    )
     return kvpool.Pool(layout, num_blocks, device="host")
 
 
@@ -49,8 +49,9 @@ def alone(reqs, block_size: int = 4):
 def test_200_requests_through_a_small_pool_match_running_alone():
     reqs = requests(200, seed=1)
     pool = make_pool(40)  # 160 token slots: far fewer than the workload needs at once
-    res = generate(ToyModel(pool, VOCAB, seed=3), pool, reqs, max_running_seqs=32,
-                   max_tokens_per_step=64)
+    res = generate(
+        ToyModel(pool, VOCAB, seed=3), pool, reqs, max_running_seqs=32, max_tokens_per_step=64
+    )
     assert set(res.outputs) == {r.request_id for r in reqs}
     for r in reqs:
         assert len(res.outputs[r.request_id]) == r.max_new_tokens
@@ -94,8 +95,9 @@ class CorruptDecodeSlots:
 
     def run(self, batch: StepBatch) -> np.ndarray:
         slots = batch.slot_mapping.copy()
-        slots[: batch.num_decode] = np.where(slots[: batch.num_decode] > 0,
-                                             slots[: batch.num_decode] - 1, 0)
+        slots[: batch.num_decode] = np.where(
+            slots[: batch.num_decode] > 0, slots[: batch.num_decode] - 1, 0
+        )
         fields = {f: getattr(batch, f) for f in StepBatch.__dataclass_fields__}
         return self.model.run(StepBatch(**{**fields, "slot_mapping": slots}))
 
@@ -162,12 +164,21 @@ def test_requests_swapped_to_a_host_tier_resume_with_the_same_tokens(temperature
     swappers = []
 
     def make_swapper(backend):
-        swappers.append(HostTierSwapper(backend, 256, mode="swap", prefill_s_per_token=1.0,
-                                        block_bytes=pool.block_bytes))
+        swappers.append(
+            HostTierSwapper(
+                backend, 256, mode="swap", prefill_s_per_token=1.0, block_bytes=pool.block_bytes
+            )
+        )
         return swappers[0]
 
-    res = generate(ToyModel(pool, VOCAB, seed=3), pool, reqs, max_running_seqs=32,
-                   max_tokens_per_step=64, make_swapper=make_swapper)
+    res = generate(
+        ToyModel(pool, VOCAB, seed=3),
+        pool,
+        reqs,
+        max_running_seqs=32,
+        max_tokens_per_step=64,
+        make_swapper=make_swapper,
+    )
     counts = swappers[0].counts
     assert counts.swapped_out > 0 and counts.swapped_in == counts.swapped_out
     # A victim holding no KV yet (a one-token prompt before its first decode) has nothing to swap.

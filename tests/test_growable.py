@@ -21,7 +21,9 @@ CHUNK = 4096
 
 
 def growable(max_num_blocks: int = 64, **kw: int) -> Pool:
-    pool = Pool(LAYOUT, growable=True, max_num_blocks=max_num_blocks, chunk_bytes=CHUNK, device="host", **kw)
+    pool = Pool(
+        LAYOUT, growable=True, max_num_blocks=max_num_blocks, chunk_bytes=CHUNK, device="host", **kw
+    )
     pool.check_invariants()
     return pool
 
@@ -94,7 +96,12 @@ def test_growth_past_the_maximum_names_both_numbers_and_changes_nothing() -> Non
     before = (pool.num_blocks, pool.num_free, pool.stats()["mapped_bytes"])
     with pytest.raises(OutOfBlocksError, match="max_num_blocks 10") as e:
         pool.alloc_many(7)
-    assert (e.value.requested, e.value.free, e.value.num_blocks, e.value.max_num_blocks) == (7, 1, 5, 10)
+    assert (e.value.requested, e.value.free, e.value.num_blocks, e.value.max_num_blocks) == (
+        7,
+        1,
+        5,
+        10,
+    )
     assert (pool.num_blocks, pool.num_free, pool.stats()["mapped_bytes"]) == before
     with pytest.raises(OutOfBlocksError, match="max_num_blocks 10"):
         pool.grow(11)
@@ -185,7 +192,11 @@ def test_decode_across_chunk_boundaries_matches_the_reference() -> None:
             view[...] = rng.standard_normal(view.shape).astype(np.float16)
     q = rng.standard_normal((4, 4, 48)).astype(np.float16)
     bt, sl = tables.block_table(range(4)), tables.seq_lens(range(4))
-    assert any((b * layout.block_bytes) // CHUNK != ((b + 1) * layout.block_bytes - 1) // CHUNK for b in bt.ravel() if b >= 0)
+    assert any(
+        (b * layout.block_bytes) // CHUNK != ((b + 1) * layout.block_bytes - 1) // CHUNK
+        for b in bt.ravel()
+        if b >= 0
+    )
     out = kvpool.paged_attention_decode(q, pool, 1, bt, sl)
     expected = kvpool.reference.paged_attention_decode(
         q, pool.k_view(1), pool.v_view(1), bt, sl, layout.dtype, None

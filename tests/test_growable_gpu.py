@@ -20,13 +20,21 @@ from kvpool import BlockTables, KvLayout, OutOfBlocksError, Pool, reference
 pytestmark = pytest.mark.gpu
 
 MiB = 1 << 20
-LAYOUT = KvLayout(num_layers=3, num_kv_heads=2, head_dim=128, block_size=16)  # 48 KiB: straddles 2 MiB
+LAYOUT = KvLayout(
+    num_layers=3, num_kv_heads=2, head_dim=128, block_size=16
+)  # 48 KiB: straddles 2 MiB
 
 
 def growable(max_num_blocks: int, initial_num_blocks: int = 0, layout: KvLayout = LAYOUT) -> Pool:
     # Granularity-sized chunks (not the 256 MiB default), so these small pools span many chunks.
-    pool = Pool(layout, growable=True, max_num_blocks=max_num_blocks, initial_num_blocks=initial_num_blocks,
-                chunk_bytes=2 * MiB, device="cuda")
+    pool = Pool(
+        layout,
+        growable=True,
+        max_num_blocks=max_num_blocks,
+        initial_num_blocks=initial_num_blocks,
+        chunk_bytes=2 * MiB,
+        device="cuda",
+    )
     pool.check_invariants()
     return pool
 
@@ -41,8 +49,9 @@ def fill(cp: Any, pool: Pool, ids: np.ndarray, seed: int) -> dict[int, bytes]:
     written = {}
     for i in ids.tolist():
         data = rng.integers(0, 256, pool.layout.block_bytes, dtype=np.uint8)
-        cp.cuda.runtime.memcpy(pool.block_ptr(i), data.ctypes.data, data.nbytes,
-                               cp.cuda.runtime.memcpyHostToDevice)
+        cp.cuda.runtime.memcpy(
+            pool.block_ptr(i), data.ctypes.data, data.nbytes, cp.cuda.runtime.memcpyHostToDevice
+        )
         written[i] = data.tobytes()
     return written
 
@@ -50,8 +59,9 @@ def fill(cp: Any, pool: Pool, ids: np.ndarray, seed: int) -> dict[int, bytes]:
 def check(cp: Any, pool: Pool, written: dict[int, bytes]) -> None:
     got = np.empty(pool.layout.block_bytes, dtype=np.uint8)
     for i, data in written.items():
-        cp.cuda.runtime.memcpy(got.ctypes.data, pool.block_ptr(i), got.nbytes,
-                               cp.cuda.runtime.memcpyDeviceToHost)
+        cp.cuda.runtime.memcpy(
+            got.ctypes.data, pool.block_ptr(i), got.nbytes, cp.cuda.runtime.memcpyDeviceToHost
+        )
         assert got.tobytes() == data, f"block {i} changed"
     pool.check_invariants()
 
@@ -178,7 +188,9 @@ def test_decode_over_blocks_straddling_chunks_matches_reference(cp: Any) -> None
         tables[i, :n] = pick[at : at + n]
         at += n
     q = cp.asarray(rng.standard_normal((len(lens), 8, layout.head_dim)).astype(np.float16))
-    out = kvpool.paged_attention_decode(q, pool, 2, cp.asarray(tables), cp.asarray(lens), max_seq_len=int(lens.max()))
+    out = kvpool.paged_attention_decode(
+        q, pool, 2, cp.asarray(tables), cp.asarray(lens), max_seq_len=int(lens.max())
+    )
     k = cp.asnumpy(cp.asarray(pool.k_view(2)))
     v = cp.asnumpy(cp.asarray(pool.v_view(2)))
     want = reference.paged_attention_decode(cp.asnumpy(q), k, v, tables, lens, layout.dtype)

@@ -68,7 +68,9 @@ class GrowableMachine(RuleBasedStateMachine):
     def pattern(self, seed: int) -> tuple[np.ndarray, np.ndarray]:
         rng = np.random.default_rng(seed)
         shape = self.pool.k_view(0).shape[1:]
-        return rng.standard_normal(shape).astype(np.float16), rng.standard_normal(shape).astype(np.float16)
+        return rng.standard_normal(shape).astype(np.float16), rng.standard_normal(shape).astype(
+            np.float16
+        )
 
     def write(self, block_id: int) -> None:
         self.next_seed += 1
@@ -107,10 +109,18 @@ class GrowableMachine(RuleBasedStateMachine):
             try:
                 self.pool.alloc_many(n)
             except OutOfBlocksError as e:
-                assert (e.requested, e.free, e.max_num_blocks) == (n, self.num_free(), self.max_num_blocks)
+                assert (e.requested, e.free, e.max_num_blocks) == (
+                    n,
+                    self.num_free(),
+                    self.max_num_blocks,
+                )
             else:
                 raise AssertionError(f"alloc_many({n}) succeeded past max_num_blocks")
-            assert (self.pool.num_blocks, self.pool.num_free, self.pool.stats()["mapped_bytes"]) == before
+            assert (
+                self.pool.num_blocks,
+                self.pool.num_free,
+                self.pool.stats()["mapped_bytes"],
+            ) == before
             return
         ids = self.pool.alloc_many(n).tolist()
         note(f"alloc_many({n}) -> {ids}")
@@ -168,7 +178,9 @@ class GrowableMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.num_free() > 0)
     @rule(data=st.data())
     def double_free(self, data: st.DataObject) -> None:
-        block_id = data.draw(st.sampled_from(sorted(set(range(self.num_blocks())) - set(self.held))))
+        block_id = data.draw(
+            st.sampled_from(sorted(set(range(self.num_blocks())) - set(self.held)))
+        )
         try:
             self.pool.free(block_id)
         except DoubleFreeError:

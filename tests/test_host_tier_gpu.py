@@ -4,12 +4,11 @@ stream, and the tier's refusals. Skipped without a GPU (conftest.py)."""
 
 from __future__ import annotations
 
+import kvpool
 import numpy as np
 import pytest
 from attention_check import assert_attention_close
 from gpu_fixtures import cp
-
-import kvpool
 from kvpool import reference
 
 pytestmark = pytest.mark.gpu
@@ -45,7 +44,7 @@ def _fragmented_requests(tables, rng, lens):
 
 
 def _block_bytes(slab, blocks, block_bytes):
-    return [slab[b * block_bytes:(b + 1) * block_bytes] for b in blocks]
+    return [slab[b * block_bytes : (b + 1) * block_bytes] for b in blocks]
 
 
 @pytest.mark.parametrize("method", ["auto", "batch", "runs"])
@@ -63,7 +62,10 @@ def test_round_trip_is_byte_exact(method):
     slab = _slab(pool)
     slab[...] = cp.asarray(rng.integers(0, 256, slab.size, dtype=np.uint8))
     cp.cuda.runtime.deviceSynchronize()
-    before = {r: [cp.asnumpy(x) for x in _block_bytes(slab, tables.blocks(r), bb)] for r in range(len(lens))}
+    before = {
+        r: [cp.asnumpy(x) for x in _block_bytes(slab, tables.blocks(r), bb)]
+        for r in range(len(lens))
+    }
 
     stats = tier.swap_out(list(range(len(lens))))
     assert stats["num_blocks"] == sum(len(v) for v in before.values())
@@ -73,7 +75,7 @@ def test_round_trip_is_byte_exact(method):
     host = _host_bytes(tier.pool)
     for r, blocks in before.items():
         for b, want in zip(tier.blocks(r), blocks):
-            assert (host[b * bb:(b + 1) * bb] == want).all(), f"host copy of request {r}"
+            assert (host[b * bb : (b + 1) * bb] == want).all(), f"host copy of request {r}"
     slab[...] = POISON  # the freed device blocks: nothing may read them back
     cp.cuda.runtime.deviceSynchronize()
 
@@ -106,7 +108,9 @@ def test_mutation_is_caught():
     tier.swap_in([1])
     tier.wait()
     cp.cuda.Stream.from_external(pool.stream).synchronize()
-    got = np.concatenate([cp.asnumpy(x) for x in _block_bytes(slab, tables.blocks(1), pool.block_bytes)])
+    got = np.concatenate(
+        [cp.asnumpy(x) for x in _block_bytes(slab, tables.blocks(1), pool.block_bytes)]
+    )
     assert (got != 7).sum() == 1
 
 
@@ -129,8 +133,15 @@ def test_decode_after_swap_in_matches_reference():
         table, seq_lens = tables.block_table(ids), tables.seq_lens(ids)
         out = cp.full((len(ids), hq, d), np.nan, dtype=cp.float16)
         cp.cuda.runtime.deviceSynchronize()  # the fills above ran on CuPy's stream
-        kvpool.paged_attention_decode(q, pool, layer, cp.asarray(table), cp.asarray(seq_lens), out=out,
-                                      stream=cp.cuda.Stream.from_external(pool.stream))
+        kvpool.paged_attention_decode(
+            q,
+            pool,
+            layer,
+            cp.asarray(table),
+            cp.asarray(seq_lens),
+            out=out,
+            stream=cp.cuda.Stream.from_external(pool.stream),
+        )
         cp.cuda.Stream.from_external(pool.stream).synchronize()
         k = cp.asnumpy(cp.asarray(pool.k_view(layer)))
         v = cp.asnumpy(cp.asarray(pool.v_view(layer)))
@@ -172,7 +183,7 @@ def test_swap_overlaps_compute_on_another_stream():
     slab = _slab(pool)
     slab[...] = 0
     first = int(min(tables.blocks(1)))
-    slab[first * pool.block_bytes:first * pool.block_bytes + 4].view(cp.uint32)[0] = magic
+    slab[first * pool.block_bytes : first * pool.block_bytes + 4].view(cp.uint32)[0] = magic
     cp.cuda.runtime.deviceSynchronize()
     host = _host_bytes(tier.pool)
     host[:] = 0
@@ -184,7 +195,9 @@ def test_swap_overlaps_compute_on_another_stream():
     started, finished = cp.cuda.Event(), cp.cuda.Event()
     with compute:
         started.record()
-        spin((1,), (1,), (np.uint64(tier.pool.base_ptr), np.uint32(magic), np.uint64(5_000_000), saw))
+        spin(
+            (1,), (1,), (np.uint64(tier.pool.base_ptr), np.uint32(magic), np.uint64(5_000_000), saw)
+        )
         finished.record()
     started.synchronize()
     assert not finished.done  # the compute kernel is still spinning: no copy has run yet
@@ -221,7 +234,9 @@ def test_prefix_cache_host_tier_round_trip_is_byte_exact():
     """Cached blocks the pool evicts spill to the prefix cache's host tier and come back on a
     hit byte for byte (the device slab is poisoned in between, so only the host had them)."""
     rng = np.random.default_rng(11)
-    pool = kvpool.Pool(LAYOUT, 64, device="cuda", enable_prefix_caching=True, prefix_cache_host_blocks=64)
+    pool = kvpool.Pool(
+        LAYOUT, 64, device="cuda", enable_prefix_caching=True, prefix_cache_host_blocks=64
+    )
     tables = kvpool.BlockTables(pool, 4, 64)
     prompt = rng.integers(0, 50_000, 40 * BS + 3)
     tables.add_request(1, prompt)
@@ -241,7 +256,9 @@ def test_prefix_cache_host_tier_round_trip_is_byte_exact():
     assert tables.add_request(2, prompt).num_cached_tokens == 40 * BS
     cp.cuda.runtime.deviceSynchronize()
     for k, (b, want) in enumerate(zip(tables.blocks(2).tolist()[:40], before)):
-        assert (cp.asnumpy(slab[b * bb:(b + 1) * bb]) == want).all(), f"block {k} after the swap-in"
+        assert (cp.asnumpy(slab[b * bb : (b + 1) * bb]) == want).all(), (
+            f"block {k} after the swap-in"
+        )
     s = pool.prefix_cache_stats()
     assert (s["host_num_cached_blocks"], s["swapped_in_blocks"]) == (0, 40)
     pool.check_invariants(exact_refs=True)

@@ -257,7 +257,9 @@ class HostTierMachine(RuleBasedStateMachine):
                     got = view.view(np.uint16)[blocks[pos // BS], pos % BS]  # [tokens, heads, dim]
                     want = code(owners, pos, layer, part)
                     bad = np.flatnonzero((got != want[:, None, None]).any(axis=(1, 2)))
-                    assert bad.size == 0, f"request {r}: positions {bad} of layer {layer} part {part}"
+                    assert bad.size == 0, (
+                        f"request {r}: positions {bad} of layer {layer} part {part}"
+                    )
 
 
 TestHostTierMachine = HostTierMachine.TestCase

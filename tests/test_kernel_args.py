@@ -3,10 +3,9 @@ index arguments that refuse bools (True would otherwise pass as 1)."""
 
 from __future__ import annotations
 
+import kvpool
 import numpy as np
 import pytest
-
-import kvpool
 from kvpool.kernels import append_kv, paged_attention_decode
 from kvpool.kernels._args import ArrayView, dev, index_arg, view
 from kvpool.kernels._launch import stream_handle
@@ -14,8 +13,14 @@ from kvpool.kernels._launch import stream_handle
 
 class FakeDeviceArray:
     def __init__(self, shape, typestr, strides=None, stream=None):
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (4096, False),
-                                         "strides": strides, "version": 3, "stream": stream}
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (4096, False),
+            "strides": strides,
+            "version": 3,
+            "stream": stream,
+        }
 
 
 def test_view_names_its_fields():
@@ -39,7 +44,11 @@ def test_index_arguments_refuse_bools_and_non_integers(value):
 
 
 def test_index_arguments_take_python_and_numpy_integers():
-    assert index_arg(3, "n") == 3 and index_arg(np.int64(5), "n") == 5 and index_arg(np.uint8(2), "n") == 2
+    assert (
+        index_arg(3, "n") == 3
+        and index_arg(np.int64(5), "n") == 5
+        and index_arg(np.uint8(2), "n") == 2
+    )
 
 
 def test_kernel_entry_points_refuse_a_bool_layer():

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from kvpool import _core
 from kvpool.kernels import _build
 
@@ -31,7 +30,7 @@ def test_embedded_sources_are_the_repository_files():
 def test_every_module_the_library_compiles_reads_embedded_sources(fresh_sources):
     for label, source, _ in _build.all_sources():
         assert not _build.INCLUDE.search(source), f"{label}: an include was left for NVRTC"
-        assert "extern \"C\" __global__" in source, label
+        assert 'extern "C" __global__' in source, label
 
 
 def test_source_dir_override(fresh_sources, tmp_path):

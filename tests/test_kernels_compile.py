@@ -18,7 +18,6 @@ import re
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
-
 from kvpool.kernels import _build
 
 nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) not installed")
@@ -52,8 +51,9 @@ def _check(result, prog, what):
 
 def compile_cubin(source: str, options: tuple[str, ...], arch: str) -> str:
     """Compile to a cubin for `arch`; return the NVRTC log (holds the ptxas -v report)."""
-    (prog,) = _check(nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], []), None,
-                     "create")
+    (prog,) = _check(
+        nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], []), None, "create"
+    )
     try:
         opts = [o.encode() for o in options]
         opts += [f"--gpu-architecture={arch}".encode(), b"--ptxas-options=-v"]

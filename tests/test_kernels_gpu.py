@@ -8,6 +8,7 @@ KVPOOL_ERROR_REPORT=path to dump the measured errors (the largest row error of e
 
 from __future__ import annotations
 
+import kvpool
 import numpy as np
 import pytest
 from attention_check import assert_attention_close
@@ -21,8 +22,6 @@ from gpu_fixtures import (
     error_report,
     poisoned,
 )
-
-import kvpool
 from kvpool import reference
 from kvpool.kernels import (
     _build,
@@ -43,8 +42,9 @@ _error_report = error_report(ERRORS)
 
 def _check_decode(pool, layer, q, tables, lens, out, label, **kw):
     lay = pool.layout
-    res = paged_attention_decode(q, pool, layer, cp.asarray(tables), cp.asarray(lens), out=out,
-                                 **kw)
+    res = paged_attention_decode(
+        q, pool, layer, cp.asarray(tables), cp.asarray(lens), out=out, **kw
+    )
     assert res is out
     k = cp.asnumpy(cp.asarray(pool.k_view(layer)))
     v = cp.asnumpy(cp.asarray(pool.v_view(layer)))
@@ -71,14 +71,42 @@ def test_decode_matches_reference(dtype, d, bs, hq, hkv):
     label = f"decode[{dtype},d{d},bs{bs},hq{hq},hkv{hkv}]"
     _check_decode(pool, 1, q, tables, lens, poisoned(q.shape, dtype), label, max_seq_len=300)
     # The same inputs through a forced split (chunks of a few loop steps) and the LSE merge.
-    _check_decode(pool, 1, q, tables, lens, poisoned(q.shape, dtype), label + "split3",
-                  num_splits=3, max_seq_len=300)
+    _check_decode(
+        pool,
+        1,
+        q,
+        tables,
+        lens,
+        poisoned(q.shape, dtype),
+        label + "split3",
+        num_splits=3,
+        max_seq_len=300,
+    )
     if bs == 16:  # the other load path (cp.async stages vs registers), plain and split
         other = 1 - _build.PIPELINE
-        _check_decode(pool, 1, q, tables, lens, poisoned(q.shape, dtype), label + "other",
-                      max_seq_len=300, pipeline=other)
-        _check_decode(pool, 1, q, tables, lens, poisoned(q.shape, dtype), label + "other_split3",
-                      num_splits=3, max_seq_len=300, pipeline=other)
+        _check_decode(
+            pool,
+            1,
+            q,
+            tables,
+            lens,
+            poisoned(q.shape, dtype),
+            label + "other",
+            max_seq_len=300,
+            pipeline=other,
+        )
+        _check_decode(
+            pool,
+            1,
+            q,
+            tables,
+            lens,
+            poisoned(q.shape, dtype),
+            label + "other_split3",
+            num_splits=3,
+            max_seq_len=300,
+            pipeline=other,
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -97,12 +125,31 @@ def test_decode_both_kernels_and_cached_calls(dtype, d, hq, hkv):
         q = device_elems(rng, (len(lens), hq, d), dtype)
         label = f"decode_paths[{dtype},d{d},hq{hq},hkv{hkv},rep{rep}]"
         top = int(lens.max())  # max_seq_len may not exceed the tables' width * block_size
-        _check_decode(pool, 0, q, tables, lens, poisoned(q.shape, dtype), label + "tc",
-                      max_seq_len=top)
-        _check_decode(pool, 0, q, tables, lens, poisoned(q.shape, dtype), label + "tc_split5",
-                      max_seq_len=top, num_splits=5)
-        _check_decode(pool, 0, q, tables, lens, poisoned(q.shape, dtype), label + "cc",
-                      max_seq_len=top, pipeline=1)
+        _check_decode(
+            pool, 0, q, tables, lens, poisoned(q.shape, dtype), label + "tc", max_seq_len=top
+        )
+        _check_decode(
+            pool,
+            0,
+            q,
+            tables,
+            lens,
+            poisoned(q.shape, dtype),
+            label + "tc_split5",
+            max_seq_len=top,
+            num_splits=5,
+        )
+        _check_decode(
+            pool,
+            0,
+            q,
+            tables,
+            lens,
+            poisoned(q.shape, dtype),
+            label + "cc",
+            max_seq_len=top,
+            pipeline=1,
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -118,8 +165,9 @@ def test_decode_long_contexts_auto_split(dtype, num_seqs, max_len):
     q = device_elems(rng, (num_seqs, hq, d), dtype)
     label = f"decode_auto[{dtype},S{num_seqs},L{max_len}]"
     _check_decode(pool, 0, q, tables, lens, poisoned(q.shape, dtype), label, scale=0.05)
-    _check_decode(pool, 0, q, tables, lens, poisoned(q.shape, dtype), label + "hint",
-                  max_seq_len=max_len)
+    _check_decode(
+        pool, 0, q, tables, lens, poisoned(q.shape, dtype), label + "hint", max_seq_len=max_len
+    )
 
 
 def test_decode_takes_torch_tensors_and_streams():
@@ -138,16 +186,23 @@ def test_decode_takes_torch_tensors_and_streams():
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        paged_attention_decode(q.view(torch.int16), pool, 0, bt, sl, out=outs[0], stream=s,
-                               max_seq_len=int(lens.max()))
+        paged_attention_decode(
+            q.view(torch.int16), pool, 0, bt, sl, out=outs[0], stream=s, max_seq_len=int(lens.max())
+        )
         # torch.bfloat16 itself (no __cuda_array_interface__ for it) through the torch reader
-        paged_attention_decode(q, pool, 0, bt, sl, out=outs[1], stream=s,
-                               max_seq_len=int(lens.max()), num_splits=2)
+        paged_attention_decode(
+            q, pool, 0, bt, sl, out=outs[1], stream=s, max_seq_len=int(lens.max()), num_splits=2
+        )
     s.synchronize()
     qh = q.view(torch.int16).cpu().numpy().view(np.uint16)
     want = reference.paged_attention_decode(
-        qh, cp.asnumpy(cp.asarray(pool.k_view(0))), cp.asnumpy(cp.asarray(pool.v_view(0))),
-        tables, lens, "bfloat16")
+        qh,
+        cp.asnumpy(cp.asarray(pool.k_view(0))),
+        cp.asnumpy(cp.asarray(pool.v_view(0))),
+        tables,
+        lens,
+        "bfloat16",
+    )
     for i, out in enumerate(outs):
         label = f"decode_torch_stream{i}"
         ERRORS[label] = assert_attention_close(out, want, "bfloat16", label)
@@ -163,8 +218,9 @@ def test_decode_rejects_bad_arguments():
     with pytest.raises(kvpool.InvalidArgumentError, match="device array"):
         paged_attention_decode(np.zeros((1, 2, 64), np.float16), pool, 0, tables, lens)
     with pytest.raises(kvpool.InvalidArgumentError, match="int32"):
-        paged_attention_decode(cp.zeros((1, 2, 64), cp.float16), pool, 0, tables.astype(cp.int64),
-                               lens)
+        paged_attention_decode(
+            cp.zeros((1, 2, 64), cp.float16), pool, 0, tables.astype(cp.int64), lens
+        )
     with pytest.raises(kvpool.InvalidArgumentError, match="element type"):
         paged_attention_decode(cp.zeros((1, 2, 64), cp.uint16), pool, 0, tables, lens)
     bad = kvpool.Pool(kvpool.KvLayout(1, 2, 100, 16, "float16"), 4, device="cuda")
@@ -173,8 +229,7 @@ def test_decode_rejects_bad_arguments():
     # head_dim 96 runs on the tensor-core kernel, not on the CUDA-core baseline.
     base = kvpool.Pool(kvpool.KvLayout(1, 2, 96, 16, "float16"), 4, device="cuda")
     with pytest.raises(kvpool.InvalidArgumentError, match="CUDA-core baseline"):
-        paged_attention_decode(cp.zeros((1, 2, 96), cp.float16), base, 0, tables, lens,
-                               pipeline=1)
+        paged_attention_decode(cp.zeros((1, 2, 96), cp.float16), base, 0, tables, lens, pipeline=1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -183,8 +238,10 @@ def test_decode_rejects_bad_arguments():
 def test_append_kv_matches_reference(dtype, d, bs):
     rng = np.random.default_rng([d, bs, len(dtype), 9])
     pool = cuda_pool(rng, 4, d, bs, dtype, 24, 3)
-    host = [(cp.asnumpy(cp.asarray(pool.k_view(i))), cp.asnumpy(cp.asarray(pool.v_view(i))))
-            for i in range(3)]
+    host = [
+        (cp.asnumpy(cp.asarray(pool.k_view(i))), cp.asnumpy(cp.asarray(pool.v_view(i))))
+        for i in range(3)
+    ]
     n = 50
     slots = rng.permutation(pool.num_blocks * bs)[:n].astype(np.int64)
     slots[[3, 17]] = -1
@@ -201,8 +258,9 @@ def test_append_kv_matches_reference(dtype, d, bs):
 def test_copy_blocks_matches_reference(dtype):
     rng = np.random.default_rng([len(dtype), 4])
     pool = cuda_pool(rng, 8, 128, 16, dtype, 64, 4)
-    views = lambda: [cp.asnumpy(cp.asarray(f(i))) for i in range(4)  # noqa: E731
-                     for f in (pool.k_view, pool.v_view)]
+    views = lambda: [
+        cp.asnumpy(cp.asarray(f(i))) for i in range(4) for f in (pool.k_view, pool.v_view)
+    ]
     host = views()
     perm = rng.permutation(64)
     pairs = np.stack([perm[:20], perm[20:40]], axis=1)
@@ -221,8 +279,12 @@ def test_decode_after_append_matches_reference():
     lens = np.array([45, 16, 1], dtype=np.int32)
     pool = cuda_pool(rng, hkv, d, bs, "float16", 32, 2)
     tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
-    slots = np.concatenate([tables[i, np.arange(n) // bs].astype(np.int64) * bs + np.arange(n) % bs
-                            for i, n in enumerate(lens)])
+    slots = np.concatenate(
+        [
+            tables[i, np.arange(n) // bs].astype(np.int64) * bs + np.arange(n) % bs
+            for i, n in enumerate(lens)
+        ]
+    )
     k = device_elems(rng, (len(slots), hkv, d), "float16")
     v = device_elems(rng, (len(slots), hkv, d), "float16")
     append_kv(k, v, pool, 1, cp.asarray(slots))
@@ -243,8 +305,9 @@ def test_decode_rejects_tables_of_another_pool():
     with pytest.raises(kvpool.InvalidArgumentError, match="another pool"):
         paged_attention_decode(q, pool_b, 0, bt, sl, out=out, max_seq_len=20)
     with pytest.raises(kvpool.InvalidArgumentError, match="another pool"):
-        paged_attention_decode(q, pool_b, 0, cp.zeros((1, 4), cp.int32), sl, out=out,
-                               max_seq_len=20)
+        paged_attention_decode(
+            q, pool_b, 0, cp.zeros((1, 4), cp.int32), sl, out=out, max_seq_len=20
+        )
     cp.cuda.runtime.deviceSynchronize()
     assert (out.view(cp.uint16) == NAN_BITS["float16"]).all(), "a kernel ran"
     # The same arrays with their own pool.
@@ -271,9 +334,16 @@ def test_decode_waits_for_the_stream_of_synced_tables():
     s = cp.cuda.Stream(non_blocking=True)
     # Warm up (compile, prepare) with the same shapes so the timed call below is quick.
     warm = poisoned(q.shape, "float16")
-    paged_attention_decode(q, pool, 0, cp.asarray(host_bt, dtype=cp.int32),
-                           cp.asarray(host_sl, dtype=cp.int32), out=warm, stream=s,
-                           max_seq_len=100)
+    paged_attention_decode(
+        q,
+        pool,
+        0,
+        cp.asarray(host_bt, dtype=cp.int32),
+        cp.asarray(host_sl, dtype=cp.int32),
+        out=warm,
+        stream=s,
+        max_seq_len=100,
+    )
     out = poisoned(q.shape, "float16")
     cp.cuda.runtime.deviceSynchronize()
     pool_stream = cp.cuda.Stream.from_external(pool.stream)
@@ -285,8 +355,13 @@ def test_decode_waits_for_the_stream_of_synced_tables():
     assert not pool_stream.done, "the upload should still be queued behind the spin kernel"
     s.synchronize()
     want = reference.paged_attention_decode(
-        cp.asnumpy(q), cp.asnumpy(cp.asarray(pool.k_view(0))),
-        cp.asnumpy(cp.asarray(pool.v_view(0))), host_bt, host_sl, "float16")
+        cp.asnumpy(q),
+        cp.asnumpy(cp.asarray(pool.k_view(0))),
+        cp.asnumpy(cp.asarray(pool.v_view(0))),
+        host_bt,
+        host_sl,
+        "float16",
+    )
     label = "decode_waits_for_tables_stream"
     ERRORS[label] = assert_attention_close(out, want, "float16", label)
     cp.cuda.runtime.deviceSynchronize()
@@ -304,13 +379,17 @@ def test_decode_more_argument_errors_and_empty_batch():
     for layer in (1, -1, 0.5, "0"):
         with pytest.raises(err, match="layer"):
             paged_attention_decode(q, pool, layer, tables, lens, max_seq_len=20)
-    for out in (cp.zeros((1, 2, 32), cp.float16), cp.zeros((2, 2, 64), cp.float16),
-                cp.zeros((1, 2, 64), cp.float32)):
+    for out in (
+        cp.zeros((1, 2, 32), cp.float16),
+        cp.zeros((2, 2, 64), cp.float16),
+        cp.zeros((1, 2, 64), cp.float32),
+    ):
         with pytest.raises(err, match="out"):
             paged_attention_decode(q, pool, 0, tables, lens, out=out, max_seq_len=20)
     with pytest.raises(err, match="out"):
-        paged_attention_decode(q, pool, 0, tables, lens, out=np.zeros((1, 2, 64), np.float16),
-                               max_seq_len=20)
+        paged_attention_decode(
+            q, pool, 0, tables, lens, out=np.zeros((1, 2, 64), np.float16), max_seq_len=20
+        )
     with pytest.raises(err, match="pipeline"):
         paged_attention_decode(q, pool, 0, tables, lens, max_seq_len=20, pipeline=7)
     with pytest.raises(err, match="exceeds"):  # 2 blocks of 16 tokens hold 32
@@ -318,11 +397,15 @@ def test_decode_more_argument_errors_and_empty_batch():
     with pytest.raises(err, match="max_seq_len"):
         paged_attention_decode(q, pool, 0, tables, lens, max_seq_len=20.0)
     wide = cp.asarray(np.array([[0, 1, 2, 3, 4, 5, 6, 7]], np.int32))
-    for ws in (np.zeros(1 << 20, np.float32), cp.zeros(4, cp.float32),
-               cp.zeros(1 << 20, cp.float16)):
+    for ws in (
+        np.zeros(1 << 20, np.float32),
+        cp.zeros(4, cp.float32),
+        cp.zeros(1 << 20, cp.float16),
+    ):
         with pytest.raises(err, match="workspace"):
-            paged_attention_decode(q, pool, 0, wide, lens, max_seq_len=128, num_splits=2,
-                                   workspace=ws)
+            paged_attention_decode(
+                q, pool, 0, wide, lens, max_seq_len=128, num_splits=2, workspace=ws
+            )
     # Empty batch: an empty output, no pointer checks (CuPy's empty arrays have null pointers).
     e_q, e_bt = cp.empty((0, 2, 64), cp.float16), cp.empty((0, 2), cp.int32)
     e_sl = cp.empty((0,), cp.int32)
@@ -342,11 +425,22 @@ def test_decode_forced_split_and_workspace_without_max_seq_len():
     pool = cuda_pool(rng, hkv, d, bs, "bfloat16", need + 4, 1)
     tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
     q = device_elems(rng, (3, hq, d), "bfloat16")
-    _check_decode(pool, 0, q, tables, lens, poisoned(q.shape, "bfloat16"), "forced_split4",
-                  num_splits=4)
+    _check_decode(
+        pool, 0, q, tables, lens, poisoned(q.shape, "bfloat16"), "forced_split4", num_splits=4
+    )
     ws = cp.empty(workspace_elems(3, hq, d, 4), cp.float32)
-    _check_decode(pool, 0, q, tables, lens, poisoned(q.shape, "bfloat16"), "forced_split4_ws",
-                  num_splits=4, max_seq_len=700, workspace=ws)
+    _check_decode(
+        pool,
+        0,
+        q,
+        tables,
+        lens,
+        poisoned(q.shape, "bfloat16"),
+        "forced_split4_ws",
+        num_splits=4,
+        max_seq_len=700,
+        workspace=ws,
+    )
 
 
 def test_append_kv_argument_errors():
@@ -373,8 +467,13 @@ def test_append_kv_argument_errors():
     with pytest.raises(err, match="slot_mapping"):
         append_kv(k, k, pool, 0, slots[:2])
     before = cp.asnumpy(cp.asarray(pool.k_view(0)))
-    append_kv(cp.empty((0, 2, 64), cp.float16), cp.empty((0, 2, 64), cp.float16), pool, 0,
-              cp.empty((0,), cp.int64))
+    append_kv(
+        cp.empty((0, 2, 64), cp.float16),
+        cp.empty((0, 2, 64), cp.float16),
+        pool,
+        0,
+        cp.empty((0,), cp.int64),
+    )
     assert np.array_equal(cp.asnumpy(cp.asarray(pool.k_view(0))), before)
 
 

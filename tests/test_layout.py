@@ -6,11 +6,10 @@ import copy
 import pickle
 from typing import Any
 
+import kvpool
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import kvpool
 from kvpool import KvLayout, LayoutError
 
 ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -18,7 +17,9 @@ FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size")
 LLAMA_8B = (32, 8, 128, 16)
 
 
-def expected_strides(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, elem: int) -> dict[str, int]:
+def expected_strides(
+    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, elem: int
+) -> dict[str, int]:
     """`[block][layer][K|V][token][kv_head][head_dim]`, written out independently of Rust."""
     head = head_dim * elem
     token = num_kv_heads * head
@@ -196,7 +197,10 @@ def test_copy() -> None:
 def test_repr_round_trips() -> None:
     layout = KvLayout(4, 2, 64, 16, dtype="bf16")
     text = repr(layout)
-    assert text == "KvLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype='bfloat16')"
+    assert (
+        text
+        == "KvLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype='bfloat16')"
+    )
     assert eval(text, {"KvLayout": KvLayout}) == layout
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-
 from kvpool import BlockTables, KvLayout, Pool
 from kvpool.metrics import KvPoolCollector, snapshot
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 LAYOUT = KvLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=4)
 
@@ -23,7 +22,9 @@ def test_collector_exports_vllm_names_and_live_values() -> None:
     pool = Pool(LAYOUT, 10, device="host", enable_prefix_caching=True)
     tables = BlockTables(pool, 4, 10)
     registry = CollectorRegistry()
-    registry.register(KvPoolCollector(pool, tables, labels={"model_name": "m"}, preemptions=lambda: 3))
+    registry.register(
+        KvPoolCollector(pool, tables, labels={"model_name": "m"}, preemptions=lambda: 3)
+    )
     tables.add_request(1, range(9))
     tables.add_request(2, range(9))
     tables.free(1)
@@ -34,7 +35,11 @@ def test_collector_exports_vllm_names_and_live_values() -> None:
     assert got["vllm:num_requests_running"] == 1
     assert got["vllm:num_preemptions_total"] == 3
     # Request 1's third block (partial, never cached) went back to the free list.
-    assert (got["kvpool:num_free_blocks"], got["kvpool:num_evictable_blocks"], got["kvpool:num_used_blocks"]) == (7, 0, 3)
+    assert (
+        got["kvpool:num_free_blocks"],
+        got["kvpool:num_evictable_blocks"],
+        got["kvpool:num_used_blocks"],
+    ) == (7, 0, 3)
     tables.free(2)
     assert scrape(registry)["kvpool:num_evictable_blocks"] == 2
     tables.add(3, 40)  # every block: evicts the two cached ones
@@ -47,6 +52,9 @@ def test_collector_exports_vllm_names_and_live_values() -> None:
 
 def test_snapshot_needs_no_prometheus_and_the_import_is_lazy() -> None:
     pool = Pool(LAYOUT, 4, device="host")
-    assert {s.name for s in snapshot(pool)} >= {"vllm:kv_cache_usage_perc", "kvpool:num_free_blocks"}
+    assert {s.name for s in snapshot(pool)} >= {
+        "vllm:kv_cache_usage_perc",
+        "kvpool:num_free_blocks",
+    }
     code = "import sys, kvpool.metrics; assert 'prometheus_client' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

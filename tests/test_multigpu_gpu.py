@@ -9,11 +9,10 @@ import os
 import queue
 import tempfile
 
-import numpy as np
-import pytest
-
 import kvpool
 import multigpu_workers as workers
+import numpy as np
+import pytest
 from attention_check import assert_attention_close
 
 pytestmark = pytest.mark.gpu2
@@ -60,8 +59,10 @@ def test_transfers_between_two_processes_are_byte_exact_and_decode_matches():
     with tempfile.TemporaryDirectory() as tmp:
         rendezvous = os.path.join(tmp, "rendezvous.json")
         count = len(SIZES) * len(MODES)
-        messages = _run_pair([(workers.sender, (rendezvous, SIZES, MODES)),
-                              (workers.receiver, (rendezvous, count))], 2 * count + 2)
+        messages = _run_pair(
+            [(workers.sender, (rendezvous, SIZES, MODES)), (workers.receiver, (rendezvous, count))],
+            2 * count + 2,
+        )
     sent = {m[2]: m for m in messages if m[0] == "sent"}
     received = {m[1]: m for m in messages if m[0] == "received"}
     assert sorted(sent) == sorted(received) == list(range(1, count + 1))
@@ -82,14 +83,17 @@ def test_mutated_digests_would_fail_the_comparison():
     block = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
     flipped = block.copy()
     flipped[1234] ^= 1
-    assert hashlib.sha256(block.tobytes()).hexdigest() != hashlib.sha256(flipped.tobytes()).hexdigest()
+    assert (
+        hashlib.sha256(block.tobytes()).hexdigest() != hashlib.sha256(flipped.tobytes()).hexdigest()
+    )
 
 
 def test_a_sender_exiting_mid_transfer_leaves_the_receiver_consistent():
     with tempfile.TemporaryDirectory() as tmp:
         rendezvous = os.path.join(tmp, "rendezvous.json")
-        messages = _run_pair([(workers.dying_sender, (rendezvous,)),
-                              (workers.surviving_receiver, (rendezvous,))], 1)
+        messages = _run_pair(
+            [(workers.dying_sender, (rendezvous,)), (workers.surviving_receiver, (rendezvous,))], 1
+        )
     kind, message, consistent, _ = messages[0]
     assert kind == "interrupted" and "request 1" in message
     assert consistent
@@ -115,12 +119,19 @@ def test_tp_decode_over_two_devices_equals_one_device(num_splits):
             k = rng.standard_normal((n, 8, 128)).astype(np.float16)
             v = rng.standard_normal((n, 8, 128)).astype(np.float16)
             with cupy.cuda.Device(0):
-                kvpool.append_kv(cupy.asarray(k), cupy.asarray(v), single, layer, cupy.asarray(slots))
+                kvpool.append_kv(
+                    cupy.asarray(k), cupy.asarray(v), single, layer, cupy.asarray(slots)
+                )
             for rank, pool in enumerate(group.pools):
                 a, b = group.head_range(rank)
                 with cupy.cuda.Device(rank):
-                    kvpool.append_kv(cupy.asarray(k[:, a:b]), cupy.asarray(v[:, a:b]), pool, layer,
-                                     cupy.asarray(slots))
+                    kvpool.append_kv(
+                        cupy.asarray(k[:, a:b]),
+                        cupy.asarray(v[:, a:b]),
+                        pool,
+                        layer,
+                        cupy.asarray(slots),
+                    )
     for d in (0, 1):
         cupy.cuda.Device(d).synchronize()
     q = rng.standard_normal((len(lens), hq, 128)).astype(np.float16)
@@ -130,18 +141,31 @@ def test_tp_decode_over_two_devices_equals_one_device(num_splits):
     max_len = max(lens)
     for layer in range(full.num_layers):
         with cupy.cuda.Device(0):
-            want = kvpool.paged_attention_decode(cupy.asarray(q), single, layer, bt, sl,
-                                                 stream=single.stream, max_seq_len=max_len,
-                                                 num_splits=num_splits)
+            want = kvpool.paged_attention_decode(
+                cupy.asarray(q),
+                single,
+                layer,
+                bt,
+                sl,
+                stream=single.stream,
+                max_seq_len=max_len,
+                num_splits=num_splits,
+            )
             cupy.cuda.Stream.from_external(single.stream).synchronize()
             want = cupy.asnumpy(want)
         parts = []
         for rank, pool in enumerate(group.pools):
             with cupy.cuda.Device(rank):
-                q_r = cupy.asarray(q[:, 16 * rank:16 * (rank + 1)])
-                out = kvpool.paged_attention_decode(q_r, pool, layer, *per_rank[rank],
-                                                    stream=pool.stream, max_seq_len=max_len,
-                                                    num_splits=num_splits)
+                q_r = cupy.asarray(q[:, 16 * rank : 16 * (rank + 1)])
+                out = kvpool.paged_attention_decode(
+                    q_r,
+                    pool,
+                    layer,
+                    *per_rank[rank],
+                    stream=pool.stream,
+                    max_seq_len=max_len,
+                    num_splits=num_splits,
+                )
                 cupy.cuda.Stream.from_external(pool.stream).synchronize()
                 parts.append(cupy.asnumpy(out))
         got = np.concatenate(parts, axis=1)
@@ -149,7 +173,8 @@ def test_tp_decode_over_two_devices_equals_one_device(num_splits):
             np.testing.assert_array_equal(got, want)
         k = cupy.asnumpy(cupy.asarray(single.k_view(layer)))
         v = cupy.asnumpy(cupy.asarray(single.v_view(layer)))
-        ref = kvpool.reference.paged_attention_decode(q, k, v, ref_tables.block_table(range(4)),
-                                                      np.array(lens), "float16")
+        ref = kvpool.reference.paged_attention_decode(
+            q, k, v, ref_tables.block_table(range(4)), np.array(lens), "float16"
+        )
         assert_attention_close(got, ref, "float16", f"TP decode, layer {layer}")
     group.check_invariants(tables)

@@ -7,10 +7,9 @@ from __future__ import annotations
 import os
 import threading
 
+import kvpool
 import numpy as np
 import pytest
-
-import kvpool
 from kvpool import (
     BlockTables,
     InvalidArgumentError,
@@ -43,7 +42,9 @@ def test_a_block_the_tables_hold_cannot_be_freed_through_the_pool(pool: Pool) ->
     held = int(tables.blocks(1)[0])
     before = counts(pool)
     for call in (lambda: pool.free(held), lambda: pool.free_many([held])):
-        with pytest.raises(InvalidBlockError, match=rf"invalid block id {held}: held by block tables"):
+        with pytest.raises(
+            InvalidBlockError, match=rf"invalid block id {held}: held by block tables"
+        ):
             call()
         assert counts(pool) == before
     tables.check_invariants()
@@ -92,10 +93,13 @@ def resident_bytes() -> int | None:
     "make",
     [
         pytest.param(lambda: Pool(LAYOUT, 2**26, device="host"), id="fixed"),
-        pytest.param(lambda: Pool(LAYOUT, device="host", growable=True, max_num_blocks=2**31 - 1), id="growable"),
+        pytest.param(
+            lambda: Pool(LAYOUT, device="host", growable=True, max_num_blocks=2**31 - 1),
+            id="growable",
+        ),
     ],
 )
-def test_per_block_bookkeeping_is_not_allocated_up_front(make) -> None:  # noqa: ANN001
+def test_per_block_bookkeeping_is_not_allocated_up_front(make) -> None:
     before = resident_bytes()
     try:
         big = make()
@@ -137,9 +141,11 @@ def test_alloc_many_past_64_bits_names_the_count(pool: Pool) -> None:
 
 def test_memory_bytes_errors_talk_about_memory_bytes() -> None:
     for too_large in (2**63, 2**64):
-        with pytest.raises(InvalidArgumentError,
-                           match=rf"^invalid argument: memory_bytes {too_large} is out of range "
-                                 rf"\(at most {2**63 - 1}\)$"):
+        with pytest.raises(
+            InvalidArgumentError,
+            match=rf"^invalid argument: memory_bytes {too_large} is out of range "
+            rf"\(at most {2**63 - 1}\)$",
+        ):
             Pool(LAYOUT, memory_bytes=too_large, device="host")
     with pytest.raises(InvalidArgumentError, match=rf"memory_bytes={2**62} holds \d+ blocks"):
         Pool(LAYOUT, memory_bytes=2**62, device="host")
@@ -207,14 +213,14 @@ def test_tables_check_invariants_holds_while_other_threads_mutate(pool: Pool) ->
                 tables.append_tokens(request_id + 100, 1)
                 tables.free(request_id)
                 tables.free(request_id + 100)
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             errors.append(e)
 
     def check() -> None:
         try:
             while not stop.is_set():
                 tables.check_invariants()
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             errors.append(e)
 
     workers = [threading.Thread(target=mutate, args=(r,)) for r in (1, 2)]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from kvpool.integrations.padded_batch import plan_padded_step, prompt_lens
 
 
@@ -40,7 +39,9 @@ def test_a_chunk_on_a_cached_prefix_is_a_prefill():
     assert plan.prefill_rows.tolist() == [0, 1] and plan.gather.tolist() == [0, 1, 2, 3, 4, 5]
 
 
-@pytest.mark.parametrize(("cached", "new", "width"), [([0], [5], 4), ([-1], [1], 1), ([0, 0], [1], 1)])
+@pytest.mark.parametrize(
+    ("cached", "new", "width"), [([0], [5], 4), ([-1], [1], 1), ([0, 0], [1], 1)]
+)
 def test_bad_plans_raise(cached, new, width):
     with pytest.raises(ValueError):
         plan_padded_step(np.array(cached), np.array(new), width)

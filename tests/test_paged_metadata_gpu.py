@@ -5,11 +5,10 @@ CUDA graph captured once and replayed over new tables and lengths in the same bu
 
 from __future__ import annotations
 
+import kvpool
 import numpy as np
 import pytest
 from gpu_fixtures import cp
-
-import kvpool
 from kvpool import reference
 
 pytestmark = pytest.mark.gpu
@@ -43,23 +42,39 @@ class Buffers:
         return table, lens, qo
 
     def launch(self, block_size, stream=None):
-        kvpool.paged_metadata(self.table, self.lens, block_size, qo_indptr=self.qo,
-                              slot_mapping=self.slots, indptr=self.indptr, indices=self.indices,
-                              last_page_len=self.last, stream=stream)
+        kvpool.paged_metadata(
+            self.table,
+            self.lens,
+            block_size,
+            qo_indptr=self.qo,
+            slot_mapping=self.slots,
+            indptr=self.indptr,
+            indices=self.indices,
+            last_page_len=self.last,
+            stream=stream,
+        )
 
     def check(self, host, block_size):
         table, lens, qo = host
-        want = reference.paged_metadata(table, lens, block_size, qo, self.slots.size,
-                                        self.indices.size)
+        want = reference.paged_metadata(
+            table, lens, block_size, qo, self.slots.size, self.indices.size
+        )
         got = [x.get() for x in (self.slots, self.indptr, self.indices, self.last)]
         for name, g, w in zip(("slot_mapping", "indptr", "indices", "last_page_len"), got, want):
             np.testing.assert_array_equal(g, w, err_msg=name)
 
 
-@pytest.mark.parametrize(("num_seqs", "width", "block_size", "max_new"), [
-    (1, 1, 16, 16), (5, 9, 16, 1), (37, 64, 16, 300), (1500, 17, 8, 3), (3000, 4, 1, 2),
-    (0, 4, 16, 1),
-])
+@pytest.mark.parametrize(
+    ("num_seqs", "width", "block_size", "max_new"),
+    [
+        (1, 1, 16, 16),
+        (5, 9, 16, 1),
+        (37, 64, 16, 300),
+        (1500, 17, 8, 3),
+        (3000, 4, 1, 2),
+        (0, 4, 16, 1),
+    ],
+)
 def test_kernel_equals_the_reference(num_seqs, width, block_size, max_new):
     rng = np.random.default_rng(num_seqs)
     buf = Buffers(num_seqs, width, num_slots=num_seqs * max_new + 7)
@@ -104,11 +119,16 @@ def test_a_captured_graph_replays_over_new_tables_in_the_same_buffers():
 def test_bad_arguments_raise_before_anything_runs():
     buf = Buffers(4, 3, 10)
     with pytest.raises(kvpool.InvalidArgumentError, match="indices must hold"):
-        kvpool.paged_metadata(buf.table, buf.lens, 16, indptr=buf.indptr,
-                              indices=buf.indices[:5], last_page_len=buf.last)
+        kvpool.paged_metadata(
+            buf.table,
+            buf.lens,
+            16,
+            indptr=buf.indptr,
+            indices=buf.indices[:5],
+            last_page_len=buf.last,
+        )
     with pytest.raises(kvpool.InvalidArgumentError, match="int64"):
-        kvpool.paged_metadata(buf.table, buf.lens, 16, qo_indptr=buf.qo,
-                              slot_mapping=buf.indptr)
+        kvpool.paged_metadata(buf.table, buf.lens, 16, qo_indptr=buf.qo, slot_mapping=buf.indptr)
     with pytest.raises(kvpool.InvalidArgumentError, match="qo_indptr and slot_mapping"):
         kvpool.paged_metadata(buf.table, buf.lens, 16, slot_mapping=buf.slots)
     with pytest.raises(kvpool.InvalidArgumentError, match="block_size"):

@@ -10,13 +10,11 @@ import gc
 import importlib.util
 from typing import Any
 
+import kvpool
 import numpy as np
 import pytest
-
-import kvpool
-from kvpool import KvLayout, OutOfBlocksError, Pool
-
 from gpu_fixtures import device_free_bytes
+from kvpool import KvLayout, OutOfBlocksError, Pool
 
 pytestmark = pytest.mark.gpu
 
@@ -30,7 +28,9 @@ def raw_slab(cp: Any, pool: Pool, dtype: Any) -> Any:
     nbytes = pool.stats()["mapped_bytes"]
     assert isinstance(nbytes, int)
     memory = cp.cuda.UnownedMemory(pool.base_ptr, nbytes, owner=pool)
-    return cp.ndarray((nbytes // np.dtype(dtype).itemsize,), dtype=dtype, memptr=cp.cuda.MemoryPointer(memory, 0))
+    return cp.ndarray(
+        (nbytes // np.dtype(dtype).itemsize,), dtype=dtype, memptr=cp.cuda.MemoryPointer(memory, 0)
+    )
 
 
 def test_create_alloc_free_destroy(cp: Any) -> None:
@@ -111,15 +111,25 @@ def test_writes_through_cupy_land_where_the_layout_says(cp: Any, dtype: str) -> 
             arr = cp.asarray(view)
             assert arr.shape == (nb, bs, nh, hd) and arr.itemsize == layout.elem_bytes
             assert arr.data.ptr == view.__cuda_array_interface__["data"][0]
-            pattern = (np.arange(arr.size).reshape(arr.shape) * 7 + 1 + layer * 3 + part).astype(storage)
+            pattern = (np.arange(arr.size).reshape(arr.shape) * 7 + 1 + layer * 3 + part).astype(
+                storage
+            )
             arr.view(storage)[...] = cp.asarray(pattern)
-            offset = b * s["block"] + layer * s["layer"] + part * s["kv"] + t * s["token"] + h * s["head"]
+            offset = (
+                b * s["block"]
+                + layer * s["layer"]
+                + part * s["kv"]
+                + t * s["token"]
+                + h * s["head"]
+            )
             offset += d * s["elem"]
             got = cp.asnumpy(raw)[offset // layout.elem_bytes]
             assert np.array_equal(got, pattern)
             assert np.array_equal(cp.asnumpy(cp.asarray(view).view(storage)), pattern)
     # The views tile the slab: with distinct tags everywhere, no element is left zero.
-    for tag, view in enumerate([pool.k_view(i) for i in range(3)] + [pool.v_view(i) for i in range(3)], start=1):
+    for tag, view in enumerate(
+        [pool.k_view(i) for i in range(3)] + [pool.v_view(i) for i in range(3)], start=1
+    ):
         cp.asarray(view).view(storage)[...] = tag
     counts = np.bincount(cp.asnumpy(raw), minlength=7)
     assert counts[0] == 0 and (counts[1:7] == raw.size // 6).all()
@@ -162,7 +172,10 @@ def test_torch_sees_the_same_memory(cp: Any) -> None:
     k_bf16[1, 2] = 3.0
     torch.cuda.synchronize()
     same = cp.asarray(pool.k_view(1)).view(cp.uint16)
-    assert int(same[1, 2, 0, 0]) == int(torch.tensor(3.0, dtype=torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+    assert (
+        int(same[1, 2, 0, 0])
+        == int(torch.tensor(3.0, dtype=torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+    )
 
     half = Pool(LAYOUT, 4, device="cuda")
     v = torch.as_tensor(half.v_view(0), device="cuda")

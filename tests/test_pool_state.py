@@ -13,7 +13,6 @@ import numpy as np
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
 from kvpool import DoubleFreeError, InvalidBlockError, KvError, KvLayout, OutOfBlocksError, Pool
 
 LAYOUT = KvLayout(1, 1, 64, 4, dtype="float32")  # 2 KiB blocks: pools stay tiny
@@ -54,7 +53,9 @@ class PoolMachine(RuleBasedStateMachine):
         assert len(set(ids)) == len(ids), f"duplicate ids in one allocation: {ids}"
         for i in ids:
             assert 0 <= i < self.pool.num_blocks, i
-            assert i in self.free_ids, f"block {i} handed out while held (ref count {self.held.get(i)})"
+            assert i in self.free_ids, (
+                f"block {i} handed out while held (ref count {self.held.get(i)})"
+            )
             assert i not in self.held
             self.free_ids.remove(i)
             self.held[i] = 1
@@ -166,7 +167,11 @@ class PoolMachine(RuleBasedStateMachine):
     )
     def out_of_range_id(self, data: st.DataObject, bad: int | str, container: str) -> None:
         n = self.pool.num_blocks
-        value = bad if isinstance(bad, int) else {"num_blocks": n, "2**64": 2**64, "2**200": 2**200}[bad]
+        value = (
+            bad
+            if isinstance(bad, int)
+            else {"num_blocks": n, "2**64": 2**64, "2**200": 2**200}[bad]
+        )
         if container == "single":
             self.expect_failure(InvalidBlockError, self.pool.free, value)
             self.expect_failure(InvalidBlockError, self.pool.ref_cnt, value)
@@ -176,7 +181,9 @@ class PoolMachine(RuleBasedStateMachine):
             container = "list"
         ids: list[int] = []
         if self.held:
-            ids = data.draw(st.lists(st.sampled_from(sorted(self.held)), unique=True), label="held ids")
+            ids = data.draw(
+                st.lists(st.sampled_from(sorted(self.held)), unique=True), label="held ids"
+            )
         ids.insert(data.draw(st.integers(0, len(ids)), label="at"), value)
         self.expect_failure(InvalidBlockError, self.pool.free_many, pack(ids, container))
 

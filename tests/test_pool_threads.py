@@ -9,7 +9,6 @@ import threading
 
 import numpy as np
 import pytest
-
 from kvpool import KvLayout, OutOfBlocksError, Pool
 
 LAYOUT = KvLayout(1, 1, 64, 4, dtype="float32")  # 2 KiB blocks
@@ -29,7 +28,9 @@ class Ledger:
         with self.lock:
             for i in ids:
                 if i in self.owner:
-                    self.errors.append(f"thread {thread} got block {i}, held by thread {self.owner[i]}")
+                    self.errors.append(
+                        f"thread {thread} got block {i}, held by thread {self.owner[i]}"
+                    )
                 self.owner[i] = thread
 
     def give_back(self, thread: int, ids: list[int]) -> None:
@@ -40,7 +41,9 @@ class Ledger:
                     self.errors.append(f"thread {thread} returned block {i} it did not hold")
 
 
-def worker(pool: Pool, ledger: Ledger, thread: int, start: threading.Barrier, failures: list[BaseException]) -> None:
+def worker(
+    pool: Pool, ledger: Ledger, thread: int, start: threading.Barrier, failures: list[BaseException]
+) -> None:
     rng = random.Random(1000 + thread)
     held: list[int] = []
     try:

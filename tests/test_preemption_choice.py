@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from kvpool.scheduler.costmodel import RooflineCost
 from kvpool.scheduler.preemption import HostLink, choose_preemption, swap_seconds
 from kvpool.scheduler.presets import get_preset
@@ -13,9 +12,18 @@ from kvpool.scheduler.presets import get_preset
 LINK = HostLink(bytes_per_s=10e9, latency_s=0.0)
 
 
-def choose(mode="auto", *, kv_tokens, swap_bytes=1_000_000, needed=1, free=10, link=LINK, per_token=1e-5):
-    return choose_preemption(mode, kv_tokens=kv_tokens, swap_bytes=swap_bytes, host_blocks_needed=needed,
-                             host_blocks_free=free, link=link, prefill_s_per_token=per_token)
+def choose(
+    mode="auto", *, kv_tokens, swap_bytes=1_000_000, needed=1, free=10, link=LINK, per_token=1e-5
+):
+    return choose_preemption(
+        mode,
+        kv_tokens=kv_tokens,
+        swap_bytes=swap_bytes,
+        host_blocks_needed=needed,
+        host_blocks_free=free,
+        link=link,
+        prefill_s_per_token=per_token,
+    )
 
 
 def test_swap_cost_is_out_and_in():
@@ -50,13 +58,19 @@ def test_a_full_tier_falls_back_to_recompute_in_every_swapping_mode():
 
 
 def test_forced_modes():
-    assert (choose("swap", kv_tokens=1).kind, choose("swap", kv_tokens=1).reason) == ("swap", "forced")
+    assert (choose("swap", kv_tokens=1).kind, choose("swap", kv_tokens=1).reason) == (
+        "swap",
+        "forced",
+    )
     c = choose("recompute", kv_tokens=10_000)
     assert (c.kind, c.reason) == ("recompute", "forced")
 
 
 def test_nothing_to_save_is_recomputed():
-    assert (choose("swap", kv_tokens=0).kind, choose("swap", kv_tokens=0).reason) == ("recompute", "no KV")
+    assert (choose("swap", kv_tokens=0).kind, choose("swap", kv_tokens=0).reason) == (
+        "recompute",
+        "no KV",
+    )
 
 
 def test_llama_3_8b_on_the_h200_link():
@@ -72,8 +86,13 @@ def test_llama_3_8b_on_the_h200_link():
     assert choose(kv_tokens=4, swap_bytes=block, link=h200, per_token=per_token).kind == "swap"
     # Below about 9.7 GB/s recompute wins even for a full block.
     slow = HostLink(9e9, 15e-6)
-    assert choose(kv_tokens=16, swap_bytes=block, link=slow, per_token=per_token).kind == "recompute"
-    assert choose(kv_tokens=16, swap_bytes=block, link=HostLink(10.5e9, 0.0), per_token=per_token).kind == "swap"
+    assert (
+        choose(kv_tokens=16, swap_bytes=block, link=slow, per_token=per_token).kind == "recompute"
+    )
+    assert (
+        choose(kv_tokens=16, swap_bytes=block, link=HostLink(10.5e9, 0.0), per_token=per_token).kind
+        == "swap"
+    )
 
 
 def test_bad_arguments():

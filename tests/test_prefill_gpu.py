@@ -10,13 +10,12 @@ dump the errors.
 
 from __future__ import annotations
 
+import kvpool
 import numpy as np
 import pytest
 from attention_check import as_float64, assert_attention_close, table_with_wrong_block
 from attention_inputs import qo_indptr, shuffled_tables
 from gpu_fixtures import NAN_BITS, cp, cuda_pool, device_elems, error_report, poisoned
-
-import kvpool
 from kvpool import reference
 from kvpool.kernels import (
     append_kv,
@@ -89,14 +88,24 @@ def _rows(got, indptr, expected):
     return got_rows, want_rows
 
 
-def _run_and_check(pool, layer, q, qo_lens, tables, lens, label, *, causal=True, scale=None,
-                   rng=None, **kw):
+def _run_and_check(
+    pool, layer, q, qo_lens, tables, lens, label, *, causal=True, scale=None, rng=None, **kw
+):
     lay = pool.layout
     indptr = qo_indptr(qo_lens)
     out = poisoned(q.shape, lay.dtype)
-    res = paged_attention_prefill(q, pool, layer, cp.asarray(indptr), cp.asarray(tables),
-                                  cp.asarray(np.asarray(lens, np.int32)), causal=causal,
-                                  scale=scale, out=out, **kw)
+    res = paged_attention_prefill(
+        q,
+        pool,
+        layer,
+        cp.asarray(indptr),
+        cp.asarray(tables),
+        cp.asarray(np.asarray(lens, np.int32)),
+        causal=causal,
+        scale=scale,
+        out=out,
+        **kw,
+    )
     assert res is out
     got = as_float64(out, lay.dtype)
     assert not np.isnan(got).any(), f"{label}: unwritten or NaN outputs"
@@ -142,8 +151,9 @@ def test_prefill_narrow_and_wide_tiles_agree(dtype, d, hq, hkv):
     for rows in (16, 64):
         plan = prefill_plan(pool, qo_indptr(qo), lens, hq, rows_per_cta=rows)
         assert plan.rows_per_cta == rows
-        _run_and_check(pool, 0, q, qo, tables, lens,
-                       f"rows{rows}[{dtype},d{d},hq{hq},hkv{hkv}]", plan=plan)
+        _run_and_check(
+            pool, 0, q, qo, tables, lens, f"rows{rows}[{dtype},d{d},hq{hq},hkv{hkv}]", plan=plan
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -157,8 +167,17 @@ def test_prefill_not_causal_and_block_sizes(dtype, bs):
     tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
     q = device_elems(rng, (int(qo.sum()), hq, d), dtype)
     for causal in (False, True):
-        _run_and_check(pool, 0, q, qo, tables, lens, f"bs{bs}[{dtype},causal={causal}]",
-                       causal=causal, scale=0.07)
+        _run_and_check(
+            pool,
+            0,
+            q,
+            qo,
+            tables,
+            lens,
+            f"bs{bs}[{dtype},causal={causal}]",
+            causal=causal,
+            scale=0.07,
+        )
 
 
 # (new tokens, cached prefix): 1 to 20k-token prompts, prefixes from 0 to 20k tokens.
@@ -174,8 +193,16 @@ def test_prefill_long_prompts_and_prefixes(qo_len, prefix):
     pool = cuda_pool(rng, hkv, d, bs, dtype, -(-n // bs) + 8, 1)
     tables = shuffled_tables(rng, [n], bs, pool.num_blocks, extra=3)
     q = device_elems(rng, (qo_len, hq, d), dtype)
-    _run_and_check(pool, 0, q, np.array([qo_len]), tables, [n],
-                   f"long[{dtype},q{qo_len},prefix{prefix}]", rng=rng)
+    _run_and_check(
+        pool,
+        0,
+        q,
+        np.array([qo_len]),
+        tables,
+        [n],
+        f"long[{dtype},q{qo_len},prefix{prefix}]",
+        rng=rng,
+    )
 
 
 def test_chunked_prefill_with_append_kv():
@@ -186,17 +213,24 @@ def test_chunked_prefill_with_append_kv():
     n = 3000
     pool = cuda_pool(rng, hkv, d, bs, dtype, -(-n // bs) + 16, 2)
     tables = shuffled_tables(rng, [n], bs, pool.num_blocks, extra=3)
-    slots = (tables[0, np.arange(n) // bs].astype(np.int64) * bs + np.arange(n) % bs)
+    slots = tables[0, np.arange(n) // bs].astype(np.int64) * bs + np.arange(n) % bs
     k = device_elems(rng, (n, hkv, d), dtype)
     v = device_elems(rng, (n, hkv, d), dtype)
     q = device_elems(rng, (n, hq, d), dtype)
     bt = cp.asarray(tables)
     at, chunks = 0, []
     for size in (1000, 999, 1, 1000):
-        append_kv(k[at:at + size], v[at:at + size], pool, 0, cp.asarray(slots[at:at + size]))
+        append_kv(k[at : at + size], v[at : at + size], pool, 0, cp.asarray(slots[at : at + size]))
         out = poisoned((size, hq, d), dtype)
-        paged_attention_prefill(q[at:at + size], pool, 0, cp.asarray(qo_indptr([size])), bt,
-                                cp.asarray(np.array([at + size], np.int32)), out=out)
+        paged_attention_prefill(
+            q[at : at + size],
+            pool,
+            0,
+            cp.asarray(qo_indptr([size])),
+            bt,
+            cp.asarray(np.array([at + size], np.int32)),
+            out=out,
+        )
         chunks.append(as_float64(out, dtype))
         at += size
     chunked = np.concatenate(chunks)
@@ -221,13 +255,13 @@ def test_speculative_verification_on_long_contexts(dtype):
     plan = prefill_plan(pool, qo_indptr(qo), lens, hq)
     assert plan.split, "few query tiles over long contexts should split the keys"
     assert plan.rows_per_cta == 16, "<= 8 draft tokens x GQA-4: 64-row tiles would be padding"
-    _run_and_check(pool, 0, q, qo, tables, lens, f"spec[{dtype},auto{plan.num_splits}]",
-                   plan=plan)
+    _run_and_check(pool, 0, q, qo, tables, lens, f"spec[{dtype},auto{plan.num_splits}]", plan=plan)
     for splits in (1, 3, 64):
         forced = prefill_plan(pool, qo_indptr(qo), lens, hq, num_splits=splits)
         ws = cp.empty(max(prefill_workspace_elems(forced, d), 1), cp.float32)
-        _run_and_check(pool, 0, q, qo, tables, lens, f"spec[{dtype},split{splits}]",
-                       plan=forced, workspace=ws)
+        _run_and_check(
+            pool, 0, q, qo, tables, lens, f"spec[{dtype},split{splits}]", plan=forced, workspace=ws
+        )
 
 
 def test_a_bad_caller_workspace_is_refused_before_a_launch():
@@ -244,10 +278,15 @@ def test_a_bad_caller_workspace_is_refused_before_a_launch():
     need = prefill_workspace_elems(plan, d)
     out = poisoned(q.shape, "float16")
     args = (q, pool, 0, cp.asarray(qo_indptr(qo)), cp.asarray(tables), cp.asarray(lens))
-    for ws in (cp.empty(need - 1, cp.float32), cp.empty(need, cp.float16),
-               cp.empty((need, 1), cp.float32)):
-        with pytest.raises(kvpool.InvalidArgumentError,
-                           match=f"workspace must be a contiguous 1-d float32 array of >= {need}"):
+    for ws in (
+        cp.empty(need - 1, cp.float32),
+        cp.empty(need, cp.float16),
+        cp.empty((need, 1), cp.float32),
+    ):
+        with pytest.raises(
+            kvpool.InvalidArgumentError,
+            match=f"workspace must be a contiguous 1-d float32 array of >= {need}",
+        ):
             paged_attention_prefill(*args, plan=plan, out=out, workspace=ws)
     assert (out.view(cp.uint16) == NAN_BITS["float16"]).all()
     paged_attention_prefill(*args, plan=plan, out=out, workspace=cp.empty(need, cp.float32))
@@ -263,8 +302,15 @@ def test_one_query_agrees_with_decode(dtype, hq, hkv):
     pool = cuda_pool(rng, hkv, d, bs, dtype, sum(-(-int(n) // bs) for n in lens) + 8, 1)
     tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
     q = device_elems(rng, (len(lens), hq, d), dtype)
-    got = _run_and_check(pool, 0, q, np.ones(len(lens), np.int32), tables, lens,
-                         f"as_decode[{dtype},hq{hq},hkv{hkv}]")
+    got = _run_and_check(
+        pool,
+        0,
+        q,
+        np.ones(len(lens), np.int32),
+        tables,
+        lens,
+        f"as_decode[{dtype},hq{hq},hkv{hkv}]",
+    )
     dec = paged_attention_decode(q, pool, 0, cp.asarray(tables), cp.asarray(lens))
     diff = float(np.abs(got - as_float64(dec, dtype)).max())
     ERRORS[f"prefill_vs_decode[{dtype},hq{hq},hkv{hkv}]"] = diff
@@ -285,8 +331,10 @@ def test_the_check_fails_on_a_one_key_mask_slip_or_a_wrong_block():
     indptr = qo_indptr(qo)
     sample = [_sample_rows(int(n)) for n in qo]
     q_host = cp.asnumpy(q)
-    wrongs = [_expected(pool, 0, q_host, indptr, tables, lens, True, None, sample, shift)
-              for shift in (1, -1)]
+    wrongs = [
+        _expected(pool, 0, q_host, indptr, tables, lens, True, None, sample, shift)
+        for shift in (1, -1)
+    ]
     wrong_table = table_with_wrong_block(tables, lens, bs, pool.num_blocks, 1, 20)
     wrongs.append(_expected(pool, 0, q_host, indptr, wrong_table, lens, True, None, sample))
     for wrong in wrongs:
@@ -316,39 +364,60 @@ def test_prefill_takes_synced_tables_and_torch_and_graph_capture():
     paged_attention_prefill(q, pool, 0, cp.asarray(qo_indptr(qo)), bt, sl, out=out, plan=plan)
     cp.cuda.runtime.deviceSynchronize()
     got = as_float64(out, dtype)
-    want = _expected(pool, 0, cp.asnumpy(q), qo_indptr(qo), host_bt, host_sl, True, None,
-                     [np.arange(n) for n in qo])
-    ERRORS["synced_tables"] = assert_attention_close(*_rows(got, qo_indptr(qo), want), dtype,
-                                                     "synced_tables")
+    want = _expected(
+        pool,
+        0,
+        cp.asnumpy(q),
+        qo_indptr(qo),
+        host_bt,
+        host_sl,
+        True,
+        None,
+        [np.arange(n) for n in qo],
+    )
+    ERRORS["synced_tables"] = assert_attention_close(
+        *_rows(got, qo_indptr(qo), want), dtype, "synced_tables"
+    )
 
     # CUDA graph: capture a planned call with a caller workspace, poison, replay.
     s = cp.cuda.Stream(non_blocking=True)
     ws = cp.empty(prefill_workspace_elems(plan, d), cp.float32)
-    ip_dev, bt_dev, sl_dev = (cp.asarray(qo_indptr(qo)), cp.asarray(host_bt),
-                              cp.asarray(host_sl))
+    ip_dev, bt_dev, sl_dev = (cp.asarray(qo_indptr(qo)), cp.asarray(host_bt), cp.asarray(host_sl))
     with s:
-        paged_attention_prefill(q, pool, 0, ip_dev, bt_dev, sl_dev, out=out, plan=plan,
-                                workspace=ws, stream=s)  # warm: compile, upload the plan
+        paged_attention_prefill(
+            q, pool, 0, ip_dev, bt_dev, sl_dev, out=out, plan=plan, workspace=ws, stream=s
+        )  # warm: compile, upload the plan
         s.synchronize()
         s.begin_capture()
-        paged_attention_prefill(q, pool, 0, ip_dev, bt_dev, sl_dev, out=out, plan=plan,
-                                workspace=ws, stream=s)
+        paged_attention_prefill(
+            q, pool, 0, ip_dev, bt_dev, sl_dev, out=out, plan=plan, workspace=ws, stream=s
+        )
         graph = s.end_capture()
     out.view(cp.uint16)[...] = NAN_BITS[dtype]
     cp.cuda.runtime.deviceSynchronize()
     graph.launch(s)
     s.synchronize()
-    assert_attention_close(*_rows(as_float64(out, dtype), qo_indptr(qo), want), dtype, "graph replay")
+    assert_attention_close(
+        *_rows(as_float64(out, dtype), qo_indptr(qo), want), dtype, "graph replay"
+    )
 
     torch = pytest.importorskip("torch")
     ts = torch.cuda.Stream()
     tq = torch.as_tensor(q, device="cuda")
     with torch.cuda.stream(ts):
-        res = paged_attention_prefill(tq, pool, 0, torch.as_tensor(ip_dev, device="cuda"),
-                                      torch.as_tensor(bt_dev, device="cuda"),
-                                      torch.as_tensor(sl_dev, device="cuda"), stream=ts)
+        res = paged_attention_prefill(
+            tq,
+            pool,
+            0,
+            torch.as_tensor(ip_dev, device="cuda"),
+            torch.as_tensor(bt_dev, device="cuda"),
+            torch.as_tensor(sl_dev, device="cuda"),
+            stream=ts,
+        )
     ts.synchronize()
-    assert_attention_close(*_rows(as_float64(cp.asarray(res), dtype), qo_indptr(qo), want), dtype, "torch")
+    assert_attention_close(
+        *_rows(as_float64(cp.asarray(res), dtype), qo_indptr(qo), want), dtype, "torch"
+    )
 
 
 def test_prefill_rejects_bad_arguments_before_any_launch():
@@ -381,8 +450,15 @@ def test_prefill_rejects_bad_arguments_before_any_launch():
         args = dict(q=q, qo_indptr=ip, block_tables=bt, seq_lens=sl, out=out)
         args.update(change)
         with pytest.raises(err, match=match):
-            paged_attention_prefill(args.pop("q"), pool, 0, args.pop("qo_indptr"),
-                                    args.pop("block_tables"), args.pop("seq_lens"), **args)
+            paged_attention_prefill(
+                args.pop("q"),
+                pool,
+                0,
+                args.pop("qo_indptr"),
+                args.pop("block_tables"),
+                args.pop("seq_lens"),
+                **args,
+            )
     tables = kvpool.BlockTables(other, 2, 4)
     tables.add(0, 20)
     obt, osl = tables.sync()
@@ -394,10 +470,21 @@ def test_prefill_rejects_bad_arguments_before_any_launch():
     assert (out.view(cp.uint16) == NAN_BITS[dtype]).all(), "a kernel ran"
     bad_d = kvpool.Pool(kvpool.KvLayout(1, 1, 96, 16, dtype), 4, device="cuda")
     with pytest.raises(err, match="no prefill kernel"):
-        paged_attention_prefill(cp.zeros((1, 1, 96), cp.float16), bad_d, 0, cp.asarray(
-            qo_indptr([1])), cp.zeros((1, 1), cp.int32), cp.ones(1, cp.int32))
+        paged_attention_prefill(
+            cp.zeros((1, 1, 96), cp.float16),
+            bad_d,
+            0,
+            cp.asarray(qo_indptr([1])),
+            cp.zeros((1, 1), cp.int32),
+            cp.ones(1, cp.int32),
+        )
     # An empty batch is a no-op.
-    e = paged_attention_prefill(cp.empty((0, hq, d), cp.float16), pool, 0,
-                                cp.zeros(1, cp.int32), cp.empty((0, 2), cp.int32),
-                                cp.empty((0,), cp.int32))
+    e = paged_attention_prefill(
+        cp.empty((0, hq, d), cp.float16),
+        pool,
+        0,
+        cp.zeros(1, cp.int32),
+        cp.empty((0, 2), cp.int32),
+        cp.empty((0,), cp.int32),
+    )
     assert e.shape == (0, hq, d)

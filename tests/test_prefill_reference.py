@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import kvpool
 import numpy as np
 import pytest
 from attention_inputs import fill_host_pool, qo_indptr, random_elems, shuffled_tables
-
-import kvpool
 from kvpool import reference
 from kvpool.kernels import PrefillPlan, paged_attention_decode, paged_attention_prefill
 from kvpool.kernels._prefill_plan import choose_rows, head_tile, plan_prefill
@@ -51,8 +50,9 @@ def test_prefill_matches_direct_attention(dtype, hq, hkv, causal):
     q64 = reference.to_float64(q, dtype)
     k_all = reference.to_float64(pool.k_view(1), dtype)
     v_all = reference.to_float64(pool.v_view(1), dtype)
-    exact = reference.paged_attention_prefill(q, pool.k_view(1), pool.v_view(1), indptr, tables,
-                                              seq_lens, dtype, 0.2, causal)
+    exact = reference.paged_attention_prefill(
+        q, pool.k_view(1), pool.v_view(1), indptr, tables, seq_lens, dtype, 0.2, causal
+    )
     for i, n in enumerate(seq_lens):
         toks = [(tables[i, t // bs], t % bs) for t in range(n)]
         k_rows = np.stack([k_all[b, o] for b, o in toks])
@@ -71,10 +71,12 @@ def test_prefill_of_one_query_is_decode(dtype):
     seq_lens = np.array([1, 17, 64, 100], dtype=np.int32)
     tables = shuffled_tables(rng, seq_lens, 16, pool.num_blocks)
     q = random_elems(rng, (4, 8, 64), dtype)
-    want = reference.paged_attention_decode(q, pool.k_view(0), pool.v_view(0), tables, seq_lens,
-                                            dtype)
-    got = reference.paged_attention_prefill(q, pool.k_view(0), pool.v_view(0),
-                                            qo_indptr([1, 1, 1, 1]), tables, seq_lens, dtype)
+    want = reference.paged_attention_decode(
+        q, pool.k_view(0), pool.v_view(0), tables, seq_lens, dtype
+    )
+    got = reference.paged_attention_prefill(
+        q, pool.k_view(0), pool.v_view(0), qo_indptr([1, 1, 1, 1]), tables, seq_lens, dtype
+    )
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     host = paged_attention_prefill(q, pool, 0, qo_indptr([1, 1, 1, 1]), tables, seq_lens)
     assert np.array_equal(host, paged_attention_decode(q, pool, 0, tables, seq_lens))
@@ -91,9 +93,15 @@ def test_chunked_prefill_equals_one_call():
     whole = paged_attention_prefill(q, pool, 0, qo_indptr([n]), tables, np.array([n], np.int32))
     at = 0
     for chunk in (10, 16, 11):
-        part = paged_attention_prefill(q[at:at + chunk], pool, 0, qo_indptr([chunk]), tables,
-                                       np.array([at + chunk], np.int32))
-        assert np.array_equal(part, whole[at:at + chunk])
+        part = paged_attention_prefill(
+            q[at : at + chunk],
+            pool,
+            0,
+            qo_indptr([chunk]),
+            tables,
+            np.array([at + chunk], np.int32),
+        )
+        assert np.array_equal(part, whole[at : at + chunk])
         at += chunk
 
 
@@ -156,10 +164,12 @@ def test_plan_covers_every_query_once_longest_first(causal):
     plan = plan_prefill(qo_indptr(qo_lens), seq_lens, 32, 8, 4, 64, 64, 132, 2, causal=causal)
     assert plan.q_tile_tokens == 16 and plan.work.dtype == np.int32
     assert _covered(plan, qo_lens) == sorted(
-        (i, t) for i, n in enumerate(qo_lens) for t in range(n))
+        (i, t) for i, n in enumerate(qo_lens) for t in range(n)
+    )
     prefix = seq_lens - qo_lens
-    keys = [seq_lens[s] if not causal else prefix[s] + min(q0 + 16, qo_lens[s])
-            for s, q0 in plan.work]
+    keys = [
+        seq_lens[s] if not causal else prefix[s] + min(q0 + 16, qo_lens[s]) for s, q0 in plan.work
+    ]
     assert keys == sorted(keys, reverse=True)
 
 

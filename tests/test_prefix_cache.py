@@ -8,10 +8,9 @@ import hashlib
 import random
 import threading
 
+import kvpool
 import numpy as np
 import pytest
-
-import kvpool
 from kvpool import (
     AllBlocksCleared,
     BlockRemoved,
@@ -93,7 +92,9 @@ def test_salts_lora_and_extra_keys_isolate() -> None:
     pool, t = make()
     t.add_request(0, range(9))
     assert t.add_request(1, range(9), cache_salt="a").num_cached_tokens == 0
-    assert t.add_request(2, range(9), cache_salt=b"a").num_cached_tokens == 8, "str and bytes salts agree"
+    assert t.add_request(2, range(9), cache_salt=b"a").num_cached_tokens == 8, (
+        "str and bytes salts agree"
+    )
     assert t.add_request(3, range(9), lora_id=1).num_cached_tokens == 0
     assert t.add_request(4, range(9), extra_keys=b"image:1").num_cached_tokens == 0
     assert t.add_request(5, range(9), extra_keys=b"image:1").num_cached_tokens == 8
@@ -148,7 +149,9 @@ def test_high_water_counts_referenced_blocks_not_evictable_ones() -> None:
     assert (pool.num_free, pool.num_evictable, pool.num_used, pool.high_water) == (6, 2, 0, 3)
     t.add_request(2, range(20, 44))  # 6 blocks from the free list: none free, 2 evictable
     assert (pool.num_free, pool.num_evictable, pool.num_used) == (0, 2, 6)
-    assert pool.high_water == 6 and pool.stats()["high_water"] == 6, "evictable blocks are not in use"
+    assert pool.high_water == 6 and pool.stats()["high_water"] == 6, (
+        "evictable blocks are not in use"
+    )
     t.free(2)
     assert (pool.num_evictable, pool.num_used, pool.high_water) == (8, 0, 6)
     # Reviving 6 cached blocks and evicting 1 for the last token: 7 in use.
@@ -189,7 +192,9 @@ def test_kv_events_follow_vllm_names_and_order() -> None:
     stored = pool.take_kv_events()
     assert len(stored) == 1 and isinstance(stored[0], BlockStored)
     e = stored[0]
-    assert len(e.block_hashes) == 2 and all(isinstance(h, bytes) and len(h) == 32 for h in e.block_hashes)
+    assert len(e.block_hashes) == 2 and all(
+        isinstance(h, bytes) and len(h) == 32 for h in e.block_hashes
+    )
     assert e.parent_block_hash is None and e.token_ids == list(range(8))
     assert (e.block_size, e.lora_id, e.medium) == (BS, 3, "CPU")
     assert b"secret" not in repr(e).encode()
@@ -250,7 +255,14 @@ def test_bad_input_raises_and_changes_nothing(call, error) -> None:  # type: ign
 
 def test_growable_pools_evict_before_growing_and_shrink_past_the_cache() -> None:
     # 2048-byte blocks, 4 KiB chunks: two blocks per chunk.
-    pool = Pool(LAYOUT, growable=True, max_num_blocks=8, chunk_bytes=4096, device="host", enable_prefix_caching=True)
+    pool = Pool(
+        LAYOUT,
+        growable=True,
+        max_num_blocks=8,
+        chunk_bytes=4096,
+        device="host",
+        enable_prefix_caching=True,
+    )
     t = BlockTables(pool, 4, 8)
     t.add_request(1, range(9))  # blocks 0, 1 (cached), 2: the pool grows to 2 chunks
     t.add(2, 12)  # 3 more blocks, none evictable: grows to 3 chunks
@@ -295,7 +307,9 @@ def token_kv(tokens: list[int], salt: str | None, layer: int) -> tuple[np.ndarra
     """A stand-in model: position p's K/V depend on every token up to p (and the salt)."""
     rows_k, rows_v = [], []
     for p in range(len(tokens)):
-        seed = hashlib.blake2b(repr((salt, layer, tokens[: p + 1])).encode(), digest_size=8).digest()
+        seed = hashlib.blake2b(
+            repr((salt, layer, tokens[: p + 1])).encode(), digest_size=8
+        ).digest()
         rng = np.random.default_rng(int.from_bytes(seed, "little"))
         rows_k.append(rng.standard_normal((LAYOUT.num_kv_heads, LAYOUT.head_dim)))
         rows_v.append(rng.standard_normal((LAYOUT.num_kv_heads, LAYOUT.head_dim)))
@@ -320,12 +334,17 @@ def run_workload(caching: bool) -> dict[int, list[np.ndarray]]:
     def gather(rid: int) -> list[np.ndarray]:
         n = t.num_tokens(rid)
         table = t.blocks(rid)
-        return [reference.gather_kv(view, table, n).copy() for layer in range(LAYOUT.num_layers)
-                for view in (pool.k_view(layer), pool.v_view(layer))]
+        return [
+            reference.gather_kv(view, table, n).copy()
+            for layer in range(LAYOUT.num_layers)
+            for view in (pool.k_view(layer), pool.v_view(layer))
+        ]
 
     for rid in range(12):
         salt = "tenant" if rid % 4 == 3 else None
-        prompt = system[: rng.randrange(len(system) + 1)] + [rng.randrange(50) for _ in range(rng.randrange(1, 7))]
+        prompt = system[: rng.randrange(len(system) + 1)] + [
+            rng.randrange(50) for _ in range(rng.randrange(1, 7))
+        ]
         requests[rid] = (prompt, salt)
         r = t.add_request(rid, prompt, cache_salt=salt)
         if not caching:
@@ -379,7 +398,9 @@ def test_threads_share_one_cached_pool() -> None:
                 if live and (len(live) == 6 or rng.random() < 0.45):
                     tables.free(live.pop(rng.randrange(len(live))))
                     continue
-                prompt = system[: rng.randrange(4, 21)] + [rng.randrange(4) for _ in range(rng.randrange(3))]
+                prompt = system[: rng.randrange(4, 21)] + [
+                    rng.randrange(4) for _ in range(rng.randrange(3))
+                ]
                 try:
                     tables.add_request(step, prompt, cache_salt=rng.choice([None, "a"]))
                 except kvpool.OutOfBlocksError:
@@ -389,7 +410,7 @@ def test_threads_share_one_cached_pool() -> None:
                     tables.append_tokens(step, 2, [rng.randrange(4), rng.randrange(4)])
             for rid in live:
                 tables.free(rid)
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+        except BaseException as e:
             failures.append(e)
 
     threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]

@@ -18,7 +18,13 @@ import numpy as np
 import pytest
 from hypothesis import Phase, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from kvpool import (
     BlockTables,
     CacheInUseError,
@@ -96,7 +102,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         return data.draw(st.sampled_from(sorted(self.model.requests)))
 
     @rule(rid=REQUEST_IDS, tokens=prompts(), salt=SALTS, lora=LORAS, as_array=st.booleans())
-    def add_request(self, rid: int, tokens: list[int], salt: str | bytes | None, lora: int | None, as_array: bool) -> None:
+    def add_request(
+        self,
+        rid: int,
+        tokens: list[int],
+        salt: str | bytes | None,
+        lora: int | None,
+        as_array: bool,
+    ) -> None:
         m = self.model
         n = len(tokens)
         req = Req([], n, list(tokens), salt_bytes(salt), lora)
@@ -137,7 +150,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         m.queries += n
         m.hits += len(hits) * BS
         start = len(hits) * BS
-        assert result.slot_mapping.tolist() == [blocks[p // BS] * BS + p % BS for p in range(start, n)]
+        assert result.slot_mapping.tolist() == [
+            blocks[p // BS] * BS + p % BS for p in range(start, n)
+        ]
 
     @precondition(lambda self: self.model.requests)
     @rule(data=st.data(), with_ids=st.booleans())
@@ -146,7 +161,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         ids = data.draw(st.permutations(sorted(m.requests)))
         ids = ids[: data.draw(st.integers(1, len(ids)))]
         counts = data.draw(st.lists(st.integers(0, BS + 2), min_size=len(ids), max_size=len(ids)))
-        new_tokens = [data.draw(st.lists(st.integers(0, 3), min_size=c, max_size=c)) for c in counts]
+        new_tokens = [
+            data.draw(st.lists(st.integers(0, 3), min_size=c, max_size=c)) for c in counts
+        ]
         # Plan as the tables do: copy a shared partial last block while someone else holds it.
         unshared: Counter[int] = Counter()
         copying: set[int] = set()
@@ -175,7 +192,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             _, copies = self.tables.append_tokens_many(ids, counts, flat if with_ids else None)
         fresh: list[int] = []
         released: list[int] = []
-        for rid, count in zip(ids, counts):
+        for rid in ids:
             req = m.requests[rid]
             now = self.tables.blocks(rid).tolist()
             old = len(req.blocks)
@@ -217,7 +234,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             return
         self.tables.fork(parent, child)
         p = m.requests[parent]
-        m.requests[child] = Req(list(p.blocks), p.num_tokens, None if p.tokens is None else list(p.tokens), p.salt, p.lora)
+        m.requests[child] = Req(
+            list(p.blocks),
+            p.num_tokens,
+            None if p.tokens is None else list(p.tokens),
+            p.salt,
+            p.lora,
+        )
         for b in p.blocks:
             m.ref_cnt[b] += 1
 
@@ -276,13 +299,20 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @invariant()
     def counts_and_refs_equal_the_model(self) -> None:
         m = self.model
-        assert [self.pool.ref_cnt(b) for b in range(NUM_BLOCKS)] == [m.ref_cnt[b] for b in range(NUM_BLOCKS)]
+        assert [self.pool.ref_cnt(b) for b in range(NUM_BLOCKS)] == [
+            m.ref_cnt[b] for b in range(NUM_BLOCKS)
+        ]
         assert (self.pool.num_free, self.pool.num_evictable) == (len(m.free), len(m.lru))
         assert self.pool.num_free + self.pool.num_evictable + self.pool.num_used == NUM_BLOCKS
         assert not any(m.ref_cnt[b] for b in m.lru), "a referenced block is evictable"
         s = self.pool.prefix_cache_stats()
         assert (s["num_cached_blocks"], s["num_evictable_blocks"]) == (len(m.cache), len(m.lru))
-        assert (s["queries"], s["hits"], s["evictions"], s["stored_blocks"]) == (m.queries, m.hits, m.evictions, m.stored)
+        assert (s["queries"], s["hits"], s["evictions"], s["stored_blocks"]) == (
+            m.queries,
+            m.hits,
+            m.evictions,
+            m.stored,
+        )
 
     @invariant()
     def requests_equal_the_model(self) -> None:

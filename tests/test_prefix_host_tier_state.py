@@ -22,7 +22,13 @@ import numpy as np
 import pytest
 from hypothesis import Phase, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from kvpool import (
     BlockTables,
     CacheInUseError,
@@ -114,7 +120,13 @@ class Model(PoolModel):
 class PrefixHostTierMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.pool = Pool(LAYOUT, NUM_BLOCKS, device="host", enable_prefix_caching=True, prefix_cache_host_blocks=HOST_BLOCKS)
+        self.pool = Pool(
+            LAYOUT,
+            NUM_BLOCKS,
+            device="host",
+            enable_prefix_caching=True,
+            prefix_cache_host_blocks=HOST_BLOCKS,
+        )
         self.pool.enable_kv_cache_events()
         self.tables = BlockTables(self.pool, MAX_SEQS, MAX_BLOCKS)
         self.model = Model()
@@ -140,7 +152,9 @@ class PrefixHostTierMachine(RuleBasedStateMachine):
         while len(hits) < max_hits and req.key(len(hits)) in m.cache:
             hits.append(m.cache[req.key(len(hits))])
         host_hits: list[tuple[object, ...]] = []
-        while len(hits) + len(host_hits) < max_hits and req.key(len(hits) + len(host_hits)) in m.host:
+        while (
+            len(hits) + len(host_hits) < max_hits and req.key(len(hits) + len(host_hits)) in m.host
+        ):
             host_hits.append(req.key(len(hits) + len(host_hits)))
         fresh = blocks_for(n) - len(hits)
         if rid in m.requests:
@@ -184,9 +198,14 @@ class PrefixHostTierMachine(RuleBasedStateMachine):
         rids = rids[: data.draw(st.integers(1, len(rids)))]
         new = [data.draw(st.lists(st.integers(0, 3), max_size=BS + 1)) for _ in rids]
         counts = [len(t) for t in new]
-        if any(blocks_for(len(m.requests[r].tokens) + c) > MAX_BLOCKS for r, c in zip(rids, counts)):
+        if any(
+            blocks_for(len(m.requests[r].tokens) + c) > MAX_BLOCKS for r, c in zip(rids, counts)
+        ):
             return
-        needed = sum(blocks_for(len(m.requests[r].tokens) + c) - blocks_for(len(m.requests[r].tokens)) for r, c in zip(rids, counts))
+        needed = sum(
+            blocks_for(len(m.requests[r].tokens) + c) - blocks_for(len(m.requests[r].tokens))
+            for r, c in zip(rids, counts)
+        )
         flat = [t for toks in new for t in toks]
         if needed > m.available():
             with pytest.raises(OutOfBlocksError):
@@ -259,16 +278,26 @@ class PrefixHostTierMachine(RuleBasedStateMachine):
     @invariant()
     def both_tiers_equal_the_model(self) -> None:
         m = self.model
-        assert [self.pool.ref_cnt(b) for b in range(NUM_BLOCKS)] == [m.ref_cnt[b] for b in range(NUM_BLOCKS)]
+        assert [self.pool.ref_cnt(b) for b in range(NUM_BLOCKS)] == [
+            m.ref_cnt[b] for b in range(NUM_BLOCKS)
+        ]
         assert (self.pool.num_free, self.pool.num_evictable) == (len(m.free), len(m.lru))
         assert self.pool.num_free + self.pool.num_evictable + self.pool.num_used == NUM_BLOCKS
         s = self.pool.prefix_cache_stats()
         assert (s["num_cached_blocks"], s["num_evictable_blocks"]) == (len(m.cache), len(m.lru))
-        assert (s["queries"], s["hits"], s["evictions"], s["stored_blocks"]) == (m.queries, m.hits, m.evictions, m.stored)
+        assert (s["queries"], s["hits"], s["evictions"], s["stored_blocks"]) == (
+            m.queries,
+            m.hits,
+            m.evictions,
+            m.stored,
+        )
         assert s["host_num_blocks"] == HOST_BLOCKS
         assert s["host_num_cached_blocks"] == len(m.host)
         assert (s["host_stored_blocks"], s["host_evictions"], s["swapped_in_blocks"]) == (
-            m.host_stored, m.host_evictions, m.swapped_in)
+            m.host_stored,
+            m.host_evictions,
+            m.swapped_in,
+        )
 
     @invariant()
     def every_token_holds_the_kv_of_its_content(self) -> None:
@@ -279,7 +308,9 @@ class PrefixHostTierMachine(RuleBasedStateMachine):
                 for layer in range(LAYERS):
                     for part, view in enumerate((self.pool.k_view(layer), self.pool.v_view(layer))):
                         got = view.view(np.uint16)[blocks[p // BS], p % BS]
-                        assert (got == code(req.salt, prefix, layer, part)).all(), f"request {rid} token {p}"
+                        assert (got == code(req.salt, prefix, layer, part)).all(), (
+                            f"request {rid} token {p}"
+                        )
 
     @invariant()
     def events_replay_to_both_tiers(self) -> None:
@@ -336,7 +367,11 @@ def test_a_hit_on_the_host_tier_brings_the_kv_back() -> None:
     blocks = tables.blocks(2).tolist()
     assert [int(k[blocks[p // BS], p % BS][0, 0]) for p in range(8)] == [100 + p for p in range(8)]
     s = pool.prefix_cache_stats()
-    assert (s["num_cached_blocks"], s["host_num_cached_blocks"], s["swapped_in_blocks"]) == (2, 0, 2)
+    assert (s["num_cached_blocks"], s["host_num_cached_blocks"], s["swapped_in_blocks"]) == (
+        2,
+        0,
+        2,
+    )
     pool.check_invariants(exact_refs=True)
 
 
@@ -344,11 +379,16 @@ def test_a_hit_on_the_host_tier_brings_the_kv_back() -> None:
     ("kwargs", "match"),
     [
         ({"prefix_cache_host_blocks": 4}, "enable_prefix_caching"),
-        ({"enable_prefix_caching": True, "prefix_cache_host_blocks": -1}, "prefix_cache_host_blocks"),
+        (
+            {"enable_prefix_caching": True, "prefix_cache_host_blocks": -1},
+            "prefix_cache_host_blocks",
+        ),
         ({"enable_prefix_caching": True, "prefix_cache_host_blocks": True}, "bool"),
     ],
 )
-def test_a_host_tier_needs_prefix_caching_and_a_count(kwargs: dict[str, object], match: str) -> None:
+def test_a_host_tier_needs_prefix_caching_and_a_count(
+    kwargs: dict[str, object], match: str
+) -> None:
     with pytest.raises(InvalidArgumentError, match=match):
         Pool(LAYOUT, 8, device="host", **kwargs)  # type: ignore[arg-type]
 
@@ -361,4 +401,7 @@ def test_metrics_export_the_host_tier() -> None:
     pool.free_many(pool.alloc_many(2))  # spills the cached block
     tables.add_request(2, range(5))  # and brings it back
     got = {s.name: s.value for s in snapshot(pool)}
-    assert (got["kvpool:prefix_cache_host_cached_blocks"], got["kvpool:prefix_cache_swapped_in_blocks"]) == (0, 1)
+    assert (
+        got["kvpool:prefix_cache_host_cached_blocks"],
+        got["kvpool:prefix_cache_swapped_in_blocks"],
+    ) == (0, 1)

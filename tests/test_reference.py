@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import kvpool
 import numpy as np
 import pytest
 from attention_inputs import fill_host_pool, random_elems, shuffled_tables
-
-import kvpool
 from kvpool import reference
 from kvpool.kernels import _build, append_kv, copy_blocks, paged_attention_decode, plan_decode
 from kvpool.kernels._plan import MAX_SPLITS
@@ -31,7 +30,10 @@ def test_dtype_round_trip(dtype):
     x = np.array([0.0, 1.0, -2.5, 3.140625, 65504.0 if dtype == "float16" else 2.0**100])
     assert np.array_equal(reference.to_float64(reference.from_float64(x, dtype), dtype), x)
     if dtype == "bfloat16":  # round to nearest even on a tie
-        assert reference.to_float64(reference.from_float64(np.array([1 + 2**-8]), dtype), dtype)[0] == 1.0
+        assert (
+            reference.to_float64(reference.from_float64(np.array([1 + 2**-8]), dtype), dtype)[0]
+            == 1.0
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -58,8 +60,13 @@ def test_decode_matches_direct_attention(dtype, hq, hkv, block_size):
         v_rows = np.stack([v_all[b, o] for b, o in toks])
         want = _direct(q64[i], k_rows, v_rows, scale)
         exact = reference.paged_attention_decode(
-            q[i : i + 1], pool.k_view(1), pool.v_view(1), tables[i : i + 1], seq_lens[i : i + 1],
-            dtype, scale,
+            q[i : i + 1],
+            pool.k_view(1),
+            pool.v_view(1),
+            tables[i : i + 1],
+            seq_lens[i : i + 1],
+            dtype,
+            scale,
         )[0]
         np.testing.assert_allclose(exact, want, rtol=1e-12, atol=1e-12)
         tol = 1e-2 if dtype == "bfloat16" else 2e-3
@@ -76,8 +83,9 @@ def test_decode_default_scale_and_empty_sequence():
     lens = np.array([8, 0], dtype=np.int32)
     out = np.full_like(q, np.nan)
     paged_attention_decode(q, pool, 0, tables, lens, out=out)
-    want = reference.paged_attention_decode(q, pool.k_view(0), pool.v_view(0), tables, lens,
-                                            "float16", 1 / 8)
+    want = reference.paged_attention_decode(
+        q, pool.k_view(0), pool.v_view(0), tables, lens, "float16", 1 / 8
+    )
     np.testing.assert_allclose(out.astype(np.float64), want, rtol=2e-3, atol=2e-3)
     assert (out[1] == 0).all()
 
@@ -93,8 +101,9 @@ def test_decode_rejects_bad_arguments():
     with pytest.raises(kvpool.InvalidArgumentError, match="layer"):
         paged_attention_decode(np.zeros((1, 2, 64), np.float16), pool, 1, tables, lens)
     with pytest.raises(kvpool.InvalidArgumentError, match="outside the pool"):
-        paged_attention_decode(np.zeros((1, 2, 64), np.float16), pool, 0,
-                               np.array([[9, 0]], np.int32), lens)
+        paged_attention_decode(
+            np.zeros((1, 2, 64), np.float16), pool, 0, np.array([[9, 0]], np.int32), lens
+        )
     with pytest.raises(kvpool.InvalidArgumentError, match="dtype"):
         paged_attention_decode(np.zeros((1, 2, 64), np.float32), pool, 0, tables, lens)
 
@@ -173,8 +182,14 @@ def _small_host_pool(dtype):
 
 @pytest.mark.parametrize(
     ("dtype", "q_dtype"),
-    [("float16", np.int16), ("float16", np.uint16), ("float16", np.float32),
-     ("bfloat16", np.float16), ("bfloat16", np.float32), ("bfloat16", np.int32)],
+    [
+        ("float16", np.int16),
+        ("float16", np.uint16),
+        ("float16", np.float32),
+        ("bfloat16", np.float16),
+        ("bfloat16", np.float32),
+        ("bfloat16", np.int32),
+    ],
 )
 def test_host_decode_rejects_q_element_types_the_gpu_rejects(dtype, q_dtype):
     """No numeric conversion and no float16 read as bfloat16 bits: the CUDA path's rule."""
@@ -185,8 +200,9 @@ def test_host_decode_rejects_q_element_types_the_gpu_rejects(dtype, q_dtype):
         paged_attention_decode(np.zeros((1, 2, 64), q_dtype), pool, 0, tables, lens)
 
 
-@pytest.mark.parametrize(("dtype", "q_dtype"), [("float16", np.float16), ("bfloat16", np.uint16),
-                                                ("bfloat16", np.int16)])
+@pytest.mark.parametrize(
+    ("dtype", "q_dtype"), [("float16", np.float16), ("bfloat16", np.uint16), ("bfloat16", np.int16)]
+)
 def test_host_decode_accepts_q_element_types_the_gpu_accepts(dtype, q_dtype):
     pool = _small_host_pool(dtype)
     q = random_elems(np.random.default_rng(4), (1, 2, 64), dtype).view(q_dtype)
@@ -204,8 +220,13 @@ def test_host_decode_rejects_bad_out_tables_lens_and_layer():
     q = np.zeros((1, 2, 64), np.float16)
     tables = np.array([[0, 1]], np.int32)
     lens = np.array([4], np.int32)
-    for out in (np.zeros((1, 2, 64), np.float32), np.zeros((1, 2, 64), np.int16),
-                np.zeros((2, 2, 64), np.float16), np.zeros((1, 2, 32), np.float16), [0.0]):
+    for out in (
+        np.zeros((1, 2, 64), np.float32),
+        np.zeros((1, 2, 64), np.int16),
+        np.zeros((2, 2, 64), np.float16),
+        np.zeros((1, 2, 32), np.float16),
+        [0.0],
+    ):
         with pytest.raises(kvpool.InvalidArgumentError, match="out"):
             paged_attention_decode(q, pool, 0, tables, lens, out=out)
     with pytest.raises(kvpool.InvalidArgumentError, match="block_tables"):

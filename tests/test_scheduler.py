@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from hypothesis import given
-from hypothesis import strategies as st
-
 import kvpool
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from kvpool.scheduler import (
     POLICIES,
     ContiguousKv,
@@ -83,7 +82,9 @@ def served_exactly_once(sched: Scheduler, requests: list[Request]) -> None:
     assert sorted(finishes) == sorted(r.request_id for r in requests)
 
 
-@given(requests=workloads(), config=configs(), num_blocks=st.integers(MAX_MODEL_LEN // BLOCK_SIZE, 48))
+@given(
+    requests=workloads(), config=configs(), num_blocks=st.integers(MAX_MODEL_LEN // BLOCK_SIZE, 48)
+)
 def test_paged_serves_everything_once_without_leaks(requests, config, num_blocks):
     pool = make_pool(num_blocks)
     backend = PagedKv(pool, config.max_running_seqs, config.max_model_len)
@@ -96,13 +97,21 @@ def test_paged_serves_everything_once_without_leaks(requests, config, num_blocks
     # a preempted request came back and finished
     for seq in sched.seqs:
         if seq.num_preemptions:
-            assert [e for e in sched.events if e[1] == "admit" and e[2] == seq.request_id][seq.num_preemptions:]
+            assert [e for e in sched.events if e[1] == "admit" and e[2] == seq.request_id][
+                seq.num_preemptions :
+            ]
 
 
-@given(requests=workloads(), config=configs(), slots=st.integers(1, 4),
-       reserve=st.sampled_from(["max_model_len", "request"]))
+@given(
+    requests=workloads(),
+    config=configs(),
+    slots=st.integers(1, 4),
+    reserve=st.sampled_from(["max_model_len", "request"]),
+)
 def test_contiguous_serves_everything_once(requests, config, slots, reserve):
-    backend = ContiguousKv(slots * MAX_MODEL_LEN * TOKEN_BYTES + 100, TOKEN_BYTES, MAX_MODEL_LEN, reserve)
+    backend = ContiguousKv(
+        slots * MAX_MODEL_LEN * TOKEN_BYTES + 100, TOKEN_BYTES, MAX_MODEL_LEN, reserve
+    )
     sched = CheckedScheduler(backend, requests, config, record_events=True)
     sched.run()
     served_exactly_once(sched, requests)
@@ -133,15 +142,18 @@ def waiting_replay(sched: Scheduler):
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @given(requests=workloads(), num_blocks=st.integers(16, 24))
 def test_policy_order_is_respected(policy, requests, num_blocks):
-    config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_running_seqs=4, max_tokens_per_step=32,
-                             policy=policy)
+    config = SchedulerConfig(
+        max_model_len=MAX_MODEL_LEN, max_running_seqs=4, max_tokens_per_step=32, policy=policy
+    )
     by_id = {r.request_id: r for r in requests}
 
     def key(rid: int) -> tuple:
         r = by_id[rid]
         return (r.arrival_s, rid) if policy == "fcfs" else (r.priority, r.arrival_s, rid)
 
-    sched = Scheduler(PagedKv(make_pool(num_blocks), 4, MAX_MODEL_LEN), requests, config, record_events=True)
+    sched = Scheduler(
+        PagedKv(make_pool(num_blocks), 4, MAX_MODEL_LEN), requests, config, record_events=True
+    )
     sched.run()
     for kind, rid, waiting, running in waiting_replay(sched):
         if kind == "admit":
@@ -153,8 +165,9 @@ def test_policy_order_is_respected(policy, requests, num_blocks):
 def test_preempted_requests_resume_and_finish():
     # 6 long requests in a pool that holds about two of them: decode must preempt
     requests = [Request(i, 0.0, 30, 30) for i in range(6)]
-    config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_running_seqs=6, max_tokens_per_step=200,
-                             watermark=0.0)
+    config = SchedulerConfig(
+        max_model_len=MAX_MODEL_LEN, max_running_seqs=6, max_tokens_per_step=200, watermark=0.0
+    )
     pool = make_pool(32)
     sched = CheckedScheduler(PagedKv(pool, 6, MAX_MODEL_LEN), requests, config, record_events=True)
     sched.run()
@@ -176,7 +189,9 @@ def test_lru_and_lfu_pick_the_least_scheduled():
 
 def test_chunked_prefill_respects_the_token_budget():
     requests = [Request(0, 0.0, 60, 2), Request(1, 0.0, 50, 2)]
-    config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_running_seqs=2, max_tokens_per_step=16)
+    config = SchedulerConfig(
+        max_model_len=MAX_MODEL_LEN, max_running_seqs=2, max_tokens_per_step=16
+    )
     sched = CheckedScheduler(PagedKv(make_pool(40), 2, MAX_MODEL_LEN), requests, config)
     sched.run()
     prefill = sched.metrics.columns["prefill_tokens"]
@@ -188,7 +203,9 @@ def test_paged_beats_contiguous_at_equal_memory():
     config = SchedulerConfig(max_model_len=1024, max_running_seqs=128, max_tokens_per_step=1024)
     num_blocks = 1024  # 4096 tokens: 4 contiguous reservations of 1024, ~8 mean-length sequences
     paged = Scheduler(PagedKv(make_pool(num_blocks), 128, 1024), requests, config)
-    contiguous = Scheduler(ContiguousKv(num_blocks * BLOCK_SIZE * TOKEN_BYTES, TOKEN_BYTES, 1024), requests, config)
+    contiguous = Scheduler(
+        ContiguousKv(num_blocks * BLOCK_SIZE * TOKEN_BYTES, TOKEN_BYTES, 1024), requests, config
+    )
     mp, mc = paged.run().arrays(), contiguous.run().arrays()
     assert mp["running"].mean() >= 2 * mc["running"].mean()
     assert mp["tokens_stored"].sum() / mp["slots_allocated"].sum() > 0.9
@@ -200,10 +217,13 @@ def test_bad_configs_are_rejected():
     with pytest.raises(ValueError, match="unknown policy"):
         SchedulerConfig(policy="random").validate()
     with pytest.raises(ValueError, match="exceed max_model_len"):
-        Scheduler(ContiguousKv(10**6, 1, 16), [Request(0, 0.0, 10, 10)], SchedulerConfig(max_model_len=16))
+        Scheduler(
+            ContiguousKv(10**6, 1, 16), [Request(0, 0.0, 10, 10)], SchedulerConfig(max_model_len=16)
+        )
     with pytest.raises(ValueError, match="the pool has 2 blocks, fewer than the 16 one sequence"):
         PagedKv(make_pool(2), 4, MAX_MODEL_LEN).validate(
-            SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_running_seqs=4))
+            SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_running_seqs=4)
+        )
 
 
 def test_pool_size_is_checked_against_max_model_len_not_the_table_width():
@@ -215,10 +235,14 @@ def test_pool_size_is_checked_against_max_model_len_not_the_table_width():
         PagedKv(make_pool(15), 4, 2 * MAX_MODEL_LEN).validate(config)
     with pytest.raises(ValueError, match="4 rows, fewer than max_running_seqs 8"):
         PagedKv(make_pool(64), 4, MAX_MODEL_LEN).validate(
-            SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_running_seqs=8))
-    with pytest.raises(ValueError, match="blocks per row"):  # tables sized for a shorter max_model_len
+            SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_running_seqs=8)
+        )
+    with pytest.raises(
+        ValueError, match="blocks per row"
+    ):  # tables sized for a shorter max_model_len
         PagedKv(make_pool(64), 4, MAX_MODEL_LEN // 2).validate(
-            SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_running_seqs=4))
+            SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_running_seqs=4)
+        )
 
 
 def test_duplicate_request_ids_are_rejected():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvpool.scheduler import ContiguousKv, FirstFit, Request, Scheduler, SchedulerConfig, Seq
 
 

@@ -3,10 +3,9 @@ of a swapped request, the tier-full fallback, and recompute mode equal to no tie
 
 from __future__ import annotations
 
+import kvpool
 import numpy as np
 import pytest
-
-import kvpool
 from kvpool.scheduler import Request, Scheduler, SchedulerConfig
 from kvpool.scheduler.costmodel import RooflineCost
 from kvpool.scheduler.paged import PagedKv
@@ -20,13 +19,17 @@ NUM_BLOCKS = 48
 LLAMA = get_preset("llama-3-8b")
 COST = RooflineCost(LLAMA)
 BLOCK_BYTES = LLAMA.layout(BLOCK_SIZE).block_bytes
-CONFIG = SchedulerConfig(max_model_len=512, max_running_seqs=16, max_tokens_per_step=256, watermark=0.0)
+CONFIG = SchedulerConfig(
+    max_model_len=512, max_running_seqs=16, max_tokens_per_step=256, watermark=0.0
+)
 
 
 def workload(seed: int = 0, n: int = 40) -> list[Request]:
     """Everything at t=0, long outputs: 16 running sequences outgrow 48 blocks."""
     rng = np.random.default_rng(seed)
-    return [Request(i, 0.0, int(rng.integers(8, 120)), int(rng.integers(60, 300))) for i in range(n)]
+    return [
+        Request(i, 0.0, int(rng.integers(8, 120)), int(rng.integers(60, 300))) for i in range(n)
+    ]
 
 
 def build(mode: str | None, host_blocks: int = 1024, link: HostLink = HostLink()):
@@ -34,9 +37,17 @@ def build(mode: str | None, host_blocks: int = 1024, link: HostLink = HostLink()
     backend = PagedKv(pool, CONFIG.max_running_seqs, CONFIG.max_model_len)
     swapper = None
     if mode is not None:
-        swapper = HostTierSwapper(backend, host_blocks, mode=mode, link=link,
-                                  prefill_s_per_token=COST.prefill_seconds(1), block_bytes=BLOCK_BYTES)
-    sched = Scheduler(backend, workload(), CONFIG, step_cost=COST, record_events=True, swapper=swapper)
+        swapper = HostTierSwapper(
+            backend,
+            host_blocks,
+            mode=mode,
+            link=link,
+            prefill_s_per_token=COST.prefill_seconds(1),
+            block_bytes=BLOCK_BYTES,
+        )
+    sched = Scheduler(
+        backend, workload(), CONFIG, step_cost=COST, record_events=True, swapper=swapper
+    )
     return sched, backend, swapper
 
 
@@ -102,7 +113,9 @@ def test_recompute_mode_is_no_tier():
     run_checked(with_tier, backend, swapper)
     no_tier, backend0, _ = build(None)
     run_checked(no_tier, backend0, None)
-    assert swapper.counts.swapped_out == 0 and swapper.counts.recomputed == no_tier.num_preemptions > 0
+    assert (
+        swapper.counts.swapped_out == 0 and swapper.counts.recomputed == no_tier.num_preemptions > 0
+    )
     assert with_tier.recomputed_tokens == no_tier.recomputed_tokens > 0
     assert with_tier.events == no_tier.events
     assert with_tier.metrics.columns["time_s"] == no_tier.metrics.columns["time_s"]
@@ -112,17 +125,24 @@ def test_a_small_tier_falls_back_to_recompute():
     sched, backend, swapper = build("swap", host_blocks=6)
     run_checked(sched, backend, swapper)
     c = swapper.counts
-    assert c.swapped_out > 0 and c.recomputed_tier_full > 0 and c.recomputed == c.recomputed_tier_full
+    assert (
+        c.swapped_out > 0 and c.recomputed_tier_full > 0 and c.recomputed == c.recomputed_tier_full
+    )
     assert c.peak_host_blocks <= 6
     assert sched.recomputed_tokens > 0
-    assert all(choice.reason == "tier full" for _, choice in swapper.choices if choice.kind == "recompute")
+    assert all(
+        choice.reason == "tier full" for _, choice in swapper.choices if choice.kind == "recompute"
+    )
 
 
 def test_auto_follows_the_link():
     fast, backend, swapper = build("auto")
     run_checked(fast, backend, swapper)
     assert swapper.counts.swapped_out > 0
-    assert all(ch.kind == ("swap" if ch.swap_s < ch.recompute_s else "recompute") for _, ch in swapper.choices)
+    assert all(
+        ch.kind == ("swap" if ch.swap_s < ch.recompute_s else "recompute")
+        for _, ch in swapper.choices
+    )
     slow, backend, swapper = build("auto", link=HostLink(1e9, 15e-6))  # recompute always cheaper
     run_checked(slow, backend, swapper)
     assert swapper.counts.swapped_out == 0 and swapper.counts.recomputed == slow.num_preemptions > 0
@@ -133,7 +153,9 @@ def test_copy_time_is_charged_to_the_steps():
     run_checked(sched, backend, swapper)
     c = swapper.counts
     link = HostLink()
-    expected = (c.swapped_out + c.swapped_in) * link.latency_s + (c.swapped_out_bytes + c.swapped_in_bytes) / link.bytes_per_s
+    expected = (c.swapped_out + c.swapped_in) * link.latency_s + (
+        c.swapped_out_bytes + c.swapped_in_bytes
+    ) / link.bytes_per_s
     assert c.copy_s == pytest.approx(expected)
     no_tier, backend0, _ = build(None)
     run_checked(no_tier, backend0, None)
@@ -144,4 +166,6 @@ def test_a_bad_mode_allocates_nothing():
     pool = kvpool.Pool(proxy_layout(BLOCK_SIZE), NUM_BLOCKS, device="host")
     backend = PagedKv(pool, CONFIG.max_running_seqs, CONFIG.max_model_len)
     with pytest.raises(ValueError, match="preemption mode"):
-        HostTierSwapper(backend, 8, mode="always", prefill_s_per_token=1e-5, block_bytes=BLOCK_BYTES)
+        HostTierSwapper(
+            backend, 8, mode="always", prefill_s_per_token=1e-5, block_bytes=BLOCK_BYTES
+        )

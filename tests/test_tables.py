@@ -426,7 +426,9 @@ def test_fork_past_the_most_references_a_block_holds_fails_and_changes_nothing()
         tables.fork(0, child)
     assert pool.ref_cnt(block) == most_shared
     free = pool.num_free
-    with pytest.raises(InvalidBlockError, match=f"block id {block}: already has {most_shared} references"):
+    with pytest.raises(
+        InvalidBlockError, match=f"block id {block}: already has {most_shared} references"
+    ):
         tables.fork(0, most_shared)
     assert pool.ref_cnt(block) == most_shared and pool.num_free == free
     assert most_shared not in tables and len(tables.request_ids()) == most_shared
@@ -472,7 +474,13 @@ def test_unknown_request_id_everywhere(tables: BlockTables) -> None:
 
 
 def test_error_classes_share_the_base() -> None:
-    for cls in (UnknownRequestError, DuplicateRequestError, CapacityError, OutOfBlocksError, InvalidArgumentError):
+    for cls in (
+        UnknownRequestError,
+        DuplicateRequestError,
+        CapacityError,
+        OutOfBlocksError,
+        InvalidArgumentError,
+    ):
         assert issubclass(cls, KvError)
 
 
@@ -595,8 +603,14 @@ def test_max_blocks_per_seq(tables: BlockTables) -> None:
 # --- errors: out of blocks (all or nothing) ----------------------------------------------------------
 
 
-def assert_out_of_blocks(excinfo: pytest.ExceptionInfo[OutOfBlocksError], requested: int, free: int) -> None:
-    assert (excinfo.value.requested, excinfo.value.free, excinfo.value.num_blocks) == (requested, free, NUM_BLOCKS)
+def assert_out_of_blocks(
+    excinfo: pytest.ExceptionInfo[OutOfBlocksError], requested: int, free: int
+) -> None:
+    assert (excinfo.value.requested, excinfo.value.free, excinfo.value.num_blocks) == (
+        requested,
+        free,
+        NUM_BLOCKS,
+    )
 
 
 def test_add_out_of_blocks(pool: Pool) -> None:

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import pytest
 from gpu_fixtures import SPIN_SOURCE
-
 from kvpool import BlockTables, KvLayout, Pool
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +26,9 @@ MAX_SEQS = 64
 MAX_BLOCKS = 32
 SPIN_NS = 50_000_000  # 50 ms: far longer than anything the host does meanwhile
 
-KERNELS = SPIN_SOURCE + r"""
+KERNELS = (
+    SPIN_SOURCE
+    + r"""
 extern "C" __global__ void snapshot(const int* __restrict__ src, int* __restrict__ dst, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
@@ -35,6 +36,7 @@ extern "C" __global__ void snapshot(const int* __restrict__ src, int* __restrict
     }
 }
 """
+)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +94,11 @@ class Snapshots:
         n = int(np.prod(table.shape))
         with self.stream:
             self.copy((32,), (256,), (np.uint64(table.ptr), self.tables[i], np.int64(n)))
-            self.copy((1,), (64,), (np.uint64(seq_lens.ptr), self.seq_lens[i], np.int64(seq_lens.shape[0])))
+            self.copy(
+                (1,),
+                (64,),
+                (np.uint64(seq_lens.ptr), self.seq_lens[i], np.int64(seq_lens.shape[0])),
+            )
         self.shapes.append(tuple(table.shape))
 
     def get(self, i: int) -> tuple[np.ndarray, np.ndarray]:
@@ -125,7 +131,9 @@ def mutate(tables: BlockTables, rng: random.Random, steps: int, next_id: list[in
             tables.append_tokens(rid, rng.randrange(0, min(room, 2 * BS) + 1))
         else:
             batch = rng.sample(ids, rng.randrange(1, len(ids) + 1))
-            counts = [rng.randrange(0, min(MAX_BLOCKS * BS - tables.num_tokens(r), 5) + 1) for r in batch]
+            counts = [
+                rng.randrange(0, min(MAX_BLOCKS * BS - tables.num_tokens(r), 5) + 1) for r in batch
+            ]
             tables.append_tokens_many(batch, counts)
     tables.check_invariants()
     tables.pool.check_invariants(exact_refs=True)
@@ -144,7 +152,9 @@ def test_stream_and_array_interfaces(cp: Any, pool: Pool, stream: Any, tables: B
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_uploaded_table_equals_the_host_table(cp: Any, stream: Any, tables: BlockTables, seed: int) -> None:
+def test_uploaded_table_equals_the_host_table(
+    cp: Any, stream: Any, tables: BlockTables, seed: int
+) -> None:
     rng = random.Random(seed)
     next_id = [0]
     for _ in range(30):
@@ -159,7 +169,9 @@ def test_uploaded_table_equals_the_host_table(cp: Any, stream: Any, tables: Bloc
         np.testing.assert_array_equal(got_lens, expected_lens)
 
 
-def test_upload_behind_a_long_kernel_is_ordered(cp: Any, kernels: Any, stream: Any, tables: BlockTables) -> None:
+def test_upload_behind_a_long_kernel_is_ordered(
+    cp: Any, kernels: Any, stream: Any, tables: BlockTables
+) -> None:
     rng = random.Random(7)
     next_id = [0]
     mutate(tables, rng, 40, next_id)
@@ -215,7 +227,9 @@ def test_mutating_after_sync_never_corrupts_the_in_flight_copy(
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_many_syncs_in_flight(cp: Any, kernels: Any, stream: Any, tables: BlockTables, seed: int) -> None:
+def test_many_syncs_in_flight(
+    cp: Any, kernels: Any, stream: Any, tables: BlockTables, seed: int
+) -> None:
     """Dozens of mutate + sync + snapshot rounds queued behind one spin kernel: every snapshot
     equals the host state at its sync (dirty-row tracking across both staging buffers)."""
     rng = random.Random(100 + seed)

@@ -106,7 +106,9 @@ class BlockTablesMachine(RuleBasedStateMachine):
             return OutOfBlocksError
         return None
 
-    def plan_append(self, request_ids: list[int], counts: list[int]) -> tuple[type[KvError] | None, set[int]]:
+    def plan_append(
+        self, request_ids: list[int], counts: list[int]
+    ) -> tuple[type[KvError] | None, set[int]]:
         """The error a batched append must raise (or None) and the requests that must copy
         their last block: a shared, partly filled last block is copied while someone else
         still holds it, so when all its holders append in one call, the last keeps it."""
@@ -266,13 +268,18 @@ class BlockTablesMachine(RuleBasedStateMachine):
         m.rows[hole] = m.rows[-1]
         m.rows.pop()
 
-    @precondition(lambda self: len(self.model.requests) < MAX_SEQS and self.model.num_free < MAX_BLOCKS)
+    @precondition(
+        lambda self: len(self.model.requests) < MAX_SEQS and self.model.num_free < MAX_BLOCKS
+    )
     @rule()
     def add_exhausts(self) -> None:
         rid = next(r for r in range(100) if r not in self.model.requests)
         with pytest.raises(OutOfBlocksError) as excinfo:
             self.tables.add(rid, self.model.num_free * BS + 1)
-        assert (excinfo.value.requested, excinfo.value.free) == (self.model.num_free + 1, self.model.num_free)
+        assert (excinfo.value.requested, excinfo.value.free) == (
+            self.model.num_free + 1,
+            self.model.num_free,
+        )
 
     @precondition(lambda self: self.model.requests)
     @rule(data=st.data())
@@ -291,7 +298,11 @@ class BlockTablesMachine(RuleBasedStateMachine):
     def unknown_id(self, request_id: int, data: st.DataObject) -> None:
         if request_id in self.model.requests:
             return
-        op = data.draw(st.sampled_from(["num_tokens", "blocks", "append", "append_many", "fork", "free", "csr"]))
+        op = data.draw(
+            st.sampled_from(
+                ["num_tokens", "blocks", "append", "append_many", "fork", "free", "csr"]
+            )
+        )
         known = sorted(self.model.requests)
         with pytest.raises(UnknownRequestError):
             if op == "num_tokens":
@@ -328,7 +339,9 @@ class BlockTablesMachine(RuleBasedStateMachine):
         m = self.model
         held = {b for r in m.requests.values() for b in r.blocks}
         assert self.pool.num_free == NUM_BLOCKS - len(held) == m.num_free
-        assert [self.pool.ref_cnt(b) for b in range(NUM_BLOCKS)] == [m.ref_cnt[b] for b in range(NUM_BLOCKS)]
+        assert [self.pool.ref_cnt(b) for b in range(NUM_BLOCKS)] == [
+            m.ref_cnt[b] for b in range(NUM_BLOCKS)
+        ]
         refs = Counter(b for r in m.requests.values() for b in r.blocks)
         assert refs == +m.ref_cnt
 
@@ -339,7 +352,9 @@ class BlockTablesMachine(RuleBasedStateMachine):
         assert len(self.tables) == len(m.rows)
         table, seq_lens = self.tables.sync()
         assert seq_lens.tolist() == [m.requests[r].num_tokens for r in m.rows]
-        expected = [m.requests[r].blocks + [-1] * (MAX_BLOCKS - len(m.requests[r].blocks)) for r in m.rows]
+        expected = [
+            m.requests[r].blocks + [-1] * (MAX_BLOCKS - len(m.requests[r].blocks)) for r in m.rows
+        ]
         assert table.tolist() == expected
         for r in m.rows:
             assert self.tables.num_tokens(r) == m.requests[r].num_tokens
@@ -349,7 +364,9 @@ class BlockTablesMachine(RuleBasedStateMachine):
         family_of: dict[int, int] = {}
         for req in self.model.requests.values():
             for b in req.blocks:
-                assert family_of.setdefault(b, req.family) == req.family, f"block {b} shared across families"
+                assert family_of.setdefault(b, req.family) == req.family, (
+                    f"block {b} shared across families"
+                )
 
 
 test_block_tables_state = BlockTablesMachine.TestCase

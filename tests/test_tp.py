@@ -3,10 +3,9 @@ tables over N slabs, per-rank decode equal to the decode over the concatenated h
 
 from __future__ import annotations
 
+import kvpool
 import numpy as np
 import pytest
-
-import kvpool
 from kvpool import KvLayout, PoolGroup
 
 
@@ -28,7 +27,9 @@ def test_more_ranks_than_heads_replicates_each_head():
 
 @pytest.mark.parametrize("tp", [3, 6, 0])
 def test_heads_that_do_not_shard_are_refused_naming_both(tp):
-    with pytest.raises(kvpool.KvError, match="tp_size" if tp == 0 else f"num_kv_heads 4 .*tp_size {tp}"):
+    with pytest.raises(
+        kvpool.KvError, match="tp_size" if tp == 0 else f"num_kv_heads 4 .*tp_size {tp}"
+    ):
         KvLayout(2, 4, 64, 16).tp_shard(tp)
 
 
@@ -100,19 +101,31 @@ def test_tp_decode_equals_decode_over_the_concatenated_heads(tp):
             kvpool.append_kv(k, v, single, layer, slots)
             for rank, pool in enumerate(group.pools):
                 a, b = group.head_range(rank)
-                kvpool.append_kv(np.ascontiguousarray(k[:, a:b]), np.ascontiguousarray(v[:, a:b]),
-                                 pool, layer, slots)
+                kvpool.append_kv(
+                    np.ascontiguousarray(k[:, a:b]),
+                    np.ascontiguousarray(v[:, a:b]),
+                    pool,
+                    layer,
+                    slots,
+                )
     q = rng.standard_normal((len(lens), hq, 64)).astype(np.float16)
     per_rank = group.sync(tables)
     bt, sl = ref_tables.sync()
     for layer in range(full.num_layers):
         want = kvpool.paged_attention_decode(q, single, layer, bt, sl)
         q_per_rank = hq // tp
-        got = np.concatenate([
-            kvpool.paged_attention_decode(
-                np.ascontiguousarray(q[:, r * q_per_rank:(r + 1) * q_per_rank]), pool, layer,
-                *per_rank[r])
-            for r, pool in enumerate(group.pools)], axis=1)
+        got = np.concatenate(
+            [
+                kvpool.paged_attention_decode(
+                    np.ascontiguousarray(q[:, r * q_per_rank : (r + 1) * q_per_rank]),
+                    pool,
+                    layer,
+                    *per_rank[r],
+                )
+                for r, pool in enumerate(group.pools)
+            ],
+            axis=1,
+        )
         np.testing.assert_array_equal(got, want)
 
 
@@ -120,7 +133,9 @@ def test_a_mirror_sync_needs_the_same_blocks_and_a_gpu():
     layout = KvLayout(2, 4, 64, 16)
     primary = kvpool.Pool(layout, 8, device="host")
     tables = kvpool.BlockTables(primary, 2, 2)
-    with pytest.raises(kvpool.InvalidArgumentError, match="hold the tables' pool's 8 blocks, it holds 9"):
+    with pytest.raises(
+        kvpool.InvalidArgumentError, match="hold the tables' pool's 8 blocks, it holds 9"
+    ):
         tables.sync(pool=kvpool.Pool(layout, 9, device="host"))
     with pytest.raises(kvpool.InvalidArgumentError, match="CUDA device"):
         tables.sync(pool=kvpool.Pool(layout, 8, device="host"))

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import threading
 
+import kvpool
 import numpy as np
 import pytest
-
-import kvpool
 from kvpool.transfer import (
     AUTO,
     GROUPED,
@@ -30,7 +29,9 @@ def _side(layout=LAYOUT, num_blocks=64):
 
 
 def _slab(pool):
-    views = [f(layer) for layer in range(pool.layout.num_layers) for f in (pool.k_view, pool.v_view)]
+    views = [
+        f(layer) for layer in range(pool.layout.num_layers) for f in (pool.k_view, pool.v_view)
+    ]
     return views
 
 
@@ -81,8 +82,11 @@ def test_blocks_arrive_byte_exact_in_the_receivers_own_ids(mode, num_tokens):
     src_ids = src_tables.blocks(7)
     want = _blocks_bytes(src_pool, src_ids)
     a, b = fake_transport_pair()
-    send_err, recv_err, _ = _run(KvSender(src_tables, a, mode=mode, chunk_bytes=3 * LAYOUT.block_bytes),
-                                 KvReceiver(dst_tables, b), 7)
+    send_err, recv_err, _ = _run(
+        KvSender(src_tables, a, mode=mode, chunk_bytes=3 * LAYOUT.block_bytes),
+        KvReceiver(dst_tables, b),
+        7,
+    )
     assert send_err is None and recv_err is None
     dst_ids = dst_tables.blocks(7)
     assert not np.array_equal(dst_ids, src_ids[: len(dst_ids)]) or len(dst_ids) == 0
@@ -103,13 +107,24 @@ def test_pieces_batch_blocks_not_one_call_per_block():
     dst_pool, dst_tables = _side()
     _fill(src_pool, src_tables, 1, 4 * 30, np.random.default_rng(0))
     a, b = fake_transport_pair()
-    _run(KvSender(src_tables, a, mode=STAGED, chunk_bytes=16 * LAYOUT.block_bytes),
-         KvReceiver(dst_tables, b), 1)
+    _run(
+        KvSender(src_tables, a, mode=STAGED, chunk_bytes=16 * LAYOUT.block_bytes),
+        KvReceiver(dst_tables, b),
+        1,
+    )
     assert a.num_data_calls == 2 and b.num_data_calls == 2  # 30 blocks in two staged chunks
 
 
-@pytest.mark.parametrize("field,value", [("head_dim", 128), ("block_size", 8), ("num_kv_heads", 4),
-                                         ("dtype", "bfloat16"), ("num_layers", 3)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("head_dim", 128),
+        ("block_size", 8),
+        ("num_kv_heads", 4),
+        ("dtype", "bfloat16"),
+        ("num_layers", 3),
+    ],
+)
 def test_a_layout_mismatch_is_refused_before_anything_moves(field, value):
     args = dict(num_layers=2, num_kv_heads=2, head_dim=64, block_size=4, dtype="float16")
     args[field] = value
@@ -166,8 +181,11 @@ def test_a_sender_dying_mid_transfer_leaves_both_pools_consistent(mode, fail_aft
     assert len(plan_pieces(GROUPED, ids, ids, 1)) > 2
     before = src_pool.num_used
     a, b = fake_transport_pair(fail_after_sends=fail_after)
-    send_err, recv_err, _ = _run(KvSender(src_tables, a, mode=mode, chunk_bytes=2 * LAYOUT.block_bytes),
-                                 KvReceiver(dst_tables, b), 4)
+    send_err, recv_err, _ = _run(
+        KvSender(src_tables, a, mode=mode, chunk_bytes=2 * LAYOUT.block_bytes),
+        KvReceiver(dst_tables, b),
+        4,
+    )
     assert isinstance(send_err, TransferError) and isinstance(recv_err, TransferError)
     assert 4 in src_tables and src_pool.num_used == before  # the sender still owns them
     assert 4 not in dst_tables and dst_pool.num_used == 2  # the receiver freed what it took

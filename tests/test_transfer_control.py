@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from kvpool.transfer import PeerGone
 from kvpool.transfer.nccl import NcclTransport, _listen_address, rendezvous_control
 

@@ -9,9 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_common import decision_margins, kvpool_logits, llama, reference_logits, ulp  # noqa: E402
-
 import kvpool  # noqa: E402
+from hf_common import decision_margins, kvpool_logits, llama, reference_logits, ulp  # noqa: E402
 from kvpool.generation import GenerationRequest, generate, gumbel_noise  # noqa: E402
 from kvpool.integrations.transformers import (  # noqa: E402
     TransformersRunner,
@@ -21,8 +20,9 @@ from kvpool.integrations.transformers import (  # noqa: E402
 )
 
 # transformers' own deprecation notices are not ours to fail on
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning",
-                                        "ignore::UserWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning"
+)
 
 
 @pytest.mark.parametrize("prefill", ["kernel", "sdpa"])
@@ -57,9 +57,10 @@ def test_greedy_generation_matches_transformers_generate():
     model.set_attn_implementation("sdpa")
     for i, p in enumerate(prompts):
         ids = torch.tensor([p])  # an explicit mask: token 0 in a prompt is not padding
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
-                             do_sample=False)
-        assert res.outputs[i] == ref[0, len(p):].tolist()
+        ref = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False
+        )
+        assert res.outputs[i] == ref[0, len(p) :].tolist()
     assert pool.num_free == pool.num_blocks
 
 
@@ -70,8 +71,12 @@ def test_generated_tokens_are_the_samplers_decisions_on_the_reference_logits(tem
     within a few float32 ulps); and the check fails on a replaced token."""
     model = llama(torch.float32, "cpu", seed=2, lm_head_spread=1.0)
     rng = np.random.default_rng(5)
-    reqs = [GenerationRequest(i, rng.integers(0, 101, n).tolist(), 10, temperature=temperature,
-                              seed=40 + i) for i, n in enumerate((2, 9, 17))]
+    reqs = [
+        GenerationRequest(
+            i, rng.integers(0, 101, n).tolist(), 10, temperature=temperature, seed=40 + i
+        )
+        for i, n in enumerate((2, 9, 17))
+    ]
     pool = kvpool.Pool(layout_for(model, 4), 8, device="host")  # too small for all three
     res = generate(TransformersRunner(model, pool), pool, reqs, max_running_seqs=3)
     assert res.num_preemptions > 0
@@ -112,9 +117,14 @@ def test_packed_layout_round_trips_int32_and_int64_arrays():
     from kvpool.integrations.packed_upload import PackedLayout
 
     rng = np.random.default_rng(0)
-    arrays = [rng.integers(-2**40, 2**40, 5), rng.integers(-9, 9, (3, 7)).astype(np.int32),
-              rng.integers(0, 2**40, 3), np.zeros((0, 4), np.int32), np.zeros(0, np.int64),
-              rng.integers(-9, 9, 1).astype(np.int32)]
+    arrays = [
+        rng.integers(-(2**40), 2**40, 5),
+        rng.integers(-9, 9, (3, 7)).astype(np.int32),
+        rng.integers(0, 2**40, 3),
+        np.zeros((0, 4), np.int32),
+        np.zeros(0, np.int64),
+        rng.integers(-9, 9, 1).astype(np.int32),
+    ]
     layout = PackedLayout.of([a.shape for a in arrays], [a.dtype for a in arrays])
     assert all(off % 4 == 0 for off in layout.offsets)
     buf = np.zeros(layout.total, np.int32)

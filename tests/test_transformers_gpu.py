@@ -14,10 +14,13 @@ import os
 import numpy as np
 import pytest
 
-pytestmark = [pytest.mark.gpu,
-              # transformers' own deprecation notices are not ours to fail on
-              pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning",
-                                         "ignore::UserWarning")]
+pytestmark = [
+    pytest.mark.gpu,
+    # transformers' own deprecation notices are not ours to fail on
+    pytest.mark.filterwarnings(
+        "ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning"
+    ),
+]
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -25,6 +28,7 @@ pytest.importorskip("cupy")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
+import kvpool  # noqa: E402
 from hf_common import (  # noqa: E402
     decision_margins,
     kvpool_logits,
@@ -32,8 +36,6 @@ from hf_common import (  # noqa: E402
     reference_logits,
     ulp,
 )
-
-import kvpool  # noqa: E402
 from kvpool.generation import GenerationRequest, generate  # noqa: E402
 from kvpool.integrations.transformers import (  # noqa: E402
     TORCH_DTYPES,
@@ -43,8 +45,9 @@ from kvpool.integrations.transformers import (  # noqa: E402
 )
 
 REPORT: dict[str, object] = {}
-LLAMA_1B = dict(layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, inter=8192,
-                vocab=128256)  # Llama-3.2-1B's shape
+LLAMA_1B = dict(
+    layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, inter=8192, vocab=128256
+)  # Llama-3.2-1B's shape
 MQA_128 = dict(layers=4, hidden=1024, heads=8, kv_heads=1, head_dim=128, inter=2048, vocab=32000)
 SMALL = dict(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512, vocab=1000)
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,8 +83,9 @@ class RecordingRunner:
 
         logits = self.inner.decode_logits(batch)
         n = batch.num_decode
-        for row, (rid, pos) in enumerate(zip(batch.decode_request_ids.tolist(),
-                                             batch.positions[:n].tolist())):
+        for row, (rid, pos) in enumerate(
+            zip(batch.decode_request_ids.tolist(), batch.positions[:n].tolist())
+        ):
             self.rows[(rid, pos)] = logits[row].clone()
         return sample(logits, batch.temperatures, batch.seeds, batch.positions[:n]).cpu().numpy()
 
@@ -102,14 +106,19 @@ def decision_check(model32, norms, w, prefix, a, b, ours, ref):
     gap = (x[b] - x[a]).item()
     rounding = ulp(torch.bfloat16, max(abs(x[a].item()), abs(x[b].item())))  # bf16 logits
     top2 = x.topk(2).values
-    return {"exact_gap": gap, "gap_sigmas": max(0.0, abs(gap) - rounding)
-            / (max(sig_o, sig_r) * spread + 1e-30),
-            "exact_top2_gap": (top2[0] - top2[1]).item(), "ours_gap": (ours[b] - ours[a]).item(),
-            "ref_gap": (ref[b] - ref[a]).item(), "hidden_err_ours": sig_o, "hidden_err_ref": sig_r,
-            "max_abs_err_ours": (ours - x).abs().max().item(),
-            "max_abs_err_ref": (ref - x).abs().max().item(),
-            "max_abs_ours_vs_ref": (ours - ref).abs().max().item(),
-            "max_abs_logit": x.abs().max().item()}
+    return {
+        "exact_gap": gap,
+        "gap_sigmas": max(0.0, abs(gap) - rounding) / (max(sig_o, sig_r) * spread + 1e-30),
+        "exact_top2_gap": (top2[0] - top2[1]).item(),
+        "ours_gap": (ours[b] - ours[a]).item(),
+        "ref_gap": (ref[b] - ref[a]).item(),
+        "hidden_err_ours": sig_o,
+        "hidden_err_ref": sig_r,
+        "max_abs_err_ours": (ours - x).abs().max().item(),
+        "max_abs_err_ref": (ref - x).abs().max().item(),
+        "max_abs_ours_vs_ref": (ours - ref).abs().max().item(),
+        "max_abs_logit": x.abs().max().item(),
+    }
 
 
 def test_greedy_64_tokens_agree_or_diverge_at_a_near_tie():
@@ -152,17 +161,24 @@ def test_greedy_64_tokens_agree_or_diverge_at_a_near_tie():
         j = next((k for k in range(64) if ref[k] != ours[i][k]), 63)
         a, b = ours[i][j], ref[j]
         o = runner.rows[(i, len(p) + j - 1)]
-        case = {"request": i, "step": j, "ours": a, "ref": b,
-                **decision_check(model32, norms, w, p + ref[:j], a, b, o, ref_logits[j])}
+        case = {
+            "request": i,
+            "step": j,
+            "ours": a,
+            "ref": b,
+            **decision_check(model32, norms, w, p + ref[:j], a, b, o, ref_logits[j]),
+        }
         (cases if diverged else agreeing).append(case)
         if i == 0:  # the mutation: the row of the step before as if it decided step j
             wrong = runner.rows[(i, len(p) + j + (-2 if j else 0))]
             bad = decision_check(model32, norms, w, p + ref[:j], a, b, wrong, ref_logits[j])
     REPORT["greedy_64"] = {
-        "identical_fraction": same / len(prompts), "divergences": cases,
-        "agreeing_last_step": agreeing, "mutation_hidden_err_ratio":
-            bad["hidden_err_ours"] / bad["hidden_err_ref"],
-        "bounds": {"gap_sigmas": GAP_SIGMAS, "error_ratio": ERROR_RATIO}}
+        "identical_fraction": same / len(prompts),
+        "divergences": cases,
+        "agreeing_last_step": agreeing,
+        "mutation_hidden_err_ratio": bad["hidden_err_ours"] / bad["hidden_err_ref"],
+        "bounds": {"gap_sigmas": GAP_SIGMAS, "error_ratio": ERROR_RATIO},
+    }
     assert bad["hidden_err_ours"] > ERROR_RATIO * bad["hidden_err_ref"], bad
     for c in cases + agreeing:
         assert c["hidden_err_ours"] <= ERROR_RATIO * c["hidden_err_ref"], c
@@ -175,9 +191,15 @@ def model_generate(model, prompt, n):
     model.set_attn_implementation("sdpa")
     with torch.inference_mode():
         ids = torch.tensor([prompt], device="cuda")  # explicit mask: token 0 is not padding
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), [x[0].float() for x in out.logits]
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), [x[0].float() for x in out.logits]
 
 
 CHOICE_ULPS = 8  # bf16 ulps of max|logit|: the 2-layer model's hidden error is a few ulps
@@ -203,9 +225,16 @@ def test_200_requests_through_a_small_pool_complete_without_leaks():
     alone must give the same tokens, or differ first at a near-tie of the reference."""
     model = llama(torch.bfloat16, "cuda", **SMALL, lm_head_spread=2.0)
     rng = np.random.default_rng(3)
-    reqs = [GenerationRequest(i, rng.integers(0, 1000, int(rng.integers(1, 300))).tolist(),
-                              int(rng.integers(1, 200)), temperature=float(i % 2), seed=i)
-            for i in range(200)]
+    reqs = [
+        GenerationRequest(
+            i,
+            rng.integers(0, 1000, int(rng.integers(1, 300))).tolist(),
+            int(rng.integers(1, 200)),
+            temperature=float(i % 2),
+            seed=i,
+        )
+        for i in range(200)
+    ]
     pool = kvpool.Pool(layout_for(model), 256, device="cuda")  # 4096 token slots
     runner = TransformersRunner(model, pool)
     res = generate(runner, pool, reqs, max_running_seqs=64)
@@ -232,13 +261,23 @@ def test_200_requests_through_a_small_pool_complete_without_leaks():
         j = next(k for k in range(len(alone)) if alone[k] != res.outputs[i][k])
         r = reference_logits(model, list(reqs[i].prompt) + alone[:j], [])[-1]
         a, b = alone[j], res.outputs[i][j]
-        flips.append({"request": i, "step": j, "gap_ulps": abs((r[a] - r[b]).item())
-                      / ulp(torch.bfloat16, r.abs().max().item())})
-    REPORT["loop_200"] = {"steps": res.num_steps, "peak_running": res.peak_running,
-                          "preemptions": res.num_preemptions,
-                          "tokens_checked": sum(len(res.outputs[i]) for i in checked),
-                          "worst_choice_error_ulps": worst, "off_argmax_choices": off_argmax,
-                          "alone_identical": f"{alone_same}/10", "alone_flips": flips}
+        flips.append(
+            {
+                "request": i,
+                "step": j,
+                "gap_ulps": abs((r[a] - r[b]).item()) / ulp(torch.bfloat16, r.abs().max().item()),
+            }
+        )
+    REPORT["loop_200"] = {
+        "steps": res.num_steps,
+        "peak_running": res.peak_running,
+        "preemptions": res.num_preemptions,
+        "tokens_checked": sum(len(res.outputs[i]) for i in checked),
+        "worst_choice_error_ulps": worst,
+        "off_argmax_choices": off_argmax,
+        "alone_identical": f"{alone_same}/10",
+        "alone_flips": flips,
+    }
     assert pool.num_free == pool.num_blocks
     assert all(f["gap_ulps"] <= CHOICE_ULPS for f in flips), flips
 
@@ -258,8 +297,9 @@ def test_cuda_graph_replay_equals_the_same_step_run_eagerly_bit_for_bit():
     tables = kvpool.BlockTables(pool, 8, 80)
     for i, p in enumerate(prompts):
         tables.add(i, len(p))
-    first = runner.logits(build_step(tables, [], [(i, p, 0) for i, p in enumerate(prompts)],
-                                     [], []))
+    first = runner.logits(
+        build_step(tables, [], [(i, p, 0) for i, p in enumerate(prompts)], [], [])
+    )
     ends = np.cumsum([len(p) for p in prompts]) - 1
     tokens = first[torch.from_numpy(ends).cuda()].argmax(1).tolist()
     ids = np.arange(len(prompts), dtype=np.int64)
@@ -278,8 +318,12 @@ def test_cuda_graph_replay_equals_the_same_step_run_eagerly_bit_for_bit():
     changed = [(i, (tokens[i] + 1) % MQA_128["vocab"], len(p) + 3) for i, p in enumerate(prompts)]
     other = runner.graphs.logits(build_step(tables, changed, [], [0.0] * 5, [0] * 5)).clone()
     assert not torch.equal(other, graph)  # the comparison sees the inputs
-    REPORT["cuda_graph_bitwise"] = {"steps": 4, "bucket": 8, "rows": 5,
-                                    "graph_vs_unpadded_eager_max_abs": worst_unpadded}
+    REPORT["cuda_graph_bitwise"] = {
+        "steps": 4,
+        "bucket": 8,
+        "rows": 5,
+        "graph_vs_unpadded_eager_max_abs": worst_unpadded,
+    }
     for i in range(len(prompts)):
         tables.free(i)
     assert pool.num_free == pool.num_blocks
@@ -292,9 +336,16 @@ def test_generate_with_cuda_graphs_makes_the_samplers_decisions():
     runner's (the identical fraction is reported)."""
     model = llama(torch.bfloat16, "cuda", **SMALL, lm_head_spread=2.0)
     rng = np.random.default_rng(9)
-    reqs = [GenerationRequest(i, rng.integers(0, 1000, int(rng.integers(1, 200))).tolist(),
-                              int(rng.integers(1, 120)), temperature=float(i % 2), seed=i)
-            for i in range(60)]
+    reqs = [
+        GenerationRequest(
+            i,
+            rng.integers(0, 1000, int(rng.integers(1, 200))).tolist(),
+            int(rng.integers(1, 120)),
+            temperature=float(i % 2),
+            seed=i,
+        )
+        for i in range(60)
+    ]
     pool = kvpool.Pool(layout_for(model), 160, device="cuda")
     graphed = TransformersRunner(model, pool, cuda_graphs=True)
     res = generate(graphed, pool, reqs, max_running_seqs=48)
@@ -305,16 +356,24 @@ def test_generate_with_cuda_graphs_makes_the_samplers_decisions():
         assert err.max() <= CHOICE_ULPS, (i, int(err.argmax()), float(err.max()))
     eager = generate(TransformersRunner(model, pool), pool, reqs, max_running_seqs=48).outputs
     REPORT["generate_cuda_graphs"] = {
-        "buckets": sorted(graphed.graphs.captured), "preemptions": res.num_preemptions,
-        "identical_to_eager": sum(eager[r.request_id] == res.outputs[r.request_id]
-                                  for r in reqs) / len(reqs)}
+        "buckets": sorted(graphed.graphs.captured),
+        "preemptions": res.num_preemptions,
+        "identical_to_eager": sum(eager[r.request_id] == res.outputs[r.request_id] for r in reqs)
+        / len(reqs),
+    }
 
 
-@pytest.mark.parametrize(("shape", "dtype", "prefill"), [
-    ("llama_1b", "bfloat16", "kernel"), ("llama_1b", "float16", "kernel"),
-    ("mqa_128", "bfloat16", "kernel"), ("mqa_128", "float16", "kernel"),
-    ("llama_1b", "bfloat16", "sdpa"), ("mqa_128", "float16", "sdpa"),  # the cross-check path
-])
+@pytest.mark.parametrize(
+    ("shape", "dtype", "prefill"),
+    [
+        ("llama_1b", "bfloat16", "kernel"),
+        ("llama_1b", "float16", "kernel"),
+        ("mqa_128", "bfloat16", "kernel"),
+        ("mqa_128", "float16", "kernel"),
+        ("llama_1b", "bfloat16", "sdpa"),
+        ("mqa_128", "float16", "sdpa"),  # the cross-check path
+    ],
+)
 def test_teacher_forced_logits_match_dynamic_cache(shape, dtype, prefill):
     """Per-token logits of the kvpool path against SDPA + DynamicCache on the same tokens.
     Bound: twice the dtype's own noise (the same reference in float32 against the reference
@@ -331,8 +390,11 @@ def test_teacher_forced_logits_match_dynamic_cache(shape, dtype, prefill):
     err = max((o - r).abs().max().item() for o, r in zip(ours, refs))
     noise = max((r - r32).abs().max().item() for r, r32 in zip(refs, refs32))
     bound = 2 * noise + 1e-3
-    REPORT[f"teacher_forced_{shape}_{dtype}_{prefill}"] = {"max_abs_err": err, "dtype_noise": noise,
-                                                 "bound": bound}
+    REPORT[f"teacher_forced_{shape}_{dtype}_{prefill}"] = {
+        "max_abs_err": err,
+        "dtype_noise": noise,
+        "bound": bound,
+    }
     assert err <= bound, (err, noise)
 
 
@@ -349,18 +411,23 @@ def test_torch_from_dlpack_shares_memory_with_the_pool(dtype):
             assert pool_layer(pool, layer, part).data_ptr() == t.data_ptr()
             assert t.shape == (8, 16, 2, 64)
             assert t.data_ptr() == view.__cuda_array_interface__["data"][0]
-            assert t.stride() == tuple(s // t.element_size()
-                                       for s in view.__cuda_array_interface__["strides"])
-            bits = {1: (torch.uint8, cp.uint8), 2: (torch.int16, cp.uint16),
-                    4: (torch.int32, cp.uint32)}[t.element_size()]
+            assert t.stride() == tuple(
+                s // t.element_size() for s in view.__cuda_array_interface__["strides"]
+            )
+            bits = {
+                1: (torch.uint8, cp.uint8),
+                2: (torch.int16, cp.uint16),
+                4: (torch.int32, cp.uint32),
+            }[t.element_size()]
             t.view(bits[0])[3, 5, 1, 7] = 0x38  # through torch ...
             torch.cuda.synchronize()
             assert int(cp.asarray(view).view(bits[1])[3, 5, 1, 7]) == 0x38  # ... seen by the pool
             t.view(bits[0]).zero_()
 
 
-@pytest.mark.parametrize(("shape", "dtype"), [("llama_1b", "bfloat16"), ("mqa_128", "float16"),
-                                              ("mqa_128", "bfloat16")])
+@pytest.mark.parametrize(
+    ("shape", "dtype"), [("llama_1b", "bfloat16"), ("mqa_128", "float16"), ("mqa_128", "bfloat16")]
+)
 def test_kvpool_cache_generate_logits_match_dynamic_cache(shape, dtype):
     """model.generate with a KvpoolCache on a left-padded batch of 6 ragged prompts, forced
     to follow the default cache's tokens (the reference's greedy tokens are fed back through a
@@ -382,8 +449,11 @@ def test_kvpool_cache_generate_logits_match_dynamic_cache(shape, dtype):
     err = max((a - b).abs().max().item() for a, b in zip(logits, ref_logits))
     noise = max((a - b).abs().max().item() for a, b in zip(ref_logits, logits32))
     bound = 2 * noise + 1e-3
-    REPORT[f"cache_teacher_forced_{shape}_{dtype}"] = {"max_abs_err": err, "dtype_noise": noise,
-                                                       "bound": bound}
+    REPORT[f"cache_teacher_forced_{shape}_{dtype}"] = {
+        "max_abs_err": err,
+        "dtype_noise": noise,
+        "bound": bound,
+    }
     assert err <= bound, (err, noise)
 
 
@@ -431,11 +501,30 @@ def test_kvpool_cache_greedy_equals_dynamic_cache_up_to_near_ties():
             continue
         j = next(k for k in range(min(len(ours[i]), len(ref[i]))) if ours[i][k] != ref[i][k])
         a, b = ours[i][j], ref[i][j]
-        cases.append({"row": i, "step": j, "ours": a, "ref": b, **decision_check(
-            model32, norms, w, p + ref[i][:j], a, b, logits[j][i].float(),
-            ref_logits[j][i].float())})
-    REPORT["cache_greedy_32"] = {"identical_fraction": same / len(prompts), "eos": eos,
-                                 "released_rows": sorted(released), "divergences": cases}
+        cases.append(
+            {
+                "row": i,
+                "step": j,
+                "ours": a,
+                "ref": b,
+                **decision_check(
+                    model32,
+                    norms,
+                    w,
+                    p + ref[i][:j],
+                    a,
+                    b,
+                    logits[j][i].float(),
+                    ref_logits[j][i].float(),
+                ),
+            }
+        )
+    REPORT["cache_greedy_32"] = {
+        "identical_fraction": same / len(prompts),
+        "eos": eos,
+        "released_rows": sorted(released),
+        "divergences": cases,
+    }
     for c in cases:
         assert c["hidden_err_ours"] <= ERROR_RATIO * c["hidden_err_ref"], c
         assert c["gap_sigmas"] <= GAP_SIGMAS, c

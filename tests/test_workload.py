@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
-
-from kvpool.scheduler import TraceError, generate, get_preset, load_trace, num_blocks_for, parse_bytes
+from kvpool.scheduler import (
+    TraceError,
+    generate,
+    get_preset,
+    load_trace,
+    num_blocks_for,
+    parse_bytes,
+)
 from kvpool.scheduler.workload import arrival_times
 
 
 def test_generate_is_seeded():
-    assert generate("sharegpt", 200, seed=3, rate=5.0) == generate("sharegpt", 200, seed=3, rate=5.0)
+    assert generate("sharegpt", 200, seed=3, rate=5.0) == generate(
+        "sharegpt", 200, seed=3, rate=5.0
+    )
     assert generate("sharegpt", 200, seed=3) != generate("sharegpt", 200, seed=4)
 
 
@@ -52,11 +59,15 @@ def test_arrivals():
 
 def test_load_jsonl_and_csv(tmp_path):
     jsonl = tmp_path / "t.jsonl"
-    jsonl.write_text('{"arrival_s": 1.5, "prompt_tokens": 10, "output_tokens": 5}\n\n'
-                     '{"arrival_time": 0.5, "input_len": 7, "output_len": 3, "priority": 2}\n')
+    jsonl.write_text(
+        '{"arrival_s": 1.5, "prompt_tokens": 10, "output_tokens": 5}\n\n'
+        '{"arrival_time": 0.5, "input_len": 7, "output_len": 3, "priority": 2}\n'
+    )
     reqs = load_trace(jsonl)
     assert [(r.arrival_s, r.prompt_tokens, r.output_tokens, r.priority) for r in reqs] == [
-        (0.5, 7, 3, 2), (1.5, 10, 5, 0)]
+        (0.5, 7, 3, 2),
+        (1.5, 10, 5, 0),
+    ]
     csv_path = tmp_path / "t.csv"
     csv_path.write_text("arrival_s,prompt_tokens,output_tokens\n0,4,4\n2,8,1\n")
     assert [r.prompt_tokens for r in load_trace(csv_path)] == [4, 8]
@@ -65,19 +76,55 @@ def test_load_jsonl_and_csv(tmp_path):
 @pytest.mark.parametrize(
     ("name", "text", "message"),
     [
-        ("bad.jsonl", '{"arrival_s": 0, "prompt_tokens": 1, "output_tokens": 1}\n{oops\n', ":2: not valid JSON"),
-        ("neg.jsonl", '{"arrival_s": 0, "prompt_tokens": -3, "output_tokens": 1}\n', ":1: prompt_tokens must be"),
-        ("miss.jsonl", '\n{"arrival_s": 0, "prompt_tokens": 3}\n', ":2: missing field 'output_tokens'"),
-        ("frac.csv", "arrival_s,prompt_tokens,output_tokens\n0,1,1\n0,2.5,1\n", ":3: prompt_tokens must be an integer"),
-        ("word.csv", "arrival_s,prompt_tokens,output_tokens\nsoon,1,1\n", ":2: arrival_s must be a number"),
-        ("long.csv", "arrival_s,prompt_tokens,output_tokens\n0,60,10\n", ":2: prompt_tokens + output_tokens = 70"),
+        (
+            "bad.jsonl",
+            '{"arrival_s": 0, "prompt_tokens": 1, "output_tokens": 1}\n{oops\n',
+            ":2: not valid JSON",
+        ),
+        (
+            "neg.jsonl",
+            '{"arrival_s": 0, "prompt_tokens": -3, "output_tokens": 1}\n',
+            ":1: prompt_tokens must be",
+        ),
+        (
+            "miss.jsonl",
+            '\n{"arrival_s": 0, "prompt_tokens": 3}\n',
+            ":2: missing field 'output_tokens'",
+        ),
+        (
+            "frac.csv",
+            "arrival_s,prompt_tokens,output_tokens\n0,1,1\n0,2.5,1\n",
+            ":3: prompt_tokens must be an integer",
+        ),
+        (
+            "word.csv",
+            "arrival_s,prompt_tokens,output_tokens\nsoon,1,1\n",
+            ":2: arrival_s must be a number",
+        ),
+        (
+            "long.csv",
+            "arrival_s,prompt_tokens,output_tokens\n0,60,10\n",
+            ":2: prompt_tokens + output_tokens = 70",
+        ),
         ("empty.jsonl", "\n", "no requests"),
-        ("huge.jsonl", '{"arrival_s": 0, "prompt_tokens": 1%s, "output_tokens": 1}\n' % ("0" * 400),
-         ":1: prompt_tokens is out of range"),
-        ("bool.jsonl", ('{"arrival_s": 0, "prompt_tokens": 1, "output_tokens": 1}\n'
-                        '{"arrival_s": 0, "prompt_tokens": true, "output_tokens": 1}\n'), ":2: prompt_tokens must be a number"),
-        ("boolarr.jsonl", '{"arrival_s": false, "prompt_tokens": 1, "output_tokens": 1}\n',
-         ":1: arrival_s must be a number"),
+        (
+            "huge.jsonl",
+            '{"arrival_s": 0, "prompt_tokens": 1%s, "output_tokens": 1}\n' % ("0" * 400),
+            ":1: prompt_tokens is out of range",
+        ),
+        (
+            "bool.jsonl",
+            (
+                '{"arrival_s": 0, "prompt_tokens": 1, "output_tokens": 1}\n'
+                '{"arrival_s": 0, "prompt_tokens": true, "output_tokens": 1}\n'
+            ),
+            ":2: prompt_tokens must be a number",
+        ),
+        (
+            "boolarr.jsonl",
+            '{"arrival_s": false, "prompt_tokens": 1, "output_tokens": 1}\n',
+            ":1: arrival_s must be a number",
+        ),
     ],
 )
 def test_bad_trace_names_the_line(tmp_path, name, text, message):
@@ -96,7 +143,9 @@ def test_presets_and_memory():
     assert parse_bytes("1.5 GB") == 1_500_000_000
     assert parse_bytes("2e9") == 2_000_000_000
     assert num_blocks_for(parse_bytes("16GiB"), p.layout(16)) == 8192
-    assert parse_bytes("16G") == 16 * 10**9 and parse_bytes("16gib") == 16 * 2**30  # decimal vs binary
+    assert (
+        parse_bytes("16G") == 16 * 10**9 and parse_bytes("16gib") == 16 * 2**30
+    )  # decimal vs binary
     assert parse_bytes(4096) == 4096
     for bad in ("", "12 parsecs", "-1GiB", "0", "0GiB", 0, -5, True):
         with pytest.raises(ValueError):

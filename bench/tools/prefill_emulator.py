@@ -15,7 +15,7 @@ def ldsm(smem, addrs, trans):
     """ldmatrix .x4: addrs = byte address per lane (lane 8i+r: row r of matrix i) -> [4][32][2]."""
     out = np.zeros((4, 32, 2))
     for i in range(4):
-        mat = np.stack([smem[addrs[8 * i + r] // 2: addrs[8 * i + r] // 2 + 8] for r in range(8)])
+        mat = np.stack([smem[addrs[8 * i + r] // 2 : addrs[8 * i + r] // 2 + 8] for r in range(8)])
         if not trans:
             out[i, :, 0] = mat[GID, 2 * TIG]
             out[i, :, 1] = mat[GID, 2 * TIG + 1]
@@ -46,15 +46,35 @@ def h16(x):
     return np.asarray(x, np.float32).astype(np.float16).astype(np.float64)
 
 
-def cta(D, BS, BN, NW, q, Kc, Vc, table, seq_len, qo_begin, qo_len, qt0, kvh, qh0, gh,
-        q_tile_tokens, causal, split, num_splits, scale_log2):
+def cta(
+    D,
+    BS,
+    BN,
+    NW,
+    q,
+    Kc,
+    Vc,
+    table,
+    seq_len,
+    qo_begin,
+    qo_len,
+    qt0,
+    kvh,
+    qh0,
+    gh,
+    q_tile_tokens,
+    causal,
+    split,
+    num_splits,
+    scale_log2,
+):
     """One CTA; returns {(token, head): (o row normalised, lse2)} for its valid rows."""
     ROWB = 2 * D
     CH = D // 8
     nthreads = 32 * NW
     rpi = nthreads // CH
     mrows = 16 * NW
-    swz = lambda row, chunk: row * ROWB + ((chunk ^ (row & 7)) << 4)  # noqa: E731
+    swz = lambda row, chunk: row * ROWB + ((chunk ^ (row & 7)) << 4)
     prefix = max(seq_len - qo_len, 0)
     q_tokens = min(q_tile_tokens, qo_len - qt0)
     kv_total = min(seq_len, prefix + qt0 + q_tokens) if causal else seq_len
@@ -72,7 +92,9 @@ def cta(D, BS, BN, NW, q, Kc, Vc, table, seq_len, qo_begin, qo_len, qt0, kvh, qh
             t = row // gh
             ok = row < q_tile_tokens * gh and t < q_tokens
             dst = swz(row, chunk) // 2
-            sq[dst:dst + 8] = q[qo_begin + qt0 + t, qh0 + row % gh, chunk * 8:chunk * 8 + 8] if ok else 0
+            sq[dst : dst + 8] = (
+                q[qo_begin + qt0 + t, qh0 + row % gh, chunk * 8 : chunk * 8 + 8] if ok else 0
+            )
     res = {}
     for warp in range(NW):
         q_row = warp * 16 + MR + ((MI & 1) << 3)
@@ -100,8 +122,12 @@ def cta(D, BS, BN, NW, q, Kc, Vc, table, seq_len, qo_begin, qo_len, qt0, kvh, qh
                     t = t0 + row
                     dst = swz(row, chunk) // 2
                     if t < kv_end and 0 <= table[t // BS] < Kc.shape[0]:
-                        sk[dst:dst + 8] = Kc[table[t // BS], t % BS, kvh, chunk * 8:chunk * 8 + 8]
-                        sv[dst:dst + 8] = Vc[table[t // BS], t % BS, kvh, chunk * 8:chunk * 8 + 8]
+                        sk[dst : dst + 8] = Kc[
+                            table[t // BS], t % BS, kvh, chunk * 8 : chunk * 8 + 8
+                        ]
+                        sv[dst : dst + 8] = Vc[
+                            table[t // BS], t % BS, kvh, chunk * 8 : chunk * 8 + 8
+                        ]
             s = np.zeros((BN // 8, 32, 4))
             for kk in range(D // 16):
                 for np_ in range(BN // 16):
@@ -110,8 +136,13 @@ def cta(D, BS, BN, NW, q, Kc, Vc, table, seq_len, qo_begin, qo_len, qt0, kvh, qh
                     mma(s[2 * np_ + 1], qa[kk], kb[2:4])
             masked = t0 + BN > kv_nomask
             for h in range(2):
-                x = s[:, :, 2 * h:2 * h + 2] * scale_log2  # [nt][lane][e]
-                key = t0 + np.arange(BN // 8)[:, None, None] * 8 + 2 * TIG[None, :, None] + np.arange(2)
+                x = s[:, :, 2 * h : 2 * h + 2] * scale_log2  # [nt][lane][e]
+                key = (
+                    t0
+                    + np.arange(BN // 8)[:, None, None] * 8
+                    + 2 * TIG[None, :, None]
+                    + np.arange(2)
+                )
                 if masked:
                     x = np.where(key >= lim[h][None, :, None], -np.inf, x)
                 mx = np.maximum(m[h], x.max(axis=(0, 2)))
@@ -121,12 +152,18 @@ def cta(D, BS, BN, NW, q, Kc, Vc, table, seq_len, qo_begin, qo_len, qt0, kvh, qh
                 alpha = np.exp2(m[h] - base)
                 m[h] = mx
                 p = np.exp2(x - base[None, :, None])
-                s[:, :, 2 * h:2 * h + 2] = p
+                s[:, :, 2 * h : 2 * h + 2] = p
                 l[h] = l[h] * alpha + p.sum(axis=(0, 2))
-                o[:, :, 2 * h:2 * h + 2] *= alpha[None, :, None]
+                o[:, :, 2 * h : 2 * h + 2] *= alpha[None, :, None]
             for kt in range(BN // 16):
-                a = np.stack([h16(s[2 * kt][:, 0:2]), h16(s[2 * kt][:, 2:4]),
-                              h16(s[2 * kt + 1][:, 0:2]), h16(s[2 * kt + 1][:, 2:4])])
+                a = np.stack(
+                    [
+                        h16(s[2 * kt][:, 0:2]),
+                        h16(s[2 * kt][:, 2:4]),
+                        h16(s[2 * kt + 1][:, 0:2]),
+                        h16(s[2 * kt + 1][:, 2:4]),
+                    ]
+                )
                 for dp in range(D // 16):
                     vb = ldsm(sv, swz(kt * 16 + v_row, 2 * dp + v_cadd), True)
                     mma(o[2 * dp], a, vb[0:2])
@@ -143,7 +180,9 @@ def cta(D, BS, BN, NW, q, Kc, Vc, table, seq_len, qo_begin, qo_len, qt0, kvh, qh
                 inv = 1 / lsum[lane] if lsum[lane] > 0 else 0.0
                 orow, _ = res.setdefault(key, (np.zeros(D), None))
                 for n in range(D // 8):
-                    orow[8 * n + 2 * TIG[lane]: 8 * n + 2 * TIG[lane] + 2] = o[n, lane, 2 * h:2 * h + 2] * inv
+                    orow[8 * n + 2 * TIG[lane] : 8 * n + 2 * TIG[lane] + 2] = (
+                        o[n, lane, 2 * h : 2 * h + 2] * inv
+                    )
                 lse = m[h][lane] + np.log2(lsum[lane]) if lsum[lane] > 0 else -np.inf
                 res[key] = (orow, lse)
     return res
@@ -163,14 +202,35 @@ def launch(D, BS, q, Kc, Vc, indptr, tables, lens, group, causal, num_splits, ro
             for y in range(hkv * (group // gh)):
                 kvh, ht = divmod(y, group // gh)
                 for sp in range(num_splits):
-                    parts[sp].update(cta(D, BS, BN, rows // 16, q, Kc, Vc, tables[seq], lens[seq],
-                                         indptr[seq], qo_len, qt0, kvh, kvh * group + ht * gh, gh,
-                                         qtile, causal, sp, num_splits, scale_log2))
+                    parts[sp].update(
+                        cta(
+                            D,
+                            BS,
+                            BN,
+                            rows // 16,
+                            q,
+                            Kc,
+                            Vc,
+                            tables[seq],
+                            lens[seq],
+                            indptr[seq],
+                            qo_len,
+                            qt0,
+                            kvh,
+                            kvh * group + ht * gh,
+                            gh,
+                            qtile,
+                            causal,
+                            sp,
+                            num_splits,
+                            scale_log2,
+                        )
+                    )
     out = np.zeros((total_q, hq, D))
     for (tok, h), _ in parts[0].items():
         lses = np.array([p[(tok, h)][1] for p in parts])
         M = lses.max()
-        if M == -np.inf:
+        if -np.inf == M:
             continue
         w = np.exp2(lses - M)
         out[tok, h] = sum(wi * p[(tok, h)][0] for wi, p in zip(w, parts)) / w.sum()
@@ -188,7 +248,9 @@ def reference(q, Kc, Vc, indptr, tables, lens, BS, causal):
         V = Vc[tables[i][toks // BS], toks % BS].repeat(group, axis=1)
         S = np.einsum("thd,lhd->htl", q[a:b], K) / np.sqrt(D)
         if causal:
-            S = np.where(toks[None, None, :] <= (n - (b - a) + np.arange(b - a))[None, :, None], S, -np.inf)
+            S = np.where(
+                toks[None, None, :] <= (n - (b - a) + np.arange(b - a))[None, :, None], S, -np.inf
+            )
         P = np.exp(S - S.max(axis=2, keepdims=True))
         P /= P.sum(axis=2, keepdims=True)
         out[a:b] = np.einsum("htl,lhd->thd", P, V)
@@ -213,7 +275,7 @@ def main():
         tables = np.full((len(lens), max(nblk) + 1), -1)
         at = 0
         for i, k in enumerate(nblk):
-            tables[i, :k] = ids[at:at + k]
+            tables[i, :k] = ids[at : at + k]
             at += k
         Kc = h16(rng.standard_normal((nb, BS, hkv, D)))
         Vc = h16(rng.standard_normal((nb, BS, hkv, D)))
@@ -221,11 +283,24 @@ def main():
         want = reference(q, Kc, Vc, indptr, tables, lens, BS, causal)
         # wide CTAs (4 warps, 64 rows) and narrow ones (1 warp, 16 rows), as in _build.py
         for rows, bn in ((64, 32 if D == 256 else 64), (16, 16 if D == 256 else 32)):
-            got = launch(D, BS, q, Kc, Vc, indptr, tables, lens, hq // hkv, causal, splits,
-                         rows=rows, BN=bn)
+            got = launch(
+                D, BS, q, Kc, Vc, indptr, tables, lens, hq // hkv, causal, splits, rows=rows, BN=bn
+            )
             err = np.linalg.norm(got - want) / np.linalg.norm(want)
-            print(D, BS, hq, hkv, qo, [int(n) for n in lens], causal, splits, f"rows {rows}",
-                  "rel err", f"{err:.2e}", "OK" if err < 1e-3 else "FAIL")
+            print(
+                D,
+                BS,
+                hq,
+                hkv,
+                qo,
+                [int(n) for n in lens],
+                causal,
+                splits,
+                f"rows {rows}",
+                "rel err",
+                f"{err:.2e}",
+                "OK" if err < 1e-3 else "FAIL",
+            )
 
 
 if __name__ == "__main__":

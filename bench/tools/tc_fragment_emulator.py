@@ -20,11 +20,13 @@ def swz_fn(DP):
         if CH % 8 == 0:
             return row * ROWB + ((chunk ^ (row & 7)) << 4)
         return row * ROWB + (chunk << 4)
+
     return swz, ROWB
 
 
-def run_cta(DP, head_dim, bs, GQ, NW, STAGES, q, Kc, Vc, table, t_begin, t_end, scale_log2,
-            num_blocks):
+def run_cta(
+    DP, head_dim, bs, GQ, NW, STAGES, q, Kc, Vc, table, t_begin, t_end, scale_log2, num_blocks
+):
     """One CTA: returns (out[GQ, head_dim] normalised, lse[GQ] in log2)."""
     NH = 1 if GQ <= 8 else 2
     CH = DP // 8
@@ -32,7 +34,9 @@ def run_cta(DP, head_dim, bs, GQ, NW, STAGES, q, Kc, Vc, table, t_begin, t_end, 
     TB = TILE * ROWB
     PPL = TILE * CH // 32
     KS = DP // 16
-    smem = np.full((NW * STAGES * 2 * TB) // 2, np.nan, np.float32)  # 16-bit slots, NaN = never written
+    smem = np.full(
+        (NW * STAGES * 2 * TB) // 2, np.nan, np.float32
+    )  # 16-bit slots, NaN = never written
     bs_log2 = bs.bit_length() - 1
     d_chunks = head_dim // 8
 
@@ -42,11 +46,11 @@ def run_cta(DP, head_dim, bs, GQ, NW, STAGES, q, Kc, Vc, table, t_begin, t_end, 
             group = [addrs[8 * i + r] for r in range(8)]
             # 8 rows of 16 bytes: one 128-byte wavefront iff the 16-byte bank groups differ
             assert len({(a // 16) % 8 for a in group}) == 8, "ldmatrix bank conflict"
-            M = np.stack([smem[a // 2:a // 2 + 8] for a in group])
+            M = np.stack([smem[a // 2 : a // 2 + 8] for a in group])
             assert not np.isnan(M).any(), "ldmatrix read a slot no copy wrote"
             for t in range(32):
                 if not trans:
-                    out[i, t] = M[t // 4, 2 * (t % 4):2 * (t % 4) + 2]
+                    out[i, t] = M[t // 4, 2 * (t % 4) : 2 * (t % 4) + 2]
                 else:
                     out[i, t] = [M[2 * (t % 4), t // 4], M[2 * (t % 4) + 1, t // 4]]
         return out
@@ -56,12 +60,12 @@ def run_cta(DP, head_dim, bs, GQ, NW, STAGES, q, Kc, Vc, table, t_begin, t_end, 
         B = np.zeros((16, 8))
         for t in range(32):
             g, tg = t // 4, t % 4
-            A[g, 2 * tg:2 * tg + 2] = a[0][t]
-            A[g + 8, 2 * tg:2 * tg + 2] = a[1][t]
-            A[g, 2 * tg + 8:2 * tg + 10] = a[2][t]
-            A[g + 8, 2 * tg + 8:2 * tg + 10] = a[3][t]
-            B[2 * tg:2 * tg + 2, g] = b[0][t]
-            B[2 * tg + 8:2 * tg + 10, g] = b[1][t]
+            A[g, 2 * tg : 2 * tg + 2] = a[0][t]
+            A[g + 8, 2 * tg : 2 * tg + 2] = a[1][t]
+            A[g, 2 * tg + 8 : 2 * tg + 10] = a[2][t]
+            A[g + 8, 2 * tg + 8 : 2 * tg + 10] = a[3][t]
+            B[2 * tg : 2 * tg + 2, g] = b[0][t]
+            B[2 * tg + 8 : 2 * tg + 10, g] = b[1][t]
         Dm = A @ B
         for t in range(32):
             g, tg = t // 4, t % 4
@@ -70,7 +74,7 @@ def run_cta(DP, head_dim, bs, GQ, NW, STAGES, q, Kc, Vc, table, t_begin, t_end, 
             C[t, 2] += Dm[g + 8, 2 * tg]
             C[t, 3] += Dm[g + 8, 2 * tg + 1]
 
-    h16 = lambda x: np.float32(np.float16(x))  # noqa: E731
+    h16 = lambda x: np.float32(np.float16(x))
     lanes = np.arange(32)
     tig = lanes % 4
     qpad = np.zeros((16, DP), np.float32)
@@ -88,9 +92,9 @@ def run_cta(DP, head_dim, bs, GQ, NW, STAGES, q, Kc, Vc, table, t_begin, t_end, 
                     if rowg < GQ and (r == 0 or NH == 2):
                         c0, c1 = kk * 16 + 2 * tg, kk * 16 + 8 + 2 * tg
                         if c0 < head_dim:
-                            qa[kk, r, t] = qpad[rowg, c0:c0 + 2]
+                            qa[kk, r, t] = qpad[rowg, c0 : c0 + 2]
                         if c1 < head_dim:
-                            qa[kk, r + 2, t] = qpad[rowg, c1:c1 + 2]
+                            qa[kk, r + 2, t] = qpad[rowg, c1 : c1 + 2]
         m = np.full((NH, 32), -np.inf)
         l = np.zeros((NH, 32))
         o = np.zeros((KS, NH, 32, 4))
@@ -119,11 +123,13 @@ def run_cta(DP, head_dim, bs, GQ, NW, STAGES, q, Kc, Vc, table, t_begin, t_end, 
                         assert sk <= dst and dst + 16 <= sk + TB, "copy outside its K tile"
                         if ok:
                             tok = (t0 + row) & (bs - 1)
-                            smem[dst // 2:dst // 2 + 8] = Kc[b, tok, c * 8:c * 8 + 8]
-                            smem[(dst + TB) // 2:(dst + TB) // 2 + 8] = Vc[b, tok, c * 8:c * 8 + 8]
+                            smem[dst // 2 : dst // 2 + 8] = Kc[b, tok, c * 8 : c * 8 + 8]
+                            smem[(dst + TB) // 2 : (dst + TB) // 2 + 8] = Vc[
+                                b, tok, c * 8 : c * 8 + 8
+                            ]
                         else:
-                            smem[dst // 2:dst // 2 + 8] = 0
-                            smem[(dst + TB) // 2:(dst + TB) // 2 + 8] = 0
+                            smem[dst // 2 : dst // 2 + 8] = 0
+                            smem[(dst + TB) // 2 : (dst + TB) // 2 + 8] = 0
             rowbits[stage] = mask
 
         for j in range(STAGES - 1):
@@ -200,7 +206,7 @@ def run_cta(DP, head_dim, bs, GQ, NW, STAGES, q, Kc, Vc, table, t_begin, t_end, 
     lse = np.full(GQ, -np.inf)
     for g in range(GQ):
         M = max(st[0][g] for st in states)
-        if M == -np.inf:
+        if -np.inf == M:
             continue
         L = sum(np.exp2(st[0][g] - M) * st[1][g] for st in states)
         O = sum(np.exp2(st[0][g] - M) * st[2][g] for st in states)
@@ -209,21 +215,52 @@ def run_cta(DP, head_dim, bs, GQ, NW, STAGES, q, Kc, Vc, table, t_begin, t_end, 
     return out, lse
 
 
-def run(DP, head_dim, bs, GQ, NW, STAGES, q, Kc, Vc, table, length, chunk, max_splits, scale_log2,
-        num_blocks):
+def run(
+    DP,
+    head_dim,
+    bs,
+    GQ,
+    NW,
+    STAGES,
+    q,
+    Kc,
+    Vc,
+    table,
+    length,
+    chunk,
+    max_splits,
+    scale_log2,
+    num_blocks,
+):
     """Every split CTA of one (sequence, head tile), then the fused merge's formula."""
     n = max(1, min(max_splits, -(-length // chunk)))
     parts = []
     for split in range(n):
         t_begin = split * chunk
         t_end = length if split == n - 1 else min(length, t_begin + chunk)
-        parts.append(run_cta(DP, head_dim, bs, GQ, NW, STAGES, q, Kc, Vc, table, t_begin, t_end,
-                             scale_log2, num_blocks))
+        parts.append(
+            run_cta(
+                DP,
+                head_dim,
+                bs,
+                GQ,
+                NW,
+                STAGES,
+                q,
+                Kc,
+                Vc,
+                table,
+                t_begin,
+                t_end,
+                scale_log2,
+                num_blocks,
+            )
+        )
     if n == 1:
         return parts[0][0]
     lse = np.stack([p[1] for p in parts])  # [n, GQ]
     M = lse.max(axis=0)
-    w = np.where(M > -np.inf, np.exp2(lse - M), 0.0)
+    w = np.where(-np.inf < M, np.exp2(lse - M), 0.0)
     L = w.sum(axis=0)
     w = np.where(L > 0, w / np.where(L > 0, L, 1), 0.0)
     return sum(w[s][:, None] * parts[s][0] for s in range(n))
@@ -232,11 +269,18 @@ def run(DP, head_dim, bs, GQ, NW, STAGES, q, Kc, Vc, table, length, chunk, max_s
 def main():
     rng = np.random.default_rng(0)
     # (DP, head_dim, block_size, GQ, NWARPS, STAGES, length, chunk, max_splits)
-    cases = [(64, 64, 8, 4, 4, 4, 100, 100, 1), (80, 80, 16, 12, 4, 4, 77, 77, 1),
-             (128, 120, 32, 6, 4, 3, 150, 64, 3), (48, 40, 1, 3, 2, 2, 37, 37, 1),
-             (32, 32, 2, 16, 2, 2, 40, 40, 1), (112, 112, 4, 9, 2, 3, 70, 64, 2),
-             (256, 256, 256, 8, 2, 2, 33, 33, 1), (96, 96, 64, 1, 4, 3, 200, 64, 4),
-             (64, 56, 128, 5, 2, 4, 5, 5, 1), (64, 64, 32, 4, 2, 2, 100, 40, 3)]  # unaligned chunks
+    cases = [
+        (64, 64, 8, 4, 4, 4, 100, 100, 1),
+        (80, 80, 16, 12, 4, 4, 77, 77, 1),
+        (128, 120, 32, 6, 4, 3, 150, 64, 3),
+        (48, 40, 1, 3, 2, 2, 37, 37, 1),
+        (32, 32, 2, 16, 2, 2, 40, 40, 1),
+        (112, 112, 4, 9, 2, 3, 70, 64, 2),
+        (256, 256, 256, 8, 2, 2, 33, 33, 1),
+        (96, 96, 64, 1, 4, 3, 200, 64, 4),
+        (64, 56, 128, 5, 2, 4, 5, 5, 1),
+        (64, 64, 32, 4, 2, 2, 100, 40, 3),
+    ]  # unaligned chunks
     worst = 0.0
     for DP, hd, BS, GQ, NW, ST, L, chunk, splits in cases:
         nb = 48
@@ -250,8 +294,23 @@ def main():
             table[-1] = nb - 1
         if len(set(table)) != len(table):
             table = np.arange(nblk)
-        got = run(DP, hd, BS, GQ, NW, ST, q, Kc, Vc, table, L, chunk, splits,
-                  1 / np.sqrt(hd) * 1.4426950408889634, nb)
+        got = run(
+            DP,
+            hd,
+            BS,
+            GQ,
+            NW,
+            ST,
+            q,
+            Kc,
+            Vc,
+            table,
+            L,
+            chunk,
+            splits,
+            1 / np.sqrt(hd) * 1.4426950408889634,
+            nb,
+        )
         toks = np.arange(L)
         K = np.stack([Kc[table[t // BS], t % BS] for t in toks]).astype(np.float64)
         V = np.stack([Vc[table[t // BS], t % BS] for t in toks]).astype(np.float64)
@@ -261,8 +320,10 @@ def main():
         ref = P @ V
         err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         worst = max(worst, err)
-        print(f"DP {DP} head_dim {hd} bs {BS} gq {GQ} warps {NW} stages {ST} len {L} "
-              f"chunk {chunk} splits {splits}: rel err {err:.2e}")
+        print(
+            f"DP {DP} head_dim {hd} bs {BS} gq {GQ} warps {NW} stages {ST} len {L} "
+            f"chunk {chunk} splits {splits}: rel err {err:.2e}"
+        )
     assert worst < 2e-3, worst
     print("all cases within 2e-3")
 

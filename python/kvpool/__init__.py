@@ -4,6 +4,7 @@ A Rust core owns a slab of host or GPU memory carved into fixed-size KV blocks a
 them out through a lock-free free list. See README.md for the tour.
 """
 
+from kvpool import reference
 from kvpool._core import (
     MAX_NUM_BLOCKS,
     AddResult,
@@ -36,7 +37,6 @@ from kvpool._core import (
     WrongTierError,
     cuda_available,
 )
-from kvpool import reference
 from kvpool.kernels import (
     KvScales,
     append_kv,

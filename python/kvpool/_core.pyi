@@ -1,69 +1,78 @@
 """Type stubs of the Rust extension module `kvpool._core` (checked by mypy.stubtest)."""
 
-from typing import Any, Iterable, final
+from collections.abc import Iterable
+from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
-    "KvLayout",
-    "Pool",
-    "SlabView",
-    "cuda_available",
-    "kernel_sources",
-    "KvError",
-    "OutOfBlocksError",
-    "OutOfMemoryError",
-    "DoubleFreeError",
-    "InvalidBlockError",
-    "UnknownRequestError",
-    "DuplicateRequestError",
-    "CapacityError",
-    "LayoutError",
-    "InvalidArgumentError",
-    "CudaUnavailableError",
-    "CudaError",
-    "KvSystemError",
-    "TransferError",
     "MAX_NUM_BLOCKS",
+    "AddResult",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
     "BlockTables",
+    "CacheInUseError",
+    "CapacityError",
+    "CudaError",
     "CudaStream",
+    "CudaUnavailableError",
     "DeviceArray",
+    "DoubleFreeError",
+    "DuplicateRequestError",
     "HostTier",
     "HostTierFullError",
+    "InvalidArgumentError",
+    "InvalidBlockError",
+    "KvError",
+    "KvLayout",
+    "KvSystemError",
+    "LayoutError",
+    "OutOfBlocksError",
+    "OutOfMemoryError",
+    "Pool",
+    "SlabView",
+    "TransferError",
+    "UnknownRequestError",
     "WrongTierError",
-    "AddResult",
-    "BlockStored",
-    "BlockRemoved",
-    "AllBlocksCleared",
-    "CacheInUseError",
+    "cuda_available",
+    "kernel_sources",
 ]
 
 MAX_NUM_BLOCKS: int
 
 class KvError(Exception): ...
+
 class OutOfBlocksError(KvError):
     requested: int
     free: int
     num_blocks: int
     max_num_blocks: int | None
+
 class HostTierFullError(OutOfBlocksError): ...
+
 class WrongTierError(KvError):
     tier: str
+
 class OutOfMemoryError(KvError): ...
 class DoubleFreeError(KvError): ...
 class InvalidBlockError(KvError): ...
 class UnknownRequestError(KvError): ...
 class DuplicateRequestError(KvError): ...
 class CapacityError(KvError): ...
+
 class CacheInUseError(KvError):
     in_use: int
+
 class LayoutError(KvError): ...
 class InvalidArgumentError(KvError): ...
 class CudaUnavailableError(KvError): ...
 class CudaError(KvError): ...
+
 class KvSystemError(KvError):
     errno: int
+
 class TransferError(KvError):
     # Not set by the extension: kvpool.transfer.protocol sets it on every TransferError it
     # raises (the request's id, None when unknown).
@@ -220,7 +229,10 @@ class BlockTables:
         extra_keys: bytes | None = None,
     ) -> AddResult: ...
     def append_tokens(
-        self, request_id: int, n: int, token_ids: Iterable[int] | npt.NDArray[np.integer[Any]] | None = None
+        self,
+        request_id: int,
+        n: int,
+        token_ids: Iterable[int] | npt.NDArray[np.integer[Any]] | None = None,
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]: ...
     def append_tokens_many(
         self,
@@ -261,8 +273,12 @@ class HostTier:
         memory_bytes: int | None = None,
         copy_method: str = "auto",
     ) -> HostTier: ...
-    def swap_out(self, request_ids: Iterable[int] | npt.NDArray[np.int64], stream: object | None = None) -> dict[str, int]: ...
-    def swap_in(self, request_ids: Iterable[int] | npt.NDArray[np.int64], stream: object | None = None) -> dict[str, int]: ...
+    def swap_out(
+        self, request_ids: Iterable[int] | npt.NDArray[np.int64], stream: object | None = None
+    ) -> dict[str, int]: ...
+    def swap_in(
+        self, request_ids: Iterable[int] | npt.NDArray[np.int64], stream: object | None = None
+    ) -> dict[str, int]: ...
     def free(self, request_id: int) -> None: ...
     def poll(self) -> tuple[int, int]: ...
     def wait(self) -> tuple[int, int]: ...

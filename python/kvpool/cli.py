@@ -13,8 +13,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, NoReturn
 
 import kvpool
 from kvpool import cli_host_tier
@@ -53,7 +54,8 @@ def _int_in(minimum: int, maximum: int = INT32_MAX):
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"must be an integer in [{minimum}, {maximum}], got {text!r}") from None
+                f"must be an integer in [{minimum}, {maximum}], got {text!r}"
+            ) from None
         if not minimum <= value <= maximum:
             raise argparse.ArgumentTypeError(f"must be in [{minimum}, {maximum}], got {value}")
         return value
@@ -112,7 +114,8 @@ def _kv_dtype(text: str) -> str:
         name = None
     if name not in KV_DTYPES:
         raise argparse.ArgumentTypeError(
-            f"must be one of {', '.join(KV_DTYPES)} (fp8 = float8_e4m3fn), got {text!r}")
+            f"must be one of {', '.join(KV_DTYPES)} (fp8 = float8_e4m3fn), got {text!r}"
+        )
     return name
 
 
@@ -136,89 +139,209 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # (and rejected with --trace, which ignores them). The effective defaults:
 MAX_REQUESTS = 10_000_000  # a synthetic workload is generated in memory up front
 
-GENERATOR_DEFAULTS = {"workload": "sharegpt", "num_requests": 2000, "seed": 0, "rate": None,
-                      "arrival": "poisson", "burst_size": 64, "num_prefixes": 0, "prefix_tokens": 0,
-                      "turns": 4, "think_time": None}
+GENERATOR_DEFAULTS = {
+    "workload": "sharegpt",
+    "num_requests": 2000,
+    "seed": 0,
+    "rate": None,
+    "arrival": "poisson",
+    "burst_size": 64,
+    "num_prefixes": 0,
+    "prefix_tokens": 0,
+    "turns": 4,
+    "think_time": None,
+}
 MAX_TURNS = 1000
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvpool", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("simulate", help="serve a workload with paged and with contiguous KV allocation",
-                       formatter_class=_HelpFormatter)
+    p = sub.add_parser(
+        "simulate",
+        help="serve a workload with paged and with contiguous KV allocation",
+        formatter_class=_HelpFormatter,
+    )
     g = p.add_argument_group("model and memory")
-    g.add_argument("--model", default="llama-3-8b", type=_model, metavar="MODEL",
-                   help=f"KV geometry preset, one of {', '.join(sorted(PRESETS))} (case and _/- insensitive)")
-    g.add_argument("--kv-memory", default="16GiB",
-                   help="KV cache budget: KiB/MiB/GiB/TiB are powers of 1024, K/KB/M/MB/G/GB/T/TB "
-                        "powers of 1000 (16G = 16e9 bytes, 16GiB = 16 * 2^30); a plain number is bytes")
+    g.add_argument(
+        "--model",
+        default="llama-3-8b",
+        type=_model,
+        metavar="MODEL",
+        help=f"KV geometry preset, one of {', '.join(sorted(PRESETS))} (case and _/- insensitive)",
+    )
+    g.add_argument(
+        "--kv-memory",
+        default="16GiB",
+        help="KV cache budget: KiB/MiB/GiB/TiB are powers of 1024, K/KB/M/MB/G/GB/T/TB "
+        "powers of 1000 (16G = 16e9 bytes, 16GiB = 16 * 2^30); a plain number is bytes",
+    )
     g.add_argument("--block-size", type=_int_in(1), default=16, help="tokens per KV block")
-    g.add_argument("--kv-dtype", default="float16", type=_kv_dtype, metavar="DTYPE",
-                   help="KV cache element type: float16, bfloat16, fp8 (float8_e4m3fn) or "
-                        "float8_e5m2; fp8 holds twice the tokens in the same --kv-memory"),
-    g.add_argument("--max-model-len", type=_int_in(2), default=4096,
-                   help="longest sequence (contiguous reserves this); at most the tokens --kv-memory holds")
-    g.add_argument("--device", default="host", choices=("auto", "host", "cuda"),
-                   help="pool backend (auto: cuda when a GPU is available); with cuda, decode attention "
-                        "is also measured when CuPy is installed and the kernels run on the GPU")
-    w = p.add_argument_group("workload", "a synthetic workload, or --trace (which excludes the other options here)")
-    w.add_argument("--workload", default=None, choices=[*sorted(LENGTH_MODELS), MULTITURN],
-                   help="length model, or multiturn: conversations whose turns' prompts hold the earlier "
-                        "turns and answers (ShareGPT lengths per message) (default: sharegpt)")
-    w.add_argument("--trace", type=Path,
-                   help="trace file: ours (JSONL or CSV: arrival_s, prompt_tokens, output_tokens, optional "
-                        "prefix_group + prefix_tokens or conversation_id), or an Azure LLM inference, "
-                        "BurstGPT, Mooncake or ShareGPT trace (see --trace-format)")
-    w.add_argument("--trace-format", default=None, choices=TRACE_FORMATS,
-                   help="the --trace file's format (default: auto, from its name and header)")
-    w.add_argument("--num-requests", type=_int_in(1, MAX_REQUESTS), default=None,
-                   help="requests to generate (default: 2000)")
-    w.add_argument("--rate", type=_rate, default=None,
-                   help="requests/s; 'inf' = all arrive at t=0 (default: inf)")
-    w.add_argument("--arrival", default=None, choices=ARRIVALS, help="arrival process with --rate (default: poisson)")
-    w.add_argument("--burst-size", type=_int_in(1), default=None,
-                   help="requests per burst with --arrival burst, >= 1 (default: 64)")
-    w.add_argument("--num-prefixes", type=_int_in(0), default=None,
-                   help="groups of requests sharing a prompt prefix (default: 0, none)")
-    w.add_argument("--prefix-tokens", type=_int_in(0), default=None,
-                   help="length of the shared prefix; needs --num-prefixes (default: 0)")
-    w.add_argument("--turns", type=_int_in(1, MAX_TURNS), default=None,
-                   help="turns per conversation with --workload multiturn (default: 4)")
-    w.add_argument("--think-time", type=_seconds, default=None,
-                   help="mean seconds between a conversation's turns (exponential; turns arrive on "
-                        "schedule, open loop) with --workload multiturn, or the gap between the turns "
-                        "of a ShareGPT --trace (default: 10)")
-    w.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=None, help="generator seed (default: 0)")
+    (
+        g.add_argument(
+            "--kv-dtype",
+            default="float16",
+            type=_kv_dtype,
+            metavar="DTYPE",
+            help="KV cache element type: float16, bfloat16, fp8 (float8_e4m3fn) or "
+            "float8_e5m2; fp8 holds twice the tokens in the same --kv-memory",
+        ),
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=_int_in(2),
+        default=4096,
+        help="longest sequence (contiguous reserves this); at most the tokens --kv-memory holds",
+    )
+    g.add_argument(
+        "--device",
+        default="host",
+        choices=("auto", "host", "cuda"),
+        help="pool backend (auto: cuda when a GPU is available); with cuda, decode attention "
+        "is also measured when CuPy is installed and the kernels run on the GPU",
+    )
+    w = p.add_argument_group(
+        "workload", "a synthetic workload, or --trace (which excludes the other options here)"
+    )
+    w.add_argument(
+        "--workload",
+        default=None,
+        choices=[*sorted(LENGTH_MODELS), MULTITURN],
+        help="length model, or multiturn: conversations whose turns' prompts hold the earlier "
+        "turns and answers (ShareGPT lengths per message) (default: sharegpt)",
+    )
+    w.add_argument(
+        "--trace",
+        type=Path,
+        help="trace file: ours (JSONL or CSV: arrival_s, prompt_tokens, output_tokens, optional "
+        "prefix_group + prefix_tokens or conversation_id), or an Azure LLM inference, "
+        "BurstGPT, Mooncake or ShareGPT trace (see --trace-format)",
+    )
+    w.add_argument(
+        "--trace-format",
+        default=None,
+        choices=TRACE_FORMATS,
+        help="the --trace file's format (default: auto, from its name and header)",
+    )
+    w.add_argument(
+        "--num-requests",
+        type=_int_in(1, MAX_REQUESTS),
+        default=None,
+        help="requests to generate (default: 2000)",
+    )
+    w.add_argument(
+        "--rate",
+        type=_rate,
+        default=None,
+        help="requests/s; 'inf' = all arrive at t=0 (default: inf)",
+    )
+    w.add_argument(
+        "--arrival",
+        default=None,
+        choices=ARRIVALS,
+        help="arrival process with --rate (default: poisson)",
+    )
+    w.add_argument(
+        "--burst-size",
+        type=_int_in(1),
+        default=None,
+        help="requests per burst with --arrival burst, >= 1 (default: 64)",
+    )
+    w.add_argument(
+        "--num-prefixes",
+        type=_int_in(0),
+        default=None,
+        help="groups of requests sharing a prompt prefix (default: 0, none)",
+    )
+    w.add_argument(
+        "--prefix-tokens",
+        type=_int_in(0),
+        default=None,
+        help="length of the shared prefix; needs --num-prefixes (default: 0)",
+    )
+    w.add_argument(
+        "--turns",
+        type=_int_in(1, MAX_TURNS),
+        default=None,
+        help="turns per conversation with --workload multiturn (default: 4)",
+    )
+    w.add_argument(
+        "--think-time",
+        type=_seconds,
+        default=None,
+        help="mean seconds between a conversation's turns (exponential; turns arrive on "
+        "schedule, open loop) with --workload multiturn, or the gap between the turns "
+        "of a ShareGPT --trace (default: 10)",
+    )
+    w.add_argument(
+        "--seed", type=_int_in(0, 2**63 - 1), default=None, help="generator seed (default: 0)"
+    )
     s = p.add_argument_group("scheduler")
     s.add_argument("--policy", default="fcfs", choices=sorted(POLICIES))
     s.add_argument("--max-running-seqs", type=_int_in(1), default=256)
-    s.add_argument("--max-tokens-per-step", type=_int_in(1), default=2048,
-                   help="prefill + decode tokens per step, >= --max-running-seqs")
-    s.add_argument("--watermark", type=_fraction, default=0.01,
-                   help="fraction of blocks admission keeps free, in [0, 1)")
-    s.add_argument("--reserve", default="max_model_len", choices=RESERVE_MODES,
-                   help="what a contiguous request reserves: max_model_len tokens, its prompt + "
-                        "output rounded up to a power of two (pow2), or exactly its prompt + output "
-                        "(request, the best case for contiguous)")
-    s.add_argument("--measure-every", type=_int_in(1), default=10,
-                   help="with --device cuda: time every N-th decode step")
-    s.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="also serve the workload with prefix caching (cached prompt blocks are shared and "
-                        "not prefilled) and compare it with caching off at the same KV memory; not with "
-                        "--cpu-kv-memory (default: on when requests share prompt tokens and there is no "
-                        "host tier)")
-    d = p.add_argument_group("disaggregated serving", "prefill and decode on two GPUs, KV moved between them")
-    d.add_argument("--disaggregated", action="store_true",
-                   help="compare one prefill GPU + one decode GPU (KV transfer modelled) with two "
-                        "colocated replicas, instead of paged vs contiguous")
-    d.add_argument("--transfer-gbps", type=_positive_float, default=None,
-                   help="KV transfer bandwidth in GB/s (default: 330, or the measured figure of --transfer-json)")
-    d.add_argument("--transfer-latency-us", type=_positive_float, default=None,
-                   help="fixed cost per transfer in us (default: 70, or the measured one-block time of --transfer-json)")
-    d.add_argument("--transfer-json", type=Path, default=None,
-                   help="a bench/transfer_bench.py result: its best bandwidth at the largest size and its "
-                        "best one-block time become the defaults of the two options above")
+    s.add_argument(
+        "--max-tokens-per-step",
+        type=_int_in(1),
+        default=2048,
+        help="prefill + decode tokens per step, >= --max-running-seqs",
+    )
+    s.add_argument(
+        "--watermark",
+        type=_fraction,
+        default=0.01,
+        help="fraction of blocks admission keeps free, in [0, 1)",
+    )
+    s.add_argument(
+        "--reserve",
+        default="max_model_len",
+        choices=RESERVE_MODES,
+        help="what a contiguous request reserves: max_model_len tokens, its prompt + "
+        "output rounded up to a power of two (pow2), or exactly its prompt + output "
+        "(request, the best case for contiguous)",
+    )
+    s.add_argument(
+        "--measure-every",
+        type=_int_in(1),
+        default=10,
+        help="with --device cuda: time every N-th decode step",
+    )
+    s.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also serve the workload with prefix caching (cached prompt blocks are shared and "
+        "not prefilled) and compare it with caching off at the same KV memory; not with "
+        "--cpu-kv-memory (default: on when requests share prompt tokens and there is no "
+        "host tier)",
+    )
+    d = p.add_argument_group(
+        "disaggregated serving", "prefill and decode on two GPUs, KV moved between them"
+    )
+    d.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="compare one prefill GPU + one decode GPU (KV transfer modelled) with two "
+        "colocated replicas, instead of paged vs contiguous",
+    )
+    d.add_argument(
+        "--transfer-gbps",
+        type=_positive_float,
+        default=None,
+        help="KV transfer bandwidth in GB/s (default: 330, or the measured figure of --transfer-json)",
+    )
+    d.add_argument(
+        "--transfer-latency-us",
+        type=_positive_float,
+        default=None,
+        help="fixed cost per transfer in us (default: 70, or the measured one-block time of --transfer-json)",
+    )
+    d.add_argument(
+        "--transfer-json",
+        type=Path,
+        default=None,
+        help="a bench/transfer_bench.py result: its best bandwidth at the largest size and its "
+        "best one-block time become the defaults of the two options above",
+    )
     cli_host_tier.add_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=Path("kvpool-report"), help="report directory")
@@ -239,9 +362,15 @@ def check_options(args: argparse.Namespace) -> str | None:
     if args.prefix_caching and args.disaggregated:
         return "--prefix-caching is not modelled with --disaggregated"
     if args.prefix_caching and args.cpu_kv_memory is not None:
-        return ("--prefix-caching is not modelled with --cpu-kv-memory (the host tier swaps a sequence's "
-                "own blocks, a prefix cache shares them); drop one, or add --no-prefix-caching")
-    transfer = [f for f in ("transfer_gbps", "transfer_latency_us", "transfer_json") if getattr(args, f) is not None]
+        return (
+            "--prefix-caching is not modelled with --cpu-kv-memory (the host tier swaps a sequence's "
+            "own blocks, a prefix cache shares them); drop one, or add --no-prefix-caching"
+        )
+    transfer = [
+        f
+        for f in ("transfer_gbps", "transfer_latency_us", "transfer_json")
+        if getattr(args, f) is not None
+    ]
     if transfer and not args.disaggregated:
         return f"{', '.join(_flag(f) for f in transfer)} need --disaggregated"
     host_tier_problem = cli_host_tier.check_options(args)
@@ -251,8 +380,10 @@ def check_options(args: argparse.Namespace) -> str | None:
         return "--disaggregated models its step times; it runs with --device host"
     if args.trace is not None:
         if given:
-            return (f"{', '.join(_flag(d) for d in given)} cannot be used with --trace "
-                    "(the trace gives the requests, their lengths and arrival times)")
+            return (
+                f"{', '.join(_flag(d) for d in given)} cannot be used with --trace "
+                "(the trace gives the requests, their lengths and arrival times)"
+            )
         return None
     finite_rate = args.rate is not None and math.isfinite(args.rate)
     for d in ("arrival", "burst_size"):
@@ -276,9 +407,11 @@ def check_values(args: argparse.Namespace) -> str | None:
     except (ValueError, kvpool.KvError) as e:
         return f"--block-size {args.block_size} does not fit {args.model}: {e}"
     block_bytes = layout.block_bytes
-    allowed = (f"--kv-memory must hold 1 to {kvpool.MAX_NUM_BLOCKS} blocks of {block_bytes} bytes "
-               f"({args.model}, --block-size {args.block_size}), i.e. {block_bytes} to "
-               f"{kvpool.MAX_NUM_BLOCKS * block_bytes} bytes")
+    allowed = (
+        f"--kv-memory must hold 1 to {kvpool.MAX_NUM_BLOCKS} blocks of {block_bytes} bytes "
+        f"({args.model}, --block-size {args.block_size}), i.e. {block_bytes} to "
+        f"{kvpool.MAX_NUM_BLOCKS * block_bytes} bytes"
+    )
     try:
         kv_memory = parse_bytes(args.kv_memory)
     except ValueError as e:
@@ -288,23 +421,31 @@ def check_values(args: argparse.Namespace) -> str | None:
         return f"{allowed}; got {kv_memory}"
     max_len = min(num_blocks * args.block_size, INT32_MAX)
     if args.max_model_len > max_len:
-        return (f"--max-model-len must be in [2, {max_len}] (one sequence of it must fit in the "
-                f"{num_blocks} blocks of --kv-memory {args.kv_memory}), got {args.max_model_len}")
+        return (
+            f"--max-model-len must be in [2, {max_len}] (one sequence of it must fit in the "
+            f"{num_blocks} blocks of --kv-memory {args.kv_memory}), got {args.max_model_len}"
+        )
     if args.max_tokens_per_step < args.max_running_seqs:
-        return (f"--max-tokens-per-step must be >= --max-running-seqs ({args.max_running_seqs}): "
-                f"every running sequence decodes one token per step; got {args.max_tokens_per_step}")
+        return (
+            f"--max-tokens-per-step must be >= --max-running-seqs ({args.max_running_seqs}): "
+            f"every running sequence decodes one token per step; got {args.max_tokens_per_step}"
+        )
     row_blocks = -(-args.max_model_len // args.block_size)
     max_seqs = INT32_MAX // row_blocks
     if args.max_running_seqs > max_seqs:
-        return (f"--max-running-seqs must be in [1, {max_seqs}] (the block table, one row of "
-                f"{row_blocks} blocks per sequence, is limited to {INT32_MAX} entries); "
-                f"got {args.max_running_seqs}")
+        return (
+            f"--max-running-seqs must be in [1, {max_seqs}] (the block table, one row of "
+            f"{row_blocks} blocks per sequence, is limited to {INT32_MAX} entries); "
+            f"got {args.max_running_seqs}"
+        )
     host_tier_problem = cli_host_tier.check_values(args, block_bytes)
     if host_tier_problem is not None:
         return host_tier_problem
     if args.trace is None and args.prefix_tokens > args.max_model_len - 2:
-        return (f"--prefix-tokens must be in [0, {args.max_model_len - 2}] (--max-model-len "
-                f"{args.max_model_len} minus one prompt and one output token); got {args.prefix_tokens}")
+        return (
+            f"--prefix-tokens must be in [0, {args.max_model_len - 2}] (--max-model-len "
+            f"{args.max_model_len} minus one prompt and one output token); got {args.prefix_tokens}"
+        )
     return None
 
 
@@ -332,7 +473,9 @@ def _workload(args: argparse.Namespace) -> tuple[list, dict]:
         args.prefix_caching, why = False, "not modelled with --cpu-kv-memory"
     elif args.prefix_caching is None:
         args.prefix_caching = shared
-        why = "the workload shares prompt tokens" if shared else "no two requests share prompt tokens"
+        why = (
+            "the workload shares prompt tokens" if shared else "no two requests share prompt tokens"
+        )
     else:
         why = "--prefix-caching" if args.prefix_caching else "--no-prefix-caching"
     info["prefix_sharing"] = shared
@@ -382,23 +525,30 @@ def simulate_command(args: argparse.Namespace, command: Sequence[str] | None = N
     console = Console(stderr=False)
     requests, info = _workload(args)
     config = SchedulerConfig(
-        max_model_len=args.max_model_len, max_running_seqs=args.max_running_seqs,
-        max_tokens_per_step=args.max_tokens_per_step, watermark=args.watermark, policy=args.policy,
+        max_model_len=args.max_model_len,
+        max_running_seqs=args.max_running_seqs,
+        max_tokens_per_step=args.max_tokens_per_step,
+        watermark=args.watermark,
+        policy=args.policy,
     )
     spec = SimulationSpec(
-        preset=get_preset(args.model), kv_memory_bytes=parse_bytes(args.kv_memory), requests=requests,
-        config=config, block_size=args.block_size, device=args.device, reserve=args.reserve,
-        measure_every=args.measure_every, kv_dtype=args.kv_dtype, workload_info=info,
+        preset=get_preset(args.model),
+        kv_memory_bytes=parse_bytes(args.kv_memory),
+        requests=requests,
+        config=config,
+        block_size=args.block_size,
+        device=args.device,
+        reserve=args.reserve,
+        measure_every=args.measure_every,
+        kv_dtype=args.kv_dtype,
+        workload_info=info,
         host_tier=cli_host_tier.spec(args),
         prefix_caching=args.prefix_caching,
     )
     if args.disaggregated:
         return _disaggregated(args, spec, console)
     t0 = time.perf_counter()
-    if args.no_progress:
-        report = simulate(spec)
-    else:
-        report = _simulate_with_progress(spec, console)
+    report = simulate(spec) if args.no_progress else _simulate_with_progress(spec, console)
     report["total_wall_s"] = time.perf_counter() - t0
     report["command"] = ["kvpool", *(sys.argv[1:] if command is None else command)]
     print_table(report, console)
@@ -421,7 +571,9 @@ def _transfer_figures(args: argparse.Namespace) -> tuple[float, float, str]:
             one = min(summary, key=lambda r: r["num_blocks"])
             gbps, latency_us = float(largest["best_gb_per_s"]), float(one["best_us"])
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"--transfer-json {args.transfer_json}: not a transfer benchmark result ({e})") from None
+            raise ValueError(
+                f"--transfer-json {args.transfer_json}: not a transfer benchmark result ({e})"
+            ) from None
         source = str(args.transfer_json)
     gbps = args.transfer_gbps or gbps
     latency_us = args.transfer_latency_us or latency_us
@@ -439,13 +591,19 @@ def _disaggregated(args: argparse.Namespace, spec: Any, console: Any) -> int:
     report = simulate_disaggregated(spec, gbps, latency_s)
     report["transfer"]["source"] = source
     report["command"] = ["kvpool", *sys.argv[1:]]
-    table = Table(title=f"disaggregated (1 prefill + 1 decode GPU, KV at {gbps:g} GB/s) vs 2 colocated replicas, modelled")
+    table = Table(
+        title=f"disaggregated (1 prefill + 1 decode GPU, KV at {gbps:g} GB/s) vs 2 colocated replicas, modelled"
+    )
     for col in ("", "disaggregated", "colocated x2", "ratio"):
         table.add_column(col, justify="right")
     ratios = report["ratios_disaggregated_over_colocated"]
     for key in ratios:
-        table.add_row(key, f"{report['disaggregated'][key]:.4g}", f"{report['colocated_two_replicas'][key]:.4g}",
-                      f"{ratios[key]:.3f}")
+        table.add_row(
+            key,
+            f"{report['disaggregated'][key]:.4g}",
+            f"{report['colocated_two_replicas'][key]:.4g}",
+            f"{ratios[key]:.3f}",
+        )
     console.print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "disaggregated.json"
@@ -460,10 +618,20 @@ def _simulate_with_progress(spec, console) -> dict:
     from kvpool.scheduler.runner import simulate
 
     total = len(spec.requests)
-    with Progress(TextColumn("{task.description:<11}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=False) as bar:
-        names = ("paged",) + (("paged_host_tier",) if spec.host_tier else ()) + ("contiguous",) \
+    with Progress(
+        TextColumn("{task.description:<11}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as bar:
+        names = (
+            ("paged",)
+            + (("paged_host_tier",) if spec.host_tier else ())
+            + ("contiguous",)
             + (("paged_prefix_caching",) if spec.prefix_caching else ())
+        )
         tasks = {name: bar.add_task(name, total=total) for name in names}
         last = {"t": 0.0}
 

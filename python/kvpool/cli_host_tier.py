@@ -29,25 +29,44 @@ def _finite(minimum: float, inclusive: bool):
         except ValueError:
             value = math.nan
         if not (math.isfinite(value) and (value >= minimum if inclusive else value > minimum)):
-            raise argparse.ArgumentTypeError(f"must be a finite number {sign} {minimum:g}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {sign} {minimum:g}, got {text!r}"
+            )
         return value
 
     return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    h = parser.add_argument_group("host tier", "preemption by swap into host memory (needs --cpu-kv-memory)")
-    h.add_argument("--cpu-kv-memory", default=None,
-                   help="host tier size, units as --kv-memory; adds a run of paged with the tier, "
-                        "compared with paged recompute-only")
-    h.add_argument("--preemption", default=None, choices=PREEMPTION_MODES,
-                   help="how the tier run preempts: auto (per victim, the cheaper of swap and "
-                        "recompute), swap or recompute (default: auto)")
-    h.add_argument("--host-link-gbps", type=_finite(0, inclusive=False), default=None,
-                   help=f"host <-> GPU copy bandwidth each way, GB/s (default: "
-                        f"{DEFAULT_LINK.bytes_per_s / 1e9:g}, a pinned 1 GiB copy on an H200)")
-    h.add_argument("--host-link-latency-us", type=_finite(0, inclusive=True), default=None,
-                   help=f"fixed cost of one swap call, us (default: {DEFAULT_LINK.latency_s * 1e6:g})")
+    h = parser.add_argument_group(
+        "host tier", "preemption by swap into host memory (needs --cpu-kv-memory)"
+    )
+    h.add_argument(
+        "--cpu-kv-memory",
+        default=None,
+        help="host tier size, units as --kv-memory; adds a run of paged with the tier, "
+        "compared with paged recompute-only",
+    )
+    h.add_argument(
+        "--preemption",
+        default=None,
+        choices=PREEMPTION_MODES,
+        help="how the tier run preempts: auto (per victim, the cheaper of swap and "
+        "recompute), swap or recompute (default: auto)",
+    )
+    h.add_argument(
+        "--host-link-gbps",
+        type=_finite(0, inclusive=False),
+        default=None,
+        help=f"host <-> GPU copy bandwidth each way, GB/s (default: "
+        f"{DEFAULT_LINK.bytes_per_s / 1e9:g}, a pinned 1 GiB copy on an H200)",
+    )
+    h.add_argument(
+        "--host-link-latency-us",
+        type=_finite(0, inclusive=True),
+        default=None,
+        help=f"fixed cost of one swap call, us (default: {DEFAULT_LINK.latency_s * 1e6:g})",
+    )
 
 
 def check_options(args: argparse.Namespace) -> str | None:
@@ -69,8 +88,10 @@ def check_values(args: argparse.Namespace, block_bytes: int) -> str | None:
     except ValueError as e:
         return f"--cpu-kv-memory: {e}"
     if not 1 <= memory // block_bytes <= kvpool.MAX_NUM_BLOCKS:
-        return (f"--cpu-kv-memory must hold 1 to {kvpool.MAX_NUM_BLOCKS} blocks of {block_bytes} bytes, "
-                f"i.e. {block_bytes} to {kvpool.MAX_NUM_BLOCKS * block_bytes} bytes; got {memory}")
+        return (
+            f"--cpu-kv-memory must hold 1 to {kvpool.MAX_NUM_BLOCKS} blocks of {block_bytes} bytes, "
+            f"i.e. {block_bytes} to {kvpool.MAX_NUM_BLOCKS * block_bytes} bytes; got {memory}"
+        )
     return None
 
 
@@ -80,6 +101,8 @@ def spec(args: argparse.Namespace) -> HostTierSpec | None:
         return None
     link = HostLink(
         DEFAULT_LINK.bytes_per_s if args.host_link_gbps is None else args.host_link_gbps * 1e9,
-        DEFAULT_LINK.latency_s if args.host_link_latency_us is None else args.host_link_latency_us * 1e-6,
+        DEFAULT_LINK.latency_s
+        if args.host_link_latency_us is None
+        else args.host_link_latency_us * 1e-6,
     )
     return HostTierSpec(parse_bytes(args.cpu_kv_memory), args.preemption or "auto", link)

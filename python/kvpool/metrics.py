@@ -41,31 +41,94 @@ def snapshot(
     cache = pool.prefix_cache_stats()
     num_blocks = int(stats["num_blocks"])
     samples = [
-        Sample("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage: fraction of blocks referenced (1 = full).",
-               int(stats["num_used"]) / num_blocks if num_blocks else 0.0),
-        Sample("vllm:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.", cache["queries"]),
-        Sample("vllm:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache.", cache["hits"]),
+        Sample(
+            "vllm:kv_cache_usage_perc",
+            "gauge",
+            "KV-cache usage: fraction of blocks referenced (1 = full).",
+            int(stats["num_used"]) / num_blocks if num_blocks else 0.0,
+        ),
+        Sample(
+            "vllm:prefix_cache_queries",
+            "counter",
+            "Prompt tokens looked up in the prefix cache.",
+            cache["queries"],
+        ),
+        Sample(
+            "vllm:prefix_cache_hits",
+            "counter",
+            "Prompt tokens found in the prefix cache.",
+            cache["hits"],
+        ),
         Sample("kvpool:num_blocks", "gauge", "Blocks in the pool.", num_blocks),
-        Sample("kvpool:num_free_blocks", "gauge", "Blocks on the free list.", int(stats["num_free"])),
-        Sample("kvpool:num_evictable_blocks", "gauge", "Cached blocks nobody references.", int(stats["num_evictable"])),
-        Sample("kvpool:num_used_blocks", "gauge", "Blocks referenced by requests.", int(stats["num_used"])),
-        Sample("kvpool:high_water_blocks", "gauge",
-               "Most blocks referenced at once (evictable cached blocks count as free).", int(stats["high_water"])),
-        Sample("kvpool:mapped_bytes", "gauge", "Bytes of KV memory the pool holds.", int(stats["mapped_bytes"])),
-        Sample("kvpool:prefix_cache_cached_blocks", "gauge", "Blocks in the prefix cache.", cache["num_cached_blocks"]),
-        Sample("kvpool:prefix_cache_stored_blocks", "counter", "Blocks that entered the prefix cache.",
-               cache["stored_blocks"]),
-        Sample("kvpool:prefix_cache_evictions", "counter", "Cached blocks evicted for reuse.", cache["evictions"]),
+        Sample(
+            "kvpool:num_free_blocks", "gauge", "Blocks on the free list.", int(stats["num_free"])
+        ),
+        Sample(
+            "kvpool:num_evictable_blocks",
+            "gauge",
+            "Cached blocks nobody references.",
+            int(stats["num_evictable"]),
+        ),
+        Sample(
+            "kvpool:num_used_blocks",
+            "gauge",
+            "Blocks referenced by requests.",
+            int(stats["num_used"]),
+        ),
+        Sample(
+            "kvpool:high_water_blocks",
+            "gauge",
+            "Most blocks referenced at once (evictable cached blocks count as free).",
+            int(stats["high_water"]),
+        ),
+        Sample(
+            "kvpool:mapped_bytes",
+            "gauge",
+            "Bytes of KV memory the pool holds.",
+            int(stats["mapped_bytes"]),
+        ),
+        Sample(
+            "kvpool:prefix_cache_cached_blocks",
+            "gauge",
+            "Blocks in the prefix cache.",
+            cache["num_cached_blocks"],
+        ),
+        Sample(
+            "kvpool:prefix_cache_stored_blocks",
+            "counter",
+            "Blocks that entered the prefix cache.",
+            cache["stored_blocks"],
+        ),
+        Sample(
+            "kvpool:prefix_cache_evictions",
+            "counter",
+            "Cached blocks evicted for reuse.",
+            cache["evictions"],
+        ),
         Sample("kvpool:prefix_cache_resets", "counter", "Prefix-cache resets.", cache["resets"]),
-        Sample("kvpool:prefix_cache_host_cached_blocks", "gauge", "Blocks in the prefix cache's host tier.",
-               cache["host_num_cached_blocks"]),
-        Sample("kvpool:prefix_cache_swapped_in_blocks", "counter",
-               "Cached blocks copied back from the host tier on a hit.", cache["swapped_in_blocks"]),
+        Sample(
+            "kvpool:prefix_cache_host_cached_blocks",
+            "gauge",
+            "Blocks in the prefix cache's host tier.",
+            cache["host_num_cached_blocks"],
+        ),
+        Sample(
+            "kvpool:prefix_cache_swapped_in_blocks",
+            "counter",
+            "Cached blocks copied back from the host tier on a hit.",
+            cache["swapped_in_blocks"],
+        ),
     ]
     if tables is not None:
-        samples.append(Sample("vllm:num_requests_running", "gauge", "Requests in the block tables.", len(tables)))
+        samples.append(
+            Sample(
+                "vllm:num_requests_running", "gauge", "Requests in the block tables.", len(tables)
+            )
+        )
     if preemptions is not None:
-        samples.append(Sample("vllm:num_preemptions", "counter", "Preempted requests.", preemptions()))
+        samples.append(
+            Sample("vllm:num_preemptions", "counter", "Preempted requests.", preemptions())
+        )
     return samples
 
 
@@ -84,7 +147,9 @@ class KvPoolCollector:
         try:
             from prometheus_client import core
         except ImportError as e:
-            raise ImportError("kvpool.metrics needs prometheus-client: pip install 'kvpool[metrics]'") from e
+            raise ImportError(
+                "kvpool.metrics needs prometheus-client: pip install 'kvpool[metrics]'"
+            ) from e
         self._core = core
         self.pool, self.tables, self.preemptions = pool, tables, preemptions
         self.labels = dict(labels or {})
@@ -92,7 +157,11 @@ class KvPoolCollector:
     def collect(self) -> Iterator[Any]:
         names, values = list(self.labels), list(self.labels.values())
         for s in snapshot(self.pool, self.tables, preemptions=self.preemptions):
-            family = self._core.GaugeMetricFamily if s.kind == "gauge" else self._core.CounterMetricFamily
+            family = (
+                self._core.GaugeMetricFamily
+                if s.kind == "gauge"
+                else self._core.CounterMetricFamily
+            )
             metric = family(s.name, s.documentation, labels=names)
             metric.add_metric(values, s.value)
             yield metric

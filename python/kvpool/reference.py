@@ -23,7 +23,11 @@ class Fp8Format:
 
     def __init__(self, bias: int, mant_bits: int, max_code: int, max_value: float) -> None:
         self.bias, self.mant_bits, self.max_code, self.max_value = (
-            bias, mant_bits, max_code, max_value)
+            bias,
+            mant_bits,
+            max_code,
+            max_value,
+        )
 
 
 FP8 = {
@@ -68,9 +72,10 @@ def dequantize_fp8(codes: npt.NDArray, dtype: str) -> npt.NDArray[np.float64]:
     sign = np.where(c & 0x80, -1.0, 1.0)
     e = (c >> f.mant_bits) & ((1 << (7 - f.mant_bits)) - 1)
     m = (c & ((1 << f.mant_bits) - 1)).astype(np.float64)
-    scale_m = 2.0 ** f.mant_bits
-    val = np.where(e == 0, m / scale_m * 2.0 ** (1 - f.bias),
-                   (1 + m / scale_m) * 2.0 ** (e - f.bias))
+    scale_m = 2.0**f.mant_bits
+    val = np.where(
+        e == 0, m / scale_m * 2.0 ** (1 - f.bias), (1 + m / scale_m) * 2.0 ** (e - f.bias)
+    )
     top = (1 << (7 - f.mant_bits)) - 1  # the all-ones exponent
     if dtype == "float8_e5m2":
         val = np.where(e == top, np.where(m == 0, np.inf, np.nan), val)
@@ -101,9 +106,7 @@ def from_float64(x: npt.NDArray, dtype: str) -> npt.NDArray:
     return np.asarray(x).astype(np.float16)
 
 
-def gather_kv(
-    cache: npt.NDArray, block_table: npt.NDArray, seq_len: int
-) -> npt.NDArray:
+def gather_kv(cache: npt.NDArray, block_table: npt.NDArray, seq_len: int) -> npt.NDArray:
     """The first `seq_len` tokens of one sequence as a contiguous [seq_len, kv_heads, dim]."""
     block_size = cache.shape[1]
     n = -(-seq_len // block_size)
@@ -150,8 +153,11 @@ def paged_attention_decode(
     if scale is None:
         scale = 1.0 / np.sqrt(q64.shape[-1])
     hkv = k_cache.shape[2]
-    ks, vs = ((np.ones(hkv), np.ones(hkv)) if kv_scales is None else
-              (np.broadcast_to(np.asarray(x, dtype=np.float64), (hkv,)) for x in kv_scales))
+    ks, vs = (
+        (np.ones(hkv), np.ones(hkv))
+        if kv_scales is None
+        else (np.broadcast_to(np.asarray(x, dtype=np.float64), (hkv,)) for x in kv_scales)
+    )
     out = np.zeros(q64.shape, dtype=np.float64)
     for i, n in enumerate(np.asarray(seq_lens)):
         k = to_float64(gather_kv(k_cache, block_tables[i], int(n)), dtype) * ks[:, None]
@@ -207,8 +213,11 @@ def paged_attention_prefill(
     cached values, so the result is attention over the dequantized cache."""
     q64 = to_float64(q, q_dtype or dtype)
     hkv = k_cache.shape[2]
-    ks, vs = ((np.ones(hkv), np.ones(hkv)) if kv_scales is None else
-              (np.broadcast_to(np.asarray(x, dtype=np.float64), (hkv,)) for x in kv_scales))
+    ks, vs = (
+        (np.ones(hkv), np.ones(hkv))
+        if kv_scales is None
+        else (np.broadcast_to(np.asarray(x, dtype=np.float64), (hkv,)) for x in kv_scales)
+    )
     if scale is None:
         scale = 1.0 / np.sqrt(q64.shape[-1])
     out = np.zeros(q64.shape, dtype=np.float64)
@@ -238,8 +247,9 @@ def append_kv(
     v_cache[blk, off] = np.asarray(v)[keep]
 
 
-def quantize_kv(x: npt.NDArray, in_dtype: str, scale: npt.ArrayLike, dtype: str
-                ) -> npt.NDArray[np.uint8]:
+def quantize_kv(
+    x: npt.NDArray, in_dtype: str, scale: npt.ArrayLike, dtype: str
+) -> npt.NDArray[np.uint8]:
     """K or V rows [T, Hkv, D] (float16, or bfloat16 bits) -> fp8 codes of x / scale, as
     append_kv writes them: the division in float32 (IEEE, round to nearest), then
     quantize_fp8. scale: a scalar or [Hkv] float32."""
@@ -257,10 +267,15 @@ def copy_blocks(caches: list[npt.NDArray], pairs: npt.NDArray) -> None:
 
 
 def paged_metadata(
-    block_table: npt.NDArray, seq_lens: npt.NDArray, block_size: int,
-    qo_indptr: npt.NDArray | None = None, num_slots: int = 0, num_indices: int | None = None,
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int32],
-           npt.NDArray[np.int32]]:
+    block_table: npt.NDArray,
+    seq_lens: npt.NDArray,
+    block_size: int,
+    qo_indptr: npt.NDArray | None = None,
+    num_slots: int = 0,
+    num_indices: int | None = None,
+) -> tuple[
+    npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]
+]:
     """What the paged_metadata kernel writes, from block_table (int32 [num_seqs, width]) and
     seq_lens (tokens per sequence, including the step's): (slot_mapping int64 [num_slots],
     indptr int32 [num_seqs + 1], indices int32 [num_indices], last_page_len int32 [num_seqs]).
@@ -279,7 +294,7 @@ def paged_metadata(
     n_idx = num_seqs * width if num_indices is None else num_indices
     indices = np.full(n_idx, -1, np.int32)
     for s in range(num_seqs):
-        indices[indptr[s]:indptr[s + 1]] = table[s, :pages[s]][:max(0, n_idx - indptr[s])]
+        indices[indptr[s] : indptr[s + 1]] = table[s, : pages[s]][: max(0, n_idx - indptr[s])]
     last = np.where(pages > 0, np.minimum(lens - (pages - 1) * block_size, block_size), 0)
     slots = np.full(num_slots, NULL_SLOT, np.int64)
     if qo_indptr is not None:

@@ -47,7 +47,12 @@ def write_png(report: dict[str, Any], out_dir: Path, dpi: int = 110) -> Path:
     panels = 3 if cached is not None else 2
     fig, axes = plt.subplots(panels, 1, figsize=(9, 3.25 * panels), sharex=True)
     ax_util, ax_run = axes[0], axes[1]
-    colors = {"paged": "tab:blue", "paged_host_tier": "tab:green", "contiguous": "tab:orange", CACHED: "tab:green"}
+    colors = {
+        "paged": "tab:blue",
+        "paged_host_tier": "tab:green",
+        "contiguous": "tab:orange",
+        CACHED: "tab:green",
+    }
     for name, result in report["results"].items():
         s = result["series"]
         util = np.array([np.nan if u is None else u for u in s["kv_utilization"]], dtype=float)
@@ -59,16 +64,38 @@ def write_png(report: dict[str, Any], out_dir: Path, dpi: int = 110) -> Path:
         f"{report['workload'].get('num_requests')} requests ({report['workload'].get('kind', 'trace')})"
     )
     ax_util.set_ylabel("KV utilization\n(tokens stored / slots allocated)")
-    peak = max((u for r in report["results"].values() for u in r["series"]["kv_utilization"] if u is not None), default=1)
+    peak = max(
+        (
+            u
+            for r in report["results"].values()
+            for u in r["series"]["kv_utilization"]
+            if u is not None
+        ),
+        default=1,
+    )
     ax_util.set_ylim(0, max(1.05, 1.05 * peak))  # above 1 with prefix caching: shared blocks
     ax_run.set_ylabel("running requests")
     if cached is not None:
         s = cached["series"]
-        rate, total = (np.array([np.nan if u is None else u for u in s[k]], dtype=float)
-                       for k in ("prefix_hit_rate", "prefix_hit_rate_cumulative"))
-        axes[2].plot(s["time_s"], rate, label="over a fiftieth of the steps", color=colors[CACHED], lw=0.8, alpha=0.6)
-        axes[2].plot(s["time_s"], total, label=f"since the start (overall {cached['prefix_hit_rate']:.3f})",
-                     color="black", lw=1.5)
+        rate, total = (
+            np.array([np.nan if u is None else u for u in s[k]], dtype=float)
+            for k in ("prefix_hit_rate", "prefix_hit_rate_cumulative")
+        )
+        axes[2].plot(
+            s["time_s"],
+            rate,
+            label="over a fiftieth of the steps",
+            color=colors[CACHED],
+            lw=0.8,
+            alpha=0.6,
+        )
+        axes[2].plot(
+            s["time_s"],
+            total,
+            label=f"since the start (overall {cached['prefix_hit_rate']:.3f})",
+            color="black",
+            lw=1.5,
+        )
         axes[2].set_ylabel("prefix cache hit rate\n(cached / prompt tokens)")
         axes[2].set_ylim(0, 1.05)
     axes[-1].set_xlabel(f"time (s, {report['timing']['clock']})")
@@ -122,8 +149,12 @@ HOST_TIER_ROWS = (
     ("latency p99 (modelled)", "latency_p99_s", "{:.1f} s"),
 )
 
-COLUMNS = {"paged": "paged", "paged_host_tier": "paged + host tier", "contiguous": "contiguous",
-           CACHED: "paged + prefix caching"}
+COLUMNS = {
+    "paged": "paged",
+    "paged_host_tier": "paged + host tier",
+    "contiguous": "contiguous",
+    CACHED: "paged + prefix caching",
+}
 
 
 def _cell(result: dict[str, Any], key: str, fmt: Any) -> str:
@@ -146,13 +177,24 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
     prefix-caching one, never both (the simulator does not combine them)."""
     results = list(report["results"].values())
     paged, contiguous = report["results"]["paged"], report["results"]["contiguous"]
-    rows_spec = ROWS + (HOST_TIER_ROWS if "paged_host_tier" in report["results"] else ()) \
+    rows_spec = (
+        ROWS
+        + (HOST_TIER_ROWS if "paged_host_tier" in report["results"] else ())
         + (CACHE_ROWS if CACHED in report["results"] else ())
+    )
     rows = [(label, *(_cell(r, key, fmt) for r in results)) for label, key, fmt in rows_spec]
     if "measured_decode" in paged and "measured_decode" in contiguous:
-        rows.append(("decode tokens / s (measured, attention)",
-                     *(f"{r['measured_decode']['decode_tokens_per_s']:,.0f}" if "measured_decode" in r else "-"
-                       for r in results)))
+        rows.append(
+            (
+                "decode tokens / s (measured, attention)",
+                *(
+                    f"{r['measured_decode']['decode_tokens_per_s']:,.0f}"
+                    if "measured_decode" in r
+                    else "-"
+                    for r in results
+                ),
+            )
+        )
     return rows
 
 
@@ -160,8 +202,11 @@ def print_table(report: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     cached = CACHED in report["results"]
-    table = Table(title="kvpool simulate: paged vs contiguous" + (" vs paged with prefix caching" if cached else "")
-                  + " (same KV memory)")
+    table = Table(
+        title="kvpool simulate: paged vs contiguous"
+        + (" vs paged with prefix caching" if cached else "")
+        + " (same KV memory)"
+    )
     table.add_column("")
     for name in report["results"]:
         table.add_column(COLUMNS.get(name, name), justify="right")
@@ -183,8 +228,10 @@ def print_table(report: dict[str, Any], console: Any) -> None:
             f"throughput x{pc['modelled_throughput_ratio']:.2f}, TTFT mean x{pc['ttft_mean_ratio']:.2f}, "
             f"peak concurrency x{pc['peak_concurrency_ratio']:.2f} against caching off."
         )
-    console.print(f"time: {report['timing']['decode_attention']}; simulated clock is modelled "
-                  f"({report['timing']['model']['hardware']}).")
+    console.print(
+        f"time: {report['timing']['decode_attention']}; simulated clock is modelled "
+        f"({report['timing']['model']['hardware']})."
+    )
 
 
 def host_tier_line(report: dict[str, Any]) -> str:

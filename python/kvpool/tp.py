@@ -12,7 +12,8 @@ scheduler serves all ranks without seeing them. Design notes: ``tp.md``.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from kvpool._core import BlockTables, InvalidArgumentError, KvError, KvLayout, Pool
 from kvpool.kernels import copy_blocks
@@ -25,7 +26,8 @@ def _devices(devices: str | Sequence[str], tp_size: int) -> list[str]:
         if devices == "cuda":
             return [f"cuda:{r}" for r in range(tp_size)]
         raise InvalidArgumentError(
-            f"devices must be 'host', 'cuda' or a list of {tp_size} device names, got {devices!r}")
+            f"devices must be 'host', 'cuda' or a list of {tp_size} device names, got {devices!r}"
+        )
     names = [str(d) for d in devices]
     if len(names) != tp_size:
         raise InvalidArgumentError(f"{len(names)} devices given for tp_size {tp_size}")
@@ -64,9 +66,15 @@ class PoolGroup:
     ``"host"`` (N host slabs, for tests), or one device name per rank.
     """
 
-    def __init__(self, layout: KvLayout, tp_size: int, num_blocks: int | None = None, *,
-                 memory_bytes: int | None = None,
-                 devices: str | Sequence[str] = "cuda") -> None:
+    def __init__(
+        self,
+        layout: KvLayout,
+        tp_size: int,
+        num_blocks: int | None = None,
+        *,
+        memory_bytes: int | None = None,
+        devices: str | Sequence[str] = "cuda",
+    ) -> None:
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
             raise InvalidArgumentError(f"tp_size must be a positive int, got {tp_size!r}")
         self.layout = layout
@@ -79,7 +87,8 @@ class PoolGroup:
         names = _devices(devices, tp_size)
         with _keeping_current_device(names[0] != "host"):
             self.pools: tuple[Pool, ...] = tuple(
-                Pool(self.shard_layout, num_blocks, device=d) for d in names)
+                Pool(self.shard_layout, num_blocks, device=d) for d in names
+            )
 
     @property
     def primary(self) -> Pool:
@@ -129,13 +138,19 @@ class PoolGroup:
         self.primary.check_invariants()
         for rank, pool in enumerate(self.pools):
             if pool.layout != self.shard_layout or pool.num_blocks != self.num_blocks:
-                raise KvError(f"invariant violated: rank {rank}'s pool is {pool.layout} with "
-                              f"{pool.num_blocks} blocks, expected {self.shard_layout} with "
-                              f"{self.num_blocks}")
+                raise KvError(
+                    f"invariant violated: rank {rank}'s pool is {pool.layout} with "
+                    f"{pool.num_blocks} blocks, expected {self.shard_layout} with "
+                    f"{self.num_blocks}"
+                )
             if rank > 0 and pool.num_used != 0:
-                raise KvError(f"invariant violated: mirror pool of rank {rank} has "
-                              f"{pool.num_used} blocks allocated; allocate through the primary")
+                raise KvError(
+                    f"invariant violated: mirror pool of rank {rank} has "
+                    f"{pool.num_used} blocks allocated; allocate through the primary"
+                )
 
     def __repr__(self) -> str:
-        return (f"PoolGroup(tp_size={self.tp_size}, devices={[p.device for p in self.pools]}, "
-                f"num_blocks={self.num_blocks}, shard={self.shard_layout})")
+        return (
+            f"PoolGroup(tp_size={self.tp_size}, devices={[p.device for p in self.pools]}, "
+            f"num_blocks={self.num_blocks}, shard={self.shard_layout})"
+        )

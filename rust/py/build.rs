@@ -13,22 +13,27 @@ use std::path::PathBuf;
 
 fn main() {
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("set by cargo"));
-    let cuda_dir = manifest.join("../../cuda").canonicalize().expect("the repository's cuda/ folder");
+    let cuda_dir =
+        manifest.join("../../cuda").canonicalize().expect("the repository's cuda/ folder");
     println!("cargo:rerun-if-changed={}", cuda_dir.display());
 
     let mut names: Vec<String> = fs::read_dir(&cuda_dir)
         .expect("cuda/ is readable")
-        .map(|entry| entry.expect("cuda/ entry").file_name().into_string().expect("UTF-8 file name"))
+        .map(|entry| {
+            entry.expect("cuda/ entry").file_name().into_string().expect("UTF-8 file name")
+        })
         .filter(|name| name.ends_with(".cu") || name.ends_with(".cuh"))
         .collect();
     names.sort();
 
-    let mut table = String::from("/// (file name, source text) of every kernel source, sorted by name.\n");
+    let mut table =
+        String::from("/// (file name, source text) of every kernel source, sorted by name.\n");
     table.push_str("pub static KERNEL_SOURCES: &[(&str, &str)] = &[\n");
     for name in &names {
         let path = cuda_dir.join(name);
         println!("cargo:rerun-if-changed={}", path.display());
-        writeln!(table, "    ({name:?}, include_str!({:?})),", path.display().to_string()).expect("String write");
+        writeln!(table, "    ({name:?}, include_str!({:?})),", path.display().to_string())
+            .expect("String write");
     }
     table.push_str("];\n");
     let out = PathBuf::from(env::var("OUT_DIR").expect("set by cargo")).join("kernel_sources.rs");

@@ -65,13 +65,11 @@ def build_step(
     """decode: (request_id, token, position) per decoding sequence; prefill: (request_id,
     chunk tokens, start position) per chunk. The tables must already hold every slot."""
     bs = tables.pool.layout.block_size
-    dec_table = (tables.block_table([d[0] for d in decode]) if decode
-                 else np.zeros((0, 1), np.int32))
+    dec_table = tables.block_table([d[0] for d in decode]) if decode else np.zeros((0, 1), np.int32)
     dec = np.array([d[1:] for d in decode], np.int64).reshape(-1, 2)  # (token, position)
     dec_pos = dec[:, 1]
     ids, pos = [dec[:, 0]], [dec_pos]
-    slots = [dec_table[np.arange(len(decode)), dec_pos // bs].astype(np.int64) * bs
-             + dec_pos % bs]
+    slots = [dec_table[np.arange(len(decode)), dec_pos // bs].astype(np.int64) * bs + dec_pos % bs]
     pre_ids = [c[0] for c in prefill]
     pre_table = tables.block_table(pre_ids) if prefill else np.zeros((0, 1), np.int32)
     indptr = [0]

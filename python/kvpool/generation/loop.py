@@ -14,8 +14,9 @@ its known tokens minus the last one, and a preempted sequence re-prefills exactl
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -110,18 +111,23 @@ def generate(
             raise RuntimeError(f"no completion after {sched.step_index} steps")
         sched.step()
         plan = sched.last_plan
-        decode = [(s.request_id, tokens[s.request_id][s.kv_tokens - 1], s.kv_tokens - 1)
-                  for s in plan.decode]
-        prefill = [(s.request_id, tokens[s.request_id][start:start + n], start)
-                   for s, start, n in plan.prefill]
+        decode = [
+            (s.request_id, tokens[s.request_id][s.kv_tokens - 1], s.kv_tokens - 1)
+            for s in plan.decode
+        ]
+        prefill = [
+            (s.request_id, tokens[s.request_id][start : start + n], start)
+            for s, start, n in plan.prefill
+        ]
         result.num_steps += 1
         result.running_per_step.append(len(sched.running))
         result.peak_running = max(result.peak_running, len(sched.running))
         if not decode and not prefill:
             continue
         reqs = [by_id[d[0]] for d in decode]
-        batch = build_step(backend.tables, decode, prefill,
-                           [r.temperature for r in reqs], [r.seed for r in reqs])
+        batch = build_step(
+            backend.tables, decode, prefill, [r.temperature for r in reqs], [r.seed for r in reqs]
+        )
         new = runner.run(batch)
         for seq, token in zip(plan.decode, np.asarray(new).tolist()):
             r = by_id[seq.request_id]

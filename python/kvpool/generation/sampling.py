@@ -32,14 +32,16 @@ def gumbel_noise(seeds: np.ndarray, positions: np.ndarray, vocab: int) -> np.nda
     return -np.log(-np.log(u))
 
 
-def sample(logits: np.ndarray, temperatures: np.ndarray, seeds: np.ndarray,
-           positions: np.ndarray) -> np.ndarray:
+def sample(
+    logits: np.ndarray, temperatures: np.ndarray, seeds: np.ndarray, positions: np.ndarray
+) -> np.ndarray:
     """int64 token per row: greedy where the temperature is 0, Gumbel-max otherwise."""
     logits = np.asarray(logits, np.float64)
     out = logits.argmax(axis=1)
     hot = temperatures > 0
     if hot.any():
         noisy = logits[hot] / temperatures[hot, None] + gumbel_noise(
-            seeds[hot], positions[hot], logits.shape[1])
+            seeds[hot], positions[hot], logits.shape[1]
+        )
         out[hot] = noisy.argmax(axis=1)
     return out.astype(np.int64)

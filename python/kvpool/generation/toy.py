@@ -27,15 +27,24 @@ class ToyModel:
         self.hq = self.hkv * group
         width = self.hq * self.d
         rng = np.random.default_rng(seed)
-        w = (lambda *s: rng.standard_normal(s) / np.sqrt(s[0]))
+        w = lambda *s: rng.standard_normal(s) / np.sqrt(s[0])
         self.embed = rng.standard_normal((vocab_size, width))
-        self.layers = [(w(width, width), w(width, self.hkv * self.d), w(width, self.hkv * self.d),
-                        w(width, width)) for _ in range(lay.num_layers)]
+        self.layers = [
+            (
+                w(width, width),
+                w(width, self.hkv * self.d),
+                w(width, self.hkv * self.d),
+                w(width, width),
+            )
+            for _ in range(lay.num_layers)
+        ]
         self.unembed = w(width, vocab_size)
         self.rope = rng.standard_normal(self.d)  # position enters K through a phase
 
     def _kv(self, h, positions, wk, wv):
-        k = (h @ wk).reshape(-1, self.hkv, self.d) * np.cos(positions[:, None, None] * self.rope / 64)
+        k = (h @ wk).reshape(-1, self.hkv, self.d) * np.cos(
+            positions[:, None, None] * self.rope / 64
+        )
         return k.astype(np.float32), (h @ wv).reshape(-1, self.hkv, self.d).astype(np.float32)
 
     def _prefill_attention(self, q, layer, batch: StepBatch) -> np.ndarray:
@@ -71,11 +80,16 @@ class ToyModel:
             attn = self._prefill_attention(q, layer, batch)
             if n:
                 attn[:n] = paged_attention_decode(
-                    q[:n].astype(np.float32), self.pool, layer, batch.decode_block_table,
-                    batch.decode_seq_lens)
+                    q[:n].astype(np.float32),
+                    self.pool,
+                    layer,
+                    batch.decode_block_table,
+                    batch.decode_seq_lens,
+                )
             h = h + attn.reshape(len(h), -1) @ wo
         return h[:n] @ self.unembed
 
     def run(self, batch: StepBatch) -> np.ndarray:
-        return sample(self.logits(batch), batch.temperatures, batch.seeds,
-                      batch.positions[:batch.num_decode])
+        return sample(
+            self.logits(batch), batch.temperatures, batch.seeds, batch.positions[: batch.num_decode]
+        )

@@ -38,15 +38,17 @@ MIN_CHUNK = 256  # tokens per split at least, as the library's own plan
 class _BucketGraph:
     """The graph of one (bucket, block-table width) and its input buffers."""
 
-    def __init__(self, runner: Any, bucket: int, width: int, stream: torch.cuda.Stream,
-                 mempool: Any) -> None:
+    def __init__(
+        self, runner: Any, bucket: int, width: int, stream: torch.cuda.Stream, mempool: Any
+    ) -> None:
         from kvpool.integrations.transformers import KvpoolStep
 
         dev, pool = runner.device, runner.pool
         self.bucket, self.width = bucket, width
         self.layout = PackedLayout.of(
             [(1, bucket), (1, bucket), (bucket,), (bucket, width), (bucket,)],
-            [np.int64, np.int64, np.int64, np.int32, np.int32])
+            [np.int64, np.int64, np.int64, np.int32, np.int32],
+        )
         self.device_buf = torch.zeros(self.layout.total, dtype=torch.int32, device=dev)
         self.staging = PinnedStaging()
         ids, pos, slots, table, lens = self.layout.views(self.device_buf)
@@ -56,22 +58,39 @@ class _BucketGraph:
         lay = pool.layout
         max_seq_len = width * lay.block_size
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        splits = max(1, min(round(sms / (bucket * lay.num_kv_heads)),
-                            -(-max_seq_len // MIN_CHUNK), 128))
+        splits = max(
+            1, min(round(sms / (bucket * lay.num_kv_heads)), -(-max_seq_len // MIN_CHUNK), 128)
+        )
         self.workspace = torch.empty(
             workspace_elems(bucket, cfg.num_attention_heads, lay.head_dim, splits),
-            dtype=torch.float32, device=dev)
+            dtype=torch.float32,
+            device=dev,
+        )
         no_prefill = np.zeros((0, width), np.int32)
-        shell = StepBatch(np.zeros(bucket, np.int64), np.zeros(bucket, np.int64),
-                          np.full(bucket, -1, np.int64), bucket, np.zeros((bucket, width), np.int32),
-                          np.ones(bucket, np.int32), np.zeros(1, np.int32), no_prefill,
-                          np.zeros(0, np.int32), np.zeros(bucket, np.float32),
-                          np.zeros(bucket, np.int64))
-        zeros = (lambda *shape: torch.zeros(shape, dtype=torch.int32, device=dev))
-        self.step = KvpoolStep(pool, shell, dev, runner.prefill,
-                               [slots, table, lens, zeros(1), zeros(0, width), zeros(0)],
-                               max_seq_len=max_seq_len, num_splits=splits,
-                               workspace=self.workspace)
+        shell = StepBatch(
+            np.zeros(bucket, np.int64),
+            np.zeros(bucket, np.int64),
+            np.full(bucket, -1, np.int64),
+            bucket,
+            np.zeros((bucket, width), np.int32),
+            np.ones(bucket, np.int32),
+            np.zeros(1, np.int32),
+            no_prefill,
+            np.zeros(0, np.int32),
+            np.zeros(bucket, np.float32),
+            np.zeros(bucket, np.int64),
+        )
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=dev)
+        self.step = KvpoolStep(
+            pool,
+            shell,
+            dev,
+            runner.prefill,
+            [slots, table, lens, zeros(1), zeros(0, width), zeros(0)],
+            max_seq_len=max_seq_len,
+            num_splits=splits,
+            workspace=self.workspace,
+        )
         self.ids, self.pos = ids, pos
         self.runner = runner
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -82,8 +101,9 @@ class _BucketGraph:
         self.graph = torch.cuda.CUDAGraph()
         # relaxed: the kernels' argument checks look up the attributes of the graph pool's fresh
         # pointers (cudaPointerGetAttributes, cached per pointer), a query, not stream work
-        with torch.cuda.graph(self.graph, pool=mempool, stream=stream,
-                              capture_error_mode="relaxed"):
+        with torch.cuda.graph(
+            self.graph, pool=mempool, stream=stream, capture_error_mode="relaxed"
+        ):
             self.logits = self.forward()
 
     def forward(self) -> torch.Tensor:
@@ -140,6 +160,6 @@ class DecodeGraphs:
         g = self.bucket_graph(batch)
         g.load(batch)
         if not replay:
-            return g.run_eager()[:batch.num_decode]
+            return g.run_eager()[: batch.num_decode]
         g.graph.replay()
-        return g.logits[:batch.num_decode]
+        return g.logits[: batch.num_decode]

@@ -70,7 +70,9 @@ class _KvpoolLayer(CacheLayerMixin):
         return self.cache.seen_width
 
     def get_max_length(self) -> int:
-        return -1  # as a dynamic cache: generate's length limits apply, the tables' width is checked
+        return (
+            -1
+        )  # as a dynamic cache: generate's length limits apply, the tables' width is checked
 
     def reset(self) -> None:
         pass
@@ -86,8 +88,15 @@ class KvpoolCache(Cache):
     what is left. prefill="sdpa" runs prompt attention with torch SDPA over K/V gathered from
     the pool (the cross-check path)."""
 
-    def __init__(self, model: Any, pool: Any, *, max_batch_size: int, max_cache_len: int,
-                 prefill: str = "kernel") -> None:
+    def __init__(
+        self,
+        model: Any,
+        pool: Any,
+        *,
+        max_batch_size: int,
+        max_cache_len: int,
+        prefill: str = "kernel",
+    ) -> None:
         from kvpool.integrations.transformers import (
             PREFILL,
             check_layout,
@@ -136,8 +145,10 @@ class KvpoolCache(Cache):
 
     def row_lens(self) -> np.ndarray:
         """Tokens held per row (0 for a released row)."""
-        return np.array([0 if b in self.finished else self.tables.num_tokens(b)
-                         for b in range(self.num_rows)], np.int64)
+        return np.array(
+            [0 if b in self.finished else self.tables.num_tokens(b) for b in range(self.num_rows)],
+            np.int64,
+        )
 
     # -- the step of one forward (built at layer 0, used by every layer) ----------------------
 
@@ -154,9 +165,13 @@ class KvpoolCache(Cache):
             cached = np.zeros(batch_size, np.int64)
         else:
             if batch_size != self.num_rows:
-                raise ValueError(f"the cache holds {self.num_rows} rows, this forward has {batch_size}")
+                raise ValueError(
+                    f"the cache holds {self.num_rows} rows, this forward has {batch_size}"
+                )
             cached = self.row_lens()
-            new = np.array([0 if b in self.finished else width for b in range(batch_size)], np.int64)
+            new = np.array(
+                [0 if b in self.finished else width for b in range(batch_size)], np.int64
+            )
         plan = plan_padded_step(cached, new, width)
         for b in np.concatenate([plan.decode_rows, plan.prefill_rows]).tolist():
             if cached[b] == 0:
@@ -178,8 +193,15 @@ class KvpoolCache(Cache):
         self.plan = plan
         self.seen_width += width
 
-    def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scale: float, position_ids: torch.Tensor | None) -> torch.Tensor:
+    def attend(
+        self,
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Attention of a padded forward: query [B, q_heads, T, D], key/value [B, kv_heads,
         T, D]; returns [B, T, q_heads, D]."""
         from kvpool.integrations.transformers import attend_packed
@@ -201,7 +223,9 @@ class _ReleaseAtEos(StoppingCriteria):
         ids = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids)
         self.cache, self.eos = cache, torch.tensor(ids, dtype=torch.long)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+    def __call__(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs
+    ) -> torch.BoolTensor:
         last = input_ids[:, -1]
         done = torch.isin(last, self.eos.to(last.device)).cpu().numpy()
         self.cache.release(np.flatnonzero(done))

@@ -33,15 +33,19 @@ class PackedLayout:
             at = -(-at // 4) * 4  # 16-byte boundaries
             offsets.append(at)
             at += words
-        return PackedLayout(tuple(tuple(s) for s in shapes), tuple(np.dtype(d) for d in dtypes),
-                            tuple(offsets), max(at, 1))
+        return PackedLayout(
+            tuple(tuple(s) for s in shapes),
+            tuple(np.dtype(d) for d in dtypes),
+            tuple(offsets),
+            max(at, 1),
+        )
 
     def views(self, buf):
         """The arrays as views of `buf` (a NumPy or torch int32 buffer of >= total elements)."""
         out = []
         for shape, dt, off in zip(self.shapes, self.dtypes, self.offsets):
             n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize // 4
-            part = buf[off:off + n]
+            part = buf[off : off + n]
             if dt.itemsize == 8:
                 part = part.view(np.int64 if isinstance(buf, np.ndarray) else torch.int64)
             out.append(part.reshape(shape))
@@ -60,9 +64,11 @@ class PinnedStaging:
         if self._copied is not None:
             self._copied.synchronize()
         if self._host is None or self._host.numel() < total:
-            self._host = torch.empty(max(total, 2 * (0 if self._host is None else
-                                                     self._host.numel()), 4096),
-                                     dtype=torch.int32, pin_memory=True)
+            self._host = torch.empty(
+                max(total, 2 * (0 if self._host is None else self._host.numel()), 4096),
+                dtype=torch.int32,
+                pin_memory=True,
+            )
         return self._host, self._host.numpy()
 
     def copy_to(self, dst: torch.Tensor, total: int) -> None:

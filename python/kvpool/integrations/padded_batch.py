@@ -59,7 +59,9 @@ def plan_padded_step(cached_lens: np.ndarray, new_lens: np.ndarray, width: int) 
     rows = np.arange(len(new), dtype=np.int64)
     is_decode = (new == 1) & (cached > 0)
     decode, prefill = rows[is_decode], rows[~is_decode & (new > 0)]
-    parts = [b * width + np.arange(width - new[b], width, dtype=np.int64)
-             for b in np.concatenate([decode, prefill])]
+    parts = [
+        b * width + np.arange(width - new[b], width, dtype=np.int64)
+        for b in np.concatenate([decode, prefill])
+    ]
     gather = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     return PaddedStep(decode, prefill, new, gather)

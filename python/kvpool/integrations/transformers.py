@@ -33,8 +33,12 @@ from kvpool.generation.sampling import M1, M2, MASK
 from kvpool.integrations.packed_upload import PinnedStaging, upload
 
 NAME = "kvpool"
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-                "float8_e4m3fn": torch.float8_e4m3fn}
+TORCH_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
 
 
 def _is_cuda(pool: Any) -> bool:
@@ -44,7 +48,9 @@ def _is_cuda(pool: Any) -> bool:
 def pool_device(pool: Any) -> torch.device:
     """The torch device of a pool ("cpu" for a host pool)."""
     d = str(pool.device)
-    return torch.device(d if ":" in d else "cuda:0") if d.startswith("cuda") else torch.device("cpu")
+    return (
+        torch.device(d if ":" in d else "cuda:0") if d.startswith("cuda") else torch.device("cpu")
+    )
 
 
 def register() -> None:
@@ -65,9 +71,16 @@ def pool_layer(pool: Any, layer: int, part: str) -> torch.Tensor:
 
 def step_arrays(batch: StepBatch) -> list[np.ndarray]:
     """The host arrays a CUDA step uploads, in KvpoolStep's order after (input_ids, positions)."""
-    return [batch.input_ids, batch.positions, batch.slot_mapping, batch.decode_block_table,
-            batch.decode_seq_lens, batch.prefill_qo_indptr, batch.prefill_block_table,
-            batch.prefill_seq_lens]
+    return [
+        batch.input_ids,
+        batch.positions,
+        batch.slot_mapping,
+        batch.decode_block_table,
+        batch.decode_seq_lens,
+        batch.prefill_qo_indptr,
+        batch.prefill_block_table,
+        batch.prefill_seq_lens,
+    ]
 
 
 class KvpoolStep:
@@ -76,10 +89,18 @@ class KvpoolStep:
     decode_seq_lens, prefill_qo_indptr, prefill_block_table, prefill_seq_lens); a captured
     decode step also fixes the decode plan: max_seq_len (a bound), num_splits and workspace."""
 
-    def __init__(self, pool: Any, batch: StepBatch, device: torch.device,
-                 prefill: str = "kernel", device_arrays: list[torch.Tensor] | None = None, *,
-                 max_seq_len: int | None = None, num_splits: int | None = None,
-                 workspace: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        pool: Any,
+        batch: StepBatch,
+        device: torch.device,
+        prefill: str = "kernel",
+        device_arrays: list[torch.Tensor] | None = None,
+        *,
+        max_seq_len: int | None = None,
+        num_splits: int | None = None,
+        workspace: torch.Tensor | None = None,
+    ) -> None:
         self.pool, self.batch, self.device = pool, batch, device
         self.prefill = PREFILL[prefill]
         self._plan: Any = None
@@ -90,8 +111,14 @@ class KvpoolStep:
         if self.cuda:
             if device_arrays is None:
                 raise ValueError("a CUDA step needs its metadata on the device (device_arrays)")
-            (self.slot_mapping, self.decode_block_table, self.decode_seq_lens, self.qo_indptr,
-             self.prefill_block_table, self.prefill_seq_lens) = device_arrays
+            (
+                self.slot_mapping,
+                self.decode_block_table,
+                self.decode_seq_lens,
+                self.qo_indptr,
+                self.prefill_block_table,
+                self.prefill_seq_lens,
+            ) = device_arrays
             if max_seq_len is None:
                 max_seq_len = int(batch.decode_seq_lens.max()) if batch.num_decode else 0
             self.max_decode_len = max_seq_len
@@ -100,15 +127,23 @@ class KvpoolStep:
     def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self._views.get(layer)
         if kv is None:
-            kv = self._views[layer] = (pool_layer(self.pool, layer, "k"),
-                                       pool_layer(self.pool, layer, "v"))
+            kv = self._views[layer] = (
+                pool_layer(self.pool, layer, "k"),
+                pool_layer(self.pool, layer, "v"),
+            )
         return kv
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [num_tokens, kv_heads, head_dim] into the pool at the step's slots."""
         if self.cuda:
-            kvpool.append_kv(k, v, self.pool, layer, self.slot_mapping,
-                             stream=torch.cuda.current_stream(self.device))
+            kvpool.append_kv(
+                k,
+                v,
+                self.pool,
+                layer,
+                self.slot_mapping,
+                stream=torch.cuda.current_stream(self.device),
+            )
         else:
             kvpool.append_kv(_np(k), _np(v), self.pool, layer, self.batch.slot_mapping)
 
@@ -117,40 +152,67 @@ class KvpoolStep:
         n, b = self.num_decode, self.batch
         if self.cuda:
             kvpool.paged_attention_decode(
-                q[:n], self.pool, layer, self.decode_block_table, self.decode_seq_lens,
-                scale=scale, out=out[:n], stream=torch.cuda.current_stream(self.device),
-                max_seq_len=self.max_decode_len, num_splits=self.num_splits,
-                workspace=self.workspace)
+                q[:n],
+                self.pool,
+                layer,
+                self.decode_block_table,
+                self.decode_seq_lens,
+                scale=scale,
+                out=out[:n],
+                stream=torch.cuda.current_stream(self.device),
+                max_seq_len=self.max_decode_len,
+                num_splits=self.num_splits,
+                workspace=self.workspace,
+            )
         else:
-            res = kvpool.paged_attention_decode(_np(q[:n]), self.pool, layer, b.decode_block_table,
-                                                b.decode_seq_lens, scale=scale)
+            res = kvpool.paged_attention_decode(
+                _np(q[:n]), self.pool, layer, b.decode_block_table, b.decode_seq_lens, scale=scale
+            )
             out[:n] = torch.from_numpy(np.ascontiguousarray(res))
 
 
-def prefill_kernel(step: KvpoolStep, layer: int, q: torch.Tensor, scale: float,
-                   out: torch.Tensor) -> None:
+def prefill_kernel(
+    step: KvpoolStep, layer: int, q: torch.Tensor, scale: float, out: torch.Tensor
+) -> None:
     """Causal attention of every prefill chunk over its cached prefix and itself with
     kvpool.paged_attention_prefill (one launch per layer; the plan is made once per step)."""
     b, n0 = step.batch, step.num_decode
     if b.num_prefill == 0:
         return
     if step._plan is None:
-        step._plan = kvpool.prefill_plan(step.pool, b.prefill_qo_indptr, b.prefill_seq_lens,
-                                         q.shape[1])
+        step._plan = kvpool.prefill_plan(
+            step.pool, b.prefill_qo_indptr, b.prefill_seq_lens, q.shape[1]
+        )
     if step.cuda:
         kvpool.paged_attention_prefill(
-            q[n0:], step.pool, layer, step.qo_indptr, step.prefill_block_table,
-            step.prefill_seq_lens, scale=scale, out=out[n0:], plan=step._plan,
-            stream=torch.cuda.current_stream(step.device))
+            q[n0:],
+            step.pool,
+            layer,
+            step.qo_indptr,
+            step.prefill_block_table,
+            step.prefill_seq_lens,
+            scale=scale,
+            out=out[n0:],
+            plan=step._plan,
+            stream=torch.cuda.current_stream(step.device),
+        )
     else:
         res = kvpool.paged_attention_prefill(
-            _np(q[n0:]), step.pool, layer, b.prefill_qo_indptr, b.prefill_block_table,
-            b.prefill_seq_lens, scale=scale, plan=step._plan)
+            _np(q[n0:]),
+            step.pool,
+            layer,
+            b.prefill_qo_indptr,
+            b.prefill_block_table,
+            b.prefill_seq_lens,
+            scale=scale,
+            plan=step._plan,
+        )
         out[n0:] = torch.from_numpy(np.ascontiguousarray(res))
 
 
-def prefill_sdpa(step: KvpoolStep, layer: int, q: torch.Tensor, scale: float,
-                 out: torch.Tensor) -> None:
+def prefill_sdpa(
+    step: KvpoolStep, layer: int, q: torch.Tensor, scale: float, out: torch.Tensor
+) -> None:
     """The same attention with torch SDPA over K/V gathered from the pool's blocks, one chunk
     at a time: the cross-check of the kernel and a fallback (`prefill="sdpa"`)."""
     b = step.batch
@@ -170,13 +232,19 @@ def prefill_sdpa(step: KvpoolStep, layer: int, q: torch.Tensor, scale: float,
         start = total - (hi - lo)
         mask = rows[None, :] <= (start + torch.arange(hi - lo, device=q.device))[:, None]
         o = torch.nn.functional.scaled_dot_product_attention(
-            qi[None], k[None].to(q.dtype), v[None].to(q.dtype), attn_mask=mask, scale=scale,
-            enable_gqa=True)
+            qi[None],
+            k[None].to(q.dtype),
+            v[None].to(q.dtype),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
         out[lo:hi] = o[0].transpose(0, 1)
 
 
-def attend_packed(step: KvpoolStep, layer: int, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, scale: float) -> torch.Tensor:
+def attend_packed(
+    step: KvpoolStep, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """One layer of a packed step: q [num_tokens, q_heads, D], k/v [num_tokens, kv_heads, D]
     (decode rows first). Writes k/v into the pool; returns the attention [num_tokens,
     q_heads, D]."""
@@ -188,10 +256,17 @@ def attend_packed(step: KvpoolStep, layer: int, q: torch.Tensor, k: torch.Tensor
     return out
 
 
-def kvpool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                     value: torch.Tensor, attention_mask: Any, dropout: float = 0.0,
-                     scaling: float | None = None, kvpool_step: KvpoolStep | None = None,
-                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+def kvpool_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    kvpool_step: KvpoolStep | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers attention function. With `kvpool_step` (TransformersRunner): a packed step,
     query [1, q_heads, T, D], key/value [1, kv_heads, T, D]. Without it, the forward of a model
     whose past_key_values is a KvpoolCache (generate): a padded batch [B, heads, T, D].
@@ -205,10 +280,13 @@ def kvpool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             raise ValueError(
                 "attn_implementation='kvpool' needs a kvpool cache: pass past_key_values="
                 "KvpoolCache(...) to generate / forward, or run the model through "
-                "kvpool.integrations.transformers.TransformersRunner")
+                "kvpool.integrations.transformers.TransformersRunner"
+            )
         return cache.attend(module, query, key, value, scale, kwargs.get("position_ids")), None
     if query.shape[0] != 1:
-        raise ValueError(f"kvpool attention takes a packed batch [1, num_tokens], got {query.shape[0]} rows")
+        raise ValueError(
+            f"kvpool attention takes a packed batch [1, num_tokens], got {query.shape[0]} rows"
+        )
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     return attend_packed(kvpool_step, module.layer_idx, q, k, v, scale)[None], None
 
@@ -228,8 +306,9 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 32)
 
 
-def sample(logits: torch.Tensor, temperatures: np.ndarray, seeds: np.ndarray,
-           positions: np.ndarray) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, temperatures: np.ndarray, seeds: np.ndarray, positions: np.ndarray
+) -> torch.Tensor:
     """The torch twin of kvpool.generation.sample (same Gumbel noise), on the logits' device."""
     out = logits.argmax(dim=1)
     hot = np.flatnonzero(temperatures > 0)
@@ -255,8 +334,15 @@ class TransformersRunner:
     to a power-of-two bucket and its decode plan fixed per bucket, so its logits can differ
     from the eager step's in the last bits (other GEMM shapes, other split of the KV)."""
 
-    def __init__(self, model: Any, pool: Any, *, prefill: str = "kernel",
-                 cuda_graphs: bool = False, max_graph_batch: int = 256) -> None:
+    def __init__(
+        self,
+        model: Any,
+        pool: Any,
+        *,
+        prefill: str = "kernel",
+        cuda_graphs: bool = False,
+        max_graph_batch: int = 256,
+    ) -> None:
         if prefill not in PREFILL:
             raise ValueError(f"prefill must be one of {sorted(PREFILL)}, got {prefill!r}")
         self.prefill = prefill
@@ -280,7 +366,9 @@ class TransformersRunner:
         if self.model.config._attn_implementation != NAME:  # someone switched it meanwhile
             self.model.set_attn_implementation(NAME)
 
-    def forward_hidden(self, ids: torch.Tensor, pos: torch.Tensor, step: KvpoolStep) -> torch.Tensor:
+    def forward_hidden(
+        self, ids: torch.Tensor, pos: torch.Tensor, step: KvpoolStep
+    ) -> torch.Tensor:
         """Last hidden states [num_tokens, hidden] of ids / pos ([1, num_tokens] int64)."""
         out = self.model.model(input_ids=ids, position_ids=pos, use_cache=False, kvpool_step=step)
         return out.last_hidden_state[0]
@@ -309,7 +397,7 @@ class TransformersRunner:
         if self.graphs is not None and self.graphs.covers(batch):
             self._ensure_attention()
             return self.graphs.logits(batch)
-        return self.model.lm_head(self.hidden(batch)[:batch.num_decode]).float()
+        return self.model.lm_head(self.hidden(batch)[: batch.num_decode]).float()
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> np.ndarray:
@@ -329,12 +417,18 @@ def check_layout(model: Any, pool: Any) -> None:
 
 def layout_for(model: Any, block_size: int = 16) -> Any:
     """The kvpool.KvLayout that holds `model`'s KV cache in its parameters' dtype."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dtype = {v: k for k, v in TORCH_DTYPES.items()}[next(model.parameters()).dtype]
-    return kvpool.KvLayout(num_layers=cfg.num_hidden_layers,
-                           num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                           head_dim=head_dim, block_size=block_size, dtype=dtype)
+    return kvpool.KvLayout(
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+    )
 
 
 from kvpool.integrations.hf_cache import KvpoolCache  # noqa: E402  (generate's cache; needs the above)

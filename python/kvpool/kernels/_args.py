@@ -71,8 +71,15 @@ def _read_torch(t: Any) -> ArrayView:
     if ts is None:
         import torch
 
-        names = {torch.float16: "<f2", torch.bfloat16: "<V2", torch.float32: "<f4",
-                 torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8", torch.uint8: "|u1"}
+        names = {
+            torch.float16: "<f2",
+            torch.bfloat16: "<V2",
+            torch.float32: "<f4",
+            torch.int16: "<i2",
+            torch.int32: "<i4",
+            torch.int64: "<i8",
+            torch.uint8: "|u1",
+        }
         ts = _TORCH_TYPESTR[t.dtype] = names.get(t.dtype, f"<V{t.element_size()}")
     size = t.element_size()
     return ArrayView(t.data_ptr(), tuple(t.shape), tuple(s * size for s in t.stride()), ts, None)
@@ -125,7 +132,7 @@ def dev(v: ArrayView, name: str) -> DevArray:
     if 0 in shape:
         # An empty array's strides mean nothing (CuPy reports zeros): use C order, so the
         # layout checks that follow judge only arrays that have elements.
-        strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     return DevArray(ptr, tuple(shape), strides, typestr, itemsize)
 
 

@@ -79,11 +79,17 @@ def fp8_decode_tuning() -> Fp8DecodeTuning:
             raise ValueError(f"{FP8_DECODE_ENV}={text!r}: expected warps=W,stages=S,fill=F")
         fields[name] = int(value)
     tuning = Fp8DecodeTuning(**fields)
-    if (tuning.warps not in FP8_DECODE_WARPS or tuning.stages not in (0, 2, 3, 4)
-            or not 0 <= tuning.fill <= 4):
-        raise ValueError(f"{FP8_DECODE_ENV}={text!r}: warps in {FP8_DECODE_WARPS}, "
-                         "stages 2..4 (or 0), fill 1..4 (or 0)")
+    if (
+        tuning.warps not in FP8_DECODE_WARPS
+        or tuning.stages not in (0, 2, 3, 4)
+        or not 0 <= tuning.fill <= 4
+    ):
+        raise ValueError(
+            f"{FP8_DECODE_ENV}={text!r}: warps in {FP8_DECODE_WARPS}, "
+            "stages 2..4 (or 0), fill 1..4 (or 0)"
+        )
     return tuning
+
 
 # The CUDA-core decode (paged_decode.cu, `pipeline=0/1`) is a baseline for tests and benchmarks,
 # with its own narrower set and a separate merge launch.
@@ -97,8 +103,10 @@ COMMON_OPTIONS = ("-std=c++17",)
 
 def supported_set() -> str:
     """The shapes the tensor-core decode runs, for error messages."""
-    return ("dtype float16 or bfloat16, head_dim a multiple of 8 in 32..256, block_size a power "
-            "of two in 1..256, any num_q_heads that is a multiple of num_kv_heads")
+    return (
+        "dtype float16 or bfloat16, head_dim a multiple of 8 in 32..256, block_size a power "
+        "of two in 1..256, any num_q_heads that is a multiple of num_kv_heads"
+    )
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -279,18 +287,27 @@ class TcVariant:
 
     def options(self) -> tuple[str, ...]:
         fp8 = (f"-DKV_FP8={self.fp8}", f"-DQ_BF16={int(self.q_dtype == 'bfloat16')}")
-        return COMMON_OPTIONS + (fp8 if self.fp8 else ()) + (
-            f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
-            f"-DDP={self.dp}",
-            f"-DNH={self.nh}",
-            f"-DNWARPS={self.warps}",
-            f"-DSTAGES={self.stages}",
-            f"-DMAX_SPLITS={MAX_SPLITS}",
+        return (
+            COMMON_OPTIONS
+            + (fp8 if self.fp8 else ())
+            + (
+                f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
+                f"-DDP={self.dp}",
+                f"-DNH={self.nh}",
+                f"-DNWARPS={self.warps}",
+                f"-DSTAGES={self.stages}",
+                f"-DMAX_SPLITS={MAX_SPLITS}",
+            )
         )
 
 
-def tc_variant(dtype: str, head_dim: int, group: int, q_dtype: str | None = None,
-               tuning: Fp8DecodeTuning | None = None) -> tuple[TcVariant, int]:
+def tc_variant(
+    dtype: str,
+    head_dim: int,
+    group: int,
+    q_dtype: str | None = None,
+    tuning: Fp8DecodeTuning | None = None,
+) -> tuple[TcVariant, int]:
     """The module and head tile for a (dtype, head_dim, group) in the supported set (q_dtype:
     the query dtype of an fp8 cache; tuning: the fp8 decode's warps and stages, default
     FP8_DECODE_DEFAULT, ignored for 16-bit caches)."""
@@ -304,20 +321,28 @@ def tc_variant(dtype: str, head_dim: int, group: int, q_dtype: str | None = None
 def tuned(variant: TcVariant, tuning: Fp8DecodeTuning) -> TcVariant:
     """An fp8 decode module with the tuning's warps and stages (a fixed stage count that does
     not fit in shared memory at this width is lowered, down to 2)."""
-    v = TcVariant(variant.dtype, variant.dp, variant.nh, variant.q_dtype, tuning.warps,
-                  tuning.stages)
+    v = TcVariant(
+        variant.dtype, variant.dp, variant.nh, variant.q_dtype, tuning.warps, tuning.stages
+    )
     while v.fixed_stages > 2 and v.dynamic_smem_bytes > SMEM_PER_SM:
         v = TcVariant(v.dtype, v.dp, v.nh, v.q_dtype, v.warps, v.fixed_stages - 1)
     if v.dynamic_smem_bytes > SMEM_PER_SM:
-        raise ValueError(f"{FP8_DECODE_ENV}: {tuning} needs {v.dynamic_smem_bytes} bytes of "
-                         f"shared memory per CTA at head width {v.dp} (at most {SMEM_PER_SM})")
+        raise ValueError(
+            f"{FP8_DECODE_ENV}: {tuning} needs {v.dynamic_smem_bytes} bytes of "
+            f"shared memory per CTA at head width {v.dp} (at most {SMEM_PER_SM})"
+        )
     return v
 
 
 def tc_variants() -> list[TcVariant]:
     dps = sorted({padded_head_dim(d) for d in TC_HEAD_DIMS})
-    return [TcVariant(dt, dp, nh) for dt in DTYPES for dp in dps for nh in (1, 2)
-            if nh == 1 or dp <= TC_NH2_MAX_DP]
+    return [
+        TcVariant(dt, dp, nh)
+        for dt in DTYPES
+        for dp in dps
+        for nh in (1, 2)
+        if nh == 1 or dp <= TC_NH2_MAX_DP
+    ]
 
 
 def fp8_tc_variants() -> list[TcVariant]:
@@ -325,12 +350,21 @@ def fp8_tc_variants() -> list[TcVariant]:
     two query types, so a subset keeps CI short): e4m3 with fp16 queries at six widths (the
     smallest, an odd chunk count, the common ones, the largest) and both head tiles, the other
     three (format, query) pairs at 64 and 128."""
-    main = [TcVariant("float8_e4m3fn", dp, nh, "float16") for dp in (32, 48, 64, 128, 192, 256)
-            for nh in (1, 2) if nh == 1 or dp <= FP8_NH2_MAX_DP]
-    other = [TcVariant(dt, dp, 2, q) for dt, q in (("float8_e4m3fn", "bfloat16"),
-                                                    ("float8_e5m2", "float16"),
-                                                    ("float8_e5m2", "bfloat16"))
-             for dp in (64, 128)]
+    main = [
+        TcVariant("float8_e4m3fn", dp, nh, "float16")
+        for dp in (32, 48, 64, 128, 192, 256)
+        for nh in (1, 2)
+        if nh == 1 or dp <= FP8_NH2_MAX_DP
+    ]
+    other = [
+        TcVariant(dt, dp, 2, q)
+        for dt, q in (
+            ("float8_e4m3fn", "bfloat16"),
+            ("float8_e5m2", "float16"),
+            ("float8_e5m2", "bfloat16"),
+        )
+        for dp in (64, 128)
+    ]
     return [tuned(v, FP8_DECODE_DEFAULT) for v in main + other]
 
 
@@ -339,8 +373,13 @@ def cuda_core_variants() -> list[DecodeVariant]:
     compiles any of its 192 variants on demand): both dtypes, the three head dims at head tile 4
     and block size 16 (the block size changes one shift, the tile one loop bound), and the
     register-load path at head_dim 128."""
-    return [DecodeVariant(dt, hd, 16, 4, p) for dt in DTYPES for hd in HEAD_DIMS
-            for p in (0, 1) if p == PIPELINE or hd == 128]
+    return [
+        DecodeVariant(dt, hd, 16, 4, p)
+        for dt in DTYPES
+        for hd in HEAD_DIMS
+        for p in (0, 1)
+        if p == PIPELINE or hd == 128
+    ]
 
 
 def decode_variants() -> list[DecodeVariant | TcVariant]:
@@ -373,6 +412,8 @@ def fp8_prefill_async() -> bool:
     if text not in ("", "0", "1"):
         raise ValueError(f"{FP8_PREFILL_ASYNC_ENV}={text!r}: expected 0 or 1")
     return FP8_PREFILL_ASYNC_DEFAULT if not text else text == "1"
+
+
 PREFILL_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -410,8 +451,11 @@ class PrefillVariant:
         STAGING_BYTES in the .cu)."""
         row = 2 * self.head_dim
         if self.fp8_async:  # one fp16 K+V tile, STAGES fp8 K+V staging tiles
-            return (self.rows * row + 2 * self.kv_tile * row
-                    + PREFILL_STAGES * 2 * self.kv_tile * self.head_dim)
+            return (
+                self.rows * row
+                + 2 * self.kv_tile * row
+                + PREFILL_STAGES * 2 * self.kv_tile * self.head_dim
+            )
         return self.rows * row + PREFILL_STAGES * 2 * self.kv_tile * row
 
     @property
@@ -424,32 +468,59 @@ class PrefillVariant:
     def options(self) -> tuple[str, ...]:
         fp8 = FP8_DTYPES.get(self.dtype, 0)
         fp8_opts = (f"-DKV_FP8={fp8}", f"-DQ_BF16={int(self.q_dtype == 'bfloat16')}") + (
-            ("-DKV_FP8_ASYNC=1",) if self.fp8_async else ())
-        return COMMON_OPTIONS + (fp8_opts if fp8 else ()) + (
-            f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
-            f"-DHEAD_DIM={self.head_dim}",
-            f"-DBLOCK_SIZE={self.block_size}",
-            f"-DNWARPS={self.warps}",
-            f"-DBN={self.kv_tile}",
-            f"-DSTAGES={PREFILL_STAGES}",
+            ("-DKV_FP8_ASYNC=1",) if self.fp8_async else ()
+        )
+        return (
+            COMMON_OPTIONS
+            + (fp8_opts if fp8 else ())
+            + (
+                f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
+                f"-DHEAD_DIM={self.head_dim}",
+                f"-DBLOCK_SIZE={self.block_size}",
+                f"-DNWARPS={self.warps}",
+                f"-DBN={self.kv_tile}",
+                f"-DSTAGES={PREFILL_STAGES}",
+            )
         )
 
 
 def prefill_variants() -> list[PrefillVariant]:
     """The prefill variants CI compiles: wide and narrow for every dtype and head dim at the
     block sizes the decode kernels support, plus the smallest and largest other block size."""
-    main = [PrefillVariant(dt, hd, bs, w) for dt in DTYPES for hd in HEAD_DIMS
-            for bs in BLOCK_SIZES for w in (PREFILL_WIDE_WARPS, PREFILL_NARROW_WARPS)]
-    edges = [PrefillVariant("float16", 128, bs) for bs in (PREFILL_BLOCK_SIZES[0],
-                                                           PREFILL_BLOCK_SIZES[-1])]
-    fp8 = [PrefillVariant("float8_e4m3fn", hd, 16, w, "float16") for hd in HEAD_DIMS
-           for w in (PREFILL_WIDE_WARPS, PREFILL_NARROW_WARPS)]
-    fp8 += [PrefillVariant(dt, 128, 16, PREFILL_WIDE_WARPS, q) for dt, q in (
-        ("float8_e4m3fn", "bfloat16"), ("float8_e5m2", "float16"), ("float8_e5m2", "bfloat16"))]
+    main = [
+        PrefillVariant(dt, hd, bs, w)
+        for dt in DTYPES
+        for hd in HEAD_DIMS
+        for bs in BLOCK_SIZES
+        for w in (PREFILL_WIDE_WARPS, PREFILL_NARROW_WARPS)
+    ]
+    edges = [
+        PrefillVariant("float16", 128, bs)
+        for bs in (PREFILL_BLOCK_SIZES[0], PREFILL_BLOCK_SIZES[-1])
+    ]
+    fp8 = [
+        PrefillVariant("float8_e4m3fn", hd, 16, w, "float16")
+        for hd in HEAD_DIMS
+        for w in (PREFILL_WIDE_WARPS, PREFILL_NARROW_WARPS)
+    ]
+    fp8 += [
+        PrefillVariant(dt, 128, 16, PREFILL_WIDE_WARPS, q)
+        for dt, q in (
+            ("float8_e4m3fn", "bfloat16"),
+            ("float8_e5m2", "float16"),
+            ("float8_e5m2", "bfloat16"),
+        )
+    ]
     # The asynchronous fp8 loads (KVPOOL_FP8_PREFILL_ASYNC): every head dim wide, 128 narrow.
-    fp8 += [PrefillVariant("float8_e4m3fn", hd, 16, w, "float16", True) for hd, w in (
-        (64, PREFILL_WIDE_WARPS), (128, PREFILL_WIDE_WARPS), (256, PREFILL_WIDE_WARPS),
-        (128, PREFILL_NARROW_WARPS))]
+    fp8 += [
+        PrefillVariant("float8_e4m3fn", hd, 16, w, "float16", True)
+        for hd, w in (
+            (64, PREFILL_WIDE_WARPS),
+            (128, PREFILL_WIDE_WARPS),
+            (256, PREFILL_WIDE_WARPS),
+            (128, PREFILL_NARROW_WARPS),
+        )
+    ]
     return main + edges + fp8
 
 
@@ -464,9 +535,12 @@ def all_sources() -> list[tuple[str, str, tuple[str, ...]]]:
     """(label, source, options) for every module the CI compile test builds."""
     out = [(_label(v), read_source(v.source), v.options()) for v in decode_variants()]
     out += [
-        (f"{v.kernel}[{v.dtype}{',q=' + v.q_dtype if v.q_dtype else ''},{v.head_dim},"
-         f"{v.block_size},w{v.warps}{',async' if v.fp8_async else ''}]", read_source(v.source),
-         v.options())
+        (
+            f"{v.kernel}[{v.dtype}{',q=' + v.q_dtype if v.q_dtype else ''},{v.head_dim},"
+            f"{v.block_size},w{v.warps}{',async' if v.fp8_async else ''}]",
+            read_source(v.source),
+            v.options(),
+        )
         for v in prefill_variants()
     ]
     out.append(("append_kv", read_source("append_kv.cu"), COMMON_OPTIONS))

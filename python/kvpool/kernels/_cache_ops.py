@@ -22,7 +22,6 @@ from kvpool.kernels._args import (
     pool_is_cuda,
     view,
 )
-from kvpool.kernels._scales import KvScales
 from kvpool.kernels._launch import (
     Kernel,
     cupy_stream,
@@ -31,6 +30,7 @@ from kvpool.kernels._launch import (
     stream_handle,
     wait_producers,
 )
+from kvpool.kernels._scales import KvScales
 
 _u64, _i64, _i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32
 
@@ -39,20 +39,36 @@ class _AppendArgs(ctypes.Structure):
     """The parameters of append_kv (cuda/append_kv.cu), in order."""
 
     _fields_ = [
-        ("k", _u64), ("k_tok_stride", _i64), ("k_head_stride", _i64),
-        ("v", _u64), ("v_tok_stride", _i64), ("v_head_stride", _i64),
-        ("slot_mapping", _u64), ("k_base", _u64), ("v_base", _u64),
-        ("block_stride", _i64), ("token_stride", _i64), ("head_stride", _i64),
-        ("block_size", _i32), ("num_slots", _i64), ("num_heads", _i32), ("row_vecs", _i32),
+        ("k", _u64),
+        ("k_tok_stride", _i64),
+        ("k_head_stride", _i64),
+        ("v", _u64),
+        ("v_tok_stride", _i64),
+        ("v_head_stride", _i64),
+        ("slot_mapping", _u64),
+        ("k_base", _u64),
+        ("v_base", _u64),
+        ("block_stride", _i64),
+        ("token_stride", _i64),
+        ("head_stride", _i64),
+        ("block_size", _i32),
+        ("num_slots", _i64),
+        ("num_heads", _i32),
+        ("row_vecs", _i32),
     ]
 
 
 class _AppendFp8Args(ctypes.Structure):
     """The parameters of append_kv_fp8 (cuda/append_kv.cu), in order."""
 
-    _fields_ = [*_AppendArgs._fields_,
-                ("k_scale", _u64), ("v_scale", _u64), ("scale_head_stride", _i32),
-                ("in_bf16", _i32), ("fmt", _i32)]
+    _fields_ = [
+        *_AppendArgs._fields_,
+        ("k_scale", _u64),
+        ("v_scale", _u64),
+        ("scale_head_stride", _i32),
+        ("in_bf16", _i32),
+        ("fmt", _i32),
+    ]
 
 
 class _CopyArgs(ctypes.Structure):
@@ -62,7 +78,13 @@ class _CopyArgs(ctypes.Structure):
 
 
 def append_kv(
-    k: Any, v: Any, pool: Any, layer: int, slot_mapping: Any, *, stream: Any = None,
+    k: Any,
+    v: Any,
+    pool: Any,
+    layer: int,
+    slot_mapping: Any,
+    *,
+    stream: Any = None,
     scales: KvScales | None = None,
 ) -> None:
     """Write new tokens' K and V ([num_tokens, num_kv_heads, head_dim], the pool's dtype) into
@@ -88,7 +110,9 @@ def append_kv(
         k, v, slots = _host_inputs(k, v, slot_mapping, row)
         for name, a in (("k", k), ("v", v)):  # the element types the CUDA path accepts
             if not elem_ok(a.dtype.kind, a.itemsize, layout.dtype, layout.elem_bytes):
-                raise InvalidArgumentError(f"{name} has dtype {a.dtype}; the pool's is {layout.dtype}")
+                raise InvalidArgumentError(
+                    f"{name} has dtype {a.dtype}; the pool's is {layout.dtype}"
+                )
         kc, vc = pool.k_view(layer), pool.v_view(layer)
         reference.append_kv(k.view(kc.dtype), v.view(vc.dtype), kc, vc, slots)
         return
@@ -99,10 +123,15 @@ def append_kv(
         if layout.elem_bytes == 2:
             check_elem16(a, name, layout.dtype)
         elif a.itemsize != layout.elem_bytes:
-            raise InvalidArgumentError(f"{name} has element size {a.itemsize}; pool's is {layout.elem_bytes}")
-        if a.strides[2] != 1 or a.ptr % 16 or (a.strides[0] * a.itemsize) % 16 or (
-            a.strides[1] * a.itemsize
-        ) % 16:
+            raise InvalidArgumentError(
+                f"{name} has element size {a.itemsize}; pool's is {layout.elem_bytes}"
+            )
+        if (
+            a.strides[2] != 1
+            or a.ptr % 16
+            or (a.strides[0] * a.itemsize) % 16
+            or (a.strides[1] * a.itemsize) % 16
+        ):
             raise InvalidArgumentError(f"{name} rows must be contiguous and 16-byte aligned")
     if row_bytes % 16 or st["head"] != row_bytes or st["token"] % 16 or st["block"] % 16:
         raise InvalidArgumentError(f"layout {st} does not fit the 16-byte append kernel")
@@ -112,10 +141,21 @@ def append_kv(
     device_id = _on_pool_device(pool, ka, va, sa)
     k_base = pool.base_ptr + layer * st["layer"]
     args = _AppendArgs(
-        ka.ptr, ka.strides[0] * ka.itemsize, ka.strides[1] * ka.itemsize,
-        va.ptr, va.strides[0] * va.itemsize, va.strides[1] * va.itemsize,
-        sa.ptr, k_base, k_base + st["kv"], st["block"], st["token"], st["head"],
-        layout.block_size, pool.num_blocks * layout.block_size, layout.num_kv_heads,
+        ka.ptr,
+        ka.strides[0] * ka.itemsize,
+        ka.strides[1] * ka.itemsize,
+        va.ptr,
+        va.strides[0] * va.itemsize,
+        va.strides[1] * va.itemsize,
+        sa.ptr,
+        k_base,
+        k_base + st["kv"],
+        st["block"],
+        st["token"],
+        st["head"],
+        layout.block_size,
+        pool.num_blocks * layout.block_size,
+        layout.num_kv_heads,
         row_bytes // 16,
     )
     import cupy
@@ -123,26 +163,34 @@ def append_kv(
     with cupy.cuda.Device(device_id):
         sp = stream_handle(stream)  # None: the pool device's current stream
         wait_producers(sp, device_id, kv, vv, sv)
-        launch(_kernel("append_kv", "append_kv", device_id), (n, 1, 1), 128, 0, sp,
-               param_block(args))
+        launch(
+            _kernel("append_kv", "append_kv", device_id), (n, 1, 1), 128, 0, sp, param_block(args)
+        )
 
 
 def _append_fp8(k, v, pool, layer, slot_mapping, stream, scales) -> None:
     layout = pool.layout
     if not isinstance(scales, KvScales) or scales.pool is not pool:
         raise InvalidArgumentError(
-            f"append_kv into a {layout.dtype} pool needs scales=KvScales(pool) of this pool")
+            f"append_kv into a {layout.dtype} pool needs scales=KvScales(pool) of this pool"
+        )
     row = (layout.num_kv_heads, layout.head_dim)
     if not pool_is_cuda(pool):
         k, v, slots = _host_inputs(k, v, slot_mapping, row)
-        in_dtype = _fp8_input_dtype(k.dtype.kind, k.itemsize, v.dtype.kind, v.itemsize,
-                                    layout.dtype)
+        in_dtype = _fp8_input_dtype(
+            k.dtype.kind, k.itemsize, v.dtype.kind, v.itemsize, layout.dtype
+        )
         if scales.auto_calibrate:
             scales.calibrate_from(layer, k, v, slots)
         ks, vs = scales.layer_scales(layer)
         kc, vc = pool.k_view(layer), pool.v_view(layer)
-        reference.append_kv(reference.quantize_kv(k, in_dtype, ks, layout.dtype),
-                            reference.quantize_kv(v, in_dtype, vs, layout.dtype), kc, vc, slots)
+        reference.append_kv(
+            reference.quantize_kv(k, in_dtype, ks, layout.dtype),
+            reference.quantize_kv(v, in_dtype, vs, layout.dtype),
+            kc,
+            vc,
+            slots,
+        )
         return
     (kv, vv, sv), (ka, va, sa) = _device_inputs(k, v, slot_mapping, row)
     in_dtype = _fp8_input_dtype(ka.kind, ka.itemsize, va.kind, va.itemsize, layout.dtype)
@@ -167,15 +215,37 @@ def _append_fp8(k, v, pool, layer, slot_mapping, stream, scales) -> None:
         k_base = pool.base_ptr + layer * st["layer"]
         k_scale, v_scale = scales.ptrs(layer)
         args = _AppendFp8Args(
-            ka.ptr, ka.strides[0] * 2, ka.strides[1] * 2, va.ptr, va.strides[0] * 2,
-            va.strides[1] * 2, sa.ptr, k_base, k_base + st["kv"], st["block"], st["token"],
-            st["head"], layout.block_size, pool.num_blocks * layout.block_size,
-            layout.num_kv_heads, layout.head_dim // 8, k_scale, v_scale, scales.head_stride,
-            int(in_dtype == "bfloat16"), _build.FP8_DTYPES[layout.dtype],
+            ka.ptr,
+            ka.strides[0] * 2,
+            ka.strides[1] * 2,
+            va.ptr,
+            va.strides[0] * 2,
+            va.strides[1] * 2,
+            sa.ptr,
+            k_base,
+            k_base + st["kv"],
+            st["block"],
+            st["token"],
+            st["head"],
+            layout.block_size,
+            pool.num_blocks * layout.block_size,
+            layout.num_kv_heads,
+            layout.head_dim // 8,
+            k_scale,
+            v_scale,
+            scales.head_stride,
+            int(in_dtype == "bfloat16"),
+            _build.FP8_DTYPES[layout.dtype],
         )
         wait_producers(sp, device_id, kv, vv, sv)
-        launch(_kernel("append_kv", "append_kv_fp8", device_id), (n, 1, 1), 128, 0, sp,
-               param_block(args))
+        launch(
+            _kernel("append_kv", "append_kv_fp8", device_id),
+            (n, 1, 1),
+            128,
+            0,
+            sp,
+            param_block(args),
+        )
 
 
 def _fp8_input_dtype(k_kind: str, k_size: int, v_kind: str, v_size: int, pool_dtype: str) -> str:
@@ -186,7 +256,8 @@ def _fp8_input_dtype(k_kind: str, k_size: int, v_kind: str, v_size: int, pool_dt
         raise InvalidArgumentError(
             f"k and v must both be float16 or both bfloat16 to write into a {pool_dtype} pool "
             f"(it quantizes while writing), got element types {k_kind}{k_size} and "
-            f"{v_kind}{v_size}")
+            f"{v_kind}{v_size}"
+        )
     return "float16" if k_kind == "f" else "bfloat16"
 
 
@@ -195,8 +266,7 @@ def _kernel(module: str, name: str, device_id: int) -> Kernel:
     return Kernel(_build.plain_module(module), name, device_id)
 
 
-def _host_inputs(k: Any, v: Any, slot_mapping: Any,
-                 row: tuple[int, int]) -> tuple[np.ndarray, ...]:
+def _host_inputs(k: Any, v: Any, slot_mapping: Any, row: tuple[int, int]) -> tuple[np.ndarray, ...]:
     """k, v and slot_mapping for a host pool, as NumPy arrays of the right shapes (int64 slots)."""
     if hasattr(k, "__cuda_array_interface__") or hasattr(v, "__cuda_array_interface__"):
         raise InvalidArgumentError("k/v are device arrays but the pool is on the host")
@@ -207,8 +277,7 @@ def _host_inputs(k: Any, v: Any, slot_mapping: Any,
     return k, v, slots
 
 
-def _device_inputs(k: Any, v: Any, slot_mapping: Any,
-                   row: tuple[int, int]) -> tuple[tuple, tuple]:
+def _device_inputs(k: Any, v: Any, slot_mapping: Any, row: tuple[int, int]) -> tuple[tuple, tuple]:
     """(views, device arrays) of k, v and slot_mapping for a CUDA pool, shapes checked (int64
     slots); the views carry the producers' streams, for wait_producers."""
     views = view(k, "k"), view(v, "v"), view(slot_mapping, "slot_mapping")
@@ -275,5 +344,11 @@ def copy_blocks(pool: Any, pairs: Any, *, stream: Any = None) -> None:
         with cupy_stream(sp):  # the upload of the pairs is ordered before the copy kernel
             dev_pairs = cupy.asarray(pairs)
         args = _CopyArgs(pool.base_ptr, dev_pairs.data.ptr, st["block"], layout.block_bytes)
-        launch(_kernel("copy_blocks", "copy_blocks", device_id), (len(pairs), chunks, 1), 256,
-               0, sp, param_block(args))
+        launch(
+            _kernel("copy_blocks", "copy_blocks", device_id),
+            (len(pairs), chunks, 1),
+            256,
+            0,
+            sp,
+            param_block(args),
+        )

@@ -34,8 +34,8 @@ from kvpool.kernels._launch import (
     stream_handle,
     wait_producers,
 )
-from kvpool.kernels._scales import KvScales
 from kvpool.kernels._plan import CTAS_PER_SM, TC_CTAS_PER_SM, DecodePlan, plan_decode
+from kvpool.kernels._scales import KvScales
 
 LOG2E = 1.4426950408889634  # the kernel works in the log2 domain (exp2)
 
@@ -101,8 +101,19 @@ def paged_attention_decode(
     if not info.cuda:
         return _decode_host(q, pool, layer, block_tables, seq_lens, scale, out, scales)
     return _decode_cuda(
-        q, pool, info, layer, block_tables, seq_lens, scale, out, stream, max_seq_len,
-        num_splits, workspace, _build.TC if pipeline is None else index_arg(pipeline, "pipeline"),
+        q,
+        pool,
+        info,
+        layer,
+        block_tables,
+        seq_lens,
+        scale,
+        out,
+        stream,
+        max_seq_len,
+        num_splits,
+        workspace,
+        _build.TC if pipeline is None else index_arg(pipeline, "pipeline"),
         scales,
     )
 
@@ -117,7 +128,8 @@ def _check_scales(pool: Any, info: _PoolInfo, scales: KvScales | None, op: str) 
     if info.layout.dtype in _build.FP8_DTYPES:
         if not isinstance(scales, KvScales) or scales.pool is not pool:
             raise InvalidArgumentError(
-                f"{op} over a {info.layout.dtype} pool needs scales=KvScales(pool) of this pool")
+                f"{op} over a {info.layout.dtype} pool needs scales=KvScales(pool) of this pool"
+            )
     elif scales is not None:
         raise InvalidArgumentError(f"scales are for fp8 pools; this pool holds {info.layout.dtype}")
 
@@ -157,8 +169,7 @@ def _check_shapes(q_shape, bt_shape, sl_shape, layout) -> tuple[int, int, int]:
 
 def _decode_host(q, pool, layer, block_tables, seq_lens, scale, out, scales=None):
     layout = pool.layout
-    for name, a in (("q", q), ("block_tables", block_tables), ("seq_lens", seq_lens),
-                    ("out", out)):
+    for name, a in (("q", q), ("block_tables", block_tables), ("seq_lens", seq_lens), ("out", out)):
         if hasattr(a, "__cuda_array_interface__"):
             raise InvalidArgumentError(f"{name} is a device array but the pool is on the host")
     q = np.asarray(q)
@@ -174,7 +185,8 @@ def _decode_host(q, pool, layer, block_tables, seq_lens, scale, out, scales=None
         if a.dtype.kind not in "iu":
             raise InvalidArgumentError(f"{name} must be an integer array, got {a.dtype}")
     if out is not None and (
-        not isinstance(out, np.ndarray) or out.shape != q.shape
+        not isinstance(out, np.ndarray)
+        or out.shape != q.shape
         or not elem_ok(out.dtype.kind, out.itemsize, q_dtype, q.itemsize)
     ):
         raise InvalidArgumentError(
@@ -189,8 +201,15 @@ def _decode_host(q, pool, layer, block_tables, seq_lens, scale, out, scales=None
         if ((row < 0) | (row >= pool.num_blocks)).any():
             raise InvalidArgumentError(f"block table row {i} holds an id outside the pool")
     res = reference.paged_attention_decode(
-        q, pool.k_view(layer), pool.v_view(layer), tables, lens, layout.dtype, scale,
-        q_dtype=q_dtype, kv_scales=scales.layer_scales(layer) if scales else None,
+        q,
+        pool.k_view(layer),
+        pool.v_view(layer),
+        tables,
+        lens,
+        layout.dtype,
+        scale,
+        q_dtype=q_dtype,
+        kv_scales=scales.layer_scales(layer) if scales else None,
     )
     return _host_result(res, q_dtype, q, out)
 
@@ -209,8 +228,20 @@ def _num_sms(device_id: int) -> int:
 
 
 class _PoolInfo:
-    __slots__ = ("base_ptr", "block_size", "cuda", "device_id", "dtype", "head_dim", "layout",
-                 "num_blocks", "num_kv_heads", "num_layers", "serial", "strides")
+    __slots__ = (
+        "base_ptr",
+        "block_size",
+        "cuda",
+        "device_id",
+        "dtype",
+        "head_dim",
+        "layout",
+        "num_blocks",
+        "num_kv_heads",
+        "num_layers",
+        "serial",
+        "strides",
+    )
 
     def __init__(self, pool: Any) -> None:
         layout = pool.layout
@@ -245,20 +276,31 @@ def _pool_info(pool: Any) -> _PoolInfo:
 
 class _DecodeArgs(ctypes.Structure):
     _fields_ = [
-        ("q", ctypes.c_uint64), ("q_seq_stride", ctypes.c_int64), ("q_head_stride", ctypes.c_int64),
-        ("out", ctypes.c_uint64), ("out_seq_stride", ctypes.c_int64),
+        ("q", ctypes.c_uint64),
+        ("q_seq_stride", ctypes.c_int64),
+        ("q_head_stride", ctypes.c_int64),
+        ("out", ctypes.c_uint64),
+        ("out_seq_stride", ctypes.c_int64),
         ("out_head_stride", ctypes.c_int64),
-        ("part_o", ctypes.c_uint64), ("part_lse", ctypes.c_uint64),
+        ("part_o", ctypes.c_uint64),
+        ("part_lse", ctypes.c_uint64),
         ("counters", ctypes.c_uint64),
-        ("k_base", ctypes.c_uint64), ("v_base", ctypes.c_uint64),
-        ("block_stride", ctypes.c_int64), ("token_stride", ctypes.c_int64),
-        ("head_stride", ctypes.c_int64), ("num_blocks", ctypes.c_int32),
+        ("k_base", ctypes.c_uint64),
+        ("v_base", ctypes.c_uint64),
+        ("block_stride", ctypes.c_int64),
+        ("token_stride", ctypes.c_int64),
+        ("head_stride", ctypes.c_int64),
+        ("num_blocks", ctypes.c_int32),
         ("bs_log2", ctypes.c_int32),
-        ("block_tables", ctypes.c_uint64), ("bt_stride", ctypes.c_int64),
+        ("block_tables", ctypes.c_uint64),
+        ("bt_stride", ctypes.c_int64),
         ("seq_lens", ctypes.c_uint64),
-        ("num_q_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("group", ctypes.c_int32),
+        ("num_q_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("group", ctypes.c_int32),
         ("gq", ctypes.c_int32),
-        ("chunk_tokens", ctypes.c_int32), ("max_splits", ctypes.c_int32),
+        ("chunk_tokens", ctypes.c_int32),
+        ("max_splits", ctypes.c_int32),
         ("scale_log2", ctypes.c_float),
     ]
 
@@ -266,8 +308,12 @@ class _DecodeArgs(ctypes.Structure):
 class _DecodeFp8Args(ctypes.Structure):
     """The tensor-core kernel's parameters over an fp8 cache: _DecodeArgs' and the scales."""
 
-    _fields_ = [*_DecodeArgs._fields_, ("k_scale", ctypes.c_uint64),
-                ("v_scale", ctypes.c_uint64), ("scale_head_stride", ctypes.c_int32)]
+    _fields_ = [
+        *_DecodeArgs._fields_,
+        ("k_scale", ctypes.c_uint64),
+        ("v_scale", ctypes.c_uint64),
+        ("scale_head_stride", ctypes.c_int32),
+    ]
 
 
 def fp8_query_dtype(kind: str, itemsize: int, pool_dtype: str) -> str:
@@ -275,7 +321,8 @@ def fp8_query_dtype(kind: str, itemsize: int, pool_dtype: str) -> str:
     2-byte type); anything else (fp8 queries among them) is refused."""
     if itemsize != 2:
         raise InvalidArgumentError(
-            f"q over a {pool_dtype} pool must be float16 or bfloat16, got a {itemsize}-byte type")
+            f"q over a {pool_dtype} pool must be float16 or bfloat16, got a {itemsize}-byte type"
+        )
     return "float16" if kind == "f" else "bfloat16"
 
 
@@ -285,10 +332,15 @@ _TC_ONLY = ("counters", "bs_log2", "head_dim", "gq")
 
 class _MergeArgs(ctypes.Structure):
     _fields_ = [
-        ("part_o", ctypes.c_uint64), ("part_lse", ctypes.c_uint64), ("out", ctypes.c_uint64),
-        ("out_seq_stride", ctypes.c_int64), ("out_head_stride", ctypes.c_int64),
-        ("seq_lens", ctypes.c_uint64), ("num_q_heads", ctypes.c_int32),
-        ("chunk_tokens", ctypes.c_int32), ("max_splits", ctypes.c_int32),
+        ("part_o", ctypes.c_uint64),
+        ("part_lse", ctypes.c_uint64),
+        ("out", ctypes.c_uint64),
+        ("out_seq_stride", ctypes.c_int64),
+        ("out_head_stride", ctypes.c_int64),
+        ("seq_lens", ctypes.c_uint64),
+        ("num_q_heads", ctypes.c_int32),
+        ("chunk_tokens", ctypes.c_int32),
+        ("max_splits", ctypes.c_int32),
     ]
 
 
@@ -296,11 +348,16 @@ class _Prepared:
     """Everything about a decode call that does not change between calls with the same pool,
     layer, shapes, strides, dtypes, scale and kernel choice."""
 
-    def __init__(self, info: _PoolInfo, layer: int, qv, btv, slv, ov, scale, pipeline,
-                 scales=None) -> None:
+    def __init__(
+        self, info: _PoolInfo, layer: int, qv, btv, slv, ov, scale, pipeline, scales=None
+    ) -> None:
         d = info.head_dim
-        qa, bt, sl, oa = _dev(qv, "q"), _dev(btv, "block_tables"), _dev(slv, "seq_lens"), _dev(
-            ov, "out")
+        qa, bt, sl, oa = (
+            _dev(qv, "q"),
+            _dev(btv, "block_tables"),
+            _dev(slv, "seq_lens"),
+            _dev(ov, "out"),
+        )
         num_seqs, hq, group = _check_shapes(qa.shape, bt.shape, sl.shape, _LayoutDims(info))
         fp8 = info.dtype in _build.FP8_DTYPES
         q_dtype = fp8_query_dtype(qa.kind, qa.itemsize, info.dtype) if fp8 else info.dtype
@@ -328,7 +385,7 @@ class _Prepared:
                 variant, gq = _build.tc_variant(info.dtype, d, group, q_dtype, tuning)
             except ValueError as e:
                 raise InvalidArgumentError(str(e)) from None
-            ctas_per_sm = (tuning.fill if tuning and tuning.fill else TC_CTAS_PER_SM)
+            ctas_per_sm = tuning.fill if tuning and tuning.fill else TC_CTAS_PER_SM
         elif pipeline in (0, 1):
             gq = _build.group_tile(group)
             variant = _build.DecodeVariant(info.dtype, d, info.block_size, gq, pipeline)
@@ -350,10 +407,33 @@ class _Prepared:
         self.merge = None if self.tc else Kernel(mod, "merge_splits", info.device_id)
         k_base = info.base_ptr + layer * st["layer"]
         a = self.args = (_DecodeFp8Args if fp8 else _DecodeArgs)(
-            0, qa.strides[0], qa.strides[1], 0, oa.strides[0], oa.strides[1], 0, 0, 0,
-            k_base, k_base + st["kv"], st["block"], st["token"], st["head"], info.num_blocks,
-            info.block_size.bit_length() - 1, 0, bt.strides[0], 0, hq, d, group, gq, 0, 0,
-            (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E)
+            0,
+            qa.strides[0],
+            qa.strides[1],
+            0,
+            oa.strides[0],
+            oa.strides[1],
+            0,
+            0,
+            0,
+            k_base,
+            k_base + st["kv"],
+            st["block"],
+            st["token"],
+            st["head"],
+            info.num_blocks,
+            info.block_size.bit_length() - 1,
+            0,
+            bt.strides[0],
+            0,
+            hq,
+            d,
+            group,
+            gq,
+            0,
+            0,
+            (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E,
+        )
         self.fp8 = fp8
         if fp8:
             a.scale_head_stride = scales.head_stride
@@ -376,10 +456,12 @@ _PREPARED: dict[tuple, _Prepared] = {}
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(num_seqs, ctas_per_seq, max_seq_len, tokens_per_iter, num_sms, num_splits,
-          ctas_per_sm) -> DecodePlan:
-    return plan_decode(num_seqs, ctas_per_seq, max_seq_len, tokens_per_iter, num_sms, num_splits,
-                       ctas_per_sm)
+def _plan(
+    num_seqs, ctas_per_seq, max_seq_len, tokens_per_iter, num_sms, num_splits, ctas_per_sm
+) -> DecodePlan:
+    return plan_decode(
+        num_seqs, ctas_per_seq, max_seq_len, tokens_per_iter, num_sms, num_splits, ctas_per_sm
+    )
 
 
 _WORKSPACES: collections.OrderedDict[tuple[int, int], Any] = collections.OrderedDict()
@@ -415,7 +497,8 @@ def _workspace_ptr(workspace: Any, need: int, device_id: int, stream: int) -> in
     ws = _dev(_view(workspace, "workspace"), "workspace")
     if ws.typestr[1:] != "f4" or len(ws.shape) != 1 or ws.strides[0] != 1 or ws.shape[0] < need:
         raise InvalidArgumentError(
-            f"workspace must be a contiguous 1-d float32 array of >= {need} elements")
+            f"workspace must be a contiguous 1-d float32 array of >= {need} elements"
+        )
     check_ptr(ws.ptr, "workspace", device_id)
     return ws.ptr
 
@@ -443,30 +526,59 @@ def _cached_workspace(device_id: int, stream: int, need: int) -> int:
 def _unsupported(dtype: str, head_dim: int, block_size: int, pipeline: int) -> str | None:
     """Why no decode kernel runs this pool's shape (None: one does); cached per shape."""
     if dtype in _build.FP8_DTYPES:
-        if (pipeline == _build.TC and head_dim in _build.FP8_HEAD_DIMS
-                and block_size in _build.TC_BLOCK_SIZES):
+        if (
+            pipeline == _build.TC
+            and head_dim in _build.FP8_HEAD_DIMS
+            and block_size in _build.TC_BLOCK_SIZES
+        ):
             return None
-        return (f"no decode kernel for dtype {dtype}, head_dim {head_dim}, block_size "
-                f"{block_size}, pipeline {pipeline}; fp8 pools run the tensor-core kernel "
-                f"(pipeline None) with head_dim a multiple of 16 in 32..256 and block_size a "
-                f"power of two in 1..256")
+        return (
+            f"no decode kernel for dtype {dtype}, head_dim {head_dim}, block_size "
+            f"{block_size}, pipeline {pipeline}; fp8 pools run the tensor-core kernel "
+            f"(pipeline None) with head_dim a multiple of 16 in 32..256 and block_size a "
+            f"power of two in 1..256"
+        )
     if pipeline == _build.TC:
-        ok = (dtype in _build.DTYPES and head_dim in _build.TC_HEAD_DIMS
-              and block_size in _build.TC_BLOCK_SIZES)
+        ok = (
+            dtype in _build.DTYPES
+            and head_dim in _build.TC_HEAD_DIMS
+            and block_size in _build.TC_BLOCK_SIZES
+        )
         supported = _build.supported_set()
     else:
-        ok = (dtype in _build.DTYPES and head_dim in _build.HEAD_DIMS
-              and block_size in _build.BLOCK_SIZES)
-        supported = (f"dtype float16 or bfloat16, head_dim in {_build.HEAD_DIMS}, block_size "
-                     f"in {_build.BLOCK_SIZES} (the CUDA-core baseline, pipeline 0/1)")
+        ok = (
+            dtype in _build.DTYPES
+            and head_dim in _build.HEAD_DIMS
+            and block_size in _build.BLOCK_SIZES
+        )
+        supported = (
+            f"dtype float16 or bfloat16, head_dim in {_build.HEAD_DIMS}, block_size "
+            f"in {_build.BLOCK_SIZES} (the CUDA-core baseline, pipeline 0/1)"
+        )
     if ok:
         return None
-    return (f"no decode kernel for dtype {dtype}, head_dim {head_dim}, block_size {block_size}; "
-            f"supported: {supported}")
+    return (
+        f"no decode kernel for dtype {dtype}, head_dim {head_dim}, block_size {block_size}; "
+        f"supported: {supported}"
+    )
 
 
-def _decode_cuda(q, pool, info, layer, block_tables, seq_lens, scale, out, stream, max_seq_len,
-                 num_splits, workspace, pipeline, scales=None):
+def _decode_cuda(
+    q,
+    pool,
+    info,
+    layer,
+    block_tables,
+    seq_lens,
+    scale,
+    out,
+    stream,
+    max_seq_len,
+    num_splits,
+    workspace,
+    pipeline,
+    scales=None,
+):
     if pipeline not in (0, 1, _build.TC):
         raise InvalidArgumentError(f"pipeline must be None, 0, 1 or {_build.TC}")
     why = _unsupported(info.dtype, info.head_dim, info.block_size, pipeline)
@@ -483,8 +595,17 @@ def _decode_cuda(q, pool, info, layer, block_tables, seq_lens, scale, out, strea
         with cupy.cuda.Device(info.device_id):
             out = cupy.empty(tuple(qv.shape), dtype=cupy.float16 if qv.is_float else cupy.uint16)
     ov = _view(out, "out")
-    key = (info.serial, layer, qv.layout_key, btv.layout_key, slv.layout_key, ov.layout_key,
-           scale, pipeline, None if scales is None else scales.granularity)
+    key = (
+        info.serial,
+        layer,
+        qv.layout_key,
+        btv.layout_key,
+        slv.layout_key,
+        ov.layout_key,
+        scale,
+        pipeline,
+        None if scales is None else scales.granularity,
+    )
     prep = _PREPARED.get(key)
     if prep is None:
         prep = _Prepared(info, layer, qv, btv, slv, ov, scale, pipeline, scales)
@@ -518,10 +639,15 @@ def _decode_cuda(q, pool, info, layer, block_tables, seq_lens, scale, out, strea
             f"max_seq_len {max_seq_len} exceeds the block tables' {max_blocks_per_seq} blocks of "
             f"{info.block_size} tokens"
         )
-    plan = _plan(num_seqs, prep.ctas_per_seq, max(max_seq_len, 1),
-                 prep.tokens_per_iter, prep.num_sms,
-                 None if num_splits is None else index_arg(num_splits, "num_splits"),
-                 prep.ctas_per_sm)
+    plan = _plan(
+        num_seqs,
+        prep.ctas_per_seq,
+        max(max_seq_len, 1),
+        prep.tokens_per_iter,
+        prep.num_sms,
+        None if num_splits is None else index_arg(num_splits, "num_splits"),
+        prep.ctas_per_sm,
+    )
     part_o = part_lse = counters = 0
     if plan.split:
         need = workspace_elems(num_seqs, prep.hq, prep.d, plan.num_splits)
@@ -539,8 +665,14 @@ def _decode_cuda(q, pool, info, layer, block_tables, seq_lens, scale, out, strea
             a.counters = counters
         if prep.fp8:
             a.k_scale, a.v_scale = scales.ptrs(layer)
-        launch(prep.kernel, (plan.num_splits, prep.ctas_per_seq, num_seqs), prep.threads,
-               prep.smem, sp, prep.params)
+        launch(
+            prep.kernel,
+            (plan.num_splits, prep.ctas_per_seq, num_seqs),
+            prep.threads,
+            prep.smem,
+            sp,
+            prep.params,
+        )
         if plan.split and not prep.tc:
             m = prep.margs
             m.part_o, m.part_lse, m.out, m.seq_lens = part_o, part_lse, ov.ptr, slv.ptr

@@ -74,8 +74,7 @@ class Kernel:
 
     __slots__ = ("_owners", "device_id", "handle", "name")
 
-    def __init__(self, module: Any, name: str, device_id: int,
-                 min_dynamic_smem: int = 0) -> None:
+    def __init__(self, module: Any, name: str, device_id: int, min_dynamic_smem: int = 0) -> None:
         import cupy
 
         with cupy.cuda.Device(device_id):
@@ -93,8 +92,9 @@ class Kernel:
 
 @functools.cache
 def _field_offsets(struct_type: type[ctypes.Structure], skip: tuple[str, ...]) -> tuple[int, ...]:
-    return tuple(getattr(struct_type, f[0]).offset
-                 for f in struct_type._fields_ if f[0] not in skip)
+    return tuple(
+        getattr(struct_type, f[0]).offset for f in struct_type._fields_ if f[0] not in skip
+    )
 
 
 def param_block(struct: ctypes.Structure, skip: tuple[str, ...] = ()) -> Any:
@@ -105,15 +105,17 @@ def param_block(struct: ctypes.Structure, skip: tuple[str, ...] = ()) -> Any:
     return (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
 
 
-def launch(kernel: Kernel, grid: tuple[int, int, int], threads: int, smem: int, stream: int,
-           params: Any) -> None:
+def launch(
+    kernel: Kernel, grid: tuple[int, int, int], threads: int, smem: int, stream: int, params: Any
+) -> None:
     """Queue `kernel` on `stream` with the parameter block `params` (see param_block)."""
     from cupy.cuda import driver
 
     gx, gy, gz = grid
     try:
-        driver.launchKernel(kernel.handle, gx, gy, gz, threads, 1, 1, smem, stream,
-                            ctypes.addressof(params), 0)
+        driver.launchKernel(
+            kernel.handle, gx, gy, gz, threads, 1, 1, smem, stream, ctypes.addressof(params), 0
+        )
     except driver.CUDADriverError:
         # No (or another device's) context current on this thread: make the kernel's device
         # current through the runtime (which also makes its primary context current; cupy's
@@ -126,8 +128,9 @@ def launch(kernel: Kernel, grid: tuple[int, int, int], threads: int, smem: int, 
         prev = runtime.getDevice()
         runtime.setDevice(kernel.device_id)
         try:
-            driver.launchKernel(kernel.handle, gx, gy, gz, threads, 1, 1, smem, stream,
-                                ctypes.addressof(params), 0)
+            driver.launchKernel(
+                kernel.handle, gx, gy, gz, threads, 1, 1, smem, stream, ctypes.addressof(params), 0
+            )
         except driver.CUDADriverError as e:
             raise CudaError(f"launching {kernel.name} failed: {e}") from e
         finally:

@@ -26,9 +26,18 @@ class _MetadataArgs(ctypes.Structure):
     """The parameters of paged_metadata (cuda/paged_metadata.cu), in order."""
 
     _fields_ = [
-        ("block_table", _u64), ("table_stride", _i64), ("width", _i32), ("seq_lens", _u64),
-        ("num_seqs", _i32), ("block_size", _i32), ("qo_indptr", _u64), ("slot_mapping", _u64),
-        ("num_slots", _i64), ("indptr", _u64), ("indices", _u64), ("num_indices", _i64),
+        ("block_table", _u64),
+        ("table_stride", _i64),
+        ("width", _i32),
+        ("seq_lens", _u64),
+        ("num_seqs", _i32),
+        ("block_size", _i32),
+        ("qo_indptr", _u64),
+        ("slot_mapping", _u64),
+        ("num_slots", _i64),
+        ("indptr", _u64),
+        ("indices", _u64),
+        ("num_indices", _i64),
         ("last_page_len", _u64),
     ]
 
@@ -48,9 +57,16 @@ def _int_vec(obj: Any, name: str, itemsize: int, length: int | None = None) -> t
 
 
 def paged_metadata(
-    block_table: Any, seq_lens: Any, block_size: int, *, qo_indptr: Any = None,
-    slot_mapping: Any = None, indptr: Any = None, indices: Any = None,
-    last_page_len: Any = None, stream: Any = None,
+    block_table: Any,
+    seq_lens: Any,
+    block_size: int,
+    *,
+    qo_indptr: Any = None,
+    slot_mapping: Any = None,
+    indptr: Any = None,
+    indices: Any = None,
+    last_page_len: Any = None,
+    stream: Any = None,
 ) -> None:
     """Fill the step's paged metadata into caller-owned device buffers, in one launch on
     `stream` (CuPy or torch arrays, or anything with __cuda_array_interface__, on one device).
@@ -76,8 +92,10 @@ def paged_metadata(
     slots = (qo_indptr, slot_mapping)
     csr = (indptr, indices, last_page_len)
     if all(x is None for x in slots + csr):
-        raise InvalidArgumentError("nothing to write: pass slot_mapping (with qo_indptr) "
-                                   "and/or indptr, indices and last_page_len")
+        raise InvalidArgumentError(
+            "nothing to write: pass slot_mapping (with qo_indptr) "
+            "and/or indptr, indices and last_page_len"
+        )
     qo = sm = ip = ix = lp = None
     if any(x is not None for x in slots):
         if any(x is None for x in slots):
@@ -92,23 +110,43 @@ def paged_metadata(
         xv, ix = _int_vec(indices, "indices", 4)
         if ix.shape[0] < num_seqs * width:
             raise InvalidArgumentError(
-                f"indices must hold num_seqs * width = {num_seqs * width} entries, got {ix.shape[0]}")
+                f"indices must hold num_seqs * width = {num_seqs * width} entries, got {ix.shape[0]}"
+            )
         gv, lp = _int_vec(last_page_len, "last_page_len", 4, num_seqs)
         views += [pv, xv, gv]
-    given = [(name, a) for name, a in (
-        ("block_table", ta), ("seq_lens", la), ("qo_indptr", qo), ("slot_mapping", sm),
-        ("indptr", ip), ("indices", ix), ("last_page_len", lp)) if a is not None and a.ptr]
+    given = [
+        (name, a)
+        for name, a in (
+            ("block_table", ta),
+            ("seq_lens", la),
+            ("qo_indptr", qo),
+            ("slot_mapping", sm),
+            ("indptr", ip),
+            ("indices", ix),
+            ("last_page_len", lp),
+        )
+        if a is not None and a.ptr
+    ]
     if not given:
         raise InvalidArgumentError("every buffer is empty: nothing to write")
     device_id = ptr_device(given[0][1].ptr)  # an empty CuPy array has no pointer (0)
     for name, a in given[1:]:
         check_ptr(a.ptr, name, device_id)
     args = _MetadataArgs(
-        ta.ptr, ta.strides[0], width, la.ptr, num_seqs, block_size,
-        0 if qo is None else qo.ptr, 0 if sm is None else sm.ptr,
-        0 if sm is None else sm.shape[0], 0 if ip is None else ip.ptr,
-        0 if ix is None else ix.ptr, 0 if ix is None else ix.shape[0],
-        0 if lp is None else lp.ptr)
+        ta.ptr,
+        ta.strides[0],
+        width,
+        la.ptr,
+        num_seqs,
+        block_size,
+        0 if qo is None else qo.ptr,
+        0 if sm is None else sm.ptr,
+        0 if sm is None else sm.shape[0],
+        0 if ip is None else ip.ptr,
+        0 if ix is None else ix.ptr,
+        0 if ix is None else ix.shape[0],
+        0 if lp is None else lp.ptr,
+    )
     import cupy
 
     with cupy.cuda.Device(device_id):

@@ -41,7 +41,6 @@ from kvpool.kernels._launch import (
     stream_handle,
     wait_producers,
 )
-from kvpool.kernels._scales import KvScales
 from kvpool.kernels._prefill_plan import (
     PrefillPlan,
     choose_rows,
@@ -49,6 +48,7 @@ from kvpool.kernels._prefill_plan import (
     host_lengths,
     plan_prefill,
 )
+from kvpool.kernels._scales import KvScales
 
 
 def paged_attention_prefill(
@@ -105,10 +105,26 @@ def paged_attention_prefill(
         raise InvalidArgumentError(f"layer {layer} outside 0..{info.num_layers - 1}")
     _check_scales(pool, info, scales, "prefill")
     if not info.cuda:
-        return _prefill_host(q, pool, layer, qo_indptr, block_tables, seq_lens, bool(causal),
-                             scale, out, scales)
-    return _prefill_cuda(q, pool, info, layer, qo_indptr, block_tables, seq_lens, bool(causal), scale,
-                         out, stream, plan, num_splits, workspace, scales)
+        return _prefill_host(
+            q, pool, layer, qo_indptr, block_tables, seq_lens, bool(causal), scale, out, scales
+        )
+    return _prefill_cuda(
+        q,
+        pool,
+        info,
+        layer,
+        qo_indptr,
+        block_tables,
+        seq_lens,
+        bool(causal),
+        scale,
+        out,
+        stream,
+        plan,
+        num_splits,
+        workspace,
+        scales,
+    )
 
 
 def prefill_workspace_elems(plan: PrefillPlan, head_dim: int) -> int:
@@ -137,37 +153,60 @@ def prefill_plan(
     num_q_heads = index_arg(num_q_heads, "num_q_heads")
     if num_q_heads <= 0 or num_q_heads % layout.num_kv_heads:
         raise InvalidArgumentError(
-            f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {layout.num_kv_heads}")
+            f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {layout.num_kv_heads}"
+        )
     indptr, lens = host_lengths(qo_indptr, seq_lens)
-    if rows_per_cta is not None and rows_per_cta not in (16 * _build.PREFILL_WIDE_WARPS,
-                                                         16 * _build.PREFILL_NARROW_WARPS):
+    if rows_per_cta is not None and rows_per_cta not in (
+        16 * _build.PREFILL_WIDE_WARPS,
+        16 * _build.PREFILL_NARROW_WARPS,
+    ):
         raise InvalidArgumentError(f"rows_per_cta must be None, 64 or 16, got {rows_per_cta!r}")
-    key = (indptr.tobytes(), lens.tobytes(), id(pool), num_q_heads, bool(causal),
-           None if num_splits is None else index_arg(num_splits, "num_splits"), rows_per_cta)
-    return _cached_plan(key, pool, indptr, lens, num_q_heads, bool(causal), num_splits,
-                        rows_per_cta)
+    key = (
+        indptr.tobytes(),
+        lens.tobytes(),
+        id(pool),
+        num_q_heads,
+        bool(causal),
+        None if num_splits is None else index_arg(num_splits, "num_splits"),
+        rows_per_cta,
+    )
+    return _cached_plan(
+        key, pool, indptr, lens, num_q_heads, bool(causal), num_splits, rows_per_cta
+    )
 
 
 _PLANS: collections.OrderedDict[tuple, PrefillPlan] = collections.OrderedDict()
 _MAX_PLANS = 256
 
 
-def _cached_plan(key, pool, indptr, lens, num_q_heads, causal, num_splits,
-                 rows_per_cta) -> PrefillPlan:
+def _cached_plan(
+    key, pool, indptr, lens, num_q_heads, causal, num_splits, rows_per_cta
+) -> PrefillPlan:
     plan = _PLANS.get(key)
     if plan is None:
         layout = pool.layout
         info = _pool_info(pool)
         group = num_q_heads // layout.num_kv_heads
         wide = _build.PrefillVariant(layout.dtype, layout.head_dim, layout.block_size)
-        narrow = _build.PrefillVariant(layout.dtype, layout.head_dim, layout.block_size,
-                                       _build.PREFILL_NARROW_WARPS)
+        narrow = _build.PrefillVariant(
+            layout.dtype, layout.head_dim, layout.block_size, _build.PREFILL_NARROW_WARPS
+        )
         rows = rows_per_cta or choose_rows(indptr, group, wide.rows, narrow.rows)
         variant = wide if rows == wide.rows else narrow
         num_sms = _num_sms(info.device_id) if info.cuda else 1
-        plan = plan_prefill(indptr, lens, num_q_heads, layout.num_kv_heads,
-                            head_tile(group, rows), rows, variant.kv_tile, num_sms,
-                            variant.ctas_per_sm, causal=causal, num_splits=num_splits)
+        plan = plan_prefill(
+            indptr,
+            lens,
+            num_q_heads,
+            layout.num_kv_heads,
+            head_tile(group, rows),
+            rows,
+            variant.kv_tile,
+            num_sms,
+            variant.ctas_per_sm,
+            causal=causal,
+            num_splits=num_splits,
+        )
         _PLANS[key] = plan
         while len(_PLANS) > _MAX_PLANS:
             _PLANS.popitem(last=False)
@@ -178,11 +217,13 @@ def _cached_plan(key, pool, indptr, lens, num_q_heads, causal, num_splits,
 def _check_shapes(q_shape, ip_shape, bt_shape, sl_shape, layout) -> tuple[int, int, int]:
     if len(q_shape) != 3 or q_shape[2] != layout.head_dim:
         raise InvalidArgumentError(
-            f"q must be [total_q, num_q_heads, {layout.head_dim}], got {tuple(q_shape)}")
+            f"q must be [total_q, num_q_heads, {layout.head_dim}], got {tuple(q_shape)}"
+        )
     hq = q_shape[1]
     if hq == 0 or hq % layout.num_kv_heads:
         raise InvalidArgumentError(
-            f"num_q_heads {hq} is not a multiple of num_kv_heads {layout.num_kv_heads}")
+            f"num_q_heads {hq} is not a multiple of num_kv_heads {layout.num_kv_heads}"
+        )
     if len(sl_shape) != 1:
         raise InvalidArgumentError(f"seq_lens must be [num_seqs], got {tuple(sl_shape)}")
     num_seqs = sl_shape[0]
@@ -203,11 +244,17 @@ def _check_table_rows(tables: np.ndarray, lens: np.ndarray, block_size: int, num
             raise InvalidArgumentError(f"block table row {i} holds an id outside the pool")
 
 
-def _prefill_host(q, pool, layer, qo_indptr, block_tables, seq_lens, causal, scale, out,
-                  scales=None):
+def _prefill_host(
+    q, pool, layer, qo_indptr, block_tables, seq_lens, causal, scale, out, scales=None
+):
     layout = pool.layout
-    arrays = (("q", q), ("qo_indptr", qo_indptr), ("block_tables", block_tables),
-              ("seq_lens", seq_lens), ("out", out))
+    arrays = (
+        ("q", q),
+        ("qo_indptr", qo_indptr),
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("out", out),
+    )
     for name, a in arrays:
         if hasattr(a, "__cuda_array_interface__"):
             raise InvalidArgumentError(f"{name} is a device array but the pool is on the host")
@@ -225,15 +272,27 @@ def _prefill_host(q, pool, layer, qo_indptr, block_tables, seq_lens, causal, sca
     if not elem_ok(q.dtype.kind, q.itemsize, q_dtype, q_bytes):
         raise InvalidArgumentError(f"q has dtype {q.dtype}; the pool's dtype is {layout.dtype}")
     if out is not None and (
-        not isinstance(out, np.ndarray) or out.shape != q.shape
+        not isinstance(out, np.ndarray)
+        or out.shape != q.shape
         or not elem_ok(out.dtype.kind, out.itemsize, q_dtype, q_bytes)
     ):
         raise InvalidArgumentError(
-            f"out must be a NumPy array of shape {q.shape} holding {q_dtype}")
+            f"out must be a NumPy array of shape {q.shape} holding {q_dtype}"
+        )
     _check_table_rows(tables, lens, layout.block_size, pool.num_blocks)
     res = reference.paged_attention_prefill(
-        q, pool.k_view(layer), pool.v_view(layer), indptr, tables, lens, layout.dtype, scale,
-        causal, q_dtype=q_dtype, kv_scales=scales.layer_scales(layer) if scales else None)
+        q,
+        pool.k_view(layer),
+        pool.v_view(layer),
+        indptr,
+        tables,
+        lens,
+        layout.dtype,
+        scale,
+        causal,
+        q_dtype=q_dtype,
+        kv_scales=scales.layer_scales(layer) if scales else None,
+    )
     return _host_result(res, q_dtype, q, out)
 
 
@@ -244,18 +303,32 @@ def _prefill_host(q, pool, layer, qo_indptr, block_tables, seq_lens, causal, sca
 
 class _PrefillArgs(ctypes.Structure):
     _fields_ = [
-        ("q", ctypes.c_uint64), ("q_tok_stride", ctypes.c_int64), ("q_head_stride", ctypes.c_int64),
-        ("out", ctypes.c_uint64), ("out_tok_stride", ctypes.c_int64),
+        ("q", ctypes.c_uint64),
+        ("q_tok_stride", ctypes.c_int64),
+        ("q_head_stride", ctypes.c_int64),
+        ("out", ctypes.c_uint64),
+        ("out_tok_stride", ctypes.c_int64),
         ("out_head_stride", ctypes.c_int64),
-        ("part_o", ctypes.c_uint64), ("part_lse", ctypes.c_uint64),
-        ("k_base", ctypes.c_uint64), ("v_base", ctypes.c_uint64),
-        ("block_stride", ctypes.c_int64), ("token_stride", ctypes.c_int64),
-        ("head_stride", ctypes.c_int64), ("num_blocks", ctypes.c_int32),
-        ("block_tables", ctypes.c_uint64), ("bt_stride", ctypes.c_int64),
+        ("part_o", ctypes.c_uint64),
+        ("part_lse", ctypes.c_uint64),
+        ("k_base", ctypes.c_uint64),
+        ("v_base", ctypes.c_uint64),
+        ("block_stride", ctypes.c_int64),
+        ("token_stride", ctypes.c_int64),
+        ("head_stride", ctypes.c_int64),
+        ("num_blocks", ctypes.c_int32),
+        ("block_tables", ctypes.c_uint64),
+        ("bt_stride", ctypes.c_int64),
         ("bt_width", ctypes.c_int32),
-        ("seq_lens", ctypes.c_uint64), ("qo_indptr", ctypes.c_uint64), ("work", ctypes.c_uint64),
-        ("total_q", ctypes.c_int32), ("num_q_heads", ctypes.c_int32), ("group", ctypes.c_int32),
-        ("gh", ctypes.c_int32), ("q_tile_tokens", ctypes.c_int32), ("causal", ctypes.c_int32),
+        ("seq_lens", ctypes.c_uint64),
+        ("qo_indptr", ctypes.c_uint64),
+        ("work", ctypes.c_uint64),
+        ("total_q", ctypes.c_int32),
+        ("num_q_heads", ctypes.c_int32),
+        ("group", ctypes.c_int32),
+        ("gh", ctypes.c_int32),
+        ("q_tile_tokens", ctypes.c_int32),
+        ("causal", ctypes.c_int32),
         ("scale_log2", ctypes.c_float),
     ]
 
@@ -263,15 +336,23 @@ class _PrefillArgs(ctypes.Structure):
 class _PrefillFp8Args(ctypes.Structure):
     """The prefill kernel's parameters over an fp8 cache: _PrefillArgs' and the scales."""
 
-    _fields_ = [*_PrefillArgs._fields_, ("k_scale", ctypes.c_uint64),
-                ("v_scale", ctypes.c_uint64), ("scale_head_stride", ctypes.c_int32)]
+    _fields_ = [
+        *_PrefillArgs._fields_,
+        ("k_scale", ctypes.c_uint64),
+        ("v_scale", ctypes.c_uint64),
+        ("scale_head_stride", ctypes.c_int32),
+    ]
 
 
 class _MergeArgs(ctypes.Structure):
     _fields_ = [
-        ("part_o", ctypes.c_uint64), ("part_lse", ctypes.c_uint64), ("out", ctypes.c_uint64),
-        ("out_tok_stride", ctypes.c_int64), ("out_head_stride", ctypes.c_int64),
-        ("total_q", ctypes.c_int32), ("num_q_heads", ctypes.c_int32),
+        ("part_o", ctypes.c_uint64),
+        ("part_lse", ctypes.c_uint64),
+        ("out", ctypes.c_uint64),
+        ("out_tok_stride", ctypes.c_int64),
+        ("out_head_stride", ctypes.c_int64),
+        ("total_q", ctypes.c_int32),
+        ("num_q_heads", ctypes.c_int32),
         ("num_splits", ctypes.c_int32),
     ]
 
@@ -280,11 +361,17 @@ class _Prepared:
     """Everything about a prefill call that does not change between calls with the same pool,
     layer, shapes, strides, dtypes and scale."""
 
-    def __init__(self, info: _PoolInfo, layer: int, qv, ipv, btv, slv, ov, scale,
-                 scales=None) -> None:
+    def __init__(
+        self, info: _PoolInfo, layer: int, qv, ipv, btv, slv, ov, scale, scales=None
+    ) -> None:
         d = info.head_dim
-        qa, ip, bt, sl, oa = (_dev(qv, "q"), _dev(ipv, "qo_indptr"), _dev(btv, "block_tables"),
-                              _dev(slv, "seq_lens"), _dev(ov, "out"))
+        qa, ip, bt, sl, oa = (
+            _dev(qv, "q"),
+            _dev(ipv, "qo_indptr"),
+            _dev(btv, "block_tables"),
+            _dev(slv, "seq_lens"),
+            _dev(ov, "out"),
+        )
         num_seqs, hq, group = _check_shapes(qa.shape, ip.shape, bt.shape, sl.shape, info.layout)
         fp8 = info.dtype in _build.FP8_DTYPES
         q_dtype = fp8_query_dtype(qa.kind, qa.itemsize, info.dtype) if fp8 else info.dtype
@@ -300,7 +387,8 @@ class _Prepared:
         if oa.shape != qa.shape or not elem_ok(oa.kind, oa.itemsize, q_dtype, 2):
             raise InvalidArgumentError(
                 f"out must be [{qa.shape[0]}, {hq}, {d}] holding {q_dtype}, got "
-                f"{oa.typestr} {oa.shape}")
+                f"{oa.typestr} {oa.shape}"
+            )
         st = info.strides
         eb = 1 if fp8 else 2
         if st["elem"] != eb or st["head"] != eb * d or st["token"] % 16 or st["block"] % 16:
@@ -316,10 +404,34 @@ class _Prepared:
         self._kernels: dict[int, tuple] = {}
         k_base = info.base_ptr + layer * st["layer"]
         self.args = (_PrefillFp8Args if fp8 else _PrefillArgs)(
-            0, qa.strides[0], qa.strides[1], 0, oa.strides[0], oa.strides[1], 0, 0,
-            k_base, k_base + st["kv"], st["block"], st["token"], st["head"], info.num_blocks,
-            0, bt.strides[0], bt.shape[1], 0, 0, 0, self.total_q, hq, group, 0, 0, 0,
-            (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E)
+            0,
+            qa.strides[0],
+            qa.strides[1],
+            0,
+            oa.strides[0],
+            oa.strides[1],
+            0,
+            0,
+            k_base,
+            k_base + st["kv"],
+            st["block"],
+            st["token"],
+            st["head"],
+            info.num_blocks,
+            0,
+            bt.strides[0],
+            bt.shape[1],
+            0,
+            0,
+            0,
+            self.total_q,
+            hq,
+            group,
+            0,
+            0,
+            0,
+            (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E,
+        )
         if fp8:
             self.args.scale_head_stride = scales.head_stride
         self.params = param_block(self.args)
@@ -336,8 +448,9 @@ class _Prepared:
                 fp8_async = info.dtype in _build.FP8_DTYPES and _build.fp8_prefill_async()
             except ValueError as e:
                 raise InvalidArgumentError(str(e)) from None
-            variant = _build.PrefillVariant(info.dtype, self.d, info.block_size, warps,
-                                            self.q_dtype, fp8_async)
+            variant = _build.PrefillVariant(
+                info.dtype, self.d, info.block_size, warps, self.q_dtype, fp8_async
+            )
             mod = _build.decode_module(variant)
             found = self._kernels[warps] = (
                 variant,
@@ -352,13 +465,16 @@ _PREPARED: dict[tuple, _Prepared] = {}
 
 def _check_kernel_exists(info: _PoolInfo) -> None:
     dtypes = (*_build.DTYPES, *_build.FP8_DTYPES)
-    if info.dtype not in dtypes or info.head_dim not in _build.HEAD_DIMS or (
-        info.block_size not in _build.PREFILL_BLOCK_SIZES
+    if (
+        info.dtype not in dtypes
+        or info.head_dim not in _build.HEAD_DIMS
+        or (info.block_size not in _build.PREFILL_BLOCK_SIZES)
     ):
         raise InvalidArgumentError(
             f"no prefill kernel for dtype {info.dtype}, head_dim {info.head_dim}, block_size "
             f"{info.block_size} (head_dim {_build.HEAD_DIMS}, block_size a power of two <= "
-            f"{_build.PREFILL_BLOCK_SIZES[-1]})")
+            f"{_build.PREFILL_BLOCK_SIZES[-1]})"
+        )
 
 
 def _host_plan(prep, ipv, slv, sp, qo_indptr, seq_lens, causal, num_splits, pool):
@@ -378,14 +494,28 @@ def _device_work(plan: PrefillPlan, device_id: int, sp: int) -> int:
         import cupy
 
         with cupy.cuda.Device(device_id), cupy_stream(sp):
-            work = cupy.asarray(plan.work.reshape(-1) if plan.num_items else
-                                np.zeros(2, np.int32))
+            work = cupy.asarray(plan.work.reshape(-1) if plan.num_items else np.zeros(2, np.int32))
         plan._device_work[device_id] = work
     return work.data.ptr
 
 
-def _prefill_cuda(q, pool, info, layer, qo_indptr, block_tables, seq_lens, causal, scale, out,
-                  stream, plan, num_splits, workspace, scales=None):
+def _prefill_cuda(
+    q,
+    pool,
+    info,
+    layer,
+    qo_indptr,
+    block_tables,
+    seq_lens,
+    causal,
+    scale,
+    out,
+    stream,
+    plan,
+    num_splits,
+    workspace,
+    scales=None,
+):
     _check_kernel_exists(info)
     qv = _view(q, "q")
     ipv = _view(qo_indptr, "qo_indptr")
@@ -398,8 +528,17 @@ def _prefill_cuda(q, pool, info, layer, qo_indptr, block_tables, seq_lens, causa
         with cupy.cuda.Device(info.device_id):
             out = cupy.empty(tuple(qv.shape), dtype=cupy.float16 if qv.is_float else cupy.uint16)
     ov = _view(out, "out")
-    key = (info.serial, layer, qv.layout_key, ipv.layout_key, btv.layout_key, slv.layout_key,
-           ov.layout_key, scale, None if scales is None else scales.granularity)
+    key = (
+        info.serial,
+        layer,
+        qv.layout_key,
+        ipv.layout_key,
+        btv.layout_key,
+        slv.layout_key,
+        ov.layout_key,
+        scale,
+        None if scales is None else scales.granularity,
+    )
     prep = _PREPARED.get(key)
     if prep is None:
         prep = _Prepared(info, layer, qv, ipv, btv, slv, ov, scale, scales)
@@ -407,8 +546,13 @@ def _prefill_cuda(q, pool, info, layer, qo_indptr, block_tables, seq_lens, causa
             _PREPARED.clear()
         _PREPARED[key] = prep
     dev = info.device_id
-    for name, v in (("q", qv), ("qo_indptr", ipv), ("block_tables", btv), ("seq_lens", slv),
-                    ("out", ov)):
+    for name, v in (
+        ("q", qv),
+        ("qo_indptr", ipv),
+        ("block_tables", btv),
+        ("seq_lens", slv),
+        ("out", ov),
+    ):
         if name in ("q", "out") and v.ptr % 16:
             raise InvalidArgumentError(f"{name} rows must be contiguous and 16-byte aligned")
         if v.ptr:  # an empty array may have no memory at all
@@ -437,8 +581,14 @@ def _prefill_cuda(q, pool, info, layer, qo_indptr, block_tables, seq_lens, causa
         a.gh, a.q_tile_tokens, a.causal = plan.head_tile, plan.q_tile_tokens, int(causal)
         if prep.fp8:
             a.k_scale, a.v_scale = scales.ptrs(layer)
-        launch(kernel, (plan.num_items, heads, plan.num_splits), variant.threads,
-               variant.dynamic_smem_bytes, sp, prep.params)
+        launch(
+            kernel,
+            (plan.num_items, heads, plan.num_splits),
+            variant.threads,
+            variant.dynamic_smem_bytes,
+            sp,
+            prep.params,
+        )
         if plan.split:
             m = prep.margs
             m.part_o, m.part_lse, m.out, m.num_splits = part_o, part_lse, ov.ptr, plan.num_splits
@@ -446,30 +596,34 @@ def _prefill_cuda(q, pool, info, layer, qo_indptr, block_tables, seq_lens, causa
     return out
 
 
-def _check_plan(plan: PrefillPlan, prep: _Prepared, info: _PoolInfo, causal: bool,
-                table_width: int) -> None:
+def _check_plan(
+    plan: PrefillPlan, prep: _Prepared, info: _PoolInfo, causal: bool, table_width: int
+) -> None:
     want = (prep.num_seqs, prep.total_q, prep.hq, info.num_kv_heads, causal)
     got = (plan.num_seqs, plan.total_q, plan.num_q_heads, plan.num_kv_heads, plan.causal)
     if want != got:
         raise InvalidArgumentError(
             "the plan was made for another batch (num_seqs, total_q, num_q_heads, num_kv_heads, "
-            f"causal): {got}, this call: {want}")
+            f"causal): {got}, this call: {want}"
+        )
     warps = plan.rows_per_cta // 16
     tile_ok = (
         warps in (_build.PREFILL_WIDE_WARPS, _build.PREFILL_NARROW_WARPS)
         and plan.rows_per_cta % 16 == 0
         and prep.group % plan.head_tile == 0
         and plan.q_tile_tokens == plan.rows_per_cta // plan.head_tile
-        and plan.kv_tile == _build.PrefillVariant(info.dtype, prep.d, info.block_size,
-                                                  warps).kv_tile
+        and plan.kv_tile
+        == _build.PrefillVariant(info.dtype, prep.d, info.block_size, warps).kv_tile
     )
     if not tile_ok:
         raise InvalidArgumentError(
             f"the plan's tiles (rows {plan.rows_per_cta}, head tile {plan.head_tile}, kv tile "
-            f"{plan.kv_tile}) do not fit this pool's prefill kernel")
+            f"{plan.kv_tile}) do not fit this pool's prefill kernel"
+        )
     if plan.max_seq_len > table_width * info.block_size:
         raise InvalidArgumentError(
             f"a seq_len of the plan ({plan.max_seq_len}) exceeds the block tables' {table_width} "
-            f"blocks of {info.block_size} tokens")
+            f"blocks of {info.block_size} tokens"
+        )
     if plan.num_splits > 65535 or plan.num_items > 2**31 - 1:
         raise InvalidArgumentError("plan too large for one launch")

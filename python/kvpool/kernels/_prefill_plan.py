@@ -61,10 +61,13 @@ def host_lengths(qo_indptr: Any, seq_lens: Any) -> tuple[np.ndarray, np.ndarray]
     lens = np.asarray(seq_lens)
     for name, a in (("qo_indptr", indptr), ("seq_lens", lens)):
         if a.dtype.kind not in "iu" or a.ndim != 1:
-            raise InvalidArgumentError(f"{name} must be a 1-d integer array, got {a.dtype} {a.shape}")
+            raise InvalidArgumentError(
+                f"{name} must be a 1-d integer array, got {a.dtype} {a.shape}"
+            )
     if indptr.shape[0] != lens.shape[0] + 1:
         raise InvalidArgumentError(
-            f"qo_indptr has {indptr.shape[0]} entries; seq_lens has {lens.shape[0]} (needs one more)")
+            f"qo_indptr has {indptr.shape[0]} entries; seq_lens has {lens.shape[0]} (needs one more)"
+        )
     indptr = indptr.astype(np.int64)
     lens = lens.astype(np.int64)
     qo_lens = np.diff(indptr)
@@ -74,7 +77,8 @@ def host_lengths(qo_indptr: Any, seq_lens: Any) -> tuple[np.ndarray, np.ndarray]
         i = int(np.argmax(lens < qo_lens))
         raise InvalidArgumentError(
             f"sequence {i} has {int(qo_lens[i])} query tokens but seq_len {int(lens[i])}: the "
-            "queries must already be in the cache (append_kv first)")
+            "queries must already be in the cache (append_kv first)"
+        )
     return indptr, lens
 
 
@@ -138,7 +142,16 @@ def plan_prefill(
         num_splits = min(num_splits, max_tiles // MIN_SPLIT_TILES, MAX_SPLITS)
     num_splits = max(1, min(int(num_splits), max(max_tiles, 1)))
     return PrefillPlan(
-        work=np.ascontiguousarray(work), num_splits=num_splits, num_seqs=len(lens),
-        total_q=int(indptr[-1]), max_seq_len=int(lens.max()) if len(lens) else 0,
-        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_tile=head_tile,
-        q_tile_tokens=q_tile, rows_per_cta=rows_per_cta, kv_tile=kv_tile, causal=bool(causal))
+        work=np.ascontiguousarray(work),
+        num_splits=num_splits,
+        num_seqs=len(lens),
+        total_q=int(indptr[-1]),
+        max_seq_len=int(lens.max()) if len(lens) else 0,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_tile=head_tile,
+        q_tile_tokens=q_tile,
+        rows_per_cta=rows_per_cta,
+        kv_tile=kv_tile,
+        causal=bool(causal),
+    )

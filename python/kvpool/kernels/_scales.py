@@ -36,22 +36,26 @@ GRANULARITIES = ("tensor", "head")
 class KvScales:
     """Per-layer K and V dequantization scales of an fp8 pool (see the module docstring)."""
 
-    def __init__(self, pool: Any, granularity: str = "tensor", *,
-                 auto_calibrate: bool = False) -> None:
+    def __init__(
+        self, pool: Any, granularity: str = "tensor", *, auto_calibrate: bool = False
+    ) -> None:
         layout = pool.layout
         if layout.dtype not in reference.FP8:
             raise InvalidArgumentError(
-                f"KvScales needs an fp8 pool (float8_e4m3fn or float8_e5m2), got {layout.dtype}")
+                f"KvScales needs an fp8 pool (float8_e4m3fn or float8_e5m2), got {layout.dtype}"
+            )
         if granularity not in GRANULARITIES:
-            raise InvalidArgumentError(f"granularity must be one of {GRANULARITIES}, got "
-                                       f"{granularity!r}")
+            raise InvalidArgumentError(
+                f"granularity must be one of {GRANULARITIES}, got {granularity!r}"
+            )
         self.pool = pool
         self.dtype = layout.dtype
         self.granularity = granularity
         self.auto_calibrate = bool(auto_calibrate)
         self.num_layers, self.num_kv_heads = layout.num_layers, layout.num_kv_heads
-        shape = (self.num_layers,) if granularity == "tensor" else (self.num_layers,
-                                                                     self.num_kv_heads)
+        shape = (
+            (self.num_layers,) if granularity == "tensor" else (self.num_layers, self.num_kv_heads)
+        )
         self.cuda = pool_is_cuda(pool)
         if self.cuda:
             import cupy
@@ -80,8 +84,11 @@ class KvScales:
         for arr in (self.k_scale, self.v_scale):
             row = arr[layer]
             row = row.get() if self.cuda else np.asarray(row)
-            out.append(np.broadcast_to(np.asarray(row, np.float32).reshape(-1),
-                                       (self.num_kv_heads,)).copy())
+            out.append(
+                np.broadcast_to(
+                    np.asarray(row, np.float32).reshape(-1), (self.num_kv_heads,)
+                ).copy()
+            )
         return out[0], out[1]
 
     def ptrs(self, layer: int) -> tuple[int, int]:
@@ -135,12 +142,15 @@ class KvScales:
         try:
             arr = np.asarray(value.get() if hasattr(value, "get") else value, dtype=np.float64)
         except (TypeError, ValueError):
-            raise InvalidArgumentError(f"{name} must be a float or an array of floats, got "
-                                       f"{type(value).__name__}") from None
+            raise InvalidArgumentError(
+                f"{name} must be a float or an array of floats, got {type(value).__name__}"
+            ) from None
         want = () if self.granularity == "tensor" else (self.num_kv_heads,)
         if arr.shape not in ((), want):
-            raise InvalidArgumentError(f"{name} must be a scalar{' or [' + str(want[0]) + ']' if want else ''} "
-                                       f"for {self.granularity} scales, got shape {arr.shape}")
+            raise InvalidArgumentError(
+                f"{name} must be a scalar{' or [' + str(want[0]) + ']' if want else ''} "
+                f"for {self.granularity} scales, got shape {arr.shape}"
+            )
         if not (np.isfinite(arr).all() and (arr > 0).all()):
             raise InvalidArgumentError(f"{name} must be finite and > 0, got {arr.tolist()}")
         arr32 = arr.astype(np.float32)
@@ -152,8 +162,10 @@ class KvScales:
         """Per KV head max |x| over the rows whose slot is >= 0 (None: no such row)."""
         x32, slots = _rows_as_float32(x, self.dtype, name), _as_host_int64(slot_mapping)
         if x32.ndim != 3 or x32.shape[1] != self.num_kv_heads or x32.shape[0] != len(slots):
-            raise InvalidArgumentError(f"{name} must be [{len(slots)}, {self.num_kv_heads}, "
-                                       f"head_dim], got {tuple(x32.shape)}")
+            raise InvalidArgumentError(
+                f"{name} must be [{len(slots)}, {self.num_kv_heads}, "
+                f"head_dim], got {tuple(x32.shape)}"
+            )
         real = np.flatnonzero(slots >= 0)
         if len(real) == 0:
             return None
@@ -186,19 +198,27 @@ def _rows_as_float32(x: Any, cache_dtype: str, name: str) -> Any:
         v = view(x, name)
         a = dev(v, name)
         if a.itemsize != 2:
-            raise InvalidArgumentError(f"{name} must hold float16 or bfloat16 values to write "
-                                       f"into a {cache_dtype} pool, got {a.typestr!r}")
-        nbytes = (sum((n - 1) * st for n, st in zip(a.shape, v.byte_strides, strict=True)) + 2
-                  if 0 not in a.shape else 0)
+            raise InvalidArgumentError(
+                f"{name} must hold float16 or bfloat16 values to write "
+                f"into a {cache_dtype} pool, got {a.typestr!r}"
+            )
+        nbytes = (
+            sum((n - 1) * st for n, st in zip(a.shape, v.byte_strides, strict=True)) + 2
+            if 0 not in a.shape
+            else 0
+        )
         mem = cupy.cuda.UnownedMemory(a.ptr, nbytes, x)
-        raw = cupy.ndarray(a.shape, cupy.uint16, cupy.cuda.MemoryPointer(mem, 0),
-                           strides=v.byte_strides)
+        raw = cupy.ndarray(
+            a.shape, cupy.uint16, cupy.cuda.MemoryPointer(mem, 0), strides=v.byte_strides
+        )
         if a.kind == "f":
             return raw.view(cupy.float16).astype(cupy.float32)
         return (raw.astype(cupy.uint32) << 16).view(cupy.float32)
     arr = np.asarray(x)
     if arr.itemsize != 2:
-        raise InvalidArgumentError(f"{name} must hold float16 or bfloat16 values to write into a "
-                                   f"{cache_dtype} pool, got {arr.dtype}")
+        raise InvalidArgumentError(
+            f"{name} must hold float16 or bfloat16 values to write into a "
+            f"{cache_dtype} pool, got {arr.dtype}"
+        )
     dtype = "float16" if arr.dtype.kind == "f" else "bfloat16"
     return reference.to_float64(arr, dtype).astype(np.float32)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -60,10 +61,15 @@ class FirstFit:
             raise ValueError(f"nbytes must be > 0, got {nbytes}")
         i = bisect.bisect_left(self.starts, start)
         prev_end = self.starts[i - 1] + self.sizes[i - 1] if i > 0 else -1
-        if start < 0 or start + nbytes > self.capacity or prev_end > start or (
-            i < len(self.starts) and start + nbytes > self.starts[i]
+        if (
+            start < 0
+            or start + nbytes > self.capacity
+            or prev_end > start
+            or (i < len(self.starts) and start + nbytes > self.starts[i])
         ):
-            raise ValueError(f"free of [{start}, {start + nbytes}) overlaps a hole or leaves the range")
+            raise ValueError(
+                f"free of [{start}, {start + nbytes}) overlaps a hole or leaves the range"
+            )
         self.free_bytes += nbytes
         if prev_end == start:  # merge with the hole before
             i -= 1
@@ -88,7 +94,9 @@ class FirstFit:
             if self.sizes[i] <= 0:
                 raise AssertionError(f"empty hole at {self.starts[i]}")
             if i + 1 < len(self.starts) and self.starts[i] + self.sizes[i] >= self.starts[i + 1]:
-                raise AssertionError(f"holes at {self.starts[i]} and {self.starts[i + 1]} overlap or touch")
+                raise AssertionError(
+                    f"holes at {self.starts[i]} and {self.starts[i + 1]} overlap or touch"
+                )
         if self.starts and (self.starts[0] < 0 or self.starts[-1] + self.sizes[-1] > self.capacity):
             raise AssertionError("a hole leaves [0, capacity)")
 
@@ -98,7 +106,13 @@ class ContiguousKv:
 
     name = "contiguous"
 
-    def __init__(self, capacity_bytes: int, token_bytes: int, max_model_len: int, reserve: str = "max_model_len") -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        token_bytes: int,
+        max_model_len: int,
+        reserve: str = "max_model_len",
+    ) -> None:
         if reserve not in RESERVE_MODES:
             raise ValueError(f"reserve must be one of {RESERVE_MODES}, got {reserve!r}")
         self.space = FirstFit(capacity_bytes)
@@ -109,7 +123,9 @@ class ContiguousKv:
         self.reserved_tokens = 0
         self.alloc_s = 0.0
         self.blocked_by_fragmentation = 0  # failed admissions that the free bytes would have fit
-        self.probe: DecodeProbe | None = None  # optional measured.DecodeProbe; needs block-aligned regions
+        self.probe: DecodeProbe | None = (
+            None  # optional measured.DecodeProbe; needs block-aligned regions
+        )
         self.block_bytes = 0  # block size in bytes of the CUDA pool the probe reads
         self.block_size = 0
 
@@ -188,8 +204,12 @@ class ContiguousKv:
 
 
 def contiguous_scheduler(
-    capacity_bytes: int, token_bytes: int, requests, config: SchedulerConfig = SchedulerConfig(),
-    reserve: str = "max_model_len", **kw,
+    capacity_bytes: int,
+    token_bytes: int,
+    requests,
+    config: SchedulerConfig = SchedulerConfig(),
+    reserve: str = "max_model_len",
+    **kw,
 ) -> Scheduler:
     backend = ContiguousKv(capacity_bytes, token_bytes, config.max_model_len, reserve)
     return Scheduler(backend, requests, config, **kw)

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 from kvpool.scheduler.metrics import StepMetrics
 from kvpool.scheduler.policies import Policy, make_policy
@@ -74,7 +75,9 @@ class KvBackend(Protocol):
     alloc_s: float  # seconds spent in allocator calls, accumulated; the scheduler reads it
 
     def validate(self, config: SchedulerConfig) -> None: ...
-    def try_admit(self, seq: Seq, first_chunk: int, watermark_blocks: int) -> bool: ...  # sets seq.num_cached_tokens
+    def try_admit(
+        self, seq: Seq, first_chunk: int, watermark_blocks: int
+    ) -> bool: ...  # sets seq.num_cached_tokens
     def prefill_shortfall(self, seq: Seq, n: int) -> int: ...
     def extend(self, seq: Seq, n: int) -> None: ...
     def decode_shortfall(self, seqs: Sequence[Seq]) -> int: ...
@@ -116,7 +119,9 @@ class Scheduler:
         seen: set[int] = set()
         for r in requests:
             if r.request_id in seen:
-                raise ValueError(f"duplicate request id {r.request_id}: every request needs its own id")
+                raise ValueError(
+                    f"duplicate request id {r.request_id}: every request needs its own id"
+                )
             seen.add(r.request_id)
             if r.prompt_tokens + r.output_tokens > config.max_model_len:
                 raise ValueError(
@@ -155,7 +160,10 @@ class Scheduler:
 
     def _arrive(self) -> None:
         seqs = self.seqs
-        while self._next_arrival < len(seqs) and seqs[self._next_arrival].request.arrival_s <= self.now_s:
+        while (
+            self._next_arrival < len(seqs)
+            and seqs[self._next_arrival].request.arrival_s <= self.now_s
+        ):
             seq = seqs[self._next_arrival]
             self._next_arrival += 1
             self._enqueue(seq)
@@ -356,7 +364,9 @@ class Scheduler:
         """Step until every request has finished; `progress(finished, total)` after each step."""
         while not self.done:
             if self.step_index >= self.config.max_steps:
-                raise RuntimeError(f"{self.backend.name}: no completion after {self.step_index} steps")
+                raise RuntimeError(
+                    f"{self.backend.name}: no completion after {self.step_index} steps"
+                )
             self.step()
             if progress is not None:
                 progress(self.num_finished, len(self.seqs))

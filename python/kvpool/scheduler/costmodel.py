@@ -41,7 +41,12 @@ class RooflineCost:
         weight_bytes = self.preset.num_params * self.dtype_bytes
         kv_bytes = kv_tokens * self.preset.token_bytes(self.kv_dtype_bytes)
         memory_s = (weight_bytes + kv_bytes) / (hw.hbm_bytes_per_s * hw.efficiency)
-        compute_s = (prefill_tokens + decode_seqs) * 2.0 * self.preset.num_params / (hw.dense_flops * hw.efficiency)
+        compute_s = (
+            (prefill_tokens + decode_seqs)
+            * 2.0
+            * self.preset.num_params
+            / (hw.dense_flops * hw.efficiency)
+        )
         return max(memory_s, compute_s) + hw.step_overhead_s
 
     def describe(self) -> dict[str, object]:

@@ -34,7 +34,11 @@ def _prefill_times(spec: SimulationSpec, cost: RooflineCost) -> dict[int, float]
         now = max(now, reqs[i].arrival_s)
         batch: list[Request] = []
         tokens = 0
-        while i < len(reqs) and reqs[i].arrival_s <= now and (not batch or tokens + reqs[i].prompt_tokens <= cap):
+        while (
+            i < len(reqs)
+            and reqs[i].arrival_s <= now
+            and (not batch or tokens + reqs[i].prompt_tokens <= cap)
+        ):
             batch.append(reqs[i])
             tokens += reqs[i].prompt_tokens
             i += 1
@@ -44,8 +48,13 @@ def _prefill_times(spec: SimulationSpec, cost: RooflineCost) -> dict[int, float]
     return done
 
 
-def _transfer_times(spec: SimulationSpec, prefill_done: dict[int, float], token_bytes: int,
-                    gb_per_s: float, latency_s: float) -> dict[int, float]:
+def _transfer_times(
+    spec: SimulationSpec,
+    prefill_done: dict[int, float],
+    token_bytes: int,
+    gb_per_s: float,
+    latency_s: float,
+) -> dict[int, float]:
     """When each request's KV has arrived on the decode GPU (one link, FCFS)."""
     by_id = {r.request_id: r for r in spec.requests}
     link_free = 0.0
@@ -59,23 +68,31 @@ def _transfer_times(spec: SimulationSpec, prefill_done: dict[int, float], token_
 
 def _serve(spec: SimulationSpec, requests: list, cost: Any) -> Scheduler:
     pool, _, _ = make_pool(spec, "host")
-    sched = Scheduler(PagedKv(pool, spec.config.max_running_seqs, spec.config.max_model_len),
-                      requests, spec.config, step_cost=cost)
+    sched = Scheduler(
+        PagedKv(pool, spec.config.max_running_seqs, spec.config.max_model_len),
+        requests,
+        spec.config,
+        step_cost=cost,
+    )
     sched.run()
     return sched
 
 
 def _summary(ttft: np.ndarray, finish: np.ndarray, tpot: np.ndarray, output_tokens: int) -> dict:
     makespan = float(finish.max()) if len(finish) else 0.0
-    return {"output_tokens_per_s": output_tokens / makespan if makespan else 0.0,
-            "makespan_s": makespan,
-            "ttft_mean_s": float(ttft.mean()), "ttft_p99_s": float(np.percentile(ttft, 99)),
-            "tpot_mean_s": float(tpot.mean()) if len(tpot) else 0.0,
-            "tpot_p99_s": float(np.percentile(tpot, 99)) if len(tpot) else 0.0}
+    return {
+        "output_tokens_per_s": output_tokens / makespan if makespan else 0.0,
+        "makespan_s": makespan,
+        "ttft_mean_s": float(ttft.mean()),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "tpot_mean_s": float(tpot.mean()) if len(tpot) else 0.0,
+        "tpot_p99_s": float(np.percentile(tpot, 99)) if len(tpot) else 0.0,
+    }
 
 
-def simulate_disaggregated(spec: SimulationSpec, transfer_gb_per_s: float,
-                           transfer_latency_s: float) -> dict[str, Any]:
+def simulate_disaggregated(
+    spec: SimulationSpec, transfer_gb_per_s: float, transfer_latency_s: float
+) -> dict[str, Any]:
     preset = spec.preset
     layout = preset.layout(spec.block_size)
     token_bytes = preset.token_bytes(layout.elem_bytes)
@@ -87,15 +104,25 @@ def simulate_disaggregated(spec: SimulationSpec, transfer_gb_per_s: float,
     ready = _transfer_times(spec, prefill_done, token_bytes, transfer_gb_per_s, transfer_latency_s)
     # The decode GPU continues each request after its first token; the arriving prompt KV is
     # inserted by the scheduler's prefill path at no compute cost.
-    rest = [dataclasses.replace(r, arrival_s=ready[r.request_id], output_tokens=r.output_tokens - 1)
-            for r in spec.requests if r.output_tokens > 1]
+    rest = [
+        dataclasses.replace(r, arrival_s=ready[r.request_id], output_tokens=r.output_tokens - 1)
+        for r in spec.requests
+        if r.output_tokens > 1
+    ]
     decode = _serve(spec, rest, lambda prefill, seqs, kv: cost(0, seqs, kv))
     first = np.array([prefill_done[r.request_id] for r in spec.requests])
     ttft = first - np.array([r.arrival_s for r in spec.requests])
     finish = {s.request_id: s.finish_s for s in decode.seqs}
-    finishes = np.array([finish.get(r.request_id, prefill_done[r.request_id]) for r in spec.requests])
-    tpot = np.array([(finish[r.request_id] - prefill_done[r.request_id]) / (r.output_tokens - 1)
-                     for r in spec.requests if r.output_tokens > 1])
+    finishes = np.array(
+        [finish.get(r.request_id, prefill_done[r.request_id]) for r in spec.requests]
+    )
+    tpot = np.array(
+        [
+            (finish[r.request_id] - prefill_done[r.request_id]) / (r.output_tokens - 1)
+            for r in spec.requests
+            if r.output_tokens > 1
+        ]
+    )
     disagg = _summary(ttft, finishes, tpot, total_output)
     disagg["transfer_wait_mean_s"] = float(np.mean([ready[k] - prefill_done[k] for k in ready]))
 
@@ -103,16 +130,31 @@ def simulate_disaggregated(spec: SimulationSpec, transfer_gb_per_s: float,
     seqs = [s for sched in replicas for s in sched.seqs]
     c_ttft = np.array([s.first_token_s - arrival[s.request_id] for s in seqs])
     c_finish = np.array([s.finish_s for s in seqs])
-    c_tpot = np.array([(s.finish_s - s.first_token_s) / (s.request.output_tokens - 1)
-                       for s in seqs if s.request.output_tokens > 1])
+    c_tpot = np.array(
+        [
+            (s.finish_s - s.first_token_s) / (s.request.output_tokens - 1)
+            for s in seqs
+            if s.request.output_tokens > 1
+        ]
+    )
     colocated = _summary(c_ttft, c_finish, c_tpot, total_output)
     return {
         "clock": "modelled (roofline), two GPUs in both setups",
-        "transfer": {"gb_per_s": transfer_gb_per_s, "latency_s": transfer_latency_s,
-                     "token_bytes": token_bytes},
+        "transfer": {
+            "gb_per_s": transfer_gb_per_s,
+            "latency_s": transfer_latency_s,
+            "token_bytes": token_bytes,
+        },
         "disaggregated": disagg,
         "colocated_two_replicas": colocated,
         "ratios_disaggregated_over_colocated": {
             k: (disagg[k] / colocated[k] if colocated[k] else float("inf"))
-            for k in ("output_tokens_per_s", "ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "tpot_p99_s")},
+            for k in (
+                "output_tokens_per_s",
+                "ttft_mean_s",
+                "ttft_p99_s",
+                "tpot_mean_s",
+                "tpot_p99_s",
+            )
+        },
     }

@@ -25,6 +25,7 @@ class DecodeProbe:
         import functools
 
         import cupy
+
         from kvpool.kernels import KvScales, paged_attention_decode
 
         self.cp = cupy
@@ -89,7 +90,9 @@ class DecodeProbe:
         layout = self.pool.layout
         bt = cp.asarray(block_table, dtype=cp.int32)
         sl = cp.asarray(seq_lens, dtype=cp.int32)
-        q = cp.random.standard_normal((len(seq_lens), self.num_q_heads, layout.head_dim), dtype=cp.float32)
+        q = cp.random.standard_normal(
+            (len(seq_lens), self.num_q_heads, layout.head_dim), dtype=cp.float32
+        )
         q = q.astype(cp.float16)
         out = cp.empty_like(q)
         max_len = int(seq_lens.max())
@@ -131,4 +134,7 @@ def make_probe(pool: Any, num_q_heads: int, every: int) -> tuple[DecodeProbe | N
     try:  # the constructor compiles and runs the kernel once, so an unsupported layout ends here
         return DecodeProbe(pool, num_q_heads, every), "measured"
     except Exception as e:  # CuPy missing, broken CUDA setup, no kernel variant: use the model
-        return None, f"cannot run the decode kernels ({type(e).__name__}: {e}); step time is modelled"
+        return (
+            None,
+            f"cannot run the decode kernels ({type(e).__name__}: {e}); step time is modelled",
+        )

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,7 +28,9 @@ class PagedKv:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.tables = kvpool.BlockTables(pool, max_seqs, self.max_blocks_per_seq)
         self.alloc_s = 0.0
-        self.probe: DecodeProbe | None = None  # optional measured.DecodeProbe, run after each decode step
+        self.probe: DecodeProbe | None = (
+            None  # optional measured.DecodeProbe, run after each decode step
+        )
 
     def validate(self, config: SchedulerConfig) -> None:
         if self.max_seqs < config.max_running_seqs:
@@ -103,5 +106,9 @@ class PagedKv:
         self.pool.check_invariants()
 
 
-def paged_scheduler(pool: kvpool.Pool, requests, config: SchedulerConfig = SchedulerConfig(), **kw) -> Scheduler:
-    return Scheduler(PagedKv(pool, config.max_running_seqs, config.max_model_len), requests, config, **kw)
+def paged_scheduler(
+    pool: kvpool.Pool, requests, config: SchedulerConfig = SchedulerConfig(), **kw
+) -> Scheduler:
+    return Scheduler(
+        PagedKv(pool, config.max_running_seqs, config.max_model_len), requests, config, **kw
+    )

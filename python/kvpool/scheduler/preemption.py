@@ -41,9 +41,13 @@ class HostLink:
 
     def __post_init__(self) -> None:
         if not self.bytes_per_s > 0 or self.bytes_per_s == float("inf"):
-            raise ValueError(f"host link bandwidth must be a finite number > 0 bytes/s, got {self.bytes_per_s}")
+            raise ValueError(
+                f"host link bandwidth must be a finite number > 0 bytes/s, got {self.bytes_per_s}"
+            )
         if not 0 <= self.latency_s < float("inf"):
-            raise ValueError(f"host link latency must be a finite number >= 0 s, got {self.latency_s}")
+            raise ValueError(
+                f"host link latency must be a finite number >= 0 s, got {self.latency_s}"
+            )
 
     def copy_seconds(self, nbytes: int) -> float:
         """One swap call (one direction) moving `nbytes`."""
@@ -63,7 +67,9 @@ class PreemptionChoice:
 
 def check_mode(mode: str) -> None:
     if mode not in PREEMPTION_MODES:
-        raise ValueError(f"preemption mode must be one of {', '.join(PREEMPTION_MODES)}, got {mode!r}")
+        raise ValueError(
+            f"preemption mode must be one of {', '.join(PREEMPTION_MODES)}, got {mode!r}"
+        )
 
 
 def swap_seconds(swap_bytes: int, link: HostLink) -> float:

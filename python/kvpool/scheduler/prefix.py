@@ -29,7 +29,7 @@ same or an earlier step writes.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -76,7 +76,9 @@ class PrefixCachedKv(PagedKv):
 
     def extend(self, seq: Seq, n: int) -> None:
         if seq.kv_tokens + n > self.tables.num_tokens(seq.request_id):
-            raise AssertionError(f"request {seq.request_id}: prefill past the tokens added at admission")
+            raise AssertionError(
+                f"request {seq.request_id}: prefill past the tokens added at admission"
+            )
 
     def decode_shortfall(self, seqs: Sequence[Seq]) -> int:
         bs = self.block_size
@@ -85,7 +87,9 @@ class PrefixCachedKv(PagedKv):
 
     def decode(self, seqs: Sequence[Seq]) -> None:
         rids = np.fromiter((s.request_id for s in seqs), dtype=np.int64, count=len(seqs))
-        new_ids = np.fromiter((self._ids[s.request_id][s.kv_tokens] for s in seqs), dtype=np.int64, count=len(seqs))
+        new_ids = np.fromiter(
+            (self._ids[s.request_id][s.kv_tokens] for s in seqs), dtype=np.int64, count=len(seqs)
+        )
         t0 = time.perf_counter()
         self.tables.append_tokens_many(rids, 1, new_ids)
         self.alloc_s += time.perf_counter() - t0

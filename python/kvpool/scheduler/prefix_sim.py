@@ -17,7 +17,9 @@ from kvpool.scheduler.core import Scheduler
 from kvpool.scheduler.measured import make_probe
 
 
-def hit_rate_series(metrics, steps: list[int], window_steps: int | None = None) -> list[float | None]:
+def hit_rate_series(
+    metrics, steps: list[int], window_steps: int | None = None
+) -> list[float | None]:
     """The prefix hit rate (cached / queried tokens of the requests admitted) over the
     `window_steps` steps up to each of `steps` (default: a fiftieth of the run; the whole
     run so far with window_steps=-1); None where nothing was admitted in the window."""
@@ -34,14 +36,18 @@ def hit_rate_series(metrics, steps: list[int], window_steps: int | None = None) 
     return out
 
 
-def run_prefix_caching(spec, device: str, report: dict[str, Any], token_bytes: int, cost, progress) -> None:
+def run_prefix_caching(
+    spec, device: str, report: dict[str, Any], token_bytes: int, cost, progress
+) -> None:
     """Serve spec's workload with prefix caching; add its result and the comparison to `report`."""
     from kvpool.scheduler.prefix import PrefixCachedKv
     from kvpool.scheduler.runner import make_pool, run_one
 
     pool, num_blocks, _ = make_pool(spec, device, prefix_caching=True)
     if num_blocks != report["num_blocks"]:
-        raise AssertionError(f"the prefix-caching pool has {num_blocks} blocks, the others {report['num_blocks']}")
+        raise AssertionError(
+            f"the prefix-caching pool has {num_blocks} blocks, the others {report['num_blocks']}"
+        )
     backend = PrefixCachedKv(pool, spec.config.max_running_seqs, spec.config.max_model_len)
     if device == "cuda":
         backend.probe = make_probe(pool, spec.preset.num_q_heads, spec.measure_every)[0]
@@ -49,12 +55,16 @@ def run_prefix_caching(spec, device: str, report: dict[str, Any], token_bytes: i
     result = run_one(sched, token_bytes, progress)
     steps = result["series"]["step"]
     result["series"]["prefix_hit_rate"] = hit_rate_series(sched.metrics, steps)
-    result["series"]["prefix_hit_rate_cumulative"] = hit_rate_series(sched.metrics, steps, window_steps=-1)
+    result["series"]["prefix_hit_rate_cumulative"] = hit_rate_series(
+        sched.metrics, steps, window_steps=-1
+    )
     result["prefix_cache_stats"] = backend.stats_at_end
     # A shared block holds its tokens once for several requests: utilization (tokens the
     # requests hold / slots allocated) can pass 1, and "wasted" slots are not defined.
     result["mean_wasted_kv_bytes"] = result["peak_wasted_kv_bytes"] = None
-    result["kv_utilization_note"] = "tokens held by the requests / slots allocated; above 1 when blocks are shared"
+    result["kv_utilization_note"] = (
+        "tokens held by the requests / slots allocated; above 1 when blocks are shared"
+    )
     report["results"]["paged_prefix_caching"] = result
     report["prefix_caching"] = compare_caching(result, report["results"]["paged"])
 
@@ -72,7 +82,9 @@ def compare_caching(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
         "prefill_tokens_on": on["prefill_tokens"],
         "prefill_tokens_off": off["prefill_tokens"],
         "prefill_tokens_saved": off["prefill_tokens"] - on["prefill_tokens"],
-        "prefill_tokens_saved_fraction": 1 - ratio("prefill_tokens") if off["prefill_tokens"] else 0.0,
+        "prefill_tokens_saved_fraction": 1 - ratio("prefill_tokens")
+        if off["prefill_tokens"]
+        else 0.0,
         "modelled_throughput_ratio": ratio("modelled_output_tokens_per_s"),
         "ttft_mean_ratio": ratio("ttft_mean_s"),
         "ttft_p99_ratio": ratio("ttft_p99_s"),

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +36,7 @@ def proxy_layout(block_size: int) -> kvpool.KvLayout:
     64 / gcd(block_size, 64): every block size the model's layout accepts works here too
     (256 bytes per block at block_size 16, 768 at block_size 3)."""
     return kvpool.KvLayout(1, 1, 64 // math.gcd(block_size, 64), block_size)
+
 
 Progress = Callable[[str, int, int], None]
 
@@ -63,7 +65,9 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def make_pool(spec: SimulationSpec, device: str, prefix_caching: bool = False) -> tuple[kvpool.Pool, int, str]:
+def make_pool(
+    spec: SimulationSpec, device: str, prefix_caching: bool = False
+) -> tuple[kvpool.Pool, int, str]:
     layout = spec.preset.layout(spec.block_size, spec.kv_dtype)
     num_blocks = num_blocks_for(spec.kv_memory_bytes, layout)
     if num_blocks < 1:
@@ -71,17 +75,34 @@ def make_pool(spec: SimulationSpec, device: str, prefix_caching: bool = False) -
             f"a KV budget of {spec.kv_memory_bytes} bytes holds no block of {layout.block_bytes} bytes"
         )
     if device == "cuda":
-        return (kvpool.Pool(layout, num_blocks, device="cuda", enable_prefix_caching=prefix_caching), num_blocks,
-                "model layout on the GPU")
-    return (kvpool.Pool(proxy_layout(spec.block_size), num_blocks, device="host", enable_prefix_caching=prefix_caching),
-            num_blocks, "proxy layout (allocator only)")
+        return (
+            kvpool.Pool(layout, num_blocks, device="cuda", enable_prefix_caching=prefix_caching),
+            num_blocks,
+            "model layout on the GPU",
+        )
+    return (
+        kvpool.Pool(
+            proxy_layout(spec.block_size),
+            num_blocks,
+            device="host",
+            enable_prefix_caching=prefix_caching,
+        ),
+        num_blocks,
+        "proxy layout (allocator only)",
+    )
 
 
 def _series(metrics, max_points: int = 1500) -> dict[str, list]:
     a = metrics.arrays()
-    idx = np.unique(np.linspace(0, len(metrics) - 1, min(max_points, len(metrics))).astype(np.int64))
-    util = np.divide(a["tokens_stored"], a["slots_allocated"], out=np.full(len(metrics), np.nan),
-                     where=a["slots_allocated"] > 0)  # nothing allocated: undefined (null in JSON)
+    idx = np.unique(
+        np.linspace(0, len(metrics) - 1, min(max_points, len(metrics))).astype(np.int64)
+    )
+    util = np.divide(
+        a["tokens_stored"],
+        a["slots_allocated"],
+        out=np.full(len(metrics), np.nan),
+        where=a["slots_allocated"] > 0,
+    )  # nothing allocated: undefined (null in JSON)
     return {
         "step": idx.tolist(),
         "time_s": a["time_s"][idx].round(6).tolist(),
@@ -139,8 +160,10 @@ def simulate(spec: SimulationSpec, progress: Progress | None = None) -> dict[str
     """Run both schedulers (and the extra run the spec asks for); the report's figures as a
     dict (JSON-ready)."""
     if spec.host_tier is not None and spec.prefix_caching:
-        raise ValueError("a host tier and prefix caching are not modelled together: the host tier "
-                         "swaps a sequence's own blocks, a prefix cache shares them between sequences")
+        raise ValueError(
+            "a host tier and prefix caching are not modelled together: the host tier "
+            "swaps a sequence's own blocks, a prefix cache shares them between sequences"
+        )
     device = resolve_device(spec.device)
     preset = spec.preset
     layout = preset.layout(spec.block_size, spec.kv_dtype)
@@ -165,16 +188,26 @@ def simulate(spec: SimulationSpec, progress: Progress | None = None) -> dict[str
     contiguous_sched = Scheduler(contiguous, spec.requests, spec.config, step_cost=cost)
     contiguous_result = run_one(contiguous_sched, token_bytes, progress)
 
-    errors = [f"{name}: {p.error}" for name, p in (("paged", probe), ("contiguous", contiguous.probe))
-              if p is not None and p.error is not None]
+    errors = [
+        f"{name}: {p.error}"
+        for name, p in (("paged", probe), ("contiguous", contiguous.probe))
+        if p is not None and p.error is not None
+    ]
     if errors:  # the kernel failed mid-run: the measured figures are partial, not comparable
-        timing = (f"measuring stopped after a kernel failure ({'; '.join(errors)}); "
-                  "step time is modelled, measured_decode covers the steps before the failure")
+        timing = (
+            f"measuring stopped after a kernel failure ({'; '.join(errors)}); "
+            "step time is modelled, measured_decode covers the steps before the failure"
+        )
 
     report = {
         "kvpool_version": _version(),
-        "model": {**asdict(preset), "token_bytes": token_bytes, "block_size": layout.block_size,
-                  "block_bytes": layout.block_bytes, "dtype": layout.dtype},
+        "model": {
+            **asdict(preset),
+            "token_bytes": token_bytes,
+            "block_size": layout.block_size,
+            "block_bytes": layout.block_bytes,
+            "dtype": layout.dtype,
+        },
         "kv_memory_bytes": capacity,
         "num_blocks": num_blocks,
         "device": device,
@@ -193,7 +226,11 @@ def simulate(spec: SimulationSpec, progress: Progress | None = None) -> dict[str
         "comparison": compare(paged_result, contiguous_result, measured_ok=not errors),
     }
     if tier_result is not None:
-        report["results"] = {"paged": paged_result, "paged_host_tier": tier_result, "contiguous": contiguous_result}
+        report["results"] = {
+            "paged": paged_result,
+            "paged_host_tier": tier_result,
+            "contiguous": contiguous_result,
+        }
         report["host_tier_comparison"] = compare_host_tier(tier_result, paged_result)
     if spec.prefix_caching:
         from kvpool.scheduler.prefix_sim import run_prefix_caching
@@ -202,22 +239,35 @@ def simulate(spec: SimulationSpec, progress: Progress | None = None) -> dict[str
     return report
 
 
-def run_host_tier(spec: SimulationSpec, pool: kvpool.Pool, cost: RooflineCost, block_bytes: int,
-                  token_bytes: int, progress: Progress | None) -> dict[str, Any]:
+def run_host_tier(
+    spec: SimulationSpec,
+    pool: kvpool.Pool,
+    cost: RooflineCost,
+    block_bytes: int,
+    token_bytes: int,
+    progress: Progress | None,
+) -> dict[str, Any]:
     """The paged scheduler again on the same (drained) pool, preempting into a host tier of
     `spec.host_tier.memory_bytes` (in the model's blocks)."""
     tier = spec.host_tier
     assert tier is not None
     backend = PagedKv(pool, spec.config.max_running_seqs, spec.config.max_model_len)
     backend.name = "paged_host_tier"
-    swapper = HostTierSwapper(backend, tier.memory_bytes // block_bytes, mode=tier.mode, link=tier.link,
-                              prefill_s_per_token=cost.prefill_seconds(1), block_bytes=block_bytes)
+    swapper = HostTierSwapper(
+        backend,
+        tier.memory_bytes // block_bytes,
+        mode=tier.mode,
+        link=tier.link,
+        prefill_s_per_token=cost.prefill_seconds(1),
+        block_bytes=block_bytes,
+    )
     sched = Scheduler(backend, spec.requests, spec.config, step_cost=cost, swapper=swapper)
     return run_one(sched, token_bytes, progress)
 
 
 def compare_host_tier(tier: dict[str, Any], no_tier: dict[str, Any]) -> dict[str, Any]:
     """Paged with a host tier against paged without one (every preemption recomputed)."""
+
     def ratio(key: str) -> float | None:
         return tier[key] / no_tier[key] if no_tier[key] else None
 
@@ -227,7 +277,10 @@ def compare_host_tier(tier: dict[str, Any], no_tier: dict[str, Any]) -> dict[str
         "preemptions_by_swap": counts["swapped_out"],
         "preemptions_by_recompute": counts["recomputed"],
         "recomputed_because_tier_full": counts["recomputed_tier_full"],
-        "recomputed_tokens": {"host_tier": tier["recomputed_tokens"], "no_tier": no_tier["recomputed_tokens"]},
+        "recomputed_tokens": {
+            "host_tier": tier["recomputed_tokens"],
+            "no_tier": no_tier["recomputed_tokens"],
+        },
         "recomputed_tokens_saved": no_tier["recomputed_tokens"] - tier["recomputed_tokens"],
         "swapped_bytes": counts["swapped_out_bytes"] + counts["swapped_in_bytes"],
         "modelled_copy_s": counts["copy_s"],
@@ -239,7 +292,9 @@ def compare_host_tier(tier: dict[str, Any], no_tier: dict[str, Any]) -> dict[str
     }
 
 
-def compare(paged: dict[str, Any], contiguous: dict[str, Any], measured_ok: bool = True) -> dict[str, Any]:
+def compare(
+    paged: dict[str, Any], contiguous: dict[str, Any], measured_ok: bool = True
+) -> dict[str, Any]:
     def ratio(key: str) -> float:
         return paged[key] / contiguous[key] if contiguous[key] else float("inf")
 

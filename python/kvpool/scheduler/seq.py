@@ -10,9 +10,21 @@ class Seq:
     """The serving state of one request."""
 
     __slots__ = (
-        "request", "prefill_target", "prefilled", "generated", "kv_tokens", "decoding", "running",
-        "last_scheduled_s", "times_scheduled", "first_token_s", "finish_s", "num_preemptions",
-        "num_finishes", "swapped", "num_cached_tokens",
+        "decoding",
+        "finish_s",
+        "first_token_s",
+        "generated",
+        "kv_tokens",
+        "last_scheduled_s",
+        "num_cached_tokens",
+        "num_finishes",
+        "num_preemptions",
+        "prefill_target",
+        "prefilled",
+        "request",
+        "running",
+        "swapped",
+        "times_scheduled",
     )
 
     def __init__(self, request: Request) -> None:

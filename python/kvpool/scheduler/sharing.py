@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -40,10 +40,14 @@ def with_token_streams(requests: Iterable[Request], seed: int = 0) -> list[Reque
         elif r.conversation_id >= 0:
             conversations[r.conversation_id].append(r)
         elif r.prefix_id >= 0:
-            stream = prefix_stream(seed, r.request_id, r.prefix_id, r.prefix_tokens, r.prompt_tokens + r.output_tokens)
+            stream = prefix_stream(
+                seed, r.request_id, r.prefix_id, r.prefix_tokens, r.prompt_tokens + r.output_tokens
+            )
             out[r.request_id] = dataclasses.replace(r, tokens=stream)
         else:
-            out[r.request_id] = dataclasses.replace(r, tokens=private_stream(seed, r.request_id, r.prompt_tokens + r.output_tokens))
+            out[r.request_id] = dataclasses.replace(
+                r, tokens=private_stream(seed, r.request_id, r.prompt_tokens + r.output_tokens)
+            )
     for conversation, turns in conversations.items():
         stream = conversation_stream(seed, conversation, turns)
         for r in turns:
@@ -62,13 +66,19 @@ def conversation_stream(seed: int, conversation: int, turns: list[Request]) -> T
         held = first.prefix_tokens
     for k, r in enumerate(turns):
         if (r.prefix_id, r.prefix_tokens) != (first.prefix_id, first.prefix_tokens):
-            raise TraceError(f"conversation {conversation}: request {r.request_id} has another prefix group than its first turn")
+            raise TraceError(
+                f"conversation {conversation}: request {r.request_id} has another prefix group than its first turn"
+            )
         new_user = r.prompt_tokens - held
         if new_user < 1:
             raise TraceError(
                 f"conversation {conversation}: request {r.request_id} has prompt_tokens {r.prompt_tokens}, which "
-                f"does not hold the {held} tokens of the earlier turns and their answers plus a new one")
-        segments += [((USER, conversation, k), new_user), ((ANSWER, conversation, k), r.output_tokens)]
+                f"does not hold the {held} tokens of the earlier turns and their answers plus a new one"
+            )
+        segments += [
+            ((USER, conversation, k), new_user),
+            ((ANSWER, conversation, k), r.output_tokens),
+        ]
         held = r.prompt_tokens + r.output_tokens
     return TokenStream(seed, tuple(segments))
 
@@ -106,7 +116,9 @@ def generate_multiturn(
     follow the `lengths` model (ShareGPT: 161 and 338 tokens on average); a conversation
     of prefix group g starts with that group's `prefix_tokens`. Seeded; with token streams."""
     if turns < 1 or not think_time_s >= 0 or num_requests < 1:
-        raise ValueError(f"need turns >= 1, think_time_s >= 0 and num_requests >= 1, got {turns}, {think_time_s}, {num_requests}")
+        raise ValueError(
+            f"need turns >= 1, think_time_s >= 0 and num_requests >= 1, got {turns}, {think_time_s}, {num_requests}"
+        )
     if max_model_len < prefix_tokens + 2:
         raise ValueError(f"max_model_len {max_model_len} leaves no room for a prompt and an output")
     model = LENGTH_MODELS[lengths]
@@ -114,8 +126,14 @@ def generate_multiturn(
     starts = arrival_times(rng, num_requests, rate, arrival, burst_size)
     user = _lognormal(rng, model.prompt_mean, model.prompt_sigma, num_requests)
     answer = _lognormal(rng, model.output_mean, model.output_sigma, num_requests)
-    gaps = rng.exponential(think_time_s, num_requests) if think_time_s > 0 else np.zeros(num_requests)
-    groups = rng.integers(0, num_prefixes, num_requests) if num_prefixes > 0 else np.full(num_requests, -1)
+    gaps = (
+        rng.exponential(think_time_s, num_requests) if think_time_s > 0 else np.zeros(num_requests)
+    )
+    groups = (
+        rng.integers(0, num_prefixes, num_requests)
+        if num_prefixes > 0
+        else np.full(num_requests, -1)
+    )
     out: list[Request] = []
     conversation = 0
     while len(out) < num_requests:

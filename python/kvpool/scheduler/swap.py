@@ -84,8 +84,12 @@ class HostTierSwapper:
         num_blocks = self._blocks(seq.kv_tokens)
         self.tier.poll()  # host blocks of finished swap-ins are free again
         choice = choose_preemption(
-            self.mode, kv_tokens=seq.kv_tokens, swap_bytes=num_blocks * self.block_bytes,
-            host_blocks_needed=num_blocks, host_blocks_free=self.tier.pool.num_free, link=self.link,
+            self.mode,
+            kv_tokens=seq.kv_tokens,
+            swap_bytes=num_blocks * self.block_bytes,
+            host_blocks_needed=num_blocks,
+            host_blocks_free=self.tier.pool.num_free,
+            link=self.link,
             prefill_s_per_token=self.prefill_s_per_token,
         )
         self.choices.append((seq.request_id, choice))

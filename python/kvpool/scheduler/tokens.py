@@ -65,8 +65,13 @@ def private_stream(seed: int, request_id: int, num_tokens: int) -> TokenStream:
     return TokenStream(seed, (((PRIVATE, request_id), num_tokens),))
 
 
-def prefix_stream(seed: int, request_id: int, group: int, prefix_tokens: int, num_tokens: int) -> TokenStream:
+def prefix_stream(
+    seed: int, request_id: int, group: int, prefix_tokens: int, num_tokens: int
+) -> TokenStream:
     """Group `group`'s `prefix_tokens` shared ids, then ids of this request only."""
     if not 0 <= prefix_tokens <= num_tokens:
         raise ValueError(f"prefix_tokens must be in [0, {num_tokens}], got {prefix_tokens}")
-    return TokenStream(seed, (((PREFIX, group), prefix_tokens), ((PRIVATE, request_id), num_tokens - prefix_tokens)))
+    return TokenStream(
+        seed,
+        (((PREFIX, group), prefix_tokens), ((PRIVATE, request_id), num_tokens - prefix_tokens)),
+    )

@@ -54,28 +54,41 @@ class TraceInfo:
     skipped_failed: int = 0
 
 
-def read_trace(path: Path, trace_format: str = "auto", max_model_len: int | None = None,
-               seed: int = 0, think_time_s: float | None = None) -> tuple[list[Request], TraceInfo]:
+def read_trace(
+    path: Path,
+    trace_format: str = "auto",
+    max_model_len: int | None = None,
+    seed: int = 0,
+    think_time_s: float | None = None,
+) -> tuple[list[Request], TraceInfo]:
     """The requests of a trace file, with token streams, sorted by arrival; TraceError (its
     message starts with "--trace <path>") naming what is wrong or missing."""
     if trace_format not in TRACE_FORMATS:
-        raise TraceError(f"--trace-format must be one of {', '.join(TRACE_FORMATS)}, got {trace_format!r}")
+        raise TraceError(
+            f"--trace-format must be one of {', '.join(TRACE_FORMATS)}, got {trace_format!r}"
+        )
     text = _read(path)
     fmt = detect_format(path, text) if trace_format == "auto" else trace_format
     if think_time_s is not None and fmt != "sharegpt":
-        raise TraceError(f"--think-time applies to ShareGPT traces (which have no times); --trace {path} is {fmt}")
+        raise TraceError(
+            f"--think-time applies to ShareGPT traces (which have no times); --trace {path} is {fmt}"
+        )
     if fmt == "kvpool":
         try:
             requests = load_trace(path, max_model_len)
         except TraceError as e:
             raise TraceError(f"--trace {e}") from None
         return _streams(requests, seed, path), TraceInfo(fmt)
-    reader = {"azure": _azure, "burstgpt": _burstgpt, "mooncake": _mooncake, "sharegpt": _sharegpt}[fmt]
+    reader = {"azure": _azure, "burstgpt": _burstgpt, "mooncake": _mooncake, "sharegpt": _sharegpt}[
+        fmt
+    ]
     rows, info = reader(path, text, think_time_s)
     requests, too_long = _fit(rows, max_model_len)
     if not requests:
-        raise TraceError(f"--trace {path}: no request of the {fmt} trace fits"
-                         + (f" max_model_len {max_model_len}" if too_long else " (the trace is empty)"))
+        raise TraceError(
+            f"--trace {path}: no request of the {fmt} trace fits"
+            + (f" max_model_len {max_model_len}" if too_long else " (the trace is empty)")
+        )
     info = TraceInfo(fmt, too_long, info.skipped_failed)
     return _streams(requests, seed, path), info
 
@@ -120,9 +133,25 @@ def _fit(rows: list[Request], max_model_len: int | None) -> tuple[list[Request],
     """Rows that fit max_model_len, renumbered in arrival order from time 0."""
     rows.sort(key=lambda r: (r.arrival_s, r.request_id))
     t0 = rows[0].arrival_s if rows else 0.0
-    kept = [r for r in rows if max_model_len is None or r.prompt_tokens + r.output_tokens <= max_model_len]
-    out = [Request(i, r.arrival_s - t0, r.prompt_tokens, r.output_tokens, r.priority, r.prefix_id,
-                   r.prefix_tokens, r.conversation_id, r.tokens) for i, r in enumerate(kept)]
+    kept = [
+        r
+        for r in rows
+        if max_model_len is None or r.prompt_tokens + r.output_tokens <= max_model_len
+    ]
+    out = [
+        Request(
+            i,
+            r.arrival_s - t0,
+            r.prompt_tokens,
+            r.output_tokens,
+            r.priority,
+            r.prefix_id,
+            r.prefix_tokens,
+            r.conversation_id,
+            r.tokens,
+        )
+        for i, r in enumerate(kept)
+    ]
     return out, len(rows) - len(kept)
 
 
@@ -153,8 +182,10 @@ def _csv_rows(path: Path, text: str, fmt: str, columns: tuple[str, ...]):
     header = reader.fieldnames or []
     for column in columns:
         if column not in header:
-            raise TraceError(f"--trace {path} ({fmt}): missing column {column!r} (header: {', '.join(header)}; "
-                             f"a {fmt} trace has {', '.join(columns)})")
+            raise TraceError(
+                f"--trace {path} ({fmt}): missing column {column!r} (header: {', '.join(header)}; "
+                f"a {fmt} trace has {', '.join(columns)})"
+            )
     for row in reader:
         where = f"--trace {path}:{reader.line_num}"
         if None in row:
@@ -168,7 +199,9 @@ def _azure(path: Path, text: str, _think: float | None) -> tuple[list[Request], 
         try:
             t = datetime.datetime.fromisoformat(row["TIMESTAMP"].strip()).timestamp()
         except ValueError:
-            raise TraceError(f"{where}: TIMESTAMP must be a date and time, got {row['TIMESTAMP']!r}") from None
+            raise TraceError(
+                f"{where}: TIMESTAMP must be a date and time, got {row['TIMESTAMP']!r}"
+            ) from None
         prompt = _count(row["ContextTokens"], "ContextTokens", where, 1)
         output = _count(row["GeneratedTokens"], "GeneratedTokens", where, 1)
         out.append(Request(len(out), t, prompt, output))
@@ -196,8 +229,10 @@ def _mooncake(path: Path, text: str, _think: float | None) -> tuple[list[Request
             raise TraceError(f"{where}: expected an object with {', '.join(MOONCAKE_FIELDS)}")
         for name in MOONCAKE_FIELDS[:3]:
             if name not in row:
-                raise TraceError(f"{where} (mooncake): missing field {name!r} (a mooncake trace has "
-                                 f"{', '.join(MOONCAKE_FIELDS)})")
+                raise TraceError(
+                    f"{where} (mooncake): missing field {name!r} (a mooncake trace has "
+                    f"{', '.join(MOONCAKE_FIELDS)})"
+                )
         t = _seconds(row["timestamp"], "timestamp", where) / 1000.0
         prompt = _count(row["input_length"], "input_length", where, 1)
         output = _count(row["output_length"], "output_length", where, 1)
@@ -237,14 +272,18 @@ def _sharegpt(path: Path, text: str, think_time_s: float | None) -> tuple[list[R
     except json.JSONDecodeError as e:
         raise TraceError(f"--trace {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(data, list):
-        raise TraceError(f"--trace {path} (sharegpt): expected a list of {{id, conversations}} objects")
+        raise TraceError(
+            f"--trace {path} (sharegpt): expected a list of {{id, conversations}} objects"
+        )
     gap = DEFAULT_THINK_TIME_S if think_time_s is None else think_time_s
     out: list[Request] = []
     for c, item in enumerate(data):
         where = f"--trace {path}: conversation {c}"
         if not isinstance(item, dict) or "conversations" not in item:
-            raise TraceError(f"{where} (sharegpt): missing field 'conversations' (each item has id and "
-                             "conversations: [{from, value}, ...])")
+            raise TraceError(
+                f"{where} (sharegpt): missing field 'conversations' (each item has id and "
+                "conversations: [{from, value}, ...])"
+            )
         messages = item["conversations"]
         if not isinstance(messages, list):
             raise TraceError(f"{where}: conversations must be a list of {{from, value}}")
@@ -252,7 +291,9 @@ def _sharegpt(path: Path, text: str, think_time_s: float | None) -> tuple[list[R
     return out, TraceInfo("sharegpt")
 
 
-def _turns(messages: list, conversation: int, gap: float, first_id: int, where: str) -> list[Request]:
+def _turns(
+    messages: list, conversation: int, gap: float, first_id: int, where: str
+) -> list[Request]:
     """One request per (human message, answer) pair; the context grows by both."""
     turns: list[Request] = []
     held, pending = 0, 0  # tokens of the finished turns; of messages not yet answered
@@ -266,8 +307,15 @@ def _turns(messages: list, conversation: int, gap: float, first_id: int, where: 
                 held += tokens  # an answer to nothing (a greeting): context only
                 continue
             prompt = held + pending
-            turns.append(Request(first_id + len(turns), len(turns) * gap, prompt, tokens,
-                                 conversation_id=conversation))
+            turns.append(
+                Request(
+                    first_id + len(turns),
+                    len(turns) * gap,
+                    prompt,
+                    tokens,
+                    conversation_id=conversation,
+                )
+            )
             held, pending = prompt + tokens, 0
         else:  # human, user, system
             pending += tokens

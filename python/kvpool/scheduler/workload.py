@@ -63,7 +63,11 @@ def _lognormal(rng: np.random.Generator, mean: float, sigma: float, n: int) -> n
 
 
 def arrival_times(
-    rng: np.random.Generator, n: int, rate: float | None, arrival: str = "poisson", burst_size: int = 64
+    rng: np.random.Generator,
+    n: int,
+    rate: float | None,
+    arrival: str = "poisson",
+    burst_size: int = 64,
 ) -> np.ndarray:
     """Arrival times in seconds. rate None (or inf) means every request is there at t=0 (offline).
 
@@ -72,7 +76,11 @@ def arrival_times(
     """
     if arrival not in ARRIVALS:
         raise ValueError(f"arrival must be one of {ARRIVALS}, got {arrival!r}")
-    if isinstance(burst_size, bool) or not isinstance(burst_size, (int, np.integer)) or burst_size < 1:
+    if (
+        isinstance(burst_size, bool)
+        or not isinstance(burst_size, (int, np.integer))
+        or burst_size < 1
+    ):
         raise ValueError(f"burst_size must be an integer >= 1, got {burst_size!r}")
     if rate is None or math.isinf(rate):
         return np.zeros(n)
@@ -108,13 +116,24 @@ def generate(
     output = _lognormal(rng, model.output_mean, model.output_sigma, num_requests)
     arrivals = arrival_times(rng, num_requests, rate, arrival, burst_size)
     priority = rng.integers(0, max(1, num_priorities), num_requests)
-    prefix_id = rng.integers(0, num_prefixes, num_requests) if num_prefixes > 0 else np.full(num_requests, -1)
+    prefix_id = (
+        rng.integers(0, num_prefixes, num_requests)
+        if num_prefixes > 0
+        else np.full(num_requests, -1)
+    )
     shared = prefix_tokens if num_prefixes > 0 else 0
     prompt = np.clip(prompt + shared, 1, max_model_len - 1)
     output = np.clip(output, 1, max_model_len - prompt)
     return [
-        Request(i, float(arrivals[i]), int(prompt[i]), int(output[i]), int(priority[i]),
-                int(prefix_id[i]), shared if prefix_id[i] >= 0 else 0)
+        Request(
+            i,
+            float(arrivals[i]),
+            int(prompt[i]),
+            int(output[i]),
+            int(priority[i]),
+            int(prefix_id[i]),
+            shared if prefix_id[i] >= 0 else 0,
+        )
         for i in range(num_requests)
     ]
 
@@ -147,7 +166,9 @@ def _field(row: dict, name: str, where: str) -> object:
     for key in _FIELDS[name]:
         if key in row and row[key] not in (None, ""):
             return row[key]
-    raise TraceError(f"{where}: missing field {name!r} (accepted names: {', '.join(_FIELDS[name])})")
+    raise TraceError(
+        f"{where}: missing field {name!r} (accepted names: {', '.join(_FIELDS[name])})"
+    )
 
 
 def _number(value: object, name: str, where: str, *, integer: bool, minimum: float) -> float:
@@ -167,13 +188,27 @@ def _number(value: object, name: str, where: str, *, integer: bool, minimum: flo
 
 def _request(row: object, index: int, where: str, max_model_len: int | None) -> Request:
     if not isinstance(row, dict):
-        raise TraceError(f"{where}: expected an object with arrival_s, prompt_tokens, output_tokens")
+        raise TraceError(
+            f"{where}: expected an object with arrival_s, prompt_tokens, output_tokens"
+        )
     arrival = _number(_field(row, "arrival_s", where), "arrival_s", where, integer=False, minimum=0)
-    prompt = int(_number(_field(row, "prompt_tokens", where), "prompt_tokens", where, integer=True, minimum=1))
-    output = int(_number(_field(row, "output_tokens", where), "output_tokens", where, integer=True, minimum=1))
-    priority = int(_number(row.get("priority", 0) or 0, "priority", where, integer=True, minimum=-(2**31)))
+    prompt = int(
+        _number(
+            _field(row, "prompt_tokens", where), "prompt_tokens", where, integer=True, minimum=1
+        )
+    )
+    output = int(
+        _number(
+            _field(row, "output_tokens", where), "output_tokens", where, integer=True, minimum=1
+        )
+    )
+    priority = int(
+        _number(row.get("priority", 0) or 0, "priority", where, integer=True, minimum=-(2**31))
+    )
     if max_model_len is not None and prompt + output > max_model_len:
-        raise TraceError(f"{where}: prompt_tokens + output_tokens = {prompt + output} exceeds max_model_len {max_model_len}")
+        raise TraceError(
+            f"{where}: prompt_tokens + output_tokens = {prompt + output} exceeds max_model_len {max_model_len}"
+        )
     group, shared, conversation = _sharing_fields(row, prompt, where)
     return Request(index, arrival, prompt, output, priority, group, shared, conversation)
 
@@ -191,11 +226,17 @@ def _sharing_fields(row: dict, prompt: int, where: str) -> tuple[int, int, int]:
     shared = optional("prefix_tokens", 0)
     conversation = optional("conversation_id", 0)
     if (group is None) != (shared is None):
-        raise TraceError(f"{where}: prefix_group and prefix_tokens go together (requests of one group "
-                         "share their first prefix_tokens tokens)")
+        raise TraceError(
+            f"{where}: prefix_group and prefix_tokens go together (requests of one group "
+            "share their first prefix_tokens tokens)"
+        )
     if shared is not None and shared > prompt:
         raise TraceError(f"{where}: prefix_tokens {shared} exceeds prompt_tokens {prompt}")
-    return (-1 if group is None else group, shared or 0, -1 if conversation is None else conversation)
+    return (
+        -1 if group is None else group,
+        shared or 0,
+        -1 if conversation is None else conversation,
+    )
 
 
 def load_trace(path: str | Path, max_model_len: int | None = None) -> list[Request]:

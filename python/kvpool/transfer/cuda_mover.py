@@ -28,9 +28,15 @@ _u64, _i64 = ctypes.c_uint64, ctypes.c_int64
 class _MoveArgs(ctypes.Structure):
     """The parameters of move_blocks (cuda/copy_blocks.cu), in order."""
 
-    _fields_ = [("src_base", _u64), ("src_ids", _u64), ("src_stride", _i64),
-                ("dst_base", _u64), ("dst_ids", _u64), ("dst_stride", _i64),
-                ("block_bytes", _i64)]
+    _fields_ = [
+        ("src_base", _u64),
+        ("src_ids", _u64),
+        ("src_stride", _i64),
+        ("dst_base", _u64),
+        ("dst_ids", _u64),
+        ("dst_stride", _i64),
+        ("block_bytes", _i64),
+    ]
 
 
 @functools.cache
@@ -38,9 +44,18 @@ def _kernel(device_id: int) -> Kernel:
     return Kernel(_build.plain_module("copy_blocks"), "move_blocks", device_id)
 
 
-def move_blocks(device_id: int, count: int, src_base: int, src_ids: int, src_stride: int,
-                dst_base: int, dst_ids: int, dst_stride: int, block_bytes: int,
-                stream: int) -> None:
+def move_blocks(
+    device_id: int,
+    count: int,
+    src_base: int,
+    src_ids: int,
+    src_stride: int,
+    dst_base: int,
+    dst_ids: int,
+    dst_stride: int,
+    block_bytes: int,
+    stream: int,
+) -> None:
     """Queue the copy of `count` blocks (ids: device int32 pointers, 0 for the identity)."""
     if count == 0:
         return
@@ -118,8 +133,9 @@ class CudaMover:
         with self.copy_stream:
             return cupy.asarray(np.ascontiguousarray(ids, dtype=np.int32))
 
-    def send(self, transport: Any, ids: np.ndarray, pieces: list, mode: str,
-             stream: Any) -> CudaCompletion:
+    def send(
+        self, transport: Any, ids: np.ndarray, pieces: list, mode: str, stream: Any
+    ) -> CudaCompletion:
         import cupy
 
         bb = self.block_bytes
@@ -140,8 +156,18 @@ class CudaMover:
             for j, (start, count) in enumerate(pieces):
                 s = j % self.ring_slots
                 self.copy_stream.wait_event(self.slot_free[s])
-                move_blocks(self.device_id, count, self.pool.base_ptr, ids_dev.data.ptr + 4 * start,
-                            bb, slots[s], 0, bb, bb, self.copy_stream.ptr)
+                move_blocks(
+                    self.device_id,
+                    count,
+                    self.pool.base_ptr,
+                    ids_dev.data.ptr + 4 * start,
+                    bb,
+                    slots[s],
+                    0,
+                    bb,
+                    bb,
+                    self.copy_stream.ptr,
+                )
                 self.slot_full[s].record(self.copy_stream)
                 self.comm_stream.wait_event(self.slot_full[s])
                 transport.send(slots[s], count * bb, comm)
@@ -149,8 +175,9 @@ class CudaMover:
             done.record(self.comm_stream)
             return CudaCompletion(done, (ids_dev, self._staging))
 
-    def recv(self, transport: Any, ids: np.ndarray, pieces: list, mode: str,
-             stream: Any) -> CudaCompletion:
+    def recv(
+        self, transport: Any, ids: np.ndarray, pieces: list, mode: str, stream: Any
+    ) -> CudaCompletion:
         import cupy
 
         bb = self.block_bytes
@@ -175,8 +202,18 @@ class CudaMover:
                     transport.recv(slots[s], count * bb, comm)
                     self.slot_full[s].record(self.comm_stream)
                     self.copy_stream.wait_event(self.slot_full[s])
-                    move_blocks(self.device_id, count, slots[s], 0, bb, self.pool.base_ptr,
-                                ids_dev.data.ptr + 4 * start, bb, bb, self.copy_stream.ptr)
+                    move_blocks(
+                        self.device_id,
+                        count,
+                        slots[s],
+                        0,
+                        bb,
+                        self.pool.base_ptr,
+                        ids_dev.data.ptr + 4 * start,
+                        bb,
+                        bb,
+                        self.copy_stream.ptr,
+                    )
                     self.slot_free[s].record(self.copy_stream)
                 done.record(self.copy_stream)
                 keep = (ids_dev, self._staging)

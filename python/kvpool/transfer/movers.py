@@ -34,8 +34,9 @@ def resolve_mode(mode: str, src_ids: np.ndarray, dst_ids: np.ndarray) -> str:
     return GROUPED if runs <= AUTO_MAX_RUNS else STAGED
 
 
-def plan_pieces(mode: str, src_ids: np.ndarray, dst_ids: np.ndarray,
-                chunk_blocks: int) -> list[tuple[int, int]]:
+def plan_pieces(
+    mode: str, src_ids: np.ndarray, dst_ids: np.ndarray, chunk_blocks: int
+) -> list[tuple[int, int]]:
     """The pieces of a transfer of ``src_ids[i] -> dst_ids[i]``."""
     n = len(src_ids)
     if mode == STAGED:
@@ -78,7 +79,7 @@ class HostMover:
                 if mode == GROUPED:
                     transport.send(self._address(ids[start]), count * self.block_bytes, None)
                 else:
-                    staging = np.ascontiguousarray(self._slab[ids[start:start + count]])
+                    staging = np.ascontiguousarray(self._slab[ids[start : start + count]])
                     transport.send(staging.ctypes.data, staging.nbytes, None)
         return Done()
 
@@ -90,7 +91,7 @@ class HostMover:
                 else:
                     staging = np.empty((count, self.block_bytes), np.uint8)
                     transport.recv(staging.ctypes.data, staging.nbytes, None)
-                    self._slab[ids[start:start + count]] = staging
+                    self._slab[ids[start : start + count]] = staging
         return Done()
 
     def synchronize(self) -> None:

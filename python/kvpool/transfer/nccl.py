@@ -21,14 +21,18 @@ import select
 import socket
 import struct
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from kvpool._core import CudaUnavailableError
 from kvpool.transfer.transport import PeerGone, Transport
 
-_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                  "NVSHMEM_DISABLE_NVLS": "1"}
+_MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 def load_nccl() -> Any:
@@ -46,8 +50,10 @@ def load_nccl() -> Any:
             nccl = importlib.reload(nccl)
             break
     if not getattr(nccl, "available", hasattr(nccl, "NcclCommunicator")):
-        raise CudaUnavailableError("CuPy's NCCL binding is unavailable (no libnccl.so.2 found); "
-                                   "install nvidia-nccl-cu12 or -cu13 matching CuPy")
+        raise CudaUnavailableError(
+            "CuPy's NCCL binding is unavailable (no libnccl.so.2 found); "
+            "install nvidia-nccl-cu12 or -cu13 matching CuPy"
+        )
     return nccl
 
 
@@ -79,7 +85,7 @@ def _recv_frame(sock: socket.socket, timeout: float | None) -> dict:
 
 def _listen_address(rendezvous: str, host: str) -> tuple[str, int]:
     if rendezvous.startswith("tcp://"):
-        h, _, p = rendezvous[len("tcp://"):].rpartition(":")
+        h, _, p = rendezvous[len("tcp://") :].rpartition(":")
         return h, int(p)
     return host, 0
 
@@ -95,8 +101,14 @@ def _wait_for_file(path: Path, deadline: float) -> tuple[str, int]:
             time.sleep(0.05)
 
 
-def rendezvous_control(rank: int, rendezvous: str | os.PathLike, unique_id: Any, *,
-                       host: str = "127.0.0.1", timeout: float = 120.0) -> tuple[socket.socket, list]:
+def rendezvous_control(
+    rank: int,
+    rendezvous: str | os.PathLike,
+    unique_id: Any,
+    *,
+    host: str = "127.0.0.1",
+    timeout: float = 120.0,
+) -> tuple[socket.socket, list]:
     """The control connection of a pair, and the id rank 0 made with ``unique_id()`` and sent
     over it (see the module docstring for ``rendezvous``)."""
     rendezvous = str(rendezvous)
@@ -116,8 +128,11 @@ def rendezvous_control(rank: int, rendezvous: str | os.PathLike, unique_id: Any,
             server.close()
         _send_frame(sock, {"nccl_id": uid})
     else:
-        address = (_listen_address(rendezvous, host) if rendezvous.startswith("tcp://")
-                   else _wait_for_file(Path(rendezvous), deadline))
+        address = (
+            _listen_address(rendezvous, host)
+            if rendezvous.startswith("tcp://")
+            else _wait_for_file(Path(rendezvous), deadline)
+        )
         while True:
             try:
                 sock = socket.create_connection(address, timeout=timeout)
@@ -134,16 +149,24 @@ def rendezvous_control(rank: int, rendezvous: str | os.PathLike, unique_id: Any,
 class NcclTransport(Transport):
     """A two-rank NCCL communicator with a TCP control channel; make one with connect()."""
 
-    def __init__(self, nccl: Any, comm: Any, sock: socket.socket, rank: int,
-                 device_id: int) -> None:
+    def __init__(
+        self, nccl: Any, comm: Any, sock: socket.socket, rank: int, device_id: int
+    ) -> None:
         self._nccl, self.comm, self._sock = nccl, comm, sock
         self.rank, self.peer, self.device_id = rank, 1 - rank, device_id
         self._dtype = getattr(nccl, "NCCL_UINT8", getattr(nccl, "NCCL_CHAR", 0))
         self._dead = False
 
     @classmethod
-    def connect(cls, rank: int, rendezvous: str | os.PathLike, device_id: int, *,
-                host: str = "127.0.0.1", timeout: float = 120.0) -> NcclTransport:
+    def connect(
+        cls,
+        rank: int,
+        rendezvous: str | os.PathLike,
+        device_id: int,
+        *,
+        host: str = "127.0.0.1",
+        timeout: float = 120.0,
+    ) -> NcclTransport:
         """Joins the two processes (blocks until both have called it)."""
         if rank not in (0, 1):
             raise ValueError(f"rank must be 0 or 1, got {rank!r}")

@@ -32,15 +32,23 @@ _POLL_S = 0.0005
 
 def layout_fingerprint(layout: Any) -> dict:
     """What two pools must share for a block to mean the same bytes on both."""
-    return {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
-            "head_dim": layout.head_dim, "block_size": layout.block_size,
-            "dtype": layout.dtype, "block_bytes": layout.block_bytes}
+    return {
+        "num_layers": layout.num_layers,
+        "num_kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+        "block_size": layout.block_size,
+        "dtype": layout.dtype,
+        "block_bytes": layout.block_bytes,
+    }
 
 
 def layout_mismatch(sender: dict, receiver: dict) -> str | None:
     """Why two fingerprints differ (every differing field), or None."""
-    diffs = [f"{k} {sender.get(k)!r} (sender) != {receiver[k]!r} (receiver)"
-             for k in receiver if sender.get(k) != receiver[k]]
+    diffs = [
+        f"{k} {sender.get(k)!r} (sender) != {receiver[k]!r} (receiver)"
+        for k in receiver
+        if sender.get(k) != receiver[k]
+    ]
     return "layout mismatch: " + ", ".join(diffs) if diffs else None
 
 
@@ -70,8 +78,14 @@ class Transfer:
     phase finished on this side (then the sender's blocks are freed, the receiver's request is
     ready) or failed (then the transport is aborted and the pools are made consistent)."""
 
-    def __init__(self, endpoint: _Endpoint, request_id: int, completion: Any,
-                 on_success: Any, on_failure: Any) -> None:
+    def __init__(
+        self,
+        endpoint: _Endpoint,
+        request_id: int,
+        completion: Any,
+        on_success: Any,
+        on_failure: Any,
+    ) -> None:
         self._endpoint, self.request_id = endpoint, request_id
         self._completion = completion
         self._on_success, self._on_failure = on_success, on_failure
@@ -95,8 +109,9 @@ class Transfer:
             if not self._endpoint.transport.peer_alive() and not self.done():
                 self.fail(f"the peer died during the transfer of request {self.request_id}")
             if time.monotonic() > deadline:
-                self.fail(f"the transfer of request {self.request_id} did not complete "
-                          f"within {limit} s")
+                self.fail(
+                    f"the transfer of request {self.request_id} did not complete within {limit} s"
+                )
             time.sleep(_POLL_S)
 
     def fail(self, reason: str) -> None:
@@ -116,9 +131,15 @@ class KvSender:
     no staging) or "auto" (the receiver picks grouped when the blocks form at most
     ``movers.AUTO_MAX_RUNS`` such runs, staged otherwise)."""
 
-    def __init__(self, tables: BlockTables, transport: Transport, *, mode: str = AUTO,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        tables: BlockTables,
+        transport: Transport,
+        *,
+        mode: str = AUTO,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
         if mode not in (*MODES, AUTO):
             raise ValueError(f"mode must be one of {(*MODES, AUTO)}, got {mode!r}")
         self._ep = _Endpoint(tables, transport, timeout_s)
@@ -135,24 +156,37 @@ class KvSender:
         ids = np.asarray(ep.tables.blocks(request_id), dtype=np.int32)
         num_tokens = ep.tables.num_tokens(request_id)
         try:
-            ep.transport.send_control({
-                "kind": "offer", "version": PROTOCOL_VERSION, "request_id": int(request_id),
-                "num_tokens": int(num_tokens), "layout": layout_fingerprint(ep.pool.layout),
-                "src_ids": ids.tolist(), "mode": self.mode, "chunk_blocks": self.chunk_blocks,
-            })
+            ep.transport.send_control(
+                {
+                    "kind": "offer",
+                    "version": PROTOCOL_VERSION,
+                    "request_id": int(request_id),
+                    "num_tokens": int(num_tokens),
+                    "layout": layout_fingerprint(ep.pool.layout),
+                    "src_ids": ids.tolist(),
+                    "mode": self.mode,
+                    "chunk_blocks": self.chunk_blocks,
+                }
+            )
         except (PeerGone, OSError) as e:
             raise _error(f"offering request {request_id}: {e}", request_id) from e
-        reply = ep._control(f"waiting for the receiver's answer to request {request_id}", request_id)
+        reply = ep._control(
+            f"waiting for the receiver's answer to request {request_id}", request_id
+        )
         if reply.get("kind") == "refuse":
-            raise _error(f"the receiver refused request {request_id}: {reply.get('reason')}",
-                         request_id)
+            raise _error(
+                f"the receiver refused request {request_id}: {reply.get('reason')}", request_id
+            )
         if reply.get("kind") != "accept" or reply.get("request_id") != int(request_id):
             raise _error(f"unexpected answer to request {request_id}: {reply}", request_id)
         dst_ids = np.asarray(reply["dst_ids"], dtype=np.int32)
         mode = reply.get("mode")
         if mode not in MODES or len(dst_ids) != len(ids):
-            raise _error(f"unexpected answer to request {request_id}: mode {mode!r}, "
-                         f"{len(dst_ids)} blocks for {len(ids)}", request_id)
+            raise _error(
+                f"unexpected answer to request {request_id}: mode {mode!r}, "
+                f"{len(dst_ids)} blocks for {len(ids)}",
+                request_id,
+            )
         pieces = plan_pieces(mode, ids, dst_ids, self.chunk_blocks)
         stream = ep.pool.stream if stream is None else stream
 
@@ -168,16 +202,18 @@ class KvSender:
         except Exception as e:  # a transport or launch error: nothing is freed here
             ep.transport.abort()
             ep.mover.synchronize()
-            raise _error(f"sending request {request_id}: {type(e).__name__}: {e}",
-                         request_id) from e
+            raise _error(
+                f"sending request {request_id}: {type(e).__name__}: {e}", request_id
+            ) from e
         return Transfer(ep, request_id, completion, release, keep)
 
 
 class KvReceiver:
     """Receives requests into ``tables`` (over the receiving pool) through ``transport``."""
 
-    def __init__(self, tables: BlockTables, transport: Transport, *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, tables: BlockTables, transport: Transport, *, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
         self._ep = _Endpoint(tables, transport, timeout_s)
 
     def recv(self, *, stream: Any = None, timeout: float | None = None) -> Transfer:
@@ -197,8 +233,9 @@ class KvReceiver:
                 reason = f"{type(e).__name__}: {e}"
         if reason is not None:
             try:
-                ep.transport.send_control({"kind": "refuse", "request_id": request_id,
-                                           "reason": reason})
+                ep.transport.send_control(
+                    {"kind": "refuse", "request_id": request_id, "reason": reason}
+                )
             except (PeerGone, OSError):
                 pass  # the sender is gone; the refusal stands anyway
             raise _error(f"refused request {request_id}: {reason}", request_id)
@@ -210,8 +247,14 @@ class KvReceiver:
 
         mode = resolve_mode(offer["mode"], src_ids, dst_ids)
         try:
-            ep.transport.send_control({"kind": "accept", "request_id": request_id,
-                                       "dst_ids": dst_ids.tolist(), "mode": mode})
+            ep.transport.send_control(
+                {
+                    "kind": "accept",
+                    "request_id": request_id,
+                    "dst_ids": dst_ids.tolist(),
+                    "mode": mode,
+                }
+            )
             pieces = plan_pieces(mode, src_ids, dst_ids, offer["chunk_blocks"])
             stream = ep.pool.stream if stream is None else stream
             completion = ep.mover.recv(ep.transport, dst_ids, pieces, mode, stream)
@@ -219,8 +262,9 @@ class KvReceiver:
             ep.transport.abort()
             ep.mover.synchronize()
             release()
-            raise _error(f"receiving request {request_id}: {type(e).__name__}: {e}",
-                         request_id) from e
+            raise _error(
+                f"receiving request {request_id}: {type(e).__name__}: {e}", request_id
+            ) from e
         return Transfer(ep, request_id, completion, lambda: None, release)
 
     def _check(self, offer: dict) -> str | None:
@@ -235,8 +279,12 @@ class KvReceiver:
             return f"unknown mode {offer.get('mode')!r}"
         bs = ep.pool.layout.block_size
         num_tokens, src_ids = offer.get("num_tokens"), offer.get("src_ids")
-        if (not isinstance(num_tokens, int) or num_tokens < 0 or not isinstance(src_ids, list)
-                or len(src_ids) != -(-num_tokens // bs)):
+        if (
+            not isinstance(num_tokens, int)
+            or num_tokens < 0
+            or not isinstance(src_ids, list)
+            or len(src_ids) != -(-num_tokens // bs)
+        ):
             return f"{len(src_ids or [])} blocks offered for {num_tokens} tokens"
         if not isinstance(offer.get("chunk_blocks"), int) or offer["chunk_blocks"] < 1:
             return "chunk_blocks must be a positive int"

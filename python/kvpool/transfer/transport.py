@@ -15,7 +15,7 @@ import contextlib
 import ctypes
 import queue
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 
 class PeerGone(Exception):

@@ -25,8 +25,12 @@ use kvpool_core::{BlockAllocator, CoreError};
 
 const THREADS: [usize; 5] = [1, 2, 4, 8, 16];
 /// (group name, blocks per call, free list shuffled first).
-const BATCHES: [(&str, usize, bool); 4] =
-    [("single", 1, false), ("batch16", 16, false), ("batch256", 256, false), ("batch16_scattered", 16, true)];
+const BATCHES: [(&str, usize, bool); 4] = [
+    ("single", 1, false),
+    ("batch16", 16, false),
+    ("batch256", 256, false),
+    ("batch16_scattered", 16, true),
+];
 /// Enough for 16 threads to hold a batch of 256 each, with as many again to spare.
 const NUM_BLOCKS: usize = 8192;
 
@@ -61,20 +65,29 @@ impl MutexFreeList {
     fn new(num_blocks: usize) -> Self {
         // Lowest id on top, as in ours.
         let free = (0..num_blocks as u32).rev().collect();
-        MutexFreeList { num_blocks, state: Mutex::new(State { free, ref_cnt: vec![0; num_blocks], high_water: 0 }) }
+        MutexFreeList {
+            num_blocks,
+            state: Mutex::new(State { free, ref_cnt: vec![0; num_blocks], high_water: 0 }),
+        }
     }
 
     /// Range and repeat checks, the same as `BlockAllocator::check_distinct_and_in_range`;
     /// they need no shared state, so they run outside the lock.
     fn check_distinct_and_in_range(&self, block_ids: &[u32]) -> Result<(), CoreError> {
         if let Some(&id) = block_ids.iter().find(|&&id| id as usize >= self.num_blocks) {
-            return Err(CoreError::InvalidBlock { value: id.to_string(), reason: "out of range".into() });
+            return Err(CoreError::InvalidBlock {
+                value: id.to_string(),
+                reason: "out of range".into(),
+            });
         }
         if block_ids.len() > 1 {
             let mut sorted = block_ids.to_vec();
             sorted.sort_unstable();
             if let Some(pair) = sorted.windows(2).find(|p| p[0] == p[1]) {
-                return Err(CoreError::InvalidBlock { value: pair[0].to_string(), reason: "repeated in one call".into() });
+                return Err(CoreError::InvalidBlock {
+                    value: pair[0].to_string(),
+                    reason: "repeated in one call".into(),
+                });
             }
         }
         Ok(())

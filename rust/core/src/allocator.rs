@@ -44,7 +44,10 @@ impl BlockAllocator {
     /// An allocator with room for `max_num_blocks` ids, of which `0..num_blocks` exist and
     /// are free. The others come into existence through [`set_num_blocks`](Self::set_num_blocks).
     pub fn new_growable(num_blocks: usize, max_num_blocks: usize) -> Result<Self, CoreError> {
-        if max_num_blocks == 0 || max_num_blocks > crate::MAX_NUM_BLOCKS || num_blocks > max_num_blocks {
+        if max_num_blocks == 0
+            || max_num_blocks > crate::MAX_NUM_BLOCKS
+            || num_blocks > max_num_blocks
+        {
             return Err(CoreError::InvalidArgument(format!(
                 "need 0 <= num_blocks <= max_num_blocks, max_num_blocks in 1..={}; got {num_blocks} and {max_num_blocks}",
                 crate::MAX_NUM_BLOCKS
@@ -77,7 +80,8 @@ impl BlockAllocator {
     /// `(num_used, num_free)`: `num_blocks` and the free ids, counted as one
     /// [`counted`](Self::counted) read.
     fn counts(&self) -> (usize, usize) {
-        let (num_blocks, free) = self.counted(|| Some(self.free_ids.in_places())).expect("a full count always counts");
+        let (num_blocks, free) =
+            self.counted(|| Some(self.free_ids.in_places())).expect("a full count always counts");
         (num_blocks.saturating_sub(free), free.min(num_blocks))
     }
 
@@ -172,7 +176,11 @@ impl BlockAllocator {
         if count > self.num_blocks() {
             // Can never succeed: refuse before sizing a buffer for it (a huge count would
             // otherwise abort the process in the allocation below).
-            return Err(CoreError::OutOfBlocks { requested: count, free: self.num_free(), num_blocks: self.num_blocks() });
+            return Err(CoreError::OutOfBlocks {
+                requested: count,
+                free: self.num_free(),
+                num_blocks: self.num_blocks(),
+            });
         }
         let mut ids = vec![0u32; count];
         self.alloc_into(&mut ids)?;
@@ -221,8 +229,11 @@ impl BlockAllocator {
                 // Freed under our feet by a racing caller, or an id repeated up to the limit:
                 // drop the references we added, one by one (the prefix may repeat an id, so
                 // it is not a valid `free_many`).
-                let released: Vec<u32> =
-                    block_ids[..done].iter().copied().filter(|&undo| self.ref_cnt.drop_one(undo) == Some(0)).collect();
+                let released: Vec<u32> = block_ids[..done]
+                    .iter()
+                    .copied()
+                    .filter(|&undo| self.ref_cnt.drop_one(undo) == Some(0))
+                    .collect();
                 self.free_ids.put(&released);
                 return Err(if count == 0 { not_allocated(id) } else { too_many_refs(id, count) });
             }
@@ -257,7 +268,11 @@ impl BlockAllocator {
     /// every id `>= num_blocks` first, and a growth raises `num_blocks` before the new ids are
     /// pushed, so an id on the list is always in range.
     pub(crate) fn set_num_blocks(&self, num_blocks: usize, mut free_ids: Vec<u32>) {
-        assert!(num_blocks <= self.max_num_blocks(), "{num_blocks} blocks exceed the capacity {}", self.max_num_blocks());
+        assert!(
+            num_blocks <= self.max_num_blocks(),
+            "{num_blocks} blocks exceed the capacity {}",
+            self.max_num_blocks()
+        );
         debug_assert!(free_ids.iter().all(|&id| (id as usize) < num_blocks));
         let old = self.num_blocks();
         // `num_blocks` changes only while ids are parked (see `counted`): new ids come into
@@ -282,7 +297,10 @@ impl BlockAllocator {
         let on_list = self.free_ids.snapshot()?;
         let num_blocks = self.num_blocks();
         if num_blocks > self.max_num_blocks() {
-            return Err(format!("num_blocks {num_blocks} > max_num_blocks {}", self.max_num_blocks()));
+            return Err(format!(
+                "num_blocks {num_blocks} > max_num_blocks {}",
+                self.max_num_blocks()
+            ));
         }
         let mut seen = vec![false; num_blocks];
         let mut held_by_cache = vec![false; num_blocks];
@@ -294,7 +312,9 @@ impl BlockAllocator {
         }
         for &id in &on_list {
             if id as usize >= num_blocks {
-                return Err(format!("block {id} is on the free list but num_blocks is {num_blocks}"));
+                return Err(format!(
+                    "block {id} is on the free list but num_blocks is {num_blocks}"
+                ));
             }
             if std::mem::replace(&mut seen[id as usize], true) {
                 return Err(format!("block {id} is on the free list twice"));
@@ -342,7 +362,9 @@ fn not_allocated(id: u32) -> CoreError {
 fn too_many_refs(id: u32, count: u32) -> CoreError {
     CoreError::InvalidBlock {
         value: id.to_string(),
-        reason: format!("already has {count} references (a fork raises a count to at most {MAX_SHARED})"),
+        reason: format!(
+            "already has {count} references (a fork raises a count to at most {MAX_SHARED})"
+        ),
     }
 }
 

@@ -46,7 +46,8 @@ pub fn primary_context(ordinal: usize) -> Result<Arc<CudaContext>, CoreError> {
             "CUDA device {ordinal} requested, but the driver reports {count} device(s)"
         )));
     }
-    let ctx = CudaContext::new(ordinal).map_err(|e| driver_error("retaining the primary context", e))?;
+    let ctx =
+        CudaContext::new(ordinal).map_err(|e| driver_error("retaining the primary context", e))?;
     bind(&ctx)?;
     Ok(ctx)
 }
@@ -61,7 +62,10 @@ pub fn bind(ctx: &CudaContext) -> Result<(), CoreError> {
 ///
 /// # Safety
 /// `stream` must be a live stream handle (or 0, the legacy default stream).
-pub unsafe fn check_stream_context(ctx: &CudaContext, stream: sys::CUstream) -> Result<(), CoreError> {
+pub unsafe fn check_stream_context(
+    ctx: &CudaContext,
+    stream: sys::CUstream,
+) -> Result<(), CoreError> {
     bind(ctx)?;
     let mut owner: sys::CUcontext = std::ptr::null_mut();
     // SAFETY: the caller guarantees the handle is live; `owner` is a valid out-pointer.
@@ -89,14 +93,16 @@ impl DeviceBuffer {
         bind(ctx)?;
         // SAFETY: a context is current on this thread; the size is checked non-zero.
         let ptr = unsafe { result::malloc_sync(len_bytes.max(1)) }.map_err(|e| match e.0 {
-            sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY => {
-                CoreError::OutOfMemory { requested_bytes: len_bytes, device: format!("cuda:{}", ctx.ordinal()) }
-            }
+            sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY => CoreError::OutOfMemory {
+                requested_bytes: len_bytes,
+                device: format!("cuda:{}", ctx.ordinal()),
+            },
             _ => driver_error("cuMemAlloc", e),
         })?;
         let buffer = DeviceBuffer { ctx: ctx.clone(), ptr, len_bytes };
         // SAFETY: `ptr` is a live allocation of at least `len_bytes` bytes in this context.
-        unsafe { result::memset_d8_sync(ptr, 0, len_bytes) }.map_err(|e| driver_error("cuMemsetD8", e))?;
+        unsafe { result::memset_d8_sync(ptr, 0, len_bytes) }
+            .map_err(|e| driver_error("cuMemsetD8", e))?;
         Ok(buffer)
     }
     pub fn ptr(&self) -> u64 {
@@ -137,7 +143,8 @@ impl PinnedBuffer {
     pub fn zeroed(ctx: &Arc<CudaContext>, len_bytes: usize) -> Result<Self, CoreError> {
         bind(ctx)?;
         // SAFETY: a context is current; flags 0 asks for plain portable-to-this-context pinned memory.
-        let raw = unsafe { result::malloc_host(len_bytes.max(1), 0) }.map_err(|e| driver_error("cuMemHostAlloc", e))?;
+        let raw = unsafe { result::malloc_host(len_bytes.max(1), 0) }
+            .map_err(|e| driver_error("cuMemHostAlloc", e))?;
         let ptr = raw as *mut u8;
         // SAFETY: `ptr` is a fresh allocation of at least `len_bytes` bytes.
         unsafe { std::ptr::write_bytes(ptr, 0, len_bytes) };
@@ -220,7 +227,8 @@ impl Event {
     /// `stream` must be a live stream of this event's context.
     pub unsafe fn record(&mut self, stream: sys::CUstream) -> Result<(), CoreError> {
         // SAFETY: the event is live; the caller guarantees the stream is.
-        unsafe { result::event::record(self.raw, stream) }.map_err(|e| driver_error("cuEventRecord", e))?;
+        unsafe { result::event::record(self.raw, stream) }
+            .map_err(|e| driver_error("cuEventRecord", e))?;
         self.recorded = true;
         Ok(())
     }
@@ -234,8 +242,14 @@ impl Event {
             return Ok(());
         }
         // SAFETY: the event is live and recorded; the caller guarantees the stream is live.
-        unsafe { result::stream::wait_event(stream, self.raw, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-            .map_err(|e| driver_error("cuStreamWaitEvent", e))
+        unsafe {
+            result::stream::wait_event(
+                stream,
+                self.raw,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| driver_error("cuStreamWaitEvent", e))
     }
 
     /// Whether the work recorded before this event has finished (true if never recorded).
@@ -258,7 +272,8 @@ impl Event {
             return Ok(());
         }
         // SAFETY: the event is live and was recorded.
-        unsafe { result::event::synchronize(self.raw) }.map_err(|e| driver_error("cuEventSynchronize", e))
+        unsafe { result::event::synchronize(self.raw) }
+            .map_err(|e| driver_error("cuEventSynchronize", e))
     }
 }
 

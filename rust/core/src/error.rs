@@ -12,7 +12,13 @@ pub enum CoreError {
         "out of blocks: requested {requested}, but only {free} of {num_blocks} are free, and the pool cannot grow \
          (max_num_blocks {max_num_blocks}): {reason}"
     )]
-    CannotGrow { requested: usize, free: usize, num_blocks: usize, max_num_blocks: usize, reason: String },
+    CannotGrow {
+        requested: usize,
+        free: usize,
+        num_blocks: usize,
+        max_num_blocks: usize,
+        reason: String,
+    },
 
     /// The host tier has too few free blocks for a swap-out; nothing moved.
     #[error("host tier full: a swap-out needs {requested} host blocks, but only {free} of {num_blocks} are free")]

@@ -211,7 +211,13 @@ impl FreeIds {
     /// Pops `n` ids plus up to `refill` more in one CAS; the extra ids go into the caller's
     /// (empty) cache. Returns how many went there, or `None`, having taken nothing, if the
     /// depot holds fewer than `n`.
-    fn pop_with_refill(&self, slot: Option<usize>, popped: &mut [u32], n: usize, refill: usize) -> Option<usize> {
+    fn pop_with_refill(
+        &self,
+        slot: Option<usize>,
+        popped: &mut [u32],
+        n: usize,
+        refill: usize,
+    ) -> Option<usize> {
         // Counted before they leave the depot: the extra ids are in our hands until pushed.
         self.announce(refill);
         let result = self.depot.pop_up_to(popped, n);

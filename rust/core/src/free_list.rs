@@ -52,7 +52,12 @@ impl FreeList {
         let next = zeroed_atomic_u32s(capacity as usize)?;
         let depth = zeroed_atomic_u32s(capacity as usize)?;
         let top = if len == 0 { NIL } else { 0 };
-        Ok(FreeList { head: CachePadded::new(AtomicU64::new(pack(0, top))), next, depth, fresh_len: len })
+        Ok(FreeList {
+            head: CachePadded::new(AtomicU64::new(pack(0, top))),
+            next,
+            depth,
+            fresh_len: len,
+        })
     }
 
     pub fn capacity(&self) -> usize {
@@ -148,8 +153,12 @@ impl FreeList {
                 head = self.head.load(Ordering::Acquire);
                 continue;
             }
-            match self.head.compare_exchange_weak(head, pack(tag.wrapping_add(1), id), Ordering::AcqRel, Ordering::Acquire)
-            {
+            match self.head.compare_exchange_weak(
+                head,
+                pack(tag.wrapping_add(1), id),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
                 Ok(_) => return Ok(n),
                 Err(seen) => head = seen,
             }
@@ -190,8 +199,12 @@ impl FreeList {
                 self.set_depth(id, below + len - k as u32);
             }
             // Release publishes the links and depths written above to whoever acquires this head.
-            match self.head.compare_exchange_weak(head, pack(tag.wrapping_add(1), first), Ordering::AcqRel, Ordering::Acquire)
-            {
+            match self.head.compare_exchange_weak(
+                head,
+                pack(tag.wrapping_add(1), first),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
                 Ok(_) => return,
                 Err(seen) => head = seen,
             }
@@ -213,13 +226,19 @@ impl FreeList {
             }
             let depth = self.depth_of(id, Ordering::Acquire) as usize;
             if depth != expected - ids.len() {
-                return Err(format!("block {id} has depth {depth}, {} ids lie under it", expected - ids.len()));
+                return Err(format!(
+                    "block {id} has depth {depth}, {} ids lie under it",
+                    expected - ids.len()
+                ));
             }
             ids.push(id);
             id = self.next_of(id, Ordering::Acquire);
         }
         if ids.len() != expected {
-            return Err(format!("the top's depth says {expected} ids, the links hold {}", ids.len()));
+            return Err(format!(
+                "the top's depth says {expected} ids, the links hold {}",
+                ids.len()
+            ));
         }
         Ok(ids)
     }

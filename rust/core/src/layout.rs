@@ -100,7 +100,9 @@ impl KvLayout {
             .iter()
             .try_fold(1usize, |acc, &x| acc.checked_mul(x))
             .filter(|&b| b <= isize::MAX as usize)
-            .ok_or_else(|| CoreError::InvalidLayout("block_bytes overflows the address space".into()))?;
+            .ok_or_else(|| {
+                CoreError::InvalidLayout("block_bytes overflows the address space".into())
+            })?;
         if block_bytes % BLOCK_ALIGN_BYTES != 0 {
             return Err(CoreError::InvalidLayout(format!(
                 "block_bytes = {block_bytes} (num_layers {num_layers} x 2 x block_size {block_size} x \
@@ -160,22 +162,35 @@ impl KvLayout {
     /// ranks than KV heads). Any other pair is refused, naming both numbers.
     pub fn tp_shard(&self, tp_size: usize) -> Result<KvLayout, CoreError> {
         let heads = self.tp_heads_per_rank(tp_size)?;
-        KvLayout::new(self.num_layers, heads, self.head_dim, self.block_size, self.dtype).map_err(|e| match e {
-            CoreError::InvalidLayout(m) => {
-                CoreError::InvalidLayout(format!("the shard of {} KV heads over {tp_size} ranks: {m}", self.num_kv_heads))
-            }
-            e => e,
-        })
+        KvLayout::new(self.num_layers, heads, self.head_dim, self.block_size, self.dtype).map_err(
+            |e| match e {
+                CoreError::InvalidLayout(m) => CoreError::InvalidLayout(format!(
+                    "the shard of {} KV heads over {tp_size} ranks: {m}",
+                    self.num_kv_heads
+                )),
+                e => e,
+            },
+        )
     }
 
     /// The KV heads of this (unsharded) layout that rank `rank` of `tp_size` holds, as a
     /// range `first..first + count` (see [`tp_shard`](Self::tp_shard)).
-    pub fn tp_head_range(&self, tp_size: usize, rank: usize) -> Result<std::ops::Range<usize>, CoreError> {
+    pub fn tp_head_range(
+        &self,
+        tp_size: usize,
+        rank: usize,
+    ) -> Result<std::ops::Range<usize>, CoreError> {
         let heads = self.tp_heads_per_rank(tp_size)?;
         if rank >= tp_size {
-            return Err(CoreError::InvalidArgument(format!("rank {rank} is out of range for tp_size {tp_size}")));
+            return Err(CoreError::InvalidArgument(format!(
+                "rank {rank} is out of range for tp_size {tp_size}"
+            )));
         }
-        let first = if tp_size <= self.num_kv_heads { rank * heads } else { rank / (tp_size / self.num_kv_heads) };
+        let first = if tp_size <= self.num_kv_heads {
+            rank * heads
+        } else {
+            rank / (tp_size / self.num_kv_heads)
+        };
         Ok(first..first + heads)
     }
 
@@ -232,7 +247,12 @@ impl KvLayout {
     pub fn view_shape_strides(&self, num_blocks: usize) -> ([usize; 4], [usize; 4]) {
         (
             [num_blocks, self.block_size, self.num_kv_heads, self.head_dim],
-            [self.block_bytes(), self.token_stride_bytes(), self.head_stride_bytes(), self.elem_bytes()],
+            [
+                self.block_bytes(),
+                self.token_stride_bytes(),
+                self.head_stride_bytes(),
+                self.elem_bytes(),
+            ],
         )
     }
 }
@@ -261,8 +281,12 @@ mod tests {
 
     #[test]
     fn rejects_zero_sizes_and_misaligned_blocks() {
-        assert!(matches!(KvLayout::new(0, 8, 128, 16, DType::Float16), Err(CoreError::InvalidLayout(m)) if m.contains("num_layers")));
-        assert!(matches!(KvLayout::new(1, 1, 8, 1, DType::Float16), Err(CoreError::InvalidLayout(m)) if m.contains("multiple of 256")));
+        assert!(
+            matches!(KvLayout::new(0, 8, 128, 16, DType::Float16), Err(CoreError::InvalidLayout(m)) if m.contains("num_layers"))
+        );
+        assert!(
+            matches!(KvLayout::new(1, 1, 8, 1, DType::Float16), Err(CoreError::InvalidLayout(m)) if m.contains("multiple of 256"))
+        );
         assert!(KvLayout::new(usize::MAX, 8, 128, 16, DType::Float16).is_err());
     }
 
@@ -285,7 +309,9 @@ mod tests {
         assert_eq!(l.tp_head_range(16, 5).unwrap(), 2..3);
         assert_eq!(l.tp_head_range(8, 7).unwrap(), 7..8);
         assert!(l.tp_head_range(2, 2).is_err());
-        assert!(matches!(l.tp_shard(3), Err(CoreError::InvalidLayout(m)) if m.contains("num_kv_heads 8") && m.contains("tp_size 3")));
+        assert!(
+            matches!(l.tp_shard(3), Err(CoreError::InvalidLayout(m)) if m.contains("num_kv_heads 8") && m.contains("tp_size 3"))
+        );
         assert!(matches!(l.tp_shard(12), Err(CoreError::InvalidLayout(_))));
         assert!(l.tp_shard(0).is_err());
     }
@@ -293,7 +319,10 @@ mod tests {
     #[test]
     fn part_offset_checks_layer() {
         let l = llama8b();
-        assert_eq!(l.part_offset_bytes(1, KvPart::V).unwrap(), l.layer_stride_bytes() + l.kv_stride_bytes());
+        assert_eq!(
+            l.part_offset_bytes(1, KvPart::V).unwrap(),
+            l.layer_stride_bytes() + l.kv_stride_bytes()
+        );
         assert!(l.part_offset_bytes(32, KvPart::K).is_err());
     }
 }

@@ -30,10 +30,10 @@ pub mod pool;
 pub mod prefix_cache;
 mod ref_counts;
 pub mod slab;
-pub mod tables;
-pub mod tier;
 mod sync;
+pub mod tables;
 mod thread_cache;
+pub mod tier;
 mod zeroed;
 
 /// The bare allocator, which never grows a pool: only for this crate's own tests, loom

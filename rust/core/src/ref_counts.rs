@@ -124,11 +124,19 @@ impl RefCounts {
     fn set_first_in_word(&self, word: usize, units: u64) {
         let word = &self.words[word];
         if units == ONES {
-            debug_assert_eq!(word.load(Ordering::Relaxed), 0, "a block was on the free list in use");
+            debug_assert_eq!(
+                word.load(Ordering::Relaxed),
+                0,
+                "a block was on the free list in use"
+            );
             word.store(ONES, Ordering::Release);
         } else {
             let _old = word.fetch_add(units, Ordering::Release);
-            debug_assert_eq!(nonzero_lanes(_old) & lanes_high(units), 0, "a block was on the free list in use");
+            debug_assert_eq!(
+                nonzero_lanes(_old) & lanes_high(units),
+                0,
+                "a block was on the free list in use"
+            );
         }
     }
 
@@ -142,7 +150,10 @@ impl RefCounts {
     /// prefix cache, under its lock, having checked the count is below [`MAX_REF_CNT`]).
     pub(crate) fn add_held(&self, id: u32) {
         let _old = self.word(id).fetch_add(unit(id), Ordering::AcqRel);
-        debug_assert!(lane_value(_old, id) < MAX_REF_CNT, "block {id} would exceed {MAX_REF_CNT} references");
+        debug_assert!(
+            lane_value(_old, id) < MAX_REF_CNT,
+            "block {id} would exceed {MAX_REF_CNT} references"
+        );
     }
 
     /// Adds a reference unless the block has none (freed meanwhile: `Err(0)`) or already has
@@ -158,7 +169,9 @@ impl RefCounts {
     /// Drops one reference unless there is none; returns the count left.
     pub(crate) fn drop_one(&self, id: u32) -> Option<u32> {
         self.word(id)
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| (lane_value(w, id) != 0).then(|| w - unit(id)))
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                (lane_value(w, id) != 0).then(|| w - unit(id))
+            })
             .ok()
             .map(|w| lane_value(w, id) - 1)
     }
@@ -187,7 +200,9 @@ impl RefCounts {
     ) -> Result<&'a [u32], CoreError> {
         let mut room = RunsRoom::for_batch(ids);
         let runs = split_into_runs(ids, num_blocks, room.slots())?;
-        if runs.iter().any(|run| !all_referenced(self.words[run.word as usize].load(Ordering::Acquire), run.units())) {
+        if runs.iter().any(|run| {
+            !all_referenced(self.words[run.word as usize].load(Ordering::Acquire), run.units())
+        }) {
             return Err(self.first_unreferenced(ids));
         }
         let mut all_zeroed = true;
@@ -195,7 +210,9 @@ impl RefCounts {
             let run = &runs[done];
             let units = run.units();
             let word = &self.words[run.word as usize];
-            match word.fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| all_referenced(w, units).then(|| w - units)) {
+            match word.fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                all_referenced(w, units).then(|| w - units)
+            }) {
                 Ok(old) => {
                     let zeroed = run.lanes & !gather(nonzero_lanes(old - units));
                     all_zeroed &= zeroed == run.lanes;
@@ -204,7 +221,10 @@ impl RefCounts {
                 Err(w) => {
                     // The id of the first lane that the racing call took to 0.
                     let (word, gone) = (run.word, run.lanes & !gather(nonzero_lanes(w)));
-                    let culprit = ids.iter().copied().find(|&id| id / LANES as u32 == word && gone & lane_bit(id) != 0);
+                    let culprit = ids
+                        .iter()
+                        .copied()
+                        .find(|&id| id / LANES as u32 == word && gone & lane_bit(id) != 0);
                     let culprit = CoreError::DoubleFree { block_id: culprit.unwrap_or(ids[0]) };
                     runs[..done].iter().for_each(|run| self.undo(run));
                     return Err(culprit);
@@ -234,10 +254,11 @@ impl RefCounts {
     /// [`MAX_SHARED`]) are raised; otherwise our reference stays dropped.
     fn undo(&self, run: &Run) {
         let lowered = run.lanes & !run.zeroed;
-        let _ = self.words[run.word as usize].fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
-            let raisable = lowered & gather(nonzero_lanes(w)) & !gather(at_least_shared_max(w));
-            Some(w + spread(run.zeroed | raisable))
-        });
+        let _ =
+            self.words[run.word as usize].fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                let raisable = lowered & gather(nonzero_lanes(w)) & !gather(at_least_shared_max(w));
+                Some(w + spread(run.zeroed | raisable))
+            });
     }
 
     /// The first id of `ids` whose count is 0, as a double free (the error path only).
@@ -250,7 +271,11 @@ impl RefCounts {
 
 /// Splits a batch into runs of neighbours sharing a word; rejects ids `>= num_blocks` (the
 /// first one) and ids repeated (the first one seen a second time, in the order of `ids`).
-fn split_into_runs<'a>(ids: &[u32], num_blocks: usize, room: &'a mut [Run]) -> Result<&'a mut [Run], CoreError> {
+fn split_into_runs<'a>(
+    ids: &[u32],
+    num_blocks: usize,
+    room: &'a mut [Run],
+) -> Result<&'a mut [Run], CoreError> {
     // The largest id first (a loop without early exit, which vectorises), then the first
     // culprit only on the error path.
     if ids.iter().copied().max().is_some_and(|max| max as usize >= num_blocks) {
@@ -260,7 +285,8 @@ fn split_into_runs<'a>(ids: &[u32], num_blocks: usize, room: &'a mut [Run]) -> R
     let Some(&first) = ids.first() else { return Ok(&mut room[..0]) };
     // The run being built stays in plain locals (registers); it is stored once it ends.
     // Ids are below 2^31 (`MAX_NUM_BLOCKS`), so words fit in 32 bits.
-    let (mut word, mut lanes, mut repeated, mut n) = (first / LANES as u32, lane_bit(first), 0u8, 0);
+    let (mut word, mut lanes, mut repeated, mut n) =
+        (first / LANES as u32, lane_bit(first), 0u8, 0);
     for &id in &ids[1..] {
         if id / LANES as u32 == word {
             repeated |= lanes & lane_bit(id);
@@ -274,7 +300,10 @@ fn split_into_runs<'a>(ids: &[u32], num_blocks: usize, room: &'a mut [Run]) -> R
     room[n] = Run { word, lanes, zeroed: 0 };
     let runs = &mut room[..n + 1];
     if repeated != 0 || runs_overlap(runs, ids) {
-        return Err(CoreError::InvalidBlock { value: first_repeated(ids).to_string(), reason: "repeated in one call".into() });
+        return Err(CoreError::InvalidBlock {
+            value: first_repeated(ids).to_string(),
+            reason: "repeated in one call".into(),
+        });
     }
     Ok(runs)
 }
@@ -323,13 +352,18 @@ fn lane_bit(id: u32) -> u8 {
 /// A 1 in lane `k` for each bit `k` of `lanes`.
 fn spread(lanes: u8) -> u64 {
     let lanes = u64::from(lanes);
-    (lanes & 1) | (lanes & 2) << (LANE_BITS - 1) | (lanes & 4) << (2 * LANE_BITS - 2) | (lanes & 8) << (3 * LANE_BITS - 3)
+    (lanes & 1)
+        | (lanes & 2) << (LANE_BITS - 1)
+        | (lanes & 4) << (2 * LANE_BITS - 2)
+        | (lanes & 8) << (3 * LANE_BITS - 3)
 }
 
 /// Bit `k` set for each lane `k` whose top bit is set in `high` (a mask of lane top bits).
 fn gather(high: u64) -> u8 {
     let bits = high >> (LANE_BITS - 1) & (ONES);
-    (bits | bits >> (LANE_BITS - 1) | bits >> (2 * LANE_BITS - 2) | bits >> (3 * LANE_BITS - 3)) as u8 & 0xf
+    (bits | bits >> (LANE_BITS - 1) | bits >> (2 * LANE_BITS - 2) | bits >> (3 * LANE_BITS - 3))
+        as u8
+        & 0xf
 }
 
 fn lane_value(word: u64, id: u32) -> u32 {
@@ -411,8 +445,12 @@ mod tests {
     fn release_many_finds_repeats_across_runs_and_keeps_the_batch_order() {
         let refs = RefCounts::new(16).unwrap();
         refs.set_first(&(0..16).collect::<Vec<_>>());
-        let release = |ids: &[u32]| refs.release_many(ids, 16, &mut SmallVec::new()).map(<[u32]>::to_vec);
-        let repeated = |value: &str| CoreError::InvalidBlock { value: value.into(), reason: "repeated in one call".into() };
+        let release =
+            |ids: &[u32]| refs.release_many(ids, 16, &mut SmallVec::new()).map(<[u32]>::to_vec);
+        let repeated = |value: &str| CoreError::InvalidBlock {
+            value: value.into(),
+            reason: "repeated in one call".into(),
+        };
         assert_eq!(release(&[0, 5, 1, 0]).unwrap_err(), repeated("0"));
         assert_eq!(release(&[2, 3, 3]).unwrap_err(), repeated("3"));
         assert!(matches!(release(&[2, 16]), Err(CoreError::InvalidBlock { .. })));

@@ -66,7 +66,12 @@ impl Lease {
             let slot = free.trailing_zeros();
             // AcqRel: the previous holder's writes to its slots (released when it gave the
             // number back) happen before ours.
-            match LEASED.compare_exchange_weak(leased, leased | 1 << slot, Ordering::AcqRel, Ordering::Acquire) {
+            match LEASED.compare_exchange_weak(
+                leased,
+                leased | 1 << slot,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
                 Ok(_) => return Lease(Some(slot as usize)),
                 Err(seen) => leased = seen,
             }
@@ -183,7 +188,12 @@ impl ThreadCaches {
             // count below it). AcqRel: Release orders our reads before the owner's reuse
             // of those positions.
             let new = pack(tag_of(head).wrapping_add(1), (count - out.len()) as u32);
-            match self.heads[slot].compare_exchange_weak(head, new, Ordering::AcqRel, Ordering::Acquire) {
+            match self.heads[slot].compare_exchange_weak(
+                head,
+                new,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
                 Ok(_) => return Some(count - out.len()),
                 Err(seen) => head = seen,
             }
@@ -200,7 +210,12 @@ impl ThreadCaches {
             out.clear();
             out.extend((0..k).map(|i| self.id(slot, count - 1 - i).load(Ordering::Relaxed)));
             let new = pack(tag_of(head).wrapping_add(1), (count - k) as u32);
-            match self.heads[slot].compare_exchange_weak(head, new, Ordering::AcqRel, Ordering::Acquire) {
+            match self.heads[slot].compare_exchange_weak(
+                head,
+                new,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
                 Ok(_) => return k,
                 Err(seen) => head = seen,
             }
@@ -227,7 +242,12 @@ impl ThreadCaches {
             }
             // Release publishes the ids written above to whoever acquires this head.
             let new = pack(tag_of(head).wrapping_add(1), (count + ids.len()) as u32);
-            match self.heads[slot].compare_exchange_weak(head, new, Ordering::AcqRel, Ordering::Acquire) {
+            match self.heads[slot].compare_exchange_weak(
+                head,
+                new,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
                 Ok(_) => return true,
                 Err(seen) => head = seen,
             }
@@ -255,7 +275,10 @@ impl ThreadCaches {
         for slot in 0..SLOTS {
             let count = self.len(slot);
             if count > self.capacity {
-                return Err(format!("cache slot {slot} holds {count} ids, more than its capacity {}", self.capacity));
+                return Err(format!(
+                    "cache slot {slot} holds {count} ids, more than its capacity {}",
+                    self.capacity
+                ));
             }
             if count > 0 && self.occupied() & (1 << slot) == 0 {
                 return Err(format!("cache slot {slot} holds {count} ids but is marked empty"));

@@ -27,8 +27,10 @@ unsafe impl ZeroIsValid for std::sync::atomic::AtomicU64 {}
 
 /// `len` zeroes, lazily committed; `OutOfMemory` if the address space cannot be had.
 pub(crate) fn zeroed_slice<T: ZeroIsValid>(len: usize) -> Result<Box<[T]>, CoreError> {
-    let out_of_memory =
-        || CoreError::OutOfMemory { requested_bytes: len.saturating_mul(std::mem::size_of::<T>()), device: "host".into() };
+    let out_of_memory = || CoreError::OutOfMemory {
+        requested_bytes: len.saturating_mul(std::mem::size_of::<T>()),
+        device: "host".into(),
+    };
     let layout = std::alloc::Layout::array::<T>(len).map_err(|_| out_of_memory())?;
     if layout.size() == 0 {
         return Ok(Box::default());

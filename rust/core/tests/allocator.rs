@@ -74,7 +74,11 @@ fn assert_pool_fails_unchanged<T: std::fmt::Debug>(
     assert_eq!(pool_snapshot(p), before, "a failed call changed the pool (error: {err})");
 }
 
-fn is_out_of_blocks(requested: usize, free: usize, num_blocks: usize) -> impl FnOnce(&CoreError) -> bool {
+fn is_out_of_blocks(
+    requested: usize,
+    free: usize,
+    num_blocks: usize,
+) -> impl FnOnce(&CoreError) -> bool {
     move |e| *e == CoreError::OutOfBlocks { requested, free, num_blocks }
 }
 
@@ -129,7 +133,11 @@ fn alloc_many_is_all_or_nothing_with_exact_counts() {
     a.check_invariants().unwrap();
     assert_eq!(first, vec![0, 1, 2, 3, 4]);
     assert_fails_unchanged(&a, |a| a.alloc_many(4), is_out_of_blocks(4, 3, 8));
-    assert_fails_unchanged(&a, |a| a.alloc_many(usize::MAX / 8), is_out_of_blocks(usize::MAX / 8, 3, 8));
+    assert_fails_unchanged(
+        &a,
+        |a| a.alloc_many(usize::MAX / 8),
+        is_out_of_blocks(usize::MAX / 8, 3, 8),
+    );
     // The failed calls took nothing: exactly the 3 that were free are still there.
     let rest = a.alloc_many(3).unwrap();
     a.check_invariants().unwrap();
@@ -221,7 +229,11 @@ fn out_of_range_id_is_rejected_and_changes_nothing() {
     let ids = a.alloc_many(2).unwrap();
     assert_fails_unchanged(&a, |a| a.free(4), is_invalid(4, "out of range"));
     assert_fails_unchanged(&a, |a| a.free(u32::MAX), is_invalid(u32::MAX, "out of range"));
-    assert_fails_unchanged(&a, |a| a.free_many(&[ids[0], 99, ids[1]]), is_invalid(99, "out of range"));
+    assert_fails_unchanged(
+        &a,
+        |a| a.free_many(&[ids[0], 99, ids[1]]),
+        is_invalid(99, "out of range"),
+    );
     assert_fails_unchanged(&a, |a| a.share_many(&[ids[0], 4]), is_invalid(4, "out of range"));
     assert!(matches!(a.ref_cnt(4), Err(CoreError::InvalidBlock { .. })));
 }
@@ -230,7 +242,11 @@ fn out_of_range_id_is_rejected_and_changes_nothing() {
 fn repeated_id_in_one_free_many_is_rejected_and_changes_nothing() {
     let a = BlockAllocator::new(4).unwrap();
     let ids = a.alloc_many(3).unwrap();
-    assert_fails_unchanged(&a, |a| a.free_many(&[ids[0], ids[1], ids[0]]), is_invalid(ids[0], "repeated"));
+    assert_fails_unchanged(
+        &a,
+        |a| a.free_many(&[ids[0], ids[1], ids[0]]),
+        is_invalid(ids[0], "repeated"),
+    );
     // Even when the block holds two references, one call may drop only one of them.
     a.share_many(&[ids[2]]).unwrap();
     assert_fails_unchanged(&a, |a| a.free_many(&[ids[2], ids[2]]), is_invalid(ids[2], "repeated"));
@@ -264,7 +280,11 @@ fn share_many_forks_ref_counts_and_frees_release_at_zero() {
 fn share_many_rejects_free_blocks_and_changes_nothing() {
     let a = BlockAllocator::new(4).unwrap();
     let ids = a.alloc_many(2).unwrap();
-    assert_fails_unchanged(&a, |a| a.share_many(&[ids[0], 3, ids[1]]), is_invalid(3, "not allocated"));
+    assert_fails_unchanged(
+        &a,
+        |a| a.share_many(&[ids[0], 3, ids[1]]),
+        is_invalid(3, "not allocated"),
+    );
     assert_eq!(a.ref_cnt(ids[0]).unwrap(), 1);
     // A shared id listed twice takes two references (two forks of the same sequence).
     a.share_many(&[ids[1], ids[1]]).unwrap();
@@ -323,10 +343,7 @@ fn pool_delegates_to_its_allocator_and_reports_stats() {
     pool.free(ids[0]).unwrap();
     pool.check_invariants().unwrap();
     let stats = pool.stats().unwrap();
-    assert_eq!(
-        (stats.num_blocks, stats.num_free, stats.num_used, stats.high_water),
-        (6, 3, 3, 4)
-    );
+    assert_eq!((stats.num_blocks, stats.num_free, stats.num_used, stats.high_water), (6, 3, 3, 4));
     assert_eq!(stats.block_bytes, 512);
     assert_eq!(stats.device, Device::Host);
     assert_eq!(stats.memory, None);
@@ -340,7 +357,8 @@ fn pool_delegates_to_its_allocator_and_reports_stats() {
 
 #[test]
 fn pool_memory_bytes_rounds_down_to_whole_blocks() {
-    let pool = Pool::new(small_layout(), PoolSize::MemoryBytes(512 * 5 + 511), Device::Host).unwrap();
+    let pool =
+        Pool::new(small_layout(), PoolSize::MemoryBytes(512 * 5 + 511), Device::Host).unwrap();
     pool.check_invariants().unwrap();
     assert_eq!(pool.num_blocks(), 5);
     assert!(matches!(
@@ -394,7 +412,11 @@ impl Model {
         assert_eq!(a.num_used(), self.num_used());
         assert_eq!(a.high_water(), self.high_water);
         for id in 0..self.num_blocks as u32 {
-            assert_eq!(a.ref_cnt(id).unwrap(), self.ref_cnt.get(&id).copied().unwrap_or(0), "block {id}");
+            assert_eq!(
+                a.ref_cnt(id).unwrap(),
+                self.ref_cnt.get(&id).copied().unwrap_or(0),
+                "block {id}"
+            );
         }
     }
 }
@@ -419,7 +441,10 @@ fn run_random_sequence(seed: u64, num_blocks: usize, steps: usize) {
         match rng.below(9) {
             0 => match a.alloc() {
                 Ok(id) => model.take(&[id]),
-                Err(e) => assert_eq!(e, CoreError::OutOfBlocks { requested: 1, free: model.num_free(), num_blocks }),
+                Err(e) => assert_eq!(
+                    e,
+                    CoreError::OutOfBlocks { requested: 1, free: model.num_free(), num_blocks }
+                ),
             },
             1 | 2 => {
                 let n = rng.below(num_blocks / 2 + 2);
@@ -430,7 +455,14 @@ fn run_random_sequence(seed: u64, num_blocks: usize, steps: usize) {
                     }
                     Err(e) => {
                         assert!(n > model.num_free());
-                        assert_eq!(e, CoreError::OutOfBlocks { requested: n, free: model.num_free(), num_blocks });
+                        assert_eq!(
+                            e,
+                            CoreError::OutOfBlocks {
+                                requested: n,
+                                free: model.num_free(),
+                                num_blocks
+                            }
+                        );
                     }
                 }
             }
@@ -460,14 +492,18 @@ fn run_random_sequence(seed: u64, num_blocks: usize, steps: usize) {
                 let mut ids = pick_held(&mut rng, &model, 3);
                 let bad = num_blocks as u32 + rng.below(3) as u32;
                 ids.insert(rng.below(ids.len() + 1), bad);
-                assert!(matches!(a.free_many(&ids), Err(CoreError::InvalidBlock { value, .. }) if value == bad.to_string()));
+                assert!(
+                    matches!(a.free_many(&ids), Err(CoreError::InvalidBlock { value, .. }) if value == bad.to_string())
+                );
             }
             _ => {
                 // A held id repeated in one call.
                 let mut ids = pick_held(&mut rng, &model, 3);
                 if let Some(&dup) = ids.first() {
                     ids.push(dup);
-                    assert!(matches!(a.free_many(&ids), Err(CoreError::InvalidBlock { reason, .. }) if reason.contains("repeated")));
+                    assert!(
+                        matches!(a.free_many(&ids), Err(CoreError::InvalidBlock { reason, .. }) if reason.contains("repeated"))
+                    );
                 }
             }
         }
@@ -487,7 +523,9 @@ fn run_random_sequence(seed: u64, num_blocks: usize, steps: usize) {
 
 #[test]
 fn random_sequences_match_a_simple_model() {
-    for (seed, num_blocks) in [(1, 1), (0x9e37_79b9_7f4a_7c15, 4), (42, 16), (7, 64), (0xdead_beef, 33)] {
+    for (seed, num_blocks) in
+        [(1, 1), (0x9e37_79b9_7f4a_7c15, 4), (42, 16), (7, 64), (0xdead_beef, 33)]
+    {
         run_random_sequence(seed, num_blocks, 2_000);
     }
 }

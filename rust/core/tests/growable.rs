@@ -24,7 +24,8 @@ fn size(max_num_blocks: usize, initial_num_blocks: usize) -> GrowableSize {
 }
 
 fn pool(max_num_blocks: usize, initial_num_blocks: usize) -> Pool {
-    let pool = Pool::new_growable(layout(), size(max_num_blocks, initial_num_blocks), Device::Host).unwrap();
+    let pool = Pool::new_growable(layout(), size(max_num_blocks, initial_num_blocks), Device::Host)
+        .unwrap();
     pool.check_invariants().unwrap();
     pool
 }
@@ -71,7 +72,11 @@ fn refusing_pool(max_num_blocks: usize, refuse_from_chunk: usize) -> (Pool, *con
     failing_pool(max_num_blocks, refuse_from_chunk, refusal)
 }
 
-fn failing_pool(max_num_blocks: usize, refuse_from_chunk: usize, refusal: CoreError) -> (Pool, *const Refusing) {
+fn failing_pool(
+    max_num_blocks: usize,
+    refuse_from_chunk: usize,
+    refusal: CoreError,
+) -> (Pool, *const Refusing) {
     let backend = Box::new(Refusing {
         inner: HostChunks::new(max_num_blocks * BLOCK, CHUNK).unwrap(),
         refuse_from: AtomicUsize::new(refuse_from_chunk),
@@ -119,7 +124,10 @@ fn fill(pool: &Pool, id: u32) {
 fn check_filled(pool: &Pool, id: u32) {
     // SAFETY: as in `fill`; nobody writes the block while its holder reads it.
     let bytes = unsafe { std::slice::from_raw_parts(block_ptr(pool, id), BLOCK) };
-    assert!(bytes.iter().enumerate().all(|(i, &b)| b == (id as usize * 31 + i) as u8), "block {id} lost its bytes");
+    assert!(
+        bytes.iter().enumerate().all(|(i, &b)| b == (id as usize * 31 + i) as u8),
+        "block {id} lost its bytes"
+    );
 }
 
 #[test]
@@ -165,7 +173,10 @@ fn growth_past_the_maximum_fails_and_changes_nothing() {
     let before = snapshot(&p);
     let err = p.alloc_many(7).unwrap_err();
     assert!(
-        matches!(err, CoreError::CannotGrow { requested: 7, free: 1, num_blocks: 5, max_num_blocks: 10, .. }),
+        matches!(
+            err,
+            CoreError::CannotGrow { requested: 7, free: 1, num_blocks: 5, max_num_blocks: 10, .. }
+        ),
         "{err:?}"
     );
     assert!(err.to_string().contains("max_num_blocks 10"), "{err}");
@@ -281,12 +292,21 @@ fn fixed_pools_are_unchanged() {
     assert!(!p.is_growable());
     assert_eq!(p.max_num_blocks(), 4);
     assert_eq!(p.alloc_many(4).unwrap(), [0, 1, 2, 3]);
-    assert_eq!(p.alloc().unwrap_err(), CoreError::OutOfBlocks { requested: 1, free: 0, num_blocks: 4 });
-    assert_eq!(p.alloc_many(5).unwrap_err(), CoreError::OutOfBlocks { requested: 5, free: 0, num_blocks: 4 });
+    assert_eq!(
+        p.alloc().unwrap_err(),
+        CoreError::OutOfBlocks { requested: 1, free: 0, num_blocks: 4 }
+    );
+    assert_eq!(
+        p.alloc_many(5).unwrap_err(),
+        CoreError::OutOfBlocks { requested: 5, free: 0, num_blocks: 4 }
+    );
     assert_eq!(p.shrink().unwrap(), 0);
     assert!(matches!(p.grow(5), Err(CoreError::InvalidArgument(_))));
     let stats = p.stats().unwrap();
-    assert_eq!((stats.mapped_bytes, stats.reserved_bytes, stats.num_chunks), (4 * BLOCK, 4 * BLOCK, 1));
+    assert_eq!(
+        (stats.mapped_bytes, stats.reserved_bytes, stats.num_chunks),
+        (4 * BLOCK, 4 * BLOCK, 1)
+    );
 }
 
 #[test]
@@ -321,7 +341,8 @@ fn alloc_and_free_race_with_shrink() {
     const THREADS: usize = 4;
     const PER_THREAD: usize = 8;
     let p = Arc::new(pool(THREADS * PER_THREAD * 2, 0));
-    let held: Arc<Vec<AtomicBool>> = Arc::new((0..p.max_num_blocks()).map(|_| AtomicBool::new(false)).collect());
+    let held: Arc<Vec<AtomicBool>> =
+        Arc::new((0..p.max_num_blocks()).map(|_| AtomicBool::new(false)).collect());
     let stop = Arc::new(AtomicBool::new(false));
     let resizer = {
         let (p, stop) = (p.clone(), stop.clone());
@@ -343,7 +364,10 @@ fn alloc_and_free_race_with_shrink() {
                     let n = 1 + (t + round) % PER_THREAD;
                     let ids = p.alloc_many(n).expect("demand stays below max_num_blocks");
                     for &id in &ids {
-                        assert!(!held[id as usize].swap(true, Ordering::AcqRel), "block {id} handed out twice");
+                        assert!(
+                            !held[id as usize].swap(true, Ordering::AcqRel),
+                            "block {id} handed out twice"
+                        );
                         fill(&p, id);
                     }
                     std::thread::yield_now();
@@ -394,7 +418,10 @@ impl ChunkBackend for Flaky {
     }
     fn map_chunks(&self, first: usize, count: usize) -> Result<(), CoreError> {
         if first != self.mapped.load(Ordering::SeqCst) {
-            return Err(CoreError::Cuda(format!("map from {first}, {} mapped", self.mapped.load(Ordering::SeqCst))));
+            return Err(CoreError::Cuda(format!(
+                "map from {first}, {} mapped",
+                self.mapped.load(Ordering::SeqCst)
+            )));
         }
         self.inner.map_chunks(first, count)?;
         self.mapped.store(first + count, Ordering::SeqCst);
@@ -403,7 +430,11 @@ impl ChunkBackend for Flaky {
     fn unmap_chunks(&self, first: usize, count: usize) -> Result<(), CoreError> {
         self.unmap_calls.fetch_add(1, Ordering::SeqCst);
         if first + count != self.mapped.load(Ordering::SeqCst) {
-            return Err(CoreError::Cuda(format!("unmap {first}..{}, {} mapped", first + count, self.mapped.load(Ordering::SeqCst))));
+            return Err(CoreError::Cuda(format!(
+                "unmap {first}..{}, {} mapped",
+                first + count,
+                self.mapped.load(Ordering::SeqCst)
+            )));
         }
         for top in (first..first + count).rev() {
             if self.unmap_budget.load(Ordering::SeqCst) == 0 {
@@ -452,7 +483,10 @@ fn failed_unmap_leaves_the_pool_consistent_and_growable() {
     p.free_many(&ids[4..]).unwrap();
     let err = p.shrink().unwrap_err();
     assert!(matches!(err, CoreError::Cuda(_)), "{err:?}");
-    assert_eq!((p.num_blocks(), p.mapped_bytes(), p.num_free(), p.num_used()), (16, 6 * CHUNK, 12, 4));
+    assert_eq!(
+        (p.num_blocks(), p.mapped_bytes(), p.num_free(), p.num_used()),
+        (16, 6 * CHUNK, 12, 4)
+    );
     p.check_invariants().unwrap();
     p.free_many(&ids[..4]).unwrap();
     use_every_block(&p);
@@ -482,7 +516,10 @@ fn partly_failed_unmap_counts_what_is_still_mapped() {
     p.check_invariants().unwrap();
     backend.unmap_budget.store(usize::MAX, Ordering::SeqCst);
     assert!(p.shrink().unwrap() > 0);
-    assert_eq!((p.num_blocks(), p.mapped_bytes(), backend.mapped.load(Ordering::SeqCst)), (0, 0, 0));
+    assert_eq!(
+        (p.num_blocks(), p.mapped_bytes(), backend.mapped.load(Ordering::SeqCst)),
+        (0, 0, 0)
+    );
     p.check_invariants().unwrap();
 }
 
@@ -497,7 +534,10 @@ fn failed_alloc_at_the_maximum_neither_shrinks_nor_reorders() {
     p.free(ids[2]).unwrap();
     p.free(ids[14]).unwrap();
     for _ in 0..3 {
-        assert!(matches!(p.alloc_many(3), Err(CoreError::CannotGrow { requested: 3, free: 2, .. })));
+        assert!(matches!(
+            p.alloc_many(3),
+            Err(CoreError::CannotGrow { requested: 3, free: 2, .. })
+        ));
     }
     assert_eq!(backend.unmap_calls.load(Ordering::SeqCst), 0);
     assert_eq!(p.alloc().unwrap(), 14, "the free list was not drained and re-sorted");

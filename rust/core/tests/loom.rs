@@ -61,7 +61,10 @@ fn alloc_races_free() {
             for _ in 0..2 {
                 match allocator.alloc() {
                     Ok(id) => got.push(id),
-                    Err(e) => assert_eq!(e, CoreError::OutOfBlocks { requested: 1, free: 0, num_blocks: 2 }),
+                    Err(e) => assert_eq!(
+                        e,
+                        CoreError::OutOfBlocks { requested: 1, free: 0, num_blocks: 2 }
+                    ),
                 }
             }
             got
@@ -227,7 +230,10 @@ fn share_races_free() {
 }
 
 /// Each batch freed by its own thread, all at once; the results in the order of `batches`.
-fn free_many_at_once(a: &Arc<BlockAllocator>, batches: Vec<Vec<u32>>) -> Vec<Result<(), CoreError>> {
+fn free_many_at_once(
+    a: &Arc<BlockAllocator>,
+    batches: Vec<Vec<u32>>,
+) -> Vec<Result<(), CoreError>> {
     let threads: Vec<_> = batches
         .into_iter()
         .map(|batch| {
@@ -326,7 +332,9 @@ fn failed_share_undo_handles_repeated_ids() {
                 assert_conserved(&a, &[x]);
             }
             Err(e) => {
-                assert!(matches!(e, CoreError::InvalidBlock { value, .. } if value == y.to_string()));
+                assert!(
+                    matches!(e, CoreError::InvalidBlock { value, .. } if value == y.to_string())
+                );
                 assert_eq!((a.ref_cnt(x).unwrap(), a.ref_cnt(y).unwrap()), (1, 0));
                 assert_conserved(&a, &[x]);
             }
@@ -427,7 +435,9 @@ fn shrink_races_alloc_and_free() {
     model(|| {
         let layout = KvLayout::new(1, 1, 1024, 1, DType::Float16).unwrap();
         let size = GrowableSize { max_num_blocks: 3, initial_num_blocks: 2, chunk_bytes: None };
-        let p = Arc::new(Pool::with_chunk_backend(layout, size, Box::new(NoMemory { num_chunks: 3 })).unwrap());
+        let p = Arc::new(
+            Pool::with_chunk_backend(layout, size, Box::new(NoMemory { num_chunks: 3 })).unwrap(),
+        );
         let first = p.alloc().unwrap();
         let worker = {
             let p = p.clone();
@@ -459,7 +469,9 @@ fn growth_does_not_inflate_the_high_water_of_a_cached_alloc() {
     model(|| {
         let layout = KvLayout::new(1, 1, 1024, 1, DType::Float16).unwrap();
         let size = GrowableSize { max_num_blocks: 4, initial_num_blocks: 3, chunk_bytes: None };
-        let p = Arc::new(Pool::with_chunk_backend(layout, size, Box::new(NoMemory { num_chunks: 4 })).unwrap());
+        let p = Arc::new(
+            Pool::with_chunk_backend(layout, size, Box::new(NoMemory { num_chunks: 4 })).unwrap(),
+        );
         // One block held at a time from here on. The allocation popped one id for this
         // thread's cache and left the third in the depot; after the free the cache holds two.
         let id = p.alloc().unwrap();

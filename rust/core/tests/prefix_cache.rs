@@ -12,7 +12,10 @@ const BS: usize = 4;
 
 fn setup(num_blocks: usize) -> (Arc<Pool>, Arc<BlockTables>) {
     let layout = KvLayout::new(1, 1, 64, BS, DType::Float16).unwrap();
-    let pool = Pool::new(layout, PoolSize::NumBlocks(num_blocks), Device::Host).unwrap().with_prefix_caching().unwrap();
+    let pool = Pool::new(layout, PoolSize::NumBlocks(num_blocks), Device::Host)
+        .unwrap()
+        .with_prefix_caching()
+        .unwrap();
     let pool = Arc::new(pool);
     let tables = BlockTables::new(pool.clone(), 8, 8).unwrap();
     (pool, tables)
@@ -127,8 +130,10 @@ fn reset_and_events() {
     assert_eq!(pool.num_free(), 8);
     check(&pool, &t);
     let events = cache.drain_events();
-    assert!(matches!(&events[0], KvEvent::BlockStored { block_hashes, parent_block_hash: None, token_ids, lora_id: Some(3), .. }
-        if block_hashes.len() == 2 && token_ids == &tokens(8)));
+    assert!(
+        matches!(&events[0], KvEvent::BlockStored { block_hashes, parent_block_hash: None, token_ids, lora_id: Some(3), .. }
+        if block_hashes.len() == 2 && token_ids == &tokens(8))
+    );
     assert_eq!(events[1], KvEvent::AllBlocksCleared);
     assert_eq!(events.len(), 2);
 }

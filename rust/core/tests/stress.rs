@@ -19,14 +19,20 @@ const MAX_HELD: usize = 12;
 /// Marks `ids` as owned by the calling thread; a flag already set is a double hand-out.
 fn claim(owned: &[AtomicBool], ids: &[u32]) {
     for &id in ids {
-        assert!(!owned[id as usize].swap(true, Ordering::AcqRel), "block {id} handed to two threads at once");
+        assert!(
+            !owned[id as usize].swap(true, Ordering::AcqRel),
+            "block {id} handed to two threads at once"
+        );
     }
 }
 
 /// Clears the flags before the ids go back, so a fast re-allocation elsewhere is legal.
 fn release(owned: &[AtomicBool], ids: &[u32]) {
     for &id in ids {
-        assert!(owned[id as usize].swap(false, Ordering::AcqRel), "block {id} freed while not owned");
+        assert!(
+            owned[id as usize].swap(false, Ordering::AcqRel),
+            "block {id} freed while not owned"
+        );
     }
 }
 
@@ -104,7 +110,10 @@ fn threads_never_share_an_id_and_every_block_comes_back() {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).sum()
     });
-    assert!(allocated >= NUM_THREADS * ITERATIONS / 8, "the threads barely allocated ({allocated})");
+    assert!(
+        allocated >= NUM_THREADS * ITERATIONS / 8,
+        "the threads barely allocated ({allocated})"
+    );
     a.check_invariants().unwrap();
     assert_eq!((a.num_free(), a.num_used()), (NUM_BLOCKS, 0));
     assert!(owned.iter().all(|f| !f.load(Ordering::Acquire)));
@@ -133,7 +142,9 @@ fn no_refusal_while_the_demand_fits_the_pool() {
                 let mut rng = XorShift(t as u64 + 101);
                 for _ in 0..ITERATIONS {
                     let n = 1 + rng.below(MOST_PER_THREAD);
-                    let ids = a.alloc_many(n).unwrap_or_else(|e| panic!("alloc_many({n}) with at least {n} free: {e:?}"));
+                    let ids = a.alloc_many(n).unwrap_or_else(|e| {
+                        panic!("alloc_many({n}) with at least {n} free: {e:?}")
+                    });
                     a.free_many(&ids).unwrap();
                 }
             });

@@ -31,7 +31,16 @@ fn add_and_append_take_blocks_only_when_the_last_fills() {
     let slots = t.add(7, 5).unwrap();
     assert_eq!(t.blocks(7).unwrap().len(), 2);
     let b = t.blocks(7).unwrap();
-    assert_eq!(slots, vec![b[0] as i64 * 4, b[0] as i64 * 4 + 1, b[0] as i64 * 4 + 2, b[0] as i64 * 4 + 3, b[1] as i64 * 4]);
+    assert_eq!(
+        slots,
+        vec![
+            b[0] as i64 * 4,
+            b[0] as i64 * 4 + 1,
+            b[0] as i64 * 4 + 2,
+            b[0] as i64 * 4 + 3,
+            b[1] as i64 * 4
+        ]
+    );
     let r = t.append_tokens(7, 3).unwrap();
     assert!(r.copies.is_empty());
     assert_eq!(t.blocks(7).unwrap().len(), 2);
@@ -86,7 +95,8 @@ fn failed_calls_change_nothing() {
     let (pool, t) = setup(4, 2, 3);
     t.add(1, 5).unwrap();
     let before = (t.request_ids(), t.blocks(1).unwrap(), t.num_tokens(1).unwrap(), pool.num_free());
-    let state = || (t.request_ids(), t.blocks(1).unwrap(), t.num_tokens(1).unwrap(), pool.num_free());
+    let state =
+        || (t.request_ids(), t.blocks(1).unwrap(), t.num_tokens(1).unwrap(), pool.num_free());
     assert!(matches!(t.add(1, 1), Err(CoreError::DuplicateRequest { request_id: 1 })));
     assert!(matches!(t.add(2, 13), Err(CoreError::CapacityExceeded { .. })));
     assert!(matches!(t.append_tokens(1, 100), Err(CoreError::CapacityExceeded { .. })));
@@ -94,10 +104,15 @@ fn failed_calls_change_nothing() {
     t.add(2, 4).unwrap(); // 1 block left free
     let before2 = (t.blocks(2).unwrap(), pool.num_free());
     // Request 1 needs 1 more block, request 2 needs 1: only 1 is free, so neither grows.
-    assert!(matches!(t.append_tokens_many(&[1, 2], &[4, 1]), Err(CoreError::OutOfBlocks { requested: 2, free: 1, .. })));
+    assert!(matches!(
+        t.append_tokens_many(&[1, 2], &[4, 1]),
+        Err(CoreError::OutOfBlocks { requested: 2, free: 1, .. })
+    ));
     assert_eq!((t.blocks(2).unwrap(), pool.num_free()), before2);
     assert!(matches!(t.append_tokens_many(&[1, 1], &[1, 1]), Err(CoreError::InvalidArgument(_))));
-    assert!(matches!(t.add(3, 0), Err(CoreError::CapacityExceeded { what, .. }) if what.contains("max_seqs")));
+    assert!(
+        matches!(t.add(3, 0), Err(CoreError::CapacityExceeded { what, .. }) if what.contains("max_seqs"))
+    );
     assert!(matches!(t.fork(1, 3), Err(CoreError::CapacityExceeded { .. })));
     t.free(2).unwrap();
     assert_eq!(state(), before);
@@ -207,13 +222,15 @@ fn a_block_the_tables_hold_cannot_be_freed_or_shared_through_the_pool() {
     t.add(1, 5).unwrap();
     let held = t.blocks(1).unwrap()[0] as u32;
     let before = (pool.num_free(), pool.ref_cnt(held).unwrap());
-    let refused = |e: Result<(), CoreError>| {
-        matches!(&e, Err(CoreError::InvalidBlock { value, reason }) if *value == held.to_string() && reason.contains("block tables"))
-    };
+    let refused = |e: Result<(), CoreError>| matches!(&e, Err(CoreError::InvalidBlock { value, reason }) if *value == held.to_string() && reason.contains("block tables"));
     assert!(refused(pool.free(held)));
     assert!(refused(pool.free_many(&[held])));
     assert!(refused(pool.share_many(&[held])));
-    assert_eq!((pool.num_free(), pool.ref_cnt(held).unwrap()), before, "a refused call changes nothing");
+    assert_eq!(
+        (pool.num_free(), pool.ref_cnt(held).unwrap()),
+        before,
+        "a refused call changes nothing"
+    );
     t.check_invariants().unwrap();
     pool.check_invariants_with(true).unwrap();
     // Freed with its request, the block is the pool's to hand out again, and then the pool API's.

@@ -63,9 +63,16 @@ fn a_batch_spanning_cache_and_depot_is_all_or_nothing() {
     churn_in_threads(&a, 2, 3); // and some in other threads' caches
     a.check_invariants().unwrap();
     let before: Vec<u32> = (0..40).map(|id| a.ref_cnt(id).unwrap()).collect();
-    assert_eq!(a.alloc_many(16), Err(CoreError::OutOfBlocks { requested: 16, free: 15, num_blocks: 40 }));
+    assert_eq!(
+        a.alloc_many(16),
+        Err(CoreError::OutOfBlocks { requested: 16, free: 15, num_blocks: 40 })
+    );
     a.check_invariants().unwrap();
-    assert_eq!((0..40).map(|id| a.ref_cnt(id).unwrap()).collect::<Vec<_>>(), before, "a failed call changed a count");
+    assert_eq!(
+        (0..40).map(|id| a.ref_cnt(id).unwrap()).collect::<Vec<_>>(),
+        before,
+        "a failed call changed a count"
+    );
     assert_eq!(a.num_free(), 15);
     let rest = a.alloc_many(15).unwrap();
     a.check_invariants().unwrap();
@@ -144,7 +151,11 @@ fn a_growth_keeps_cached_ids_free_and_hands_out_the_lowest_first() {
     p.grow(p.num_blocks() + 20).unwrap();
     p.check_invariants().unwrap();
     assert_eq!((p.num_used(), p.num_free()), (2, p.num_blocks() - 2));
-    assert!(p.num_free() >= free_before + 20, "{} free after growing from {free_before}", p.num_free());
+    assert!(
+        p.num_free() >= free_before + 20,
+        "{} free after growing from {free_before}",
+        p.num_free()
+    );
     assert_eq!(p.alloc_many(3).unwrap(), [2, 3, 4], "the growth sorted the cached ids back in");
     assert_eq!(p.high_water(), 8, "the first allocation held 8");
 }

@@ -129,7 +129,12 @@ impl Managed for DLManagedTensorVersioned {
 
 /// Boxes the context, points the tensor at its shape/strides and the manager at the box, and
 /// returns the address of the managed struct (what the capsule carries). Freed by the deleter.
-fn leak<M: Managed>(managed: M, owner: Py<PyAny>, shape: Vec<i64>, strides: Vec<i64>) -> *mut c_void {
+fn leak<M: Managed>(
+    managed: M,
+    owner: Py<PyAny>,
+    shape: Vec<i64>,
+    strides: Vec<i64>,
+) -> *mut c_void {
     let raw = Box::into_raw(Box::new(Ctx { managed, _owner: owner, shape, strides }));
     // SAFETY: `raw` is a fresh, unique pointer from Box::into_raw; nothing else sees it yet,
     // and the Vec buffers it points into never move (the Vecs are not touched again).
@@ -155,7 +160,9 @@ pub fn to_capsule(
     copy: Option<bool>,
 ) -> PyResult<Py<PyAny>> {
     if copy == Some(true) {
-        return Err(PyBufferError::new_err("a kvpool view is never copied; copy=True cannot be honoured"));
+        return Err(PyBufferError::new_err(
+            "a kvpool view is never copied; copy=True cannot be honoured",
+        ));
     }
     if let Some(req) = dl_device_req {
         if req != dl_device(export.device) {
@@ -199,7 +206,8 @@ pub fn to_capsule(
     let name = if versioned { VERSIONED } else { LEGACY };
     // SAFETY: `managed_ptr` is valid until its deleter runs; the name is a static C string;
     // the destructor only touches capsules that still carry that name (unconsumed ones).
-    let capsule = unsafe { ffi::PyCapsule_New(managed_ptr, name.as_ptr(), Some(capsule_destructor)) };
+    let capsule =
+        unsafe { ffi::PyCapsule_New(managed_ptr, name.as_ptr(), Some(capsule_destructor)) };
     if capsule.is_null() {
         // SAFETY: nothing consumed the tensor; free it through its own deleter.
         unsafe { call_deleter(managed_ptr, versioned) };

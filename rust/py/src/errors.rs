@@ -10,15 +10,55 @@ create_exception!(kvpool._core, KvError, PyException, "Base class of every kvpoo
 create_exception!(kvpool._core, OutOfBlocksError, KvError, "Too few free blocks (and a growable pool could not grow); attributes `requested`, `free`, `num_blocks`, `max_num_blocks` (None for fixed pools).");
 create_exception!(kvpool._core, HostTierFullError, OutOfBlocksError, "The host tier has too few free blocks for a swap-out (nothing moved); attributes `requested`, `free`, `num_blocks`.");
 create_exception!(kvpool._core, WrongTierError, KvError, "A request is not on the tier the operation moves it from (swapping out a request already swapped out, say); attribute `tier`: where it is.");
-create_exception!(kvpool._core, OutOfMemoryError, KvError, "The slab itself could not be allocated.");
-create_exception!(kvpool._core, DoubleFreeError, KvError, "A block was freed that is not allocated.");
-create_exception!(kvpool._core, InvalidBlockError, KvError, "A block id that is not an id of this pool.");
-create_exception!(kvpool._core, UnknownRequestError, KvError, "A request id that is not in the block tables.");
-create_exception!(kvpool._core, DuplicateRequestError, KvError, "A request id that is already in the block tables.");
-create_exception!(kvpool._core, CapacityError, KvError, "A fixed capacity (max_seqs, max_blocks_per_seq) would be exceeded.");
-create_exception!(kvpool._core, CacheInUseError, KvError, "A prefix-cache reset while cached blocks are still referenced; attribute `in_use` (how many).");
+create_exception!(
+    kvpool._core,
+    OutOfMemoryError,
+    KvError,
+    "The slab itself could not be allocated."
+);
+create_exception!(
+    kvpool._core,
+    DoubleFreeError,
+    KvError,
+    "A block was freed that is not allocated."
+);
+create_exception!(
+    kvpool._core,
+    InvalidBlockError,
+    KvError,
+    "A block id that is not an id of this pool."
+);
+create_exception!(
+    kvpool._core,
+    UnknownRequestError,
+    KvError,
+    "A request id that is not in the block tables."
+);
+create_exception!(
+    kvpool._core,
+    DuplicateRequestError,
+    KvError,
+    "A request id that is already in the block tables."
+);
+create_exception!(
+    kvpool._core,
+    CapacityError,
+    KvError,
+    "A fixed capacity (max_seqs, max_blocks_per_seq) would be exceeded."
+);
+create_exception!(
+    kvpool._core,
+    CacheInUseError,
+    KvError,
+    "A prefix-cache reset while cached blocks are still referenced; attribute `in_use` (how many)."
+);
 create_exception!(kvpool._core, LayoutError, KvError, "An invalid KvLayout.");
-create_exception!(kvpool._core, InvalidArgumentError, KvError, "An argument out of its valid range.");
+create_exception!(
+    kvpool._core,
+    InvalidArgumentError,
+    KvError,
+    "An argument out of its valid range."
+);
 create_exception!(kvpool._core, CudaUnavailableError, KvError, "No CUDA driver or no such device.");
 create_exception!(kvpool._core, CudaError, KvError, "The CUDA driver reported an error.");
 create_exception!(kvpool._core, TransferError, KvError, "A KV transfer between pools was refused (layout mismatch, too few free blocks on the receiver) or failed (peer gone, timeout, transport error); both pools are consistent afterwards (the receiver's blocks freed, the sender's still owned).");
@@ -49,15 +89,17 @@ impl From<PyKvError> for PyErr {
                 err
             }),
             // A growable pool that could not grow: the same error, naming the maximum too.
-            CoreError::CannotGrow { requested, free, num_blocks, max_num_blocks, .. } => Python::attach(|py| {
-                let err = OutOfBlocksError::new_err(message);
-                let value = err.value(py);
-                let _ = value.setattr("requested", requested);
-                let _ = value.setattr("free", free);
-                let _ = value.setattr("num_blocks", num_blocks);
-                let _ = value.setattr("max_num_blocks", max_num_blocks);
-                err
-            }),
+            CoreError::CannotGrow { requested, free, num_blocks, max_num_blocks, .. } => {
+                Python::attach(|py| {
+                    let err = OutOfBlocksError::new_err(message);
+                    let value = err.value(py);
+                    let _ = value.setattr("requested", requested);
+                    let _ = value.setattr("free", free);
+                    let _ = value.setattr("num_blocks", num_blocks);
+                    let _ = value.setattr("max_num_blocks", max_num_blocks);
+                    err
+                })
+            }
             CoreError::HostTierFull { requested, free, num_blocks } => Python::attach(|py| {
                 let err = HostTierFullError::new_err(message);
                 let value = err.value(py);

@@ -19,7 +19,10 @@ fn invalid(value: &Bound<'_, PyAny>, reason: impl Into<String>) -> CoreError {
 
 fn check_range(value: i64, num_blocks: usize) -> Result<u32, CoreError> {
     if value < 0 {
-        return Err(CoreError::InvalidBlock { value: value.to_string(), reason: "negative".into() });
+        return Err(CoreError::InvalidBlock {
+            value: value.to_string(),
+            reason: "negative".into(),
+        });
     }
     if value as u64 >= num_blocks as u64 {
         return Err(CoreError::out_of_range_id(value, num_blocks));
@@ -35,7 +38,10 @@ pub fn block_id(value: &Bound<'_, PyAny>, num_blocks: usize) -> Result<u32, Core
     match value.extract::<i64>() {
         Ok(v) => check_range(v, num_blocks),
         Err(_) if is_numpy_bool(value) => Err(invalid(value, "a bool is not a block id")),
-        Err(e) if e.is_instance_of::<PyOverflowError>(value.py()) || value.is_instance_of::<PyInt>() => {
+        Err(e)
+            if e.is_instance_of::<PyOverflowError>(value.py())
+                || value.is_instance_of::<PyInt>() =>
+        {
             Err(invalid(value, "too large for any block id"))
         }
         Err(_) => Err(invalid(
@@ -86,7 +92,11 @@ pub fn block_ids(values: &Bound<'_, PyAny>, num_blocks: usize, ids: &mut BlockId
             return Ok(());
         }
         if array.dtype().kind() == b'b' {
-            return Err(PyKvError(invalid(values, "a bool is not a block id (for a mask, pass np.flatnonzero(mask))")).into());
+            return Err(PyKvError(invalid(
+                values,
+                "a bool is not a block id (for a mask, pass np.flatnonzero(mask))",
+            ))
+            .into());
         }
     }
     let iter = values.try_iter().map_err(|e| {
@@ -112,7 +122,11 @@ pub fn block_ids(values: &Bound<'_, PyAny>, num_blocks: usize, ids: &mut BlockId
 fn reserve(ids: &mut BlockIds, len: usize, num_blocks: usize) -> PyResult<()> {
     let room = len.min(num_blocks.saturating_add(1));
     ids.try_reserve_exact(room).map_err(|_| {
-        PyKvError(CoreError::OutOfMemory { requested_bytes: room.saturating_mul(4), device: "host".into() }).into()
+        PyKvError(CoreError::OutOfMemory {
+            requested_bytes: room.saturating_mul(4),
+            device: "host".into(),
+        })
+        .into()
     })
 }
 
@@ -143,8 +157,12 @@ impl Int {
     pub fn shown(&self) -> String {
         match &self.given {
             Given::Fits => self.value.to_string(),
-            Given::Big(big) => Python::attach(|py| big.bind(py).str().map(|s| s.to_string()).unwrap_or_default()),
-            Given::Bool(b) => Python::attach(|py| b.bind(py).repr().map(|s| s.to_string()).unwrap_or_default()),
+            Given::Big(big) => {
+                Python::attach(|py| big.bind(py).str().map(|s| s.to_string()).unwrap_or_default())
+            }
+            Given::Bool(b) => {
+                Python::attach(|py| b.bind(py).repr().map(|s| s.to_string()).unwrap_or_default())
+            }
         }
     }
     /// The caller's int, when it is too large for any count (beyond i64).
@@ -157,7 +175,10 @@ impl Int {
     /// Refuses a bool (`True` would otherwise count as 1), naming the argument.
     pub fn refuse_bool(&self, what: &str) -> Result<(), CoreError> {
         match self.given {
-            Given::Bool(_) => Err(CoreError::InvalidArgument(format!("{what} must be an int, not a bool (got {})", self.shown()))),
+            Given::Bool(_) => Err(CoreError::InvalidArgument(format!(
+                "{what} must be an int, not a bool (got {})",
+                self.shown()
+            ))),
             _ => Ok(()),
         }
     }
@@ -176,7 +197,9 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Int {
                 let value = if obj.lt(0)? { i64::MIN } else { i64::MAX };
                 Ok(Int { value, given: Given::Big(obj.to_owned().unbind()) })
             }
-            Err(_) if is_numpy_bool(&obj) => Ok(Int { value: 0, given: Given::Bool(obj.to_owned().unbind()) }),
+            Err(_) if is_numpy_bool(&obj) => {
+                Ok(Int { value: 0, given: Given::Bool(obj.to_owned().unbind()) })
+            }
             Err(e) => Err(e),
         }
     }
@@ -192,8 +215,9 @@ pub fn count(value: Int, what: &str) -> Result<usize, CoreError> {
             i64::MAX
         )));
     }
-    usize::try_from(value.value)
-        .map_err(|_| CoreError::InvalidArgument(format!("{what} must be >= 0, got {}", value.shown())))
+    usize::try_from(value.value).map_err(|_| {
+        CoreError::InvalidArgument(format!("{what} must be >= 0, got {}", value.shown()))
+    })
 }
 
 /// A count of tokens. One beyond 64 bits exceeds every capacity (`CapacityError`, as a

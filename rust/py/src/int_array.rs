@@ -9,8 +9,8 @@
 //!   to create and destroy per array. Here NumPy allocates the array at its final size and
 //!   the ids are written into it.
 
-use numpy::npyffi::{npy_intp, NpyTypes, PY_ARRAY_API};
 use kvpool_core::CoreError;
+use numpy::npyffi::{npy_intp, NpyTypes, PY_ARRAY_API};
 use numpy::{Element, PyArray1, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::PyMemoryError;
 use pyo3::ffi;
@@ -110,11 +110,13 @@ impl<'py> NewIdArray<'py> {
         match unsafe { Bound::from_owned_ptr_or_err(py, ptr.cast::<ffi::PyObject>()) } {
             // SAFETY: as above, the object is a 1-D int32 array.
             Ok(array) => Ok(NewIdArray { array: unsafe { array.cast_into_unchecked() }, len }),
-            Err(e) if e.is_instance_of::<PyMemoryError>(py) => Err(PyKvError(CoreError::OutOfMemory {
-                requested_bytes: len.saturating_mul(4),
-                device: "host".into(),
-            })
-            .into()),
+            Err(e) if e.is_instance_of::<PyMemoryError>(py) => {
+                Err(PyKvError(CoreError::OutOfMemory {
+                    requested_bytes: len.saturating_mul(4),
+                    device: "host".into(),
+                })
+                .into())
+            }
             Err(e) => Err(e),
         }
     }

@@ -18,12 +18,20 @@ pub struct PyKvLayout {
 impl PyKvLayout {
     #[new]
     #[pyo3(signature = (num_layers, num_kv_heads, head_dim, block_size, dtype = "float16"))]
-    fn new(num_layers: Int, num_kv_heads: Int, head_dim: Int, block_size: Int, dtype: &str) -> KvResult<Self> {
+    fn new(
+        num_layers: Int,
+        num_kv_heads: Int,
+        head_dim: Int,
+        block_size: Int,
+        dtype: &str,
+    ) -> KvResult<Self> {
         let dtype = DType::parse(dtype)?;
         let size = |value: Int, what: &str| {
             value.refuse_bool(what)?;
             let shown = value.shown();
-            ids::count(value, what).map_err(|_| CoreError::InvalidLayout(format!("{what} must be positive, got {shown}")))
+            ids::count(value, what).map_err(|_| {
+                CoreError::InvalidLayout(format!("{what} must be positive, got {shown}"))
+            })
         };
         Ok(PyKvLayout {
             inner: KvLayout::new(
@@ -75,7 +83,8 @@ impl PyKvLayout {
 
     /// `(first, stop)`: the KV heads of this layout that rank `rank` of `tp_size` holds.
     fn tp_head_range(&self, tp_size: Int, rank: Int) -> KvResult<(usize, usize)> {
-        let range = self.inner.tp_head_range(ids::count(tp_size, "tp_size")?, ids::count(rank, "rank")?)?;
+        let range =
+            self.inner.tp_head_range(ids::count(tp_size, "tp_size")?, ids::count(rank, "rank")?)?;
         Ok((range.start, range.end))
     }
 

@@ -58,7 +58,10 @@ fn growable_size(
         .ok_or_else(|| CoreError::InvalidArgument("growable=True needs max_num_blocks".into()))?;
     Ok(GrowableSize {
         max_num_blocks: ids::count(max_num_blocks, "max_num_blocks")?,
-        initial_num_blocks: ids::count(initial_num_blocks.unwrap_or(Int::new(0)), "initial_num_blocks")?,
+        initial_num_blocks: ids::count(
+            initial_num_blocks.unwrap_or(Int::new(0)),
+            "initial_num_blocks",
+        )?,
         chunk_bytes: chunk_bytes.map(|b| ids::count(b, "chunk_bytes")).transpose()?,
     })
 }
@@ -77,7 +80,8 @@ fn pool_maker(
     let (num_blocks, memory_bytes, gpu_memory_utilization) = fixed;
     let (max_num_blocks, initial_num_blocks, chunk_bytes) = grow_args;
     if growable {
-        let fixed_given = num_blocks.is_some() || memory_bytes.is_some() || gpu_memory_utilization.is_some();
+        let fixed_given =
+            num_blocks.is_some() || memory_bytes.is_some() || gpu_memory_utilization.is_some();
         let size = growable_size(fixed_given, max_num_blocks, initial_num_blocks, chunk_bytes)?;
         return Ok(Box::new(move || Pool::new_growable(layout, size, device)));
     }
@@ -138,9 +142,14 @@ impl PyPool {
         prefix_cache_host_blocks: Option<Int>,
     ) -> KvResult<Self> {
         let device = Device::parse(device)?;
-        let host_blocks = prefix_cache_host_blocks.map(|n| ids::count(n, "prefix_cache_host_blocks")).transpose()?;
+        let host_blocks = prefix_cache_host_blocks
+            .map(|n| ids::count(n, "prefix_cache_host_blocks"))
+            .transpose()?;
         if host_blocks.is_some() && !enable_prefix_caching {
-            return Err(CoreError::InvalidArgument("prefix_cache_host_blocks needs enable_prefix_caching=True".into()).into());
+            return Err(CoreError::InvalidArgument(
+                "prefix_cache_host_blocks needs enable_prefix_caching=True".into(),
+            )
+            .into());
         }
         let create = pool_maker(
             layout.inner,
@@ -187,7 +196,13 @@ impl PyPool {
             // More than any count: out of blocks, naming the int the caller passed.
             let pool = &self.inner;
             let max = pool.is_growable().then(|| pool.max_num_blocks());
-            return Err(crate::errors::out_of_blocks_beyond_any_count(py, requested, pool.num_free(), pool.num_blocks(), max));
+            return Err(crate::errors::out_of_blocks_beyond_any_count(
+                py,
+                requested,
+                pool.num_free(),
+                pool.num_blocks(),
+                max,
+            ));
         }
         let n = ids::count(n, "n").map_err(crate::errors::PyKvError)?;
         let pool = &self.inner;
@@ -374,7 +389,9 @@ impl PyPool {
     #[pyo3(signature = (enabled = true))]
     fn enable_kv_cache_events(&self, enabled: bool) -> KvResult<()> {
         let cache = self.inner.prefix_cache().ok_or_else(|| {
-            CoreError::InvalidArgument("KV events need a pool made with enable_prefix_caching=True".into())
+            CoreError::InvalidArgument(
+                "KV events need a pool made with enable_prefix_caching=True".into(),
+            )
         })?;
         cache.set_events_enabled(enabled);
         Ok(())

@@ -20,7 +20,9 @@ fn type_name(value: &Bound<'_, PyAny>) -> String {
 
 /// Integers checked into token ids in one pass the compiler vectorises (a 4096-token
 /// prompt costs about a microsecond); the first bad one is named.
-fn checked_token_ids<T: Copy + Into<i64>>(values: impl ExactSizeIterator<Item = T> + Clone) -> Result<Vec<u32>, CoreError> {
+fn checked_token_ids<T: Copy + Into<i64>>(
+    values: impl ExactSizeIterator<Item = T> + Clone,
+) -> Result<Vec<u32>, CoreError> {
     let mut out = Vec::with_capacity(values.len());
     let mut all_fit = true;
     out.extend(values.clone().map(|v| {
@@ -68,20 +70,35 @@ pub fn token_ids(value: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         )))
         .into());
     }
-    if value.is_instance_of::<PyString>() || value.is_instance_of::<PyBytes>() || value.is_instance_of::<PyByteArray>() {
-        return Err(PyKvError(invalid(format!("token_ids must be a sequence of ints, got {}", type_name(value)))).into());
+    if value.is_instance_of::<PyString>()
+        || value.is_instance_of::<PyBytes>()
+        || value.is_instance_of::<PyByteArray>()
+    {
+        return Err(PyKvError(invalid(format!(
+            "token_ids must be a sequence of ints, got {}",
+            type_name(value)
+        )))
+        .into());
     }
     let iter = value.try_iter().map_err(|e| {
         if e.is_instance_of::<pyo3::exceptions::PyTypeError>(value.py()) {
-            PyKvError(invalid(format!("token_ids must be a sequence of ints, got {}", type_name(value)))).into()
+            PyKvError(invalid(format!(
+                "token_ids must be a sequence of ints, got {}",
+                type_name(value)
+            )))
+            .into()
         } else {
             e // raised by the caller's __iter__
         }
     })?;
     let mut out = Vec::new();
     let room = value.len().unwrap_or(0);
-    out.try_reserve_exact(room)
-        .map_err(|_| PyKvError(CoreError::OutOfMemory { requested_bytes: room.saturating_mul(4), device: "host".into() }))?;
+    out.try_reserve_exact(room).map_err(|_| {
+        PyKvError(CoreError::OutOfMemory {
+            requested_bytes: room.saturating_mul(4),
+            device: "host".into(),
+        })
+    })?;
     for item in iter {
         let item = item?;
         if item.is_instance_of::<PyBool>() || is_numpy_bool(&item) {
@@ -100,7 +117,9 @@ pub fn token_ids(value: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
 pub fn cache_salt(value: Option<&Bound<'_, PyAny>>) -> Result<Option<Vec<u8>>, CoreError> {
     let Some(value) = value.filter(|v| !v.is_none()) else { return Ok(None) };
     if let Ok(s) = value.cast::<PyString>() {
-        return Ok(Some(s.to_str().map_err(|e| invalid(format!("cache_salt: {e}")))?.as_bytes().to_vec()));
+        return Ok(Some(
+            s.to_str().map_err(|e| invalid(format!("cache_salt: {e}")))?.as_bytes().to_vec(),
+        ));
     }
     if let Ok(b) = value.cast::<PyBytes>() {
         return Ok(Some(b.as_bytes().to_vec()));
@@ -113,7 +132,9 @@ pub fn extra_keys(value: Option<&Bound<'_, PyAny>>) -> Result<Vec<u8>, CoreError
     let Some(value) = value.filter(|v| !v.is_none()) else { return Ok(Vec::new()) };
     match value.cast::<PyBytes>() {
         Ok(b) => Ok(b.as_bytes().to_vec()),
-        Err(_) => Err(invalid(format!("extra_keys must be bytes or None, got {}", type_name(value)))),
+        Err(_) => {
+            Err(invalid(format!("extra_keys must be bytes or None, got {}", type_name(value))))
+        }
     }
 }
 
@@ -126,7 +147,10 @@ pub struct AddResult {
 
 impl AddResult {
     pub fn new(py: Python<'_>, r: kvpool_core::tables::AddResult) -> Self {
-        AddResult { num_cached_tokens: r.num_cached_tokens, slot_mapping: PyArray1::from_vec(py, r.slot_mapping).unbind() }
+        AddResult {
+            num_cached_tokens: r.num_cached_tokens,
+            slot_mapping: PyArray1::from_vec(py, r.slot_mapping).unbind(),
+        }
     }
 }
 
@@ -143,7 +167,11 @@ impl AddResult {
         self.slot_mapping.clone_ref(py)
     }
     fn __repr__(&self, py: Python<'_>) -> String {
-        format!("AddResult(num_cached_tokens={}, len(slot_mapping)={})", self.num_cached_tokens, self.slot_mapping.bind(py).len())
+        format!(
+            "AddResult(num_cached_tokens={}, len(slot_mapping)={})",
+            self.num_cached_tokens,
+            self.slot_mapping.bind(py).len()
+        )
     }
 }
 
@@ -193,7 +221,12 @@ impl BlockStored {
         self.medium
     }
     fn __repr__(&self) -> String {
-        format!("BlockStored({} blocks, parent={:?}, medium={})", self.block_hashes.len(), self.parent_block_hash, self.medium)
+        format!(
+            "BlockStored({} blocks, parent={:?}, medium={})",
+            self.block_hashes.len(),
+            self.parent_block_hash,
+            self.medium
+        )
     }
 }
 
@@ -233,7 +266,11 @@ impl AllBlocksCleared {
 
 /// Python objects for drained events, in order. `pool_medium` names the pool's own memory
 /// ("GPU" or "CPU"); the host tier is "CPU".
-pub fn events_to_py(py: Python<'_>, events: Vec<KvEvent>, pool_medium: &'static str) -> PyResult<Vec<Py<PyAny>>> {
+pub fn events_to_py(
+    py: Python<'_>,
+    events: Vec<KvEvent>,
+    pool_medium: &'static str,
+) -> PyResult<Vec<Py<PyAny>>> {
     let name = |medium: Medium| match medium {
         Medium::Pool => pool_medium,
         Medium::HostTier => "CPU",
@@ -242,9 +279,27 @@ pub fn events_to_py(py: Python<'_>, events: Vec<KvEvent>, pool_medium: &'static 
         .into_iter()
         .map(|event| {
             Ok(match event {
-                KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium } => {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    block_size,
+                    lora_id,
+                    medium,
+                } => {
                     let medium = name(medium);
-                    Py::new(py, BlockStored { block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium })?.into_any()
+                    Py::new(
+                        py,
+                        BlockStored {
+                            block_hashes,
+                            parent_block_hash,
+                            token_ids,
+                            block_size,
+                            lora_id,
+                            medium,
+                        },
+                    )?
+                    .into_any()
                 }
                 KvEvent::BlockRemoved { block_hashes, medium } => {
                     Py::new(py, BlockRemoved { block_hashes, medium: name(medium) })?.into_any()

@@ -17,10 +17,11 @@ pub fn handle_of(obj: &Bound<'_, PyAny>) -> Result<u64, CoreError> {
         ))
     };
     let method = obj.getattr("__cuda_stream__").map_err(|_| not_a_stream())?;
-    let (_version, handle): (u64, u64) = method
-        .call0()
-        .and_then(|r| r.extract())
-        .map_err(|e| CoreError::InvalidArgument(format!("__cuda_stream__() did not return (version, handle): {e}")))?;
+    let (_version, handle): (u64, u64) = method.call0().and_then(|r| r.extract()).map_err(|e| {
+        CoreError::InvalidArgument(format!(
+            "__cuda_stream__() did not return (version, handle): {e}"
+        ))
+    })?;
     Ok(handle)
 }
 
@@ -67,7 +68,13 @@ pub struct DeviceArray {
 }
 
 impl DeviceArray {
-    pub fn new(owner: Py<PyAny>, pool: Py<PyAny>, ptr: u64, shape: Vec<usize>, stream: u64) -> Self {
+    pub fn new(
+        owner: Py<PyAny>,
+        pool: Py<PyAny>,
+        ptr: u64,
+        shape: Vec<usize>,
+        stream: u64,
+    ) -> Self {
         DeviceArray { owner, pool, ptr, shape, stream }
     }
 }

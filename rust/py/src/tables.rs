@@ -19,11 +19,15 @@ const DETACH_MIN_TOKENS: usize = 1024;
 /// Request ids: any Python int in 0..2**64. Bools (NumPy's too) are refused.
 pub fn request_id(value: &Bound<'_, PyAny>) -> Result<u64, CoreError> {
     if value.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(CoreError::InvalidArgument(format!("request id {value} is a bool, not an integer")));
+        return Err(CoreError::InvalidArgument(format!(
+            "request id {value} is a bool, not an integer"
+        )));
     }
     value.extract::<u64>().map_err(|_| {
         if is_numpy_bool(value) {
-            return CoreError::InvalidArgument(format!("request id {value} is a bool, not an integer"));
+            return CoreError::InvalidArgument(format!(
+                "request id {value} is a bool, not an integer"
+            ));
         }
         let shown = value.repr().map(|r| r.to_string()).unwrap_or_default();
         CoreError::InvalidArgument(format!("request id {shown} is not an integer in 0..2**64"))
@@ -36,10 +40,17 @@ pub fn request_ids(values: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     if let Some(ints) = values.cast::<PyUntypedArray>().ok().and_then(IntArray::of) {
         return ints
             .values()
-            .map(|v| u64::try_from(v).map_err(|_| PyKvError(CoreError::InvalidArgument(format!("request id {v} is negative"))).into()))
+            .map(|v| {
+                u64::try_from(v).map_err(|_| {
+                    PyKvError(CoreError::InvalidArgument(format!("request id {v} is negative")))
+                        .into()
+                })
+            })
             .collect();
     }
-    let iter = values.try_iter().map_err(|e| iterable_error(e, values.py(), "request_ids must be an iterable of ints"))?;
+    let iter = values
+        .try_iter()
+        .map_err(|e| iterable_error(e, values.py(), "request_ids must be an iterable of ints"))?;
     iter.map(|item| Ok(request_id(&item?).map_err(PyKvError)?)).collect()
 }
 
@@ -60,10 +71,14 @@ fn token_counts(values: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<usize>> {
     if let Ok(count) = values.extract::<Int>() {
         return Ok(vec![ids::tokens(count, "count")?; n]);
     }
-    let iter = values.try_iter().map_err(|e| iterable_error(e, values.py(), "counts must be an int or an iterable of ints"))?;
+    let iter = values.try_iter().map_err(|e| {
+        iterable_error(e, values.py(), "counts must be an int or an iterable of ints")
+    })?;
     iter.map(|item| {
         let item = item?;
-        let v = item.extract::<Int>().map_err(|_| invalid(format!("count {item} is not an integer")))?;
+        let v = item
+            .extract::<Int>()
+            .map_err(|_| invalid(format!("count {item} is not an integer")))?;
         ids::tokens(v, "count")
     })
     .collect()
@@ -74,7 +89,9 @@ type AppendArrays<'py> = (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray2<i32>>);
 
 fn append_result<'py>(py: Python<'py>, r: AppendResult) -> AppendArrays<'py> {
     let copies: Vec<i32> = r.copies.iter().flat_map(|c| [c.src as i32, c.dst as i32]).collect();
-    let copies = PyArray1::from_vec(py, copies).reshape([r.copies.len(), 2]).expect("k x 2 holds 2k entries");
+    let copies = PyArray1::from_vec(py, copies)
+        .reshape([r.copies.len(), 2])
+        .expect("k x 2 holds 2k entries");
     (PyArray1::from_vec(py, r.slot_mapping), copies)
 }
 
@@ -98,9 +115,15 @@ impl PyBlockTables {
     }
 
     /// Adds a request of `num_tokens` tokens; returns their slot mapping (int64).
-    fn add<'py>(&self, py: Python<'py>, request_id: &Bound<'py, PyAny>, num_tokens: Int) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    fn add<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &Bound<'py, PyAny>,
+        num_tokens: Int,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let rid = self::request_id(request_id).map_err(PyKvError)?;
-        let slots = self.inner.add(rid, ids::tokens(num_tokens, "num_tokens")?).map_err(PyKvError)?;
+        let slots =
+            self.inner.add(rid, ids::tokens(num_tokens, "num_tokens")?).map_err(PyKvError)?;
         Ok(PyArray1::from_vec(py, slots))
     }
 
@@ -122,7 +145,10 @@ impl PyBlockTables {
         let tokens = crate::prefix::token_ids(token_ids)?;
         let salt = crate::prefix::cache_salt(cache_salt).map_err(PyKvError)?;
         let extra = crate::prefix::extra_keys(extra_keys).map_err(PyKvError)?;
-        let lora_id = lora_id.map(|id| ids::count(id, "lora_id").map(|id| id as u64)).transpose().map_err(PyKvError)?;
+        let lora_id = lora_id
+            .map(|id| ids::count(id, "lora_id").map(|id| id as u64))
+            .transpose()
+            .map_err(PyKvError)?;
         let key = PromptKey { cache_salt: salt.as_deref(), lora_id, extra_keys: &extra };
         // Hashing a long prompt takes tens of microseconds: let other threads run.
         let result = if tokens.len() >= DETACH_MIN_TOKENS {
@@ -147,7 +173,10 @@ impl PyBlockTables {
         let rid = self::request_id(request_id).map_err(PyKvError)?;
         let n = ids::tokens(n, "n")?;
         let tokens = token_ids.map(crate::prefix::token_ids).transpose()?;
-        let result = self.inner.append_tokens_many_with_ids(&[rid], &[n], tokens.as_deref()).map_err(PyKvError)?;
+        let result = self
+            .inner
+            .append_tokens_many_with_ids(&[rid], &[n], tokens.as_deref())
+            .map_err(PyKvError)?;
         Ok(append_result(py, result))
     }
 
@@ -165,7 +194,10 @@ impl PyBlockTables {
         let rids = self::request_ids(request_ids)?;
         let counts = token_counts(counts, rids.len())?;
         let tokens = token_ids.map(crate::prefix::token_ids).transpose()?;
-        let result = self.inner.append_tokens_many_with_ids(&rids, &counts, tokens.as_deref()).map_err(PyKvError)?;
+        let result = self
+            .inner
+            .append_tokens_many_with_ids(&rids, &counts, tokens.as_deref())
+            .map_err(PyKvError)?;
         Ok(append_result(py, result))
     }
 
@@ -183,7 +215,11 @@ impl PyBlockTables {
         Ok(self.inner.num_tokens(self::request_id(request_id)?)?)
     }
 
-    fn blocks<'py>(&self, py: Python<'py>, request_id: &Bound<'py, PyAny>) -> KvResult<Bound<'py, PyArray1<i32>>> {
+    fn blocks<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &Bound<'py, PyAny>,
+    ) -> KvResult<Bound<'py, PyArray1<i32>>> {
         Ok(PyArray1::from_vec(py, self.inner.blocks(self::request_id(request_id)?)?))
     }
 
@@ -193,12 +229,23 @@ impl PyBlockTables {
     }
 
     /// seq_lens (int32) of a batch of requests.
-    fn seq_lens<'py>(&self, py: Python<'py>, request_ids: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        Ok(PyArray1::from_vec(py, self.inner.seq_lens(&self::request_ids(request_ids)?).map_err(PyKvError)?))
+    fn seq_lens<'py>(
+        &self,
+        py: Python<'py>,
+        request_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        Ok(PyArray1::from_vec(
+            py,
+            self.inner.seq_lens(&self::request_ids(request_ids)?).map_err(PyKvError)?,
+        ))
     }
 
     /// Dense int32 table `[len(request_ids), max_blocks_per_seq]`, unused entries -1.
-    fn block_table<'py>(&self, py: Python<'py>, request_ids: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+    fn block_table<'py>(
+        &self,
+        py: Python<'py>,
+        request_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let rids = self::request_ids(request_ids)?;
         let (_, table) = self.inner.gather(&rids).map_err(PyKvError)?;
         Ok(PyArray1::from_vec(py, table)
@@ -212,7 +259,8 @@ impl PyBlockTables {
         &self,
         py: Python<'py>,
         request_ids: &Bound<'py, PyAny>,
-    ) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
+    ) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)>
+    {
         let csr = self.inner.csr(&self::request_ids(request_ids)?).map_err(PyKvError)?;
         Ok((
             PyArray1::from_vec(py, csr.indptr),
@@ -252,8 +300,12 @@ impl PyBlockTables {
             }
             // One core call, one lock: no other thread's change falls between table and seq_lens.
             let batch = this.inner.host_batch().map_err(crate::errors::PyKvError)?;
-            let table = PyArray1::from_vec(py, batch.block_table).reshape([batch.num_seqs, batch.max_blocks_per_seq])?;
-            return Ok((table.into_any().unbind(), PyArray1::from_vec(py, batch.seq_lens).into_any().unbind()));
+            let table = PyArray1::from_vec(py, batch.block_table)
+                .reshape([batch.num_seqs, batch.max_blocks_per_seq])?;
+            return Ok((
+                table.into_any().unbind(),
+                PyArray1::from_vec(py, batch.seq_lens).into_any().unbind(),
+            ));
         }
         sync_cuda(slf, stream)
     }
@@ -274,7 +326,8 @@ impl PyBlockTables {
     /// Checks the tables' own invariants and the pool's (references held <= ref counts),
     /// with the tables locked for the whole check.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.check_invariants()).map_err(|m| crate::errors::KvError::new_err(format!("invariant violated: {m}")))
+        py.detach(|| self.inner.check_invariants())
+            .map_err(|m| crate::errors::KvError::new_err(format!("invariant violated: {m}")))
     }
 
     fn __len__(&self) -> usize {
@@ -293,7 +346,10 @@ impl PyBlockTables {
     }
 }
 
-fn sync_cuda<'py>(slf: &Bound<'py, PyBlockTables>, stream: Option<&Bound<'py, PyAny>>) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+fn sync_cuda<'py>(
+    slf: &Bound<'py, PyBlockTables>,
+    stream: Option<&Bound<'py, PyAny>>,
+) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
     let py = slf.py();
     let this = slf.get();
     let batch = match stream {
@@ -325,7 +381,13 @@ fn device_arrays(
         vec![batch.num_seqs, batch.max_blocks_per_seq],
         batch.stream,
     );
-    let seq_lens = crate::stream::DeviceArray::new(owner, pool, batch.seq_lens_ptr, vec![batch.num_seqs], batch.stream);
+    let seq_lens = crate::stream::DeviceArray::new(
+        owner,
+        pool,
+        batch.seq_lens_ptr,
+        vec![batch.num_seqs],
+        batch.stream,
+    );
     Ok((Py::new(py, table)?.into_any(), Py::new(py, seq_lens)?.into_any()))
 }
 
@@ -334,10 +396,12 @@ fn sync_mirror<'py>(
     stream: Option<&Bound<'py, PyAny>>,
     mirror: &Bound<'py, PyPool>,
 ) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
-    let handle = stream.map(crate::stream::handle_of).transpose().map_err(crate::errors::PyKvError)?;
+    let handle =
+        stream.map(crate::stream::handle_of).transpose().map_err(crate::errors::PyKvError)?;
     // SAFETY: a given handle comes from `__cuda_stream__` of a stream object the caller passed
     // and we hold for the call (bare ints are refused); the core checks its context is the
     // mirror's. Without one, the mirror's own stream is used, and `mirror` is held.
-    let batch = unsafe { slf.get().inner.sync_mirror_on(&mirror.get().inner, handle) }.map_err(crate::errors::PyKvError)?;
+    let batch = unsafe { slf.get().inner.sync_mirror_on(&mirror.get().inner, handle) }
+        .map_err(crate::errors::PyKvError)?;
     device_arrays(slf, mirror.clone().into_any().unbind(), batch)
 }

@@ -47,7 +47,12 @@ impl PyHostTier {
         let size = match (num_blocks, memory_bytes) {
             (Some(n), None) => PoolSize::NumBlocks(ids::count(n, "num_blocks")?),
             (None, Some(b)) => PoolSize::MemoryBytes(ids::count(b, "memory_bytes")?),
-            _ => return Err(CoreError::InvalidArgument("give exactly one of num_blocks, memory_bytes".into()).into()),
+            _ => {
+                return Err(CoreError::InvalidArgument(
+                    "give exactly one of num_blocks, memory_bytes".into(),
+                )
+                .into())
+            }
         };
         let method = CopyMethod::parse(copy_method)?;
         let core_tables = tables.get().inner.clone();
@@ -74,7 +79,8 @@ impl PyHostTier {
         let stream = stream_arg(stream).map_err(PyKvError)?;
         // SAFETY: a caller's stream comes from `__cuda_stream__` of an object held for the call
         // (bare ints are refused), and its context is checked by the core.
-        let stats = py.detach(|| unsafe { self.inner.swap_out(&ids, stream) }).map_err(PyKvError)?;
+        let stats =
+            py.detach(|| unsafe { self.inner.swap_out(&ids, stream) }).map_err(PyKvError)?;
         stats_dict(py, stats)
     }
 
@@ -120,7 +126,11 @@ impl PyHostTier {
     }
 
     /// Host block ids of a swapped-out request, in logical order (int32).
-    fn blocks<'py>(&self, py: Python<'py>, request_id: &Bound<'py, PyAny>) -> KvResult<Bound<'py, PyArray1<i32>>> {
+    fn blocks<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &Bound<'py, PyAny>,
+    ) -> KvResult<Bound<'py, PyArray1<i32>>> {
         let (_, blocks) = self.inner.swapped(self::request_id(request_id)?)?;
         Ok(PyArray1::from_iter(py, blocks.into_iter().map(|b| b as i32)))
     }
@@ -166,10 +176,17 @@ impl PyHostTier {
         self.inner.len()
     }
     fn __contains__(&self, request_id: &Bound<'_, PyAny>) -> bool {
-        self::request_id(request_id).map(|r| self.inner.location(r) == Some(Tier::Host)).unwrap_or(false)
+        self::request_id(request_id)
+            .map(|r| self.inner.location(r) == Some(Tier::Host))
+            .unwrap_or(false)
     }
     fn __repr__(&self) -> String {
         let pool = self.inner.host_pool();
-        format!("HostTier(len={}, num_blocks={}, num_free={})", self.inner.len(), pool.num_blocks(), pool.num_free())
+        format!(
+            "HostTier(len={}, num_blocks={}, num_free={})",
+            self.inner.len(),
+            pool.num_blocks(),
+            pool.num_free()
+        )
     }
 }

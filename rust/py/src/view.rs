@@ -44,7 +44,8 @@ impl SlabView {
     fn interface<'py>(&self, py: Python<'py>, version: u32) -> PyResult<Bound<'py, PyDict>> {
         let pool = &self.pool.get().inner;
         let layout = pool.layout();
-        let offset = layout.part_offset_bytes(self.layer, self.part).map_err(crate::errors::PyKvError)?;
+        let offset =
+            layout.part_offset_bytes(self.layer, self.part).map_err(crate::errors::PyKvError)?;
         let (shape, strides) = layout.view_shape_strides(self.extent);
         let d = PyDict::new(py);
         d.set_item("shape", PyTuple::new(py, shape)?)?;
@@ -59,7 +60,8 @@ impl SlabView {
     fn export(&self) -> PyResult<crate::dlpack::Export> {
         let pool = &self.pool.get().inner;
         let layout = pool.layout();
-        let offset = layout.part_offset_bytes(self.layer, self.part).map_err(crate::errors::PyKvError)?;
+        let offset =
+            layout.part_offset_bytes(self.layer, self.part).map_err(crate::errors::PyKvError)?;
         let (shape, strides) = layout.view_shape_strides(self.extent);
         let elem = layout.elem_bytes();
         Ok(crate::dlpack::Export {

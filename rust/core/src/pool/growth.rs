@@ -14,7 +14,11 @@ use crate::slab::ResizeGuard;
 
 impl Pool {
     /// The allocation slow path of [`Pool::alloc_into`], under the resize lock.
-    pub(super) fn alloc_growing(&self, guard: &mut ResizeGuard<'_>, out: &mut [u32]) -> Result<(), CoreError> {
+    pub(super) fn alloc_growing(
+        &self,
+        guard: &mut ResizeGuard<'_>,
+        out: &mut [u32],
+    ) -> Result<(), CoreError> {
         let chunks_before = guard.mapped_chunks();
         loop {
             // Retry first: the resize we may have waited for (a shrink's drain, another
@@ -41,8 +45,12 @@ impl Pool {
                 }
                 // Only a refusal is "cannot grow"; an OS or driver failure is what it is.
                 return Err(match e {
-                    GrowError::MaxReached => self.out_of_blocks(out.len(), "max_num_blocks is reached"),
-                    GrowError::Core(e @ CoreError::OutOfMemory { .. }) => self.out_of_blocks(out.len(), &refusal(e)),
+                    GrowError::MaxReached => {
+                        self.out_of_blocks(out.len(), "max_num_blocks is reached")
+                    }
+                    GrowError::Core(e @ CoreError::OutOfMemory { .. }) => {
+                        self.out_of_blocks(out.len(), &refusal(e))
+                    }
                     GrowError::Core(e) => e,
                 });
             }
@@ -54,18 +62,25 @@ impl Pool {
     /// past the maximum or when memory is refused, changing nothing.
     pub fn grow(&self, num_blocks: usize) -> Result<usize, CoreError> {
         let Some(slab) = self.growable_slab() else {
-            return Err(CoreError::InvalidArgument("grow needs a growable pool (growable=True)".into()));
+            return Err(CoreError::InvalidArgument(
+                "grow needs a growable pool (growable=True)".into(),
+            ));
         };
         let mut guard = slab.lock();
         if num_blocks > self.max_num_blocks() {
             return Err(self.out_of_blocks(
                 num_blocks.saturating_sub(self.num_blocks()),
-                &format!("growing to {num_blocks} blocks would exceed max_num_blocks {}", self.max_num_blocks()),
+                &format!(
+                    "growing to {num_blocks} blocks would exceed max_num_blocks {}",
+                    self.max_num_blocks()
+                ),
             ));
         }
         let before = guard.mapped_bytes();
         self.grow_locked(&mut guard, num_blocks).map_err(|e| match e {
-            CoreError::OutOfMemory { .. } => self.out_of_blocks(num_blocks - self.num_blocks(), &refusal(e)),
+            CoreError::OutOfMemory { .. } => {
+                self.out_of_blocks(num_blocks - self.num_blocks(), &refusal(e))
+            }
             e => e,
         })?;
         Ok(guard.mapped_bytes() - before)
@@ -87,7 +102,11 @@ impl Pool {
     /// `CannotGrow` for a request of `requested` blocks, with the counts as they are now.
     pub(super) fn out_of_blocks(&self, requested: usize, reason: &str) -> CoreError {
         if !self.is_growable() {
-            return CoreError::OutOfBlocks { requested, free: self.num_free(), num_blocks: self.num_blocks() };
+            return CoreError::OutOfBlocks {
+                requested,
+                free: self.num_free(),
+                num_blocks: self.num_blocks(),
+            };
         }
         CoreError::CannotGrow {
             requested,
@@ -121,7 +140,11 @@ impl Pool {
 
     /// Unmaps the top chunks whose blocks are all free, keeping at least `min_chunks` and
     /// every chunk a live view reaches into.
-    fn shrink_locked(&self, guard: &mut ResizeGuard<'_>, min_chunks: usize) -> Result<usize, CoreError> {
+    fn shrink_locked(
+        &self,
+        guard: &mut ResizeGuard<'_>,
+        min_chunks: usize,
+    ) -> Result<usize, CoreError> {
         let num_blocks = self.num_blocks();
         let mapped = guard.mapped_chunks();
         // Free blocks, every thread's cached ones included, in our hands (parked): nobody can
@@ -136,7 +159,8 @@ impl Pool {
         let live_end = is_free.iter().rposition(|&free| !free).map_or(0, |id| id + 1);
         let keep_end = live_end.max(self.max_view_extent());
         let chunk_bytes = guard.chunk_bytes();
-        let keep_chunks = (keep_end * self.layout.block_bytes()).div_ceil(chunk_bytes).max(min_chunks);
+        let keep_chunks =
+            (keep_end * self.layout.block_bytes()).div_ceil(chunk_bytes).max(min_chunks);
         if keep_chunks >= mapped {
             self.allocator.set_num_blocks(num_blocks, drained);
             return Ok(0);
@@ -145,7 +169,8 @@ impl Pool {
         // list; lower num_blocks before the memory goes.
         let new_num_blocks = self.blocks_in(keep_chunks * chunk_bytes);
         debug_assert!(new_num_blocks >= keep_end);
-        let (kept, removed): (Vec<u32>, Vec<u32>) = drained.into_iter().partition(|&id| (id as usize) < new_num_blocks);
+        let (kept, removed): (Vec<u32>, Vec<u32>) =
+            drained.into_iter().partition(|&id| (id as usize) < new_num_blocks);
         self.allocator.set_num_blocks(new_num_blocks, kept);
         let before = guard.mapped_bytes();
         if let Err(e) = guard.unmap_to(keep_chunks) {
@@ -179,20 +204,31 @@ impl Pool {
             ));
         }
         if num_blocks < self.max_view_extent() {
-            return Err(format!("num_blocks {num_blocks} is below a live view's extent {}", self.max_view_extent()));
+            return Err(format!(
+                "num_blocks {num_blocks} is below a live view's extent {}",
+                self.max_view_extent()
+            ));
         }
         if num_blocks != self.blocks_in(mapped) {
-            return Err(format!("num_blocks {num_blocks}, but {mapped} mapped bytes hold {}", self.blocks_in(mapped)));
+            return Err(format!(
+                "num_blocks {num_blocks}, but {mapped} mapped bytes hold {}",
+                self.blocks_in(mapped)
+            ));
         }
         if self.mapped_bytes() != mapped {
-            return Err(format!("slab reports {} mapped bytes, the lock holds {mapped}", self.mapped_bytes()));
+            return Err(format!(
+                "slab reports {} mapped bytes, the lock holds {mapped}",
+                self.mapped_bytes()
+            ));
         }
         // Mapped chunks cover every allocated block (ids past num_blocks have ref_cnt 0 by
         // the allocator's check; this one restates the memory side of it).
         for id in 0..self.max_num_blocks() {
             let rc = self.allocator.ref_cnt_unchecked(id);
             if rc > 0 && (id + 1) * block_bytes > mapped {
-                return Err(format!("block {id} is allocated (ref_cnt {rc}) but its memory is not mapped"));
+                return Err(format!(
+                    "block {id} is allocated (ref_cnt {rc}) but its memory is not mapped"
+                ));
             }
         }
         Ok(())

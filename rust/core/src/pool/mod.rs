@@ -132,9 +132,9 @@ pub struct PoolStats {
 impl Pool {
     pub fn new(layout: KvLayout, size: PoolSize, device: Device) -> Result<Self, CoreError> {
         let num_blocks = Self::resolve_num_blocks(&layout, size, device)?;
-        let slab_bytes = num_blocks
-            .checked_mul(layout.block_bytes())
-            .ok_or_else(|| CoreError::InvalidArgument(format!("{num_blocks} blocks overflow the address space")))?;
+        let slab_bytes = num_blocks.checked_mul(layout.block_bytes()).ok_or_else(|| {
+            CoreError::InvalidArgument(format!("{num_blocks} blocks overflow the address space"))
+        })?;
         let device_context = Self::device_context_for(device)?;
         // The slab first: it is the large allocation, and it fails cleanly (OutOfMemory)
         // before any per-block bookkeeping is sized for a count that cannot be backed.
@@ -146,17 +146,25 @@ impl Pool {
     /// A fixed pool of host memory for a host tier (`tier/`): page-locked for CUDA device
     /// `pinned_for`, so copies between it and that device run asynchronously, or plain host
     /// memory when `None` (a host tier of a host pool, as CI tests it).
-    pub fn new_host_tier(layout: KvLayout, size: PoolSize, pinned_for: Option<usize>) -> Result<Self, CoreError> {
+    pub fn new_host_tier(
+        layout: KvLayout,
+        size: PoolSize,
+        pinned_for: Option<usize>,
+    ) -> Result<Self, CoreError> {
         let num_blocks = Self::resolve_num_blocks(&layout, size, Device::Host)?;
-        let slab_bytes = num_blocks
-            .checked_mul(layout.block_bytes())
-            .ok_or_else(|| CoreError::InvalidArgument(format!("{num_blocks} blocks overflow the address space")))?;
+        let slab_bytes = num_blocks.checked_mul(layout.block_bytes()).ok_or_else(|| {
+            CoreError::InvalidArgument(format!("{num_blocks} blocks overflow the address space"))
+        })?;
         let slab: Box<dyn Slab> = match pinned_for {
             None => slab::allocate(Device::Host, slab_bytes)?,
             #[cfg(feature = "cuda")]
             Some(ordinal) => Box::new(slab::pinned::PinnedSlab::new(ordinal, slab_bytes)?),
             #[cfg(not(feature = "cuda"))]
-            Some(_) => return Err(CoreError::CudaUnavailable("kvpool was built without the cuda feature".into())),
+            Some(_) => {
+                return Err(CoreError::CudaUnavailable(
+                    "kvpool was built without the cuda feature".into(),
+                ))
+            }
         };
         let allocator = BlockAllocator::new(num_blocks)?;
         Self::assemble(layout, allocator, Backing::Fixed(slab), Default::default())
@@ -197,7 +205,11 @@ impl Pool {
 
     /// A growable pool on `device`: reserves room for `size.max_num_blocks` and maps enough
     /// chunks for `size.initial_num_blocks`.
-    pub fn new_growable(layout: KvLayout, size: GrowableSize, device: Device) -> Result<Self, CoreError> {
+    pub fn new_growable(
+        layout: KvLayout,
+        size: GrowableSize,
+        device: Device,
+    ) -> Result<Self, CoreError> {
         let reserved_bytes = Self::reservation_for(&layout, size)?;
         let slab = slab::reserve_growable(device, reserved_bytes, size.chunk_bytes)?;
         Self::with_growable_slab(layout, size, slab)
@@ -205,7 +217,11 @@ impl Pool {
 
     /// A growable pool over any chunk backend (tests inject failing ones). `size.chunk_bytes`
     /// is ignored: the backend has its own.
-    pub fn with_chunk_backend(layout: KvLayout, size: GrowableSize, backend: Box<dyn ChunkBackend>) -> Result<Self, CoreError> {
+    pub fn with_chunk_backend(
+        layout: KvLayout,
+        size: GrowableSize,
+        backend: Box<dyn ChunkBackend>,
+    ) -> Result<Self, CoreError> {
         Self::reservation_for(&layout, size)?;
         Self::with_growable_slab(layout, size, GrowableSlab::new(backend))
     }
@@ -218,11 +234,18 @@ impl Pool {
             )));
         }
         size.max_num_blocks.checked_mul(layout.block_bytes()).ok_or_else(|| {
-            CoreError::InvalidArgument(format!("{} blocks overflow the address space", size.max_num_blocks))
+            CoreError::InvalidArgument(format!(
+                "{} blocks overflow the address space",
+                size.max_num_blocks
+            ))
         })
     }
 
-    fn with_growable_slab(layout: KvLayout, size: GrowableSize, slab: GrowableSlab) -> Result<Self, CoreError> {
+    fn with_growable_slab(
+        layout: KvLayout,
+        size: GrowableSize,
+        slab: GrowableSlab,
+    ) -> Result<Self, CoreError> {
         let needed = size.max_num_blocks * layout.block_bytes();
         if slab.reserved_bytes() < needed {
             return Err(CoreError::InvalidArgument(format!(
@@ -245,7 +268,11 @@ impl Pool {
         Ok(pool)
     }
 
-    fn resolve_num_blocks(layout: &KvLayout, size: PoolSize, device: Device) -> Result<usize, CoreError> {
+    fn resolve_num_blocks(
+        layout: &KvLayout,
+        size: PoolSize,
+        device: Device,
+    ) -> Result<usize, CoreError> {
         let block_bytes = layout.block_bytes();
         let num_blocks = match size {
             PoolSize::NumBlocks(n) => n,
@@ -268,12 +295,16 @@ impl Pool {
         if num_blocks == 0 || num_blocks > crate::MAX_NUM_BLOCKS {
             // Named by what the caller gave: a memory size is not a block count.
             let given = match size {
-                PoolSize::NumBlocks(n) => return Err(CoreError::InvalidArgument(format!(
-                    "num_blocks must be in 1..={}, got {n}",
-                    crate::MAX_NUM_BLOCKS
-                ))),
+                PoolSize::NumBlocks(n) => {
+                    return Err(CoreError::InvalidArgument(format!(
+                        "num_blocks must be in 1..={}, got {n}",
+                        crate::MAX_NUM_BLOCKS
+                    )))
+                }
                 PoolSize::MemoryBytes(bytes) => format!("memory_bytes={bytes}"),
-                PoolSize::DeviceMemoryFraction(fraction) => format!("gpu_memory_utilization={fraction}"),
+                PoolSize::DeviceMemoryFraction(fraction) => {
+                    format!("gpu_memory_utilization={fraction}")
+                }
             };
             return Err(CoreError::InvalidArgument(format!(
                 "{given} holds {num_blocks} blocks of {block_bytes} bytes; a pool holds 1..={} blocks",
@@ -327,8 +358,10 @@ impl Pool {
             return Err(self.out_of_blocks(count, "the request exceeds max_num_blocks"));
         }
         let mut ids = Vec::new();
-        ids.try_reserve_exact(count)
-            .map_err(|_| CoreError::OutOfMemory { requested_bytes: count * 4, device: "host".into() })?;
+        ids.try_reserve_exact(count).map_err(|_| CoreError::OutOfMemory {
+            requested_bytes: count * 4,
+            device: "host".into(),
+        })?;
         ids.resize(count, 0);
         self.alloc_into(&mut ids)?;
         Ok(ids)
@@ -361,8 +394,12 @@ impl Pool {
     /// [`alloc_into`](Self::alloc_into) on behalf of `owner`, whose tag the new ids get.
     pub(crate) fn alloc_into_for(&self, out: &mut [u32], owner: Owner) -> Result<(), CoreError> {
         match (self.allocator.alloc_into(out), self.growable_slab()) {
-            (Err(CoreError::OutOfBlocks { .. }), _) if self.prefix_cache.is_some() => self.alloc_evicting(out)?,
-            (Err(CoreError::OutOfBlocks { .. }), Some(slab)) => self.alloc_growing(&mut slab.lock(), out)?,
+            (Err(CoreError::OutOfBlocks { .. }), _) if self.prefix_cache.is_some() => {
+                self.alloc_evicting(out)?
+            }
+            (Err(CoreError::OutOfBlocks { .. }), Some(slab)) => {
+                self.alloc_growing(&mut slab.lock(), out)?
+            }
             (result, _) => result?,
         }
         if let Some(cache) = &self.prefix_cache {
@@ -401,7 +438,10 @@ impl Pool {
             if (id as usize) < num_blocks && self.allocator.ref_cnt_unchecked(id as usize) > 0 {
                 let actual = self.owners.get(id);
                 if actual != owner {
-                    return Err(CoreError::InvalidBlock { value: id.to_string(), reason: actual.describe().into() });
+                    return Err(CoreError::InvalidBlock {
+                        value: id.to_string(),
+                        reason: actual.describe().into(),
+                    });
                 }
             }
         }
@@ -449,7 +489,9 @@ impl Pool {
     pub fn stats(&self) -> Result<PoolStats, CoreError> {
         let (num_chunks, chunk_bytes) = match &self.backing {
             Backing::Fixed(slab) => (1, slab.len_bytes()),
-            Backing::Growable(slab) => (slab.mapped_bytes() / slab.chunk_bytes(), slab.chunk_bytes()),
+            Backing::Growable(slab) => {
+                (slab.mapped_bytes() / slab.chunk_bytes(), slab.chunk_bytes())
+            }
         };
         Ok(PoolStats {
             num_blocks: self.num_blocks(),
@@ -514,10 +556,15 @@ impl Pool {
         for (id, &refs) in held.iter().enumerate() {
             let rc = self.allocator.ref_cnt(id as u32).map_err(|e| e.to_string())?;
             if refs > rc || (exact_refs && refs != rc) {
-                return Err(format!("block {id}: block tables hold {refs} references, its ref_cnt is {rc}"));
+                return Err(format!(
+                    "block {id}: block tables hold {refs} references, its ref_cnt is {rc}"
+                ));
             }
             if refs > 0 && self.owners.get(id as u32) != Owner::Tables {
-                return Err(format!("block {id} is held by block tables but tagged {:?}", self.owners.get(id as u32)));
+                return Err(format!(
+                    "block {id} is held by block tables but tagged {:?}",
+                    self.owners.get(id as u32)
+                ));
             }
         }
         Ok(())
@@ -538,7 +585,11 @@ impl Pool {
                 self.check_block_invariants()?;
                 let expected = self.num_blocks() * self.layout.block_bytes();
                 if self.mapped_bytes() < expected {
-                    return Err(format!("slab holds {} bytes, {} blocks need {expected}", self.mapped_bytes(), self.num_blocks()));
+                    return Err(format!(
+                        "slab holds {} bytes, {} blocks need {expected}",
+                        self.mapped_bytes(),
+                        self.num_blocks()
+                    ));
                 }
                 Ok(())
             }

@@ -23,8 +23,12 @@ impl Owner {
     /// How to free a block of this owner, for error messages.
     pub(crate) fn describe(self) -> &'static str {
         match self {
-            Owner::Pool => "allocated through the pool (Pool.alloc / alloc_many); free it with Pool.free",
-            Owner::Tables => "held by block tables; it is freed with its request (BlockTables.free)",
+            Owner::Pool => {
+                "allocated through the pool (Pool.alloc / alloc_many); free it with Pool.free"
+            }
+            Owner::Tables => {
+                "held by block tables; it is freed with its request (BlockTables.free)"
+            }
         }
     }
 }

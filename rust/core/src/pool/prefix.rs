@@ -5,8 +5,8 @@
 //! stays lock-free for blocks that are not cached; a cached block's last reference is
 //! dropped under the cache's lock, which puts it on the evictable list.
 
-use crate::error::CoreError;
 use super::{Owner, Pool};
+use crate::error::CoreError;
 use crate::prefix_cache::spill::SpillTier;
 use crate::prefix_cache::{BlockHash, PrefixAlloc, PrefixCache};
 use crate::tier::engine::Engine;
@@ -16,7 +16,8 @@ impl Pool {
     /// before it grows (evictable blocks count as free), and its shrink evicts the evictable
     /// blocks above the highest referenced one first, so that their chunks can go.
     pub fn with_prefix_caching(mut self) -> Result<Self, CoreError> {
-        self.prefix_cache = Some(PrefixCache::new(self.max_num_blocks(), self.layout.block_size())?);
+        self.prefix_cache =
+            Some(PrefixCache::new(self.max_num_blocks(), self.layout.block_size())?);
         Ok(self)
     }
 
@@ -24,17 +25,20 @@ impl Pool {
     /// pool): cached blocks this pool evicts spill there instead of being dropped, and a
     /// prefix hit on one copies it back. Before the pool is shared.
     pub fn with_prefix_host_tier(mut self, num_blocks: usize) -> Result<Self, CoreError> {
-        let (device_base, stream, block_size) = (self.base_ptr(), self.stream_handle().unwrap_or(0), self.layout.block_size());
+        let (device_base, stream, block_size) =
+            (self.base_ptr(), self.stream_handle().unwrap_or(0), self.layout.block_size());
         let engine = self.spill_engine()?;
         let pinned_for = match self.device() {
             crate::slab::Device::Host => None,
             crate::slab::Device::Cuda(ordinal) => Some(ordinal),
         };
-        let host = Pool::new_host_tier(self.layout, super::PoolSize::NumBlocks(num_blocks), pinned_for)?;
-        let cache = self
-            .prefix_cache
-            .as_mut()
-            .ok_or_else(|| CoreError::InvalidArgument("a prefix-cache host tier needs prefix caching on the pool".into()))?;
+        let host =
+            Pool::new_host_tier(self.layout, super::PoolSize::NumBlocks(num_blocks), pinned_for)?;
+        let cache = self.prefix_cache.as_mut().ok_or_else(|| {
+            CoreError::InvalidArgument(
+                "a prefix-cache host tier needs prefix caching on the pool".into(),
+            )
+        })?;
         cache.set_spill_tier(SpillTier::new(host, engine, device_base, stream, block_size));
         Ok(self)
     }
@@ -43,7 +47,10 @@ impl Pool {
     #[cfg(feature = "cuda")]
     fn spill_engine(&self) -> Result<Engine, CoreError> {
         match self.device_context() {
-            Some(dc) => Ok(Engine::Cuda(crate::tier::engine::CudaEngine::new(dc.context(), crate::tier::CopyMethod::Auto)?)),
+            Some(dc) => Ok(Engine::Cuda(crate::tier::engine::CudaEngine::new(
+                dc.context(),
+                crate::tier::CopyMethod::Auto,
+            )?)),
             None => Ok(Engine::Host),
         }
     }
@@ -63,18 +70,25 @@ impl Pool {
 
     /// [`Pool::free_many`] on a pool with prefix caching: validates everything, then drops
     /// uncached blocks' references lock-free and cached blocks' under the cache's lock.
-    pub(super) fn free_many_cached(&self, cache: &PrefixCache, block_ids: &[u32]) -> Result<(), CoreError> {
+    pub(super) fn free_many_cached(
+        &self,
+        cache: &PrefixCache,
+        block_ids: &[u32],
+    ) -> Result<(), CoreError> {
         let num_blocks = self.num_blocks();
         if !block_ids.iter().any(|&id| (id as usize) < num_blocks && cache.is_cached(id)) {
             return self.allocator.free_many(block_ids);
         }
         self.allocator.check_distinct_and_in_range(block_ids)?;
-        if let Some(&id) = block_ids.iter().find(|&&id| self.allocator.ref_cnt_unchecked(id as usize) == 0) {
+        if let Some(&id) =
+            block_ids.iter().find(|&&id| self.allocator.ref_cnt_unchecked(id as usize) == 0)
+        {
             return Err(CoreError::DoubleFree { block_id: id });
         }
         // A block we hold cannot change between cached and not (only its sole holder
         // caches it, and only unreferenced blocks are dropped), so the split is stable.
-        let (cached, plain): (Vec<u32>, Vec<u32>) = block_ids.iter().partition(|&&id| cache.is_cached(id));
+        let (cached, plain): (Vec<u32>, Vec<u32>) =
+            block_ids.iter().partition(|&&id| cache.is_cached(id));
         self.allocator.free_many(&plain)?;
         cache.release(&self.allocator, &cached);
         Ok(())
@@ -112,14 +126,15 @@ impl Pool {
         total_blocks: usize,
         query_tokens: usize,
     ) -> Result<PrefixAlloc, CoreError> {
-        let alloc = match cache.alloc_with_prefix(&self.allocator, hashes, total_blocks, query_tokens) {
-            // Short even counting the evictable blocks: grow as `alloc_evicting` does.
-            Err(CoreError::OutOfBlocks { requested, free, .. }) if self.is_growable() => {
-                self.grow(self.num_blocks() + (requested - free))?;
-                cache.alloc_with_prefix(&self.allocator, hashes, total_blocks, query_tokens)?
-            }
-            result => result?,
-        };
+        let alloc =
+            match cache.alloc_with_prefix(&self.allocator, hashes, total_blocks, query_tokens) {
+                // Short even counting the evictable blocks: grow as `alloc_evicting` does.
+                Err(CoreError::OutOfBlocks { requested, free, .. }) if self.is_growable() => {
+                    self.grow(self.num_blocks() + (requested - free))?;
+                    cache.alloc_with_prefix(&self.allocator, hashes, total_blocks, query_tokens)?
+                }
+                result => result?,
+            };
         // Hits were tables' blocks already (only tables cache blocks).
         self.owners.set(&alloc.fresh, Owner::Tables);
         // Revived hits are in use again, like fresh blocks.
@@ -145,9 +160,13 @@ impl Pool {
         };
         self.allocator.check_invariants_with_evictable(&cache.evictable_ids())?;
         cache.check_invariants(&self.allocator)?;
-        let (free, evictable, used) = (self.allocator.num_free(), self.num_evictable(), self.num_used());
+        let (free, evictable, used) =
+            (self.allocator.num_free(), self.num_evictable(), self.num_used());
         if free + evictable + used != self.num_blocks() {
-            return Err(format!("num_free {free} + num_evictable {evictable} + num_used {used} != num_blocks {}", self.num_blocks()));
+            return Err(format!(
+                "num_free {free} + num_evictable {evictable} + num_used {used} != num_blocks {}",
+                self.num_blocks()
+            ));
         }
         Ok(())
     }

@@ -33,8 +33,9 @@ impl BlockHasher {
     /// A hasher with a fresh key from the operating system's random source.
     pub fn new_random() -> Result<Self, CoreError> {
         let mut key = [0u8; 32];
-        getrandom::fill(&mut key)
-            .map_err(|e| CoreError::InvalidArgument(format!("no random source for the prefix-cache key: {e}")))?;
+        getrandom::fill(&mut key).map_err(|e| {
+            CoreError::InvalidArgument(format!("no random source for the prefix-cache key: {e}"))
+        })?;
         Ok(BlockHasher { key })
     }
 
@@ -48,7 +49,12 @@ impl BlockHasher {
     /// (a request never hits a block cached under another salt, or under none), the LoRA
     /// adapter and the extra key bytes (multimodal input hashes, anything else). Lengths are
     /// hashed too, so no two different inputs share a byte stream.
-    pub fn root(&self, cache_salt: Option<&[u8]>, lora_id: Option<u64>, extra_keys: &[u8]) -> BlockHash {
+    pub fn root(
+        &self,
+        cache_salt: Option<&[u8]>,
+        lora_id: Option<u64>,
+        extra_keys: &[u8],
+    ) -> BlockHash {
         let mut h = blake3::Hasher::new_keyed(&self.key);
         h.update(ROOT_TAG);
         match cache_salt {
@@ -98,7 +104,9 @@ fn le_bytes(tokens: &[u32]) -> Cow<'_, [u8]> {
     // SAFETY: u32 has no padding bytes, so all `4 * len` bytes behind the pointer are
     // initialised; u8 needs no alignment; the slice borrows `tokens` for its lifetime. On a
     // little-endian target these bytes are exactly each token's `to_le_bytes()`.
-    Cow::Borrowed(unsafe { std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens)) })
+    Cow::Borrowed(unsafe {
+        std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens))
+    })
 }
 
 #[cfg(target_endian = "big")]
@@ -125,11 +133,20 @@ mod tests {
         assert_eq!(changed[0], base[0]);
         assert_ne!(changed[1], base[1]);
         // Salt, extra keys and key each isolate.
-        for root2 in [h.root(Some(b"a"), None, b""), h.root(Some(b""), None, b""), h.root(None, Some(0), b""), h.root(None, None, b"x")] {
+        for root2 in [
+            h.root(Some(b"a"), None, b""),
+            h.root(Some(b""), None, b""),
+            h.root(None, Some(0), b""),
+            h.root(None, None, b"x"),
+        ] {
             assert_ne!(root2, root);
             assert_ne!(h.chain(&root2, &tokens, 4)[0], base[0]);
         }
-        assert_ne!(h.root(Some(b"a"), None, b"b"), h.root(Some(b"ab"), None, b""), "lengths separate salt from extra keys");
+        assert_ne!(
+            h.root(Some(b"a"), None, b"b"),
+            h.root(Some(b"ab"), None, b""),
+            "lengths separate salt from extra keys"
+        );
         let h2 = BlockHasher::with_key([8; 32]);
         assert_ne!(h2.chain(&h2.root(None, None, b""), &tokens, 4), base);
         // A trailing partial block is not hashed.

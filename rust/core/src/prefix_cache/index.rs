@@ -132,7 +132,11 @@ impl CacheIndex {
     }
 
     pub fn stats(&self) -> PrefixCacheStats {
-        PrefixCacheStats { num_cached_blocks: self.map.len(), num_evictable_blocks: self.lru.len(), ..self.counters }
+        PrefixCacheStats {
+            num_cached_blocks: self.map.len(),
+            num_evictable_blocks: self.lru.len(),
+            ..self.counters
+        }
     }
 
     /// Map and hashes agree (every cached block is in the map once, under its own hash), the
@@ -141,19 +145,30 @@ impl CacheIndex {
         self.lru.check()?;
         for (hash, &id) in &self.map {
             if self.hash_of.get(id as usize).copied().flatten() != Some(*hash) {
-                return Err(format!("the map sends {hash:?} to block {id}, which does not hold it"));
+                return Err(format!(
+                    "the map sends {hash:?} to block {id}, which does not hold it"
+                ));
             }
         }
         let hashed = self.hash_of.iter().filter(|h| h.is_some()).count();
         if hashed != self.map.len() {
-            return Err(format!("{hashed} blocks hold a hash, the map has {} entries", self.map.len()));
+            return Err(format!(
+                "{hashed} blocks hold a hash, the map has {} entries",
+                self.map.len()
+            ));
         }
         for (id, hash) in self.hash_of.iter().enumerate() {
             let id = id as u32;
             let rc = ref_cnt(id);
             match (hash.is_some(), rc == 0, self.lru.contains(id)) {
-                (true, true, false) => return Err(format!("cached block {id} has ref_cnt 0 but is not evictable (lost)")),
-                (_, false, true) => return Err(format!("block {id} is evictable with ref_cnt {rc}")),
+                (true, true, false) => {
+                    return Err(format!(
+                        "cached block {id} has ref_cnt 0 but is not evictable (lost)"
+                    ))
+                }
+                (_, false, true) => {
+                    return Err(format!("block {id} is evictable with ref_cnt {rc}"))
+                }
                 (false, _, true) => return Err(format!("block {id} is evictable but not cached")),
                 _ => {}
             }

@@ -101,7 +101,11 @@ impl EvictableList {
     pub fn check(&self) -> Result<(), String> {
         let order: Vec<u32> = self.iter().collect();
         if order.len() != self.len {
-            return Err(format!("evictable list walks {} ids, its length is {}", order.len(), self.len));
+            return Err(format!(
+                "evictable list walks {} ids, its length is {}",
+                order.len(),
+                self.len
+            ));
         }
         if self.linked.iter().filter(|&&l| l).count() != self.len {
             return Err("evictable list: linked flags disagree with its length".into());

@@ -195,7 +195,11 @@ impl PrefixCache {
         let evictable = idx.num_evictable() - hits_evictable;
         if to_evict > evictable {
             refs.push_free(&fresh[..from_free]);
-            return Err(CoreError::OutOfBlocks { requested: fresh.len(), free: from_free + evictable, num_blocks: refs.num_blocks() });
+            return Err(CoreError::OutOfBlocks {
+                requested: fresh.len(),
+                free: from_free + evictable,
+                num_blocks: refs.num_blocks(),
+            });
         }
         // Commit: nothing below can fail. Hits first, so that no eviction takes one (and
         // host hits off the host tier, so that no spill drops one).
@@ -264,7 +268,10 @@ impl PrefixCache {
             evicted.push((id, hash));
             *slot = id;
         }
-        idx.events.push(KvEvent::BlockRemoved { block_hashes: evicted.iter().map(|&(_, h)| h).collect(), medium: Medium::Pool });
+        idx.events.push(KvEvent::BlockRemoved {
+            block_hashes: evicted.iter().map(|&(_, h)| h).collect(),
+            medium: Medium::Pool,
+        });
         if let Some(tier) = &self.spill {
             tier.spill(&evicted, &mut idx.events);
         }
@@ -276,17 +283,24 @@ impl PrefixCache {
     pub fn evict_above(&self, refs: &dyn BlockRefs, keep_below: usize) -> usize {
         let mut idx = self.lock();
         let num_blocks = refs.num_blocks();
-        let live_end = (0..num_blocks as u32).rev().find(|&id| refs.ref_cnt(id) > 0).map_or(0, |id| id as usize + 1);
+        let live_end = (0..num_blocks as u32)
+            .rev()
+            .find(|&id| refs.ref_cnt(id) > 0)
+            .map_or(0, |id| id as usize + 1);
         let above = live_end.max(keep_below);
         let ids: Vec<u32> = idx.evictable().filter(|&id| id as usize >= above).collect();
         if ids.is_empty() {
             return 0;
         }
-        let evicted: Vec<(u32, BlockHash)> = ids.iter().map(|&id| (id, idx.evict_block(id))).collect();
+        let evicted: Vec<(u32, BlockHash)> =
+            ids.iter().map(|&id| (id, idx.evict_block(id))).collect();
         for &id in &ids {
             self.cached[id as usize].store(false, Ordering::Release);
         }
-        idx.events.push(KvEvent::BlockRemoved { block_hashes: evicted.iter().map(|&(_, h)| h).collect(), medium: Medium::Pool });
+        idx.events.push(KvEvent::BlockRemoved {
+            block_hashes: evicted.iter().map(|&(_, h)| h).collect(),
+            medium: Medium::Pool,
+        });
         if let Some(tier) = &self.spill {
             tier.spill(&evicted, &mut idx.events);
         }
@@ -423,7 +437,11 @@ impl PrefixCache {
             }
         }
         if self.num_evictable() != idx.num_evictable() {
-            return Err(format!("num_evictable {} != {} on the list", self.num_evictable(), idx.num_evictable()));
+            return Err(format!(
+                "num_evictable {} != {} on the list",
+                self.num_evictable(),
+                idx.num_evictable()
+            ));
         }
         match &self.spill {
             Some(tier) => tier.check_invariants(),

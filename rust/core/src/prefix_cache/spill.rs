@@ -28,10 +28,24 @@ pub struct SpillTier {
 }
 
 impl SpillTier {
-    pub(crate) fn new(host: Pool, engine: Engine, device_base: u64, compute_stream: u64, block_size: usize) -> Self {
+    pub(crate) fn new(
+        host: Pool,
+        engine: Engine,
+        device_base: u64,
+        compute_stream: u64,
+        block_size: usize,
+    ) -> Self {
         let block_bytes = host.layout().block_bytes();
         let index = Mutex::new(CacheIndex::new(host.num_blocks()));
-        SpillTier { host: Box::new(host), engine, device_base, compute_stream, block_bytes, block_size, index }
+        SpillTier {
+            host: Box::new(host),
+            engine,
+            device_base,
+            compute_stream,
+            block_bytes,
+            block_size,
+            index,
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, CacheIndex> {
@@ -76,7 +90,9 @@ impl SpillTier {
         }
         let mut host_ids = vec![0u32; evicted.len()];
         let from_free = self.host.num_free().min(evicted.len());
-        self.host.alloc_into(&mut host_ids[..from_free]).expect("only the cache allocates host blocks");
+        self.host
+            .alloc_into(&mut host_ids[..from_free])
+            .expect("only the cache allocates host blocks");
         let mut dropped = Vec::new();
         for slot in &mut host_ids[from_free..] {
             let (id, hash) = idx.evict().expect("room counted the host LRU");
@@ -86,8 +102,16 @@ impl SpillTier {
         if !dropped.is_empty() {
             events.push(KvEvent::BlockRemoved { block_hashes: dropped, medium: Medium::HostTier });
         }
-        let runs: Vec<Run> = evicted.iter().zip(&host_ids).map(|(&(src, _), &dst)| Run { src, dst, num_blocks: 1 }).collect();
-        let ends = Endpoints { src_base: self.device_base, dst_base: self.host.base_ptr(), block_bytes: self.block_bytes };
+        let runs: Vec<Run> = evicted
+            .iter()
+            .zip(&host_ids)
+            .map(|(&(src, _), &dst)| Run { src, dst, num_blocks: 1 })
+            .collect();
+        let ends = Endpoints {
+            src_base: self.device_base,
+            dst_base: self.host.base_ptr(),
+            block_bytes: self.block_bytes,
+        };
         if self.copy(&runs, ends).is_err() {
             self.host.free_many(&host_ids).expect("host blocks just allocated");
             return;
@@ -135,8 +159,16 @@ impl SpillTier {
         if host_ids.is_empty() {
             return true;
         }
-        let runs: Vec<Run> = host_ids.iter().zip(device_ids).map(|(&src, &dst)| Run { src, dst, num_blocks: 1 }).collect();
-        let ends = Endpoints { src_base: self.host.base_ptr(), dst_base: self.device_base, block_bytes: self.block_bytes };
+        let runs: Vec<Run> = host_ids
+            .iter()
+            .zip(device_ids)
+            .map(|(&src, &dst)| Run { src, dst, num_blocks: 1 })
+            .collect();
+        let ends = Endpoints {
+            src_base: self.host.base_ptr(),
+            dst_base: self.device_base,
+            block_bytes: self.block_bytes,
+        };
         let copied = self.copy(&runs, ends).is_ok();
         self.host.free_many(host_ids).expect("taken host blocks are allocated");
         copied
@@ -171,7 +203,10 @@ impl SpillTier {
         self.host.check_invariants()?;
         let (free, cached) = (self.host.num_free(), idx.num_cached());
         if free + cached != self.host.num_blocks() {
-            return Err(format!("host tier: {free} free + {cached} cached != {} blocks", self.host.num_blocks()));
+            return Err(format!(
+                "host tier: {free} free + {cached} cached != {} blocks",
+                self.host.num_blocks()
+            ));
         }
         Ok(())
     }

@@ -115,7 +115,10 @@ fn hit_revive_and_share() {
     assert_eq!(cache.evictable_ids(), [first.fresh[2]]);
     cache.check_invariants(&refs).unwrap();
     let s = cache.stats();
-    assert_eq!((s.requests, s.queries, s.hits, s.num_cached_blocks, s.num_evictable_blocks), (3, 36, 16, 3, 1));
+    assert_eq!(
+        (s.requests, s.queries, s.hits, s.num_cached_blocks, s.num_evictable_blocks),
+        (3, 36, 16, 3, 1)
+    );
     let events = cache.drain_events();
     assert_eq!(events.len(), 1);
     match &events[0] {
@@ -147,7 +150,13 @@ fn eviction_when_free_list_runs_short_never_takes_a_hit() {
     let mut tail = a.fresh[2..].to_vec();
     tail.sort_unstable();
     assert_eq!(evicted, tail);
-    assert_eq!(cache.drain_events(), vec![KvEvent::BlockRemoved { block_hashes: vec![hashes[3], hashes[2]], medium: Medium::Pool }]);
+    assert_eq!(
+        cache.drain_events(),
+        vec![KvEvent::BlockRemoved {
+            block_hashes: vec![hashes[3], hashes[2]],
+            medium: Medium::Pool
+        }]
+    );
     cache.check_invariants(&refs).unwrap();
     assert_eq!(cache.stats().evictions, 2);
     // Nothing left: a failed call changes nothing.
@@ -210,7 +219,13 @@ fn setup_with_host_tier() -> (PrefixCache, FakeRefs, Vec<u8>, usize) {
     let block_bytes = layout.block_bytes();
     let device = vec![0u8; 4 * block_bytes];
     let host = Pool::new_host_tier(layout, PoolSize::NumBlocks(2), None).unwrap();
-    let tier = spill::SpillTier::new(host, crate::tier::engine::Engine::Host, device.as_ptr() as u64, 0, BS);
+    let tier = spill::SpillTier::new(
+        host,
+        crate::tier::engine::Engine::Host,
+        device.as_ptr() as u64,
+        0,
+        BS,
+    );
     let (mut cache, refs) = setup(4);
     cache.set_spill_tier(tier);
     (cache, refs, device, block_bytes)
@@ -233,9 +248,17 @@ fn evicted_blocks_spill_to_the_host_tier_and_come_back_on_a_hit() {
     let mut out = [0u32; 4];
     cache.alloc_evicting(&refs, &mut out).unwrap();
     let events = cache.drain_events();
-    assert_eq!(events[0], KvEvent::BlockRemoved { block_hashes: vec![hashes[2], hashes[1], hashes[0]], medium: Medium::Pool });
-    assert!(matches!(&events[1], KvEvent::BlockStored { block_hashes, token_ids, parent_block_hash: None, medium: Medium::HostTier, .. }
-        if block_hashes == &[hashes[1], hashes[0]] && token_ids.is_empty()));
+    assert_eq!(
+        events[0],
+        KvEvent::BlockRemoved {
+            block_hashes: vec![hashes[2], hashes[1], hashes[0]],
+            medium: Medium::Pool
+        }
+    );
+    assert!(
+        matches!(&events[1], KvEvent::BlockStored { block_hashes, token_ids, parent_block_hash: None, medium: Medium::HostTier, .. }
+        if block_hashes == &[hashes[1], hashes[0]] && token_ids.is_empty())
+    );
     assert_eq!(cache.spill_tier().unwrap().cached_hashes(), [hashes[1], hashes[0]]);
     device.fill(0xEE);
     refs.push_free(&out);
@@ -244,9 +267,15 @@ fn evicted_blocks_spill_to_the_host_tier_and_come_back_on_a_hit() {
     let b = cache.alloc_with_prefix(&refs, &hashes[..2], 3, 12).unwrap();
     assert_eq!((b.hits.len(), b.swapped_in), (0, 2));
     for (k, &blk) in b.fresh[..2].iter().enumerate() {
-        assert!(device[blk as usize * bb..][..bb].iter().all(|&x| x == 10 + k as u8), "block {k} came back");
+        assert!(
+            device[blk as usize * bb..][..bb].iter().all(|&x| x == 10 + k as u8),
+            "block {k} came back"
+        );
     }
     let s = cache.stats();
-    assert_eq!((s.hits, s.host_num_cached_blocks, s.host_stored_blocks, s.swapped_in_blocks), (8, 0, 2, 2));
+    assert_eq!(
+        (s.hits, s.host_num_cached_blocks, s.host_stored_blocks, s.swapped_in_blocks),
+        (8, 0, 2, 2)
+    );
     cache.check_invariants(&refs).unwrap();
 }

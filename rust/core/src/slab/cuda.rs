@@ -6,8 +6,8 @@ use crate::error::CoreError;
 
 pub fn memory_info(ordinal: usize) -> Result<MemoryInfo, CoreError> {
     let _ctx = driver::primary_context(ordinal)?;
-    let (free_bytes, total_bytes) =
-        cudarc::driver::result::mem_get_info().map_err(|e| driver::driver_error("cuMemGetInfo", e))?;
+    let (free_bytes, total_bytes) = cudarc::driver::result::mem_get_info()
+        .map_err(|e| driver::driver_error("cuMemGetInfo", e))?;
     Ok(MemoryInfo { free_bytes, total_bytes })
 }
 

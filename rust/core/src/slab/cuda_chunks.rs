@@ -38,7 +38,12 @@ fn check(what: &str, code: sys::CUresult) -> Result<(), CoreError> {
 }
 
 /// Out of memory is a refusal (`OutOfMemory`), anything else a driver error.
-fn check_alloc(what: &str, code: sys::CUresult, bytes: usize, ordinal: usize) -> Result<(), CoreError> {
+fn check_alloc(
+    what: &str,
+    code: sys::CUresult,
+    bytes: usize,
+    ordinal: usize,
+) -> Result<(), CoreError> {
     code.result().map_err(|e: DriverError| match e.0 {
         sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY => {
             CoreError::OutOfMemory { requested_bytes: bytes, device: format!("cuda:{ordinal}") }
@@ -48,7 +53,10 @@ fn check_alloc(what: &str, code: sys::CUresult, bytes: usize, ordinal: usize) ->
 }
 
 fn device_location(ctx: &CudaContext) -> sys::CUmemLocation {
-    sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ctx.cu_device() }
+    sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: ctx.cu_device(),
+    }
 }
 
 /// Pinned (non-migratable) device memory on the context's device, no exportable handle.
@@ -90,14 +98,18 @@ pub fn granularity(ordinal: usize) -> Result<usize, CoreError> {
 impl CudaChunks {
     /// Reserves room for `reserved_bytes` on device `ordinal`, in chunks of `chunk_bytes`
     /// rounded up to the granularity.
-    pub fn new(ordinal: usize, reserved_bytes: usize, chunk_bytes: usize) -> Result<Self, CoreError> {
+    pub fn new(
+        ordinal: usize,
+        reserved_bytes: usize,
+        chunk_bytes: usize,
+    ) -> Result<Self, CoreError> {
         let ctx = driver::primary_context(ordinal)?;
         let granule = granularity(ordinal)?;
         let chunk_bytes = chunk_bytes.max(1).div_ceil(granule) * granule;
         let num_chunks = reserved_bytes.max(1).div_ceil(chunk_bytes);
-        let len = num_chunks
-            .checked_mul(chunk_bytes)
-            .ok_or_else(|| CoreError::InvalidArgument(format!("a reservation of {reserved_bytes} bytes overflows")))?;
+        let len = num_chunks.checked_mul(chunk_bytes).ok_or_else(|| {
+            CoreError::InvalidArgument(format!("a reservation of {reserved_bytes} bytes overflows"))
+        })?;
         let mut base: sys::CUdeviceptr = 0;
         // SAFETY: `base` is a live local; alignment 0 and address 0 let the driver choose;
         // flags must be 0. The context is current (primary_context binds it).
@@ -136,7 +148,11 @@ impl CudaChunks {
 
     /// Unmaps and releases the top `count` chunks; stops at the first failure. A handle leaves
     /// the vector only once its chunk is unmapped, so the vector always mirrors the mapping.
-    fn release_top(&self, handles: &mut Vec<sys::CUmemGenericAllocationHandle>, count: usize) -> Result<(), CoreError> {
+    fn release_top(
+        &self,
+        handles: &mut Vec<sys::CUmemGenericAllocationHandle>,
+        count: usize,
+    ) -> Result<(), CoreError> {
         for _ in 0..count {
             let Some(&handle) = handles.last() else { break };
             let ptr = self.chunk_ptr(handles.len() - 1);
@@ -175,7 +191,10 @@ impl ChunkBackend for CudaChunks {
             return Ok(());
         }
         if first + count > self.num_chunks {
-            return Err(CoreError::Cuda(format!("chunks {first}..{} lie outside the reservation", first + count)));
+            return Err(CoreError::Cuda(format!(
+                "chunks {first}..{} lie outside the reservation",
+                first + count
+            )));
         }
         driver::bind(&self.ctx)?;
         let mut handles = self.handles();
@@ -196,7 +215,9 @@ impl ChunkBackend for CudaChunks {
             };
             // SAFETY: the range is exactly the chunks mapped above (contiguous, all mapped);
             // `desc` is a live local and the count is 1.
-            let code = unsafe { sys::cuMemSetAccess(self.chunk_ptr(first), count * self.chunk_bytes, &desc, 1) };
+            let code = unsafe {
+                sys::cuMemSetAccess(self.chunk_ptr(first), count * self.chunk_bytes, &desc, 1)
+            };
             check("cuMemSetAccess", code)
         });
         if let Err(e) = access {

@@ -149,7 +149,8 @@ impl ResizeGuard<'_> {
                 // Count exactly what is still mapped: counting too few would make the next
                 // `map_to` map over live chunks, counting too many would let blocks live on
                 // memory that is gone.
-                let still = self.slab.backend.mapped_chunks().unwrap_or(mapped).clamp(chunks, mapped);
+                let still =
+                    self.slab.backend.mapped_chunks().unwrap_or(mapped).clamp(chunks, mapped);
                 self.set(still);
                 Err(e)
             }

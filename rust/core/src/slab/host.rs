@@ -31,10 +31,13 @@ unsafe impl Sync for HostSlab {}
 
 impl HostSlab {
     pub fn new(len_bytes: usize) -> Result<Self, CoreError> {
-        let out_of_memory = || CoreError::OutOfMemory { requested_bytes: len_bytes, device: "host".into() };
+        let out_of_memory =
+            || CoreError::OutOfMemory { requested_bytes: len_bytes, device: "host".into() };
         let padded = len_bytes.checked_add(BLOCK_ALIGN_BYTES).ok_or_else(out_of_memory)?;
-        let layout = Layout::from_size_align(padded, std::mem::align_of::<u128>())
-            .map_err(|e| CoreError::InvalidArgument(format!("host slab of {len_bytes} bytes: {e}")))?;
+        let layout =
+            Layout::from_size_align(padded, std::mem::align_of::<u128>()).map_err(|e| {
+                CoreError::InvalidArgument(format!("host slab of {len_bytes} bytes: {e}"))
+            })?;
         // SAFETY: `layout` has a non-zero size (at least BLOCK_ALIGN_BYTES).
         let raw = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or_else(out_of_memory)?;
         let offset = raw.as_ptr().align_offset(BLOCK_ALIGN_BYTES);

@@ -52,9 +52,9 @@ impl HostChunks {
         let page = page_bytes();
         let chunk_bytes = chunk_bytes.max(1).div_ceil(page) * page;
         let num_chunks = reserved_bytes.max(1).div_ceil(chunk_bytes);
-        let len = num_chunks
-            .checked_mul(chunk_bytes)
-            .ok_or_else(|| CoreError::InvalidArgument(format!("a reservation of {reserved_bytes} bytes overflows")))?;
+        let len = num_chunks.checked_mul(chunk_bytes).ok_or_else(|| {
+            CoreError::InvalidArgument(format!("a reservation of {reserved_bytes} bytes overflows"))
+        })?;
         // SAFETY: a fresh anonymous mapping at an address of the kernel's choosing: it cannot
         // alias anything; the result is checked against MAP_FAILED below.
         let ptr = unsafe {
@@ -74,7 +74,11 @@ impl HostChunks {
     }
 
     fn range(&self, first: usize, count: usize) -> (*mut libc::c_void, usize) {
-        assert!(first + count <= self.num_chunks, "chunks {first}..{} outside the reservation", first + count);
+        assert!(
+            first + count <= self.num_chunks,
+            "chunks {first}..{} outside the reservation",
+            first + count
+        );
         ((self.base + first * self.chunk_bytes) as *mut libc::c_void, count * self.chunk_bytes)
     }
 }

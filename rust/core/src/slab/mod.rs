@@ -9,10 +9,10 @@ pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod cuda_chunks;
 pub mod growable;
-#[cfg(feature = "cuda")]
-pub mod pinned;
 #[cfg(unix)]
 pub mod host_chunks;
+#[cfg(feature = "cuda")]
+pub mod pinned;
 
 pub use growable::{ChunkBackend, GrowableSlab, ResizeGuard};
 
@@ -101,7 +101,9 @@ pub fn allocate(device: Device, len_bytes: usize) -> Result<Box<dyn Slab>, CoreE
         #[cfg(feature = "cuda")]
         Device::Cuda(ordinal) => Ok(Box::new(cuda::CudaSlab::new(ordinal, len_bytes)?)),
         #[cfg(not(feature = "cuda"))]
-        Device::Cuda(_) => Err(CoreError::CudaUnavailable("kvpool was built without the cuda feature".into())),
+        Device::Cuda(_) => {
+            Err(CoreError::CudaUnavailable("kvpool was built without the cuda feature".into()))
+        }
     }
 }
 
@@ -112,7 +114,9 @@ pub fn device_memory_info(device: Device) -> Result<Option<MemoryInfo>, CoreErro
         #[cfg(feature = "cuda")]
         Device::Cuda(ordinal) => cuda::memory_info(ordinal).map(Some),
         #[cfg(not(feature = "cuda"))]
-        Device::Cuda(_) => Err(CoreError::CudaUnavailable("kvpool was built without the cuda feature".into())),
+        Device::Cuda(_) => {
+            Err(CoreError::CudaUnavailable("kvpool was built without the cuda feature".into()))
+        }
     }
 }
 
@@ -120,7 +124,11 @@ pub fn device_memory_info(device: Device) -> Result<Option<MemoryInfo>, CoreErro
 /// (rounded up to the page size or driver granularity; `None`: 2 MiB on the host,
 /// `DEFAULT_CUDA_CHUNK_BYTES` or the whole reservation if smaller on CUDA). Nothing is
 /// mapped yet.
-pub fn reserve_growable(device: Device, reserved_bytes: usize, chunk_bytes: Option<usize>) -> Result<GrowableSlab, CoreError> {
+pub fn reserve_growable(
+    device: Device,
+    reserved_bytes: usize,
+    chunk_bytes: Option<usize>,
+) -> Result<GrowableSlab, CoreError> {
     let backend: Box<dyn ChunkBackend> = match device {
         #[cfg(unix)]
         Device::Host => Box::new(host_chunks::HostChunks::new(
@@ -139,7 +147,11 @@ pub fn reserve_growable(device: Device, reserved_bytes: usize, chunk_bytes: Opti
             chunk_bytes.unwrap_or(DEFAULT_CUDA_CHUNK_BYTES.min(reserved_bytes)),
         )?),
         #[cfg(not(feature = "cuda"))]
-        Device::Cuda(_) => return Err(CoreError::CudaUnavailable("kvpool was built without the cuda feature".into())),
+        Device::Cuda(_) => {
+            return Err(CoreError::CudaUnavailable(
+                "kvpool was built without the cuda feature".into(),
+            ))
+        }
     };
     Ok(GrowableSlab::new(backend))
 }

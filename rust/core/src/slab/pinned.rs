@@ -35,9 +35,10 @@ impl PinnedSlab {
         // SAFETY: a context is current on this thread (bound by `primary_context`); flags 0
         // ask for plain pinned memory, mapped into the device's address space under UVA.
         let ptr = unsafe { result::malloc_host(len_bytes.max(1), 0) }.map_err(|e| match e.0 {
-            sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY => {
-                CoreError::OutOfMemory { requested_bytes: len_bytes, device: "pinned host memory".into() }
-            }
+            sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY => CoreError::OutOfMemory {
+                requested_bytes: len_bytes,
+                device: "pinned host memory".into(),
+            },
             _ => driver_error("cuMemHostAlloc (pinned host memory)", e),
         })?;
         Ok(PinnedSlab { ctx, ptr, len_bytes })

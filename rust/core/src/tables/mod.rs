@@ -121,7 +121,11 @@ pub struct HostBatch {
 }
 
 impl BlockTables {
-    pub fn new(pool: Arc<Pool>, max_seqs: usize, max_blocks_per_seq: usize) -> Result<Arc<Self>, CoreError> {
+    pub fn new(
+        pool: Arc<Pool>,
+        max_seqs: usize,
+        max_blocks_per_seq: usize,
+    ) -> Result<Arc<Self>, CoreError> {
         if max_seqs == 0 || max_blocks_per_seq == 0 {
             return Err(CoreError::InvalidArgument(format!(
                 "max_seqs and max_blocks_per_seq must be positive, got {max_seqs} and {max_blocks_per_seq}"
@@ -130,9 +134,14 @@ impl BlockTables {
         let entries = max_seqs
             .checked_mul(max_blocks_per_seq)
             .filter(|&e| e <= i32::MAX as usize)
-            .ok_or_else(|| CoreError::InvalidArgument(format!("a {max_seqs} x {max_blocks_per_seq} table is too large")))?;
+            .ok_or_else(|| {
+                CoreError::InvalidArgument(format!(
+                    "a {max_seqs} x {max_blocks_per_seq} table is too large"
+                ))
+            })?;
         // Sized from the caller's numbers: a failed allocation must be an error, not an abort.
-        let out_of_memory = |_| CoreError::OutOfMemory { requested_bytes: entries * 4, device: "host".into() };
+        let out_of_memory =
+            |_| CoreError::OutOfMemory { requested_bytes: entries * 4, device: "host".into() };
         let mut table = Vec::new();
         table.try_reserve_exact(entries).map_err(out_of_memory)?;
         table.resize(entries, NULL_BLOCK);
@@ -197,7 +206,11 @@ impl BlockTables {
 
     /// Blocks that `num_tokens` tokens of `request_id` need, if they fit a row (and the token
     /// count fits the kernels' int32 seq_lens).
-    pub(crate) fn check_blocks_fit(&self, request_id: u64, num_tokens: usize) -> Result<usize, CoreError> {
+    pub(crate) fn check_blocks_fit(
+        &self,
+        request_id: u64,
+        num_tokens: usize,
+    ) -> Result<usize, CoreError> {
         if num_tokens > i32::MAX as usize {
             return Err(CoreError::CapacityExceeded {
                 what: format!("tokens of request {request_id}"),
@@ -216,7 +229,11 @@ impl BlockTables {
         Ok(needed)
     }
 
-    pub(crate) fn check_row_free(&self, st: &TablesState, request_id: u64) -> Result<(), CoreError> {
+    pub(crate) fn check_row_free(
+        &self,
+        st: &TablesState,
+        request_id: u64,
+    ) -> Result<(), CoreError> {
         if st.rows.len() == self.max_seqs {
             return Err(CoreError::CapacityExceeded {
                 what: format!("sequences (max_seqs) when adding request {request_id}"),
@@ -244,7 +261,13 @@ impl BlockTables {
     }
 
     /// Commits a new row holding `ids`; returns its index.
-    fn push_row(&self, st: &mut TablesState, request_id: u64, num_tokens: usize, ids: &[u32]) -> usize {
+    fn push_row(
+        &self,
+        st: &mut TablesState,
+        request_id: u64,
+        num_tokens: usize,
+        ids: &[u32],
+    ) -> usize {
         let row = st.rows.len();
         st.rows.push(Row { request_id, num_tokens });
         st.hashes.push(None);
@@ -265,7 +288,11 @@ impl BlockTables {
     /// Appends `counts[i]` tokens to `request_ids[i]` for every i, or to none of them.
     /// A request whose partly filled last block is shared (after a fork) gets a fresh copy
     /// of it first: the returned copies must run before the new tokens are written.
-    pub fn append_tokens_many(&self, request_ids: &[u64], counts: &[usize]) -> Result<AppendResult, CoreError> {
+    pub fn append_tokens_many(
+        &self,
+        request_ids: &[u64],
+        counts: &[usize],
+    ) -> Result<AppendResult, CoreError> {
         self.append_tokens_many_with_ids(request_ids, counts, None)
     }
 
@@ -309,11 +336,14 @@ impl BlockTables {
         for (&request_id, &count) in request_ids.iter().zip(counts) {
             let row = st.row(request_id)?;
             if std::mem::replace(&mut in_call[row], true) {
-                return Err(CoreError::InvalidArgument(format!("request id {request_id} appears twice in one call")));
+                return Err(CoreError::InvalidArgument(format!(
+                    "request id {request_id} appears twice in one call"
+                )));
             }
             let num_tokens = st.rows[row].num_tokens;
             let old_blocks = blocks_for(num_tokens, block_size);
-            let new_blocks = self.check_blocks_fit(request_id, num_tokens.saturating_add(count))? - old_blocks;
+            let new_blocks =
+                self.check_blocks_fit(request_id, num_tokens.saturating_add(count))? - old_blocks;
             let mut copy_last = false;
             if count > 0 && num_tokens % block_size != 0 {
                 let last = st.table[row * self.max_blocks_per_seq + old_blocks - 1] as u32;
@@ -370,7 +400,12 @@ impl BlockTables {
             let _ = pool.free_many_for(&[src], Owner::Tables);
         }
         if let Some(cache) = self.pool.prefix_cache() {
-            self.hash_appended(&mut st, cache, plan.iter().map(|&(row, count, ..)| (row, count)), token_ids);
+            self.hash_appended(
+                &mut st,
+                cache,
+                plan.iter().map(|&(row, count, ..)| (row, count)),
+                token_ids,
+            );
         }
         Ok(result)
     }
@@ -411,14 +446,25 @@ impl BlockTables {
     }
 
     /// The number of tokens and the blocks of `request_id`, if it has a row.
-    pub(crate) fn row_of_request(&self, st: &TablesState, request_id: u64) -> Option<(usize, Vec<u32>)> {
+    pub(crate) fn row_of_request(
+        &self,
+        st: &TablesState,
+        request_id: u64,
+    ) -> Option<(usize, Vec<u32>)> {
         let row = *st.row_of.get(&request_id)?;
-        Some((st.rows[row].num_tokens, self.row_blocks(st, row).iter().map(|&b| b as u32).collect()))
+        Some((
+            st.rows[row].num_tokens,
+            self.row_blocks(st, row).iter().map(|&b| b as u32).collect(),
+        ))
     }
 
     /// Removes `request_id`'s row and hands its block references to the caller (a host tier
     /// moving the request off the device), who frees them later. `None` if it has no row.
-    pub(crate) fn take_row(&self, st: &mut TablesState, request_id: u64) -> Option<(usize, Vec<u32>)> {
+    pub(crate) fn take_row(
+        &self,
+        st: &mut TablesState,
+        request_id: u64,
+    ) -> Option<(usize, Vec<u32>)> {
         let taken = self.row_of_request(st, request_id)?;
         let row = st.row_of[&request_id];
         self.remove_row(st, row);
@@ -437,7 +483,13 @@ impl BlockTables {
     ///
     /// [`check_row_free`]: Self::check_row_free
     /// [`check_blocks_fit`]: Self::check_blocks_fit
-    pub(crate) fn insert_row(&self, st: &mut TablesState, request_id: u64, num_tokens: usize, blocks: &[u32]) {
+    pub(crate) fn insert_row(
+        &self,
+        st: &mut TablesState,
+        request_id: u64,
+        num_tokens: usize,
+        blocks: &[u32],
+    ) {
         debug_assert!(!st.row_of.contains_key(&request_id) && st.rows.len() < self.max_seqs);
         debug_assert_eq!(blocks.len(), blocks_for(num_tokens, self.block_size()));
         st.swapped_out.remove(&request_id);
@@ -586,13 +638,24 @@ impl BlockTables {
     /// # Safety
     /// `stream`, when given, must be a live CUDA stream handle.
     #[cfg(feature = "cuda")]
-    pub unsafe fn sync_mirror_on(&self, mirror: &Pool, stream: Option<u64>) -> Result<upload::DeviceBatch, CoreError> {
-        if mirror.num_blocks() != self.pool.num_blocks() || mirror.is_growable() || self.pool.is_growable() {
+    pub unsafe fn sync_mirror_on(
+        &self,
+        mirror: &Pool,
+        stream: Option<u64>,
+    ) -> Result<upload::DeviceBatch, CoreError> {
+        if mirror.num_blocks() != self.pool.num_blocks()
+            || mirror.is_growable()
+            || self.pool.is_growable()
+        {
             return Err(CoreError::InvalidArgument(format!(
                 "a mirror pool must be fixed and hold the tables' pool's {} blocks, it holds {}{}",
                 self.pool.num_blocks(),
                 mirror.num_blocks(),
-                if mirror.is_growable() || self.pool.is_growable() { " (growable pools cannot be mirrored)" } else { "" }
+                if mirror.is_growable() || self.pool.is_growable() {
+                    " (growable pools cannot be mirrored)"
+                } else {
+                    ""
+                }
             )));
         }
         let device_context = mirror.device_context().ok_or_else(not_cuda)?;
@@ -607,9 +670,15 @@ impl BlockTables {
     /// # Safety
     /// `stream` must be a live CUDA stream handle.
     #[cfg(feature = "cuda")]
-    unsafe fn sync_in(&self, ctx: &std::sync::Arc<cudarc::driver::CudaContext>, stream: u64) -> Result<upload::DeviceBatch, CoreError> {
+    unsafe fn sync_in(
+        &self,
+        ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+        stream: u64,
+    ) -> Result<upload::DeviceBatch, CoreError> {
         // SAFETY: the caller guarantees `stream` is a live stream handle.
-        unsafe { crate::driver::check_stream_context(ctx, stream as cudarc::driver::sys::CUstream) }?;
+        unsafe {
+            crate::driver::check_stream_context(ctx, stream as cudarc::driver::sys::CUstream)
+        }?;
         let st = self.lock();
         let mut uploaders = self.uploaders.lock().unwrap_or_else(|p| p.into_inner());
         let index = match uploaders.iter().position(|u| u.ordinal() == ctx.ordinal()) {
@@ -631,7 +700,14 @@ impl BlockTables {
         &mut st.table[row * self.max_blocks_per_seq..][..self.max_blocks_per_seq]
     }
     /// Appends the slots of token positions `from..to` of `row` (slot = block_id * block_size + offset).
-    fn extend_slots(&self, out: &mut Vec<i64>, st: &TablesState, row: usize, from: usize, to: usize) {
+    fn extend_slots(
+        &self,
+        out: &mut Vec<i64>,
+        st: &TablesState,
+        row: usize,
+        from: usize,
+        to: usize,
+    ) {
         let bs = self.block_size();
         let entries = &st.table[row * self.max_blocks_per_seq..];
         out.extend((from..to).map(|p| entries[p / bs] as i64 * bs as i64 + (p % bs) as i64));
@@ -659,10 +735,15 @@ impl BlockTables {
         for (&b, &refs) in &held {
             let rc = self.pool.ref_cnt(b).map_err(|e| e.to_string())?;
             if refs > rc {
-                return Err(format!("block {b}: the tables hold {refs} references, its ref_cnt is {rc}"));
+                return Err(format!(
+                    "block {b}: the tables hold {refs} references, its ref_cnt is {rc}"
+                ));
             }
             if self.pool.owner(b) != Owner::Tables {
-                return Err(format!("block {b} is held by the tables but tagged {:?}", self.pool.owner(b)));
+                return Err(format!(
+                    "block {b} is held by the tables but tagged {:?}",
+                    self.pool.owner(b)
+                ));
             }
         }
         Ok(())
@@ -684,7 +765,9 @@ impl BlockTables {
             }
             let n = blocks_for(r.num_tokens, self.block_size());
             let entries = &st.table[row * width..(row + 1) * width];
-            if let Some(bad) = entries[..n].iter().find(|&&b| b < 0 || b as usize >= self.pool.num_blocks()) {
+            if let Some(bad) =
+                entries[..n].iter().find(|&&b| b < 0 || b as usize >= self.pool.num_blocks())
+            {
                 return Err(format!("request {} holds invalid block {bad}", r.request_id));
             }
             if entries[n..].iter().any(|&b| b != NULL_BLOCK) {
@@ -721,9 +804,11 @@ impl TablesState {
     fn row(&self, request_id: u64) -> Result<usize, CoreError> {
         match self.row_of.get(&request_id) {
             Some(&row) => Ok(row),
-            None if self.swapped_out.contains(&request_id) => {
-                Err(CoreError::WrongTier { request_id, tier: "host", operation: "use in the block tables" })
-            }
+            None if self.swapped_out.contains(&request_id) => Err(CoreError::WrongTier {
+                request_id,
+                tier: "host",
+                operation: "use in the block tables",
+            }),
             None => Err(CoreError::UnknownRequest { request_id }),
         }
     }

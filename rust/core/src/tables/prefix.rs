@@ -47,7 +47,12 @@ impl BlockTables {
     /// Adds a request with its prompt's token ids. With prefix caching on the pool, the
     /// request starts from the cached blocks of its longest cached prefix and its other full
     /// blocks are cached; without, this is `add` with ids (later blocks are not hashed).
-    pub fn add_request(&self, request_id: u64, token_ids: &[u32], key: &PromptKey<'_>) -> Result<AddResult, CoreError> {
+    pub fn add_request(
+        &self,
+        request_id: u64,
+        token_ids: &[u32],
+        key: &PromptKey<'_>,
+    ) -> Result<AddResult, CoreError> {
         let num_tokens = token_ids.len();
         let Some(cache) = self.pool.prefix_cache() else {
             let slot_mapping = self.add(request_id, num_tokens)?;
@@ -63,7 +68,8 @@ impl BlockTables {
         let root = cache.hasher().root(key.cache_salt, key.lora_id, key.extra_keys);
         let hashes = cache.hasher().chain(&root, token_ids, bs);
         let max_hits = (num_tokens.saturating_sub(1) / bs).min(hashes.len());
-        let alloc = self.pool.alloc_with_prefix(cache, &hashes[..max_hits], num_blocks, num_tokens)?;
+        let alloc =
+            self.pool.alloc_with_prefix(cache, &hashes[..max_hits], num_blocks, num_tokens)?;
 
         // Commit: nothing below can fail. Blocks swapped in from the host tier count as hits
         // (their KV is there) and are cached again like the fresh ones.
@@ -83,7 +89,8 @@ impl BlockTables {
         cache.store(&filled, token_ids);
         let tail = &token_ids[hashes.len() * bs..];
         st.pending_tokens[row * bs..][..tail.len()].copy_from_slice(tail);
-        st.hashes[row] = Some(RowHashes { root, last: hashes.last().copied(), lora_id: key.lora_id });
+        st.hashes[row] =
+            Some(RowHashes { root, last: hashes.last().copied(), lora_id: key.lora_id });
         let mut slot_mapping = Vec::with_capacity(num_tokens - num_cached * bs);
         self.extend_slots(&mut slot_mapping, &st, row, num_cached * bs, num_tokens);
         Ok(AddResult { num_cached_tokens: num_cached * bs, slot_mapping })
@@ -134,7 +141,13 @@ impl BlockTables {
                 let hash = cache.hasher().block(&parent.unwrap_or(h.root), pending);
                 h.last = Some(hash);
                 let block_id = st.table[row * width + pos / bs - 1] as u32;
-                filled.push(FilledBlock { block_id, hash, parent, tokens_at: filled_tokens.len(), lora_id: h.lora_id });
+                filled.push(FilledBlock {
+                    block_id,
+                    hash,
+                    parent,
+                    tokens_at: filled_tokens.len(),
+                    lora_id: h.lora_id,
+                });
                 filled_tokens.extend_from_slice(pending);
             }
         }
@@ -152,7 +165,10 @@ impl BlockTables {
         for (r, h) in st.rows.iter().zip(&st.hashes) {
             let Some(h) = h else { continue };
             if h.last.is_some() != (r.num_tokens >= bs) {
-                return Err(format!("request {}: last hash {:?} for {} tokens", r.request_id, h.last, r.num_tokens));
+                return Err(format!(
+                    "request {}: last hash {:?} for {} tokens",
+                    r.request_id, h.last, r.num_tokens
+                ));
             }
         }
         Ok(())

@@ -90,7 +90,11 @@ impl Uploader {
     ///
     /// # Safety
     /// `stream` must be a live stream of this uploader's context.
-    pub unsafe fn sync(&mut self, st: &TablesState, stream: sys::CUstream) -> Result<DeviceBatch, CoreError> {
+    pub unsafe fn sync(
+        &mut self,
+        st: &TablesState,
+        stream: sys::CUstream,
+    ) -> Result<DeviceBatch, CoreError> {
         driver::bind(&self.ctx)?;
         let num_rows = st.num_rows();
         let (max_seqs, width) = (self.max_seqs, self.width);
@@ -112,12 +116,14 @@ impl Uploader {
         // bounding-range copy never uploads stale rows.
         for row in 0..max_seqs {
             if staging.staged_version[row] != st.row_version[row] {
-                table[row * width..(row + 1) * width].copy_from_slice(&st.table[row * width..(row + 1) * width]);
+                table[row * width..(row + 1) * width]
+                    .copy_from_slice(&st.table[row * width..(row + 1) * width]);
                 staging.staged_version[row] = st.row_version[row];
             }
         }
 
-        let dirty: Vec<usize> = (0..max_seqs).filter(|&r| self.uploaded_version[r] != st.row_version[r]).collect();
+        let dirty: Vec<usize> =
+            (0..max_seqs).filter(|&r| self.uploaded_version[r] != st.row_version[r]).collect();
         let runs = row_runs(&dirty);
         let runs = if runs.len() > MAX_COPIES_PER_SYNC {
             vec![(runs[0].0, runs[runs.len() - 1].1)]
@@ -141,7 +147,9 @@ impl Uploader {
                 .map_err(|e| driver::driver_error("cuMemcpyHtoDAsync", e))
         };
         let copied = std::iter::once((0, 4 * num_rows))
-            .chain(runs.iter().map(|&(first, last)| (table_offset + 4 * first * width, 4 * (last + 1 - first) * width)))
+            .chain(runs.iter().map(|&(first, last)| {
+                (table_offset + 4 * first * width, 4 * (last + 1 - first) * width)
+            }))
             .try_for_each(|(offset, bytes)| copy(offset, bytes));
         // Record the event and flip buffers even when a copy failed: copies queued before the
         // failure still read this buffer, and the next sync must not rewrite it under them.

@@ -56,11 +56,14 @@ impl CudaEngine {
         driver::bind(ctx)?;
         let mut version = 0i32;
         // SAFETY: `version` is a valid out-pointer; the driver is initialised (context bound).
-        unsafe { sys::cuDriverGetVersion(&mut version) }.result().map_err(|e| driver_error("cuDriverGetVersion", e))?;
+        unsafe { sys::cuDriverGetVersion(&mut version) }
+            .result()
+            .map_err(|e| driver_error("cuDriverGetVersion", e))?;
         // cudarc panics on a call into a missing symbol: look it up first.
         // SAFETY: the driver library is loaded (a context is bound); looking a symbol up calls
         // nothing.
-        let has_symbol = unsafe { sys::culib().get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync\0") }.is_ok();
+        let has_symbol =
+            unsafe { sys::culib().get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync\0") }.is_ok();
         let has_batch = version >= BATCH_DRIVER_VERSION && has_symbol;
         if method == CopyMethod::Batch && !has_batch {
             return Err(CoreError::InvalidArgument(format!(
@@ -78,7 +81,12 @@ impl CudaEngine {
     ///
     /// # Safety
     /// As `Engine::copy`.
-    pub unsafe fn copy(&self, runs: &[Run], ends: Endpoints, compute_stream: u64) -> Result<Done, CoreError> {
+    pub unsafe fn copy(
+        &self,
+        runs: &[Run],
+        ends: Endpoints,
+        compute_stream: u64,
+    ) -> Result<Done, CoreError> {
         driver::bind(&self.ctx)?;
         let copy_stream = self.stream.raw();
         let mut after_compute = Event::new(&self.ctx)?;
@@ -149,7 +157,9 @@ impl CudaEngine {
                 )
             }
             .result()
-            .map_err(|e: DriverError| driver_error(&format!("cuMemcpyBatchAsync (failed at copy {fail_index})"), e))
+            .map_err(|e: DriverError| {
+                driver_error(&format!("cuMemcpyBatchAsync (failed at copy {fail_index})"), e)
+            })
         } else {
             for run in runs {
                 let (src, dst, bytes) = span(run);

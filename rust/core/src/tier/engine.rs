@@ -68,7 +68,12 @@ impl Engine {
     /// Every run lies inside both pools' slabs; the source blocks stay allocated and the
     /// destination blocks reserved for this copy until the returned `Done` completes;
     /// `compute_stream` is a live stream of the engine's context (CUDA).
-    pub unsafe fn copy(&self, runs: &[Run], ends: Endpoints, compute_stream: u64) -> Result<Done, CoreError> {
+    pub unsafe fn copy(
+        &self,
+        runs: &[Run],
+        ends: Endpoints,
+        compute_stream: u64,
+    ) -> Result<Done, CoreError> {
         match self {
             Engine::Host => {
                 let _ = compute_stream;
@@ -78,7 +83,9 @@ impl Engine {
                     let dst = ends.dst_base as usize + run.dst as usize * ends.block_bytes;
                     // SAFETY: the caller guarantees both ranges lie in their slabs; the slabs
                     // are two distinct allocations, so the ranges do not overlap.
-                    unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes)
+                    };
                 }
                 Ok(Done::complete())
             }

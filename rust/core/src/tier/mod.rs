@@ -16,10 +16,10 @@
 //! - `plan.rs`: which destination each source block gets, and the runs one copy each moves.
 //! - `engine.rs`: memcpy (host pools) or the CUDA engine (`cuda.rs`: copy stream, events).
 
-pub(crate) mod engine;
-mod plan;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub(crate) mod engine;
+mod plan;
 
 #[cfg(feature = "cuda")]
 pub use cuda::CopyMethod;
@@ -100,12 +100,19 @@ impl HostTier {
     /// A host tier of `size` for the requests of `tables`: pinned memory for a CUDA device
     /// pool (copies on a copy stream, queued with `method`), plain host memory for a host pool.
     #[cfg(feature = "cuda")]
-    pub fn new(tables: Arc<BlockTables>, size: PoolSize, method: CopyMethod) -> Result<Self, CoreError> {
+    pub fn new(
+        tables: Arc<BlockTables>,
+        size: PoolSize,
+        method: CopyMethod,
+    ) -> Result<Self, CoreError> {
         let device_pool = tables.pool().clone();
         let (pinned_for, engine) = match device_pool.device() {
             Device::Host => (None, Engine::Host),
             Device::Cuda(ordinal) => {
-                let ctx = device_pool.device_context().expect("a CUDA pool has a device context").context();
+                let ctx = device_pool
+                    .device_context()
+                    .expect("a CUDA pool has a device context")
+                    .context();
                 (Some(ordinal), Engine::Cuda(engine::CudaEngine::new(ctx, method)?))
             }
         };
@@ -117,7 +124,9 @@ impl HostTier {
     #[cfg(not(feature = "cuda"))]
     pub fn new(tables: Arc<BlockTables>, size: PoolSize) -> Result<Self, CoreError> {
         if tables.pool().device() != Device::Host {
-            return Err(CoreError::CudaUnavailable("kvpool was built without the cuda feature".into()));
+            return Err(CoreError::CudaUnavailable(
+                "kvpool was built without the cuda feature".into(),
+            ));
         }
         let host_pool = Arc::new(Pool::new_host_tier(*tables.pool().layout(), size, None)?);
         Ok(Self::assemble(tables, host_pool, Engine::Host))
@@ -152,14 +161,28 @@ impl HostTier {
     fn compute_stream(&self, stream: Option<u64>) -> Result<u64, CoreError> {
         match (&self.engine, stream) {
             (Engine::Host, None) => Ok(0),
-            (Engine::Host, Some(_)) => Err(CoreError::InvalidArgument("a stream was given, but the pool is on the host".into())),
+            (Engine::Host, Some(_)) => Err(CoreError::InvalidArgument(
+                "a stream was given, but the pool is on the host".into(),
+            )),
             #[cfg(feature = "cuda")]
-            (Engine::Cuda(_), None) => Ok(self.tables.pool().stream_handle().expect("a CUDA pool has a stream")),
+            (Engine::Cuda(_), None) => {
+                Ok(self.tables.pool().stream_handle().expect("a CUDA pool has a stream"))
+            }
             #[cfg(feature = "cuda")]
             (Engine::Cuda(_), Some(handle)) => {
-                let ctx = self.tables.pool().device_context().expect("a CUDA pool has a device context").context();
+                let ctx = self
+                    .tables
+                    .pool()
+                    .device_context()
+                    .expect("a CUDA pool has a device context")
+                    .context();
                 // SAFETY: the caller of the public API guarantees the handle is a live stream.
-                unsafe { crate::driver::check_stream_context(ctx, handle as cudarc::driver::sys::CUstream) }?;
+                unsafe {
+                    crate::driver::check_stream_context(
+                        ctx,
+                        handle as cudarc::driver::sys::CUstream,
+                    )
+                }?;
                 Ok(handle)
             }
         }
@@ -171,7 +194,11 @@ impl HostTier {
     /// # Safety
     /// `stream`, if given, is a live CUDA stream (the pool's context is checked here): the
     /// copies run after the work queued on it so far.
-    pub unsafe fn swap_out(&self, request_ids: &[u64], stream: Option<u64>) -> Result<SwapStats, CoreError> {
+    pub unsafe fn swap_out(
+        &self,
+        request_ids: &[u64],
+        stream: Option<u64>,
+    ) -> Result<SwapStats, CoreError> {
         let compute = self.compute_stream(stream)?;
         let mut ts = lock(&self.state);
         self.release_completed(&mut ts)?;
@@ -180,16 +207,24 @@ impl HostTier {
         let mut moving = Vec::with_capacity(request_ids.len());
         for &request_id in request_ids {
             if ts.swapped.contains_key(&request_id) {
-                return Err(CoreError::WrongTier { request_id, tier: Tier::Host.name(), operation: "swap out" });
+                return Err(CoreError::WrongTier {
+                    request_id,
+                    tier: Tier::Host.name(),
+                    operation: "swap out",
+                });
             }
-            let (num_tokens, blocks) =
-                self.tables.row_of_request(&st, request_id).ok_or(CoreError::UnknownRequest { request_id })?;
+            let (num_tokens, blocks) = self
+                .tables
+                .row_of_request(&st, request_id)
+                .ok_or(CoreError::UnknownRequest { request_id })?;
             moving.push((request_id, num_tokens, blocks));
         }
         let sources: Vec<u32> = moving.iter().flat_map(|(_, _, b)| b.iter().copied()).collect();
         let mut dests = vec![0u32; sources.len()];
         self.host_pool.alloc_into_for(&mut dests, Owner::Tables).map_err(|e| match e {
-            CoreError::OutOfBlocks { requested, free, num_blocks } => CoreError::HostTierFull { requested, free, num_blocks },
+            CoreError::OutOfBlocks { requested, free, num_blocks } => {
+                CoreError::HostTierFull { requested, free, num_blocks }
+            }
             e => e,
         })?;
         let dests = plan::assign(&sources, dests);
@@ -215,10 +250,15 @@ impl HostTier {
         for (request_id, num_tokens, blocks) in &moving {
             self.tables.take_row(&mut st, *request_id);
             let host_blocks: Vec<u32> = dests.by_ref().take(blocks.len()).collect();
-            ts.swapped.insert(*request_id, Swapped { num_tokens: *num_tokens, blocks: host_blocks });
+            ts.swapped
+                .insert(*request_id, Swapped { num_tokens: *num_tokens, blocks: host_blocks });
         }
         drop(st);
-        let stats = SwapStats { num_requests: moving.len(), num_blocks: sources.len(), num_copies: runs.len() };
+        let stats = SwapStats {
+            num_requests: moving.len(),
+            num_blocks: sources.len(),
+            num_copies: runs.len(),
+        };
         ts.pending.push(Pending { done, device_blocks: sources, host_blocks: Vec::new() });
         self.release_completed(&mut ts)?;
         Ok(stats)
@@ -229,7 +269,11 @@ impl HostTier {
     ///
     /// # Safety
     /// As [`swap_out`](Self::swap_out).
-    pub unsafe fn swap_in(&self, request_ids: &[u64], stream: Option<u64>) -> Result<SwapStats, CoreError> {
+    pub unsafe fn swap_in(
+        &self,
+        request_ids: &[u64],
+        stream: Option<u64>,
+    ) -> Result<SwapStats, CoreError> {
         let compute = self.compute_stream(stream)?;
         let mut ts = lock(&self.state);
         self.release_completed(&mut ts)?;
@@ -239,7 +283,11 @@ impl HostTier {
             let swapped = match ts.swapped.get(&request_id) {
                 Some(s) => s,
                 None if self.tables.row_of_request(&st, request_id).is_some() => {
-                    return Err(CoreError::WrongTier { request_id, tier: Tier::Device.name(), operation: "swap in" })
+                    return Err(CoreError::WrongTier {
+                        request_id,
+                        tier: Tier::Device.name(),
+                        operation: "swap in",
+                    })
                 }
                 None => return Err(CoreError::UnknownRequest { request_id }),
             };
@@ -253,7 +301,8 @@ impl HostTier {
                 limit: self.tables.max_seqs(),
             });
         }
-        let sources: Vec<u32> = request_ids.iter().flat_map(|r| ts.swapped[r].blocks.iter().copied()).collect();
+        let sources: Vec<u32> =
+            request_ids.iter().flat_map(|r| ts.swapped[r].blocks.iter().copied()).collect();
         let mut dests = vec![0u32; sources.len()];
         self.tables.pool().alloc_into_for(&mut dests, Owner::Tables)?;
         let dests = plan::assign(&sources, dests);
@@ -284,7 +333,11 @@ impl HostTier {
             self.tables.insert_row(&mut st, request_id, swapped.num_tokens, &blocks);
         }
         drop(st);
-        let stats = SwapStats { num_requests: request_ids.len(), num_blocks: sources.len(), num_copies: runs.len() };
+        let stats = SwapStats {
+            num_requests: request_ids.len(),
+            num_blocks: sources.len(),
+            num_copies: runs.len(),
+        };
         ts.pending.push(Pending { done, device_blocks: Vec::new(), host_blocks: sources });
         self.release_completed(&mut ts)?;
         Ok(stats)
@@ -295,7 +348,11 @@ impl HostTier {
         let mut ts = lock(&self.state);
         if !ts.swapped.contains_key(&request_id) {
             return Err(if self.tables.contains(request_id) {
-                CoreError::WrongTier { request_id, tier: Tier::Device.name(), operation: "free from the host tier" }
+                CoreError::WrongTier {
+                    request_id,
+                    tier: Tier::Device.name(),
+                    operation: "free from the host tier",
+                }
             } else {
                 CoreError::UnknownRequest { request_id }
             });
@@ -374,7 +431,9 @@ impl HostTier {
     /// Blocks held back until their copy finishes: (device, host).
     pub fn num_pending(&self) -> (usize, usize) {
         let ts = lock(&self.state);
-        ts.pending.iter().fold((0, 0), |(d, h), p| (d + p.device_blocks.len(), h + p.host_blocks.len()))
+        ts.pending
+            .iter()
+            .fold((0, 0), |(d, h), p| (d + p.device_blocks.len(), h + p.host_blocks.len()))
     }
 
     /// The tier's invariants, then the host pool's with exact references:
@@ -390,10 +449,16 @@ impl HostTier {
             let block_size = self.host_pool.layout().block_size();
             for (&request_id, s) in &ts.swapped {
                 if self.tables.contains(request_id) {
-                    return Err(format!("request {request_id} is both in the tables and swapped out"));
+                    return Err(format!(
+                        "request {request_id} is both in the tables and swapped out"
+                    ));
                 }
                 if s.blocks.len() != s.num_tokens.div_ceil(block_size) {
-                    return Err(format!("swapped request {request_id} holds {} blocks for {} tokens", s.blocks.len(), s.num_tokens));
+                    return Err(format!(
+                        "swapped request {request_id} holds {} blocks for {} tokens",
+                        s.blocks.len(),
+                        s.num_tokens
+                    ));
                 }
                 let mut sorted = s.blocks.clone();
                 sorted.sort_unstable();
@@ -431,7 +496,10 @@ fn check_distinct(request_ids: &[u64]) -> Result<(), CoreError> {
     let mut sorted = request_ids.to_vec();
     sorted.sort_unstable();
     match sorted.windows(2).find(|w| w[0] == w[1]) {
-        Some(w) => Err(CoreError::InvalidArgument(format!("request id {} appears twice in one call", w[0]))),
+        Some(w) => Err(CoreError::InvalidArgument(format!(
+            "request id {} appears twice in one call",
+            w[0]
+        ))),
         None => Ok(()),
     }
 }
@@ -457,7 +525,11 @@ struct HostRefs(SharedState);
 impl RefHolder for HostRefs {
     fn count_refs(&self, counts: &mut [u32]) {
         let ts = lock(&self.0);
-        let held = ts.swapped.values().flat_map(|s| &s.blocks).chain(ts.pending.iter().flat_map(|p| &p.host_blocks));
+        let held = ts
+            .swapped
+            .values()
+            .flat_map(|s| &s.blocks)
+            .chain(ts.pending.iter().flat_map(|p| &p.host_blocks));
         for &b in held {
             if let Some(c) = counts.get_mut(b as usize) {
                 *c += 1;

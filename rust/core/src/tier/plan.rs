@@ -36,7 +36,9 @@ pub fn runs(sources: &[u32], dests: &[u32]) -> Vec<Run> {
     let mut out: Vec<Run> = Vec::new();
     for (src, dst) in pairs {
         match out.last_mut() {
-            Some(r) if r.src + r.num_blocks == src && r.dst + r.num_blocks == dst => r.num_blocks += 1,
+            Some(r) if r.src + r.num_blocks == src && r.dst + r.num_blocks == dst => {
+                r.num_blocks += 1
+            }
             _ => out.push(Run { src, dst, num_blocks: 1 }),
         }
     }
