@@ -2,7 +2,7 @@
 own options on a Llama-3.2-1B-shaped model (bf16, random weights), at one KV memory budget.
 
 Rows (same process, same model, same requests):
-- workload: ShareGPT-like requests (prompt and output lengths from kvpool.scheduler.workload,
+- workload: ShareGPT-like requests (prompt and output lengths from kvpool.sim.workload,
   clipped), random token ids; output tokens/s counts only the tokens each request asked for;
   peak concurrent sequences at the budget of `--budget-seqs` x (max prompt + max output)
   tokens of KV:
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from kvpool.generation import GenerationRequest, generate
 from kvpool.integrations.transformers import TransformersRunner, layout_for
-from kvpool.scheduler import workload
+from kvpool.sim import workload
 from provenance import provenance
 
 LLAMA_1B = dict(

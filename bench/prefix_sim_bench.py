@@ -2,7 +2,7 @@
 
 Two workloads that share prompt tokens, Llama-3-8B KV geometry, max_model_len 4096, the
 paged scheduler on a host pool (the step time is the roofline model's, see
-python/kvpool/scheduler/costmodel.py):
+python/kvpool/sim/costmodel.py):
 
 - system_prompts: ShareGPT-like requests (Poisson arrivals) whose prompts start with one of
   --num-prefixes system prompts of --prefix-tokens tokens;
@@ -25,10 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpool.report import _finite, write_png
-from kvpool.scheduler import SchedulerConfig, generate, get_preset, parse_bytes
-from kvpool.scheduler.runner import SimulationSpec, simulate
-from kvpool.scheduler.sharing import generate_multiturn, with_token_streams
+from kvpool.scheduler import SchedulerConfig
+from kvpool.sim import generate, get_preset, parse_bytes
+from kvpool.sim.report import _finite, write_png
+from kvpool.sim.runner import SimulationSpec, simulate
+from kvpool.sim.sharing import generate_multiturn, with_token_streams
 from provenance import provenance, run_dir, write_json
 
 

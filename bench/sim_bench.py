@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpool.report import _finite
-from kvpool.scheduler import SchedulerConfig, generate, get_preset, parse_bytes
+from kvpool.scheduler import SchedulerConfig
 from kvpool.scheduler.contiguous import RESERVE_MODES
-from kvpool.scheduler.runner import SimulationSpec, simulate
+from kvpool.sim import generate, get_preset, parse_bytes
+from kvpool.sim.report import _finite
+from kvpool.sim.runner import SimulationSpec, simulate
 from provenance import provenance, run_dir, write_json
 
 

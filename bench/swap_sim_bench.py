@@ -20,11 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpool.report import _finite
-from kvpool.scheduler import SchedulerConfig, generate, get_preset, parse_bytes
+from kvpool.scheduler import SchedulerConfig
 from kvpool.scheduler.preemption import HostLink
-from kvpool.scheduler.runner import SimulationSpec, simulate
 from kvpool.scheduler.swap import HostTierSpec
+from kvpool.sim import generate, get_preset, parse_bytes
+from kvpool.sim.report import _finite
+from kvpool.sim.runner import SimulationSpec, simulate
 from provenance import provenance, run_dir, write_json
 
 # (host link GB/s, mode, host tier size)

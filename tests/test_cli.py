@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from kvpool.cli import main
+from kvpool.sim.cli import main
 
 BASE = [
     "simulate",
@@ -235,7 +235,7 @@ def test_block_sizes_the_model_allows_run(tmp_path):
 
 
 def test_options_are_checked_before_anything_is_allocated(capsys, monkeypatch, tmp_path):
-    import kvpool.scheduler.runner as runner
+    import kvpool.sim.runner as runner
 
     def no_simulation(*a, **k):
         raise AssertionError("simulate ran although an option was bad")

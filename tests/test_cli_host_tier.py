@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from kvpool.cli import main
-from kvpool.report import table_rows
+from kvpool.sim.cli import main
+from kvpool.sim.report import table_rows
 
 # 128 MiB of Llama-3-8B KV is 64 blocks: 32 sequences with long outputs must preempt.
 PREEMPTING = [
@@ -130,9 +130,9 @@ def test_a_shared_prefix_workload_gets_the_tier_and_no_prefix_caching_run(tmp_pa
 
 
 def test_the_simulator_refuses_a_host_tier_with_prefix_caching():
-    from kvpool.scheduler.presets import get_preset
-    from kvpool.scheduler.runner import SimulationSpec, simulate
     from kvpool.scheduler.swap import HostTierSpec
+    from kvpool.sim.presets import get_preset
+    from kvpool.sim.runner import SimulationSpec, simulate
 
     spec = SimulationSpec(
         preset=get_preset("llama-3-8b"),
@@ -202,7 +202,7 @@ def test_bad_host_tier_options(capsys, tmp_path, args, message):
 
 
 def test_a_bad_tier_size_is_refused_before_anything_is_allocated(capsys, monkeypatch, tmp_path):
-    import kvpool.scheduler.runner as runner
+    import kvpool.sim.runner as runner
 
     def no_simulation(*a, **k):
         raise AssertionError("simulate ran although an option was bad")

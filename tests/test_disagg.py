@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from kvpool.cli import main
+from kvpool.sim.cli import main
 
 
 def _run(tmp_path, *extra):

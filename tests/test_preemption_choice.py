@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from kvpool.scheduler.costmodel import RooflineCost
 from kvpool.scheduler.preemption import HostLink, choose_preemption, swap_seconds
-from kvpool.scheduler.presets import get_preset
+from kvpool.sim.costmodel import RooflineCost
+from kvpool.sim.presets import get_preset
 
 LINK = HostLink(bytes_per_s=10e9, latency_s=0.0)
 

@@ -8,11 +8,12 @@ import itertools
 import kvpool
 import numpy as np
 import pytest
-from kvpool.scheduler import Request, Scheduler, SchedulerConfig, generate, get_preset, parse_bytes
+from kvpool.scheduler import Request, Scheduler, SchedulerConfig
 from kvpool.scheduler.prefix import PrefixCachedKv
-from kvpool.scheduler.runner import SimulationSpec, proxy_layout, simulate
-from kvpool.scheduler.sharing import generate_multiturn, shares_prefixes, with_token_streams
-from kvpool.scheduler.tokens import TokenStream, segment_ids
+from kvpool.sim import generate, get_preset, parse_bytes
+from kvpool.sim.runner import SimulationSpec, proxy_layout, simulate
+from kvpool.sim.sharing import generate_multiturn, shares_prefixes, with_token_streams
+from kvpool.sim.tokens import TokenStream, segment_ids
 
 BS = 16
 CONFIG = SchedulerConfig(max_model_len=512, max_running_seqs=8, max_tokens_per_step=512)

@@ -13,8 +13,8 @@ from kvpool.scheduler import (
     Request,
     Scheduler,
     SchedulerConfig,
-    generate,
 )
+from kvpool.sim import generate
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 64

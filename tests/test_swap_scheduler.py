@@ -7,12 +7,12 @@ import kvpool
 import numpy as np
 import pytest
 from kvpool.scheduler import Request, Scheduler, SchedulerConfig
-from kvpool.scheduler.costmodel import RooflineCost
 from kvpool.scheduler.paged import PagedKv
 from kvpool.scheduler.preemption import HostLink
-from kvpool.scheduler.presets import get_preset
-from kvpool.scheduler.runner import proxy_layout
 from kvpool.scheduler.swap import HostTierSwapper
+from kvpool.sim.costmodel import RooflineCost
+from kvpool.sim.presets import get_preset
+from kvpool.sim.runner import proxy_layout
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 48

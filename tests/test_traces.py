@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvpool.cli import main
-from kvpool.scheduler import TraceError
-from kvpool.scheduler.sharing import shares_prefixes
-from kvpool.scheduler.traces import detect_format, estimate_tokens, read_trace
+from kvpool.sim import TraceError
+from kvpool.sim.cli import main
+from kvpool.sim.sharing import shares_prefixes
+from kvpool.sim.traces import detect_format, estimate_tokens, read_trace
 
 TRACES = Path(__file__).parent / "traces"
 BASE = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvpool.scheduler import (
+from kvpool.sim import (
     TraceError,
     generate,
     get_preset,
@@ -12,7 +12,7 @@ from kvpool.scheduler import (
     num_blocks_for,
     parse_bytes,
 )
-from kvpool.scheduler.workload import arrival_times
+from kvpool.sim.workload import arrival_times
 
 
 def test_generate_is_seeded():

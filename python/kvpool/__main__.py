@@ -1,5 +1,5 @@
 """`python -m kvpool` runs the CLI."""
 
-from kvpool.cli import main
+from kvpool.sim.cli import main
 
 raise SystemExit(main())

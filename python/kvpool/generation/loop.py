@@ -23,7 +23,7 @@ import numpy as np
 from kvpool.generation.batch import StepBatch, build_step
 from kvpool.scheduler.core import Scheduler, SchedulerConfig, Swapper
 from kvpool.scheduler.paged import PagedKv
-from kvpool.scheduler.workload import Request
+from kvpool.scheduler.request import Request
 
 
 @dataclass(frozen=True, slots=True)

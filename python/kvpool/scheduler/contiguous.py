@@ -18,15 +18,11 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvpool.scheduler.core import Scheduler, SchedulerConfig
+from kvpool.scheduler.core import DecodeObserver, Scheduler, SchedulerConfig
 from kvpool.scheduler.seq import Seq
-
-if TYPE_CHECKING:
-    from kvpool.scheduler.measured import DecodeProbe
 
 RESERVE_MODES = ("max_model_len", "pow2", "request")
 
@@ -123,9 +119,7 @@ class ContiguousKv:
         self.reserved_tokens = 0
         self.alloc_s = 0.0
         self.blocked_by_fragmentation = 0  # failed admissions that the free bytes would have fit
-        self.probe: DecodeProbe | None = (
-            None  # optional measured.DecodeProbe; needs block-aligned regions
-        )
+        self.probe: DecodeObserver | None = None  # optional; needs block-aligned regions
         self.block_bytes = 0  # block size in bytes of the CUDA pool the probe reads
         self.block_size = 0
 

@@ -17,7 +17,7 @@ One call to `Scheduler.step()` is one forward pass of the model:
 
 Semantics of a request: its prompt is prefilled (possibly over several steps), then it decodes
 `output_tokens` steps, each appending one token of KV and emitting one token. Time is modelled
-(see costmodel.py); wall-clock time of the simulator and of the allocator calls is measured.
+(kvpool.sim.costmodel); wall-clock time of the simulator and of the allocator calls is measured.
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from kvpool.scheduler.metrics import StepMetrics
 from kvpool.scheduler.policies import Policy, make_policy
+from kvpool.scheduler.request import Request
 from kvpool.scheduler.seq import Seq
-from kvpool.scheduler.workload import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,9 @@ class Swapper(Protocol):
 
 
 StepCost = Callable[[int, int, int], float]  # (prefill tokens, decode seqs, KV tokens read) -> s
+# Called after each decode step with the step's (block table, seq_lens), e.g. to time the
+# attention kernel over them (kvpool.sim.measured.DecodeProbe).
+DecodeObserver = Callable[[np.ndarray, np.ndarray], object]
 
 
 class Scheduler:

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 import kvpool
-from kvpool.scheduler.core import Scheduler, SchedulerConfig
+from kvpool.scheduler.core import DecodeObserver, Scheduler, SchedulerConfig
 from kvpool.scheduler.seq import Seq
-
-if TYPE_CHECKING:
-    from kvpool.scheduler.measured import DecodeProbe
 
 
 class PagedKv:
@@ -28,9 +24,7 @@ class PagedKv:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.tables = kvpool.BlockTables(pool, max_seqs, self.max_blocks_per_seq)
         self.alloc_s = 0.0
-        self.probe: DecodeProbe | None = (
-            None  # optional measured.DecodeProbe, run after each decode step
-        )
+        self.probe: DecodeObserver | None = None  # optional; run after each decode step
 
     def validate(self, config: SchedulerConfig) -> None:
         if self.max_seqs < config.max_running_seqs:

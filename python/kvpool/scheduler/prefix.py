@@ -36,7 +36,6 @@ import numpy as np
 import kvpool
 from kvpool.scheduler.paged import PagedKv
 from kvpool.scheduler.seq import Seq
-from kvpool.scheduler.tokens import private_stream
 
 
 class PrefixCachedKv(PagedKv):
@@ -53,8 +52,10 @@ class PrefixCachedKv(PagedKv):
 
     def _token_ids(self, seq: Seq) -> np.ndarray:
         r = seq.request
-        stream = r.tokens or private_stream(0, r.request_id, r.prompt_tokens + r.output_tokens)
-        return stream.ids(r.prompt_tokens + r.output_tokens)
+        num_tokens = r.prompt_tokens + r.output_tokens
+        if r.tokens is None:
+            return _private_ids(r.request_id, num_tokens)
+        return r.tokens.ids(num_tokens)
 
     def _allocatable(self) -> int:
         return self.pool.num_free + self.pool.num_evictable
@@ -113,3 +114,12 @@ class PrefixCachedKv(PagedKv):
         if self.pool.num_free != self.pool.num_blocks:
             raise AssertionError(f"{self.pool.num_blocks - self.pool.num_free} blocks leaked")
         self.pool.check_invariants()
+
+
+def _private_ids(request_id: int, num_tokens: int) -> np.ndarray:
+    """Ids for a request that brings none: drawn from a generator seeded by its id, so they
+    are the same on every admission (a preempted request finds its own blocks again) and
+    share nothing with another request (two 16-token blocks coincide with probability
+    32000**-16). They equal kvpool.sim.tokens.private_stream(0, request_id, n)."""
+    rng = np.random.default_rng([0, 0, request_id])
+    return rng.integers(0, 32_000, num_tokens, dtype=np.int64)

@@ -3,7 +3,7 @@ policies (which read it to order admissions and pick victims)."""
 
 from __future__ import annotations
 
-from kvpool.scheduler.workload import Request
+from kvpool.scheduler.request import Request
 
 
 class Seq:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpool.scheduler.presets import ModelPreset
+from kvpool.sim.presets import ModelPreset
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,9 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvpool.scheduler.tokens import ANSWER, PREFIX, USER, TokenStream, prefix_stream, private_stream
-from kvpool.scheduler.workload import LENGTH_MODELS, Request, TraceError, _lognormal, arrival_times
+from kvpool.scheduler.request import Request
+from kvpool.sim.tokens import ANSWER, PREFIX, USER, TokenStream, prefix_stream, private_stream
+from kvpool.sim.workload import LENGTH_MODELS, TraceError, _lognormal, arrival_times
 
 MULTITURN = "multiturn"
 DEFAULT_TURNS = 4
@@ -88,7 +89,7 @@ def shares_prefixes(requests: Iterable[Request]) -> bool:
     their own private one): then prefix caching is on by default."""
     seen: set[tuple[int, ...]] = set()
     for r in requests:
-        if r.tokens is None:
+        if not isinstance(r.tokens, TokenStream):  # no ids, or ids that say nothing of sharing
             continue
         keys = {key for key, n in r.tokens.segments if n > 0 and key[0] != 0}
         if keys & seen:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.scheduler.core import Scheduler
-from kvpool.scheduler.measured import make_probe
+from kvpool.sim.measured import make_probe
 
 
 def hit_rate_series(
@@ -41,7 +41,7 @@ def run_prefix_caching(
 ) -> None:
     """Serve spec's workload with prefix caching; add its result and the comparison to `report`."""
     from kvpool.scheduler.prefix import PrefixCachedKv
-    from kvpool.scheduler.runner import make_pool, run_one
+    from kvpool.sim.runner import make_pool, run_one
 
     pool, num_blocks, _ = make_pool(spec, device, prefix_caching=True)
     if num_blocks != report["num_blocks"]:

@@ -33,9 +33,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpool.scheduler.sharing import DEFAULT_THINK_TIME_S, with_token_streams
-from kvpool.scheduler.tokens import HASH, PRIVATE, TokenStream
-from kvpool.scheduler.workload import Request, TraceError, jsonl_rows, load_trace
+from kvpool.scheduler.request import Request
+from kvpool.sim.sharing import DEFAULT_THINK_TIME_S, with_token_streams
+from kvpool.sim.tokens import HASH, PRIVATE, TokenStream
+from kvpool.sim.workload import TraceError, jsonl_rows, load_trace
 
 TRACE_FORMATS = ("auto", "kvpool", "azure", "burstgpt", "mooncake", "sharegpt")
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")

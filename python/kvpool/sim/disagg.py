@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from kvpool.scheduler.core import Scheduler
-from kvpool.scheduler.costmodel import RooflineCost
 from kvpool.scheduler.paged import PagedKv
-from kvpool.scheduler.runner import SimulationSpec, make_pool
-from kvpool.scheduler.workload import Request
+from kvpool.scheduler.request import Request
+from kvpool.sim.costmodel import RooflineCost
+from kvpool.sim.runner import SimulationSpec, make_pool
 
 
 def _prefill_times(spec: SimulationSpec, cost: RooflineCost) -> dict[int, float]:

@@ -16,13 +16,14 @@ import numpy as np
 import kvpool
 from kvpool.scheduler.contiguous import ContiguousKv
 from kvpool.scheduler.core import Scheduler, SchedulerConfig
-from kvpool.scheduler.costmodel import RooflineCost
-from kvpool.scheduler.measured import make_probe
 from kvpool.scheduler.metrics import latency_summary, summarize
 from kvpool.scheduler.paged import PagedKv
-from kvpool.scheduler.presets import ModelPreset, num_blocks_for
+from kvpool.scheduler.request import Request
 from kvpool.scheduler.swap import HostTierSpec, HostTierSwapper
-from kvpool.scheduler.workload import Request, describe
+from kvpool.sim.costmodel import RooflineCost
+from kvpool.sim.measured import make_probe
+from kvpool.sim.presets import ModelPreset, num_blocks_for
+from kvpool.sim.workload import describe
 
 # On the host the simulation needs the allocator, not the bytes: the pool is built over a
 # "proxy" layout (1 layer, 1 KV head, float16) with the model's block_size, so 16 GiB of
@@ -182,15 +183,17 @@ def simulate(spec: SimulationSpec, progress: Progress | None = None) -> dict[str
 
     capacity = num_blocks * layout.block_bytes  # the same bytes as the paged pool
     contiguous = ContiguousKv(capacity, token_bytes, spec.config.max_model_len, spec.reserve)
+    contiguous_probe = None
     if probe is not None and spec.reserve == "max_model_len":
-        contiguous.probe = make_probe(pool, preset.num_q_heads, spec.measure_every)[0]
+        contiguous_probe = make_probe(pool, preset.num_q_heads, spec.measure_every)[0]
+        contiguous.probe = contiguous_probe
         contiguous.block_bytes, contiguous.block_size = layout.block_bytes, layout.block_size
     contiguous_sched = Scheduler(contiguous, spec.requests, spec.config, step_cost=cost)
     contiguous_result = run_one(contiguous_sched, token_bytes, progress)
 
     errors = [
         f"{name}: {p.error}"
-        for name, p in (("paged", probe), ("contiguous", contiguous.probe))
+        for name, p in (("paged", probe), ("contiguous", contiguous_probe))
         if p is not None and p.error is not None
     ]
     if errors:  # the kernel failed mid-run: the measured figures are partial, not comparable
@@ -233,7 +236,7 @@ def simulate(spec: SimulationSpec, progress: Progress | None = None) -> dict[str
         }
         report["host_tier_comparison"] = compare_host_tier(tier_result, paged_result)
     if spec.prefix_caching:
-        from kvpool.scheduler.prefix_sim import run_prefix_caching
+        from kvpool.sim.prefix_sim import run_prefix_caching
 
         run_prefix_caching(spec, device, report, token_bytes, cost, progress)
     return report

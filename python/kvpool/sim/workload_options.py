@@ -7,14 +7,15 @@ import argparse
 import math
 from typing import Any
 
-from kvpool.scheduler.sharing import (
+from kvpool.scheduler.request import Request
+from kvpool.sim.sharing import (
     DEFAULT_THINK_TIME_S,
     MULTITURN,
     generate_multiturn,
     with_token_streams,
 )
-from kvpool.scheduler.traces import read_trace
-from kvpool.scheduler.workload import Request, generate
+from kvpool.sim.traces import read_trace
+from kvpool.sim.workload import generate
 
 
 def synthetic_workload(args: argparse.Namespace) -> tuple[list[Request], dict[str, Any]]:

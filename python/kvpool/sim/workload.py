@@ -13,28 +13,12 @@ import csv
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from kvpool.scheduler.tokens import TokenStream
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """One request of a workload: what arrives, not how it is served."""
-
-    request_id: int
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-    priority: int = 0
-    prefix_id: int = -1  # requests with the same prefix_id start with the same prefix_tokens
-    prefix_tokens: int = 0
-    conversation_id: int = -1  # turns of one conversation: each prompt holds the earlier turns
-    # The token ids of prompt + output (prefix caching needs them; sharing.with_token_streams)
-    tokens: TokenStream | None = field(default=None, compare=False, repr=False)
+from kvpool.scheduler.request import Request
 
 
 @dataclass(frozen=True, slots=True)

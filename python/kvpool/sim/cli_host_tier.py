@@ -12,8 +12,8 @@ import math
 
 import kvpool
 from kvpool.scheduler.preemption import PREEMPTION_MODES, HostLink
-from kvpool.scheduler.presets import parse_bytes
 from kvpool.scheduler.swap import HostTierSpec
+from kvpool.sim.presets import parse_bytes
 
 DEFAULT_LINK = HostLink()
 OPTIONS = ("preemption", "host_link_gbps", "host_link_latency_us")
