@@ -14,6 +14,8 @@ from kvpool.generation import (
     gumbel_noise,
     sample,
 )
+from kvpool.generation.loop import scheduler_request
+from kvpool.scheduler import Request
 
 VOCAB = 61
 
@@ -142,6 +144,42 @@ def test_bad_requests_are_refused():
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, pool, [GenerationRequest(0, [1], True)])
     assert pool.num_free == pool.num_blocks
+
+
+def test_max_model_len_counts_the_prompt_and_the_new_tokens():
+    # A prompt of 4 tokens and 5 new ones is a sequence of 9 tokens: max_model_len 9 serves
+    # it, 8 refuses it, and the refusal names the request's own counts.
+    pool = make_pool(16)
+    model = ToyModel(pool, VOCAB, seed=3)
+    req = GenerationRequest(7, [1, 2, 3, 4], 5)
+    assert len(generate(model, pool, [req], max_model_len=9).outputs[7]) == 5
+    with pytest.raises(ValueError, match=r"request 7: prompt 4 \+ max_new_tokens 5 tokens exceed"):
+        generate(model, pool, [req], max_model_len=8)
+    assert pool.num_free == pool.num_blocks
+
+
+def test_the_scheduler_serves_the_new_tokens_as_decodes():
+    # The prompt's last token is fed by the first decode: P - 1 prefilled tokens, N decodes.
+    req = GenerationRequest(3, [5, 6, 7, 8], 6)
+    assert scheduler_request(req) == Request(3, 0.0, 3, 6)
+
+
+def test_no_slot_is_written_twice_in_one_step():
+    # A sequence finishing in a step still writes and reads its blocks in that step: they
+    # must not go to a prefill of the same step (a tight pool makes the reuse likely).
+    reqs = requests(30, seed=8)
+    pool = make_pool(24)
+
+    class SlotChecker:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def run(self, batch: StepBatch) -> np.ndarray:
+            assert len(np.unique(batch.slot_mapping)) == batch.num_tokens
+            return self.inner.run(batch)
+
+    res = generate(SlotChecker(ToyModel(pool, VOCAB, seed=3)), pool, reqs, max_running_seqs=6)
+    assert res.outputs == alone(reqs)
 
 
 def test_gumbel_noise_depends_on_seed_and_position_only():
