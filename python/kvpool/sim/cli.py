@@ -22,10 +22,14 @@ from kvpool.scheduler.contiguous import RESERVE_MODES
 from kvpool.scheduler.core import SchedulerConfig
 from kvpool.scheduler.policies import POLICIES
 from kvpool.sim import cli_host_tier
+from kvpool.sim.disagg import simulate_disaggregated
 from kvpool.sim.presets import PRESETS, get_preset, parse_bytes
-from kvpool.sim.sharing import MULTITURN
+from kvpool.sim.report import print_table, write_json, write_png
+from kvpool.sim.runner import SimulationSpec, simulate
+from kvpool.sim.sharing import MULTITURN, shares_prefixes
 from kvpool.sim.traces import TRACE_FORMATS
 from kvpool.sim.workload import ARRIVALS, LENGTH_MODELS
+from kvpool.sim.workload_options import synthetic_workload, trace_workload
 
 
 def _rate(text: str) -> float:
@@ -459,9 +463,6 @@ def _fill_defaults(args: argparse.Namespace) -> None:
 
 def _workload(args: argparse.Namespace) -> tuple[list, dict]:
     """The requests (with token ids) and what the report says about them."""
-    from kvpool.sim.sharing import shares_prefixes
-    from kvpool.sim.workload_options import synthetic_workload, trace_workload
-
     if args.trace is not None:
         requests, info = trace_workload(args)
     else:
@@ -518,9 +519,6 @@ def simulate_command(args: argparse.Namespace, command: Sequence[str] | None = N
     """Run `kvpool simulate`; `command` (the arguments after `kvpool`) is recorded in the report."""
     _check_imports(not args.no_plot)
     from rich.console import Console
-
-    from kvpool.sim.report import print_table, write_json, write_png
-    from kvpool.sim.runner import SimulationSpec, simulate
 
     console = Console(stderr=False)
     requests, info = _workload(args)
@@ -585,8 +583,6 @@ def _disaggregated(args: argparse.Namespace, spec: Any, console: Any) -> int:
 
     from rich.table import Table
 
-    from kvpool.sim.disagg import simulate_disaggregated
-
     gbps, latency_s, source = _transfer_figures(args)
     report = simulate_disaggregated(spec, gbps, latency_s)
     report["transfer"]["source"] = source
@@ -614,8 +610,6 @@ def _disaggregated(args: argparse.Namespace, spec: Any, console: Any) -> int:
 
 def _simulate_with_progress(spec, console) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from kvpool.sim.runner import simulate
 
     total = len(spec.requests)
     with Progress(

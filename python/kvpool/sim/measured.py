@@ -15,18 +15,17 @@ the kernel still fail during a run, the probe stops measuring and records the er
 
 from __future__ import annotations
 
-from typing import Any
+import functools
 
 import numpy as np
 
+import kvpool
+from kvpool.kernels import KvScales, paged_attention_decode
+
 
 class DecodeProbe:
-    def __init__(self, pool: Any, num_q_heads: int, every: int = 10) -> None:
-        import functools
-
-        import cupy
-
-        from kvpool.kernels import KvScales, paged_attention_decode
+    def __init__(self, pool: kvpool.Pool, num_q_heads: int, every: int = 10) -> None:
+        import cupy  # optional (kvpool[cuda12] or [cuda13]): make_probe falls back without it
 
         self.cp = cupy
         self.decode = paged_attention_decode
@@ -121,16 +120,10 @@ class DecodeProbe:
         }
 
 
-def make_probe(pool: Any, num_q_heads: int, every: int) -> tuple[DecodeProbe | None, str]:
+def make_probe(pool: kvpool.Pool, num_q_heads: int, every: int) -> tuple[DecodeProbe | None, str]:
     """A probe for a CUDA pool, or (None, why not)."""
     if pool.device == "host" or str(pool.device).startswith("host"):
         return None, "host pool: step time is modelled"
-    try:
-        import kvpool.kernels as kernels
-    except ImportError as e:
-        return None, f"kvpool.kernels is not importable ({e}); step time is modelled"
-    if not hasattr(kernels, "paged_attention_decode"):
-        return None, "kvpool.kernels has no paged_attention_decode; step time is modelled"
     try:  # the constructor compiles and runs the kernel once, so an unsupported layout ends here
         return DecodeProbe(pool, num_q_heads, every), "measured"
     except Exception as e:  # CuPy missing, broken CUDA setup, no kernel variant: use the model

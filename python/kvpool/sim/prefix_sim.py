@@ -1,10 +1,10 @@
-"""The prefix-caching run of a simulation and its comparison with caching off.
+"""The figures of a simulation's prefix-caching run and its comparison with caching off.
 
 `runner.simulate` serves the workload with paged KV (caching off) and contiguous KV; with
-`SimulationSpec.prefix_caching` it also serves it here with paged KV on a pool of the same
-number of blocks with prefix caching on (prefix.PrefixCachedKv), and the report gains
-`results["paged_prefix_caching"]` and `prefix_caching` (hit rate, prefill tokens saved,
-throughput, TTFT and concurrency against the paged run without caching).
+`SimulationSpec.prefix_caching` it also serves it with paged KV on a pool of the same number
+of blocks with prefix caching on (runner.run_prefix_caching, over prefix.PrefixCachedKv), and
+the report gains `results["paged_prefix_caching"]` and `prefix_caching` (here: hit rate,
+prefill tokens saved, throughput, TTFT and concurrency against the paged run without caching).
 """
 
 from __future__ import annotations
@@ -12,9 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
-from kvpool.scheduler.core import Scheduler
-from kvpool.sim.measured import make_probe
 
 
 def hit_rate_series(
@@ -34,39 +31,6 @@ def hit_rate_series(
         q = queried[hi] - queried[lo]
         out.append(round(float((cached[hi] - cached[lo]) / q), 5) if q else None)
     return out
-
-
-def run_prefix_caching(
-    spec, device: str, report: dict[str, Any], token_bytes: int, cost, progress
-) -> None:
-    """Serve spec's workload with prefix caching; add its result and the comparison to `report`."""
-    from kvpool.scheduler.prefix import PrefixCachedKv
-    from kvpool.sim.runner import make_pool, run_one
-
-    pool, num_blocks, _ = make_pool(spec, device, prefix_caching=True)
-    if num_blocks != report["num_blocks"]:
-        raise AssertionError(
-            f"the prefix-caching pool has {num_blocks} blocks, the others {report['num_blocks']}"
-        )
-    backend = PrefixCachedKv(pool, spec.config.max_running_seqs, spec.config.max_model_len)
-    if device == "cuda":
-        backend.probe = make_probe(pool, spec.preset.num_q_heads, spec.measure_every)[0]
-    sched = Scheduler(backend, spec.requests, spec.config, step_cost=cost)
-    result = run_one(sched, token_bytes, progress)
-    steps = result["series"]["step"]
-    result["series"]["prefix_hit_rate"] = hit_rate_series(sched.metrics, steps)
-    result["series"]["prefix_hit_rate_cumulative"] = hit_rate_series(
-        sched.metrics, steps, window_steps=-1
-    )
-    result["prefix_cache_stats"] = backend.stats_at_end
-    # A shared block holds its tokens once for several requests: utilization (tokens the
-    # requests hold / slots allocated) can pass 1, and "wasted" slots are not defined.
-    result["mean_wasted_kv_bytes"] = result["peak_wasted_kv_bytes"] = None
-    result["kv_utilization_note"] = (
-        "tokens held by the requests / slots allocated; above 1 when blocks are shared"
-    )
-    report["results"]["paged_prefix_caching"] = result
-    report["prefix_caching"] = compare_caching(result, report["results"]["paged"])
 
 
 def compare_caching(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:

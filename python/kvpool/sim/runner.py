@@ -1,6 +1,6 @@
 """One simulation: the same workload through the paged and the contiguous scheduler, and, with
 a host tier (SimulationSpec.host_tier), through the paged scheduler preempting into it, or, with
-SimulationSpec.prefix_caching, through the paged scheduler with prefix caching (prefix_sim.py).
+SimulationSpec.prefix_caching, through the paged scheduler with prefix caching (its figures: prefix_sim.py).
 The two extra runs are not combined: swapping does not model blocks shared by a prefix cache."""
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from kvpool.scheduler.contiguous import ContiguousKv
 from kvpool.scheduler.core import Scheduler, SchedulerConfig
 from kvpool.scheduler.metrics import latency_summary, summarize
 from kvpool.scheduler.paged import PagedKv
+from kvpool.scheduler.prefix import PrefixCachedKv
 from kvpool.scheduler.request import Request
 from kvpool.scheduler.swap import HostTierSpec, HostTierSwapper
 from kvpool.sim.costmodel import RooflineCost
 from kvpool.sim.measured import make_probe
+from kvpool.sim.prefix_sim import compare_caching, hit_rate_series
 from kvpool.sim.presets import ModelPreset, num_blocks_for
 from kvpool.sim.workload import describe
 
@@ -236,8 +238,6 @@ def simulate(spec: SimulationSpec, progress: Progress | None = None) -> dict[str
         }
         report["host_tier_comparison"] = compare_host_tier(tier_result, paged_result)
     if spec.prefix_caching:
-        from kvpool.sim.prefix_sim import run_prefix_caching
-
         run_prefix_caching(spec, device, report, token_bytes, cost, progress)
     return report
 
@@ -266,6 +266,41 @@ def run_host_tier(
     )
     sched = Scheduler(backend, spec.requests, spec.config, step_cost=cost, swapper=swapper)
     return run_one(sched, token_bytes, progress)
+
+
+def run_prefix_caching(
+    spec: SimulationSpec,
+    device: str,
+    report: dict[str, Any],
+    token_bytes: int,
+    cost: RooflineCost,
+    progress: Progress | None,
+) -> None:
+    """Serve spec's workload with prefix caching; add its result and the comparison to `report`."""
+    pool, num_blocks, _ = make_pool(spec, device, prefix_caching=True)
+    if num_blocks != report["num_blocks"]:
+        raise AssertionError(
+            f"the prefix-caching pool has {num_blocks} blocks, the others {report['num_blocks']}"
+        )
+    backend = PrefixCachedKv(pool, spec.config.max_running_seqs, spec.config.max_model_len)
+    if device == "cuda":
+        backend.probe = make_probe(pool, spec.preset.num_q_heads, spec.measure_every)[0]
+    sched = Scheduler(backend, spec.requests, spec.config, step_cost=cost)
+    result = run_one(sched, token_bytes, progress)
+    steps = result["series"]["step"]
+    result["series"]["prefix_hit_rate"] = hit_rate_series(sched.metrics, steps)
+    result["series"]["prefix_hit_rate_cumulative"] = hit_rate_series(
+        sched.metrics, steps, window_steps=-1
+    )
+    result["prefix_cache_stats"] = backend.stats_at_end
+    # A shared block holds its tokens once for several requests: utilization (tokens the
+    # requests hold / slots allocated) can pass 1, and "wasted" slots are not defined.
+    result["mean_wasted_kv_bytes"] = result["peak_wasted_kv_bytes"] = None
+    result["kv_utilization_note"] = (
+        "tokens held by the requests / slots allocated; above 1 when blocks are shared"
+    )
+    report["results"]["paged_prefix_caching"] = result
+    report["prefix_caching"] = compare_caching(result, report["results"]["paged"])
 
 
 def compare_host_tier(tier: dict[str, Any], no_tier: dict[str, Any]) -> dict[str, Any]:
