@@ -80,7 +80,8 @@ def worker(rank: int, rendezvous: str, sizes: list[int], results) -> None:
 
 def _worker(rank, rendezvous, sizes, results):
     from kvpool.transfer import NcclTransport
-    from kvpool.transfer.movers import make_mover, plan_pieces
+    from kvpool.transfer.movers import make_mover
+    from kvpool.transfer.pieces import plan_pieces
 
     max_n = max(sizes)
     cupy, np, pool, my_ids = _setup(rank, max_n)

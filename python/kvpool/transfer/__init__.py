@@ -9,7 +9,7 @@ in-process :func:`fake_transport_pair`. Design notes: ``transfer.md``.
 """
 
 from kvpool._core import TransferError
-from kvpool.transfer.movers import AUTO, GROUPED, MODES, STAGED, plan_pieces
+from kvpool.transfer.pieces import AUTO, GROUPED, MODES, STAGED, plan_pieces
 from kvpool.transfer.protocol import (
     KvReceiver,
     KvSender,

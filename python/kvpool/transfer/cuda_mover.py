@@ -1,4 +1,4 @@
-"""The data phase over a CUDA pool (see movers.py for the pieces).
+"""The data phase over a CUDA pool (see pieces.py for the pieces).
 
 Three streams take part: the caller's (where the KV was written, or will be read), the
 mover's copy stream (gathers, scatters) and its transport stream (sends, receives). Both
@@ -20,7 +20,7 @@ import numpy as np
 from kvpool.kernels import _build
 from kvpool.kernels._args import device_index
 from kvpool.kernels._launch import Kernel, cupy_stream, launch, param_block, stream_handle
-from kvpool.transfer.movers import GROUPED
+from kvpool.transfer.pieces import GROUPED
 
 _u64, _i64 = ctypes.c_uint64, ctypes.c_int64
 
@@ -83,7 +83,7 @@ class CudaCompletion:
 
 
 class CudaMover:
-    """Gathers/scatters a pool's blocks through a ring of staging slots (see movers.py)."""
+    """Gathers/scatters a pool's blocks through a ring of staging slots (see pieces.py)."""
 
     def __init__(self, pool: Any, ring_slots: int = 2) -> None:
         import cupy

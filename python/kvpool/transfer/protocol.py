@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from kvpool._core import BlockTables, KvError, TransferError
-from kvpool.transfer.movers import AUTO, MODES, make_mover, plan_pieces, resolve_mode
+from kvpool.transfer.movers import make_mover
+from kvpool.transfer.pieces import AUTO, MODES, plan_pieces, resolve_mode
 from kvpool.transfer.transport import PeerGone, Transport
 
 PROTOCOL_VERSION = 1
