@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from kvpool.generation.batch import StepBatch
+from kvpool.integrations.attention import KvpoolStep
 from kvpool.integrations.packed_upload import PackedLayout, PinnedStaging
 from kvpool.kernels import workspace_elems
 
@@ -41,8 +42,6 @@ class _BucketGraph:
     def __init__(
         self, runner: Any, bucket: int, width: int, stream: torch.cuda.Stream, mempool: Any
     ) -> None:
-        from kvpool.integrations.transformers import KvpoolStep
-
         dev, pool = runner.device, runner.pool
         self.bucket, self.width = bucket, width
         self.layout = PackedLayout.of(

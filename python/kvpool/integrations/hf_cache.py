@@ -22,7 +22,6 @@ cache skips (zero outputs: generate never reads those logits).
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -32,18 +31,17 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 import kvpool
 from kvpool.generation.batch import build_step
+from kvpool.integrations.attention import (
+    PREFILL,
+    KvpoolStep,
+    attend_packed,
+    check_layout,
+    pool_device,
+    set_active,
+    step_arrays,
+)
 from kvpool.integrations.packed_upload import PinnedStaging, upload
 from kvpool.integrations.padded_batch import PaddedStep, plan_padded_step, prompt_lens
-
-_ACTIVE = threading.local()  # .entry: (cache, layer) of the last update on this thread
-
-
-def take_active(layer_idx: int) -> KvpoolCache | None:
-    """The KvpoolCache whose update of `layer_idx` is the last one on this thread, once: the
-    entry is cleared, so a later forward without a kvpool cache never sees a stale one."""
-    entry = getattr(_ACTIVE, "entry", None)
-    _ACTIVE.entry = None
-    return entry[0] if entry is not None and entry[1] == layer_idx else None
 
 
 class _KvpoolLayer(CacheLayerMixin):
@@ -97,12 +95,6 @@ class KvpoolCache(Cache):
         max_cache_len: int,
         prefill: str = "kernel",
     ) -> None:
-        from kvpool.integrations.transformers import (
-            PREFILL,
-            check_layout,
-            pool_device,
-        )
-
         if prefill not in PREFILL:
             raise ValueError(f"prefill must be one of {sorted(PREFILL)}, got {prefill!r}")
         check_layout(model, pool)
@@ -121,7 +113,7 @@ class KvpoolCache(Cache):
         super().__init__(layers=[_KvpoolLayer(self) for _ in range(pool.layout.num_layers)])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        _ACTIVE.entry = (self, layer_idx)
+        set_active(self, layer_idx)
         return key_states, value_states
 
     # -- lifetime of rows -------------------------------------------------------------------
@@ -181,8 +173,6 @@ class KvpoolCache(Cache):
         dec = [(b, 0, int(cached[b])) for b in plan.decode_rows.tolist()]
         pre = [(b, [0] * int(new[b]), int(cached[b])) for b in plan.prefill_rows.tolist()]
         batch = build_step(self.tables, dec, pre, [0.0] * len(dec), [0] * len(dec))
-        from kvpool.integrations.transformers import KvpoolStep, step_arrays
-
         if self._staging is None:
             self.step = KvpoolStep(self.pool, batch, self.device, self.prefill)
             self._gather = torch.from_numpy(plan.gather)
@@ -204,8 +194,6 @@ class KvpoolCache(Cache):
     ) -> torch.Tensor:
         """Attention of a padded forward: query [B, q_heads, T, D], key/value [B, kv_heads,
         T, D]; returns [B, T, q_heads, D]."""
-        from kvpool.integrations.transformers import attend_packed
-
         b, hq, t, d = query.shape
         if module.layer_idx == 0:
             self.begin_step(b, t, position_ids)

@@ -9,6 +9,7 @@ in-process :func:`fake_transport_pair`. Design notes: ``transfer.md``.
 """
 
 from kvpool._core import TransferError
+from kvpool.transfer.nccl import NcclTransport  # CuPy's NCCL binding loads when it connects
 from kvpool.transfer.pieces import AUTO, GROUPED, MODES, STAGED, plan_pieces
 from kvpool.transfer.protocol import (
     KvReceiver,
@@ -18,16 +19,6 @@ from kvpool.transfer.protocol import (
     layout_mismatch,
 )
 from kvpool.transfer.transport import FakeTransport, PeerGone, Transport, fake_transport_pair
-
-
-def __getattr__(name: str):
-    # NcclTransport imports CuPy's NCCL binding: only when asked for.
-    if name == "NcclTransport":
-        from kvpool.transfer.nccl import NcclTransport
-
-        return NcclTransport
-    raise AttributeError(name)
-
 
 __all__ = [
     "AUTO",
