@@ -56,9 +56,9 @@ def _pool(dtype: str) -> kvpool.Pool:
     return kvpool.Pool(kvpool.KvLayout(3, 2, 16, 4, dtype), 5, device="host")
 
 
-def _slab_view(array: np.ndarray) -> kvpool.SlabView:
+def _slab_view(array: np.ndarray) -> kvpool._core.SlabView:
     """A host pool's view is a NumPy array over a SlabView (its base), which exports DLPack."""
-    assert isinstance(array.base, kvpool.SlabView)
+    assert isinstance(array.base, kvpool._core.SlabView)
     return array.base
 
 

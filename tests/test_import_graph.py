@@ -163,6 +163,17 @@ def test_function_local_imports_of_the_package_are_the_allowed_ones():
     )
 
 
+def test_the_scheduler_and_the_generation_loop_do_not_import_the_simulator():
+    _, imports = collect()
+    offending = [
+        i
+        for i in imports
+        if i.source.startswith(("kvpool.scheduler", "kvpool.generation"))
+        and i.target.startswith("kvpool.sim")
+    ]
+    assert not offending, offending
+
+
 def test_the_graph_sees_relative_imports_submodules_and_cycles(tmp_path):
     pkg = tmp_path / "kvpool"
     (pkg / "sub").mkdir(parents=True)

@@ -741,7 +741,7 @@ def test_view_keeps_the_pool_alive() -> None:
     gc.collect()
     # The array's base is the SlabView, which holds the Pool, which holds the slab.
     slab_view = view.base
-    assert isinstance(slab_view, kvpool.SlabView)
+    assert isinstance(slab_view, kvpool._core.SlabView)
     assert slab_view.layer == 1 and slab_view.kind == "v"
     assert isinstance(slab_view.pool, Pool)
     assert slab_view.pool.base_ptr == base_ptr and slab_view.pool.num_used == 1

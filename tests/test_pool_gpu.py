@@ -83,7 +83,7 @@ def test_views_are_cuda_arrays(cp: Any) -> None:
     s = LAYOUT.strides()
     for layer in range(LAYOUT.num_layers):
         for part, view in enumerate((pool.k_view(layer), pool.v_view(layer))):
-            assert isinstance(view, kvpool.SlabView)
+            assert isinstance(view, kvpool._core.SlabView)
             iface = view.__cuda_array_interface__
             assert iface["shape"] == (8, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
             assert iface["strides"] == (s["block"], s["token"], s["head"], s["elem"])

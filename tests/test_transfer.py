@@ -16,9 +16,9 @@ from kvpool.transfer import (
     KvReceiver,
     KvSender,
     TransferError,
-    fake_transport_pair,
     plan_pieces,
 )
+from kvpool.transfer.testing import fake_transport_pair
 
 LAYOUT = kvpool.KvLayout(2, 2, 64, 4)
 

@@ -5,9 +5,14 @@ them out through a lock-free free list. See README.md for the tour.
 """
 
 from kvpool import reference
+
+# Left out of the top level: the types a user only receives and never constructs or names
+# (AddResult from BlockTables.add_request, SlabView under the arrays of Pool.k_view / v_view,
+# DeviceArray from BlockTables.sync, CudaStream from Pool.stream). They stay in
+# kvpool._core, typed in _core.pyi. The KV-cache events (BlockStored, BlockRemoved,
+# AllBlocksCleared) stay: a consumer of Pool.take_kv_events dispatches on their types.
 from kvpool._core import (
     MAX_NUM_BLOCKS,
-    AddResult,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -15,9 +20,7 @@ from kvpool._core import (
     CacheInUseError,
     CapacityError,
     CudaError,
-    CudaStream,
     CudaUnavailableError,
-    DeviceArray,
     DoubleFreeError,
     DuplicateRequestError,
     HostTier,
@@ -31,7 +34,6 @@ from kvpool._core import (
     OutOfBlocksError,
     OutOfMemoryError,
     Pool,
-    SlabView,
     TransferError,
     UnknownRequestError,
     WrongTierError,
@@ -50,7 +52,6 @@ from kvpool.tp import PoolGroup
 
 __all__ = [
     "MAX_NUM_BLOCKS",
-    "AddResult",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -58,9 +59,7 @@ __all__ = [
     "CacheInUseError",
     "CapacityError",
     "CudaError",
-    "CudaStream",
     "CudaUnavailableError",
-    "DeviceArray",
     "DoubleFreeError",
     "DuplicateRequestError",
     "HostTier",
@@ -76,7 +75,6 @@ __all__ = [
     "OutOfMemoryError",
     "Pool",
     "PoolGroup",
-    "SlabView",
     "TransferError",
     "UnknownRequestError",
     "WrongTierError",

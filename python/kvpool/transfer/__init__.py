@@ -5,7 +5,7 @@ A :class:`KvSender` moves one request's blocks out of its pool into the pool of 
 a layout mismatch before anything moves, and a failed or interrupted transfer leaves both pools
 consistent. Bytes travel through a :class:`Transport`: :class:`NcclTransport` (NCCL
 point-to-point through CuPy, one process per GPU; needs CuPy with NCCL) or, for tests, the
-in-process :func:`fake_transport_pair`. Design notes: ``transfer.md``.
+in-process ``kvpool.transfer.testing.fake_transport_pair``. Design notes: ``transfer.md``.
 """
 
 from kvpool._core import TransferError
@@ -18,14 +18,13 @@ from kvpool.transfer.protocol import (
     layout_fingerprint,
     layout_mismatch,
 )
-from kvpool.transfer.transport import FakeTransport, PeerGone, Transport, fake_transport_pair
+from kvpool.transfer.transport import PeerGone, Transport
 
 __all__ = [
     "AUTO",
     "GROUPED",
     "MODES",
     "STAGED",
-    "FakeTransport",
     "KvReceiver",
     "KvSender",
     "NcclTransport",
@@ -33,7 +32,6 @@ __all__ = [
     "Transfer",
     "TransferError",
     "Transport",
-    "fake_transport_pair",
     "layout_fingerprint",
     "layout_mismatch",
     "plan_pieces",

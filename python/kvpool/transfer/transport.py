@@ -1,4 +1,4 @@
-"""What the transfer protocol needs from a transport, and an in-process fake for tests.
+"""What the transfer protocol needs from a transport (an in-process one for tests: testing.py).
 
 A transport joins two endpoints (one per process, each on its GPU) with two channels:
 
@@ -12,9 +12,6 @@ A transport joins two endpoints (one per process, each on its GPU) with two chan
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import queue
-import threading
 from collections.abc import Iterator
 
 
@@ -54,86 +51,3 @@ class Transport:
 
     def close(self) -> None:
         """Orderly shutdown (the peer sees end-of-file)."""
-
-
-class _Link:
-    """The shared state of a fake transport pair: one control and one data queue per
-    direction, and whether the link is closed (a peer gone)."""
-
-    def __init__(self) -> None:
-        self.control: tuple[queue.Queue[dict], queue.Queue[dict]] = (queue.Queue(), queue.Queue())
-        self.data: tuple[queue.Queue[bytes], queue.Queue[bytes]] = (queue.Queue(), queue.Queue())
-        self.closed = threading.Event()
-
-
-class FakeTransport(Transport):
-    """One end of an in-process transport over host memory, for tests of the protocol.
-
-    ``fail_after_sends=k``: the k+1-th data send of this end closes the link instead (the
-    process "dies" mid-transfer), so the peer sees PeerGone.
-    """
-
-    def __init__(self, link: _Link, side: int, fail_after_sends: int | None = None) -> None:
-        self._link, self._side = link, side
-        self._fail_after = fail_after_sends
-        self.num_sends = 0
-        self.num_data_calls = 0
-
-    def send_control(self, message: dict) -> None:
-        if self._link.closed.is_set():
-            raise PeerGone("the link is closed")
-        self._link.control[1 - self._side].put(dict(message))
-
-    def recv_control(self, timeout: float | None) -> dict:
-        q = self._link.control[self._side]
-        step = 0.01
-        waited = 0.0
-        while True:
-            try:
-                return q.get(timeout=step)
-            except queue.Empty:
-                if self._link.closed.is_set():
-                    raise PeerGone("the peer closed the link") from None
-                waited += step
-                if timeout is not None and waited >= timeout:
-                    raise TimeoutError(f"no control message within {timeout} s") from None
-
-    def peer_alive(self) -> bool:
-        return not self._link.closed.is_set()
-
-    def send(self, ptr: int, nbytes: int, stream: int | None) -> None:
-        if self._fail_after is not None and self.num_sends >= self._fail_after:
-            self._link.closed.set()
-            raise PeerGone("injected failure: this end died during the transfer")
-        if self._link.closed.is_set():
-            raise PeerGone("the link is closed")
-        self.num_sends += 1
-        self.num_data_calls += 1
-        self._link.data[1 - self._side].put(ctypes.string_at(ptr, nbytes))
-
-    def recv(self, ptr: int, nbytes: int, stream: int | None) -> None:
-        self.num_data_calls += 1
-        q = self._link.data[self._side]
-        while True:
-            try:
-                payload = q.get(timeout=0.01)
-                break
-            except queue.Empty:
-                if self._link.closed.is_set():
-                    raise PeerGone("the peer died during the transfer") from None
-        if len(payload) != nbytes:
-            raise ValueError(f"a send of {len(payload)} bytes met a receive of {nbytes}")
-        ctypes.memmove(ptr, payload, nbytes)
-
-    def abort(self) -> None:
-        self._link.closed.set()
-
-    def close(self) -> None:
-        self._link.closed.set()
-
-
-def fake_transport_pair(fail_after_sends: int | None = None) -> tuple[FakeTransport, FakeTransport]:
-    """Two connected fake ends (sender side first); see FakeTransport for the failure knob,
-    which applies to the first end."""
-    link = _Link()
-    return FakeTransport(link, 0, fail_after_sends), FakeTransport(link, 1)
