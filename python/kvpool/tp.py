@@ -15,6 +15,8 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy.typing as npt
+
 from kvpool._core import BlockTables, InvalidArgumentError, KvError, KvLayout, Pool
 from kvpool.kernels import copy_blocks
 
@@ -118,7 +120,7 @@ class PoolGroup:
         with _keeping_current_device(True):
             return [tables.sync()] + [tables.sync(pool=p) for p in self.pools[1:]]
 
-    def copy_blocks(self, pairs: Any) -> None:
+    def copy_blocks(self, pairs: npt.ArrayLike) -> None:
         """Run copy-on-write block copies (``append_tokens_many``'s ``copies``) on every rank,
         each on its pool's stream."""
         for pool in self.pools:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvpool._core import BlockTables
+
 
 @dataclass(frozen=True, slots=True)
 class StepBatch:
@@ -56,7 +58,7 @@ def slots_of(block_row: np.ndarray, positions: np.ndarray, block_size: int) -> n
 
 
 def build_step(
-    tables,
+    tables: BlockTables,
     decode: list[tuple[int, int, int]],
     prefill: list[tuple[int, list[int], int]],
     temperatures: list[float],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvpool._core import Pool
 from kvpool.generation.batch import StepBatch
 from kvpool.generation.sampling import sample
 from kvpool.kernels import append_kv, paged_attention_decode
@@ -18,7 +19,7 @@ from kvpool.kernels import append_kv, paged_attention_decode
 class ToyModel:
     """A ModelRunner over a float32 host pool (num_q_heads = group * the pool's kv heads)."""
 
-    def __init__(self, pool, vocab_size: int = 97, group: int = 2, seed: int = 0) -> None:
+    def __init__(self, pool: Pool, vocab_size: int = 97, group: int = 2, seed: int = 0) -> None:
         lay = pool.layout
         if lay.dtype != "float32":
             raise ValueError("ToyModel needs a float32 host pool")

@@ -20,6 +20,7 @@ import torch
 from transformers import AttentionInterface
 
 import kvpool
+from kvpool._core import KvLayout, Pool
 from kvpool.generation.batch import StepBatch
 
 NAME = "kvpool"
@@ -31,11 +32,11 @@ TORCH_DTYPES = {
 }
 
 
-def _is_cuda(pool: Any) -> bool:
+def _is_cuda(pool: Pool) -> bool:
     return str(pool.device).startswith("cuda")
 
 
-def pool_device(pool: Any) -> torch.device:
+def pool_device(pool: Pool) -> torch.device:
     """The torch device of a pool ("cpu" for a host pool)."""
     d = str(pool.device)
     return (
@@ -48,7 +49,7 @@ def register() -> None:
     AttentionInterface.register(NAME, kvpool_attention)
 
 
-def pool_layer(pool: Any, layer: int, part: str) -> torch.Tensor:
+def pool_layer(pool: Pool, layer: int, part: str) -> torch.Tensor:
     """Zero-copy torch tensor [num_blocks, block_size, kv_heads, head_dim] of the pool's
     dtype over one layer's K ("k") or V ("v")."""
     v = pool.k_view(layer) if part == "k" else pool.v_view(layer)
@@ -81,7 +82,7 @@ class KvpoolStep:
 
     def __init__(
         self,
-        pool: Any,
+        pool: Pool,
         batch: StepBatch,
         device: torch.device,
         prefill: str = "kernel",
@@ -318,7 +319,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().numpy()
 
 
-def check_layout(model: Any, pool: Any) -> None:
+def check_layout(model: Any, pool: Pool) -> None:
     """Raise LayoutError unless the pool's layout holds `model`'s KV cache."""
     want = layout_for(model, pool.layout.block_size)
     lay = pool.layout
@@ -327,7 +328,7 @@ def check_layout(model: Any, pool: Any) -> None:
         raise kvpool.LayoutError(f"pool layout {got} does not fit the model {want}")
 
 
-def layout_for(model: Any, block_size: int = 16) -> Any:
+def layout_for(model: Any, block_size: int = 16) -> KvLayout:
     """The kvpool.KvLayout that holds `model`'s KV cache in its parameters' dtype."""
     cfg = (
         model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

@@ -89,7 +89,7 @@ class KvpoolCache(Cache):
     def __init__(
         self,
         model: Any,
-        pool: Any,
+        pool: kvpool.Pool,
         *,
         max_batch_size: int,
         max_cache_len: int,

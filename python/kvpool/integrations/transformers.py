@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import kvpool
 from kvpool.generation.batch import StepBatch
 from kvpool.generation.sampling import M1, M2, MASK
 from kvpool.integrations.attention import (
@@ -88,7 +89,7 @@ class TransformersRunner:
     def __init__(
         self,
         model: Any,
-        pool: Any,
+        pool: kvpool.Pool,
         *,
         prefill: str = "kernel",
         cuda_graphs: bool = False,

@@ -18,10 +18,12 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from kvpool.scheduler.core import DecodeObserver, Scheduler, SchedulerConfig
+from kvpool.scheduler.request import Request
 from kvpool.scheduler.seq import Seq
 
 RESERVE_MODES = ("max_model_len", "pow2", "request")
@@ -200,10 +202,10 @@ class ContiguousKv:
 def contiguous_scheduler(
     capacity_bytes: int,
     token_bytes: int,
-    requests,
+    requests: Sequence[Request],
     config: SchedulerConfig = SchedulerConfig(),
     reserve: str = "max_model_len",
-    **kw,
+    **kw: Any,
 ) -> Scheduler:
     backend = ContiguousKv(capacity_bytes, token_bytes, config.max_model_len, reserve)
     return Scheduler(backend, requests, config, **kw)

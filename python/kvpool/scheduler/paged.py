@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 import kvpool
 from kvpool.scheduler.core import DecodeObserver, Scheduler, SchedulerConfig
+from kvpool.scheduler.request import Request
 from kvpool.scheduler.seq import Seq
 
 
@@ -101,7 +103,10 @@ class PagedKv:
 
 
 def paged_scheduler(
-    pool: kvpool.Pool, requests, config: SchedulerConfig = SchedulerConfig(), **kw
+    pool: kvpool.Pool,
+    requests: Sequence[Request],
+    config: SchedulerConfig = SchedulerConfig(),
+    **kw: Any,
 ) -> Scheduler:
     return Scheduler(
         PagedKv(pool, config.max_running_seqs, config.max_model_len), requests, config, **kw

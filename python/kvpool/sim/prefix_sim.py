@@ -13,9 +13,11 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.scheduler.metrics import StepMetrics
+
 
 def hit_rate_series(
-    metrics, steps: list[int], window_steps: int | None = None
+    metrics: StepMetrics, steps: list[int], window_steps: int | None = None
 ) -> list[float | None]:
     """The prefix hit rate (cached / queried tokens of the requests admitted) over the
     `window_steps` steps up to each of `steps` (default: a fiftieth of the run; the whole

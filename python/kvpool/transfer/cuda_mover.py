@@ -17,10 +17,12 @@ from typing import Any
 
 import numpy as np
 
+from kvpool._core import Pool
 from kvpool.kernels import _build
 from kvpool.kernels._args import device_index
 from kvpool.kernels._launch import Kernel, cupy_stream, launch, param_block, stream_handle
 from kvpool.transfer.pieces import GROUPED
+from kvpool.transfer.transport import Transport
 
 _u64, _i64 = ctypes.c_uint64, ctypes.c_int64
 
@@ -85,7 +87,7 @@ class CudaCompletion:
 class CudaMover:
     """Gathers/scatters a pool's blocks through a ring of staging slots (see pieces.py)."""
 
-    def __init__(self, pool: Any, ring_slots: int = 2) -> None:
+    def __init__(self, pool: Pool, ring_slots: int = 2) -> None:
         import cupy
 
         self.pool = pool
@@ -134,7 +136,7 @@ class CudaMover:
             return cupy.asarray(np.ascontiguousarray(ids, dtype=np.int32))
 
     def send(
-        self, transport: Any, ids: np.ndarray, pieces: list, mode: str, stream: Any
+        self, transport: Transport, ids: np.ndarray, pieces: list, mode: str, stream: Any
     ) -> CudaCompletion:
         import cupy
 
@@ -176,7 +178,7 @@ class CudaMover:
             return CudaCompletion(done, (ids_dev, self._staging))
 
     def recv(
-        self, transport: Any, ids: np.ndarray, pieces: list, mode: str, stream: Any
+        self, transport: Transport, ids: np.ndarray, pieces: list, mode: str, stream: Any
     ) -> CudaCompletion:
         import cupy
 

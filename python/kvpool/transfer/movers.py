@@ -11,8 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from kvpool._core import Pool
 from kvpool.transfer.cuda_mover import CudaMover
 from kvpool.transfer.pieces import GROUPED
+from kvpool.transfer.transport import Transport
 
 
 class Done:
@@ -28,7 +30,7 @@ class Done:
 class HostMover:
     """The data phase over a host pool (NumPy copies; the transport moves host memory)."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.block_bytes = pool.layout.block_bytes
         size = pool.num_blocks * self.block_bytes
@@ -38,7 +40,9 @@ class HostMover:
     def _address(self, block_id: int) -> int:
         return self.pool.base_ptr + int(block_id) * self.block_bytes
 
-    def send(self, transport: Any, ids: np.ndarray, pieces: list, mode: str, stream: Any) -> Done:
+    def send(
+        self, transport: Transport, ids: np.ndarray, pieces: list, mode: str, stream: Any
+    ) -> Done:
         with transport.group():
             for start, count in pieces:
                 if mode == GROUPED:
@@ -48,7 +52,9 @@ class HostMover:
                     transport.send(staging.ctypes.data, staging.nbytes, None)
         return Done()
 
-    def recv(self, transport: Any, ids: np.ndarray, pieces: list, mode: str, stream: Any) -> Done:
+    def recv(
+        self, transport: Transport, ids: np.ndarray, pieces: list, mode: str, stream: Any
+    ) -> Done:
         with transport.group():
             for start, count in pieces:
                 if mode == GROUPED:
@@ -63,7 +69,7 @@ class HostMover:
         pass
 
 
-def make_mover(pool: Any, ring_slots: int = 2) -> Any:
+def make_mover(pool: Pool, ring_slots: int = 2) -> HostMover | CudaMover:
     if str(pool.device).startswith("cuda"):
         return CudaMover(pool, ring_slots)
     return HostMover(pool)

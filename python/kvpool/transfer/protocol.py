@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool._core import BlockTables, KvError, TransferError
+from kvpool._core import BlockTables, KvError, KvLayout, TransferError
 from kvpool.transfer.movers import make_mover
 from kvpool.transfer.pieces import AUTO, MODES, plan_pieces, resolve_mode
 from kvpool.transfer.transport import PeerGone, Transport
@@ -31,7 +31,7 @@ DEFAULT_TIMEOUT_S = 60.0
 _POLL_S = 0.0005
 
 
-def layout_fingerprint(layout: Any) -> dict:
+def layout_fingerprint(layout: KvLayout) -> dict:
     """What two pools must share for a block to mean the same bytes on both."""
     return {
         "num_layers": layout.num_layers,
