@@ -579,10 +579,10 @@ def figures_prefix_paragraph(rep, f):
 
 def figures_greedy_paragraph(rep, f):
     rep.section("bench/FIGURES.md", "greedy divergence paragraph")
-    greedy_paragraph(rep, f, figures=True)
+    greedy_paragraph(rep, f, readme=True)
 
 
-def greedy_paragraph(rep, f, figures):
+def greedy_paragraph(rep, f, readme):
     g = load(f["gpu"] / "transformers/transformers_gpu_report.json")["greedy_64"]
     div = g["divergences"]
     total = len(div) + len(g["agreeing_last_step"])
@@ -592,7 +592,7 @@ def greedy_paragraph(rep, f, figures):
         "transformers/transformers_gpu_report.json greedy_64: identical_fraction x (divergences"
         " + agreeing_last_step), max ref_gap, gap_sigmas, bounds.gap_sigmas"
     )
-    if figures:
+    if readme:  # the wording README.md had, now in bench/FIGURES.md; else bench/README.md's
         rep.fig(
             "{} of {} greedy outputs (`identical_fraction` {}) were identical over 64 tokens; "
             "the other {} parted where the top-2 gap looked large (up to {} logit units)",
@@ -1920,7 +1920,7 @@ def bench_transformers(rep, f):
         passed(g / "transformers/cpu_tests.log")[0],
         src="transformers/tests.log, transformers/cpu_tests.log",
     )
-    greedy_paragraph(rep, f, figures=False)
+    greedy_paragraph(rep, f, readme=False)
 
 
 # ---------------------------------------------------------------- main
