@@ -1,5 +1,7 @@
-"""`_core.pyi` matches the compiled module (mypy's stubtest, as STYLE.md asks). mypy is in the
-`test` extra, so a missing mypy fails here rather than skipping."""
+"""`_core.pyi` matches the compiled module (mypy's stubtest). The stub is all that type checkers
+and editors see of the Rust extension, and nothing else notices when a binding change leaves it
+saying something else. mypy is in the `test` extra, so a missing mypy fails here rather than
+skipping."""
 
 from __future__ import annotations
 

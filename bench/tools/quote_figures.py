@@ -1,4 +1,4 @@
-"""Every figure README.md and bench/README.md quote, recomputed from the benchmark JSONs and logs.
+"""Every figure README.md, bench/README.md and bench/FIGURES.md quote, recomputed from the benchmark JSONs and logs.
 
 For re-quoting the docs after a new measurement: it prints, section by section in the order the
 READMEs quote them, each figure inside the README phrase it fills, rounded as the README rounds,
@@ -251,21 +251,21 @@ def readme_scheduler(rep, f):
     mm, p2, rq = d["max_model_len"], d["pow2"], d["request"]
     paged = mm["results"]["paged"]
     rep.fig(
-        "{} ShareGPT-like requests in {} GiB of Llama-3-8B KV",
+        "scheduler, {} ShareGPT-like requests in {} GiB of Llama-3-8B KV",
         thou(mm["workload"]["num_requests"]),
         rnd(mm["kv_memory_bytes"] / 2**30),
         src=src + ".workload.num_requests, .kv_memory_bytes",
     )
     rep.fig(
-        "paged KV utilization {} and {} requests running on average",
+        "KV utilization {}, {} requests running on average",
         rnd(paged["kv_utilization"], 3),
         rnd(paged["mean_running"], 1),
         src=src + ".results.paged.kv_utilization, .mean_running",
     )
     for run, template in (
-        (mm, "max_model_len per request ({}, {}x fewer running)"),
-        (p2, "power of two ({}, {}x fewer)"),
-        (rq, "known in advance ({}, {}x fewer;"),
+        (mm, "max_model_len per request: {}, {}x fewer running"),
+        (p2, "power of two: {}, {}x fewer"),
+        (rq, "known in advance: {}, {}x fewer"),
     ):
         rep.fig(
             template,
@@ -279,12 +279,13 @@ def readme_scheduler(rep, f):
 def readme_pool_tables(rep, f):
     g = f["gpu"]
     pool = {c["name"]: c for c in load(g / "pool_cuda.json")["cases"]}
-    pool_targets = load(g / "pool_cuda.json")["targets"]
     rep.section("README.md Results", "allocator, block tables (H200)")
     cuda = pool["cuda_alloc_free_single"]
+    c16 = pool["alloc_many16_free_many"]
     rep.fig(
-        "one CUDA block alloc+free from Python: {} us, {}x CuPy's memory pool, {}x torch's "
-        "caching allocator, {}x `cudaMalloc`+`cudaFree`",
+        "| block alloc+free from Python, CUDA | {} us: {}x, {}x, {}x; 16 blocks: {}x | CuPy's "
+        "memory pool, torch's caching allocator, `cudaMalloc`+`cudaFree`; a pure-Python free "
+        "list |",
         rnd(cuda["ours_us"], 2),
         rnd(
             pool["cuda_alloc_free_single_vs_cupy_pool"]["baseline_us"]
@@ -297,15 +298,9 @@ def readme_pool_tables(rep, f):
             0,
         ),
         rnd(cuda["baseline_us"] / cuda["ours_us"], 0),
-        src="pool_cuda.json cases[cuda_alloc_free_single*] baseline_us / ours_us",
-    )
-    c16 = pool["alloc_many16_free_many"]
-    met10 = [t for t in pool_targets if "16-block" in t["target"]][0]["pass"]
-    rep.fig(
-        "the 16-block Python round trip is {}x a pure-Python free list, {} the 10x target",
         rnd(c16["baseline_us"] / c16["ours_us"], 1),
-        "meeting" if met10 else "short of",
-        src="pool_cuda.json cases[alloc_many16_free_many], targets['>= 10x ... 16-block']",
+        src="pool_cuda.json cases[cuda_alloc_free_single*, alloc_many16_free_many] baseline_us "
+        "/ ours_us",
     )
     res = load(f["free_list"] / "free_list_h200.json")["results"]
     speedups = {
@@ -313,15 +308,13 @@ def readme_pool_tables(rep, f):
     }
     many = [x for (_, t), x in speedups.items() if t in (8, 16)]
     single = [x for (_, t), x in speedups.items() if t == 1]
-    single_ok = all(1 / speedups[(group, 1)] <= 1.2 for group in ("single", "batch16"))
     rep.fig(
-        "the lock-free free list in Rust is {}-{}x a `Mutex<Vec<u32>>` at 8-16 threads (every "
-        "batch size) and {}-{}x it single-threaded, {} the 1.2x aimed for on 1- and 16-block batches",
+        "| free list in Rust | {}-{}x at 8-16 threads, {}-{}x single-threaded | "
+        "`Mutex<Vec<u32>>` |",
         rnd(min(many), 1),
         rnd(max(many)),
         rnd(min(single), 2),
         rnd(max(single), 2),
-        "meeting" if single_ok else "missing",
         src="free_list_h200.json results: mutex_ns_per_block / ours_ns_per_block, threads 8 and 16, "
         "and 1",
     )
@@ -329,10 +322,10 @@ def readme_pool_tables(rep, f):
     paths = t["paths"]
     ours = paths["ours_append_sync_cuda"]["median_us"]
     rep.fig(
-        "block tables: {} us per step for {} requests, {}x an incremental NumPy table with a "
-        "pinned asynchronous upload, {}x a rebuild",
-        rnd(ours, 1),
+        "| block tables, {} requests | {} us per step: {}x, {}x | an incremental NumPy table "
+        "with a pinned asynchronous upload; a rebuild |",
         t["config"]["num_requests"],
+        rnd(ours, 1),
         rnd(paths["incremental_numpy_pinned_async"]["median_us"] / ours, 1),
         rnd(paths["rebuild_numpy_cupy_asarray"]["median_us"] / ours, 0),
         src="tables_cuda.json paths.*.median_us",
@@ -344,15 +337,12 @@ def readme_kernels(rep, f):
     rep.section("README.md Results", "decode, fp8, prefill (H200)")
     dec = decode_groups(measured(load(g / "decode/decode_h200_v4.json")["rows"], "kvpool_us"))
     rep.fig(
-        "{} of the measured read ceiling on batches of 128k+ tokens (D=128), {}x the best "
-        "FlashInfer mode, {}x cuDNN SDPA; small shapes {}x the best peer, {} the 1.3x target",
+        "| decode attention | D=128, 128k+ tokens: {} of the measured read ceiling, {}x, {}x; "
+        "small shapes: {}x | the best FlashInfer mode, cuDNN SDPA; the best peer |",
         rng([r["kvpool_frac"] for r in dec["large"]]),
         rng([best_fi(r) / r["kvpool_us"] for r in dec["large"] if best_fi(r)]),
         rng([r["sdpa_cudnn_us"] / r["kvpool_us"] for r in dec["large"] if r.get("sdpa_cudnn_us")]),
         rng([r["best_peer_us"] / r["kvpool_us"] for r in dec["small"]]),
-        "meeting"
-        if min(r["best_peer_us"] / r["kvpool_us"] for r in dec["small"]) >= 1.3
-        else "missing",
         src="decode/decode_h200_v4.json rows: large = D=128 fp16 Hq32 block16 B*L>=128k, "
         "small = every unragged row with B*L<128k; kvpool_frac, peer_us / kvpool_us",
     )
@@ -360,10 +350,9 @@ def readme_kernels(rep, f):
     fp8p = load(g / "fp8/fp8_prefill_h200.json")["rows"]
     low = min(fp8, key=fp8_vs_fp16)
     rep.fig(
-        "fp8 decode: {}x our own fp16 decode on large shapes (1.8x aimed for, {}), {}x it on {}; "
-        "{}x FlashInfer's best fp8 decode on every shape; fp8 prefill {}x our fp16 prefill",
+        "| fp8 decode and prefill | decode {}x on large shapes, {}x on {}, {}x on every shape; "
+        "prefill {}x | our fp16 decode, FlashInfer's best fp8 decode; our fp16 prefill |",
         rng([fp8_vs_fp16(r) for r in fp8 if is_large(r)]),
-        status(min(fp8_vs_fp16(r) for r in fp8 if is_large(r)) >= 1.8),
         rnd(fp8_vs_fp16(low), 2),
         low["shape"],
         rng([fp8_vs_fi(r) for r in fp8]),
@@ -376,8 +365,8 @@ def readme_kernels(rep, f):
         r for r in pre if "spec" not in r["shape"]
     ]  # full-size: every row but 64 x 4 spec, both dtypes
     rep.fig(
-        "prefill: {} TFLOP/s, {}x FlashInfer fa2 and {}x the best peer (FlashInfer fa3 or "
-        "cuDNN) on full-size shapes",
+        "| prefill, full-size shapes | {} TFLOP/s: {}x, {}x | FlashInfer fa2; the best peer "
+        "(FlashInfer fa3 or cuDNN) |",
         rng([r["kvpool_tflops"] for r in full], 0),
         rng([r["flashinfer_fa2_us"] / r["kvpool_us"] for r in full]),
         rng([prefill_best_peer(r)[1] / r["kvpool_us"] for r in full]),
@@ -402,8 +391,9 @@ def readme_dev_vm(rep, f):
     rep.section("README.md Results", "prefix caching in the scheduler (dev VM)")
     sp, mt, spc, mtc = prefix_sim_runs(f)
     rep.fig(
-        "{} shared {}-token system prompts hit {} of prompt tokens, {} % less prefill, {}x "
-        "output tokens/s; {}-turn conversations hit {}, {} % less prefill, {}x",
+        "{} shared {}-token system prompts: hit {} of prompt tokens, {} % less prefill, {}x "
+        "output tokens/s; {}-turn conversations: hit {}, {} % less prefill, {}x | caching off, "
+        "same KV memory |",
         sp["workload"]["num_prefixes"],
         thou(sp["workload"]["prefix_tokens"]),
         rnd(spc["hit_rate_tokens"], 3),
@@ -420,23 +410,16 @@ def readme_dev_vm(rep, f):
     pc = load(f["prefix_cache"])
     miss, hit, step = pc["add_miss"], pc["add_hit"], pc["decode_step"]
     rep.fig(
-        "adding a {}-token prompt {}x (miss;",
+        "| prefix caching from Python, a {}-token prompt | adding it {}x (miss), {}x (full hit, "
+        "{} us); caching adds {} % to a {}-request decode step's append | the same algorithm in "
+        "pure Python; caching off |",
         pc["prompt_tokens"],
         rnd(miss["python"]["median_us"] / miss["ours"]["median_us"], 1),
-        src="prefix_cache add_miss.{python,ours}.median_us",
-    )
-    rep.fig(
-        "and {}x (full hit, {} us, {} the 50 us aimed for)",
         rnd(hit["python"]["median_us"] / hit["ours"]["median_us"], 1),
         rnd(hit["ours"]["median_us"], 0),
-        "under" if hit["ours"]["median_us"] < 50 else "over",
-        src="prefix_cache add_hit.{python,ours}.median_us",
-    )
-    rep.fig(
-        "caching adds {} % to a {}-request decode step's append",
         pct(step["caching_overhead"]),
         pc["decode_requests"],
-        src="prefix_cache decode_step.caching_overhead",
+        src="prefix_cache add_{miss,hit}.{python,ours}.median_us, decode_step.caching_overhead",
     )
 
 
@@ -445,11 +428,11 @@ def readme_hosttier(rep, f):
     rep.section("README.md Results", "host tier (H200)")
     h = hosttier(load(g / "hosttier/swap_h200.json"))
     rep.fig(
-        "2 MiB-block swaps at {} of a 1 GiB pinned copy's bandwidth ({} GB/s); 64 KiB "
-        "fragmented blocks {}",
+        "| host tier swaps | 2 MiB blocks {}x, 64 KiB fragmented blocks {}x | a 1 GiB pinned "
+        "copy ({} GB/s) |",
         h["big"],
-        h["ceiling"],
         h["small_frag"],
+        h["ceiling"],
         src="hosttier/swap_h200.json rows method=batch, num_blocks>=64: swap_{out,in}"
         "_vs_ceiling; ceiling_1gib",
     )
@@ -462,8 +445,8 @@ def readme_gpu_tail(rep, f):
         tr = transfer(f)
         tp = tp_rows(f)
         rep.fig(
-            "KV transfer between two GPUs over NCCL: {}x (1 block) to {}x (4096 blocks) the "
-            "bandwidth of one contiguous NCCL send/recv, {}; TP decode on 2 GPUs {}x one GPU",
+            "| two GPUs | KV transfer {}x (1 block) to {}x (4096 blocks), {}; TP decode {}x | one "
+            "contiguous NCCL send/recv; one GPU |",
             rnd(tr[1]["ratio"], 2),
             rnd(tr[4096]["ratio"], 2),
             "byte-exact" if tr["byte_exact"] else "NOT byte-exact",
@@ -475,9 +458,9 @@ def readme_gpu_tail(rep, f):
     gen = load(g / "transformers/generate_h200.json")
     rows, ra = gen["rows"], gen["ratios"]
     rep.fig(
-        "random-weight {}-layer model, {} requests): {} tokens/s with CUDA graphs and {} "
-        "eager, {}x and {}x transformers' continuous batching, {}x and {}x its dynamic cache; "
-        "batch 1: {} ms/token with graphs against {} ms",
+        "| generation, random-weight {}-layer model, {} requests | {} tokens/s with CUDA graphs, "
+        "{} eager: {}x and {}x, {}x and {}x; batch 1: {} ms/token with graphs | transformers' "
+        "continuous batching; its dynamic cache ({} ms/token at batch 1) |",
         gen["model"]["num_hidden_layers"],
         gen["workload"]["num_requests"],
         thou(rows["kvpool_loop_graphs"]["tokens_per_s"]),
@@ -494,8 +477,8 @@ def readme_gpu_tail(rep, f):
     grow = {v["chunk_bytes"] >> 20: v for v in gr["vmm"] if v["how"] == "pool.grow"}
     # README.md rounds these two speedups down ("28x" for 28.5x).
     rep.fig(
-        "growing a pool holding {} GiB by {} GiB in place: {}x faster than allocate-copy-free "
-        "at 256 MiB chunks, {}x at 32 MiB chunks",
+        "| growing a pool holding {} GiB by {} GiB in place | {}x at 256 MiB chunks, {}x at 32 "
+        "MiB chunks | allocate-copy-free |",
         rnd(gr["live_bytes"] / 2**30),
         rnd(gr["grow_bytes"] / 2**30),
         int(grow[256]["speedup_vs_copy"]),
@@ -504,10 +487,10 @@ def readme_gpu_tail(rep, f):
     )
 
 
-def readme_swap_table(rep, f):
-    """README.md outside Results: the swap table (Use it), then the prefix-caching paragraph and
-    the greedy test (below)."""
-    rep.section("README.md (Use it, Prefix caching, transformers)", "swap table")
+def figures_swap_table(rep, f):
+    """bench/FIGURES.md, the measurement notes moved out of README.md: the swap table, then the
+    prefix-caching paragraph and the greedy test (below)."""
+    rep.section("bench/FIGURES.md", "swap table")
     d = load(f["swap_sim"])
     rows = d["rows"]
     first = rows[0]
@@ -557,8 +540,8 @@ def readme_swap_table(rep, f):
     )
 
 
-def readme_prefix_paragraph(rep, f):
-    rep.section("README.md (Prefix caching)", "paragraph")
+def figures_prefix_paragraph(rep, f):
+    rep.section("bench/FIGURES.md", "prefix caching paragraph")
     sp, mt, spc, mtc = prefix_sim_runs(f)
     rep.fig(
         "(Llama-3-8B geometry, {} GiB of KV, {} requests, modelled H200 step times;",
@@ -594,8 +577,8 @@ def readme_prefix_paragraph(rep, f):
     )
 
 
-def readme_greedy_paragraph(rep, f):
-    rep.section("README.md (Generate with a transformers model)", "greedy divergence paragraph")
+def figures_greedy_paragraph(rep, f):
+    rep.section("bench/FIGURES.md", "greedy divergence paragraph")
     greedy_paragraph(rep, f, readme=True)
 
 
@@ -609,7 +592,7 @@ def greedy_paragraph(rep, f, readme):
         "transformers/transformers_gpu_report.json greedy_64: identical_fraction x (divergences"
         " + agreeing_last_step), max ref_gap, gap_sigmas, bounds.gap_sigmas"
     )
-    if readme:
+    if readme:  # the wording README.md had, now in bench/FIGURES.md; else bench/README.md's
         rep.fig(
             "{} of {} greedy outputs (`identical_fraction` {}) were identical over 64 tokens; "
             "the other {} parted where the top-2 gap looked large (up to {} logit units)",
@@ -1689,8 +1672,8 @@ def readme_swap_sim(rep, f):
     fast = max(top, key=lambda r: r["host_link_gbps"])
     slow = min((r for r in rows if r["mode"] == "swap"), key=lambda r: r["host_link_gbps"])
     rep.fig(
-        "({} of Llama-3-8B KV, {} requests): {}x the throughput of recompute-only, {} recomputed "
-        "tokens against {}; a {} GB/s link forced to swap {}x",
+        "| preemption by swap, modelled, {} of Llama-3-8B KV, {} requests | {}x, {} recomputed "
+        "tokens against {}; a {} GB/s link forced to swap {}x | recompute only |",
         gib_label(d["args"]["kv_memory"]),
         thou(d["args"]["num_requests"]),
         rnd(fast["throughput_ratio"], 3),
@@ -1952,15 +1935,15 @@ def prov_commit(path):
 
 NOT_FROM_DATA = """
 Quoted figures this script does not recompute (not in the JSON of one run; check by hand):
-  README.md / bench/README.md prefix caching from Python: "9.8-12.2x in other runs" / "in five
-    other runs", "median 77 % over six runs" / "20-84 %, median 77 %", "90 % before the step's
-    stores were batched", "52.4 us before the tokens were hashed in place" (earlier runs)
+  bench/README.md prefix caching from Python: "in five other runs", "20-84 %, median 77 %",
+    "90 % before the step's stores were batched", "52.4 us before the tokens were hashed in
+    place" (earlier runs)
   bench/README.md prefix caching in the scheduler: "peaks near 0.55 about 25 s in" (the plot)
   bench/README.md elastic pool: "22.3x in an earlier two-GPU-host run"
   bench/README.md swap sim: "Below about 9.7 GB/s", "n blocks x 210 us + 15 us", "27 us per
-    token" (model constants); README.md "below about 10 GB/s"
+    token" (model constants); bench/FIGURES.md "below about 10 GB/s"
   bench/README.md fp8: "6 warps x 3 stages" (fp8_sweep.json at 270740b, not re-run)
-  README.md (Use it): "55 GB/s each way, 15 us per call" (the simulator's default host link)
+  bench/FIGURES.md: "55 GB/s each way, 15 us per call" (the simulator's default host link)
   bench/README.md free list: the single-threaded rows of the lane run beside the GPU work
     ("1.10x and 1.16x", `free_list_h200.json` in the --gpu folder) and of 1e82866 ("1.18x and 1.42x")
   bench/README.md decode host time "at 14b2a4d ... 17.1-19.6 us unsplit and 13 of 22 met";
@@ -1994,7 +1977,7 @@ def main():
         "--readmes",
         type=Path,
         default=REPO,
-        help="folder holding README.md and bench/README.md to check against",
+        help="folder holding README.md, bench/README.md and bench/FIGURES.md to check against",
     )
     ap.add_argument("--no-check", action="store_true", help="do not look phrases up in the READMEs")
     ap.add_argument(
@@ -2027,12 +2010,7 @@ def main():
     rep = Report(check=not a.no_check)
     if rep.check:
         rep.add_doc("README.md Results", a.readmes / "README.md", "Results")
-        for name in (
-            "README.md (Use it, Prefix caching, transformers)",
-            "README.md (Prefix caching)",
-            "README.md (Generate with a transformers model)",
-        ):
-            rep.add_doc(name, a.readmes / "README.md")
+        rep.add_doc("bench/FIGURES.md", a.readmes / "bench/FIGURES.md")
         rep.add_doc("bench/README.md Results", a.readmes / "bench/README.md", "Results")
 
     print("Inputs (provenance commit and date; for a folder, of one JSON in it):")
@@ -2058,9 +2036,9 @@ def main():
         readme_hosttier,
         readme_swap_sim,
         readme_gpu_tail,
-        readme_swap_table,
-        readme_prefix_paragraph,
-        readme_greedy_paragraph,
+        figures_swap_table,
+        figures_prefix_paragraph,
+        figures_greedy_paragraph,
         bench_scheduler,
         bench_gpu_intro,
         bench_allocator,
