@@ -53,14 +53,18 @@ impl HybridTables {
                     *count += 1;
                     if let Some(other) = group_of.insert(page, group) {
                         if other != group {
-                            return Err(format!("page {page} is held by groups {other} and {group}"));
+                            return Err(format!(
+                                "page {page} is held by groups {other} and {group}"
+                            ));
                         }
                     }
                 }
                 let mut sorted = table.page_ids.to_vec();
                 sorted.sort_unstable();
                 if sorted.windows(2).any(|w| w[0] == w[1]) {
-                    return Err(format!("request {request_id} group {group}: a page appears twice"));
+                    return Err(format!(
+                        "request {request_id} group {group}: a page appears twice"
+                    ));
                 }
             }
         }
@@ -68,7 +72,9 @@ impl HybridTables {
         for (page, &count) in refs.iter().enumerate() {
             let ref_cnt = pool.ref_cnt(page as u32).map_err(|e| e.to_string())?;
             if count != ref_cnt {
-                return Err(format!("page {page}: tables hold {count} references, ref_cnt {ref_cnt}"));
+                return Err(format!(
+                    "page {page}: tables hold {count} references, ref_cnt {ref_cnt}"
+                ));
             }
             held += (count > 0) as usize;
         }

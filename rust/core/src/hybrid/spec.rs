@@ -71,9 +71,10 @@ fn token_bytes_per_layer(kind: &GroupKind) -> Option<usize> {
     match kind {
         GroupKind::Full(shape)
         | GroupKind::SlidingWindow { shape, .. }
-        | GroupKind::ChunkedLocal { shape, .. } => {
-            shape.num_kv_heads.checked_mul(shape.head_dim)?.checked_mul(2 * shape.dtype.size_bytes())
-        }
+        | GroupKind::ChunkedLocal { shape, .. } => shape
+            .num_kv_heads
+            .checked_mul(shape.head_dim)?
+            .checked_mul(2 * shape.dtype.size_bytes()),
         GroupKind::MlaLatent { latent_dim, rope_dim, dtype } => {
             latent_dim.checked_add(*rope_dim)?.checked_mul(dtype.size_bytes())
         }
@@ -96,7 +97,12 @@ pub enum PageGeometry {
     /// `i` of a slot holds layers `i * layers_per_page ..` whole, one after the other; with
     /// `pages_per_layer >= 1`, layer `l`'s state is split at page boundaries over slot pages
     /// `l * pages_per_layer ..` (exactly one of the two is non-zero).
-    State { bytes_per_layer: usize, layers_per_page: usize, pages_per_layer: usize, pages_per_slot: usize },
+    State {
+        bytes_per_layer: usize,
+        layers_per_page: usize,
+        pages_per_layer: usize,
+        pages_per_slot: usize,
+    },
 }
 
 /// A model's KV memory: groups that cover every layer once, over pages of `page_bytes`.
@@ -317,7 +323,9 @@ fn group_geometry(group: &KvGroup, page_bytes: usize) -> Result<PageGeometry, St
                 bytes_per_layer,
                 layers_per_page: 0,
                 pages_per_layer,
-                pages_per_slot: pages_per_layer.checked_mul(num_layers).ok_or("the state overflows")?,
+                pages_per_slot: pages_per_layer
+                    .checked_mul(num_layers)
+                    .ok_or("the state overflows")?,
             }
         });
     }
@@ -329,7 +337,10 @@ fn group_geometry(group: &KvGroup, page_bytes: usize) -> Result<PageGeometry, St
              {page_bytes} bytes; split the group or use larger pages"
         ));
     }
-    Ok(PageGeometry::Tokens { block_size: page_bytes / token_bytes, token_bytes_per_layer: per_layer })
+    Ok(PageGeometry::Tokens {
+        block_size: page_bytes / token_bytes,
+        token_bytes_per_layer: per_layer,
+    })
 }
 
 impl PageGeometry {
