@@ -222,7 +222,7 @@ fn gemma3_27b() -> Model {
 }
 
 /// Llama 4 Scout config.json text_config: num_hidden_layers 48, attention_chunk_size 8192,
-/// every 4th layer (no_rope_layers, nope_layer_interval 4) global, num_key_value_heads 8,
+/// every 4th layer global (no_rope_layers), num_key_value_heads 8,
 /// head_dim 128.
 fn llama4_scout() -> Model {
     let chunked = GroupKind::ChunkedLocal { chunk: 8192, shape: attention(8, 128) };
