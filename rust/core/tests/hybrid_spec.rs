@@ -2,7 +2,9 @@
 //! byte for byte a `KvLayout` block, the geometry of the published models that
 //! `hybrid/hybrid.md` quotes, and the element offsets of MLA and state groups.
 
-use kvpool_core::hybrid::{AttentionShape, GroupKind, KvGroup, ModelKvSpec, PageGeometry};
+use kvpool_core::hybrid::{
+    AttentionShape, GroupKind, KvGroup, ModelKvSpec, PageGeometry, StatePacking,
+};
 use kvpool_core::layout::KvPart;
 use kvpool_core::{CoreError, DType, KvLayout};
 
@@ -140,8 +142,7 @@ fn a_state_packs_layers_into_a_page_or_splits_a_layer_at_page_boundaries() {
         *packed.geometry(0).unwrap(),
         PageGeometry::State {
             bytes_per_layer: 1000,
-            layers_per_page: 4,
-            pages_per_layer: 0,
+            packing: StatePacking::LayersPerPage(4),
             pages_per_slot: 3
         }
     );
@@ -155,8 +156,7 @@ fn a_state_packs_layers_into_a_page_or_splits_a_layer_at_page_boundaries() {
         split.geometry(0).unwrap().clone(),
         PageGeometry::State {
             bytes_per_layer: 10_000,
-            layers_per_page: 0,
-            pages_per_layer: 3,
+            packing: StatePacking::PagesPerLayer(3),
             pages_per_slot: 6
         }
     );
@@ -304,57 +304,61 @@ fn assert_close(actual: f64, expected: f64, what: &str) {
     assert!((actual - expected).abs() < 0.05, "{what}: {actual:.2}, the note says {expected:.2}");
 }
 
+/// One row of the waste table in `hybrid/hybrid.md`.
+struct NoteRow {
+    name: &'static str,
+    model: Model,
+    page_bytes: usize,
+    /// Per group: tokens per page (`None` for a state) and the % of a page holding data.
+    groups: Vec<(Option<usize>, f64)>,
+    /// Bytes held over bytes needed, minus 1, in %, around 32k tokens.
+    held_over_needed_pct: f64,
+    /// The all-full-attention pool's bytes over ours around 32k tokens.
+    all_full_over_ours: Option<f64>,
+}
+
+fn row(
+    name: &'static str,
+    model: Model,
+    page_bytes: usize,
+    groups: Vec<(Option<usize>, f64)>,
+    held_over_needed_pct: f64,
+    all_full_over_ours: Option<f64>,
+) -> NoteRow {
+    NoteRow { name, model, page_bytes, groups, held_over_needed_pct, all_full_over_ours }
+}
+
 /// The figures of the waste table in `hybrid/hybrid.md`: page bytes, tokens per page, page
-/// fill, and for a 32k-token request in decode the bytes held over the bytes needed and
-/// the all-full-attention pool's bytes over ours.
+/// fill, and for requests around 32k tokens in decode the bytes held over the bytes needed
+/// and the all-full-attention pool's bytes over ours.
 #[test]
 fn the_published_models_match_the_notes_waste_table() {
-    // (name, model, page bytes, per group (tokens per page, fill %), bytes held over bytes
-    //  needed - 1 in % at 32k, the all-full pool's bytes over ours at 32k)
-    let table: [(&str, Model, usize, Vec<(Option<usize>, f64)>, f64, Option<f64>); 6] = [
-        (
-            "gpt-oss-20b",
-            gpt_oss(24),
-            393_216,
-            vec![(Some(16), 100.0), (Some(16), 100.0)],
-            0.07,
-            Some(1.99),
-        ),
-        (
-            "gpt-oss-120b",
-            gpt_oss(36),
-            589_824,
-            vec![(Some(16), 100.0), (Some(16), 100.0)],
-            0.07,
-            Some(1.99),
-        ),
-        (
+    let full_16 = (Some(16), 100.0);
+    let table = [
+        row("gpt-oss-20b", gpt_oss(24), 393_216, vec![full_16, full_16], 0.07, Some(1.99)),
+        row("gpt-oss-120b", gpt_oss(36), 589_824, vec![full_16, full_16], 0.07, Some(1.99)),
+        row(
             "gemma-3-27b",
             gemma3_27b(),
             6_815_744,
-            vec![(Some(16), 100.0), (Some(83), 99.76)],
+            vec![full_16, (Some(83), 99.76)],
             0.52,
             Some(5.31),
         ),
-        (
+        row(
             "llama-4-scout",
             llama4_scout(),
             2_359_296,
-            vec![(Some(16), 100.0), (Some(48), 100.0)],
+            vec![full_16, (Some(48), 100.0)],
             0.14,
             Some(3.94),
         ),
-        (
-            "qwen3-next-80b-a3b",
-            qwen3_next(),
-            393_216,
-            vec![(None, 93.06), (Some(16), 100.0)],
-            0.37,
-            None,
-        ),
-        ("deepseek-v3", deepseek_v3(), 4_497_408, vec![(Some(64), 100.0)], 0.10, None),
+        row("qwen3-next-80b-a3b", qwen3_next(), 393_216, vec![(None, 93.06), full_16], 0.37, None),
+        row("deepseek-v3", deepseek_v3(), 4_497_408, vec![(Some(64), 100.0)], 0.10, None),
     ];
-    for (name, m, page_bytes, groups, overhead, all_full_ratio) in table {
+    for NoteRow { name, model: m, page_bytes, groups, held_over_needed_pct, all_full_over_ours } in
+        table
+    {
         assert_eq!(m.spec.page_bytes(), page_bytes, "{name}");
         for (g, ((block_size, pct), (want_block_size, want_pct))) in
             fill(&m.spec).into_iter().zip(groups).enumerate()
@@ -363,13 +367,10 @@ fn the_published_models_match_the_notes_waste_table() {
             assert_close(pct, want_pct, &format!("{name} group {g} fill"));
         }
         let (held, needed) = held_and_needed(&m.spec, 32_768);
-        assert_close(100.0 * (held as f64 / needed as f64 - 1.0), overhead, name);
-        if let (Some(bytes), Some(ratio)) = (m.all_full_token_bytes, all_full_ratio) {
-            assert_close(
-                (bytes * (32_768 * 256 + 255 * 128)) as f64 / held as f64,
-                ratio,
-                &format!("{name} all-full"),
-            );
+        assert_close(100.0 * (held as f64 / needed as f64 - 1.0), held_over_needed_pct, name);
+        if let (Some(bytes), Some(ratio)) = (m.all_full_token_bytes, all_full_over_ours) {
+            let all_full = bytes * (32_768 * 256 + 255 * 128);
+            assert_close(all_full as f64 / held as f64, ratio, &format!("{name} all-full"));
         }
     }
 }

@@ -112,6 +112,14 @@ struct Model {
     next_page: ModelPage,
 }
 
+/// One group's new table in the model: its first page index, its pages (`None`: a fresh
+/// one, a copy included) and the pages it lets go.
+struct ModelGroupPlan {
+    first_page: usize,
+    table: Vec<Option<ModelPage>>,
+    released: Vec<ModelPage>,
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Add { id: u64, num_tokens: usize },
@@ -151,14 +159,13 @@ impl Model {
     }
 
     /// Each group's new table for `request` grown to `num_tokens` (queries from
-    /// `next_query` on to run): the pages kept (`None`: a fresh one, a copy included),
-    /// and the pages released. Fresh pages in `alloc` order are only counted here.
+    /// `next_query` on to run). Fresh pages are only counted here.
     fn plan(
         &self,
         request: &ModelRequest,
         num_tokens: usize,
         next_query: usize,
-    ) -> Vec<(usize, Vec<Option<ModelPage>>, Vec<ModelPage>)> {
+    ) -> Vec<ModelGroupPlan> {
         let appending = num_tokens > request.num_tokens;
         GROUPS
             .iter()
@@ -192,7 +199,7 @@ impl Model {
                         page => table.push(page),
                     }
                 }
-                (live.start, table, released)
+                ModelGroupPlan { first_page: live.start, table, released }
             })
             .collect()
     }
@@ -247,17 +254,17 @@ impl Model {
     ) -> Result<(), &'static str> {
         let plans = self.plan(&request, num_tokens, next_query);
         let needed: usize =
-            plans.iter().map(|(_, t, _)| t.iter().filter(|p| p.is_none()).count()).sum();
+            plans.iter().map(|plan| plan.table.iter().filter(|p| p.is_none()).count()).sum();
         if needed > self.num_free() {
             return Err("out of blocks");
         }
         let mut groups = Vec::new();
-        for (first, table, released) in plans {
-            for page in released {
+        for plan in plans {
+            for page in plan.released {
                 self.drop_ref(page);
             }
-            let pages = table.into_iter().map(|p| p.unwrap_or_else(|| self.fresh())).collect();
-            groups.push((first, pages));
+            let pages = plan.table.into_iter().map(|p| p.unwrap_or_else(|| self.fresh())).collect();
+            groups.push((plan.first_page, pages));
         }
         self.requests.insert(id, ModelRequest { num_tokens, groups });
         Ok(())

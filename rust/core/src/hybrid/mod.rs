@@ -16,5 +16,5 @@ mod invariants;
 mod spec;
 mod tables;
 
-pub use spec::{AttentionShape, GroupKind, KvGroup, ModelKvSpec, PageGeometry};
+pub use spec::{AttentionShape, GroupKind, KvGroup, ModelKvSpec, PageGeometry, StatePacking};
 pub use tables::{GroupTable, HybridTables, PageCopy};

@@ -93,16 +93,18 @@ pub enum PageGeometry {
         /// Bytes of one token of one layer (both K and V for attention).
         token_bytes_per_layer: usize,
     },
-    /// One state per request in `pages_per_slot` pages. With `layers_per_page >= 1`, page
-    /// `i` of a slot holds layers `i * layers_per_page ..` whole, one after the other; with
-    /// `pages_per_layer >= 1`, layer `l`'s state is split at page boundaries over slot pages
-    /// `l * pages_per_layer ..` (exactly one of the two is non-zero).
-    State {
-        bytes_per_layer: usize,
-        layers_per_page: usize,
-        pages_per_layer: usize,
-        pages_per_slot: usize,
-    },
+    /// One state per request in `pages_per_slot` pages, packed as `packing` says.
+    State { bytes_per_layer: usize, packing: StatePacking, pages_per_slot: usize },
+}
+
+/// How a state slot's pages hold its layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatePacking {
+    /// A layer's state fits a page: page `i` of a slot holds layers `i * n ..` whole, one
+    /// after the other.
+    LayersPerPage(usize),
+    /// A layer's state is split at page boundaries over slot pages `l * n .. (l + 1) * n`.
+    PagesPerLayer(usize),
 }
 
 /// A model's KV memory: groups that cover every layer once, over pages of `page_bytes`.
@@ -309,25 +311,15 @@ fn check_shape(shape: AttentionShape) -> Result<(), String> {
 fn group_geometry(group: &KvGroup, page_bytes: usize) -> Result<PageGeometry, String> {
     let num_layers = group.layers.len();
     if let GroupKind::RecurrentState { bytes_per_layer } = group.kind {
-        return Ok(if bytes_per_layer <= page_bytes {
+        let (packing, pages_per_slot) = if bytes_per_layer <= page_bytes {
             let layers_per_page = page_bytes / bytes_per_layer;
-            PageGeometry::State {
-                bytes_per_layer,
-                layers_per_page,
-                pages_per_layer: 0,
-                pages_per_slot: num_layers.div_ceil(layers_per_page),
-            }
+            (StatePacking::LayersPerPage(layers_per_page), num_layers.div_ceil(layers_per_page))
         } else {
             let pages_per_layer = bytes_per_layer.div_ceil(page_bytes);
-            PageGeometry::State {
-                bytes_per_layer,
-                layers_per_page: 0,
-                pages_per_layer,
-                pages_per_slot: pages_per_layer
-                    .checked_mul(num_layers)
-                    .ok_or("the state overflows")?,
-            }
-        });
+            let pages = pages_per_layer.checked_mul(num_layers).ok_or("the state overflows")?;
+            (StatePacking::PagesPerLayer(pages_per_layer), pages)
+        };
+        return Ok(PageGeometry::State { bytes_per_layer, packing, pages_per_slot });
     }
     let per_layer = token_bytes_per_layer(&group.kind).ok_or("one token's bytes overflow")?;
     let token_bytes = group.token_bytes().ok_or("one token's bytes overflow")?;
@@ -438,9 +430,7 @@ impl ModelKvSpec {
         layer: usize,
         byte: usize,
     ) -> Result<(usize, usize), CoreError> {
-        let PageGeometry::State { bytes_per_layer, layers_per_page, pages_per_layer, .. } =
-            *self.geometry(group)?
-        else {
+        let PageGeometry::State { bytes_per_layer, packing, .. } = *self.geometry(group)? else {
             return Err(CoreError::InvalidArgument(format!(
                 "group {group} ({}) holds tokens, not a state",
                 self.groups[group].kind.describe()
@@ -452,10 +442,11 @@ impl ModelKvSpec {
                 "byte {byte} is past the {bytes_per_layer} bytes of a layer's state"
             )));
         }
-        Ok(if layers_per_page > 0 {
-            (layer / layers_per_page, layer % layers_per_page * bytes_per_layer + byte)
-        } else {
-            (layer * pages_per_layer + byte / self.page_bytes, byte % self.page_bytes)
+        Ok(match packing {
+            StatePacking::LayersPerPage(n) => (layer / n, layer % n * bytes_per_layer + byte),
+            StatePacking::PagesPerLayer(n) => {
+                (layer * n + byte / self.page_bytes, byte % self.page_bytes)
+            }
         })
     }
 

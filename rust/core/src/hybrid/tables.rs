@@ -277,10 +277,12 @@ impl HybridTables {
                     let written = request.num_tokens / block_size;
                     let partly_filled = request.num_tokens % block_size != 0;
                     let index = written.wrapping_sub(old_first);
-                    if appending && partly_filled && plan.kept.contains(&index) {
-                        if self.is_shared(pages.page_ids[index])? {
-                            plan.copies.push(index - lo);
-                        }
+                    if appending
+                        && partly_filled
+                        && plan.kept.contains(&index)
+                        && self.is_shared(pages.page_ids[index])?
+                    {
+                        plan.copies.push(index - lo);
                     }
                 }
             }
