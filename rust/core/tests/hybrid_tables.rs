@@ -193,6 +193,8 @@ fn failed_calls_change_nothing_in_any_group() {
     assert!(matches!(t.fork(1, 2), Err(CoreError::DuplicateRequest { request_id: 2 })));
     assert!(matches!(t.free(3), Err(CoreError::UnknownRequest { request_id: 3 })));
     assert!(matches!(t.append(1, usize::MAX), Err(CoreError::InvalidArgument(_))));
+    assert!(matches!(t.append(1, usize::MAX - 8), Err(CoreError::OutOfBlocks { .. })));
+    assert!(matches!(t.add(3, usize::MAX), Err(CoreError::OutOfBlocks { .. })));
     assert!(matches!(t.table(1, 5), Err(CoreError::InvalidArgument(m)) if m.contains("5 groups")));
     assert_eq!(snapshot(&t, &[1, 2, 3]), before);
     t.check_invariants().unwrap();

@@ -232,11 +232,11 @@ impl ModelKvSpec {
     }
 
     /// The number of pages a request of `num_tokens` tokens holds right after it is added
-    /// (all its tokens' queries still to run): what admitting it costs.
+    /// (all its tokens' queries still to run): what admitting it costs (saturating).
     pub fn pages_to_add(&self, num_tokens: usize) -> usize {
         (0..self.groups.len())
             .map(|g| self.live_pages(g, num_tokens, 0).map_or(0, |r| r.len()))
-            .sum()
+            .fold(0, usize::saturating_add)
     }
 }
 
@@ -244,7 +244,9 @@ impl ModelKvSpec {
 fn first_live_token(kind: &GroupKind, next_query: usize) -> usize {
     match *kind {
         GroupKind::Full(_) | GroupKind::MlaLatent { .. } | GroupKind::RecurrentState { .. } => 0,
-        GroupKind::SlidingWindow { window, .. } => (next_query + 1).saturating_sub(window),
+        GroupKind::SlidingWindow { window, .. } => {
+            next_query.saturating_add(1).saturating_sub(window)
+        }
         GroupKind::ChunkedLocal { chunk, .. } => next_query / chunk * chunk,
     }
 }

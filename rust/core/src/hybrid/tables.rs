@@ -169,7 +169,7 @@ impl HybridTables {
             groups: vec![GroupPages::default(); self.spec.num_groups()],
         };
         let plans = self.plan(&empty, num_tokens, 0)?;
-        let fresh = self.pool.alloc_many(plans.iter().map(GroupPlan::num_fresh).sum())?;
+        let fresh = self.pool.alloc_many(total_fresh(&plans))?;
         let mut request = empty;
         request.num_tokens = num_tokens;
         commit(&mut request, &plans, fresh);
@@ -200,7 +200,7 @@ impl HybridTables {
                 plan.released(pages).chain(copied)
             })
             .collect();
-        let fresh = self.pool.alloc_many(plans.iter().map(GroupPlan::num_fresh).sum())?;
+        let fresh = self.pool.alloc_many(total_fresh(&plans))?;
         if let Err(e) = self.pool.free_many(&released) {
             // Ours alone (just allocated), so they go straight back.
             self.pool.free_many(&fresh).expect("returning pages just allocated");
@@ -294,6 +294,12 @@ impl HybridTables {
     fn is_shared(&self, page_id: u32) -> Result<bool, CoreError> {
         Ok(self.pool.ref_cnt(page_id)? > 1)
     }
+}
+
+/// The fresh pages `plans` take. Saturating: a sum past `usize::MAX` is refused by
+/// `alloc_many` as more than the pool can ever hold, before anything is sized for it.
+fn total_fresh(plans: &[GroupPlan]) -> usize {
+    plans.iter().map(GroupPlan::num_fresh).fold(0, usize::saturating_add)
 }
 
 /// Every page a request references, once per reference.
