@@ -74,6 +74,9 @@ fn groups_must_cover_every_layer_exactly_once() {
     let m = invalid_message(ModelKvSpec::new(2, vec![full(vec![0, 1]), full(vec![])], 4096));
     assert!(m.contains("group 1") && m.contains("no layers"), "{m}");
     assert!(invalid_message(ModelKvSpec::new(2, vec![], 4096)).contains("at least one"));
+    // A layer count nobody could allocate a table for is an error, not an abort.
+    let m = invalid_message(ModelKvSpec::new(usize::MAX, vec![full(vec![0, 1])], 4096));
+    assert!(m.contains("layer 2 is in no group"), "{m}");
     assert!(invalid_message(ModelKvSpec::new(0, vec![full(vec![])], 4096)).contains("num_layers"));
 }
 

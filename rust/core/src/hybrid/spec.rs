@@ -251,28 +251,37 @@ fn first_live_token(kind: &GroupKind, next_query: usize) -> usize {
     }
 }
 
-/// Every layer `0..num_layers` in exactly one group.
+/// Every layer `0..num_layers` in exactly one group. Sorts the listed layers rather than
+/// sizing anything by `num_layers`, which the caller gives.
 fn check_layer_cover(num_layers: usize, groups: &[KvGroup]) -> Result<(), CoreError> {
     if num_layers == 0 {
         return Err(invalid("num_layers must be positive, got 0".into()));
     }
-    let mut owner: Vec<Option<usize>> = vec![None; num_layers];
     for (g, group) in groups.iter().enumerate() {
         if group.layers.is_empty() {
             return Err(invalid(format!("group {g} ({}) has no layers", group.kind.describe())));
         }
-        for &layer in &group.layers {
-            let slot = owner.get_mut(layer).ok_or_else(|| {
-                invalid(format!(
-                    "group {g} names layer {layer}, but the model has {num_layers} layers (0..{num_layers})"
-                ))
-            })?;
-            if let Some(first) = slot.replace(g) {
-                return Err(invalid(format!("layer {layer} is in group {first} and in group {g}")));
-            }
+        if let Some(&layer) = group.layers.iter().find(|&&l| l >= num_layers) {
+            return Err(invalid(format!(
+                "group {g} names layer {layer}, but the model has {num_layers} layers (0..{num_layers})"
+            )));
         }
     }
-    match owner.iter().position(Option::is_none) {
+    let mut listed: Vec<(usize, usize)> = groups
+        .iter()
+        .enumerate()
+        .flat_map(|(g, group)| group.layers.iter().map(move |&layer| (layer, g)))
+        .collect();
+    listed.sort_unstable();
+    if let Some(w) = listed.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(invalid(format!(
+            "layer {} is in group {} and in group {}",
+            w[0].0, w[0].1, w[1].1
+        )));
+    }
+    // Sorted and without repeats: layer i is at position i unless some layer below is missing.
+    let missing = listed.iter().enumerate().find(|&(i, &(layer, _))| layer != i).map(|(i, _)| i);
+    match missing.or((listed.len() < num_layers).then_some(listed.len())) {
         Some(layer) => Err(invalid(format!("layer {layer} is in no group"))),
         None => Ok(()),
     }
