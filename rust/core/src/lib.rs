@@ -11,6 +11,8 @@
 //!   (`pool/growth.rs`, design in `pool/growable.md`).
 //! - [`prefix_cache`]: full blocks keyed by a hash chain of their content, reused across
 //!   requests; unreferenced cached blocks are evictable (see `prefix_cache/prefix_cache.md`).
+//! - [`hybrid`]: models whose layers keep different things (sliding window, chunked local,
+//!   MLA latent, recurrent state) as KV groups over one pool (design in `hybrid/hybrid.md`).
 //! - [`tables`]: each request's block table, and its upload to the GPU (`tables/upload.rs`,
 //!   design in `tables/upload.md`).
 //! - [`tier`]: a host tier (a second pool in host memory) and whole requests swapped between
@@ -25,6 +27,7 @@ pub mod driver;
 pub mod error;
 mod free_ids;
 pub mod free_list;
+pub mod hybrid;
 pub mod layout;
 pub mod pool;
 pub mod prefix_cache;

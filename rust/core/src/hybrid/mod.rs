@@ -1,0 +1,20 @@
+//! Hybrid KV memory: a model whose layers keep different things (full attention, a
+//! sliding window, chunked local attention, an MLA latent, a recurrent state) as a list of
+//! KV groups over one pool. One slab and one free list serve every group; every page has
+//! the pool's block bytes and a group's page holds as many of its tokens as fit (design,
+//! rejected alternatives and the waste per model in `hybrid.md`).
+//!
+//! - `spec.rs`: [`ModelKvSpec`], the validated list of [`KvGroup`]s, each group's geometry
+//!   inside a page and which pages a request keeps.
+//! - `tables.rs`: [`HybridTables`], per request and per group the pages it holds: add,
+//!   append (window and chunk groups release what no query can see any more), fork
+//!   (copy on write), free.
+//! - `invariants.rs`: `HybridTables::check_invariants`, the equations tests check after
+//!   every call.
+
+mod invariants;
+mod spec;
+mod tables;
+
+pub use spec::{AttentionShape, GroupKind, KvGroup, ModelKvSpec, PageGeometry, StatePacking};
+pub use tables::{GroupTable, HybridTables, PageCopy};

@@ -1,0 +1,339 @@
+//! `HybridTables`: per request and per group, the pages a request holds in one pool.
+//!
+//! Every mutating call validates, plans every group's change, takes all the new pages in
+//! one all-or-nothing `alloc_many`, drops the released ones in one all-or-nothing
+//! `free_many` (returning the new pages if that fails), and only then commits: a failed
+//! call changes nothing in any group.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use rustc_hash::FxHashMap;
+
+use crate::error::CoreError;
+use crate::hybrid::spec::{ModelKvSpec, PageGeometry};
+use crate::pool::Pool;
+
+/// One request's pages of one group: page `first_page + i` of the group's page sequence
+/// is `page_ids[i]` (for a state group, `first_page` is 0 and the ids are its slot).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+struct GroupPages {
+    first_page: usize,
+    page_ids: Vec<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct RequestPages {
+    num_tokens: usize,
+    /// The first position whose query has not run yet: the call that brought the request
+    /// to `num_tokens` started there. Window groups keep what its query and later ones see.
+    next_query: usize,
+    groups: Vec<GroupPages>,
+}
+
+/// A copy-on-write page copy (whole page) that must run before the call's tokens are
+/// written: `dst` replaces the shared `src` in `group`'s table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageCopy {
+    pub group: usize,
+    pub src: u32,
+    pub dst: u32,
+}
+
+/// One request's table of one group, as decode metadata needs it: the token at position
+/// `p` (for `first_live_token <= p < num_tokens`) is at offset `p % block_size` of page
+/// `page_ids[p / block_size - first_page]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupTable<'a> {
+    pub first_page: usize,
+    pub page_ids: &'a [u32],
+    pub num_tokens: usize,
+    /// Tokens per page (`None` for a state group).
+    pub block_size: Option<usize>,
+}
+
+impl GroupTable<'_> {
+    /// The slot (`page_id * block_size + offset`) of token `position`, if this table holds
+    /// its page.
+    pub fn slot(&self, position: usize) -> Option<i64> {
+        let block_size = self.block_size?;
+        let index = (position / block_size).checked_sub(self.first_page)?;
+        let page = *self.page_ids.get(index)?;
+        Some(page as i64 * block_size as i64 + (position % block_size) as i64)
+    }
+}
+
+/// Block tables of a hybrid model over one pool: each request has one table per group.
+/// The tables are meant to be the pool's only user (`check_invariants` counts on it).
+pub struct HybridTables {
+    pool: Arc<Pool>,
+    spec: ModelKvSpec,
+    requests: FxHashMap<u64, RequestPages>,
+}
+
+/// One group's change in a planned call: which of its old pages it keeps, how many new
+/// pages it takes at the end, and which kept pages are shared and must be copied.
+#[derive(Debug, Default)]
+struct GroupPlan {
+    /// The page index of the new table's first entry.
+    first_page: usize,
+    /// Indices into the old `page_ids` of the pages kept (the new table's front); the
+    /// others are released.
+    kept: Range<usize>,
+    num_new: usize,
+    /// Indices into the new table of kept pages replaced by fresh copies.
+    copies: Vec<usize>,
+}
+
+impl GroupPlan {
+    fn num_fresh(&self) -> usize {
+        self.num_new + self.copies.len()
+    }
+
+    fn released<'a>(&self, pages: &'a GroupPages) -> impl Iterator<Item = u32> + 'a {
+        let ids = &pages.page_ids;
+        ids[..self.kept.start].iter().chain(&ids[self.kept.end..]).copied()
+    }
+}
+
+impl HybridTables {
+    /// Tables for `spec` over `pool`, whose blocks must be the spec's pages, with room for
+    /// at least one request of one token (every state slot included).
+    pub fn new(pool: Arc<Pool>, spec: ModelKvSpec) -> Result<Self, CoreError> {
+        let block_bytes = pool.layout().block_bytes();
+        if block_bytes != spec.page_bytes() {
+            return Err(CoreError::InvalidLayout(format!(
+                "the pool's blocks are {block_bytes} bytes, the model's pages {}",
+                spec.page_bytes()
+            )));
+        }
+        if pool.prefix_cache().is_some() {
+            return Err(CoreError::InvalidArgument(
+                "hybrid tables do not support prefix caching yet: give them a pool without it"
+                    .into(),
+            ));
+        }
+        let smallest = spec.pages_to_add(1);
+        if smallest > pool.max_num_blocks() {
+            return Err(CoreError::InvalidLayout(format!(
+                "one request of one token needs {smallest} pages (state slots included), the pool \
+                 holds at most {}",
+                pool.max_num_blocks()
+            )));
+        }
+        Ok(HybridTables { pool, spec, requests: FxHashMap::default() })
+    }
+
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+    pub fn spec(&self) -> &ModelKvSpec {
+        &self.spec
+    }
+    pub fn len(&self) -> usize {
+        self.requests.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.requests.is_empty()
+    }
+    pub fn contains(&self, request_id: u64) -> bool {
+        self.requests.contains_key(&request_id)
+    }
+
+    pub fn num_tokens(&self, request_id: u64) -> Result<usize, CoreError> {
+        Ok(self.request(request_id)?.num_tokens)
+    }
+
+    /// `request_id`'s table of group `group`.
+    pub fn table(&self, request_id: u64, group: usize) -> Result<GroupTable<'_>, CoreError> {
+        let geometry = self.spec.geometry(group)?;
+        let request = self.request(request_id)?;
+        let pages = &request.groups[group];
+        Ok(GroupTable {
+            first_page: pages.first_page,
+            page_ids: &pages.page_ids,
+            num_tokens: request.num_tokens,
+            block_size: geometry.block_size(),
+        })
+    }
+
+    /// Adds a request of `num_tokens` tokens: every group's pages for them (window groups
+    /// keep all, since all their queries are still to run) and every state slot.
+    pub fn add(&mut self, request_id: u64, num_tokens: usize) -> Result<(), CoreError> {
+        if self.requests.contains_key(&request_id) {
+            return Err(CoreError::DuplicateRequest { request_id });
+        }
+        let empty = RequestPages {
+            num_tokens: 0,
+            next_query: 0,
+            groups: vec![GroupPages::default(); self.spec.num_groups()],
+        };
+        let plans = self.plan(&empty, num_tokens, 0)?;
+        let fresh = self.pool.alloc_many(total_fresh(&plans))?;
+        let mut request = empty;
+        request.num_tokens = num_tokens;
+        commit(&mut request, &plans, fresh);
+        self.requests.insert(request_id, request);
+        Ok(())
+    }
+
+    /// Appends `count` tokens to `request_id`, whose earlier queries have all run: window
+    /// and chunk groups release the pages no query from the first new token on can see. A
+    /// shared page the new tokens write (a partly filled last page, a state slot) is copied
+    /// first: the returned copies must run before the tokens are written.
+    pub fn append(&mut self, request_id: u64, count: usize) -> Result<Vec<PageCopy>, CoreError> {
+        let request = self.request(request_id)?;
+        let num_tokens = request.num_tokens.checked_add(count).ok_or_else(|| {
+            CoreError::InvalidArgument(format!(
+                "request {request_id}: {} + {count} tokens overflow",
+                request.num_tokens
+            ))
+        })?;
+        let next_query = request.num_tokens;
+        let plans = self.plan(request, num_tokens, next_query)?;
+        // A copied page is released too: the other holders keep it.
+        let released: Vec<u32> = plans
+            .iter()
+            .zip(&request.groups)
+            .flat_map(|(plan, pages)| {
+                let copied = plan.copies.iter().map(|&i| pages.page_ids[plan.kept.start + i]);
+                plan.released(pages).chain(copied)
+            })
+            .collect();
+        let fresh = self.pool.alloc_many(total_fresh(&plans))?;
+        if let Err(e) = self.pool.free_many(&released) {
+            // Ours alone (just allocated), so they go straight back.
+            self.pool.free_many(&fresh).expect("returning pages just allocated");
+            return Err(e);
+        }
+        let request = self.requests.get_mut(&request_id).expect("checked above");
+        let copies = copy_list(request, &plans, &fresh);
+        request.num_tokens = num_tokens;
+        request.next_query = next_query;
+        commit(request, &plans, fresh);
+        Ok(copies)
+    }
+
+    /// Adds `child_id` sharing every page of every group of `parent_id` (copy on write).
+    pub fn fork(&mut self, parent_id: u64, child_id: u64) -> Result<(), CoreError> {
+        let parent = self.request(parent_id)?;
+        if self.requests.contains_key(&child_id) {
+            return Err(CoreError::DuplicateRequest { request_id: child_id });
+        }
+        self.pool.share_many(&all_pages(parent))?;
+        let child = parent.clone();
+        self.requests.insert(child_id, child);
+        Ok(())
+    }
+
+    /// Removes a request, dropping its reference to every page of every group.
+    pub fn free(&mut self, request_id: u64) -> Result<(), CoreError> {
+        self.pool.free_many(&all_pages(self.request(request_id)?))?;
+        self.requests.remove(&request_id);
+        Ok(())
+    }
+
+    /// Every request's id, token count and first query still to run.
+    pub(super) fn positions(&self) -> impl Iterator<Item = (u64, usize, usize)> + '_ {
+        self.requests.iter().map(|(&id, r)| (id, r.num_tokens, r.next_query))
+    }
+
+    fn request(&self, request_id: u64) -> Result<&RequestPages, CoreError> {
+        self.requests.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })
+    }
+
+    /// Each group's change for `request` to hold `num_tokens` with queries from
+    /// `next_query` on still to run. Counts only: nothing is taken.
+    fn plan(
+        &self,
+        request: &RequestPages,
+        num_tokens: usize,
+        next_query: usize,
+    ) -> Result<Vec<GroupPlan>, CoreError> {
+        let appending = num_tokens > request.num_tokens;
+        let mut plans = Vec::with_capacity(self.spec.num_groups());
+        for (group, pages) in request.groups.iter().enumerate() {
+            let live = self.spec.live_pages(group, num_tokens, next_query)?;
+            let old_len = pages.page_ids.len();
+            // Live ranges only move forward, so the kept pages are the new table's front
+            // and the new ones its back.
+            let old_first = pages.first_page;
+            let lo = (live.start.max(old_first) - old_first).min(old_len);
+            let hi = live.end.min(old_first + old_len).saturating_sub(old_first).clamp(lo, old_len);
+            let mut plan = GroupPlan {
+                first_page: live.start,
+                kept: lo..hi,
+                num_new: live.len() - (hi - lo),
+                copies: Vec::new(),
+            };
+            match *self.spec.geometry(group)? {
+                PageGeometry::State { .. } => {
+                    if appending && old_len > 0 && self.is_shared(pages.page_ids[0])? {
+                        plan.copies = (0..old_len).collect();
+                    }
+                }
+                PageGeometry::Tokens { block_size, .. } => {
+                    // The page the first new token goes to, if it is partly filled already.
+                    let written = request.num_tokens / block_size;
+                    let partly_filled = request.num_tokens % block_size != 0;
+                    let index = written.wrapping_sub(old_first);
+                    if appending
+                        && partly_filled
+                        && plan.kept.contains(&index)
+                        && self.is_shared(pages.page_ids[index])?
+                    {
+                        plan.copies.push(index - lo);
+                    }
+                }
+            }
+            plans.push(plan);
+        }
+        Ok(plans)
+    }
+
+    fn is_shared(&self, page_id: u32) -> Result<bool, CoreError> {
+        Ok(self.pool.ref_cnt(page_id)? > 1)
+    }
+}
+
+/// The fresh pages `plans` take. Saturating: a sum past `usize::MAX` is refused by
+/// `alloc_many` as more than the pool can ever hold, before anything is sized for it.
+fn total_fresh(plans: &[GroupPlan]) -> usize {
+    plans.iter().map(GroupPlan::num_fresh).fold(0, usize::saturating_add)
+}
+
+/// Every page a request references, once per reference.
+fn all_pages(request: &RequestPages) -> Vec<u32> {
+    request.groups.iter().flat_map(|g| g.page_ids.iter().copied()).collect()
+}
+
+/// The copies `plans` call for, with the fresh pages they take: each group's share of
+/// `fresh` starts with its copy destinations (see [`commit`]).
+fn copy_list(request: &RequestPages, plans: &[GroupPlan], fresh: &[u32]) -> Vec<PageCopy> {
+    let mut copies = Vec::new();
+    let mut next = 0;
+    for (group, (plan, pages)) in plans.iter().zip(&request.groups).enumerate() {
+        for (k, &index) in plan.copies.iter().enumerate() {
+            let src = pages.page_ids[plan.kept.start + index];
+            copies.push(PageCopy { group, src, dst: fresh[next + k] });
+        }
+        next += plan.num_fresh();
+    }
+    copies
+}
+
+/// Applies `plans` to `request`, handing out `fresh` in group order: each group's copy
+/// destinations, then its new pages. Cannot fail.
+fn commit(request: &mut RequestPages, plans: &[GroupPlan], fresh: Vec<u32>) {
+    let mut fresh = fresh.into_iter();
+    for (plan, pages) in plans.iter().zip(&mut request.groups) {
+        pages.page_ids.truncate(plan.kept.end);
+        pages.page_ids.drain(..plan.kept.start);
+        for &index in &plan.copies {
+            pages.page_ids[index] = fresh.next().expect("planned copy");
+        }
+        pages.page_ids.extend(fresh.by_ref().take(plan.num_new));
+        pages.first_page = plan.first_page;
+    }
+    debug_assert!(fresh.next().is_none());
+}
