@@ -15,11 +15,9 @@ Writes JSON (argv[1]) with one row per shape; prints a table last.
 
 from __future__ import annotations
 
+import argparse
 import json
-import math
 import statistics
-import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -31,11 +29,10 @@ import torch.nn.functional as F
 from kvpool.kernels import _build, paged_attention_decode, workspace_elems
 from kvpool.kernels._plan import TC_CTAS_PER_SM, plan_decode
 from provenance import provenance
+from timing import HOST_BATCH_CALLS, HOST_BATCHES, eager_us, graph_us, host_us, rotations
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 HERE = Path(__file__).resolve().parent
-L2_BYTES = 60 << 20
-ROTATE_BYTES = 512 << 20  # bytes touched per rotation cycle (>= 8x L2)
 
 GRID = [
     (1, 32768),
@@ -75,72 +72,20 @@ VARIANTS = [
     ("float16", 128, (16, 1024), {"ragged": True}),
     ("bfloat16", 128, (64, 2048), {"ragged": True, "hq": 64}),
 ]
+
+
+def cases():
+    """(dtype, head_dim, (batch, seq_len), options) of every row, in the order measured."""
+    return [("float16", 128, s, {}) for s in GRID] + VARIANTS
+
+
+def flashinfer_configs():
+    """The (dtype, head_dim, num_q_heads, block_size) FlashInfer is asked for, each once."""
+    seen = {(dt, d, o.get("hq", HQ), o.get("bs", BS)): None for dt, d, _, o in cases()}
+    return list(seen)
+
+
 SWEEP_SPLITS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-HOST_BATCHES, HOST_BATCH_CALLS = 10, 20  # host time: median of 10 batches of 20 calls
-
-
-def median_graph_us(calls, reps=20, inner=None):
-    """Capture `inner` passes over `calls` in one CUDA graph; median per-call microseconds."""
-    inner = inner or max(1, math.ceil(8 / len(calls)))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:  # warm-up outside the graph (compiles, plans, module loads)
-            c(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s, capture_error_mode="relaxed"):
-        for _ in range(inner):
-            for c in calls:
-                c(s)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (inner * len(calls)))
-    return statistics.median(times)
-
-
-def median_eager_us(calls, reps=20, inner=None):
-    inner = inner or max(1, math.ceil(20 / len(calls)))
-    s = torch.cuda.current_stream()
-    for c in calls:
-        c(s)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            for c in calls:
-                c(s)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (inner * len(calls)))
-    return statistics.median(times)
-
-
-def host_us(call, batches=HOST_BATCHES, n=HOST_BATCH_CALLS):
-    """Host (CPU) time per call of `call`, eager: the median over `batches` batches of `n` calls
-    (no synchronisation inside a batch, the device drained between batches), so that a pause of
-    the Python process (a garbage collection, a preemption on a busy host) costs one batch, not
-    the figure."""
-    s = torch.cuda.current_stream()
-    call(s)
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(batches):
-        t = time.perf_counter()
-        for _ in range(n):
-            call(s)
-        per_call.append((time.perf_counter() - t) / n)
-        torch.cuda.synchronize()
-    return statistics.median(per_call) * 1e6
 
 
 def measure_ceiling():
@@ -231,10 +176,10 @@ def bench_flashinfer(
 
     try:
         row[f"{name}_host_us"] = host_us(fi(0))
-        row[f"{name}_us"] = median_graph_us([fi(r) for r in range(rot)])
+        row[f"{name}_us"] = graph_us([fi(r) for r in range(rot)])
         row[f"{name}_timing"] = "graph"
     except Exception as e:
-        row[f"{name}_us"] = median_eager_us([fi(r) for r in range(rot)])
+        row[f"{name}_us"] = eager_us([fi(r) for r in range(rot)])
         row[f"{name}_timing"] = f"eager ({type(e).__name__})"
     torch.cuda.synchronize()
     wrappers[0].run(qs[0], cache, out=fouts[0])
@@ -248,7 +193,7 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep, hq=HQ, bs=BS, ragge
         np.int32
     )
     kv_bytes = int(lens.sum()) * HKV * d * 2 * 2
-    rot = max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes)))
+    rot = rotations(kv_bytes)
     blocks_per_seq = -(-seq_len // bs)  # table width; a ragged row uses a prefix of its row
     num_blocks = rot * batch * blocks_per_seq
     lay = kvpool.KvLayout(1, HKV, d, bs, dtype)
@@ -330,14 +275,14 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep, hq=HQ, bs=BS, ragge
         return call
 
     row["kvpool_kernel"] = "tensor cores (paged_decode_tc)"
-    row["kvpool_us"] = median_graph_us([ours(r) for r in range(rot)])
-    row["kvpool_repeat_us"] = median_graph_us([ours(r) for r in range(rot)])  # noise check
+    row["kvpool_us"] = graph_us([ours(r) for r in range(rot)])
+    row["kvpool_repeat_us"] = graph_us([ours(r) for r in range(rot)])  # noise check
     # The CUDA-core kernel of v2 (cp.async stages), same run, same data, where it runs.
     if d in _build.HEAD_DIMS and bs in _build.BLOCK_SIZES and group <= 8:
-        row["kvpool_cuda_core_us"] = median_graph_us(
+        row["kvpool_cuda_core_us"] = graph_us(
             [ours(r, pipeline=_build.PIPELINE) for r in range(rot)]
         )
-    row["kvpool_eager_us"] = median_eager_us([ours(r) for r in range(rot)])
+    row["kvpool_eager_us"] = eager_us([ours(r) for r in range(rot)])
     # Host time per call of the Python wrapper (eager, no sync): all hints given, and the
     # plain form (default stream, cached workspace; max_seq_len still given: without it the
     # wrapper must read seq_lens back, a device sync).
@@ -351,7 +296,7 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep, hq=HQ, bs=BS, ragge
     row["kvpool_host_plain_us"] = host_us(plain)
     if do_sweep:
         row["kvpool_split_sweep_us"] = {
-            str(n): round(median_graph_us([ours(r, n) for r in range(rot)]), 2)
+            str(n): round(graph_us([ours(r, n) for r in range(rot)]), 2)
             for n in SWEEP_SPLITS
             if n <= max(1, seq_len // 64)
         }
@@ -389,7 +334,7 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep, hq=HQ, bs=BS, ragge
             return call
 
         try:
-            row[f"{name}_us"] = median_graph_us([sdpa(r) for r in range(rot)])
+            row[f"{name}_us"] = graph_us([sdpa(r) for r in range(rot)])
             if name == "sdpa_cudnn":
                 with sdpa_kernel([backend]):
                     ref = F.scaled_dot_product_attention(q4[0], ks[0], vs[0], enable_gqa=True)
@@ -469,12 +414,14 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep, hq=HQ, bs=BS, ragge
     return row
 
 
-def main():
-    out_path = sys.argv[1] if len(sys.argv) > 1 else "decode_bench.json"
+def main(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="the JSON to write")
+    out_path = ap.parse_args(argv).out
     ceiling, sweep, torch_sum = measure_ceiling()
     print(f"ceiling {ceiling:.3f} TB/s (torch sum {torch_sum:.3f})", flush=True)
     result = {
-        "provenance": provenance("bench/decode_bench.py"),
+        "provenance": provenance("bench/routines/decode.py"),
         "ceiling_tb_s": round(ceiling, 4),
         "ceiling_sweep_tb_s": sweep,
         "torch_sum_tb_s": round(torch_sum, 4),
@@ -484,8 +431,7 @@ def main():
         "cupy": cp.__version__,
         "rows": [],
     }
-    cases = [("float16", 128, s, {}) for s in GRID] + VARIANTS
-    for dtype, d, (b, l), opts in cases:
+    for dtype, d, (b, l), opts in cases():
         try:
             row = bench_shape(dtype, d, b, l, ceiling, do_sweep=b * l <= 32768, **opts)
         except Exception as e:
@@ -514,7 +460,3 @@ def main():
             f"{r.get('speedup_vs_best_peer') or 0:5.2f} {r.get('kvpool_host_us') or 0:5.1f} "
             f"{r.get('flashinfer_tc_host_us') or 0:5.1f}"
         )
-
-
-if __name__ == "__main__":
-    main()

@@ -10,19 +10,20 @@ Writes JSON (argv[1]) with one row per shape; prints a table last.
 
 from __future__ import annotations
 
+import argparse
 import json
-import math
-import sys
 import traceback
 
 import cupy as cp
 import kvpool
 import numpy as np
 import torch
-from decode_bench import GRID, HKV, HQ, ROTATE_BYTES, measure_ceiling, median_graph_us
 from kvpool.kernels import paged_attention_decode, workspace_elems
 from provenance import provenance
 from shape_grid import measure_grid
+from timing import graph_us, rotations
+
+from routines.decode import GRID, HKV, HQ, measure_ceiling
 
 D, BS = 128, 16
 K_SCALE, V_SCALE = 0.02, 0.01  # the cache holds N(0,1)/scale quantized: codes use the range
@@ -59,7 +60,7 @@ def shape_inputs(batch, seq_len):
     rng = np.random.default_rng(batch * 31 + seq_len)
     lens = np.full(batch, seq_len, np.int32)
     elems = int(lens.sum()) * HKV * D * 2
-    rot = max(1, min(16, math.ceil(ROTATE_BYTES / (elems * 2))))
+    rot = rotations(elems * 2)
     blocks_per_seq = -(-seq_len // BS)
     num_blocks = rot * batch * blocks_per_seq
     gen = torch.Generator(device="cuda")
@@ -119,7 +120,7 @@ def bench_shape(batch, seq_len, ceiling):
 
             return call
 
-        row[f"{key}_us"] = median_graph_us([ours(r) for r in range(rot)])
+        row[f"{key}_us"] = graph_us([ours(r) for r in range(rot)])
         torch.cuda.synchronize()
         outs[key] = out[0].float().clone()
         if dtype != "float16":
@@ -182,7 +183,7 @@ def bench_flashinfer(row, rot, batch, lens, tables, qs, cache, ours_out0):
 
                 return call
 
-            row[f"{name}_us"] = median_graph_us([fi(r) for r in range(rot)])
+            row[f"{name}_us"] = graph_us([fi(r) for r in range(rot)])
             torch.cuda.synchronize()
             wrappers[0].run(qs[0], cache, out=fouts[0], k_scale=K_SCALE, v_scale=V_SCALE)
             row[f"max_abs_diff_vs_{name}"] = float((fouts[0].float() - ours_out0).abs().max())
@@ -193,12 +194,14 @@ def bench_flashinfer(row, rot, batch, lens, tables, qs, cache, ours_out0):
             traceback.print_exc()
 
 
-def main():
-    out_path = sys.argv[1] if len(sys.argv) > 1 else "fp8_bench.json"
+def main(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="the JSON to write")
+    out_path = ap.parse_args(argv).out
     ceiling, sweep, torch_sum = measure_ceiling()
     print(f"ceiling {ceiling:.3f} TB/s", flush=True)
     result = {
-        "provenance": provenance("bench/fp8_bench.py"),
+        "provenance": provenance("bench/routines/fp8.py"),
         "ceiling_tb_s": round(ceiling, 4),
         "torch_sum_tb_s": round(torch_sum, 4),
         "k_scale": K_SCALE,
@@ -226,7 +229,3 @@ def main():
             f"{r.get('flashinfer_fp8_us') or 0:8.1f} {r.get('flashinfer_tc_fp8_us') or 0:8.1f} "
             f"{r.get('fp8_speedup_vs_best_flashinfer_fp8') or 0:6.2f}"
         )
-
-
-if __name__ == "__main__":
-    main()

@@ -6,11 +6,12 @@ the simplest correct form), so it is expected at or below the fp16 speed: these 
 far, to set the bar for a cp.async + register-conversion version. TFLOP/s of causal FLOPs;
 the outputs of both are compared (they differ by fp8 rounding only).
 
-Usage: python3 bench/fp8_prefill_bench.py OUT.json
+Usage: python3 bench/kvbench.py --routine fp8_prefill OUT.json
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import traceback
@@ -20,8 +21,10 @@ import kvpool
 import numpy as np
 import torch
 from kvpool.kernels import paged_attention_prefill, prefill_plan, prefill_workspace_elems
-from prefill_bench import BS, HKV, HQ, D, causal_flops, event_us
 from provenance import provenance
+from timing import event_us
+
+from routines.prefill import BS, HKV, HQ, D, causal_flops
 
 SHAPES = [("1 x 4k", 1, 4096, 0), ("8 x 2k", 8, 2048, 0), ("4 x 2k chunk on 6k", 4, 2048, 6144)]
 K_SCALE, V_SCALE = 0.02, 0.01
@@ -75,10 +78,12 @@ def run(dtype, num_seqs, qo, prefix):
     return us, out.float().clone(), plan
 
 
-def main():
-    out_path = sys.argv[1] if len(sys.argv) > 1 else "fp8_prefill_bench.json"
+def main(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="the JSON to write")
+    out_path = ap.parse_args(argv).out
     result = {
-        "provenance": provenance("bench/fp8_prefill_bench.py"),
+        "provenance": provenance("bench/routines/fp8_prefill.py"),
         "k_scale": K_SCALE,
         "v_scale": V_SCALE,
         "timing": "median of 10 CUDA-event windows of 3 calls",
@@ -120,7 +125,3 @@ def main():
     bad = [r["shape"] for r in result["rows"] if "error" in r or not r.get("fp8_finite")]
     print(f"fp8 prefill: {len(result['rows'])} rows, {len(bad)} failed {bad}")
     sys.exit(1 if bad else 0)
-
-
-if __name__ == "__main__":
-    main()

@@ -21,25 +21,27 @@ Meant to finish in well under two minutes on an H200.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
-import sys
 import time
 import traceback
 
 import cupy as cp
 import kvpool
 import torch
-from decode_bench import GRID, HKV, HQ, measure_ceiling, median_graph_us
-from fp8_bench import BS, K_SCALE, V_SCALE, D, make_pool, shape_inputs
-from fp8_prefill_bench import SHAPES as PREFILL_SHAPES
-from fp8_prefill_bench import run as run_prefill
 from kvpool.kernels import _decode, _prefill, paged_attention_decode, workspace_elems
 from kvpool.kernels._build import FP8_DECODE_ENV, FP8_PREFILL_ASYNC_ENV
-from prefill_bench import causal_flops
 from provenance import provenance
 from shape_grid import measure_grid
+from timing import graph_us
+
+from routines.decode import GRID, HKV, HQ, measure_ceiling
+from routines.fp8 import BS, K_SCALE, V_SCALE, D, make_pool, shape_inputs
+from routines.fp8_prefill import SHAPES as PREFILL_SHAPES
+from routines.fp8_prefill import run as run_prefill
+from routines.prefill import causal_flops
 
 BOUND = 1e-2
 PREFILL_START_LIMIT_S = 85  # seconds into the run after which the prefill part is skipped
@@ -137,7 +139,7 @@ def sweep_shape(batch, seq_len, ceiling):
 
         if dtype == "float16":
             set_tuning("")
-            row["fp16_us"] = median_graph_us([call(r) for r in range(rot)])
+            row["fp16_us"] = graph_us([call(r) for r in range(rot)])
         else:
             for name, value in CANDIDATES:
                 res = {"env": value}
@@ -149,7 +151,7 @@ def sweep_shape(batch, seq_len, ceiling):
                     res["rel_err"] = row_rel_err(out[0], ref)
                     res["mutant_rel_err"] = row_rel_err(out[0].roll(1, dims=1), ref)
                     res["ok"] = res["rel_err"] < BOUND and res["mutant_rel_err"] >= BOUND
-                    res["us"] = median_graph_us([call(r) for r in range(rot)])
+                    res["us"] = graph_us([call(r) for r in range(rot)])
                     res["x_fp16"] = round(row["fp16_us"] / res["us"], 3)
                     res["frac"] = round(elems / (res["us"] * 1e-6) / 1e12 / ceiling, 4)
                 except Exception as e:
@@ -199,13 +201,15 @@ def sweep_prefill():
     return rows
 
 
-def main():
+def main(argv: list[str] | None = None):
     t0 = time.time()
-    out_path = sys.argv[1] if len(sys.argv) > 1 else "fp8_sweep.json"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="the JSON to write")
+    out_path = ap.parse_args(argv).out
     ceiling, _, _ = measure_ceiling()
     print(f"ceiling {ceiling:.3f} TB/s", flush=True)
     result = {
-        "provenance": provenance("bench/fp8_sweep.py"),
+        "provenance": provenance("bench/routines/fp8_sweep.py"),
         "ceiling_tb_s": round(ceiling, 4),
         "bound": BOUND,
         "candidates": dict(CANDIDATES),
@@ -270,7 +274,3 @@ def main():
         )
     fails += [("prefill " + r["shape"], "async") for r in result["prefill"] if not r["ok"]]
     print(f"{len(fails)} failed candidate runs {fails}; total {time.time() - t0:.0f} s")
-
-
-if __name__ == "__main__":
-    main()

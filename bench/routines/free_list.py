@@ -1,16 +1,16 @@
-#!/usr/bin/env python3
-"""Collect the free-list criterion results into free_list_rust.json (in this run's results folder).
+"""The Rust free list against a `Mutex<Vec<u32>>` with the same checks (criterion, 1-16 threads).
 
-Reproduce (from the repository root):
+Runs the criterion groups of rust/core/benches/free_list.rs (1, 2, 4, 8, 16 threads x 1, 16 and
+256 blocks per call, and 16 scattered ids), then reads
+<criterion dir>/<group>/<impl>/<threads>/new/{benchmark,estimates}.json, whose throughput is
+counted in blocks. For each group and thread count it records ours and the baseline in ns per
+block round trip (alloc + free of one block, wall clock across all threads: the inverse of
+aggregate throughput) and their ratio. The criterion run is either
+`cargo bench -p kvpool-core --bench free_list` (the default) or a bench binary built elsewhere
+(`--binary`, from `cargo bench -p kvpool-core --bench free_list --no-run`), for a machine
+without the Rust toolchain; `--criterion-dir` only collects results already there.
 
-    cargo bench -p kvpool-core --bench free_list -- --warm-up-time 1 --measurement-time 2
-    python3 bench/collect_criterion.py [--machine "2-core x86_64 dev VM, no GPU"]
-
-Reads target/criterion/<group>/<impl>/<threads>/new/{benchmark,estimates}.json (or under
-$CARGO_TARGET_DIR, or --criterion-dir) as written by rust/core/benches/free_list.rs, whose
-throughput is counted in blocks. For each group and thread count it records ours and the
-Mutex<Vec<u32>> baseline in ns per block round trip (alloc + free of one block, wall clock
-across all threads: the inverse of aggregate throughput) and their ratio.
+    python3 bench/kvbench.py --routine free_list [--binary PATH] [--machine TEXT]
 """
 
 import argparse
@@ -19,10 +19,12 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
-from provenance import provenance, run_dir, write_json
+from provenance import provenance, write_json
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CRITERION_ARGS = ("--warm-up-time", "1", "--measurement-time", "2")
 GROUPS = {"single": 1, "batch16": 16, "batch256": 256, "batch16_scattered": 16}
 IMPLS = ("ours", "mutex")
 
@@ -62,32 +64,40 @@ def load(criterion_dir):
     return found
 
 
-def main():
+def run_criterion(binary: pathlib.Path | None) -> pathlib.Path:
+    """Runs the free-list groups into a fresh criterion folder; returns the folder."""
+    home = pathlib.Path(tempfile.mkdtemp(prefix="kvpool-criterion-"))
+    env = {**os.environ, "CRITERION_HOME": str(home)}
+    if binary:
+        command = [str(binary), "--bench", *CRITERION_ARGS]
+    else:
+        command = ["cargo", "bench", "--locked", "-p", "kvpool-core", "--bench", "free_list"]
+        command += ["--", *CRITERION_ARGS]
+    subprocess.run(command, cwd=ROOT, env=env, check=True)
+    return home
+
+
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
-    parser.add_argument("--criterion-dir", type=pathlib.Path, default=target / "criterion")
     parser.add_argument(
-        "--machine", default="2-core x86_64 dev VM, no GPU", help="a description, recorded"
+        "--binary", type=pathlib.Path, help="a built criterion binary to run instead of cargo"
     )
+    parser.add_argument(
+        "--criterion-dir", type=pathlib.Path, help="collect the results there; run nothing"
+    )
+    parser.add_argument("--machine", default="", help="a description of the machine, recorded")
     parser.add_argument(
         "--note", default="", help="conditions of the run, e.g. other load on the machine"
     )
-    parser.add_argument("--commit", help="the commit measured, where there is no git (a GPU host)")
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=None,
-        help="default: bench/results/<date>_<commit>_<machine>/free_list_rust.json",
-    )
-    args = parser.parse_args()
+    parser.add_argument("--out", type=pathlib.Path, required=True, help="the JSON to write")
+    args = parser.parse_args(argv)
 
-    found = load(args.criterion_dir)
+    criterion_dir = args.criterion_dir or run_criterion(args.binary)
+    found = load(criterion_dir)
     if not found:
-        sys.exit(
-            f"no free_list criterion results under {args.criterion_dir}; run the cargo bench command first"
-        )
+        sys.exit(f"no free_list criterion results under {criterion_dir}")
     results = []
     for group, batch in GROUPS.items():
         for threads in sorted({t for (g, _, t) in found if g == group}):
@@ -107,11 +117,11 @@ def main():
                 }
             )
     record = {
-        "provenance": provenance("bench/collect_criterion.py"),
+        "provenance": provenance("bench/routines/free_list.py"),
         "benchmark": "rust/core/benches/free_list.rs",
-        "command": "cargo bench -p kvpool-core --bench free_list -- --warm-up-time 1 --measurement-time 2",
+        "command": "cargo bench -p kvpool-core --bench free_list -- " + " ".join(CRITERION_ARGS),
         "core_sources_modified_since_commit": None
-        if args.commit
+        if os.environ.get("KVPOOL_COMMIT")
         else bool(git("status", "--porcelain", "rust/core/src")),
         "machine_description": args.machine,
         "note": args.note,
@@ -120,7 +130,7 @@ def main():
         "ratio": "ours_over_mutex = ours_ns_per_block / mutex_ns_per_block; below 1 means ours is faster",
         "results": results,
     }
-    out = args.out or run_dir() / "free_list_rust.json"
+    out = args.out
     write_json(out, record, indent=2)
     print(f"{'group':<18}{'threads':>8}{'ours ns':>12}{'mutex ns':>12}{'ours/mutex':>12}")
     for r in results:
@@ -129,7 +139,3 @@ def main():
             f"{r['mutex_ns_per_block']:>12.2f}{r['ours_over_mutex']:>12.2f}"
         )
     print(f"wrote {out}")
-
-
-if __name__ == "__main__":
-    main()

@@ -32,6 +32,7 @@ from kvpool.generation import GenerationRequest, generate
 from kvpool.integrations.transformers import TransformersRunner, layout_for
 from kvpool.scheduler import workload
 from provenance import provenance
+from timing import synced_wall
 
 LLAMA_1B = dict(
     num_hidden_layers=16,
@@ -67,14 +68,6 @@ def sharegpt(n, max_prompt, max_output, seed=0):
     return out
 
 
-def sync_time(fn):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    res = fn()
-    torch.cuda.synchronize()
-    return res, time.perf_counter() - t0
-
-
 def run_kvpool(model, reqs, budget_tokens, max_running=256, cuda_graphs=False):
     layout = layout_for(model, 16)
     pool = kvpool.Pool(layout, budget_tokens // 16, device="cuda")
@@ -91,7 +84,7 @@ def run_kvpool(model, reqs, budget_tokens, max_running=256, cuda_graphs=False):
     # warm-up: kernel compiles, allocator; with graphs, the buckets of a short run of every
     # request (a bucket first met in the timed run is captured there, and counted)
     run([GenerationRequest(r.request_id, r.prompt, 8) for r in reqs] if cuda_graphs else reqs[:2])
-    res, dt = sync_time(lambda: run(reqs))
+    dt, res = synced_wall(lambda: run(reqs), torch.cuda.synchronize)
     tokens = res.num_output_tokens
     row = {
         "output_tokens": tokens,
@@ -123,14 +116,15 @@ def hf_batches(model, reqs, batch, cache_implementation=None, max_batches=None):
         new = max(r.max_new_tokens for r in chunk)
         kw = {"cache_implementation": cache_implementation} if cache_implementation else {}
         with torch.inference_mode():
-            _, dt = sync_time(
+            dt, _ = synced_wall(
                 lambda: model.generate(
                     input_ids=ids.cuda(),
                     attention_mask=mask.cuda(),
                     max_new_tokens=new,
                     do_sample=False,
                     **kw,
-                )
+                ),
+                torch.cuda.synchronize,
             )
         useful += sum(r.max_new_tokens for r in chunk)
         total_t += dt
@@ -169,7 +163,7 @@ def hf_continuous(model, reqs, budget_tokens):
                     tokens += len(out.generated_tokens)
             return tokens
 
-        tokens, dt = sync_time(go)
+        dt, tokens = synced_wall(go, torch.cuda.synchronize)
     finally:
         mgr.stop(block=True)
         model.set_attn_implementation("sdpa")
@@ -191,15 +185,14 @@ def guarded(name, fn, rows):
     print(f"{name}: {json.dumps(rows[name])[:300]} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--num-requests", type=int, default=96)
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--max-output", type=int, default=128)
     ap.add_argument("--budget-seqs", type=int, default=32)
-    ap.add_argument("--commit", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     import transformers
 
     model = build_model()
@@ -208,7 +201,7 @@ def main() -> None:
     rows: dict[str, object] = {}
     report = {
         "benchmark": "generate_bench",
-        "provenance": provenance("bench/generate_bench.py", args.commit),
+        "provenance": provenance("bench/routines/generate.py"),
         "transformers": transformers.__version__,
         "model": {**LLAMA_1B, "dtype": "bfloat16", "weights": "random, seed 0"},
         "workload": {
@@ -275,7 +268,3 @@ def ratios(rows: dict) -> dict:
         if ms:  # at batch 1: ms per output token
             out[f"fixed_b{bsz}_ms_per_step"] = ms
     return out
-
-
-if __name__ == "__main__":
-    main()

@@ -17,7 +17,7 @@ medians over `--reps`. The VMM rows are repeated per chunk size (`--chunk-mib`; 
 driver's minimum granularity, 2 MiB on H200): the driver cost is per physical allocation, so
 larger chunks grow faster and shrink coarser. Target: growth >= 20x faster than the copy.
 
-    python bench/growable_bench.py --out bench/results/growable_h200.json
+    python bench/kvbench.py --routine growable --out bench/results/growable_h200.json
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import kvpool
 from provenance import provenance, write_json
+from timing import synced_wall
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -64,11 +64,7 @@ def load_cupy() -> Any:
 
 def wall(cp: Any, fn: Any) -> tuple[float, Any]:
     """Seconds `fn()` takes with the device idle before and synchronised after."""
-    cp.cuda.runtime.deviceSynchronize()
-    t0 = time.perf_counter()
-    result = fn()
-    cp.cuda.runtime.deviceSynchronize()
-    return time.perf_counter() - t0, result
+    return synced_wall(fn, cp.cuda.runtime.deviceSynchronize)
 
 
 def free_bytes(cp: Any) -> int:
@@ -173,11 +169,11 @@ def median(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument("--out", type=Path, required=True, help="the JSON to write")
     ap.add_argument("--live-gib", type=float, default=8.0)
     ap.add_argument("--grow-gib", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=5)
@@ -187,7 +183,7 @@ def main() -> None:
         default="0,32,128",
         help="comma-separated chunk sizes to try; 0 = the driver's minimum granularity",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cp = load_cupy()
     cp.cuda.set_allocator(None)  # every cp.empty/free reaches cudaMalloc/cudaFree
     layout = kvpool.KvLayout(**LAYOUT_ARGS)
@@ -234,7 +230,7 @@ def main() -> None:
                 flush=True,
             )
     result = {
-        "provenance": provenance("bench/growable_bench.py"),
+        "provenance": provenance("bench/routines/growable.py"),
         "layout": LAYOUT_ARGS | {"block_bytes": bb},
         "live_bytes": live_bytes,
         "grow_bytes": grow_bytes,
@@ -251,10 +247,5 @@ def main() -> None:
     print(
         f"copy path: {copy_s * 1e3:.3f} ms for {live_bytes / GiB:.1f} GiB live + {grow_bytes / GiB:.1f} GiB"
     )
-    if args.out:
-        write_json(args.out, result)
-        print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+    write_json(args.out, result)
+    print(f"wrote {args.out}")

@@ -16,7 +16,7 @@ importable, PyTorch's caching allocator (`torch.cuda.caching_allocator_alloc` / 
 its raw interface without tensor construction): one block, and 16 blocks per round trip
 (ours one alloc_many(16) + free_many, the caching allocators 16 calls each way).
 
-Usage: python bench/pool_bench.py [--device cuda] [--out FILE] [--commit SHA]
+Usage: python bench/kvbench.py --routine pool [--device cuda] [--out FILE]
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import threading
-import timeit
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,8 @@ from typing import Any, cast
 
 import kvpool
 import numpy as np
-from provenance import provenance, run_dir, write_json
+from provenance import provenance, write_json
+from timing import interleaved_timeit
 
 # Llama-3-8B geometry: 2 MiB blocks. Host slabs are zeroed lazily, so 4096 blocks are cheap.
 LAYOUT = kvpool.KvLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
@@ -142,17 +142,10 @@ def time_pair(
     ours: Callable[[], None], baseline: Callable[[], None], repeat: int, min_time_s: float
 ) -> tuple[Timing, Timing]:
     """Times both callables in alternating runs, so drifting load hits both alike."""
-    timers, numbers = [], []
-    for fn in (ours, baseline):
-        timer = timeit.Timer(fn)
-        number, _ = timer.autorange()  # calls per run so that one run takes >= 0.2 s
-        timers.append(timer)
-        numbers.append(max(1, int(number * min_time_s / 0.2)))
-    runs: list[list[float]] = [[], []]
-    for _ in range(repeat):
-        for k in (0, 1):
-            runs[k].append(timers[k].timeit(numbers[k]) / numbers[k] * 1e6)
-    ours_t, base_t = (Timing(statistics.median(r), min(r)) for r in runs)
+    runs = interleaved_timeit({"ours": ours, "baseline": baseline}, repeat, min_time_s)
+    ours_t, base_t = (
+        Timing(statistics.median(r) * 1e6, min(r) * 1e6) for r in (runs["ours"], runs["baseline"])
+    )
     return ours_t, base_t
 
 
@@ -309,12 +302,7 @@ def targets(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="JSON results (default: bench/results/<date>_<commit>_<machine>/pool_<device>.json)",
-    )
+    parser.add_argument("--out", type=Path, required=True, help="the JSON to write")
     parser.add_argument(
         "--device", choices=("host", "cuda"), default="host", help="cuda: also time the CUDA pool"
     )
@@ -322,14 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         "--repeat", type=int, default=7, help="runs per case; the median is reported"
     )
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds per run")
-    parser.add_argument(
-        "--commit", default=None, help="commit to record where git is absent (the GPU box)"
-    )
     args = parser.parse_args(argv)
 
-    prov = provenance(
-        "bench/pool_bench.py", args.commit
-    )  # before the run: the load average is other work's
+    # Before the run: the load average is then other work's.
+    prov = provenance("bench/routines/pool.py")
     cases = bench_host(args.repeat, args.min_time)
     result: dict[str, Any] = {
         "provenance": prov,
@@ -352,11 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     for t in result["targets"]:
         print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}")
-    out = args.out or run_dir(prov["commit"]) / f"pool_{args.device}.json"
+    out = args.out
     write_json(out, result, indent=2)
     print(f"wrote {out}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -14,20 +14,20 @@ round_trip16 - empty_round_trip is the core's work for 16 blocks plus the per-id
 writes of the binding (the core alone is criterion's batch16/ours/1 in benches/free_list.rs).
 No baseline: pool_bench.py compares with the pure-Python pool; this only splits our time.
 
-Usage: python bench/pool_breakdown.py [--out FILE] [--commit SHA]
+Usage: python bench/kvbench.py --routine pool_breakdown [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import timeit
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import kvpool
-from provenance import provenance, run_dir, write_json
+from provenance import provenance, write_json
+from timing import interleaved_timeit
 
 LAYOUT = kvpool.KvLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
 NUM_BLOCKS = 4096  # as in pool_bench.py
@@ -49,36 +49,22 @@ def time_all(
     fns: dict[str, Callable[[], object]], repeat: int, min_time_s: float
 ) -> dict[str, dict[str, float]]:
     """Median and best per-call time (ns) of each pattern, in interleaved runs."""
-    timers = {name: timeit.Timer(fn) for name, fn in fns.items()}
-    numbers = {name: max(1, int(t.autorange()[0] * min_time_s / 0.2)) for name, t in timers.items()}
-    runs: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, t in timers.items():
-            runs[name].append(t.timeit(numbers[name]) / numbers[name] * 1e9)
     return {
-        name: {"median_ns": round(statistics.median(r), 1), "best_ns": round(min(r), 1)}
-        for name, r in runs.items()
+        name: {"median_ns": round(statistics.median(r) * 1e9, 1), "best_ns": round(min(r) * 1e9, 1)}
+        for name, r in interleaved_timeit(fns, repeat, min_time_s).items()
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="JSON results (default: bench/results/<date>_<commit>_<machine>/pool_breakdown.json)",
-    )
+    parser.add_argument("--out", type=Path, required=True, help="the JSON to write")
     parser.add_argument(
         "--repeat", type=int, default=7, help="runs per pattern; the median is reported"
     )
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds per run")
-    parser.add_argument(
-        "--commit", default=None, help="commit to record where git is absent (the GPU box)"
-    )
     args = parser.parse_args(argv)
 
-    prov = provenance("bench/pool_breakdown.py", args.commit)
+    prov = provenance("bench/routines/pool_breakdown.py")
     pool = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="host")
     rows = time_all(patterns(pool), args.repeat, args.min_time)
     pool.check_invariants()
@@ -91,11 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name, r in rows.items():
         print(f"{name:<20} median {r['median_ns']:8.1f} ns   best {r['best_ns']:8.1f} ns")
-    out = args.out or run_dir(prov["commit"]) / "pool_breakdown.json"
+    out = args.out
     write_json(out, result, indent=2)
     print(f"wrote {out}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -8,14 +8,13 @@ Timing: CUDA events around a loop of calls, medians over repetitions after warm-
 TFLOP/s of causal FLOPs (4 * head_dim * num_q_heads * attended (query, key) pairs) and as a
 fraction of a dense matmul (8192^3, same dtype) measured in the same run.
 
-Usage: python3 bench/prefill_bench.py OUT.json [--commit SHA] [--quick]
+Usage: python3 bench/kvbench.py --routine prefill OUT.json [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import traceback
 
 import cupy as cp
@@ -25,6 +24,7 @@ import provenance
 import torch
 import torch.nn.functional as F
 from kvpool.kernels import paged_attention_prefill, prefill_plan, prefill_workspace_elems
+from timing import event_us
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -38,23 +38,6 @@ SHAPES = [
     ("64 x 4 spec on 8k", 64, 4, 8192),
 ]
 BF16_SHAPES = ("1 x 4k", "4 x 8k chunk on 24k", "64 x 4 spec on 8k")
-
-
-def event_us(call, reps=10, inner=3, warm=2):
-    """Median microseconds per call: `inner` back-to-back calls between two events."""
-    for _ in range(warm):
-        call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            call()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / inner)
-    return statistics.median(times)
 
 
 def matmul_tflops(tdt):
@@ -241,13 +224,12 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
     return row
 
 
-def main():
+def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("out")
-    ap.add_argument("--commit", default=None)
+    ap.add_argument("--out", required=True, help="the JSON to write")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
-    args = ap.parse_args()
-    prov = provenance.provenance("bench/prefill_bench.py", args.commit)
+    args = ap.parse_args(argv)
+    prov = provenance.provenance("bench/routines/prefill.py")
     dense = {
         dt: matmul_tflops(torch.bfloat16 if dt == "bfloat16" else torch.float16)
         for dt in ("float16", "bfloat16")
@@ -286,7 +268,3 @@ def main():
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"dense matmul TFLOP/s: {doc['dense_matmul_tflops']}")
-
-
-if __name__ == "__main__":
-    main()

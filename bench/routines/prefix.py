@@ -28,7 +28,7 @@ untimed part of each iteration (freeing the request) is outside the timer. Targe
 >= 10x the Python baseline; a full-hit 4096-token add under 50 us; caching adds under 10 %
 to a decode step (ours on vs ours off).
 
-Usage: python bench/prefix_bench.py [--out bench/results/<dir>/prefix_cache_host.json]
+Usage: python bench/kvbench.py --routine prefix [--out bench/results/<dir>/prefix_cache_host.json]
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ import hashlib
 import json
 import os
 import statistics
-import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -47,7 +46,7 @@ from typing import Any
 
 import kvpool
 import numpy as np
-from provenance import provenance, run_dir, write_json
+from provenance import provenance, write_json
 
 BS = 16
 PROMPT = 4096
@@ -323,7 +322,7 @@ def bench_decode(warmup: int, iters: int, seed: int) -> dict[str, Any]:
     return results
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--iters", type=int, default=400)
@@ -331,11 +330,10 @@ def main() -> int:
     parser.add_argument(
         "--out", type=Path, help="default: prefix_cache_host.json in this run's results folder"
     )
-    parser.add_argument("--commit", default=None, help="commit to record where git is absent")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     report: dict[str, Any] = {
         "benchmark": "prefix_cache_python",
-        "provenance": provenance("bench/prefix_bench.py", args.commit),
+        "provenance": provenance("bench/routines/prefix.py"),
         "note": "dev VM: 2 shared cores, other jobs running; host pool (a CPU benchmark)",
         "block_size": BS,
         "prompt_tokens": PROMPT,
@@ -361,10 +359,6 @@ def main() -> int:
     }
     text = json.dumps(report, indent=2)
     print(text)
-    out = args.out or run_dir(args.commit, "dev-vm") / "prefix_cache_host.json"
+    out = args.out
     write_json(out, report, indent=2)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,7 +13,7 @@ Each `simulate()` serves the workload paged without caching, contiguous (max_mod
 reserved) and paged with prefix caching; the JSON keeps the whole reports (without the time
 series) and a PNG per workload shows the hit rate over time.
 
-    KVPOOL_MACHINE=dev-vm python bench/prefix_sim_bench.py [--num-requests 4000] [--out-dir DIR]
+    KVPOOL_MACHINE=dev-vm python bench/kvbench.py --routine prefix_sim [--num-requests 4000] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from kvpool.report import _finite, write_png
 from kvpool.scheduler import SchedulerConfig, generate, get_preset, parse_bytes
 from kvpool.scheduler.runner import SimulationSpec, simulate
 from kvpool.scheduler.sharing import generate_multiturn, with_token_streams
-from provenance import provenance, run_dir, write_json
+from provenance import provenance, write_json
 
 
 def workloads(args: argparse.Namespace) -> dict[str, tuple[list, dict[str, Any]]]:
@@ -99,7 +99,7 @@ def run(
     return report
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, default=4000)
     ap.add_argument("--model", default="llama-3-8b")
@@ -115,20 +115,16 @@ def main() -> None:
         "--conversation-rate", type=float, default=5.0, help="multiturn: new conversations/s"
     )
     ap.add_argument(
-        "--out-dir",
-        type=Path,
-        default=None,
-        help="default: bench/results/<date>_<commit>_<machine>/",
+        "--out", type=Path, required=True, help="the JSON to write; the plots go beside it"
     )
-    ap.add_argument("--commit", default=None, help="commit to record where git is absent")
-    args = ap.parse_args()
-    prov = provenance("bench/prefix_sim_bench.py", args.commit)
-    out_dir = args.out_dir or run_dir(args.commit)
+    args = ap.parse_args(argv)
+    prov = provenance("bench/routines/prefix_sim.py")
+    out_dir = args.out.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = {
         name: run(name, reqs, info, args, out_dir) for name, (reqs, info) in workloads(args).items()
     }
-    path = out_dir / "prefix_sim.json"
+    path = args.out
     write_json(path, _finite({"provenance": prov, "runs": runs}))
     summary = {
         name: {
@@ -137,7 +133,3 @@ def main() -> None:
         for name, r in runs.items()
     }
     print(json.dumps({"path": str(path), **summary}, indent=1))
-
-
-if __name__ == "__main__":
-    main()

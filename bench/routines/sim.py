@@ -8,7 +8,7 @@ the best case for contiguous: it needs every output length in advance). Targets 
 mode: paged mean concurrency >= 3x contiguous, KV utilization >= 0.96, each simulate() under
 30 s, allocator under 5%.
 
-    python bench/sim_bench.py [--num-requests 10000] [--device host] [--out FILE] [--commit SHA]
+    python bench/kvbench.py --routine sim [--num-requests 10000] [--device host] [--out FILE]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvpool.report import _finite
 from kvpool.scheduler import SchedulerConfig, generate, get_preset, parse_bytes
 from kvpool.scheduler.contiguous import RESERVE_MODES
 from kvpool.scheduler.runner import SimulationSpec, simulate
-from provenance import provenance, run_dir, write_json
+from provenance import provenance, write_json
 
 
 def run(args: argparse.Namespace, reserve: str) -> dict[str, Any]:
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace, reserve: str) -> dict[str, Any]:
     return report
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, default=10_000)
     ap.add_argument("--model", default="llama-3-8b")
@@ -69,23 +69,11 @@ def main() -> None:
         default=",".join(RESERVE_MODES),
         help="comma-separated contiguous reservation modes to run",
     )
-    ap.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="JSON results (default: bench/results/<date>_<commit>_<machine>/"
-        "simulate_<workload>_<model>_<device>.json)",
-    )
-    ap.add_argument(
-        "--commit", default=None, help="commit to record where git is absent (the GPU box)"
-    )
-    args = ap.parse_args()
-    prov = provenance("bench/sim_bench.py", args.commit)
+    ap.add_argument("--out", type=Path, required=True, help="the JSON to write")
+    args = ap.parse_args(argv)
+    prov = provenance("bench/routines/sim.py")
     runs = {reserve: run(args, reserve) for reserve in args.reserve.split(",")}
-    out = (
-        args.out
-        or run_dir(prov["commit"]) / f"simulate_{args.workload}_{args.model}_{args.device}.json"
-    )
+    out = args.out
     write_json(out, _finite({"provenance": prov, "runs_by_reserve": runs}))
     summary = {
         reserve: {
@@ -99,7 +87,3 @@ def main() -> None:
         for reserve, r in runs.items()
     }
     print(json.dumps({"path": str(out), **summary}, indent=1))
-
-
-if __name__ == "__main__":
-    main()

@@ -13,7 +13,7 @@ cuMemcpyAsync per run). Bandwidth is bytes over the GPU time between CUDA events
 the tier's copy stream around the swap; latency is the wall time from the call to `wait()`
 returning. Medians of REPEATS after a warm-up.
 
-    python3 bench/swap_bench.py --out bench/results/<run>/swap_h200.json [--commit SHA]
+    python3 bench/kvbench.py --routine swap --out bench/results/<run>/swap_h200.json
 """
 
 from __future__ import annotations
@@ -155,11 +155,10 @@ def per_block_loop(pool, host_pool, blocks, bb, stream):
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--commit", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     stream = cp.cuda.Stream(non_blocking=True)
     big = ceiling(1 << 30, stream)
     print("ceiling 1 GiB", json.dumps(big), flush=True)
@@ -170,7 +169,7 @@ def main() -> None:
         r["swap_out_vs_ceiling"] = r["swap_out_gbps"] / big["d2h_gbps"]
         r["swap_in_vs_ceiling"] = r["swap_in_gbps"] / big["h2d_gbps"]
     result = {
-        "provenance": provenance("bench/swap_bench.py", args.commit),
+        "provenance": provenance("bench/routines/swap.py"),
         "ceiling_1gib": big,
         "method": "GPU time between CUDA events on the copy stream; medians of "
         f"{REPEATS} after one warm-up; latency: wall time of the call until the copy completed",
@@ -183,7 +182,3 @@ def main() -> None:
             f"{r['layout']:28s} n={r['num_blocks']:5d} frag={r['fragmented']!s:5s} "
             f"out {r['swap_out_vs_ceiling']:.2f} in {r['swap_in_vs_ceiling']:.2f} of the 1 GiB ceiling"
         )
-
-
-if __name__ == "__main__":
-    main()

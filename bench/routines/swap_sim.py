@@ -10,7 +10,7 @@ for Llama-3-8B); modes auto and swap; and a tier too small for the victims.
 
 Times are modelled (costmodel.RooflineCost, copies from preemption.HostLink), not measured.
 
-    python bench/swap_sim_bench.py [--num-requests 2000] [--kv-memory 4GiB] [--out FILE] [--commit SHA]
+    python bench/kvbench.py --routine swap_sim [--num-requests 2000] [--kv-memory 4GiB] [--out FILE]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from kvpool.scheduler import SchedulerConfig, generate, get_preset, parse_bytes
 from kvpool.scheduler.preemption import HostLink
 from kvpool.scheduler.runner import SimulationSpec, simulate
 from kvpool.scheduler.swap import HostTierSpec
-from provenance import provenance, run_dir, write_json
+from provenance import provenance, write_json
 
 # (host link GB/s, mode, host tier size)
 CASES = (
@@ -67,7 +67,7 @@ def row(gbps: float, mode: str, tier_size: str, report: dict[str, Any]) -> dict[
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, default=2000)
     ap.add_argument("--model", default="llama-3-8b")
@@ -76,15 +76,9 @@ def main() -> None:
     ap.add_argument("--max-running-seqs", type=int, default=256)
     ap.add_argument("--workload", default="sharegpt")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="JSON results (default: bench/results/<date>_<commit>_<machine>/swap_sim_<model>.json)",
-    )
-    ap.add_argument("--commit", default=None, help="commit to record where git is absent")
-    args = ap.parse_args()
-    prov = provenance("bench/swap_sim_bench.py", args.commit)
+    ap.add_argument("--out", type=Path, required=True, help="the JSON to write")
+    args = ap.parse_args(argv)
+    prov = provenance("bench/routines/swap_sim.py")
     requests = generate(
         args.workload, args.num_requests, seed=args.seed, max_model_len=args.max_model_len
     )
@@ -118,7 +112,7 @@ def main() -> None:
             f"({report['total_wall_s']:.1f} s)",
             flush=True,
         )
-    out = args.out or run_dir(args.commit) / f"swap_sim_{args.model}.json"
+    out = args.out
     write_json(
         out,
         _finite(
@@ -131,7 +125,3 @@ def main() -> None:
         ),
     )
     print(f"wrote {out}")
-
-
-if __name__ == "__main__":
-    main()

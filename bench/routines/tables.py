@@ -27,7 +27,7 @@ after --warmup). On CUDA the total wall time of all steps plus a final cudaDevic
 is reported too. Targets: ours < 20 us per step, and >= 5x faster than the rebuild; the
 ratio to the incremental baseline is reported beside it.
 
-Usage: python bench/tables_bench.py [--device host|cuda] [--out FILE] [--commit SHA]
+Usage: python bench/kvbench.py --routine tables [--device host|cuda] [--out FILE]
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +42,7 @@ from typing import Any
 
 import kvpool
 import numpy as np
-from provenance import provenance, run_dir, write_json
+from provenance import provenance, write_json
 
 NUM_REQUESTS = 256
 BLOCK_SIZE = 16
@@ -322,28 +321,20 @@ def targets(ours_us: float, ratio: float, scope: str) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("host", "cuda"), default="host")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="JSON results (default: bench/results/tables_<device>.json)",
-    )
+    parser.add_argument("--out", type=Path, required=True, help="the JSON to write")
     parser.add_argument(
         "--steps", type=int, default=2000, help="timed steps per path; the median is reported"
     )
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--commit", default=None, help="commit to record where git is absent (the GPU box)"
-    )
     args = parser.parse_args(argv)
-    out = args.out or run_dir(args.commit) / f"tables_{args.device}.json"
+    out = args.out
     total_steps = args.warmup + args.steps
 
     check_same_job(Ours("host", 64, args.seed), Rebuild(None, 64, args.seed))
     check_same_job(Ours("host", 64, args.seed), Incremental(None, 64, args.seed))
     result: dict[str, Any] = {
-        "provenance": provenance("bench/tables_bench.py", args.commit),
+        "provenance": provenance("bench/routines/tables.py"),
         "device": args.device,
         "config": {
             "num_requests": NUM_REQUESTS,
@@ -429,7 +420,3 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out, result, indent=2)
     print(f"wrote {out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

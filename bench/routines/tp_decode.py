@@ -7,7 +7,7 @@ R launches (after a warm-up), both devices synchronised before and after, so the
 are timed the same way. The TP output is checked against the one-GPU output first (bit for
 bit with one split). Usage:
 
-    python bench/tp_decode_bench.py --out $OUT/multigpu/tp_decode_h200x2.json
+    python bench/kvbench.py --routine tp_decode --out $OUT/multigpu/tp_decode_h200x2.json
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import numpy as np
@@ -138,11 +137,10 @@ def run_shape(cupy, kvpool, batch, seq_len):
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--commit", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ.update(
         {
             "NCCL_NVLS_ENABLE": "0",
@@ -150,7 +148,6 @@ def main() -> int:
             "NVSHMEM_DISABLE_NVLS": "1",
         }
     )
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import cupy
     import kvpool
     from provenance import provenance
@@ -162,7 +159,7 @@ def main() -> int:
         rows.append(row)
     doc = {
         "benchmark": "tp_decode",
-        "provenance": provenance(__file__, args.commit),
+        "provenance": provenance("bench/routines/tp_decode.py"),
         "gpus": [cupy.cuda.runtime.getDeviceProperties(d)["name"].decode() for d in (0, 1)],
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "method": f"host wall time of {REPS} launches, both devices synchronised around them",
@@ -173,7 +170,3 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
     return 0 if all(r["tp_equals_one_gpu_bitwise_one_split"] for r in rows) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

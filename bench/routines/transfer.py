@@ -16,7 +16,7 @@ the receiver's CUDA events measure from that message's arrival to its last block
 ``protocol_us``: host wall time of the whole protocol (offer, accept, data, completion) for
 the same transfer, from the sender's side. Usage (NCCL_NVLS_ENABLE=0 and friends set):
 
-    python bench/transfer_bench.py --out $OUT/multigpu/transfer_h200x2.json [--quick]
+    python bench/kvbench.py --routine transfer --out $OUT/multigpu/transfer_h200x2.json [--quick]
 """
 
 from __future__ import annotations
@@ -266,14 +266,12 @@ def _summary(rows):
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true", help="sizes 1, 64, 1024 only")
-    parser.add_argument("--commit", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ.update(MULTICAST_OFF)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from provenance import provenance
 
     sizes = [1, 64, 1024] if args.quick else SIZES
@@ -305,7 +303,7 @@ def main() -> int:
 
     doc = {
         "benchmark": "transfer",
-        "provenance": provenance(__file__, args.commit),
+        "provenance": provenance("bench/routines/transfer.py"),
         "gpus": [cupy.cuda.runtime.getDeviceProperties(d)["name"].decode() for d in (0, 1)],
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "layout": dict(
@@ -326,7 +324,3 @@ def main() -> int:
         print(json.dumps(s))
     print("byte-exact samples:", doc["byte_exact_samples"])
     return 0 if not mismatched else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
