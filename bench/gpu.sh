@@ -1,125 +1,129 @@
 #!/usr/bin/env bash
-# The one script for a GPU run: GPU tests, GPU benchmarks, compute-sanitizer over every kernel.
-#
-# Build the wheel first (`maturin build --release --locked -o dist`), then on the GPU machine,
-# from the repository root, with dist/ beside it:
-#     COMMIT=<sha> OUT=<dir> [NAME=house] [STAGES="tests bench sanitize decode"] bash bench/gpu_all.sh
-# Stages (run in the order given; pick with STAGES; about 6 minutes for all four):
-#   tests     pytest -m gpu tests (decode errors per case in decode_errors.json)
-#   bench     pool, tables and growable benchmarks (JSON each)
-#   sanitize  compute-sanitizer memcheck (float16 and bfloat16) and racecheck (float16) over
-#             bench/sanitize_case.py: every kernel family at its default head dims and block
-#             sizes (padded widths, pages smaller than a tile)
-#   decode    the decode benchmark against SDPA and FlashInfer (stopped after 150 s; its JSON
-#             is written row by row, so a stop keeps the rows measured)
-# Other areas' scripts run as stages too (not in the default list; each takes minutes):
-#   decode_v4 bench/gpu_decode.sh, prefill bench/gpu_prefill.sh, transformers
-#   bench/gpu_transformers.sh, fp8 bench/gpu_fp8.sh; their files land in the same tarball (decode/, prefill/, ...).
-# FlashInfer wheels in .whl/ (carried beside dist/) are installed when present.
-# Everything lands in $OUT/$NAME/: summary.txt (the tail of every stage and its exit status)
-# and results.tar.gz (every log and JSON); unpack the latter into bench/results/<run>/.
-# A failing stage stops the run (the later stages would measure broken code); the exit
-# status is the failing stage's.
+# Every GPU test and GPU routine of the project on the CUDA machine it runs on, with the number
+# of GPUs detected, into one results folder with provenance. From the repository root, with
+# kvpool installed in the current Python environment (`maturin develop --release`, or the
+# wheel `maturin build --release` writes) and CuPy; the comparisons with torch, FlashInfer and
+# transformers run where those import, and are recorded as not run where they do not:
+#     bash bench/gpu.sh [OUT_DIR]
+# OUT_DIR defaults to bench/results/<date>_<commit>_<machine>/ (bench/provenance.py). STEPS picks
+# and orders the steps (default: all of them; about half an hour on one H200):
+#     STEPS="tests sanitize decode" bash bench/gpu.sh
+#   tests      pytest -m gpu in groups, each with its error report: gpu_tests.log (decode and the
+#              rest; decode_errors.json), prefill_tests.log (prefill_errors.json), fp8_tests.log
+#              (fp8_errors.json), host_tier_tests.log, transformers_tests.log and
+#              transformers_cpu_tests.log (transformers_gpu_report.json, when transformers
+#              imports), gpu2_tests.log (pytest -m gpu2, two GPUs or more)
+#   sanitize   compute-sanitizer memcheck and racecheck over tools/sanitize_kernels.py (decode,
+#              append, copy) and tools/sanitize_prefill.py, memcheck over
+#              tools/sanitize_host_tier.py (skipped without compute-sanitizer)
+#   decode fp8 prefill fp8_prefill growable swap generate
+#              the routine of that name (bench/kvbench.py), its JSON and log
+#   pool tables sim
+#              the routine with --device cuda (pool_cuda.json, tables_cuda.json, sim_cuda.json)
+#   transfer tp_decode
+#              the two-GPU routines (skipped with one GPU)
+#   simulate_swap
+#              `kvpool simulate --device cuda --cpu-kv-memory`: the scheduler preempting into a
+#              pinned host tier over a CUDA pool completes and drains both tiers
+# FlashInfer's JIT builds compile in the background while the tests run (fi_warm.log).
+# Every step runs, a failing one included (each result names its own step); summary.txt has one
+# line per step with its exit status, and the script exits non-zero when any step failed.
+# Without git metadata in the checkout, give the commit measured: COMMIT=<sha> bash bench/gpu.sh
 set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+[ -n "${COMMIT:-}" ] && export KVPOOL_COMMIT=$COMMIT
+OUT=${1:-$(python3 -c 'import sys; sys.path.insert(0, "bench"); from provenance import run_dir; print(run_dir())')}
+mkdir -p "$OUT"
+NGPU=$(python3 -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())' 2> "$OUT/gpu.txt") ||
+  { echo "gpu.sh: CuPy sees no CUDA device (see $OUT/gpu.txt)" >&2; exit 2; }
+{ nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv; echo "$NGPU GPUs, $(nproc) CPUs"
+  python3 -c 'import sys; sys.path.insert(0, "bench"); import provenance; print("commit", provenance.commit())'
+  date -u; } >> "$OUT/gpu.txt" 2>&1
+STEPS=${STEPS:-"tests sanitize decode fp8 prefill fp8_prefill pool tables growable swap sim simulate_swap generate transfer tp_decode"}
+status=0
 
-: "${OUT:?set OUT to the output folder}"
-NAME=${NAME:-house}
-STAGES=${STAGES:-"tests bench sanitize decode"}
-export KVPOOL_COMMIT=${COMMIT:-unknown} PYTHONUNBUFFERED=1
-WORK=$(mktemp -d)
-DEST="$OUT/$NAME"
-mkdir -p "$DEST"
-SUMMARY="$DEST/summary.txt"
-
-pack() {
-  tar -C "$WORK" -czf "$DEST/results.tar.gz" .
-  echo "packed $(tar -tzf "$DEST/results.tar.gz" | grep -vc '/$') files into $DEST/results.tar.gz" >> "$SUMMARY"
+# step NAME COMMAND...: the command's output in $OUT/NAME.log, one line in summary.txt.
+step() {
+  local name=$1 start=$SECONDS
+  shift
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  [ $rc -ne 0 ] && status=1
+  echo "$name: exit $rc, $((SECONDS - start)) s: $(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-200)" |
+    tee -a "$OUT/summary.txt"
 }
-trap pack EXIT
-
-note() { echo "$*" | tee -a "$SUMMARY"; }
-
-# run NAME LOG COMMAND...: the command's output to $WORK/LOG, its tail to the summary.
-run() {
-  local name=$1 log=$2
-  shift 2
-  local start=$SECONDS
-  "$@" > "$WORK/$log" 2>&1
-  local status=$?
-  note "== $name: exit $status, $((SECONDS - start)) s ($log)"
-  tail -n 12 "$WORK/$log" | tee -a "$SUMMARY"
-  return $status
+has() { python3 -c "import $1" 2> /dev/null; }
+routine() {  # routine NAME [STEM] [ARGS...]: bench/kvbench.py --routine NAME into $OUT/STEM.json
+  local name=$1 stem=${2:-$1}
+  shift $(( $# >= 2 ? 2 : 1 ))
+  step "$stem" python3 bench/kvbench.py --routine "$name" --out "$OUT" --name "$stem" "$@"
 }
-
-stage_tests() {
-  KVPOOL_ERROR_REPORT="$WORK/decode_errors.json" \
-    run "pytest -m gpu" gpu_tests.log python3 -m pytest -q -rs -m gpu tests
-}
-
-stage_bench() {
-  run "pool_bench (CUDA pool vs cudaMalloc, CuPy pool, torch caching allocator)" pool_bench.log \
-    python3 bench/pool_bench.py --device cuda --repeat 5 --min-time 0.1 --out "$WORK/pool_cuda.json" &&
-  run "tables_bench (ours vs incremental NumPy + pinned async upload vs rebuild)" tables_bench.log \
-    python3 bench/tables_bench.py --device cuda --out "$WORK/tables_cuda.json" &&
-  run "growable_bench (VMM growth vs allocate-copy-free)" growable_bench.log \
-    python3 bench/growable_bench.py --out "$WORK/growable_h200.json"
+pytest_gpu() { python3 -m pytest -q -rs -p no:cacheprovider "$@"; }
+sanitize() {  # sanitize NAME TOOL SCRIPT [ARGS...]
+  step "$1_$2" compute-sanitizer --tool "$2" --error-exitcode 9 python3 "tools/$3" "${@:4}"
 }
 
-stage_sanitize() {
-  local status=0
-  run "compute-sanitizer memcheck" sanitizer_memcheck.log \
-    timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 python3 bench/sanitize_case.py ||
-    status=$?
-  run "compute-sanitizer racecheck" sanitizer_racecheck.log \
-    timeout 120 compute-sanitizer --tool racecheck --error-exitcode 9 python3 bench/sanitize_case.py \
-    --dtypes float16 || status=$?
-  return $status
-}
-
-stage_decode_v4() {
-  OUT="$WORK" run "bench/gpu_decode.sh" gpu_decode.log bash bench/gpu_decode.sh
-}
-
-stage_prefill() {
-  OUT="$WORK" run "bench/gpu_prefill.sh" gpu_prefill.log bash bench/gpu_prefill.sh
-}
-
-stage_fp8() {
-  OUT="$WORK" run "bench/gpu_fp8.sh" gpu_fp8.log bash bench/gpu_fp8.sh
-}
-
-stage_transformers() {
-  OUT="$WORK" run "bench/gpu_transformers.sh" gpu_transformers.log bash bench/gpu_transformers.sh
-}
-
-stage_decode() {
-  run "decode_bench (vs SDPA and FlashInfer when installed)" decode_bench.log \
-    timeout 150 python3 bench/decode_bench.py "$WORK/decode_h200.json"
-  local status=$?
-  [ $status -eq 124 ] && { note "decode_bench stopped at 150 s: partial rows kept"; return 0; }
-  return $status
-}
-
-SITE=$(mktemp -d)
-python3 -m pip install -q --no-index --no-deps --target "$SITE" dist/*.whl $(ls .whl/*.whl 2>/dev/null) ||
-  { note "wheel install failed"; exit 1; }
-if NVCC=$(command -v nvcc); then  # FlashInfer's JIT, when its wheels were carried
-  export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$NVCC")")} FLASHINFER_CUDA_ARCH_LIST=9.0a
+if has flashinfer; then
+  if NVCC=$(command -v nvcc); then export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$NVCC")")}; fi
+  python3 bench/kvbench.py --warm-flashinfer decode fp8 prefill > "$OUT/fi_warm.log" 2>&1 &
+  FI_PID=$!
 fi
-export PYTHONPATH="$SITE"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; echo "commit $KVPOOL_COMMIT"; date -u; } > "$WORK/gpu.txt"
-cat "$WORK/gpu.txt" > "$SUMMARY"
+warmed() { [ -n "${FI_PID:-}" ] && wait "$FI_PID"; FI_PID=; }
 
-for stage in $STAGES; do
-  if ! declare -F "stage_$stage" > /dev/null; then
-    note "unknown stage '$stage' (known: tests bench sanitize decode decode_v4 prefill transformers fp8)"
-    exit 2
-  fi
-  "stage_$stage"
-  status=$?
-  if [ $status -ne 0 ]; then
-    note "stage $stage failed (exit $status): stopping"
-    exit $status
-  fi
+for s in $STEPS; do
+  case $s in
+  tests)
+    KVPOOL_ERROR_REPORT="$OUT/decode_errors.json" step gpu_tests pytest_gpu -m gpu tests \
+      --ignore=tests/test_prefill_gpu.py --ignore=tests/test_fp8_gpu.py \
+      --ignore=tests/test_host_tier_gpu.py --ignore=tests/test_transformers_gpu.py
+    KVPOOL_ERROR_REPORT="$OUT/prefill_errors.json" step prefill_tests pytest_gpu -m gpu \
+      tests/test_prefill_gpu.py
+    KVPOOL_FP8_REPORT="$OUT/fp8_errors.json" step fp8_tests pytest_gpu -m gpu tests/test_fp8_gpu.py
+    step host_tier_tests pytest_gpu -m gpu tests/test_host_tier_gpu.py
+    if has transformers; then
+      export KVPOOL_TRANSFORMERS_REPORT="$OUT/transformers_gpu_report.json"
+      step transformers_tests pytest_gpu -m gpu tests/test_transformers_gpu.py
+      step transformers_cpu_tests pytest_gpu tests/test_transformers_cpu.py \
+        tests/test_padded_batch.py tests/test_paged_metadata.py
+      unset KVPOOL_TRANSFORMERS_REPORT
+    fi
+    [ "$NGPU" -ge 2 ] && step gpu2_tests pytest_gpu -m gpu2 tests ;;
+  sanitize)
+    if command -v compute-sanitizer > /dev/null; then
+      sanitize decode memcheck sanitize_kernels.py
+      sanitize decode racecheck sanitize_kernels.py --dtypes float16
+      sanitize prefill memcheck sanitize_prefill.py
+      sanitize prefill racecheck sanitize_prefill.py
+      sanitize host_tier memcheck sanitize_host_tier.py
+    else
+      echo "sanitize: skipped (no compute-sanitizer on PATH)" | tee -a "$OUT/summary.txt"
+    fi ;;
+  decode | fp8 | prefill | fp8_prefill) warmed; routine "$s" ;;
+  fp8_sweep | growable | swap) routine "$s" ;;
+  generate) if has transformers; then routine generate; fi ;;
+  pool | tables) routine "$s" "${s}_cuda" --device cuda ;;
+  sim) routine sim sim_cuda --device cuda --num-requests 2000 ;;
+  simulate_swap)
+    step simulate_swap python3 -m kvpool simulate --device cuda --kv-memory 4GiB \
+      --cpu-kv-memory 16GiB --num-requests 500 --no-progress --no-plot --out "$OUT/simulate_swap" ;;
+  transfer | tp_decode) if [ "$NGPU" -ge 2 ]; then routine "$s"; fi ;;
+  *) echo "gpu.sh: unknown step '$s'" >&2; exit 2 ;;
+  esac
 done
-note "all stages passed: $STAGES"
+# Every decode-style row measured, and our output agrees with each peer's.
+for check in decode:kvpool_us fp8:kvpool_fp8_us; do
+  json=$OUT/${check%%:*}.json
+  [ -f "$json" ] || continue
+  python3 - "$json" "${check#*:}" <<'PY' | tee -a "$OUT/summary.txt" || status=1
+import json, sys
+path, key = sys.argv[1:]
+rows = json.load(open(path))["rows"]
+bad = [r["shape"] for r in rows if "error" in r or not r.get(key)]
+diff = [(r["shape"], k, r[k]) for r in rows for k in r if k.startswith("max_abs_diff") and not r[k] <= 0.05]
+print(f"{path}: {len(rows)} rows, {len(bad)} failed {bad}, {len(diff)} output mismatches {diff}")
+sys.exit(1 if bad or diff else 0)
+PY
+done
+echo "wrote $OUT"
+exit $status

@@ -9,7 +9,7 @@
 #   - the integer fp8x2 -> f16x2 conversion of pre-sm_89 GPUs against the fp8 value tables.
 # Q, P and the fp8 values are chosen so that every product and sum is exact in float64, so the
 # emulated mma results must EQUAL Q K^T and P V of the dequantized tile, not just be close.
-# Run: python bench/tools/fp8_fragment_emulator.py  (fails on the first mismatch).
+# Run: python tools/fp8_fragment_emulator.py  (fails on the first mismatch).
 import numpy as np
 
 TILE = 16

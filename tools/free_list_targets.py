@@ -1,24 +1,30 @@
 """The free list's targets against one GPU-host run: hit or missed, with the figures and why.
 
-Reads, from a run folder of `bench/gpu_session.sh` (one H200 host):
-  free_list_h200.json   the criterion grid (ours vs `Mutex<Vec<u32>>`, 1-16 threads)
-  pool_cuda.json        the Python round trip, measured in the scripts call (`PART=1b`)
-  pool_python_h200.json the Python round trip, measured beside the grid (`PART=1f`)
+Reads, from one run folder (bench/kvbench.py's routines on one machine):
+  free_list.json  the criterion grid (ours vs `Mutex<Vec<u32>>`, 1-16 threads)
+  pool_cuda.json  the Python round trip, measured by bench/gpu.sh's `pool` step
+  pool.json       the Python round trip, measured by bench/cpu.sh's `pool` step
+(the runs of 2026-12-01 named them free_list_h200.json, pool_cuda.json and pool_python_h200.json)
 and writes free_list_targets.json beside them: every target with its threshold, the measured
 figures it was judged on, met or missed, and for a miss what bounds it. The figures come only
 from those files; the reasons are the design's explanation (rust/core/src/free_list.md).
 
-    python bench/free_list_targets.py bench/results/<run>/
+    python tools/free_list_targets.py bench/results/<run>/
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
-from provenance import provenance, write_json
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from provenance import provenance, write_json  # bench/ is on sys.path, not a package
+
+GRID_FILES = ("free_list.json", "free_list_h200.json")
+ROUND_TRIP_FILES = ("pool_cuda.json", "pool.json", "pool_python_h200.json")
 
 MANY_THREADS = (8, 16)
 MANY_THREADS_MIN_SPEEDUP = 3.0
@@ -69,7 +75,8 @@ def round_trip(path: Path) -> dict[str, Any]:
 
 
 def targets(run: Path) -> list[dict[str, Any]]:
-    grid = json.loads((run / "free_list_h200.json").read_text())["results"]
+    grid_file = next(run / name for name in GRID_FILES if (run / name).exists())
+    grid = json.loads(grid_file.read_text())["results"]
     out = []
     many = {
         f"{g}/{t}": round(speedup(grid_row(grid, g, t)), 2)
@@ -103,7 +110,7 @@ def targets(run: Path) -> list[dict[str, Any]]:
             "why": WHY_BATCH256,
         }
     )
-    for name in ("pool_cuda.json", "pool_python_h200.json"):
+    for name in ROUND_TRIP_FILES:
         if not (run / name).exists():
             continue
         trip = round_trip(run / name)
@@ -122,15 +129,15 @@ def targets(run: Path) -> list[dict[str, Any]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run", type=Path, help="the run folder holding free_list_h200.json")
+    ap.add_argument("run", type=Path, help="the run folder holding free_list.json")
     args = ap.parse_args()
     sources = {
         name: json.loads((args.run / name).read_text())["provenance"]
-        for name in ("free_list_h200.json", "pool_cuda.json", "pool_python_h200.json")
+        for name in GRID_FILES + ROUND_TRIP_FILES
         if (args.run / name).exists() and "provenance" in json.loads((args.run / name).read_text())
     }
     report = {
-        "provenance": provenance("bench/free_list_targets.py"),
+        "provenance": provenance("tools/free_list_targets.py"),
         "measured_in": {k: v.get("commit") for k, v in sources.items()},
         "targets": targets(args.run),
     }

@@ -4,7 +4,7 @@
 # wall-clock cap, and writes one line per model and bound (completed / failed / did not finish
 # within the cap, with seconds) to the file given. A model that does not finish at one bound is
 # not run at the higher ones (more preemptions only add interleavings).
-# Usage: [LOOM_BOUNDS="1 2 3"] [LOOM_BINARY=...] bench/loom_bounds.sh OUT_FILE [CAP_SECONDS (default 600)] [MODEL...]
+# Usage: [LOOM_BOUNDS="1 2 3"] [LOOM_BINARY=...] tools/loom_bounds.sh OUT_FILE [CAP_SECONDS (default 600)] [MODEL...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$1

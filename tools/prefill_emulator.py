@@ -1,7 +1,7 @@
 """Lane-level NumPy emulation of cuda/paged_prefill.cu (all CTAs of a small launch, one split
 or several plus the merge), with the mma / ldmatrix register layouts of the PTX ISA, so the
 kernel's index, swizzle, fragment and mask arithmetic can be checked on a machine without a GPU.
-Run: python bench/tools/prefill_emulator.py (prints the relative error per case; < 1e-3 passes).
+Run: python tools/prefill_emulator.py (prints the relative error per case; < 1e-3 passes).
 """
 
 import numpy as np

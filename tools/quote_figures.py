@@ -7,19 +7,20 @@ JSON (same rows and columns, ready to paste). Each phrase and table row is looke
 README's text (whitespace collapsed): `ok` means the README already says exactly that,
 `DIFFERS` means the README must be edited there (or the phrase around the number changed).
 
-    python bench/tools/quote_figures.py --gpu DIR [--gpu2 DIR] --vm DIR
+    python tools/quote_figures.py --gpu DIR [--gpu2 DIR] --vm DIR
 
-  --gpu   one-GPU run folder (bench/gpu_session.sh): decode/decode_h200_v4.json, prefill_h200.json,
-          fp8/..., hosttier/swap_h200.json, pool_cuda.json, tables_cuda.json, growable_h200.json,
-          transformers/..., test and sanitizer logs, free_list_h200.json,
-          simulate_sharegpt_llama-3-8b_cuda.json
-  --gpu2  two-GPU run folder holding multigpu/ (without it that section is skipped)
-  --vm    dev-VM folder written by bench/vm_session.sh
+  --gpu   a run folder of bench/gpu.sh (decode.json, prefill.json, fp8.json, swap.json,
+          pool_cuda.json, tables_cuda.json, growable.json, generate.json, sim_cuda.json, the test
+          and sanitizer logs) with free_list.json and pool.json from bench/cpu.sh on the same
+          machine; or a run folder of 2026-12-01 by its names then (NAMES below)
+  --gpu2  the run folder holding transfer.json and tp_decode.json (two GPUs; without it that
+          section is skipped); on one machine with two GPUs the same folder as --gpu
+  --vm    a run folder of bench/cpu.sh on a machine without a GPU
 Single files or folders can be named apart (they override the folders above): --free-list DIR,
 --sim-cuda FILE, --sim-host FILE, --prefix-sim FILE, --prefix-cache FILE, --swap-sim FILE,
 --pool-python FILE. The figures quoted now (commit 0da9aa7) come from
 
-    python bench/tools/quote_figures.py --gpu bench/results/2026-12-01_0da9aa7_h200x2 \\
+    python tools/quote_figures.py --gpu bench/results/2026-12-01_0da9aa7_h200x2 \\
       --gpu2 bench/results/2026-12-01_0da9aa7_h200x2 --vm bench/results/2026-12-01_0da9aa7_dev-vm \\
       --free-list bench/results/2026-12-01_0da9aa7_h200x2/free_list_alone
 
@@ -45,7 +46,7 @@ import statistics
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------- number formatting
 
@@ -93,6 +94,42 @@ def join_and(items):
 
 
 # ---------------------------------------------------------------- files and README checks
+
+
+# The files of a run folder written by bench/gpu.sh and bench/cpu.sh, by the names the runs of
+# 2026-12-01 (bench/gpu_session.sh, bench/vm_session.sh, since folded into those two) gave them.
+NAMES = {
+    "decode/decode_h200_v4.json": "decode.json",
+    "fp8/fp8_h200.json": "fp8.json",
+    "fp8/fp8_prefill_h200.json": "fp8_prefill.json",
+    "prefill_h200.json": "prefill.json",
+    "hosttier/swap_h200.json": "swap.json",
+    "transformers/generate_h200.json": "generate.json",
+    "growable_h200.json": "growable.json",
+    "transformers/transformers_gpu_report.json": "transformers_gpu_report.json",
+    "fp8/gpu_tests.log": "fp8_tests.log",
+    "hosttier/gpu_tests.log": "host_tier_tests.log",
+    "transformers/tests.log": "transformers_tests.log",
+    "transformers/cpu_tests.log": "transformers_cpu_tests.log",
+    "multigpu/gpu2_tests.log": "gpu2_tests.log",
+    "hosttier/sanitizer.log": "host_tier_memcheck.log",
+    "multigpu/transfer_h200x2.json": "transfer.json",
+    "multigpu/tp_decode_h200x2.json": "tp_decode.json",
+    "free_list_h200.json": "free_list.json",
+    "pool_python_h200.json": "pool.json",
+    "simulate_sharegpt_llama-3-8b_cuda.json": "sim_cuda.json",
+    "simulate_sharegpt_llama-3-8b_host.json": "sim.json",
+    "prefix_cache_host.json": "prefix.json",
+    "swap_sim_llama-3-8b.json": "swap_sim.json",
+    "pool_python.json": "pool.json",
+}
+
+
+def pick(folder, legacy):
+    """folder's file of that content: by its bench/gpu.sh or bench/cpu.sh name when present,
+    else by its name in the runs of record."""
+    new = folder / NAMES.get(legacy, legacy)
+    return new if new.exists() else folder / legacy
 
 
 def load(path):
@@ -307,7 +344,7 @@ def readme_pool_tables(rep, f):
         "meeting" if met10 else "short of",
         src="pool_cuda.json cases[alloc_many16_free_many], targets['>= 10x ... 16-block']",
     )
-    res = load(f["free_list"] / "free_list_h200.json")["results"]
+    res = load(pick(f["free_list"], "free_list_h200.json"))["results"]
     speedups = {
         (r["group"], r["threads"]): r["mutex_ns_per_block"] / r["ours_ns_per_block"] for r in res
     }
@@ -342,7 +379,7 @@ def readme_pool_tables(rep, f):
 def readme_kernels(rep, f):
     g = f["gpu"]
     rep.section("README.md Results", "decode, fp8, prefill (H200)")
-    dec = decode_groups(measured(load(g / "decode/decode_h200_v4.json")["rows"], "kvpool_us"))
+    dec = decode_groups(measured(load(pick(g, "decode/decode_h200_v4.json"))["rows"], "kvpool_us"))
     rep.fig(
         "{} of the measured read ceiling on batches of 128k+ tokens (D=128), {}x the best "
         "FlashInfer mode, {}x cuDNN SDPA; small shapes {}x the best peer, {} the 1.3x target",
@@ -356,8 +393,8 @@ def readme_kernels(rep, f):
         src="decode/decode_h200_v4.json rows: large = D=128 fp16 Hq32 block16 B*L>=128k, "
         "small = every unragged row with B*L<128k; kvpool_frac, peer_us / kvpool_us",
     )
-    fp8 = measured(load(g / "fp8/fp8_h200.json")["rows"], "kvpool_fp8_us")
-    fp8p = load(g / "fp8/fp8_prefill_h200.json")["rows"]
+    fp8 = measured(load(pick(g, "fp8/fp8_h200.json"))["rows"], "kvpool_fp8_us")
+    fp8p = load(pick(g, "fp8/fp8_prefill_h200.json"))["rows"]
     low = min(fp8, key=fp8_vs_fp16)
     rep.fig(
         "fp8 decode: {}x our own fp16 decode on large shapes (1.8x aimed for, {}), {}x it on {}; "
@@ -371,7 +408,7 @@ def readme_kernels(rep, f):
         src="fp8/fp8_h200.json rows (large: B*L>=128k) kvpool_fp16_us / kvpool_fp8_us, "
         "min(flashinfer*_fp8_us) / kvpool_fp8_us; fp8/fp8_prefill_h200.json rows",
     )
-    pre = measured(load(g / "prefill_h200.json")["rows"], "kvpool_us")
+    pre = measured(load(pick(g, "prefill_h200.json"))["rows"], "kvpool_us")
     full = [
         r for r in pre if "spec" not in r["shape"]
     ]  # full-size: every row but 64 x 4 spec, both dtypes
@@ -443,7 +480,7 @@ def readme_dev_vm(rep, f):
 def readme_hosttier(rep, f):
     g = f["gpu"]
     rep.section("README.md Results", "host tier (H200)")
-    h = hosttier(load(g / "hosttier/swap_h200.json"))
+    h = hosttier(load(pick(g, "hosttier/swap_h200.json")))
     rep.fig(
         "2 MiB-block swaps at {} of a 1 GiB pinned copy's bandwidth ({} GB/s); 64 KiB "
         "fragmented blocks {}",
@@ -472,7 +509,7 @@ def readme_gpu_tail(rep, f):
             "tp_decode_h200x2.json rows one_gpu_us / tp2_us",
         )
     rep.section("README.md Results", "generation through transformers, growable pool")
-    gen = load(g / "transformers/generate_h200.json")
+    gen = load(pick(g, "transformers/generate_h200.json"))
     rows, ra = gen["rows"], gen["ratios"]
     rep.fig(
         "random-weight {}-layer model, {} requests): {} tokens/s with CUDA graphs and {} "
@@ -490,7 +527,7 @@ def readme_gpu_tail(rep, f):
         sig(ra["fixed_b1_ms_per_step"]["hf_dynamic"]),
         src="transformers/generate_h200.json rows.*.tokens_per_s, ratios.*",
     )
-    gr = load(g / "growable_h200.json")
+    gr = load(pick(g, "growable_h200.json"))
     grow = {v["chunk_bytes"] >> 20: v for v in gr["vmm"] if v["how"] == "pool.grow"}
     # README.md rounds these two speedups down ("28x" for 28.5x).
     rep.fig(
@@ -600,7 +637,7 @@ def readme_greedy_paragraph(rep, f):
 
 
 def greedy_paragraph(rep, f, readme):
-    g = load(f["gpu"] / "transformers/transformers_gpu_report.json")["greedy_64"]
+    g = load(pick(f["gpu"], "transformers/transformers_gpu_report.json"))["greedy_64"]
     div = g["divergences"]
     total = len(div) + len(g["agreeing_last_step"])
     same = round(g["identical_fraction"] * total)
@@ -741,13 +778,13 @@ def bench_gpu_intro(rep, f):
     logs = {
         "gpu": g / "gpu_tests.log",
         "prefill": g / "prefill_tests.log",
-        "fp8": g / "fp8/gpu_tests.log",
-        "host tier": g / "hosttier/gpu_tests.log",
-        "transformers": g / "transformers/tests.log",
-        "cpu": g / "transformers/cpu_tests.log",
+        "fp8": pick(g, "fp8/gpu_tests.log"),
+        "host tier": pick(g, "hosttier/gpu_tests.log"),
+        "transformers": pick(g, "transformers/tests.log"),
+        "cpu": pick(g, "transformers/cpu_tests.log"),
     }
     if f["gpu2"]:
-        logs["two-GPU"] = f["gpu2"] / "multigpu/gpu2_tests.log"
+        logs["two-GPU"] = pick(f["gpu2"], "multigpu/gpu2_tests.log")
     counts = {name: passed(log) for name, log in logs.items()}
     errors = sanitizer_errors(
         g / "decode_memcheck.log",
@@ -867,7 +904,7 @@ def bench_allocator(rep, f):
         "| | kvpool | baseline | ratio | target |",
         rows,
     )
-    alone = g / "pool_python_h200.json"  # the same Python cases, run alone on the host
+    alone = pick(g, "pool_python_h200.json")  # the same Python cases, run alone on the host
     if alone.exists():
         a16 = {x["name"]: x for x in load(alone)["cases"]}["alloc_many16_free_many"]
         rep.info(
@@ -886,7 +923,7 @@ GROUP_LABELS = {"batch16_scattered": "16, ids scattered"}
 
 def bench_free_list(rep, f):
     rep.section("bench/README.md Results", "Rust free list")
-    d = load(f["free_list"] / "free_list_h200.json")
+    d = load(pick(f["free_list"], "free_list_h200.json"))
     res = d["results"]
     threads = sorted({r["threads"] for r in res})
     rows = []
@@ -962,7 +999,7 @@ def bench_tables_growable(rep, f):
     )
 
     rep.section("bench/README.md Results", "elastic pool")
-    gr = load(g / "growable_h200.json")
+    gr = load(pick(g, "growable_h200.json"))
     cp = gr["copy_path"]
     rep.fig(
         "{} GiB live, grow by {} GiB; allocate-larger + copy + free {} ms in the same run; "
@@ -1107,7 +1144,7 @@ def decode_table_rows(rows):
 
 def bench_decode(rep, f):
     rep.section("bench/README.md Results", "paged decode attention, v4")
-    d = load(f["gpu"] / "decode/decode_h200_v4.json")
+    d = load(pick(f["gpu"], "decode/decode_h200_v4.json"))
     rows = measured(d["rows"], "kvpool_us")
     rep.fig(
         "decode/decode_h200_v4.json` (`decode/bench.log`), {} rows; read ceiling {} TB/s",
@@ -1144,7 +1181,7 @@ def bench_decode(rep, f):
     )
     rep.fig(
         "FlashInfer {} decode supports only head dims",
-        load(f["gpu"] / "prefill_h200.json")["flashinfer"],
+        load(pick(f["gpu"], "prefill_h200.json"))["flashinfer"],
         src="prefill_h200.json flashinfer (the decode JSON does not name its version)",
     )
     shown = [id(r) for r in decode_table_rows(rows)]
@@ -1256,7 +1293,7 @@ def fp8_vs_fi(r):
 def bench_fp8(rep, f):
     g = f["gpu"]
     rep.section("bench/README.md Results", "fp8 decode and prefill")
-    d = load(g / "fp8/fp8_h200.json")
+    d = load(pick(g, "fp8/fp8_h200.json"))
     rows = measured(d["rows"], "kvpool_fp8_us")
     rep.fig(
         "bytes, ceiling {} TB/s", rnd(d["ceiling_tb_s"], 2), src="fp8/fp8_h200.json ceiling_tb_s"
@@ -1309,8 +1346,10 @@ def bench_fp8(rep, f):
         rnd(fp8_vs_fp16(low), 2),
         src="row with the lowest fp16/fp8 time ratio",
     )
-    rep.fig("fp8 GPU tests: {} passed", passed(g / "fp8/gpu_tests.log")[0], src="fp8/gpu_tests.log")
-    pre = load(g / "fp8/fp8_prefill_h200.json")["rows"]
+    rep.fig(
+        "fp8 GPU tests: {} passed", passed(pick(g, "fp8/gpu_tests.log"))[0], src="fp8/gpu_tests.log"
+    )
+    pre = load(pick(g, "fp8/fp8_prefill_h200.json"))["rows"]
     parts = []
     for i, r in enumerate(pre):
         shape = r["shape"] + (" cached" if " on " in r["shape"] else "")
@@ -1345,7 +1384,7 @@ def prefill_best_peer(r):
 def bench_prefill(rep, f):
     g = f["gpu"]
     rep.section("bench/README.md Results", "prefill")
-    d = load(g / "prefill_h200.json")
+    d = load(pick(g, "prefill_h200.json"))
     rows = measured(d["rows"], "kvpool_us")
     fp16 = [r for r in rows if r["dtype"] == "float16"]
     bf16 = [r for r in rows if r["dtype"] == "bfloat16"]
@@ -1606,7 +1645,7 @@ def hosttier(d):
 def bench_hosttier(rep, f):
     g = f["gpu"]
     rep.section("bench/README.md Results", "host tier")
-    d = load(g / "hosttier/swap_h200.json")
+    d = load(pick(g, "hosttier/swap_h200.json"))
     h = hosttier(d)
 
     def row(block, n, frag, method):
@@ -1663,7 +1702,7 @@ def bench_hosttier(rep, f):
     )
     rep.fig(
         "memcheck {} errors (`hosttier/sanitizer.log`)",
-        sanitizer_errors(g / "hosttier/sanitizer.log"),
+        sanitizer_errors(pick(g, "hosttier/sanitizer.log")),
         src="hosttier/sanitizer.log",
     )
 
@@ -1803,7 +1842,7 @@ def bench_swap_sim(rep, f):
 
 
 def transfer(f):
-    d = load(f["gpu2"] / "multigpu/transfer_h200x2.json")
+    d = load(pick(f["gpu2"], "multigpu/transfer_h200x2.json"))
     out = {"byte_exact": d["byte_exact_samples"] and not d["mismatched_samples"]}
     for s in d["summary"]:
         out[s["num_blocks"]] = dict(s, ratio=s["nccl_contiguous_us"] / s["best_us"])
@@ -1811,7 +1850,7 @@ def transfer(f):
 
 
 def tp_rows(f):
-    return load(f["gpu2"] / "multigpu/tp_decode_h200x2.json")["rows"]
+    return load(pick(f["gpu2"], "multigpu/tp_decode_h200x2.json"))["rows"]
 
 
 def bench_multigpu(rep, f):
@@ -1869,7 +1908,7 @@ def bench_multigpu(rep, f):
     )
     rep.fig(
         "Two-GPU tests: {} passed",
-        passed(f["gpu2"] / "multigpu/gpu2_tests.log")[0],
+        passed(pick(f["gpu2"], "multigpu/gpu2_tests.log"))[0],
         src="multigpu/gpu2_tests.log",
     )
 
@@ -1877,7 +1916,7 @@ def bench_multigpu(rep, f):
 def bench_transformers(rep, f):
     g = f["gpu"]
     rep.section("bench/README.md Results", "generation through transformers")
-    gen = load(g / "transformers/generate_h200.json")
+    gen = load(pick(g, "transformers/generate_h200.json"))
     rows, ra = gen["rows"], gen["ratios"]
     rep.fig(
         "{}-layer Llama-shaped bf16 model with random weights, {} ShareGPT-like requests, {} output "
@@ -1933,8 +1972,8 @@ def bench_transformers(rep, f):
     )
     rep.fig(
         "Tests: {} GPU tests passed (`tests.log`) and {} host tests (`cpu_tests.log`)",
-        passed(g / "transformers/tests.log")[0],
-        passed(g / "transformers/cpu_tests.log")[0],
+        passed(pick(g, "transformers/tests.log"))[0],
+        passed(pick(g, "transformers/cpu_tests.log"))[0],
         src="transformers/tests.log, transformers/cpu_tests.log",
     )
     greedy_paragraph(rep, f, readme=False)
@@ -1975,8 +2014,10 @@ Quoted figures this script does not recompute (not in the JSON of one run; check
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gpu", type=Path, required=True, help="one-GPU run folder")
-    ap.add_argument("--gpu2", type=Path, help="two-GPU run folder (holds multigpu/)")
-    ap.add_argument("--vm", type=Path, help="dev-VM folder from bench/vm_session.sh")
+    ap.add_argument("--gpu2", type=Path, help="two-GPU run folder (transfer.json, tp_decode.json)")
+    ap.add_argument(
+        "--vm", type=Path, help="a run folder of bench/cpu.sh (a machine without a GPU)"
+    )
     ap.add_argument(
         "--free-list", type=Path, help="folder with free_list_h200.json (default --gpu)"
     )
@@ -2010,14 +2051,14 @@ def main():
         if given:
             return given
         if a.vm:
-            return a.vm / name
+            return pick(a.vm, name)
         return Path(f"<no --vm: {name}>")
 
     f = {
         "gpu": a.gpu,
         "gpu2": a.gpu2,
         "free_list": a.free_list or a.gpu,
-        "sim_cuda": a.sim_cuda or a.gpu / "simulate_sharegpt_llama-3-8b_cuda.json",
+        "sim_cuda": a.sim_cuda or pick(a.gpu, "simulate_sharegpt_llama-3-8b_cuda.json"),
         "sim_host": vm("simulate_sharegpt_llama-3-8b_host.json", a.sim_host),
         "prefix_sim": vm("prefix_sim.json", a.prefix_sim),
         "prefix_cache": vm("prefix_cache_host.json", a.prefix_cache),
@@ -2046,7 +2087,7 @@ def main():
             print(f"  {k:12} -")
             continue
         try:
-            print(f"  {k:12} {p}  commit {prov_commit(p / named[k] if k in named else p)}")
+            print(f"  {k:12} {p}  commit {prov_commit(pick(p, named[k]) if k in named else p)}")
         except (OSError, ValueError, AttributeError) as e:
             print(f"  {k:12} {p}  ({e.__class__.__name__}: {e})")
 

@@ -8,7 +8,7 @@ skipped (-1) and past-the-pool slots; copy_blocks. The default head dims include
 (40 -> 48, 80) and the block sizes pages smaller than the 16-token tile (1, 2). Outputs are poisoned with NaN first and must come
 back finite (the sanitizer judges the memory accesses; this catches unwritten rows).
 
-    compute-sanitizer --tool memcheck --error-exitcode 9 python3 bench/sanitize_case.py \
+    compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/sanitize_kernels.py \
         [--dtypes float16,bfloat16] [--head-dims 40,80,128] [--block-sizes 1,2,16]
 """
 

@@ -4,7 +4,7 @@
 # odd chunk stride), per-row block look-up for pages of < 16 tokens, row masks, the warp merge,
 # and the fused split-KV merge (every split CTA emulated, then the last-CTA merge formula).
 # The fp8 path (its own fragment mapping) is emulated in fp8_fragment_emulator.py.
-# Run: python bench/tools/tc_fragment_emulator.py  (prints the relative error per case and
+# Run: python tools/tc_fragment_emulator.py  (prints the relative error per case and
 # fails on an error above 2e-3, an out-of-tile shared-memory address, or a bank conflict).
 import numpy as np
 
