@@ -1,7 +1,12 @@
-"""The refusals of the benchmark session scripts, which run no benchmark when they refuse."""
+"""The benchmark harness (bench/kvbench.py and its routines) runs end to end on a CPU, and the
+scripts around it refuse what they must before running anything."""
 
+import ast
+import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,11 +24,11 @@ def _git(cwd: Path, *args: str) -> None:
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
-def test_vm_session_refuses_a_dirty_tree_before_writing_anything(tmp_path):
+def test_cpu_script_refuses_a_dirty_tree_before_writing_anything(tmp_path):
     # A repository holding the script and one tracked file, then a change to that file: the
     # figures would not name the code they measured, so the script must stop at once.
     (tmp_path / "bench").mkdir()
-    shutil.copy(REPO / "bench" / "vm_session.sh", tmp_path / "bench" / "vm_session.sh")
+    shutil.copy(REPO / "bench" / "cpu.sh", tmp_path / "bench" / "cpu.sh")
     (tmp_path / "tracked.txt").write_text("committed\n")
     _git(tmp_path, "init", "-q")
     _git(tmp_path, "add", ".")
@@ -31,18 +36,18 @@ def test_vm_session_refuses_a_dirty_tree_before_writing_anything(tmp_path):
     (tmp_path / "tracked.txt").write_text("changed\n")
 
     run = subprocess.run(
-        ["bash", "bench/vm_session.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+        ["bash", "bench/cpu.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
 
     assert run.returncode == 2, run.stderr
-    assert run.stderr.strip() == "vm_session.sh: the working tree has changes; commit them first"
+    assert run.stderr.strip() == "cpu.sh: the working tree has changes; commit them first"
     assert run.stdout == ""
     assert not (tmp_path / "bench" / "results").exists()
     # Committed, the same tree passes the check and goes on to its first step (which fails
     # here, where bench/provenance.py does not exist): the refusal was the dirty tree's.
     _git(tmp_path, "commit", "-q", "-am", "committed")
     run = subprocess.run(
-        ["bash", "bench/vm_session.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+        ["bash", "bench/cpu.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
     assert run.returncode != 0
     assert "working tree has changes" not in run.stderr
@@ -79,3 +84,49 @@ def test_the_shape_grid_records_a_failing_shape_and_writes_after_every_row(tmp_p
     ]
     assert result["rows"] == seen
     assert "RuntimeError: no kernel for this shape" in capsys.readouterr().err  # the traceback
+
+
+def _kvbench(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "python")}
+    return subprocess.run(
+        [sys.executable, str(REPO / "bench" / "kvbench.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_the_driver_lists_every_routine_and_each_has_a_main(tmp_path):
+    run = _kvbench("--list", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    listed = [line.split()[0] for line in run.stdout.splitlines()]
+    modules = sorted(p.stem for p in (REPO / "bench" / "routines").glob("*.py"))
+    assert sorted(listed) == [m for m in modules if m != "__init__"]
+    for name in listed:  # parsed, not imported: most routines import CuPy or torch at the top
+        tree = ast.parse((REPO / "bench" / "routines" / f"{name}.py").read_text())
+        mains = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+        assert mains and mains[0].args.args[0].arg == "argv", name
+    unknown = _kvbench("--routine", "no_such_routine", cwd=tmp_path)
+    assert unknown.returncode == 2 and "invalid choice" in unknown.stderr
+
+
+def test_a_cpu_routine_writes_its_json_with_provenance_through_the_driver(tmp_path):
+    # The pool routine (ours against the pure-Python free list) at its shortest: the harness's
+    # path from the command line to the JSON that the README's allocator figures are read from.
+    out = tmp_path / "run"
+    run = _kvbench(
+        "--routine", "pool", "--out", str(out), "--commit", "abc1234", "--repeat", "1",
+        "--min-time", "0.001", cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    record = json.loads((out / "pool.json").read_text())
+    assert record["provenance"]["commit"] == "abc1234"
+    assert record["provenance"]["script"] == "bench/routines/pool.py"
+    names = {case["name"] for case in record["cases"]}
+    assert {"alloc_many16_free_many", "alloc_free_single"} <= names
+    for case in record["cases"]:
+        assert case["ours_us"] > 0 and case["baseline_us"] > 0
+    assert record["targets"]
+    assert sorted(p.name for p in out.iterdir()) == ["pool.json"]
