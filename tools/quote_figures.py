@@ -889,7 +889,7 @@ def bench_allocator(rep, f):
             "torch caching allocator x16: ",
         ),
         [
-            "`alloc_many(16)` + `free_many`, Python, dev VM",
+            "`alloc_many(16)` + `free_many`, Python, 2-core VM",
             rnd(v16["ours_us"], 2) + " us",
             rnd(v16["baseline_us"], 2) + " us",
             rnd(v16["baseline_us"] / v16["ours_us"], 1) + "x",
@@ -1545,7 +1545,7 @@ def bench_prefix(rep, f):
     rep.section("bench/README.md Results", "prefix caching from Python")
     pc = load(f["prefix_cache"])
     rep.fig(
-        "dev VM at load {},",
+        "2-core VM at load {},",
         rnd(pc["provenance"]["machine"]["load_average_1m_before"], 1),
         src="prefix_cache provenance.machine.load_average_1m_before",
     )
