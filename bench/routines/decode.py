@@ -131,6 +131,24 @@ def measure_ceiling():
     return best, sweep, torch_sum
 
 
+def paged_pool(dtype, num_blocks, bs, d):
+    """A one-layer CUDA pool of 16-bit K/V and a torch view of its slab as FlashInfer's NHD
+    paged cache [num_blocks, 2, bs, Hkv, d] (no copy: FlashInfer reads our very pages)."""
+    tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float16
+    lay = kvpool.KvLayout(1, HKV, d, bs, dtype)
+    pool = kvpool.Pool(lay, num_blocks, device="cuda")
+    st = lay.strides()
+    assert st["block"] == 2 * bs * HKV * d * 2 and st["kv"] == bs * HKV * d * 2
+    slab = cp.ndarray(
+        (num_blocks, 2, bs, HKV, d),
+        dtype=cp.uint16,
+        memptr=cp.cuda.MemoryPointer(
+            cp.cuda.UnownedMemory(pool.base_ptr, num_blocks * st["block"], pool), 0
+        ),
+    )
+    return pool, torch.from_dlpack(slab.view(cp.int16)).view(tdt)
+
+
 def random_elems(shape, dtype, gen):
     t = torch.randn(*shape, device="cuda", generator=gen, dtype=torch.float32)
     return t.to(torch.bfloat16 if dtype == "bfloat16" else torch.float16)
@@ -196,20 +214,7 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep, hq=HQ, bs=BS, ragge
     rot = rotations(kv_bytes)
     blocks_per_seq = -(-seq_len // bs)  # table width; a ragged row uses a prefix of its row
     num_blocks = rot * batch * blocks_per_seq
-    lay = kvpool.KvLayout(1, HKV, d, bs, dtype)
-    pool = kvpool.Pool(lay, num_blocks, device="cuda")
-    st = lay.strides()
-    assert st["block"] == 2 * bs * HKV * d * 2 and st["kv"] == bs * HKV * d * 2
-    slab = cp.ndarray(
-        (num_blocks, 2, bs, HKV, d),
-        dtype=cp.uint16,
-        memptr=cp.cuda.MemoryPointer(
-            cp.cuda.UnownedMemory(pool.base_ptr, num_blocks * st["block"], pool), 0
-        ),
-    )
-    cache = torch.from_dlpack(slab.view(cp.int16)).view(
-        tdt
-    )  # FlashInfer NHD paged cache over our slab
+    pool, cache = paged_pool(dtype, num_blocks, bs, d)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(batch * 7919 + seq_len + d)
     cache.copy_(random_elems(cache.shape, dtype, gen))

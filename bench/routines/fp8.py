@@ -53,6 +53,30 @@ def make_pool(dtype, num_blocks, gen):
     return pool, cache
 
 
+def decode_calls(qs, pool, tables, lens_t, out, seq_len, ws, scales):
+    """One call per rotation r (given the stream): our decode of qs[r] over tables[r] into
+    out[r], with fp8 `scales` or None for a 16-bit pool."""
+
+    def call(r):
+        def run(s):
+            paged_attention_decode(
+                qs[r],
+                pool,
+                0,
+                tables[r],
+                lens_t,
+                out=out[r],
+                stream=s,
+                max_seq_len=seq_len,
+                workspace=ws,
+                scales=scales,
+            )
+
+        return run
+
+    return [call(r) for r in range(len(qs))]
+
+
 def shape_inputs(batch, seq_len):
     """The inputs of one grid shape, seeded by the shape: (lens, K+V elements per rotation,
     rotations, num_blocks, torch generator, block tables and queries per rotation, lens on the
@@ -103,24 +127,9 @@ def bench_shape(batch, seq_len, ceiling):
             scales.set(0, K_SCALE, V_SCALE)
         out = [torch.empty_like(q) for q in qs]
 
-        def ours(r, pool=pool, scales=scales, out=out):
-            def call(s):
-                paged_attention_decode(
-                    qs[r],
-                    pool,
-                    0,
-                    tables[r],
-                    lens_t,
-                    out=out[r],
-                    stream=s,
-                    max_seq_len=seq_len,
-                    workspace=ws,
-                    scales=scales,
-                )
-
-            return call
-
-        row[f"{key}_us"] = graph_us([ours(r) for r in range(rot)])
+        row[f"{key}_us"] = graph_us(
+            decode_calls(qs, pool, tables, lens_t, out, seq_len, ws, scales)
+        )
         torch.cuda.synchronize()
         outs[key] = out[0].float().clone()
         if dtype != "float16":

@@ -31,14 +31,14 @@ import traceback
 import cupy as cp
 import kvpool
 import torch
-from kvpool.kernels import _decode, _prefill, paged_attention_decode, workspace_elems
+from kvpool.kernels import _decode, _prefill, workspace_elems
 from kvpool.kernels._build import FP8_DECODE_ENV, FP8_PREFILL_ASYNC_ENV
 from provenance import provenance
 from shape_grid import measure_grid
 from timing import graph_us
 
 from routines.decode import GRID, HKV, HQ, measure_ceiling
-from routines.fp8 import BS, K_SCALE, V_SCALE, D, make_pool, shape_inputs
+from routines.fp8 import BS, K_SCALE, V_SCALE, D, decode_calls, make_pool, shape_inputs
 from routines.fp8_prefill import SHAPES as PREFILL_SHAPES
 from routines.fp8_prefill import run as run_prefill
 from routines.prefill import causal_flops
@@ -120,38 +120,23 @@ def sweep_shape(batch, seq_len, ceiling):
             ref = reference(qs[0], cache, tables[0], lens)
         out = [torch.empty_like(q) for q in qs]
 
-        def call(r, pool=pool, scales=scales, out=out):
-            def run(s):
-                paged_attention_decode(
-                    qs[r],
-                    pool,
-                    0,
-                    tables[r],
-                    lens_t,
-                    out=out[r],
-                    stream=s,
-                    max_seq_len=seq_len,
-                    workspace=ws,
-                    scales=scales,
-                )
-
-            return run
+        calls = decode_calls(qs, pool, tables, lens_t, out, seq_len, ws, scales)
 
         if dtype == "float16":
             set_tuning("")
-            row["fp16_us"] = graph_us([call(r) for r in range(rot)])
+            row["fp16_us"] = graph_us(calls)
         else:
             for name, value in CANDIDATES:
                 res = {"env": value}
                 try:
                     set_tuning(value)
                     out[0].fill_(float("nan"))
-                    call(0)(torch.cuda.current_stream())
+                    calls[0](torch.cuda.current_stream())
                     torch.cuda.synchronize()
                     res["rel_err"] = row_rel_err(out[0], ref)
                     res["mutant_rel_err"] = row_rel_err(out[0].roll(1, dims=1), ref)
                     res["ok"] = res["rel_err"] < BOUND and res["mutant_rel_err"] >= BOUND
-                    res["us"] = graph_us([call(r) for r in range(rot)])
+                    res["us"] = graph_us(calls)
                     res["x_fp16"] = round(row["fp16_us"] / res["us"], 3)
                     res["frac"] = round(elems / (res["us"] * 1e-6) / 1e12 / ceiling, 4)
                 except Exception as e:

@@ -18,7 +18,6 @@ import json
 import traceback
 
 import cupy as cp
-import kvpool
 import numpy as np
 import provenance
 import torch
@@ -26,6 +25,8 @@ import torch.nn.functional as F
 from kvpool.kernels import paged_attention_prefill, prefill_plan, prefill_workspace_elems
 from timing import event_us
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from routines.decode import paged_pool
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 # (label, sequences, new tokens each, cached prefix each)
@@ -58,18 +59,7 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
     seq_len = qo + prefix
     blocks_per_seq = -(-seq_len // BS)
     num_blocks = num_seqs * blocks_per_seq + 8
-    lay = kvpool.KvLayout(1, HKV, D, BS, dtype)
-    pool = kvpool.Pool(lay, num_blocks, device="cuda")
-    st = lay.strides()
-    assert st["block"] == 2 * BS * HKV * D * 2 and st["kv"] == BS * HKV * D * 2
-    slab = cp.ndarray(
-        (num_blocks, 2, BS, HKV, D),
-        dtype=cp.uint16,
-        memptr=cp.cuda.MemoryPointer(
-            cp.cuda.UnownedMemory(pool.base_ptr, num_blocks * st["block"], pool), 0
-        ),
-    )
-    cache = torch.from_dlpack(slab.view(cp.int16)).view(tdt)  # NHD paged cache over our slab
+    pool, cache = paged_pool(dtype, num_blocks, BS, D)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(num_seqs * 7919 + seq_len)
     cache.copy_(torch.randn(cache.shape, device="cuda", generator=gen).to(tdt))
