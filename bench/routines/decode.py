@@ -3,14 +3,14 @@
 Per shape: a 1-layer pool (its block layout is FlashInfer's NHD paged cache, so FlashInfer
 reads the very same pages), shuffled block tables, uniform or ragged lengths (SDPA, which has no
 paged or ragged decode, runs only on uniform ones), R rotations of inputs so that the bytes
-touched per timing pass exceed the 60 MB L2 several times. Every method is timed as CUDA-graph
+touched per timing pass exceed the L2 several times (timing.rotations). Every method is timed as CUDA-graph
 replays of R calls (medians over replays, after warm-up); kvpool is also timed eagerly (Python
 wrapper included). The read ceiling is measured in the same run with bench/ceiling.cu.
 
 For the small shapes the split count is swept (`kvpool_split_sweep_us`, the same kernel with
 num_splits forced) so that the plan can be set from measurements.
 
-Writes JSON (argv[1]) with one row per shape; prints a table last.
+Writes JSON (--out) with one row per shape; prints a table last.
 """
 
 from __future__ import annotations

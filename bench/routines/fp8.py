@@ -1,11 +1,11 @@
 """fp8 paged decode on the GPU: kvpool's fp8 (e4m3) decode against kvpool's fp16 decode and
-FlashInfer's fp8 decode (both modes), same run, on decode_bench.py's grid (fp16 queries,
+FlashInfer's fp8 decode (both modes), same run, on the decode routine's grid (fp16 queries,
 Hq 32, Hkv 8, D 128, page 16, shuffled pages, R input rotations beyond L2, CUDA-graph replays).
 
 The fp8 pool and FlashInfer read the very same fp8 pages (FlashInfer's NHD paged cache is our
 block layout), with the same per-tensor k/v scales. The fraction of the read ceiling counts the
 bytes each method reads (fp8: one byte per element). The ceiling is measured in the same run.
-Writes JSON (argv[1]) with one row per shape; prints a table last.
+Writes JSON (--out) with one row per shape; prints a table last.
 """
 
 from __future__ import annotations

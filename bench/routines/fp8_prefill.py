@@ -6,7 +6,7 @@ the simplest correct form), so it is expected at or below the fp16 speed: these 
 far, to set the bar for a cp.async + register-conversion version. TFLOP/s of causal FLOPs;
 the outputs of both are compared (they differ by fp8 rounding only).
 
-Usage: python3 bench/kvbench.py --routine fp8_prefill OUT.json
+Usage: python3 bench/kvbench.py --routine fp8_prefill [--out DIR]
 """
 
 from __future__ import annotations

@@ -2,17 +2,17 @@
 
 Each candidate sets KVPOOL_FP8_DECODE (warps per CTA, cp.async stages per warp, CTAs per SM the
 split-KV plan fills; see kvpool/kernels/_build.py); "default" is the library's behaviour with the
-variable unset. On fp8_bench.py's grid (fp16 queries, Hq 32, Hkv 8, D 128, page 16, shuffled
+variable unset. On the fp8 routine's grid (fp16 queries, Hq 32, Hkv 8, D 128, page 16, shuffled
 pages, input rotations beyond L2, CUDA-graph replays) every candidate is
   - checked first: output poisoned with NaN, then compared per (sequence, head) with the float64
     reference on the dequantized cache (relative L2 error < 1e-2, no NaN); a mutated output (heads
     rolled by one) must fail the same check;
   - timed, with our fp16 decode (library default) on the same shape in the same run as baseline.
-The read ceiling is measured in the same run; "frac" counts fp8 bytes. Writes JSON (argv[1]),
+The read ceiling is measured in the same run; "frac" counts fp8 bytes. Writes JSON (--out),
 prints one table (microseconds, speedup over our fp16, fraction of the ceiling) and the best
 candidate per shape.
 
-Then the fp8 prefill on fp8_prefill_bench.py's shapes: our fp16 prefill, the fp8 prefill with
+Then the fp8 prefill on the fp8_prefill routine's shapes: our fp16 prefill, the fp8 prefill with
 synchronous loads (default) and with KVPOOL_FP8_PREFILL_ASYNC=1 (cp.async into fp8 staging
 tiles). The two fp8 forms do the same arithmetic on the same fp16 tiles, so their outputs must be
 bit-identical (the synchronous form is the one the GPU tests check against float64).

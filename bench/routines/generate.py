@@ -1,4 +1,4 @@
-"""Generation throughput on the H200: kvpool's continuous-batching loop against transformers'
+"""Generation throughput on a GPU: kvpool's continuous-batching loop against transformers'
 own options on a Llama-3.2-1B-shaped model (bf16, random weights), at one KV memory budget.
 
 Rows (same process, same model, same requests):

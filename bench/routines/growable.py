@@ -17,7 +17,7 @@ medians over `--reps`. The VMM rows are repeated per chunk size (`--chunk-mib`; 
 driver's minimum granularity, 2 MiB on H200): the driver cost is per physical allocation, so
 larger chunks grow faster and shrink coarser. Target: growth >= 20x faster than the copy.
 
-    python bench/kvbench.py --routine growable --out bench/results/growable_h200.json
+    python bench/kvbench.py --routine growable [--out DIR]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ importable, PyTorch's caching allocator (`torch.cuda.caching_allocator_alloc` / 
 its raw interface without tensor construction): one block, and 16 blocks per round trip
 (ours one alloc_many(16) + free_many, the caching allocators 16 calls each way).
 
-Usage: python bench/kvbench.py --routine pool [--device cuda] [--out FILE]
+Usage: python bench/kvbench.py --routine pool [--device cuda] [--out DIR]
 """
 
 from __future__ import annotations

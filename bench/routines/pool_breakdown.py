@@ -14,7 +14,7 @@ round_trip16 - empty_round_trip is the core's work for 16 blocks plus the per-id
 writes of the binding (the core alone is criterion's batch16/ours/1 in benches/free_list.rs).
 No baseline: pool_bench.py compares with the pure-Python pool; this only splits our time.
 
-Usage: python bench/kvbench.py --routine pool_breakdown [--out FILE]
+Usage: python bench/kvbench.py --routine pool_breakdown [--out DIR]
 """
 
 from __future__ import annotations

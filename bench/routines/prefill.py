@@ -8,7 +8,7 @@ Timing: CUDA events around a loop of calls, medians over repetitions after warm-
 TFLOP/s of causal FLOPs (4 * head_dim * num_q_heads * attended (query, key) pairs) and as a
 fraction of a dense matmul (8192^3, same dtype) measured in the same run.
 
-Usage: python3 bench/kvbench.py --routine prefill OUT.json [--quick]
+Usage: python3 bench/kvbench.py --routine prefill [--out DIR] [--quick]
 """
 
 from __future__ import annotations

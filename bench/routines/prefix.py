@@ -28,7 +28,7 @@ untimed part of each iteration (freeing the request) is outside the timer. Targe
 >= 10x the Python baseline; a full-hit 4096-token add under 50 us; caching adds under 10 %
 to a decode step (ours on vs ours off).
 
-Usage: python bench/kvbench.py --routine prefix [--out bench/results/<dir>/prefix_cache_host.json]
+Usage: python bench/kvbench.py --routine prefix [--out DIR]
 """
 
 from __future__ import annotations
@@ -327,14 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--iters", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--out", type=Path, help="default: prefix_cache_host.json in this run's results folder"
-    )
+    parser.add_argument("--out", type=Path, required=True, help="the JSON to write")
     args = parser.parse_args(argv)
     report: dict[str, Any] = {
         "benchmark": "prefix_cache_python",
         "provenance": provenance("bench/routines/prefix.py"),
-        "note": "dev VM: 2 shared cores, other jobs running; host pool (a CPU benchmark)",
         "block_size": BS,
         "prompt_tokens": PROMPT,
         "decode_requests": DECODE_REQUESTS,

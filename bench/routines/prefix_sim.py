@@ -13,7 +13,7 @@ Each `simulate()` serves the workload paged without caching, contiguous (max_mod
 reserved) and paged with prefix caching; the JSON keeps the whole reports (without the time
 series) and a PNG per workload shows the hit rate over time.
 
-    KVPOOL_MACHINE=dev-vm python bench/kvbench.py --routine prefix_sim [--num-requests 4000] [--out-dir DIR]
+    python bench/kvbench.py --routine prefix_sim [--num-requests 4000] [--out DIR]
 """
 
 from __future__ import annotations

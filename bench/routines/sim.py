@@ -8,7 +8,7 @@ the best case for contiguous: it needs every output length in advance). Targets 
 mode: paged mean concurrency >= 3x contiguous, KV utilization >= 0.96, each simulate() under
 30 s, allocator under 5%.
 
-    python bench/kvbench.py --routine sim [--num-requests 10000] [--device host] [--out FILE]
+    python bench/kvbench.py --routine sim [--num-requests 10000] [--device host] [--out DIR]
 """
 
 from __future__ import annotations

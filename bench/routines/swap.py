@@ -13,7 +13,7 @@ cuMemcpyAsync per run). Bandwidth is bytes over the GPU time between CUDA events
 the tier's copy stream around the swap; latency is the wall time from the call to `wait()`
 returning. Medians of REPEATS after a warm-up.
 
-    python3 bench/kvbench.py --routine swap --out bench/results/<run>/swap_h200.json
+    python3 bench/kvbench.py --routine swap [--out DIR]
 """
 
 from __future__ import annotations

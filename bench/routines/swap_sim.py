@@ -10,7 +10,7 @@ for Llama-3-8B); modes auto and swap; and a tier too small for the victims.
 
 Times are modelled (costmodel.RooflineCost, copies from preemption.HostLink), not measured.
 
-    python bench/kvbench.py --routine swap_sim [--num-requests 2000] [--kv-memory 4GiB] [--out FILE]
+    python bench/kvbench.py --routine swap_sim [--num-requests 2000] [--kv-memory 4GiB] [--out DIR]
 """
 
 from __future__ import annotations

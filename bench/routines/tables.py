@@ -27,7 +27,7 @@ after --warmup). On CUDA the total wall time of all steps plus a final cudaDevic
 is reported too. Targets: ours < 20 us per step, and >= 5x faster than the rebuild; the
 ratio to the incremental baseline is reported beside it.
 
-Usage: python bench/kvbench.py --routine tables [--device host|cuda] [--out FILE]
+Usage: python bench/kvbench.py --routine tables [--device host|cuda] [--out DIR]
 """
 
 from __future__ import annotations

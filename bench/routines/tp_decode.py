@@ -7,7 +7,7 @@ R launches (after a warm-up), both devices synchronised before and after, so the
 are timed the same way. The TP output is checked against the one-GPU output first (bit for
 bit with one split). Usage:
 
-    python bench/kvbench.py --routine tp_decode --out $OUT/multigpu/tp_decode_h200x2.json
+    python bench/kvbench.py --routine tp_decode [--out DIR]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ the receiver's CUDA events measure from that message's arrival to its last block
 ``protocol_us``: host wall time of the whole protocol (offer, accept, data, completion) for
 the same transfer, from the sender's side. Usage (NCCL_NVLS_ENABLE=0 and friends set):
 
-    python bench/kvbench.py --routine transfer --out $OUT/multigpu/transfer_h200x2.json [--quick]
+    python bench/kvbench.py --routine transfer [--out DIR] [--quick]
 """
 
 from __future__ import annotations
