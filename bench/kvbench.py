@@ -71,8 +71,11 @@ def run(routine: str, out_dir: Path, stem: str, routine_args: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,  # --help with --routine is the routine's
     )
+    ap.add_argument("-h", "--help", action="store_true", help="this help, or the routine's")
     ap.add_argument("--list", action="store_true", help="list the routines and exit")
     ap.add_argument("--routine", choices=sorted(ROUTINES))
     ap.add_argument("--out", type=Path, help="results folder (default: a new run folder)")
@@ -88,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     args, routine_args = ap.parse_known_args(argv)
     if args.commit:
         os.environ["KVPOOL_COMMIT"] = args.commit  # provenance.commit() reads it
+    if args.help and args.routine is None:
+        ap.print_help()
+        return 0
+    if args.help:
+        routine_args.append("--help")
     if args.list:
         print(list_routines())
         return 0
