@@ -35,8 +35,10 @@ export PYTHONUNBUFFERED=1
 [ -n "${COMMIT:-}" ] && export KVPOOL_COMMIT=$COMMIT
 OUT=${1:-$(python3 -c 'import sys; sys.path.insert(0, "bench"); from provenance import run_dir; print(run_dir())')}
 mkdir -p "$OUT"
-NGPU=$(python3 -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())' 2> "$OUT/gpu.txt") ||
-  { echo "gpu.sh: CuPy sees no CUDA device (see $OUT/gpu.txt)" >&2; exit 2; }
+NGPU=$(python3 -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())' 2> "$OUT/gpu.txt")
+case $NGPU in
+  '' | *[!0-9]* | 0) echo "gpu.sh: CuPy sees no CUDA device (see $OUT/gpu.txt)" >&2; exit 2 ;;
+esac
 { nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv; echo "$NGPU GPUs, $(nproc) CPUs"
   python3 -c 'import sys; sys.path.insert(0, "bench"); import provenance; print("commit", provenance.commit())'
   date -u; } >> "$OUT/gpu.txt" 2>&1

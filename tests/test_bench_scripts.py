@@ -130,3 +130,65 @@ def test_a_cpu_routine_writes_its_json_with_provenance_through_the_driver(tmp_pa
         assert case["ours_us"] > 0 and case["baseline_us"] > 0
     assert record["targets"]
     assert sorted(p.name for p in out.iterdir()) == ["pool.json"]
+
+
+def _stub_gpu_machine(tmp_path: Path, gpus: int) -> tuple[dict[str, str], Path]:
+    """A PATH whose python3 reports `gpus` CUDA devices and otherwise only logs its arguments
+    (every import "succeeds"), and whose nvidia-smi prints nothing."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(
+        "#!/bin/bash\n"
+        f'case "$*" in *getDeviceCount*) echo {gpus}; exit 0 ;; esac\n'
+        f'echo "$*" >> "{log}"\n'
+    )
+    (bin_dir / "nvidia-smi").write_text("#!/bin/bash\n")
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}, log
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_gpu_script_runs_the_steps_asked_for_into_one_folder(tmp_path, gpus):
+    # bench/gpu.sh's plumbing, without a GPU: each step calls the driver with the file names
+    # tools/quote_figures.py reads, the two-GPU routines run only where two GPUs are found, and
+    # summary.txt has one line per step run.
+    env, log = _stub_gpu_machine(tmp_path, gpus)
+    out = tmp_path / "run"
+    env["STEPS"] = "decode pool sim transfer"
+    run = subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu.sh"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    calls = log.read_text().splitlines()
+    driver = [c.split("--routine ", 1)[1] for c in calls if "bench/kvbench.py --routine" in c]
+    expected = [
+        f"decode --out {out} --name decode",
+        f"pool --out {out} --name pool_cuda --device cuda",
+        f"sim --out {out} --name sim_cuda --device cuda --num-requests 2000",
+    ]
+    if gpus == 2:
+        expected.append(f"transfer --out {out} --name transfer")
+    assert driver == expected
+    assert any("--warm-flashinfer decode fp8 prefill" in c for c in calls)
+    steps = [line.split(":")[0] for line in (out / "summary.txt").read_text().splitlines()]
+    assert steps == [e.split()[4] for e in expected]
+    assert (out / "gpu.txt").exists()
+
+
+def test_gpu_script_refuses_a_machine_without_a_cuda_device(tmp_path):
+    env, log = _stub_gpu_machine(tmp_path, 0)
+    run = subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu.sh"), str(tmp_path / "run")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert "CuPy sees no CUDA device" in run.stderr
+    assert not log.exists()  # no step ran
