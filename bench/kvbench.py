@@ -94,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.help and args.routine is None:
         ap.print_help()
         return 0
-    if args.help:
-        routine_args.append("--help")
+    if args.help:  # the routine's help; no run folder made
+        importlib.import_module(f"routines.{args.routine}").main(["--help"])
+        return 0
     if args.list:
         print(list_routines())
         return 0

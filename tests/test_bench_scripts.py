@@ -192,3 +192,11 @@ def test_gpu_script_refuses_a_machine_without_a_cuda_device(tmp_path):
     assert run.returncode == 2
     assert "CuPy sees no CUDA device" in run.stderr
     assert not log.exists()  # no step ran
+
+
+def test_a_routines_help_runs_nothing_and_makes_no_run_folder(tmp_path):
+    before = sorted((REPO / "bench" / "results").iterdir())
+    run = _kvbench("--routine", "sim", "--help", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "--num-requests" in run.stdout  # the routine's own options
+    assert sorted((REPO / "bench" / "results").iterdir()) == before
