@@ -200,3 +200,35 @@ def test_a_routines_help_runs_nothing_and_makes_no_run_folder(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "--num-requests" in run.stdout  # the routine's own options
     assert sorted((REPO / "bench" / "results").iterdir()) == before
+
+
+def _load_bench_module(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_timing_rotates_enough_input_sets_to_leave_the_l2_and_times_interleaved():
+    timing = _load_bench_module("timing")
+    mib = 1 << 20
+    # Enough sets that one pass touches ROTATE_BYTES, at least one and at most MAX_ROTATIONS.
+    assert timing.rotations(timing.ROTATE_BYTES) == 1
+    assert timing.rotations(timing.ROTATE_BYTES * 3) == 1
+    assert timing.rotations(100 * mib) == 6  # ceil(512 / 100)
+    assert timing.rotations(mib) == timing.MAX_ROTATIONS
+    blocks = []  # the functions in the order their runs came, a run of calls as one entry
+
+    def mark(name):
+        if not blocks or blocks[-1] != name:
+            blocks.append(name)
+
+    runs = timing.interleaved_timeit({"a": lambda: mark("a"), "b": lambda: mark("b")}, 3, 0.001)
+    assert sorted(runs) == ["a", "b"] and all(len(r) == 3 and min(r) > 0 for r in runs.values())
+    # Each calibrated once (a, then b), then the timed runs alternate: a, b, three times.
+    assert blocks == ["a", "b"] * 4
+    synced = []
+    seconds, result = timing.synced_wall(lambda: 7, lambda: synced.append(1))
+    assert result == 7 and seconds >= 0 and synced == [1, 1]

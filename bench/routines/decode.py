@@ -157,32 +157,17 @@ def random_elems(shape, dtype, gen):
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
-def bench_flashinfer(
-    row,
-    name,
-    tc,
-    flashinfer,
-    rot,
-    batch,
-    nblk,
-    indptr,
-    last,
-    hq,
-    d,
-    bs,
-    tdt,
-    tables_t,
-    qs,
-    cache,
-    ours_out0,
-):
+def bench_flashinfer(row, name, tc, flashinfer, plan, qs, cache, ours_out0):
+    """FlashInfer's decode in one mode (`tc`: tensor cores) on the same pages as ours: one
+    wrapper per rotation, each planned by `plan(wrapper, r)`; times and the largest difference
+    from our output go into `row` under `name`."""
+    rot = len(qs)
     wrappers = []
     for r in range(rot):
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=tc
         )
-        indices = torch.cat([tables_t[r][i, : nblk[i]] for i in range(batch)])
-        w.plan(indptr, indices, last, hq, HKV, d, bs, q_data_type=tdt, kv_data_type=tdt)
+        plan(w, r)
         wrappers.append(w)
     fouts = [torch.empty_like(q) for q in qs]
 
@@ -368,27 +353,14 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep, hq=HQ, bs=BS, ragge
     nblk = -(-lens.astype(np.int64) // bs)
     indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(nblk)]).astype(np.int32)).cuda()
     last = torch.from_numpy((lens - (nblk - 1) * bs).astype(np.int32)).cuda()
+
+    def plan(wrapper, r):
+        indices = torch.cat([tables_t[r][i, : nblk[i]] for i in range(batch)])
+        wrapper.plan(indptr, indices, last, hq, HKV, d, bs, q_data_type=tdt, kv_data_type=tdt)
+
     for name, tc in (("flashinfer", False), ("flashinfer_tc", True)) if flashinfer else ():
         try:  # each mode on its own: one may refuse a head_dim or page size the other takes
-            bench_flashinfer(
-                row,
-                name,
-                tc,
-                flashinfer,
-                rot,
-                batch,
-                nblk,
-                indptr,
-                last,
-                hq,
-                d,
-                bs,
-                tdt,
-                tables_t,
-                qs,
-                cache,
-                ours_out0,
-            )
+            bench_flashinfer(row, name, tc, flashinfer, plan, qs, cache, ours_out0)
         except Exception as e:
             row[f"{name}_us"] = None
             row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
