@@ -106,6 +106,27 @@ def _event_median(work: Callable[[], object], reps: int, calls_per_rep: int) -> 
     return statistics.median(times)
 
 
+def stream_event_s(stream: Any, fn: Callable[[], object]) -> tuple[float, float]:
+    """(GPU seconds between CuPy events around `fn` on `stream`, wall seconds until the work
+    it queued there completed): a copy's device time and the latency its caller sees."""
+    import cupy as cp
+
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    t0 = time.perf_counter()
+    start.record(stream)
+    fn()
+    end.record(stream)
+    end.synchronize()
+    wall = time.perf_counter() - t0
+    return cp.cuda.get_elapsed_time(start, end) / 1e3, wall
+
+
+def stream_median_s(fn: Callable[[], object], stream: Any, reps: int) -> tuple[float, float]:
+    """Medians of `stream_event_s` over `reps` calls after one warm-up call."""
+    results = [stream_event_s(stream, fn) for _ in range(reps + 1)][1:]
+    return statistics.median(r[0] for r in results), statistics.median(r[1] for r in results)
+
+
 def host_us(
     call: Callable[[Any], None], batches: int = HOST_BATCHES, n: int = HOST_BATCH_CALLS
 ) -> float:
@@ -140,6 +161,56 @@ def interleaved_timeit(
         for name, t in timers.items():
             runs[name].append(t.timeit(numbers[name]) / numbers[name])
     return runs
+
+
+def per_call_seconds(
+    call: Callable[[], object],
+    warmup: int,
+    n: int,
+    between: Callable[[], object] | None = None,
+) -> list[float]:
+    """Wall seconds of each of `n` calls of `call` (time.perf_counter around each), after
+    `warmup` untimed calls; `between` runs after every call, untimed (a reset the next call
+    needs)."""
+    times = []
+    for i in range(warmup + n):
+        t0 = time.perf_counter()
+        call()
+        dt = time.perf_counter() - t0
+        if between is not None:
+            between()
+        if i >= warmup:
+            times.append(dt)
+    return times
+
+
+def distribution_us(times: list[float]) -> dict[str, float]:
+    """Median, mean and percentiles of per-call seconds, in microseconds."""
+    us = sorted(t * 1e6 for t in times)
+    return {
+        "median_us": statistics.median(us),
+        "mean_us": statistics.fmean(us),
+        "p10_us": us[len(us) // 10],
+        "p90_us": us[len(us) * 9 // 10],
+        "p99_us": us[len(us) * 99 // 100],
+        "max_us": us[-1],
+    }
+
+
+def launches_wall_us(
+    launch: Callable[[], object], synchronize: Callable[[], object], reps: int
+) -> float:
+    """Wall microseconds per call of `reps` back-to-back launches, after one warm-up launch,
+    the devices drained (`synchronize`) before and after: throughput of queued work, launch
+    overhead included."""
+    synchronize()
+    launch()
+    synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        launch()
+    synchronize()
+    return (time.perf_counter() - t0) / reps * 1e6
 
 
 def synced_wall(fn: Callable[[], Any], synchronize: Callable[[], object]) -> tuple[float, Any]:

@@ -37,8 +37,6 @@ import argparse
 import hashlib
 import json
 import os
-import statistics
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +45,7 @@ from typing import Any
 import kvpool
 import numpy as np
 from provenance import provenance, write_json
+from timing import distribution_us, per_call_seconds
 
 BS = 16
 PROMPT = 4096
@@ -200,29 +199,8 @@ class PyPrefixCache:
 # --- timing ---------------------------------------------------------------------------------------
 
 
-def timed(
-    call: Callable[[], object], untimed: Callable[[], object], warmup: int, iters: int
-) -> list[float]:
-    times = []
-    for i in range(warmup + iters):
-        t0 = time.perf_counter()
-        call()
-        dt_s = time.perf_counter() - t0
-        untimed()
-        if i >= warmup:
-            times.append(dt_s)
-    return times
-
-
 def summary(times: list[float]) -> dict[str, float]:
-    us = sorted(t * 1e6 for t in times)
-    return {
-        "median_us": statistics.median(us),
-        "p10_us": us[len(us) // 10],
-        "p90_us": us[9 * len(us) // 10],
-        "mean_us": statistics.fmean(us),
-        "n": len(us),
-    }
+    return {**distribution_us(times), "n": len(times)}
 
 
 def bench_add(hit: bool, warmup: int, iters: int, seed: int) -> dict[str, Any]:
@@ -264,7 +242,7 @@ def bench_add(hit: bool, warmup: int, iters: int, seed: int) -> dict[str, Any]:
         def untimed() -> None:
             free(len(cached) - 1)
 
-        results[name] = summary(timed(call, untimed, warmup, iters))
+        results[name] = summary(per_call_seconds(call, warmup, iters, untimed))
         expected = (PROMPT // BS - 1) * BS if hit else 0
         assert set(cached) == {expected}, (
             f"{name}: cached tokens {set(cached)}, expected {expected}"
@@ -307,7 +285,7 @@ def bench_decode(warmup: int, iters: int, seed: int) -> dict[str, Any]:
             call = (
                 (lambda a=append, t=tables: (a(), t.sync())) if name.endswith("_sync") else append
             )
-        results[name] = summary(timed(call, lambda: None, warmup, iters))
+        results[name] = summary(per_call_seconds(call, warmup, iters))
     # The append alone, and a scheduler's whole step (append, then the table and seq_lens
     # for the kernels: on the host, `sync` returns NumPy copies).
     results["caching_overhead"] = (

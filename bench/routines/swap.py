@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import cupy as cp
 import kvpool
 from provenance import provenance, write_json
+from timing import stream_event_s, stream_median_s
 
 LAYOUTS = {
     "llama-3-8b (2 MiB blocks)": dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16),
@@ -36,23 +36,8 @@ COUNTS = [1, 4, 16, 64, 256, 1024, 4096]
 REPEATS = 5
 
 
-def timed(stream, fn):
-    """(GPU seconds between events around fn on `stream`, wall seconds until it completed)."""
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    t0 = time.perf_counter()
-    start.record(stream)
-    fn()
-    end.record(stream)
-    end.synchronize()
-    wall = time.perf_counter() - t0
-    return cp.cuda.get_elapsed_time(start, end) / 1e3, wall
-
-
 def median_of(fn, stream):
-    fn_results = [timed(stream, fn) for _ in range(REPEATS + 1)][1:]
-    gpu = statistics.median(r[0] for r in fn_results)
-    wall = statistics.median(r[1] for r in fn_results)
-    return gpu, wall
+    return stream_median_s(fn, stream, REPEATS)
 
 
 def ceiling(nbytes, stream):
@@ -101,9 +86,11 @@ def bench_layout(name, shape, stream):
                 outs, ins = [], []
                 for _ in range(REPEATS + 1):
                     stats = {}
-                    outs.append(timed(copy_stream, lambda: stats.update(tier.swap_out([0]))))
+                    outs.append(
+                        stream_event_s(copy_stream, lambda: stats.update(tier.swap_out([0])))
+                    )
                     tier.wait()
-                    ins.append(timed(copy_stream, lambda: tier.swap_in([0])))
+                    ins.append(stream_event_s(copy_stream, lambda: tier.swap_in([0])))
                     tier.wait()
                 out_gpu = statistics.median(r[0] for r in outs[1:])
                 in_gpu = statistics.median(r[0] for r in ins[1:])

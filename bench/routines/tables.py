@@ -43,6 +43,7 @@ from typing import Any
 import kvpool
 import numpy as np
 from provenance import provenance, write_json
+from timing import distribution_us, per_call_seconds
 
 NUM_REQUESTS = 256
 BLOCK_SIZE = 16
@@ -205,31 +206,10 @@ def check_same_job(ours: Ours, rebuild: Rebuild | Incremental, steps: int = 40) 
 # --- timing -------------------------------------------------------------------------------------
 
 
-def time_steps(step: Callable[[], object], warmup: int, steps: int) -> list[float]:
-    for _ in range(warmup):
-        step()
-    times = []
-    clock = time.perf_counter
-    for _ in range(steps):
-        t0 = clock()
-        step()
-        times.append(clock() - t0)
-    return times
-
-
 def summary(times: list[float], total_s: float | None = None) -> dict[str, Any]:
-    us = sorted(t * 1e6 for t in times)
-    out = {
-        "steps": len(us),
-        "median_us": statistics.median(us),
-        "mean_us": statistics.fmean(us),
-        "p10_us": us[len(us) // 10],
-        "p90_us": us[len(us) * 9 // 10],
-        "p99_us": us[len(us) * 99 // 100],
-        "max_us": us[-1],
-    }
+    out: dict[str, Any] = {"steps": len(times), **distribution_us(times)}
     if total_s is not None:
-        out["total_with_device_sync_us_per_step"] = total_s * 1e6 / len(us)
+        out["total_with_device_sync_us_per_step"] = total_s * 1e6 / len(times)
     return out
 
 
@@ -240,7 +220,7 @@ def run_path(
     if device_sync is not None:
         device_sync()
     t0 = time.perf_counter()
-    times = time_steps(path.step, warmup, steps)
+    times = per_call_seconds(path.step, warmup, steps)
     if device_sync is None:
         return summary(times)
     device_sync()

@@ -18,6 +18,8 @@ import os
 import time
 
 import numpy as np
+from provenance import provenance
+from timing import launches_wall_us
 
 SHAPES = [(32, 4096), (128, 1024), (256, 2048), (64, 8192)]
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -46,17 +48,13 @@ def _fill(cupy, group, single):
 
 
 def _time(cupy, launch, devices) -> float:
-    for d in devices:
-        cupy.cuda.Device(d).synchronize()
-    launch()
-    for d in devices:
-        cupy.cuda.Device(d).synchronize()
-    t0 = time.perf_counter()
-    for _ in range(REPS):
-        launch()
-    for d in devices:
-        cupy.cuda.Device(d).synchronize()
-    return (time.perf_counter() - t0) / REPS * 1e6
+    """Microseconds per launch, every device in `devices` drained around the launches."""
+
+    def drain():
+        for d in devices:
+            cupy.cuda.Device(d).synchronize()
+
+    return launches_wall_us(launch, drain, REPS)
 
 
 def run_shape(cupy, kvpool, batch, seq_len):
@@ -150,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     import cupy
     import kvpool
-    from provenance import provenance
 
     rows = []
     for batch, seq_len in SHAPES:
