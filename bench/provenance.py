@@ -1,11 +1,12 @@
 """Where a benchmark ran: one provenance record, the same in every results JSON of bench/.
 
-Imported by the scripts in bench/ (run as `python3 bench/<name>.py`, so this folder is on
-sys.path). Each script stores ``"provenance": provenance(script, commit)``:
+Imported by the routines (bench/kvbench.py puts this folder on sys.path). Each stores
+``"provenance": provenance(script)``:
 
-- ``script``: the benchmark file; ``commit``: short hash of HEAD ("-dirty" when tracked files
-  differ). On the GPU box there is no git: the commit is then taken from ``--commit`` or the
-  ``KVPOOL_COMMIT`` environment variable, else "unknown".
+- ``script``: the routine's file; ``commit``: short hash of HEAD ("-dirty" when tracked files
+  differ). Where the checkout has no git metadata (or stale metadata, e.g. files copied onto a
+  GPU machine), the commit is taken from kvbench's ``--commit`` or the ``KVPOOL_COMMIT``
+  environment variable, else "unknown".
 - ``date_utc``; ``machine``: host name, platform, CPU model and count, the 1-minute load
   average before the run (other work on a shared machine inflates timings).
 - ``extension``: the compiled ``kvpool._core`` that actually ran (its path, size, and whether it

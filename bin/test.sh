@@ -3,7 +3,7 @@
 # GPU: formatting, Rust unit/property/stress tests, clippy, loom model checks, ruff, mypy and
 # pytest (with the stub check).
 # GPU tests (marker `gpu`) skip themselves here; run them on a GPU machine with
-# bench/gpu_all.sh (see bench/README.md).
+# bench/gpu.sh (see bench/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,7 +14,7 @@ python -m pip install -q '.[test]'
 
 echo "== formatting (rustfmt.toml, [tool.ruff] in pyproject.toml)"
 cargo fmt --all -- --check
-ruff format --check tests python bench
+ruff format --check tests python bench tools
 
 echo "== cargo test (kvpool-core)"
 cargo test --locked -p kvpool-core
@@ -26,7 +26,7 @@ else
   echo "clippy is not installed here (rustup component add clippy): skipped"
 fi
 
-echo "== loom model checks of the free list (CI bounds; the soak run is bench/loom_bounds.sh)"
+echo "== loom model checks of the free list (CI bounds; the soak run is tools/loom_bounds.sh)"
 # Each model at the highest preemption bound that finishes in about a minute on a 2-core machine
 # (rust/core/src/free_list.md has the times per bound): 3, except two. The three-thread model
 # runs at 2 (about 8 minutes, the longest step here; bound 2 is the lowest at which it catches
@@ -62,7 +62,7 @@ done
 echo "loom took $((SECONDS - loom_start)) s"
 
 echo "== ruff (rules in pyproject.toml: an undefined name in a GPU-only test fails here, not on the GPU)"
-ruff check tests python bench
+ruff check tests python bench tools
 
 echo "== mypy (python/kvpool; settings in pyproject.toml)"
 mypy

@@ -4,10 +4,10 @@ A row is one (sequence, query head) for decode, one (token, query head) for pref
 leading index of an output ``[..., head_dim]``. Each row's relative L2 error must stay under
 the dtype's bound, so one wrong row fails even in a large batch (a norm over the whole batch
 would average it away). The bounds sit above the errors measured on an H200 (worst whole-batch
-relative error over the decode suite in bench/results/run3/decode_errors.json: float16 2.8e-4,
-bfloat16 2.3e-3, both at one sequence of 20000 tokens; rounding the float64 reference to
-bfloat16 alone costs about 2e-3 per row) and below what a one-token bug costs at the lengths
-the suites use (tests/test_attention_check.py proves the check fails on such bugs).
+relative error over the decode suite in bench/results/2026-11-30_bee02ac_h200/decode_errors.json:
+float16 2.8e-4, bfloat16 2.3e-3, both at one sequence of 20000 tokens; rounding the float64
+reference to bfloat16 alone costs about 2e-3 per row) and below what a one-token bug costs at the
+lengths the suites use (tests/test_attention_check.py proves the check fails on such bugs).
 
 The mutation helpers build those bugs on the reference side: a reference that leaves out one
 token of one sequence, and a block table with one block swapped for a wrong one.

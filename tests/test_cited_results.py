@@ -1,5 +1,7 @@
 """Every run folder and file under bench/results/ that the repository's documents and sources
-cite exists (old runs are pruned to what is cited; this keeps a prune from breaking a citation)."""
+cite exists (old runs are pruned to what is cited; this keeps a prune from breaking a citation),
+and every run folder there is cited by something other than the index (a run nobody cites is
+pruned, not kept)."""
 
 import re
 import shutil
@@ -10,11 +12,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-# A run folder (dated, or one of the older names), then optionally a path inside it.
-CITED = re.compile(
-    r"((?:\d{4}-\d{2}-\d{2}_[0-9a-f]{7,40}_[A-Za-z0-9-]+)|gpu_run_[0-9a-f]{7})"
-    r"((?:/[A-Za-z0-9_.{}*-]+)*)"
-)
+# A run folder (<date>_<commit>_<machine>), then optionally a path inside it.
+CITED = re.compile(r"(\d{4}-\d{2}-\d{2}_[0-9a-f]{7,40}_[A-Za-z0-9-]+)((?:/[A-Za-z0-9_.{}*-]+)*)")
+INDEX = "bench/results/README.md"
 
 
 def cited_paths():
@@ -56,3 +56,17 @@ def test_every_cited_result_exists():
                 missing.append(f"{source}: {run}{r}")
     assert seen > 20, "the pattern found too few citations to be checking anything"
     assert not missing, "cited but not under bench/results/:\n" + "\n".join(sorted(set(missing)))
+
+
+@pytest.mark.skipif(
+    shutil.which("git") is None or not (REPO / ".git").exists(),
+    reason="lists the tracked files with git",
+)
+def test_every_run_folder_is_cited_outside_the_index():
+    cited = {run for source, run, _ in cited_paths() if source != INDEX}
+    entries = sorted(p.name for p in RESULTS.iterdir() if p.name != "README.md")
+    assert entries, "no run folders found"
+    not_runs = [name for name in entries if not CITED.fullmatch(name)]
+    assert not not_runs, f"not named <date>_<commit>_<machine>: {not_runs}"
+    uncited = [name for name in entries if name not in cited]
+    assert not uncited, f"cited by nothing but {INDEX} (prune them): {uncited}"

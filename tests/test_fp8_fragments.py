@@ -1,5 +1,5 @@
 """The fp8 decode's fragment mapping (cuda/fp8_fragments.cuh) replayed lane by lane in NumPy
-(bench/tools/fp8_fragment_emulator.py): for every fp8 head width and both formats, the emulated
+(tools/fp8_fragment_emulator.py): for every fp8 head width and both formats, the emulated
 mma data flow must reproduce Q K^T and P V of the dequantized tile exactly, with no bank
 conflict and no read of a byte the copies did not write. No GPU needed."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "bench" / "tools" / "fp8_fragment_emulator.py"
+_PATH = Path(__file__).resolve().parents[1] / "tools" / "fp8_fragment_emulator.py"
 _spec = importlib.util.spec_from_file_location("fp8_fragment_emulator", _PATH)
 emu = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(emu)

@@ -5,9 +5,7 @@ import importlib.util
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location(
-    "quote_figures", REPO / "bench" / "tools" / "quote_figures.py"
-)
+_spec = importlib.util.spec_from_file_location("quote_figures", REPO / "tools" / "quote_figures.py")
 quote_figures = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(quote_figures)
 requote = quote_figures.requote

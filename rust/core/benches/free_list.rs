@@ -12,8 +12,7 @@
 //! across all threads (the inverse of aggregate throughput).
 //!
 //! ```text
-//! cargo bench -p kvpool-core --bench free_list -- --warm-up-time 1 --measurement-time 2
-//! python3 bench/collect_criterion.py   # -> bench/results/<date>_<commit>_<machine>/free_list_rust.json
+//! python3 bench/kvbench.py --routine free_list   # -> bench/results/<date>_<commit>_<machine>/free_list.json
 //! ```
 
 use std::hint::black_box;

@@ -7,7 +7,7 @@
 //! ```
 //!
 //! `LOOM_MAX_PREEMPTIONS` overrides the default bound of 3 set in [`model`]. That default is
-//! the soak bound (run `bench/loom_bounds.sh` before changing the free list). CI
+//! the soak bound (run `tools/loom_bounds.sh` before changing the free list). CI
 //! (`bin/test.sh`) runs every model at bound 3 except two: `three_threads_share_three_blocks`
 //! at bound 2 (about 8 minutes on a 2-core machine; bound 3 is out of reach there, see
 //! `free_list.md`), and `growth_does_not_inflate_the_high_water_of_a_cached_alloc` at bound

@@ -23,7 +23,7 @@ pub const DEFAULT_HOST_CHUNK_BYTES: usize = 2 << 20;
 /// Chunk size of growable CUDA slabs when none is asked for (capped at the reservation).
 /// The driver's cost is per `cuMemCreate` (on the H200 17 ms for 512 chunks, ~34 us each), so
 /// granularity-sized 2 MiB chunks grew 1 GiB slower than allocate-copy-free of 8 GiB (0.4x,
-/// bench/results/gpu_run_d048de5/growable_h200.json); 256 MiB chunks grew it 40.2x faster
+/// bench/results/2026-11-30_d048de5_h200/growable_h200.json); 256 MiB chunks grew it 40.2x faster
 /// (bench/results/2026-12-01_0da9aa7_h200x2/growable_h200.json).
 /// Shrinking is coarser in exchange: a chunk is released only when all its blocks are free.
 pub const DEFAULT_CUDA_CHUNK_BYTES: usize = 256 << 20;

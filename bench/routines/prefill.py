@@ -1,0 +1,260 @@
+"""Paged prefill attention on the GPU: kvpool against FlashInfer and torch SDPA, same run.
+
+Per shape (new tokens x sequences on a cached prefix): a 1-layer pool whose block layout is
+FlashInfer's NHD paged cache, so FlashInfer's BatchPrefillWithPagedKVCacheWrapper (fa2 and,
+when the wheel carries it, fa3) reads the very same shuffled pages; torch SDPA (flash, cuDNN)
+runs on contiguous K/V gathered from them (bottom-right causal mask when a prefix is cached).
+Timing: CUDA events around a loop of calls, medians over repetitions after warm-up. Reported as
+TFLOP/s of causal FLOPs (4 * head_dim * num_q_heads * attended (query, key) pairs) and as a
+fraction of a dense matmul (8192^3, same dtype) measured in the same run.
+
+Usage: python3 bench/kvbench.py --routine prefill [--out DIR] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import traceback
+
+import cupy as cp
+import numpy as np
+import provenance
+import torch
+import torch.nn.functional as F
+from kvpool.kernels import paged_attention_prefill, prefill_plan, prefill_workspace_elems
+from timing import event_us
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from routines.decode import paged_pool
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+# (label, sequences, new tokens each, cached prefix each)
+SHAPES = [
+    ("1 x 4k", 1, 4096, 0),
+    ("1 x 32k", 1, 32768, 0),
+    ("8 x 2k", 8, 2048, 0),
+    ("32 x 512 on 2k", 32, 512, 2048),
+    ("4 x 8k chunk on 24k", 4, 8192, 24576),
+    ("64 x 4 spec on 8k", 64, 4, 8192),
+]
+BF16_SHAPES = ("1 x 4k", "4 x 8k chunk on 24k", "64 x 4 spec on 8k")
+
+
+def matmul_tflops(tdt):
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(tdt)
+    b = torch.randn(n, n, device="cuda").to(tdt)
+    us = event_us(lambda: torch.matmul(a, b), reps=10, inner=5)
+    return 2 * n**3 / (us * 1e-6) / 1e12
+
+
+def causal_flops(num_seqs, qo, prefix):
+    pairs = qo * prefix + qo * (qo + 1) // 2
+    return 4 * D * HQ * pairs * num_seqs
+
+
+def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
+    tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float16
+    seq_len = qo + prefix
+    blocks_per_seq = -(-seq_len // BS)
+    num_blocks = num_seqs * blocks_per_seq + 8
+    pool, cache = paged_pool(dtype, num_blocks, BS, D)
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(num_seqs * 7919 + seq_len)
+    cache.copy_(torch.randn(cache.shape, device="cuda", generator=gen).to(tdt))
+    rng = np.random.default_rng(num_seqs * 31 + seq_len)
+    perm = rng.permutation(num_blocks)[: num_seqs * blocks_per_seq].astype(np.int32)
+    tables = perm.reshape(num_seqs, blocks_per_seq)
+    tables_t = torch.from_numpy(tables).cuda()
+    lens = np.full(num_seqs, seq_len, np.int32)
+    lens_t = torch.from_numpy(lens).cuda()
+    indptr = np.arange(num_seqs + 1, dtype=np.int32) * qo
+    indptr_t = torch.from_numpy(indptr).cuda()
+    q = torch.randn(num_seqs * qo, HQ, D, device="cuda", generator=gen).to(tdt)
+    out = torch.empty_like(q)
+    as_arg = (lambda t: t.view(torch.int16)) if dtype == "bfloat16" else (lambda t: t)
+    plan = prefill_plan(pool, indptr, lens, HQ)
+    ws = cp.empty(max(prefill_workspace_elems(plan, D), 1), cp.float32)
+    flops = causal_flops(num_seqs, qo, prefix)
+    row = {
+        "shape": label,
+        "dtype": dtype,
+        "num_seqs": num_seqs,
+        "new_tokens": qo,
+        "cached_prefix": prefix,
+        "num_q_heads": HQ,
+        "num_kv_heads": HKV,
+        "head_dim": D,
+        "block_size": BS,
+        "causal_flops": flops,
+        "num_items": plan.num_items,
+        "rows_per_cta": plan.rows_per_cta,
+        "num_splits": plan.num_splits,
+    }
+    reps = 4 if quick else 10
+
+    def ours():
+        paged_attention_prefill(
+            as_arg(q), pool, 0, indptr_t, tables_t, lens_t, out=as_arg(out), plan=plan, workspace=ws
+        )
+
+    def record(name, fn):
+        try:
+            us = event_us(fn, reps=reps)
+            row[f"{name}_us"] = round(us, 2)
+            row[f"{name}_tflops"] = round(flops / (us * 1e-6) / 1e12, 1)
+            row[f"{name}_frac_dense"] = round(row[f"{name}_tflops"] / dense_tflops, 3)
+        except Exception as e:  # a peer may refuse a shape
+            row[f"{name}_us"] = None
+            row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+
+    record("kvpool", ours)
+    record("kvpool_repeat", ours)  # noise check
+    ours_out = out.float().clone()
+
+    try:
+        import flashinfer
+
+        kv_indptr = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda") * blocks_per_seq
+        last = torch.full(
+            (num_seqs,), seq_len - (blocks_per_seq - 1) * BS, dtype=torch.int32, device="cuda"
+        )
+        for backend in ("fa2", "fa3"):
+            name = f"flashinfer_{backend}"
+            try:
+                w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), "NHD", backend=backend
+                )
+                w.plan(
+                    indptr_t,
+                    kv_indptr,
+                    tables_t.reshape(-1),
+                    last,
+                    HQ,
+                    HKV,
+                    D,
+                    BS,
+                    causal=True,
+                    q_data_type=tdt,
+                    kv_data_type=tdt,
+                )
+                fout = torch.empty_like(q)
+                w.run(q, cache, out=fout)
+                torch.cuda.synchronize()
+                row[f"max_abs_diff_vs_{name}"] = float((fout.float() - ours_out).abs().max())
+                record(name, lambda w=w, fout=fout: w.run(q, cache, out=fout))
+            except Exception as e:
+                row[f"{name}_us"] = None
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+    except Exception as e:  # not installed, or its import failed
+        row["flashinfer_fa2_us"] = row["flashinfer_fa3_us"] = None
+        row["flashinfer_error"] = f"not run: {e}"[:300]
+    torch.cuda.synchronize()
+
+    # SDPA on contiguous K/V (sequences of equal length: a plain batch, no varlen needed).
+    pages = cache[tables_t.long()]  # [S, blocks, 2, BS, HKV, D]
+    k = pages[:, :, 0].reshape(num_seqs, -1, HKV, D)[:, :seq_len].transpose(1, 2).contiguous()
+    v = pages[:, :, 1].reshape(num_seqs, -1, HKV, D)[:, :seq_len].transpose(1, 2).contiguous()
+    del pages
+    q4 = q.view(num_seqs, qo, HQ, D).transpose(1, 2)
+    from torch.nn.attention.bias import causal_lower_right
+
+    mask = causal_lower_right(qo, seq_len) if prefix else None
+    expanded = {}
+
+    def kv_for(gqa):
+        if gqa:
+            return k, v
+        if not expanded:  # the backend refused enable_gqa: repeat the KV heads instead
+            expanded["k"] = k.repeat_interleave(HQ // HKV, dim=1)
+            expanded["v"] = v.repeat_interleave(HQ // HKV, dim=1)
+        return expanded["k"], expanded["v"]
+
+    for name, backend in (
+        ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+        ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+    ):
+
+        def sdpa(backend=backend, gqa=True):
+            kk, vv = kv_for(gqa)
+            with sdpa_kernel([backend]):
+                if mask is None:
+                    return F.scaled_dot_product_attention(
+                        q4, kk, vv, is_causal=True, enable_gqa=gqa
+                    )
+                return F.scaled_dot_product_attention(q4, kk, vv, attn_mask=mask, enable_gqa=gqa)
+
+        for gqa in (True, False):
+            try:
+                ref = sdpa(gqa=gqa)
+                torch.cuda.synchronize()
+                row[f"max_abs_diff_vs_{name}"] = float(
+                    (ref.transpose(1, 2).reshape(-1, HQ, D).float() - ours_out).abs().max()
+                )
+                row[f"{name}_kv"] = "enable_gqa" if gqa else "KV heads repeated"
+                record(name, lambda gqa=gqa, sdpa=sdpa: sdpa(gqa=gqa))
+                break
+            except Exception as e:
+                row[f"{name}_us"] = None
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+    expanded.clear()
+    fa2 = row.get("flashinfer_fa2_us")
+    row["speedup_vs_fa2"] = round(fa2 / row["kvpool_us"], 3) if fa2 and row["kvpool_us"] else None
+    peers = [
+        row.get(f"{p}_us")
+        for p in ("flashinfer_fa2", "flashinfer_fa3", "sdpa_flash", "sdpa_cudnn")
+        if row.get(f"{p}_us")
+    ]
+    row["speedup_vs_best_peer"] = (
+        round(min(peers) / row["kvpool_us"], 3) if peers and row["kvpool_us"] else None
+    )
+    torch.cuda.empty_cache()
+    cp.get_default_memory_pool().free_all_blocks()
+    return row
+
+
+def main(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True, help="the JSON to write")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    args = ap.parse_args(argv)
+    prov = provenance.provenance("bench/routines/prefill.py")
+    dense = {
+        dt: matmul_tflops(torch.bfloat16 if dt == "bfloat16" else torch.float16)
+        for dt in ("float16", "bfloat16")
+    }
+    rows = []
+    for dtype in ("float16", "bfloat16"):
+        for label, n, qo, prefix in SHAPES:
+            if dtype == "bfloat16" and label not in BF16_SHAPES:
+                continue
+            try:
+                rows.append(bench_shape(label, n, qo, prefix, dtype, dense[dtype], args.quick))
+            except Exception as e:
+                traceback.print_exc()
+                rows.append({"shape": label, "dtype": dtype, "error": f"{type(e).__name__}: {e}"})
+            r = rows[-1]
+            print(
+                f"{label:>22} {dtype:8} ours {r.get('kvpool_tflops')} TF/s "
+                f"fa2 {r.get('flashinfer_fa2_tflops')} fa3 {r.get('flashinfer_fa3_tflops')} "
+                f"sdpa flash {r.get('sdpa_flash_tflops')} cudnn {r.get('sdpa_cudnn_tflops')} "
+                f"x fa2 {r.get('speedup_vs_fa2')}",
+                flush=True,
+            )
+    try:
+        import flashinfer
+
+        fi_version = flashinfer.__version__
+    except Exception as e:
+        fi_version = f"not run ({type(e).__name__})"
+    doc = {
+        "benchmark": "paged prefill attention, causal, TFLOP/s of causal FLOPs",
+        "provenance": prov,
+        "flashinfer": fi_version,
+        "dense_matmul_tflops": {k: round(v, 1) for k, v in dense.items()},
+        "rows": rows,
+    }
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"dense matmul TFLOP/s: {doc['dense_matmul_tflops']}")
