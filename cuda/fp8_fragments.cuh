@@ -18,7 +18,7 @@
 // Rows are padded so each phase of a vector shared load (8 lanes for 16 bytes, 16 for 8, 32 for
 // 4) touches 32 different banks: K rows by K_ROW % (8 K_VW) == 4 K_VW (the phase's rows fall 4
 // units apart), V rows by V_ROW % 64 == 16 (rows 2tig of a phase fall 32 bytes apart).
-// bench/tools/tc_fragment_emulator.py replays this mapping and the bank phases.
+// tools/tc_fragment_emulator.py replays this mapping and the bank phases.
 
 #define K_VW (KSTEPS % 4 == 0 ? 16 : KSTEPS % 2 == 0 ? 8 : 4)  // bytes per K unit
 #define K_KPU (K_VW / 4)                                         // k-steps per K unit

@@ -50,7 +50,7 @@ FP8_DECODE_WARPS = (2, 4, 6, 8)
 @dataclass(frozen=True)
 class Fp8DecodeTuning:
     """The defaults: 6 warps x 3 stages, the plan filling one CTA per SM. In the H200 sweep of
-    bench/fp8_sweep.py (bench/results/2026-12-01_270740b_h200/fp8_sweep.json) they were the
+    `bench/kvbench.py --routine fp8_sweep` (bench/results/2026-12-01_270740b_h200/fp8_sweep.json) they were the
     fastest or within 3 % of it on the large shapes (1.70-1.77x our fp16 there, against
     1.61-1.73x for 4 warps x 4 stages); on 8x8192 1.47x against 1.21x (the best there, 4 warps
     filling 2 CTAs per SM, 1.60x); on 1x4096 they are slower (15.7 us against 13.0 us, 0.88x our fp16), where 8 warps were fastest (11.6 us) but

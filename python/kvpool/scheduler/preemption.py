@@ -29,7 +29,7 @@ PREEMPTION_MODES = ("auto", "swap", "recompute")
 class HostLink:
     """The host <-> GPU copy path of the host tier, each way.
 
-    Defaults: measured on an H200 with pinned memory (bench/swap_bench.py, recorded in
+    Defaults: measured on an H200 with pinned memory (`bench/kvbench.py --routine swap`, recorded in
     bench/results/2026-12-01_26340ab_h200x2/hosttier/swap_h200.json): one 1 GiB copy ran at
     55.5 GB/s host to device and 55.5 GB/s device to host (`ceiling_1gib`); one swap call of a
     single 64 KiB block took 14.7 us end to end (`swap_out_latency_us` of the small layout at

@@ -18,7 +18,7 @@ evictable set, so the add cannot then fail). This is conservative: a request tha
 only thanks to hits on blocks other requests hold waits until the blocks are there without
 them, which understates caching's gain in concurrency by at most one request's shared
 blocks. (Admitting whenever the add succeeds would ignore the watermark exactly when the
-pool is nearly full: on the multi-turn workload of bench/prefix_sim_bench.py that preempted
+pool is nearly full: on the multi-turn workload of the `prefix_sim` benchmark routine that preempted
 7x as often as caching off.)
 
 A request's blocks are cached as soon as it is added, as vLLM caches them when it schedules

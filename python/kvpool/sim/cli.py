@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--transfer-json",
         type=Path,
         default=None,
-        help="a bench/transfer_bench.py result: its best bandwidth at the largest size and its "
+        help="a `bench/kvbench.py --routine transfer` result: its best bandwidth at the largest size and its "
         "best one-block time become the defaults of the two options above",
     )
     cli_host_tier.add_arguments(p)
