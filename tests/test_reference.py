@@ -8,8 +8,7 @@ import pytest
 from attention_inputs import fill_host_pool, random_elems, shuffled_tables
 from kvpool import reference
 from kvpool.kernels import _build, append_kv, copy_blocks, paged_attention_decode
-from kvpool.kernels._decode_split import split_kv
-from kvpool.kernels._decode_split import MAX_DECODE_SPLITS
+from kvpool.kernels._decode_split import MAX_DECODE_SPLITS, split_kv
 
 DTYPES = ["float16", "bfloat16"]
 
