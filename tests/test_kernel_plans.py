@@ -216,3 +216,10 @@ def test_parameter_blocks_are_filled_by_field_name():
         fill_args(Args, a=1)
     with pytest.raises(TypeError, match=r"unknown \['c'\]"):
         fill_args(Args, a=1, b=2, c=3)
+
+
+def test_a_prefill_plan_says_whether_it_splits():
+    b = Batch(13, lens=(130, 40, 17), qo=(2, 6, 17))
+    assert not prefill_plan(b.pool, b.indptr, b.tables, b.lens, 4).split
+    forced = prefill_plan(b.pool, b.indptr, b.tables, b.lens, 4, num_splits=2)
+    assert forced.split and forced.num_splits == 2 and forced.work.split

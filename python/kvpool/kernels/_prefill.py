@@ -281,6 +281,11 @@ class PrefillPlan:
         return self.work.num_splits
 
     @property
+    def split(self) -> bool:
+        """Whether the plan cuts the keys into KV splits (merged after the launch)."""
+        return self.work.split
+
+    @property
     def rows_per_cta(self) -> int:
         return self.work.rows_per_cta
 
