@@ -139,7 +139,7 @@ def test_fused_merge_counters_reset_between_calls_and_graph_replays():
         with s:
             plan = decode_plan(b.pool, b.bt, b.sl, 8, max_seq_len=1000, num_splits=9, workspace=ws)
             # 9 forced splits of 1000 tokens, each rounded up to whole loop steps: 8 of 128
-            assert plan.split.split and plan.counters is not None
+            assert plan.split and plan.counters is not None
             plan.run(b.q, 0, out=out)  # warm-up: compile, prepare the launch block
             s.synchronize()
             s.begin_capture()

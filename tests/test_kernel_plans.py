@@ -52,7 +52,7 @@ class Batch:
 def test_a_decode_plan_runs_every_layer_like_the_one_call_form():
     b = Batch(1)
     plan = decode_plan(b.pool, b.tables, b.lens, 4, scale=0.3)
-    assert isinstance(plan, DecodePlan) and plan.num_seqs == 3 and not plan.split.split
+    assert isinstance(plan, DecodePlan) and plan.num_seqs == 3 and not plan.split
     for layer in range(2):
         want = paged_attention_decode(b.q, b.pool, layer, b.tables, b.lens, scale=0.3)
         assert np.array_equal(plan.run(b.q, layer), want)

@@ -107,7 +107,7 @@ def test_a_bad_stream_is_refused_as_on_a_host_pool(stream):
 def test_one_decode_plan_runs_every_layer():
     b = Batch(5, "bfloat16", lens=(700, 3, 129), qo=(1, 1, 1))
     plan = decode_plan(b.pool, b.bt, b.sl, 4, num_splits=4, scale=0.2)
-    assert plan.split.split and plan.counters is not None
+    assert plan.split and plan.counters is not None
     for layer in range(2):
         out = poisoned(b.q.shape, "bfloat16")
         assert plan.run(b.q, layer, out=out) is out

@@ -14,7 +14,14 @@ import numpy as np
 from kvpool import reference
 from kvpool._core import InvalidArgumentError
 from kvpool.kernels import _build, _torch
-from kvpool.kernels._args import ArrayView, check_ptr, device_index, pool_is_cuda
+from kvpool.kernels._args import (
+    ArrayView,
+    check_ptr,
+    device_index,
+    elem_ok,
+    index_arg,
+    pool_is_cuda,
+)
 from kvpool.kernels._args import dev as _dev
 from kvpool.kernels._args import view as _view
 from kvpool.kernels._launch import Kernel, cupy_stream
@@ -71,8 +78,6 @@ def compiled_kernel(variant: Any, name: str, device_id: int, min_dynamic_smem: i
 
 
 def check_layer(layer: int, info: PoolInfo) -> int:
-    from kvpool.kernels._args import index_arg
-
     layer = index_arg(layer, "layer")
     if not 0 <= layer < info.num_layers:
         raise InvalidArgumentError(f"layer {layer} outside 0..{info.num_layers - 1}")
@@ -162,8 +167,6 @@ def host_result(res: np.ndarray, q_dtype: str, q: Any, q_np: np.ndarray, out: An
 
 
 def check_host_out(out: Any, shape: tuple[int, ...], q_dtype: str, q_bytes: int) -> None:
-    from kvpool.kernels._args import elem_ok
-
     arr = None if out is None else host_array(out, "out")
     if arr is not None and (
         arr.shape != shape or not elem_ok(arr.dtype.kind, arr.itemsize, q_dtype, q_bytes)

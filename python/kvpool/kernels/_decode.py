@@ -144,7 +144,7 @@ class DecodePlan:
             num_splits = index_arg(num_splits, "num_splits")
         if max_seq_len is not None:
             max_seq_len = index_arg(max_seq_len, "max_seq_len")
-        self.split = SplitKv(chunk_tokens=1, num_splits=1)
+        self.kv_split = SplitKv(chunk_tokens=1, num_splits=1)
         self.counters: Any = None
         self._workspace: Workspace | None = None
         self._bound: tuple[ArrayView, ArrayView] | None = None
@@ -161,6 +161,15 @@ class DecodePlan:
     @property
     def num_seqs(self) -> int:
         return self._num_seqs
+
+    @property
+    def split(self) -> bool:
+        """Whether the plan cuts the sequences' tokens into KV splits (kv_split says how)."""
+        return self.kv_split.split
+
+    @property
+    def num_splits(self) -> int:
+        return self.kv_split.num_splits
 
     def check_batch(self, block_tables: Any, seq_lens: Any) -> None:
         """Refuse arrays other than the ones the plan was made for (another batch)."""
@@ -227,7 +236,7 @@ class DecodePlan:
             )
         k = self.kernel
         self.ctas_per_seq = info.num_kv_heads * -(-self.group // k.gq)
-        self.split = split_kv(
+        self.kv_split = split_kv(
             num_seqs,
             self.ctas_per_seq,
             max(max_seq_len, 1),
@@ -237,10 +246,12 @@ class DecodePlan:
             k.ctas_per_sm,
         )
         hq, d = self.num_q_heads, info.head_dim
-        need = workspace_elems(num_seqs, hq, d, self.split.num_splits) if self.split.split else 0
-        if self.split.split or workspace is not None:
+        need = (
+            workspace_elems(num_seqs, hq, d, self.kv_split.num_splits) if self.kv_split.split else 0
+        )
+        if self.kv_split.split or workspace is not None:
             self._workspace = Workspace(workspace, need, dev, sp)
-        if self.split.split and k.tc:
+        if self.kv_split.split and k.tc:
             import cupy
 
             with cupy.cuda.Device(dev), cupy_stream(sp):
@@ -352,7 +363,7 @@ class _Launch:
         # The CUDA-core baseline merges split partials in a second launch; the tensor-core
         # kernel merges inside its own launch.
         self.merge = None if k.tc else compiled_kernel(variant, "merge_splits", info.device_id)
-        split, ws = plan.split, plan._workspace
+        split, ws = plan.kv_split, plan._workspace
         part_o = ws.ptr if split.split and ws is not None else 0
         part_lse = part_o + 4 * plan.num_seqs * split.num_splits * hq * d if part_o else 0
         btv, slv = plan._bound  # type: ignore[misc]
@@ -408,7 +419,7 @@ class _Launch:
         self.mparams = param_block(self.margs)
 
     def launch(self, plan: DecodePlan, q_ptr: int, out_ptr: int, k_base: int, layer: int) -> None:
-        a, split = self.args, plan.split
+        a, split = self.args, plan.kv_split
         a.q, a.out, a.k_base, a.v_base = q_ptr, out_ptr, k_base, k_base + plan.info.strides["kv"]
         if self.fp8:
             a.k_scale, a.v_scale = plan.scales.ptrs(layer)  # type: ignore[union-attr]
