@@ -19,7 +19,7 @@ from attention_check import as_float64, assert_attention_close, decode_reference
 from attention_inputs import random_elems
 from gpu_fixtures import NAN_BITS, cp, cuda_pool, poisoned, to_device
 from kvpool import reference
-from kvpool.kernels import _build, _decode, paged_attention_decode, workspace_elems
+from kvpool.kernels import _build, decode_plan, paged_attention_decode, workspace_elems
 
 pytestmark = pytest.mark.gpu
 
@@ -123,8 +123,10 @@ def test_auto_split_small_pages_and_long_context():
 
 
 def test_fused_merge_counters_reset_between_calls_and_graph_replays():
-    """Back-to-back split calls with different grids on one stream share the merge counters;
-    each must find them at zero. Then a captured graph replayed twice with new q in place."""
+    """Back-to-back split calls with different grids on one stream, each with its own plan;
+    then one plan run twice per replay of a captured graph with new q in place (its merge
+    counters must be zero again after every launch), and the plan's own workspace and a
+    caller's."""
     a = Case(50, "float16", 128, 16, 32, 8, [300, 1, 77])
     b = Case(51, "float16", 64, 8, 8, 1, [1000, 513, 16, 2, 999])
     for rep in range(2):
@@ -132,40 +134,32 @@ def test_fused_merge_counters_reset_between_calls_and_graph_replays():
         b.check(f"seq_b{rep}", max_seq_len=1000, num_splits=9)
         b.check(f"seq_b_auto{rep}", max_seq_len=1000)
     s = cp.cuda.Stream(non_blocking=True)
-    out = poisoned(b.q.shape, "float16")
-    ws = cp.empty(workspace_elems(5, 8, 64, 9), cp.float32)
-    with s:
-        call = lambda: paged_attention_decode(
-            b.q,
-            b.pool,
-            0,
-            b.bt,
-            b.sl,
-            out=out,
-            max_seq_len=1000,
-            num_splits=9,
-            workspace=ws,
-        )
-        call()  # warm-up: compile, prepare, counters for this stream
-        s.synchronize()
-        s.begin_capture()
-        call()
-        graph = s.end_capture()
-    rng = np.random.default_rng(52)
-    for rep in range(3):
-        q_host = random_elems(rng, b.q.shape, "float16")
-        b.q[...] = cp.asarray(q_host)
-        out.view(cp.uint16)[...] = NAN_BITS["float16"]
-        s.synchronize()
-        cp.cuda.Device().synchronize()
-        graph.launch(s)
-        s.synchronize()
-        want = reference.paged_attention_decode(q_host, b.k, b.v, b.tables, b.lens, "float16")
-        assert_attention_close(as_float64(out, "float16"), want, "float16", f"graph_replay{rep}")
-    # Every merging CTA reset its counter: all counter buffers are zero again.
-    cp.cuda.Device().synchronize()
-    for key, counters in _decode._COUNTERS.items():
-        assert int(cp.count_nonzero(counters)) == 0, f"merge counters of {key} left non-zero"
+    for ws in (None, cp.empty(workspace_elems(5, 8, 64, 9), cp.float32)):
+        out = poisoned(b.q.shape, "float16")
+        with s:
+            plan = decode_plan(b.pool, b.bt, b.sl, 8, max_seq_len=1000, num_splits=9, workspace=ws)
+            # 9 forced splits of 1000 tokens, each rounded up to whole loop steps: 8 of 128
+            assert plan.split and plan.counters is not None
+            plan.run(b.q, 0, out=out)  # warm-up: compile, prepare the launch block
+            s.synchronize()
+            s.begin_capture()
+            plan.run(b.q, 0, out=out)
+            plan.run(b.q, 0, out=out)  # the same counters twice in one graph
+            graph = s.end_capture()
+        rng = np.random.default_rng(52)
+        for rep in range(3):
+            q_host = random_elems(rng, b.q.shape, "float16")
+            b.q[...] = cp.asarray(q_host)
+            out.view(cp.uint16)[...] = NAN_BITS["float16"]
+            s.synchronize()
+            cp.cuda.Device().synchronize()
+            graph.launch(s)
+            s.synchronize()
+            want = reference.paged_attention_decode(q_host, b.k, b.v, b.tables, b.lens, "float16")
+            label = f"graph_replay{rep}{'_ws' if ws is not None else ''}"
+            assert_attention_close(as_float64(out, "float16"), want, "float16", label)
+            # Every merging CTA reset its counter: the plan's counters are zero again.
+            assert int(cp.count_nonzero(plan.counters)) == 0, "merge counters left non-zero"
 
 
 def test_the_check_fails_on_a_one_token_error():

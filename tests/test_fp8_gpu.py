@@ -17,7 +17,12 @@ import pytest
 from attention_check import as_float64, row_errors
 from gpu_fixtures import NAN_BITS, cp, poisoned, to_device
 from kvpool import InvalidArgumentError, KvScales, reference
-from kvpool.kernels import append_kv, paged_attention_decode, paged_attention_prefill, prefill_plan
+from kvpool.kernels import (
+    _tuning,
+    append_kv,
+    paged_attention_decode,
+    prefill_plan,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -276,28 +281,20 @@ def test_mutation_is_caught():
     assert (row_errors(got, want, "float16")[0] >= BOUND).any()  # one token of 200 is seen
 
 
-def _prefill(case, qo_lens, causal=True, **plan_kw):
+def _prefill(case, qo_lens, causal=True, rows_per_cta=None, **plan_kw):
     """Prefill over the case's fp8 cache: each sequence's last qo_lens tokens as queries.
     Returns (output in float64, reference on the dequantized cache, q)."""
     rng = np.random.default_rng(len(qo_lens))
     indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
     hq, d = case.q.shape[1], case.q.shape[2]
     q_host = reference.from_float64(rng.standard_normal((int(indptr[-1]), hq, d)), case.q_dtype)
-    plan = prefill_plan(case.pool, indptr, case.lens, hq, causal=causal, **plan_kw)
+    with _tuning.override(prefill_rows_per_cta=rows_per_cta):  # a test knob
+        plan = prefill_plan(
+            case.pool, indptr, case.bt, case.lens, hq, causal=causal, scales=case.scales, **plan_kw
+        )
     out = cp.empty(q_host.shape, cp.float16 if case.q_dtype == "float16" else cp.uint16)
     out.view(cp.uint16)[...] = NAN_BITS[case.q_dtype]
-    res = paged_attention_prefill(
-        to_device(q_host, case.q_dtype),
-        case.pool,
-        0,
-        cp.asarray(indptr),
-        case.bt,
-        case.sl,
-        causal=causal,
-        out=out,
-        plan=plan,
-        scales=case.scales,
-    )
+    res = plan.run(to_device(q_host, case.q_dtype), 0, out=out)
     assert res is out
     want = reference.paged_attention_prefill(
         q_host,
@@ -412,8 +409,11 @@ def test_bad_scales_and_inputs():
         paged_attention_decode(q, pool, 0, bt, sl)
     with pytest.raises(InvalidArgumentError, match="float16 or bfloat16"):
         paged_attention_decode(q.view(cp.uint8)[..., :64], pool, 0, bt, sl, scales=s)
-    with pytest.raises(InvalidArgumentError, match="fp8 pools run the tensor-core"):
-        paged_attention_decode(q, pool, 0, bt, sl, scales=s, pipeline=1)
+    with (
+        pytest.raises(InvalidArgumentError, match="fp8 pools run the tensor-core"),
+        _tuning.override(decode_pipeline=1),
+    ):
+        paged_attention_decode(q, pool, 0, bt, sl, scales=s)
     odd = kvpool.Pool(kvpool.KvLayout(1, 1, 40, 16, "float8_e4m3fn"), 2, device="cuda")
     with pytest.raises(InvalidArgumentError, match="multiple of 16"):
         paged_attention_decode(

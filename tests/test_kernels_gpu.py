@@ -25,6 +25,7 @@ from gpu_fixtures import (
 from kvpool import reference
 from kvpool.kernels import (
     _build,
+    _tuning,
     append_kv,
     copy_blocks,
     paged_attention_decode,
@@ -40,11 +41,12 @@ ERRORS: dict[str, float] = {}
 _error_report = error_report(ERRORS)
 
 
-def _check_decode(pool, layer, q, tables, lens, out, label, **kw):
+def _check_decode(pool, layer, q, tables, lens, out, label, pipeline=_build.TC, **kw):
     lay = pool.layout
-    res = paged_attention_decode(
-        q, pool, layer, cp.asarray(tables), cp.asarray(lens), out=out, **kw
-    )
+    with _tuning.override(decode_pipeline=pipeline):  # the kernel: a test knob
+        res = paged_attention_decode(
+            q, pool, layer, cp.asarray(tables), cp.asarray(lens), out=out, **kw
+        )
     assert res is out
     k = cp.asnumpy(cp.asarray(pool.k_view(layer)))
     v = cp.asnumpy(cp.asarray(pool.v_view(layer)))
@@ -228,8 +230,11 @@ def test_decode_rejects_bad_arguments():
         paged_attention_decode(cp.zeros((1, 2, 100), cp.float16), bad, 0, tables, lens)
     # head_dim 96 runs on the tensor-core kernel, not on the CUDA-core baseline.
     base = kvpool.Pool(kvpool.KvLayout(1, 2, 96, 16, "float16"), 4, device="cuda")
-    with pytest.raises(kvpool.InvalidArgumentError, match="CUDA-core baseline"):
-        paged_attention_decode(cp.zeros((1, 2, 96), cp.float16), base, 0, tables, lens, pipeline=1)
+    with (
+        pytest.raises(kvpool.InvalidArgumentError, match="CUDA-core baseline"),
+        _tuning.override(decode_pipeline=1),
+    ):
+        paged_attention_decode(cp.zeros((1, 2, 96), cp.float16), base, 0, tables, lens)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -390,8 +395,8 @@ def test_decode_more_argument_errors_and_empty_batch():
         paged_attention_decode(
             q, pool, 0, tables, lens, out=np.zeros((1, 2, 64), np.float16), max_seq_len=20
         )
-    with pytest.raises(err, match="pipeline"):
-        paged_attention_decode(q, pool, 0, tables, lens, max_seq_len=20, pipeline=7)
+    with pytest.raises(ValueError, match="decode_pipeline"), _tuning.override(decode_pipeline=7):
+        pass
     with pytest.raises(err, match="exceeds"):  # 2 blocks of 16 tokens hold 32
         paged_attention_decode(q, pool, 0, tables, lens, max_seq_len=33)
     with pytest.raises(err, match="max_seq_len"):

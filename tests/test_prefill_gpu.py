@@ -18,6 +18,7 @@ from attention_inputs import qo_indptr, shuffled_tables
 from gpu_fixtures import NAN_BITS, cp, cuda_pool, device_elems, error_report, poisoned
 from kvpool import reference
 from kvpool.kernels import (
+    _tuning,
     append_kv,
     paged_attention_decode,
     paged_attention_prefill,
@@ -94,18 +95,22 @@ def _run_and_check(
     lay = pool.layout
     indptr = qo_indptr(qo_lens)
     out = poisoned(q.shape, lay.dtype)
-    res = paged_attention_prefill(
-        q,
-        pool,
-        layer,
-        cp.asarray(indptr),
-        cp.asarray(tables),
-        cp.asarray(np.asarray(lens, np.int32)),
-        causal=causal,
-        scale=scale,
-        out=out,
-        **kw,
-    )
+    plan = kw.pop("plan", None)
+    if plan is not None:  # made for these lengths and tables by the caller
+        res = plan.run(q, layer, out=out)
+    else:
+        res = paged_attention_prefill(
+            q,
+            pool,
+            layer,
+            cp.asarray(indptr),
+            cp.asarray(tables),
+            cp.asarray(np.asarray(lens, np.int32)),
+            causal=causal,
+            scale=scale,
+            out=out,
+            **kw,
+        )
     assert res is out
     got = as_float64(out, lay.dtype)
     assert not np.isnan(got).any(), f"{label}: unwritten or NaN outputs"
@@ -149,7 +154,8 @@ def test_prefill_narrow_and_wide_tiles_agree(dtype, d, hq, hkv):
     tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
     q = device_elems(rng, (int(qo.sum()), hq, d), dtype)
     for rows in (16, 64):
-        plan = prefill_plan(pool, qo_indptr(qo), lens, hq, rows_per_cta=rows)
+        with _tuning.override(prefill_rows_per_cta=rows):  # a test knob
+            plan = prefill_plan(pool, qo_indptr(qo), cp.asarray(tables), lens, hq)
         assert plan.rows_per_cta == rows
         _run_and_check(
             pool, 0, q, qo, tables, lens, f"rows{rows}[{dtype},d{d},hq{hq},hkv{hkv}]", plan=plan
@@ -252,16 +258,17 @@ def test_speculative_verification_on_long_contexts(dtype):
     pool = cuda_pool(rng, hkv, d, bs, dtype, sum(-(-int(n) // bs) for n in lens) + 8, 1)
     tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
     q = device_elems(rng, (int(qo.sum()), hq, d), dtype)
-    plan = prefill_plan(pool, qo_indptr(qo), lens, hq)
+    bt = cp.asarray(tables)
+    plan = prefill_plan(pool, qo_indptr(qo), bt, lens, hq)
     assert plan.split, "few query tiles over long contexts should split the keys"
     assert plan.rows_per_cta == 16, "<= 8 draft tokens x GQA-4: 64-row tiles would be padding"
     _run_and_check(pool, 0, q, qo, tables, lens, f"spec[{dtype},auto{plan.num_splits}]", plan=plan)
     for splits in (1, 3, 64):
-        forced = prefill_plan(pool, qo_indptr(qo), lens, hq, num_splits=splits)
-        ws = cp.empty(max(prefill_workspace_elems(forced, d), 1), cp.float32)
-        _run_and_check(
-            pool, 0, q, qo, tables, lens, f"spec[{dtype},split{splits}]", plan=forced, workspace=ws
-        )
+        sized = prefill_plan(pool, qo_indptr(qo), bt, lens, hq, num_splits=splits)
+        ws = cp.empty(max(prefill_workspace_elems(sized, d), 1), cp.float32)
+        forced = prefill_plan(pool, qo_indptr(qo), bt, lens, hq, num_splits=splits, workspace=ws)
+        assert forced.workspace_elems == sized.workspace_elems
+        _run_and_check(pool, 0, q, qo, tables, lens, f"spec[{dtype},split{splits}]", plan=forced)
 
 
 def test_a_bad_caller_workspace_is_refused_before_a_launch():
@@ -273,11 +280,12 @@ def test_a_bad_caller_workspace_is_refused_before_a_launch():
     pool = cuda_pool(rng, hkv, d, bs, "float16", sum(-(-int(n) // bs) for n in lens) + 8, 1)
     tables = shuffled_tables(rng, lens, bs, pool.num_blocks, extra=3)
     q = device_elems(rng, (int(qo.sum()), hq, d), "float16")
-    plan = prefill_plan(pool, qo_indptr(qo), lens, hq, num_splits=3)
+    bt = cp.asarray(tables)
+    plan = prefill_plan(pool, qo_indptr(qo), bt, lens, hq, num_splits=3)
     assert plan.split
     need = prefill_workspace_elems(plan, d)
     out = poisoned(q.shape, "float16")
-    args = (q, pool, 0, cp.asarray(qo_indptr(qo)), cp.asarray(tables), cp.asarray(lens))
+    args = (q, pool, 0, cp.asarray(qo_indptr(qo)), bt, cp.asarray(lens))
     for ws in (
         cp.empty(need - 1, cp.float32),
         cp.empty(need, cp.float16),
@@ -287,9 +295,11 @@ def test_a_bad_caller_workspace_is_refused_before_a_launch():
             kvpool.InvalidArgumentError,
             match=f"workspace must be a contiguous 1-d float32 array of >= {need}",
         ):
-            paged_attention_prefill(*args, plan=plan, out=out, workspace=ws)
+            paged_attention_prefill(*args, num_splits=3, out=out, workspace=ws)
+        with pytest.raises(kvpool.InvalidArgumentError, match="workspace must be"):
+            prefill_plan(pool, qo_indptr(qo), bt, lens, hq, num_splits=3, workspace=ws)
     assert (out.view(cp.uint16) == NAN_BITS["float16"]).all()
-    paged_attention_prefill(*args, plan=plan, out=out, workspace=cp.empty(need, cp.float32))
+    paged_attention_prefill(*args, num_splits=3, out=out, workspace=cp.empty(need, cp.float32))
     assert not cp.isnan(out).any()
 
 
@@ -359,10 +369,19 @@ def test_prefill_takes_synced_tables_and_torch_and_graph_capture():
     host_sl = np.asarray(tables.seq_lens(ids), np.int32)
     qo = np.minimum(host_sl, [3, 37, 1]).astype(np.int32)  # rows in request_ids order
     q = device_elems(rng, (int(qo.sum()), hq, d), dtype)
-    plan = prefill_plan(pool, qo_indptr(qo), host_sl, hq, num_splits=2)
+    # From host lengths (the plan uploads them) and the synced table; then from the synced
+    # device lengths themselves (read back), through the one-call form with plan=.
+    plan = prefill_plan(pool, qo_indptr(qo), bt, host_sl, hq, num_splits=2)
     out = poisoned(q.shape, dtype)
-    paged_attention_prefill(q, pool, 0, cp.asarray(qo_indptr(qo)), bt, sl, out=out, plan=plan)
+    plan.run(q, 0, out=out)
     cp.cuda.runtime.deviceSynchronize()
+    first = as_float64(out, dtype)
+    ip_synced = cp.asarray(qo_indptr(qo))
+    from_device = prefill_plan(pool, ip_synced, bt, sl, hq, num_splits=2)
+    out = poisoned(q.shape, dtype)
+    paged_attention_prefill(q, pool, 0, ip_synced, bt, sl, out=out, plan=from_device)
+    cp.cuda.runtime.deviceSynchronize()
+    assert np.array_equal(first, as_float64(out, dtype))
     got = as_float64(out, dtype)
     want = _expected(
         pool,
@@ -383,15 +402,14 @@ def test_prefill_takes_synced_tables_and_torch_and_graph_capture():
     s = cp.cuda.Stream(non_blocking=True)
     ws = cp.empty(prefill_workspace_elems(plan, d), cp.float32)
     ip_dev, bt_dev, sl_dev = (cp.asarray(qo_indptr(qo)), cp.asarray(host_bt), cp.asarray(host_sl))
+    graph_plan = prefill_plan(
+        pool, qo_indptr(qo), bt_dev, host_sl, hq, num_splits=2, workspace=ws, stream=s
+    )
     with s:
-        paged_attention_prefill(
-            q, pool, 0, ip_dev, bt_dev, sl_dev, out=out, plan=plan, workspace=ws, stream=s
-        )  # warm: compile, upload the plan
+        graph_plan.run(q, 0, out=out)  # warm: compile, prepare the launch block
         s.synchronize()
         s.begin_capture()
-        paged_attention_prefill(
-            q, pool, 0, ip_dev, bt_dev, sl_dev, out=out, plan=plan, workspace=ws, stream=s
-        )
+        graph_plan.run(q, 0, out=out)
         graph = s.end_capture()
     out.view(cp.uint16)[...] = NAN_BITS[dtype]
     cp.cuda.runtime.deviceSynchronize()
@@ -434,7 +452,6 @@ def test_prefill_rejects_bad_arguments_before_any_launch():
     cases = [
         (dict(seq_lens=cp.asarray(np.array([4], np.int32))), "query tokens but seq_len"),
         (dict(seq_lens=cp.asarray(np.array([60], np.int32))), "exceeds"),
-        (dict(seq_lens=np.array([20], np.int32)), "seq_lens"),
         (dict(qo_indptr=cp.asarray(np.array([0, 5], np.int64))), "qo_indptr"),
         (dict(qo_indptr=cp.asarray(np.array([0, 2, 5], np.int32))), "qo_indptr"),
         (dict(block_tables=cp.asarray(np.array([[0, 1]], np.int64))), "block_tables"),
@@ -442,9 +459,12 @@ def test_prefill_rejects_bad_arguments_before_any_launch():
         (dict(out=cp.zeros((5, hq, d), cp.float32)), "out"),
         (dict(out=cp.zeros((4, hq, d), cp.float16)), "out"),
         (dict(causal=1), "causal"),
-        (dict(plan=prefill_plan(pool, qo_indptr([4]), np.array([20]), hq)), "plan"),
-        (dict(plan=prefill_plan(pool, qo_indptr([5]), np.array([20]), hq, causal=False)), "plan"),
-        (dict(plan="plan"), "PrefillPlan"),
+        (dict(plan=prefill_plan(pool, qo_indptr([4]), bt, np.array([20]), hq)), "plan"),
+        (
+            dict(plan=prefill_plan(pool, qo_indptr([5]), bt, np.array([20]), hq, causal=False)),
+            "plan",
+        ),
+        (dict(plan=prefill_plan(other, qo_indptr([5]), bt, np.array([20]), hq)), "another pool"),
     ]
     for change, match in cases:
         args = dict(q=q, qo_indptr=ip, block_tables=bt, seq_lens=sl, out=out)
@@ -459,6 +479,8 @@ def test_prefill_rejects_bad_arguments_before_any_launch():
                 args.pop("seq_lens"),
                 **args,
             )
+    with pytest.raises(TypeError, match="PrefillPlan"):
+        paged_attention_prefill(q, pool, 0, ip, bt, sl, out=out, plan="plan")
     tables = kvpool.BlockTables(other, 2, 4)
     tables.add(0, 20)
     obt, osl = tables.sync()

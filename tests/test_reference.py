@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from attention_inputs import fill_host_pool, random_elems, shuffled_tables
 from kvpool import reference
-from kvpool.kernels import _build, append_kv, copy_blocks, paged_attention_decode, plan_decode
-from kvpool.kernels._plan import MAX_SPLITS
+from kvpool.kernels import _build, append_kv, copy_blocks, paged_attention_decode
+from kvpool.kernels._decode_split import MAX_DECODE_SPLITS, split_kv
 
 DTYPES = ["float16", "bfloat16"]
 
@@ -147,17 +147,17 @@ def test_copy_blocks_all_layers_and_checks():
 
 def test_plan_fills_gpu_and_covers_every_token():
     # One long sequence on 132 SMs: many splits, chunk a multiple of the loop step.
-    p = plan_decode(1, 8, 32768, 32, 132)
+    p = split_kv(1, 8, 32768, 32, 132)
     assert p.num_splits > 1 and p.chunk_tokens % 32 == 0
     assert p.chunk_tokens * p.num_splits >= 32768 > p.chunk_tokens * (p.num_splits - 1)
     # Enough sequences already fill the GPU: no split.
-    assert plan_decode(256, 8, 2048, 32, 132).num_splits == 1
+    assert split_kv(256, 8, 2048, 32, 132).num_splits == 1
     # Short sequences are never cut below MIN_CHUNK tokens.
-    assert plan_decode(1, 1, 100, 32, 132).num_splits <= 2
-    assert plan_decode(4, 8, 4096, 32, 132, num_splits=1).num_splits == 1
-    # The tensor-core kernel's fused merge holds at most MAX_SPLITS partials, forced or not.
-    assert plan_decode(1, 1, 1 << 20, 64, 132, num_splits=1000).num_splits <= MAX_SPLITS
-    assert plan_decode(1, 1, 1 << 20, 64, 10_000).num_splits <= MAX_SPLITS
+    assert split_kv(1, 1, 100, 32, 132).num_splits <= 2
+    assert split_kv(4, 8, 4096, 32, 132, num_splits=1).num_splits == 1
+    # The tensor-core kernel's fused merge holds at most MAX_DECODE_SPLITS partials, forced or not.
+    assert split_kv(1, 1, 1 << 20, 64, 132, num_splits=1000).num_splits <= MAX_DECODE_SPLITS
+    assert split_kv(1, 1, 1 << 20, 64, 10_000).num_splits <= MAX_DECODE_SPLITS
 
 
 def test_every_supported_decode_shape_maps_to_a_compiled_variant():

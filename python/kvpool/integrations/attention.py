@@ -94,7 +94,7 @@ class KvpoolStep:
     ) -> None:
         self.pool, self.batch, self.device = pool, batch, device
         self.prefill = PREFILL[prefill]
-        self._plan: Any = None
+        self._plans: dict[tuple[str, float], Any] = {}  # the step's kernel plans, per scale
         self.cuda = device.type == "cuda"
         self.num_decode = batch.num_decode
         self.block_size = pool.layout.block_size
@@ -141,24 +141,29 @@ class KvpoolStep:
     def decode(self, layer: int, q: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         """Attention of the decode rows q[:num_decode] ([n, q_heads, head_dim]) into out."""
         n, b = self.num_decode, self.batch
+        plan = self._plans.get(("decode", scale))
+        if plan is None:
+            if self.cuda:
+                plan = kvpool.decode_plan(
+                    self.pool,
+                    self.decode_block_table,
+                    self.decode_seq_lens,
+                    q.shape[1],
+                    max_seq_len=self.max_decode_len,
+                    num_splits=self.num_splits,
+                    scale=scale,
+                    stream=torch.cuda.current_stream(self.device),
+                    workspace=self.workspace,
+                )
+            else:
+                plan = kvpool.decode_plan(
+                    self.pool, b.decode_block_table, b.decode_seq_lens, q.shape[1], scale=scale
+                )
+            self._plans["decode", scale] = plan
         if self.cuda:
-            kvpool.paged_attention_decode(
-                q[:n],
-                self.pool,
-                layer,
-                self.decode_block_table,
-                self.decode_seq_lens,
-                scale=scale,
-                out=out[:n],
-                stream=torch.cuda.current_stream(self.device),
-                max_seq_len=self.max_decode_len,
-                num_splits=self.num_splits,
-                workspace=self.workspace,
-            )
+            plan.run(q[:n], layer, out=out[:n])
         else:
-            res = kvpool.paged_attention_decode(
-                _np(q[:n]), self.pool, layer, b.decode_block_table, b.decode_seq_lens, scale=scale
-            )
+            res = plan.run(_np(q[:n]), layer)
             out[:n] = torch.from_numpy(np.ascontiguousarray(res))
 
 
@@ -166,38 +171,27 @@ def prefill_kernel(
     step: KvpoolStep, layer: int, q: torch.Tensor, scale: float, out: torch.Tensor
 ) -> None:
     """Causal attention of every prefill chunk over its cached prefix and itself with
-    kvpool.paged_attention_prefill (one launch per layer; the plan is made once per step)."""
+    kvpool's prefill kernel (one launch per layer; the plan is made once per step)."""
     b, n0 = step.batch, step.num_decode
     if b.num_prefill == 0:
         return
-    if step._plan is None:
-        step._plan = kvpool.prefill_plan(
-            step.pool, b.prefill_qo_indptr, b.prefill_seq_lens, q.shape[1]
+    plan = step._plans.get(("prefill", scale))
+    if plan is None:
+        tables = step.prefill_block_table if step.cuda else b.prefill_block_table
+        stream = torch.cuda.current_stream(step.device) if step.cuda else None
+        plan = step._plans["prefill", scale] = kvpool.prefill_plan(
+            step.pool,
+            b.prefill_qo_indptr,
+            tables,
+            b.prefill_seq_lens,
+            q.shape[1],
+            scale=scale,
+            stream=stream,
         )
     if step.cuda:
-        kvpool.paged_attention_prefill(
-            q[n0:],
-            step.pool,
-            layer,
-            step.qo_indptr,
-            step.prefill_block_table,
-            step.prefill_seq_lens,
-            scale=scale,
-            out=out[n0:],
-            plan=step._plan,
-            stream=torch.cuda.current_stream(step.device),
-        )
+        plan.run(q[n0:], layer, out=out[n0:])
     else:
-        res = kvpool.paged_attention_prefill(
-            _np(q[n0:]),
-            step.pool,
-            layer,
-            b.prefill_qo_indptr,
-            b.prefill_block_table,
-            b.prefill_seq_lens,
-            scale=scale,
-            plan=step._plan,
-        )
+        res = plan.run(_np(q[n0:]), layer)
         out[n0:] = torch.from_numpy(np.ascontiguousarray(res))
 
 

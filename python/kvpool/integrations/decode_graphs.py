@@ -31,7 +31,7 @@ import torch
 from kvpool.generation.batch import StepBatch
 from kvpool.integrations.attention import KvpoolStep
 from kvpool.integrations.packed_upload import PackedLayout, PinnedStaging
-from kvpool.kernels import workspace_elems
+from kvpool.kernels import MAX_DECODE_SPLITS, workspace_elems
 
 MIN_CHUNK = 256  # tokens per split at least, as the library's own plan
 
@@ -58,7 +58,12 @@ class _BucketGraph:
         max_seq_len = width * lay.block_size
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         splits = max(
-            1, min(round(sms / (bucket * lay.num_kv_heads)), -(-max_seq_len // MIN_CHUNK), 128)
+            1,
+            min(
+                round(sms / (bucket * lay.num_kv_heads)),
+                -(-max_seq_len // MIN_CHUNK),
+                MAX_DECODE_SPLITS,
+            ),
         )
         self.workspace = torch.empty(
             workspace_elems(bucket, cfg.num_attention_heads, lay.head_dim, splits),

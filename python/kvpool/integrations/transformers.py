@@ -6,8 +6,8 @@ token of the step in one row ([1, num_tokens]) with explicit position ids, and t
 metadata passed down the forward as the keyword `kvpool_step` (transformers hands unknown
 keywords on to the attention function, as its own paged attention does with `cache`). In each
 layer the attention function writes the step's K/V into the pool with `kvpool.append_kv`,
-attends decode tokens with `kvpool.paged_attention_decode` over the block tables and prefill
-chunks causally over their cached prefix with `kvpool.paged_attention_prefill` (or, with
+attends decode tokens with a `kvpool.decode_plan` over the block tables and prefill
+chunks causally over their cached prefix with a `kvpool.prefill_plan` (or, with
 `prefill="sdpa"`, torch SDPA over K/V gathered back from the pool: the cross-check).
 
 `KvpoolCache` (kvpool.integrations.hf_cache) is the same attention under plain

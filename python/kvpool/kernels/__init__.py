@@ -1,33 +1,42 @@
 """CUDA kernels over a kvpool Pool: paged decode and prefill attention, KV append, block copy.
 
+Attention follows plan once, run per layer: ``decode_plan(...)`` / ``prefill_plan(...)`` make a
+:class:`DecodePlan` / :class:`PrefillPlan` for one step's batch (split plan, work items,
+workspace, merge counters), and ``plan.run(q, layer)`` launches it for each layer;
+``paged_attention_decode`` / ``paged_attention_prefill`` do both in one call (or take
+``plan=``). Inputs and results are torch tensors of their true dtypes or CuPy arrays; torch is
+optional.
+
 The sources are in the repository's ``cuda/`` folder (embedded in the extension), compiled at run
 time by NVRTC through CuPy and cached per module (for the decode: dtype, padded head width and
 head-tile size class). On a host pool the same functions run the NumPy float64 reference in
-:mod:`kvpool.reference`.
+:mod:`kvpool.reference`. Knobs for tests and benchmark sweeps are in
+:mod:`kvpool.kernels._tuning`.
 """
 
 from kvpool.kernels._cache_ops import append_kv, copy_blocks
-from kvpool.kernels._decode import paged_attention_decode, workspace_elems
+from kvpool.kernels._decode import DecodePlan, decode_plan, paged_attention_decode
+from kvpool.kernels._decode_split import MAX_DECODE_SPLITS, workspace_elems
 from kvpool.kernels._metadata import paged_metadata
-from kvpool.kernels._plan import DecodePlan, plan_decode
 from kvpool.kernels._prefill import (
+    PrefillPlan,
     paged_attention_prefill,
     prefill_plan,
     prefill_workspace_elems,
 )
-from kvpool.kernels._prefill_plan import PrefillPlan
 from kvpool.kernels._scales import KvScales
 
 __all__ = [
+    "MAX_DECODE_SPLITS",
     "DecodePlan",
     "KvScales",
     "PrefillPlan",
     "append_kv",
     "copy_blocks",
+    "decode_plan",
     "paged_attention_decode",
     "paged_attention_prefill",
     "paged_metadata",
-    "plan_decode",
     "prefill_plan",
     "prefill_workspace_elems",
     "workspace_elems",

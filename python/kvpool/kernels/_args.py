@@ -1,9 +1,11 @@
 """Argument plumbing for the CUDA wrappers: device arrays, element types, index arguments
 (streams and launches are in _launch.py).
 
-Inputs are taken through ``__cuda_array_interface__`` (CuPy, PyTorch, Numba, kvpool's own
-views) without copies; only the pointer, shape, strides and element type are read, so bfloat16
-buffers (which CuPy has no dtype for) pass as any 2-byte type.
+Inputs are taken without copies: torch tensors through their data pointer, strides and true
+dtype (bfloat16 and float8 included), CuPy arrays and anything else with
+``__cuda_array_interface__`` (Numba, kvpool's own views) through that; only the pointer, shape,
+strides and element type are read. CuPy has no bfloat16, so there a bfloat16 buffer travels as
+a 2-byte integer array, accepted as a fallback.
 """
 
 from __future__ import annotations

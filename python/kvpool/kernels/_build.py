@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpool.kernels._plan import MAX_SPLITS  # passed to the .cu: its fused merge's weight area
+# passed to the .cu: its fused merge's weight area
+from kvpool.kernels._decode_split import MAX_DECODE_SPLITS
 
 DTYPES = ("float16", "bfloat16")
 # fp8 caches (KV_FP8 in the .cu: 1 e4m3fn, 2 e5m2); their queries and outputs are float16 or
@@ -39,11 +40,9 @@ TC_NH2_MAX_DP = 192  # 16-head tiles need DP/2 more accumulator registers: DP 22
 TC_STAGE_BUDGET = 96 * 1024  # shared memory the cp.async stages of one CTA aim for
 SMEM_PER_SM = 227 * 1024  # sm_80 / sm_90: the most dynamic shared memory one CTA may have
 
-# Tuning of the fp8 decode only (the 16-bit modules never read it), for sweeps on a GPU:
-# KVPOOL_FP8_DECODE="warps=W,stages=S,fill=F" sets the warps per CTA, the cp.async stages per
-# warp (2..4; 0: what TC_STAGE_BUDGET holds) and the CTAs per SM the split-KV plan aims
-# to fill (0: TC_CTAS_PER_SM). Unset or empty: Fp8DecodeTuning's defaults.
-FP8_DECODE_ENV = "KVPOOL_FP8_DECODE"
+# Tuning of the fp8 decode only (the 16-bit modules never take it), for sweeps on a GPU through
+# kvpool.kernels._tuning: the warps per CTA, the cp.async stages per warp (2..4; 0: what
+# TC_STAGE_BUDGET holds) and the CTAs per SM the split-KV plan aims to fill (0: TC_CTAS_PER_SM).
 FP8_DECODE_WARPS = (2, 4, 6, 8)
 
 
@@ -53,46 +52,31 @@ class Fp8DecodeTuning:
     `bench/kvbench.py --routine fp8_sweep` (bench/results/2026-12-01_270740b_h200/fp8_sweep.json) they were the
     fastest or within 3 % of it on the large shapes (1.70-1.77x our fp16 there, against
     1.61-1.73x for 4 warps x 4 stages); on 8x8192 1.47x against 1.21x (the best there, 4 warps
-    filling 2 CTAs per SM, 1.60x); on 1x4096 they are slower (15.7 us against 13.0 us, 0.88x our fp16), where 8 warps were fastest (11.6 us) but
-    lost 20-25 % on the large shapes."""
+    filling 2 CTAs per SM, 1.60x); on 1x4096 they are slower (15.7 us against 13.0 us, 0.88x
+    our fp16), where 8 warps were fastest (11.6 us) but lost 20-25 % on the large shapes."""
 
     warps: int = 6
     stages: int = 3  # 0: derived from TC_STAGE_BUDGET like the 16-bit modules
     fill: int = 1  # 0: the plan's TC_CTAS_PER_SM
 
+    def __post_init__(self) -> None:
+        if (
+            self.warps not in FP8_DECODE_WARPS
+            or self.stages not in (0, 2, 3, 4)
+            or not 0 <= self.fill <= 4
+        ):
+            raise ValueError(
+                f"{self}: warps in {FP8_DECODE_WARPS}, stages 2..4 (or 0), fill 1..4 (or 0)"
+            )
 
-# The fp8 decode's defaults (what runs with KVPOOL_FP8_DECODE unset, and what CI compiles).
+
+# The fp8 decode's defaults (what runs unless kvpool.kernels._tuning says otherwise, and what
+# CI compiles).
 FP8_DECODE_DEFAULT = Fp8DecodeTuning()
 
 
-def fp8_decode_tuning() -> Fp8DecodeTuning:
-    """The fp8 decode tuning from KVPOOL_FP8_DECODE (read when a decode call is prepared);
-    fields it leaves out take Fp8DecodeTuning's defaults."""
-    text = os.environ.get(FP8_DECODE_ENV, "").strip()
-    if not text:
-        return FP8_DECODE_DEFAULT
-    fields = {}
-    for item in text.split(","):
-        name, sep, value = item.partition("=")
-        name = name.strip()
-        if not sep or name not in ("warps", "stages", "fill") or not value.strip().isdigit():
-            raise ValueError(f"{FP8_DECODE_ENV}={text!r}: expected warps=W,stages=S,fill=F")
-        fields[name] = int(value)
-    tuning = Fp8DecodeTuning(**fields)
-    if (
-        tuning.warps not in FP8_DECODE_WARPS
-        or tuning.stages not in (0, 2, 3, 4)
-        or not 0 <= tuning.fill <= 4
-    ):
-        raise ValueError(
-            f"{FP8_DECODE_ENV}={text!r}: warps in {FP8_DECODE_WARPS}, "
-            "stages 2..4 (or 0), fill 1..4 (or 0)"
-        )
-    return tuning
-
-
-# The CUDA-core decode (paged_decode.cu, `pipeline=0/1`) is a baseline for tests and benchmarks,
-# with its own narrower set and a separate merge launch.
+# The CUDA-core decode (paged_decode.cu, _tuning's decode_pipeline 0/1) is a baseline for tests
+# and benchmarks, with its own narrower set and a separate merge launch.
 HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (8, 16, 32)
 MAX_GQ = 8  # query heads one CUDA-core decode CTA keeps in registers
@@ -279,7 +263,7 @@ class TcVariant:
         merge's weights fit inside (static_assert there)."""
         stage = self.stages * self.stage_bytes * self.warps
         merge = 4 * self.warps * 16 * (self.dp + 2)
-        return max(stage, merge, 4 * MAX_SPLITS * 16)
+        return max(stage, merge, 4 * MAX_DECODE_SPLITS * 16)
 
     @property
     def ctas_per_sm(self) -> int:
@@ -296,7 +280,7 @@ class TcVariant:
                 f"-DNH={self.nh}",
                 f"-DNWARPS={self.warps}",
                 f"-DSTAGES={self.stages}",
-                f"-DMAX_SPLITS={MAX_SPLITS}",
+                f"-DMAX_SPLITS={MAX_DECODE_SPLITS}",
             )
         )
 
@@ -328,7 +312,7 @@ def tuned(variant: TcVariant, tuning: Fp8DecodeTuning) -> TcVariant:
         v = TcVariant(v.dtype, v.dp, v.nh, v.q_dtype, v.warps, v.fixed_stages - 1)
     if v.dynamic_smem_bytes > SMEM_PER_SM:
         raise ValueError(
-            f"{FP8_DECODE_ENV}: {tuning} needs {v.dynamic_smem_bytes} bytes of "
+            f"fp8 decode tuning {tuning} needs {v.dynamic_smem_bytes} bytes of "
             f"shared memory per CTA at head width {v.dp} (at most {SMEM_PER_SM})"
         )
     return v
@@ -399,19 +383,10 @@ PREFILL_NARROW_WARPS = 1
 PREFILL_BN = {64: 64, 128: 64, 256: 32}  # wide CTAs; D=256 with 64-token tiles needs > 255 regs
 PREFILL_NARROW_BN = {64: 32, 128: 32, 256: 16}  # 32 at D=256 spills on sm_90
 PREFILL_STAGES = 2
-# KVPOOL_FP8_PREFILL_ASYNC=1: fp8 prefill modules load K/V with cp.async into fp8 staging tiles
-# and convert them per tile (KV_FP8_ASYNC in the .cu); unset or 0: synchronous loads. Default
-# off until measured; FP8_PREFILL_ASYNC_DEFAULT is what runs with the variable unset.
-FP8_PREFILL_ASYNC_ENV = "KVPOOL_FP8_PREFILL_ASYNC"
+# fp8 prefill modules may load K/V with cp.async into fp8 staging tiles and convert them per
+# tile (KV_FP8_ASYNC in the .cu; kvpool.kernels._tuning's fp8_prefill_async); the default is the
+# synchronous loads until measured otherwise.
 FP8_PREFILL_ASYNC_DEFAULT = False
-
-
-def fp8_prefill_async() -> bool:
-    """Whether fp8 prefill modules load asynchronously (read when a prefill call is prepared)."""
-    text = os.environ.get(FP8_PREFILL_ASYNC_ENV, "").strip()
-    if text not in ("", "0", "1"):
-        raise ValueError(f"{FP8_PREFILL_ASYNC_ENV}={text!r}: expected 0 or 1")
-    return FP8_PREFILL_ASYNC_DEFAULT if not text else text == "1"
 
 
 PREFILL_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -511,7 +486,7 @@ def prefill_variants() -> list[PrefillVariant]:
             ("float8_e5m2", "bfloat16"),
         )
     ]
-    # The asynchronous fp8 loads (KVPOOL_FP8_PREFILL_ASYNC): every head dim wide, 128 narrow.
+    # The asynchronous fp8 loads (_tuning's fp8_prefill_async): every head dim wide, 128 narrow.
     fp8 += [
         PrefillVariant("float8_e4m3fn", hd, 16, w, "float16", True)
         for hd, w in (

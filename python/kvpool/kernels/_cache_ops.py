@@ -22,9 +22,11 @@ from kvpool.kernels._args import (
     pool_is_cuda,
     view,
 )
+from kvpool.kernels._common import check_host_stream, host_array
 from kvpool.kernels._launch import (
     Kernel,
     cupy_stream,
+    fill_args,
     launch,
     param_block,
     stream_handle,
@@ -89,9 +91,11 @@ def append_kv(
 ) -> None:
     """Write new tokens' K and V ([num_tokens, num_kv_heads, head_dim], the pool's dtype) into
     layer `layer` at slot_mapping[i] = block_id * block_size + offset (int64; -1 skips the
-    token, as does a slot past the pool). Byte-exact; runs on `stream` for a CUDA pool (CuPy,
-    torch or any __cuda_array_interface__ arrays on the pool's device; bfloat16 as 2-byte
-    integers or torch bfloat16).
+    token, as does a slot past the pool). Byte-exact; runs on `stream` for a CUDA pool. K and
+    V are torch tensors of their true dtype (bfloat16, float16, float8_e4m3fn, ...) or CuPy
+    (or any __cuda_array_interface__) arrays on the pool's device; CuPy has no bfloat16, so
+    there a bfloat16 array travels as 2-byte integers. A host pool takes NumPy arrays or CPU
+    tensors, and no stream.
 
     An fp8 pool (float8_e4m3fn / float8_e5m2) takes float16 or bfloat16 K/V and `scales` (its
     KvScales) and stores fp8(x / scale), rounded to nearest even and saturated, in the same
@@ -107,6 +111,7 @@ def append_kv(
         raise InvalidArgumentError(f"scales are for fp8 pools; this pool holds {layout.dtype}")
     row = (layout.num_kv_heads, layout.head_dim)
     if not pool_is_cuda(pool):
+        check_host_stream(stream)
         k, v, slots = _host_inputs(k, v, slot_mapping, row)
         for name, a in (("k", k), ("v", v)):  # the element types the CUDA path accepts
             if not elem_ok(a.dtype.kind, a.itemsize, layout.dtype, layout.elem_bytes):
@@ -140,23 +145,24 @@ def append_kv(
         return
     device_id = _on_pool_device(pool, ka, va, sa)
     k_base = pool.base_ptr + layer * st["layer"]
-    args = _AppendArgs(
-        ka.ptr,
-        ka.strides[0] * ka.itemsize,
-        ka.strides[1] * ka.itemsize,
-        va.ptr,
-        va.strides[0] * va.itemsize,
-        va.strides[1] * va.itemsize,
-        sa.ptr,
-        k_base,
-        k_base + st["kv"],
-        st["block"],
-        st["token"],
-        st["head"],
-        layout.block_size,
-        pool.num_blocks * layout.block_size,
-        layout.num_kv_heads,
-        row_bytes // 16,
+    args = fill_args(
+        _AppendArgs,
+        k=ka.ptr,
+        k_tok_stride=ka.strides[0] * ka.itemsize,
+        k_head_stride=ka.strides[1] * ka.itemsize,
+        v=va.ptr,
+        v_tok_stride=va.strides[0] * va.itemsize,
+        v_head_stride=va.strides[1] * va.itemsize,
+        slot_mapping=sa.ptr,
+        k_base=k_base,
+        v_base=k_base + st["kv"],
+        block_stride=st["block"],
+        token_stride=st["token"],
+        head_stride=st["head"],
+        block_size=layout.block_size,
+        num_slots=pool.num_blocks * layout.block_size,
+        num_heads=layout.num_kv_heads,
+        row_vecs=row_bytes // 16,
     )
     import cupy
 
@@ -176,6 +182,7 @@ def _append_fp8(k, v, pool, layer, slot_mapping, stream, scales) -> None:
         )
     row = (layout.num_kv_heads, layout.head_dim)
     if not pool_is_cuda(pool):
+        check_host_stream(stream)
         k, v, slots = _host_inputs(k, v, slot_mapping, row)
         in_dtype = _fp8_input_dtype(
             k.dtype.kind, k.itemsize, v.dtype.kind, v.itemsize, layout.dtype
@@ -214,28 +221,29 @@ def _append_fp8(k, v, pool, layer, slot_mapping, stream, scales) -> None:
                 scales.calibrate_from(layer, k, v, slot_mapping)
         k_base = pool.base_ptr + layer * st["layer"]
         k_scale, v_scale = scales.ptrs(layer)
-        args = _AppendFp8Args(
-            ka.ptr,
-            ka.strides[0] * 2,
-            ka.strides[1] * 2,
-            va.ptr,
-            va.strides[0] * 2,
-            va.strides[1] * 2,
-            sa.ptr,
-            k_base,
-            k_base + st["kv"],
-            st["block"],
-            st["token"],
-            st["head"],
-            layout.block_size,
-            pool.num_blocks * layout.block_size,
-            layout.num_kv_heads,
-            layout.head_dim // 8,
-            k_scale,
-            v_scale,
-            scales.head_stride,
-            int(in_dtype == "bfloat16"),
-            _build.FP8_DTYPES[layout.dtype],
+        args = fill_args(
+            _AppendFp8Args,
+            k=ka.ptr,
+            k_tok_stride=ka.strides[0] * 2,
+            k_head_stride=ka.strides[1] * 2,
+            v=va.ptr,
+            v_tok_stride=va.strides[0] * 2,
+            v_head_stride=va.strides[1] * 2,
+            slot_mapping=sa.ptr,
+            k_base=k_base,
+            v_base=k_base + st["kv"],
+            block_stride=st["block"],
+            token_stride=st["token"],
+            head_stride=st["head"],
+            block_size=layout.block_size,
+            num_slots=pool.num_blocks * layout.block_size,
+            num_heads=layout.num_kv_heads,
+            row_vecs=layout.head_dim // 8,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            scale_head_stride=scales.head_stride,
+            in_bf16=int(in_dtype == "bfloat16"),
+            fmt=_build.FP8_DTYPES[layout.dtype],
         )
         wait_producers(sp, device_id, kv, vv, sv)
         launch(
@@ -270,7 +278,8 @@ def _host_inputs(k: Any, v: Any, slot_mapping: Any, row: tuple[int, int]) -> tup
     """k, v and slot_mapping for a host pool, as NumPy arrays of the right shapes (int64 slots)."""
     if hasattr(k, "__cuda_array_interface__") or hasattr(v, "__cuda_array_interface__"):
         raise InvalidArgumentError("k/v are device arrays but the pool is on the host")
-    k, v, slots = np.asarray(k), np.asarray(v), np.asarray(slot_mapping)
+    k, v = host_array(k, "k"), host_array(v, "v")
+    slots = host_array(slot_mapping, "slot_mapping")
     _check_kv_shapes(k.shape, v.shape, slots.shape, row)
     if slots.dtype != np.int64:
         raise InvalidArgumentError("slot_mapping must be int64")
@@ -327,6 +336,7 @@ def copy_blocks(pool: Any, pairs: Any, *, stream: Any = None) -> None:
     pairs = check_pairs(pairs, pool.num_blocks)
     layout = pool.layout
     if not pool_is_cuda(pool):
+        check_host_stream(stream)
         views = [f(i) for i in range(layout.num_layers) for f in (pool.k_view, pool.v_view)]
         reference.copy_blocks(views, pairs)
         return
@@ -343,7 +353,13 @@ def copy_blocks(pool: Any, pairs: Any, *, stream: Any = None) -> None:
         sp = stream_handle(stream)  # None: the pool device's current stream
         with cupy_stream(sp):  # the upload of the pairs is ordered before the copy kernel
             dev_pairs = cupy.asarray(pairs)
-        args = _CopyArgs(pool.base_ptr, dev_pairs.data.ptr, st["block"], layout.block_bytes)
+        args = fill_args(
+            _CopyArgs,
+            base=pool.base_ptr,
+            pairs=dev_pairs.data.ptr,
+            block_stride=st["block"],
+            block_bytes=layout.block_bytes,
+        )
         launch(
             _kernel("copy_blocks", "copy_blocks", device_id),
             (len(pairs), chunks, 1),

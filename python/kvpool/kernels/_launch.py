@@ -2,8 +2,9 @@
 
 Every kernel (decode, merge, append, copy) is launched by one ``cuLaunchKernel`` through CuPy's
 driver binding, with a parameter block built from a ``ctypes.Structure`` (the kernelParams
-array holds the addresses of the structure's fields). A caller that launches the same kernel
-again only rewrites the fields that changed (the decode path keeps its block per call shape);
+array holds the addresses of the structure's fields), filled by field name
+(:func:`fill_args`). A caller that launches the same kernel
+again only rewrites the fields that changed (a plan keeps its block per call shape);
 ``RawKernel.__call__`` would instead convert and box every argument on every call. The driver
 copies the parameters when the launch is queued, so a block may be rewritten right after.
 
@@ -17,9 +18,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import warnings
-from typing import Any
+from typing import Any, TypeVar
 
 from kvpool._core import InvalidArgumentError
+
+_S = TypeVar("_S", bound=ctypes.Structure)
 
 
 def stream_handle(stream: Any) -> int:
@@ -88,6 +91,17 @@ class Kernel:
         self.device_id = device_id
         self.handle = fn.ptr
         self.name = name
+
+
+def fill_args(struct_type: type[_S], **values: Any) -> _S:
+    """A parameter block of `struct_type` filled by field name. Every field must be named (a
+    field left out would silently be 0) and no other name is taken."""
+    names = [f[0] for f in struct_type._fields_]  # type: ignore[attr-defined]
+    missing = [n for n in names if n not in values]
+    unknown = [n for n in values if n not in names]
+    if missing or unknown:
+        raise TypeError(f"{struct_type.__name__}: missing fields {missing}, unknown {unknown}")
+    return struct_type(**values)
 
 
 @functools.cache

@@ -16,7 +16,14 @@ from typing import Any
 from kvpool._core import InvalidArgumentError
 from kvpool.kernels import _build
 from kvpool.kernels._args import check_int_array, check_ptr, dev, index_arg, ptr_device, view
-from kvpool.kernels._launch import Kernel, launch, param_block, stream_handle, wait_producers
+from kvpool.kernels._launch import (
+    Kernel,
+    fill_args,
+    launch,
+    param_block,
+    stream_handle,
+    wait_producers,
+)
 
 _u64, _i64, _i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32
 THREADS = 1024  # kThreads of the kernel: one CTA
@@ -132,20 +139,21 @@ def paged_metadata(
     device_id = ptr_device(given[0][1].ptr)  # an empty CuPy array has no pointer (0)
     for name, a in given[1:]:
         check_ptr(a.ptr, name, device_id)
-    args = _MetadataArgs(
-        ta.ptr,
-        ta.strides[0],
-        width,
-        la.ptr,
-        num_seqs,
-        block_size,
-        0 if qo is None else qo.ptr,
-        0 if sm is None else sm.ptr,
-        0 if sm is None else sm.shape[0],
-        0 if ip is None else ip.ptr,
-        0 if ix is None else ix.ptr,
-        0 if ix is None else ix.shape[0],
-        0 if lp is None else lp.ptr,
+    args = fill_args(
+        _MetadataArgs,
+        block_table=ta.ptr,
+        table_stride=ta.strides[0],
+        width=width,
+        seq_lens=la.ptr,
+        num_seqs=num_seqs,
+        block_size=block_size,
+        qo_indptr=0 if qo is None else qo.ptr,
+        slot_mapping=0 if sm is None else sm.ptr,
+        num_slots=0 if sm is None else sm.shape[0],
+        indptr=0 if ip is None else ip.ptr,
+        indices=0 if ix is None else ix.ptr,
+        num_indices=0 if ix is None else ix.shape[0],
+        last_page_len=0 if lp is None else lp.ptr,
     )
     import cupy
 

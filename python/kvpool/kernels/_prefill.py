@@ -1,10 +1,9 @@
-"""paged_attention_prefill: the Python entry point of the paged prefill (extend) kernel."""
+"""Paged prefill (extend) attention: ``prefill_plan(...)`` once per step,
+``PrefillPlan.run(q, layer)`` per layer, and the one-call form ``paged_attention_prefill``."""
 
 from __future__ import annotations
 
-import collections
-import ctypes
-import math
+import dataclasses
 import threading
 from typing import Any
 
@@ -12,8 +11,9 @@ import numpy as np
 
 from kvpool import reference
 from kvpool._core import InvalidArgumentError
-from kvpool.kernels import _build
+from kvpool.kernels import _build, _tuning
 from kvpool.kernels._args import (
+    ArrayView,
     check_elem16,
     check_int_array,
     check_ptr,
@@ -22,33 +22,512 @@ from kvpool.kernels._args import (
 )
 from kvpool.kernels._args import dev as _dev
 from kvpool.kernels._args import view as _view
-from kvpool.kernels._decode import (
-    LOG2E,
-    _check_scales,
-    _check_tables_pool,
-    _host_result,
-    _num_sms,
-    _pool_info,
-    _PoolInfo,
-    _workspace_ptr,
+from kvpool.kernels._common import (
+    PoolInfo,
+    Workspace,
+    check_host_out,
+    check_host_stream,
+    check_layer,
+    check_plan_pool,
+    check_scales,
+    check_tables_pool,
+    compiled_kernel,
     fp8_query_dtype,
+    host_array,
+    host_result,
+    host_scale,
+    new_out,
+    num_sms,
+    same_batch_array,
+    softmax_scale_log2,
 )
 from kvpool.kernels._launch import (
-    Kernel,
     cupy_stream,
+    fill_args,
     launch,
     param_block,
     stream_handle,
     wait_producers,
 )
-from kvpool.kernels._prefill_plan import (
-    PrefillPlan,
+from kvpool.kernels._prefill_args import PrefillArgs, PrefillFp8Args, PrefillMergeArgs
+from kvpool.kernels._prefill_work import (
+    PrefillWork,
     choose_rows,
     head_tile,
     host_lengths,
-    plan_prefill,
+    plan_work,
 )
 from kvpool.kernels._scales import KvScales
+
+
+def prefill_plan(
+    pool: Any,
+    qo_indptr: Any,
+    block_tables: Any,
+    seq_lens: Any,
+    num_q_heads: int,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    scales: KvScales | None = None,
+    num_splits: int | None = None,
+    stream: Any = None,
+    workspace: Any = None,
+) -> PrefillPlan:
+    """A prefill plan for one step's varlen batch: made once, then ``plan.run(q, layer)`` per
+    layer.
+
+    qo_indptr: [num_seqs + 1] offsets of each sequence's query tokens in q (from 0); seq_lens:
+    [num_seqs] tokens per sequence, the queries included (they are its LAST qo_len tokens,
+    already in the cache: append_kv first); block_tables int32 [num_seqs, max_blocks]. With
+    `causal` (the default) query t of sequence i sees keys 0 .. seq_lens[i] - qo_len + t;
+    without, all seq_lens[i] keys. `scale` (default 1/sqrt(head_dim)) is a finite real number;
+    an fp8 pool needs its `scales`.
+
+    The plan is made on the host: give qo_indptr and seq_lens as host arrays (NumPy, lists, CPU
+    tensors) and it keeps checked copies, chooses the query tiles (64 query rows per CTA, or 16
+    when most of 64 would be padding), their order and the KV split count (`num_splits`
+    forces it), and on a CUDA pool uploads the copies and the work items to device arrays it
+    owns, which the kernel reads. Given as device arrays they are read back (which
+    synchronises) and the kernel reads the caller's arrays. block_tables is bound as given
+    (a device array on a CUDA pool) and read at every run. When the plan splits it owns its
+    float32 partials or uses `workspace` (>= plan.workspace_elems elements). Runs are queued on
+    `stream` (CuPy's current stream when the plan is made, by default), in order; after the
+    first run per layout of q and out a run allocates nothing and does not synchronise, so it
+    can be captured in a CUDA graph (keep the plan alive as long as the graph).
+
+    On a host pool everything is NumPy (or CPU tensors), there is no stream nor workspace, and
+    run() computes the float64 reference.
+    """
+    return PrefillPlan(
+        pool,
+        qo_indptr,
+        block_tables,
+        seq_lens,
+        num_q_heads,
+        causal=causal,
+        scale=scale,
+        scales=scales,
+        num_splits=num_splits,
+        stream=stream,
+        workspace=workspace,
+    )
+
+
+class PrefillPlan:
+    """One step's prefill batch over one pool, made by :func:`prefill_plan`: the work items
+    (`work`, a PrefillWork), the batch's lengths, the split workspace and the launch blocks;
+    ``run(q, layer)`` per layer."""
+
+    def __init__(
+        self,
+        pool: Any,
+        qo_indptr: Any,
+        block_tables: Any,
+        seq_lens: Any,
+        num_q_heads: int,
+        *,
+        causal: bool,
+        scale: float | None,
+        scales: KvScales | None,
+        num_splits: int | None,
+        stream: Any,
+        workspace: Any,
+    ) -> None:
+        if not isinstance(causal, (bool, np.bool_)):
+            raise InvalidArgumentError(f"causal must be a bool, got {causal!r}")
+        check_tables_pool(block_tables, pool, "block_tables")
+        check_tables_pool(seq_lens, pool, "seq_lens")
+        info = PoolInfo(pool)
+        check_scales(pool, info, scales, "prefill")
+        hq = index_arg(num_q_heads, "num_q_heads")
+        if hq <= 0 or hq % info.num_kv_heads:
+            raise InvalidArgumentError(
+                f"num_q_heads {hq} is not a multiple of num_kv_heads {info.num_kv_heads}"
+            )
+        if num_splits is not None:
+            num_splits = index_arg(num_splits, "num_splits")
+        self.pool, self.info, self.scales, self.causal = pool, info, scales, bool(causal)
+        self.num_q_heads, self.group = hq, hq // info.num_kv_heads
+        self.scale = host_scale(scale, info.head_dim)
+        self.block_tables = block_tables
+        self._bt_view: ArrayView | None = None
+        self._lens_views: tuple[ArrayView, ArrayView] | None = None
+        self._workspace: Workspace | None = None
+        if info.cuda:
+            self._check_kernel_exists()
+            self.stream = stream_handle(stream)
+            self._bt_view = _view(block_tables, "block_tables")
+            bt = _dev(self._bt_view, "block_tables")
+            check_int_array(bt, "block_tables", 4, 2)
+            tables_shape = bt.shape
+        else:
+            check_host_stream(stream)
+            if workspace is not None:
+                raise InvalidArgumentError("a host pool needs no workspace")
+            self._tables = host_array(block_tables, "block_tables")
+            if self._tables.dtype.kind not in "iu":
+                raise InvalidArgumentError(
+                    f"block_tables must be an integer array, got {self._tables.dtype}"
+                )
+            tables_shape = self._tables.shape
+        self.qo_indptr, self.seq_lens = self._host_lengths(qo_indptr, seq_lens)
+        num_seqs = len(self.seq_lens)
+        if len(tables_shape) != 2 or tables_shape[0] != num_seqs:
+            raise InvalidArgumentError(
+                f"block_tables must be [{num_seqs}, max_blocks], got {tuple(tables_shape)}"
+            )
+        self.num_seqs, self.total_q, self._width = (
+            num_seqs,
+            int(self.qo_indptr[-1]),
+            tables_shape[1],
+        )
+        self.work = self._plan_work(num_splits)
+        if info.cuda:
+            self._plan_cuda(qo_indptr, seq_lens, workspace)
+        else:
+            self._check_host_rows()
+
+    # -- binding -------------------------------------------------------------------------------
+
+    def _host_lengths(self, qo_indptr: Any, seq_lens: Any) -> tuple[np.ndarray, np.ndarray]:
+        for name, a in (("qo_indptr", qo_indptr), ("seq_lens", seq_lens)):
+            if not self.info.cuda and hasattr(a, "__cuda_array_interface__"):
+                raise InvalidArgumentError(f"{name} is a device array but the pool is on the host")
+        if self.info.cuda and any(_on_device(a) for a in (qo_indptr, seq_lens)):
+            self._lens_views = (_view(qo_indptr, "qo_indptr"), _view(seq_lens, "seq_lens"))
+            return host_lengths(*self._read_back(qo_indptr, seq_lens))
+        return host_lengths(host_array(qo_indptr, "qo_indptr"), host_array(seq_lens, "seq_lens"))
+
+    def _read_back(self, qo_indptr: Any, seq_lens: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Device-to-host copies of qo_indptr and seq_lens (synchronises), on the plan's stream
+        after their producers."""
+        import cupy
+
+        ipv, slv = self._lens_views  # type: ignore[misc]
+        for name, v in (("qo_indptr", ipv), ("seq_lens", slv)):
+            check_int_array(_dev(v, name), name, 4, 1)
+            if v.ptr:
+                check_ptr(v.ptr, name, self.info.device_id)
+        wait_producers(self.stream, self.info.device_id, ipv, slv)
+        with cupy.cuda.Device(self.info.device_id), cupy_stream(self.stream):
+            return cupy.asnumpy(cupy.asarray(qo_indptr)), cupy.asnumpy(cupy.asarray(seq_lens))
+
+    def check_batch(self, qo_indptr: Any, block_tables: Any, seq_lens: Any) -> None:
+        """Refuse arrays other than the ones the plan was made for (another batch)."""
+        ipv, slv = self._lens_views or (None, None)
+        same_batch_array(block_tables, self.block_tables, self._bt_view, "block_tables")
+        for name, given, host, bound_view in (
+            ("qo_indptr", qo_indptr, self.qo_indptr, ipv),
+            ("seq_lens", seq_lens, self.seq_lens, slv),
+        ):
+            if bound_view is None:  # the plan holds the lengths: compare with its copy
+                same_batch_array(given, host, None, name)
+            else:  # the kernel reads the caller's device arrays: the same ones
+                same_batch_array(given, None, bound_view, name)
+
+    def _check_kernel_exists(self) -> None:
+        info = self.info
+        dtypes = (*_build.DTYPES, *_build.FP8_DTYPES)
+        if (
+            info.dtype not in dtypes
+            or info.head_dim not in _build.HEAD_DIMS
+            or (info.block_size not in _build.PREFILL_BLOCK_SIZES)
+        ):
+            raise InvalidArgumentError(
+                f"no prefill kernel for dtype {info.dtype}, head_dim {info.head_dim}, block_size "
+                f"{info.block_size} (head_dim {_build.HEAD_DIMS}, block_size a power of two <= "
+                f"{_build.PREFILL_BLOCK_SIZES[-1]})"
+            )
+
+    def _plan_work(self, num_splits: int | None) -> PrefillWork:
+        info, tuning = self.info, _tuning.current()
+        self.fp8_async = info.dtype in _build.FP8_DTYPES and tuning.fp8_prefill_async
+        wide = self._variant(_build.PREFILL_WIDE_WARPS)
+        narrow = self._variant(_build.PREFILL_NARROW_WARPS)
+        rows = tuning.prefill_rows_per_cta or choose_rows(
+            self.qo_indptr, self.group, wide.rows, narrow.rows
+        )
+        variant = wide if rows == wide.rows else narrow
+        self.variant = variant
+        return plan_work(
+            self.qo_indptr,
+            self.seq_lens,
+            self.num_q_heads,
+            info.num_kv_heads,
+            head_tile(self.group, rows),
+            rows,
+            variant.kv_tile,
+            num_sms(info.device_id) if info.cuda else 1,
+            variant.ctas_per_sm,
+            causal=self.causal,
+            num_splits=num_splits,
+        )
+
+    def _variant(self, warps: int, q_dtype: str | None = None) -> _build.PrefillVariant:
+        info = self.info
+        fp8 = info.dtype in _build.FP8_DTYPES
+        return _build.PrefillVariant(
+            info.dtype,
+            info.head_dim,
+            info.block_size,
+            warps,
+            (q_dtype or "float16") if fp8 else None,
+            self.fp8_async,
+        )
+
+    @property
+    def num_splits(self) -> int:
+        return self.work.num_splits
+
+    @property
+    def split(self) -> bool:
+        """Whether the plan cuts the keys into KV splits (merged after the launch)."""
+        return self.work.split
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.work.rows_per_cta
+
+    @property
+    def workspace_elems(self) -> int:
+        """float32 elements of workspace the plan's split needs (0 when it does not split)."""
+        return prefill_workspace_elems(self.work, self.info.head_dim)
+
+    def _plan_cuda(self, qo_indptr: Any, seq_lens: Any, workspace: Any) -> None:
+        import cupy
+
+        info, w, dev = self.info, self.work, self.info.device_id
+        if w.max_seq_len > self._width * info.block_size:
+            raise InvalidArgumentError(
+                f"a seq_len ({w.max_seq_len}) exceeds the block tables' {self._width} blocks "
+                f"of {info.block_size} tokens"
+            )
+        if w.num_splits > 65535 or w.num_items > 2**31 - 1:
+            raise InvalidArgumentError("plan too large for one launch")
+        if info.num_kv_heads * self.group > 65535:
+            raise InvalidArgumentError("too many query heads for one launch (> 65535 head tiles)")
+        if w.num_items and self._bt_view is not None and self._bt_view.ptr:
+            check_ptr(self._bt_view.ptr, "block_tables", dev)
+        if w.split or workspace is not None:
+            self._workspace = Workspace(workspace, self.workspace_elems, dev, self.stream)
+        with cupy.cuda.Device(dev), cupy_stream(self.stream):
+            # The plan's own device arrays: the work items, and the lengths when they came
+            # from the host (the kernel then reads exactly what the work was made from).
+            flat = w.work.reshape(-1) if w.num_items else np.zeros(2, np.int32)
+            self._device_work = cupy.asarray(flat)
+            if self._lens_views is None:
+                self._device_lens = (
+                    cupy.asarray(self.qo_indptr.astype(np.int32)),
+                    cupy.asarray(self.seq_lens.astype(np.int32)),
+                )
+                ip_ptr, sl_ptr = (int(a.data.ptr) for a in self._device_lens)
+            else:
+                ip_ptr, sl_ptr = (v.ptr for v in self._lens_views)
+        self._lens_ptrs = ip_ptr, sl_ptr
+        self._launches: dict[tuple, _Launch] = {}
+        self._lock = threading.Lock()
+
+    def _check_host_rows(self) -> None:
+        tables, lens = self._tables, self.seq_lens
+        nblk = -(-lens // self.info.block_size)
+        if (nblk > tables.shape[1]).any():
+            raise InvalidArgumentError("a seq_len needs more blocks than its block table row holds")
+        for i, n in enumerate(nblk):
+            row = tables[i, :n]
+            if ((row < 0) | (row >= self.info.num_blocks)).any():
+                raise InvalidArgumentError(f"block table row {i} holds an id outside the pool")
+
+    # -- running -------------------------------------------------------------------------------
+
+    def run(self, q: Any, layer: int, *, out: Any = None) -> Any:
+        """Attention of the batch's query tokens (q: [total_q, num_q_heads, head_dim], packed
+        by qo_indptr; torch or CuPy, the pool's dtype, or float16 / bfloat16 over an fp8 pool)
+        over layer `layer`. Returns `out` (written in place when given; else a new array of
+        q's kind and dtype)."""
+        layer = check_layer(layer, self.info)
+        if not self.info.cuda:
+            return self._run_host(q, layer, out)
+        info, pool = self.info, self.pool
+        if pool.num_blocks != info.num_blocks or pool.base_ptr != info.base_ptr:
+            raise InvalidArgumentError("the pool grew since the plan was made: make a new plan")
+        qv = _view(q, "q")
+        if out is None:
+            self._check_q_shape(qv.shape)
+            out = new_out(q, qv, info.device_id)
+        ov = _view(out, "out")
+        key = (qv.layout_key, ov.layout_key)
+        ln = self._launches.get(key)
+        if ln is None:
+            ln = self._launches[key] = _Launch(self, qv, ov)
+        for name, v in (("q", qv), ("out", ov)):
+            if v.ptr % 16:
+                raise InvalidArgumentError(f"{name} rows must be contiguous and 16-byte aligned")
+            if v.ptr:  # an empty array may have no memory at all
+                check_ptr(v.ptr, name, info.device_id)
+        if self.work.num_items == 0:
+            return out
+        views = [qv, ov, *(self._lens_views or ()), self._bt_view]
+        wait_producers(self.stream, info.device_id, *views)
+        with self._lock:
+            ln.launch(self, qv.ptr, ov.ptr, layer)
+        return out
+
+    def _check_q_shape(self, shape: tuple[int, ...]) -> None:
+        want = (self.total_q, self.num_q_heads, self.info.head_dim)
+        if len(shape) == 3 and tuple(shape[1:]) == want[1:] and shape[0] != self.total_q:
+            raise InvalidArgumentError(f"qo_indptr ends at {self.total_q}, q has {shape[0]} tokens")
+        if tuple(shape) != want:
+            raise InvalidArgumentError(
+                f"q must be [total_q, num_q_heads, head_dim] = {list(want)}, got {tuple(shape)}"
+            )
+
+    def _run_host(self, q: Any, layer: int, out: Any) -> Any:
+        info = self.info
+        q_np = host_array(q, "q")
+        self._check_q_shape(q_np.shape)
+        # An fp8 pool: float16 or bfloat16 queries (and outputs of the same type).
+        fp8 = self.scales is not None
+        q_dtype = fp8_query_dtype(q_np.dtype.kind, q_np.itemsize, info.dtype) if fp8 else info.dtype
+        q_bytes = 2 if fp8 else info.layout.elem_bytes
+        if not elem_ok(q_np.dtype.kind, q_np.itemsize, q_dtype, q_bytes):
+            raise InvalidArgumentError(
+                f"q has dtype {q_np.dtype}; the pool's dtype is {info.dtype}"
+            )
+        check_host_out(out, q_np.shape, q_dtype, q_bytes)
+        self._check_host_rows()  # the tables' contents may have changed since the plan
+        res = reference.paged_attention_prefill(
+            q_np,
+            self.pool.k_view(layer),
+            self.pool.v_view(layer),
+            self.qo_indptr,
+            self._tables,
+            self.seq_lens,
+            info.dtype,
+            self.scale,
+            self.causal,
+            q_dtype=q_dtype,
+            kv_scales=self.scales.layer_scales(layer) if self.scales else None,
+        )
+        return host_result(res, q_dtype, q, q_np, out)
+
+
+def prefill_workspace_elems(work: PrefillWork | PrefillPlan, head_dim: int) -> int:
+    """float32 elements of workspace a split prefill needs (0 when it does not split)."""
+    if isinstance(work, PrefillPlan):
+        work = work.work
+    if not work.split:
+        return 0
+    return work.num_splits * work.total_q * work.num_q_heads * (head_dim + 1)
+
+
+class _Launch:
+    """A plan's parameter blocks for one layout of q and out (checked once): the pointers of q,
+    out, the layer and its scales are rewritten per run."""
+
+    def __init__(self, plan: PrefillPlan, qv: ArrayView, ov: ArrayView) -> None:
+        info, w = plan.info, plan.work
+        d, hq = info.head_dim, plan.num_q_heads
+        qa, oa = _dev(qv, "q"), _dev(ov, "out")
+        plan._check_q_shape(qa.shape)
+        fp8 = info.dtype in _build.FP8_DTYPES
+        q_dtype = fp8_query_dtype(qa.kind, qa.itemsize, info.dtype) if fp8 else info.dtype
+        check_elem16(qa, "q", q_dtype)
+        if fp8:
+            check_elem16(oa, "out", q_dtype)
+        for name, a in (("q", qa), ("out", oa)):
+            if a.strides[2] != 1 or a.strides[0] % 8 or a.strides[1] % 8:
+                raise InvalidArgumentError(f"{name} rows must be contiguous and 16-byte aligned")
+        if oa.shape != qa.shape or not elem_ok(oa.kind, oa.itemsize, q_dtype, 2):
+            raise InvalidArgumentError(
+                f"out must be [{qa.shape[0]}, {hq}, {d}] holding {q_dtype}, got "
+                f"{oa.typestr} {oa.shape}"
+            )
+        st = info.strides
+        eb = 1 if fp8 else 2
+        if st["elem"] != eb or st["head"] != eb * d or st["token"] % 16 or st["block"] % 16:
+            raise InvalidArgumentError(f"layout strides {st} do not fit the prefill kernel")
+        variant = dataclasses.replace(plan.variant, q_dtype=q_dtype if fp8 else None)
+        self.variant = variant
+        self.kernel = compiled_kernel(
+            variant, variant.kernel, info.device_id, variant.dynamic_smem_bytes
+        )
+        self.merge = compiled_kernel(variant, "merge_prefill_splits", info.device_id)
+        ws = plan._workspace
+        part_o = ws.ptr if w.split and ws is not None else 0
+        part_lse = part_o + 4 * w.num_splits * w.total_q * hq * d if part_o else 0
+        ip_ptr, sl_ptr = plan._lens_ptrs
+        btv = plan._bt_view
+        assert btv is not None
+        fields = dict(
+            q=0,
+            q_tok_stride=qa.strides[0],
+            q_head_stride=qa.strides[1],
+            out=0,
+            out_tok_stride=oa.strides[0],
+            out_head_stride=oa.strides[1],
+            part_o=part_o,
+            part_lse=part_lse,
+            k_base=0,
+            v_base=0,
+            block_stride=st["block"],
+            token_stride=st["token"],
+            head_stride=st["head"],
+            num_blocks=info.num_blocks,
+            block_tables=btv.ptr,
+            bt_stride=_dev(btv, "block_tables").strides[0],
+            bt_width=plan._width,
+            seq_lens=sl_ptr,
+            qo_indptr=ip_ptr,
+            work=int(plan._device_work.data.ptr),
+            total_q=w.total_q,
+            num_q_heads=hq,
+            group=plan.group,
+            gh=w.head_tile,
+            q_tile_tokens=w.q_tile_tokens,
+            causal=int(plan.causal),
+            scale_log2=softmax_scale_log2(plan.scale, d),
+        )
+        self.fp8 = fp8
+        if fp8:
+            scales = plan.scales
+            assert scales is not None
+            fields.update(k_scale=0, v_scale=0, scale_head_stride=scales.head_stride)
+            self.args: Any = fill_args(PrefillFp8Args, **fields)
+        else:
+            self.args = fill_args(PrefillArgs, **fields)
+        self.params = param_block(self.args)
+        self.margs = fill_args(
+            PrefillMergeArgs,
+            part_o=part_o,
+            part_lse=part_lse,
+            out=0,
+            out_tok_stride=oa.strides[0],
+            out_head_stride=oa.strides[1],
+            total_q=w.total_q,
+            num_q_heads=hq,
+            num_splits=w.num_splits,
+        )
+        self.mparams = param_block(self.margs)
+
+    def launch(self, plan: PrefillPlan, q_ptr: int, out_ptr: int, layer: int) -> None:
+        info, w, v = plan.info, plan.work, self.variant
+        k_base = info.base_ptr + layer * info.strides["layer"]
+        a = self.args
+        a.q, a.out, a.k_base, a.v_base = q_ptr, out_ptr, k_base, k_base + info.strides["kv"]
+        if self.fp8:
+            a.k_scale, a.v_scale = plan.scales.ptrs(layer)  # type: ignore[union-attr]
+        heads = info.num_kv_heads * (plan.group // w.head_tile)
+        grid = (w.num_items, heads, w.num_splits)
+        launch(self.kernel, grid, v.threads, v.dynamic_smem_bytes, plan.stream, self.params)
+        if w.split:
+            self.margs.out = out_ptr
+            grid = (w.total_q, plan.num_q_heads, 1)
+            launch(self.merge, grid, info.head_dim, 0, plan.stream, self.mparams)
+
+
+def _on_device(a: Any) -> bool:
+    return hasattr(a, "__cuda_array_interface__")
 
 
 def paged_attention_prefill(
@@ -68,562 +547,64 @@ def paged_attention_prefill(
     workspace: Any = None,
     scales: KvScales | None = None,
 ) -> Any:
-    """Attention of a varlen batch of query tokens over their sequences' paged K/V in `layer`.
+    """Attention of a varlen batch of query tokens over their sequences' paged K/V in `layer`,
+    in one call: ``prefill_plan(pool, qo_indptr, block_tables, seq_lens, q.shape[1], ...)
+    .run(q, layer, out=out)`` (see prefill_plan for the arguments; a plan made here from device
+    arrays reads them back, which synchronises). Covers prefill, prefix-cached continuation,
+    chunked prefill, speculative verification and decode (qo_len 1) in one batch.
 
-    q: [total_q, num_q_heads, head_dim] in the pool's dtype (bfloat16 as a 2-byte integer
-    array), packed by qo_indptr (int32 [num_seqs + 1], starting at 0): sequence i's queries are
-    q[qo_indptr[i]:qo_indptr[i+1]], its LAST qo_len tokens, already written into the cache
-    (append_kv), so seq_lens[i] >= qo_len. With `causal` (the default) query t of sequence i sees
-    keys 0 .. seq_lens[i] - qo_len + t (the cached prefix in full, the new tokens up to itself);
-    without, all seq_lens[i] keys. Covers prefill, prefix-cached continuation, chunked prefill,
-    speculative verification and decode (qo_len 1) in one batch. block_tables int32
-    [num_seqs, max_blocks]; seq_lens int32 [num_seqs]. Returns `out` [total_q, num_q_heads,
-    head_dim], allocated when not given.
+    With `plan` (a PrefillPlan of this pool, made for these very arrays and this `causal`) the
+    call only runs it; the plan's own arguments (scale, stream, num_splits, workspace, scales)
+    are then left out.
 
-    On a CUDA pool every array is a device array and the work runs on `stream` (CuPy's current
-    stream by default); inputs whose __cuda_array_interface__ names another producer stream
-    (BlockTables.sync's arrays) are waited for on the device. The launch needs a plan made on
-    the host from qo_indptr and seq_lens: pass `plan` (prefill_plan(), e.g. once per scheduler
-    step, and before a CUDA-graph capture) or the plan is made here from a device-to-host copy
-    of both arrays, which synchronises with the device (plans are cached by their bytes).
-    num_splits forces the KV split count of a plan made here; `workspace` (float32 device array
-    of >= prefill_workspace_elems() elements) avoids an allocation when the plan splits.
-    On a host pool the arrays are NumPy and the float64 reference does the work.
-
-    An fp8 pool (float8_e4m3fn / float8_e5m2) needs `scales` (its KvScales); q and out are then
-    float16 or bfloat16 (bfloat16 as 2-byte integers), and the result is attention over the
-    dequantized cache.
+    q: [total_q, num_q_heads, head_dim] in the pool's dtype: a torch tensor (bfloat16,
+    float16), a CuPy array (a bfloat16 one as 2-byte integers), or NumPy for a host pool. The
+    result is `out` when given (written in place), else a new array of q's kind and dtype. An
+    fp8 pool (float8_e4m3fn / float8_e5m2) takes float16 or bfloat16 q and out, and `scales`
+    (its KvScales): attention over the dequantized cache.
     """
     layer = index_arg(layer, "layer")
     if not isinstance(causal, (bool, np.bool_)):
         raise InvalidArgumentError(f"causal must be a bool, got {causal!r}")
-    info = _pool_info(pool)
-    for name, a in (("block_tables", block_tables), ("seq_lens", seq_lens)):
-        if getattr(a, "pool", None) is not None:
-            _check_tables_pool(a, pool, name)
-    if not 0 <= layer < info.num_layers:
-        raise InvalidArgumentError(f"layer {layer} outside 0..{info.num_layers - 1}")
-    _check_scales(pool, info, scales, "prefill")
-    if not info.cuda:
-        return _prefill_host(
-            q, pool, layer, qo_indptr, block_tables, seq_lens, bool(causal), scale, out, scales
-        )
-    return _prefill_cuda(
-        q,
-        pool,
-        info,
-        layer,
-        qo_indptr,
-        block_tables,
-        seq_lens,
-        bool(causal),
-        scale,
-        out,
-        stream,
-        plan,
-        num_splits,
-        workspace,
-        scales,
-    )
-
-
-def prefill_workspace_elems(plan: PrefillPlan, head_dim: int) -> int:
-    """float32 elements of workspace a split plan needs (0 when it does not split)."""
-    if not plan.split:
-        return 0
-    return plan.num_splits * plan.total_q * plan.num_q_heads * (head_dim + 1)
-
-
-def prefill_plan(
-    pool: Any,
-    qo_indptr: Any,
-    seq_lens: Any,
-    num_q_heads: int,
-    *,
-    causal: bool = True,
-    num_splits: int | None = None,
-    rows_per_cta: int | None = None,
-) -> PrefillPlan:
-    """A launch plan for paged_attention_prefill from HOST copies (NumPy) of qo_indptr and
-    seq_lens: which query tiles exist, in which order, the CTA shape (64 query rows, or 16 when
-    most of 64 would be padding) and the KV split count for this pool's device. Make it once per
-    batch shape and pass it to every layer's call. num_splits and rows_per_cta (64 or 16)
-    force a choice, for tests and benchmarks."""
-    layout = pool.layout
-    num_q_heads = index_arg(num_q_heads, "num_q_heads")
-    if num_q_heads <= 0 or num_q_heads % layout.num_kv_heads:
-        raise InvalidArgumentError(
-            f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {layout.num_kv_heads}"
-        )
-    indptr, lens = host_lengths(qo_indptr, seq_lens)
-    if rows_per_cta is not None and rows_per_cta not in (
-        16 * _build.PREFILL_WIDE_WARPS,
-        16 * _build.PREFILL_NARROW_WARPS,
-    ):
-        raise InvalidArgumentError(f"rows_per_cta must be None, 64 or 16, got {rows_per_cta!r}")
-    key = (
-        indptr.tobytes(),
-        lens.tobytes(),
-        id(pool),
-        num_q_heads,
-        bool(causal),
-        None if num_splits is None else index_arg(num_splits, "num_splits"),
-        rows_per_cta,
-    )
-    return _cached_plan(
-        key, pool, indptr, lens, num_q_heads, bool(causal), num_splits, rows_per_cta
-    )
-
-
-_PLANS: collections.OrderedDict[tuple, PrefillPlan] = collections.OrderedDict()
-_MAX_PLANS = 256
-
-
-def _cached_plan(
-    key, pool, indptr, lens, num_q_heads, causal, num_splits, rows_per_cta
-) -> PrefillPlan:
-    plan = _PLANS.get(key)
+    if not 0 <= layer < pool.layout.num_layers:
+        raise InvalidArgumentError(f"layer {layer} outside 0..{pool.layout.num_layers - 1}")
     if plan is None:
-        layout = pool.layout
-        info = _pool_info(pool)
-        group = num_q_heads // layout.num_kv_heads
-        wide = _build.PrefillVariant(layout.dtype, layout.head_dim, layout.block_size)
-        narrow = _build.PrefillVariant(
-            layout.dtype, layout.head_dim, layout.block_size, _build.PREFILL_NARROW_WARPS
-        )
-        rows = rows_per_cta or choose_rows(indptr, group, wide.rows, narrow.rows)
-        variant = wide if rows == wide.rows else narrow
-        num_sms = _num_sms(info.device_id) if info.cuda else 1
-        plan = plan_prefill(
-            indptr,
-            lens,
-            num_q_heads,
-            layout.num_kv_heads,
-            head_tile(group, rows),
-            rows,
-            variant.kv_tile,
-            num_sms,
-            variant.ctas_per_sm,
-            causal=causal,
+        plan = prefill_plan(
+            pool,
+            qo_indptr,
+            block_tables,
+            seq_lens,
+            _num_q_heads(q, pool),
+            causal=bool(causal),
+            scale=scale,
+            scales=scales,
             num_splits=num_splits,
+            stream=stream,
+            workspace=workspace,
         )
-        _PLANS[key] = plan
-        while len(_PLANS) > _MAX_PLANS:
-            _PLANS.popitem(last=False)
-    _PLANS.move_to_end(key)
-    return plan
-
-
-def _check_shapes(q_shape, ip_shape, bt_shape, sl_shape, layout) -> tuple[int, int, int]:
-    if len(q_shape) != 3 or q_shape[2] != layout.head_dim:
-        raise InvalidArgumentError(
-            f"q must be [total_q, num_q_heads, {layout.head_dim}], got {tuple(q_shape)}"
-        )
-    hq = q_shape[1]
-    if hq == 0 or hq % layout.num_kv_heads:
-        raise InvalidArgumentError(
-            f"num_q_heads {hq} is not a multiple of num_kv_heads {layout.num_kv_heads}"
-        )
-    if len(sl_shape) != 1:
-        raise InvalidArgumentError(f"seq_lens must be [num_seqs], got {tuple(sl_shape)}")
-    num_seqs = sl_shape[0]
-    if tuple(ip_shape) != (num_seqs + 1,):
-        raise InvalidArgumentError(f"qo_indptr must be [{num_seqs + 1}], got {tuple(ip_shape)}")
-    if len(bt_shape) != 2 or bt_shape[0] != num_seqs:
-        raise InvalidArgumentError(f"block_tables must be [{num_seqs}, max_blocks], got {bt_shape}")
-    return num_seqs, hq, hq // layout.num_kv_heads
-
-
-def _check_table_rows(tables: np.ndarray, lens: np.ndarray, block_size: int, num_blocks: int):
-    nblk = -(-lens // block_size)
-    if (nblk > tables.shape[1]).any():
-        raise InvalidArgumentError("a seq_len needs more blocks than its block table row holds")
-    for i, n in enumerate(nblk):
-        row = tables[i, :n]
-        if ((row < 0) | (row >= num_blocks)).any():
-            raise InvalidArgumentError(f"block table row {i} holds an id outside the pool")
-
-
-def _prefill_host(
-    q, pool, layer, qo_indptr, block_tables, seq_lens, causal, scale, out, scales=None
-):
-    layout = pool.layout
-    arrays = (
-        ("q", q),
-        ("qo_indptr", qo_indptr),
-        ("block_tables", block_tables),
-        ("seq_lens", seq_lens),
-        ("out", out),
-    )
-    for name, a in arrays:
-        if hasattr(a, "__cuda_array_interface__"):
-            raise InvalidArgumentError(f"{name} is a device array but the pool is on the host")
-    q = np.asarray(q)
-    tables = np.asarray(block_tables)
-    if tables.dtype.kind not in "iu":
-        raise InvalidArgumentError(f"block_tables must be an integer array, got {tables.dtype}")
-    _check_shapes(q.shape, np.shape(qo_indptr), tables.shape, np.shape(seq_lens), layout)
-    indptr, lens = host_lengths(qo_indptr, seq_lens)
-    if indptr[-1] != q.shape[0]:
-        raise InvalidArgumentError(f"qo_indptr ends at {indptr[-1]}, q has {q.shape[0]} tokens")
-    # An fp8 pool: float16 or bfloat16 queries (and outputs of the same type).
-    q_dtype = fp8_query_dtype(q.dtype.kind, q.itemsize, layout.dtype) if scales else layout.dtype
-    q_bytes = 2 if scales else layout.elem_bytes
-    if not elem_ok(q.dtype.kind, q.itemsize, q_dtype, q_bytes):
-        raise InvalidArgumentError(f"q has dtype {q.dtype}; the pool's dtype is {layout.dtype}")
-    if out is not None and (
-        not isinstance(out, np.ndarray)
-        or out.shape != q.shape
-        or not elem_ok(out.dtype.kind, out.itemsize, q_dtype, q_bytes)
-    ):
-        raise InvalidArgumentError(
-            f"out must be a NumPy array of shape {q.shape} holding {q_dtype}"
-        )
-    _check_table_rows(tables, lens, layout.block_size, pool.num_blocks)
-    res = reference.paged_attention_prefill(
-        q,
-        pool.k_view(layer),
-        pool.v_view(layer),
-        indptr,
-        tables,
-        lens,
-        layout.dtype,
-        scale,
-        causal,
-        q_dtype=q_dtype,
-        kv_scales=scales.layer_scales(layer) if scales else None,
-    )
-    return _host_result(res, q_dtype, q, out)
-
-
-# ---------------------------------------------------------------------------------------------
-# The CUDA path: a cached part per (pool, layer, shapes, strides, dtypes, scale) with the
-# compiled function and a ctypes parameter block, and a per-call part (pointers, plan, launch).
-
-
-class _PrefillArgs(ctypes.Structure):
-    _fields_ = [
-        ("q", ctypes.c_uint64),
-        ("q_tok_stride", ctypes.c_int64),
-        ("q_head_stride", ctypes.c_int64),
-        ("out", ctypes.c_uint64),
-        ("out_tok_stride", ctypes.c_int64),
-        ("out_head_stride", ctypes.c_int64),
-        ("part_o", ctypes.c_uint64),
-        ("part_lse", ctypes.c_uint64),
-        ("k_base", ctypes.c_uint64),
-        ("v_base", ctypes.c_uint64),
-        ("block_stride", ctypes.c_int64),
-        ("token_stride", ctypes.c_int64),
-        ("head_stride", ctypes.c_int64),
-        ("num_blocks", ctypes.c_int32),
-        ("block_tables", ctypes.c_uint64),
-        ("bt_stride", ctypes.c_int64),
-        ("bt_width", ctypes.c_int32),
-        ("seq_lens", ctypes.c_uint64),
-        ("qo_indptr", ctypes.c_uint64),
-        ("work", ctypes.c_uint64),
-        ("total_q", ctypes.c_int32),
-        ("num_q_heads", ctypes.c_int32),
-        ("group", ctypes.c_int32),
-        ("gh", ctypes.c_int32),
-        ("q_tile_tokens", ctypes.c_int32),
-        ("causal", ctypes.c_int32),
-        ("scale_log2", ctypes.c_float),
-    ]
-
-
-class _PrefillFp8Args(ctypes.Structure):
-    """The prefill kernel's parameters over an fp8 cache: _PrefillArgs' and the scales."""
-
-    _fields_ = [
-        *_PrefillArgs._fields_,
-        ("k_scale", ctypes.c_uint64),
-        ("v_scale", ctypes.c_uint64),
-        ("scale_head_stride", ctypes.c_int32),
-    ]
-
-
-class _MergeArgs(ctypes.Structure):
-    _fields_ = [
-        ("part_o", ctypes.c_uint64),
-        ("part_lse", ctypes.c_uint64),
-        ("out", ctypes.c_uint64),
-        ("out_tok_stride", ctypes.c_int64),
-        ("out_head_stride", ctypes.c_int64),
-        ("total_q", ctypes.c_int32),
-        ("num_q_heads", ctypes.c_int32),
-        ("num_splits", ctypes.c_int32),
-    ]
-
-
-class _Prepared:
-    """Everything about a prefill call that does not change between calls with the same pool,
-    layer, shapes, strides, dtypes and scale."""
-
-    def __init__(
-        self, info: _PoolInfo, layer: int, qv, ipv, btv, slv, ov, scale, scales=None
-    ) -> None:
-        d = info.head_dim
-        qa, ip, bt, sl, oa = (
-            _dev(qv, "q"),
-            _dev(ipv, "qo_indptr"),
-            _dev(btv, "block_tables"),
-            _dev(slv, "seq_lens"),
-            _dev(ov, "out"),
-        )
-        num_seqs, hq, group = _check_shapes(qa.shape, ip.shape, bt.shape, sl.shape, info.layout)
-        fp8 = info.dtype in _build.FP8_DTYPES
-        q_dtype = fp8_query_dtype(qa.kind, qa.itemsize, info.dtype) if fp8 else info.dtype
-        check_elem16(qa, "q", q_dtype)
-        if fp8:
-            check_elem16(oa, "out", q_dtype)
-        check_int_array(ip, "qo_indptr", 4, 1)
-        check_int_array(bt, "block_tables", 4, 2)
-        check_int_array(sl, "seq_lens", 4, 1)
-        for name, a in (("q", qa), ("out", oa)):
-            if a.strides[2] != 1 or a.strides[0] % 8 or a.strides[1] % 8:
-                raise InvalidArgumentError(f"{name} rows must be contiguous and 16-byte aligned")
-        if oa.shape != qa.shape or not elem_ok(oa.kind, oa.itemsize, q_dtype, 2):
+    else:
+        check_plan_pool(plan, pool, PrefillPlan)
+        if plan.causal != bool(causal):
             raise InvalidArgumentError(
-                f"out must be [{qa.shape[0]}, {hq}, {d}] holding {q_dtype}, got "
-                f"{oa.typestr} {oa.shape}"
+                f"the plan was made with causal={plan.causal}, this call asks causal={causal}"
             )
-        st = info.strides
-        eb = 1 if fp8 else 2
-        if st["elem"] != eb or st["head"] != eb * d or st["token"] % 16 or st["block"] % 16:
-            raise InvalidArgumentError(f"layout strides {st} do not fit the prefill kernel")
-        if info.num_kv_heads * group > 65535:
-            raise InvalidArgumentError("too many query heads for one launch (> 65535 head tiles)")
-        self.num_seqs, self.hq, self.d, self.group = num_seqs, hq, d, group
-        self.total_q = qa.shape[0]
-        self.device_id = info.device_id
-        self.info = info
-        self.q_dtype = q_dtype if fp8 else None
-        self.fp8 = fp8
-        self._kernels: dict[int, tuple] = {}
-        k_base = info.base_ptr + layer * st["layer"]
-        self.args = (_PrefillFp8Args if fp8 else _PrefillArgs)(
-            0,
-            qa.strides[0],
-            qa.strides[1],
-            0,
-            oa.strides[0],
-            oa.strides[1],
-            0,
-            0,
-            k_base,
-            k_base + st["kv"],
-            st["block"],
-            st["token"],
-            st["head"],
-            info.num_blocks,
-            0,
-            bt.strides[0],
-            bt.shape[1],
-            0,
-            0,
-            0,
-            self.total_q,
-            hq,
-            group,
-            0,
-            0,
-            0,
-            (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E,
+        given = dict(
+            scale=scale, stream=stream, num_splits=num_splits, workspace=workspace, scales=scales
         )
-        if fp8:
-            self.args.scale_head_stride = scales.head_stride
-        self.params = param_block(self.args)
-        self.margs = _MergeArgs(0, 0, 0, oa.strides[0], oa.strides[1], self.total_q, hq, 0)
-        self.mparams = param_block(self.margs)
-        self.lock = threading.Lock()
-
-    def kernels(self, warps: int) -> tuple:
-        """(variant, prefill Kernel, merge Kernel) of the wide or narrow module."""
-        found = self._kernels.get(warps)
-        if found is None:
-            info = self.info
-            try:  # a bad KVPOOL_FP8_PREFILL_ASYNC: a KvError naming the variable
-                fp8_async = info.dtype in _build.FP8_DTYPES and _build.fp8_prefill_async()
-            except ValueError as e:
-                raise InvalidArgumentError(str(e)) from None
-            variant = _build.PrefillVariant(
-                info.dtype, self.d, info.block_size, warps, self.q_dtype, fp8_async
+        names = [name for name, value in given.items() if value is not None]
+        if names:
+            raise InvalidArgumentError(
+                f"{', '.join(names)}: the plan's own arguments; pass them when making the plan"
             )
-            mod = _build.decode_module(variant)
-            found = self._kernels[warps] = (
-                variant,
-                Kernel(mod, variant.kernel, info.device_id, variant.dynamic_smem_bytes),
-                Kernel(mod, "merge_prefill_splits", info.device_id),
-            )
-        return found
+        plan.check_batch(qo_indptr, block_tables, seq_lens)
+    return plan.run(q, layer, out=out)
 
 
-_PREPARED: dict[tuple, _Prepared] = {}
-
-
-def _check_kernel_exists(info: _PoolInfo) -> None:
-    dtypes = (*_build.DTYPES, *_build.FP8_DTYPES)
-    if (
-        info.dtype not in dtypes
-        or info.head_dim not in _build.HEAD_DIMS
-        or (info.block_size not in _build.PREFILL_BLOCK_SIZES)
-    ):
+def _num_q_heads(q: Any, pool: Any) -> int:
+    shape = tuple(getattr(q, "shape", None) or np.shape(q))
+    head_dim = pool.layout.head_dim
+    if len(shape) != 3 or shape[2] != head_dim:
         raise InvalidArgumentError(
-            f"no prefill kernel for dtype {info.dtype}, head_dim {info.head_dim}, block_size "
-            f"{info.block_size} (head_dim {_build.HEAD_DIMS}, block_size a power of two <= "
-            f"{_build.PREFILL_BLOCK_SIZES[-1]})"
+            f"q must be [total_q, num_q_heads, {head_dim}], got {tuple(shape)}"
         )
-
-
-def _host_plan(prep, ipv, slv, sp, qo_indptr, seq_lens, causal, num_splits, pool):
-    """A plan from device-to-host copies of qo_indptr and seq_lens (synchronises)."""
-    import cupy
-
-    wait_producers(sp, prep.device_id, ipv, slv)
-    with cupy.cuda.Device(prep.device_id), cupy_stream(sp):
-        indptr = cupy.asnumpy(cupy.asarray(qo_indptr))
-        lens = cupy.asnumpy(cupy.asarray(seq_lens))
-    return prefill_plan(pool, indptr, lens, prep.hq, causal=causal, num_splits=num_splits)
-
-
-def _device_work(plan: PrefillPlan, device_id: int, sp: int) -> int:
-    work = plan._device_work.get(device_id)
-    if work is None:
-        import cupy
-
-        with cupy.cuda.Device(device_id), cupy_stream(sp):
-            work = cupy.asarray(plan.work.reshape(-1) if plan.num_items else np.zeros(2, np.int32))
-        plan._device_work[device_id] = work
-    return work.data.ptr
-
-
-def _prefill_cuda(
-    q,
-    pool,
-    info,
-    layer,
-    qo_indptr,
-    block_tables,
-    seq_lens,
-    causal,
-    scale,
-    out,
-    stream,
-    plan,
-    num_splits,
-    workspace,
-    scales=None,
-):
-    _check_kernel_exists(info)
-    qv = _view(q, "q")
-    ipv = _view(qo_indptr, "qo_indptr")
-    btv = _view(block_tables, "block_tables")
-    slv = _view(seq_lens, "seq_lens")
-    if out is None:
-        import cupy
-
-        _check_shapes(qv.shape, ipv.shape, btv.shape, slv.shape, info.layout)
-        with cupy.cuda.Device(info.device_id):
-            out = cupy.empty(tuple(qv.shape), dtype=cupy.float16 if qv.is_float else cupy.uint16)
-    ov = _view(out, "out")
-    key = (
-        info.serial,
-        layer,
-        qv.layout_key,
-        ipv.layout_key,
-        btv.layout_key,
-        slv.layout_key,
-        ov.layout_key,
-        scale,
-        None if scales is None else scales.granularity,
-    )
-    prep = _PREPARED.get(key)
-    if prep is None:
-        prep = _Prepared(info, layer, qv, ipv, btv, slv, ov, scale, scales)
-        if len(_PREPARED) > 1024:
-            _PREPARED.clear()
-        _PREPARED[key] = prep
-    dev = info.device_id
-    for name, v in (
-        ("q", qv),
-        ("qo_indptr", ipv),
-        ("block_tables", btv),
-        ("seq_lens", slv),
-        ("out", ov),
-    ):
-        if name in ("q", "out") and v.ptr % 16:
-            raise InvalidArgumentError(f"{name} rows must be contiguous and 16-byte aligned")
-        if v.ptr:  # an empty array may have no memory at all
-            check_ptr(v.ptr, name, dev)
-    sp = stream_handle(stream)
-    if plan is None:
-        plan = _host_plan(prep, ipv, slv, sp, qo_indptr, seq_lens, causal, num_splits, pool)
-    elif not isinstance(plan, PrefillPlan):
-        raise InvalidArgumentError(f"plan must be a PrefillPlan, got {type(plan).__name__}")
-    _check_plan(plan, prep, info, causal, btv.shape[1])
-    if plan.num_items == 0:
-        return out
-    part_o = part_lse = 0
-    if plan.split:
-        need = prefill_workspace_elems(plan, prep.d)
-        part_o = _workspace_ptr(workspace, need, dev, sp)
-        part_lse = part_o + 4 * plan.num_splits * plan.total_q * prep.hq * prep.d
-    work = _device_work(plan, dev, sp)
-    wait_producers(sp, dev, qv, ipv, btv, slv, ov)
-    variant, kernel, merge = prep.kernels(plan.rows_per_cta // 16)
-    heads = info.num_kv_heads * (prep.group // plan.head_tile)
-    with prep.lock:
-        a = prep.args
-        a.q, a.out, a.part_o, a.part_lse = qv.ptr, ov.ptr, part_o, part_lse
-        a.block_tables, a.seq_lens, a.qo_indptr, a.work = btv.ptr, slv.ptr, ipv.ptr, work
-        a.gh, a.q_tile_tokens, a.causal = plan.head_tile, plan.q_tile_tokens, int(causal)
-        if prep.fp8:
-            a.k_scale, a.v_scale = scales.ptrs(layer)
-        launch(
-            kernel,
-            (plan.num_items, heads, plan.num_splits),
-            variant.threads,
-            variant.dynamic_smem_bytes,
-            sp,
-            prep.params,
-        )
-        if plan.split:
-            m = prep.margs
-            m.part_o, m.part_lse, m.out, m.num_splits = part_o, part_lse, ov.ptr, plan.num_splits
-            launch(merge, (plan.total_q, prep.hq, 1), prep.d, 0, sp, prep.mparams)
-    return out
-
-
-def _check_plan(
-    plan: PrefillPlan, prep: _Prepared, info: _PoolInfo, causal: bool, table_width: int
-) -> None:
-    want = (prep.num_seqs, prep.total_q, prep.hq, info.num_kv_heads, causal)
-    got = (plan.num_seqs, plan.total_q, plan.num_q_heads, plan.num_kv_heads, plan.causal)
-    if want != got:
-        raise InvalidArgumentError(
-            "the plan was made for another batch (num_seqs, total_q, num_q_heads, num_kv_heads, "
-            f"causal): {got}, this call: {want}"
-        )
-    warps = plan.rows_per_cta // 16
-    tile_ok = (
-        warps in (_build.PREFILL_WIDE_WARPS, _build.PREFILL_NARROW_WARPS)
-        and plan.rows_per_cta % 16 == 0
-        and prep.group % plan.head_tile == 0
-        and plan.q_tile_tokens == plan.rows_per_cta // plan.head_tile
-        and plan.kv_tile
-        == _build.PrefillVariant(info.dtype, prep.d, info.block_size, warps).kv_tile
-    )
-    if not tile_ok:
-        raise InvalidArgumentError(
-            f"the plan's tiles (rows {plan.rows_per_cta}, head tile {plan.head_tile}, kv tile "
-            f"{plan.kv_tile}) do not fit this pool's prefill kernel"
-        )
-    if plan.max_seq_len > table_width * info.block_size:
-        raise InvalidArgumentError(
-            f"a seq_len of the plan ({plan.max_seq_len}) exceeds the block tables' {table_width} "
-            f"blocks of {info.block_size} tokens"
-        )
-    if plan.num_splits > 65535 or plan.num_items > 2**31 - 1:
-        raise InvalidArgumentError("plan too large for one launch")
+    return int(shape[1])

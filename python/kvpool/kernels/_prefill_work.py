@@ -7,13 +7,14 @@ decreasing work (keys seen), so the longest tiles start first and the short ones
 
 When the items x heads do not fill one wave of the GPU (few queries over long contexts: a
 speculative verification, a short chunk on a long cached prefix), every tile's key range is
-also cut into `num_splits` runs of whole KV tiles, merged afterwards by log-sum-exp. The plan
-depends only on host numbers (qo_indptr, seq_lens, head counts), never on the data.
+also cut into `num_splits` runs of whole KV tiles, merged afterwards by log-sum-exp. The work
+depends only on host numbers (qo_indptr, seq_lens, head counts), never on the data;
+:class:`kvpool.kernels.PrefillPlan` holds one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,15 +22,15 @@ import numpy as np
 from kvpool._core import InvalidArgumentError
 
 MIN_SPLIT_TILES = 4  # KV tiles per split at least: shorter runs cost more in the merge
-MAX_SPLITS = 32
+# Automatic KV splits of one prefill launch at most: past this the merge's traffic outweighs
+# the fill it buys (a forced num_splits may go up to the key tiles of the longest tile).
+MAX_PREFILL_AUTO_SPLITS = 32
 
 
 @dataclass(eq=False)
-class PrefillPlan:
-    """A prefill launch plan: `work` int32 [num_items, 2] (sequence, first query token), the KV
-    split count and the tile shape it was made for. Reusable for every call with the same
-    qo_indptr and seq_lens (the kernel reads the lengths from the device arrays; the plan only
-    fixes the tiles and splits). The device copy of `work` is made on first use."""
+class PrefillWork:
+    """The work of one prefill launch: `work` int32 [num_items, 2] (sequence, first query
+    token), the KV split count and the tile shape it was made for."""
 
     work: np.ndarray
     num_splits: int
@@ -43,7 +44,6 @@ class PrefillPlan:
     rows_per_cta: int
     kv_tile: int
     causal: bool
-    _device_work: dict[int, Any] = field(default_factory=dict, repr=False)
 
     @property
     def num_items(self) -> int:
@@ -105,7 +105,7 @@ def choose_rows(qo_indptr: Any, group: int, wide: int, narrow: int) -> int:
     return wide
 
 
-def plan_prefill(
+def plan_work(
     qo_indptr: Any,
     seq_lens: Any,
     num_q_heads: int,
@@ -118,7 +118,7 @@ def plan_prefill(
     *,
     causal: bool = True,
     num_splits: int | None = None,
-) -> PrefillPlan:
+) -> PrefillWork:
     """The work items and split count for host copies of qo_indptr and seq_lens."""
     indptr, lens = host_lengths(qo_indptr, seq_lens)
     qo_lens = np.diff(indptr)
@@ -139,9 +139,9 @@ def plan_prefill(
     if num_splits is None:
         ctas = max(len(work) * heads, 1)
         num_splits = round(num_sms * ctas_per_sm / ctas)
-        num_splits = min(num_splits, max_tiles // MIN_SPLIT_TILES, MAX_SPLITS)
+        num_splits = min(num_splits, max_tiles // MIN_SPLIT_TILES, MAX_PREFILL_AUTO_SPLITS)
     num_splits = max(1, min(int(num_splits), max(max_tiles, 1)))
-    return PrefillPlan(
+    return PrefillWork(
         work=np.ascontiguousarray(work),
         num_splits=num_splits,
         num_seqs=len(lens),
