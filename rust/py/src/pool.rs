@@ -11,15 +11,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::KvResult;
-use crate::ids::{self, Fraction, Int};
+use crate::ids::{self, Fraction, Int, DETACH_MIN_BLOCKS};
 use crate::int_array::NewIdArray;
 use crate::layout::PyKvLayout;
-use crate::view::SlabView;
-
-/// Batches at least this large run with the GIL released. Below it, the release and
-/// re-acquire (~0.1 us) would cost more than the allocation itself, and the ids of one call
-/// sit on the stack.
-pub const DETACH_MIN_BLOCKS: usize = 64;
 
 /// A pool of fixed-size KV blocks carved from one slab of host or CUDA memory.
 #[pyclass(module = "kvpool._core", name = "Pool", frozen)]
@@ -92,21 +86,6 @@ fn pool_maker(
     }
     let size = pool_size(num_blocks, memory_bytes, gpu_memory_utilization)?;
     Ok(Box::new(move || Pool::new(layout, size, device)))
-}
-
-impl PyPool {
-    fn view(slf: &Bound<'_, Self>, layer: usize, part: KvPart) -> PyResult<Py<PyAny>> {
-        let py = slf.py();
-        let pool = &slf.get().inner;
-        pool.layout().part_offset_bytes(layer, part).map_err(crate::errors::PyKvError)?;
-        let view = Py::new(py, SlabView::new(slf.clone().unbind(), layer, part))?;
-        if pool.device() == Device::Host {
-            // A NumPy array whose base is the view, which holds the pool alive.
-            Ok(py.import("numpy")?.call_method1("asarray", (view,))?.unbind())
-        } else {
-            Ok(view.into_any())
-        }
-    }
 }
 
 #[pymethods]
@@ -374,7 +353,7 @@ impl PyPool {
     /// Prefix-cache counters (queries and hits in tokens, as vLLM counts them) and gauges.
     /// A failure to build the dict (a MemoryError) is raised as it is.
     fn prefix_cache_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.prefix_cache().map(|c| c.stats()).unwrap_or_default();
+        let s = self.inner.prefix_cache_stats().unwrap_or_default();
         crate::prefix::stats_dict(py, &s)
     }
 

@@ -128,10 +128,15 @@ impl Pool {
             return Ok(());
         }
         let chunks = (target * self.layout.block_bytes()).div_ceil(guard.chunk_bytes());
+        // The cache's metadata covers the new ids before they exist (first: a failure then
+        // leaves nothing to undo; metadata for ids that did not come is merely unused).
+        if let Some(cache) = &self.prefix_cache {
+            cache.grow_to(self.blocks_in(chunks * guard.chunk_bytes()))?;
+        }
         guard.map_to(chunks)?;
+        let new_num_blocks = self.blocks_in(guard.mapped_bytes());
         // The new ids and the free ones together, sorted, so the lowest come out first and a
         // growth does not push old low ids under new high ones.
-        let new_num_blocks = self.blocks_in(guard.mapped_bytes());
         let mut free_ids = self.allocator.drain_free();
         free_ids.extend(old as u32..new_num_blocks as u32);
         self.allocator.set_num_blocks(new_num_blocks, free_ids);

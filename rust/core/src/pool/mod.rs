@@ -10,6 +10,8 @@
 //! - `views.rs`: the extents live views pin, which a shrink must keep mapped.
 //! - `prefix.rs`: the evictable set of prefix caching beside the free list: cached
 //!   blocks nobody references, reused by a hit or evicted when the free list runs short.
+//! - `spill.rs`: the prefix cache's optional second tier in host memory, which the pool
+//!   owns beside the cache and hands to the cache calls that evict or hit.
 //! - `device.rs`: the CUDA context and the pool's stream (CUDA pools only).
 //!
 //! The allocator is private to the crate: every block operation goes through the pool, so no
@@ -20,6 +22,7 @@ mod device;
 mod growth;
 mod owner;
 mod prefix;
+mod spill;
 mod views;
 
 #[cfg(feature = "cuda")]
@@ -30,6 +33,7 @@ use std::sync::{Mutex, Weak};
 
 pub(crate) use owner::Owner;
 use owner::Owners;
+pub(crate) use spill::SpillTier;
 
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
@@ -90,6 +94,8 @@ pub struct Pool {
     view_extents: Mutex<BTreeMap<usize, usize>>,
     /// `None` unless the pool was made [`with_prefix_caching`](Pool::with_prefix_caching).
     pub(crate) prefix_cache: Option<PrefixCache>,
+    /// The prefix cache's second tier, if it has one (`with_prefix_host_tier`).
+    spill: Option<SpillTier>,
 }
 
 #[cfg(feature = "cuda")]
@@ -155,17 +161,7 @@ impl Pool {
         let slab_bytes = num_blocks.checked_mul(layout.block_bytes()).ok_or_else(|| {
             CoreError::InvalidArgument(format!("{num_blocks} blocks overflow the address space"))
         })?;
-        let slab: Box<dyn Slab> = match pinned_for {
-            None => slab::allocate(Device::Host, slab_bytes)?,
-            #[cfg(feature = "cuda")]
-            Some(ordinal) => Box::new(slab::pinned::PinnedSlab::new(ordinal, slab_bytes)?),
-            #[cfg(not(feature = "cuda"))]
-            Some(_) => {
-                return Err(CoreError::CudaUnavailable(
-                    "kvpool was built without the cuda feature".into(),
-                ))
-            }
-        };
+        let slab = slab::allocate_host_tier(slab_bytes, pinned_for)?;
         let allocator = BlockAllocator::new(num_blocks)?;
         Self::assemble(layout, allocator, Backing::Fixed(slab), Default::default())
     }
@@ -189,6 +185,7 @@ impl Pool {
             ref_holders: Mutex::new(Vec::new()),
             view_extents: Mutex::new(BTreeMap::new()),
             prefix_cache: None,
+            spill: None,
         })
     }
 
