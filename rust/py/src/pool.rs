@@ -21,13 +21,26 @@ pub struct PyPool {
     pub inner: Arc<Pool>,
 }
 
+/// A count of blocks: one past 64 bits is named against `MAX_NUM_BLOCKS`, the limit every
+/// block count has (smaller ones the core checks and names alike).
+fn block_count(value: Int, what: &str) -> Result<usize, CoreError> {
+    if value.too_large().is_some() {
+        return Err(CoreError::InvalidArgument(format!(
+            "{what} {} is past MAX_NUM_BLOCKS ({}), the most blocks a pool holds",
+            value.shown(),
+            kvpool_core::MAX_NUM_BLOCKS
+        )));
+    }
+    ids::count(value, what)
+}
+
 fn pool_size(
     num_blocks: Option<Int>,
     memory_bytes: Option<Int>,
     gpu_memory_utilization: Option<Fraction>,
 ) -> Result<PoolSize, CoreError> {
     match (num_blocks, memory_bytes, gpu_memory_utilization) {
-        (Some(n), None, None) => Ok(PoolSize::NumBlocks(ids::count(n, "num_blocks")?)),
+        (Some(n), None, None) => Ok(PoolSize::NumBlocks(block_count(n, "num_blocks")?)),
         (None, Some(b), None) => Ok(PoolSize::MemoryBytes(ids::count(b, "memory_bytes")?)),
         (None, None, Some(Fraction(f))) => Ok(PoolSize::DeviceMemoryFraction(f)),
         _ => Err(CoreError::InvalidArgument(
@@ -51,8 +64,8 @@ fn growable_size(
     let max_num_blocks = max_num_blocks
         .ok_or_else(|| CoreError::InvalidArgument("growable=True needs max_num_blocks".into()))?;
     Ok(GrowableSize {
-        max_num_blocks: ids::count(max_num_blocks, "max_num_blocks")?,
-        initial_num_blocks: ids::count(
+        max_num_blocks: block_count(max_num_blocks, "max_num_blocks")?,
+        initial_num_blocks: block_count(
             initial_num_blocks.unwrap_or(Int::new(0)),
             "initial_num_blocks",
         )?,
@@ -122,7 +135,7 @@ impl PyPool {
     ) -> KvResult<Self> {
         let device = Device::parse(device)?;
         let host_blocks = prefix_cache_host_blocks
-            .map(|n| ids::count(n, "prefix_cache_host_blocks"))
+            .map(|n| block_count(n, "prefix_cache_host_blocks"))
             .transpose()?;
         if host_blocks.is_some() && !enable_prefix_caching {
             return Err(CoreError::InvalidArgument(

@@ -125,7 +125,7 @@ impl Pool {
         let spill = self.spill_target();
         match cache.alloc_evicting(&self.allocator, spill, out) {
             Err(CoreError::OutOfBlocks { requested, free, .. }) if self.is_growable() => {
-                self.grow(self.num_blocks() + (requested - free))?;
+                self.grow_for(requested, free)?;
                 cache.alloc_evicting(&self.allocator, spill, out)
             }
             result => result,
@@ -153,7 +153,7 @@ impl Pool {
         let alloc = match cache.alloc_with_prefix(refs, spill, hashes, total_blocks, query_tokens) {
             // Short even counting the evictable blocks: grow as `alloc_evicting` does.
             Err(CoreError::OutOfBlocks { requested, free, .. }) if self.is_growable() => {
-                self.grow(self.num_blocks() + (requested - free))?;
+                self.grow_for(requested, free)?;
                 cache.alloc_with_prefix(refs, spill, hashes, total_blocks, query_tokens)?
             }
             result => result?,

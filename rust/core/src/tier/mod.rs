@@ -467,9 +467,18 @@ impl HostTier {
 
 impl Drop for HostTier {
     /// In-flight copies read or write both pools: wait for them, then give back every block
-    /// (a pending device block to the device pool, which outlives the tier).
+    /// (a pending device block to the device pool, which outlives the tier). The requests
+    /// still swapped out are dropped as [`free`](HostTier::free) drops one: their KV goes
+    /// with the tier's memory and their ids are free in the block tables again, so a new
+    /// request may take them (a drop cannot be refused, and no other tier could take them
+    /// back).
     fn drop(&mut self) {
         let _ = self.wait();
+        let mut ts = lock(&self.state);
+        for (request_id, swapped) in ts.swapped.drain() {
+            self.tables.forget_swapped(request_id);
+            drop_refs(&self.host_pool, &swapped.blocks);
+        }
     }
 }
 
