@@ -16,6 +16,10 @@ use crate::int_array::NewIdArray;
 use crate::layout::PyKvLayout;
 
 /// A pool of fixed-size KV blocks carved from one slab of host or CUDA memory.
+///
+/// A growable pool (`growable=True`) reserves `max_num_blocks` (at most `MAX_NUM_BLOCKS`)
+/// and maps chunks of `chunk_bytes` as it needs them: at least 1, rounded up to the page size
+/// (host) or the driver's granularity (CUDA), capped at `max_num_blocks * block_bytes`.
 #[pyclass(module = "kvpool._core", name = "Pool", frozen)]
 pub struct PyPool {
     pub inner: Arc<Pool>,
