@@ -265,15 +265,19 @@ impl World {
             Op::Fork(parent, child) => expect(self.tables.fork(*parent, *child), request_errors),
             Op::FreeRequest(r) => expect(self.tables.free(*r), request_errors),
             Op::SwapOut(rids) => match &self.tier {
-                // SAFETY: no stream: a host pool.
                 Some(tier) => {
-                    expect(unsafe { tier.swap_out(rids, None) }.map(drop), request_errors)
+                    // SAFETY: no stream is given (a host pool has none).
+                    let swapped = unsafe { tier.swap_out(rids, None) };
+                    expect(swapped.map(drop), request_errors)
                 }
                 None => Ok(()),
             },
             Op::SwapIn(rids) => match &self.tier {
-                // SAFETY: no stream: a host pool.
-                Some(tier) => expect(unsafe { tier.swap_in(rids, None) }.map(drop), request_errors),
+                Some(tier) => {
+                    // SAFETY: no stream is given (a host pool has none).
+                    let swapped = unsafe { tier.swap_in(rids, None) };
+                    expect(swapped.map(drop), request_errors)
+                }
                 None => Ok(()),
             },
             Op::TierFree(r) => match &self.tier {
