@@ -24,8 +24,8 @@ pub(crate) struct SpillTier {
     slab: Box<dyn Slab>,
     blocks: BlockAllocator,
     engine: Engine,
-    /// The pool's slab base and compute stream (0 on the host); a prefix-caching pool is
-    /// fixed, so neither moves.
+    /// The pool's slab base and compute stream (0 on the host); neither moves (a growable
+    /// pool maps its chunks in place).
     device_base: u64,
     compute_stream: u64,
     block_bytes: usize,
@@ -99,8 +99,8 @@ impl SpillTier {
     /// One batch of copies, ordered after the pool stream's work and before what it queues
     /// next (CUDA), complete on return (host).
     fn copy(&self, runs: &[Run], ends: Endpoints) -> Result<(), CoreError> {
-        // SAFETY: every run names blocks inside the two fixed slabs (ids below their block
-        // counts); the source blocks stay as they are until the copy is done because every
+        // SAFETY: every run names blocks inside the two slabs (ids below their block counts,
+        // so mapped); the source blocks stay as they are until the copy is done because every
         // later use of them is queued on the same pool stream after `order_before`, and the
         // destination blocks belong to this call (freshly allocated or just evicted).
         let done = unsafe { self.engine.copy(runs, ends, self.compute_stream) }?;
