@@ -17,11 +17,18 @@
 //!   design in `tables/upload.md`).
 //! - [`tier`]: a host tier (a second pool in host memory) and whole requests swapped between
 //!   it and the device (design in `tier/tier.md`).
+//! - [`block_copy`]: block copies between two slabs (the plan of runs; memcpy or a CUDA copy
+//!   stream), for the host tier and the prefix cache's host tier (`pool/spill.rs`).
+//!
+//! The modules form a graph without cycles (`tests/module_graph.rs` checks it): `pool`
+//! depends on the allocator, the slabs, `prefix_cache` and `block_copy`; `tables` on `pool`;
+//! `tier` on `tables`; `prefix_cache` and `block_copy` on no pool, table or tier.
 //! - `driver` (feature `cuda`): probing the CUDA driver, and owning wrappers of its objects.
 //!
 //! Every fallible call returns [`CoreError`] and changes nothing when it fails.
 
 mod allocator;
+pub mod block_copy;
 #[cfg(feature = "cuda")]
 pub mod driver;
 pub mod error;

@@ -1,5 +1,6 @@
-//! Per-block bookkeeping arrays (reference counts, free-list links, owner tags) sized by the
-//! pool's capacity, allocated so that they cost memory only where they are used.
+//! Per-block bookkeeping arrays (reference counts, free-list links, owner tags, the prefix
+//! cache's flags) sized by the pool's capacity, allocated so that they cost memory only where
+//! they are used; and [`try_grow`] for the arrays that grow with the mapped blocks instead.
 //!
 //! `alloc_zeroed` with the type's natural alignment is served by `calloc`, which for a large
 //! request maps fresh pages that read as zero and are committed by the OS only when first
@@ -24,6 +25,8 @@ unsafe impl ZeroIsValid for std::sync::atomic::AtomicU32 {}
 unsafe impl ZeroIsValid for std::sync::atomic::AtomicU8 {}
 // SAFETY: as above.
 unsafe impl ZeroIsValid for std::sync::atomic::AtomicU64 {}
+// SAFETY: `AtomicBool` has the layout of `bool`, and the zero byte is `false`.
+unsafe impl ZeroIsValid for std::sync::atomic::AtomicBool {}
 
 /// `len` zeroes, lazily committed; `OutOfMemory` if the address space cannot be had.
 pub(crate) fn zeroed_slice<T: ZeroIsValid>(len: usize) -> Result<Box<[T]>, CoreError> {
@@ -65,6 +68,28 @@ pub(crate) fn zeroed_atomic_u64s(len: usize) -> Result<Box<[crate::sync::AtomicU
 #[cfg(loom)]
 pub(crate) fn zeroed_atomic_u64s(len: usize) -> Result<Box<[crate::sync::AtomicU64]>, CoreError> {
     atomics_one_by_one(len, || crate::sync::AtomicU64::new(0))
+}
+
+/// `len` atomic `false`s of the crate's sync facade, as [`zeroed_atomic_u32s`].
+#[cfg(not(loom))]
+pub(crate) fn zeroed_atomic_bools(len: usize) -> Result<Box<[crate::sync::AtomicBool]>, CoreError> {
+    zeroed_slice(len)
+}
+#[cfg(loom)]
+pub(crate) fn zeroed_atomic_bools(len: usize) -> Result<Box<[crate::sync::AtomicBool]>, CoreError> {
+    atomics_one_by_one(len, || crate::sync::AtomicBool::new(false))
+}
+
+/// Grows `v` to `len` copies of `value` if shorter; `OutOfMemory`, with `v` unchanged, if
+/// the memory cannot be had. For bookkeeping that grows with a pool's mapped blocks.
+pub(crate) fn try_grow<T: Clone>(v: &mut Vec<T>, len: usize, value: T) -> Result<(), CoreError> {
+    let extra = len.saturating_sub(v.len());
+    v.try_reserve(extra).map_err(|_| CoreError::OutOfMemory {
+        requested_bytes: extra.saturating_mul(std::mem::size_of::<T>()),
+        device: "host".into(),
+    })?;
+    v.resize(len.max(v.len()), value);
+    Ok(())
 }
 
 /// Under loom: `len` atomics made by `zero`, with the allocation failure reported.

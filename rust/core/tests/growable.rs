@@ -674,7 +674,7 @@ fn the_maximum_is_cannot_grow_with_its_reason() {
     let ids = p.alloc_many(5).unwrap();
     let err = p.alloc().unwrap_err();
     assert!(
-        matches!(&err, CoreError::CannotGrow { requested: 1, free: 0, num_blocks: 5, max_num_blocks: 5, reason } if reason == "max_num_blocks is reached"),
+        matches!(&err, CoreError::CannotGrow { requested: 1, free: 0, num_blocks: 5, max_num_blocks: 5, reason } if reason == "1 more blocks are needed, max_num_blocks leaves room for 0 more (5 mapped)"),
         "{err:?}"
     );
     p.free_many(&ids).unwrap();

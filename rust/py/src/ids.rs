@@ -54,9 +54,14 @@ pub fn block_id(value: &Bound<'_, PyAny>, num_blocks: usize) -> Result<u32, Core
     }
 }
 
+/// Batches at least this large run with the GIL released. Below it, the release and
+/// re-acquire (~0.1 us) would cost more than the allocation itself, and the ids of one call
+/// sit on the stack ([`BlockIds`]).
+pub const DETACH_MIN_BLOCKS: usize = 64;
+
 /// Block ids of one call: up to `DETACH_MIN_BLOCKS` on the stack, so a scheduler's
 /// per-step batch costs no heap allocation.
-pub type BlockIds = SmallVec<[u32; crate::pool::DETACH_MIN_BLOCKS]>;
+pub type BlockIds = SmallVec<[u32; DETACH_MIN_BLOCKS]>;
 
 /// A sequence of block ids, into `ids` (empty): a 1-D int32/int64 NumPy array (fast path,
 /// read in place) or any iterable of ints. An exception the caller's iterable raises

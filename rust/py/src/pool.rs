@@ -11,20 +11,31 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::KvResult;
-use crate::ids::{self, Fraction, Int};
+use crate::ids::{self, Fraction, Int, DETACH_MIN_BLOCKS};
 use crate::int_array::NewIdArray;
 use crate::layout::PyKvLayout;
-use crate::view::SlabView;
-
-/// Batches at least this large run with the GIL released. Below it, the release and
-/// re-acquire (~0.1 us) would cost more than the allocation itself, and the ids of one call
-/// sit on the stack.
-pub const DETACH_MIN_BLOCKS: usize = 64;
 
 /// A pool of fixed-size KV blocks carved from one slab of host or CUDA memory.
+///
+/// A growable pool (`growable=True`) reserves `max_num_blocks` (at most `MAX_NUM_BLOCKS`)
+/// and maps chunks of `chunk_bytes` as it needs them: at least 1, rounded up to the page size
+/// (host) or the driver's granularity (CUDA), capped at `max_num_blocks * block_bytes`.
 #[pyclass(module = "kvpool._core", name = "Pool", frozen)]
 pub struct PyPool {
     pub inner: Arc<Pool>,
+}
+
+/// A count of blocks: one past 64 bits is named against `MAX_NUM_BLOCKS`, the limit every
+/// block count has (smaller ones the core checks and names alike).
+fn block_count(value: Int, what: &str) -> Result<usize, CoreError> {
+    if value.too_large().is_some() {
+        return Err(CoreError::InvalidArgument(format!(
+            "{what} {} is past MAX_NUM_BLOCKS ({}), the most blocks a pool holds",
+            value.shown(),
+            kvpool_core::MAX_NUM_BLOCKS
+        )));
+    }
+    ids::count(value, what)
 }
 
 fn pool_size(
@@ -33,7 +44,7 @@ fn pool_size(
     gpu_memory_utilization: Option<Fraction>,
 ) -> Result<PoolSize, CoreError> {
     match (num_blocks, memory_bytes, gpu_memory_utilization) {
-        (Some(n), None, None) => Ok(PoolSize::NumBlocks(ids::count(n, "num_blocks")?)),
+        (Some(n), None, None) => Ok(PoolSize::NumBlocks(block_count(n, "num_blocks")?)),
         (None, Some(b), None) => Ok(PoolSize::MemoryBytes(ids::count(b, "memory_bytes")?)),
         (None, None, Some(Fraction(f))) => Ok(PoolSize::DeviceMemoryFraction(f)),
         _ => Err(CoreError::InvalidArgument(
@@ -57,8 +68,8 @@ fn growable_size(
     let max_num_blocks = max_num_blocks
         .ok_or_else(|| CoreError::InvalidArgument("growable=True needs max_num_blocks".into()))?;
     Ok(GrowableSize {
-        max_num_blocks: ids::count(max_num_blocks, "max_num_blocks")?,
-        initial_num_blocks: ids::count(
+        max_num_blocks: block_count(max_num_blocks, "max_num_blocks")?,
+        initial_num_blocks: block_count(
             initial_num_blocks.unwrap_or(Int::new(0)),
             "initial_num_blocks",
         )?,
@@ -92,21 +103,6 @@ fn pool_maker(
     }
     let size = pool_size(num_blocks, memory_bytes, gpu_memory_utilization)?;
     Ok(Box::new(move || Pool::new(layout, size, device)))
-}
-
-impl PyPool {
-    fn view(slf: &Bound<'_, Self>, layer: usize, part: KvPart) -> PyResult<Py<PyAny>> {
-        let py = slf.py();
-        let pool = &slf.get().inner;
-        pool.layout().part_offset_bytes(layer, part).map_err(crate::errors::PyKvError)?;
-        let view = Py::new(py, SlabView::new(slf.clone().unbind(), layer, part))?;
-        if pool.device() == Device::Host {
-            // A NumPy array whose base is the view, which holds the pool alive.
-            Ok(py.import("numpy")?.call_method1("asarray", (view,))?.unbind())
-        } else {
-            Ok(view.into_any())
-        }
-    }
 }
 
 #[pymethods]
@@ -143,7 +139,7 @@ impl PyPool {
     ) -> KvResult<Self> {
         let device = Device::parse(device)?;
         let host_blocks = prefix_cache_host_blocks
-            .map(|n| ids::count(n, "prefix_cache_host_blocks"))
+            .map(|n| block_count(n, "prefix_cache_host_blocks"))
             .transpose()?;
         if host_blocks.is_some() && !enable_prefix_caching {
             return Err(CoreError::InvalidArgument(
@@ -374,7 +370,7 @@ impl PyPool {
     /// Prefix-cache counters (queries and hits in tokens, as vLLM counts them) and gauges.
     /// A failure to build the dict (a MemoryError) is raised as it is.
     fn prefix_cache_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.prefix_cache().map(|c| c.stats()).unwrap_or_default();
+        let s = self.inner.prefix_cache_stats().unwrap_or_default();
         crate::prefix::stats_dict(py, &s)
     }
 

@@ -323,8 +323,10 @@ impl PyBlockTables {
         self.inner.max_blocks_per_seq()
     }
 
-    /// Checks the tables' own invariants and the pool's (references held <= ref counts),
-    /// with the tables locked for the whole check.
+    /// Checks the tables' own invariants and their blocks' (references held <= ref counts,
+    /// tagged as the tables'), with the tables locked for the whole check: exact while other
+    /// threads use the pool. The pool's counts are `Pool.check_invariants()`'s, which needs
+    /// the pool quiet.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| self.inner.check_invariants())
             .map_err(|m| crate::errors::KvError::new_err(format!("invariant violated: {m}")))

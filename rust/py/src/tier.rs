@@ -14,6 +14,10 @@ use crate::tables::{request_id, request_ids, PyBlockTables};
 
 /// A host tier for the requests of a `BlockTables`: a pool of host memory (pinned for a CUDA
 /// pool) with the same layout, and swaps of whole requests between the tiers.
+///
+/// Dropping the tier drops the requests it holds, as `free` does: their KV goes with the
+/// tier's memory and their ids are free in the tables again. The tier's `pool` is for reading
+/// (counts, views): its blocks are taken only by swaps, and its `alloc`/`alloc_many` refuse.
 #[pyclass(module = "kvpool._core", name = "HostTier", frozen)]
 pub struct PyHostTier {
     inner: HostTier,
@@ -145,7 +149,8 @@ impl PyHostTier {
     fn num_pending(&self) -> (usize, usize) {
         self.inner.num_pending()
     }
-    /// The host pool (its views are NumPy arrays over the tier's memory).
+    /// The host pool, for reading: counts and views (NumPy arrays over the tier's memory).
+    /// Its blocks are the tier's: allocating from it raises `InvalidArgumentError`.
     #[getter]
     fn pool(&self, py: Python<'_>) -> Py<PyPool> {
         self.pool.clone_ref(py)

@@ -149,3 +149,21 @@ impl SlabView {
         self.pool.clone_ref(py)
     }
 }
+
+impl PyPool {
+    /// The view of one layer's K or V (`Pool.k_view` / `v_view`): a NumPy array over a host
+    /// pool, the view itself (`__cuda_array_interface__`) over a CUDA pool. Here, beside the
+    /// view, so that the pool's module does not depend on this one.
+    pub(crate) fn view(slf: &Bound<'_, Self>, layer: usize, part: KvPart) -> PyResult<Py<PyAny>> {
+        let py = slf.py();
+        let pool = &slf.get().inner;
+        pool.layout().part_offset_bytes(layer, part).map_err(crate::errors::PyKvError)?;
+        let view = Py::new(py, SlabView::new(slf.clone().unbind(), layer, part))?;
+        if pool.device() == Device::Host {
+            // A NumPy array whose base is the view, which holds the pool alive.
+            Ok(py.import("numpy")?.call_method1("asarray", (view,))?.unbind())
+        } else {
+            Ok(view.into_any())
+        }
+    }
+}

@@ -31,7 +31,7 @@ impl Pool {
             // A pool already there fails fast (re-checked here, under the lock).
             let target = self.num_blocks() + shortfall;
             let grown = if target > self.max_num_blocks() {
-                Err(GrowError::MaxReached)
+                Err(GrowError::MaxReached { shortfall })
             } else {
                 self.grow_locked(guard, target).map_err(GrowError::Core)
             };
@@ -45,8 +45,8 @@ impl Pool {
                 }
                 // Only a refusal is "cannot grow"; an OS or driver failure is what it is.
                 return Err(match e {
-                    GrowError::MaxReached => {
-                        self.out_of_blocks(out.len(), "max_num_blocks is reached")
+                    GrowError::MaxReached { shortfall } => {
+                        self.out_of_blocks(out.len(), &self.past_max(shortfall))
                     }
                     GrowError::Core(e @ CoreError::OutOfMemory { .. }) => {
                         self.out_of_blocks(out.len(), &refusal(e))
@@ -99,18 +99,45 @@ impl Pool {
         self.shrink_locked(&mut guard, 0)
     }
 
-    /// `CannotGrow` for a request of `requested` blocks, with the counts as they are now.
+    /// Grows a growable pool for a request of `requested` blocks of which `available` can be
+    /// had without growing (free, and evictable with prefix caching), by the shortfall. A
+    /// refusal names the request and what was available, not the shortfall.
+    pub(super) fn grow_for(&self, requested: usize, available: usize) -> Result<(), CoreError> {
+        let shortfall = requested.saturating_sub(available);
+        let refused = |reason: &str| self.cannot_grow(requested, available, reason);
+        if self.num_blocks() + shortfall > self.max_num_blocks() {
+            return Err(refused(&self.past_max(shortfall)));
+        }
+        match self.grow(self.num_blocks() + shortfall) {
+            Ok(_) => Ok(()),
+            Err(CoreError::CannotGrow { reason, .. }) => Err(refused(&reason)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Why growing by `shortfall` blocks is refused by the pool's own limit.
+    fn past_max(&self, shortfall: usize) -> String {
+        format!(
+            "{shortfall} more blocks are needed, max_num_blocks leaves room for {} more ({} mapped)",
+            self.max_num_blocks() - self.num_blocks(),
+            self.num_blocks()
+        )
+    }
+
+    /// `CannotGrow` (`OutOfBlocks` for a fixed pool) for a request of `requested` blocks,
+    /// with the counts as they are now.
     pub(super) fn out_of_blocks(&self, requested: usize, reason: &str) -> CoreError {
+        self.cannot_grow(requested, self.num_free(), reason)
+    }
+
+    /// As [`out_of_blocks`](Self::out_of_blocks), with `free` blocks available.
+    fn cannot_grow(&self, requested: usize, free: usize, reason: &str) -> CoreError {
         if !self.is_growable() {
-            return CoreError::OutOfBlocks {
-                requested,
-                free: self.num_free(),
-                num_blocks: self.num_blocks(),
-            };
+            return CoreError::OutOfBlocks { requested, free, num_blocks: self.num_blocks() };
         }
         CoreError::CannotGrow {
             requested,
-            free: self.num_free(),
+            free,
             num_blocks: self.num_blocks(),
             max_num_blocks: self.max_num_blocks(),
             reason: reason.to_string(),
@@ -128,10 +155,15 @@ impl Pool {
             return Ok(());
         }
         let chunks = (target * self.layout.block_bytes()).div_ceil(guard.chunk_bytes());
+        // The cache's metadata covers the new ids before they exist (first: a failure then
+        // leaves nothing to undo; metadata for ids that did not come is merely unused).
+        if let Some(cache) = &self.prefix_cache {
+            cache.grow_to(self.blocks_in(chunks * guard.chunk_bytes()))?;
+        }
         guard.map_to(chunks)?;
+        let new_num_blocks = self.blocks_in(guard.mapped_bytes());
         // The new ids and the free ones together, sorted, so the lowest come out first and a
         // growth does not push old low ids under new high ones.
-        let new_num_blocks = self.blocks_in(guard.mapped_bytes());
         let mut free_ids = self.allocator.drain_free();
         free_ids.extend(old as u32..new_num_blocks as u32);
         self.allocator.set_num_blocks(new_num_blocks, free_ids);
@@ -237,8 +269,9 @@ impl Pool {
 
 /// Why the allocation slow path could not grow the pool.
 enum GrowError {
-    /// `max_num_blocks` would be exceeded: the pool cannot grow, by its own limit.
-    MaxReached,
+    /// `max_num_blocks` would be exceeded by growing `shortfall` blocks: the pool cannot
+    /// grow, by its own limit.
+    MaxReached { shortfall: usize },
     /// The slab's backend failed: a refusal of memory (`OutOfMemory`) or anything else.
     Core(CoreError),
 }
@@ -247,7 +280,7 @@ enum GrowError {
 fn refusal(e: CoreError) -> String {
     match e {
         CoreError::OutOfMemory { requested_bytes, device } => {
-            format!("{device} refused a chunk of {requested_bytes} bytes (out of memory)")
+            format!("{device} refused {requested_bytes} bytes (out of memory)")
         }
         e => e.to_string(),
     }

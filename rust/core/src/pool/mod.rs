@@ -10,6 +10,8 @@
 //! - `views.rs`: the extents live views pin, which a shrink must keep mapped.
 //! - `prefix.rs`: the evictable set of prefix caching beside the free list: cached
 //!   blocks nobody references, reused by a hit or evicted when the free list runs short.
+//! - `spill.rs`: the prefix cache's optional second tier in host memory, which the pool
+//!   owns beside the cache and hands to the cache calls that evict or hit.
 //! - `device.rs`: the CUDA context and the pool's stream (CUDA pools only).
 //!
 //! The allocator is private to the crate: every block operation goes through the pool, so no
@@ -20,6 +22,7 @@ mod device;
 mod growth;
 mod owner;
 mod prefix;
+mod spill;
 mod views;
 
 #[cfg(feature = "cuda")]
@@ -30,6 +33,7 @@ use std::sync::{Mutex, Weak};
 
 pub(crate) use owner::Owner;
 use owner::Owners;
+pub(crate) use spill::SpillTier;
 
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
@@ -55,7 +59,10 @@ pub struct GrowableSize {
     pub max_num_blocks: usize,
     /// Blocks mapped at creation (rounded up to whole chunks, so there may be more).
     pub initial_num_blocks: usize,
-    /// Bytes per chunk; `None`: 2 MiB on the host, the driver's granularity on CUDA.
+    /// Bytes per chunk, at least 1: rounded up to the page size (host) or the driver's
+    /// granularity (CUDA), and capped at the reservation (`max_num_blocks * block_bytes`,
+    /// rounded up alike). `None`: 2 MiB on the host, `DEFAULT_CUDA_CHUNK_BYTES` (or the whole
+    /// reservation if smaller) on CUDA.
     pub chunk_bytes: Option<usize>,
 }
 
@@ -90,6 +97,11 @@ pub struct Pool {
     view_extents: Mutex<BTreeMap<usize, usize>>,
     /// `None` unless the pool was made [`with_prefix_caching`](Pool::with_prefix_caching).
     pub(crate) prefix_cache: Option<PrefixCache>,
+    /// The prefix cache's second tier, if it has one (`with_prefix_host_tier`).
+    spill: Option<SpillTier>,
+    /// A host tier's pool (`new_host_tier`): its blocks are taken only by swaps, so the plain
+    /// block API refuses to allocate from it.
+    host_tier: bool,
 }
 
 #[cfg(feature = "cuda")]
@@ -155,19 +167,11 @@ impl Pool {
         let slab_bytes = num_blocks.checked_mul(layout.block_bytes()).ok_or_else(|| {
             CoreError::InvalidArgument(format!("{num_blocks} blocks overflow the address space"))
         })?;
-        let slab: Box<dyn Slab> = match pinned_for {
-            None => slab::allocate(Device::Host, slab_bytes)?,
-            #[cfg(feature = "cuda")]
-            Some(ordinal) => Box::new(slab::pinned::PinnedSlab::new(ordinal, slab_bytes)?),
-            #[cfg(not(feature = "cuda"))]
-            Some(_) => {
-                return Err(CoreError::CudaUnavailable(
-                    "kvpool was built without the cuda feature".into(),
-                ))
-            }
-        };
+        let slab = slab::allocate_host_tier(slab_bytes, pinned_for)?;
         let allocator = BlockAllocator::new(num_blocks)?;
-        Self::assemble(layout, allocator, Backing::Fixed(slab), Default::default())
+        let mut pool = Self::assemble(layout, allocator, Backing::Fixed(slab), Default::default())?;
+        pool.host_tier = true;
+        Ok(pool)
     }
 
     /// The parts of a pool, with no holders or views yet.
@@ -189,6 +193,8 @@ impl Pool {
             ref_holders: Mutex::new(Vec::new()),
             view_extents: Mutex::new(BTreeMap::new()),
             prefix_cache: None,
+            spill: None,
+            host_tier: false,
         })
     }
 
@@ -211,7 +217,9 @@ impl Pool {
         device: Device,
     ) -> Result<Self, CoreError> {
         let reserved_bytes = Self::reservation_for(&layout, size)?;
-        let slab = slab::reserve_growable(device, reserved_bytes, size.chunk_bytes)?;
+        // A chunk larger than the whole reservation would map more than the pool can use.
+        let chunk_bytes = size.chunk_bytes.map(|c| c.min(reserved_bytes));
+        let slab = slab::reserve_growable(device, reserved_bytes, chunk_bytes)?;
         Self::with_growable_slab(layout, size, slab)
     }
 
@@ -226,10 +234,24 @@ impl Pool {
         Self::with_growable_slab(layout, size, GrowableSlab::new(backend))
     }
 
+    /// The bytes to reserve; refuses, before anything is reserved, a `max_num_blocks` past
+    /// `MAX_NUM_BLOCKS` (however large) and a `chunk_bytes` of 0.
     fn reservation_for(layout: &KvLayout, size: GrowableSize) -> Result<usize, CoreError> {
-        if size.max_num_blocks == 0 || size.initial_num_blocks > size.max_num_blocks {
+        if size.max_num_blocks == 0 || size.max_num_blocks > crate::MAX_NUM_BLOCKS {
             return Err(CoreError::InvalidArgument(format!(
-                "a growable pool needs 1 <= max_num_blocks and initial_num_blocks <= max_num_blocks, got {} and {}",
+                "max_num_blocks must be in 1..={} (MAX_NUM_BLOCKS), got {}",
+                crate::MAX_NUM_BLOCKS,
+                size.max_num_blocks
+            )));
+        }
+        if size.chunk_bytes == Some(0) {
+            return Err(CoreError::InvalidArgument(
+                "chunk_bytes must be at least 1 (it is rounded up to the page size or the driver's granularity, and capped at max_num_blocks * block_bytes), got 0".into(),
+            ));
+        }
+        if size.initial_num_blocks > size.max_num_blocks {
+            return Err(CoreError::InvalidArgument(format!(
+                "a growable pool needs initial_num_blocks <= max_num_blocks, got {} and {}",
                 size.max_num_blocks, size.initial_num_blocks
             )));
         }
@@ -297,7 +319,7 @@ impl Pool {
             let given = match size {
                 PoolSize::NumBlocks(n) => {
                     return Err(CoreError::InvalidArgument(format!(
-                        "num_blocks must be in 1..={}, got {n}",
+                        "num_blocks must be in 1..={} (MAX_NUM_BLOCKS), got {n}",
                         crate::MAX_NUM_BLOCKS
                     )))
                 }
@@ -353,6 +375,7 @@ impl Pool {
 
     /// Allocates `count` blocks, all or none, growing a growable pool if needed.
     pub fn alloc_many(&self, count: usize) -> Result<Vec<u32>, CoreError> {
+        self.refuse_if_host_tier()?;
         if count > self.max_num_blocks() {
             // Can never succeed: refuse before sizing a buffer for it.
             return Err(self.out_of_blocks(count, "the request exceeds max_num_blocks"));
@@ -369,7 +392,8 @@ impl Pool {
 
     /// Fills `out` with newly allocated ids (ref count 1), or fails having taken none. A
     /// growable pool that finds too few free blocks grows first; if it cannot, it fails with
-    /// `CannotGrow` and is exactly as it was.
+    /// `CannotGrow` and is exactly as it was. A host tier's pool refuses (`InvalidArgument`):
+    /// its free blocks are the tier's room for swaps.
     pub fn alloc_into(&self, out: &mut [u32]) -> Result<(), CoreError> {
         self.alloc_into_for(out, Owner::Pool)
     }
@@ -393,6 +417,9 @@ impl Pool {
 
     /// [`alloc_into`](Self::alloc_into) on behalf of `owner`, whose tag the new ids get.
     pub(crate) fn alloc_into_for(&self, out: &mut [u32], owner: Owner) -> Result<(), CoreError> {
+        if owner == Owner::Pool {
+            self.refuse_if_host_tier()?;
+        }
         match (self.allocator.alloc_into(out), self.growable_slab()) {
             (Err(CoreError::OutOfBlocks { .. }), _) if self.prefix_cache.is_some() => {
                 self.alloc_evicting(out)?
@@ -407,6 +434,16 @@ impl Pool {
         }
         self.owners.set(out, owner);
         Ok(())
+    }
+
+    /// The plain block API's refusal on a host tier's pool.
+    fn refuse_if_host_tier(&self) -> Result<(), CoreError> {
+        if !self.host_tier {
+            return Ok(());
+        }
+        Err(CoreError::InvalidArgument(
+            "this pool is a host tier's: its blocks are taken only by swaps (HostTier.swap_out); allocate from the device pool".into(),
+        ))
     }
 
     /// [`free_many`](Self::free_many) on behalf of `owner`: every allocated id must be its.

@@ -5,19 +5,24 @@
 //! stays lock-free for blocks that are not cached; a cached block's last reference is
 //! dropped under the cache's lock, which puts it on the evictable list.
 
-use super::{Owner, Pool};
+use super::{Owner, Pool, SpillTier};
+use crate::block_copy::Engine;
 use crate::error::CoreError;
-use crate::prefix_cache::spill::SpillTier;
-use crate::prefix_cache::{BlockHash, PrefixAlloc, PrefixCache};
-use crate::tier::engine::Engine;
+use crate::prefix_cache::{BlockHash, PrefixAlloc, PrefixCache, PrefixCacheStats, SpillTarget};
+use crate::slab::Device;
 
 impl Pool {
     /// Turns prefix caching on for a new pool (before it is shared). A growable pool evicts
     /// before it grows (evictable blocks count as free), and its shrink evicts the evictable
-    /// blocks above the highest referenced one first, so that their chunks can go.
+    /// blocks above the highest referenced one first, so that their chunks can go. The
+    /// cache's per-block metadata covers the mapped blocks and grows with them (fallibly:
+    /// `OutOfMemory`, never an abort).
     pub fn with_prefix_caching(mut self) -> Result<Self, CoreError> {
-        self.prefix_cache =
-            Some(PrefixCache::new(self.max_num_blocks(), self.layout.block_size())?);
+        self.prefix_cache = Some(PrefixCache::new(
+            self.max_num_blocks(),
+            self.num_blocks(),
+            self.layout.block_size(),
+        )?);
         Ok(self)
     }
 
@@ -25,31 +30,48 @@ impl Pool {
     /// pool): cached blocks this pool evicts spill there instead of being dropped, and a
     /// prefix hit on one copies it back. Before the pool is shared.
     pub fn with_prefix_host_tier(mut self, num_blocks: usize) -> Result<Self, CoreError> {
-        let (device_base, stream, block_size) =
-            (self.base_ptr(), self.stream_handle().unwrap_or(0), self.layout.block_size());
-        let engine = self.spill_engine()?;
-        let pinned_for = match self.device() {
-            crate::slab::Device::Host => None,
-            crate::slab::Device::Cuda(ordinal) => Some(ordinal),
-        };
-        let host =
-            Pool::new_host_tier(self.layout, super::PoolSize::NumBlocks(num_blocks), pinned_for)?;
-        let cache = self.prefix_cache.as_mut().ok_or_else(|| {
-            CoreError::InvalidArgument(
+        if self.prefix_cache.is_none() {
+            return Err(CoreError::InvalidArgument(
                 "a prefix-cache host tier needs prefix caching on the pool".into(),
-            )
-        })?;
-        cache.set_spill_tier(SpillTier::new(host, engine, device_base, stream, block_size));
+            ));
+        }
+        let pinned_for = match self.device() {
+            Device::Host => None,
+            Device::Cuda(ordinal) => Some(ordinal),
+        };
+        let tier = SpillTier::new(
+            &self.layout,
+            num_blocks,
+            pinned_for,
+            self.spill_engine()?,
+            self.base_ptr(),
+            self.stream_handle().unwrap_or(0),
+        )?;
+        self.spill = Some(tier);
         Ok(self)
+    }
+
+    /// The second tier as the cache sees it.
+    fn spill_target(&self) -> Option<&dyn SpillTarget> {
+        self.spill.as_ref().map(|tier| tier as &dyn SpillTarget)
+    }
+
+    /// The cache's counters with its host tier's (`None` without prefix caching).
+    pub fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
+        let mut stats = self.prefix_cache.as_ref()?.stats();
+        if let Some(tier) = &self.spill {
+            tier.fill_stats(&mut stats);
+        }
+        Some(stats)
     }
 
     /// The copy engine of a host tier for this pool: memcpy on the host, a copy stream on CUDA.
     #[cfg(feature = "cuda")]
     fn spill_engine(&self) -> Result<Engine, CoreError> {
         match self.device_context() {
-            Some(dc) => Ok(Engine::Cuda(crate::tier::engine::CudaEngine::new(
+            Some(dc) => Ok(Engine::Cuda(crate::block_copy::CudaEngine::new(
                 dc.context(),
-                crate::tier::CopyMethod::Auto,
+                crate::block_copy::CopyMethod::Auto,
             )?)),
             None => Ok(Engine::Host),
         }
@@ -100,10 +122,11 @@ impl Pool {
     /// fails as it would have).
     pub(crate) fn alloc_evicting(&self, out: &mut [u32]) -> Result<(), CoreError> {
         let Some(cache) = &self.prefix_cache else { return self.allocator.alloc_into(out) };
-        match cache.alloc_evicting(&self.allocator, out) {
+        let spill = self.spill_target();
+        match cache.alloc_evicting(&self.allocator, spill, out) {
             Err(CoreError::OutOfBlocks { requested, free, .. }) if self.is_growable() => {
-                self.grow(self.num_blocks() + (requested - free))?;
-                cache.alloc_evicting(&self.allocator, out)
+                self.grow_for(requested, free)?;
+                cache.alloc_evicting(&self.allocator, spill, out)
             }
             result => result,
         }
@@ -113,7 +136,7 @@ impl Pool {
     /// and every live view's extent (they alone keep those chunks mapped).
     pub(super) fn evict_for_shrink(&self) {
         if let Some(cache) = &self.prefix_cache {
-            cache.evict_above(&self.allocator, self.max_view_extent());
+            cache.evict_above(&self.allocator, self.spill_target(), self.max_view_extent());
         }
     }
 
@@ -126,15 +149,15 @@ impl Pool {
         total_blocks: usize,
         query_tokens: usize,
     ) -> Result<PrefixAlloc, CoreError> {
-        let alloc =
-            match cache.alloc_with_prefix(&self.allocator, hashes, total_blocks, query_tokens) {
-                // Short even counting the evictable blocks: grow as `alloc_evicting` does.
-                Err(CoreError::OutOfBlocks { requested, free, .. }) if self.is_growable() => {
-                    self.grow(self.num_blocks() + (requested - free))?;
-                    cache.alloc_with_prefix(&self.allocator, hashes, total_blocks, query_tokens)?
-                }
-                result => result?,
-            };
+        let (refs, spill) = (&self.allocator, self.spill_target());
+        let alloc = match cache.alloc_with_prefix(refs, spill, hashes, total_blocks, query_tokens) {
+            // Short even counting the evictable blocks: grow as `alloc_evicting` does.
+            Err(CoreError::OutOfBlocks { requested, free, .. }) if self.is_growable() => {
+                self.grow_for(requested, free)?;
+                cache.alloc_with_prefix(refs, spill, hashes, total_blocks, query_tokens)?
+            }
+            result => result?,
+        };
         // Hits were tables' blocks already (only tables cache blocks).
         self.owners.set(&alloc.fresh, Owner::Tables);
         // Revived hits are in use again, like fresh blocks.
@@ -147,7 +170,7 @@ impl Pool {
     /// block is referenced. Without prefix caching there is nothing to drop.
     pub fn reset_prefix_cache(&self) -> Result<usize, CoreError> {
         match &self.prefix_cache {
-            Some(cache) => cache.reset(&self.allocator),
+            Some(cache) => cache.reset(&self.allocator, self.spill_target()),
             None => Ok(0),
         }
     }
@@ -160,6 +183,9 @@ impl Pool {
         };
         self.allocator.check_invariants_with_evictable(&cache.evictable_ids())?;
         cache.check_invariants(&self.allocator)?;
+        if let Some(tier) = &self.spill {
+            tier.check_invariants()?;
+        }
         let (free, evictable, used) =
             (self.allocator.num_free(), self.num_evictable(), self.num_used());
         if free + evictable + used != self.num_blocks() {

@@ -8,11 +8,14 @@ use super::events::{EventQueue, KvEvent};
 use super::hash::BlockHash;
 use super::lru::EvictableList;
 use super::stats::PrefixCacheStats;
+use crate::error::CoreError;
+use crate::zeroed::try_grow;
 
 pub struct CacheIndex {
     /// Content -> the one block that holds it.
     map: FxHashMap<BlockHash, u32>,
     /// Block -> its content hash, if cached. `map[hash_of[b]] == b` for every cached `b`.
+    /// Covers the ids that exist (grown with a growable pool, see `grow_to`).
     hash_of: Vec<Option<BlockHash>>,
     lru: EvictableList,
     pub events: EventQueue,
@@ -21,16 +24,34 @@ pub struct CacheIndex {
 }
 
 impl CacheIndex {
-    pub fn new(num_blocks: usize) -> Self {
-        CacheIndex {
+    /// An empty index over ids `0..num_blocks`; `OutOfMemory` if its arrays cannot be had.
+    pub fn new(num_blocks: usize) -> Result<Self, CoreError> {
+        let mut index = CacheIndex {
             // Grown as blocks are cached, not sized for every block: a dense map keeps a
             // decode step's inserts in cache (sized up front, they cost more than the rehashes).
             map: FxHashMap::default(),
-            hash_of: vec![None; num_blocks],
-            lru: EvictableList::new(num_blocks),
+            hash_of: Vec::new(),
+            lru: EvictableList::new(0)?,
             events: EventQueue::default(),
             counters: PrefixCacheStats::default(),
+        };
+        index.grow_to(num_blocks)?;
+        Ok(index)
+    }
+
+    /// Makes room for ids below `num_blocks` (never shrinks: ids a shrink removed are
+    /// uncached and come back as they were). `OutOfMemory` changes nothing that matters:
+    /// the index covers the ids it covered.
+    pub fn grow_to(&mut self, num_blocks: usize) -> Result<(), CoreError> {
+        if num_blocks <= self.hash_of.len() {
+            return Ok(());
         }
+        self.lru.grow_to(num_blocks)?;
+        try_grow(&mut self.hash_of, num_blocks, None)
+    }
+    /// The ids it covers.
+    pub fn num_ids(&self) -> usize {
+        self.hash_of.len()
     }
 
     pub fn lookup(&self, hash: &BlockHash) -> Option<u32> {
@@ -187,7 +208,7 @@ mod tests {
 
     #[test]
     fn insert_evict_revive_clear() {
-        let mut idx = CacheIndex::new(4);
+        let mut idx = CacheIndex::new(4).unwrap();
         idx.events.set_enabled(true);
         assert!(idx.insert(0, h(1)));
         assert!(!idx.insert(1, h(1)), "one block per content");
@@ -215,7 +236,7 @@ mod tests {
 
     #[test]
     fn check_catches_a_referenced_evictable_block() {
-        let mut idx = CacheIndex::new(2);
+        let mut idx = CacheIndex::new(2).unwrap();
         idx.insert(0, h(1));
         idx.push_evictable(0);
         assert!(idx.check(|_| 1).unwrap_err().contains("evictable with ref_cnt 1"));

@@ -1,7 +1,11 @@
 //! The evictable set: cached blocks nobody references, least recently used first.
 //!
 //! An intrusive doubly-linked list over block ids (`prev[id]`, `next[id]`), so push, remove
-//! (a hit reviving a block) and pop (an eviction) are O(1) and never allocate.
+//! (a hit reviving a block) and pop (an eviction) are O(1) and never allocate. The arrays
+//! cover the ids that exist: they grow (fallibly) with a growable pool's mapped blocks.
+
+use crate::error::CoreError;
+use crate::zeroed::try_grow;
 
 const NIL: u32 = u32::MAX;
 
@@ -17,15 +21,30 @@ pub struct EvictableList {
 }
 
 impl EvictableList {
-    pub fn new(capacity: usize) -> Self {
-        EvictableList {
-            prev: vec![NIL; capacity],
-            next: vec![NIL; capacity],
-            linked: vec![false; capacity],
+    /// An empty list over ids `0..num_blocks`.
+    pub fn new(num_blocks: usize) -> Result<Self, CoreError> {
+        let mut list = EvictableList {
+            prev: Vec::new(),
+            next: Vec::new(),
+            linked: Vec::new(),
             head: NIL,
             tail: NIL,
             len: 0,
-        }
+        };
+        list.grow_to(num_blocks)?;
+        Ok(list)
+    }
+
+    /// Makes room for ids below `num_blocks` (never shrinks); `OutOfMemory` leaves the list
+    /// usable for the ids it covered.
+    pub fn grow_to(&mut self, num_blocks: usize) -> Result<(), CoreError> {
+        try_grow(&mut self.prev, num_blocks, NIL)?;
+        try_grow(&mut self.next, num_blocks, NIL)?;
+        try_grow(&mut self.linked, num_blocks, false)
+    }
+    /// The ids it covers.
+    pub fn num_ids(&self) -> usize {
+        self.linked.len()
     }
 
     pub fn len(&self) -> usize {
@@ -130,7 +149,7 @@ mod tests {
 
     #[test]
     fn lru_order_remove_and_pop() {
-        let mut l = EvictableList::new(8);
+        let mut l = EvictableList::new(8).unwrap();
         for id in [3, 1, 4, 5] {
             l.push_back(id);
         }

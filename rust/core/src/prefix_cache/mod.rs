@@ -6,7 +6,8 @@
 //! - [`index`]: the hash -> block map and the evictable list (plain data, behind one mutex).
 //! - [`lru`]: the evictable list itself, O(1) push, revive and evict.
 //! - [`events`]: the opt-in queue of KV events for cache-aware routers.
-//! - [`spill`]: the optional second tier in host memory that evicted blocks spill to.
+//! - [`spill`]: what the cache asks of a second tier that evicted blocks spill to (the
+//!   pool owns that tier, `pool/spill.rs`, and passes it to the calls that evict or hit).
 //! - [`stats`]: the counters.
 //!
 //! A block is in exactly one of three states:
@@ -36,10 +37,11 @@ use std::sync::{Mutex, MutexGuard};
 
 use crate::error::CoreError;
 use crate::sync::{AtomicBool, AtomicUsize, Ordering};
+use crate::zeroed::zeroed_atomic_bools;
 pub use events::{KvEvent, Medium};
 pub use hash::{BlockHash, BlockHasher};
 use index::CacheIndex;
-use spill::SpillTier;
+pub use spill::SpillTarget;
 pub use stats::PrefixCacheStats;
 
 /// What the cache needs from the allocator: reference counts and the free list. Every
@@ -102,33 +104,46 @@ pub struct PrefixCache {
     /// The most blocks referenced at once (evictable blocks are not in use: vLLM's usage
     /// counts them as free). The pool samples it after every allocation and hit.
     used_high_water: AtomicUsize,
-    /// Where evicted blocks go instead of being dropped, if anywhere.
-    spill: Option<SpillTier>,
 }
 
 impl PrefixCache {
-    pub fn new(num_blocks: usize, block_size: usize) -> Result<Self, CoreError> {
-        Ok(Self::with_hasher(num_blocks, block_size, BlockHasher::new_random()?))
+    /// A cache for a pool of `num_blocks` blocks that may grow to `max_num_blocks`. The
+    /// per-block flags are sized for `max_num_blocks` but lazily committed (`zeroed.rs`);
+    /// the index covers `num_blocks` and grows with the pool ([`grow_to`](Self::grow_to)).
+    /// Every array is allocated fallibly: `OutOfMemory`, never an abort.
+    pub fn new(
+        max_num_blocks: usize,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<Self, CoreError> {
+        Self::with_hasher(max_num_blocks, num_blocks, block_size, BlockHasher::new_random()?)
     }
 
-    pub fn with_hasher(num_blocks: usize, block_size: usize, hasher: BlockHasher) -> Self {
-        PrefixCache {
+    pub fn with_hasher(
+        max_num_blocks: usize,
+        num_blocks: usize,
+        block_size: usize,
+        hasher: BlockHasher,
+    ) -> Result<Self, CoreError> {
+        Ok(PrefixCache {
             hasher,
             block_size,
-            index: Mutex::new(CacheIndex::new(num_blocks)),
-            cached: (0..num_blocks).map(|_| AtomicBool::new(false)).collect(),
+            index: Mutex::new(CacheIndex::new(num_blocks.min(max_num_blocks))?),
+            cached: zeroed_atomic_bools(max_num_blocks)?,
             num_evictable: AtomicUsize::new(0),
             used_high_water: AtomicUsize::new(0),
-            spill: None,
-        }
+        })
     }
 
-    /// Gives the cache a second tier (before the pool is shared).
-    pub(crate) fn set_spill_tier(&mut self, tier: SpillTier) {
-        self.spill = Some(tier);
+    /// Makes room in the index for ids below `num_blocks` (a growable pool calls it before
+    /// the new ids can be allocated). `OutOfMemory` changes nothing.
+    pub fn grow_to(&self, num_blocks: usize) -> Result<(), CoreError> {
+        self.lock().grow_to(num_blocks.min(self.cached.len()))
     }
-    pub fn spill_tier(&self) -> Option<&SpillTier> {
-        self.spill.as_ref()
+
+    /// Ids the index covers now (its metadata grows with the pool's mapped blocks).
+    pub fn num_ids(&self) -> usize {
+        self.lock().num_ids()
     }
 
     pub fn hasher(&self) -> &BlockHasher {
@@ -167,10 +182,12 @@ impl PrefixCache {
     /// The add path: references the longest cached prefix of `hashes` and allocates
     /// `total_blocks - hits` fresh blocks (free list first, then evicting the least
     /// recently used blocks that are not among the hits), all or nothing. `query_tokens`
-    /// is the prompt length, counted in the stats on success.
+    /// is the prompt length, counted in the stats on success. With a second tier `spill`,
+    /// the blocks after the hits that it holds are copied back, and evicted blocks spill.
     pub fn alloc_with_prefix(
         &self,
         refs: &dyn BlockRefs,
+        spill: Option<&dyn SpillTarget>,
         hashes: &[BlockHash],
         total_blocks: usize,
         query_tokens: usize,
@@ -184,7 +201,7 @@ impl PrefixCache {
             .take(total_blocks)
             .take_while(|&id| refs.ref_cnt(id) < crate::MAX_REF_CNT)
             .collect();
-        let host_hits = match &self.spill {
+        let host_hits = match spill {
             Some(tier) => tier.lookup_run(&hashes[hits.len()..total_blocks.min(hashes.len())]),
             None => Vec::new(),
         };
@@ -210,11 +227,11 @@ impl PrefixCache {
                 refs.add_ref(id);
             }
         }
-        let tier = self.spill.as_ref().filter(|_| !host_hits.is_empty());
+        let tier = spill.filter(|_| !host_hits.is_empty());
         if let Some(tier) = tier {
             tier.take(&host_hits, &mut idx.events);
         }
-        self.evict_into(refs, &mut idx, &mut fresh[from_free..]);
+        self.evict_into(refs, spill, &mut idx, &mut fresh[from_free..]);
         let swapped_in = match tier {
             Some(tier) if tier.swap_in(&host_hits, &fresh[..host_hits.len()]) => host_hits.len(),
             _ => 0,
@@ -225,8 +242,13 @@ impl PrefixCache {
     }
 
     /// The allocation slow path: fills `out` from the free list and, for what it lacks, by
-    /// evicting, all or nothing.
-    pub fn alloc_evicting(&self, refs: &dyn BlockRefs, out: &mut [u32]) -> Result<(), CoreError> {
+    /// evicting (spilling to `spill`, if given), all or nothing.
+    pub fn alloc_evicting(
+        &self,
+        refs: &dyn BlockRefs,
+        spill: Option<&dyn SpillTarget>,
+        out: &mut [u32],
+    ) -> Result<(), CoreError> {
         let mut idx = self.lock();
         let from_free = self.pop_some_free(refs, out);
         if out.len() - from_free > idx.num_evictable() {
@@ -237,7 +259,7 @@ impl PrefixCache {
                 num_blocks: refs.num_blocks(),
             });
         }
-        self.evict_into(refs, &mut idx, &mut out[from_free..]);
+        self.evict_into(refs, spill, &mut idx, &mut out[from_free..]);
         self.num_evictable.store(idx.num_evictable(), Ordering::Release);
         Ok(())
     }
@@ -256,7 +278,13 @@ impl PrefixCache {
     /// Evicts one block per entry of `out` (the caller checked there are enough) and hands
     /// each out with one reference; queues one `BlockRemoved` for them. With a host tier,
     /// their content spills there first.
-    fn evict_into(&self, refs: &dyn BlockRefs, idx: &mut CacheIndex, out: &mut [u32]) {
+    fn evict_into(
+        &self,
+        refs: &dyn BlockRefs,
+        spill: Option<&dyn SpillTarget>,
+        idx: &mut CacheIndex,
+        out: &mut [u32],
+    ) {
         if out.is_empty() {
             return;
         }
@@ -272,7 +300,7 @@ impl PrefixCache {
             block_hashes: evicted.iter().map(|&(_, h)| h).collect(),
             medium: Medium::Pool,
         });
-        if let Some(tier) = &self.spill {
+        if let Some(tier) = spill {
             tier.spill(&evicted, &mut idx.events);
         }
     }
@@ -280,7 +308,12 @@ impl PrefixCache {
     /// Evicts every evictable block above both the highest referenced block and `keep_below`
     /// (a shrink then releases their chunks); with a host tier they spill there. Returns how
     /// many went back to the free list.
-    pub fn evict_above(&self, refs: &dyn BlockRefs, keep_below: usize) -> usize {
+    pub fn evict_above(
+        &self,
+        refs: &dyn BlockRefs,
+        spill: Option<&dyn SpillTarget>,
+        keep_below: usize,
+    ) -> usize {
         let mut idx = self.lock();
         let num_blocks = refs.num_blocks();
         let live_end = (0..num_blocks as u32)
@@ -301,7 +334,7 @@ impl PrefixCache {
             block_hashes: evicted.iter().map(|&(_, h)| h).collect(),
             medium: Medium::Pool,
         });
-        if let Some(tier) = &self.spill {
+        if let Some(tier) = spill {
             tier.spill(&evicted, &mut idx.events);
         }
         refs.push_free(&ids);
@@ -378,8 +411,12 @@ impl PrefixCache {
 
     /// Drops every cached block (after a weight update, say) and returns how many went
     /// back to the free list. Refuses, changing nothing, while any cached block is
-    /// referenced: its KV would be stale too.
-    pub fn reset(&self, refs: &dyn BlockRefs) -> Result<usize, CoreError> {
+    /// referenced: its KV would be stale too. A second tier `spill` is cleared with it.
+    pub fn reset(
+        &self,
+        refs: &dyn BlockRefs,
+        spill: Option<&dyn SpillTarget>,
+    ) -> Result<usize, CoreError> {
         let mut idx = self.lock();
         let in_use = idx.num_cached() - idx.num_evictable();
         if in_use > 0 {
@@ -390,7 +427,7 @@ impl PrefixCache {
             self.cached[id as usize].store(false, Ordering::Release);
         }
         refs.push_free(&ids);
-        if let Some(tier) = &self.spill {
+        if let Some(tier) = spill {
             tier.clear();
         }
         self.num_evictable.store(0, Ordering::Release);
@@ -408,18 +445,10 @@ impl PrefixCache {
         self.lock().events.drain()
     }
 
+    /// The pool tier's counters (the host fields are the pool's to fill in: it owns the
+    /// second tier, see `Pool::prefix_cache_stats`).
     pub fn stats(&self) -> PrefixCacheStats {
-        let idx = self.lock();
-        let mut stats = idx.stats();
-        if let Some(tier) = &self.spill {
-            let host = tier.counters();
-            stats.host_num_blocks = tier.num_blocks();
-            stats.host_num_cached_blocks = host.num_cached_blocks;
-            stats.host_stored_blocks = host.stored_blocks;
-            stats.host_evictions = host.evictions;
-            stats.swapped_in_blocks = host.swapped_in_blocks;
-        }
-        stats
+        self.lock().stats()
     }
 
     /// Evictable ids, least recently used first (tests and invariant checks).
@@ -427,11 +456,20 @@ impl PrefixCache {
         self.lock().evictable().collect()
     }
 
-    /// The index's own checks, plus: the lock-free flags and counter agree with it.
+    /// The index's own checks, plus: the lock-free flags and counter agree with it, and the
+    /// index covers every block that exists (ids past it are never cached: their flags are
+    /// not read, so a huge capacity costs nothing here).
     pub fn check_invariants(&self, refs: &dyn BlockRefs) -> Result<(), String> {
         let idx = self.lock();
         idx.check(|id| refs.ref_cnt(id))?;
-        for (id, flag) in self.cached.iter().enumerate() {
+        if idx.num_ids() < refs.num_blocks() {
+            return Err(format!(
+                "the index covers {} ids, {} blocks exist",
+                idx.num_ids(),
+                refs.num_blocks()
+            ));
+        }
+        for (id, flag) in self.cached[..idx.num_ids()].iter().enumerate() {
             if flag.load(Ordering::Acquire) != idx.hash_of(id as u32).is_some() {
                 return Err(format!("block {id}: the cached flag disagrees with the map"));
             }
@@ -443,10 +481,7 @@ impl PrefixCache {
                 idx.num_evictable()
             ));
         }
-        match &self.spill {
-            Some(tier) => tier.check_invariants(),
-            None => Ok(()),
-        }
+        Ok(())
     }
 }
 

@@ -1,213 +1,24 @@
-//! The prefix cache's second tier: cached blocks the pool evicts spill into a host pool (LRU
-//! there too) instead of being dropped, and a prefix hit on a host-resident block is copied
-//! back into a fresh pool block (design: `prefix_cache.md`, "Second tier").
-//!
-//! Nothing references a host block: each one is free or cached (and then on the host LRU),
-//! except for the moment a swap-in holds it between taking it off the LRU and copying it.
-//! Every method is called with the pool cache's lock held, so the two tiers change together.
+//! What the cache needs from a second tier that evicted blocks spill into. The pool owns
+//! that tier (`pool/spill.rs`: a host pool and a copy engine) beside its cache and hands it
+//! to every cache call that may evict or hit; the cache knows nothing of pools or copies.
 
-use std::sync::{Mutex, MutexGuard};
-
-use super::events::{EventQueue, KvEvent, Medium};
+use super::events::EventQueue;
 use super::hash::BlockHash;
-use super::index::CacheIndex;
-use crate::pool::Pool;
-use crate::tier::engine::{Endpoints, Engine};
-use crate::tier::Run;
 
-pub struct SpillTier {
-    host: Box<Pool>,
-    engine: Engine,
-    /// The pool's slab base and compute stream (0 on the host); a prefix-caching pool is
-    /// fixed, so neither moves.
-    device_base: u64,
-    compute_stream: u64,
-    block_bytes: usize,
-    block_size: usize,
-    index: Mutex<CacheIndex>,
-}
-
-impl SpillTier {
-    pub(crate) fn new(
-        host: Pool,
-        engine: Engine,
-        device_base: u64,
-        compute_stream: u64,
-        block_size: usize,
-    ) -> Self {
-        let block_bytes = host.layout().block_bytes();
-        let index = Mutex::new(CacheIndex::new(host.num_blocks()));
-        SpillTier {
-            host: Box::new(host),
-            engine,
-            device_base,
-            compute_stream,
-            block_bytes,
-            block_size,
-            index,
-        }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, CacheIndex> {
-        // Every critical section leaves the index consistent before anything can panic.
-        self.index.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub fn num_blocks(&self) -> usize {
-        self.host.num_blocks()
-    }
-    pub fn num_free(&self) -> usize {
-        self.host.num_free()
-    }
-    pub fn num_cached(&self) -> usize {
-        self.lock().num_cached()
-    }
-    /// Host-resident hashes, least recently spilled first (tests).
-    pub fn cached_hashes(&self) -> Vec<BlockHash> {
-        let idx = self.lock();
-        idx.evictable().map(|id| idx.hash_of(id).expect("a host LRU block is cached")).collect()
-    }
-    pub(super) fn counters(&self) -> super::PrefixCacheStats {
-        self.lock().stats()
-    }
-
-    /// The host blocks of the longest prefix of `hashes` the host holds.
-    pub(super) fn lookup_run(&self, hashes: &[BlockHash]) -> Vec<u32> {
-        let idx = self.lock();
-        hashes.iter().map_while(|h| idx.lookup(h)).collect()
-    }
-
-    /// Copies pool blocks the cache just evicted (`(id, hash)`, least recently used first)
-    /// into host blocks, making room by dropping the host's least recently used blocks. When
-    /// the host cannot take them all, the most recently used are kept. Best effort: a failed
-    /// copy (a CUDA error) drops the blocks, as a pool without a second tier does.
-    pub(super) fn spill(&self, evicted: &[(u32, BlockHash)], events: &mut EventQueue) {
-        let mut idx = self.lock();
-        let room = self.host.num_free() + idx.num_evictable();
-        let evicted = &evicted[evicted.len() - evicted.len().min(room)..];
-        if evicted.is_empty() {
-            return;
-        }
-        let mut host_ids = vec![0u32; evicted.len()];
-        let from_free = self.host.num_free().min(evicted.len());
-        self.host
-            .alloc_into(&mut host_ids[..from_free])
-            .expect("only the cache allocates host blocks");
-        let mut dropped = Vec::new();
-        for slot in &mut host_ids[from_free..] {
-            let (id, hash) = idx.evict().expect("room counted the host LRU");
-            dropped.push(hash);
-            *slot = id;
-        }
-        if !dropped.is_empty() {
-            events.push(KvEvent::BlockRemoved { block_hashes: dropped, medium: Medium::HostTier });
-        }
-        let runs: Vec<Run> = evicted
-            .iter()
-            .zip(&host_ids)
-            .map(|(&(src, _), &dst)| Run { src, dst, num_blocks: 1 })
-            .collect();
-        let ends = Endpoints {
-            src_base: self.device_base,
-            dst_base: self.host.base_ptr(),
-            block_bytes: self.block_bytes,
-        };
-        if self.copy(&runs, ends).is_err() {
-            self.host.free_many(&host_ids).expect("host blocks just allocated");
-            return;
-        }
-        let mut stored = Vec::with_capacity(evicted.len());
-        for (&(_, hash), &host_id) in evicted.iter().zip(&host_ids) {
-            if idx.insert(host_id, hash) {
-                idx.push_evictable(host_id);
-                stored.push(hash);
-            } else {
-                // The host holds this content already (the pool cached it again meanwhile).
-                self.host.free(host_id).expect("a host block just allocated");
-            }
-        }
-        if !stored.is_empty() {
-            events.push(KvEvent::BlockStored {
-                block_hashes: stored,
-                parent_block_hash: None,
-                token_ids: Vec::new(),
-                block_size: self.block_size,
-                lora_id: None,
-                medium: Medium::HostTier,
-            });
-        }
-    }
-
-    /// Takes host blocks `host_ids` (found by [`lookup_run`](Self::lookup_run) under the
-    /// same lock) out of the host cache, so that no spill drops them before
-    /// [`swap_in`](Self::swap_in) copies them; they stay allocated until then.
-    pub(super) fn take(&self, host_ids: &[u32], events: &mut EventQueue) {
-        if host_ids.is_empty() {
-            return;
-        }
-        let mut idx = self.lock();
-        let hashes = host_ids.iter().map(|&id| idx.remove(id)).collect();
-        idx.record_swap_in(host_ids.len());
-        events.push(KvEvent::BlockRemoved { block_hashes: hashes, medium: Medium::HostTier });
-    }
-
-    /// Copies taken host blocks into pool blocks `device_ids` and frees them on the host: the
-    /// content has moved to the pool, whose cache stores it again. On CUDA, work queued
-    /// afterwards on the pool's stream waits for the copies. False if the copy failed (a
-    /// CUDA error): the content is lost and the caller computes those blocks instead.
-    pub(super) fn swap_in(&self, host_ids: &[u32], device_ids: &[u32]) -> bool {
-        if host_ids.is_empty() {
-            return true;
-        }
-        let runs: Vec<Run> = host_ids
-            .iter()
-            .zip(device_ids)
-            .map(|(&src, &dst)| Run { src, dst, num_blocks: 1 })
-            .collect();
-        let ends = Endpoints {
-            src_base: self.host.base_ptr(),
-            dst_base: self.device_base,
-            block_bytes: self.block_bytes,
-        };
-        let copied = self.copy(&runs, ends).is_ok();
-        self.host.free_many(host_ids).expect("taken host blocks are allocated");
-        copied
-    }
-
-    /// One batch of copies, ordered after the pool stream's work and before what it queues
-    /// next (CUDA), complete on return (host).
-    fn copy(&self, runs: &[Run], ends: Endpoints) -> Result<(), crate::CoreError> {
-        // SAFETY: every run names blocks inside the two fixed slabs (ids below their block
-        // counts); the source blocks stay as they are until the copy is done because every
-        // later use of them is queued on the same pool stream after `order_before`, and the
-        // destination blocks belong to this call (freshly allocated or just evicted).
-        let done = unsafe { self.engine.copy(runs, ends, self.compute_stream) }?;
-        // The copy stream runs every spill and swap-in in order, so a host block is rewritten
-        // only after an earlier copy read it; the pool's stream waits here, so a pool block
-        // is rewritten (or read by a kernel) only after its copy. No CPU wait.
-        // SAFETY: the compute stream is the pool's own stream, live as long as the pool.
-        unsafe { self.engine.order_before(&done, self.compute_stream) }
-    }
-
-    /// Drops every host-resident block; returns how many.
-    pub(super) fn clear(&self) -> usize {
-        let ids = self.lock().clear();
-        self.host.free_many(&ids).expect("cached host blocks are allocated");
-        ids.len()
-    }
-
-    /// Every host block is free or cached (and on the host LRU), once; the index is sound.
-    pub(super) fn check_invariants(&self) -> Result<(), String> {
-        let idx = self.lock();
-        idx.check(|_| 0)?;
-        self.host.check_invariants()?;
-        let (free, cached) = (self.host.num_free(), idx.num_cached());
-        if free + cached != self.host.num_blocks() {
-            return Err(format!(
-                "host tier: {free} free + {cached} cached != {} blocks",
-                self.host.num_blocks()
-            ));
-        }
-        Ok(())
-    }
+/// A second tier of the cache. Every method is called with the cache's lock held, so the two
+/// tiers change together.
+pub trait SpillTarget {
+    /// The second tier's blocks holding the longest prefix of `hashes`.
+    fn lookup_run(&self, hashes: &[BlockHash]) -> Vec<u32>;
+    /// Takes blocks found by `lookup_run` (under the same lock) out of the second tier's
+    /// cache, so that no spill drops them before `swap_in` copies them.
+    fn take(&self, tier_ids: &[u32], events: &mut EventQueue);
+    /// Copies taken blocks into pool blocks `pool_ids` and lets them go; false if the copy
+    /// failed (the content is lost and the caller computes those blocks instead).
+    fn swap_in(&self, tier_ids: &[u32], pool_ids: &[u32]) -> bool;
+    /// Keeps what it can of pool blocks the cache just evicted (`(id, hash)`, least recently
+    /// used first), best effort.
+    fn spill(&self, evicted: &[(u32, BlockHash)], events: &mut EventQueue);
+    /// Drops everything it holds (a reset); returns how many blocks.
+    fn clear(&self) -> usize;
 }

@@ -4,6 +4,7 @@
 use std::sync::Mutex;
 
 use super::*;
+use crate::pool::SpillTier;
 
 struct FakeRefs {
     state: Mutex<(Vec<u32>, Vec<u32>)>, // (ref counts, free list with the next id to pop last)
@@ -67,7 +68,10 @@ impl BlockRefs for FakeRefs {
 const BS: usize = 4;
 
 fn setup(n: u32) -> (PrefixCache, FakeRefs) {
-    (PrefixCache::with_hasher(n as usize, BS, BlockHasher::with_key([1; 32])), FakeRefs::new(n))
+    let cache =
+        PrefixCache::with_hasher(n as usize, n as usize, BS, BlockHasher::with_key([1; 32]))
+            .unwrap();
+    (cache, FakeRefs::new(n))
 }
 
 /// Caches the full blocks of `tokens` held in `ids`, as the tables do when they fill.
@@ -95,12 +99,12 @@ fn hit_revive_and_share() {
     let (cache, refs) = setup(8);
     cache.set_events_enabled(true);
     let tokens: Vec<u32> = (0..12).collect();
-    let first = cache.alloc_with_prefix(&refs, &[], 3, 12).unwrap();
+    let first = cache.alloc_with_prefix(&refs, None, &[], 3, 12).unwrap();
     assert!(first.hits.is_empty());
     let hashes = store_all(&cache, &first.fresh, &tokens);
     cache.check_invariants(&refs).unwrap();
     // A second request while the first still runs: hits share the referenced blocks.
-    let second = cache.alloc_with_prefix(&refs, &hashes[..2], 3, 12).unwrap();
+    let second = cache.alloc_with_prefix(&refs, None, &hashes[..2], 3, 12).unwrap();
     assert_eq!(second.hits, first.fresh[..2]);
     assert_eq!(refs.rc(first.fresh[0]), 2);
     cache.release(&refs, &second.hits);
@@ -110,7 +114,7 @@ fn hit_revive_and_share() {
     assert_eq!(cache.evictable_ids(), [first.fresh[2], first.fresh[1], first.fresh[0]]);
     cache.check_invariants(&refs).unwrap();
     // A hit on evictable blocks revives them.
-    let third = cache.alloc_with_prefix(&refs, &hashes[..2], 3, 12).unwrap();
+    let third = cache.alloc_with_prefix(&refs, None, &hashes[..2], 3, 12).unwrap();
     assert_eq!(third.hits, first.fresh[..2]);
     assert_eq!(cache.evictable_ids(), [first.fresh[2]]);
     cache.check_invariants(&refs).unwrap();
@@ -137,13 +141,13 @@ fn eviction_when_free_list_runs_short_never_takes_a_hit() {
     let (cache, refs) = setup(4);
     cache.set_events_enabled(true);
     let tokens: Vec<u32> = (0..16).collect();
-    let a = cache.alloc_with_prefix(&refs, &[], 4, 16).unwrap();
+    let a = cache.alloc_with_prefix(&refs, None, &[], 4, 16).unwrap();
     let hashes = store_all(&cache, &a.fresh, &tokens);
     cache.release(&refs, &a.fresh);
     cache.drain_events();
     // Reuse the first two blocks, need two more: the free list is empty, so the two least
     // recently used evictable blocks that are not hits go: the tail of `a` first.
-    let b = cache.alloc_with_prefix(&refs, &hashes[..2], 4, 16).unwrap();
+    let b = cache.alloc_with_prefix(&refs, None, &hashes[..2], 4, 16).unwrap();
     assert_eq!(b.hits, a.fresh[..2]);
     let mut evicted = b.fresh.clone();
     evicted.sort_unstable();
@@ -161,10 +165,10 @@ fn eviction_when_free_list_runs_short_never_takes_a_hit() {
     assert_eq!(cache.stats().evictions, 2);
     // Nothing left: a failed call changes nothing.
     let before = (cache.stats(), cache.evictable_ids(), refs.num_free());
-    let err = cache.alloc_with_prefix(&refs, &[], 1, 4).unwrap_err();
+    let err = cache.alloc_with_prefix(&refs, None, &[], 1, 4).unwrap_err();
     assert!(matches!(err, CoreError::OutOfBlocks { requested: 1, free: 0, .. }), "{err:?}");
     let mut out = [0u32; 1];
-    assert!(cache.alloc_evicting(&refs, &mut out).is_err());
+    assert!(cache.alloc_evicting(&refs, None, &mut out).is_err());
     assert_eq!(before, (cache.stats(), cache.evictable_ids(), refs.num_free()));
     cache.check_invariants(&refs).unwrap();
 }
@@ -173,12 +177,12 @@ fn eviction_when_free_list_runs_short_never_takes_a_hit() {
 fn reset_refuses_while_referenced_then_drops_everything() {
     let (cache, refs) = setup(4);
     cache.set_events_enabled(true);
-    let a = cache.alloc_with_prefix(&refs, &[], 2, 8).unwrap();
+    let a = cache.alloc_with_prefix(&refs, None, &[], 2, 8).unwrap();
     store_all(&cache, &a.fresh, &(0..8).collect::<Vec<_>>());
-    assert_eq!(cache.reset(&refs), Err(CoreError::CacheInUse { in_use: 2 }));
+    assert_eq!(cache.reset(&refs, None), Err(CoreError::CacheInUse { in_use: 2 }));
     cache.check_invariants(&refs).unwrap();
     cache.release(&refs, &a.fresh);
-    assert_eq!(cache.reset(&refs), Ok(2));
+    assert_eq!(cache.reset(&refs, None), Ok(2));
     assert_eq!(refs.num_free(), 4);
     assert_eq!(cache.stats().num_cached_blocks, 0);
     cache.check_invariants(&refs).unwrap();
@@ -190,11 +194,11 @@ fn duplicate_content_stays_uncached() {
     let (cache, refs) = setup(8);
     cache.set_events_enabled(true);
     let tokens: Vec<u32> = (0..8).collect();
-    let a = cache.alloc_with_prefix(&refs, &[], 2, 8).unwrap();
+    let a = cache.alloc_with_prefix(&refs, None, &[], 2, 8).unwrap();
     let hashes = store_all(&cache, &a.fresh, &tokens);
     cache.drain_events();
     // Another request computed the same two blocks before seeing the first's.
-    let b = cache.alloc_with_prefix(&refs, &[], 2, 8).unwrap();
+    let b = cache.alloc_with_prefix(&refs, None, &[], 2, 8).unwrap();
     assert_eq!(store_all(&cache, &b.fresh, &tokens), hashes);
     assert!(!cache.is_cached(b.fresh[0]) && !cache.is_cached(b.fresh[1]));
     assert!(cache.drain_events().is_empty());
@@ -204,7 +208,7 @@ fn duplicate_content_stays_uncached() {
 #[test]
 fn events_off_queue_nothing() {
     let (cache, refs) = setup(4);
-    let a = cache.alloc_with_prefix(&refs, &[], 1, 4).unwrap();
+    let a = cache.alloc_with_prefix(&refs, None, &[], 1, 4).unwrap();
     store_all(&cache, &a.fresh, &[1, 2, 3, 4]);
     assert!(cache.drain_events().is_empty());
     assert_eq!(cache.stats().stored_blocks, 1);
@@ -212,31 +216,24 @@ fn events_off_queue_nothing() {
 
 /// A cache over 4 "pool" blocks (a plain buffer stands in for the pool's slab) with a host
 /// tier of 2 blocks.
-fn setup_with_host_tier() -> (PrefixCache, FakeRefs, Vec<u8>, usize) {
+fn setup_with_host_tier() -> (PrefixCache, FakeRefs, SpillTier, Vec<u8>, usize) {
     use crate::layout::{DType, KvLayout};
-    use crate::pool::{Pool, PoolSize};
     let layout = KvLayout::new(1, 1, 16, BS, DType::Float16).unwrap();
     let block_bytes = layout.block_bytes();
     let device = vec![0u8; 4 * block_bytes];
-    let host = Pool::new_host_tier(layout, PoolSize::NumBlocks(2), None).unwrap();
-    let tier = spill::SpillTier::new(
-        host,
-        crate::tier::engine::Engine::Host,
-        device.as_ptr() as u64,
-        0,
-        BS,
-    );
-    let (mut cache, refs) = setup(4);
-    cache.set_spill_tier(tier);
-    (cache, refs, device, block_bytes)
+    let engine = crate::block_copy::Engine::Host;
+    let tier = SpillTier::new(&layout, 2, None, engine, device.as_ptr() as u64, 0).unwrap();
+    let (cache, refs) = setup(4);
+    (cache, refs, tier, device, block_bytes)
 }
 
 #[test]
 fn evicted_blocks_spill_to_the_host_tier_and_come_back_on_a_hit() {
-    let (cache, refs, mut device, bb) = setup_with_host_tier();
+    let (cache, refs, tier, mut device, bb) = setup_with_host_tier();
+    let spill = Some(&tier as &dyn SpillTarget);
     cache.set_events_enabled(true);
     let tokens: Vec<u32> = (0..12).collect();
-    let a = cache.alloc_with_prefix(&refs, &[], 3, 12).unwrap();
+    let a = cache.alloc_with_prefix(&refs, spill, &[], 3, 12).unwrap();
     let hashes = store_all(&cache, &a.fresh, &tokens);
     for (k, &b) in a.fresh.iter().enumerate() {
         device[b as usize * bb..][..bb].fill(10 + k as u8);
@@ -246,7 +243,7 @@ fn evicted_blocks_spill_to_the_host_tier_and_come_back_on_a_hit() {
     // Four blocks needed: the three cached ones are evicted; the host keeps the newest two
     // (the head of the request, released last).
     let mut out = [0u32; 4];
-    cache.alloc_evicting(&refs, &mut out).unwrap();
+    cache.alloc_evicting(&refs, spill, &mut out).unwrap();
     let events = cache.drain_events();
     assert_eq!(
         events[0],
@@ -259,12 +256,13 @@ fn evicted_blocks_spill_to_the_host_tier_and_come_back_on_a_hit() {
         matches!(&events[1], KvEvent::BlockStored { block_hashes, token_ids, parent_block_hash: None, medium: Medium::HostTier, .. }
         if block_hashes == &[hashes[1], hashes[0]] && token_ids.is_empty())
     );
-    assert_eq!(cache.spill_tier().unwrap().cached_hashes(), [hashes[1], hashes[0]]);
+    assert_eq!(tier.cached_hashes(), [hashes[1], hashes[0]]);
     device.fill(0xEE);
     refs.push_free(&out);
     cache.check_invariants(&refs).unwrap();
+    tier.check_invariants().unwrap();
     // The prompt again: nothing in the pool, its first two blocks on the host.
-    let b = cache.alloc_with_prefix(&refs, &hashes[..2], 3, 12).unwrap();
+    let b = cache.alloc_with_prefix(&refs, spill, &hashes[..2], 3, 12).unwrap();
     assert_eq!((b.hits.len(), b.swapped_in), (0, 2));
     for (k, &blk) in b.fresh[..2].iter().enumerate() {
         assert!(
@@ -272,10 +270,12 @@ fn evicted_blocks_spill_to_the_host_tier_and_come_back_on_a_hit() {
             "block {k} came back"
         );
     }
-    let s = cache.stats();
+    let mut s = cache.stats();
+    tier.fill_stats(&mut s);
     assert_eq!(
         (s.hits, s.host_num_cached_blocks, s.host_stored_blocks, s.swapped_in_blocks),
         (8, 0, 2, 2)
     );
     cache.check_invariants(&refs).unwrap();
+    tier.check_invariants().unwrap();
 }

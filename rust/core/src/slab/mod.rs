@@ -107,6 +107,24 @@ pub fn allocate(device: Device, len_bytes: usize) -> Result<Box<dyn Slab>, CoreE
     }
 }
 
+/// A host slab for a host tier: page-locked for CUDA device `pinned_for`, so copies between
+/// it and that device run asynchronously, or plain host memory when `None` (a host tier of a
+/// host pool, as CI tests it).
+pub fn allocate_host_tier(
+    len_bytes: usize,
+    pinned_for: Option<usize>,
+) -> Result<Box<dyn Slab>, CoreError> {
+    match pinned_for {
+        None => allocate(Device::Host, len_bytes),
+        #[cfg(feature = "cuda")]
+        Some(ordinal) => Ok(Box::new(pinned::PinnedSlab::new(ordinal, len_bytes)?)),
+        #[cfg(not(feature = "cuda"))]
+        Some(_) => {
+            Err(CoreError::CudaUnavailable("kvpool was built without the cuda feature".into()))
+        }
+    }
+}
+
 /// Free and total memory of `device` (`None` for the host).
 pub fn device_memory_info(device: Device) -> Result<Option<MemoryInfo>, CoreError> {
     match device {

@@ -13,24 +13,17 @@
 //! arrived. Every tier call releases what has completed (`poll` does only that); `wait`
 //! blocks until everything has.
 //!
-//! - `plan.rs`: which destination each source block gets, and the runs one copy each moves.
-//! - `engine.rs`: memcpy (host pools) or the CUDA engine (`cuda.rs`: copy stream, events).
-
-#[cfg(feature = "cuda")]
-mod cuda;
-pub(crate) mod engine;
-mod plan;
-
-#[cfg(feature = "cuda")]
-pub use cuda::CopyMethod;
-pub use plan::Run;
+//! The copies themselves (the plan of runs, memcpy or the CUDA copy stream) are
+//! `block_copy`'s.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use rustc_hash::FxHashMap;
 
-use engine::{Done, Endpoints, Engine};
-
+#[cfg(feature = "cuda")]
+pub use crate::block_copy::CopyMethod;
+pub use crate::block_copy::Run;
+use crate::block_copy::{self, Done, Endpoints, Engine};
 use crate::error::CoreError;
 use crate::pool::{Owner, Pool, PoolSize, RefHolder};
 use crate::slab::Device;
@@ -113,7 +106,7 @@ impl HostTier {
                     .device_context()
                     .expect("a CUDA pool has a device context")
                     .context();
-                (Some(ordinal), Engine::Cuda(engine::CudaEngine::new(ctx, method)?))
+                (Some(ordinal), Engine::Cuda(block_copy::CudaEngine::new(ctx, method)?))
             }
         };
         let host_pool = Arc::new(Pool::new_host_tier(*device_pool.layout(), size, pinned_for)?);
@@ -227,8 +220,8 @@ impl HostTier {
             }
             e => e,
         })?;
-        let dests = plan::assign(&sources, dests);
-        let runs = plan::runs(&sources, &dests);
+        let dests = block_copy::assign(&sources, dests);
+        let runs = block_copy::runs(&sources, &dests);
         let ends = Endpoints {
             src_base: self.tables.pool().base_ptr(),
             dst_base: self.host_pool.base_ptr(),
@@ -305,8 +298,8 @@ impl HostTier {
             request_ids.iter().flat_map(|r| ts.swapped[r].blocks.iter().copied()).collect();
         let mut dests = vec![0u32; sources.len()];
         self.tables.pool().alloc_into_for(&mut dests, Owner::Tables)?;
-        let dests = plan::assign(&sources, dests);
-        let runs = plan::runs(&sources, &dests);
+        let dests = block_copy::assign(&sources, dests);
+        let runs = block_copy::runs(&sources, &dests);
         let ends = Endpoints {
             src_base: self.host_pool.base_ptr(),
             dst_base: self.tables.pool().base_ptr(),
@@ -474,9 +467,18 @@ impl HostTier {
 
 impl Drop for HostTier {
     /// In-flight copies read or write both pools: wait for them, then give back every block
-    /// (a pending device block to the device pool, which outlives the tier).
+    /// (a pending device block to the device pool, which outlives the tier). The requests
+    /// still swapped out are dropped as [`free`](HostTier::free) drops one: their KV goes
+    /// with the tier's memory and their ids are free in the block tables again, so a new
+    /// request may take them (a drop cannot be refused, and no other tier could take them
+    /// back).
     fn drop(&mut self) {
         let _ = self.wait();
+        let mut ts = lock(&self.state);
+        for (request_id, swapped) in ts.swapped.drain() {
+            self.tables.forget_swapped(request_id);
+            drop_refs(&self.host_pool, &swapped.blocks);
+        }
     }
 }
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 
-use super::engine::{Done, Endpoints};
+use super::done::{Done, Endpoints};
 use super::plan::Run;
 use crate::driver::{self, driver_error, Event, Stream};
 use crate::error::CoreError;
@@ -77,7 +77,7 @@ impl CudaEngine {
         self.stream.raw() as u64
     }
 
-    /// See [`Engine::copy`](super::engine::Engine::copy).
+    /// See [`Engine::copy`](super::Engine::copy).
     ///
     /// # Safety
     /// As `Engine::copy`.

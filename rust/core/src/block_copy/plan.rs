@@ -1,9 +1,9 @@
-//! The copy plan of a swap: which destination block each source block gets, and the runs of
-//! consecutive blocks that one copy each moves.
+//! The plan of a batch of block copies (a swap, a spill): which destination block each
+//! source block gets, and the runs of consecutive blocks that one copy each moves.
 //!
 //! Sources sorted ascending get the destinations sorted ascending, so wherever both sides are
 //! consecutive (a request admitted into a fresh pool, a tier that was emptied) many blocks
-//! move in one copy. Nothing here touches memory: the engines (`engine.rs`) do.
+//! move in one copy. Nothing here touches memory: the engines do.
 
 /// One copy: `num_blocks` blocks from block `src` of the source pool onwards to block `dst`
 /// of the destination pool onwards.

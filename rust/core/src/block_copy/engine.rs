@@ -1,58 +1,12 @@
-//! The copy engines of a host tier: how the runs of a plan move.
-//!
-//! - Host (a host pool's tier, what CI runs): `memcpy` per run, complete when the call returns.
-//! - CUDA (`cuda.rs`): asynchronous copies on the tier's own copy stream, ordered after the
-//!   compute stream's work, with an event saying when they are done.
+//! The two engines: `memcpy` per run on the host, the CUDA engine (`cuda.rs`) on a device.
 
+#[cfg(feature = "cuda")]
+use super::cuda::CudaEngine;
+use super::done::{Done, Endpoints};
 use super::plan::Run;
 use crate::error::CoreError;
 
-#[cfg(feature = "cuda")]
-pub use super::cuda::CudaEngine;
-
-/// Where a swap's copies stand: complete already (host), or when an event fires (CUDA).
-pub struct Done {
-    #[cfg(feature = "cuda")]
-    event: Option<crate::driver::Event>,
-}
-
-impl Done {
-    pub fn complete() -> Self {
-        Done {
-            #[cfg(feature = "cuda")]
-            event: None,
-        }
-    }
-    #[cfg(feature = "cuda")]
-    pub fn after(event: crate::driver::Event) -> Self {
-        Done { event: Some(event) }
-    }
-    /// Whether the copies have finished (never blocks).
-    pub fn is_complete(&self) -> Result<bool, CoreError> {
-        #[cfg(feature = "cuda")]
-        if let Some(event) = &self.event {
-            return event.query();
-        }
-        Ok(true)
-    }
-    /// Blocks until the copies have finished.
-    pub fn wait(&self) -> Result<(), CoreError> {
-        #[cfg(feature = "cuda")]
-        if let Some(event) = &self.event {
-            return event.wait();
-        }
-        Ok(())
-    }
-}
-
-/// The two pools' geometry for one direction of a swap.
-#[derive(Debug, Clone, Copy)]
-pub struct Endpoints {
-    pub src_base: u64,
-    pub dst_base: u64,
-    pub block_bytes: usize,
-}
-
+/// How copies move: `memcpy` between two host slabs, or the CUDA engine.
 pub enum Engine {
     Host,
     #[cfg(feature = "cuda")]
