@@ -64,6 +64,23 @@ def refused(capsys, args: list[str]) -> str:
         # ran without sharing anything, while --prefix-tokens alone was refused
         (["--num-prefixes", "3"], "--num-prefixes needs --prefix-tokens >= 1"),
         (["--num-prefixes", "3", "--prefix-tokens", "0"], "--num-prefixes needs --prefix-tokens"),
+        # a 1e-300 GB/s link or a 1e300 us fixed cost reported latencies near 1e300 s
+        (
+            ["--cpu-kv-memory", "1GiB", "--host-link-gbps", "1e-300"],
+            "argument --host-link-gbps: must be a finite number >= 0.001 and <= 1e+06",
+        ),
+        (
+            ["--cpu-kv-memory", "1GiB", "--host-link-latency-us", "1e300"],
+            "argument --host-link-latency-us: must be a finite number >= 0 and <= 1e+06",
+        ),
+        (
+            ["--disaggregated", "--transfer-gbps", "1e-300"],
+            "argument --transfer-gbps: must be a finite number >= 0.001 and <= 1e+06",
+        ),
+        (
+            ["--disaggregated", "--transfer-latency-us", "1e300"],
+            "argument --transfer-latency-us: must be a finite number > 0 and <= 1e+06",
+        ),
     ],
 )
 def test_bad_option_is_one_line_naming_it(capsys, tmp_path, no_simulation, args, message):

@@ -88,16 +88,6 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
-
-
 def _think_time(text: str) -> float:
     """Seconds in [0, MAX_THINK_TIME_S]."""
     try:
@@ -348,13 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--transfer-gbps",
-        type=_positive_float,
+        type=cli_host_tier.finite_in(cli_host_tier.MIN_GBPS, cli_host_tier.MAX_GBPS),
         default=None,
         help="KV transfer bandwidth in GB/s (default: 330, or the measured figure of --transfer-json)",
     )
     d.add_argument(
         "--transfer-latency-us",
-        type=_positive_float,
+        type=cli_host_tier.finite_in(0, cli_host_tier.MAX_LATENCY_US, inclusive=False),
         default=None,
         help="fixed cost per transfer in us (default: 70, or the measured one-block time of --transfer-json)",
     )
