@@ -227,3 +227,17 @@ def test_a_pipe_is_read_once(tmp_path):
         reader.kill()
         reader.wait()
     assert reader.returncode == 0 and out.split() == ["kvpool", "3"]
+
+
+def test_a_sharegpt_conversation_is_bounded(tmp_path, capsys, monkeypatch):
+    import kvpool.scheduler.traces as traces
+
+    monkeypatch.setattr(traces, "MAX_CONVERSATION_CHARS", 1000)
+    path = tmp_path / "long_conversation.json"
+    long_item = SHAREGPT_ITEM.replace('"hi"', '"' + "h" * 300_000 + '"')
+    path.write_text(f"[{SHAREGPT_ITEM},\n {long_item}]")
+    assert "long_conversation.json:2: an item longer than 1000 characters" in refused(
+        tmp_path, capsys, path
+    )
+    path.write_text(f"[{SHAREGPT_ITEM},\n {SHAREGPT_ITEM}]")  # short ones still read
+    assert len(read_trace(path)[0]) == 2

@@ -22,6 +22,13 @@ Formats (`TRACE_FORMATS`; "auto" detects them from the file name and its header)
 
 Times start at 0 at the first request. Public traces are long: rows whose prompt + output
 exceed max_model_len are skipped and counted (`TraceInfo.skipped_too_long`).
+
+A file is read once, as a stream (a pipe works), and each line is checked as it is read: the
+first bad line or conversation raises TraceError naming the file, the line and the field, and
+memory is bounded by the longest line (workload.MAX_LINE_BYTES) or ShareGPT conversation
+(MAX_CONVERSATION_CHARS) allowed, not by the file. Times are at most workload.MAX_ARRIVAL_S
+seconds (an Azure TIMESTAMP is a date from 1970 on); integers keep every digit up to
+workload.MAX_INT_DIGITS (Mooncake hash ids are compared exactly).
 """
 
 from __future__ import annotations
@@ -438,6 +445,10 @@ class _ArrayItems:
                 continue
             except RecursionError:
                 raise TraceError(f"{where}: JSON nested too deeply") from None
+            if end - self.pos > MAX_CONVERSATION_CHARS:  # however much was read at once
+                raise TraceError(
+                    f"{where}: an item longer than {MAX_CONVERSATION_CHARS} characters"
+                )
             self.pos = end
             return where, value
 
