@@ -241,3 +241,14 @@ def test_a_sharegpt_conversation_is_bounded(tmp_path, capsys, monkeypatch):
     )
     path.write_text(f"[{SHAREGPT_ITEM},\n {SHAREGPT_ITEM}]")  # short ones still read
     assert len(read_trace(path)[0]) == 2
+
+
+def test_a_json_array_found_by_its_first_line_counts_lines_from_it(tmp_path, capsys):
+    path = tmp_path / "conversations.txt"  # not .json: detected by the "[" of line 3
+    path.write_text(f"\n\n[{SHAREGPT_ITEM},\n\n {{oops}}]")
+    assert "conversations.txt:5: not valid JSON (Expecting property name" in refused(
+        tmp_path, capsys, path
+    )
+    path.write_text(f"\n\n[{SHAREGPT_ITEM},\n\n {SHAREGPT_ITEM}]")
+    requests, info = read_trace(path)
+    assert info.format == "sharegpt" and len(requests) == 2

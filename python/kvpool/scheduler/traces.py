@@ -98,7 +98,8 @@ def read_trace(
         )
     label = f"--trace {path}"
     with open_trace(path, label) as stream:
-        fmt, lines, json_text = _detect(path, stream, trace_format, label)
+        opened = _detect(path, stream, trace_format, label)
+        fmt, lines = opened.format, opened.lines
         if think_time_s is not None and fmt != "sharegpt":
             raise TraceError(
                 f"--think-time applies to ShareGPT traces (which have no times); {label} is {fmt}"
@@ -107,7 +108,8 @@ def read_trace(
             requests = read_requests(lines, label, path.suffix.lower() == ".csv", max_model_len)
             return _streams(requests, seed, path), TraceInfo(fmt)
         if fmt == "sharegpt":
-            rows, info = _sharegpt(_json_chunks(json_text, stream), label, think_time_s)
+            chunks = _json_chunks(opened.json_text, stream)
+            rows, info = _sharegpt(_ArrayItems(chunks, label, opened.json_lineno), think_time_s)
         else:
             rows, info = {"azure": _azure, "burstgpt": _burstgpt, "mooncake": _mooncake}[fmt](
                 lines, label
@@ -122,23 +124,32 @@ def read_trace(
     return _streams(requests, seed, path), info
 
 
-def _detect(path: Path, stream: BinaryIO, trace_format: str, label: str) -> tuple[str, Lines, str]:
-    """(format, the file's lines, text already read) with the stream positioned after what
-    detection read: a pipe is read once. A ShareGPT file is not split into lines (it may be
-    one line of any length): its stream is read on, after the text detection read."""
+@dataclass(frozen=True, slots=True)
+class _Opened:
+    """A trace file once its format is known. `lines` go on from the first non-blank line
+    detection read (a pipe is read once). A ShareGPT file is not split into lines (it may be
+    one line of any length): the stream is read on after `json_text`, the text detection
+    read, which is line `json_lineno` of the file."""
+
+    format: str
+    lines: Lines
+    json_text: str = ""
+    json_lineno: int = 1
+
+
+def _detect(path: Path, stream: BinaryIO, trace_format: str, label: str) -> _Opened:
     if trace_format == "sharegpt" or (trace_format == "auto" and path.suffix.lower() == ".json"):
-        return "sharegpt", iter(()), ""
+        return _Opened("sharegpt", iter(()))
     lines = trace_lines(stream, label)
     if trace_format != "auto":
-        return trace_format, lines, ""
-    head = []
-    for item in lines:
-        head.append(item)
-        if item[1].strip():
-            break
-    fmt = detect_format(path, head[-1][1] if head else "")
-    json_text = "\n".join(line for _, line in head) + "\n" if fmt == "sharegpt" else ""
-    return fmt, itertools.chain(head, lines), json_text
+        return _Opened(trace_format, lines)
+    first = next((item for item in lines if item[1].strip()), None)  # blank lines are skipped
+    if first is None:
+        return _Opened(detect_format(path, ""), iter(()))
+    fmt = detect_format(path, first[1])
+    if fmt == "sharegpt":
+        return _Opened(fmt, iter(()), first[1] + "\n", first[0])
+    return _Opened(fmt, itertools.chain([first], lines))
 
 
 def _streams(requests: list[Request], seed: int, path: Path) -> list[Request]:
@@ -368,10 +379,10 @@ class _ArrayItems:
     """The items of a JSON array read from text pieces one item at a time, so memory is
     bounded by the longest item (MAX_CONVERSATION_CHARS), not the file. Errors name the line."""
 
-    def __init__(self, chunks: Iterator[str], label: str) -> None:
+    def __init__(self, chunks: Iterator[str], label: str, first_lineno: int = 1) -> None:
         self.chunks, self.label = chunks, label
         self.buf, self.pos, self.eof = "", 0, False
-        self.line, self.counted = 1, 0  # the line number at buf[counted]
+        self.line, self.counted = first_lineno, 0  # the line number at buf[counted]
         self.decoder = json.JSONDecoder(parse_int=int_literal)
 
     def _more(self, at_least: int = 1) -> bool:
@@ -453,12 +464,10 @@ class _ArrayItems:
             return where, value
 
 
-def _sharegpt(
-    chunks: Iterator[str], label: str, think_time_s: float | None
-) -> tuple[list[Request], TraceInfo]:
+def _sharegpt(array: _ArrayItems, think_time_s: float | None) -> tuple[list[Request], TraceInfo]:
     gap = DEFAULT_THINK_TIME_S if think_time_s is None else think_time_s
     out: list[Request] = []
-    items = _ArrayItems(chunks, label).items("{id, conversations} objects (sharegpt)")
+    items = array.items("{id, conversations} objects (sharegpt)")
     for c, (line, item) in enumerate(items):
         where = f"{line}: conversation {c}"
         if not isinstance(item, dict) or "conversations" not in item:
