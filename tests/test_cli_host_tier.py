@@ -179,11 +179,11 @@ def _refused(capsys, args) -> str:
         ),
         (
             ["--cpu-kv-memory", "1GiB", "--host-link-gbps", "0"],
-            "argument --host-link-gbps: must be a finite number > 0",
+            "argument --host-link-gbps: must be a finite number >= 0.001 and <= 1e+06",
         ),
         (
             ["--cpu-kv-memory", "1GiB", "--host-link-gbps", "inf"],
-            "argument --host-link-gbps: must be a finite number > 0",
+            "argument --host-link-gbps: must be a finite number >= 0.001",
         ),
         (
             ["--cpu-kv-memory", "1GiB", "--host-link-latency-us", "-1"],

@@ -74,7 +74,7 @@ def test_the_measured_figures_are_read_from_a_benchmark_json(tmp_path):
     [
         (["--transfer-gbps", "10"], "need --disaggregated"),
         (["--disaggregated", "--device", "cuda"], "--device host"),
-        (["--disaggregated", "--transfer-gbps", "0"], "finite number > 0"),
+        (["--disaggregated", "--transfer-gbps", "0"], "finite number >= 0.001"),
     ],
 )
 def test_bad_options_are_refused(tmp_path, capsys, args, message):

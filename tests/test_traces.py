@@ -254,7 +254,7 @@ def test_multiturn_workload_and_plot(tmp_path):
         ),
         (
             ["--workload", "multiturn", "--think-time", "-1"],
-            "argument --think-time: must be a finite number of seconds >= 0",
+            "argument --think-time: must be a number of seconds in [0, 86400]",
         ),
         (["--trace-format", "azure"], "--trace-format needs --trace"),
         (

@@ -17,11 +17,15 @@ Counters are exported with the ``_total`` suffix, as ``prometheus_client`` (and 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvpool._core import BlockTables, Pool
+from kvpool._core import BlockTables, InvalidArgumentError, Pool
+
+# Prometheus label names; those starting with "__" are reserved for Prometheus itself.
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,11 @@ def snapshot(
 
 class KvPoolCollector:
     """A ``prometheus_client`` collector over one pool (and optionally its tables); every
-    scrape reads the live counters. ``labels`` are added to every sample."""
+    scrape reads the live counters. ``labels`` are added to every sample.
+
+    Everything is checked here, not at the first scrape: a wrong type raises TypeError;
+    tables of another pool, or a label name Prometheus does not accept (reserved ``__``
+    names included), raise InvalidArgumentError."""
 
     def __init__(
         self,
@@ -144,6 +152,23 @@ class KvPoolCollector:
         labels: Mapping[str, str] | None = None,
         preemptions: Callable[[], int] | None = None,
     ) -> None:
+        if not isinstance(pool, Pool):
+            raise TypeError(f"pool must be a kvpool.Pool, got {type(pool).__name__}")
+        if tables is not None:
+            if not isinstance(tables, BlockTables):
+                raise TypeError(
+                    f"tables must be kvpool.BlockTables or None, got {type(tables).__name__}"
+                )
+            if tables.pool is not pool:
+                raise InvalidArgumentError(
+                    "tables belong to another pool: their requests would be reported "
+                    "beside this pool's blocks"
+                )
+        if preemptions is not None and not callable(preemptions):
+            raise TypeError(
+                f"preemptions must be a callable returning an int, got {type(preemptions).__name__}"
+            )
+        self.labels = _checked_labels(labels)
         try:
             from prometheus_client import core
         except ImportError as e:
@@ -152,7 +177,6 @@ class KvPoolCollector:
             ) from e
         self._core = core
         self.pool, self.tables, self.preemptions = pool, tables, preemptions
-        self.labels = dict(labels or {})
 
     def collect(self) -> Iterator[Any]:
         names, values = list(self.labels), list(self.labels.values())
@@ -165,3 +189,24 @@ class KvPoolCollector:
             metric = family(s.name, s.documentation, labels=names)
             metric.add_metric(values, s.value)
             yield metric
+
+
+def _checked_labels(labels: Mapping[str, str] | None) -> dict[str, str]:
+    """A copy of `labels` once every name and value is one Prometheus accepts."""
+    if labels is None:
+        return {}
+    if not isinstance(labels, Mapping):
+        raise TypeError(f"labels must be a mapping of str to str, got {type(labels).__name__}")
+    out = dict(labels)
+    for name, value in out.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise TypeError(
+                f"labels must map str to str, got {type(name).__name__} {name!r}: "
+                f"{type(value).__name__}"
+            )
+        if not _LABEL_NAME.fullmatch(name) or name.startswith("__"):
+            raise InvalidArgumentError(
+                f"label name {name!r} is not a Prometheus label name ([a-zA-Z_][a-zA-Z0-9_]*, "
+                "not starting with '__', which Prometheus reserves)"
+            )
+    return out

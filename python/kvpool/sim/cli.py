@@ -31,10 +31,16 @@ from kvpool.sim.traces import TRACE_FORMATS
 from kvpool.sim.workload import ARRIVALS, LENGTH_MODELS
 from kvpool.sim.workload_options import synthetic_workload, trace_workload
 
+# The slowest rate and the longest think time: with at most MAX_REQUESTS requests the mean
+# last arrival is at most workload.MAX_ARRIVAL_S, where a float still resolves microseconds
+# (at 1e-300 requests/s, arrivals near 1e302 s made every latency 0.0 s).
+MIN_RATE = 1e-3
+MAX_THINK_TIME_S = 86_400.0
+
 
 def _rate(text: str) -> float:
-    """Requests/s > 0; 'inf' (or 'offline', 'none') is math.inf: every request at t=0."""
-    if text.strip().lower() in ("inf", "offline", "none"):
+    """Requests/s >= MIN_RATE; 'inf' (or 'offline', 'none') is math.inf: every request at t=0."""
+    if text.strip().lower().lstrip("+") in ("inf", "infinity", "offline", "none"):
         return math.inf
     try:
         value = float(text)
@@ -44,6 +50,14 @@ def _rate(text: str) -> float:
         ) from None
     if not value > 0:  # also rejects nan
         raise argparse.ArgumentTypeError(f"rate must be > 0 requests/s or 'inf', got {text!r}")
+    if math.isinf(value):  # a number too large for a float, e.g. 1e400
+        raise argparse.ArgumentTypeError(
+            f"rate {text!r} is beyond any float; write 'inf' for every request at t=0"
+        )
+    if value < MIN_RATE:
+        raise argparse.ArgumentTypeError(
+            f"rate must be >= {MIN_RATE:g} requests/s (or 'inf'), got {text!r}"
+        )
     return value
 
 
@@ -78,25 +92,24 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _positive_float(text: str) -> float:
+def _think_time(text: str) -> float:
+    """Seconds in [0, MAX_THINK_TIME_S]."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    if not 0 <= value <= MAX_THINK_TIME_S:  # also rejects nan
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds in [0, {MAX_THINK_TIME_S:g}], got {text!r}"
+        )
     return value
 
 
-def _seconds(text: str) -> float:
-    """A finite number of seconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}")
-    return value
+def _out_dir(text: str) -> Path:
+    """A directory name; '' (which Path makes '.') would write into the current directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must name a directory, got {text!r}")
+    return Path(text)
 
 
 def _model(text: str) -> str:
@@ -237,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rate",
         type=_rate,
         default=None,
-        help="requests/s; 'inf' = all arrive at t=0 (default: inf)",
+        help=f"requests/s, >= {MIN_RATE:g}; 'inf' = all arrive at t=0 (default: inf)",
     )
     w.add_argument(
         "--arrival",
@@ -271,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument(
         "--think-time",
-        type=_seconds,
+        type=_think_time,
         default=None,
         help="mean seconds between a conversation's turns (exponential; turns arrive on "
         "schedule, open loop) with --workload multiturn, or the gap between the turns "
@@ -329,13 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--transfer-gbps",
-        type=_positive_float,
+        type=cli_host_tier.finite_in(cli_host_tier.MIN_GBPS, cli_host_tier.MAX_GBPS),
         default=None,
         help="KV transfer bandwidth in GB/s (default: 330, or the measured figure of --transfer-json)",
     )
     d.add_argument(
         "--transfer-latency-us",
-        type=_positive_float,
+        type=cli_host_tier.finite_in(0, cli_host_tier.MAX_LATENCY_US, inclusive=False),
         default=None,
         help="fixed cost per transfer in us (default: 70, or the measured one-block time of --transfer-json)",
     )
@@ -348,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cli_host_tier.add_arguments(p)
     o = p.add_argument_group("output")
-    o.add_argument("--out", type=Path, default=Path("kvpool-report"), help="report directory")
+    o.add_argument("--out", type=_out_dir, default=Path("kvpool-report"), help="report directory")
     o.add_argument("--no-plot", action="store_true", help="skip the PNG")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -397,6 +410,11 @@ def check_options(args: argparse.Namespace) -> str | None:
         return "--burst-size needs --arrival burst"
     if args.prefix_tokens is not None and not args.num_prefixes:
         return "--prefix-tokens needs --num-prefixes >= 1 (without prefix groups there is no shared prefix)"
+    if args.num_prefixes and not args.prefix_tokens:
+        return (
+            "--num-prefixes needs --prefix-tokens >= 1 (the length of the prefix each group "
+            "shares; without it nothing is shared)"
+        )
     if (args.turns is not None or args.think_time is not None) and args.workload != MULTITURN:
         flag = "--turns" if args.turns is not None else "--think-time"
         return f"{flag} needs --workload {MULTITURN} (or, --think-time, a ShareGPT --trace)"
@@ -406,6 +424,8 @@ def check_options(args: argparse.Namespace) -> str | None:
 def check_values(args: argparse.Namespace) -> str | None:
     """Why an option's value does not fit the model and the others (after _fill_defaults), or
     None. Runs before anything is generated or allocated, so a refusal costs nothing."""
+    if args.device == "cuda" and not kvpool.cuda_available():
+        return "--device cuda: no CUDA driver or device here; use --device host (or auto)"
     try:
         layout = get_preset(args.model).layout(args.block_size, args.kv_dtype)
     except (ValueError, kvpool.KvError) as e:

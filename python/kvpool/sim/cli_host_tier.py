@@ -19,8 +19,14 @@ DEFAULT_LINK = HostLink()
 OPTIONS = ("preemption", "host_link_gbps", "host_link_latency_us")
 
 
-def _finite(minimum: float, inclusive: bool):
-    """An argparse type: a finite float > minimum (>= with `inclusive`)."""
+# Link and transfer figures are bounded so that modelled times stay in seconds a float
+# resolves: a 1e-300 GB/s link, or a 1e300 us fixed cost, reported latencies of 1e300 s.
+MIN_GBPS, MAX_GBPS = 1e-3, 1e6  # 1 MB/s to 1 PB/s
+MAX_LATENCY_US = 1e6  # one second per call
+
+
+def finite_in(minimum: float, maximum: float, *, inclusive: bool = True):
+    """An argparse type: a float in [minimum, maximum] ((minimum, maximum] without `inclusive`)."""
     sign = ">=" if inclusive else ">"
 
     def parse(text: str) -> float:
@@ -28,9 +34,10 @@ def _finite(minimum: float, inclusive: bool):
             value = float(text)
         except ValueError:
             value = math.nan
-        if not (math.isfinite(value) and (value >= minimum if inclusive else value > minimum)):
+        low_ok = value >= minimum if inclusive else value > minimum
+        if not (low_ok and value <= maximum):  # also refuses nan and inf
             raise argparse.ArgumentTypeError(
-                f"must be a finite number {sign} {minimum:g}, got {text!r}"
+                f"must be a finite number {sign} {minimum:g} and <= {maximum:g}, got {text!r}"
             )
         return value
 
@@ -56,14 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     h.add_argument(
         "--host-link-gbps",
-        type=_finite(0, inclusive=False),
+        type=finite_in(MIN_GBPS, MAX_GBPS),
         default=None,
         help=f"host <-> GPU copy bandwidth each way, GB/s (default: "
         f"{DEFAULT_LINK.bytes_per_s / 1e9:g}, a pinned 1 GiB copy on an H200)",
     )
     h.add_argument(
         "--host-link-latency-us",
-        type=_finite(0, inclusive=True),
+        type=finite_in(0, MAX_LATENCY_US),
         default=None,
         help=f"fixed cost of one swap call, us (default: {DEFAULT_LINK.latency_s * 1e6:g})",
     )

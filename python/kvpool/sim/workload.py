@@ -12,9 +12,10 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -138,12 +139,137 @@ def describe(requests: list[Request]) -> dict[str, float]:
 
 
 # ---- trace files -------------------------------------------------------------------------
+# A trace is read one line at a time and every line is checked as it comes: a bad file fails
+# at its first bad line, and memory is bounded by the longest line allowed, not the file.
+
+MAX_LINE_BYTES = 1 << 20  # one request per line; real rows are under 10 kB
+MAX_INT_DIGITS = 100  # no count, id or time in a trace needs more digits than this
+# Arrival times are at most this (about 317 years). A float still resolves 2 us here, so the
+# latencies of modelled steps (milliseconds) keep their digits; much beyond it they become 0.0.
+MAX_ARRIVAL_S = 1e10
 
 _FIELDS = {
     "arrival_s": ("arrival_s", "arrival_time", "arrival", "timestamp"),
     "prompt_tokens": ("prompt_tokens", "input_tokens", "prompt_len", "input_len"),
     "output_tokens": ("output_tokens", "output_len", "max_tokens"),
 }
+
+
+def brief_repr(value: object, limit: int = 40) -> str:
+    """`value` for an error message: its repr cut to `limit` characters, a list or an object
+    by its size (a trace's value may be a megabyte long or nested a thousand deep)."""
+    if isinstance(value, list):
+        return f"a list of {len(value)} items"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} fields"
+    if isinstance(value, HugeInteger):
+        return f"an integer of {value.digits} digits"
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def open_trace(path: Path, label: str) -> BinaryIO:
+    """The trace file, opened for `trace_lines`; TraceError (starting with `label`) if it cannot be."""
+    try:
+        return path.open("rb")
+    except OSError as e:
+        raise TraceError(f"{label}: cannot read trace: {e}") from None
+
+
+def trace_lines(stream: BinaryIO, label: str) -> Iterator[tuple[int, str]]:
+    """`(lineno, line)` for each line of `stream`, decoded as UTF-8 (a leading BOM dropped),
+    without its line ending. Raises TraceError naming the line (`label:lineno`) when one is
+    longer than MAX_LINE_BYTES or not UTF-8, having read at most MAX_LINE_BYTES + 1 bytes of it."""
+    lineno = 0
+    while True:
+        try:
+            raw = stream.readline(MAX_LINE_BYTES + 1)
+        except OSError as e:
+            raise TraceError(f"{label}: cannot read trace: {e}") from None
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            raise TraceError(
+                f"{label}:{lineno}: line longer than {MAX_LINE_BYTES} bytes (a trace has one "
+                "request per line)"
+            )
+        try:
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            raise TraceError(
+                f"{label}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line)"
+            ) from None
+        yield lineno, line.rstrip("\r\n")
+
+
+@dataclass(frozen=True, slots=True)
+class HugeInteger:
+    """A JSON integer of more than MAX_INT_DIGITS digits, kept as its length only: no field
+    accepts it, and its message then names the field (int() on it would take quadratic time,
+    or raise Python's 4300-digit ValueError that names nothing)."""
+
+    digits: int
+
+
+def int_literal(text: str) -> int | HugeInteger:
+    """json's parse_int for traces."""
+    digits = len(text.lstrip("-"))
+    return HugeInteger(digits) if digits > MAX_INT_DIGITS else int(text)
+
+
+def json_value(text: str, where: str) -> object:
+    """The JSON value of `text`; TraceError naming `where` if it is not one we can hold."""
+    try:
+        return json.loads(text, parse_int=int_literal)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise TraceError(f"{where}: JSON nested too deeply") from None
+
+
+def jsonl_rows(lines: Iterable[tuple[int, str]], label: str) -> Iterator[tuple[str, object]]:
+    """`(where, value)` for each non-blank line of JSON Lines (`trace_lines`), `where` being
+    `label:lineno` for messages; a line that is not JSON raises `TraceError` naming it."""
+    for lineno, line in lines:
+        if line.strip():
+            where = f"{label}:{lineno}"
+            yield where, json_value(line, where)
+
+
+def _csv_fields(line: str, where: str) -> list[str]:
+    try:
+        return next(csv.reader([line]), [])
+    except csv.Error as e:  # e.g. a field longer than csv.field_size_limit()
+        raise TraceError(f"{where}: not valid CSV ({e})") from None
+
+
+def csv_table(
+    lines: Iterator[tuple[int, str]], label: str
+) -> tuple[list[str], Iterator[tuple[str, dict[str, str | None]]]]:
+    """The header (the first non-blank line) and `(where, row)` for each later non-blank line,
+    one row per line; a row shorter than the header has None in its last columns, a longer
+    one raises TraceError."""
+    header: list[str] = []
+    for lineno, line in lines:
+        if line.strip():
+            header = _csv_fields(line, f"{label}:{lineno}")
+            break
+
+    def rows() -> Iterator[tuple[str, dict[str, str | None]]]:
+        for lineno, line in lines:
+            if not line.strip():
+                continue
+            where = f"{label}:{lineno}"
+            fields = _csv_fields(line, where)
+            if len(fields) > len(header):
+                raise TraceError(f"{where}: more columns than the header has")
+            values: list[str | None] = [*fields, *[None] * (len(header) - len(fields))]
+            yield where, dict(zip(header, values, strict=True))
+
+    return header, rows()
 
 
 def _field(row: dict, name: str, where: str) -> object:
@@ -155,18 +281,29 @@ def _field(row: dict, name: str, where: str) -> object:
     )
 
 
-def _number(value: object, name: str, where: str, *, integer: bool, minimum: float) -> float:
+def _number(
+    value: object,
+    name: str,
+    where: str,
+    *,
+    integer: bool,
+    minimum: float,
+    maximum: float = math.inf,
+) -> float:
     if isinstance(value, bool):  # JSON true/false are not numbers (float(True) would be 1.0)
         raise TraceError(f"{where}: {name} must be a number, got {value!r}")
+    if isinstance(value, HugeInteger):
+        raise TraceError(f"{where}: {name} is out of range, got {brief_repr(value)}")
     try:
         x = float(value)  # type: ignore[arg-type]
-    except OverflowError:  # e.g. a 400-digit JSON integer
-        raise TraceError(f"{where}: {name} is out of range, got {str(value)[:20]}...") from None
+    except OverflowError:  # e.g. a 400-digit integer
+        raise TraceError(f"{where}: {name} is out of range, got {brief_repr(value)}") from None
     except (TypeError, ValueError):
-        raise TraceError(f"{where}: {name} must be a number, got {value!r}") from None
-    if not math.isfinite(x) or x < minimum or (integer and x != int(x)):
+        raise TraceError(f"{where}: {name} must be a number, got {brief_repr(value)}") from None
+    if not (math.isfinite(x) and minimum <= x <= maximum) or (integer and x != int(x)):
         kind = "an integer" if integer else "a number"
-        raise TraceError(f"{where}: {name} must be {kind} >= {minimum:g}, got {value!r}")
+        bound = f"in [{minimum:g}, {maximum:g}]" if maximum < math.inf else f">= {minimum:g}"
+        raise TraceError(f"{where}: {name} must be {kind} {bound}, got {brief_repr(value)}")
     return x
 
 
@@ -175,7 +312,14 @@ def _request(row: object, index: int, where: str, max_model_len: int | None) -> 
         raise TraceError(
             f"{where}: expected an object with arrival_s, prompt_tokens, output_tokens"
         )
-    arrival = _number(_field(row, "arrival_s", where), "arrival_s", where, integer=False, minimum=0)
+    arrival = _number(
+        _field(row, "arrival_s", where),
+        "arrival_s",
+        where,
+        integer=False,
+        minimum=0,
+        maximum=MAX_ARRIVAL_S,
+    )
     prompt = int(
         _number(
             _field(row, "prompt_tokens", where), "prompt_tokens", where, integer=True, minimum=1
@@ -187,7 +331,14 @@ def _request(row: object, index: int, where: str, max_model_len: int | None) -> 
         )
     )
     priority = int(
-        _number(row.get("priority", 0) or 0, "priority", where, integer=True, minimum=-(2**31))
+        _number(
+            row.get("priority", 0) or 0,
+            "priority",
+            where,
+            integer=True,
+            minimum=-(2**31),
+            maximum=2**31 - 1,
+        )
     )
     if max_model_len is not None and prompt + output > max_model_len:
         raise TraceError(
@@ -226,54 +377,33 @@ def _sharing_fields(row: dict, prompt: int, where: str) -> tuple[int, int, int]:
 def load_trace(path: str | Path, max_model_len: int | None = None) -> list[Request]:
     """Read a JSONL (one object per line) or CSV (header row) trace; sorted by arrival time.
 
-    Fields: arrival_s (seconds), prompt_tokens, output_tokens, optional priority, and for
-    prefix sharing optional prefix_group + prefix_tokens (requests of one group share their
-    first prefix_tokens tokens) or conversation_id (the rows of one conversation, in arrival
-    order: each prompt holds the previous prompt and its output, then new tokens). A bad line
-    raises TraceError naming the file and the line number.
+    Fields: arrival_s (seconds, at most MAX_ARRIVAL_S), prompt_tokens, output_tokens, optional
+    priority, and for prefix sharing optional prefix_group + prefix_tokens (requests of one
+    group share their first prefix_tokens tokens) or conversation_id (the rows of one
+    conversation, in arrival order: each prompt holds the previous prompt and its output, then
+    new tokens). The file is read line by line; the first bad line raises TraceError naming
+    the file and the line number.
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise TraceError(f"{path}: cannot read trace: {e}") from None
-    if path.suffix.lower() == ".csv":
-        requests = _load_csv(path, text, max_model_len)
+    with open_trace(path, str(path)) as stream:
+        return read_requests(
+            trace_lines(stream, str(path)), str(path), path.suffix.lower() == ".csv", max_model_len
+        )
+
+
+def read_requests(
+    lines: Iterator[tuple[int, str]], label: str, is_csv: bool, max_model_len: int | None
+) -> list[Request]:
+    """load_trace on lines from `trace_lines`, messages starting with `label`."""
+    out: list[Request] = []
+    if is_csv:
+        _, rows = csv_table(lines, label)
+        for where, row in rows:
+            out.append(_request(row, len(out), where, max_model_len))
     else:
-        requests = _load_jsonl(path, text, max_model_len)
-    if not requests:
-        raise TraceError(f"{path}: the trace has no requests")
-    requests.sort(key=lambda r: (r.arrival_s, r.request_id))
-    return requests
-
-
-def jsonl_rows(text: str, label: str) -> Iterator[tuple[str, object]]:
-    """`(where, value)` for each non-blank line of a JSON Lines text, `where` being
-    `label:lineno` for messages; a line that is not JSON raises `TraceError` naming it."""
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{label}:{lineno}"
-        try:
-            yield where, json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
-
-
-def _load_jsonl(path: Path, text: str, max_model_len: int | None) -> list[Request]:
-    out: list[Request] = []
-    for where, row in jsonl_rows(text, str(path)):
-        out.append(_request(row, len(out), where, max_model_len))
-    return out
-
-
-def _load_csv(path: Path, text: str, max_model_len: int | None) -> list[Request]:
-    lines = text.splitlines()
-    reader = csv.DictReader(lines)
-    out: list[Request] = []
-    for row in reader:
-        where = f"{path}:{reader.line_num}"
-        if None in row:
-            raise TraceError(f"{where}: more columns than the header has")
-        out.append(_request(row, len(out), where, max_model_len))
+        for where, value in jsonl_rows(lines, label):
+            out.append(_request(value, len(out), where, max_model_len))
+    if not out:
+        raise TraceError(f"{label}: the trace has no requests")
+    out.sort(key=lambda r: (r.arrival_s, r.request_id))
     return out
