@@ -4,7 +4,7 @@ A Rust core owns a slab of host or GPU memory carved into fixed-size KV blocks a
 them out through a lock-free free list. See README.md for the tour.
 """
 
-from kvpool import reference
+from kvpool import exceptions, reference
 from kvpool._core import (
     MAX_NUM_BLOCKS,
     AddResult,
@@ -12,31 +12,17 @@ from kvpool._core import (
     BlockRemoved,
     BlockStored,
     BlockTables,
-    CacheInUseError,
-    CapacityError,
-    CudaError,
     CudaStream,
-    CudaUnavailableError,
     DeviceArray,
-    DoubleFreeError,
-    DuplicateRequestError,
     HostTier,
-    HostTierFullError,
-    InvalidArgumentError,
-    InvalidBlockError,
-    KvError,
     KvLayout,
-    KvSystemError,
-    LayoutError,
-    OutOfBlocksError,
-    OutOfMemoryError,
     Pool,
     SlabView,
-    TransferError,
-    UnknownRequestError,
-    WrongTierError,
     cuda_available,
 )
+
+# The exceptions, re-exported; their one list is kvpool.exceptions.__all__.
+from kvpool.exceptions import *  # noqa: F403
 from kvpool.kernels import (
     KvScales,
     append_kv,
@@ -55,31 +41,14 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "BlockTables",
-    "CacheInUseError",
-    "CapacityError",
-    "CudaError",
     "CudaStream",
-    "CudaUnavailableError",
     "DeviceArray",
-    "DoubleFreeError",
-    "DuplicateRequestError",
     "HostTier",
-    "HostTierFullError",
-    "InvalidArgumentError",
-    "InvalidBlockError",
-    "KvError",
     "KvLayout",
     "KvScales",
-    "KvSystemError",
-    "LayoutError",
-    "OutOfBlocksError",
-    "OutOfMemoryError",
     "Pool",
     "PoolGroup",
     "SlabView",
-    "TransferError",
-    "UnknownRequestError",
-    "WrongTierError",
     "append_kv",
     "copy_blocks",
     "cuda_available",
@@ -89,3 +58,4 @@ __all__ = [
     "prefill_plan",
     "reference",
 ]
+__all__ += exceptions.__all__

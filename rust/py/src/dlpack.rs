@@ -244,20 +244,30 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
     }
 }
 
-unsafe extern "C" fn delete_legacy(managed: *mut DLManagedTensor) {
-    // SAFETY: manager_ctx is the Box<Ctx<DLManagedTensor>> leaked in to_capsule, freed once
-    // (DLPack calls the deleter exactly once). Dropping it releases the owner's reference,
-    // which needs the GIL: attach takes it (or reuses the held one).
-    unsafe {
-        let ctx = (*managed).manager_ctx as *mut Ctx<DLManagedTensor>;
-        Python::attach(|_| drop(Box::from_raw(ctx)));
+/// Frees a context made by `leak`. Dropping it releases the owner's reference, which needs
+/// the interpreter: `attach` takes the GIL (or reuses the held one). Once the interpreter is
+/// finalizing (`Py_IsInitialized` is 0 from the start of `Py_FinalizeEx`, while it still
+/// frees module globals: a module-level `np.from_dlpack(view)` is released there) no Python
+/// call may be made, so the context and its reference are left to the process's exit.
+///
+/// # Safety
+/// `ctx` is a live context from `leak`, not freed before (DLPack calls a deleter once).
+unsafe fn free_ctx<M>(ctx: *mut Ctx<M>) {
+    // SAFETY: Py_IsInitialized may be called at any time, with or without the GIL.
+    if unsafe { ffi::Py_IsInitialized() } == 0 {
+        return;
     }
+    // SAFETY: per the contract, a live Box made by `leak`, freed once.
+    Python::attach(|_| drop(unsafe { Box::from_raw(ctx) }));
+}
+
+unsafe extern "C" fn delete_legacy(managed: *mut DLManagedTensor) {
+    // SAFETY: manager_ctx is the Box<Ctx<DLManagedTensor>> leaked in to_capsule, and the
+    // deleter runs once.
+    unsafe { free_ctx((*managed).manager_ctx as *mut Ctx<DLManagedTensor>) }
 }
 
 unsafe extern "C" fn delete_versioned(managed: *mut DLManagedTensorVersioned) {
     // SAFETY: as in delete_legacy, for the versioned struct.
-    unsafe {
-        let ctx = (*managed).manager_ctx as *mut Ctx<DLManagedTensorVersioned>;
-        Python::attach(|_| drop(Box::from_raw(ctx)));
-    }
+    unsafe { free_ctx((*managed).manager_ctx as *mut Ctx<DLManagedTensorVersioned>) }
 }
