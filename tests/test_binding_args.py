@@ -6,6 +6,8 @@ arrays of every stride, alignment and byte order read right. A failed call chang
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -422,3 +424,25 @@ def test_a_str_of_counts_is_a_type_error_not_its_characters(tables: BlockTables)
         ),
     ):
         tables.append_tokens_many([1, 2], "11")  # type: ignore[arg-type]
+
+
+def test_block_tables_too_large_for_memory_is_out_of_memory_not_an_abort() -> None:
+    # The constructor's 8 GiB table (its docstring says so) under a 3 GiB address-space limit.
+    script = (
+        "import resource\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+        "import kvpool\n"
+        "pool = kvpool.Pool(kvpool.KvLayout(2, 1, 16, 4), 4, device='host')\n"
+        "try:\n"
+        "    kvpool.BlockTables(pool, 2**20, 2047)\n"
+        "except kvpool.OutOfMemoryError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("refused: cannot allocate 8585740288 bytes"), done.stdout
+    assert "2047" in (BlockTables.__doc__ or "") and "OutOfMemoryError" in (
+        BlockTables.__doc__ or ""
+    )

@@ -101,7 +101,15 @@ fn append_result<'py>(py: Python<'py>, r: AppendResult) -> AppendArrays<'py> {
     (PyArray1::from_vec(py, r.slot_mapping), copies)
 }
 
-/// Per-request block tables over one pool.
+/// Per-request block tables over one pool: up to `max_seqs` requests of up to
+/// `max_blocks_per_seq` blocks each.
+///
+/// Memory, reserved by the constructor at once: the host table, `max_seqs *
+/// max_blocks_per_seq * 4` bytes (written when made, so resident: `BlockTables(pool, 2**20,
+/// 2047)` takes 8 GiB), some tens of bytes per request slot, and on a pool with prefix caching
+/// `max_seqs * block_size * 4` bytes more. On a CUDA pool the first `sync` to each device adds
+/// a device copy and a pinned host staging buffer of `4 * max_seqs * (max_blocks_per_seq + 1)`
+/// bytes each. Memory that cannot be had raises `OutOfMemoryError`.
 #[pyclass(module = "kvpool._core", name = "BlockTables", frozen)]
 pub struct PyBlockTables {
     pub inner: Arc<BlockTables>,
