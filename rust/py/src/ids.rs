@@ -170,7 +170,7 @@ pub fn block_ids(values: &Bound<'_, PyAny>, num_blocks: usize, ids: &mut BlockId
         }
         if array.ndim() != 1 {
             return Err(PyKvError(CoreError::InvalidArgument(format!(
-                "block ids must be one-dimensional, got an array of shape {:?}",
+                "{WHAT}: must be one-dimensional, got an array of shape {:?}",
                 array.shape()
             )))
             .into());

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use kvpool_core::tables::{AppendResult, BlockTables, PromptKey};
 use kvpool_core::CoreError;
-use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArray};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use crate::errors::{KvResult, PyKvError};
@@ -42,6 +42,13 @@ pub fn request_ids(values: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     if let Ok(array) = values.cast::<PyUntypedArray>() {
         if let Some(e) = ids::non_integer_array(array, WHAT) {
             return Err(e);
+        }
+        if array.ndim() != 1 {
+            return Err(PyKvError(CoreError::InvalidArgument(format!(
+                "{WHAT}: must be one-dimensional, got an array of shape {:?}",
+                array.shape()
+            )))
+            .into());
         }
         if let Some(ints) = IntArray::of(array) {
             return ints
