@@ -191,6 +191,11 @@ def int_sequence(draw: st.DrawFn, small: int = NUM_BLOCKS + 8) -> Arg:
     return Arg(array, False)
 
 
+def none_ok(strategy: st.SearchStrategy[Arg]) -> st.SearchStrategy[Arg]:
+    """`strategy` for an optional parameter, where None is a right type (not given)."""
+    return strategy.map(lambda a: Arg(None, False) if a.value is None else a)
+
+
 def int_or_sequence() -> st.SearchStrategy[Arg]:
     """`counts`: one int for every request or a sequence of ints."""
     return st.one_of(int_arg(8), int_sequence(8))
@@ -301,14 +306,14 @@ POOL_CALLS: dict[str, tuple[Call, Callable[..., object]]] = {
 TABLES_CALLS: dict[str, tuple[Call, Callable[..., object]]] = {
     "add": ((int_arg, lambda: int_arg(40)), lambda w, r, n: w.tables.add(r, n)),
     "add_request": (
-        (int_arg, int_sequence, salt, lambda: int_arg(4), extra),
+        (int_arg, int_sequence, salt, lambda: none_ok(int_arg(4)), extra),
         lambda w, r, t, s, lora, e: w.tables.add_request(
             r, t, cache_salt=s, lora_id=lora, extra_keys=e
         ),
     ),
     "append_tokens": ((int_arg, lambda: int_arg(40)), lambda w, r, n: w.tables.append_tokens(r, n)),
     "append_tokens ids": (
-        (int_arg, lambda: int_arg(8), int_sequence),
+        (int_arg, lambda: int_arg(8), lambda: none_ok(int_sequence())),
         lambda w, r, n, t: w.tables.append_tokens(r, n, t),
     ),
     "append_tokens_many": (
@@ -316,7 +321,7 @@ TABLES_CALLS: dict[str, tuple[Call, Callable[..., object]]] = {
         lambda w, rs, c: w.tables.append_tokens_many(rs, c),
     ),
     "append_tokens_many ids": (
-        (lambda: int_sequence(8), int_or_sequence, int_sequence),
+        (lambda: int_sequence(8), int_or_sequence, lambda: none_ok(int_sequence())),
         lambda w, rs, c, t: w.tables.append_tokens_many(rs, c, t),
     ),
     "fork": ((int_arg, int_arg), lambda w, p, c: w.tables.fork(p, c)),
@@ -404,7 +409,7 @@ def size_arg(extra_small: tuple[int, ...] = ()) -> st.SearchStrategy[Arg]:
 
 
 def optional(strategy: st.SearchStrategy[Arg]) -> st.SearchStrategy[Arg]:
-    return st.one_of(st.just(Arg(None, False)), strategy)
+    return none_ok(st.one_of(st.just(Arg(None, False)), strategy))
 
 
 @given(
@@ -480,10 +485,14 @@ def test_pool_constructor(
 def test_block_tables_and_tier_constructors(data: st.DataObject) -> None:
     world = make_world()
     args = draw_args(data, (size_arg, size_arg))
+    optional_args = [Arg(None, False) if a.value is None else a for a in args]
     check_call(world, "BlockTables", lambda w, s, b: BlockTables(w.pool, s, b), args)
-    check_call(world, "HostTier", lambda w, n: HostTier(w.tables, n), args[:1])
+    check_call(world, "HostTier", lambda w, n: HostTier(w.tables, n), optional_args[:1])
     check_call(
-        world, "HostTier memory_bytes", lambda w, n: HostTier(w.tables, memory_bytes=n), args[1:]
+        world,
+        "HostTier memory_bytes",
+        lambda w, n: HostTier(w.tables, memory_bytes=n),
+        optional_args[1:],
     )
 
 

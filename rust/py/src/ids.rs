@@ -118,11 +118,12 @@ pub fn block_id(value: &Bound<'_, PyAny>, num_blocks: usize, what: &str) -> PyRe
 }
 
 /// The `TypeError` for a NumPy array whose dtype holds no integers, or None for an integer
-/// array. A bool array gets a hint: it is usually a mask.
+/// or object array. A bool array gets a hint: it is usually a mask.
 pub fn non_integer_array(array: &Bound<'_, PyUntypedArray>, what: &str) -> Option<PyErr> {
     let dtype = array.dtype();
     match dtype.kind() {
-        b'i' | b'u' => None,
+        // An object array is read element by element, like a list.
+        b'i' | b'u' | b'O' => None,
         b'b' => Some(PyTypeError::new_err(format!(
             "{what}: must be an integer array, not a bool array (for a mask, pass np.flatnonzero(mask))"
         ))),

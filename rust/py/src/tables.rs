@@ -77,8 +77,19 @@ fn token_counts(values: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<usize>> {
     const EXPECTED: &str = "an int or an iterable of ints";
     // One count for all: an int, a NumPy integer or anything with `__index__` (but an array,
     // whose `__index__` only serves size-1 arrays: it is a sequence of counts).
-    let is_array = values.cast::<PyUntypedArray>().is_ok();
-    if !is_array && !ids::is_bool(values) && values.hasattr("__index__").unwrap_or(false) {
+    let array = values.cast::<PyUntypedArray>().ok();
+    if let Some(array) = array {
+        if let Some(e) = ids::non_integer_array(array, WHAT) {
+            return Err(e);
+        }
+        if array.ndim() != 1 {
+            return Err(PyKvError(CoreError::InvalidArgument(format!(
+                "{WHAT}: must be an int or one-dimensional, got an array of shape {:?}",
+                array.shape()
+            )))
+            .into());
+        }
+    } else if !ids::is_bool(values) && values.hasattr("__index__").unwrap_or(false) {
         return Ok(vec![ids::tokens(Int::of(values, WHAT)?, "count")?; n]);
     }
     // A str is a sequence of characters, not of counts.
