@@ -118,14 +118,14 @@ pub fn block_id(value: &Bound<'_, PyAny>, num_blocks: usize, what: &str) -> PyRe
 }
 
 /// The `TypeError` for a NumPy array whose dtype holds no integers, or None for an integer
-/// or object array. A bool array gets a hint: it is usually a mask.
+/// or object array.
 pub fn non_integer_array(array: &Bound<'_, PyUntypedArray>, what: &str) -> Option<PyErr> {
     let dtype = array.dtype();
     match dtype.kind() {
         // An object array is read element by element, like a list.
         b'i' | b'u' | b'O' => None,
         b'b' => Some(PyTypeError::new_err(format!(
-            "{what}: must be an integer array, not a bool array (for a mask, pass np.flatnonzero(mask))"
+            "{what}: must be an integer array, not a bool array"
         ))),
         _ => Some(PyTypeError::new_err(format!(
             "{what}: must be an integer array, not an array of dtype {}",
@@ -166,6 +166,11 @@ pub type BlockIds = SmallVec<[u32; crate::pool::DETACH_MIN_BLOCKS]>;
 pub fn block_ids(values: &Bound<'_, PyAny>, num_blocks: usize, ids: &mut BlockIds) -> PyResult<()> {
     const WHAT: &str = "argument 'block_ids'";
     if let Ok(array) = values.cast::<PyUntypedArray>() {
+        if array.dtype().kind() == b'b' {
+            return Err(PyTypeError::new_err(format!(
+                "{WHAT}: must be an integer array, not a bool array (for a mask, pass np.flatnonzero(mask))"
+            )));
+        }
         if let Some(e) = non_integer_array(array, WHAT) {
             return Err(e);
         }
