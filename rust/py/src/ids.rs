@@ -117,21 +117,33 @@ pub fn block_id(value: &Bound<'_, PyAny>, num_blocks: usize, what: &str) -> PyRe
     }
 }
 
-/// The `TypeError` for a NumPy array whose dtype holds no integers, or None for an integer
-/// or object array.
-pub fn non_integer_array(array: &Bound<'_, PyUntypedArray>, what: &str) -> Option<PyErr> {
+/// Checks a NumPy array passed where a sequence of ints is expected: a dtype that holds no
+/// integers is a `TypeError` (an object array is read element by element, like a list), an
+/// array of other than one dimension `InvalidArgumentError`; `what` names the argument.
+pub fn check_int_array(array: &Bound<'_, PyUntypedArray>, what: &str) -> PyResult<()> {
     let dtype = array.dtype();
     match dtype.kind() {
-        // An object array is read element by element, like a list.
-        b'i' | b'u' | b'O' => None,
-        b'b' => Some(PyTypeError::new_err(format!(
-            "{what}: must be an integer array, not a bool array"
-        ))),
-        _ => Some(PyTypeError::new_err(format!(
-            "{what}: must be an integer array, not an array of dtype {}",
-            dtype.str().map(|s| s.to_string()).unwrap_or_default()
-        ))),
+        b'i' | b'u' | b'O' => {}
+        b'b' => {
+            return Err(PyTypeError::new_err(format!(
+                "{what}: must be an integer array, not a bool array"
+            )))
+        }
+        _ => {
+            return Err(PyTypeError::new_err(format!(
+                "{what}: must be an integer array, not an array of dtype {}",
+                dtype.str().map(|s| s.to_string()).unwrap_or_default()
+            )))
+        }
     }
+    if array.ndim() != 1 {
+        return Err(PyKvError(CoreError::InvalidArgument(format!(
+            "{what}: must be one-dimensional, got an array of shape {:?}",
+            array.shape()
+        )))
+        .into());
+    }
+    Ok(())
 }
 
 /// An iterator over `values`, which must be an iterable of ints: a non-iterable, a str or
@@ -171,16 +183,7 @@ pub fn block_ids(values: &Bound<'_, PyAny>, num_blocks: usize, ids: &mut BlockId
                 "{WHAT}: must be an integer array, not a bool array (for a mask, pass np.flatnonzero(mask))"
             )));
         }
-        if let Some(e) = non_integer_array(array, WHAT) {
-            return Err(e);
-        }
-        if array.ndim() != 1 {
-            return Err(PyKvError(CoreError::InvalidArgument(format!(
-                "{WHAT}: must be one-dimensional, got an array of shape {:?}",
-                array.shape()
-            )))
-            .into());
-        }
+        check_int_array(array, WHAT)?;
         if let Some(ints) = IntArray::of(array) {
             reserve(ids, ints.len(), num_blocks)?;
             let mut first_bad = None;
@@ -196,7 +199,7 @@ pub fn block_ids(values: &Bound<'_, PyAny>, num_blocks: usize, ids: &mut BlockId
             }
             return Ok(());
         }
-        // An unsigned or non-native integer array: read element by element below.
+        // An unsigned, object or non-native array: read element by element below.
     }
     let iter = int_iter(values, WHAT)?;
     reserve(ids, values.len().unwrap_or(0), num_blocks)?;

@@ -56,16 +56,7 @@ pub fn token_ids(value: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     }
     const WHAT: &str = "argument 'token_ids'";
     if let Ok(a) = value.cast::<PyUntypedArray>() {
-        if let Some(e) = ids::non_integer_array(a, WHAT) {
-            return Err(e);
-        }
-        if a.ndim() != 1 {
-            return Err(PyKvError(invalid(format!(
-                "{WHAT}: must be one-dimensional, got an array of shape {:?}",
-                a.shape()
-            )))
-            .into());
-        }
+        ids::check_int_array(a, WHAT)?;
         // Any other integer dtype (int8, uint64, big-endian): read element by element below.
     }
     let iter = ids::int_iter(value, WHAT)?;

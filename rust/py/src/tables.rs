@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use kvpool_core::tables::{AppendResult, BlockTables, PromptKey};
 use kvpool_core::CoreError;
-use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArray};
 use pyo3::prelude::*;
 
 use crate::errors::{KvResult, PyKvError};
@@ -40,16 +40,7 @@ pub fn named_request_id(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
 pub fn request_ids(values: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     const WHAT: &str = "argument 'request_ids'";
     if let Ok(array) = values.cast::<PyUntypedArray>() {
-        if let Some(e) = ids::non_integer_array(array, WHAT) {
-            return Err(e);
-        }
-        if array.ndim() != 1 {
-            return Err(PyKvError(CoreError::InvalidArgument(format!(
-                "{WHAT}: must be one-dimensional, got an array of shape {:?}",
-                array.shape()
-            )))
-            .into());
-        }
+        ids::check_int_array(array, WHAT)?;
         if let Some(ints) = IntArray::of(array) {
             return ints
                 .values()
@@ -77,18 +68,8 @@ fn token_counts(values: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<usize>> {
     const EXPECTED: &str = "an int or an iterable of ints";
     // One count for all: an int, a NumPy integer or anything with `__index__` (but an array,
     // whose `__index__` only serves size-1 arrays: it is a sequence of counts).
-    let array = values.cast::<PyUntypedArray>().ok();
-    if let Some(array) = array {
-        if let Some(e) = ids::non_integer_array(array, WHAT) {
-            return Err(e);
-        }
-        if array.ndim() != 1 {
-            return Err(PyKvError(CoreError::InvalidArgument(format!(
-                "{WHAT}: must be an int or one-dimensional, got an array of shape {:?}",
-                array.shape()
-            )))
-            .into());
-        }
+    if let Ok(array) = values.cast::<PyUntypedArray>() {
+        ids::check_int_array(array, WHAT)?;
     } else if !ids::is_bool(values) && values.hasattr("__index__").unwrap_or(false) {
         return Ok(vec![ids::tokens(Int::of(values, WHAT)?, "count")?; n]);
     }
