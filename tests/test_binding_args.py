@@ -1,10 +1,13 @@
 """Arguments at the binding boundary: exceptions raised by the caller's iterables propagate as
-they are; bools (Python's and NumPy's) are refused wherever a count, index or id is expected,
-naming the argument; NumPy id arrays of every stride, alignment and byte order read right.
-A failed call changes nothing."""
+they are; a wrong type is a TypeError naming the argument and the type received (bools,
+Python's and NumPy's, are a wrong type wherever a count, index or id is expected), a wrong
+value a KvError subclass; NumPy integers and objects with `__index__` are ints; NumPy id
+arrays of every stride, alignment and byte order read right. A failed call changes nothing."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,6 +20,7 @@ from kvpool import (
     InvalidArgumentError,
     InvalidBlockError,
     KvLayout,
+    LayoutError,
     OutOfBlocksError,
     Pool,
 )
@@ -109,15 +113,20 @@ def test_a_keyboard_interrupt_from_the_callers_generator_propagates(tables: Bloc
         tables.pool.free_many(interrupted())
 
 
-def test_a_non_iterable_is_still_invalid_argument(tables: BlockTables) -> None:
+def test_a_non_iterable_is_a_type_error_naming_the_argument(tables: BlockTables) -> None:
     with unchanged(tables):
-        with pytest.raises(InvalidArgumentError, match="iterable"):
+        with pytest.raises(
+            TypeError,
+            match=r"^argument 'block_ids': must be an iterable of ints, not float \(3\.5\)$",
+        ):
             tables.pool.free_many(3.5)  # type: ignore[arg-type]
-        with pytest.raises(InvalidArgumentError, match="iterable"):
+        with pytest.raises(
+            TypeError, match="^argument 'request_ids': must be an iterable of ints, not float"
+        ):
             tables.seq_lens(3.5)  # type: ignore[arg-type]
 
 
-# --- bools are refused, naming the argument ------------------------------------------------
+# --- bools are a wrong type, named with the argument --------------------------------------
 
 BOOLS = [True, False, np.True_, np.False_]
 
@@ -125,9 +134,7 @@ BOOLS = [True, False, np.True_, np.False_]
 @pytest.mark.parametrize("method", ["k_view", "v_view"])
 @pytest.mark.parametrize("flag", BOOLS, ids=repr)
 def test_a_bool_layer_is_refused_by_name(pool: Pool, method: str, flag: Any) -> None:
-    with pytest.raises(
-        InvalidArgumentError, match=r"^invalid argument: layer must be an int, not a bool \(got "
-    ):
+    with pytest.raises(TypeError, match=r"^argument 'layer': must be an int, not bool_? \("):
         getattr(pool, method)(flag)
 
 
@@ -144,8 +151,11 @@ COUNT_CALLS: dict[str, tuple[str, Callable[[BlockTables, Any], object]]] = {
     "BlockTables()": ("max_seqs", lambda t, b: BlockTables(t.pool, b, 4)),
     "add": ("num_tokens", lambda t, b: t.add(3, b)),
     "append_tokens": ("n", lambda t, b: t.append_tokens(1, b)),
-    "append_tokens_many one count": ("count", lambda t, b: t.append_tokens_many([1, 2], b)),
-    "append_tokens_many counts": ("count", lambda t, b: t.append_tokens_many([1, 2], [1, b])),
+    "append_tokens_many one count": ("counts", lambda t, b: t.append_tokens_many([1, 2], b)),
+    "append_tokens_many counts": (
+        "counts': item 1",
+        lambda t, b: t.append_tokens_many([1, 2], [1, b]),
+    ),
     "add_request lora_id": ("lora_id", lambda t, b: t.add_request(3, [1, 2], lora_id=b)),
     "HostTier()": ("num_blocks", lambda t, b: HostTier(t, b)),
 }
@@ -155,24 +165,25 @@ COUNT_CALLS: dict[str, tuple[str, Callable[[BlockTables, Any], object]]] = {
 @pytest.mark.parametrize("flag", BOOLS, ids=repr)
 def test_a_bool_count_is_refused_by_name(tables: BlockTables, call: str, flag: Any) -> None:
     name, fn = COUNT_CALLS[call]
-    with (
-        unchanged(tables),
-        pytest.raises(InvalidArgumentError, match=rf"{name} must be an int, not a bool"),
-    ):
+    with unchanged(tables), pytest.raises(TypeError, match=rf"^argument '{name}'?: must be an int"):
         fn(tables, flag)
 
 
 def test_a_numpy_bool_array_of_counts_is_refused(tables: BlockTables) -> None:
     with (
         unchanged(tables),
-        pytest.raises(InvalidArgumentError, match="count must be an int, not a bool"),
+        pytest.raises(
+            TypeError, match="^argument 'counts': must be an integer array, not a bool array$"
+        ),
     ):
         tables.append_tokens_many([1, 2], np.array([True, False]))
 
 
 @pytest.mark.parametrize("flag", BOOLS, ids=repr)
 def test_a_bool_fraction_is_refused(flag: Any) -> None:
-    with pytest.raises(InvalidArgumentError, match="bool"):
+    with pytest.raises(
+        TypeError, match="^argument 'gpu_memory_utilization': must be a float, not bool"
+    ):
         Pool(LAYOUT, gpu_memory_utilization=flag, device="host")
 
 
@@ -189,16 +200,16 @@ BLOCK_ID_CALLS: dict[str, Callable[[Pool, Any], object]] = {
 @pytest.mark.parametrize("flag", BOOLS, ids=repr)
 def test_a_bool_block_id_is_refused(tables: BlockTables, call: str, flag: Any) -> None:
     tables.pool.alloc_many(2)  # blocks 0 and 1 in use: only the bool can be what is refused
-    with unchanged(tables), pytest.raises(InvalidBlockError, match="a bool is not a block id"):
+    with unchanged(tables), pytest.raises(TypeError, match=r"must be an int(eger array)?, not"):
         BLOCK_ID_CALLS[call](tables.pool, flag)
 
 
 def test_a_bool_mask_is_not_block_ids(tables: BlockTables) -> None:
     mask = np.zeros(NUM_BLOCKS, dtype=bool)
     mask[tables.blocks(1)] = True
-    with unchanged(tables), pytest.raises(InvalidBlockError, match="flatnonzero"):
+    with unchanged(tables), pytest.raises(TypeError, match="flatnonzero"):
         tables.pool.free_many(mask)
-    with unchanged(tables), pytest.raises(InvalidBlockError, match="a bool is not a block id"):
+    with unchanged(tables), pytest.raises(TypeError, match="not a bool array"):
         tables.pool.free_many(np.zeros(0, dtype=bool))
 
 
@@ -215,13 +226,19 @@ REQUEST_ID_CALLS: dict[str, Callable[[BlockTables, Any], object]] = {
 @pytest.mark.parametrize("call", sorted(REQUEST_ID_CALLS))
 @pytest.mark.parametrize("flag", BOOLS, ids=repr)
 def test_a_bool_request_id_is_refused(tables: BlockTables, call: str, flag: Any) -> None:
-    with unchanged(tables), pytest.raises(InvalidArgumentError, match="is a bool, not an integer"):
+    with (
+        unchanged(tables),
+        pytest.raises(TypeError, match=r"^argument 'request_ids?'.*: must be an int"),
+    ):
         REQUEST_ID_CALLS[call](tables, flag)
 
 
 @pytest.mark.parametrize("flag", BOOLS, ids=repr)
 def test_a_bool_token_id_is_refused(tables: BlockTables, flag: Any) -> None:
-    with unchanged(tables), pytest.raises(InvalidArgumentError, match="is a bool, not an int"):
+    with (
+        unchanged(tables),
+        pytest.raises(TypeError, match="^argument 'token_ids': item 1: must be an int, not bool"),
+    ):
         tables.add_request(3, [5, flag])
 
 
@@ -309,3 +326,125 @@ def test_free_many_refuses_a_bad_id_in_every_array_layout(
 def test_request_ids_read_from_every_array_layout(tables: BlockTables) -> None:
     for layout, rids in id_arrays([2, 1]).items():
         assert tables.seq_lens(rids).tolist() == [3, 5], layout
+
+
+# --- one convention: a wrong type is a TypeError, a wrong value a KvError -----------------
+
+
+class Index:
+    """An int-like user type: `__index__` only."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+WRONG_TYPE_CALLS: dict[str, tuple[str, Callable[[BlockTables, Any], object]]] = {
+    "add request_id": ("request_id", lambda t, v: t.add(v, 5)),
+    "add num_tokens": ("num_tokens", lambda t, v: t.add(7, v)),
+    "free": ("block_id", lambda t, v: t.pool.free(v)),
+    "alloc_many": ("n", lambda t, v: t.pool.alloc_many(v)),
+    "fork parent_id": ("parent_id", lambda t, v: t.fork(v, 9)),
+    "fork child_id": ("child_id", lambda t, v: t.fork(1, v)),
+    "tables.free": ("request_id", lambda t, v: t.free(v)),
+    "BlockTables max_blocks_per_seq": (
+        "max_blocks_per_seq",
+        lambda t, v: BlockTables(t.pool, 2, v),
+    ),
+    "KvLayout head_dim": ("head_dim", lambda t, v: KvLayout(2, 1, v, 4)),
+}
+
+
+@pytest.mark.parametrize("call", sorted(WRONG_TYPE_CALLS))
+@pytest.mark.parametrize("value", [1.5, "3", None, b"3", [1]], ids=repr)
+def test_a_wrong_type_is_a_type_error_naming_argument_and_type(
+    tables: BlockTables, call: str, value: Any
+) -> None:
+    name, fn = WRONG_TYPE_CALLS[call]
+    type_name = type(value).__name__
+    with (
+        unchanged(tables),
+        pytest.raises(TypeError, match=rf"^argument '{name}': must be an int, not {type_name} \("),
+    ):
+        fn(tables, value)
+
+
+@pytest.mark.parametrize(
+    "value", [np.int64(3), np.int32(3), np.uint8(3), Index(3)], ids=lambda v: type(v).__name__
+)
+def test_numpy_integers_and_index_objects_are_ints(tables: BlockTables, value: Any) -> None:
+    tables.add(value, value)
+    assert tables.num_tokens(3) == 3 and tables.pool.alloc_many(value).shape == (3,)
+    tables.fork(value, Index(9))
+    assert tables.append_tokens_many([value], value)[0].shape == (3,)
+    assert tables.append_tokens_many(np.array([3], dtype=np.uint64), [value])[0].shape == (3,)
+    assert LAYOUT.tp_head_range(value, 0) == (0, 1)
+
+
+def test_an_index_past_64_bits_is_a_value_error_naming_it(tables: BlockTables) -> None:
+    with (
+        unchanged(tables),
+        pytest.raises(OutOfBlocksError, match=r"requested 18446744073709551616"),
+    ):
+        tables.pool.alloc_many(Index(2**64))
+    with pytest.raises(
+        LayoutError, match=r"^invalid layout: num_layers 18446744073709551616 is out"
+    ):
+        KvLayout(Index(2**64), 1, 16, 4)
+    with unchanged(tables), pytest.raises(InvalidArgumentError, match=r"request id -5 is negative"):
+        tables.add(Index(-5), 3)
+
+
+def test_an_index_raising_its_own_error_propagates(tables: BlockTables) -> None:
+    class Raising:
+        def __index__(self) -> int:
+            raise CallersOwnError("from the caller's __index__")
+
+    with unchanged(tables), pytest.raises(CallersOwnError):
+        tables.add(Raising(), 3)
+
+
+def test_a_huge_layout_value_says_out_of_range_not_positive() -> None:
+    with pytest.raises(
+        LayoutError, match=r"^invalid layout: num_layers 9223372036854775808 is out of range"
+    ):
+        KvLayout(2**63, 1, 16, 4)
+    with pytest.raises(LayoutError, match=r"num_layers must be positive, got -1$"):
+        KvLayout(-1, 1, 16, 4)
+    with pytest.raises(LayoutError, match=r"num_layers must be positive, got 0$"):
+        KvLayout(0, 1, 16, 4)
+
+
+def test_a_str_of_counts_is_a_type_error_not_its_characters(tables: BlockTables) -> None:
+    with (
+        unchanged(tables),
+        pytest.raises(
+            TypeError,
+            match=r"^argument 'counts': must be an int or an iterable of ints, not str \('11'\)$",
+        ),
+    ):
+        tables.append_tokens_many([1, 2], "11")  # type: ignore[arg-type]
+
+
+def test_block_tables_too_large_for_memory_is_out_of_memory_not_an_abort() -> None:
+    # The constructor's 8 GiB table (its docstring says so) under a 3 GiB address-space limit.
+    script = (
+        "import resource\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+        "import kvpool\n"
+        "pool = kvpool.Pool(kvpool.KvLayout(2, 1, 16, 4), 4, device='host')\n"
+        "try:\n"
+        "    kvpool.BlockTables(pool, 2**20, 2047)\n"
+        "except kvpool.OutOfMemoryError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("refused: cannot allocate 8585740288 bytes"), done.stdout
+    assert "2047" in (BlockTables.__doc__ or "") and "OutOfMemoryError" in (
+        BlockTables.__doc__ or ""
+    )

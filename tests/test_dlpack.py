@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import subprocess
+import sys
 
 import kvpool
 import numpy as np
@@ -109,3 +111,36 @@ def test_requests_that_cannot_be_met_are_refused():
     with pytest.raises(BufferError, match="no stream"):
         view.__dlpack__(stream=0)
     assert view.__dlpack__(copy=False, dl_device=(1, 0)) is not None
+
+
+# An export still alive when the interpreter exits: released while Py_FinalizeEx frees module
+# globals, when no Python call may be made. Each kind: consumed (numpy holds the tensor) and
+# an unconsumed capsule.
+EXIT_SCRIPTS = {
+    "versioned": "EXPORT = np.from_dlpack(VIEW)",
+    "legacy": (
+        "class Legacy:\n"
+        "    def __dlpack__(self, **kwargs):\n"
+        "        return VIEW.__dlpack__()\n"
+        "    def __dlpack_device__(self):\n"
+        "        return VIEW.__dlpack_device__()\n"
+        "EXPORT = np.from_dlpack(Legacy())"
+    ),
+    "unconsumed versioned capsule": "EXPORT = VIEW.__dlpack__(max_version=(1, 0))",
+    "unconsumed legacy capsule": "EXPORT = VIEW.__dlpack__()",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(EXIT_SCRIPTS))
+def test_an_export_alive_at_interpreter_exit_exits_cleanly(kind: str) -> None:
+    script = (
+        "import numpy as np\n"
+        "import kvpool\n"
+        "POOL = kvpool.Pool(kvpool.KvLayout(2, 1, 16, 4), 4, device='host')\n"
+        "VIEW = POOL.k_view(0).base\n" + EXIT_SCRIPTS[kind] + "\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "panic" not in done.stderr and done.stderr == "", done.stderr

@@ -383,13 +383,14 @@ def test_a_hit_on_the_host_tier_brings_the_kv_back() -> None:
             {"enable_prefix_caching": True, "prefix_cache_host_blocks": -1},
             "prefix_cache_host_blocks",
         ),
-        ({"enable_prefix_caching": True, "prefix_cache_host_blocks": True}, "bool"),
+        ({"enable_prefix_caching": True, "prefix_cache_host_blocks": True}, "not bool"),
     ],
 )
 def test_a_host_tier_needs_prefix_caching_and_a_count(
     kwargs: dict[str, object], match: str
 ) -> None:
-    with pytest.raises(InvalidArgumentError, match=match):
+    error = TypeError if match == "not bool" else InvalidArgumentError  # a wrong type
+    with pytest.raises(error, match=match):
         Pool(LAYOUT, 8, device="host", **kwargs)  # type: ignore[arg-type]
 
 

@@ -257,3 +257,29 @@ def test_auto_sends_few_runs_grouped_and_scattered_blocks_staged():
     assert a.num_data_calls - before == 1  # 12 scattered blocks: one staged chunk
     for w, g in zip(want, _blocks_bytes(dst_pool, dst_tables.blocks(2))):
         np.testing.assert_array_equal(w, g)
+
+
+@pytest.mark.parametrize("request_id", ["5", None, 1.5, True, -1, 2**64])
+def test_an_offer_with_a_bad_request_id_is_refused(request_id):
+    # The peer is untrusted: a wrong type (a TypeError from tables.add) is refused like a
+    # wrong value, with nothing allocated and the sender told.
+    from kvpool.transfer.protocol import PROTOCOL_VERSION
+
+    dst_pool, dst_tables = _side()
+    a, b = fake_transport_pair()
+    a.send_control(
+        {
+            "kind": "offer",
+            "version": PROTOCOL_VERSION,
+            "request_id": request_id,
+            "num_tokens": 4,
+            "layout": kvpool.transfer.layout_fingerprint(LAYOUT),
+            "src_ids": [0],
+            "mode": STAGED,
+            "chunk_blocks": 1,
+        }
+    )
+    with pytest.raises(TransferError, match="refused|Error"):
+        KvReceiver(dst_tables, b).recv(timeout=5)
+    assert dst_pool.num_used == 0 and len(dst_tables) == 0
+    assert a.recv_control(timeout=5)["kind"] != "accept"

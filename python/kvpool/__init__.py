@@ -4,7 +4,7 @@ A Rust core owns a slab of host or GPU memory carved into fixed-size KV blocks a
 them out through a lock-free free list. See README.md for the tour.
 """
 
-from kvpool import reference
+from kvpool import exceptions, reference
 
 # Left out of the top level: the types a user only receives and never constructs or names
 # (AddResult from BlockTables.add_request, SlabView under the arrays of Pool.k_view / v_view,
@@ -17,28 +17,14 @@ from kvpool._core import (
     BlockRemoved,
     BlockStored,
     BlockTables,
-    CacheInUseError,
-    CapacityError,
-    CudaError,
-    CudaUnavailableError,
-    DoubleFreeError,
-    DuplicateRequestError,
     HostTier,
-    HostTierFullError,
-    InvalidArgumentError,
-    InvalidBlockError,
-    KvError,
     KvLayout,
-    KvSystemError,
-    LayoutError,
-    OutOfBlocksError,
-    OutOfMemoryError,
     Pool,
-    TransferError,
-    UnknownRequestError,
-    WrongTierError,
     cuda_available,
 )
+
+# The exceptions, re-exported; their one list is kvpool.exceptions.__all__.
+from kvpool.exceptions import *  # noqa: F403
 from kvpool.kernels import (
     DecodePlan,
     KvScales,
@@ -59,30 +45,13 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "BlockTables",
-    "CacheInUseError",
-    "CapacityError",
-    "CudaError",
-    "CudaUnavailableError",
     "DecodePlan",
-    "DoubleFreeError",
-    "DuplicateRequestError",
     "HostTier",
-    "HostTierFullError",
-    "InvalidArgumentError",
-    "InvalidBlockError",
-    "KvError",
     "KvLayout",
     "KvScales",
-    "KvSystemError",
-    "LayoutError",
-    "OutOfBlocksError",
-    "OutOfMemoryError",
     "Pool",
     "PoolGroup",
     "PrefillPlan",
-    "TransferError",
-    "UnknownRequestError",
-    "WrongTierError",
     "append_kv",
     "copy_blocks",
     "cuda_available",
@@ -93,3 +62,4 @@ __all__ = [
     "prefill_plan",
     "reference",
 ]
+__all__ += exceptions.__all__

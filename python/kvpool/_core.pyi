@@ -217,6 +217,17 @@ class DeviceArray:
 
 @final
 class BlockTables:
+    """Per-request block tables over one pool: up to `max_seqs` requests of up to
+    `max_blocks_per_seq` blocks each.
+
+    Memory, reserved by the constructor at once: the host table, `max_seqs *
+    max_blocks_per_seq * 4` bytes (written when made, so resident: `BlockTables(pool, 2**20,
+    2047)` takes 8 GiB), some tens of bytes per request slot, and on a pool with prefix caching
+    `max_seqs * block_size * 4` bytes more. On a CUDA pool the first `sync` to each device
+    adds a device copy and a pinned host staging buffer of `4 * max_seqs *
+    (max_blocks_per_seq + 1)` bytes each. Memory that cannot be had raises `OutOfMemoryError`.
+    """
+
     def __new__(cls, pool: Pool, max_seqs: int, max_blocks_per_seq: int) -> BlockTables: ...
     def add(self, request_id: int, num_tokens: int) -> npt.NDArray[np.int64]: ...
     def add_request(

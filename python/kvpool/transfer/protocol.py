@@ -230,7 +230,7 @@ class KvReceiver:
         if reason is None:
             try:
                 ep.tables.add(request_id, offer["num_tokens"])
-            except KvError as e:
+            except (KvError, TypeError) as e:  # a TypeError: a request id of the wrong type
                 reason = f"{type(e).__name__}: {e}"
         if reason is not None:
             try:

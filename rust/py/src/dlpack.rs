@@ -11,6 +11,7 @@ use kvpool_core::{DType, Device};
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::types::{PyInt, PyTuple};
 
 // The C structs of dlpack.h (v1.x), field for field.
 #[repr(C)]
@@ -149,30 +150,57 @@ fn leak<M: Managed>(
     }
 }
 
+/// A `max_version` or `dl_device` argument: None, or a tuple of two ints (any ints: a
+/// consumer may support versions past ours, and an unknown device is refused by value). Any
+/// other value is a `TypeError` naming the argument.
+fn int_pair<'py>(
+    value: Option<&Bound<'py, PyAny>>,
+    what: &str,
+) -> PyResult<Option<[Bound<'py, PyInt>; 2]>> {
+    let Some(value) = value.filter(|v| !v.is_none()) else { return Ok(None) };
+    let pair = value
+        .cast::<PyTuple>()
+        .ok()
+        .filter(|t| t.len() == 2)
+        .ok_or_else(|| crate::ids::wrong_type(what, "a tuple of two ints", value))?;
+    Ok(Some([
+        crate::ids::index(&pair.get_item(0)?, what)?,
+        crate::ids::index(&pair.get_item(1)?, what)?,
+    ]))
+}
+
 /// Checks the consumer's requests (a copy or another device cannot be honoured: a view is
-/// always the pool's own memory) and returns a capsule over `export`.
+/// always the pool's own memory; DLPack's `BufferError` says so) and returns a capsule over
+/// `export`: versioned when `max_version`'s major is 1 or more.
 pub fn to_capsule(
     py: Python<'_>,
     owner: Py<PyAny>,
     export: Export,
-    max_version: Option<(u32, u32)>,
-    dl_device_req: Option<(i32, i32)>,
+    max_version: Option<&Bound<'_, PyAny>>,
+    dl_device_req: Option<&Bound<'_, PyAny>>,
     copy: Option<bool>,
 ) -> PyResult<Py<PyAny>> {
+    let max_version = int_pair(max_version, "argument 'max_version'")?;
+    let dl_device_req = int_pair(dl_device_req, "argument 'dl_device'")?;
     if copy == Some(true) {
         return Err(PyBufferError::new_err(
             "a kvpool view is never copied; copy=True cannot be honoured",
         ));
     }
-    if let Some(req) = dl_device_req {
-        if req != dl_device(export.device) {
+    if let Some([device_type, device_id]) = dl_device_req {
+        let (own_type, own_id) = dl_device(export.device);
+        // An int past i64 is no device: a mismatch, like any other.
+        let is = |int: &Bound<'_, PyInt>, own: i32| int.extract::<i64>().ok() == Some(own.into());
+        if !is(&device_type, own_type) || !is(&device_id, own_id) {
             return Err(PyBufferError::new_err(format!(
-                "the view lives on DLPack device {:?}, not {req:?}",
-                dl_device(export.device)
+                "the view lives on DLPack device ({own_type}, {own_id}), not ({device_type}, {device_id})"
             )));
         }
     }
-    let versioned = matches!(max_version, Some((major, _)) if major >= 1);
+    let versioned = match max_version {
+        Some([major, _]) => major.ge(1)?,
+        None => false,
+    };
     let (device_type, device_id) = dl_device(export.device);
     let (data, ndim, dtype) = (export.data as *mut c_void, export.shape.len() as i32, export.dtype);
     let tensor = |shape: *mut i64, strides: *mut i64| DLTensor {
@@ -244,20 +272,30 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
     }
 }
 
-unsafe extern "C" fn delete_legacy(managed: *mut DLManagedTensor) {
-    // SAFETY: manager_ctx is the Box<Ctx<DLManagedTensor>> leaked in to_capsule, freed once
-    // (DLPack calls the deleter exactly once). Dropping it releases the owner's reference,
-    // which needs the GIL: attach takes it (or reuses the held one).
-    unsafe {
-        let ctx = (*managed).manager_ctx as *mut Ctx<DLManagedTensor>;
-        Python::attach(|_| drop(Box::from_raw(ctx)));
+/// Frees a context made by `leak`. Dropping it releases the owner's reference, which needs
+/// the interpreter: `attach` takes the GIL (or reuses the held one). Once the interpreter is
+/// finalizing (`Py_IsInitialized` is 0 from the start of `Py_FinalizeEx`, while it still
+/// frees module globals: a module-level `np.from_dlpack(view)` is released there) no Python
+/// call may be made, so the context and its reference are left to the process's exit.
+///
+/// # Safety
+/// `ctx` is a live context from `leak`, not freed before (DLPack calls a deleter once).
+unsafe fn free_ctx<M>(ctx: *mut Ctx<M>) {
+    // SAFETY: Py_IsInitialized may be called at any time, with or without the GIL.
+    if unsafe { ffi::Py_IsInitialized() } == 0 {
+        return;
     }
+    // SAFETY: per the contract, a live Box made by `leak`, freed once.
+    Python::attach(|_| drop(unsafe { Box::from_raw(ctx) }));
+}
+
+unsafe extern "C" fn delete_legacy(managed: *mut DLManagedTensor) {
+    // SAFETY: manager_ctx is the Box<Ctx<DLManagedTensor>> leaked in to_capsule, and the
+    // deleter runs once.
+    unsafe { free_ctx((*managed).manager_ctx as *mut Ctx<DLManagedTensor>) }
 }
 
 unsafe extern "C" fn delete_versioned(managed: *mut DLManagedTensorVersioned) {
     // SAFETY: as in delete_legacy, for the versioned struct.
-    unsafe {
-        let ctx = (*managed).manager_ctx as *mut Ctx<DLManagedTensorVersioned>;
-        Python::attach(|_| drop(Box::from_raw(ctx)));
-    }
+    unsafe { free_ctx((*managed).manager_ctx as *mut Ctx<DLManagedTensorVersioned>) }
 }

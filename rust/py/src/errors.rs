@@ -1,68 +1,51 @@
 //! The Python exception hierarchy, declared once, and the one conversion from core errors.
-//! `kvpool/__init__.py` re-exports every class here.
+//! Python code imports the classes from `kvpool.exceptions` (re-exported by `kvpool`).
+//!
+//! The convention every binding call follows: an argument of the wrong type (a float, str,
+//! None or bool where an int is expected; a non-iterable where a sequence is) raises Python's
+//! `TypeError`, naming the argument and the type received; a value of the right type that is
+//! out of range, unknown or refused by the pool's state raises a `KvError` subclass.
 
 use kvpool_core::CoreError;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
-create_exception!(kvpool._core, KvError, PyException, "Base class of every kvpool error.");
-create_exception!(kvpool._core, OutOfBlocksError, KvError, "Too few free blocks (and a growable pool could not grow); attributes `requested`, `free`, `num_blocks`, `max_num_blocks` (None for fixed pools).");
-create_exception!(kvpool._core, HostTierFullError, OutOfBlocksError, "The host tier has too few free blocks for a swap-out (nothing moved); attributes `requested`, `free`, `num_blocks`.");
-create_exception!(kvpool._core, WrongTierError, KvError, "A request is not on the tier the operation moves it from (swapping out a request already swapped out, say); attribute `tier`: where it is.");
-create_exception!(
-    kvpool._core,
-    OutOfMemoryError,
-    KvError,
-    "The slab itself could not be allocated."
-);
-create_exception!(
-    kvpool._core,
-    DoubleFreeError,
-    KvError,
-    "A block was freed that is not allocated."
-);
-create_exception!(
-    kvpool._core,
-    InvalidBlockError,
-    KvError,
-    "A block id that is not an id of this pool."
-);
-create_exception!(
-    kvpool._core,
-    UnknownRequestError,
-    KvError,
-    "A request id that is not in the block tables."
-);
-create_exception!(
-    kvpool._core,
-    DuplicateRequestError,
-    KvError,
-    "A request id that is already in the block tables."
-);
-create_exception!(
-    kvpool._core,
-    CapacityError,
-    KvError,
-    "A fixed capacity (max_seqs, max_blocks_per_seq) would be exceeded."
-);
-create_exception!(
-    kvpool._core,
-    CacheInUseError,
-    KvError,
-    "A prefix-cache reset while cached blocks are still referenced; attribute `in_use` (how many)."
-);
-create_exception!(kvpool._core, LayoutError, KvError, "An invalid KvLayout.");
-create_exception!(
-    kvpool._core,
-    InvalidArgumentError,
-    KvError,
-    "An argument out of its valid range."
-);
-create_exception!(kvpool._core, CudaUnavailableError, KvError, "No CUDA driver or no such device.");
-create_exception!(kvpool._core, CudaError, KvError, "The CUDA driver reported an error.");
-create_exception!(kvpool._core, TransferError, KvError, "A KV transfer between pools was refused (layout mismatch, too few free blocks on the receiver) or failed (peer gone, timeout, transport error); both pools are consistent afterwards (the receiver's blocks freed, the sender's still owned).");
-create_exception!(kvpool._core, KvSystemError, KvError, "The operating system refused a call for another reason than lack of memory (an mprotect of a growable host pool, say); attribute `errno`.");
+/// Declares every exception class (named `kvpool.exceptions.<Name>`, so an instance pickles
+/// by the public path) and [`register`], which adds each to the module: the one list of the
+/// hierarchy. `kvpool/exceptions.py` re-exports the classes and `_core.pyi` types them;
+/// tests/test_exceptions.py checks both against the classes registered here.
+macro_rules! exceptions {
+    ($($name:ident($base:ty): $doc:literal;)*) => {
+        $(create_exception!(kvpool.exceptions, $name, $base, $doc);)*
+
+        pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+            let py = m.py();
+            $(m.add(stringify!($name), py.get_type::<$name>())?;)*
+            Ok(())
+        }
+    };
+}
+
+exceptions! {
+    KvError(PyException): "Base class of every kvpool error.";
+    OutOfBlocksError(KvError): "Too few free blocks (and a growable pool could not grow); attributes `requested`, `free`, `num_blocks`, `max_num_blocks` (None for fixed pools).";
+    HostTierFullError(OutOfBlocksError): "The host tier has too few free blocks for a swap-out (nothing moved); attributes `requested`, `free`, `num_blocks`.";
+    WrongTierError(KvError): "A request is not on the tier the operation moves it from (swapping out a request already swapped out, say); attribute `tier`: where it is.";
+    OutOfMemoryError(KvError): "Memory could not be allocated (the slab, or a buffer sized by the caller's arguments); nothing changed.";
+    DoubleFreeError(KvError): "A block was freed that is not allocated.";
+    InvalidBlockError(KvError): "A block id that is not an id of this pool.";
+    UnknownRequestError(KvError): "A request id that is not in the block tables.";
+    DuplicateRequestError(KvError): "A request id that is already in the block tables.";
+    CapacityError(KvError): "A fixed capacity (max_seqs, max_blocks_per_seq) would be exceeded.";
+    CacheInUseError(KvError): "A prefix-cache reset while cached blocks are still referenced; attribute `in_use` (how many).";
+    LayoutError(KvError): "An invalid KvLayout.";
+    InvalidArgumentError(KvError): "An argument of the right type whose value is out of its valid range (a wrong type is a TypeError).";
+    CudaUnavailableError(KvError): "No CUDA driver or no such device.";
+    CudaError(KvError): "The CUDA driver reported an error.";
+    TransferError(KvError): "A KV transfer between pools was refused (layout mismatch, too few free blocks on the receiver) or failed (peer gone, timeout, transport error); both pools are consistent afterwards (the receiver's blocks freed, the sender's still owned).";
+    KvSystemError(KvError): "The operating system refused a call for another reason than lack of memory (an mprotect of a growable host pool, say); attribute `errno`.";
+}
 
 /// Carries a [`CoreError`] to Python (a newtype: neither `CoreError` nor `PyErr` is ours).
 pub struct PyKvError(pub CoreError);
@@ -142,7 +125,7 @@ impl From<PyKvError> for PyErr {
 /// the message and `requested` are the caller's int itself, not a clamped value.
 pub fn out_of_blocks_beyond_any_count(
     py: Python<'_>,
-    requested: &Py<PyAny>,
+    requested: &Py<pyo3::types::PyInt>,
     free: usize,
     num_blocks: usize,
     max_num_blocks: Option<usize>,
@@ -159,26 +142,38 @@ pub fn out_of_blocks_beyond_any_count(
     err
 }
 
-pub type KvResult<T> = Result<T, PyKvError>;
-
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
-    m.add("KvError", py.get_type::<KvError>())?;
-    m.add("OutOfBlocksError", py.get_type::<OutOfBlocksError>())?;
-    m.add("HostTierFullError", py.get_type::<HostTierFullError>())?;
-    m.add("WrongTierError", py.get_type::<WrongTierError>())?;
-    m.add("OutOfMemoryError", py.get_type::<OutOfMemoryError>())?;
-    m.add("DoubleFreeError", py.get_type::<DoubleFreeError>())?;
-    m.add("InvalidBlockError", py.get_type::<InvalidBlockError>())?;
-    m.add("UnknownRequestError", py.get_type::<UnknownRequestError>())?;
-    m.add("DuplicateRequestError", py.get_type::<DuplicateRequestError>())?;
-    m.add("CapacityError", py.get_type::<CapacityError>())?;
-    m.add("CacheInUseError", py.get_type::<CacheInUseError>())?;
-    m.add("LayoutError", py.get_type::<LayoutError>())?;
-    m.add("InvalidArgumentError", py.get_type::<InvalidArgumentError>())?;
-    m.add("CudaUnavailableError", py.get_type::<CudaUnavailableError>())?;
-    m.add("CudaError", py.get_type::<CudaError>())?;
-    m.add("KvSystemError", py.get_type::<KvSystemError>())?;
-    m.add("TransferError", py.get_type::<TransferError>())?;
-    Ok(())
+/// The error of a binding call: a core error, or a Python exception raised while reading the
+/// arguments (a `TypeError` for a wrong type, or whatever the caller's own objects raised).
+pub enum BindingError {
+    Core(CoreError),
+    Python(PyErr),
 }
+
+impl From<CoreError> for BindingError {
+    fn from(e: CoreError) -> Self {
+        BindingError::Core(e)
+    }
+}
+
+impl From<PyKvError> for BindingError {
+    fn from(PyKvError(e): PyKvError) -> Self {
+        BindingError::Core(e)
+    }
+}
+
+impl From<PyErr> for BindingError {
+    fn from(e: PyErr) -> Self {
+        BindingError::Python(e)
+    }
+}
+
+impl From<BindingError> for PyErr {
+    fn from(e: BindingError) -> PyErr {
+        match e {
+            BindingError::Core(e) => PyKvError(e).into(),
+            BindingError::Python(e) => e,
+        }
+    }
+}
+
+pub type KvResult<T> = Result<T, BindingError>;

@@ -1,20 +1,94 @@
-//! Turning Python values into block ids and counts. Anything that is not a valid id
-//! (negative, past the end, too big for any integer type, not an integer at all) becomes
-//! `InvalidBlockError`, never a bare `OverflowError` or `TypeError`.
+//! Turning Python values into block ids, request ids and counts, under the binding's error
+//! convention: a value of the wrong type (a float, str, None or bool where an int is
+//! expected) raises `TypeError` naming the argument and the type received; an int that is no
+//! valid id or count (negative, past the end, beyond any integer type) raises a `KvError`
+//! subclass (`InvalidBlockError` for block ids, `InvalidArgumentError` otherwise).
+//!
+//! Integers are Python ints, NumPy integer scalars and anything with `__index__`. Bools
+//! (Python's and NumPy's) are refused as a wrong type although `bool` subclasses `int`:
+//! `True` as a count or an id is a mistake, not a 1.
 
 use kvpool_core::CoreError;
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyInt};
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyInt, PyIterator, PyString};
 use smallvec::SmallVec;
 
 use crate::errors::PyKvError;
 use crate::int_array::{is_numpy_bool, IntArray};
 
-fn invalid(value: &Bound<'_, PyAny>, reason: impl Into<String>) -> CoreError {
-    let shown = value.repr().map(|r| r.to_string()).unwrap_or_else(|_| "<unprintable>".into());
-    CoreError::InvalidBlock { value: shown, reason: reason.into() }
+/// A value as an error message shows it: its repr, cut short (a long list's repr could be
+/// megabytes).
+pub fn shown(value: &Bound<'_, PyAny>) -> String {
+    const MAX_CHARS: usize = 60;
+    let repr = value.repr().map(|r| r.to_string()).unwrap_or_else(|_| "<unprintable>".into());
+    if repr.chars().count() <= MAX_CHARS {
+        return repr;
+    }
+    format!("{}...", repr.chars().take(MAX_CHARS).collect::<String>())
+}
+
+/// The name of a value's type, as an error message shows it.
+pub fn type_name(value: &Bound<'_, PyAny>) -> String {
+    value.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "<unnamed>".into())
+}
+
+/// `TypeError: {what}: must be {expected}, not {type} ({value})`. `what` names the argument
+/// ("argument 'request_id'", "argument 'counts': item 2"); an empty `what` leaves the naming
+/// to PyO3, which prefixes "argument '<name>': " to a TypeError raised while extracting one.
+pub fn wrong_type(what: &str, expected: &str, value: &Bound<'_, PyAny>) -> PyErr {
+    let prefix = if what.is_empty() { String::new() } else { format!("{what}: ") };
+    PyTypeError::new_err(format!(
+        "{prefix}must be {expected}, not {} ({})",
+        type_name(value),
+        shown(value)
+    ))
+}
+
+/// Whether `value` is a bool, Python's or NumPy's.
+pub fn is_bool(value: &Bound<'_, PyAny>) -> bool {
+    value.is_instance_of::<PyBool>() || is_numpy_bool(value)
+}
+
+/// Whether `value` is a str, bytes or bytearray: iterable, but never a sequence of ints here.
+pub fn is_text(value: &Bound<'_, PyAny>) -> bool {
+    value.is_instance_of::<PyString>()
+        || value.is_instance_of::<PyBytes>()
+        || value.is_instance_of::<PyByteArray>()
+}
+
+/// The Python int that `value` stands for: an int itself, or what `__index__` returns (NumPy
+/// integers, user types). A bool, or anything without `__index__`, is a `TypeError` naming
+/// `what`; any other exception the caller's `__index__` raises propagates as it is.
+pub fn index<'py>(value: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyInt>> {
+    if is_bool(value) {
+        return Err(wrong_type(what, "an int", value));
+    }
+    if let Ok(int) = value.cast::<PyInt>() {
+        return Ok(int.clone());
+    }
+    // SAFETY: `value` is a live object while we hold the GIL; PyNumber_Index returns a new
+    // reference to an int, or NULL with an exception set.
+    let index = unsafe { pyo3::ffi::PyNumber_Index(value.as_ptr()) };
+    // SAFETY: as above: an owned reference or NULL with the error set.
+    match unsafe { Bound::from_owned_ptr_or_err(value.py(), index) } {
+        // SAFETY: PyNumber_Index returns an int (an int subclass at most) or fails.
+        Ok(int) => Ok(unsafe { int.cast_into_unchecked() }),
+        Err(e) if e.is_instance_of::<PyTypeError>(value.py()) => {
+            Err(wrong_type(what, "an int", value))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// An int as i64, or None when it is beyond i64 (either sign).
+fn as_i64(int: &Bound<'_, PyInt>) -> PyResult<Option<i64>> {
+    match int.extract::<i64>() {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if e.is_instance_of::<PyOverflowError>(int.py()) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 fn check_range(value: i64, num_blocks: usize) -> Result<u32, CoreError> {
@@ -30,28 +104,62 @@ fn check_range(value: i64, num_blocks: usize) -> Result<u32, CoreError> {
     Ok(value as u32)
 }
 
-/// One block id, checked against `0..num_blocks`.
-pub fn block_id(value: &Bound<'_, PyAny>, num_blocks: usize) -> Result<u32, CoreError> {
-    if value.is_instance_of::<PyBool>() {
-        return Err(invalid(value, "a bool is not a block id"));
+/// One block id, checked against `0..num_blocks`; `what` names the argument.
+pub fn block_id(value: &Bound<'_, PyAny>, num_blocks: usize, what: &str) -> PyResult<u32> {
+    let int = index(value, what)?;
+    match as_i64(&int)? {
+        Some(v) => Ok(check_range(v, num_blocks).map_err(PyKvError)?),
+        None => Err(PyKvError(CoreError::InvalidBlock {
+            value: shown(&int),
+            reason: "too large for any block id".into(),
+        })
+        .into()),
     }
-    match value.extract::<i64>() {
-        Ok(v) => check_range(v, num_blocks),
-        Err(_) if is_numpy_bool(value) => Err(invalid(value, "a bool is not a block id")),
-        Err(e)
-            if e.is_instance_of::<PyOverflowError>(value.py())
-                || value.is_instance_of::<PyInt>() =>
-        {
-            Err(invalid(value, "too large for any block id"))
+}
+
+/// Checks a NumPy array passed where a sequence of ints is expected: a dtype that holds no
+/// integers is a `TypeError` (an object array is read element by element, like a list), an
+/// array of other than one dimension `InvalidArgumentError`; `what` names the argument.
+pub fn check_int_array(array: &Bound<'_, PyUntypedArray>, what: &str) -> PyResult<()> {
+    let dtype = array.dtype();
+    match dtype.kind() {
+        b'i' | b'u' | b'O' => {}
+        b'b' => {
+            return Err(PyTypeError::new_err(format!(
+                "{what}: must be an integer array, not a bool array"
+            )))
         }
-        Err(_) => Err(invalid(
-            value,
-            format!(
-                "not an integer (type {})",
-                value.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-            ),
-        )),
+        _ => {
+            return Err(PyTypeError::new_err(format!(
+                "{what}: must be an integer array, not an array of dtype {}",
+                dtype.str().map(|s| s.to_string()).unwrap_or_default()
+            )))
+        }
     }
+    if array.ndim() != 1 {
+        return Err(PyKvError(CoreError::InvalidArgument(format!(
+            "{what}: must be one-dimensional, got an array of shape {:?}",
+            array.shape()
+        )))
+        .into());
+    }
+    Ok(())
+}
+
+/// An iterator over `values`, which must be an iterable of ints: a non-iterable, a str or
+/// bytes is a `TypeError` naming `what`; an exception the caller's `__iter__` raises
+/// propagates as it is.
+pub fn int_iter<'py>(values: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyIterator>> {
+    if is_text(values) {
+        return Err(wrong_type(what, "an iterable of ints", values));
+    }
+    values.try_iter().map_err(|e| {
+        if e.is_instance_of::<PyTypeError>(values.py()) {
+            wrong_type(what, "an iterable of ints", values)
+        } else {
+            e // raised by the caller's __iter__
+        }
+    })
 }
 
 /// Batches at least this large run with the GIL released. Below it, the release and
@@ -73,14 +181,14 @@ pub type BlockIds = SmallVec<[u32; DETACH_MIN_BLOCKS]>;
 /// dev VM counted 852 instructions for a 16-id `free_many` returning it, 589 with the
 /// out-parameter).
 pub fn block_ids(values: &Bound<'_, PyAny>, num_blocks: usize, ids: &mut BlockIds) -> PyResult<()> {
+    const WHAT: &str = "argument 'block_ids'";
     if let Ok(array) = values.cast::<PyUntypedArray>() {
-        if array.ndim() != 1 {
-            return Err(PyKvError(CoreError::InvalidArgument(format!(
-                "block ids must be one-dimensional, got an array of shape {:?}",
-                array.shape()
-            )))
-            .into());
+        if array.dtype().kind() == b'b' {
+            return Err(PyTypeError::new_err(format!(
+                "{WHAT}: must be an integer array, not a bool array (for a mask, pass np.flatnonzero(mask))"
+            )));
         }
+        check_int_array(array, WHAT)?;
         if let Some(ints) = IntArray::of(array) {
             reserve(ids, ints.len(), num_blocks)?;
             let mut first_bad = None;
@@ -96,27 +204,12 @@ pub fn block_ids(values: &Bound<'_, PyAny>, num_blocks: usize, ids: &mut BlockId
             }
             return Ok(());
         }
-        if array.dtype().kind() == b'b' {
-            return Err(PyKvError(invalid(
-                values,
-                "a bool is not a block id (for a mask, pass np.flatnonzero(mask))",
-            ))
-            .into());
-        }
+        // An unsigned, object or non-native array: read element by element below.
     }
-    let iter = values.try_iter().map_err(|e| {
-        if !e.is_instance_of::<PyTypeError>(values.py()) {
-            return e; // raised by the caller's __iter__
-        }
-        PyKvError(CoreError::InvalidArgument(format!(
-            "block ids must be an iterable of ints, got {}",
-            values.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-        )))
-        .into()
-    })?;
+    let iter = int_iter(values, WHAT)?;
     reserve(ids, values.len().unwrap_or(0), num_blocks)?;
-    for item in iter {
-        ids.push(block_id(&item?, num_blocks).map_err(PyKvError)?);
+    for (i, item) in iter.enumerate() {
+        ids.push(block_id(&item?, num_blocks, &format!("{WHAT}: item {i}"))?);
     }
     Ok(())
 }
@@ -135,57 +228,47 @@ fn reserve(ids: &mut BlockIds, len: usize, num_blocks: usize) -> PyResult<()> {
     })
 }
 
-/// A Python int argument for a count, size or index. An int beyond i64 keeps the int
-/// itself, so that errors name what the caller passed, never a clamped value. A bool
-/// (Python's or NumPy's) is kept too and refused by [`count`] and [`tokens`], whose errors
-/// name the argument.
+/// A Python int argument for a count, size or index (an int, a NumPy integer or anything
+/// with `__index__`; a bool or any other type is a `TypeError`, which PyO3 prefixes with the
+/// argument's name). An int beyond i64 keeps the int itself, so that errors name what the
+/// caller passed, never a clamped value.
 pub struct Int {
     value: i64,
-    given: Given,
-}
-
-/// What the caller passed for an [`Int`], when it is not simply `value`.
-enum Given {
-    /// An int that fits i64: `value` itself.
-    Fits,
-    /// An int beyond i64 (then `value` is i64::MIN or i64::MAX).
-    Big(Py<PyAny>),
-    /// A bool, refused wherever an `Int` is used.
-    Bool(Py<PyAny>),
+    /// The caller's int when it is beyond i64 (then `value` is i64::MIN or i64::MAX).
+    big: Option<Py<PyInt>>,
 }
 
 impl Int {
     pub fn new(value: i64) -> Self {
-        Int { value, given: Given::Fits }
+        Int { value, big: None }
     }
-    /// The int as the caller wrote it, in decimal (a bool as its repr).
+    /// `value` read as an int; `what` names it in a `TypeError`.
+    pub fn of(value: &Bound<'_, PyAny>, what: &str) -> PyResult<Self> {
+        let int = index(value, what)?;
+        match as_i64(&int)? {
+            Some(v) => Ok(Int::new(v)),
+            None => {
+                let value = if int.lt(0)? { i64::MIN } else { i64::MAX };
+                Ok(Int { value, big: Some(int.unbind()) })
+            }
+        }
+    }
+    /// The int as the caller wrote it, in decimal.
     pub fn shown(&self) -> String {
-        match &self.given {
-            Given::Fits => self.value.to_string(),
-            Given::Big(big) => {
+        match &self.big {
+            None => self.value.to_string(),
+            Some(big) => {
                 Python::attach(|py| big.bind(py).str().map(|s| s.to_string()).unwrap_or_default())
             }
-            Given::Bool(b) => {
-                Python::attach(|py| b.bind(py).repr().map(|s| s.to_string()).unwrap_or_default())
-            }
         }
+    }
+    /// Whether the int is below zero.
+    pub fn is_negative(&self) -> bool {
+        self.value < 0
     }
     /// The caller's int, when it is too large for any count (beyond i64).
-    pub fn too_large(&self) -> Option<&Py<PyAny>> {
-        match &self.given {
-            Given::Big(big) if self.value > 0 => Some(big),
-            _ => None,
-        }
-    }
-    /// Refuses a bool (`True` would otherwise count as 1), naming the argument.
-    pub fn refuse_bool(&self, what: &str) -> Result<(), CoreError> {
-        match self.given {
-            Given::Bool(_) => Err(CoreError::InvalidArgument(format!(
-                "{what} must be an int, not a bool (got {})",
-                self.shown()
-            ))),
-            _ => Ok(()),
-        }
+    pub fn too_large(&self) -> Option<&Py<PyInt>> {
+        self.big.as_ref().filter(|_| self.value > 0)
     }
 }
 
@@ -193,26 +276,12 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Int {
     type Error = PyErr;
 
     fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        if obj.is_instance_of::<PyBool>() {
-            return Ok(Int { value: 0, given: Given::Bool(obj.to_owned().unbind()) });
-        }
-        match obj.extract::<i64>() {
-            Ok(v) => Ok(Int::new(v)),
-            Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => {
-                let value = if obj.lt(0)? { i64::MIN } else { i64::MAX };
-                Ok(Int { value, given: Given::Big(obj.to_owned().unbind()) })
-            }
-            Err(_) if is_numpy_bool(&obj) => {
-                Ok(Int { value: 0, given: Given::Bool(obj.to_owned().unbind()) })
-            }
-            Err(e) => Err(e),
-        }
+        Int::of(&obj, "")
     }
 }
 
 /// A non-negative count of blocks (or tokens, or layers) that fits the machine's words.
 pub fn count(value: Int, what: &str) -> Result<usize, CoreError> {
-    value.refuse_bool(what)?;
     if value.too_large().is_some() {
         return Err(CoreError::InvalidArgument(format!(
             "{what} {} is out of range (at most {})",
@@ -238,21 +307,23 @@ pub fn tokens(value: Int, what: &str) -> PyResult<usize> {
     Ok(count(value, what).map_err(crate::errors::PyKvError)?)
 }
 
-/// A fraction argument (a float, or an int). Bools (NumPy's too) are refused: `True` is not
-/// a fraction.
+/// A fraction argument: a float, or an int. A bool (NumPy's too) is a `TypeError`: `True` is
+/// not a fraction.
 pub struct Fraction(pub f64);
 
 impl<'a, 'py> FromPyObject<'a, 'py> for Fraction {
     type Error = PyErr;
 
     fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        if obj.is_instance_of::<PyBool>() || is_numpy_bool(&obj) {
-            return Err(crate::errors::PyKvError(CoreError::InvalidArgument(format!(
-                "expected a fraction, got the bool {}",
-                obj.repr()?
-            )))
-            .into());
+        if is_bool(&obj) {
+            return Err(wrong_type("", "a float", &obj));
         }
-        obj.extract::<f64>().map(Fraction)
+        obj.extract::<f64>().map(Fraction).map_err(|e| {
+            if e.is_instance_of::<PyTypeError>(obj.py()) {
+                wrong_type("", "a float", &obj)
+            } else {
+                e
+            }
+        })
     }
 }

@@ -27,11 +27,18 @@ impl PyKvLayout {
     ) -> KvResult<Self> {
         let dtype = DType::parse(dtype)?;
         let size = |value: Int, what: &str| {
-            value.refuse_bool(what)?;
-            let shown = value.shown();
-            ids::count(value, what).map_err(|_| {
-                CoreError::InvalidLayout(format!("{what} must be positive, got {shown}"))
-            })
+            if value.is_negative() {
+                return Err(CoreError::InvalidLayout(format!(
+                    "{what} must be positive, got {}",
+                    value.shown()
+                )));
+            }
+            match ids::count(value, what) {
+                Ok(0) => Err(CoreError::InvalidLayout(format!("{what} must be positive, got 0"))),
+                Ok(n) => Ok(n),
+                Err(CoreError::InvalidArgument(why)) => Err(CoreError::InvalidLayout(why)),
+                Err(e) => Err(e),
+            }
         };
         Ok(PyKvLayout {
             inner: KvLayout::new(

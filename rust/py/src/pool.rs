@@ -222,7 +222,7 @@ impl PyPool {
 
     /// Drops one reference to a block; it is free again when no reference is left.
     fn free(&self, block_id: &Bound<'_, PyAny>) -> KvResult<()> {
-        let id = ids::block_id(block_id, self.inner.num_blocks())?;
+        let id = ids::block_id(block_id, self.inner.num_blocks(), "argument 'block_id'")?;
         Ok(self.inner.free(id)?)
     }
 
@@ -241,13 +241,13 @@ impl PyPool {
 
     /// Current reference count of a block (0: free).
     fn ref_cnt(&self, block_id: &Bound<'_, PyAny>) -> KvResult<u32> {
-        let id = ids::block_id(block_id, self.inner.num_blocks())?;
+        let id = ids::block_id(block_id, self.inner.num_blocks(), "argument 'block_id'")?;
         Ok(self.inner.ref_cnt(id)?)
     }
 
     /// Address of a block: `base_ptr + block_id * block_bytes`.
     fn block_ptr(&self, block_id: &Bound<'_, PyAny>) -> KvResult<u64> {
-        let id = ids::block_id(block_id, self.inner.num_blocks())?;
+        let id = ids::block_id(block_id, self.inner.num_blocks(), "argument 'block_id'")?;
         Ok(self.inner.block_ptr(id)?)
     }
 

@@ -5,17 +5,13 @@ use kvpool_core::prefix_cache::{BlockHash, KvEvent, Medium, PrefixCacheStats};
 use kvpool_core::CoreError;
 use numpy::{PyArray1, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyByteArray, PyBytes, PyDict, PyString};
+use pyo3::types::{PyBytes, PyDict, PyString};
 
 use crate::errors::PyKvError;
-use crate::int_array::is_numpy_bool;
+use crate::ids;
 
 fn invalid(message: String) -> CoreError {
     CoreError::InvalidArgument(message)
-}
-
-fn type_name(value: &Bound<'_, PyAny>) -> String {
-    value.get_type().name().map(|n| n.to_string()).unwrap_or_default()
 }
 
 /// Integers checked into token ids in one pass the compiler vectorises (a 4096-token
@@ -37,14 +33,10 @@ fn checked_token_ids<T: Copy + Into<i64>>(
     Err(invalid(format!("token id {bad} is not in 0..2**32")))
 }
 
-fn token_id(v: i64) -> Result<u32, CoreError> {
-    u32::try_from(v).map_err(|_| invalid(format!("token id {v} is not in 0..2**32")))
-}
-
 /// Token ids: a 1-D int32/int64/uint32 NumPy array (fast path: read in place through
-/// rust-numpy, checked and narrowed in one pass) or an iterable of ints, each in 0..2**32.
-/// Strings, bytes, bools, floats and nested arrays are refused; an exception the caller's
-/// iterable raises propagates as it is.
+/// rust-numpy, checked and narrowed in one pass) or an iterable of ints, each in 0..2**32
+/// (`InvalidArgumentError` otherwise). Strings, bytes, bools, floats and arrays of other
+/// dtypes are a `TypeError`; an exception the caller's iterable raises propagates as it is.
 pub fn token_ids(value: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     // int64 first: NumPy's default integer, and each failed extraction costs an exception.
     if let Ok(a) = value.extract::<PyReadonlyArray1<'_, i64>>() {
@@ -62,35 +54,12 @@ pub fn token_ids(value: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     if let Ok(a) = value.extract::<PyReadonlyArray1<'_, u32>>() {
         return Ok(a.as_array().to_vec());
     }
+    const WHAT: &str = "argument 'token_ids'";
     if let Ok(a) = value.cast::<PyUntypedArray>() {
-        return Err(PyKvError(invalid(format!(
-            "token_ids must be a 1-D integer array, got shape {:?} of dtype {}",
-            a.shape(),
-            a.dtype().str().map(|s| s.to_string()).unwrap_or_default()
-        )))
-        .into());
+        ids::check_int_array(a, WHAT)?;
+        // Any other integer dtype (int8, uint64, big-endian): read element by element below.
     }
-    if value.is_instance_of::<PyString>()
-        || value.is_instance_of::<PyBytes>()
-        || value.is_instance_of::<PyByteArray>()
-    {
-        return Err(PyKvError(invalid(format!(
-            "token_ids must be a sequence of ints, got {}",
-            type_name(value)
-        )))
-        .into());
-    }
-    let iter = value.try_iter().map_err(|e| {
-        if e.is_instance_of::<pyo3::exceptions::PyTypeError>(value.py()) {
-            PyKvError(invalid(format!(
-                "token_ids must be a sequence of ints, got {}",
-                type_name(value)
-            )))
-            .into()
-        } else {
-            e // raised by the caller's __iter__
-        }
-    })?;
+    let iter = ids::int_iter(value, WHAT)?;
     let mut out = Vec::new();
     let room = value.len().unwrap_or(0);
     out.try_reserve_exact(room).map_err(|_| {
@@ -99,42 +68,39 @@ pub fn token_ids(value: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
             device: "host".into(),
         })
     })?;
-    for item in iter {
-        let item = item?;
-        if item.is_instance_of::<PyBool>() || is_numpy_bool(&item) {
-            return Err(PyKvError(invalid(format!("token id {item} is a bool, not an int"))).into());
-        }
-        let v = item.extract::<i64>().map_err(|_| {
-            let shown = item.repr().map(|r| r.to_string()).unwrap_or_default();
-            PyKvError(invalid(format!("token id {shown} is not an int in 0..2**32")))
+    for (i, item) in iter.enumerate() {
+        let int = ids::index(&item?, &format!("{WHAT}: item {i}"))?;
+        let v = int.extract::<u32>().map_err(|_| {
+            PyKvError(invalid(format!("token id {} is not in 0..2**32", ids::shown(&int))))
         })?;
-        out.push(token_id(v).map_err(PyKvError)?);
+        out.push(v);
     }
     Ok(out)
 }
 
 /// `cache_salt`: None, a str (UTF-8) or bytes.
-pub fn cache_salt(value: Option<&Bound<'_, PyAny>>) -> Result<Option<Vec<u8>>, CoreError> {
+pub fn cache_salt(value: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> {
     let Some(value) = value.filter(|v| !v.is_none()) else { return Ok(None) };
     if let Ok(s) = value.cast::<PyString>() {
         return Ok(Some(
-            s.to_str().map_err(|e| invalid(format!("cache_salt: {e}")))?.as_bytes().to_vec(),
+            s.to_str()
+                .map_err(|e| PyKvError(invalid(format!("cache_salt: {e}"))))?
+                .as_bytes()
+                .to_vec(),
         ));
     }
     if let Ok(b) = value.cast::<PyBytes>() {
         return Ok(Some(b.as_bytes().to_vec()));
     }
-    Err(invalid(format!("cache_salt must be a str, bytes or None, got {}", type_name(value))))
+    Err(ids::wrong_type("argument 'cache_salt'", "a str, bytes or None", value))
 }
 
 /// `extra_keys`: None or bytes.
-pub fn extra_keys(value: Option<&Bound<'_, PyAny>>) -> Result<Vec<u8>, CoreError> {
+pub fn extra_keys(value: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u8>> {
     let Some(value) = value.filter(|v| !v.is_none()) else { return Ok(Vec::new()) };
     match value.cast::<PyBytes>() {
         Ok(b) => Ok(b.as_bytes().to_vec()),
-        Err(_) => {
-            Err(invalid(format!("extra_keys must be bytes or None, got {}", type_name(value))))
-        }
+        Err(_) => Err(ids::wrong_type("argument 'extra_keys'", "bytes or None", value)),
     }
 }
 

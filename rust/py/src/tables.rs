@@ -10,78 +10,83 @@ use pyo3::prelude::*;
 
 use crate::errors::{KvResult, PyKvError};
 use crate::ids::{self, Int};
-use crate::int_array::{is_numpy_bool, IntArray};
+use crate::int_array::IntArray;
 use crate::pool::PyPool;
 
 /// Prompts at least this long are added with the GIL released.
 const DETACH_MIN_TOKENS: usize = 1024;
 
-/// Request ids: any Python int in 0..2**64. Bools (NumPy's too) are refused.
-pub fn request_id(value: &Bound<'_, PyAny>) -> Result<u64, CoreError> {
-    if value.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(CoreError::InvalidArgument(format!(
-            "request id {value} is a bool, not an integer"
-        )));
-    }
-    value.extract::<u64>().map_err(|_| {
-        if is_numpy_bool(value) {
-            return CoreError::InvalidArgument(format!(
-                "request id {value} is a bool, not an integer"
-            ));
-        }
-        let shown = value.repr().map(|r| r.to_string()).unwrap_or_default();
-        CoreError::InvalidArgument(format!("request id {shown} is not an integer in 0..2**64"))
+/// A request id: any int in 0..2**64 (a NumPy integer, or anything with `__index__`). A bool
+/// or any other type is a `TypeError`; an int outside the range is `InvalidArgumentError`.
+pub fn request_id(value: &Bound<'_, PyAny>) -> PyResult<u64> {
+    named_request_id(value, "argument 'request_id'")
+}
+
+/// [`request_id`] of the argument `what` names.
+pub fn named_request_id(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    let int = ids::index(value, what)?;
+    int.extract::<u64>().map_err(|_| {
+        let shown = ids::shown(&int);
+        let why = if int.lt(0).unwrap_or(false) { "is negative" } else { "is 2**64 or more" };
+        PyKvError(CoreError::InvalidArgument(format!(
+            "{what}: request id {shown} {why} (request ids are in 0..2**64)"
+        )))
+        .into()
     })
 }
 
 /// Request ids: a 1-D int64 NumPy array (read in place) or any iterable of ints. An
 /// exception the caller's iterable raises propagates as it is.
 pub fn request_ids(values: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
-    if let Some(ints) = values.cast::<PyUntypedArray>().ok().and_then(IntArray::of) {
-        return ints
-            .values()
-            .map(|v| {
-                u64::try_from(v).map_err(|_| {
-                    PyKvError(CoreError::InvalidArgument(format!("request id {v} is negative")))
+    const WHAT: &str = "argument 'request_ids'";
+    if let Ok(array) = values.cast::<PyUntypedArray>() {
+        ids::check_int_array(array, WHAT)?;
+        if let Some(ints) = IntArray::of(array) {
+            return ints
+                .values()
+                .map(|v| {
+                    u64::try_from(v).map_err(|_| {
+                        PyKvError(CoreError::InvalidArgument(format!(
+                            "{WHAT}: request id {v} is negative (request ids are in 0..2**64)"
+                        )))
                         .into()
+                    })
                 })
-            })
-            .collect();
+                .collect();
+        }
     }
-    let iter = values
-        .try_iter()
-        .map_err(|e| iterable_error(e, values.py(), "request_ids must be an iterable of ints"))?;
-    iter.map(|item| Ok(request_id(&item?).map_err(PyKvError)?)).collect()
-}
-
-/// The error for an argument that `iter()` refused: the caller's own exception from its
-/// `__iter__` as it is, or `InvalidArgumentError` when the value is not iterable.
-fn iterable_error(e: PyErr, py: Python<'_>, message: &str) -> PyErr {
-    if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py) {
-        PyKvError(CoreError::InvalidArgument(message.into())).into()
-    } else {
-        e
-    }
+    let iter = ids::int_iter(values, WHAT)?;
+    iter.enumerate()
+        .map(|(i, item)| named_request_id(&item?, &format!("{WHAT}: item {i}")))
+        .collect()
 }
 
 /// `counts` is one int for every request, or one per request. An exception the caller's
 /// iterable raises propagates as it is.
 fn token_counts(values: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<usize>> {
-    let invalid = |m: String| PyErr::from(crate::errors::PyKvError(CoreError::InvalidArgument(m)));
-    if let Ok(count) = values.extract::<Int>() {
-        return Ok(vec![ids::tokens(count, "count")?; n]);
+    const WHAT: &str = "argument 'counts'";
+    const EXPECTED: &str = "an int or an iterable of ints";
+    // One count for all: an int, a NumPy integer or anything with `__index__` (but an array,
+    // whose `__index__` only serves size-1 arrays: it is a sequence of counts).
+    if let Ok(array) = values.cast::<PyUntypedArray>() {
+        ids::check_int_array(array, WHAT)?;
+    } else if !ids::is_bool(values) && values.hasattr("__index__").unwrap_or(false) {
+        return Ok(vec![ids::tokens(Int::of(values, WHAT)?, "count")?; n]);
+    }
+    // A str is a sequence of characters, not of counts.
+    if ids::is_bool(values) || ids::is_text(values) {
+        return Err(ids::wrong_type(WHAT, EXPECTED, values));
     }
     let iter = values.try_iter().map_err(|e| {
-        iterable_error(e, values.py(), "counts must be an int or an iterable of ints")
+        if e.is_instance_of::<pyo3::exceptions::PyTypeError>(values.py()) {
+            ids::wrong_type(WHAT, EXPECTED, values)
+        } else {
+            e // raised by the caller's __iter__
+        }
     })?;
-    iter.map(|item| {
-        let item = item?;
-        let v = item
-            .extract::<Int>()
-            .map_err(|_| invalid(format!("count {item} is not an integer")))?;
-        ids::tokens(v, "count")
-    })
-    .collect()
+    iter.enumerate()
+        .map(|(i, item)| ids::tokens(Int::of(&item?, &format!("{WHAT}: item {i}"))?, "count"))
+        .collect()
 }
 
 /// (slot_mapping int64 [n], copies int32 [k, 2]) as returned by the append methods.
@@ -95,7 +100,15 @@ fn append_result<'py>(py: Python<'py>, r: AppendResult) -> AppendArrays<'py> {
     (PyArray1::from_vec(py, r.slot_mapping), copies)
 }
 
-/// Per-request block tables over one pool.
+/// Per-request block tables over one pool: up to `max_seqs` requests of up to
+/// `max_blocks_per_seq` blocks each.
+///
+/// Memory, reserved by the constructor at once: the host table, `max_seqs *
+/// max_blocks_per_seq * 4` bytes (written when made, so resident: `BlockTables(pool, 2**20,
+/// 2047)` takes 8 GiB), some tens of bytes per request slot, and on a pool with prefix caching
+/// `max_seqs * block_size * 4` bytes more. On a CUDA pool the first `sync` to each device adds
+/// a device copy and a pinned host staging buffer of `4 * max_seqs * (max_blocks_per_seq + 1)`
+/// bytes each. Memory that cannot be had raises `OutOfMemoryError`.
 #[pyclass(module = "kvpool._core", name = "BlockTables", frozen)]
 pub struct PyBlockTables {
     pub inner: Arc<BlockTables>,
@@ -121,7 +134,7 @@ impl PyBlockTables {
         request_id: &Bound<'py, PyAny>,
         num_tokens: Int,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let rid = self::request_id(request_id).map_err(PyKvError)?;
+        let rid = self::request_id(request_id)?;
         let slots =
             self.inner.add(rid, ids::tokens(num_tokens, "num_tokens")?).map_err(PyKvError)?;
         Ok(PyArray1::from_vec(py, slots))
@@ -141,10 +154,10 @@ impl PyBlockTables {
         lora_id: Option<Int>,
         extra_keys: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<crate::prefix::AddResult> {
-        let rid = self::request_id(request_id).map_err(PyKvError)?;
+        let rid = self::request_id(request_id)?;
         let tokens = crate::prefix::token_ids(token_ids)?;
-        let salt = crate::prefix::cache_salt(cache_salt).map_err(PyKvError)?;
-        let extra = crate::prefix::extra_keys(extra_keys).map_err(PyKvError)?;
+        let salt = crate::prefix::cache_salt(cache_salt)?;
+        let extra = crate::prefix::extra_keys(extra_keys)?;
         let lora_id = lora_id
             .map(|id| ids::count(id, "lora_id").map(|id| id as u64))
             .transpose()
@@ -170,7 +183,7 @@ impl PyBlockTables {
         n: Int,
         token_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<AppendArrays<'py>> {
-        let rid = self::request_id(request_id).map_err(PyKvError)?;
+        let rid = self::request_id(request_id)?;
         let n = ids::tokens(n, "n")?;
         let tokens = token_ids.map(crate::prefix::token_ids).transpose()?;
         let result = self
@@ -203,7 +216,9 @@ impl PyBlockTables {
 
     /// Adds `child_id` sharing all of `parent_id`'s blocks (copy-on-write on the next append).
     fn fork(&self, parent_id: &Bound<'_, PyAny>, child_id: &Bound<'_, PyAny>) -> KvResult<()> {
-        Ok(self.inner.fork(request_id(parent_id)?, request_id(child_id)?)?)
+        let parent = named_request_id(parent_id, "argument 'parent_id'")?;
+        let child = named_request_id(child_id, "argument 'child_id'")?;
+        Ok(self.inner.fork(parent, child)?)
     }
 
     /// Removes a request; blocks nobody else references return to the pool.

@@ -114,8 +114,8 @@ impl SlabView {
     fn __dlpack__(
         slf: &Bound<'_, Self>,
         stream: Option<Bound<'_, PyAny>>,
-        max_version: Option<(u32, u32)>,
-        dl_device: Option<(i32, i32)>,
+        max_version: Option<&Bound<'_, PyAny>>,
+        dl_device: Option<&Bound<'_, PyAny>>,
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
         let this = slf.get();
