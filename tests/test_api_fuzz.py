@@ -554,4 +554,4 @@ def test_the_fuzzer_covers_every_public_method() -> None:
         methods = {m for m in vars(cls) if not m.startswith("_") and callable(getattr(cls, m))}
         missing = methods - {n.split()[0] for n in names} - no_args
         assert not missing, f"{cls.__name__} methods not fuzzed: {sorted(missing)}"
-    assert kvpool.SlabView.__dlpack__ is not None
+    assert kvpool._core.SlabView.__dlpack__ is not None
