@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import kvpool
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,7 +88,10 @@ def test_the_shape_grid_records_a_failing_shape_and_writes_after_every_row(tmp_p
 
 
 def _kvbench(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "python")}
+    # The kvpool this test imported (an installed wheel in CI, python/ in a source checkout).
+    package_root = str(Path(kvpool.__file__).resolve().parents[1])
+    path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     return subprocess.run(
         [sys.executable, str(REPO / "bench" / "kvbench.py"), *args],
         cwd=cwd,

@@ -241,6 +241,9 @@ def test_options_are_checked_before_anything_is_allocated(capsys, monkeypatch, t
         raise AssertionError("simulate ran although an option was bad")
 
     monkeypatch.setattr(runner, "simulate", no_simulation)
+    # The CLI imports both by name: patch its own references too.
+    monkeypatch.setattr("kvpool.sim.cli.simulate", no_simulation)
+    monkeypatch.setattr("kvpool.sim.cli.simulate_disaggregated", no_simulation)
     monkeypatch.setattr("kvpool.BlockTables", no_simulation)
     monkeypatch.setattr("kvpool.Pool", no_simulation)
     line = _refused(capsys, [*TINY, "--max-model-len", "10000000", "--out", str(tmp_path / "r")])

@@ -210,6 +210,9 @@ def test_a_bad_tier_size_is_refused_before_anything_is_allocated(capsys, monkeyp
     for name in ("kvpool.Pool", "kvpool.BlockTables", "kvpool.HostTier"):
         monkeypatch.setattr(name, no_simulation)
     monkeypatch.setattr(runner, "simulate", no_simulation)
+    # The CLI imports both by name: patch its own references too.
+    monkeypatch.setattr("kvpool.sim.cli.simulate", no_simulation)
+    monkeypatch.setattr("kvpool.sim.cli.simulate_disaggregated", no_simulation)
     for size in ("-1", "1e400"):
         assert "--cpu-kv-memory" in _refused(
             capsys, [*PREEMPTING, "--cpu-kv-memory", size, "--out", str(tmp_path / "r")]

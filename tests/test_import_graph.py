@@ -48,8 +48,10 @@ def _walk(node: ast.AST, in_function: bool):
     """(import node, inside a function) for every import that can run."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, ast.If) and _is_type_checking(child.test):
-            for other in child.orelse:
-                yield from _walk(other, in_function)
+            # The else branch runs: walk it as a block, so an import written directly in it
+            # counts (walking each statement's children would skip the statement itself).
+            else_block = ast.Module(body=child.orelse, type_ignores=[])
+            yield from _walk(else_block, in_function)
             continue
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             yield child, in_function
