@@ -179,9 +179,47 @@ def test_gpu_script_runs_the_steps_asked_for_into_one_folder(tmp_path, gpus):
         expected.append(f"transfer --out {out} --name transfer")
     assert driver == expected
     assert any("--warm-flashinfer decode fp8 prefill" in c for c in calls)
-    steps = [line.split(":")[0] for line in (out / "summary.txt").read_text().splitlines()]
-    assert steps == [e.split()[4] for e in expected]
+    summary = (out / "summary.txt").read_text().splitlines()
+    steps = [line.split(":")[0] for line in summary]
+    assert steps == [e.split()[4] for e in expected] + ([] if gpus == 2 else ["transfer"])
+    if gpus == 1:
+        assert summary[-1] == "transfer: skipped (one GPU)"
     assert (out / "gpu.txt").exists()
+
+
+def test_gpu_script_checks_every_step_name_before_running_any(tmp_path):
+    env, log = _stub_gpu_machine(tmp_path, 1)
+    env["STEPS"] = "pool decdoe"
+    run = subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu.sh"), str(tmp_path / "run")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert "unknown step 'decdoe'" in run.stderr
+    assert not any("--routine" in c for c in log.read_text().splitlines())  # pool did not run
+
+
+def test_gpu_script_tests_step_is_its_groups_each_under_a_time_limit(tmp_path):
+    env, log = _stub_gpu_machine(tmp_path, 1)
+    env["STEPS"] = "tests"
+    out = tmp_path / "run"
+    run = subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu.sh"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    steps = [line.split(":")[0] for line in (out / "summary.txt").read_text().splitlines()]
+    assert steps[:4] == ["gpu_tests", "prefill_tests", "fp8_tests", "host_tier_tests"]
+    assert steps[-1] == "gpu2_tests"  # skipped with one GPU, and said so
+    pytest_calls = [c for c in log.read_text().splitlines() if "-m pytest" in c]
+    assert len(pytest_calls) >= 4
+    assert not any("--warm-flashinfer" in c for c in log.read_text().splitlines())
 
 
 def test_gpu_script_refuses_a_machine_without_a_cuda_device(tmp_path):
