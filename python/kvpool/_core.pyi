@@ -42,6 +42,8 @@ __all__ = [
 
 MAX_NUM_BLOCKS: int
 
+# The exceptions: declared once by the extension (rust/py/src/errors.rs), public as
+# kvpool.exceptions; tests/test_exceptions.py checks that this list agrees with both.
 class KvError(Exception): ...
 
 class OutOfBlocksError(KvError):
