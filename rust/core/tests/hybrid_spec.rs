@@ -1,6 +1,7 @@
 //! `ModelKvSpec`: validation with errors that name what is wrong, a uniform model's page
 //! byte for byte a `KvLayout` block, the geometry of the published models that
-//! `hybrid/hybrid.md` quotes, and the element offsets of MLA and state groups.
+//! `hybrid/hybrid.md` quotes, and the element offsets of attention, MLA and state groups,
+//! each index checked against its bound.
 
 use kvpool_core::hybrid::{
     AttentionShape, GroupKind, KvGroup, ModelKvSpec, PageGeometry, StatePacking,
@@ -184,6 +185,78 @@ fn an_mla_page_is_layer_major_latent_then_rope() {
     // The last element of a page's last token ends the page.
     assert_eq!(spec.latent_offset_bytes(0, 3, 1, 63, 575).unwrap() + 2, 4 * spec.page_bytes());
     assert!(spec.latent_offset_bytes(0, 0, 2, 0, 0).is_err());
+}
+
+fn argument_message<T: std::fmt::Debug>(result: Result<T, CoreError>) -> String {
+    match result {
+        Err(CoreError::InvalidArgument(message)) => message,
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}
+
+#[test]
+fn an_attention_offset_refuses_each_index_past_its_bound() {
+    // Two layers of 2 heads of 64 fp16 elements: 1024 bytes a token, 4 tokens a page.
+    let kind =
+        GroupKind::Full(AttentionShape { num_kv_heads: 2, head_dim: 64, dtype: DType::Float16 });
+    let spec = ModelKvSpec::new(2, vec![KvGroup::new(vec![0, 1], kind)], 4096).unwrap();
+    let offset = |page, layer, part, token, head, dim| {
+        spec.attention_offset_bytes(0, page, layer, part, token, head, dim)
+    };
+    // The last element of the last token of the last layer ends the page.
+    assert_eq!(offset(0, 1, KvPart::V, 3, 1, 63).unwrap() + 2, 4096);
+    // Each index one past its bound would address a neighbour (token 4 of layer 0's K is
+    // token 0 of its V), so each is refused, naming the index and its bound.
+    let m = argument_message(offset(0, 0, KvPart::K, 4, 0, 0));
+    assert!(m.contains("token 4") && m.contains("4 tokens per page"), "{m}");
+    let m = argument_message(offset(0, 0, KvPart::K, 0, 2, 0));
+    assert!(m.contains("kv_head 2") && m.contains("2 KV heads"), "{m}");
+    let m = argument_message(offset(0, 0, KvPart::K, 0, 0, 64));
+    assert!(m.contains("dim 64") && m.contains("head_dim 64"), "{m}");
+    let m = argument_message(offset(0, 2, KvPart::K, 0, 0, 0));
+    assert!(m.contains("layer index 2") && m.contains("2 layers"), "{m}");
+    // A page id whose offset does not fit a usize is an error, not an overflow.
+    let m = argument_message(offset(usize::MAX, 0, KvPart::K, 0, 0, 0));
+    assert!(m.contains(&format!("page_id {}", usize::MAX)), "{m}");
+    // The last page that fits is addressed up to its last element.
+    let last_page = usize::MAX / 4096;
+    assert_eq!(offset(last_page, 1, KvPart::V, 3, 1, 63).unwrap(), usize::MAX - 1);
+    assert!(offset(last_page + 1, 0, KvPart::K, 0, 0, 0).is_err());
+    // 768-byte pages (3 tokens of 256 bytes) do not divide 2^64: the last page's base
+    // fits, 255 bytes below `usize::MAX`, and so does its second token's K (128 bytes on),
+    // but not its third's.
+    let kind =
+        GroupKind::Full(AttentionShape { num_kv_heads: 1, head_dim: 64, dtype: DType::Float16 });
+    let odd = ModelKvSpec::new(1, vec![KvGroup::new(vec![0], kind)], 768).unwrap();
+    let last_page = usize::MAX / 768;
+    let at = |token| odd.attention_offset_bytes(0, last_page, 0, KvPart::K, token, 0, 0);
+    assert_eq!(at(0).unwrap(), usize::MAX - 255);
+    assert_eq!(at(1).unwrap(), usize::MAX - 127);
+    assert!(argument_message(at(2)).contains("page_id"));
+}
+
+#[test]
+fn a_latent_offset_refuses_each_index_past_its_bound() {
+    let kind = GroupKind::MlaLatent { latent_dim: 512, rope_dim: 64, dtype: DType::BFloat16 };
+    let spec = ModelKvSpec::new(2, vec![KvGroup::new(vec![0, 1], kind)], 64 * 2 * 1152).unwrap();
+    // Token 64 of layer 0 would be token 0 of layer 1; dim 576 the next token's latent.
+    let m = argument_message(spec.latent_offset_bytes(0, 0, 0, 64, 0));
+    assert!(m.contains("token 64") && m.contains("64 tokens per page"), "{m}");
+    let m = argument_message(spec.latent_offset_bytes(0, 0, 0, 0, 576));
+    assert!(m.contains("dim 576") && m.contains("512 + 64"), "{m}");
+    let m = argument_message(spec.latent_offset_bytes(0, usize::MAX, 0, 0, 0));
+    assert!(m.contains("page_id"), "{m}");
+    // A state slot's location checks its layer and byte the same way.
+    let state = ModelKvSpec::new(
+        1,
+        vec![KvGroup::new(vec![0], GroupKind::RecurrentState { bytes_per_layer: 1000 })],
+        4096,
+    )
+    .unwrap();
+    let m = argument_message(state.state_location(0, 1, 0));
+    assert!(m.contains("layer index 1") && m.contains("1 layers"), "{m}");
+    let m = argument_message(state.state_location(0, 0, 1000));
+    assert!(m.contains("byte 1000") && m.contains("1000 bytes"), "{m}");
 }
 
 /// A model as its published config describes it, and the page the note recommends:

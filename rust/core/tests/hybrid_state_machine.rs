@@ -17,32 +17,21 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 
-use kvpool_core::hybrid::{AttentionShape, GroupKind, HybridTables, KvGroup, ModelKvSpec};
+use kvpool_core::hybrid::{HybridTables, ModelKvSpec};
 use kvpool_core::pool::PoolSize;
 use kvpool_core::{CoreError, DType, Device, KvLayout, Pool};
 
-const PAGE_BYTES: usize = 1024;
+#[path = "common/hybrid.rs"]
+mod hybrid_common;
+use hybrid_common::PAGE_BYTES;
+
 const NUM_PAGES: usize = 48;
 const NUM_IDS: u64 = 4;
-
-fn heads(num_kv_heads: usize, head_dim: usize) -> AttentionShape {
-    AttentionShape { num_kv_heads, head_dim, dtype: DType::Float16 }
-}
 
 /// Tokens per page 4, 4, -, 2 and 4; a window of 5 (not a multiple of its page), a state
 /// of 2 pages, chunks of 6.
 fn mixed_spec() -> ModelKvSpec {
-    let groups = vec![
-        KvGroup::new(vec![0], GroupKind::Full(heads(1, 64))),
-        KvGroup::new(vec![1, 2], GroupKind::SlidingWindow { window: 5, shape: heads(1, 32) }),
-        KvGroup::new(vec![3], GroupKind::RecurrentState { bytes_per_layer: 1500 }),
-        KvGroup::new(
-            vec![4],
-            GroupKind::MlaLatent { latent_dim: 224, rope_dim: 32, dtype: DType::Float16 },
-        ),
-        KvGroup::new(vec![5], GroupKind::ChunkedLocal { chunk: 6, shape: heads(1, 64) }),
-    ];
-    ModelKvSpec::new(6, groups, PAGE_BYTES).unwrap()
+    hybrid_common::mixed_spec(5, 6)
 }
 
 /// What the model knows of a group: which keys a query sees, and its page size.

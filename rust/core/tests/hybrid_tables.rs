@@ -4,15 +4,16 @@
 
 use std::sync::Arc;
 
-use kvpool_core::hybrid::{
-    AttentionShape, GroupKind, HybridTables, KvGroup, ModelKvSpec, PageCopy,
-};
+use kvpool_core::hybrid::{HybridTables, ModelKvSpec, PageCopy};
 use kvpool_core::layout::KvPart;
 use kvpool_core::pool::PoolSize;
 use kvpool_core::tables::BlockTables;
 use kvpool_core::{CoreError, DType, Device, KvLayout, Pool};
 
-const PAGE_BYTES: usize = 1024;
+#[path = "common/hybrid.rs"]
+mod hybrid_common;
+use hybrid_common::PAGE_BYTES;
+
 const FULL: usize = 0;
 const WINDOW: usize = 1;
 const STATE: usize = 2;
@@ -21,27 +22,10 @@ const CHUNKED: usize = 4;
 const WINDOW_SIZE: usize = 6;
 const CHUNK: usize = 10;
 
-fn heads(num_kv_heads: usize, head_dim: usize) -> AttentionShape {
-    AttentionShape { num_kv_heads, head_dim, dtype: DType::Float16 }
-}
-
 /// Six layers over 1 KiB pages: full (4 tokens a page), a window of 6 over two layers (4 a
 /// page), a 1500-byte state (2 pages a slot), an MLA latent (2 a page), chunks of 10 (4 a page).
 fn mixed_spec() -> ModelKvSpec {
-    let groups = vec![
-        KvGroup::new(vec![0], GroupKind::Full(heads(1, 64))),
-        KvGroup::new(
-            vec![1, 2],
-            GroupKind::SlidingWindow { window: WINDOW_SIZE, shape: heads(1, 32) },
-        ),
-        KvGroup::new(vec![3], GroupKind::RecurrentState { bytes_per_layer: 1500 }),
-        KvGroup::new(
-            vec![4],
-            GroupKind::MlaLatent { latent_dim: 224, rope_dim: 32, dtype: DType::Float16 },
-        ),
-        KvGroup::new(vec![5], GroupKind::ChunkedLocal { chunk: CHUNK, shape: heads(1, 64) }),
-    ];
-    ModelKvSpec::new(6, groups, PAGE_BYTES).unwrap()
+    hybrid_common::mixed_spec(WINDOW_SIZE, CHUNK)
 }
 
 /// A host pool of `num_pages` pages of `PAGE_BYTES` (its layout only sets the block bytes).

@@ -120,6 +120,19 @@ fn invalid(message: String) -> CoreError {
     CoreError::InvalidLayout(message)
 }
 
+/// `Ok` when `index < bound`, else an `InvalidArgument` with the message `describe` gives.
+fn check_index(
+    index: usize,
+    bound: usize,
+    describe: impl FnOnce() -> String,
+) -> Result<(), CoreError> {
+    if index < bound {
+        Ok(())
+    } else {
+        Err(CoreError::InvalidArgument(describe()))
+    }
+}
+
 impl ModelKvSpec {
     /// Validates `groups` against `num_layers` layers and pages of `page_bytes` (a multiple
     /// of 256, like every block). Each token group gets `page_bytes / token_bytes` tokens
@@ -369,10 +382,12 @@ impl PageGeometry {
 
 /// Where the bytes of one element live: the formulas a kernel applies to a page id.
 impl ModelKvSpec {
-    /// Byte offset from the slab base of element `dim` of `kv_head` of `part` of token
-    /// `token` (`< block_size`) of the `layer`-th layer of attention group `group`, in page
-    /// `page_id`: [`KvLayout::element_offset_bytes`] with the group's tokens per page and
-    /// the page stride `page_bytes`.
+    /// Byte offset from the slab base of element `dim` (`< head_dim`) of `kv_head`
+    /// (`< num_kv_heads`) of `part` of token `token` (`< block_size`) of the `layer`-th
+    /// layer of attention group `group`, in page `page_id`:
+    /// [`KvLayout::element_offset_bytes`] with the group's tokens per page and the page
+    /// stride `page_bytes`. Each index past its bound is an error (it would address another
+    /// token, head or layer), and so is a page whose offset does not fit a `usize`.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_offset_bytes(
         &self,
@@ -395,22 +410,34 @@ impl ModelKvSpec {
                 )))
             }
         };
-        let block_size = self.token_block_size(group, layer)?;
+        let block_size = self.check_token_index(group, layer, token)?;
+        check_index(kv_head, shape.num_kv_heads, || {
+            format!(
+                "kv_head {kv_head} is out of range, group {group} has {} KV heads",
+                shape.num_kv_heads
+            )
+        })?;
+        check_index(dim, shape.head_dim, || {
+            format!("dim {dim} is out of range, group {group} has head_dim {}", shape.head_dim)
+        })?;
+        // With every index in range the offset inside the page is below `used_bytes`, which
+        // is at most `page_bytes`: only the page's own offset can overflow.
         let elem = shape.dtype.size_bytes();
         let head_stride = shape.head_dim * elem;
         let token_stride = shape.num_kv_heads * head_stride;
         let kv_stride = block_size * token_stride;
-        Ok(page_id * self.page_bytes
-            + layer * 2 * kv_stride
+        let in_page = layer * 2 * kv_stride
             + part as usize * kv_stride
             + token * token_stride
             + kv_head * head_stride
-            + dim * elem)
+            + dim * elem;
+        self.page_offset(page_id, in_page)
     }
 
-    /// Byte offset from the slab base of element `dim` (latent first, then rope) of token
-    /// `token` of the `layer`-th layer of MLA group `group`, in page `page_id`:
-    /// `[page][layer][token][latent | rope]`.
+    /// Byte offset from the slab base of element `dim` (latent first, then rope, so
+    /// `< latent_dim + rope_dim`) of token `token` (`< block_size`) of the `layer`-th layer of
+    /// MLA group `group`, in page `page_id`: `[page][layer][token][latent | rope]`. Each
+    /// index past its bound is an error, and so is a page whose offset does not fit a `usize`.
     pub fn latent_offset_bytes(
         &self,
         group: usize,
@@ -425,12 +452,33 @@ impl ModelKvSpec {
                 self.groups[group].kind.describe()
             )));
         };
-        let block_size = self.token_block_size(group, layer)?;
-        let token_stride = (latent_dim + rope_dim) * dtype.size_bytes();
-        Ok(page_id * self.page_bytes
-            + layer * block_size * token_stride
-            + token * token_stride
-            + dim * dtype.size_bytes())
+        let block_size = self.check_token_index(group, layer, token)?;
+        // `ModelKvSpec::new` checked that one token's bytes fit a page, so this sum does not
+        // overflow; as above, neither does the offset inside the page.
+        let token_dim = latent_dim + rope_dim;
+        check_index(dim, token_dim, || {
+            format!(
+                "dim {dim} is out of range, group {group} has {latent_dim} + {rope_dim} \
+                 (latent_dim + rope_dim) elements per token"
+            )
+        })?;
+        let token_stride = token_dim * dtype.size_bytes();
+        let in_page =
+            layer * block_size * token_stride + token * token_stride + dim * dtype.size_bytes();
+        self.page_offset(page_id, in_page)
+    }
+
+    /// `page_id * page_bytes + in_page`, or an error where that does not fit a `usize`.
+    fn page_offset(&self, page_id: usize, in_page: usize) -> Result<usize, CoreError> {
+        page_id.checked_mul(self.page_bytes).and_then(|base| base.checked_add(in_page)).ok_or_else(
+            || {
+                CoreError::InvalidArgument(format!(
+                    "page_id {page_id} is out of range: its offset of {page_id} pages of {} bytes \
+                     does not fit a usize",
+                    self.page_bytes
+                ))
+            },
+        )
     }
 
     /// Where byte `byte` of the `layer`-th layer's state of state group `group` lies: the
@@ -461,9 +509,22 @@ impl ModelKvSpec {
         })
     }
 
-    fn token_block_size(&self, group: usize, layer: usize) -> Result<usize, CoreError> {
+    /// Checks the layer index and the token (inside its page) of token group `group`, and
+    /// returns the group's tokens per page.
+    fn check_token_index(
+        &self,
+        group: usize,
+        layer: usize,
+        token: usize,
+    ) -> Result<usize, CoreError> {
         self.check_layer_index(group, layer)?;
-        Ok(self.geometry[group].block_size().expect("token groups have a block size"))
+        let block_size = self.geometry[group].block_size().expect("token groups have a block size");
+        check_index(token, block_size, || {
+            format!(
+                "token {token} is out of range, group {group} holds {block_size} tokens per page"
+            )
+        })?;
+        Ok(block_size)
     }
 
     fn check_layer_index(&self, group: usize, layer: usize) -> Result<(), CoreError> {

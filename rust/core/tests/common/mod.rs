@@ -1,4 +1,5 @@
 //! Shared by the integration tests (each test file is its own crate and includes this module).
+//! The hybrid tests' mixed model is in `hybrid.rs`, which only they include.
 
 /// xorshift64*: a tiny deterministic generator, so randomised tests need no extra crate and
 /// replay the same sequence on every machine.
