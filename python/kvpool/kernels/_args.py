@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvpool._core import InvalidArgumentError
+from kvpool.exceptions import InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -178,14 +178,14 @@ def check_elem16(arr: DevArray, name: str, dtype: str) -> None:
 
 
 def index_arg(value: Any, name: str) -> int:
-    """An integer argument (int, NumPy integer, ...); bools, floats and other types are refused
-    (``True`` would otherwise pass as 1)."""
+    """An integer argument (int, NumPy integer, ...); bools, floats and other types are a
+    TypeError, as in the binding (``True`` would otherwise pass as 1)."""
     if isinstance(value, (bool, np.bool_)):
-        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
+        raise TypeError(f"{name} must be an integer, got {value!r}")
     try:
         return operator.index(value)
     except TypeError:
-        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}") from None
+        raise TypeError(f"{name} must be an integer, got {value!r}") from None
 
 
 def check_int_array(arr: DevArray, name: str, itemsize: int, ndim: int) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvpool import reference
-from kvpool._core import InvalidArgumentError
+from kvpool.exceptions import InvalidArgumentError
 from kvpool.kernels import _build
 from kvpool.kernels._args import (
     check_elem16,

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from kvpool import reference
-from kvpool._core import InvalidArgumentError
+from kvpool.exceptions import InvalidArgumentError
 from kvpool.kernels import _build, _torch
 from kvpool.kernels._args import (
     ArrayView,

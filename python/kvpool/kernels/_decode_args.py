@@ -6,7 +6,7 @@ import ctypes
 import dataclasses
 import functools
 
-from kvpool._core import InvalidArgumentError
+from kvpool.exceptions import InvalidArgumentError
 from kvpool.kernels import _build
 from kvpool.kernels._decode_split import CTAS_PER_SM, TC_CTAS_PER_SM
 from kvpool.kernels._tuning import Tuning

@@ -20,7 +20,7 @@ import functools
 import warnings
 from typing import Any, TypeVar
 
-from kvpool._core import InvalidArgumentError
+from kvpool.exceptions import InvalidArgumentError
 
 _S = TypeVar("_S", bound=ctypes.Structure)
 

@@ -13,7 +13,7 @@ import ctypes
 import functools
 from typing import Any
 
-from kvpool._core import InvalidArgumentError
+from kvpool.exceptions import InvalidArgumentError
 from kvpool.kernels import _build
 from kvpool.kernels._args import check_int_array, check_ptr, dev, index_arg, ptr_device, view
 from kvpool.kernels._launch import (

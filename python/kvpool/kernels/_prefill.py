@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from kvpool import reference
-from kvpool._core import InvalidArgumentError
+from kvpool.exceptions import InvalidArgumentError
 from kvpool.kernels import _build, _tuning
 from kvpool.kernels._args import (
     ArrayView,
@@ -135,7 +135,7 @@ class PrefillPlan:
         workspace: Any,
     ) -> None:
         if not isinstance(causal, (bool, np.bool_)):
-            raise InvalidArgumentError(f"causal must be a bool, got {causal!r}")
+            raise TypeError(f"causal must be a bool, got {causal!r}")
         check_tables_pool(block_tables, pool, "block_tables")
         check_tables_pool(seq_lens, pool, "seq_lens")
         info = PoolInfo(pool)
@@ -565,7 +565,7 @@ def paged_attention_prefill(
     """
     layer = index_arg(layer, "layer")
     if not isinstance(causal, (bool, np.bool_)):
-        raise InvalidArgumentError(f"causal must be a bool, got {causal!r}")
+        raise TypeError(f"causal must be a bool, got {causal!r}")
     if not 0 <= layer < pool.layout.num_layers:
         raise InvalidArgumentError(f"layer {layer} outside 0..{pool.layout.num_layers - 1}")
     if plan is None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool._core import InvalidArgumentError
+from kvpool.exceptions import InvalidArgumentError
 
 MIN_SPLIT_TILES = 4  # KV tiles per split at least: shorter runs cost more in the merge
 # Automatic KV splits of one prefill launch at most: past this the merge's traffic outweighs

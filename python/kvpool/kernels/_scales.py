@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvpool import reference
-from kvpool._core import InvalidArgumentError
+from kvpool.exceptions import InvalidArgumentError
 from kvpool.kernels._args import dev, device_index, index_arg, pool_is_cuda, view
 
 GRANULARITIES = ("tensor", "head")

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool._core import InvalidArgumentError
+from kvpool.exceptions import InvalidArgumentError
 
 
 def is_torch(x: Any) -> bool:
