@@ -1,8 +1,8 @@
-"""The loop of a benchmark over its shape grid (fp8_bench.py, fp8_sweep.py).
+"""The loop of a benchmark over its shape grid (routines/fp8.py, routines/fp8_sweep.py).
 
 One row per (batch, seq_len) shape; a shape that raises is recorded as a row with its error and
 the run goes on; the JSON is rewritten after every row, so a run cut short by its time limit
-keeps what it measured. Both scripts ran through it on an H200 with every row measured and
+keeps what it measured. Both routines ran through it on an H200 with every row measured and
 every sweep candidate correct (bench/results/2026-12-01_1ade54f_h200/).
 """
 

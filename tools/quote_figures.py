@@ -97,7 +97,7 @@ def join_and(items):
 
 
 # The files of a run folder written by bench/gpu.sh and bench/cpu.sh, by the names the runs of
-# 2026-12-01 (bench/gpu_session.sh, bench/vm_session.sh, since folded into those two) gave them.
+# 2026-12-01 gave them (the GPU and CPU scripts of then, since folded into those two).
 NAMES = {
     "decode/decode_h200_v4.json": "decode.json",
     "fp8/fp8_h200.json": "fp8.json",
@@ -283,7 +283,7 @@ class Report:
 
 def readme_scheduler(rep, f):
     d = load(f["sim_host"])["runs_by_reserve"]
-    rep.section("README.md Results", "scheduler, paged vs contiguous (dev VM)")
+    rep.section("README.md Results", "scheduler, paged vs contiguous (a shared 2-core CPU machine)")
     src = "sim_host runs_by_reserve.<reserve>"
     mm, p2, rq = d["max_model_len"], d["pow2"], d["request"]
     paged = mm["results"]["paged"]
@@ -424,8 +424,10 @@ def prefix_sim_runs(f):
     return sp, mt, sp["prefix_caching"], mt["prefix_caching"]
 
 
-def readme_dev_vm(rep, f):
-    rep.section("README.md Results", "prefix caching in the scheduler (dev VM)")
+def readme_cpu_machine(rep, f):
+    rep.section(
+        "README.md Results", "prefix caching in the scheduler (a shared 2-core CPU machine)"
+    )
     sp, mt, spc, mtc = prefix_sim_runs(f)
     rep.fig(
         "{} shared {}-token system prompts: hit {} of prompt tokens, {} % less prefill, {}x "
@@ -443,7 +445,7 @@ def readme_dev_vm(rep, f):
         src="prefix_sim runs.{system_prompts,multiturn}.prefix_caching.hit_rate_tokens, "
         "prefill_tokens_saved_fraction, modelled_throughput_ratio",
     )
-    rep.section("README.md Results", "prefix caching from Python (dev VM)")
+    rep.section("README.md Results", "prefix caching from Python (a shared 2-core CPU machine)")
     pc = load(f["prefix_cache"])
     miss, hit, step = pc["add_miss"], pc["add_hit"], pc["decode_step"]
     rep.fig(
@@ -739,7 +741,7 @@ def bench_scheduler(rep, f):
         src="sim_host runs_by_reserve.*.targets['paged_alloc_share < 0.05']",
     )
     s = load(f["sim_cuda"])
-    # sim_bench.py writes one run per contiguous reservation; an older file held one run.
+    # the `sim` routine writes one run per contiguous reservation; an older file held one run.
     s = s["runs_by_reserve"]["max_model_len"] if "runs_by_reserve" in s else s
     md = s["comparison"]["measured_decode_tokens_per_s"]
     rep.fig(
@@ -883,7 +885,7 @@ def bench_allocator(rep, f):
     for row in rows:
         row[4] = row[4].replace("**met**", "met")
     rep.table(
-        f"pool_cuda.json cases (ratio = baseline_us / ours_us); dev-VM row {f['pool_python']}",
+        f"pool_cuda.json cases (ratio = baseline_us / ours_us); CPU-machine row {f['pool_python']}",
         "| | kvpool | baseline | ratio | target |",
         rows,
     )
@@ -1702,7 +1704,7 @@ def gib_label(s):
 
 
 def readme_swap_sim(rep, f):
-    rep.section("README.md Results", "preemption by swap (dev VM)")
+    rep.section("README.md Results", "preemption by swap (a shared 2-core CPU machine)")
     d = load(f["swap_sim"])
     rows = d["rows"]
     top = [
@@ -2073,7 +2075,7 @@ def main():
         readme_scheduler,
         readme_pool_tables,
         readme_kernels,
-        readme_dev_vm,
+        readme_cpu_machine,
         readme_hosttier,
         readme_swap_sim,
         readme_gpu_tail,

@@ -5,7 +5,7 @@ reads the very same pages), shuffled block tables, uniform or ragged lengths (SD
 paged or ragged decode, runs only on uniform ones), R rotations of inputs so that the bytes
 touched per timing pass exceed the L2 several times (timing.rotations). Every method is timed as CUDA-graph
 replays of R calls (medians over replays, after warm-up); kvpool is also timed eagerly (Python
-wrapper included). The read ceiling is measured in the same run with bench/ceiling.cu.
+wrapper included). The read ceiling is measured in the same run with bench/routines/ceiling.cu.
 
 For the small shapes the split count is swept (`kvpool_split_sweep_us`, the same kernel with
 num_splits forced) so that the plan can be set from measurements.

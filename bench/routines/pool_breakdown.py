@@ -1,4 +1,4 @@
-"""Where the time of pool_bench.py's 16-block round trip goes, from Python, in one run.
+"""Where the time of the `pool` routine's 16-block round trip goes, from Python, in one run.
 
 Each row is one call pattern on the same host pool; differences between rows bound the parts:
 
@@ -7,12 +7,12 @@ Each row is one call pattern on the same host pool; differences between rows bou
   empty_round_trip    alloc_many(0) + free_many(empty int32 array): both calls, the NumPy array
                       made and freed, the array read path; no block moves
   single              alloc() + free(id)
-  round_trip16        alloc_many(16) + free_many(ids): pool_bench.py's alloc_many16 case
+  round_trip16        alloc_many(16) + free_many(ids): the `pool` routine's alloc_many16 case
   round_trip16_list   alloc_many(16) + free_many(list of 16 ints): the iterable path
 
 round_trip16 - empty_round_trip is the core's work for 16 blocks plus the per-id reads and
 writes of the binding (the core alone is criterion's batch16/ours/1 in benches/free_list.rs).
-No baseline: pool_bench.py compares with the pure-Python pool; this only splits our time.
+No baseline: the `pool` routine compares with the pure-Python pool; this only splits our time.
 
 Usage: python bench/kvbench.py --routine pool_breakdown [--out DIR]
 """
@@ -30,7 +30,7 @@ from provenance import provenance, write_json
 from timing import interleaved_timeit
 
 LAYOUT = kvpool.KvLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
-NUM_BLOCKS = 4096  # as in pool_bench.py
+NUM_BLOCKS = 4096  # as in routines/pool.py
 
 
 def patterns(pool: kvpool.Pool) -> dict[str, Callable[[], object]]:

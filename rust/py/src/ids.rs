@@ -177,9 +177,9 @@ pub type BlockIds = SmallVec<[u32; DETACH_MIN_BLOCKS]>;
 ///
 /// `ids` is filled in place rather than returned: returned inside a `PyResult`, the inline
 /// buffer (64 ids, 256 bytes) is built in this frame and copied out to the caller's, a
-/// memcpy per call on the `free_many` path that runs every scheduler step (callgrind on the
-/// dev VM counted 852 instructions for a 16-id `free_many` returning it, 589 with the
-/// out-parameter).
+/// memcpy per call on the `free_many` path that runs every scheduler step (callgrind counted
+/// 852 instructions reading a 16-id `free_many`'s ids returning it, 589 with the out-parameter:
+/// `bench/results/2026-12-01_c23f8bd_dev-vm/pool_round_trip_callgrind.txt`).
 pub fn block_ids(values: &Bound<'_, PyAny>, num_blocks: usize, ids: &mut BlockIds) -> PyResult<()> {
     const WHAT: &str = "argument 'block_ids'";
     if let Ok(array) = values.cast::<PyUntypedArray>() {
