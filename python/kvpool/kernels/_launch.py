@@ -20,8 +20,6 @@ import functools
 import warnings
 from typing import Any, TypeVar
 
-from kvpool.exceptions import InvalidArgumentError
-
 _S = TypeVar("_S", bound=ctypes.Structure)
 
 
@@ -40,7 +38,9 @@ def stream_handle(stream: Any) -> int:
     proto = getattr(stream, "__cuda_stream__", None)
     if proto is not None:
         return int((proto() if callable(proto) else proto)[1])
-    raise InvalidArgumentError("stream must be a CuPy stream or have __cuda_stream__")
+    raise TypeError(
+        f"stream must be a CuPy or PyTorch stream or have __cuda_stream__, got {type(stream).__name__}"
+    )
 
 
 def cupy_stream(handle: int) -> Any:

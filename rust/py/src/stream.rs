@@ -3,24 +3,28 @@
 //! memory and ordering without copies or extra synchronisation.
 
 use kvpool_core::CoreError;
+
+use crate::errors::PyKvError;
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
 /// The raw `cudaStream_t` of an object implementing the CUDA stream protocol
 /// (`__cuda_stream__() -> (version, handle)`: CuPy and PyTorch streams, `pool.stream`). Bare
-/// ints are refused: nothing could check that they name a live stream.
-pub fn handle_of(obj: &Bound<'_, PyAny>) -> Result<u64, CoreError> {
-    let not_a_stream = || {
-        CoreError::InvalidArgument(format!(
+/// ints are refused: nothing could check that they name a live stream. An object without the
+/// protocol is a wrong type (TypeError); one whose protocol answers something else, a wrong
+/// value (InvalidArgumentError).
+pub fn handle_of(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let Ok(method) = obj.getattr("__cuda_stream__") else {
+        return Err(PyTypeError::new_err(format!(
             "stream must implement __cuda_stream__ (a CuPy or PyTorch stream, or pool.stream), got {}",
             obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-        ))
+        )));
     };
-    let method = obj.getattr("__cuda_stream__").map_err(|_| not_a_stream())?;
     let (_version, handle): (u64, u64) = method.call0().and_then(|r| r.extract()).map_err(|e| {
-        CoreError::InvalidArgument(format!(
+        PyKvError(CoreError::InvalidArgument(format!(
             "__cuda_stream__() did not return (version, handle): {e}"
-        ))
+        )))
     })?;
     Ok(handle)
 }

@@ -372,7 +372,7 @@ fn sync_cuda<'py>(
     let batch = match stream {
         None => this.inner.sync(),
         Some(obj) => {
-            let handle = crate::stream::handle_of(obj).map_err(crate::errors::PyKvError)?;
+            let handle = crate::stream::handle_of(obj)?;
             // SAFETY: the handle comes from `__cuda_stream__` of a stream object the caller
             // passed and we hold for the duration of the call (bare ints are refused); the
             // protocol promises a live stream, and `sync_on` checks its context is the pool's.
@@ -413,8 +413,7 @@ fn sync_mirror<'py>(
     stream: Option<&Bound<'py, PyAny>>,
     mirror: &Bound<'py, PyPool>,
 ) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
-    let handle =
-        stream.map(crate::stream::handle_of).transpose().map_err(crate::errors::PyKvError)?;
+    let handle = stream.map(crate::stream::handle_of).transpose()?;
     // SAFETY: a given handle comes from `__cuda_stream__` of a stream object the caller passed
     // and we hold for the call (bare ints are refused); the core checks its context is the
     // mirror's. Without one, the mirror's own stream is used, and `mirror` is held.

@@ -33,7 +33,7 @@ fn stats_dict<'py>(py: Python<'py>, s: SwapStats) -> PyResult<Bound<'py, PyDict>
     Ok(d)
 }
 
-fn stream_arg(stream: Option<&Bound<'_, PyAny>>) -> Result<Option<u64>, CoreError> {
+fn stream_arg(stream: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
     stream.map(crate::stream::handle_of).transpose()
 }
 
@@ -80,7 +80,7 @@ impl PyHostTier {
         stream: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let ids = self::request_ids(request_ids)?;
-        let stream = stream_arg(stream).map_err(PyKvError)?;
+        let stream = stream_arg(stream)?;
         // SAFETY: a caller's stream comes from `__cuda_stream__` of an object held for the call
         // (bare ints are refused), and its context is checked by the core.
         let stats =
@@ -98,7 +98,7 @@ impl PyHostTier {
         stream: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let ids = self::request_ids(request_ids)?;
-        let stream = stream_arg(stream).map_err(PyKvError)?;
+        let stream = stream_arg(stream)?;
         // SAFETY: as in `swap_out`.
         let stats = py.detach(|| unsafe { self.inner.swap_in(&ids, stream) }).map_err(PyKvError)?;
         stats_dict(py, stats)
