@@ -2,8 +2,9 @@
 
 Each candidate is an fp8 decode tuning (warps per CTA, cp.async stages per warp, CTAs per SM
 the split-KV plan fills: _build.Fp8DecodeTuning, set through kvpool.kernels._tuning.override on
-the plans the candidate's calls make); "default" is the library's behaviour, no override. On the fp8 routine's grid (fp16 queries, Hq 32, Hkv 8, D 128, page 16, shuffled
-pages, input rotations beyond L2, CUDA-graph replays) every candidate is
+the plans the candidate's calls make); "default" is the library's behaviour, no override. On
+the fp8 routine's grid (fp16 queries, Hq 32, Hkv 8, D 128, page 16, shuffled pages, input
+rotations beyond L2, CUDA-graph replays) every candidate is
   - checked first: output poisoned with NaN, then compared per (sequence, head) with the float64
     reference on the dequantized cache (relative L2 error < 1e-2, no NaN); a mutated output (heads
     rolled by one) must fail the same check;
@@ -43,8 +44,9 @@ from routines.prefill import causal_flops
 
 BOUND = 1e-2
 PREFILL_START_LIMIT_S = 85  # seconds into the run after which the prefill part is skipped
-# (name, "warps=W,stages=S,fill=F"; empty: the library's defaults): DP 128 x head tile 4 modules at 141 registers (<= 3 CTAs of 4 warps
-# per SM by registers). Shared memory per CTA: 5376 B per warp and stage.
+# (name, "warps=W,stages=S,fill=F"; empty: the library's defaults): DP 128 x head tile 4
+# modules at 141 registers (<= 3 CTAs of 4 warps per SM by registers). Shared memory per CTA:
+# 5376 B per warp and stage.
 CANDIDATES = [
     ("default", ""),  # Fp8DecodeTuning's: 6 warps x 3 stages, fill 1
     ("w4s0f0", "warps=4,stages=0,fill=0"),  # the first defaults: 4 warps x 4 stages, fill 1

@@ -4,8 +4,8 @@ fp16, 32 query / 8 KV heads, head_dim 128, block 16, shuffled blocks, one layer.
 full pool on cuda:0. Two GPUs: a PoolGroup (4 KV heads and 16 query heads per rank), both
 ranks' decodes launched back to back on their pool streams. Each setup's decode plans are made
 once, outside the timing. Time per step: host wall time of R runs of them (after a warm-up),
-both devices synchronised before and after, so the two setups are timed the same way. The TP output is checked against the one-GPU output first (bit for
-bit with one split). Usage:
+both devices synchronised before and after, so the two setups are timed the same way. The TP
+output is checked against the one-GPU output first (bit for bit with one split). Usage:
 
     python bench/kvbench.py --routine tp_decode [--out DIR]
 """
