@@ -19,7 +19,7 @@ import argparse
 import cupy as cp
 import kvpool
 import numpy as np
-from kvpool.kernels import _build, append_kv, copy_blocks, paged_attention_decode
+from kvpool.kernels import _build, _tuning, append_kv, copy_blocks, paged_attention_decode
 
 SEQ_LENS = [1, 15, 17, 100, 600]  # 600: several splits through the fused merge
 HQ, HKV = 6, 2  # GQA group 3: a head tile that is not a power of two
@@ -56,17 +56,10 @@ def run_case(rng: np.random.Generator, dtype: str, d: int, bs: int) -> None:
         for splits in (None, 1, 3):
             out = cp.empty(q.shape, dtype=q.dtype)
             out.view(cp.uint16)[...] = NAN_BITS[dtype]
-            paged_attention_decode(
-                q,
-                pool,
-                1,
-                bt,
-                lens,
-                out=out,
-                num_splits=splits,
-                pipeline=pipeline,
-                max_seq_len=max(SEQ_LENS),
-            )
+            with _tuning.override(decode_pipeline=pipeline):  # the one-call form's plan takes it
+                paged_attention_decode(
+                    q, pool, 1, bt, lens, out=out, num_splits=splits, max_seq_len=max(SEQ_LENS)
+                )
             host = cp.asnumpy(out.view(cp.uint16))
             exp = (host >> (10 if dtype == "float16" else 7)) & (
                 0x1F if dtype == "float16" else 0xFF

@@ -4,7 +4,7 @@ compute-sanitizer memcheck and racecheck."""
 import cupy as cp
 import kvpool
 import numpy as np
-from kvpool.kernels import paged_attention_prefill, prefill_plan
+from kvpool.kernels import prefill_plan
 
 rng = np.random.default_rng(0)
 for dtype, d, bs in (("float16", 128, 16), ("bfloat16", 64, 8)):
@@ -25,18 +25,12 @@ for dtype, d, bs in (("float16", 128, 16), ("bfloat16", 64, 8)):
     q = cp.asarray(rng.integers(0, 0x3C00, size=(int(qo.sum()), 8, d), dtype=np.uint16))
     if dtype == "float16":
         q = q.view(cp.float16)
+    device_tables = cp.asarray(tables)
     for causal in (True, False):
         for splits in (None, 1, 3):
-            plan = prefill_plan(pool, indptr, lens, 8, causal=causal, num_splits=splits)
-            paged_attention_prefill(
-                q,
-                pool,
-                0,
-                cp.asarray(indptr),
-                cp.asarray(tables),
-                cp.asarray(lens),
-                causal=causal,
-                plan=plan,
+            plan = prefill_plan(
+                pool, indptr, device_tables, lens, 8, causal=causal, num_splits=splits
             )
+            plan.run(q, 0)
 cp.cuda.Device().synchronize()
 print("sanitize prefill case done")

@@ -5,7 +5,9 @@ reads the very same pages), shuffled block tables, uniform or ragged lengths (SD
 paged or ragged decode, runs only on uniform ones), R rotations of inputs so that the bytes
 touched per timing pass exceed the L2 several times (timing.rotations). Every method is timed as CUDA-graph
 replays of R calls (medians over replays, after warm-up); kvpool is also timed eagerly (Python
-wrapper included). The read ceiling is measured in the same run with bench/routines/ceiling.cu.
+wrapper included). kvpool's plans are made once per rotation before the timed calls, like
+FlashInfer's plan, and the timed call is the per-layer run (DecodePlan.run). The read ceiling
+is measured in the same run with bench/routines/ceiling.cu.
 
 For the small shapes the split count is swept (`kvpool_split_sweep_us`, the same kernel with
 num_splits forced) so that the plan can be set from measurements.
@@ -26,8 +28,7 @@ import kvpool
 import numpy as np
 import torch
 import torch.nn.functional as F
-from kvpool.kernels import _build, paged_attention_decode, workspace_elems
-from kvpool.kernels._plan import TC_CTAS_PER_SM, plan_decode
+from kvpool.kernels import _build, _tuning, decode_plan, paged_attention_decode, workspace_elems
 from provenance import provenance
 from timing import HOST_BATCH_CALLS, HOST_BATCHES, eager_us, graph_us, host_us, rotations
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -157,6 +158,22 @@ def random_elems(shape, dtype, gen):
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
+def per_stream_plan(make_plan, run):
+    """A timing call (given the stream) that runs `run(plan)`, the plan made by
+    `make_plan(stream)` on the call's first use of that stream (a plan is bound to its stream):
+    every timing function calls each call once, untimed, before it times, so no plan is made
+    inside the timed region."""
+    plans = {}
+
+    def call(s):
+        plan = plans.get(s.cuda_stream)
+        if plan is None:
+            plan = plans[s.cuda_stream] = make_plan(s)
+        run(plan)
+
+    return call
+
+
 def bench_flashinfer(row, name, tc, flashinfer, plan, qs, cache, ours_out0):
     """FlashInfer's decode in one mode (`tc`: tensor cores) on the same pages as ours: one
     wrapper per rotation, each planned by `plan(wrapper, r)`; times and the largest difference
@@ -217,17 +234,10 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep, hq=HQ, bs=BS, ragge
     # kvpool takes bfloat16 as any 2-byte integer array (CuPy has no bfloat16 dtype).
     as_arg = (lambda t: t.view(torch.int16)) if dtype == "bfloat16" else (lambda t: t)
     group = hq // HKV
-    tcv, gq = _build.tc_variant(dtype, d, group)
-    plan = plan_decode(
-        batch,
-        HKV * -(-group // gq),
-        seq_len,
-        tcv.tokens_per_iter,
-        cp.cuda.Device().attributes["MultiProcessorCount"],
-        ctas_per_sm=TC_CTAS_PER_SM,
-    )
+    # The split the library's default plan chooses for this shape (reported, not timed).
+    split = decode_plan(pool, tables_t[0], lens_t, hq, max_seq_len=seq_len).kv_split
     ws = cp.empty(
-        workspace_elems(batch, hq, d, max(plan.num_splits, max(SWEEP_SPLITS))), dtype=cp.float32
+        workspace_elems(batch, hq, d, max(split.num_splits, max(SWEEP_SPLITS))), dtype=cp.float32
     )
     row = {
         "shape": f"{batch}x{seq_len}" + ("r" if ragged else ""),
@@ -242,27 +252,27 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep, hq=HQ, bs=BS, ragge
         "block_size": bs,
         "kv_bytes": kv_bytes,
         "rotations": rot,
-        "num_splits": plan.num_splits,
-        "chunk_tokens": plan.chunk_tokens,
+        "num_splits": split.num_splits,
+        "chunk_tokens": split.chunk_tokens,
     }
 
-    def ours(r, splits=None, pipeline=None):
-        def call(s):
-            paged_attention_decode(
-                as_arg(qs[r]),
-                pool,
-                0,
-                tables_t[r],
-                lens_t,
-                out=as_arg(outs[r]),
-                stream=s,
-                max_seq_len=seq_len,
-                num_splits=splits,
-                workspace=ws,
-                pipeline=pipeline,
-            )
+    def ours(r, splits=None, pipeline=_build.TC):
+        def make_plan(s):
+            with _tuning.override(decode_pipeline=pipeline):
+                return decode_plan(
+                    pool,
+                    tables_t[r],
+                    lens_t,
+                    hq,
+                    max_seq_len=seq_len,
+                    num_splits=splits,
+                    stream=s,
+                    workspace=ws,
+                )
 
-        return call
+        return per_stream_plan(
+            make_plan, lambda plan: plan.run(as_arg(qs[r]), 0, out=as_arg(outs[r]))
+        )
 
     row["kvpool_kernel"] = "tensor cores (paged_decode_tc)"
     row["kvpool_us"] = graph_us([ours(r) for r in range(rot)])
@@ -273,9 +283,10 @@ def bench_shape(dtype, d, batch, seq_len, ceiling, do_sweep, hq=HQ, bs=BS, ragge
             [ours(r, pipeline=_build.PIPELINE) for r in range(rot)]
         )
     row["kvpool_eager_us"] = eager_us([ours(r) for r in range(rot)])
-    # Host time per call of the Python wrapper (eager, no sync): all hints given, and the
-    # plain form (default stream, cached workspace; max_seq_len still given: without it the
-    # wrapper must read seq_lens back, a device sync).
+    # Host time per call of the Python wrapper (eager, no sync): a plan's run, and the plain
+    # one-call form (default stream; it makes a plan, and a split workspace when it splits, on
+    # every call; max_seq_len still given: without it the plan must read seq_lens back, a
+    # device sync).
     row["kvpool_host_us"] = host_us(ours(0))
 
     def plain(s):

@@ -18,12 +18,12 @@ import cupy as cp
 import kvpool
 import numpy as np
 import torch
-from kvpool.kernels import paged_attention_decode, workspace_elems
+from kvpool.kernels import _tuning, decode_plan, workspace_elems
 from provenance import provenance
 from shape_grid import measure_grid
 from timing import graph_us, rotations
 
-from routines.decode import GRID, HKV, HQ, measure_ceiling
+from routines.decode import GRID, HKV, HQ, measure_ceiling, per_stream_plan
 
 D, BS = 128, 16
 K_SCALE, V_SCALE = 0.02, 0.01  # the cache holds N(0,1)/scale quantized: codes use the range
@@ -53,26 +53,26 @@ def make_pool(dtype, num_blocks, gen):
     return pool, cache
 
 
-def decode_calls(qs, pool, tables, lens_t, out, seq_len, ws, scales):
+def decode_calls(qs, pool, tables, lens_t, out, seq_len, ws, scales, **knobs):
     """One call per rotation r (given the stream): our decode of qs[r] over tables[r] into
-    out[r], with fp8 `scales` or None for a 16-bit pool."""
+    out[r], with fp8 `scales` or None for a 16-bit pool. Each call runs a plan made once per
+    stream before the timed calls (per_stream_plan), inside ``_tuning.override(**knobs)``."""
 
     def call(r):
-        def run(s):
-            paged_attention_decode(
-                qs[r],
-                pool,
-                0,
-                tables[r],
-                lens_t,
-                out=out[r],
-                stream=s,
-                max_seq_len=seq_len,
-                workspace=ws,
-                scales=scales,
-            )
+        def make_plan(s):
+            with _tuning.override(**knobs):
+                return decode_plan(
+                    pool,
+                    tables[r],
+                    lens_t,
+                    HQ,
+                    max_seq_len=seq_len,
+                    scales=scales,
+                    stream=s,
+                    workspace=ws,
+                )
 
-        return run
+        return per_stream_plan(make_plan, lambda plan: plan.run(qs[r], 0, out=out[r]))
 
     return [call(r) for r in range(len(qs))]
 

@@ -1,9 +1,10 @@
 """Tuning sweep of kvpool's fp8 (e4m3) decode on the GPU, to pick its defaults.
 
-Each candidate sets KVPOOL_FP8_DECODE (warps per CTA, cp.async stages per warp, CTAs per SM the
-split-KV plan fills; see kvpool/kernels/_build.py); "default" is the library's behaviour with the
-variable unset. On the fp8 routine's grid (fp16 queries, Hq 32, Hkv 8, D 128, page 16, shuffled
-pages, input rotations beyond L2, CUDA-graph replays) every candidate is
+Each candidate is an fp8 decode tuning (warps per CTA, cp.async stages per warp, CTAs per SM
+the split-KV plan fills: _build.Fp8DecodeTuning, set through kvpool.kernels._tuning.override on
+the plans the candidate's calls make); "default" is the library's behaviour, no override. On
+the fp8 routine's grid (fp16 queries, Hq 32, Hkv 8, D 128, page 16, shuffled pages, input
+rotations beyond L2, CUDA-graph replays) every candidate is
   - checked first: output poisoned with NaN, then compared per (sequence, head) with the float64
     reference on the dequantized cache (relative L2 error < 1e-2, no NaN); a mutated output (heads
     rolled by one) must fail the same check;
@@ -13,7 +14,7 @@ prints one table (microseconds, speedup over our fp16, fraction of the ceiling) 
 candidate per shape.
 
 Then the fp8 prefill on the fp8_prefill routine's shapes: our fp16 prefill, the fp8 prefill with
-synchronous loads (default) and with KVPOOL_FP8_PREFILL_ASYNC=1 (cp.async into fp8 staging
+synchronous loads (default) and with _tuning's fp8_prefill_async (cp.async into fp8 staging
 tiles). The two fp8 forms do the same arithmetic on the same fp16 tiles, so their outputs must be
 bit-identical (the synchronous form is the one the GPU tests check against float64).
 Meant to finish in well under two minutes on an H200.
@@ -24,15 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 import traceback
 
 import cupy as cp
 import kvpool
 import torch
-from kvpool.kernels import _decode, _prefill, workspace_elems
-from kvpool.kernels._build import FP8_DECODE_ENV, FP8_PREFILL_ASYNC_ENV
+from kvpool.kernels import _build, _tuning, workspace_elems
 from provenance import provenance
 from shape_grid import measure_grid
 from timing import graph_us
@@ -45,8 +44,9 @@ from routines.prefill import causal_flops
 
 BOUND = 1e-2
 PREFILL_START_LIMIT_S = 85  # seconds into the run after which the prefill part is skipped
-# (name, KVPOOL_FP8_DECODE): DP 128 x head tile 4 modules at 141 registers (<= 3 CTAs of 4 warps
-# per SM by registers). Shared memory per CTA: 5376 B per warp and stage.
+# (name, "warps=W,stages=S,fill=F"; empty: the library's defaults): DP 128 x head tile 4
+# modules at 141 registers (<= 3 CTAs of 4 warps per SM by registers). Shared memory per CTA:
+# 5376 B per warp and stage.
 CANDIDATES = [
     ("default", ""),  # Fp8DecodeTuning's: 6 warps x 3 stages, fill 1
     ("w4s0f0", "warps=4,stages=0,fill=0"),  # the first defaults: 4 warps x 4 stages, fill 1
@@ -62,14 +62,16 @@ CANDIDATES = [
 ]
 
 
-def set_tuning(value: str) -> None:
-    """Switch the fp8 decode tuning; prepared calls are cached per pool, so drop them."""
-    if value:
-        os.environ[FP8_DECODE_ENV] = value
-    else:
-        os.environ.pop(FP8_DECODE_ENV, None)
-    _decode._PREPARED.clear()
-    _decode._plan.cache_clear()
+def tuning_knobs(value: str) -> dict:
+    """The _tuning.override knobs of a candidate: "warps=W,stages=S,fill=F" (fields left out
+    take Fp8DecodeTuning's defaults) as an fp8_decode tuning; empty: none (the defaults)."""
+    if not value:
+        return {}
+    fields = {}
+    for item in value.split(","):
+        name, _, number = item.partition("=")
+        fields[name.strip()] = int(number)
+    return {"fp8_decode": _build.Fp8DecodeTuning(**fields)}
 
 
 def reference(q, cache, table, lens):
@@ -120,16 +122,18 @@ def sweep_shape(batch, seq_len, ceiling):
             ref = reference(qs[0], cache, tables[0], lens)
         out = [torch.empty_like(q) for q in qs]
 
-        calls = decode_calls(qs, pool, tables, lens_t, out, seq_len, ws, scales)
-
         if dtype == "float16":
-            set_tuning("")
-            row["fp16_us"] = graph_us(calls)
+            row["fp16_us"] = graph_us(
+                decode_calls(qs, pool, tables, lens_t, out, seq_len, ws, None)
+            )
         else:
             for name, value in CANDIDATES:
                 res = {"env": value}
                 try:
-                    set_tuning(value)
+                    # Fresh calls: their plans, made inside the override, take the tuning.
+                    calls = decode_calls(
+                        qs, pool, tables, lens_t, out, seq_len, ws, scales, **tuning_knobs(value)
+                    )
                     out[0].fill_(float("nan"))
                     calls[0](torch.cuda.current_stream())
                     torch.cuda.synchronize()
@@ -144,7 +148,6 @@ def sweep_shape(batch, seq_len, ceiling):
                     res["ok"] = False
                     res["error"] = f"{type(e).__name__}: {e}"[:300]
                 row["candidates"][name] = res
-            set_tuning("")
         del pool, cache
         torch.cuda.empty_cache()
         cp.get_default_memory_pool().free_all_blocks()
@@ -160,13 +163,12 @@ def sweep_prefill():
             flops = causal_flops(num_seqs, qo, prefix)
             outs = {}
             for key, dtype, async_ in (
-                ("fp16", "float16", "0"),
-                ("fp8_sync", "float8_e4m3fn", "0"),
-                ("fp8_async", "float8_e4m3fn", "1"),
+                ("fp16", "float16", False),
+                ("fp8_sync", "float8_e4m3fn", False),
+                ("fp8_async", "float8_e4m3fn", True),
             ):
-                os.environ[FP8_PREFILL_ASYNC_ENV] = async_
-                _prefill._PREPARED.clear()
-                us, outs[key], _ = run_prefill(dtype, num_seqs, qo, prefix)
+                with _tuning.override(fp8_prefill_async=async_):  # run_prefill makes its plan
+                    us, outs[key], _ = run_prefill(dtype, num_seqs, qo, prefix)
                 row[f"{key}_us"] = round(us, 2)
                 row[f"{key}_tflops"] = round(flops / (us * 1e-6) / 1e12, 1)
                 torch.cuda.empty_cache()
@@ -178,9 +180,6 @@ def sweep_prefill():
             traceback.print_exc()
             row["ok"] = False
             row["error"] = f"{type(e).__name__}: {e}"[:300]
-        finally:
-            os.environ.pop(FP8_PREFILL_ASYNC_ENV, None)
-            _prefill._PREPARED.clear()
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -243,7 +242,7 @@ def main(argv: list[str] | None = None):
         print(f"fp8 prefill skipped: past {PREFILL_START_LIMIT_S} s")
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
-    print("fp8 prefill us (TFLOP/s): fp16, fp8 sync, fp8 async (KVPOOL_FP8_PREFILL_ASYNC=1)")
+    print("fp8 prefill us (TFLOP/s): fp16, fp8 sync, fp8 async (fp8_prefill_async)")
     for r in result["prefill"]:
         if "error" in r:
             print(f"{r['shape']:>20} error {r['error']}")

@@ -2,10 +2,10 @@
 
 fp16, 32 query / 8 KV heads, head_dim 128, block 16, shuffled blocks, one layer. One GPU: the
 full pool on cuda:0. Two GPUs: a PoolGroup (4 KV heads and 16 query heads per rank), both
-ranks' decodes launched back to back on their pool streams. Time per step: host wall time of
-R launches (after a warm-up), both devices synchronised before and after, so the two setups
-are timed the same way. The TP output is checked against the one-GPU output first (bit for
-bit with one split). Usage:
+ranks' decodes launched back to back on their pool streams. Each setup's decode plans are made
+once, outside the timing. Time per step: host wall time of R runs of them (after a warm-up),
+both devices synchronised before and after, so the two setups are timed the same way. The TP
+output is checked against the one-GPU output first (bit for bit with one split). Usage:
 
     python bench/kvbench.py --routine tp_decode [--out DIR]
 """
@@ -87,42 +87,59 @@ def run_shape(cupy, kvpool, batch, seq_len):
             qs.append(cupy.asarray(q[:, 16 * rank : 16 * (rank + 1)]))
             outs.append(cupy.empty_like(qs[-1]))
 
-    def one(num_splits=None):
+    def plans(num_splits=None):
+        """The one-GPU decode plan and the ranks' plans, made once before their runs are timed
+        (a serving step plans once and runs per layer)."""
         with cupy.cuda.Device(0):
-            kvpool.paged_attention_decode(
-                q0,
+            one_plan = kvpool.decode_plan(
                 single,
-                0,
                 bt,
                 sl,
-                out=out0,
-                stream=single.stream,
+                HQ,
                 max_seq_len=seq_len,
                 num_splits=num_splits,
+                stream=single.stream,
             )
-
-    def tp(num_splits=None):
+        rank_plans = []
         for rank, pool in enumerate(group.pools):
             with cupy.cuda.Device(rank):
-                kvpool.paged_attention_decode(
-                    qs[rank],
-                    pool,
-                    0,
-                    *per_rank[rank],
-                    out=outs[rank],
-                    stream=pool.stream,
-                    max_seq_len=seq_len,
-                    num_splits=num_splits,
+                rank_plans.append(
+                    kvpool.decode_plan(
+                        pool,
+                        *per_rank[rank],
+                        qs[rank].shape[1],
+                        max_seq_len=seq_len,
+                        num_splits=num_splits,
+                        stream=pool.stream,
+                    )
                 )
+        return one_plan, rank_plans
 
-    one(1)
-    tp(1)
+    def one_gpu(plan):
+        def launch():
+            with cupy.cuda.Device(0):
+                plan.run(q0, 0, out=out0)
+
+        return launch
+
+    def tensor_parallel(rank_plans):
+        def launch():
+            for rank, plan in enumerate(rank_plans):
+                with cupy.cuda.Device(rank):
+                    plan.run(qs[rank], 0, out=outs[rank])
+
+        return launch
+
+    unsplit_one, unsplit_tp = plans(1)
+    one_gpu(unsplit_one)()
+    tensor_parallel(unsplit_tp)()
     for d in (0, 1):
         cupy.cuda.Device(d).synchronize()
     got = np.concatenate([cupy.asnumpy(o) for o in outs], axis=1)
     equal = bool((got == cupy.asnumpy(out0)).all())
-    one_us = _time(cupy, one, [0])
-    tp_us = _time(cupy, tp, [0, 1])
+    one_plan, rank_plans = plans()
+    one_us = _time(cupy, one_gpu(one_plan), [0])
+    tp_us = _time(cupy, tensor_parallel(rank_plans), [0, 1])
     kv_bytes = batch * seq_len * 2 * HKV * D * 2
     return {
         "batch": batch,
