@@ -166,6 +166,23 @@ def host_result(res: np.ndarray, q_dtype: str, q: Any, q_np: np.ndarray, out: An
     return out
 
 
+def host_query(
+    q: Any, info: PoolInfo, fp8: bool, check_shape: Any, out: Any
+) -> tuple[np.ndarray, str, int]:
+    """A host plan's query as NumPy, with its element type and width, checked with `out`: the
+    element types the CUDA path accepts (float16 data for a float16 pool, 2-byte non-float data,
+    bfloat16 bits, for a bfloat16 pool; never a numeric conversion), and over an fp8 pool either
+    float16 or bfloat16. `check_shape` is the plan's own shape check."""
+    q_np = host_array(q, "q")
+    check_shape(q_np.shape)
+    q_dtype = fp8_query_dtype(q_np.dtype.kind, q_np.itemsize, info.dtype) if fp8 else info.dtype
+    q_bytes = 2 if fp8 else info.layout.elem_bytes
+    if not elem_ok(q_np.dtype.kind, q_np.itemsize, q_dtype, q_bytes):
+        raise InvalidArgumentError(f"q has dtype {q_np.dtype}; the pool's dtype is {info.dtype}")
+    check_host_out(out, q_np.shape, q_dtype, q_bytes)
+    return q_np, q_dtype, q_bytes
+
+
 def check_host_out(out: Any, shape: tuple[int, ...], q_dtype: str, q_bytes: int) -> None:
     arr = None if out is None else host_array(out, "out")
     if arr is not None and (

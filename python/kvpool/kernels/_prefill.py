@@ -25,7 +25,6 @@ from kvpool.kernels._args import view as _view
 from kvpool.kernels._common import (
     PoolInfo,
     Workspace,
-    check_host_out,
     check_host_stream,
     check_layer,
     check_plan_pool,
@@ -34,6 +33,7 @@ from kvpool.kernels._common import (
     compiled_kernel,
     fp8_query_dtype,
     host_array,
+    host_query,
     host_result,
     host_scale,
     new_out,
@@ -384,17 +384,8 @@ class PrefillPlan:
 
     def _run_host(self, q: Any, layer: int, out: Any) -> Any:
         info = self.info
-        q_np = host_array(q, "q")
-        self._check_q_shape(q_np.shape)
-        # An fp8 pool: float16 or bfloat16 queries (and outputs of the same type).
         fp8 = self.scales is not None
-        q_dtype = fp8_query_dtype(q_np.dtype.kind, q_np.itemsize, info.dtype) if fp8 else info.dtype
-        q_bytes = 2 if fp8 else info.layout.elem_bytes
-        if not elem_ok(q_np.dtype.kind, q_np.itemsize, q_dtype, q_bytes):
-            raise InvalidArgumentError(
-                f"q has dtype {q_np.dtype}; the pool's dtype is {info.dtype}"
-            )
-        check_host_out(out, q_np.shape, q_dtype, q_bytes)
+        q_np, q_dtype, q_bytes = host_query(q, info, fp8, self._check_q_shape, out)
         self._check_host_rows()  # the tables' contents may have changed since the plan
         res = reference.paged_attention_prefill(
             q_np,
