@@ -1,8 +1,9 @@
 """A tiny NumPy transformer whose every layer keeps its K/V in a host kvpool pool.
 
 Small enough for CI, real enough to test a generation loop: K/V are written with
-kvpool.append_kv at the step's slots, decode tokens attend with kvpool.paged_attention_decode
-through the block table and prefill chunks attend causally over their cached prefix read back
+kvpool.append_kv at the step's slots, decode tokens attend through the block table with a
+kvpool.decode_plan made once per step and run per layer, and prefill chunks attend causally
+over their cached prefix read back
 from the pool, so a wrong slot, table or length changes the tokens it emits.
 """
 
@@ -13,7 +14,7 @@ import numpy as np
 from kvpool._core import Pool
 from kvpool.generation.batch import StepBatch
 from kvpool.generation.sampling import sample
-from kvpool.kernels import append_kv, paged_attention_decode
+from kvpool.kernels import append_kv, decode_plan
 
 
 class ToyModel:
@@ -74,19 +75,19 @@ class ToyModel:
         """float64 [num_decode, vocab] after writing every layer's K/V for the whole step."""
         h = self.embed[batch.input_ids]
         n = batch.num_decode
+        # One decode plan per step, run per layer (the tables do not change within a step).
+        decode = (
+            decode_plan(self.pool, batch.decode_block_table, batch.decode_seq_lens, self.hq)
+            if n
+            else None
+        )
         for layer, (wq, wk, wv, wo) in enumerate(self.layers):
             k, v = self._kv(h, batch.positions, wk, wv)
             append_kv(k, v, self.pool, layer, batch.slot_mapping)
             q = (h @ wq).reshape(-1, self.hq, self.d)
             attn = self._prefill_attention(q, layer, batch)
-            if n:
-                attn[:n] = paged_attention_decode(
-                    q[:n].astype(np.float32),
-                    self.pool,
-                    layer,
-                    batch.decode_block_table,
-                    batch.decode_seq_lens,
-                )
+            if decode is not None:
+                attn[:n] = decode.run(q[:n].astype(np.float32), layer)
             h = h + attn.reshape(len(h), -1) @ wo
         return h[:n] @ self.unembed
 
