@@ -3,7 +3,8 @@
 Small enough for CI, real enough to test a generation loop: K/V are written with
 kvpool.append_kv at the step's slots, decode tokens attend through the block table with a
 kvpool.decode_plan made once per step and run per layer, and prefill chunks attend causally
-over their cached prefix read back from the pool, so a wrong slot, table or length changes the tokens it emits.
+over their cached prefix read back from the pool, so a wrong slot, table or length changes
+the tokens it emits.
 """
 
 from __future__ import annotations
