@@ -152,6 +152,17 @@ def _stub_gpu_machine(tmp_path: Path, gpus: int) -> tuple[dict[str, str], Path]:
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}, log
 
 
+def _gpu_sh(env: dict[str, str], out: Path) -> subprocess.CompletedProcess:
+    """bench/gpu.sh into `out` on the stub machine `env`."""
+    return subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu.sh"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_gpu_script_runs_the_steps_asked_for_into_one_folder(tmp_path, gpus):
     # bench/gpu.sh's plumbing, without a GPU: each step calls the driver with the file names
@@ -160,13 +171,7 @@ def test_gpu_script_runs_the_steps_asked_for_into_one_folder(tmp_path, gpus):
     env, log = _stub_gpu_machine(tmp_path, gpus)
     out = tmp_path / "run"
     env["STEPS"] = "decode pool sim transfer"
-    run = subprocess.run(
-        ["bash", str(REPO / "bench" / "gpu.sh"), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = _gpu_sh(env, out)
     assert run.returncode == 0, run.stderr
     calls = log.read_text().splitlines()
     driver = [c.split("--routine ", 1)[1] for c in calls if "bench/kvbench.py --routine" in c]
@@ -190,13 +195,7 @@ def test_gpu_script_runs_the_steps_asked_for_into_one_folder(tmp_path, gpus):
 def test_gpu_script_checks_every_step_name_before_running_any(tmp_path):
     env, log = _stub_gpu_machine(tmp_path, 1)
     env["STEPS"] = "pool decdoe"
-    run = subprocess.run(
-        ["bash", str(REPO / "bench" / "gpu.sh"), str(tmp_path / "run")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = _gpu_sh(env, tmp_path / "run")
     assert run.returncode == 2
     assert "unknown step 'decdoe'" in run.stderr
     assert not any("--routine" in c for c in log.read_text().splitlines())  # pool did not run
@@ -206,13 +205,7 @@ def test_gpu_script_tests_step_is_its_groups_each_under_a_time_limit(tmp_path):
     env, log = _stub_gpu_machine(tmp_path, 1)
     env["STEPS"] = "tests"
     out = tmp_path / "run"
-    run = subprocess.run(
-        ["bash", str(REPO / "bench" / "gpu.sh"), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = _gpu_sh(env, out)
     assert run.returncode == 0, run.stderr
     steps = [line.split(":")[0] for line in (out / "summary.txt").read_text().splitlines()]
     assert steps[:4] == ["gpu_tests", "prefill_tests", "fp8_tests", "host_tier_tests"]
@@ -224,13 +217,7 @@ def test_gpu_script_tests_step_is_its_groups_each_under_a_time_limit(tmp_path):
 
 def test_gpu_script_refuses_a_machine_without_a_cuda_device(tmp_path):
     env, log = _stub_gpu_machine(tmp_path, 0)
-    run = subprocess.run(
-        ["bash", str(REPO / "bench" / "gpu.sh"), str(tmp_path / "run")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = _gpu_sh(env, tmp_path / "run")
     assert run.returncode == 2
     assert "CuPy sees no CUDA device" in run.stderr
     assert not log.exists()  # no step ran

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_checks import forbid_simulation, refused
 from kvpool.sim.cli import main
 
 BASE = [
@@ -140,16 +141,6 @@ def test_python_dash_m_exit_status(tmp_path):
     assert "Traceback" not in run.stderr
 
 
-def _refused(capsys, args) -> str:
-    """Run with `args`; it must exit 2 with one stderr line naming the problem; that line."""
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvpool simulate: error: "), err
-    assert "Traceback" not in err
-    return lines[0]
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -205,7 +196,7 @@ def _refused(capsys, args) -> str:
     ],
 )
 def test_every_bad_option_is_one_line_and_exit_2(capsys, tmp_path, args, message):
-    line = _refused(capsys, [*TINY, *args, "--out", str(tmp_path / "r")])
+    line = refused(capsys, [*TINY, *args, "--out", str(tmp_path / "r")])
     assert message in line, line
     assert not (tmp_path / "r").exists()
 
@@ -235,18 +226,8 @@ def test_block_sizes_the_model_allows_run(tmp_path):
 
 
 def test_options_are_checked_before_anything_is_allocated(capsys, monkeypatch, tmp_path):
-    import kvpool.sim.runner as runner
-
-    def no_simulation(*a, **k):
-        raise AssertionError("simulate ran although an option was bad")
-
-    monkeypatch.setattr(runner, "simulate", no_simulation)
-    # The CLI imports both by name: patch its own references too.
-    monkeypatch.setattr("kvpool.sim.cli.simulate", no_simulation)
-    monkeypatch.setattr("kvpool.sim.cli.simulate_disaggregated", no_simulation)
-    monkeypatch.setattr("kvpool.BlockTables", no_simulation)
-    monkeypatch.setattr("kvpool.Pool", no_simulation)
-    line = _refused(capsys, [*TINY, "--max-model-len", "10000000", "--out", str(tmp_path / "r")])
+    forbid_simulation(monkeypatch)
+    line = refused(capsys, [*TINY, "--max-model-len", "10000000", "--out", str(tmp_path / "r")])
     assert "--max-model-len must be in [2, 4096]" in line
 
 
@@ -359,15 +340,15 @@ def test_rate_and_arrival_options(tmp_path, arrival):
     ],
 )
 def test_bad_or_inert_option_combinations(capsys, args, message):
-    assert message in _refused(capsys, [*TINY, *args])
+    assert message in refused(capsys, [*TINY, *args])
 
 
 def test_unusable_out_fails_before_the_simulation(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert "--out" in _refused(capsys, [*TINY, "--out", str(blocker)])
-    assert "exists and is not a directory" in _refused(capsys, [*TINY, "--out", str(blocker)])
-    assert "is not a directory" in _refused(capsys, [*TINY, "--out", str(blocker / "sub")])
+    assert "--out" in refused(capsys, [*TINY, "--out", str(blocker)])
+    assert "exists and is not a directory" in refused(capsys, [*TINY, "--out", str(blocker)])
+    assert "is not a directory" in refused(capsys, [*TINY, "--out", str(blocker / "sub")])
 
 
 def test_missing_plot_dependency_is_a_clear_error(tmp_path, capsys, monkeypatch):

@@ -3,11 +3,9 @@ status 2 and one line naming the option, before anything is generated or allocat
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import kvpool
 import pytest
+from cli_checks import forbid_simulation, refused
 from kvpool.sim.cli import main
 
 TINY = [
@@ -29,23 +27,8 @@ TINY = [
 
 @pytest.fixture
 def no_simulation(monkeypatch):
-    """Fails the test if a pool, tables or a simulation is made."""
-    import kvpool.sim.runner as runner
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the simulation started although an option was bad")
-
-    monkeypatch.setattr(runner, "simulate", refuse)
-    monkeypatch.setattr("kvpool.BlockTables", refuse)
-    monkeypatch.setattr("kvpool.Pool", refuse)
-
-
-def refused(capsys, args: list[str]) -> str:
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvpool simulate: error: "), err
-    return lines[0]
+    """Fails the test if a pool, tables, a tier or a simulation is made."""
+    forbid_simulation(monkeypatch)
 
 
 @pytest.mark.parametrize(
@@ -114,19 +97,3 @@ def test_device_cuda_without_cuda_names_the_option(tmp_path, capsys, no_simulati
         "host (or auto)"
     )
     assert not (tmp_path / "r").exists()
-
-
-def test_python_dash_m_device_cuda_without_cuda(tmp_path):
-    if kvpool.cuda_available():
-        pytest.skip("a GPU is present")
-    run = subprocess.run(
-        [sys.executable, "-m", "kvpool", *TINY, "--device", "cuda", "--out", str(tmp_path / "r")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 2 and "Traceback" not in run.stderr
-    assert run.stderr.strip().splitlines() == [
-        "kvpool simulate: error: --device cuda: no CUDA driver or device here; use --device "
-        "host (or auto)"
-    ]

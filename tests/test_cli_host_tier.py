@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from cli_checks import forbid_simulation, refused
 from kvpool.sim.cli import main
 from kvpool.sim.report import table_rows
 
@@ -145,14 +146,6 @@ def test_the_simulator_refuses_a_host_tier_with_prefix_caching():
         simulate(spec)
 
 
-def _refused(capsys, args) -> str:
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvpool simulate: error: "), err
-    return lines[0]
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -196,24 +189,14 @@ def _refused(capsys, args) -> str:
     ],
 )
 def test_bad_host_tier_options(capsys, tmp_path, args, message):
-    line = _refused(capsys, [*PREEMPTING, *args, "--out", str(tmp_path / "r")])
+    line = refused(capsys, [*PREEMPTING, *args, "--out", str(tmp_path / "r")])
     assert message in line, line
     assert not (tmp_path / "r").exists()
 
 
 def test_a_bad_tier_size_is_refused_before_anything_is_allocated(capsys, monkeypatch, tmp_path):
-    import kvpool.sim.runner as runner
-
-    def no_simulation(*a, **k):
-        raise AssertionError("simulate ran although an option was bad")
-
-    for name in ("kvpool.Pool", "kvpool.BlockTables", "kvpool.HostTier"):
-        monkeypatch.setattr(name, no_simulation)
-    monkeypatch.setattr(runner, "simulate", no_simulation)
-    # The CLI imports both by name: patch its own references too.
-    monkeypatch.setattr("kvpool.sim.cli.simulate", no_simulation)
-    monkeypatch.setattr("kvpool.sim.cli.simulate_disaggregated", no_simulation)
+    forbid_simulation(monkeypatch)
     for size in ("-1", "1e400"):
-        assert "--cpu-kv-memory" in _refused(
+        assert "--cpu-kv-memory" in refused(
             capsys, [*PREEMPTING, "--cpu-kv-memory", size, "--out", str(tmp_path / "r")]
         )
