@@ -75,3 +75,25 @@ def test_stream_handle_reads_the_stream_protocols():
     assert stream_handle(TorchLike()) == 99
     with pytest.raises(TypeError, match="stream must be .* got object"):
         stream_handle(object())
+
+
+def test_append_parameter_blocks_are_filled_from_one_set_of_fields():
+    # append_kv and append_kv_fp8 share their first 16 parameters (_AppendFp8Args extends
+    # _AppendArgs); both are filled from _append_fields, checked here without a GPU.
+    from types import SimpleNamespace
+
+    from kvpool.kernels import _cache_ops
+    from kvpool.kernels._launch import fill_args
+
+    pool = kvpool.Pool(kvpool.KvLayout(2, 2, 64, 16), 8, device="host")
+    rows = SimpleNamespace(ptr=4096, strides=(128, 64), itemsize=2)
+    fields = _cache_ops._append_fields(pool, 1, rows, rows, SimpleNamespace(ptr=8192), 2, 8)
+    assert list(fields) == [name for name, _ in _cache_ops._AppendArgs._fields_]
+    st = pool.layout.strides()
+    assert fields["k_base"] == pool.base_ptr + st["layer"]
+    assert fields["v_base"] == fields["k_base"] + st["kv"]
+    assert (fields["k_tok_stride"], fields["k_head_stride"]) == (256, 128)
+    assert fields["num_slots"] == 8 * 16
+    fill_args(_cache_ops._AppendArgs, **fields)
+    extra = dict(k_scale=1, v_scale=2, scale_head_stride=1, in_bf16=0, fmt=0)
+    fill_args(_cache_ops._AppendFp8Args, **fields, **extra)

@@ -144,25 +144,8 @@ def append_kv(
     if n == 0:
         return
     device_id = _on_pool_device(pool, ka, va, sa)
-    k_base = pool.base_ptr + layer * st["layer"]
     args = fill_args(
-        _AppendArgs,
-        k=ka.ptr,
-        k_tok_stride=ka.strides[0] * ka.itemsize,
-        k_head_stride=ka.strides[1] * ka.itemsize,
-        v=va.ptr,
-        v_tok_stride=va.strides[0] * va.itemsize,
-        v_head_stride=va.strides[1] * va.itemsize,
-        slot_mapping=sa.ptr,
-        k_base=k_base,
-        v_base=k_base + st["kv"],
-        block_stride=st["block"],
-        token_stride=st["token"],
-        head_stride=st["head"],
-        block_size=layout.block_size,
-        num_slots=pool.num_blocks * layout.block_size,
-        num_heads=layout.num_kv_heads,
-        row_vecs=row_bytes // 16,
+        _AppendArgs, **_append_fields(pool, layer, ka, va, sa, ka.itemsize, row_bytes // 16)
     )
     import cupy
 
@@ -172,6 +155,34 @@ def append_kv(
         launch(
             _kernel("append_kv", "append_kv", device_id), (n, 1, 1), 128, 0, sp, param_block(args)
         )
+
+
+def _append_fields(
+    pool: Any, layer: int, ka: Any, va: Any, sa: Any, elem_bytes: int, row_vecs: int
+) -> dict[str, int]:
+    """The fields of _AppendArgs (which _AppendFp8Args begins with): the inputs' pointers and
+    byte strides (`elem_bytes` per element), the destination layer and the pool's strides."""
+    layout = pool.layout
+    st = layout.strides()
+    k_base = pool.base_ptr + layer * st["layer"]
+    return dict(
+        k=ka.ptr,
+        k_tok_stride=ka.strides[0] * elem_bytes,
+        k_head_stride=ka.strides[1] * elem_bytes,
+        v=va.ptr,
+        v_tok_stride=va.strides[0] * elem_bytes,
+        v_head_stride=va.strides[1] * elem_bytes,
+        slot_mapping=sa.ptr,
+        k_base=k_base,
+        v_base=k_base + st["kv"],
+        block_stride=st["block"],
+        token_stride=st["token"],
+        head_stride=st["head"],
+        block_size=layout.block_size,
+        num_slots=pool.num_blocks * layout.block_size,
+        num_heads=layout.num_kv_heads,
+        row_vecs=row_vecs,
+    )
 
 
 def _append_fp8(k, v, pool, layer, slot_mapping, stream, scales) -> None:
@@ -219,26 +230,11 @@ def _append_fp8(k, v, pool, layer, slot_mapping, stream, scales) -> None:
             wait_producers(sp, device_id, kv, vv, sv)
             with cupy_stream(sp):
                 scales.calibrate_from(layer, k, v, slot_mapping)
-        k_base = pool.base_ptr + layer * st["layer"]
         k_scale, v_scale = scales.ptrs(layer)
         args = fill_args(
             _AppendFp8Args,
-            k=ka.ptr,
-            k_tok_stride=ka.strides[0] * 2,
-            k_head_stride=ka.strides[1] * 2,
-            v=va.ptr,
-            v_tok_stride=va.strides[0] * 2,
-            v_head_stride=va.strides[1] * 2,
-            slot_mapping=sa.ptr,
-            k_base=k_base,
-            v_base=k_base + st["kv"],
-            block_stride=st["block"],
-            token_stride=st["token"],
-            head_stride=st["head"],
-            block_size=layout.block_size,
-            num_slots=pool.num_blocks * layout.block_size,
-            num_heads=layout.num_kv_heads,
-            row_vecs=layout.head_dim // 8,
+            # 2-byte inputs: float16 or bfloat16, 8 elements per 16-byte vector
+            **_append_fields(pool, layer, ka, va, sa, 2, layout.head_dim // 8),
             k_scale=k_scale,
             v_scale=v_scale,
             scale_head_stride=scales.head_stride,
