@@ -448,3 +448,22 @@ def test_block_tables_too_large_for_memory_is_out_of_memory_not_an_abort() -> No
     assert "2047" in (BlockTables.__doc__ or "") and "OutOfMemoryError" in (
         BlockTables.__doc__ or ""
     )
+
+
+def test_a_stream_without_the_protocol_is_a_type_error_and_a_bad_answer_a_value_error():
+    pool = Pool(LAYOUT, 8, device="host")
+    tables = BlockTables(pool, 4, 4)
+    tier = HostTier(tables, num_blocks=8)
+    tables.add(1, 5)
+    used = pool.num_used
+
+    class BadAnswer:
+        def __cuda_stream__(self):
+            return "not (version, handle)"
+
+    with pytest.raises(TypeError, match="stream must implement __cuda_stream__.*got object"):
+        tier.swap_out([1], object())
+    with pytest.raises(InvalidArgumentError, match="did not return"):
+        tier.swap_out([1], BadAnswer())
+    assert tier.location(1) == "device" and pool.num_used == used  # nothing moved
+    assert tables.check_invariants() is None
