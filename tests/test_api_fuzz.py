@@ -521,7 +521,7 @@ def test_dlpack(max_version: Arg, dl_device: Arg, copy: Arg, stream: Arg) -> Non
     world = make_world()
 
     def export(w: World, version: Any, device: Any, copy: Any, stream: Any) -> object:
-        view = w.pool.k_view(0).base
+        view = w.pool.k_view(0).slab_view
         capsule = view.__dlpack__(max_version=version, dl_device=device, copy=copy, stream=stream)
         if version is None or version[0] < 1:
             assert "dltensor" in repr(capsule) and "versioned" not in repr(capsule)

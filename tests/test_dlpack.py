@@ -11,6 +11,7 @@ import sys
 import kvpool
 import numpy as np
 import pytest
+from kvpool._pool_array import PoolArray
 
 # DLPack's dtype codes (dlpack.h): kDLFloat 2, kDLBfloat 4, kDLFloat8_e4m3fn 10, kDLFloat8_e5m2 12.
 DL_DTYPES = {
@@ -59,9 +60,9 @@ def _pool(dtype: str) -> kvpool.Pool:
 
 
 def _slab_view(array: np.ndarray) -> kvpool._core.SlabView:
-    """A host pool's view is a NumPy array over a SlabView (its base), which exports DLPack."""
-    assert isinstance(array.base, kvpool._core.SlabView)
-    return array.base
+    """A host pool's view is a NumPy array over a SlabView (its slab_view), which exports DLPack."""
+    assert isinstance(array.slab_view, kvpool._core.SlabView)
+    return array.slab_view
 
 
 @pytest.mark.parametrize("dtype", sorted(DL_DTYPES))
@@ -137,10 +138,71 @@ def test_an_export_alive_at_interpreter_exit_exits_cleanly(kind: str) -> None:
         "import numpy as np\n"
         "import kvpool\n"
         "POOL = kvpool.Pool(kvpool.KvLayout(2, 1, 16, 4), 4, device='host')\n"
-        "VIEW = POOL.k_view(0).base\n" + EXIT_SCRIPTS[kind] + "\n"
+        "VIEW = POOL.k_view(0).slab_view\n" + EXIT_SCRIPTS[kind] + "\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
     assert "panic" not in done.stderr and done.stderr == "", done.stderr
+
+
+# A host pool's K/V array view (kvpool.PoolArray) carries the pool's dtype: NumPy holds
+# bfloat16 and float8 as raw integers, DLPack hands them on as themselves.
+
+
+def _torch_dtype(torch, name: str):
+    return getattr(torch, name)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float16"])
+def test_torch_from_dlpack_of_a_host_view_has_the_pool_dtype_and_values(dtype):
+    torch = pytest.importorskip("torch")
+    pool = _pool(dtype)
+    view = pool.k_view(1)
+    assert isinstance(view, PoolArray) and view.kv_dtype == dtype
+    want = torch.randn(tuple(view.shape)).to(_torch_dtype(torch, dtype))
+    bits = want.view(torch.uint8 if want.element_size() == 1 else torch.int16).numpy()
+    view[...] = bits.view(view.dtype)
+    got = torch.from_dlpack(view)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    # zero copy: a write through the tensor is a write into the pool
+    got[4, 3, 1, 7] = 1.5
+    assert torch.from_dlpack(pool.k_view(1))[4, 3, 1, 7].item() == 1.5
+    # a slice and a copy keep the dtype; their values are the slice's
+    part = torch.from_dlpack(view[2:, 1, :, 3:9])
+    assert part.dtype == want.dtype and torch.equal(part, got[2:, 1, :, 3:9])
+    assert torch.from_dlpack(view[1].copy()).dtype == want.dtype
+
+
+def test_arithmetic_on_host_view_bits_is_a_plain_array():
+    pool = _pool("bfloat16")
+    view = pool.v_view(0)
+    for derived in (view + 1, view.astype(np.float32), np.maximum(view, 0)):
+        assert type(derived) is np.ndarray
+    assert view.view(np.uint8).kv_dtype is not None  # a view of the bits as bytes...
+    exported = np.from_dlpack(view.view(np.uint8))  # ...exports as what it holds: bytes
+    assert exported.dtype == np.uint8
+
+
+def test_dlpack_as_refuses_what_it_cannot_label():
+    arr = np.zeros((3, 4), np.float32)
+    with pytest.raises(kvpool.InvalidArgumentError, match="2-byte items"):
+        kvpool._core.dlpack_as(arr, "bfloat16")
+    with pytest.raises(kvpool.InvalidArgumentError, match="2-byte items"):
+        kvpool._core.dlpack_as(np.zeros(3, np.float16), "bfloat16")  # a float is not bits
+    with pytest.raises(TypeError, match="NumPy array"):
+        kvpool._core.dlpack_as([1, 2], "bfloat16")
+    with pytest.raises(kvpool.LayoutError):
+        kvpool._core.dlpack_as(np.zeros(3, np.uint16), "int7")
+    cap = kvpool._core.dlpack_as(np.zeros(3, np.uint16)[::2], "bfloat16", max_version=(1, 0))
+    t = Versioned.from_address(_capsule_pointer(cap, b"dltensor_versioned")).dl_tensor
+    assert (t.code, t.bits, t.strides[0], t.shape[0]) == (4, 16, 2, 2)
+
+
+def test_a_read_only_array_exports_a_read_only_capsule():
+    arr = np.zeros(4, np.uint16)
+    arr.flags.writeable = False
+    cap = kvpool._core.dlpack_as(arr, "bfloat16", max_version=(1, 0))
+    assert Versioned.from_address(_capsule_pointer(cap, b"dltensor_versioned")).flags == 1

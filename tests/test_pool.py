@@ -738,8 +738,8 @@ def test_view_keeps_the_pool_alive() -> None:
     base_ptr = pool.base_ptr
     del pool
     gc.collect()
-    # The array's base is the SlabView, which holds the Pool, which holds the slab.
-    slab_view = view.base
+    # The array's memory is the SlabView's, which holds the Pool, which holds the slab.
+    slab_view = view.slab_view
     assert isinstance(slab_view, kvpool._core.SlabView)
     assert slab_view.layer == 1 and slab_view.kind == "v"
     assert isinstance(slab_view.pool, Pool)
@@ -752,7 +752,7 @@ def test_view_keeps_the_pool_alive() -> None:
 
 
 def test_k_view_metadata(pool: Pool) -> None:
-    k = pool.k_view(0).base
+    k = pool.k_view(0).slab_view
     assert (k.layer, k.kind) == (0, "k")
     assert k.pool.base_ptr == pool.base_ptr
     assert k.__array_interface__["version"] == 3

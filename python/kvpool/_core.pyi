@@ -37,6 +37,7 @@ __all__ = [
     "UnknownRequestError",
     "WrongTierError",
     "cuda_available",
+    "dlpack_as",
     "kernel_sources",
 ]
 
@@ -82,6 +83,14 @@ class TransferError(KvError):
 
 def cuda_available() -> bool: ...
 def kernel_sources() -> dict[str, str]: ...
+def dlpack_as(
+    array: Any,
+    dtype: str,
+    *,
+    max_version: tuple[int, int] | None = None,
+    dl_device: tuple[int, int] | None = None,
+    copy: bool | None = None,
+) -> Any: ...
 
 @final
 class KvLayout:
@@ -206,6 +215,15 @@ class CudaStream:
 class DeviceArray:
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any: ...
+    def __dlpack_device__(self) -> tuple[int, int]: ...
     @property
     def shape(self) -> tuple[int, ...]: ...
     @property

@@ -28,8 +28,8 @@ from kvpool.kernels._launch import (
     cupy_stream,
     fill_args,
     launch,
+    launch_stream,
     param_block,
-    stream_handle,
     wait_producers,
 )
 from kvpool.kernels._scales import KvScales
@@ -150,7 +150,7 @@ def append_kv(
     import cupy
 
     with cupy.cuda.Device(device_id):
-        sp = stream_handle(stream)  # None: the pool device's current stream
+        sp = launch_stream(stream, device_id, k, v, slot_mapping)  # None: torch's or CuPy's
         wait_producers(sp, device_id, kv, vv, sv)
         launch(
             _kernel("append_kv", "append_kv", device_id), (n, 1, 1), 128, 0, sp, param_block(args)
@@ -225,7 +225,7 @@ def _append_fp8(k, v, pool, layer, slot_mapping, stream, scales) -> None:
     import cupy
 
     with cupy.cuda.Device(device_id):
-        sp = stream_handle(stream)
+        sp = launch_stream(stream, device_id, k, v, slot_mapping)
         if scales.auto_calibrate and not scales.is_set(layer):
             wait_producers(sp, device_id, kv, vv, sv)
             with cupy_stream(sp):
@@ -346,7 +346,7 @@ def copy_blocks(pool: Any, pairs: Any, *, stream: Any = None) -> None:
     chunks = max(1, min(64, -(-layout.block_bytes // (16 * 256 * 4))))
     device_id = device_index(pool)
     with cupy.cuda.Device(device_id):
-        sp = stream_handle(stream)  # None: the pool device's current stream
+        sp = launch_stream(stream, device_id, pairs)  # None: torch's or CuPy's current stream
         with cupy_stream(sp):  # the upload of the pairs is ordered before the copy kernel
             dev_pairs = cupy.asarray(pairs)
         args = fill_args(

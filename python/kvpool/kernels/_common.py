@@ -113,6 +113,15 @@ def check_scales(pool: Any, info: PoolInfo, scales: KvScales | None, op: str) ->
         raise InvalidArgumentError(f"scales are for fp8 pools; this pool holds {info.dtype}")
 
 
+def call_stream(stream: Any, pool: Any, *arrays: Any) -> Any:
+    """The stream a one-call form hands its plan: `stream`, or on a CUDA pool whose call has
+    torch tensors among `arrays` (q, out), torch's current stream (the plan sees only the
+    batch arrays, which may be a BlockTables' own)."""
+    if stream is None and pool_is_cuda(pool):
+        return _torch.torch_stream(device_index(pool), *arrays)
+    return stream
+
+
 def check_host_stream(stream: Any) -> None:
     """A host pool runs on no stream: a stream is refused, as BlockTables.sync refuses it."""
     if stream is not None:

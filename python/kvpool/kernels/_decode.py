@@ -23,6 +23,7 @@ from kvpool.kernels._args import view as _view
 from kvpool.kernels._common import (
     PoolInfo,
     Workspace,
+    call_stream,
     check_host_stream,
     check_layer,
     check_plan_pool,
@@ -51,8 +52,8 @@ from kvpool.kernels._launch import (
     cupy_stream,
     fill_args,
     launch,
+    launch_stream,
     param_block,
-    stream_handle,
     wait_producers,
 )
 from kvpool.kernels._scales import KvScales
@@ -80,8 +81,9 @@ def decode_plan(
     `scales`; every run reads the arrays' contents as they are then.
 
     On a CUDA pool the arrays are device arrays (CuPy, torch or anything with
-    __cuda_array_interface__) and every run is queued on `stream` (CuPy's current stream when
-    the plan is made, by default). max_seq_len (an upper bound of seq_lens, at most the table's
+    __cuda_array_interface__) and every run is queued on `stream`; by default the current
+    stream when the plan is made: torch's when block_tables or seq_lens is a torch tensor,
+    else CuPy's. max_seq_len (an upper bound of seq_lens, at most the table's
     width * block_size) sizes the split-KV plan; when omitted it is read from seq_lens, which
     synchronises with the device. num_splits forces a split count (at most
     MAX_DECODE_SPLITS = 128 are used). When the plan splits, it owns its float32 partials (or
@@ -220,7 +222,7 @@ class DecodePlan:
         if num_seqs > 65535:
             raise InvalidArgumentError("at most 65535 sequences per launch")
         self._num_seqs, self._bound, self._bt_stride = num_seqs, (btv, slv), bt.strides[0]
-        self.stream = sp = stream_handle(stream)
+        self.stream = sp = launch_stream(stream, info.device_id, self.block_tables, self.seq_lens)
         dev = info.device_id
         if num_seqs:
             check_ptr(btv.ptr, "block_tables", dev)
@@ -476,7 +478,7 @@ def paged_attention_decode(
             num_splits=num_splits,
             scale=scale,
             scales=scales,
-            stream=stream,
+            stream=call_stream(stream, pool, q, out),
             workspace=workspace,
         )
     else:

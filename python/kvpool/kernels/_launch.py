@@ -9,7 +9,8 @@ again only rewrites the fields that changed (a plan keeps its block per call sha
 copies the parameters when the launch is queued, so a block may be rewritten right after.
 
 Streams are CUstream handles (ints) inside the glue: :func:`stream_handle` reads any stream a
-caller passes, :func:`cupy_stream` wraps a handle for CuPy work (allocations, host copies) that
+caller passes, :func:`launch_stream` picks the default one (torch's current stream for torch
+inputs, else CuPy's), :func:`cupy_stream` wraps a handle for CuPy work (allocations, host copies) that
 must be ordered with the launches.
 """
 
@@ -41,6 +42,18 @@ def stream_handle(stream: Any) -> int:
     raise TypeError(
         f"stream must be a CuPy or PyTorch stream or have __cuda_stream__, got {type(stream).__name__}"
     )
+
+
+def launch_stream(stream: Any, device_id: int, *arrays: Any) -> int:
+    """The CUstream handle a call runs on: `stream` when given; else torch's current stream of
+    the device when any of `arrays` (the call's inputs and outputs) is a torch tensor, so that
+    ``with torch.cuda.stream(s):`` orders the call with the caller's torch work; else CuPy's
+    current stream."""
+    if stream is None:
+        from kvpool.kernels._torch import torch_stream
+
+        stream = torch_stream(device_id, *arrays)
+    return stream_handle(stream)
 
 
 def cupy_stream(handle: int) -> Any:

@@ -20,8 +20,8 @@ from kvpool.kernels._launch import (
     Kernel,
     fill_args,
     launch,
+    launch_stream,
     param_block,
-    stream_handle,
     wait_producers,
 )
 
@@ -158,6 +158,7 @@ def paged_metadata(
     import cupy
 
     with cupy.cuda.Device(device_id):
-        sp = stream_handle(stream)
+        arrays = (block_table, seq_lens, qo_indptr, slot_mapping, indptr, indices, last_page_len)
+        sp = launch_stream(stream, device_id, *arrays)  # None: torch's or CuPy's current stream
         wait_producers(sp, device_id, *views)
         launch(_kernel(device_id), (1, 1, 1), THREADS, 0, sp, param_block(args))

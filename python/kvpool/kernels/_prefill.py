@@ -25,6 +25,7 @@ from kvpool.kernels._args import view as _view
 from kvpool.kernels._common import (
     PoolInfo,
     Workspace,
+    call_stream,
     check_host_stream,
     check_layer,
     check_plan_pool,
@@ -45,8 +46,8 @@ from kvpool.kernels._launch import (
     cupy_stream,
     fill_args,
     launch,
+    launch_stream,
     param_block,
-    stream_handle,
     wait_producers,
 )
 from kvpool.kernels._prefill_args import PrefillArgs, PrefillFp8Args, PrefillMergeArgs
@@ -92,7 +93,8 @@ def prefill_plan(
     synchronises) and the kernel reads the caller's arrays. block_tables is bound as given
     (a device array on a CUDA pool) and read at every run. When the plan splits it owns its
     float32 partials or uses `workspace` (>= plan.workspace_elems elements). Runs are queued on
-    `stream` (CuPy's current stream when the plan is made, by default), in order; after the
+    `stream`, in order (by default the current stream when the plan is made: torch's when a
+    batch array is a torch tensor, else CuPy's); after the
     first run per layout of q and out a run allocates nothing and does not synchronise, so it
     can be captured in a CUDA graph (keep the plan alive as long as the graph).
 
@@ -156,7 +158,7 @@ class PrefillPlan:
         self._workspace: Workspace | None = None
         if info.cuda:
             self._check_kernel_exists()
-            self.stream = stream_handle(stream)
+            self.stream = launch_stream(stream, info.device_id, block_tables, qo_indptr, seq_lens)
             self._bt_view = _view(block_tables, "block_tables")
             bt = _dev(self._bt_view, "block_tables")
             check_int_array(bt, "block_tables", 4, 2)
@@ -570,7 +572,7 @@ def paged_attention_prefill(
             scale=scale,
             scales=scales,
             num_splits=num_splits,
-            stream=stream,
+            stream=call_stream(stream, pool, q, out),
             workspace=workspace,
         )
     else:

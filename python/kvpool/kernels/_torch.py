@@ -2,9 +2,12 @@
 
 A torch tensor is recognised by its type's module (``torch``), so the core imports and runs
 without torch. On a CUDA pool tensors are read in place through their data pointer and strides
-(:mod:`kvpool.kernels._args`); on a host pool a CPU tensor is seen as a NumPy array of its bits
-(bfloat16 as uint16, which NumPy has no type for) and a result comes back as a tensor of the
-query's dtype.
+(:mod:`kvpool.kernels._args`) and a call without `out` returns a torch tensor of q's dtype
+(bfloat16 included); a call without `stream` whose inputs include a torch tensor runs on
+torch's current stream of the pool's device (``with torch.cuda.stream(s):`` is obeyed), one
+without torch inputs on CuPy's. On a host pool a CPU tensor is seen as a NumPy array of its
+bits (bfloat16 as uint16, which NumPy has no type for) and a result comes back as a tensor of
+the query's dtype.
 """
 
 from __future__ import annotations
@@ -19,6 +22,16 @@ from kvpool.exceptions import InvalidArgumentError
 def is_torch(x: Any) -> bool:
     """Whether `x` is a torch tensor (checked without importing torch)."""
     return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+
+
+def torch_stream(device_id: int, *arrays: Any) -> Any:
+    """torch's current stream on cuda:`device_id` when any of `arrays` is a torch tensor (the
+    stream a torch caller's work is ordered on), else None."""
+    if not any(is_torch(a) for a in arrays):
+        return None
+    import torch
+
+    return torch.cuda.current_stream(device_id)
 
 
 def host_numpy(t: Any, name: str) -> np.ndarray:

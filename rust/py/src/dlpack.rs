@@ -3,7 +3,9 @@
 //! `__array_interface__` can only offer raw integers. Both capsule kinds are produced:
 //! "dltensor_versioned" (DLPack >= 1.0, when the consumer passes `max_version >= (1, 0)`) and
 //! the legacy "dltensor". The tensor's manager context owns a reference to the exporting
-//! Python object (a view, which holds its pool), so the memory outlives every consumer.
+//! Python object (a view, which holds its pool; a block table's device array, which holds its
+//! tables; a host pool's NumPy view, through `dlpack_as`), so the memory outlives every
+//! consumer.
 
 use std::ffi::{c_void, CStr};
 
@@ -73,27 +75,56 @@ pub fn dl_device(device: Device) -> (i32, i32) {
     }
 }
 
-/// DLPack's (type code, bits) of a pool dtype: kDLFloat = 2, kDLBfloat = 4,
-/// kDLFloat8_e4m3fn = 10, kDLFloat8_e5m2 = 12.
-fn dl_dtype(dtype: DType) -> DLDataType {
-    let (code, bits) = match dtype {
-        DType::Float16 => (2, 16),
-        DType::Float32 => (2, 32),
-        DType::BFloat16 => (4, 16),
-        DType::Float8E4M3 => (10, 8),
-        DType::Float8E5M2 => (12, 8),
-    };
-    DLDataType { code, bits, lanes: 1 }
+/// An element type as DLPack names it: (type code, bits).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct DlType {
+    code: u8,
+    bits: u8,
 }
+
+impl DlType {
+    /// int32 (kDLInt = 0): the block tables' element type.
+    pub const INT32: DlType = DlType { code: 0, bits: 32 };
+
+    /// A pool dtype: kDLFloat = 2, kDLBfloat = 4, kDLFloat8_e4m3fn = 10, kDLFloat8_e5m2 = 12.
+    pub fn of(dtype: DType) -> DlType {
+        let (code, bits) = match dtype {
+            DType::Float16 => (2, 16),
+            DType::Float32 => (2, 32),
+            DType::BFloat16 => (4, 16),
+            DType::Float8E4M3 => (10, 8),
+            DType::Float8E5M2 => (12, 8),
+        };
+        DlType { code, bits }
+    }
+
+    fn bytes(self) -> usize {
+        usize::from(self.bits) / 8
+    }
+}
+
+/// DLPack 1.x's flag of a tensor the consumer must not write (`DLPACK_FLAG_BITMASK_READ_ONLY`).
+const FLAG_READ_ONLY: u64 = 1;
 
 /// What an exported tensor describes: a strided array of `dtype` at `data`.
 pub struct Export {
     pub data: u64,
     pub device: Device,
-    pub dtype: DType,
+    pub dtype: DlType,
     pub shape: Vec<i64>,
     /// In elements, as DLPack counts them.
     pub strides: Vec<i64>,
+    /// Marked read-only in a versioned capsule (a legacy capsule has no way to say it).
+    pub read_only: bool,
+}
+
+/// C-order strides (in elements) of `shape`.
+pub fn contiguous_strides(shape: &[i64]) -> Vec<i64> {
+    let mut strides = vec![1i64; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1].max(1);
+    }
+    strides
 }
 
 /// The manager context: the exporter's reference and the shape/stride storage the DLTensor
@@ -203,11 +234,12 @@ pub fn to_capsule(
     };
     let (device_type, device_id) = dl_device(export.device);
     let (data, ndim, dtype) = (export.data as *mut c_void, export.shape.len() as i32, export.dtype);
+    let read_only = export.read_only;
     let tensor = |shape: *mut i64, strides: *mut i64| DLTensor {
         data,
         device: DLDevice { device_type, device_id },
         ndim,
-        dtype: dl_dtype(dtype),
+        dtype: DLDataType { code: dtype.code, bits: dtype.bits, lanes: 1 },
         shape,
         strides,
         byte_offset: 0,
@@ -219,7 +251,7 @@ pub fn to_capsule(
             version: DLPackVersion { major: 1, minor: 0 },
             manager_ctx: null,
             deleter: Some(delete_versioned),
-            flags: 0,
+            flags: if read_only { FLAG_READ_ONLY } else { 0 },
             dl_tensor: tensor(null as *mut i64, null as *mut i64),
         };
         leak(managed, owner, shape, strides)
@@ -243,6 +275,59 @@ pub fn to_capsule(
     }
     // SAFETY: PyCapsule_New returned a new (owned) reference.
     Ok(unsafe { Py::from_owned_ptr(py, capsule) })
+}
+
+/// A DLPack capsule over a host NumPy array's own memory, labelled `dtype` (a pool dtype of
+/// the array's element size): what NumPy cannot say for bfloat16 and float8, whose bits it
+/// holds as 2- and 1-byte integers. Only the array's `__array_interface__` is read (its pointer,
+/// shape, strides and writability), and the capsule holds the array, so the memory outlives
+/// the consumer exactly as with NumPy's own export. A wrong type is a `TypeError`; an element
+/// type that is not raw bits of `dtype`'s size (or `dtype` itself), `InvalidArgumentError`.
+#[pyfunction]
+#[pyo3(signature = (array, dtype, *, max_version=None, dl_device=None, copy=None))]
+pub fn dlpack_as(
+    array: &Bound<'_, PyAny>,
+    dtype: &str,
+    max_version: Option<&Bound<'_, PyAny>>,
+    dl_device: Option<&Bound<'_, PyAny>>,
+    copy: Option<bool>,
+) -> PyResult<Py<PyAny>> {
+    let py = array.py();
+    let dtype = DType::parse(dtype).map_err(crate::errors::PyKvError)?;
+    let dl = DlType::of(dtype);
+    let iface = array.getattr("__array_interface__").map_err(|_| {
+        pyo3::exceptions::PyTypeError::new_err("dlpack_as takes a NumPy array (host memory)")
+    })?;
+    let typestr: String = iface.get_item("typestr")?.extract()?;
+    let item: usize = typestr.get(2..).and_then(|n| n.parse().ok()).unwrap_or(0);
+    let kind = typestr.as_bytes().get(1).copied().unwrap_or(b'?');
+    // Raw bits (unsigned, signed or void items of the right size), or the dtype itself.
+    let same_float = kind == b'f' && matches!(dtype, DType::Float16 | DType::Float32);
+    if item != dl.bytes() || !(matches!(kind, b'u' | b'i' | b'V') || same_float) {
+        return Err(invalid(format!(
+            "an array of {typestr} cannot hold {}: it needs {}-byte items",
+            dtype.name(),
+            dl.bytes()
+        )));
+    }
+    let (data, read_only): (u64, bool) = iface.get_item("data")?.extract()?;
+    let shape: Vec<i64> = iface.get_item("shape")?.extract()?;
+    let strides = match iface.get_item("strides")?.extract::<Option<Vec<i64>>>()? {
+        None => contiguous_strides(&shape),
+        Some(bytes) => {
+            let item = item as i64;
+            if bytes.iter().any(|b| b % item != 0) {
+                return Err(invalid("the array's strides are not whole elements".into()));
+            }
+            bytes.iter().map(|b| b / item).collect()
+        }
+    };
+    let export = Export { data, device: Device::Host, dtype: dl, shape, strides, read_only };
+    to_capsule(py, array.clone().unbind(), export, max_version, dl_device, copy)
+}
+
+fn invalid(message: String) -> PyErr {
+    crate::errors::PyKvError(kvpool_core::CoreError::InvalidArgument(message)).into()
 }
 
 /// # Safety

@@ -33,6 +33,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<stream::DeviceArray>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_sources::kernel_sources, m)?)?;
+    m.add_function(wrap_pyfunction!(dlpack::dlpack_as, m)?)?;
     prefix::register(m)?;
     errors::register(m)?;
     m.add("MAX_NUM_BLOCKS", kvpool_core::MAX_NUM_BLOCKS)?;

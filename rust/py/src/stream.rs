@@ -5,7 +5,8 @@
 use kvpool_core::CoreError;
 
 use crate::errors::PyKvError;
-use pyo3::exceptions::PyTypeError;
+use crate::pool::PyPool;
+use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
@@ -59,7 +60,10 @@ impl CudaStream {
     }
 }
 
-/// A read-only int32 device array owned by a `BlockTables` (its device copy).
+/// A read-only int32 device array owned by a `BlockTables` (its device copy), seen through
+/// `__cuda_array_interface__` (CuPy, Numba) or DLPack (`torch.from_dlpack`). The memory is the
+/// tables' device copy: a later `sync` rewrites it in place (the changed rows), so a consumer
+/// must not write it and sees the contents of the latest sync.
 #[pyclass(module = "kvpool._core", name = "DeviceArray", frozen)]
 pub struct DeviceArray {
     /// The `BlockTables` whose device copy this is (kept alive by the array).
@@ -100,6 +104,69 @@ impl DeviceArray {
         d.set_item("stream", if self.stream == 0 { 1 } else { self.stream })?;
         Ok(d)
     }
+    /// A DLPack capsule over the array (int32, zero-copy, marked read-only in a versioned
+    /// capsule). `stream` is the consumer's (DLPack's convention: None or 1 the legacy
+    /// default stream, 2 the per-thread default stream, -1 no synchronisation, any other
+    /// int a stream handle of the pool's device): it is made to wait, on the device, for the
+    /// upload the array came from, so the consumer never reads a half-written table.
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__(
+        slf: &Bound<'_, Self>,
+        stream: Option<&Bound<'_, PyAny>>,
+        max_version: Option<&Bound<'_, PyAny>>,
+        dl_device: Option<&Bound<'_, PyAny>>,
+        copy: Option<bool>,
+    ) -> PyResult<Py<PyAny>> {
+        let py = slf.py();
+        let this = slf.get();
+        let pool = this.pool.bind(py).cast::<PyPool>()?.clone();
+        let consumer = match stream.filter(|s| !s.is_none()) {
+            None => 1, // DLPack: no stream given means the legacy default stream
+            Some(s) => {
+                crate::ids::index(s, "argument 'stream'")?.extract::<i64>().map_err(|_| {
+                    PyKvError(CoreError::InvalidArgument("stream is not a stream handle".into()))
+                })?
+            }
+        };
+        if consumer == 0 || consumer < -1 {
+            return Err(PyKvError(CoreError::InvalidArgument(format!(
+                "stream {consumer} is no DLPack stream (0 is reserved; -1 asks no synchronisation)"
+            )))
+            .into());
+        }
+        let shape: Vec<i64> = this.shape.iter().map(|&n| n as i64).collect();
+        let export = crate::dlpack::Export {
+            data: if this.shape.contains(&0) { 0 } else { this.ptr },
+            device: pool.get().inner.device(),
+            dtype: crate::dlpack::DlType::INT32,
+            strides: crate::dlpack::contiguous_strides(&shape),
+            shape,
+            read_only: true,
+        };
+        // Refuse what cannot be met before ordering anything on the consumer's stream.
+        let capsule = crate::dlpack::to_capsule(
+            py,
+            slf.clone().into_any().unbind(),
+            export,
+            max_version,
+            dl_device,
+            copy,
+        )?;
+        if consumer != -1 && consumer as u64 != this.stream {
+            // SAFETY: DLPack's contract: a consumer passes a live stream of the array's device
+            // (or 1 / 2, the driver's legacy and per-thread default streams, valid handles).
+            unsafe { wait_for_upload(&pool.get().inner, this.stream, consumer as u64) }
+                .map_err(PyKvError)?;
+        }
+        Ok(capsule)
+    }
+
+    /// `(2, ordinal)`: CUDA memory of the pool's device.
+    fn __dlpack_device__(&self, py: Python<'_>) -> PyResult<(i32, i32)> {
+        let pool = self.pool.bind(py).cast::<PyPool>()?.clone();
+        let device = pool.get().inner.device();
+        Ok(crate::dlpack::dl_device(device))
+    }
     #[getter]
     fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         PyTuple::new(py, &self.shape)
@@ -122,5 +189,32 @@ impl DeviceArray {
     #[getter]
     fn tables(&self, py: Python<'_>) -> Py<PyAny> {
         self.owner.clone_ref(py)
+    }
+}
+
+/// Makes `consumer` wait (on the device) for the work queued so far on `upload`, the stream a
+/// sync's copy was queued on.
+///
+/// # Safety
+/// `upload` and `consumer` are live streams of the pool's context (or the driver's special
+/// handles 0, 1, 2).
+unsafe fn wait_for_upload(
+    pool: &kvpool_core::Pool,
+    upload: u64,
+    consumer: u64,
+) -> Result<(), CoreError> {
+    let Some(dc) = pool.device_context() else {
+        return Err(CoreError::InvalidArgument("the pool is on the host".into()));
+    };
+    if consumer > 2 {
+        // SAFETY: per the contract, a live stream handle.
+        unsafe { kvpool_core::driver::check_stream_context(dc.context(), consumer as usize as _) }?;
+    }
+    let mut event = kvpool_core::driver::Event::new(dc.context())?;
+    // SAFETY: per the contract, both streams are live in the event's context. The event may be
+    // destroyed (on drop) while the wait is pending: CUDA frees it once the wait is done.
+    unsafe {
+        event.record(upload as usize as _)?;
+        event.make_wait(consumer as usize as _)
     }
 }

@@ -12,8 +12,8 @@ use pyo3::types::{PyDict, PyTuple};
 use crate::pool::PyPool;
 
 /// NumPy/CUDA typestr of the stored elements. NumPy has no bfloat16 or float8, so those
-/// views expose their raw storage (`<u2`, `|u1`); reinterpret them, e.g. with
-/// `torch.as_tensor(view).view(torch.bfloat16)`.
+/// views expose their raw storage (`<u2`, `|u1`); a host pool's array view
+/// (`kvpool.PoolArray`) and DLPack carry the true dtype.
 fn typestr(dtype: DType) -> &'static str {
     match dtype {
         DType::Float16 => "<f2",
@@ -67,9 +67,10 @@ impl SlabView {
         Ok(crate::dlpack::Export {
             data: pool.base_ptr() + offset as u64,
             device: pool.device(),
-            dtype: layout.dtype(),
+            dtype: crate::dlpack::DlType::of(layout.dtype()),
             shape: shape.iter().map(|&n| n as i64).collect(),
             strides: strides.iter().map(|&b| (b / elem) as i64).collect(),
+            read_only: false,
         })
     }
 }
@@ -152,16 +153,20 @@ impl SlabView {
 
 impl PyPool {
     /// The view of one layer's K or V (`Pool.k_view` / `v_view`): a NumPy array over a host
-    /// pool, the view itself (`__cuda_array_interface__`) over a CUDA pool. Here, beside the
-    /// view, so that the pool's module does not depend on this one.
+    /// pool (a `kvpool.PoolArray`, which exports DLPack with the pool's dtype), the view itself
+    /// (`__cuda_array_interface__`, DLPack) over a CUDA pool. Here, beside the view, so that
+    /// the pool's module does not depend on this one.
     pub(crate) fn view(slf: &Bound<'_, Self>, layer: usize, part: KvPart) -> PyResult<Py<PyAny>> {
         let py = slf.py();
         let pool = &slf.get().inner;
         pool.layout().part_offset_bytes(layer, part).map_err(crate::errors::PyKvError)?;
         let view = Py::new(py, SlabView::new(slf.clone().unbind(), layer, part))?;
         if pool.device() == Device::Host {
-            // A NumPy array whose base is the view, which holds the pool alive.
-            Ok(py.import("numpy")?.call_method1("asarray", (view,))?.unbind())
+            // A NumPy array whose base is the view, which holds the pool alive; the subclass
+            // knows the pool's dtype (bfloat16, float8) that NumPy holds as raw integers.
+            let dtype = pool.layout().dtype().name();
+            let wrap = py.import("kvpool._pool_array")?.getattr("pool_array")?;
+            Ok(wrap.call1((view, dtype))?.unbind())
         } else {
             Ok(view.into_any())
         }
