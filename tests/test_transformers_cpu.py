@@ -221,3 +221,93 @@ def test_the_cache_logits_check_sees_a_misplaced_token(monkeypatch):
     pool = kvpool.Pool(layout_for(model, 4), 12, device="host")
     _, logits, _ = cache_generate(model, pool, prompts, 2)
     assert not torch.allclose(logits[0], ref_logits[0], atol=1e-4, rtol=1e-4)
+
+
+# The traps of the transformers path: each one is refused with a clear error or works.
+
+
+def test_a_kvpool_cache_under_sdpa_attention_is_refused_before_anything_is_written():
+    """Without "kvpool" attention, transformers' SDPA took the states the cache hands back as
+    the whole cache: generate ran, attended to the new tokens only and gave wrong tokens with
+    nothing in the pool."""
+    from kvpool.integrations.transformers import KvpoolCache
+
+    model = llama(torch.float32, "cpu")
+    model.set_attn_implementation("sdpa")
+    pool = kvpool.Pool(layout_for(model, 4), 16, device="host")
+    cache = KvpoolCache(model, pool, max_batch_size=1, max_cache_len=20)
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(kvpool.InvalidArgumentError, match="attend with 'kvpool'"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache)
+    assert pool.num_used == 0 and len(cache.tables) == 0
+
+
+def test_the_runner_leaves_the_model_and_its_config_sharers_as_they_were():
+    from transformers import LlamaForCausalLM
+
+    model = llama(torch.float32, "cpu", seed=1)
+    model.set_attn_implementation("sdpa")
+    sibling = LlamaForCausalLM(model.config).eval()  # shares the config object
+    assert sibling.config is model.config
+    wrong = kvpool.Pool(kvpool.KvLayout(3, 2, 16, 4, "float32"), 8, device="host")
+    with pytest.raises(kvpool.LayoutError):
+        TransformersRunner(model, wrong)
+    assert model.config._attn_implementation == "sdpa"
+    ids = torch.tensor([[5, 6, 7, 8]])
+    mask = torch.ones_like(ids)
+    before = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    pool = kvpool.Pool(layout_for(model, 4), 16, device="host")
+    runner = TransformersRunner(model, pool)
+    assert model.config._attn_implementation == "sdpa"  # not switched by the constructor
+    res = generate(runner, pool, [GenerationRequest(0, [5, 6, 7, 8], 6)])
+    assert model.config._attn_implementation == "sdpa"  # nor after its steps
+    assert res.outputs[0] == before[0, 4:].tolist()
+    after = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(before, after)
+    sibling(ids)  # the sibling still runs its own attention, no kvpool cache needed
+
+
+def test_a_bfloat16_model_runs_on_a_host_pool():
+    """bf16 weights and a bf16 host pool (the float64 reference kernels, results rounded to
+    bf16): teacher-forced logits within a few bf16 ulps of transformers' own, and greedy
+    generation equal to transformers' generate."""
+    model = llama(torch.bfloat16, "cpu", seed=1, lm_head_spread=1.0)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 101, n).tolist() for n in (3, 11, 6)]
+    forced = [rng.integers(0, 101, n).tolist() for n in (4, 5, 3)]
+    ours = kvpool_logits(model, prompts, forced, block_size=4)
+    for p, f, got in zip(prompts, forced, ours):
+        ref = reference_logits(model, p, f)
+        tol = 4 * ulp(torch.bfloat16, float(ref.abs().max()))
+        torch.testing.assert_close(got, ref, atol=tol, rtol=0)
+    pool = kvpool.Pool(layout_for(model, 4), 24, device="host")
+    assert pool.layout.dtype == "bfloat16"
+    reqs = [GenerationRequest(i, p, 6) for i, p in enumerate(prompts)]
+    res = generate(TransformersRunner(model, pool), pool, reqs)
+    model.set_attn_implementation("sdpa")
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6)
+        assert res.outputs[i] == want[0, len(p) :].tolist()
+
+
+def test_an_unsupported_model_is_refused_naming_what_is_supported():
+    from kvpool.integrations.transformers import KvpoolCache
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50, bos_token_id=0, eos_token_id=0)
+    gpt2 = GPT2LMHeadModel(cfg).eval()
+    pool = kvpool.Pool(kvpool.KvLayout(2, 2, 16, 4, "float32"), 8, device="host")
+    for make in (
+        lambda: TransformersRunner(gpt2, pool),
+        lambda: KvpoolCache(gpt2, pool, max_batch_size=1, max_cache_len=8),
+    ):
+        with pytest.raises(TypeError, match="Llama, Mistral, Qwen2") as e:
+            make()
+        assert "GPT2LMHeadModel" in str(e.value)
+
+
+def test_a_model_of_a_dtype_no_pool_holds_is_a_layout_error():
+    model = llama(torch.float32, "cpu").to(torch.float64)
+    with pytest.raises(kvpool.LayoutError, match="float64"):
+        layout_for(model)

@@ -32,10 +32,6 @@ TORCH_DTYPES = {
 }
 
 
-def _is_cuda(pool: Pool) -> bool:
-    return str(pool.device).startswith("cuda")
-
-
 def pool_device(pool: Pool) -> torch.device:
     """The torch device of a pool ("cpu" for a host pool)."""
     d = str(pool.device)
@@ -51,13 +47,10 @@ def register() -> None:
 
 def pool_layer(pool: Pool, layer: int, part: str) -> torch.Tensor:
     """Zero-copy torch tensor [num_blocks, block_size, kv_heads, head_dim] of the pool's
-    dtype over one layer's K ("k") or V ("v")."""
+    dtype over one layer's K ("k") or V ("v"): DLPack carries bfloat16 and float8 as
+    themselves, from a CUDA view and from a host pool's array view alike."""
     v = pool.k_view(layer) if part == "k" else pool.v_view(layer)
-    if _is_cuda(pool):
-        return torch.from_dlpack(v)  # DLPack carries bfloat16 / float8_e4m3fn as themselves
-    t = torch.from_numpy(np.asarray(v))  # a host view is a NumPy array: raw bits for bf16/fp8
-    dtype = TORCH_DTYPES[pool.layout.dtype]
-    return t if t.dtype == dtype else t.view(dtype)
+    return torch.from_dlpack(v)
 
 
 def step_arrays(batch: StepBatch) -> list[np.ndarray]:
@@ -135,8 +128,8 @@ class KvpoolStep:
                 self.slot_mapping,
                 stream=torch.cuda.current_stream(self.device),
             )
-        else:
-            kvpool.append_kv(_np(k), _np(v), self.pool, layer, self.batch.slot_mapping)
+        else:  # CPU tensors are read as NumPy views of their bits (bfloat16 included)
+            kvpool.append_kv(k, v, self.pool, layer, self.batch.slot_mapping)
 
     def decode(self, layer: int, q: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         """Attention of the decode rows q[:num_decode] ([n, q_heads, head_dim]) into out."""
@@ -162,9 +155,8 @@ class KvpoolStep:
             self._plans["decode", scale] = plan
         if self.cuda:
             plan.run(q[:n], layer, out=out[:n])
-        else:
-            res = plan.run(_np(q[:n]), layer)
-            out[:n] = torch.from_numpy(np.ascontiguousarray(res))
+        else:  # the float64 reference; a tensor of q's dtype back
+            out[:n] = plan.run(q[:n], layer)
 
 
 def prefill_kernel(
@@ -191,8 +183,7 @@ def prefill_kernel(
     if step.cuda:
         plan.run(q[n0:], layer, out=out[n0:])
     else:
-        res = plan.run(_np(q[n0:]), layer)
-        out[n0:] = torch.from_numpy(np.ascontiguousarray(res))
+        out[n0:] = plan.run(q[n0:], layer)
 
 
 def prefill_sdpa(
@@ -309,8 +300,43 @@ def kvpool_attention(
 PREFILL = {"kernel": prefill_kernel, "sdpa": prefill_sdpa}
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().numpy()
+SUPPORTED_MODELS = (
+    "decoder-only causal LMs with a `model.model.layers` decoder and an `lm_head` whose layers "
+    "call transformers' AttentionInterface (the Llama, Mistral, Qwen2 and Qwen3 families)"
+)
+
+
+def check_model(model: Any) -> None:
+    """Raise TypeError unless `model` is of the kind kvpool runs (SUPPORTED_MODELS)."""
+    decoder = getattr(model, "model", None)
+    if not (hasattr(model, "lm_head") and hasattr(decoder, "layers") and hasattr(model, "config")):
+        raise TypeError(
+            f"kvpool's transformers integration runs {SUPPORTED_MODELS}; "
+            f"{type(model).__name__} is not one"
+        )
+
+
+def attn_implementation(model: Any) -> Any:
+    """The attention implementation the model's forward will look up."""
+    return model.config._attn_implementation
+
+
+class attention_switched:
+    """A context in which `model` (and every model sharing its config object, which is where
+    transformers keeps the choice) attends with "kvpool"; the previous implementation comes
+    back on exit, also when the forward raises."""
+
+    def __init__(self, model: Any) -> None:
+        self.config = model.config
+
+    def __enter__(self) -> None:
+        self.previous = self.config._attn_implementation
+        if self.previous != NAME:
+            self.config._attn_implementation = NAME
+
+    def __exit__(self, *exc: object) -> None:
+        if self.config._attn_implementation != self.previous:
+            self.config._attn_implementation = self.previous
 
 
 def check_layout(model: Any, pool: Pool) -> None:
@@ -328,7 +354,12 @@ def layout_for(model: Any, block_size: int = 16) -> KvLayout:
         model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     )
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    dtype = {v: k for k, v in TORCH_DTYPES.items()}[next(model.parameters()).dtype]
+    param_dtype = next(model.parameters()).dtype
+    dtype = {v: k for k, v in TORCH_DTYPES.items()}.get(param_dtype)
+    if dtype is None:
+        raise kvpool.LayoutError(
+            f"the model's parameters are {param_dtype}; a pool holds {sorted(TORCH_DTYPES)}"
+        )
     return kvpool.KvLayout(
         num_layers=cfg.num_hidden_layers,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,

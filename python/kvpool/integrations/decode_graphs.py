@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kvpool.generation.batch import StepBatch
-from kvpool.integrations.attention import KvpoolStep
+from kvpool.integrations.attention import KvpoolStep, attention_switched
 from kvpool.integrations.packed_upload import PackedLayout, PinnedStaging
 from kvpool.kernels import MAX_DECODE_SPLITS, workspace_elems
 
@@ -160,10 +160,12 @@ class DecodeGraphs:
     @torch.inference_mode()
     def logits(self, batch: StepBatch, *, replay: bool = True) -> torch.Tensor:
         """float32 logits [num_decode, vocab]: the graph replayed on the step (replay=False:
-        the same padded step run eagerly, for tests). Valid until the next call."""
-        g = self.bucket_graph(batch)
-        g.load(batch)
-        if not replay:
-            return g.run_eager()[: batch.num_decode]
+        the same padded step run eagerly, for tests). Valid until the next call. A capture and
+        an eager run attend with "kvpool" (attention_switched) whoever calls them."""
+        with attention_switched(self.runner.model):
+            g = self.bucket_graph(batch)
+            g.load(batch)
+            if not replay:
+                return g.run_eager()[: batch.num_decode]
         g.graph.replay()
         return g.logits[: batch.num_decode]

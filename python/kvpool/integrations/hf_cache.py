@@ -32,10 +32,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 import kvpool
 from kvpool.generation.batch import build_step
 from kvpool.integrations.attention import (
+    NAME,
     PREFILL,
     KvpoolStep,
     attend_packed,
+    attn_implementation,
     check_layout,
+    check_model,
     pool_device,
     set_active,
     step_arrays,
@@ -82,7 +85,9 @@ class _KvpoolLayer(CacheLayerMixin):
 class KvpoolCache(Cache):
     """A generate() cache over `pool` (its layout must fit the model: see
     kvpool.integrations.transformers.layout_for) for up to max_batch_size rows of up to
-    max_cache_len tokens each (padding not counted). One generate() per cache; close() frees
+    max_cache_len tokens each (padding not counted). The model must attend with "kvpool"
+    (`model.set_attn_implementation("kvpool")`): a forward with any other attention is refused
+    with InvalidArgumentError before it writes anything. One generate() per cache; close() frees
     what is left. prefill="sdpa" runs prompt attention with torch SDPA over K/V gathered from
     the pool (the cross-check path)."""
 
@@ -97,8 +102,9 @@ class KvpoolCache(Cache):
     ) -> None:
         if prefill not in PREFILL:
             raise ValueError(f"prefill must be one of {sorted(PREFILL)}, got {prefill!r}")
+        check_model(model)
         check_layout(model, pool)
-        self.pool, self.prefill = pool, prefill
+        self.model, self.pool, self.prefill = model, pool, prefill
         self.device = pool_device(pool)
         self.max_rows = max_batch_size
         bs = pool.layout.block_size
@@ -113,8 +119,23 @@ class KvpoolCache(Cache):
         super().__init__(layers=[_KvpoolLayer(self) for _ in range(pool.layout.num_layers)])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx == 0:
+            self._check_attention()
         set_active(self, layer_idx)
         return key_states, value_states
+
+    def _check_attention(self) -> None:
+        """Refuse a forward whose attention is not "kvpool": transformers' own attention
+        would take the states `update` hands back as the whole cache, attend to the new
+        tokens only and give wrong tokens while the pool stays empty. Checked at layer 0,
+        before anything is written."""
+        impl = attn_implementation(self.model)
+        if impl != NAME:
+            raise kvpool.InvalidArgumentError(
+                f"KvpoolCache needs the model to attend with 'kvpool', but its "
+                f"attn_implementation is {impl!r}: call kvpool.integrations.transformers."
+                f"register() and model.set_attn_implementation('kvpool') before generate"
+            )
 
     # -- lifetime of rows -------------------------------------------------------------------
 

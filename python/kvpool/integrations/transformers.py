@@ -33,11 +33,13 @@ import kvpool
 from kvpool.generation.batch import StepBatch
 from kvpool.generation.sampling import M1, M2, MASK
 from kvpool.integrations.attention import (
-    NAME,
     PREFILL,
+    SUPPORTED_MODELS,
     TORCH_DTYPES,
     KvpoolStep,
+    attention_switched,
     check_layout,
+    check_model,
     kvpool_attention,
     layout_for,
     pool_device,
@@ -77,9 +79,15 @@ def sample(
 
 
 class TransformersRunner:
-    """A kvpool.generation ModelRunner over a transformers causal LM (Llama, Mistral, Qwen2:
-    a `model.model` decoder and a `model.lm_head`). The pool's layout must match the model:
-    num_layers, num_key_value_heads, head_dim and dtype (see `layout_for`).
+    """A kvpool.generation ModelRunner over a transformers causal LM (Llama, Mistral, Qwen2,
+    Qwen3: a `model.model` decoder and a `model.lm_head`; anything else is a TypeError). The
+    pool's layout must match the model: num_layers, num_key_value_heads, head_dim and dtype
+    (see `layout_for`; LayoutError otherwise).
+
+    The model attends with "kvpool" only inside the runner's own forwards: each one switches
+    the model's config (which every model sharing that config object reads) and switches it
+    back, so the model is left as it was between steps, after the runner, and when its
+    constructor refuses.
 
     cuda_graphs=True (CUDA pool) replays a captured CUDA graph for every decode-only step of
     at most max_graph_batch sequences (kvpool.integrations.decode_graphs): the step is padded
@@ -97,14 +105,14 @@ class TransformersRunner:
     ) -> None:
         if prefill not in PREFILL:
             raise ValueError(f"prefill must be one of {sorted(PREFILL)}, got {prefill!r}")
-        self.prefill = prefill
-        register()
-        model.set_attn_implementation(NAME)
+        check_model(model)
         check_layout(model, pool)
-        self.model, self.pool = model, pool
-        self.device = next(model.parameters()).device
-        if self.device != pool_device(pool):
-            raise ValueError(f"model on {self.device} but pool on {pool.device}")
+        device = next(model.parameters()).device
+        if device != pool_device(pool):
+            raise ValueError(f"model on {device} but pool on {pool.device}")
+        register()
+        self.prefill = prefill
+        self.model, self.pool, self.device = model, pool, device
         self.graphs = None
         if cuda_graphs:
             if self.device.type != "cuda":
@@ -112,9 +120,9 @@ class TransformersRunner:
             self.graphs = DecodeGraphs(self, max_graph_batch)
         self._staging = PinnedStaging() if self.device.type == "cuda" else None
 
-    def _ensure_attention(self) -> None:
-        if self.model.config._attn_implementation != NAME:  # someone switched it meanwhile
-            self.model.set_attn_implementation(NAME)
+    def attention(self) -> attention_switched:
+        """The scope of one of the runner's forwards: the model attends with "kvpool"."""
+        return attention_switched(self.model)
 
     def forward_hidden(
         self, ids: torch.Tensor, pos: torch.Tensor, step: KvpoolStep
@@ -126,14 +134,14 @@ class TransformersRunner:
     @torch.inference_mode()
     def hidden(self, batch: StepBatch) -> torch.Tensor:
         """Last hidden states [num_tokens, hidden] of one packed step (writes the step's KV)."""
-        self._ensure_attention()
         if self._staging is None:
             step = KvpoolStep(self.pool, batch, self.device, self.prefill)
             ids, pos = torch.from_numpy(batch.input_ids), torch.from_numpy(batch.positions)
         else:
             ids, pos, *meta = upload(self._staging, step_arrays(batch), self.device)
             step = KvpoolStep(self.pool, batch, self.device, self.prefill, meta)
-        return self.forward_hidden(ids[None], pos[None], step)
+        with self.attention():
+            return self.forward_hidden(ids[None], pos[None], step)
 
     @torch.inference_mode()
     def logits(self, batch: StepBatch) -> torch.Tensor:
@@ -145,8 +153,8 @@ class TransformersRunner:
         """float32 logits [num_decode, vocab] of the decode rows (a graph replay where one
         covers the step)."""
         if self.graphs is not None and self.graphs.covers(batch):
-            self._ensure_attention()
-            return self.graphs.logits(batch)
+            with self.attention():
+                return self.graphs.logits(batch)
         return self.model.lm_head(self.hidden(batch)[: batch.num_decode]).float()
 
     @torch.inference_mode()
@@ -157,11 +165,13 @@ class TransformersRunner:
 
 
 __all__ = [
+    "SUPPORTED_MODELS",
     "TORCH_DTYPES",
     "KvpoolCache",
     "KvpoolStep",
     "TransformersRunner",
     "check_layout",
+    "check_model",
     "kvpool_attention",
     "layout_for",
     "pool_device",

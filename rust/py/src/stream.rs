@@ -6,7 +6,7 @@ use kvpool_core::CoreError;
 
 use crate::errors::PyKvError;
 use crate::pool::PyPool;
-use pyo3::exceptions::{PyBufferError, PyTypeError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
