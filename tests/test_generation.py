@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from kvpool.generation import (
     GenerationRequest,
+    GenerationSession,
     StepBatch,
     ToyModel,
     generate,
@@ -158,10 +159,10 @@ def test_max_model_len_counts_the_prompt_and_the_new_tokens():
     assert pool.num_free == pool.num_blocks
 
 
-def test_the_scheduler_serves_the_new_tokens_as_decodes():
-    # The prompt's last token is fed by the first decode: P - 1 prefilled tokens, N decodes.
+def test_the_scheduler_serves_the_first_token_from_the_prefill():
+    # The prompt's last row samples the first output: P prefilled tokens, N - 1 decodes.
     req = GenerationRequest(3, [5, 6, 7, 8], 6)
-    assert scheduler_request(req) == Request(3, 0.0, 3, 6)
+    assert scheduler_request(req) == Request(3, 0.0, 4, 5)
 
 
 def test_no_slot_is_written_twice_in_one_step():
@@ -224,3 +225,158 @@ def test_requests_swapped_to_a_host_tier_resume_with_the_same_tokens(temperature
     assert res.num_preemptions == counts.swapped_out + counts.recomputed
     assert res.outputs == alone(reqs)  # the KV came back byte for byte
     assert pool.num_free == pool.num_blocks
+
+
+class CountingRunner:
+    """Records what every step asked of the model: prefill tokens fed, sampled rows."""
+
+    def __init__(self, inner):
+        self.inner, self.prefill_tokens, self.steps = inner, 0, []
+
+    def run(self, batch: StepBatch) -> np.ndarray:
+        self.prefill_tokens += batch.num_tokens - batch.num_decode
+        self.steps.append((batch.num_decode, batch.num_prefill, batch.num_sampled))
+        return self.inner.run(batch)
+
+
+def test_the_first_token_comes_from_the_prefill_step():
+    """A prompt of P tokens and N new ones: one prefill step that samples the first token
+    from the prompt's last row, then N - 1 decode steps; a one-token answer needs no decode."""
+    pool = make_pool(16)
+    for n in (1, 5):
+        runner = CountingRunner(ToyModel(pool, VOCAB, seed=3))
+        res = generate(runner, pool, [GenerationRequest(0, [4, 9, 2, 7, 1], n)])
+        assert len(res.outputs[0]) == n and res.finish_reasons[0] == "length"
+        assert runner.steps == [(0, 1, 1)] + [(1, 0, 1)] * (n - 1)
+        assert runner.prefill_tokens == 5
+    one = generate(ToyModel(pool, VOCAB, seed=3), pool, [GenerationRequest(1, [8], 3)])
+    assert len(one.outputs[1]) == 3  # a one-token prompt: its prefill is that token
+    assert pool.num_free == pool.num_blocks
+
+
+def test_an_eos_sampled_from_the_prefill_ends_the_request():
+    pool = make_pool(16)
+    first = alone([GenerationRequest(0, [3, 1, 4, 1, 5], 4)])[0][0]
+    res = generate(
+        ToyModel(pool, VOCAB, seed=3), pool, [GenerationRequest(0, [3, 1, 4, 1, 5], 4, (first,))]
+    )
+    assert res.outputs[0] == [first] and res.finish_reasons[0] == "eos"
+    assert pool.num_free == pool.num_blocks
+
+
+def shared_prefix_requests(n: int, prefix_len: int, seed: int):
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, VOCAB, prefix_len).tolist()
+    return [
+        GenerationRequest(
+            i, system + rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist(), 6, seed=i
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_prefix_caching_skips_the_shared_prompt_and_changes_no_token(temperature):
+    reqs = [
+        GenerationRequest(r.request_id, r.prompt, r.max_new_tokens, temperature=temperature)
+        for r in shared_prefix_requests(12, 17, seed=9)
+    ]
+    layout = make_pool(1).layout
+    outs, fed = {}, {}
+    for caching in (False, True):
+        pool = kvpool.Pool(layout, 48, device="host", enable_prefix_caching=caching)
+        runner = CountingRunner(ToyModel(pool, VOCAB, seed=3))
+        res = generate(runner, pool, reqs, max_running_seqs=4, max_tokens_per_step=32)
+        outs[caching], fed[caching] = res.outputs, runner.prefill_tokens
+        assert res.num_prefill_tokens == runner.prefill_tokens
+        if caching:
+            assert pool.num_used == 0 and pool.num_free == pool.num_blocks
+            # every request but the first finds the system prompt's 4 full blocks
+            assert res.num_cached_tokens >= (len(reqs) - 4) * 16
+        else:
+            assert res.num_cached_tokens == 0
+    assert outs[True] == outs[False]
+    assert fed[True] < fed[False] - 100
+
+
+def test_prefix_caching_reuses_the_blocks_of_an_answer_in_a_later_turn():
+    """A second turn whose prompt is the first turn's prompt + answer hits the answer's
+    blocks (the decodes appended their tokens with ids)."""
+    layout = make_pool(1).layout
+    pool = kvpool.Pool(layout, 32, device="host", enable_prefix_caching=True)
+    model = ToyModel(pool, VOCAB, seed=3)
+    session = GenerationSession(model, pool, max_model_len=64)
+    turn1 = GenerationRequest(0, list(range(1, 10)), 12)
+    session.add(turn1)
+    for _ in session.stream():
+        pass
+    answer = session.result.outputs[0]
+    session.add(GenerationRequest(1, list(turn1.prompt) + answer + [5], 3))
+    for _ in session.stream():
+        pass
+    res = session.close()
+    # turn 2's prompt: 9 + 12 + 1 tokens; the 20 tokens with KV from turn 1 fill 5 blocks
+    assert res.num_cached_tokens == 20
+    plain = make_pool(32)
+    want = generate(
+        ToyModel(plain, VOCAB, seed=3),
+        plain,
+        [GenerationRequest(1, list(turn1.prompt) + answer + [5], 3)],
+    )
+    assert res.outputs[1] == want.outputs[1]
+
+
+def test_a_session_takes_requests_while_it_runs_and_streams_each_steps_tokens():
+    reqs = requests(16, seed=12)
+    pool = make_pool(40)
+    session = GenerationSession(
+        ToyModel(pool, VOCAB, seed=3), pool, max_model_len=64, max_running_seqs=6
+    )
+    streamed: dict[int, list[int]] = {}
+    finished: dict[int, str] = {}
+    pending = list(reqs)
+    session.add(pending.pop(0))
+    for events in session.stream():
+        if pending:  # one more request joins after every step, while others run
+            session.add(pending.pop(0))
+        for e in events:
+            assert e.request_id not in finished  # nothing after the last token
+            streamed.setdefault(e.request_id, []).append(e.token)
+            if e.finish_reason is not None:
+                finished[e.request_id] = e.finish_reason
+    res = session.close()
+    assert not pending and streamed == res.outputs == alone(reqs)
+    assert finished == res.finish_reasons
+    assert res.peak_running > 1
+    assert pool.num_free == pool.num_blocks
+
+
+def test_ttft_and_latency_are_timed_from_each_requests_submission():
+    ticks = iter(range(1000))
+    pool = make_pool(40)
+    session = GenerationSession(
+        ToyModel(pool, VOCAB, seed=3), pool, max_model_len=64, clock=lambda: float(next(ticks))
+    )
+    session.add(GenerationRequest(0, [1, 2, 3], 4))  # clock 0
+    session.step()  # clock 1: request 0's first token
+    session.add(GenerationRequest(1, [4, 5], 2))  # clock 2
+    while not session.idle:
+        session.step()  # clocks 3, 4, 5: request 1's first token at 3
+    res = session.close()
+    assert res.ttft_s == {0: 1.0, 1: 1.0}
+    assert res.latency_s == {0: 5.0, 1: 2.0}  # 0: 4 tokens at clocks 1, 3, 4, 5
+
+
+def test_a_session_refuses_what_it_cannot_serve():
+    pool = make_pool(8)
+    session = GenerationSession(ToyModel(pool, VOCAB), pool, max_model_len=10)
+    session.add(GenerationRequest(0, [1, 2], 3))
+    with pytest.raises(ValueError, match="duplicate"):
+        session.add(GenerationRequest(0, [1, 2], 3))
+    with pytest.raises(ValueError, match="exceed max_model_len 10"):
+        session.add(GenerationRequest(1, [1] * 8, 3))
+    with pytest.raises(RuntimeError, match="still running"):
+        session.close()
+    for _ in session.stream():
+        pass
+    assert session.close().outputs.keys() == {0}

@@ -1,4 +1,5 @@
-"""Continuous-batching generation on a kvpool pool: the loop (`generate`), the per-step batch
+"""Continuous-batching generation on a kvpool pool: the loop (`generate`, and its online form
+`GenerationSession`: requests added while it runs, tokens streamed per step), the per-step batch
 a model runner executes (`StepBatch`), batch-independent sampling, and a NumPy toy model.
 
 A model runner is anything with `run(StepBatch) -> tokens`; the transformers one lives in
@@ -6,15 +7,24 @@ kvpool.integrations.transformers (optional extra) so that this package needs no 
 """
 
 from kvpool.generation.batch import StepBatch, build_step, slots_of
-from kvpool.generation.loop import GenerationRequest, GenerationResult, ModelRunner, generate
+from kvpool.generation.loop import (
+    GenerationRequest,
+    GenerationResult,
+    GenerationSession,
+    ModelRunner,
+    TokenEvent,
+    generate,
+)
 from kvpool.generation.sampling import gumbel_noise, sample
 from kvpool.generation.toy import ToyModel
 
 __all__ = [
     "GenerationRequest",
     "GenerationResult",
+    "GenerationSession",
     "ModelRunner",
     "StepBatch",
+    "TokenEvent",
     "ToyModel",
     "build_step",
     "generate",

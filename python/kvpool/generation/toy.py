@@ -72,7 +72,8 @@ class ToyModel:
         return out
 
     def logits(self, batch: StepBatch) -> np.ndarray:
-        """float64 [num_decode, vocab] after writing every layer's K/V for the whole step."""
+        """float64 [num_sampled, vocab] of the sampled rows, after writing every layer's K/V
+        for the whole step."""
         h = self.embed[batch.input_ids]
         n = batch.num_decode
         # One decode plan per step, run per layer (the tables do not change within a step).
@@ -89,9 +90,7 @@ class ToyModel:
             if decode is not None:
                 attn[:n] = decode.run(q[:n].astype(np.float32), layer)
             h = h + attn.reshape(len(h), -1) @ wo
-        return h[:n] @ self.unembed
+        return h[batch.sample_rows] @ self.unembed
 
     def run(self, batch: StepBatch) -> np.ndarray:
-        return sample(
-            self.logits(batch), batch.temperatures, batch.seeds, batch.positions[: batch.num_decode]
-        )
+        return sample(self.logits(batch), batch.temperatures, batch.seeds, batch.sample_positions)

@@ -158,10 +158,19 @@ class TransformersRunner:
         return self.model.lm_head(self.hidden(batch)[: batch.num_decode]).float()
 
     @torch.inference_mode()
+    def sampled_logits(self, batch: StepBatch) -> torch.Tensor:
+        """float32 logits [num_sampled, vocab] of the sampled rows (batch.sample_rows: the
+        decode rows, then the last row of each prefill chunk that completes a prompt)."""
+        if batch.num_prefill == 0:
+            return self.decode_logits(batch)
+        rows = torch.from_numpy(batch.sample_rows).to(self.device, non_blocking=True)
+        return self.model.lm_head(self.hidden(batch)[rows]).float()
+
+    @torch.inference_mode()
     def run(self, batch: StepBatch) -> np.ndarray:
-        logits = self.decode_logits(batch)
-        n = batch.num_decode
-        return sample(logits, batch.temperatures, batch.seeds, batch.positions[:n]).cpu().numpy()
+        logits = self.sampled_logits(batch)
+        pos = batch.sample_positions
+        return sample(logits, batch.temperatures, batch.seeds, pos).cpu().numpy()
 
 
 __all__ = [

@@ -121,20 +121,12 @@ class Scheduler:
     ) -> None:
         config.validate()
         backend.validate(config)
-        seen: set[int] = set()
-        for r in requests:
-            if r.request_id in seen:
-                raise ValueError(
-                    f"duplicate request id {r.request_id}: every request needs its own id"
-                )
-            seen.add(r.request_id)
-            if r.prompt_tokens + r.output_tokens > config.max_model_len:
-                raise ValueError(
-                    f"request {r.request_id}: prompt {r.prompt_tokens} + output {r.output_tokens} "
-                    f"tokens exceed max_model_len {config.max_model_len}"
-                )
-        self.backend = backend
         self.config = config
+        self._ids: set[int] = set()
+        for r in requests:
+            self._check_request(r)
+            self._ids.add(r.request_id)
+        self.backend = backend
         self.policy: Policy = make_policy(config.policy)
         self.step_cost = step_cost or (lambda prefill, decode, kv: 1.0)
         self.seqs = [Seq(r) for r in sorted(requests, key=lambda r: (r.arrival_s, r.request_id))]
@@ -153,6 +145,29 @@ class Scheduler:
         self.events: list[tuple] | None = [] if record_events else None
         self._watermark_blocks = backend.watermark_blocks(config.watermark)
         self.last_plan = StepPlan([], [])
+
+    def _check_request(self, r: Request) -> None:
+        if r.request_id in self._ids:
+            raise ValueError(f"duplicate request id {r.request_id}: every request needs its own id")
+        if r.prompt_tokens + r.output_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {r.request_id}: prompt {r.prompt_tokens} + output {r.output_tokens} "
+                f"tokens exceed max_model_len {self.config.max_model_len}"
+            )
+
+    def add(self, request: Request) -> None:
+        """Submit a request while the scheduler runs (an online arrival): it joins the
+        waiting queue at the first step at or after its arrival_s, which must not be before
+        the arrival of any request submitted already."""
+        self._check_request(request)
+        last = self.seqs[-1].request.arrival_s if self.seqs else 0.0
+        if request.arrival_s < last:
+            raise ValueError(
+                f"request {request.request_id} arrives at {request.arrival_s}, before the last "
+                f"submitted one ({last})"
+            )
+        self._ids.add(request.request_id)
+        self.seqs.append(Seq(request))
 
     # ---- bookkeeping ---------------------------------------------------------------------
 
