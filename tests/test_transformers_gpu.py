@@ -72,8 +72,9 @@ ERROR_RATIO = 2.0  # kvpool's decision logits may be this much further from exac
 
 
 class RecordingRunner:
-    """The TransformersRunner of the loop, keeping every decode row's float32 logits under
-    (request_id, position): the logits each greedy decision was made on."""
+    """The TransformersRunner of the loop, keeping every sampled row's float32 logits under
+    (request_id, position): the logits each greedy decision was made on (the first token's
+    come from the prefill chunk that completed the prompt)."""
 
     def __init__(self, inner):
         self.inner, self.rows = inner, {}
@@ -81,13 +82,11 @@ class RecordingRunner:
     def run(self, batch):
         from kvpool.integrations.transformers import sample
 
-        logits = self.inner.decode_logits(batch)
-        n = batch.num_decode
-        for row, (rid, pos) in enumerate(
-            zip(batch.decode_request_ids.tolist(), batch.positions[:n].tolist())
-        ):
-            self.rows[(rid, pos)] = logits[row].clone()
-        return sample(logits, batch.temperatures, batch.seeds, batch.positions[:n]).cpu().numpy()
+        logits = self.inner.sampled_logits(batch)
+        pos = batch.sample_positions
+        for row, (rid, p) in enumerate(zip(batch.sample_request_ids.tolist(), pos.tolist())):
+            self.rows[(rid, p)] = logits[row].clone()
+        return sample(logits, batch.temperatures, batch.seeds, pos).cpu().numpy()
 
 
 def hidden_error(z, exact, row_norms):

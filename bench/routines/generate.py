@@ -15,6 +15,12 @@ Rows (same process, same model, same requests):
   * transformers continuous batching (`init_continuous_batching`, paged cache), if present
 - fixed shapes: batch 1 and batch 32 of 512-token prompts, 128 new tokens (time per output
   token at batch 1, ms per step at batch 32; ratios against dynamic-cache `generate`).
+- shared system prompt (`--only prefix` runs these rows alone): `--prefix-requests` requests
+  whose prompts are one `--system-prompt`-token system prompt + 16..128 tokens of their own,
+  `--prefix-output` new tokens each, all submitted at t=0, through kvpool's loop on a pool
+  with prefix caching off and on (same blocks, a cold cache at the start of each run):
+  output tokens/s, per-request TTFT and latency (submission to first / last token,
+  wall clock; p50, p90, mean, max), prefill tokens computed and tokens found cached.
 Writes JSON (provenance + rows + ratios) to --out. Takes a few minutes on the H200.
 """
 
@@ -98,6 +104,64 @@ def run_kvpool(model, reqs, budget_tokens, max_running=256, cuda_graphs=False):
     if cuda_graphs:
         row["graph_buckets"] = [b for b, _ in runner.graphs.captured]
     return row
+
+
+def shared_prefix(n, system_len, output, seed=2):
+    """n requests: one system prompt of system_len tokens + 16..128 tokens of their own."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(5, 32000, system_len).tolist()
+    return [
+        GenerationRequest(
+            i, system + rng.integers(5, 32000, int(rng.integers(16, 129))).tolist(), output
+        )
+        for i in range(n)
+    ]
+
+
+def _quantiles_ms(values) -> dict:
+    v = 1e3 * np.asarray(sorted(values), np.float64)
+    return {
+        "p50": float(np.percentile(v, 50)),
+        "p90": float(np.percentile(v, 90)),
+        "mean": float(v.mean()),
+        "max": float(v.max()),
+    }
+
+
+def run_prefix(model, reqs, budget_tokens, caching, max_running=256):
+    """kvpool's loop over `reqs` on a pool with prefix caching on or off: throughput, TTFT."""
+    layout = layout_for(model, 16)
+    pool = kvpool.Pool(layout, budget_tokens // 16, device="cuda", enable_prefix_caching=caching)
+    runner = TransformersRunner(model, pool)
+    longest = max(len(r.prompt) + r.max_new_tokens for r in reqs)
+    run = lambda rs: generate(
+        runner,
+        pool,
+        rs,
+        max_running_seqs=max_running,
+        max_tokens_per_step=4096,
+        max_model_len=longest,
+    )
+    # warm-up on other tokens (kernel compiles); the run's end resets the prefix cache, so the
+    # timed run starts cold and its first requests compute the system prompt
+    run([GenerationRequest(10_000 + i, [7 + i] * 64, 4) for i in range(2)])
+    dt, res = synced_wall(lambda: run(reqs), torch.cuda.synchronize)
+    tokens = res.num_output_tokens
+    return {
+        "prefix_caching": caching,
+        "output_tokens": tokens,
+        "seconds": dt,
+        "tokens_per_s": tokens / dt,
+        "ttft_ms": _quantiles_ms(res.ttft_s.values()),
+        "latency_ms": _quantiles_ms(res.latency_s.values()),
+        "prefill_tokens": res.num_prefill_tokens,
+        "cached_tokens": res.num_cached_tokens,
+        "queried_tokens": res.num_queried_tokens,
+        "peak_concurrent": res.peak_running,
+        "steps": res.num_steps,
+        "preemptions": res.num_preemptions,
+        "pool_blocks": pool.num_blocks,
+    }
 
 
 def hf_batches(model, reqs, batch, cache_implementation=None, max_batches=None):
@@ -192,6 +256,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--max-output", type=int, default=128)
     ap.add_argument("--budget-seqs", type=int, default=32)
+    ap.add_argument("--only", choices=("all", "prefix"), default="all")
+    ap.add_argument("--system-prompt", type=int, default=1024)
+    ap.add_argument("--prefix-requests", type=int, default=64)
+    ap.add_argument("--prefix-output", type=int, default=64)
     args = ap.parse_args(argv)
     import transformers
 
@@ -243,6 +311,20 @@ def main(argv: list[str] | None = None) -> None:
             lambda: hf_batches(model, reqs, args.budget_seqs, "static", max_batches=2),
         ),
     ]
+    shared = shared_prefix(args.prefix_requests, args.system_prompt, args.prefix_output)
+    prefix_budget = 16 * (args.system_prompt + 128 + args.prefix_output)  # KV of 16 requests
+    report["shared_prefix_workload"] = {
+        "num_requests": len(shared),
+        "system_prompt_tokens": args.system_prompt,
+        "own_prompt_tokens": "16..128",
+        "output_tokens": args.prefix_output,
+        "kv_budget_tokens": prefix_budget,
+    }
+    prefix_steps = [
+        ("prefix_off", lambda: run_prefix(model, shared, prefix_budget, caching=False)),
+        ("prefix_on", lambda: run_prefix(model, shared, prefix_budget, caching=True)),
+    ]
+    steps = prefix_steps if args.only == "prefix" else steps + prefix_steps
     for name, fn in steps:
         guarded(name, fn, rows)
         save()
@@ -267,4 +349,11 @@ def ratios(rows: dict) -> dict:
                     out[f"fixed_b{bsz}_{ours}_over_hf_dynamic"] = k / h
         if ms:  # at batch 1: ms per output token
             out[f"fixed_b{bsz}_ms_per_step"] = ms
+    on, off = rows.get("prefix_on", {}), rows.get("prefix_off", {})
+    if "tokens_per_s" in on and "tokens_per_s" in off:
+        out["prefix_on_over_off_tokens_per_s"] = on["tokens_per_s"] / off["tokens_per_s"]
+        out["prefix_off_over_on_ttft_p50"] = off["ttft_ms"]["p50"] / on["ttft_ms"]["p50"]
+        out["prefix_off_over_on_prefill_tokens"] = off["prefill_tokens"] / max(
+            on["prefill_tokens"], 1
+        )
     return out
