@@ -74,7 +74,7 @@ class PoolArray(np.ndarray):
             self, self.kv_dtype, max_version=max_version, dl_device=dl_device, copy=copy
         )
 
-    def __dlpack_device__(self) -> tuple[int, int]:
+    def __dlpack_device__(self) -> tuple[int, int]:  # type: ignore[override]
         return (1, 0)
 
     def __reduce__(self) -> Any:

@@ -280,8 +280,9 @@ def kvpool_attention(
     whose past_key_values is a KvpoolCache (generate): a padded batch [B, heads, T, D].
     Returns ([B, T, q_heads, D], None)."""
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    layer_idx = int(module.layer_idx)  # type: ignore[arg-type]  # an int on every attention module
     if kvpool_step is None:
-        cache = take_active(module.layer_idx)
+        cache = take_active(layer_idx)
         if cache is None:
             raise ValueError(
                 "attn_implementation='kvpool' needs a kvpool cache: pass past_key_values="
@@ -294,7 +295,7 @@ def kvpool_attention(
             f"kvpool attention takes a packed batch [1, num_tokens], got {query.shape[0]} rows"
         )
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    return attend_packed(kvpool_step, module.layer_idx, q, k, v, scale)[None], None
+    return attend_packed(kvpool_step, layer_idx, q, k, v, scale)[None], None
 
 
 PREFILL = {"kernel": prefill_kernel, "sdpa": prefill_sdpa}

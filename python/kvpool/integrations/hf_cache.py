@@ -234,7 +234,7 @@ class _ReleaseAtEos(StoppingCriteria):
 
     def __call__(
         self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs
-    ) -> torch.BoolTensor:
+    ) -> torch.Tensor:
         last = input_ids[:, -1]
         done = torch.isin(last, self.eos.to(last.device)).cpu().numpy()
         self.cache.release(np.flatnonzero(done))
