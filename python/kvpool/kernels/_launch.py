@@ -21,6 +21,8 @@ import functools
 import warnings
 from typing import Any, TypeVar
 
+from kvpool.kernels._torch import torch_stream
+
 _S = TypeVar("_S", bound=ctypes.Structure)
 
 
@@ -50,8 +52,6 @@ def launch_stream(stream: Any, device_id: int, *arrays: Any) -> int:
     ``with torch.cuda.stream(s):`` orders the call with the caller's torch work; else CuPy's
     current stream."""
     if stream is None:
-        from kvpool.kernels._torch import torch_stream
-
         stream = torch_stream(device_id, *arrays)
     return stream_handle(stream)
 
