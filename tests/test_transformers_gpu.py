@@ -281,6 +281,41 @@ def test_200_requests_through_a_small_pool_complete_without_leaks():
     assert all(f["gap_ulps"] <= CHOICE_ULPS for f in flips), flips
 
 
+def test_prefix_caching_on_a_cuda_pool_skips_the_system_prompt_and_makes_the_samplers_decisions():
+    """24 requests sharing a 300-token system prompt through a CUDA pool with prefix caching:
+    the later requests find its cached blocks (fewer prefill tokens than with caching off), and
+    every generated token of 6 of them is the sampler's decision on transformers' logits."""
+    model = llama(torch.bfloat16, "cuda", **SMALL, lm_head_spread=2.0)
+    rng = np.random.default_rng(8)
+    system = rng.integers(0, 1000, 300).tolist()
+    reqs = [
+        GenerationRequest(
+            i,
+            system + rng.integers(0, 1000, int(rng.integers(1, 40))).tolist(),
+            16,
+            temperature=float(i % 2),
+            seed=i,
+        )
+        for i in range(24)
+    ]
+    fed = {}
+    for caching in (False, True):
+        pool = kvpool.Pool(layout_for(model), 256, device="cuda", enable_prefix_caching=caching)
+        res = generate(TransformersRunner(model, pool), pool, reqs, max_running_seqs=8)
+        fed[caching] = res.num_prefill_tokens
+        assert pool.num_used == 0 and pool.num_free == pool.num_blocks
+    assert res.num_cached_tokens >= (len(reqs) - 8) * 288  # 18 full blocks of the prompt
+    assert fed[True] < fed[False] - 4000
+    for i in range(0, 24, 4):
+        err = _choice_errors(model, reqs[i], res.outputs[i])
+        assert err.max() <= CHOICE_ULPS, (i, int(err.argmax()), float(err.max()))
+    REPORT["prefix_caching_loop"] = {
+        "prefill_tokens_off": fed[False],
+        "prefill_tokens_on": fed[True],
+        "cached_tokens": res.num_cached_tokens,
+    }
+
+
 def test_cuda_graph_replay_equals_the_same_step_run_eagerly_bit_for_bit():
     """Decode steps of 5 sequences (bucket 8: 3 padding rows) replayed from a captured graph
     against the same padded step with the same decode plan run eagerly: equal bit for bit,
