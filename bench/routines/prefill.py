@@ -22,7 +22,7 @@ import numpy as np
 import provenance
 import torch
 import torch.nn.functional as F
-from kvpool.kernels import prefill_plan
+from kvpool.kernels import _tuning, prefill_plan
 from timing import event_us
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -76,6 +76,14 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
     # Made once, outside the timed calls (like FlashInfer's plan below); it owns its split
     # workspace, and the timed call is the per-layer run.
     plan = prefill_plan(pool, indptr, tables_t, lens, HQ)
+    # Both kernels, forced (the Hopper one only on compute capability 9.0), next to the default.
+    forced = {}
+    for kernel in ("sm80", "sm90"):
+        try:
+            with _tuning.override(prefill_kernel=kernel):
+                forced[kernel] = prefill_plan(pool, indptr, tables_t, lens, HQ)
+        except Exception as e:
+            forced[kernel] = f"{type(e).__name__}: {e}"[:300]
     flops = causal_flops(num_seqs, qo, prefix)
     row = {
         "shape": label,
@@ -91,6 +99,7 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
         "num_items": plan.work.num_items,
         "rows_per_cta": plan.rows_per_cta,
         "num_splits": plan.num_splits,
+        "kernel": "sm90" if plan.variant.sm90 else "sm80",
     }
     reps = 4 if quick else 10
 
@@ -110,6 +119,18 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
     record("kvpool", ours)
     record("kvpool_repeat", ours)  # noise check
     ours_out = out.float().clone()
+    for kernel, p in forced.items():
+        name = f"kvpool_{kernel}"
+        if isinstance(p, str):
+            row[f"{name}_us"] = None
+            row[f"{name}_error"] = p
+            continue
+        row[f"{name}_rows_per_cta"], row[f"{name}_num_splits"] = p.rows_per_cta, p.num_splits
+        kout = torch.empty_like(q)
+        p.run(as_arg(q), 0, out=as_arg(kout))
+        torch.cuda.synchronize()
+        row[f"max_abs_diff_{name}_vs_default"] = float((kout.float() - ours_out).abs().max())
+        record(name, lambda p=p, kout=kout: p.run(as_arg(q), 0, out=as_arg(kout)))
 
     try:
         import flashinfer
@@ -234,7 +255,8 @@ def main(argv: list[str] | None = None):
                 rows.append({"shape": label, "dtype": dtype, "error": f"{type(e).__name__}: {e}"})
             r = rows[-1]
             print(
-                f"{label:>22} {dtype:8} ours {r.get('kvpool_tflops')} TF/s "
+                f"{label:>22} {dtype:8} ours {r.get('kvpool_tflops')} TF/s ({r.get('kernel')}; "
+                f"sm80 {r.get('kvpool_sm80_tflops')} sm90 {r.get('kvpool_sm90_tflops')}) "
                 f"fa2 {r.get('flashinfer_fa2_tflops')} fa3 {r.get('flashinfer_fa3_tflops')} "
                 f"sdpa flash {r.get('sdpa_flash_tflops')} cudnn {r.get('sdpa_cudnn_tflops')} "
                 f"x fa2 {r.get('speedup_vs_fa2')}",
