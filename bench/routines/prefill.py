@@ -54,7 +54,7 @@ def causal_flops(num_seqs, qo, prefix):
     return 4 * D * HQ * pairs * num_seqs
 
 
-def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
+def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick, kvpool_only=False):
     tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float16
     seq_len = qo + prefix
     blocks_per_seq = -(-seq_len // BS)
@@ -132,6 +132,8 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
         row[f"max_abs_diff_{name}_vs_default"] = float((kout.float() - ours_out).abs().max())
         record(name, lambda p=p, kout=kout: p.run(as_arg(q), 0, out=as_arg(kout)))
 
+    if kvpool_only:  # peers measured in another run
+        return _finish(row)
     try:
         import flashinfer
 
@@ -218,6 +220,10 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
                 row[f"{name}_us"] = None
                 row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
     expanded.clear()
+    return _finish(row)
+
+
+def _finish(row):
     fa2 = row.get("flashinfer_fa2_us")
     row["speedup_vs_fa2"] = round(fa2 / row["kvpool_us"], 3) if fa2 and row["kvpool_us"] else None
     peers = [
@@ -237,6 +243,9 @@ def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="the JSON to write")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument(
+        "--kvpool-only", action="store_true", help="our kernels alone (no FlashInfer, no SDPA)"
+    )
     args = ap.parse_args(argv)
     prov = provenance.provenance("bench/routines/prefill.py")
     dense = {
@@ -249,7 +258,11 @@ def main(argv: list[str] | None = None):
             if dtype == "bfloat16" and label not in BF16_SHAPES:
                 continue
             try:
-                rows.append(bench_shape(label, n, qo, prefix, dtype, dense[dtype], args.quick))
+                rows.append(
+                    bench_shape(
+                        label, n, qo, prefix, dtype, dense[dtype], args.quick, args.kvpool_only
+                    )
+                )
             except Exception as e:
                 traceback.print_exc()
                 rows.append({"shape": label, "dtype": dtype, "error": f"{type(e).__name__}: {e}"})

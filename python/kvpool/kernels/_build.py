@@ -402,7 +402,7 @@ SM90_ROWS = 128
 SM90_BN = {64: 128, 128: 128, 256: 64}
 SM90_STAGES = 2
 SM90_ARCH = "sm_90a"
-SM90_PREFILL_DEFAULT = False
+SM90_PREFILL_DEFAULT = True
 
 
 @dataclass(frozen=True)
