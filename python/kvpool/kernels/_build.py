@@ -624,7 +624,7 @@ def _arch_module(source: str, options: tuple[str, ...], arch: str) -> Any:
     import tempfile
 
     import cupy
-    from cupy_backends.cuda.libs import nvrtc
+    from cupy_backends.cuda.libs import nvrtc  # type: ignore[import-not-found]  # CuPy's own
 
     opts = (*options, "-ftz=true", f"--gpu-architecture={arch}")
     prog = nvrtc.createProgram(source, "kernel.cu", (), ())
