@@ -100,3 +100,19 @@ def test_every_kernel_variant_compiles(arch):
 def test_a_syntax_error_fails():
     with pytest.raises(AssertionError, match="compile"):
         compile_cubin('extern "C" __global__ void k() { int x = ; }', ("-std=c++17",), "sm_90")
+
+
+def test_every_sm90_prefill_module_compiles_for_sm90a():
+    """The Hopper prefill (wgmma, setmaxnreg) builds for sm_90a only: every module CI lists,
+    without spills, the consumers' wgmma not serialised by ptxas (its warning C7510 or C7515)."""
+    sources = _build.sm90_sources()
+    assert sources
+    with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as ex:
+        results = list(ex.map(_compile_one, sources, [_build.SM90_ARCH] * len(sources)))
+    failures = [f"{label}: {err}" for label, _, err in results if err]
+    assert not failures, "\n".join(failures[:5])
+    for label, log, _ in results:
+        for spill in re.findall(r"(\d+) bytes spill stores", log):
+            assert int(spill) <= MAX_SPILL_BYTES, f"{label} spills {spill} bytes:\n{log}"
+        assert "wgmma" not in log.lower() or "serializ" not in log.lower(), f"{label}:\n{log}"
+        assert "C7508" not in log, f"{label}: setmaxnreg ignored:\n{log}"

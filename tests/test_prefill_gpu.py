@@ -260,8 +260,9 @@ def test_speculative_verification_on_long_contexts(dtype):
     q = device_elems(rng, (int(qo.sum()), hq, d), dtype)
     bt = cp.asarray(tables)
     plan = prefill_plan(pool, qo_indptr(qo), bt, lens, hq)
-    assert plan.split, "few query tiles over long contexts should split the keys"
-    assert plan.rows_per_cta == 16, "<= 8 draft tokens x GQA-4: 64-row tiles would be padding"
+    if not plan.variant.sm90:  # the Hopper kernel forced: 96 CTAs of 128 rows, one per SM
+        assert plan.split, "few query tiles over long contexts should split the keys"
+        assert plan.rows_per_cta == 16, "<= 8 draft tokens x GQA-4: 64-row tiles would be padding"
     _run_and_check(pool, 0, q, qo, tables, lens, f"spec[{dtype},auto{plan.num_splits}]", plan=plan)
     for splits in (1, 3, 64):
         sized = prefill_plan(pool, qo_indptr(qo), bt, lens, hq, num_splits=splits)
@@ -458,7 +459,6 @@ def test_prefill_rejects_bad_arguments_before_any_launch():
         (dict(q=cp.zeros((5, hq, d), cp.float32)), "q"),
         (dict(out=cp.zeros((5, hq, d), cp.float32)), "out"),
         (dict(out=cp.zeros((4, hq, d), cp.float16)), "out"),
-        (dict(causal=1), "causal"),
         (dict(plan=prefill_plan(pool, qo_indptr([4]), bt, np.array([20]), hq)), "plan"),
         (
             dict(plan=prefill_plan(pool, qo_indptr([5]), bt, np.array([20]), hq, causal=False)),
@@ -466,6 +466,8 @@ def test_prefill_rejects_bad_arguments_before_any_launch():
         ),
         (dict(plan=prefill_plan(other, qo_indptr([5]), bt, np.array([20]), hq)), "another pool"),
     ]
+    with pytest.raises(TypeError, match="causal"):  # a wrong type (the binding's convention)
+        paged_attention_prefill(q, pool, 0, ip, bt, sl, causal=1, out=out)
     for change, match in cases:
         args = dict(q=q, qo_indptr=ip, block_tables=bt, seq_lens=sl, out=out)
         args.update(change)

@@ -1,10 +1,11 @@
 """A small prefill (mixed batch, causal and not, split and not, two block sizes) to run under
-compute-sanitizer memcheck and racecheck."""
+compute-sanitizer memcheck and racecheck: the Ampere kernel, and on compute capability 9.0 the
+Hopper kernel too (_tuning's prefill_kernel forced to each)."""
 
 import cupy as cp
 import kvpool
 import numpy as np
-from kvpool.kernels import prefill_plan
+from kvpool.kernels import _tuning, prefill_plan
 
 rng = np.random.default_rng(0)
 for dtype, d, bs in (("float16", 128, 16), ("bfloat16", 64, 8)):
@@ -26,11 +27,14 @@ for dtype, d, bs in (("float16", 128, 16), ("bfloat16", 64, 8)):
     if dtype == "float16":
         q = q.view(cp.float16)
     device_tables = cp.asarray(tables)
-    for causal in (True, False):
-        for splits in (None, 1, 3):
-            plan = prefill_plan(
-                pool, indptr, device_tables, lens, 8, causal=causal, num_splits=splits
-            )
-            plan.run(q, 0)
+    kernels = ("sm80", "sm90") if int(cp.cuda.Device().compute_capability) == 90 else ("sm80",)
+    for kernel in kernels:
+        for causal in (True, False):
+            for splits in (None, 1, 3):
+                with _tuning.override(prefill_kernel=kernel):
+                    plan = prefill_plan(
+                        pool, indptr, device_tables, lens, 8, causal=causal, num_splits=splits
+                    )
+                plan.run(q, 0)
 cp.cuda.Device().synchronize()
 print("sanitize prefill case done")

@@ -22,7 +22,7 @@ import numpy as np
 import provenance
 import torch
 import torch.nn.functional as F
-from kvpool.kernels import prefill_plan
+from kvpool.kernels import _tuning, prefill_plan
 from timing import event_us
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -54,7 +54,7 @@ def causal_flops(num_seqs, qo, prefix):
     return 4 * D * HQ * pairs * num_seqs
 
 
-def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
+def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick, kvpool_only=False):
     tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float16
     seq_len = qo + prefix
     blocks_per_seq = -(-seq_len // BS)
@@ -76,6 +76,14 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
     # Made once, outside the timed calls (like FlashInfer's plan below); it owns its split
     # workspace, and the timed call is the per-layer run.
     plan = prefill_plan(pool, indptr, tables_t, lens, HQ)
+    # Both kernels, forced (the Hopper one only on compute capability 9.0), next to the default.
+    forced = {}
+    for kernel in ("sm80", "sm90"):
+        try:
+            with _tuning.override(prefill_kernel=kernel):
+                forced[kernel] = prefill_plan(pool, indptr, tables_t, lens, HQ)
+        except Exception as e:
+            forced[kernel] = f"{type(e).__name__}: {e}"[:300]
     flops = causal_flops(num_seqs, qo, prefix)
     row = {
         "shape": label,
@@ -91,6 +99,7 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
         "num_items": plan.work.num_items,
         "rows_per_cta": plan.rows_per_cta,
         "num_splits": plan.num_splits,
+        "kernel": "sm90" if plan.variant.sm90 else "sm80",
     }
     reps = 4 if quick else 10
 
@@ -110,7 +119,21 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
     record("kvpool", ours)
     record("kvpool_repeat", ours)  # noise check
     ours_out = out.float().clone()
+    for kernel, p in forced.items():
+        name = f"kvpool_{kernel}"
+        if isinstance(p, str):
+            row[f"{name}_us"] = None
+            row[f"{name}_error"] = p
+            continue
+        row[f"{name}_rows_per_cta"], row[f"{name}_num_splits"] = p.rows_per_cta, p.num_splits
+        kout = torch.empty_like(q)
+        p.run(as_arg(q), 0, out=as_arg(kout))
+        torch.cuda.synchronize()
+        row[f"max_abs_diff_{name}_vs_default"] = float((kout.float() - ours_out).abs().max())
+        record(name, lambda p=p, kout=kout: p.run(as_arg(q), 0, out=as_arg(kout)))
 
+    if kvpool_only:  # peers measured in another run
+        return _finish(row)
     try:
         import flashinfer
 
@@ -197,6 +220,10 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick):
                 row[f"{name}_us"] = None
                 row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
     expanded.clear()
+    return _finish(row)
+
+
+def _finish(row):
     fa2 = row.get("flashinfer_fa2_us")
     row["speedup_vs_fa2"] = round(fa2 / row["kvpool_us"], 3) if fa2 and row["kvpool_us"] else None
     peers = [
@@ -216,6 +243,9 @@ def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="the JSON to write")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument(
+        "--kvpool-only", action="store_true", help="our kernels alone (no FlashInfer, no SDPA)"
+    )
     args = ap.parse_args(argv)
     prov = provenance.provenance("bench/routines/prefill.py")
     dense = {
@@ -228,13 +258,18 @@ def main(argv: list[str] | None = None):
             if dtype == "bfloat16" and label not in BF16_SHAPES:
                 continue
             try:
-                rows.append(bench_shape(label, n, qo, prefix, dtype, dense[dtype], args.quick))
+                rows.append(
+                    bench_shape(
+                        label, n, qo, prefix, dtype, dense[dtype], args.quick, args.kvpool_only
+                    )
+                )
             except Exception as e:
                 traceback.print_exc()
                 rows.append({"shape": label, "dtype": dtype, "error": f"{type(e).__name__}: {e}"})
             r = rows[-1]
             print(
-                f"{label:>22} {dtype:8} ours {r.get('kvpool_tflops')} TF/s "
+                f"{label:>22} {dtype:8} ours {r.get('kvpool_tflops')} TF/s ({r.get('kernel')}; "
+                f"sm80 {r.get('kvpool_sm80_tflops')} sm90 {r.get('kvpool_sm90_tflops')}) "
                 f"fa2 {r.get('flashinfer_fa2_tflops')} fa3 {r.get('flashinfer_fa3_tflops')} "
                 f"sdpa flash {r.get('sdpa_flash_tflops')} cudnn {r.get('sdpa_cudnn_tflops')} "
                 f"x fa2 {r.get('speedup_vs_fa2')}",

@@ -392,10 +392,24 @@ FP8_PREFILL_ASYNC_DEFAULT = False
 PREFILL_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+# The Hopper prefill (paged_prefill_sm90.cu, sm_90a: wgmma, a producer warpgroup and two
+# consumer warpgroups): 128 query rows per CTA, K/V tiles of SM90_BN tokens in SM90_STAGES
+# stages, one CTA per SM. 16-bit caches only (fp8 caches keep paged_prefill.cu). It runs on
+# compute capability 9.0 when _tuning's prefill_kernel asks for it, or by default when
+# SM90_PREFILL_DEFAULT is set (see bench/NOTES_prefill.md for the measurements behind it).
+SM90_WARPS = 12
+SM90_ROWS = 128
+SM90_BN = {64: 128, 128: 128, 256: 64}
+SM90_STAGES = 2
+SM90_ARCH = "sm_90a"
+SM90_PREFILL_DEFAULT = True
+
+
 @dataclass(frozen=True)
 class PrefillVariant:
     """A compiled prefill module (the query-head tile and causality are run-time arguments).
-    An fp8 cache dtype also names the query dtype `q_dtype` (float16 or bfloat16)."""
+    An fp8 cache dtype also names the query dtype `q_dtype` (float16 or bfloat16). `sm90`: the
+    Hopper module (warps SM90_WARPS, 16-bit caches only)."""
 
     dtype: str
     head_dim: int
@@ -403,16 +417,41 @@ class PrefillVariant:
     warps: int = PREFILL_WIDE_WARPS
     q_dtype: str | None = None
     fp8_async: bool = False  # KV_FP8_ASYNC (fp8 caches only)
+    sm90: bool = False
 
-    source = "paged_prefill.cu"
-    kernel = "paged_prefill"
+    def __post_init__(self) -> None:
+        if self.sm90 and (self.dtype not in DTYPES or self.warps != SM90_WARPS):
+            raise ValueError(f"{self}: the sm90 prefill takes 16-bit caches and {SM90_WARPS} warps")
+
+    @property
+    def source(self) -> str:
+        return "paged_prefill_sm90.cu" if self.sm90 else "paged_prefill.cu"
+
+    @property
+    def kernel(self) -> str:
+        return "paged_prefill_sm90" if self.sm90 else "paged_prefill"
+
+    @property
+    def arch(self) -> str | None:
+        """The architecture the module must be built for (None: the device's, as CuPy does)."""
+        return SM90_ARCH if self.sm90 else None
+
+    @property
+    def merge_variant(self) -> PrefillVariant:
+        """The module whose merge_prefill_splits combines this module's KV splits (the merge
+        depends only on the dtype and head_dim: the sm90 module uses the Ampere module's)."""
+        if not self.sm90:
+            return self
+        return PrefillVariant(self.dtype, self.head_dim, self.block_size)
 
     @property
     def rows(self) -> int:
-        return 16 * self.warps
+        return SM90_ROWS if self.sm90 else 16 * self.warps
 
     @property
     def kv_tile(self) -> int:
+        if self.sm90:
+            return SM90_BN[self.head_dim]
         tiles = PREFILL_NARROW_BN if self.warps == PREFILL_NARROW_WARPS else PREFILL_BN
         return tiles.get(self.head_dim, 32)  # the wrapper refuses other head dims
 
@@ -423,8 +462,11 @@ class PrefillVariant:
     @property
     def dynamic_smem_bytes(self) -> int:
         """Q tile plus the K+V stages (mirrors Q_BYTES, KV_TILE_BYTES, KV_BUFS and
-        STAGING_BYTES in the .cu)."""
+        STAGING_BYTES in the .cu; sm90: also 1024 bytes of alignment slack and the stages'
+        mbarriers)."""
         row = 2 * self.head_dim
+        if self.sm90:
+            return self.rows * row + SM90_STAGES * 2 * self.kv_tile * row + 1024 + 16 * SM90_STAGES
         if self.fp8_async:  # one fp16 K+V tile, STAGES fp8 K+V staging tiles
             return (
                 self.rows * row
@@ -436,11 +478,21 @@ class PrefillVariant:
     @property
     def ctas_per_sm(self) -> int:
         """Resident CTAs per SM the split plan aims to fill (by shared memory, at most 2 wide
-        or 8 narrow CTAs)."""
+        or 8 narrow CTAs; sm90: 1)."""
+        if self.sm90:
+            return 1
         cap = 2 if self.warps == PREFILL_WIDE_WARPS else 8
         return max(1, min(cap, (227 * 1024) // (self.dynamic_smem_bytes + 1024)))
 
     def options(self) -> tuple[str, ...]:
+        if self.sm90:
+            return COMMON_OPTIONS + (
+                f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
+                f"-DHEAD_DIM={self.head_dim}",
+                f"-DBLOCK_SIZE={self.block_size}",
+                f"-DBN={self.kv_tile}",
+                f"-DSTAGES={SM90_STAGES}",
+            )
         fp8 = FP8_DTYPES.get(self.dtype, 0)
         fp8_opts = (f"-DKV_FP8={fp8}", f"-DQ_BF16={int(self.q_dtype == 'bfloat16')}") + (
             ("-DKV_FP8_ASYNC=1",) if self.fp8_async else ()
@@ -457,6 +509,21 @@ class PrefillVariant:
                 f"-DSTAGES={PREFILL_STAGES}",
             )
         )
+
+
+def sm90_prefill_variant(dtype: str, head_dim: int, block_size: int) -> PrefillVariant:
+    return PrefillVariant(dtype, head_dim, block_size, SM90_WARPS, sm90=True)
+
+
+def sm90_prefill_variants() -> list[PrefillVariant]:
+    """The Hopper prefill modules CI compiles (for sm_90a only): both dtypes and head dims at
+    block size 16, and the smallest and largest block size at head_dim 128."""
+    main = [sm90_prefill_variant(dt, hd, 16) for dt in DTYPES for hd in HEAD_DIMS]
+    edges = [
+        sm90_prefill_variant("float16", 128, bs)
+        for bs in (PREFILL_BLOCK_SIZES[0], PREFILL_BLOCK_SIZES[-1])
+    ]
+    return main + edges
 
 
 def prefill_variants() -> list[PrefillVariant]:
@@ -524,11 +591,58 @@ def all_sources() -> list[tuple[str, str, tuple[str, ...]]]:
     return out
 
 
+def sm90_sources() -> list[tuple[str, str, tuple[str, ...]]]:
+    """(label, source, options) of the sm_90a modules the CI compile test builds (for
+    SM90_ARCH only; all_sources' modules are built for every architecture)."""
+    return [
+        (
+            f"{v.kernel}[{v.dtype},{v.head_dim},{v.block_size}]",
+            read_source(v.source),
+            (*v.options(), "-ftz=true"),
+        )
+        for v in sm90_prefill_variants()
+    ]
+
+
 @functools.cache
 def decode_module(variant: DecodeVariant | TcVariant | PrefillVariant) -> Any:
     import cupy
 
+    arch = getattr(variant, "arch", None)
+    if arch is not None:
+        return _arch_module(read_source(variant.source), variant.options(), arch)
     return cupy.RawModule(code=read_source(variant.source), options=variant.options())
+
+
+def _arch_module(source: str, options: tuple[str, ...], arch: str) -> Any:
+    """A module built for `arch` (an architecture-specific target such as sm_90a, which
+    CuPy's RawModule cannot ask for: it always appends the device's plain -arch): NVRTC through
+    CuPy's binding to a cubin, written once to the temporary folder under its hash (RawModule
+    loads a file lazily, per device, so the file stays) and loaded as a RawModule. The options
+    are the variant's plus -ftz=true, which RawModule adds to its own builds."""
+    import hashlib
+    import tempfile
+
+    import cupy
+    from cupy_backends.cuda.libs import nvrtc  # type: ignore[import-not-found]  # CuPy's own
+
+    opts = (*options, "-ftz=true", f"--gpu-architecture={arch}")
+    prog = nvrtc.createProgram(source, "kernel.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC failed for {arch}: {nvrtc.getProgramLog(prog)}") from e
+        cubin = bytes(nvrtc.getCUBIN(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+    digest = hashlib.sha256(cubin).hexdigest()[:32]
+    path = Path(tempfile.gettempdir()) / f"kvpool-{arch}-{digest}.cubin"
+    if not path.is_file():
+        part = path.with_suffix(f".{os.getpid()}.part")
+        part.write_bytes(cubin)
+        os.replace(part, path)  # atomic: another process may be writing the same file
+    return cupy.RawModule(path=str(path))
 
 
 @functools.cache

@@ -72,6 +72,14 @@ def num_sms(device_id: int) -> int:
 
 
 @functools.cache
+def compute_capability(device_id: int) -> int:
+    """The device's compute capability as major * 10 + minor (90 for Hopper)."""
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).compute_capability)
+
+
+@functools.cache
 def compiled_kernel(variant: Any, name: str, device_id: int, min_dynamic_smem: int = 0) -> Kernel:
     """The kernel `name` of the module of `variant` on `device_id` (compiled once)."""
     return Kernel(_build.decode_module(variant), name, device_id, min_dynamic_smem)

@@ -32,6 +32,7 @@ from kvpool.kernels._common import (
     check_scales,
     check_tables_pool,
     compiled_kernel,
+    compute_capability,
     fp8_query_dtype,
     host_array,
     host_query,
@@ -245,11 +246,19 @@ class PrefillPlan:
     def _plan_work(self, num_splits: int | None) -> PrefillWork:
         info, tuning = self.info, _tuning.current()
         self.fp8_async = info.dtype in _build.FP8_DTYPES and tuning.fp8_prefill_async
-        wide = self._variant(_build.PREFILL_WIDE_WARPS)
         narrow = self._variant(_build.PREFILL_NARROW_WARPS)
-        rows = tuning.prefill_rows_per_cta or choose_rows(
-            self.qo_indptr, self.group, wide.rows, narrow.rows
-        )
+        sm90 = self._use_sm90(tuning)
+        if sm90 and tuning.prefill_rows_per_cta is None:
+            wide = _build.sm90_prefill_variant(info.dtype, info.head_dim, info.block_size)
+            if tuning.prefill_kernel == "sm90":  # the test knob: its tiles wherever it can
+                rows = wide.rows
+            else:
+                rows = choose_rows(self.qo_indptr, self.group, wide.rows, narrow.rows)
+        else:
+            wide = self._variant(_build.PREFILL_WIDE_WARPS)
+            rows = tuning.prefill_rows_per_cta or choose_rows(
+                self.qo_indptr, self.group, wide.rows, narrow.rows
+            )
         variant = wide if rows == wide.rows else narrow
         self.variant = variant
         return plan_work(
@@ -265,6 +274,24 @@ class PrefillPlan:
             causal=self.causal,
             num_splits=num_splits,
         )
+
+    def _use_sm90(self, tuning: _tuning.Tuning) -> bool:
+        """Whether the plan runs the Hopper kernel (paged_prefill_sm90.cu) for its wide tiles:
+        a 16-bit cache on a CUDA device of compute capability 9.0, by default when
+        _build.SM90_PREFILL_DEFAULT is set or when _tuning's prefill_kernel forces it."""
+        info, choice = self.info, tuning.prefill_kernel
+        if choice == "sm80" or not info.cuda:
+            return False
+        usable = info.dtype in _build.DTYPES and compute_capability(info.device_id) == 90
+        if choice == "sm90":
+            if not usable:
+                raise InvalidArgumentError(
+                    "prefill_kernel='sm90' needs a float16 / bfloat16 pool on a device of "
+                    f"compute capability 9.0 (dtype {info.dtype}, device compute capability "
+                    f"{compute_capability(info.device_id)})"
+                )
+            return True
+        return usable and _build.SM90_PREFILL_DEFAULT
 
     def _variant(self, warps: int, q_dtype: str | None = None) -> _build.PrefillVariant:
         info = self.info
@@ -445,7 +472,7 @@ class _Launch:
         self.kernel = compiled_kernel(
             variant, variant.kernel, info.device_id, variant.dynamic_smem_bytes
         )
-        self.merge = compiled_kernel(variant, "merge_prefill_splits", info.device_id)
+        self.merge = compiled_kernel(variant.merge_variant, "merge_prefill_splits", info.device_id)
         ws = plan._workspace
         part_o = ws.ptr if w.split and ws is not None else 0
         part_lse = part_o + 4 * w.num_splits * w.total_q * hq * d if part_o else 0

@@ -1,5 +1,6 @@
 """Knobs for tests and benchmark sweeps, not for users: which decode kernel runs, the prefill
-CTA's query rows, the fp8 decode's warps / stages / fill and the fp8 prefill's loads.
+CTA's query rows, which prefill kernel runs (Ampere or Hopper), the fp8 decode's warps / stages /
+fill and the fp8 prefill's loads.
 
 A plan reads the knobs when it is made (decode_plan, prefill_plan, and the one-call forms,
 which make a plan), so they apply to the plans made inside :func:`override`::
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from kvpool.kernels import _build
 
 PREFILL_ROWS = (16 * _build.PREFILL_WIDE_WARPS, 16 * _build.PREFILL_NARROW_WARPS)
+PREFILL_KERNELS = ("auto", "sm80", "sm90")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class Tuning:
 
     decode_pipeline: int = _build.TC
     prefill_rows_per_cta: int | None = None
+    prefill_kernel: str = "auto"
     fp8_decode: _build.Fp8DecodeTuning = _build.FP8_DECODE_DEFAULT
     fp8_prefill_async: bool = _build.FP8_PREFILL_ASYNC_DEFAULT
 
@@ -45,6 +48,8 @@ class Tuning:
             raise ValueError(f"decode_pipeline must be 0, 1 or {_build.TC}")
         if self.prefill_rows_per_cta not in (None, *PREFILL_ROWS):
             raise ValueError(f"prefill_rows_per_cta must be None or one of {PREFILL_ROWS}")
+        if self.prefill_kernel not in PREFILL_KERNELS:
+            raise ValueError(f"prefill_kernel must be one of {PREFILL_KERNELS}")
         if not isinstance(self.fp8_decode, _build.Fp8DecodeTuning):
             raise ValueError("fp8_decode must be a _build.Fp8DecodeTuning")
         if not isinstance(self.fp8_prefill_async, bool):
