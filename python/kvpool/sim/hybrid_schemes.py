@@ -189,3 +189,66 @@ def uniform_page_spec(model: HybridModel, dtype: str = "bfloat16"):
 
 def is_attention(kind: str) -> bool:
     return kind in ATTENTION_KINDS
+
+
+# On the host the simulation needs the allocator, not the bytes (as runner.proxy_layout for a
+# uniform pool): a hybrid pool is made over a proxy spec, the real one with every byte size
+# divided by the same power of two, whose pages hold the same tokens per group and whose
+# state slots take the same pages, so the tables take and release the same pages call for
+# call, and 64 GiB of modelled KV costs 64 GiB / scale of address space. Bytes are accounted
+# with the real spec.
+MAX_PROXY_SCALE = 4096
+
+
+def _scaled_group(group, scale: int):
+    """`group` (a kvpool.KvGroup) with its bytes per token or per state divided by `scale`,
+    or None where they do not divide."""
+    layers, kind = group.layers, group.kind
+    if kind == "recurrent_state":
+        return kvpool.KvGroup.recurrent_state(layers, -(-group.bytes_per_layer // scale))
+    if kind == "mla_latent":
+        width = group.latent_dim + group.rope_dim
+        if width % scale:
+            return None
+        return kvpool.KvGroup.mla_latent(layers, width // scale, 0, group.dtype)
+    width = group.num_kv_heads * group.head_dim
+    if width % scale:
+        return None
+    if kind == "full":
+        return kvpool.KvGroup.full(layers, 1, width // scale, group.dtype)
+    if kind == "sliding_window":
+        return kvpool.KvGroup.sliding_window(layers, group.window, 1, width // scale, group.dtype)
+    return kvpool.KvGroup.chunked_local(layers, group.chunk, 1, width // scale, group.dtype)
+
+
+def same_geometry(a, b) -> bool:
+    """Whether two specs' groups hold the same tokens per page and pages per state slot."""
+    return a.num_groups == b.num_groups and all(
+        a.block_size(g) == b.block_size(g) and a.pages_per_slot(g) == b.pages_per_slot(g)
+        for g in range(a.num_groups)
+    )
+
+
+def proxy_spec(spec) -> tuple[object, int]:
+    """(the smallest proxy of `spec` found, its scale): see MAX_PROXY_SCALE's comment. Scale 1
+    (the spec itself) where nothing divides."""
+    scale = MAX_PROXY_SCALE
+    while scale > 1:
+        if spec.page_bytes % (256 * scale) == 0:
+            groups = [_scaled_group(g, scale) for g in spec.groups]
+            if all(g is not None for g in groups):
+                proxy = kvpool.ModelKvSpec(
+                    groups, spec.page_bytes // scale, num_layers=spec.num_layers
+                )
+                if same_geometry(proxy, spec):
+                    return proxy, scale
+        scale //= 2
+    return spec, 1
+
+
+def page_pool(spec, num_pages: int) -> kvpool.Pool:
+    """A host pool of `num_pages` blocks of `spec.page_bytes` (HybridTables' requirement)."""
+    if spec.page_bytes % 4:
+        raise ValueError(f"page_bytes {spec.page_bytes} is not a whole number of fp16 pairs")
+    layout = kvpool.KvLayout(1, 1, spec.page_bytes // 4, 1, "float16")
+    return kvpool.Pool(layout, num_pages, device="host")
