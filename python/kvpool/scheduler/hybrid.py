@@ -12,9 +12,10 @@ PagedKv; what differs is how many pages a call takes:
   against the free ones only;
 - decoding one token takes a new page in each token group whose last page is full, the
   same for a window group (its window slides, the page it leaves is released after);
-- admission asks room for the pages the sequence holds at the end of its prefill, prefilled
-  in chunks of the step's token budget (a window group holds the window plus one chunk,
-  not the whole prompt), plus its state slots; as PagedKv asks room for its whole prefill.
+- admission asks room for the most pages the sequence holds during its prefill, prefilled
+  in chunks of the step's token budget (a window group holds the window and two chunks
+  while a chunk is appended, not the whole prompt), plus its state slots; as PagedKv asks
+  room for its whole prefill.
 """
 
 from __future__ import annotations
@@ -59,16 +60,7 @@ class HybridKv:
         return int(fraction * self.pool.num_blocks)
 
     def pages_for_prefill(self, num_tokens: int) -> int:
-        """Pages a sequence of `num_tokens` prompt tokens holds after its last prefill chunk
-        (chunks of at most `max_chunk` tokens), state slots included."""
-        last_chunk_start = max(0, num_tokens - self.max_chunk)
-        return sum(
-            stop - start
-            for start, stop in (
-                self.spec.live_pages(g, num_tokens, last_chunk_start)
-                for g in range(self.spec.num_groups)
-            )
-        )
+        return prefill_peak_pages(self.spec, num_tokens, self.max_chunk)
 
     def try_admit(self, seq: Seq, first_chunk: int, watermark_blocks: int) -> bool:
         if self.pages_for_prefill(seq.prefill_target) + watermark_blocks > self.pool.num_free:
@@ -129,3 +121,20 @@ class HybridKv:
         if self.pool.num_free != self.pool.num_blocks:
             raise AssertionError(f"{self.pool.num_blocks - self.pool.num_free} pages leaked")
         self.pool.check_invariants()
+
+
+def prefill_peak_pages(spec: kvpool.ModelKvSpec, num_tokens: int, chunk: int) -> int:
+    """The most pages a sequence of `num_tokens` prompt tokens holds while its last prefill
+    chunk (of at most `chunk` tokens) is appended, state slots included: an append takes
+    its new pages before it releases those its window left, so a window group holds, for
+    that moment, the pages of the chunk before too."""
+    last_start = max(0, num_tokens - chunk)  # where the last chunk's queries start
+    total = 0
+    for g in range(spec.num_groups):
+        _, stop = spec.live_pages(g, num_tokens, last_start)
+        if last_start == 0:
+            total += stop
+            continue
+        before, _ = spec.live_pages(g, last_start, max(0, last_start - chunk))
+        total += stop - min(before, stop)
+    return total
