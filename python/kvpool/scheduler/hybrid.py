@@ -109,7 +109,7 @@ class HybridKv:
     def usage(self) -> tuple[int, int]:
         """(pages used, pages used): token slots are not one number across groups whose
         pages hold different tokens, so the loop's token utilization is not defined here;
-        kvpool.sim.hybrid_runner measures bytes needed over bytes held instead."""
+        the hybrid simulation measures bytes needed over bytes held instead."""
         used = self.pool.num_used
         return used, used
 

@@ -13,6 +13,8 @@ from kvpool.scheduler.core import SchedulerConfig
 from kvpool.scheduler.hybrid import prefill_peak_pages
 from kvpool.sim.hybrid_config import ConfigError, model_from_file
 from kvpool.sim.hybrid_presets import HYBRID_PRESETS, HybridModel
+from kvpool.sim.hybrid_report import print_table
+from kvpool.sim.hybrid_runner import SCHEMES, HybridSimulationSpec, simulate_hybrid
 from kvpool.sim.hybrid_schemes import (
     DTYPE_BYTES,
     all_full_scheme,
@@ -20,6 +22,7 @@ from kvpool.sim.hybrid_schemes import (
     uniform_page_spec,
 )
 from kvpool.sim.presets import ModelPreset, get_preset, parse_bytes
+from kvpool.sim.report import write_json, write_png
 
 
 def preset_name(text: str) -> str | None:
@@ -118,10 +121,6 @@ def run(
     command: list[str],
 ) -> int:
     """Serve the workload with every scheme; print the table, write the JSON and the PNG."""
-    from kvpool.sim.hybrid_report import print_table
-    from kvpool.sim.hybrid_runner import SCHEMES, HybridSimulationSpec, simulate_hybrid
-    from kvpool.sim.report import write_json, write_png
-
     config = SchedulerConfig(
         max_model_len=args.max_model_len,
         max_running_seqs=args.max_running_seqs,

@@ -94,9 +94,7 @@ def layer_types(config: dict[str, Any]) -> list[str]:
         if not isinstance(given, list) or not all(isinstance(t, str) for t in given):
             raise ConfigError(f"layer_types must be a list of strings, got {given!r}")
         if len(given) != n:
-            raise ConfigError(
-                f"layer_types has {len(given)} entries, num_hidden_layers is {n}"
-            )
+            raise ConfigError(f"layer_types has {len(given)} entries, num_hidden_layers is {n}")
         return list(given)
     if config.get("full_attention_interval") is not None:
         k = _int(config, "full_attention_interval")
@@ -171,7 +169,7 @@ def _experts(config: dict[str, Any]) -> tuple[int, int, int]:
 
 def estimate_params(config: dict[str, Any]) -> tuple[float, float]:
     """(total, active per token) weights from the shapes: embeddings (twice unless
-    `tie_word_embeddings`), per layer the attention projections (q and o of
+    `tie_word_embeddings`; a token multiplies only the output one), per layer the attention projections (q and o of
     num_attention_heads x head_dim, k and v of num_key_value_heads x head_dim) and a gated
     MLP of 3 x hidden x intermediate per expert (`moe_intermediate_size` for routed experts,
     `shared_expert_intermediate_size` for a shared one). Norms, biases, routers, MLA's and
@@ -184,18 +182,26 @@ def estimate_params(config: dict[str, Any]) -> tuple[float, float]:
     head_dim = _head_dim(config)
     vocab = _int(config, "vocab_size")
     embed = vocab * hidden * (1 if config.get("tie_word_embeddings", False) else 2)
+    lm_head = vocab * hidden  # a token multiplies the output projection; the input is a lookup
     attention = 2 * hidden * head_dim * (q_heads + kv_heads)
     routed, per_token, shared = _experts(config)
     dense_mlp = 3 * hidden * _int(config, "intermediate_size")
     if routed == 0:
         per_layer = attention + dense_mlp
-        return float(embed + n * per_layer), float(embed + n * per_layer)
+        return float(embed + n * per_layer), float(lm_head + n * per_layer)
     expert = 3 * hidden * _int(config, "moe_intermediate_size", config.get("intermediate_size"))
-    shared_mlp = shared * 3 * hidden * int(
-        config.get("shared_expert_intermediate_size") or config.get("moe_intermediate_size") or 0
+    shared_mlp = (
+        shared
+        * 3
+        * hidden
+        * int(
+            config.get("shared_expert_intermediate_size")
+            or config.get("moe_intermediate_size")
+            or 0
+        )
     )
     total = embed + n * (attention + routed * expert + shared_mlp)
-    active = embed + n * (attention + per_token * expert + shared_mlp)
+    active = lm_head + n * (attention + per_token * expert + shared_mlp)
     return float(total), float(active)
 
 

@@ -42,9 +42,7 @@ def live_tokens(model: HybridModel, lens: np.ndarray, elem_bytes: int) -> np.nda
 class HybridStepCost:
     """Callable (prefill tokens, decode seqs, KV tokens) -> modelled seconds (see the module)."""
 
-    def __init__(
-        self, model: HybridModel, elem_bytes: int = 2, hardware: Hardware = H200
-    ) -> None:
+    def __init__(self, model: HybridModel, elem_bytes: int = 2, hardware: Hardware = H200) -> None:
         self.model = model
         self.elem_bytes = elem_bytes
         self.hardware = hardware

@@ -134,9 +134,7 @@ class HybridModel:
 
     def page_bytes(self, elem_bytes: int = 2) -> int:
         """`block_size` tokens of the group with the largest token bytes (hybrid.md)."""
-        return self.block_size * max(
-            g.token_bytes(elem_bytes) or 0 for g in self.token_groups()
-        )
+        return self.block_size * max(g.token_bytes(elem_bytes) or 0 for g in self.token_groups())
 
     def state_bytes(self) -> int:
         """Bytes of every recurrent state of one request."""

@@ -35,6 +35,7 @@ from kvpool.sim.hybrid_schemes import (
     hybrid_spec,
     page_pool,
     proxy_spec,
+    scheme_groups,
     uniform_page_plan,
     uniform_page_spec,
 )
@@ -73,7 +74,7 @@ def _paged_scheme(spec: HybridSimulationSpec, name: str) -> SchemeRun:
             f"{name}: a KV budget of {spec.kv_memory_bytes} bytes holds no page of "
             f"{real.page_bytes} bytes"
         )
-    proxy, scale = proxy_spec(real)
+    proxy, scale = proxy_spec(scheme_groups(spec.model, name, spec.kv_dtype), real, spec.kv_dtype)
     backend = HybridKv(page_pool(proxy, num_pages), proxy)
     backend.name = name
     page_bytes = real.page_bytes
@@ -188,7 +189,7 @@ def run_scheme(
     return out
 
 
-def _ratios(ours: dict[str, Any], other: dict[str, Any]) -> dict[str, float | None]:
+def _ratios(ours: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     def ratio(key: str) -> float | None:
         return ours[key] / other[key] if other[key] else None
 

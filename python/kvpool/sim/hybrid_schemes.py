@@ -50,7 +50,9 @@ def elem_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
-def kv_group(group: LayerGroup, dtype: str, layers: tuple[int, ...] | None = None):
+def kv_group(
+    group: LayerGroup, dtype: str, layers: tuple[int, ...] | None = None
+) -> kvpool.KvGroup:
     """The `kvpool.KvGroup` of `group` (over `layers` instead of its own, if given)."""
     layers = group.layers if layers is None else layers
     if group.kind == FULL:
@@ -68,7 +70,7 @@ def kv_group(group: LayerGroup, dtype: str, layers: tuple[int, ...] | None = Non
     return kvpool.KvGroup.recurrent_state(layers, group.state_bytes_per_layer)
 
 
-def hybrid_spec(model: HybridModel, dtype: str = "bfloat16"):
+def hybrid_spec(model: HybridModel, dtype: str = "bfloat16") -> kvpool.ModelKvSpec:
     """kvpool's page scheme for `model`: `model.block_size` tokens of its largest token group
     per page (hybrid.md, "Choosing page_bytes")."""
     groups = [kv_group(g, dtype) for g in model.groups]
@@ -135,13 +137,13 @@ def _kind_key(g: LayerGroup) -> tuple:
 def uniform_page_plan(model: HybridModel, dtype: str = "bfloat16") -> UniformPagePlan:
     e = elem_bytes(dtype)
     token_groups = model.token_groups()
-    per_layer = {g.token_bytes_per_layer(e) for g in token_groups}
+    per_layer = {g.token_bytes_per_layer(e) or 0 for g in token_groups}
     if len(per_layer) != 1:
         raise ValueError(
             f"{model.name}: layers of different token bytes ({sorted(per_layer)}) have no "
             "common page in vLLM's uniform-page scheme"
         )
-    token_bytes_per_layer = per_layer.pop() or 0
+    token_bytes_per_layer = per_layer.pop()
     block_size = model.block_size
     state_layer_bytes = max(
         (g.state_bytes_per_layer for g in model.groups if g.kind == RECURRENT_STATE), default=0
@@ -178,7 +180,7 @@ def _with_layers(g: LayerGroup, layers: tuple[int, ...], layer_page_bytes: int) 
     )
 
 
-def uniform_page_spec(model: HybridModel, dtype: str = "bfloat16"):
+def uniform_page_spec(model: HybridModel, dtype: str = "bfloat16") -> kvpool.ModelKvSpec:
     """vLLM's uniform-page scheme for `model` as a `kvpool.ModelKvSpec` (padding layers
     included, so a padded group's pages carry their unused bytes as vLLM's do)."""
     plan = uniform_page_plan(model, dtype)
@@ -200,28 +202,22 @@ def is_attention(kind: str) -> bool:
 MAX_PROXY_SCALE = 4096
 
 
-def _scaled_group(group, scale: int):
-    """`group` (a kvpool.KvGroup) with its bytes per token or per state divided by `scale`,
-    or None where they do not divide."""
-    layers, kind = group.layers, group.kind
-    if kind == "recurrent_state":
-        return kvpool.KvGroup.recurrent_state(layers, -(-group.bytes_per_layer // scale))
-    if kind == "mla_latent":
-        width = group.latent_dim + group.rope_dim
-        if width % scale:
-            return None
-        return kvpool.KvGroup.mla_latent(layers, width // scale, 0, group.dtype)
-    width = group.num_kv_heads * group.head_dim
+def _scaled_group(g: LayerGroup, scale: int) -> LayerGroup | None:
+    """`g` with its bytes per token or per state divided by `scale` (one KV head holding all
+    its heads' width), or None where they do not divide."""
+    if g.kind == RECURRENT_STATE:
+        return LayerGroup(
+            RECURRENT_STATE, g.layers, state_bytes_per_layer=-(-g.state_bytes_per_layer // scale)
+        )
+    width = g.latent_dim + g.rope_dim if g.kind == MLA_LATENT else g.num_kv_heads * g.head_dim
     if width % scale:
         return None
-    if kind == "full":
-        return kvpool.KvGroup.full(layers, 1, width // scale, group.dtype)
-    if kind == "sliding_window":
-        return kvpool.KvGroup.sliding_window(layers, group.window, 1, width // scale, group.dtype)
-    return kvpool.KvGroup.chunked_local(layers, group.chunk, 1, width // scale, group.dtype)
+    if g.kind == MLA_LATENT:
+        return LayerGroup(MLA_LATENT, g.layers, latent_dim=width // scale)
+    return LayerGroup(g.kind, g.layers, 1, width // scale, window=g.window)
 
 
-def same_geometry(a, b) -> bool:
+def same_geometry(a: kvpool.ModelKvSpec, b: kvpool.ModelKvSpec) -> bool:
     """Whether two specs' groups hold the same tokens per page and pages per state slot."""
     return a.num_groups == b.num_groups and all(
         a.block_size(g) == b.block_size(g) and a.pages_per_slot(g) == b.pages_per_slot(g)
@@ -229,24 +225,33 @@ def same_geometry(a, b) -> bool:
     )
 
 
-def proxy_spec(spec) -> tuple[object, int]:
-    """(the smallest proxy of `spec` found, its scale): see MAX_PROXY_SCALE's comment. Scale 1
-    (the spec itself) where nothing divides."""
+def proxy_spec(
+    groups: tuple[LayerGroup, ...], real: kvpool.ModelKvSpec, dtype: str
+) -> tuple[kvpool.ModelKvSpec, int]:
+    """(the smallest proxy of `real`, the spec of `groups`, and its scale): see
+    MAX_PROXY_SCALE's comment. Scale 1 (the spec itself) where nothing divides."""
     scale = MAX_PROXY_SCALE
     while scale > 1:
-        if spec.page_bytes % (256 * scale) == 0:
-            groups = [_scaled_group(g, scale) for g in spec.groups]
-            if all(g is not None for g in groups):
-                proxy = kvpool.ModelKvSpec(
-                    groups, spec.page_bytes // scale, num_layers=spec.num_layers
-                )
-                if same_geometry(proxy, spec):
-                    return proxy, scale
+        scaled = [_scaled_group(g, scale) for g in groups]
+        if real.page_bytes % (256 * scale) == 0 and all(g is not None for g in scaled):
+            kv_groups = [kv_group(g, dtype) for g in scaled if g is not None]
+            proxy = kvpool.ModelKvSpec(
+                kv_groups, real.page_bytes // scale, num_layers=real.num_layers
+            )
+            if same_geometry(proxy, real):
+                return proxy, scale
         scale //= 2
-    return spec, 1
+    return real, 1
 
 
-def page_pool(spec, num_pages: int) -> kvpool.Pool:
+def scheme_groups(model: HybridModel, scheme: str, dtype: str) -> tuple[LayerGroup, ...]:
+    """The groups of the `hybrid` or the `uniform_page` spec of `model`."""
+    if scheme == "hybrid":
+        return model.groups
+    return uniform_page_plan(model, dtype).groups
+
+
+def page_pool(spec: kvpool.ModelKvSpec, num_pages: int) -> kvpool.Pool:
     """A host pool of `num_pages` blocks of `spec.page_bytes` (HybridTables' requirement)."""
     if spec.page_bytes % 4:
         raise ValueError(f"page_bytes {spec.page_bytes} is not a whole number of fp16 pairs")
