@@ -265,8 +265,8 @@ impl PyPool {
     }
 
     #[getter]
-    fn layout(&self) -> PyKvLayout {
-        PyKvLayout { inner: *self.inner.layout() }
+    fn layout(&self) -> PyResult<PyKvLayout> {
+        Ok(PyKvLayout { inner: *self.inner.layout().map_err(crate::errors::PyKvError)? })
     }
     #[getter]
     fn num_blocks(&self) -> usize {
@@ -295,7 +295,7 @@ impl PyPool {
     }
     #[getter]
     fn block_bytes(&self) -> usize {
-        self.inner.layout().block_bytes()
+        self.inner.block_bytes()
     }
     #[getter]
     fn base_ptr(&self) -> u64 {
@@ -407,7 +407,7 @@ impl PyPool {
             self.inner.device(),
             self.inner.num_blocks(),
             self.inner.num_free(),
-            self.inner.layout().block_bytes()
+            self.inner.block_bytes()
         )
     }
 }
