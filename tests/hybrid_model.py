@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
-from kvpool import HybridTables, KvGroup, ModelKvSpec
+from kvpool import HybridHostTier, HybridTables, KvGroup, ModelKvSpec
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,9 @@ class HybridModel:
         self.num_blocks = num_blocks
         self.requests: dict[int, Request] = {}
         self.ref_cnt: Counter[int] = Counter()
+        # Requests on the host tier, as they were on the device (their device page ids are
+        # stale; the host ids are the tier's to pick).
+        self.swapped: dict[int, Request] = {}
 
     # --- what the model predicts ------------------------------------------------------
 
@@ -165,10 +168,11 @@ class HybridModel:
         plans: list[Plan],
         num_tokens: int,
         copies: np.ndarray | None,
-    ) -> Request:
+    ) -> tuple[Request, list[int]]:
         """Checks `rid`'s tables against `plans` (kept pages in place, fresh pages free
         before the call, the copies listed as planned) and returns the request as it is
-        now. Reference counts are not touched here."""
+        now with its fresh pages (copy destinations first). Reference counts are not touched
+        here."""
         fresh: list[int] = []
         expected_copies: list[tuple[int, int, int]] = []
         groups = []
@@ -195,23 +199,26 @@ class HybridModel:
         if copies is not None:
             got = [tuple(int(x) for x in row) for row in copies]
             assert got == expected_copies, (rid, got, expected_copies)
-        return Request(num_tokens, request.next_query, groups)
+        return Request(num_tokens, request.next_query, groups), fresh
 
-    def add(self, tables: HybridTables, rid: int, num_tokens: int) -> None:
+    def add(self, tables: HybridTables, rid: int, num_tokens: int) -> list[int]:
+        """Follows an add; returns the request's (fresh) pages."""
         empty = Request(0, 0, [GroupPages() for _ in self.rules])
         plans = self.plans(empty, num_tokens, 0)
-        request = self._adopt(tables, rid, empty, plans, num_tokens, None)
+        request, fresh = self._adopt(tables, rid, empty, plans, num_tokens, None)
         request.next_query = 0
         for pages in request.groups:
             self.ref_cnt.update(pages.page_ids)
         self.requests[rid] = request
+        return fresh
 
-    def append(self, tables: HybridTables, rid: int, count: int, copies: np.ndarray) -> None:
-        """Follows one request's append; `copies` are the rows the call returned for it."""
+    def append(self, tables: HybridTables, rid: int, count: int, copies: np.ndarray) -> list[int]:
+        """Follows one request's append; `copies` are the rows the call returned for it.
+        Returns the new pages that are not copy destinations."""
         old = self.requests[rid]
         num_tokens = old.num_tokens + count
         plans = self.plans(old, num_tokens, old.num_tokens)
-        new = self._adopt(tables, rid, old, plans, num_tokens, copies)
+        new, fresh = self._adopt(tables, rid, old, plans, num_tokens, copies)
         new.next_query = old.num_tokens
         for plan, before, after in zip(plans, old.groups, new.groups, strict=True):
             kept = {before.page_ids[i] for i in plan.kept}
@@ -223,6 +230,8 @@ class HybridModel:
                 if page not in kept:  # a new page or a copy's destination
                     self.ref_cnt[page] += 1
         self.requests[rid] = new
+        destinations = {int(row[2]) for row in copies}
+        return [p for p in fresh if p not in destinations]
 
     def expected_copy_count(self, rid: int, count: int) -> int:
         r = self.requests[rid]
@@ -241,6 +250,64 @@ class HybridModel:
     def free(self, rid: int) -> None:
         for g in self.requests.pop(rid).groups:
             self.ref_cnt.subtract(g.page_ids)
+
+    # --- host tier --------------------------------------------------------------------
+
+    @staticmethod
+    def num_pages(request: Request) -> int:
+        return sum(len(g.page_ids) for g in request.groups)
+
+    def host_pages_used(self) -> int:
+        return sum(self.num_pages(r) for r in self.swapped.values())
+
+    def swap_out(self, request_ids: list[int]) -> None:
+        for rid in request_ids:
+            request = self.requests.pop(rid)
+            for g in request.groups:
+                self.ref_cnt.subtract(g.page_ids)
+            self.swapped[rid] = request
+
+    def swap_in(self, tables: HybridTables, request_ids: list[int]) -> None:
+        """Follows a swap-in: each group's table is back at its page indices with fresh
+        pages (free before the call, none handed out twice)."""
+        fresh: list[int] = []
+        for rid in request_ids:
+            old = self.swapped.pop(rid)
+            groups = []
+            for g, pages in enumerate(old.groups):
+                first, ids, n = tables.table(rid, g)
+                assert (first, len(ids), n) == (
+                    pages.first_page,
+                    len(pages.page_ids),
+                    old.num_tokens,
+                ), (rid, g)
+                fresh.extend(ids.tolist())
+                groups.append(GroupPages(first, ids.tolist()))
+            self.requests[rid] = Request(old.num_tokens, old.next_query, groups)
+        assert len(set(fresh)) == len(fresh)
+        assert all(self.ref_cnt[p] == 0 for p in fresh), "swap-in took a page in use"
+        self.ref_cnt.update(fresh)
+
+    def free_swapped(self, rid: int) -> None:
+        del self.swapped[rid]
+
+    def check_host_tier(self, tier: HybridHostTier) -> None:
+        """The tier holds exactly the swapped requests, each group's pages at the page
+        indices the request had, on distinct host pages."""
+        assert tier.request_ids() == sorted(self.swapped)
+        host_ids: list[int] = []
+        for rid, r in self.swapped.items():
+            n, next_query, rows = tier.swapped(rid)
+            assert (n, next_query) == (r.num_tokens, r.next_query)
+            expected = [
+                (g, pages.first_page + i)
+                for g, pages in enumerate(r.groups)
+                for i in range(len(pages.page_ids))
+            ]
+            assert [(int(g), int(i)) for g, i, _ in rows] == expected, rid
+            host_ids.extend(int(p) for _, _, p in rows)
+        assert len(set(host_ids)) == len(host_ids), "a host page held twice"
+        assert tier.pool.num_used == len(host_ids) == self.host_pages_used()
 
     # --- checks -----------------------------------------------------------------------
 

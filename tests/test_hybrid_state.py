@@ -1,7 +1,11 @@
 """HybridTables against the plain-Python model of tests/hybrid_model.py, driven by a Hypothesis
 state machine over a mixed model: two sliding windows (one shorter than a page, one spanning
 pages), full attention, chunked local attention, an MLA latent (12-token pages) and a
-recurrent state split over pages.
+recurrent state split over pages, with a host tier that swaps whole requests out and in.
+
+The machine plays the kernels on the host slab: it fills every new page with fresh bytes and
+runs the copies each append returns, so a request swapped out and back must come back with
+exactly the bytes it left with (its device pages were reused and overwritten meanwhile).
 
 After every step: the tables equal the model's, every page a table holds has a key some
 future query sees (and every such page is held), pages are conserved per group and over the
@@ -11,6 +15,8 @@ tests/conftest.py loads. The mutation tests show the model catching a one-token 
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 import pytest
@@ -27,6 +33,8 @@ from hypothesis.stateful import (
 )
 from kvpool import (
     DuplicateRequestError,
+    HostTierFullError,
+    HybridHostTier,
     HybridTables,
     InvalidArgumentError,
     KvGroup,
@@ -35,10 +43,21 @@ from kvpool import (
     OutOfBlocksError,
     Pool,
     UnknownRequestError,
+    WrongTierError,
 )
 
 PAGE_BYTES = 1024
 NUM_BLOCKS = 72
+HOST_BLOCKS = 40
+
+
+def slab_pages(pool: Pool) -> np.ndarray:
+    """A host pool's slab as a writable uint8 array [num_blocks, block_bytes], over its raw
+    address (a test's stand-in for the kernels that read and write pages). The caller keeps
+    `pool` alive while it uses the array."""
+    size = pool.num_blocks * pool.block_bytes
+    buffer = (ctypes.c_uint8 * size).from_address(pool.base_ptr)
+    return np.frombuffer(buffer, dtype=np.uint8).reshape(pool.num_blocks, pool.block_bytes)
 
 
 def mixed_spec() -> ModelKvSpec:
@@ -73,13 +92,35 @@ class HybridMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.spec = mixed_spec()
-        layout = KvLayout(1, 1, PAGE_BYTES // 4, 1, "float16")
-        self.pool = Pool(layout, NUM_BLOCKS, device="host")
+        self.pool = Pool.for_spec(self.spec, NUM_BLOCKS, device="host")
         self.tables = HybridTables(self.pool, self.spec)
+        self.tier = HybridHostTier(self.tables, HOST_BLOCKS)
         self.model = HybridModel(self.spec, NUM_BLOCKS, window_error=self.window_error)
+        self.pages = slab_pages(self.pool)
+        self.rng = np.random.default_rng(0)
+        # A swapped-out request's page bytes, by (group, page index), as it left the device.
+        self.swapped_bytes: dict[int, dict[tuple[int, int], bytes]] = {}
+
+    def write_new(self, pages: list[int]) -> None:
+        """New tokens' K/V (or a new state) in fresh pages: bytes no other page has."""
+        for page in pages:
+            self.pages[page] = self.rng.integers(0, 256, PAGE_BYTES, dtype=np.uint8)
+
+    def run_copies(self, copies: np.ndarray) -> None:
+        for _, src, dst in copies:
+            self.pages[dst] = self.pages[src]
+
+    def request_bytes(self, rid: int) -> dict[tuple[int, int], bytes]:
+        out = {}
+        for g in range(self.spec.num_groups):
+            first, ids, _ = self.tables.table(rid, g)
+            for i, page in enumerate(ids):
+                out[(g, first + i)] = self.pages[page].tobytes()
+        return out
 
     def snapshot(self) -> object:
-        out: list[object] = [self.pool.num_free, len(self.tables)]
+        out: list[object] = [self.pool.num_free, len(self.tables), self.tier.request_ids()]
+        out.append(self.tier.pool.num_free)
         for rid in sorted(self.model.requests):
             for g in range(self.spec.num_groups):
                 first, ids, n = self.tables.table(rid, g)
@@ -101,10 +142,12 @@ class HybridMachine(RuleBasedStateMachine):
     @initialize(n=TOKENS)
     def first_request(self, n: int) -> None:
         self.tables.add(0, n)
-        self.model.add(self.tables, 0, n)
+        self.write_new(self.model.add(self.tables, 0, n))
 
     @rule(rid=REQUEST_IDS, n=TOKENS)
     def add(self, rid: int, n: int) -> None:
+        if rid in self.model.swapped:
+            return  # the tables cannot know it (swap_in refuses it then: test_hybrid.py)
         if rid in self.model.requests:
             self.refused(DuplicateRequestError, self.tables.add, rid, n)
         elif not self.model.add_fits(n):
@@ -112,7 +155,7 @@ class HybridMachine(RuleBasedStateMachine):
             self.refused(OutOfBlocksError, self.tables.add, rid, n)
         else:
             self.tables.add(rid, n)
-            self.model.add(self.tables, rid, n)
+            self.write_new(self.model.add(self.tables, rid, n))
 
     @precondition(has_requests)
     @rule(data=st.data(), count=COUNTS)
@@ -124,7 +167,8 @@ class HybridMachine(RuleBasedStateMachine):
         else:
             copies = self.tables.append_tokens(rid, count)
             event("append copies pages" if len(copies) else "append copies nothing")
-            self.model.append(self.tables, rid, count, copies)
+            self.run_copies(copies)
+            self.write_new(self.model.append(self.tables, rid, count, copies))
 
     @precondition(has_requests)
     @rule(data=st.data())
@@ -143,13 +187,67 @@ class HybridMachine(RuleBasedStateMachine):
             # In call order, each request's copies as planned on the state its turn saw
             # (an earlier sibling's copy un-shares a page: the later one copies less).
             k = self.model.expected_copy_count(rid, count)
-            self.model.append(self.tables, rid, count, copies[at : at + k])
+            self.run_copies(copies[at : at + k])
+            self.write_new(self.model.append(self.tables, rid, count, copies[at : at + k]))
             at += k
         assert at == len(copies)
 
+    @precondition(has_requests)
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        ids = st.sampled_from(sorted(self.model.requests))
+        rids = data.draw(st.lists(ids, min_size=1, max_size=3, unique=True), label="requests")
+        needed = sum(self.model.num_pages(self.model.requests[r]) for r in rids)
+        if self.model.host_pages_used() + needed > HOST_BLOCKS:
+            event("swap_out: host tier full")
+            self.refused(HostTierFullError, self.tier.swap_out, rids)
+            return
+        for rid in rids:
+            self.swapped_bytes[rid] = self.request_bytes(rid)
+        stats = self.tier.swap_out(rids)
+        assert (stats["num_requests"], stats["num_blocks"]) == (len(rids), needed)
+        assert self.tier.num_pending == (0, 0)  # host copies finish in the call
+        self.model.swap_out(rids)
+        assert all(self.tier.location(r) == "host" for r in rids)
+
+    @precondition(lambda self: self.model.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        ids = st.sampled_from(sorted(self.model.swapped))
+        rids = data.draw(st.lists(ids, min_size=1, max_size=3, unique=True), label="requests")
+        needed = sum(self.model.num_pages(self.model.swapped[r]) for r in rids)
+        if needed > self.model.num_free:
+            event("swap_in: device pool full")
+            self.refused(OutOfBlocksError, self.tier.swap_in, rids)
+            return
+        self.tier.swap_in(rids)
+        event("swap_in")
+        self.model.swap_in(self.tables, rids)
+        for rid in rids:
+            assert self.request_bytes(rid) == self.swapped_bytes.pop(rid), rid
+
+    @precondition(lambda self: self.model.swapped)
+    @rule(data=st.data())
+    def free_swapped(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.model.swapped)), label="request")
+        self.tier.free(rid)
+        self.model.free_swapped(rid)
+        del self.swapped_bytes[rid]
+        assert self.tier.location(rid) is None
+
+    @precondition(has_requests)
+    @rule(data=st.data())
+    def swaps_from_the_wrong_tier_are_refused(self, data: st.DataObject) -> None:
+        on_device = self.existing(data)
+        self.refused(WrongTierError, self.tier.swap_in, [on_device])
+        self.refused(WrongTierError, self.tier.free, on_device)
+        if self.model.swapped:
+            on_host = min(self.model.swapped)
+            self.refused(WrongTierError, self.tier.swap_out, [on_host])
+
     @rule(rid=REQUEST_IDS, count=COUNTS, child=REQUEST_IDS)
     def calls_on_an_unknown_request_are_refused(self, rid: int, count: int, child: int) -> None:
-        if rid in self.model.requests:
+        if rid in self.model.requests or rid in self.model.swapped:
             return
         self.refused(UnknownRequestError, self.tables.append_tokens, rid, count)
         self.refused(UnknownRequestError, self.tables.free, rid)
@@ -185,7 +283,12 @@ class HybridMachine(RuleBasedStateMachine):
         for rid in list(self.model.requests):
             self.tables.free(rid)
             self.model.free(rid)
+        for rid in list(self.model.swapped):
+            self.tier.free(rid)
+            self.model.free_swapped(rid)
+        self.swapped_bytes.clear()
         assert self.pool.num_used == 0 and self.pool.num_free == NUM_BLOCKS
+        assert self.tier.pool.num_used == 0 and len(self.tier) == 0
         assert len(self.tables) == 0
 
     @invariant()
@@ -201,15 +304,24 @@ class HybridMachine(RuleBasedStateMachine):
         self.model.check_visibility()
 
     @invariant()
+    def the_host_tier_holds_the_swapped_requests(self) -> None:
+        self.model.check_host_tier(self.tier)
+
+    @invariant()
     def core_invariants_hold(self) -> None:
         self.tables.check_invariants()
+        self.tier.check_invariants()
         self.pool.check_invariants()
 
     def teardown(self) -> None:
         for rid in list(self.model.requests):
             self.tables.free(rid)
+        for rid in list(self.model.swapped):
+            self.tier.free(rid)
         assert self.pool.num_used == 0, "pages leaked after every request was freed"
+        assert self.tier.pool.num_used == 0, "host pages leaked"
         self.tables.check_invariants()
+        self.tier.check_invariants()
 
 
 TestHybridTables = HybridMachine.TestCase
