@@ -9,8 +9,11 @@ import pytest
 from kvpool import (
     CapacityError,
     DuplicateRequestError,
+    HostTierFullError,
+    HybridHostTier,
     HybridTables,
     InvalidArgumentError,
+    InvalidBlockError,
     KvGroup,
     KvLayout,
     LayoutError,
@@ -18,11 +21,13 @@ from kvpool import (
     OutOfBlocksError,
     Pool,
     UnknownRequestError,
+    WrongTierError,
 )
 
 
 def pool_for(spec: ModelKvSpec, num_blocks: int, **kwargs: object) -> Pool:
-    """A host pool whose blocks are `spec`'s pages (a stand-in layout of that many bytes)."""
+    """A host pool whose blocks are `spec`'s pages (a stand-in layout of that many bytes,
+    which also lets the prefix-caching keyword through)."""
     layout = KvLayout(1, 1, spec.page_bytes // 4, 1, "float16")
     return Pool(layout, num_blocks, device="host", **kwargs)
 
@@ -422,3 +427,126 @@ def test_a_growable_pool_grows_for_a_batch():
         t.append_tokens_many([1, 2], 10_000)
     assert (t.num_tokens(1), t.num_tokens(2)) == (116, 116)
     t.check_invariants()
+
+
+# --- Pool.for_spec, owner tags and the host tier ------------------------------------------
+
+
+def test_a_pool_for_a_spec_has_its_pages_and_no_layout():
+    spec = gpt_oss_like()
+    pool = Pool.for_spec(spec, 16, device="host")
+    assert (pool.block_bytes, pool.num_blocks, pool.device) == (spec.page_bytes, 16, "host")
+    with pytest.raises(LayoutError, match="pages of a hybrid model"):
+        pool.layout  # noqa: B018
+    with pytest.raises(LayoutError, match="pages of a hybrid model"):
+        pool.k_view(0)
+    by_bytes = Pool.for_spec(spec, memory_bytes=4 * spec.page_bytes, device="host")
+    assert by_bytes.num_blocks == 4
+    grow = Pool.for_spec(spec, growable=True, max_num_blocks=32, device="host")
+    t = HybridTables(grow, spec)
+    t.add(1, 100)
+    assert grow.num_blocks >= grow.num_used > 0
+    t.check_invariants()
+    with pytest.raises(InvalidArgumentError, match="exactly one of"):
+        Pool.for_spec(spec, 4, memory_bytes=4096, device="host")
+    with pytest.raises(TypeError):
+        Pool.for_spec(KvLayout(1, 1, 64, 16), 4, device="host")
+    with pytest.raises(TypeError):
+        Pool.for_spec(spec, 4.0, device="host")
+
+
+def test_table_pages_are_the_tables_own():
+    spec = gpt_oss_like()
+    pool = Pool.for_spec(spec, 16, device="host")
+    t = HybridTables(pool, spec)
+    t.add(1, 20)
+    page = int(t.table(1, 0)[1][0])
+    with pytest.raises(InvalidBlockError, match="held by hybrid tables"):
+        pool.free(page)
+    with pytest.raises(InvalidBlockError, match="held by hybrid tables"):
+        pool.free_many([page])
+    assert pool.ref_cnt(page) == 1
+    t.check_invariants()
+
+
+def test_a_swapped_request_comes_back_at_its_page_indices():
+    spec = ModelKvSpec(
+        [
+            KvGroup.sliding_window([0], 8, 1, 64),
+            KvGroup.full([1], 1, 64),
+            KvGroup.recurrent_state([2], 5000),
+        ]
+    )
+    pool = Pool.for_spec(spec, 32, device="host")
+    t = HybridTables(pool, spec)
+    tier = HybridHostTier(t, 12)
+    assert tier.tables is t and tier.copy_stream is None and tier.pool.num_blocks == 12
+    t.add(1, 40)
+    t.append_tokens(1, 1)  # the window (keys 33..) keeps its third page only: first_page 2
+    before = [t.table(1, g) for g in range(3)]
+    assert before[0][0] == 2
+    stats = tier.swap_out([1])
+    assert stats == {"num_requests": 1, "num_blocks": t_pages(before), "num_copies": 1}
+    assert 1 not in t and 1 in tier and tier.location(1) == "host" and len(tier) == 1
+    n, next_query, rows = tier.swapped(1)
+    assert (n, next_query, rows.shape) == (41, 40, (t_pages(before), 3))
+    assert rows[:, :2].tolist() == [[0, 2], [1, 0], [1, 1], [1, 2], [2, 0], [2, 1]]
+    assert pool.num_used == 0 and tier.pool.num_used == 6
+    tier.check_invariants()
+    t.add(2, 200)  # the device pages are reused meanwhile
+    t.free(2)
+    tier.swap_in([1])
+    after = [t.table(1, g) for g in range(3)]
+    assert [(f, len(ids), n) for f, ids, n in after] == [(f, len(ids), n) for f, ids, n in before]
+    assert tier.location(1) == "device" and tier.request_ids() == []
+    tier.check_invariants()
+    t.check_invariants()
+
+
+def t_pages(tables: list[tuple[int, np.ndarray, int]]) -> int:
+    return sum(len(ids) for _, ids, _ in tables)
+
+
+def test_host_tier_refusals_change_nothing():
+    spec = gpt_oss_like()
+    pool = Pool.for_spec(spec, 16, device="host")
+    t = HybridTables(pool, spec)
+    tier = HybridHostTier(t, 4)
+    t.add(1, 40)  # 3 pages a group
+    t.add(2, 10)
+    with pytest.raises(HostTierFullError, match="needs 6 host blocks"):
+        tier.swap_out([1])
+    with pytest.raises(HostTierFullError):
+        tier.swap_out([2, 1])
+    assert 1 in t and 2 in t and len(tier) == 0 and tier.pool.num_used == 0
+    with pytest.raises(WrongTierError, match="device"):
+        tier.swap_in([2])
+    with pytest.raises(WrongTierError):
+        tier.free(2)
+    with pytest.raises(UnknownRequestError):
+        tier.swap_out([9])
+    with pytest.raises(InvalidArgumentError, match="twice"):
+        tier.swap_out([2, 2])
+    tier.swap_out([2])
+    with pytest.raises(WrongTierError, match="host"):
+        tier.swap_out([2])
+    # Added to the tables again while swapped out: the swap-in refuses it.
+    t.add(2, 1)
+    with pytest.raises(DuplicateRequestError):
+        tier.swap_in([2])
+    t.free(2)
+    # A device pool too full for the swap-in.
+    t.add(3, 65)  # 5 pages a group: the last 10 free pages
+    with pytest.raises(OutOfBlocksError):
+        tier.swap_in([2])
+    assert tier.location(2) == "host" and 2 not in t
+    t.free(3)
+    tier.swap_in([2])
+    for call in (lambda: tier.swap_out(1), lambda: tier.swap_in(["2"]), lambda: tier.free(1.0)):
+        with pytest.raises(TypeError):
+            call()
+    with pytest.raises(InvalidArgumentError, match="exactly one of"):
+        HybridHostTier(t)
+    with pytest.raises(TypeError):
+        HybridHostTier(pool, 4)
+    tier.check_invariants()

@@ -11,14 +11,16 @@
 use std::sync::{Mutex, MutexGuard};
 
 use kvpool_core::hybrid::{
-    AttentionShape, GroupKind, HybridTables, KvGroup, ModelKvSpec, PageCopy, PageGeometry,
-    StatePacking,
+    AttentionShape, GroupKind, HybridHostTier, HybridTables, KvGroup, ModelKvSpec, PageCopy,
+    PageGeometry, RequestPage, StatePacking,
 };
 use kvpool_core::layout::{KvPart, BLOCK_ALIGN_BYTES};
+use kvpool_core::pool::PoolSize;
+use kvpool_core::tier::{CopyMethod, SwapStats, Tier};
 use kvpool_core::{CoreError, DType};
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArray};
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyDict, PyTuple};
 
 use crate::errors::{KvResult, PyKvError};
 use crate::ids::{self, Int};
@@ -954,6 +956,217 @@ impl PyHybridTables {
             tables.len(),
             tables.spec().num_groups(),
             tables.spec().page_bytes()
+        )
+    }
+}
+
+/// `(group, page_index, page_id)` rows, int64 `[k, 3]`: a request's pages as swaps list them.
+fn request_pages_array<'py>(py: Python<'py>, pages: &[RequestPage]) -> Bound<'py, PyArray2<i64>> {
+    let flat: Vec<i64> = pages
+        .iter()
+        .flat_map(|p| [p.group as i64, p.page_index as i64, p.page_id as i64])
+        .collect();
+    PyArray1::from_vec(py, flat).reshape([pages.len(), 3]).expect("k x 3 holds 3k entries")
+}
+
+fn swap_stats<'py>(py: Python<'py>, s: SwapStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("num_requests", s.num_requests)?;
+    d.set_item("num_blocks", s.num_blocks)?;
+    d.set_item("num_copies", s.num_copies)?;
+    Ok(d)
+}
+
+/// A host tier for the requests of a `HybridTables`: a host pool of the same page bytes
+/// (pinned for a CUDA pool), and swaps of whole requests, every group's pages, between the
+/// tiers. A swapped-in request gets fresh pages at the page indices it had, so its tables
+/// (`first_page` included) read as before.
+///
+/// Calls lock the tables, then the tier. The tier's `pool` is for reading: its pages are
+/// taken only by swaps.
+#[pyclass(module = "kvpool._core", name = "HybridHostTier", frozen)]
+pub struct PyHybridHostTier {
+    inner: Mutex<HybridHostTier>,
+    tables: Py<PyHybridTables>,
+    pool: Py<PyPool>,
+}
+
+impl PyHybridHostTier {
+    fn lock(&self) -> MutexGuard<'_, HybridHostTier> {
+        // As `PyHybridTables::lock`: the core changes nothing before what can fail.
+        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn lock_tables(&self) -> MutexGuard<'_, HybridTables> {
+        self.tables.get().lock()
+    }
+}
+
+#[pymethods]
+impl PyHybridHostTier {
+    #[new]
+    #[pyo3(signature = (tables, num_blocks = None, *, memory_bytes = None, copy_method = "auto"))]
+    fn new(
+        py: Python<'_>,
+        tables: Bound<'_, PyHybridTables>,
+        num_blocks: Option<Int>,
+        memory_bytes: Option<Int>,
+        copy_method: &str,
+    ) -> KvResult<Self> {
+        let size = match (num_blocks, memory_bytes) {
+            (Some(n), None) => PoolSize::NumBlocks(ids::count(n, "num_blocks")?),
+            (None, Some(b)) => PoolSize::MemoryBytes(ids::count(b, "memory_bytes")?),
+            _ => {
+                return Err(CoreError::InvalidArgument(
+                    "give exactly one of num_blocks, memory_bytes".into(),
+                )
+                .into())
+            }
+        };
+        let method = CopyMethod::parse(copy_method)?;
+        let this = tables.get();
+        // Pinning host memory takes time: let other threads run.
+        let inner = py.detach(|| HybridHostTier::new(&this.lock(), size, method))?;
+        let pool = Py::new(py, PyPool { inner: inner.host_pool().clone() })?;
+        Ok(PyHybridHostTier { inner: Mutex::new(inner), tables: tables.unbind(), pool })
+    }
+
+    /// Moves the requests (all in the tables) to the host tier with every group's pages, all
+    /// or none (`HostTierFullError` when the tier is short); returns {"num_requests",
+    /// "num_blocks", "num_copies"}. On CUDA the copies run on the copy stream after the work
+    /// queued on `stream` (default: the pool's); the device pages are reused only after.
+    #[pyo3(signature = (request_ids, stream = None))]
+    fn swap_out<'py>(
+        &self,
+        py: Python<'py>,
+        request_ids: &Bound<'py, PyAny>,
+        stream: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let ids = self::request_ids(request_ids)?;
+        let stream = stream.map(crate::stream::handle_of).transpose()?;
+        let stats = py
+            .detach(|| {
+                let mut tables = self.lock_tables();
+                // SAFETY: a caller's stream comes from `__cuda_stream__` of an object held for
+                // the call (bare ints are refused), and its context is checked by the core.
+                unsafe { self.lock().swap_out(&mut tables, &ids, stream) }
+            })
+            .map_err(PyKvError)?;
+        swap_stats(py, stats)
+    }
+
+    /// Moves the requests (all swapped out) back into the tables, all or none
+    /// (`OutOfBlocksError` when the device pool is short). Kernels queued on `stream`
+    /// (default: the pool's) after this call see their pages.
+    #[pyo3(signature = (request_ids, stream = None))]
+    fn swap_in<'py>(
+        &self,
+        py: Python<'py>,
+        request_ids: &Bound<'py, PyAny>,
+        stream: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let ids = self::request_ids(request_ids)?;
+        let stream = stream.map(crate::stream::handle_of).transpose()?;
+        let stats = py
+            .detach(|| {
+                let mut tables = self.lock_tables();
+                // SAFETY: as in `swap_out`.
+                unsafe { self.lock().swap_in(&mut tables, &ids, stream) }
+            })
+            .map_err(PyKvError)?;
+        swap_stats(py, stats)
+    }
+
+    /// Drops a swapped-out request (its host pages return once no copy uses them).
+    fn free(&self, request_id: &Bound<'_, PyAny>) -> KvResult<()> {
+        let rid = self::request_id(request_id)?;
+        let tables = self.lock_tables();
+        Ok(self.lock().free(&tables, rid)?)
+    }
+
+    /// Releases the pages of finished copies; returns (device, host) pages released.
+    fn poll(&self) -> KvResult<(usize, usize)> {
+        Ok(self.lock().poll()?)
+    }
+
+    /// Waits for every queued copy and releases every pending page; (device, host) released.
+    fn wait(&self, py: Python<'_>) -> KvResult<(usize, usize)> {
+        Ok(py.detach(|| self.lock().wait())?)
+    }
+
+    /// "device", "host", or None if neither tier holds the request.
+    fn location(&self, request_id: &Bound<'_, PyAny>) -> KvResult<Option<&'static str>> {
+        let rid = self::request_id(request_id)?;
+        let tables = self.lock_tables();
+        Ok(self.lock().location(&tables, rid).map(Tier::name))
+    }
+
+    /// `(num_tokens, next_query, pages)` of a swapped-out request: `pages` its host pages as
+    /// int64 rows (group, page_index, page_id), group by group in page order.
+    fn swapped<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &Bound<'py, PyAny>,
+    ) -> KvResult<(usize, usize, Bound<'py, PyArray2<i64>>)> {
+        let held = self.lock().swapped(self::request_id(request_id)?)?;
+        Ok((held.num_tokens, held.next_query, request_pages_array(py, &held.pages)))
+    }
+
+    /// Swapped-out request ids, sorted.
+    fn request_ids(&self) -> Vec<u64> {
+        self.lock().request_ids()
+    }
+
+    /// Pages held back until their copy finishes: (device, host).
+    #[getter]
+    fn num_pending(&self) -> (usize, usize) {
+        self.lock().num_pending()
+    }
+    /// The host pool, for reading (counts): its pages are the tier's.
+    #[getter]
+    fn pool(&self, py: Python<'_>) -> Py<PyPool> {
+        self.pool.clone_ref(py)
+    }
+    #[getter]
+    fn tables(&self, py: Python<'_>) -> Py<PyHybridTables> {
+        self.tables.clone_ref(py)
+    }
+    /// The copy stream (`__cuda_stream__`) of a CUDA pool's tier, None on the host.
+    #[getter]
+    fn copy_stream(slf: &Bound<'_, Self>) -> PyResult<Option<Py<crate::stream::CudaStream>>> {
+        match slf.get().lock().copy_stream() {
+            None => Ok(None),
+            Some(handle) => {
+                let owner = slf.clone().into_any().unbind();
+                Py::new(slf.py(), crate::stream::CudaStream::new(owner, handle)).map(Some)
+            }
+        }
+    }
+
+    /// The tier's invariants with its tables (and the tables' own while no swap-out source
+    /// is pending); raises `KvError` naming the first broken one.
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            let tables = self.lock_tables();
+            self.lock().check_invariants(&tables)
+        })
+        .map_err(|m| crate::errors::KvError::new_err(format!("invariant violated: {m}")))
+    }
+
+    fn __len__(&self) -> usize {
+        self.lock().len()
+    }
+    fn __contains__(&self, request_id: &Bound<'_, PyAny>) -> bool {
+        self::request_id(request_id).map(|r| self.lock().swapped(r).is_ok()).unwrap_or(false)
+    }
+    fn __repr__(&self) -> String {
+        let tier = self.lock();
+        let pool = tier.host_pool();
+        format!(
+            "HybridHostTier(len={}, num_blocks={}, num_free={})",
+            tier.len(),
+            pool.num_blocks(),
+            pool.num_free()
         )
     }
 }
