@@ -252,8 +252,5 @@ def scheme_groups(model: HybridModel, scheme: str, dtype: str) -> tuple[LayerGro
 
 
 def page_pool(spec: kvpool.ModelKvSpec, num_pages: int) -> kvpool.Pool:
-    """A host pool of `num_pages` blocks of `spec.page_bytes` (HybridTables' requirement)."""
-    if spec.page_bytes % 4:
-        raise ValueError(f"page_bytes {spec.page_bytes} is not a whole number of fp16 pairs")
-    layout = kvpool.KvLayout(1, 1, spec.page_bytes // 4, 1, "float16")
-    return kvpool.Pool(layout, num_pages, device="host")
+    """A host pool of `num_pages` pages of `spec` (HybridTables' requirement)."""
+    return kvpool.Pool.for_spec(spec, num_pages, device="host")
