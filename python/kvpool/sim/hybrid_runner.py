@@ -234,6 +234,7 @@ def simulate_hybrid(spec: HybridSimulationSpec, progress: Progress | None = None
             "measured": ["wall_s", "alloc_s", "alloc_share", "run_wall_s"],
         },
         "results": results,
+        "kv_utilization_label": "KV utilization\n(bytes needed / held)",
     }
     if "hybrid" in results:
         report["comparison"] = {
