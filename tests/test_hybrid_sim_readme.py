@@ -34,9 +34,10 @@ def test_the_readme_table_is_generated_from_the_cited_json():
 
 def test_the_readme_states_each_target_as_the_json_judged_it():
     data = _cited_result()
+    text = " ".join(README.split())  # the README wraps its sentences
     for name, target in data["targets"].items():
         if target["met"] is None:
-            assert "not run" in README
+            assert "not run" in text
         else:
             verdict = "met" if target["met"] else "missed"
-            assert f"{name}: {verdict}" in README, f"README should say '{name}: {verdict}'"
+            assert f"{name}: {verdict}" in text, f"README should say '{name}: {verdict}'"
