@@ -372,3 +372,21 @@ def test_the_cli_refuses_what_a_hybrid_run_does_not_model(tmp_path, capsys):
     assert main(["simulate", "--model-config", str(bad), "--out", str(tmp_path / "r")]) == 2
     assert "layer type 'mamba'" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+# hybrid.md's "all-full / ours" column: the uniform pool's bytes over the hybrid pages' for
+# requests of 32,768 to 33,023 tokens in decode (Llama 4 Scout at a chunk's start).
+ALL_FULL_OVER_OURS = {"gpt-oss-20b": 1.99, "gpt-oss-120b": 1.99, "gemma-3-27b": 5.31}
+
+
+@pytest.mark.parametrize("name", sorted(ALL_FULL_OVER_OURS))
+def test_the_presets_hold_the_note_s_all_full_ratio(name):
+    model = HYBRID_PRESETS[name]
+    spec = hybrid_spec(model)
+    full_token_bytes = model.all_full_token_bytes()
+    ours = uniform = 0
+    for n in range(32_768, 33_024):
+        pages = sum(len(range(*spec.live_pages(g, n, n - 1))) for g in range(spec.num_groups))
+        ours += pages * spec.page_bytes
+        uniform += -(-n // 16) * 16 * full_token_bytes
+    assert uniform / ours == pytest.approx(ALL_FULL_OVER_OURS[name], abs=0.005)
