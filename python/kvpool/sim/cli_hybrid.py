@@ -133,7 +133,7 @@ def run(
         hybrid, parse_bytes(args.kv_memory), requests, config, args.kv_dtype, info, schemes
     )
     t0 = time.perf_counter()
-    report = simulate_hybrid(spec)
+    report = simulate_hybrid(spec) if args.no_progress else _with_progress(spec, console)
     report["total_wall_s"] = time.perf_counter() - t0
     report["command"] = command
     print_table(report, console)
@@ -141,6 +141,25 @@ def run(
     if not args.no_plot:
         console.print(f"plot:   {write_png(report, args.out)}")
     return 0
+
+
+def _with_progress(spec: HybridSimulationSpec, console: Any) -> dict[str, Any]:
+    """simulate_hybrid with one progress bar per scheme."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    total = len(spec.requests)
+    columns = (TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, TimeElapsedColumn(), console=console) as bar:
+        tasks = {name: bar.add_task(name, total=total) for name in spec.schemes}
+        last = {"t": 0.0}
+
+        def progress(name: str, done: int, total: int) -> None:
+            now = time.perf_counter()
+            if done == total or now - last["t"] > 0.1:
+                last["t"] = now
+                bar.update(tasks[name], completed=done)
+
+        return simulate_hybrid(spec, progress)
 
 
 __all__ = ["ConfigError", "add_arguments", "check_values", "model", "preset_name", "run"]
