@@ -390,3 +390,31 @@ def test_the_presets_hold_the_note_s_all_full_ratio(name):
         ours += pages * spec.page_bytes
         uniform += -(-n // 16) * 16 * full_token_bytes
     assert uniform / ours == pytest.approx(ALL_FULL_OVER_OURS[name], abs=0.005)
+
+
+def test_the_benchmark_routine_writes_its_json_targets_and_table(tmp_path):
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "hybrid_sim.json"
+    args = ["--models", "gpt-oss-20b,gemma-3-27b", "--contexts", "4096", "--kv-memory", "4GiB"]
+    args += ["--max-requests", "24", "--output-tokens", "64", "--plot-context", "0"]
+    run = subprocess.run(
+        [sys.executable, str(repo / "bench" / "kvbench.py"), "--routine", "hybrid_sim"]
+        + args
+        + ["--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    data = json.loads(out.read_text())
+    assert data["provenance"]["script"] == "bench/routines/hybrid_sim.py"
+    assert set(data["runs"]) == {"gpt-oss-20b", "gemma-3-27b"}
+    report = data["runs"]["gpt-oss-20b"]["4096"]
+    assert set(report["results"]) == set(SCHEMES)
+    assert all(r["completed"] == 24 for r in report["results"].values())
+    targets = data["targets"]
+    assert not any("gpt-oss 8k-32k" in name for name in targets)  # 4k is outside 8k-32k
+    assert targets["qwen3-next shared-prompt hit rate within 5 % of full attention"]["met"] is None
+    assert "| gpt-oss-20b | 4k |" in run.stdout
