@@ -550,3 +550,34 @@ def test_host_tier_refusals_change_nothing():
     with pytest.raises(TypeError):
         HybridHostTier(pool, 4)
     tier.check_invariants()
+
+
+def test_threads_share_one_tables():
+    """Four threads add, grow and free their own requests through one HybridTables, the long
+    calls with the GIL released; every thread is joined and nothing leaks."""
+    import threading
+
+    spec = gpt_oss_like(window=8)
+    pool = Pool.for_spec(spec, 1024, device="host")
+    t = HybridTables(pool, spec)
+    errors: list[BaseException] = []
+
+    def work(base: int) -> None:
+        try:
+            for i in range(20):
+                rid = base * 100 + i
+                t.add(rid, 1500 if i % 5 == 0 else 30)  # >= 1024 tokens: GIL released
+                t.append_tokens(rid, 1)
+                t.append_tokens_many([rid], 2)
+                t.free(rid)
+        except BaseException as e:  # re-raised in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert len(t) == 0 and pool.num_used == 0
+    t.check_invariants()
