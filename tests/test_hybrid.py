@@ -581,3 +581,30 @@ def test_threads_share_one_tables():
     assert not errors, errors
     assert len(t) == 0 and pool.num_used == 0
     t.check_invariants()
+
+
+class CallersOwnError(Exception):
+    """Raised by the caller's iterables: must reach the caller unchanged."""
+
+
+def raising_after(*items: object):
+    yield from items
+    raise CallersOwnError("from the caller's generator")
+
+
+def test_the_callers_own_exceptions_propagate_and_change_nothing():
+    spec = gpt_oss_like()
+    pool = Pool.for_spec(spec, 16, device="host")
+    t = HybridTables(pool, spec)
+    t.add(1, 20)
+    before = snapshot(t, [1])
+    for call in [
+        lambda: KvGroup.full(raising_after(0, 1), 1, 64),
+        lambda: ModelKvSpec(raising_after(KvGroup.full([0], 1, 64))),
+        lambda: t.append_tokens_many(raising_after(1), 1),
+        lambda: t.append_tokens_many([1], raising_after(1)),
+        lambda: t.slot_mapping(1, 1, raising_after(0)),
+    ]:
+        with pytest.raises(CallersOwnError):
+            call()
+        assert snapshot(t, [1]) == before
