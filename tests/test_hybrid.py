@@ -550,3 +550,61 @@ def test_host_tier_refusals_change_nothing():
     with pytest.raises(TypeError):
         HybridHostTier(pool, 4)
     tier.check_invariants()
+
+
+def test_threads_share_one_tables():
+    """Four threads add, grow and free their own requests through one HybridTables, the long
+    calls with the GIL released; every thread is joined and nothing leaks."""
+    import threading
+
+    spec = gpt_oss_like(window=8)
+    pool = Pool.for_spec(spec, 1024, device="host")
+    t = HybridTables(pool, spec)
+    errors: list[BaseException] = []
+
+    def work(base: int) -> None:
+        try:
+            for i in range(20):
+                rid = base * 100 + i
+                t.add(rid, 1500 if i % 5 == 0 else 30)  # >= 1024 tokens: GIL released
+                t.append_tokens(rid, 1)
+                t.append_tokens_many([rid], 2)
+                t.free(rid)
+        except BaseException as e:  # re-raised in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert len(t) == 0 and pool.num_used == 0
+    t.check_invariants()
+
+
+class CallersOwnError(Exception):
+    """Raised by the caller's iterables: must reach the caller unchanged."""
+
+
+def raising_after(*items: object):
+    yield from items
+    raise CallersOwnError("from the caller's generator")
+
+
+def test_the_callers_own_exceptions_propagate_and_change_nothing():
+    spec = gpt_oss_like()
+    pool = Pool.for_spec(spec, 16, device="host")
+    t = HybridTables(pool, spec)
+    t.add(1, 20)
+    before = snapshot(t, [1])
+    for call in [
+        lambda: KvGroup.full(raising_after(0, 1), 1, 64),
+        lambda: ModelKvSpec(raising_after(KvGroup.full([0], 1, 64))),
+        lambda: t.append_tokens_many(raising_after(1), 1),
+        lambda: t.append_tokens_many([1], raising_after(1)),
+        lambda: t.slot_mapping(1, 1, raising_after(0)),
+    ]:
+        with pytest.raises(CallersOwnError):
+            call()
+        assert snapshot(t, [1]) == before

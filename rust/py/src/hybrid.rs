@@ -7,6 +7,17 @@
 //! page, a pool whose blocks are not the spec's pages) is a `LayoutError`; a group index,
 //! position or count out of range is an `InvalidArgumentError`; unknown and duplicate
 //! requests and running out of pages raise what `BlockTables` raises for them.
+//!
+//! The core's `HybridTables` changes through `&mut`, so the Python object holds it behind a
+//! mutex (`frozen` class, calls serialised; long calls release the GIL first and then lock,
+//! and nothing here takes the GIL while holding the lock). The core appends one request at a
+//! time, so `append_tokens_many` is made all or none here: it checks every id and count,
+//! bounds the pages the whole batch can take from each request's table as it is before the
+//! call (an earlier append of the batch only frees pages or un-shares them, never takes more
+//! for a later one), makes the pool have that many free (a growable pool grows first, and a
+//! refused growth changes nothing), and only then appends each. Rejected: appending in turn
+//! and undoing on failure (pages a window released may already be reused), and taking the
+//! lock of the pool's free list for the whole batch (the core exposes no such lock).
 
 use std::sync::{Mutex, MutexGuard};
 
