@@ -21,12 +21,13 @@ from typing import Any
 import numpy as np
 
 from kvpool.sim.costmodel import H200, Hardware
-from kvpool.sim.hybrid_presets import CHUNKED_LOCAL, RECURRENT_STATE, SLIDING_WINDOW, HybridModel
+from kvpool.sim.hybrid_presets import CHUNKED_LOCAL, SLIDING_WINDOW, HybridModel
 
 
-def live_tokens(model: HybridModel, lens: np.ndarray, elem_bytes: int) -> np.ndarray:
+def live_key_bytes(model: HybridModel, lens: np.ndarray, elem_bytes: int) -> np.ndarray:
     """Per sequence of `lens` tokens: the bytes of the tokens the query at `lens` (the next
-    one) sees, over every token group, without itself."""
+    one) sees, over every token group, without itself (LayerGroup.first_live_token's rules,
+    over arrays)."""
     out = np.zeros(len(lens), dtype=np.float64)
     for g in model.token_groups():
         if g.kind == SLIDING_WINDOW:
@@ -58,7 +59,7 @@ class HybridStepCost:
         hw = self.hardware
         running = self._scheduler.running if self._scheduler is not None else []
         lens = np.fromiter((s.kv_tokens for s in running), dtype=np.int64, count=len(running))
-        live = live_tokens(self.model, lens, self.elem_bytes)
+        live = live_key_bytes(self.model, lens, self.elem_bytes)
         states = self.state_bytes * len(running)
         self.needed_bytes.append(float(live.sum()) + states)
         if prefill_tokens + decode_seqs == 0:
@@ -85,7 +86,3 @@ class HybridStepCost:
             "formula": "max((2 bytes x num_params + keys the next queries see + 2 x states) "
             "/ (bw * eff), tokens * 2 * active_params / (flops * eff)) + overhead",
         }
-
-
-def has_state(model: HybridModel) -> bool:
-    return any(g.kind == RECURRENT_STATE for g in model.groups)

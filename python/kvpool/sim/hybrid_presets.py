@@ -11,7 +11,7 @@ fields from a config.json file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 FULL = "full"
 SLIDING_WINDOW = "sliding_window"
@@ -120,7 +120,6 @@ class HybridModel:
     active_params: float
     block_size: int = 16
     source: str = ""  # where the numbers come from
-    state_dtype_bytes: int = field(default=2)  # states stay bf16 whatever the KV dtype
 
     def __post_init__(self) -> None:
         listed = sorted(layer for g in self.groups for layer in g.layers)
@@ -148,12 +147,6 @@ class HybridModel:
         for g in self.token_groups():
             out += g.live_tokens(num_tokens, next_query) * (g.token_bytes(elem_bytes) or 0)
         return out
-
-    def decode_read_bytes(self, num_tokens: int, elem_bytes: int = 2) -> int:
-        """Bytes one decode step of a request at `num_tokens` reads: every live key of every
-        token group for the query at num_tokens - 1, and each state (read, then written)."""
-        q = max(0, num_tokens - 1)
-        return self.needed_bytes(num_tokens, q, elem_bytes) + self.state_bytes()
 
     def all_full_token_bytes(self, elem_bytes: int = 2) -> int | None:
         """Bytes per token if every attention layer were full attention (a uniform pool);

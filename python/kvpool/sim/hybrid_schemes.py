@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import kvpool
 from kvpool.sim.hybrid_presets import (
-    ATTENTION_KINDS,
     CHUNKED_LOCAL,
     FULL,
     MLA_LATENT,
@@ -187,10 +186,6 @@ def uniform_page_spec(model: HybridModel, dtype: str = "bfloat16") -> kvpool.Mod
     groups = [kv_group(g, dtype) for g in plan.groups]
     num_layers = model.num_layers + plan.num_padding_layers
     return kvpool.ModelKvSpec(groups, plan.page_bytes, num_layers=num_layers)
-
-
-def is_attention(kind: str) -> bool:
-    return kind in ATTENTION_KINDS
 
 
 # On the host the simulation needs the allocator, not the bytes (as runner.proxy_layout for a
