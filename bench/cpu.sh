@@ -7,6 +7,7 @@
 #   sim.json                   the paged scheduler vs contiguous reservation, 10,000 requests
 #   prefix_sim.json and plots  the scheduler with prefix caching on vs off
 #   swap_sim.json              preemption by swap vs recompute into a host tier
+#   hybrid_sim.json and plots  hybrid models' KV pages vs all full attention and uniform pages
 #   prefix.json                the prefix cache vs a pure-Python one
 #   pool.json                  alloc_many/free_many vs a pure-Python pool
 #   free_list.json             the Rust free list vs a mutex (criterion; needs cargo)
@@ -34,6 +35,7 @@ routine() {  # routine NAME [ARGS...]
 routine sim
 routine prefix_sim
 routine swap_sim
+routine hybrid_sim
 routine prefix
 routine pool
 if command -v cargo > /dev/null; then

@@ -40,6 +40,10 @@ ROUTINES = {
     "sim": ("cpu", "the paged scheduler vs contiguous reservation (three reservation rules)"),
     "prefix_sim": ("cpu", "the scheduler with prefix caching vs without, same KV memory"),
     "swap_sim": ("cpu", "preemption into a host tier (swap or recompute) vs no tier"),
+    "hybrid_sim": (
+        "cpu",
+        "hybrid KV pages vs all-full-attention and vLLM's uniform page bytes, same KV memory",
+    ),
     "free_list": ("cargo", "the Rust free list vs Mutex<Vec<u32>>, 1-16 threads (criterion)"),
     "decode": ("gpu", "paged decode vs torch SDPA and FlashInfer, with the read ceiling"),
     "fp8": ("gpu", "fp8 decode vs our fp16 decode and FlashInfer's fp8 decode"),

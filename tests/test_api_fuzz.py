@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from kvpool import BlockTables, HostTier, KvError, KvLayout, Pool
 
 LAYOUT = KvLayout(2, 1, 16, 4)  # 256-byte blocks: every pool here stays tiny
+PAGE_SPEC = kvpool.ModelKvSpec([kvpool.KvGroup.full([0], 1, 16)], page_bytes=256)
 NUM_BLOCKS = 64
 
 
@@ -480,6 +481,22 @@ def test_pool_constructor(
 
     check_call(make_world(), "Pool", make, args)
 
+    def for_spec(w: World, *values: Any) -> object:
+        n, mem, frac, grow, max_n, init, chunk = values[:7]
+        return Pool.for_spec(
+            PAGE_SPEC,
+            n,
+            memory_bytes=mem,
+            gpu_memory_utilization=frac,
+            growable=grow,
+            max_num_blocks=max_n,
+            initial_num_blocks=init,
+            chunk_bytes=chunk,
+            device="host",
+        )
+
+    check_call(make_world(), "Pool.for_spec", for_spec, args[:7])
+
 
 @given(data=st.data())
 def test_block_tables_and_tier_constructors(data: st.DataObject) -> None:
@@ -534,7 +551,7 @@ def test_dlpack(max_version: Arg, dl_device: Arg, copy: Arg, stream: Arg) -> Non
 
 def test_the_fuzzer_covers_every_public_method() -> None:
     fuzzed = {
-        Pool: {*POOL_CALLS, "__new__"},
+        Pool: {*POOL_CALLS, "__new__", "for_spec"},
         BlockTables: {*TABLES_CALLS, "__new__"},
         HostTier: {*TIER_CALLS, "__new__"},
     }

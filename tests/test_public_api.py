@@ -34,6 +34,7 @@ def test_kvpool_exports_no_type_a_user_only_receives():
     assert all(hasattr(kvpool._core, name) for name in RECEIVED_ONLY)  # still there, typed
     assert {"Pool", "BlockTables", "KvLayout", "HostTier", "PoolGroup"} <= set(kvpool.__all__)
     assert {"BlockStored", "BlockRemoved", "AllBlocksCleared"} <= set(kvpool.__all__)
+    assert {"KvGroup", "ModelKvSpec", "HybridTables", "HybridHostTier"} <= set(kvpool.__all__)
 
 
 def test_kvpool_exports_every_exception():

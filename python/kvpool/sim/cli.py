@@ -21,8 +21,10 @@ import kvpool
 from kvpool.scheduler.contiguous import RESERVE_MODES
 from kvpool.scheduler.core import SchedulerConfig
 from kvpool.scheduler.policies import POLICIES
-from kvpool.sim import cli_host_tier
+from kvpool.sim import cli_host_tier, cli_hybrid
 from kvpool.sim.disagg import simulate_disaggregated
+from kvpool.sim.hybrid_config import ConfigError
+from kvpool.sim.hybrid_presets import HYBRID_PRESETS, HybridModel
 from kvpool.sim.presets import PRESETS, get_preset, parse_bytes
 from kvpool.sim.report import print_table, write_json, write_png
 from kvpool.sim.runner import SimulationSpec, simulate
@@ -114,6 +116,9 @@ def _out_dir(text: str) -> Path:
 
 def _model(text: str) -> str:
     """A preset name, case and '_' / '-' insensitive (Llama-3-8B, llama_3_8b)."""
+    hybrid = cli_hybrid.preset_name(text)
+    if hybrid is not None:
+        return hybrid
     try:
         return get_preset(text).name
     except ValueError as e:
@@ -185,8 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="llama-3-8b",
         type=_model,
         metavar="MODEL",
-        help=f"KV geometry preset, one of {', '.join(sorted(PRESETS))} (case and _/- insensitive)",
+        help=f"KV geometry preset, one of {', '.join(sorted(PRESETS))}, or a hybrid one, "
+        f"{', '.join(HYBRID_PRESETS)} (case and _/- insensitive); a hybrid model is served "
+        "with kvpool's hybrid pages, all layers as full attention and vLLM's uniform page "
+        "bytes at the same KV memory",
     )
+    cli_hybrid.add_arguments(g)
     g.add_argument(
         "--kv-memory",
         default="16GiB",
@@ -427,7 +436,13 @@ def check_values(args: argparse.Namespace) -> str | None:
     if args.device == "cuda" and not kvpool.cuda_available():
         return "--device cuda: no CUDA driver or device here; use --device host (or auto)"
     try:
-        layout = get_preset(args.model).layout(args.block_size, args.kv_dtype)
+        model = cli_hybrid.model(args)
+    except ConfigError as e:
+        return f"--model-config: {e}"
+    if isinstance(model, HybridModel):
+        return cli_hybrid.check_values(args, model)
+    try:
+        layout = model.layout(args.block_size, args.kv_dtype)
     except (ValueError, kvpool.KvError) as e:
         return f"--block-size {args.block_size} does not fit {args.model}: {e}"
     block_bytes = layout.block_bytes
@@ -488,7 +503,9 @@ def _workload(args: argparse.Namespace) -> tuple[list, dict]:
     else:
         requests, info = synthetic_workload(args)
     shared = shares_prefixes(requests)
-    if args.disaggregated:
+    if isinstance(cli_hybrid.model(args), HybridModel):
+        args.prefix_caching, why = False, "not modelled with a hybrid model yet"
+    elif args.disaggregated:
         args.prefix_caching, why = False, "not modelled with --disaggregated"
     elif args.cpu_kv_memory is not None:
         args.prefix_caching, why = False, "not modelled with --cpu-kv-memory"
@@ -549,8 +566,12 @@ def simulate_command(args: argparse.Namespace, command: Sequence[str] | None = N
         watermark=args.watermark,
         policy=args.policy,
     )
+    model = cli_hybrid.model(args)
+    if isinstance(model, HybridModel):
+        full_command = ["kvpool", *(sys.argv[1:] if command is None else command)]
+        return cli_hybrid.run(args, model, requests, info, console, full_command)
     spec = SimulationSpec(
-        preset=get_preset(args.model),
+        preset=model,
         kv_memory_bytes=parse_bytes(args.kv_memory),
         requests=requests,
         config=config,

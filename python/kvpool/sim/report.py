@@ -63,7 +63,9 @@ def write_png(report: dict[str, Any], out_dir: Path, dpi: int = 110) -> Path:
         f"{model['name']}, {report['kv_memory_bytes'] / 2**30:.1f} GiB KV, "
         f"{report['workload'].get('num_requests')} requests ({report['workload'].get('kind', 'trace')})"
     )
-    ax_util.set_ylabel("KV utilization\n(tokens stored / slots allocated)")
+    ax_util.set_ylabel(  # a hybrid report counts bytes (hybrid_runner.py)
+        report.get("kv_utilization_label", "KV utilization\n(tokens stored / slots allocated)")
+    )
     peak = max(
         (
             u

@@ -322,7 +322,7 @@ fn high_water_tracks_the_peak() {
 #[test]
 fn pool_block_ptr_is_base_plus_id_times_block_bytes() {
     let pool = host_pool(7);
-    let block_bytes = pool.layout().block_bytes() as u64;
+    let block_bytes = pool.block_bytes() as u64;
     assert_eq!(block_bytes, 512);
     assert_eq!(pool.base_ptr() % 256, 0, "host slabs are 256-byte aligned");
     assert!(pool.mapped_bytes() >= 7 * 512);

@@ -212,7 +212,7 @@ fn new_refuses_a_pool_that_does_not_fit_the_model() {
 
 /// Writes `value` at `offset` of page `page` of a host pool.
 fn poke(pool: &Pool, page: u32, offset: usize, value: u8) {
-    assert!(offset < pool.layout().block_bytes());
+    assert!(offset < pool.block_bytes());
     let address = pool.block_ptr(page).unwrap() as usize + offset;
     // SAFETY: a host pool's slab is `num_blocks * block_bytes` bytes of memory the pool owns
     // and keeps mapped while it lives; `page` is in range (block_ptr checked it) and
@@ -221,7 +221,7 @@ fn poke(pool: &Pool, page: u32, offset: usize, value: u8) {
 }
 
 fn peek(pool: &Pool, page: u32, offset: usize) -> u8 {
-    assert!(offset < pool.layout().block_bytes());
+    assert!(offset < pool.block_bytes());
     let address = pool.block_ptr(page).unwrap() as usize + offset;
     // SAFETY: as in `poke`: in range of the pool's mapped slab, no concurrent access.
     unsafe { (address as *const u8).read() }

@@ -3,6 +3,7 @@
 
 mod dlpack;
 mod errors;
+mod hybrid;
 mod ids;
 mod int_array;
 mod kernel_sources;
@@ -29,6 +30,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<view::SlabView>()?;
     m.add_class::<tables::PyBlockTables>()?;
     m.add_class::<tier::PyHostTier>()?;
+    m.add_class::<hybrid::PyKvGroup>()?;
+    m.add_class::<hybrid::PyModelKvSpec>()?;
+    m.add_class::<hybrid::PyHybridTables>()?;
+    m.add_class::<hybrid::PyHybridHostTier>()?;
     m.add_class::<stream::CudaStream>()?;
     m.add_class::<stream::DeviceArray>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use kvpool_core::layout::KvPart;
-use kvpool_core::pool::PoolSize;
-use kvpool_core::{CoreError, Device, GrowableSize, KvLayout, Pool};
+use kvpool_core::pool::{PoolGeometry, PoolSize};
+use kvpool_core::{CoreError, Device, GrowableSize, Pool};
 use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -82,7 +82,7 @@ type PoolMaker = Box<dyn FnOnce() -> Result<Pool, CoreError> + Send>;
 
 /// Checks the constructor's arguments and says how to make the pool they describe.
 fn pool_maker(
-    layout: KvLayout,
+    geometry: PoolGeometry,
     fixed: (Option<Int>, Option<Int>, Option<Fraction>),
     growable: bool,
     grow_args: (Option<Int>, Option<Int>, Option<Int>),
@@ -94,7 +94,7 @@ fn pool_maker(
         let fixed_given =
             num_blocks.is_some() || memory_bytes.is_some() || gpu_memory_utilization.is_some();
         let size = growable_size(fixed_given, max_num_blocks, initial_num_blocks, chunk_bytes)?;
-        return Ok(Box::new(move || Pool::new_growable(layout, size, device)));
+        return Ok(Box::new(move || Pool::new_growable(geometry, size, device)));
     }
     if max_num_blocks.is_some() || initial_num_blocks.is_some() || chunk_bytes.is_some() {
         return Err(CoreError::InvalidArgument(
@@ -102,7 +102,7 @@ fn pool_maker(
         ));
     }
     let size = pool_size(num_blocks, memory_bytes, gpu_memory_utilization)?;
-    Ok(Box::new(move || Pool::new(layout, size, device)))
+    Ok(Box::new(move || Pool::new(geometry, size, device)))
 }
 
 #[pymethods]
@@ -148,7 +148,7 @@ impl PyPool {
             .into());
         }
         let create = pool_maker(
-            layout.inner,
+            layout.inner.into(),
             (num_blocks, memory_bytes, gpu_memory_utilization),
             growable,
             (max_num_blocks, initial_num_blocks, chunk_bytes),
@@ -163,6 +163,46 @@ impl PyPool {
             pool = py.detach(|| pool.with_prefix_host_tier(n))?;
         }
         Ok(PyPool { inner: Arc::new(pool) })
+    }
+
+    /// A pool of `spec`'s pages (`block_bytes == spec.page_bytes`) for `HybridTables`,
+    /// sized and placed as the constructor's keywords say. It has no `KvLayout`: `layout`,
+    /// `k_view` and `v_view` raise `LayoutError`; `spec` says where a group's bytes are.
+    #[staticmethod]
+    #[pyo3(signature = (
+        spec,
+        num_blocks = None,
+        *,
+        memory_bytes = None,
+        gpu_memory_utilization = None,
+        growable = false,
+        max_num_blocks = None,
+        initial_num_blocks = None,
+        chunk_bytes = None,
+        device = "auto",
+    ))]
+    #[allow(clippy::too_many_arguments)] // one per keyword of the Python signature
+    fn for_spec(
+        py: Python<'_>,
+        spec: PyRef<'_, crate::hybrid::PyModelKvSpec>,
+        num_blocks: Option<Int>,
+        memory_bytes: Option<Int>,
+        gpu_memory_utilization: Option<Fraction>,
+        growable: bool,
+        max_num_blocks: Option<Int>,
+        initial_num_blocks: Option<Int>,
+        chunk_bytes: Option<Int>,
+        device: &str,
+    ) -> KvResult<Self> {
+        let create = pool_maker(
+            (&spec.inner).into(),
+            (num_blocks, memory_bytes, gpu_memory_utilization),
+            growable,
+            (max_num_blocks, initial_num_blocks, chunk_bytes),
+            Device::parse(device)?,
+        )?;
+        // Allocating and zeroing a large slab takes time: let other threads run.
+        Ok(PyPool { inner: Arc::new(py.detach(create)?) })
     }
 
     /// Maps memory until at least `num_blocks` blocks exist (growable pools only); returns
@@ -265,8 +305,8 @@ impl PyPool {
     }
 
     #[getter]
-    fn layout(&self) -> PyKvLayout {
-        PyKvLayout { inner: *self.inner.layout() }
+    fn layout(&self) -> PyResult<PyKvLayout> {
+        Ok(PyKvLayout { inner: *self.inner.layout().map_err(crate::errors::PyKvError)? })
     }
     #[getter]
     fn num_blocks(&self) -> usize {
@@ -295,7 +335,7 @@ impl PyPool {
     }
     #[getter]
     fn block_bytes(&self) -> usize {
-        self.inner.layout().block_bytes()
+        self.inner.block_bytes()
     }
     #[getter]
     fn base_ptr(&self) -> u64 {
@@ -407,7 +447,7 @@ impl PyPool {
             self.inner.device(),
             self.inner.num_blocks(),
             self.inner.num_free(),
-            self.inner.layout().block_bytes()
+            self.inner.block_bytes()
         )
     }
 }

@@ -43,7 +43,7 @@ impl SlabView {
 
     fn interface<'py>(&self, py: Python<'py>, version: u32) -> PyResult<Bound<'py, PyDict>> {
         let pool = &self.pool.get().inner;
-        let layout = pool.layout();
+        let layout = pool.layout().map_err(crate::errors::PyKvError)?;
         let offset =
             layout.part_offset_bytes(self.layer, self.part).map_err(crate::errors::PyKvError)?;
         let (shape, strides) = layout.view_shape_strides(self.extent);
@@ -59,7 +59,7 @@ impl SlabView {
     /// The view as DLPack sees it: the true dtype, strides in elements.
     fn export(&self) -> PyResult<crate::dlpack::Export> {
         let pool = &self.pool.get().inner;
-        let layout = pool.layout();
+        let layout = pool.layout().map_err(crate::errors::PyKvError)?;
         let offset =
             layout.part_offset_bytes(self.layer, self.part).map_err(crate::errors::PyKvError)?;
         let (shape, strides) = layout.view_shape_strides(self.extent);
@@ -159,7 +159,9 @@ impl PyPool {
     pub(crate) fn view(slf: &Bound<'_, Self>, layer: usize, part: KvPart) -> PyResult<Py<PyAny>> {
         let py = slf.py();
         let pool = &slf.get().inner;
-        pool.layout().part_offset_bytes(layer, part).map_err(crate::errors::PyKvError)?;
+        // A pool of hybrid pages has no layout: refused here, before a view pins anything.
+        let layout = pool.layout().map_err(crate::errors::PyKvError)?;
+        layout.part_offset_bytes(layer, part).map_err(crate::errors::PyKvError)?;
         let view = Py::new(py, SlabView::new(slf.clone().unbind(), layer, part))?;
         if pool.device() == Device::Host {
             // A NumPy array whose base is the view, which holds the pool alive; the subclass

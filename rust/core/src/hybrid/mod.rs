@@ -11,10 +11,16 @@
 //!   (copy on write), free.
 //! - `invariants.rs`: `HybridTables::check_invariants`, the equations tests check after
 //!   every call.
+//! - `pool.rs`: a pool made from a spec's page bytes (`Pool::new(&spec, ..)`).
+//! - `swap.rs`: [`HybridHostTier`], every group of a request swapped to host memory and
+//!   back; [`RequestPage`], a request's pages as swaps and transfers list them.
 
 mod invariants;
+mod pool;
 mod spec;
+mod swap;
 mod tables;
 
 pub use spec::{AttentionShape, GroupKind, KvGroup, ModelKvSpec, PageGeometry, StatePacking};
+pub use swap::{HeldPages, HybridHostTier, RequestPage};
 pub use tables::{GroupTable, HybridTables, PageCopy};

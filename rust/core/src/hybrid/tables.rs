@@ -12,7 +12,8 @@ use rustc_hash::FxHashMap;
 
 use crate::error::CoreError;
 use crate::hybrid::spec::{ModelKvSpec, PageGeometry};
-use crate::pool::Pool;
+use crate::hybrid::swap::{HeldPages, RequestPage};
+use crate::pool::{Owner, Pool};
 
 /// One request's pages of one group: page `first_page + i` of the group's page sequence
 /// is `page_ids[i]` (for a state group, `first_page` is 0 and the ids are its slot).
@@ -23,7 +24,7 @@ struct GroupPages {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct RequestPages {
+pub(super) struct RequestPages {
     num_tokens: usize,
     /// The first position whose query has not run yet: the call that brought the request
     /// to `num_tokens` started there. Window groups keep what its query and later ones see.
@@ -100,7 +101,7 @@ impl HybridTables {
     /// Tables for `spec` over `pool`, whose blocks must be the spec's pages, with room for
     /// at least one request of one token (every state slot included).
     pub fn new(pool: Arc<Pool>, spec: ModelKvSpec) -> Result<Self, CoreError> {
-        let block_bytes = pool.layout().block_bytes();
+        let block_bytes = pool.block_bytes();
         if block_bytes != spec.page_bytes() {
             return Err(CoreError::InvalidLayout(format!(
                 "the pool's blocks are {block_bytes} bytes, the model's pages {}",
@@ -169,7 +170,7 @@ impl HybridTables {
             groups: vec![GroupPages::default(); self.spec.num_groups()],
         };
         let plans = self.plan(&empty, num_tokens, 0)?;
-        let fresh = self.pool.alloc_many(total_fresh(&plans))?;
+        let fresh = self.alloc_pages(total_fresh(&plans))?;
         let mut request = empty;
         request.num_tokens = num_tokens;
         commit(&mut request, &plans, fresh);
@@ -200,10 +201,10 @@ impl HybridTables {
                 plan.released(pages).chain(copied)
             })
             .collect();
-        let fresh = self.pool.alloc_many(total_fresh(&plans))?;
-        if let Err(e) = self.pool.free_many(&released) {
+        let fresh = self.alloc_pages(total_fresh(&plans))?;
+        if let Err(e) = self.free_pages(&released) {
             // Ours alone (just allocated), so they go straight back.
-            self.pool.free_many(&fresh).expect("returning pages just allocated");
+            self.free_pages(&fresh).expect("returning pages just allocated");
             return Err(e);
         }
         let request = self.requests.get_mut(&request_id).expect("checked above");
@@ -220,7 +221,7 @@ impl HybridTables {
         if self.requests.contains_key(&child_id) {
             return Err(CoreError::DuplicateRequest { request_id: child_id });
         }
-        self.pool.share_many(&all_pages(parent))?;
+        self.share_pages(&all_pages(parent))?;
         let child = parent.clone();
         self.requests.insert(child_id, child);
         Ok(())
@@ -228,7 +229,7 @@ impl HybridTables {
 
     /// Removes a request, dropping its reference to every page of every group.
     pub fn free(&mut self, request_id: u64) -> Result<(), CoreError> {
-        self.pool.free_many(&all_pages(self.request(request_id)?))?;
+        self.free_pages(&all_pages(self.request(request_id)?))?;
         self.requests.remove(&request_id);
         Ok(())
     }
@@ -336,4 +337,88 @@ fn commit(request: &mut RequestPages, plans: &[GroupPlan], fresh: Vec<u32>) {
         pages.first_page = plan.first_page;
     }
     debug_assert!(fresh.next().is_none());
+}
+
+/// Swaps and transfers (`swap.rs`): a request's pages as one list, a request taken out of the
+/// tables or put back with its references, and the tagged pool calls every method above
+/// allocates, shares and frees through (`Owner::HybridTables`: `Pool::free` and
+/// `Pool::share_many` refuse these pages).
+impl HybridTables {
+    /// Every page `request_id` holds, in a stable order a transfer or a swap can rely on:
+    /// group by group in the spec's order, each group's pages in page order (`page_index`
+    /// ascending from the table's `first_page`; a state slot's pages from 0), each entry
+    /// naming its group, page index and page id. Moving these pages and rebuilding each
+    /// group's table from `page_index` moves every group of the request.
+    pub fn request_pages(&self, request_id: u64) -> Result<Vec<RequestPage>, CoreError> {
+        Ok(Self::page_list(self.request(request_id)?))
+    }
+
+    /// The first position of `request_id` whose query has not run yet.
+    pub fn next_query(&self, request_id: u64) -> Result<usize, CoreError> {
+        Ok(self.request(request_id)?.next_query)
+    }
+
+    /// `request`'s pages in [`request_pages`](Self::request_pages)'s order. A field that
+    /// comes to hold pages must be listed here and in [`attach`](Self::attach) alike.
+    pub(super) fn page_list(request: &RequestPages) -> Vec<RequestPage> {
+        let mut pages = Vec::new();
+        for (group, held) in request.groups.iter().enumerate() {
+            pages.extend(held.page_ids.iter().enumerate().map(|(i, &page_id)| RequestPage {
+                group,
+                page_index: held.first_page + i,
+                page_id,
+            }));
+        }
+        pages
+    }
+
+    /// `request`'s tokens, first query still to run and pages.
+    pub(super) fn held_pages(request: &RequestPages) -> HeldPages {
+        HeldPages {
+            num_tokens: request.num_tokens,
+            next_query: request.next_query,
+            pages: Self::page_list(request),
+        }
+    }
+
+    /// Takes `request_id` out of the tables with its page references, which are the
+    /// caller's now (a swap-out frees them once their bytes are copied).
+    pub(super) fn detach(&mut self, request_id: u64) -> Result<RequestPages, CoreError> {
+        self.requests.remove(&request_id).ok_or(CoreError::UnknownRequest { request_id })
+    }
+
+    /// `request` with its pages replaced, in [`page_list`](Self::page_list)'s order, by
+    /// `page_ids` (one per page; every table keeps its `first_page`).
+    pub(super) fn with_page_ids(mut request: RequestPages, page_ids: &[u32]) -> RequestPages {
+        let mut ids = page_ids.iter();
+        for held in &mut request.groups {
+            for id in &mut held.page_ids {
+                *id = *ids.next().expect("one new id per page");
+            }
+        }
+        debug_assert!(ids.next().is_none(), "one new id per page");
+        request
+    }
+
+    /// Puts `request` into the tables as `request_id` (absent: the caller checked), taking
+    /// over its page references (allocated from this pool with `Owner::HybridTables`).
+    pub(super) fn attach(&mut self, request_id: u64, request: RequestPages) {
+        let previous = self.requests.insert(request_id, request);
+        debug_assert!(previous.is_none(), "attach of a request the tables hold");
+    }
+
+    /// `count` new pages, all or none, tagged as the hybrid tables' (a growable pool grows).
+    fn alloc_pages(&self, count: usize) -> Result<Vec<u32>, CoreError> {
+        self.pool.alloc_many_for(count, Owner::HybridTables)
+    }
+
+    /// Drops one reference to each page, all or none; a page not the hybrid tables' is refused.
+    fn free_pages(&self, page_ids: &[u32]) -> Result<(), CoreError> {
+        self.pool.free_many_for(page_ids, Owner::HybridTables)
+    }
+
+    /// Adds one reference to each page, all or none; a page not the hybrid tables' is refused.
+    fn share_pages(&self, page_ids: &[u32]) -> Result<(), CoreError> {
+        self.pool.share_many_for(page_ids, Owner::HybridTables)
+    }
 }

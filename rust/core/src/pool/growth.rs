@@ -146,7 +146,7 @@ impl Pool {
 
     /// Blocks that fit in `mapped_bytes`, capped at the reservation.
     fn blocks_in(&self, mapped_bytes: usize) -> usize {
-        (mapped_bytes / self.layout.block_bytes()).min(self.max_num_blocks())
+        (mapped_bytes / self.block_bytes()).min(self.max_num_blocks())
     }
 
     fn grow_locked(&self, guard: &mut ResizeGuard<'_>, target: usize) -> Result<(), CoreError> {
@@ -154,7 +154,7 @@ impl Pool {
         if target <= old {
             return Ok(());
         }
-        let chunks = (target * self.layout.block_bytes()).div_ceil(guard.chunk_bytes());
+        let chunks = (target * self.block_bytes()).div_ceil(guard.chunk_bytes());
         // The cache's metadata covers the new ids before they exist (first: a failure then
         // leaves nothing to undo; metadata for ids that did not come is merely unused).
         if let Some(cache) = &self.prefix_cache {
@@ -191,8 +191,7 @@ impl Pool {
         let live_end = is_free.iter().rposition(|&free| !free).map_or(0, |id| id + 1);
         let keep_end = live_end.max(self.max_view_extent());
         let chunk_bytes = guard.chunk_bytes();
-        let keep_chunks =
-            (keep_end * self.layout.block_bytes()).div_ceil(chunk_bytes).max(min_chunks);
+        let keep_chunks = (keep_end * self.block_bytes()).div_ceil(chunk_bytes).max(min_chunks);
         if keep_chunks >= mapped {
             self.allocator.set_num_blocks(num_blocks, drained);
             return Ok(0);
@@ -226,7 +225,7 @@ impl Pool {
     /// ```
     pub(super) fn check_growable_invariants(&self, guard: &ResizeGuard<'_>) -> Result<(), String> {
         self.check_block_invariants()?;
-        let (num_blocks, block_bytes) = (self.num_blocks(), self.layout.block_bytes());
+        let (num_blocks, block_bytes) = (self.num_blocks(), self.block_bytes());
         let mapped = guard.mapped_bytes();
         let reserved = self.reserved_bytes();
         if !(num_blocks * block_bytes <= mapped && mapped <= reserved) {

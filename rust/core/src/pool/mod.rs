@@ -4,6 +4,8 @@
 //! A pool is fixed (one allocation of `num_blocks` blocks) or growable (a reserved range of
 //! `max_num_blocks` blocks backed chunk by chunk). `base_ptr` never changes in either.
 //!
+//! - `geometry.rs`: what a block is: one `KvLayout`'s block, or a hybrid model's page of
+//!   fixed bytes (`PoolGeometry`); the layout and block bytes accessors.
 //! - `mod.rs`: construction, the block API (forwarded to the allocator; allocation grows a
 //!   growable pool), stats and invariants.
 //! - `growth.rs`: grow, shrink and the allocation slow path (design: `growable.md`).
@@ -19,6 +21,7 @@
 
 #[cfg(feature = "cuda")]
 mod device;
+mod geometry;
 mod growth;
 mod owner;
 mod prefix;
@@ -27,6 +30,7 @@ mod views;
 
 #[cfg(feature = "cuda")]
 pub use device::DeviceContext;
+pub use geometry::PoolGeometry;
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, Weak};
@@ -37,7 +41,6 @@ pub(crate) use spill::SpillTier;
 
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
-use crate::layout::KvLayout;
 use crate::prefix_cache::PrefixCache;
 use crate::slab::{self, ChunkBackend, Device, GrowableSlab, MemoryInfo, Slab};
 
@@ -81,7 +84,7 @@ impl Backing {
 }
 
 pub struct Pool {
-    layout: KvLayout,
+    geometry: PoolGeometry,
     allocator: BlockAllocator,
     /// Which API each allocated block belongs to (see `owner.rs`).
     owners: Owners,
@@ -142,9 +145,16 @@ pub struct PoolStats {
 }
 
 impl Pool {
-    pub fn new(layout: KvLayout, size: PoolSize, device: Device) -> Result<Self, CoreError> {
-        let num_blocks = Self::resolve_num_blocks(&layout, size, device)?;
-        let slab_bytes = num_blocks.checked_mul(layout.block_bytes()).ok_or_else(|| {
+    /// A fixed pool of `size` on `device`, its blocks a `KvLayout`'s or a hybrid model's
+    /// pages (`&ModelKvSpec`, or any [`PoolGeometry`]).
+    pub fn new(
+        geometry: impl Into<PoolGeometry>,
+        size: PoolSize,
+        device: Device,
+    ) -> Result<Self, CoreError> {
+        let geometry = geometry.into();
+        let num_blocks = Self::resolve_num_blocks(geometry.block_bytes(), size, device)?;
+        let slab_bytes = num_blocks.checked_mul(geometry.block_bytes()).ok_or_else(|| {
             CoreError::InvalidArgument(format!("{num_blocks} blocks overflow the address space"))
         })?;
         let device_context = Self::device_context_for(device)?;
@@ -152,31 +162,33 @@ impl Pool {
         // before any per-block bookkeeping is sized for a count that cannot be backed.
         let slab = slab::allocate(device, slab_bytes)?;
         let allocator = BlockAllocator::new(num_blocks)?;
-        Self::assemble(layout, allocator, Backing::Fixed(slab), device_context)
+        Self::assemble(geometry, allocator, Backing::Fixed(slab), device_context)
     }
 
     /// A fixed pool of host memory for a host tier (`tier/`): page-locked for CUDA device
     /// `pinned_for`, so copies between it and that device run asynchronously, or plain host
     /// memory when `None` (a host tier of a host pool, as CI tests it).
     pub fn new_host_tier(
-        layout: KvLayout,
+        geometry: impl Into<PoolGeometry>,
         size: PoolSize,
         pinned_for: Option<usize>,
     ) -> Result<Self, CoreError> {
-        let num_blocks = Self::resolve_num_blocks(&layout, size, Device::Host)?;
-        let slab_bytes = num_blocks.checked_mul(layout.block_bytes()).ok_or_else(|| {
+        let geometry = geometry.into();
+        let num_blocks = Self::resolve_num_blocks(geometry.block_bytes(), size, Device::Host)?;
+        let slab_bytes = num_blocks.checked_mul(geometry.block_bytes()).ok_or_else(|| {
             CoreError::InvalidArgument(format!("{num_blocks} blocks overflow the address space"))
         })?;
         let slab = slab::allocate_host_tier(slab_bytes, pinned_for)?;
         let allocator = BlockAllocator::new(num_blocks)?;
-        let mut pool = Self::assemble(layout, allocator, Backing::Fixed(slab), Default::default())?;
+        let mut pool =
+            Self::assemble(geometry, allocator, Backing::Fixed(slab), Default::default())?;
         pool.host_tier = true;
         Ok(pool)
     }
 
     /// The parts of a pool, with no holders or views yet.
     fn assemble(
-        layout: KvLayout,
+        geometry: PoolGeometry,
         allocator: BlockAllocator,
         backing: Backing,
         device_context: DeviceContextSlot,
@@ -184,7 +196,7 @@ impl Pool {
         #[cfg(not(feature = "cuda"))]
         let () = device_context;
         Ok(Pool {
-            layout,
+            geometry,
             owners: Owners::new(allocator.max_num_blocks())?,
             allocator,
             backing,
@@ -212,31 +224,33 @@ impl Pool {
     /// A growable pool on `device`: reserves room for `size.max_num_blocks` and maps enough
     /// chunks for `size.initial_num_blocks`.
     pub fn new_growable(
-        layout: KvLayout,
+        geometry: impl Into<PoolGeometry>,
         size: GrowableSize,
         device: Device,
     ) -> Result<Self, CoreError> {
-        let reserved_bytes = Self::reservation_for(&layout, size)?;
+        let geometry = geometry.into();
+        let reserved_bytes = Self::reservation_for(geometry.block_bytes(), size)?;
         // A chunk larger than the whole reservation would map more than the pool can use.
         let chunk_bytes = size.chunk_bytes.map(|c| c.min(reserved_bytes));
         let slab = slab::reserve_growable(device, reserved_bytes, chunk_bytes)?;
-        Self::with_growable_slab(layout, size, slab)
+        Self::with_growable_slab(geometry, size, slab)
     }
 
     /// A growable pool over any chunk backend (tests inject failing ones). `size.chunk_bytes`
     /// is ignored: the backend has its own.
     pub fn with_chunk_backend(
-        layout: KvLayout,
+        geometry: impl Into<PoolGeometry>,
         size: GrowableSize,
         backend: Box<dyn ChunkBackend>,
     ) -> Result<Self, CoreError> {
-        Self::reservation_for(&layout, size)?;
-        Self::with_growable_slab(layout, size, GrowableSlab::new(backend))
+        let geometry = geometry.into();
+        Self::reservation_for(geometry.block_bytes(), size)?;
+        Self::with_growable_slab(geometry, size, GrowableSlab::new(backend))
     }
 
     /// The bytes to reserve; refuses, before anything is reserved, a `max_num_blocks` past
     /// `MAX_NUM_BLOCKS` (however large) and a `chunk_bytes` of 0.
-    fn reservation_for(layout: &KvLayout, size: GrowableSize) -> Result<usize, CoreError> {
+    fn reservation_for(block_bytes: usize, size: GrowableSize) -> Result<usize, CoreError> {
         if size.max_num_blocks == 0 || size.max_num_blocks > crate::MAX_NUM_BLOCKS {
             return Err(CoreError::InvalidArgument(format!(
                 "max_num_blocks must be in 1..={} (MAX_NUM_BLOCKS), got {}",
@@ -255,7 +269,7 @@ impl Pool {
                 size.max_num_blocks, size.initial_num_blocks
             )));
         }
-        size.max_num_blocks.checked_mul(layout.block_bytes()).ok_or_else(|| {
+        size.max_num_blocks.checked_mul(block_bytes).ok_or_else(|| {
             CoreError::InvalidArgument(format!(
                 "{} blocks overflow the address space",
                 size.max_num_blocks
@@ -264,11 +278,11 @@ impl Pool {
     }
 
     fn with_growable_slab(
-        layout: KvLayout,
+        geometry: PoolGeometry,
         size: GrowableSize,
         slab: GrowableSlab,
     ) -> Result<Self, CoreError> {
-        let needed = size.max_num_blocks * layout.block_bytes();
+        let needed = size.max_num_blocks * geometry.block_bytes();
         if slab.reserved_bytes() < needed {
             return Err(CoreError::InvalidArgument(format!(
                 "the backend reserves {} bytes, {} blocks need {needed}",
@@ -278,11 +292,11 @@ impl Pool {
         }
         let allocator = BlockAllocator::new_growable(0, size.max_num_blocks)?;
         let device_context = Self::device_context_for(slab.device())?;
-        let pool = Self::assemble(layout, allocator, Backing::Growable(slab), device_context)?;
+        let pool = Self::assemble(geometry, allocator, Backing::Growable(slab), device_context)?;
         pool.grow(size.initial_num_blocks).map_err(|e| match e {
             // Creation asked for memory and did not get it: the slab could not be allocated.
             CoreError::CannotGrow { .. } => CoreError::OutOfMemory {
-                requested_bytes: size.initial_num_blocks * pool.layout.block_bytes(),
+                requested_bytes: size.initial_num_blocks * pool.block_bytes(),
                 device: pool.device().to_string(),
             },
             e => e,
@@ -291,11 +305,10 @@ impl Pool {
     }
 
     fn resolve_num_blocks(
-        layout: &KvLayout,
+        block_bytes: usize,
         size: PoolSize,
         device: Device,
     ) -> Result<usize, CoreError> {
-        let block_bytes = layout.block_bytes();
         let num_blocks = match size {
             PoolSize::NumBlocks(n) => n,
             PoolSize::MemoryBytes(bytes) => bytes / block_bytes,
@@ -375,6 +388,13 @@ impl Pool {
 
     /// Allocates `count` blocks, all or none, growing a growable pool if needed.
     pub fn alloc_many(&self, count: usize) -> Result<Vec<u32>, CoreError> {
+        self.alloc_many_for(count, Owner::Pool)
+    }
+
+    /// [`alloc_many`](Self::alloc_many) on behalf of `owner`, whose tag the new ids get. It
+    /// allocates for requests, never for a swap, so a host tier's pool refuses it whatever
+    /// the owner.
+    pub(crate) fn alloc_many_for(&self, count: usize, owner: Owner) -> Result<Vec<u32>, CoreError> {
         self.refuse_if_host_tier()?;
         if count > self.max_num_blocks() {
             // Can never succeed: refuse before sizing a buffer for it.
@@ -386,7 +406,7 @@ impl Pool {
             device: "host".into(),
         })?;
         ids.resize(count, 0);
-        self.alloc_into(&mut ids)?;
+        self.alloc_into_for(&mut ids, owner)?;
         Ok(ids)
     }
 
@@ -485,9 +505,6 @@ impl Pool {
         Ok(())
     }
 
-    pub fn layout(&self) -> &KvLayout {
-        &self.layout
-    }
     pub fn device(&self) -> Device {
         self.backing.slab().device()
     }
@@ -520,7 +537,7 @@ impl Pool {
         if block_id as usize >= self.num_blocks() {
             return Err(CoreError::out_of_range_id(block_id, self.num_blocks()));
         }
-        Ok(self.base_ptr() + block_id as u64 * self.layout.block_bytes() as u64)
+        Ok(self.base_ptr() + block_id as u64 * self.block_bytes() as u64)
     }
 
     pub fn stats(&self) -> Result<PoolStats, CoreError> {
@@ -542,7 +559,7 @@ impl Pool {
             num_evictable: self.num_evictable(),
             num_used: self.num_used(),
             high_water: self.high_water(),
-            block_bytes: self.layout.block_bytes(),
+            block_bytes: self.block_bytes(),
             device: self.device(),
             memory: self.backing.slab().memory_info()?,
         })
@@ -620,7 +637,7 @@ impl Pool {
         match self.growable_slab() {
             None => {
                 self.check_block_invariants()?;
-                let expected = self.num_blocks() * self.layout.block_bytes();
+                let expected = self.num_blocks() * self.block_bytes();
                 if self.mapped_bytes() < expected {
                     return Err(format!(
                         "slab holds {} bytes, {} blocks need {expected}",

@@ -1,5 +1,6 @@
-//! Who holds each allocated block: the plain pool API (`Pool::alloc`, `free`, ...) or block
-//! tables. A block is freed or shared only through the API that allocated it, so a block a
+//! Who holds each allocated block: the plain pool API (`Pool::alloc`, `free`, ...), block
+//! tables, or a hybrid model's tables (`HybridTables`, and the hybrid host tier's pages). A
+//! block is freed or shared only through the API that allocated it, so a block a
 //! request's table holds cannot be freed through `Pool::free` (it would then be handed out
 //! again while the table still points at it). One byte per id, set on every allocation and
 //! checked in O(1) before anything changes.
@@ -17,6 +18,7 @@ use crate::zeroed::zeroed_slice;
 pub(crate) enum Owner {
     Pool = 0,
     Tables = 1,
+    HybridTables = 2,
 }
 
 impl Owner {
@@ -28,6 +30,10 @@ impl Owner {
             }
             Owner::Tables => {
                 "held by block tables; it is freed with its request (BlockTables.free)"
+            }
+            Owner::HybridTables => {
+                "held by hybrid tables (one group's page of a request); it is freed with its \
+                 request (HybridTables.free)"
             }
         }
     }
@@ -52,7 +58,9 @@ impl Owners {
     pub(crate) fn get(&self, id: u32) -> Owner {
         match self.0[id as usize].load(Ordering::Relaxed) {
             0 => Owner::Pool,
-            _ => Owner::Tables,
+            1 => Owner::Tables,
+            // Only `set` writes a tag, and only an `Owner`'s value.
+            _ => Owner::HybridTables,
         }
     }
 }

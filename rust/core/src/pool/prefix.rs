@@ -21,7 +21,7 @@ impl Pool {
         self.prefix_cache = Some(PrefixCache::new(
             self.max_num_blocks(),
             self.num_blocks(),
-            self.layout.block_size(),
+            self.layout()?.block_size(),
         )?);
         Ok(self)
     }
@@ -40,7 +40,7 @@ impl Pool {
             Device::Cuda(ordinal) => Some(ordinal),
         };
         let tier = SpillTier::new(
-            &self.layout,
+            self.layout()?,
             num_blocks,
             pinned_for,
             self.spill_engine()?,

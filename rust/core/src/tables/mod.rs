@@ -126,6 +126,8 @@ impl BlockTables {
         max_seqs: usize,
         max_blocks_per_seq: usize,
     ) -> Result<Arc<Self>, CoreError> {
+        // Block tables count tokens in a layout's blocks: a pool of hybrid pages has none.
+        let block_size = pool.layout()?.block_size();
         if max_seqs == 0 || max_blocks_per_seq == 0 {
             return Err(CoreError::InvalidArgument(format!(
                 "max_seqs and max_blocks_per_seq must be positive, got {max_seqs} and {max_blocks_per_seq}"
@@ -154,7 +156,7 @@ impl BlockTables {
         hashes.try_reserve_exact(max_seqs).map_err(out_of_memory)?;
         let mut pending_tokens = Vec::new();
         if pool.prefix_cache().is_some() {
-            let len = max_seqs.saturating_mul(pool.layout().block_size());
+            let len = max_seqs.saturating_mul(block_size);
             pending_tokens.try_reserve_exact(len).map_err(|_| CoreError::OutOfMemory {
                 requested_bytes: len.saturating_mul(4),
                 device: "host".into(),
@@ -195,7 +197,7 @@ impl BlockTables {
         self.max_blocks_per_seq
     }
     fn block_size(&self) -> usize {
-        self.pool.layout().block_size()
+        self.pool.layout().expect("checked by BlockTables::new").block_size()
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, TablesState> {
@@ -828,9 +830,9 @@ impl TablesState {
 /// the pool, so a scheduler that discards its tables leaks nothing.
 impl Drop for BlockTables {
     fn drop(&mut self) {
+        let block_size = self.block_size();
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
         let width = self.max_blocks_per_seq;
-        let block_size = self.pool.layout().block_size();
         for (row, r) in st.rows.iter().enumerate() {
             let n = blocks_for(r.num_tokens, block_size);
             let blocks: Vec<u32> = st.table[row * width..][..n].iter().map(|&b| b as u32).collect();

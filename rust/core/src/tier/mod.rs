@@ -14,7 +14,10 @@
 //! blocks until everything has.
 //!
 //! The copies themselves (the plan of runs, memcpy or the CUDA copy stream) are
-//! `block_copy`'s.
+//! `block_copy`'s; the steps a swap takes around them (`copy.rs`) are shared with the
+//! hybrid host tier (`hybrid/swap.rs`).
+
+mod copy;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -23,10 +26,12 @@ use rustc_hash::FxHashMap;
 #[cfg(feature = "cuda")]
 pub use crate::block_copy::CopyMethod;
 pub use crate::block_copy::Run;
-use crate::block_copy::{self, Done, Endpoints, Engine};
+pub(crate) use copy::{check_distinct, compute_stream, copy_blocks, drop_refs};
+pub(crate) use copy::{release_completed, Copied, Direction, Pending, TierEngine};
+
+use crate::block_copy::Engine;
 use crate::error::CoreError;
 use crate::pool::{Owner, Pool, PoolSize, RefHolder};
-use crate::slab::Device;
 use crate::tables::BlockTables;
 
 /// Where a request's KV is.
@@ -60,13 +65,6 @@ struct Swapped {
     blocks: Vec<u32>,
 }
 
-/// Source blocks of a swap whose copy may still be reading them.
-struct Pending {
-    done: Done,
-    device_blocks: Vec<u32>,
-    host_blocks: Vec<u32>,
-}
-
 #[derive(Default)]
 struct TierState {
     swapped: FxHashMap<u64, Swapped>,
@@ -98,31 +96,26 @@ impl HostTier {
         size: PoolSize,
         method: CopyMethod,
     ) -> Result<Self, CoreError> {
-        let device_pool = tables.pool().clone();
-        let (pinned_for, engine) = match device_pool.device() {
-            Device::Host => (None, Engine::Host),
-            Device::Cuda(ordinal) => {
-                let ctx = device_pool
-                    .device_context()
-                    .expect("a CUDA pool has a device context")
-                    .context();
-                (Some(ordinal), Engine::Cuda(block_copy::CudaEngine::new(ctx, method)?))
-            }
-        };
-        let host_pool = Arc::new(Pool::new_host_tier(*device_pool.layout(), size, pinned_for)?);
-        Ok(Self::assemble(tables, host_pool, engine))
+        let TierEngine { pinned_for, engine } = TierEngine::new(tables.pool(), method)?;
+        Self::with_engine(tables, size, pinned_for, engine)
     }
 
     /// A host tier of `size` for the requests of `tables` (a host pool: no CUDA in this build).
     #[cfg(not(feature = "cuda"))]
     pub fn new(tables: Arc<BlockTables>, size: PoolSize) -> Result<Self, CoreError> {
-        if tables.pool().device() != Device::Host {
-            return Err(CoreError::CudaUnavailable(
-                "kvpool was built without the cuda feature".into(),
-            ));
-        }
-        let host_pool = Arc::new(Pool::new_host_tier(*tables.pool().layout(), size, None)?);
-        Ok(Self::assemble(tables, host_pool, Engine::Host))
+        let TierEngine { pinned_for, engine } = TierEngine::new(tables.pool())?;
+        Self::with_engine(tables, size, pinned_for, engine)
+    }
+
+    fn with_engine(
+        tables: Arc<BlockTables>,
+        size: PoolSize,
+        pinned_for: Option<usize>,
+        engine: Engine,
+    ) -> Result<Self, CoreError> {
+        let layout = *tables.pool().layout()?;
+        let host_pool = Arc::new(Pool::new_host_tier(layout, size, pinned_for)?);
+        Ok(Self::assemble(tables, host_pool, engine))
     }
 
     fn assemble(tables: Arc<BlockTables>, host_pool: Arc<Pool>, engine: Engine) -> Self {
@@ -150,35 +143,13 @@ impl HostTier {
     }
 
     /// The compute stream copies are ordered after (and a swap-in is ordered before):
-    /// `stream`, or the device pool's own. Checks a caller's stream belongs to the pool.
-    fn compute_stream(&self, stream: Option<u64>) -> Result<u64, CoreError> {
-        match (&self.engine, stream) {
-            (Engine::Host, None) => Ok(0),
-            (Engine::Host, Some(_)) => Err(CoreError::InvalidArgument(
-                "a stream was given, but the pool is on the host".into(),
-            )),
-            #[cfg(feature = "cuda")]
-            (Engine::Cuda(_), None) => {
-                Ok(self.tables.pool().stream_handle().expect("a CUDA pool has a stream"))
-            }
-            #[cfg(feature = "cuda")]
-            (Engine::Cuda(_), Some(handle)) => {
-                let ctx = self
-                    .tables
-                    .pool()
-                    .device_context()
-                    .expect("a CUDA pool has a device context")
-                    .context();
-                // SAFETY: the caller of the public API guarantees the handle is a live stream.
-                unsafe {
-                    crate::driver::check_stream_context(
-                        ctx,
-                        handle as cudarc::driver::sys::CUstream,
-                    )
-                }?;
-                Ok(handle)
-            }
-        }
+    /// `stream`, or the device pool's own.
+    ///
+    /// # Safety
+    /// `stream`, if given, is a live CUDA stream.
+    unsafe fn compute_stream(&self, stream: Option<u64>) -> Result<u64, CoreError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { compute_stream(&self.engine, self.tables.pool(), stream) }
     }
 
     /// Moves `request_ids` (all in the block tables) to the host tier, all or none. Their
@@ -192,7 +163,8 @@ impl HostTier {
         request_ids: &[u64],
         stream: Option<u64>,
     ) -> Result<SwapStats, CoreError> {
-        let compute = self.compute_stream(stream)?;
+        // SAFETY: the caller's contract.
+        let compute = unsafe { self.compute_stream(stream) }?;
         let mut ts = lock(&self.state);
         self.release_completed(&mut ts)?;
         let mut st = self.tables.lock();
@@ -213,31 +185,19 @@ impl HostTier {
             moving.push((request_id, num_tokens, blocks));
         }
         let sources: Vec<u32> = moving.iter().flat_map(|(_, _, b)| b.iter().copied()).collect();
-        let mut dests = vec![0u32; sources.len()];
-        self.host_pool.alloc_into_for(&mut dests, Owner::Tables).map_err(|e| match e {
-            CoreError::OutOfBlocks { requested, free, num_blocks } => {
-                CoreError::HostTierFull { requested, free, num_blocks }
-            }
-            e => e,
-        })?;
-        let dests = block_copy::assign(&sources, dests);
-        let runs = block_copy::runs(&sources, &dests);
-        let ends = Endpoints {
-            src_base: self.tables.pool().base_ptr(),
-            dst_base: self.host_pool.base_ptr(),
-            block_bytes: self.host_pool.layout().block_bytes(),
-        };
-        // SAFETY: the sources are allocated device blocks, the destinations just allocated
-        // host blocks, both in range of their pools; the sources stay allocated (pending
-        // below) until `done` completes; `compute` was checked above.
-        let done = match unsafe { self.engine.copy(&runs, ends, compute) } {
-            Ok(done) => done,
-            Err(e) => {
-                // Every queued copy has finished: the destinations can go back.
-                let _ = self.host_pool.free_many_for(&dests, Owner::Tables);
-                return Err(e);
-            }
-        };
+        // SAFETY: the sources are device blocks the rows hold, kept allocated (pending below)
+        // until `done` completes; `compute` came from `compute_stream`.
+        let Copied { dests, num_copies, done } = unsafe {
+            copy_blocks(
+                &self.engine,
+                self.tables.pool(),
+                &self.host_pool,
+                &sources,
+                Owner::Tables,
+                compute,
+                Direction::Out,
+            )
+        }?;
         // Commit: nothing below can fail.
         let mut dests = dests.into_iter();
         for (request_id, num_tokens, blocks) in &moving {
@@ -247,11 +207,7 @@ impl HostTier {
                 .insert(*request_id, Swapped { num_tokens: *num_tokens, blocks: host_blocks });
         }
         drop(st);
-        let stats = SwapStats {
-            num_requests: moving.len(),
-            num_blocks: sources.len(),
-            num_copies: runs.len(),
-        };
+        let stats = SwapStats { num_requests: moving.len(), num_blocks: sources.len(), num_copies };
         ts.pending.push(Pending { done, device_blocks: sources, host_blocks: Vec::new() });
         self.release_completed(&mut ts)?;
         Ok(stats)
@@ -267,7 +223,8 @@ impl HostTier {
         request_ids: &[u64],
         stream: Option<u64>,
     ) -> Result<SwapStats, CoreError> {
-        let compute = self.compute_stream(stream)?;
+        // SAFETY: the caller's contract.
+        let compute = unsafe { self.compute_stream(stream) }?;
         let mut ts = lock(&self.state);
         self.release_completed(&mut ts)?;
         let mut st = self.tables.lock();
@@ -296,28 +253,19 @@ impl HostTier {
         }
         let sources: Vec<u32> =
             request_ids.iter().flat_map(|r| ts.swapped[r].blocks.iter().copied()).collect();
-        let mut dests = vec![0u32; sources.len()];
-        self.tables.pool().alloc_into_for(&mut dests, Owner::Tables)?;
-        let dests = block_copy::assign(&sources, dests);
-        let runs = block_copy::runs(&sources, &dests);
-        let ends = Endpoints {
-            src_base: self.host_pool.base_ptr(),
-            dst_base: self.tables.pool().base_ptr(),
-            block_bytes: self.host_pool.layout().block_bytes(),
-        };
-        // SAFETY: as in `swap_out`, with the roles of the pools exchanged.
-        let copied = unsafe { self.engine.copy(&runs, ends, compute) }
-            // SAFETY: `compute` was checked above.
-            .and_then(|done| unsafe { self.engine.order_before(&done, compute) }.map(|()| done));
-        let done = match copied {
-            Ok(done) => done,
-            Err(e) => {
-                // A failed order_before leaves a copy in flight: wait before freeing.
-                let _ = self.engine.mark().and_then(|d| d.wait());
-                let _ = self.tables.pool().free_many_for(&dests, Owner::Tables);
-                return Err(e);
-            }
-        };
+        // SAFETY: the sources are host blocks the swapped entries hold, kept allocated
+        // (pending below) until `done` completes; `compute` came from `compute_stream`.
+        let Copied { dests, num_copies, done } = unsafe {
+            copy_blocks(
+                &self.engine,
+                &self.host_pool,
+                self.tables.pool(),
+                &sources,
+                Owner::Tables,
+                compute,
+                Direction::In,
+            )
+        }?;
         // Commit: nothing below can fail.
         let mut dests = dests.into_iter();
         for &request_id in request_ids {
@@ -326,11 +274,8 @@ impl HostTier {
             self.tables.insert_row(&mut st, request_id, swapped.num_tokens, &blocks);
         }
         drop(st);
-        let stats = SwapStats {
-            num_requests: request_ids.len(),
-            num_blocks: sources.len(),
-            num_copies: runs.len(),
-        };
+        let stats =
+            SwapStats { num_requests: request_ids.len(), num_blocks: sources.len(), num_copies };
         ts.pending.push(Pending { done, device_blocks: Vec::new(), host_blocks: sources });
         self.release_completed(&mut ts)?;
         Ok(stats)
@@ -375,20 +320,7 @@ impl HostTier {
     }
 
     fn release_completed(&self, ts: &mut TierState) -> Result<(usize, usize), CoreError> {
-        let mut released = (0, 0);
-        let mut i = 0;
-        while i < ts.pending.len() {
-            if !ts.pending[i].done.is_complete()? {
-                i += 1;
-                continue;
-            }
-            let p = ts.pending.swap_remove(i);
-            drop_refs(self.tables.pool(), &p.device_blocks);
-            drop_refs(&self.host_pool, &p.host_blocks);
-            released.0 += p.device_blocks.len();
-            released.1 += p.host_blocks.len();
-        }
-        Ok(released)
+        release_completed(&mut ts.pending, self.tables.pool(), &self.host_pool, Owner::Tables)
     }
 
     /// Which tier holds `request_id`, `None` if neither does.
@@ -439,7 +371,7 @@ impl HostTier {
     pub fn check_invariants(&self) -> Result<(), String> {
         {
             let ts = lock(&self.state);
-            let block_size = self.host_pool.layout().block_size();
+            let block_size = self.tables.pool().layout().expect("block tables' pool").block_size();
             for (&request_id, s) in &ts.swapped {
                 if self.tables.contains(request_id) {
                     return Err(format!(
@@ -477,32 +409,8 @@ impl Drop for HostTier {
         let mut ts = lock(&self.state);
         for (request_id, swapped) in ts.swapped.drain() {
             self.tables.forget_swapped(request_id);
-            drop_refs(&self.host_pool, &swapped.blocks);
+            drop_refs(&self.host_pool, &swapped.blocks, Owner::Tables);
         }
-    }
-}
-
-/// Drops one reference per entry of `blocks`, which may repeat a block: one swap of a parent
-/// and its fork copies their shared blocks once per holder. Cannot fail: each entry is a
-/// reference the tier holds (a block freed behind its back through the plain pool API is
-/// refused as not the tables', and that reference is then gone already).
-fn drop_refs(pool: &Pool, blocks: &[u32]) {
-    if pool.free_many_for(blocks, Owner::Tables).is_err() {
-        for &b in blocks {
-            let _ = pool.free_many_for(&[b], Owner::Tables);
-        }
-    }
-}
-
-fn check_distinct(request_ids: &[u64]) -> Result<(), CoreError> {
-    let mut sorted = request_ids.to_vec();
-    sorted.sort_unstable();
-    match sorted.windows(2).find(|w| w[0] == w[1]) {
-        Some(w) => Err(CoreError::InvalidArgument(format!(
-            "request id {} appears twice in one call",
-            w[0]
-        ))),
-        None => Ok(()),
     }
 }
 

@@ -1,0 +1,1183 @@
+//! Hybrid KV memory for Python: `KvGroup`, `ModelKvSpec` and `HybridTables` over the core's
+//! `hybrid` module (design in `rust/core/src/hybrid/hybrid.md`). Argument checking, the
+//! default page size and NumPy conversion live here; the page bookkeeping in the core.
+//!
+//! Errors follow the binding's convention: a wrong type is a `TypeError`; a group, page size
+//! or spec that cannot be (a window of 0, layers not covered once, a token larger than a
+//! page, a pool whose blocks are not the spec's pages) is a `LayoutError`; a group index,
+//! position or count out of range is an `InvalidArgumentError`; unknown and duplicate
+//! requests and running out of pages raise what `BlockTables` raises for them.
+//!
+//! The core's `HybridTables` changes through `&mut`, so the Python object holds it behind a
+//! mutex (`frozen` class, calls serialised; long calls release the GIL first and then lock,
+//! and nothing here takes the GIL while holding the lock). The core appends one request at a
+//! time, so `append_tokens_many` is made all or none here: it checks every id and count,
+//! bounds the pages the whole batch can take from each request's table as it is before the
+//! call (an earlier append of the batch only frees pages or un-shares them, never takes more
+//! for a later one), makes the pool have that many free (a growable pool grows first, and a
+//! refused growth changes nothing), and only then appends each. Rejected: appending in turn
+//! and undoing on failure (pages a window released may already be reused), and taking the
+//! lock of the pool's free list for the whole batch (the core exposes no such lock).
+
+use std::sync::{Mutex, MutexGuard};
+
+use kvpool_core::hybrid::{
+    AttentionShape, GroupKind, HybridHostTier, HybridTables, KvGroup, ModelKvSpec, PageCopy,
+    PageGeometry, RequestPage, StatePacking,
+};
+use kvpool_core::layout::{KvPart, BLOCK_ALIGN_BYTES};
+use kvpool_core::pool::PoolSize;
+use kvpool_core::tier::{CopyMethod, SwapStats, Tier};
+use kvpool_core::{CoreError, DType};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArray};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::errors::{KvResult, PyKvError};
+use crate::ids::{self, Int};
+use crate::int_array::IntArray;
+use crate::layout::PyKvLayout;
+use crate::pool::PyPool;
+use crate::tables::{named_request_id, request_id, request_ids};
+
+/// Calls growing a request by at least this many tokens run with the GIL released.
+const DETACH_MIN_TOKENS: usize = 1024;
+
+/// Tokens per page the default page size gives the largest token group (hybrid.md,
+/// "Choosing `page_bytes`"): 16, or 64 for an MLA group (FlashMLA's page).
+const DEFAULT_TOKENS_PER_PAGE: usize = 16;
+const DEFAULT_MLA_TOKENS_PER_PAGE: usize = 64;
+
+fn layout_error(message: String) -> PyErr {
+    PyKvError(CoreError::InvalidLayout(message)).into()
+}
+
+/// A positive size of a group (`num_kv_heads`, `window`, ...): 0 or a negative int is a
+/// `LayoutError` naming `what`, as `KvLayout` does for its sizes.
+fn positive(value: Int, what: &str) -> PyResult<usize> {
+    match ids::count(value, what) {
+        Ok(0) => Err(layout_error(format!("{what} must be positive, got 0"))),
+        Ok(n) => Ok(n),
+        Err(CoreError::InvalidArgument(why)) => Err(layout_error(why)),
+        Err(e) => Err(PyKvError(e).into()),
+    }
+}
+
+/// A size that may be 0 (`rope_dim`).
+fn size(value: Int, what: &str) -> PyResult<usize> {
+    ids::count(value, what).map_err(|e| match e {
+        CoreError::InvalidArgument(why) => layout_error(why),
+        e => PyKvError(e).into(),
+    })
+}
+
+/// Non-negative ints from a 1-D integer array or any iterable of ints (`what` names the
+/// argument; `item` says what each int is in a message). A negative one is refused with
+/// `refuse`, the error kind that fits the argument.
+fn index_list(
+    values: &Bound<'_, PyAny>,
+    what: &str,
+    item: &str,
+    refuse: fn(String) -> CoreError,
+) -> PyResult<Vec<usize>> {
+    let negative = |i: usize, v: &str| {
+        PyErr::from(PyKvError(refuse(format!("{what}: item {i}: {item} {v} is negative"))))
+    };
+    if let Ok(array) = values.cast::<PyUntypedArray>() {
+        ids::check_int_array(array, what)?;
+        if let Some(ints) = IntArray::of(array) {
+            return ints
+                .values()
+                .enumerate()
+                .map(|(i, v)| usize::try_from(v).map_err(|_| negative(i, &v.to_string())))
+                .collect();
+        }
+    }
+    let iter = ids::int_iter(values, what)?;
+    let mut out = Vec::with_capacity(values.len().unwrap_or(0));
+    for (i, value) in iter.enumerate() {
+        let int = Int::of(&value?, &format!("{what}: item {i}"))?;
+        if int.is_negative() {
+            return Err(negative(i, &int.shown()));
+        }
+        out.push(ids::count(int, item).map_err(|e| match e {
+            CoreError::InvalidArgument(why) => {
+                PyKvError(refuse(format!("{what}: item {i}: {why}")))
+            }
+            e => PyKvError(e),
+        })?);
+    }
+    Ok(out)
+}
+
+/// A group's layers: non-empty and without repeats (whether they cover the model is the
+/// spec's check).
+fn group_layers(values: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    let layers = index_list(values, "argument 'layers'", "layer", CoreError::InvalidLayout)?;
+    if layers.is_empty() {
+        return Err(layout_error("a group needs at least one layer, got none".into()));
+    }
+    let mut sorted = layers.clone();
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        return Err(layout_error(format!("layer {} is listed twice in the group", w[0])));
+    }
+    Ok(layers)
+}
+
+fn attention_shape(num_kv_heads: Int, head_dim: Int, dtype: &str) -> PyResult<AttentionShape> {
+    Ok(AttentionShape {
+        num_kv_heads: positive(num_kv_heads, "num_kv_heads")?,
+        head_dim: positive(head_dim, "head_dim")?,
+        dtype: DType::parse(dtype).map_err(PyKvError)?,
+    })
+}
+
+/// Some layers of a model and what they keep per request: made by `KvGroup.full`,
+/// `.sliding_window`, `.chunked_local`, `.mla_latent` or `.recurrent_state`. An immutable
+/// value; equal groups hash equal.
+#[pyclass(module = "kvpool._core", name = "KvGroup", frozen, eq, hash)]
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct PyKvGroup {
+    pub inner: KvGroup,
+}
+
+impl PyKvGroup {
+    fn new(layers: &Bound<'_, PyAny>, kind: GroupKind) -> PyResult<Self> {
+        Ok(PyKvGroup { inner: KvGroup::new(group_layers(layers)?, kind) })
+    }
+
+    fn shape(&self) -> Option<AttentionShape> {
+        match self.inner.kind {
+            GroupKind::Full(shape)
+            | GroupKind::SlidingWindow { shape, .. }
+            | GroupKind::ChunkedLocal { shape, .. } => Some(shape),
+            GroupKind::MlaLatent { .. } | GroupKind::RecurrentState { .. } => None,
+        }
+    }
+}
+
+#[pymethods]
+impl PyKvGroup {
+    /// Full attention: every token, for every later query.
+    #[staticmethod]
+    #[pyo3(signature = (layers, num_kv_heads, head_dim, dtype = "float16"))]
+    fn full(
+        layers: &Bound<'_, PyAny>,
+        num_kv_heads: Int,
+        head_dim: Int,
+        dtype: &str,
+    ) -> PyResult<Self> {
+        Self::new(layers, GroupKind::Full(attention_shape(num_kv_heads, head_dim, dtype)?))
+    }
+
+    /// Sliding-window attention: the query at position `p` sees the keys at
+    /// `p - window + 1 ..= p`.
+    #[staticmethod]
+    #[pyo3(signature = (layers, window, num_kv_heads, head_dim, dtype = "float16"))]
+    fn sliding_window(
+        layers: &Bound<'_, PyAny>,
+        window: Int,
+        num_kv_heads: Int,
+        head_dim: Int,
+        dtype: &str,
+    ) -> PyResult<Self> {
+        let window = positive(window, "window")?;
+        let shape = attention_shape(num_kv_heads, head_dim, dtype)?;
+        Self::new(layers, GroupKind::SlidingWindow { window, shape })
+    }
+
+    /// Chunked local attention: the query at position `p` sees the keys from the start of
+    /// its chunk, `p // chunk * chunk ..= p`.
+    #[staticmethod]
+    #[pyo3(signature = (layers, chunk, num_kv_heads, head_dim, dtype = "float16"))]
+    fn chunked_local(
+        layers: &Bound<'_, PyAny>,
+        chunk: Int,
+        num_kv_heads: Int,
+        head_dim: Int,
+        dtype: &str,
+    ) -> PyResult<Self> {
+        let chunk = positive(chunk, "chunk")?;
+        let shape = attention_shape(num_kv_heads, head_dim, dtype)?;
+        Self::new(layers, GroupKind::ChunkedLocal { chunk, shape })
+    }
+
+    /// MLA: every token as one latent vector of `latent_dim + rope_dim` elements per layer.
+    #[staticmethod]
+    #[pyo3(
+        signature = (layers, latent_dim = Int::new(512), rope_dim = Int::new(64), dtype = "float16"),
+        text_signature = "(layers, latent_dim=512, rope_dim=64, dtype='float16')"
+    )]
+    fn mla_latent(
+        layers: &Bound<'_, PyAny>,
+        latent_dim: Int,
+        rope_dim: Int,
+        dtype: &str,
+    ) -> PyResult<Self> {
+        let kind = GroupKind::MlaLatent {
+            latent_dim: positive(latent_dim, "latent_dim")?,
+            rope_dim: size(rope_dim, "rope_dim")?,
+            dtype: DType::parse(dtype).map_err(PyKvError)?,
+        };
+        Self::new(layers, kind)
+    }
+
+    /// A recurrent state (Mamba, Gated DeltaNet): `bytes_per_layer` bytes per request and
+    /// layer, whatever the request's length.
+    #[staticmethod]
+    fn recurrent_state(layers: &Bound<'_, PyAny>, bytes_per_layer: Int) -> PyResult<Self> {
+        let bytes_per_layer = positive(bytes_per_layer, "bytes_per_layer")?;
+        Self::new(layers, GroupKind::RecurrentState { bytes_per_layer })
+    }
+
+    /// `"full"`, `"sliding_window"`, `"chunked_local"`, `"mla_latent"` or `"recurrent_state"`.
+    #[getter]
+    fn kind(&self) -> &'static str {
+        kind_name(&self.inner.kind)
+    }
+    /// Model layer indices, in the order the group's pages hold them.
+    #[getter]
+    fn layers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.inner.layers)
+    }
+    #[getter]
+    fn window(&self) -> Option<usize> {
+        match self.inner.kind {
+            GroupKind::SlidingWindow { window, .. } => Some(window),
+            _ => None,
+        }
+    }
+    #[getter]
+    fn chunk(&self) -> Option<usize> {
+        match self.inner.kind {
+            GroupKind::ChunkedLocal { chunk, .. } => Some(chunk),
+            _ => None,
+        }
+    }
+    #[getter]
+    fn num_kv_heads(&self) -> Option<usize> {
+        self.shape().map(|s| s.num_kv_heads)
+    }
+    #[getter]
+    fn head_dim(&self) -> Option<usize> {
+        self.shape().map(|s| s.head_dim)
+    }
+    #[getter]
+    fn latent_dim(&self) -> Option<usize> {
+        match self.inner.kind {
+            GroupKind::MlaLatent { latent_dim, .. } => Some(latent_dim),
+            _ => None,
+        }
+    }
+    #[getter]
+    fn rope_dim(&self) -> Option<usize> {
+        match self.inner.kind {
+            GroupKind::MlaLatent { rope_dim, .. } => Some(rope_dim),
+            _ => None,
+        }
+    }
+    /// The element type (None for a state group, which is bytes).
+    #[getter]
+    fn dtype(&self) -> Option<&'static str> {
+        match self.inner.kind {
+            GroupKind::MlaLatent { dtype, .. } => Some(dtype.name()),
+            GroupKind::RecurrentState { .. } => None,
+            _ => self.shape().map(|s| s.dtype.name()),
+        }
+    }
+    #[getter]
+    fn bytes_per_layer(&self) -> Option<usize> {
+        match self.inner.kind {
+            GroupKind::RecurrentState { bytes_per_layer } => Some(bytes_per_layer),
+            _ => None,
+        }
+    }
+    /// Bytes of one token over all the group's layers (None for a state group).
+    #[getter]
+    fn token_bytes(&self) -> KvResult<Option<usize>> {
+        if matches!(self.inner.kind, GroupKind::RecurrentState { .. }) {
+            return Ok(None);
+        }
+        self.inner.token_bytes().map(Some).ok_or_else(|| {
+            CoreError::InvalidLayout("one token's bytes overflow a usize".into()).into()
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        let layers = &self.inner.layers;
+        let layers = if layers.len() > 1 && layers.windows(2).all(|w| w[1] == w[0] + 1) {
+            format!("range({}, {})", layers[0], layers[layers.len() - 1] + 1)
+        } else {
+            format!("{layers:?}")
+        };
+        match self.inner.kind {
+            GroupKind::Full(s) => format!(
+                "KvGroup.full({layers}, num_kv_heads={}, head_dim={}, dtype='{}')",
+                s.num_kv_heads,
+                s.head_dim,
+                s.dtype.name()
+            ),
+            GroupKind::SlidingWindow { window, shape: s } => format!(
+                "KvGroup.sliding_window({layers}, window={window}, num_kv_heads={}, \
+                 head_dim={}, dtype='{}')",
+                s.num_kv_heads,
+                s.head_dim,
+                s.dtype.name()
+            ),
+            GroupKind::ChunkedLocal { chunk, shape: s } => format!(
+                "KvGroup.chunked_local({layers}, chunk={chunk}, num_kv_heads={}, head_dim={}, \
+                 dtype='{}')",
+                s.num_kv_heads,
+                s.head_dim,
+                s.dtype.name()
+            ),
+            GroupKind::MlaLatent { latent_dim, rope_dim, dtype } => format!(
+                "KvGroup.mla_latent({layers}, latent_dim={latent_dim}, rope_dim={rope_dim}, \
+                 dtype='{}')",
+                dtype.name()
+            ),
+            GroupKind::RecurrentState { bytes_per_layer } => {
+                format!("KvGroup.recurrent_state({layers}, bytes_per_layer={bytes_per_layer})")
+            }
+        }
+    }
+}
+
+fn kind_name(kind: &GroupKind) -> &'static str {
+    match kind {
+        GroupKind::Full(_) => "full",
+        GroupKind::SlidingWindow { .. } => "sliding_window",
+        GroupKind::ChunkedLocal { .. } => "chunked_local",
+        GroupKind::MlaLatent { .. } => "mla_latent",
+        GroupKind::RecurrentState { .. } => "recurrent_state",
+    }
+}
+
+/// The page size hybrid.md recommends for `groups`: 16 tokens (64 for an MLA group) of the
+/// token group that needs the most bytes for them, rounded up to the block alignment (256
+/// bytes), so every token group holds at least 16 tokens a page (64 for MLA) and a page of
+/// the largest one is at least 15/16 full. A model of state groups only gets one layer's
+/// state, rounded up alike, so each layer's state fills one page.
+pub fn default_page_bytes(groups: &[KvGroup]) -> Result<usize, CoreError> {
+    let overflow = || CoreError::InvalidLayout("the default page size overflows a usize".into());
+    if groups.is_empty() {
+        return Err(CoreError::InvalidLayout("a model needs at least one KV group".into()));
+    }
+    let mut largest = 0usize;
+    for group in groups {
+        let bytes = match group.kind {
+            GroupKind::RecurrentState { bytes_per_layer } => {
+                if groups.iter().any(|g| !matches!(g.kind, GroupKind::RecurrentState { .. })) {
+                    continue; // the token groups set the page
+                }
+                bytes_per_layer
+            }
+            GroupKind::MlaLatent { .. } => group
+                .token_bytes()
+                .and_then(|b| b.checked_mul(DEFAULT_MLA_TOKENS_PER_PAGE))
+                .ok_or_else(overflow)?,
+            _ => group
+                .token_bytes()
+                .and_then(|b| b.checked_mul(DEFAULT_TOKENS_PER_PAGE))
+                .ok_or_else(overflow)?,
+        };
+        largest = largest.max(bytes);
+    }
+    largest.checked_next_multiple_of(BLOCK_ALIGN_BYTES).filter(|&b| b > 0).ok_or_else(overflow)
+}
+
+/// A model's KV memory: groups that cover every layer once, over pages of `page_bytes`
+/// (every page of every group, and every block of the pool, has that size).
+///
+/// `page_bytes=None` picks 16 tokens (64 for MLA) of the token group with the largest
+/// token, rounded up to 256 bytes (see `default_page_bytes`). `num_layers` defaults to one
+/// past the highest layer any group names; give it to have a missing last layer refused.
+#[pyclass(module = "kvpool._core", name = "ModelKvSpec", frozen, eq)]
+#[derive(Clone, PartialEq, Eq)]
+pub struct PyModelKvSpec {
+    pub inner: ModelKvSpec,
+}
+
+impl PyModelKvSpec {
+    fn geometry(&self, group: Int) -> KvResult<(usize, &PageGeometry)> {
+        let group = ids::count(group, "group")?;
+        Ok((group, self.inner.geometry(group)?))
+    }
+}
+
+#[pymethods]
+impl PyModelKvSpec {
+    #[new]
+    #[pyo3(signature = (groups, page_bytes = None, *, num_layers = None))]
+    fn new(
+        groups: &Bound<'_, PyAny>,
+        page_bytes: Option<Int>,
+        num_layers: Option<Int>,
+    ) -> PyResult<Self> {
+        const WHAT: &str = "argument 'groups'";
+        if ids::is_text(groups) {
+            return Err(ids::wrong_type(WHAT, "an iterable of KvGroup", groups));
+        }
+        let iter = groups.try_iter().map_err(|e| {
+            if e.is_instance_of::<pyo3::exceptions::PyTypeError>(groups.py()) {
+                ids::wrong_type(WHAT, "an iterable of KvGroup", groups)
+            } else {
+                e
+            }
+        })?;
+        let mut list = Vec::new();
+        for (i, item) in iter.enumerate() {
+            let item = item?;
+            let group = item
+                .cast::<PyKvGroup>()
+                .map_err(|_| ids::wrong_type(&format!("{WHAT}: item {i}"), "a KvGroup", &item))?;
+            list.push(group.get().inner.clone());
+        }
+        let num_layers = match num_layers {
+            Some(n) => size(n, "num_layers")?,
+            None => list.iter().flat_map(|g| g.layers.iter()).max().map_or(0, |&l| l + 1),
+        };
+        let page_bytes = match page_bytes {
+            Some(b) => size(b, "page_bytes")?,
+            None => default_page_bytes(&list).map_err(PyKvError)?,
+        };
+        Ok(PyModelKvSpec {
+            inner: ModelKvSpec::new(num_layers, list, page_bytes).map_err(PyKvError)?,
+        })
+    }
+
+    /// A uniform model: one full-attention group over every layer of `layout`, whose pages
+    /// are exactly `layout`'s blocks.
+    #[staticmethod]
+    fn uniform(layout: PyRef<'_, PyKvLayout>) -> Self {
+        PyModelKvSpec { inner: ModelKvSpec::uniform(&layout.inner) }
+    }
+
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.inner.num_layers()
+    }
+    /// Bytes of every page of every group: the pool's block bytes.
+    #[getter]
+    fn page_bytes(&self) -> usize {
+        self.inner.page_bytes()
+    }
+    #[getter]
+    fn num_groups(&self) -> usize {
+        self.inner.num_groups()
+    }
+    #[getter]
+    fn groups(&self) -> Vec<PyKvGroup> {
+        self.inner.groups().iter().map(|g| PyKvGroup { inner: g.clone() }).collect()
+    }
+
+    /// Tokens per page of group `group` (None for a state group).
+    fn block_size(&self, group: Int) -> KvResult<Option<usize>> {
+        Ok(self.geometry(group)?.1.block_size())
+    }
+
+    /// Pages per request of state group `group` (None for a token group).
+    fn pages_per_slot(&self, group: Int) -> KvResult<Option<usize>> {
+        Ok(match *self.geometry(group)?.1 {
+            PageGeometry::State { pages_per_slot, .. } => Some(pages_per_slot),
+            PageGeometry::Tokens { .. } => None,
+        })
+    }
+
+    /// How a state group's slot holds its layers: `("layers_per_page", n)` (each layer whole
+    /// in one page, `n` a page) or `("pages_per_layer", n)` (a layer split over `n` pages);
+    /// None for a token group.
+    fn state_packing(&self, group: Int) -> KvResult<Option<(&'static str, usize)>> {
+        Ok(match *self.geometry(group)?.1 {
+            PageGeometry::State { packing: StatePacking::LayersPerPage(n), .. } => {
+                Some(("layers_per_page", n))
+            }
+            PageGeometry::State { packing: StatePacking::PagesPerLayer(n), .. } => {
+                Some(("pages_per_layer", n))
+            }
+            PageGeometry::Tokens { .. } => None,
+        })
+    }
+
+    /// Bytes of a page of group `group` that hold data (the rest is padding); for a state
+    /// group, the bytes of its whole slot.
+    fn used_bytes(&self, group: Int) -> KvResult<usize> {
+        let (g, geometry) = self.geometry(group)?;
+        Ok(geometry.used_bytes(self.inner.groups()[g].layers.len()))
+    }
+
+    /// `(group, index)`: the group holding model layer `layer`, and the layer's index in it.
+    fn group_of_layer(&self, layer: Int) -> KvResult<(usize, usize)> {
+        Ok(self.inner.group_of_layer(ids::count(layer, "layer")?)?)
+    }
+
+    /// `(start, stop)`: the page indices (page `k` holding tokens `k * block_size ..`) a
+    /// request of `num_tokens` tokens keeps for group `group` while the queries from
+    /// position `next_query` on are still to run. A state group keeps `(0, pages_per_slot)`.
+    fn live_pages(&self, group: Int, num_tokens: Int, next_query: Int) -> KvResult<(usize, usize)> {
+        let range = self.inner.live_pages(
+            ids::count(group, "group")?,
+            ids::count(num_tokens, "num_tokens")?,
+            ids::count(next_query, "next_query")?,
+        )?;
+        Ok((range.start, range.end))
+    }
+
+    /// Pages a request of `num_tokens` tokens holds right after `HybridTables.add`: what
+    /// admitting it costs.
+    fn pages_to_add(&self, num_tokens: Int) -> KvResult<usize> {
+        Ok(self.inner.pages_to_add(ids::count(num_tokens, "num_tokens")?))
+    }
+
+    /// Byte offset from the slab base of element `dim` of `kv_head` of `part` (`"k"` or
+    /// `"v"`) of token `token` (inside the page) of the `layer`-th layer of attention group
+    /// `group` in page `page_id`.
+    #[allow(clippy::too_many_arguments)] // one per index of the element
+    fn attention_offset_bytes(
+        &self,
+        group: Int,
+        page_id: Int,
+        layer: Int,
+        part: &str,
+        token: Int,
+        kv_head: Int,
+        dim: Int,
+    ) -> KvResult<usize> {
+        let part = match part {
+            "k" | "K" => KvPart::K,
+            "v" | "V" => KvPart::V,
+            other => {
+                return Err(CoreError::InvalidArgument(format!(
+                    "part must be 'k' or 'v', got {other:?}"
+                ))
+                .into())
+            }
+        };
+        Ok(self.inner.attention_offset_bytes(
+            ids::count(group, "group")?,
+            ids::count(page_id, "page_id")?,
+            ids::count(layer, "layer")?,
+            part,
+            ids::count(token, "token")?,
+            ids::count(kv_head, "kv_head")?,
+            ids::count(dim, "dim")?,
+        )?)
+    }
+
+    /// Byte offset from the slab base of element `dim` (latent, then rope) of token `token`
+    /// of the `layer`-th layer of MLA group `group` in page `page_id`.
+    fn latent_offset_bytes(
+        &self,
+        group: Int,
+        page_id: Int,
+        layer: Int,
+        token: Int,
+        dim: Int,
+    ) -> KvResult<usize> {
+        Ok(self.inner.latent_offset_bytes(
+            ids::count(group, "group")?,
+            ids::count(page_id, "page_id")?,
+            ids::count(layer, "layer")?,
+            ids::count(token, "token")?,
+            ids::count(dim, "dim")?,
+        )?)
+    }
+
+    /// `(slot_page, offset)`: where byte `byte` of the `layer`-th layer's state of state group
+    /// `group` lies, as an index into the request's `state_slot` and a byte offset in it.
+    fn state_location(&self, group: Int, layer: Int, byte: Int) -> KvResult<(usize, usize)> {
+        Ok(self.inner.state_location(
+            ids::count(group, "group")?,
+            ids::count(layer, "layer")?,
+            ids::count(byte, "byte")?,
+        )?)
+    }
+
+    fn __repr__(&self) -> String {
+        let groups: Vec<String> =
+            self.inner.groups().iter().map(|g| PyKvGroup { inner: g.clone() }.__repr__()).collect();
+        format!(
+            "ModelKvSpec([{}], page_bytes={}, num_layers={})",
+            groups.join(", "),
+            self.inner.page_bytes(),
+            self.inner.num_layers()
+        )
+    }
+}
+
+/// `(group, src, dst)` rows, int32 `[k, 3]`: the page copies a call's caller runs before
+/// writing its new tokens.
+fn copies_array<'py>(py: Python<'py>, copies: &[PageCopy]) -> Bound<'py, PyArray2<i32>> {
+    let flat: Vec<i32> =
+        copies.iter().flat_map(|c| [c.group as i32, c.src as i32, c.dst as i32]).collect();
+    PyArray1::from_vec(py, flat).reshape([copies.len(), 3]).expect("k x 3 holds 3k entries")
+}
+
+/// Per request and per group, the pages a request of a hybrid model holds in one pool
+/// (`pool.block_bytes` must be `spec.page_bytes`). Window and chunk groups drop the pages no
+/// later query can see as requests grow; state groups hold one slot per request.
+///
+/// Calls are serialised by a lock (the core tables are single-writer); every mutating call
+/// is all or nothing. The tables should be the pool's only user: `check_invariants` counts
+/// on it, and blocks taken from the pool directly are not theirs.
+#[pyclass(module = "kvpool._core", name = "HybridTables", frozen)]
+pub struct PyHybridTables {
+    inner: Mutex<HybridTables>,
+    pool: Py<PyPool>,
+    spec: Py<PyModelKvSpec>,
+}
+
+impl PyHybridTables {
+    fn lock(&self) -> MutexGuard<'_, HybridTables> {
+        // A panic inside a call is a bug that PyO3 already surfaced as a PanicException; the
+        // core commits only after everything that can fail, so the tables are still whole.
+        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// Each request's appended tokens, checked all together before any is appended: every id
+/// known and listed once, every new length representable.
+fn check_batch(tables: &HybridTables, rids: &[u64], counts: &[usize]) -> Result<(), CoreError> {
+    if rids.len() != counts.len() {
+        return Err(CoreError::InvalidArgument(format!(
+            "{} request ids but {} counts",
+            rids.len(),
+            counts.len()
+        )));
+    }
+    let mut sorted = rids.to_vec();
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        return Err(CoreError::InvalidArgument(format!(
+            "request id {} appears twice in one call",
+            w[0]
+        )));
+    }
+    for (&rid, &count) in rids.iter().zip(counts) {
+        let n = tables.num_tokens(rid)?;
+        if n.checked_add(count).is_none() {
+            return Err(CoreError::InvalidArgument(format!(
+                "request {rid}: {n} + {count} tokens overflow"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The most fresh pages appending `count` tokens to `rid` takes (new pages and copy
+/// destinations), from the spec and the request's tables as they are: the core's plan for
+/// one `append`. Pages other appends of the same batch release or un-share only lower what
+/// the later ones take, so the sum over a batch bounds the batch.
+fn fresh_pages_bound(tables: &HybridTables, rid: u64, count: usize) -> Result<usize, CoreError> {
+    let spec = tables.spec();
+    let old = tables.num_tokens(rid)?;
+    let new = old + count; // checked by `check_batch`
+    let mut fresh = 0usize;
+    for group in 0..spec.num_groups() {
+        let table = tables.table(rid, group)?;
+        let live = spec.live_pages(group, new, old)?;
+        let held = table.first_page..table.first_page + table.page_ids.len();
+        let kept = live.start.max(held.start)..live.end.min(held.end);
+        fresh += live.len() - kept.len().min(live.len());
+        if count == 0 {
+            continue;
+        }
+        match table.block_size {
+            None => {
+                if let Some(&first) = table.page_ids.first() {
+                    if tables.pool().ref_cnt(first)? > 1 {
+                        fresh += table.page_ids.len();
+                    }
+                }
+            }
+            Some(block_size) => {
+                let written = old / block_size;
+                if old % block_size != 0 && kept.contains(&written) {
+                    let page = table.page_ids[written - held.start];
+                    fresh += (tables.pool().ref_cnt(page)? > 1) as usize;
+                }
+            }
+        }
+    }
+    Ok(fresh)
+}
+
+/// Appends every request's tokens, all or none: checks the batch, makes sure the pool has
+/// the pages the batch can take (growing a growable pool first; a refused growth changes
+/// nothing), then appends each in order, none of which can then run out of pages.
+fn append_batch(
+    tables: &mut HybridTables,
+    rids: &[u64],
+    counts: &[usize],
+) -> Result<Vec<PageCopy>, CoreError> {
+    check_batch(tables, rids, counts)?;
+    if let [rid] = rids {
+        return tables.append(*rid, counts[0]);
+    }
+    let mut needed = 0usize;
+    for (&rid, &count) in rids.iter().zip(counts) {
+        needed = needed.saturating_add(fresh_pages_bound(tables, rid, count)?);
+    }
+    let pool = tables.pool();
+    let free = pool.num_free();
+    if needed > free {
+        if !pool.is_growable() {
+            return Err(CoreError::OutOfBlocks {
+                requested: needed,
+                free,
+                num_blocks: pool.num_blocks(),
+            });
+        }
+        pool.grow(pool.num_blocks().saturating_add(needed - free))?;
+    }
+    let mut copies = Vec::new();
+    for (&rid, &count) in rids.iter().zip(counts) {
+        copies.extend(tables.append(rid, count)?);
+    }
+    Ok(copies)
+}
+
+/// `counts`: one int for every request, or one per request (an int array or any iterable
+/// of ints), each read as `append_tokens` reads its `n`.
+fn batch_counts(values: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<usize>> {
+    const WHAT: &str = "argument 'counts'";
+    if let Ok(array) = values.cast::<PyUntypedArray>() {
+        ids::check_int_array(array, WHAT)?;
+    } else if !ids::is_bool(values) && values.hasattr("__index__").unwrap_or(false) {
+        return Ok(vec![ids::tokens(Int::of(values, WHAT)?, "count")?; n]);
+    }
+    let iter = ids::int_iter(values, WHAT)?;
+    iter.enumerate()
+        .map(|(i, item)| {
+            let what = format!("{WHAT}: item {i}");
+            ids::tokens(Int::of(&item?, &what)?, &format!("{what}: count"))
+        })
+        .collect()
+}
+
+#[pymethods]
+impl PyHybridTables {
+    /// Tables for `spec` over `pool`. Raises `LayoutError` when the pool's blocks are not
+    /// `spec.page_bytes` bytes or the pool cannot hold one request of one token with all its
+    /// state slots, `InvalidArgumentError` for a pool with prefix caching.
+    #[new]
+    fn new(pool: Bound<'_, PyPool>, spec: Bound<'_, PyModelKvSpec>) -> KvResult<Self> {
+        let inner = HybridTables::new(pool.get().inner.clone(), spec.get().inner.clone())?;
+        Ok(PyHybridTables { inner: Mutex::new(inner), pool: pool.unbind(), spec: spec.unbind() })
+    }
+
+    /// Adds a request of `num_tokens` tokens: every group's pages for them (window and
+    /// chunk groups keep all, since all their queries are still to run) and every state slot.
+    fn add(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>, num_tokens: Int) -> KvResult<()> {
+        let rid = self::request_id(request_id)?;
+        let n = ids::tokens(num_tokens, "num_tokens")?;
+        if n >= DETACH_MIN_TOKENS {
+            py.detach(|| self.lock().add(rid, n))?;
+        } else {
+            self.lock().add(rid, n)?;
+        }
+        Ok(())
+    }
+
+    /// Appends `n` tokens to a request whose earlier queries have all run; window and chunk
+    /// groups release the pages no query from the first new token on sees. Returns the page
+    /// copies (int32 `[k, 3]`: group, src, dst) to run before the new tokens are written.
+    fn append_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &Bound<'py, PyAny>,
+        n: Int,
+    ) -> KvResult<Bound<'py, PyArray2<i32>>> {
+        let rid = self::request_id(request_id)?;
+        let n = ids::tokens(n, "n")?;
+        let copies = if n >= DETACH_MIN_TOKENS {
+            py.detach(|| self.lock().append(rid, n))?
+        } else {
+            self.lock().append(rid, n)?
+        };
+        Ok(copies_array(py, &copies))
+    }
+
+    /// One decode step: appends `counts` (an int for all, or one per request) to each of
+    /// `request_ids`, all or none (ids must be distinct). Returns every request's page
+    /// copies, in call order, as `append_tokens` does.
+    fn append_tokens_many<'py>(
+        &self,
+        py: Python<'py>,
+        request_ids: &Bound<'py, PyAny>,
+        counts: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let rids = self::request_ids(request_ids)?;
+        let counts = batch_counts(counts, rids.len())?;
+        let total = counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
+        let copies = if total >= DETACH_MIN_TOKENS {
+            py.detach(|| append_batch(&mut self.lock(), &rids, &counts))
+        } else {
+            append_batch(&mut self.lock(), &rids, &counts)
+        }
+        .map_err(PyKvError)?;
+        Ok(copies_array(py, &copies))
+    }
+
+    /// Adds `child_id` sharing every page of every group of `parent_id` (copy on write:
+    /// the next append to either copies what it writes).
+    fn fork(&self, parent_id: &Bound<'_, PyAny>, child_id: &Bound<'_, PyAny>) -> KvResult<()> {
+        let parent = named_request_id(parent_id, "argument 'parent_id'")?;
+        let child = named_request_id(child_id, "argument 'child_id'")?;
+        Ok(self.lock().fork(parent, child)?)
+    }
+
+    /// Removes a request; pages nobody else references return to the pool.
+    fn free(&self, request_id: &Bound<'_, PyAny>) -> KvResult<()> {
+        let rid = self::request_id(request_id)?;
+        Ok(self.lock().free(rid)?)
+    }
+
+    fn num_tokens(&self, request_id: &Bound<'_, PyAny>) -> KvResult<usize> {
+        let rid = self::request_id(request_id)?;
+        Ok(self.lock().num_tokens(rid)?)
+    }
+
+    /// `(first_page, page_ids, num_tokens)` of a request's table of group `group`: the
+    /// token at position `p` is at offset `p % block_size` of page
+    /// `page_ids[p // block_size - first_page]` (int32 ids). A state group's `page_ids` are
+    /// its slot, `first_page` 0.
+    fn table<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &Bound<'py, PyAny>,
+        group: Int,
+    ) -> KvResult<(usize, Bound<'py, PyArray1<i32>>, usize)> {
+        let rid = self::request_id(request_id)?;
+        let group = ids::count(group, "group")?;
+        let (first_page, page_ids, num_tokens) = {
+            let tables = self.lock();
+            let table = tables.table(rid, group)?;
+            let ids: Vec<i32> = table.page_ids.iter().map(|&p| p as i32).collect();
+            (table.first_page, ids, table.num_tokens)
+        };
+        Ok((first_page, PyArray1::from_vec(py, page_ids), num_tokens))
+    }
+
+    /// The slots (`page_id * block_size + offset`, int64) of the tokens at `positions` in
+    /// token group `group`. A position whose page the table does not hold (past the end, or
+    /// dropped from a window) is an `InvalidArgumentError` naming it.
+    fn slot_mapping<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &Bound<'py, PyAny>,
+        group: Int,
+        positions: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let rid = self::request_id(request_id)?;
+        let group = ids::count(group, "group").map_err(PyKvError)?;
+        let positions =
+            index_list(positions, "argument 'positions'", "position", CoreError::InvalidArgument)?;
+        let slots = {
+            let tables = self.lock();
+            let table = tables.table(rid, group).map_err(PyKvError)?;
+            if table.block_size.is_none() {
+                return Err(PyKvError(CoreError::InvalidArgument(format!(
+                    "group {group} holds a state, not tokens: use state_slot"
+                )))
+                .into());
+            }
+            positions
+                .iter()
+                .map(|&p| {
+                    table.slot(p).filter(|_| p < table.num_tokens).ok_or_else(|| {
+                        let bs = table.block_size.unwrap_or(1);
+                        let first = table.first_page * bs;
+                        let end = table.num_tokens;
+                        PyKvError(CoreError::InvalidArgument(format!(
+                            "request {rid} group {group}: position {p} is not held (the table \
+                             holds the pages of positions {first}..{end})"
+                        )))
+                    })
+                })
+                .collect::<Result<Vec<i64>, _>>()?
+        };
+        Ok(PyArray1::from_vec(py, slots))
+    }
+
+    /// The page ids (int32, `spec.pages_per_slot(group)` of them) of a request's state slot
+    /// in state group `group`; `spec.state_location` says where a layer's bytes lie in them.
+    fn state_slot<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &Bound<'py, PyAny>,
+        group: Int,
+    ) -> KvResult<Bound<'py, PyArray1<i32>>> {
+        let rid = self::request_id(request_id)?;
+        let group = ids::count(group, "group")?;
+        let ids = {
+            let tables = self.lock();
+            let table = tables.table(rid, group)?;
+            if table.block_size.is_some() {
+                return Err(CoreError::InvalidArgument(format!(
+                    "group {group} holds tokens, not a state: use table or slot_mapping"
+                ))
+                .into());
+            }
+            table.page_ids.iter().map(|&p| p as i32).collect::<Vec<i32>>()
+        };
+        Ok(PyArray1::from_vec(py, ids))
+    }
+
+    /// Pages a request holds over all its groups (each shared page counted once per holder).
+    fn num_pages(&self, request_id: &Bound<'_, PyAny>) -> KvResult<usize> {
+        let rid = self::request_id(request_id)?;
+        let tables = self.lock();
+        let mut n = 0;
+        for group in 0..tables.spec().num_groups() {
+            n += tables.table(rid, group)?.page_ids.len();
+        }
+        Ok(n)
+    }
+
+    /// Checks the tables against the spec and the pool (every table holds exactly its live
+    /// pages, reference counts equal the tables' references, a page in one group only, the
+    /// pool's counts add up); raises `KvError` naming the first broken one. Exact while the
+    /// tables are the pool's only user.
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.lock().check_invariants())
+            .map_err(|m| crate::errors::KvError::new_err(format!("invariant violated: {m}")))
+    }
+
+    #[getter]
+    fn pool(&self, py: Python<'_>) -> Py<PyPool> {
+        self.pool.clone_ref(py)
+    }
+    #[getter]
+    fn spec(&self, py: Python<'_>) -> Py<PyModelKvSpec> {
+        self.spec.clone_ref(py)
+    }
+
+    fn __len__(&self) -> usize {
+        self.lock().len()
+    }
+    fn __contains__(&self, request_id: &Bound<'_, PyAny>) -> bool {
+        self::request_id(request_id).map(|r| self.lock().contains(r)).unwrap_or(false)
+    }
+    fn __repr__(&self) -> String {
+        let tables = self.lock();
+        format!(
+            "HybridTables(len={}, num_groups={}, page_bytes={})",
+            tables.len(),
+            tables.spec().num_groups(),
+            tables.spec().page_bytes()
+        )
+    }
+}
+
+/// `(group, page_index, page_id)` rows, int64 `[k, 3]`: a request's pages as swaps list them.
+fn request_pages_array<'py>(py: Python<'py>, pages: &[RequestPage]) -> Bound<'py, PyArray2<i64>> {
+    let flat: Vec<i64> = pages
+        .iter()
+        .flat_map(|p| [p.group as i64, p.page_index as i64, p.page_id as i64])
+        .collect();
+    PyArray1::from_vec(py, flat).reshape([pages.len(), 3]).expect("k x 3 holds 3k entries")
+}
+
+fn swap_stats<'py>(py: Python<'py>, s: SwapStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("num_requests", s.num_requests)?;
+    d.set_item("num_blocks", s.num_blocks)?;
+    d.set_item("num_copies", s.num_copies)?;
+    Ok(d)
+}
+
+/// A host tier for the requests of a `HybridTables`: a host pool of the same page bytes
+/// (pinned for a CUDA pool), and swaps of whole requests, every group's pages, between the
+/// tiers. A swapped-in request gets fresh pages at the page indices it had, so its tables
+/// (`first_page` included) read as before.
+///
+/// Calls lock the tables, then the tier. The tier's `pool` is for reading: its pages are
+/// taken only by swaps.
+#[pyclass(module = "kvpool._core", name = "HybridHostTier", frozen)]
+pub struct PyHybridHostTier {
+    inner: Mutex<HybridHostTier>,
+    tables: Py<PyHybridTables>,
+    pool: Py<PyPool>,
+}
+
+impl PyHybridHostTier {
+    fn lock(&self) -> MutexGuard<'_, HybridHostTier> {
+        // As `PyHybridTables::lock`: the core changes nothing before what can fail.
+        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn lock_tables(&self) -> MutexGuard<'_, HybridTables> {
+        self.tables.get().lock()
+    }
+}
+
+#[pymethods]
+impl PyHybridHostTier {
+    #[new]
+    #[pyo3(signature = (tables, num_blocks = None, *, memory_bytes = None, copy_method = "auto"))]
+    fn new(
+        py: Python<'_>,
+        tables: Bound<'_, PyHybridTables>,
+        num_blocks: Option<Int>,
+        memory_bytes: Option<Int>,
+        copy_method: &str,
+    ) -> KvResult<Self> {
+        let size = match (num_blocks, memory_bytes) {
+            (Some(n), None) => PoolSize::NumBlocks(ids::count(n, "num_blocks")?),
+            (None, Some(b)) => PoolSize::MemoryBytes(ids::count(b, "memory_bytes")?),
+            _ => {
+                return Err(CoreError::InvalidArgument(
+                    "give exactly one of num_blocks, memory_bytes".into(),
+                )
+                .into())
+            }
+        };
+        let method = CopyMethod::parse(copy_method)?;
+        let this = tables.get();
+        // Pinning host memory takes time: let other threads run.
+        let inner = py.detach(|| HybridHostTier::new(&this.lock(), size, method))?;
+        let pool = Py::new(py, PyPool { inner: inner.host_pool().clone() })?;
+        Ok(PyHybridHostTier { inner: Mutex::new(inner), tables: tables.unbind(), pool })
+    }
+
+    /// Moves the requests (all in the tables) to the host tier with every group's pages, all
+    /// or none (`HostTierFullError` when the tier is short); returns {"num_requests",
+    /// "num_blocks", "num_copies"}. On CUDA the copies run on the copy stream after the work
+    /// queued on `stream` (default: the pool's); the device pages are reused only after.
+    #[pyo3(signature = (request_ids, stream = None))]
+    fn swap_out<'py>(
+        &self,
+        py: Python<'py>,
+        request_ids: &Bound<'py, PyAny>,
+        stream: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let ids = self::request_ids(request_ids)?;
+        let stream = stream.map(crate::stream::handle_of).transpose()?;
+        let stats = py
+            .detach(|| {
+                let mut tables = self.lock_tables();
+                // SAFETY: a caller's stream comes from `__cuda_stream__` of an object held for
+                // the call (bare ints are refused), and its context is checked by the core.
+                unsafe { self.lock().swap_out(&mut tables, &ids, stream) }
+            })
+            .map_err(PyKvError)?;
+        swap_stats(py, stats)
+    }
+
+    /// Moves the requests (all swapped out) back into the tables, all or none
+    /// (`OutOfBlocksError` when the device pool is short). Kernels queued on `stream`
+    /// (default: the pool's) after this call see their pages.
+    #[pyo3(signature = (request_ids, stream = None))]
+    fn swap_in<'py>(
+        &self,
+        py: Python<'py>,
+        request_ids: &Bound<'py, PyAny>,
+        stream: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let ids = self::request_ids(request_ids)?;
+        let stream = stream.map(crate::stream::handle_of).transpose()?;
+        let stats = py
+            .detach(|| {
+                let mut tables = self.lock_tables();
+                // SAFETY: as in `swap_out`.
+                unsafe { self.lock().swap_in(&mut tables, &ids, stream) }
+            })
+            .map_err(PyKvError)?;
+        swap_stats(py, stats)
+    }
+
+    /// Drops a swapped-out request (its host pages return once no copy uses them).
+    fn free(&self, request_id: &Bound<'_, PyAny>) -> KvResult<()> {
+        let rid = self::request_id(request_id)?;
+        let tables = self.lock_tables();
+        Ok(self.lock().free(&tables, rid)?)
+    }
+
+    /// Releases the pages of finished copies; returns (device, host) pages released.
+    fn poll(&self) -> KvResult<(usize, usize)> {
+        Ok(self.lock().poll()?)
+    }
+
+    /// Waits for every queued copy and releases every pending page; (device, host) released.
+    fn wait(&self, py: Python<'_>) -> KvResult<(usize, usize)> {
+        Ok(py.detach(|| self.lock().wait())?)
+    }
+
+    /// "device", "host", or None if neither tier holds the request.
+    fn location(&self, request_id: &Bound<'_, PyAny>) -> KvResult<Option<&'static str>> {
+        let rid = self::request_id(request_id)?;
+        let tables = self.lock_tables();
+        Ok(self.lock().location(&tables, rid).map(Tier::name))
+    }
+
+    /// `(num_tokens, next_query, pages)` of a swapped-out request: `pages` its host pages as
+    /// int64 rows (group, page_index, page_id), group by group in page order.
+    fn swapped<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &Bound<'py, PyAny>,
+    ) -> KvResult<(usize, usize, Bound<'py, PyArray2<i64>>)> {
+        let held = self.lock().swapped(self::request_id(request_id)?)?;
+        Ok((held.num_tokens, held.next_query, request_pages_array(py, &held.pages)))
+    }
+
+    /// Swapped-out request ids, sorted.
+    fn request_ids(&self) -> Vec<u64> {
+        self.lock().request_ids()
+    }
+
+    /// Pages held back until their copy finishes: (device, host).
+    #[getter]
+    fn num_pending(&self) -> (usize, usize) {
+        self.lock().num_pending()
+    }
+    /// The host pool, for reading (counts): its pages are the tier's.
+    #[getter]
+    fn pool(&self, py: Python<'_>) -> Py<PyPool> {
+        self.pool.clone_ref(py)
+    }
+    #[getter]
+    fn tables(&self, py: Python<'_>) -> Py<PyHybridTables> {
+        self.tables.clone_ref(py)
+    }
+    /// The copy stream (`__cuda_stream__`) of a CUDA pool's tier, None on the host.
+    #[getter]
+    fn copy_stream(slf: &Bound<'_, Self>) -> PyResult<Option<Py<crate::stream::CudaStream>>> {
+        match slf.get().lock().copy_stream() {
+            None => Ok(None),
+            Some(handle) => {
+                let owner = slf.clone().into_any().unbind();
+                Py::new(slf.py(), crate::stream::CudaStream::new(owner, handle)).map(Some)
+            }
+        }
+    }
+
+    /// The tier's invariants with its tables (and the tables' own while no swap-out source
+    /// is pending); raises `KvError` naming the first broken one.
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            let tables = self.lock_tables();
+            self.lock().check_invariants(&tables)
+        })
+        .map_err(|m| crate::errors::KvError::new_err(format!("invariant violated: {m}")))
+    }
+
+    fn __len__(&self) -> usize {
+        self.lock().len()
+    }
+    fn __contains__(&self, request_id: &Bound<'_, PyAny>) -> bool {
+        self::request_id(request_id).map(|r| self.lock().swapped(r).is_ok()).unwrap_or(false)
+    }
+    fn __repr__(&self) -> String {
+        let tier = self.lock();
+        let pool = tier.host_pool();
+        format!(
+            "HybridHostTier(len={}, num_blocks={}, num_free={})",
+            tier.len(),
+            pool.num_blocks(),
+            pool.num_free()
+        )
+    }
+}
