@@ -41,5 +41,6 @@ rows["shape"] = (
     "32 seqs x 300 tokens, bf16, Hq 32, Hkv 8, D 128, block 16; plan + one run per call, 20 x 100 calls"
 )
 rows["gpu"] = torch.cuda.get_device_name()
-json.dump(rows, open(sys.argv[1], "w"), indent=1)
+with open(sys.argv[1], "w") as f:
+    json.dump(rows, f, indent=1)
 print(json.dumps(rows))
