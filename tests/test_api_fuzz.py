@@ -301,6 +301,10 @@ POOL_CALLS: dict[str, tuple[Call, Callable[..., object]]] = {
     "check_invariants": ((flag,), lambda w, exact: w.pool.check_invariants(exact)),
     "enable_kv_cache_events": ((flag,), lambda w, on: w.pool.enable_kv_cache_events(on)),
     "reset_prefix_cache": ((), lambda w: w.pool.reset_prefix_cache()),
+    "lookup_prefix": (
+        (int_sequence, salt, lambda: none_ok(int_arg(4)), extra),
+        lambda w, t, s, lora, e: w.pool.lookup_prefix(t, cache_salt=s, lora_id=lora, extra_keys=e),
+    ),
 }
 
 TABLES_CALLS: dict[str, tuple[Call, Callable[..., object]]] = {

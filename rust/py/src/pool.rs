@@ -10,7 +10,7 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::KvResult;
+use crate::errors::{KvResult, PyKvError};
 use crate::ids::{self, Fraction, Int, DETACH_MIN_BLOCKS};
 use crate::int_array::NewIdArray;
 use crate::layout::PyKvLayout;
@@ -105,6 +105,51 @@ fn pool_maker(
     Ok(Box::new(move || Pool::new(layout, size, device)))
 }
 
+/// The constructor's prefix-caching keywords, checked.
+pub struct PrefixOptions {
+    pub enabled: bool,
+    pub host_blocks: Option<usize>,
+    pub hash_key: Option<[u8; 32]>,
+}
+
+impl PrefixOptions {
+    pub fn new(
+        enabled: bool,
+        host_blocks: Option<Int>,
+        hash_key: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let hash_key = crate::prefix::hash_key(hash_key)?;
+        let host_blocks = host_blocks
+            .map(|n| block_count(n, "prefix_cache_host_blocks"))
+            .transpose()
+            .map_err(PyKvError)?;
+        for (given, name) in [
+            (host_blocks.is_some(), "prefix_cache_host_blocks"),
+            (hash_key.is_some(), "prefix_hash_key"),
+        ] {
+            if given && !enabled {
+                return Err(PyKvError(CoreError::InvalidArgument(format!(
+                    "{name} needs enable_prefix_caching=True"
+                )))
+                .into());
+            }
+        }
+        Ok(PrefixOptions { enabled, host_blocks, hash_key })
+    }
+
+    /// Turns on what they ask for on a new pool (the host tier's slab is allocated with the
+    /// GIL released).
+    pub fn apply(&self, py: Python<'_>, mut pool: Pool) -> Result<Pool, CoreError> {
+        if self.enabled {
+            pool = pool.with_prefix_caching_key(self.hash_key)?;
+        }
+        if let Some(n) = self.host_blocks {
+            pool = py.detach(|| pool.with_prefix_host_tier(n))?;
+        }
+        Ok(pool)
+    }
+}
+
 #[pymethods]
 impl PyPool {
     #[new]
@@ -121,6 +166,7 @@ impl PyPool {
         device = "auto",
         enable_prefix_caching = false,
         prefix_cache_host_blocks = None,
+        prefix_hash_key = None,
     ))]
     #[allow(clippy::too_many_arguments)] // one per keyword of the Python signature
     fn new(
@@ -136,32 +182,22 @@ impl PyPool {
         device: &str,
         enable_prefix_caching: bool,
         prefix_cache_host_blocks: Option<Int>,
-    ) -> KvResult<Self> {
-        let device = Device::parse(device)?;
-        let host_blocks = prefix_cache_host_blocks
-            .map(|n| block_count(n, "prefix_cache_host_blocks"))
-            .transpose()?;
-        if host_blocks.is_some() && !enable_prefix_caching {
-            return Err(CoreError::InvalidArgument(
-                "prefix_cache_host_blocks needs enable_prefix_caching=True".into(),
-            )
-            .into());
-        }
+        prefix_hash_key: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let prefix =
+            PrefixOptions::new(enable_prefix_caching, prefix_cache_host_blocks, prefix_hash_key)?;
+        let device = Device::parse(device).map_err(PyKvError)?;
         let create = pool_maker(
             layout.inner,
             (num_blocks, memory_bytes, gpu_memory_utilization),
             growable,
             (max_num_blocks, initial_num_blocks, chunk_bytes),
             device,
-        )?;
+        )
+        .map_err(PyKvError)?;
         // Allocating and zeroing a large slab takes time: let other threads run.
-        let mut pool = py.detach(create)?;
-        if enable_prefix_caching {
-            pool = pool.with_prefix_caching()?;
-        }
-        if let Some(n) = host_blocks {
-            pool = py.detach(|| pool.with_prefix_host_tier(n))?;
-        }
+        let pool = py.detach(create).map_err(PyKvError)?;
+        let pool = prefix.apply(py, pool).map_err(PyKvError)?;
         Ok(PyPool { inner: Arc::new(pool) })
     }
 
@@ -379,6 +415,37 @@ impl PyPool {
     /// cached block is referenced.
     fn reset_prefix_cache(&self) -> KvResult<usize> {
         Ok(self.inner.reset_prefix_cache()?)
+    }
+
+    /// How many tokens of this prompt `BlockTables.add_request` would find cached now (a
+    /// multiple of block_size, never covering the last token; host-tier blocks count), under
+    /// the same `cache_salt`, `lora_id` and `extra_keys`. A pure query: it takes no
+    /// reference, leaves the eviction order, the stats and the event queue as they were.
+    /// 0 on a pool without prefix caching.
+    #[pyo3(signature = (token_ids, *, cache_salt = None, lora_id = None, extra_keys = None))]
+    fn lookup_prefix(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        lora_id: Option<Int>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let tokens = crate::prefix::token_ids(token_ids)?;
+        let salt = crate::prefix::cache_salt(cache_salt)?;
+        let extra = crate::prefix::extra_keys(extra_keys)?;
+        let lora_id = crate::prefix::lora_id(lora_id)?;
+        let key = kvpool_core::tables::PromptKey {
+            cache_salt: salt.as_deref(),
+            lora_id,
+            extra_keys: &extra,
+        };
+        let found = if tokens.len() >= crate::tables::DETACH_MIN_TOKENS {
+            py.detach(|| self.inner.lookup_prefix(&tokens, &key))
+        } else {
+            self.inner.lookup_prefix(&tokens, &key)
+        };
+        Ok(found.num_blocks() * self.inner.layout().block_size())
     }
 
     /// Starts (or, with False, stops and clears) queueing KV events for `take_kv_events`.

@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
 use crate::errors::PyKvError;
-use crate::ids;
+use crate::ids::{self, Int};
 
 fn invalid(message: String) -> CoreError {
     CoreError::InvalidArgument(message)
@@ -102,6 +102,29 @@ pub fn extra_keys(value: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u8>> {
         Ok(b) => Ok(b.as_bytes().to_vec()),
         Err(_) => Err(ids::wrong_type("argument 'extra_keys'", "bytes or None", value)),
     }
+}
+
+/// `lora_id`: None or an int in 0..2**64.
+pub fn lora_id(value: Option<Int>) -> PyResult<Option<u64>> {
+    Ok(value
+        .map(|id| ids::count(id, "lora_id").map(|id| id as u64))
+        .transpose()
+        .map_err(PyKvError)?)
+}
+
+/// `prefix_hash_key`: None or exactly 32 bytes.
+pub fn hash_key(value: Option<&Bound<'_, PyAny>>) -> PyResult<Option<[u8; 32]>> {
+    let Some(value) = value.filter(|v| !v.is_none()) else { return Ok(None) };
+    let bytes = value
+        .cast::<PyBytes>()
+        .map_err(|_| ids::wrong_type("argument 'prefix_hash_key'", "bytes or None", value))?;
+    let key: [u8; 32] = bytes.as_bytes().try_into().map_err(|_| {
+        PyKvError(invalid(format!(
+            "prefix_hash_key must be 32 bytes, got {}",
+            bytes.as_bytes().len()
+        )))
+    })?;
+    Ok(Some(key))
 }
 
 /// What `BlockTables.add_request` found and allocated.

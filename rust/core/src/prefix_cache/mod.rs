@@ -79,6 +79,21 @@ pub struct PrefixAlloc {
     pub fresh: Vec<u32>,
 }
 
+/// What a side-effect-free [`PrefixCache::lookup`] found: a prompt's head cached in the
+/// pool, then the blocks after it that the host tier holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefixLookup {
+    pub pool_blocks: usize,
+    pub host_blocks: usize,
+}
+
+impl PrefixLookup {
+    /// Blocks whose KV need not be computed.
+    pub fn num_blocks(&self) -> usize {
+        self.pool_blocks + self.host_blocks
+    }
+}
+
 /// One block a request just filled. Its `block_size` tokens are `tokens[tokens_at..]` of
 /// the slice passed to [`PrefixCache::store`] with it.
 pub struct FilledBlock {
@@ -193,14 +208,7 @@ impl PrefixCache {
         query_tokens: usize,
     ) -> Result<PrefixAlloc, CoreError> {
         let mut idx = self.lock();
-        // A block already at the most references a block can hold ends the hits: the rest
-        // is allocated fresh (shares stop one below it, so the check holds until the commit).
-        let hits: Vec<u32> = hashes
-            .iter()
-            .map_while(|h| idx.lookup(h))
-            .take(total_blocks)
-            .take_while(|&id| refs.ref_cnt(id) < crate::MAX_REF_CNT)
-            .collect();
+        let hits = Self::pool_hits(&idx, refs, hashes, total_blocks);
         let host_hits = match spill {
             Some(tier) => tier.lookup_run(&hashes[hits.len()..total_blocks.min(hashes.len())]),
             None => Vec::new(),
@@ -239,6 +247,40 @@ impl PrefixCache {
         idx.record_query(query_tokens, (hits.len() + swapped_in) * self.block_size);
         self.num_evictable.store(idx.num_evictable(), Ordering::Release);
         Ok(PrefixAlloc { hits, swapped_in, fresh })
+    }
+
+    /// The cached blocks of the longest prefix of `hashes` that a hit would reference, at
+    /// most `total_blocks`. A block already at the most references a block can hold ends the
+    /// hits: the rest is allocated fresh (shares stop one below it, so the check holds until
+    /// the commit).
+    fn pool_hits(
+        idx: &CacheIndex,
+        refs: &dyn BlockRefs,
+        hashes: &[BlockHash],
+        total_blocks: usize,
+    ) -> Vec<u32> {
+        hashes
+            .iter()
+            .map_while(|h| idx.lookup(h))
+            .take(total_blocks)
+            .take_while(|&id| refs.ref_cnt(id) < crate::MAX_REF_CNT)
+            .collect()
+    }
+
+    /// What [`alloc_with_prefix`](Self::alloc_with_prefix) over `hashes` would find now, and
+    /// nothing else: no reference is taken, no block moves on the evictable list, no event
+    /// is queued and no counter changes (vLLM's `get_computed_blocks`, without its side
+    /// effects). Host-tier hits are those a swap-in would copy back if it succeeds.
+    pub fn lookup(
+        &self,
+        refs: &dyn BlockRefs,
+        spill: Option<&dyn SpillTarget>,
+        hashes: &[BlockHash],
+    ) -> PrefixLookup {
+        let idx = self.lock();
+        let pool_blocks = Self::pool_hits(&idx, refs, hashes, hashes.len()).len();
+        let host_blocks = spill.map_or(0, |tier| tier.lookup_run(&hashes[pool_blocks..]).len());
+        PrefixLookup { pool_blocks, host_blocks }
     }
 
     /// The allocation slow path: fills `out` from the free list and, for what it lacks, by
