@@ -339,6 +339,7 @@ impl PrefixCache {
             *slot = id;
         }
         idx.events.push(KvEvent::BlockRemoved {
+            group: 0,
             block_hashes: evicted.iter().map(|&(_, h)| h).collect(),
             medium: Medium::Pool,
         });
@@ -373,6 +374,7 @@ impl PrefixCache {
             self.cached[id as usize].store(false, Ordering::Release);
         }
         idx.events.push(KvEvent::BlockRemoved {
+            group: 0,
             block_hashes: evicted.iter().map(|&(_, h)| h).collect(),
             medium: Medium::Pool,
         });
@@ -421,6 +423,7 @@ impl PrefixCache {
                 }
                 _ => {
                     run = Some(KvEvent::BlockStored {
+                        group: 0,
                         block_hashes: vec![block.hash],
                         parent_block_hash: block.parent,
                         token_ids: block_tokens.to_vec(),
