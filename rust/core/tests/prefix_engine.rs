@@ -115,3 +115,57 @@ fn pools_with_one_hash_key_hash_alike_and_others_do_not() {
     assert_ne!(a, run(Some([8; 32])));
     assert_ne!(run(None), run(None), "the default key is random per pool");
 }
+
+#[test]
+fn a_snapshot_plus_the_events_after_it_is_what_the_cache_holds() {
+    use std::collections::BTreeSet;
+    let (pool, t) = setup(6, None);
+    let cache = pool.prefix_cache().unwrap();
+    cache.set_events_enabled(true);
+    let key = PromptKey::default();
+    t.add_request(1, &tokens(9), &key).unwrap();
+    t.free(1).unwrap();
+    let snap = pool.prefix_cache_snapshot().unwrap();
+    assert_eq!(snap.blocks.len(), 2);
+    assert_eq!(snap.blocks.iter().filter(|b| b.parent.is_none()).count(), 1);
+    let first = snap.blocks.iter().find(|b| b.parent.is_none()).unwrap().hash;
+    assert!(snap.blocks.iter().any(|b| b.parent == Some(first)), "the chain is reported");
+    // Events after the snapshot: another prompt evicts and stores.
+    t.add_request(2, &(500..516).collect::<Vec<u32>>(), &key).unwrap();
+    let mut held: BTreeSet<_> = snap.blocks.iter().map(|b| b.hash).collect();
+    let batch = cache.drain_event_batch();
+    assert_eq!(batch.dropped, 0);
+    for e in batch.events.iter().filter(|e| e.seq > snap.seq) {
+        match &e.event {
+            KvEvent::BlockStored { block_hashes, .. } => held.extend(block_hashes),
+            KvEvent::BlockRemoved { block_hashes, .. } => {
+                block_hashes.iter().for_each(|h| assert!(held.remove(h)))
+            }
+            KvEvent::AllBlocksCleared => held.clear(),
+        }
+    }
+    let now: BTreeSet<_> =
+        pool.prefix_cache_snapshot().unwrap().blocks.iter().map(|b| b.hash).collect();
+    assert_eq!(held, now);
+    assert_eq!(pool.prefix_cache_snapshot().unwrap().seq, batch.last_seq);
+}
+
+#[test]
+fn an_undrained_queue_stays_bounded_and_reports_the_gap() {
+    let (pool, t) = setup(64, None);
+    let cache = pool.prefix_cache().unwrap();
+    cache.set_events_enabled(true);
+    cache.set_max_queued_events(100);
+    for r in 0..1000u64 {
+        let prompt: Vec<u32> = (0..8).map(|i| (r as u32) * 8 + i).collect();
+        t.add_request(r, &prompt, &PromptKey::default()).unwrap();
+        t.free(r).unwrap();
+    }
+    assert_eq!(cache.num_queued_events(), 100);
+    let batch = cache.drain_event_batch();
+    assert_eq!(batch.events.len(), 100);
+    assert_eq!(batch.dropped + 100, batch.last_seq, "every numbered event is kept or counted");
+    assert_eq!(batch.events.last().unwrap().seq, batch.last_seq);
+    assert_eq!(cache.drain_event_batch().dropped, 0);
+    pool.check_invariants().unwrap();
+}

@@ -9,7 +9,8 @@ use super::{Owner, Pool, SpillTier};
 use crate::block_copy::Engine;
 use crate::error::CoreError;
 use crate::prefix_cache::{
-    BlockHash, BlockHasher, PrefixAlloc, PrefixCache, PrefixCacheStats, PrefixLookup, SpillTarget,
+    BlockHash, BlockHasher, CacheSnapshot, PrefixAlloc, PrefixCache, PrefixCacheStats,
+    PrefixLookup, SpillTarget,
 };
 use crate::slab::Device;
 use crate::tables::PromptKey;
@@ -44,6 +45,12 @@ impl Pool {
             hasher,
         )?);
         Ok(self)
+    }
+
+    /// Every block the prefix cache holds, on both tiers, with the event sequence number it
+    /// is consistent with (`None` without prefix caching).
+    pub fn prefix_cache_snapshot(&self) -> Option<CacheSnapshot> {
+        Some(self.prefix_cache.as_ref()?.snapshot(self.spill_target()))
     }
 
     /// How many tokens of a prompt `add_request` would find cached now (a multiple of

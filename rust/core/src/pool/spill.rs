@@ -79,12 +79,6 @@ impl SpillTier {
     pub(crate) fn num_blocks(&self) -> usize {
         self.blocks.num_blocks()
     }
-    /// Host-resident hashes, least recently spilled first (tests).
-    #[cfg(test)]
-    pub(crate) fn cached_hashes(&self) -> Vec<BlockHash> {
-        let idx = self.lock();
-        idx.evictable().map(|id| idx.hash_of(id).expect("a host LRU block is cached")).collect()
-    }
 
     /// Fills in the host fields of the cache's `stats`.
     pub(crate) fn fill_stats(&self, stats: &mut PrefixCacheStats) {
@@ -131,6 +125,12 @@ impl SpillTier {
 }
 
 impl SpillTarget for SpillTier {
+    /// Host-resident hashes, least recently spilled first.
+    fn cached_hashes(&self) -> Vec<BlockHash> {
+        let idx = self.lock();
+        idx.evictable().map(|id| idx.hash_of(id).expect("a host LRU block is cached")).collect()
+    }
+
     /// The host blocks of the longest prefix of `hashes` the host holds.
     fn lookup_run(&self, hashes: &[BlockHash]) -> Vec<u32> {
         let idx = self.lock();

@@ -38,7 +38,7 @@ use std::sync::{Mutex, MutexGuard};
 use crate::error::CoreError;
 use crate::sync::{AtomicBool, AtomicUsize, Ordering};
 use crate::zeroed::zeroed_atomic_bools;
-pub use events::{KvEvent, Medium};
+pub use events::{EventBatch, KvEvent, Medium, SequencedEvent, DEFAULT_MAX_QUEUED_EVENTS};
 pub use hash::{BlockHash, BlockHasher};
 use index::CacheIndex;
 pub use spill::SpillTarget;
@@ -92,6 +92,26 @@ impl PrefixLookup {
     pub fn num_blocks(&self) -> usize {
         self.pool_blocks + self.host_blocks
     }
+}
+
+/// One cached block as a snapshot reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotBlock {
+    pub hash: BlockHash,
+    /// The block before it in the request that stored it (`None` for a first block, and for
+    /// host-tier blocks, which events report without one too).
+    pub parent: Option<BlockHash>,
+    pub medium: Medium,
+    /// The KV group, as in the events (0 for a uniform pool).
+    pub group: u32,
+}
+
+/// Every cached block, consistent with the event numbered `seq`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheSnapshot {
+    pub seq: u64,
+    pub block_size: usize,
+    pub blocks: Vec<SnapshotBlock>,
 }
 
 /// One block a request just filled. Its `block_size` tokens are `tokens[tokens_at..]` of
@@ -397,7 +417,7 @@ impl PrefixCache {
         let mut stored = 0;
         let mut run: Option<KvEvent> = None;
         for block in blocks {
-            let inserted = idx.insert(block.block_id, block.hash);
+            let inserted = idx.insert_with_parent(block.block_id, block.hash, block.parent);
             if inserted {
                 self.cached[block.block_id as usize].store(true, Ordering::Release);
                 stored += 1;
@@ -488,6 +508,44 @@ impl PrefixCache {
     /// Every queued event, oldest first.
     pub fn drain_events(&self) -> Vec<KvEvent> {
         self.lock().events.drain()
+    }
+    /// Every queued event with its sequence number, and what was dropped since the last
+    /// drain (see [`EventBatch`]).
+    pub fn drain_event_batch(&self) -> EventBatch {
+        self.lock().events.drain_batch()
+    }
+    /// Sets how many events the queue keeps before it drops its oldest (at least 1).
+    pub fn set_max_queued_events(&self, capacity: usize) {
+        self.lock().events.set_capacity(capacity);
+    }
+    pub fn max_queued_events(&self) -> usize {
+        self.lock().events.capacity()
+    }
+    /// Events queued now.
+    pub fn num_queued_events(&self) -> usize {
+        self.lock().events.len()
+    }
+
+    /// Every block cached now, on both tiers, with the sequence number of the newest event
+    /// it reflects: a router that loads it and then applies the events with a greater
+    /// `seq` holds what the cache holds. Taken under the cache's lock (and the host tier's,
+    /// nested as every call nests them), so no event falls between the two.
+    pub fn snapshot(&self, spill: Option<&dyn SpillTarget>) -> CacheSnapshot {
+        let idx = self.lock();
+        let mut blocks: Vec<SnapshotBlock> = idx
+            .cached_blocks()
+            .into_iter()
+            .map(|(hash, parent)| SnapshotBlock { hash, parent, medium: Medium::Pool, group: 0 })
+            .collect();
+        if let Some(tier) = spill {
+            blocks.extend(tier.cached_hashes().into_iter().map(|hash| SnapshotBlock {
+                hash,
+                parent: None,
+                medium: Medium::HostTier,
+                group: 0,
+            }));
+        }
+        CacheSnapshot { seq: idx.events.last_seq(), block_size: self.block_size, blocks }
     }
 
     /// The pool tier's counters (the host fields are the pool's to fill in: it owns the
