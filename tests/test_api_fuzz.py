@@ -299,7 +299,10 @@ POOL_CALLS: dict[str, tuple[Call, Callable[..., object]]] = {
     "k_view": ((lambda: int_arg(4),), lambda w, layer: w.pool.k_view(layer)),
     "v_view": ((lambda: int_arg(4),), lambda w, layer: w.pool.v_view(layer)),
     "check_invariants": ((flag,), lambda w, exact: w.pool.check_invariants(exact)),
-    "enable_kv_cache_events": ((flag,), lambda w, on: w.pool.enable_kv_cache_events(on)),
+    "enable_kv_cache_events": (
+        (flag, lambda: none_ok(int_arg(20))),
+        lambda w, on, n: w.pool.enable_kv_cache_events(on, max_queued_events=n),
+    ),
     "reset_prefix_cache": ((), lambda w: w.pool.reset_prefix_cache()),
     "lookup_prefix": (
         (int_sequence, salt, lambda: none_ok(int_arg(4)), extra),
@@ -549,6 +552,8 @@ def test_the_fuzzer_covers_every_public_method() -> None:
         "stats",
         "prefix_cache_stats",
         "take_kv_events",
+        "take_kv_event_batch",
+        "kv_cache_snapshot",
         "request_ids",
         "poll",
         "wait",

@@ -105,6 +105,17 @@ fn pool_maker(
     Ok(Box::new(move || Pool::new(layout, size, device)))
 }
 
+impl PyPool {
+    /// The `medium` KV events give the pool's own memory.
+    fn medium(&self) -> &'static str {
+        if self.inner.device() == Device::Host {
+            "CPU"
+        } else {
+            "GPU"
+        }
+    }
+}
+
 /// The constructor's prefix-caching keywords, checked.
 pub struct PrefixOptions {
     pub enabled: bool,
@@ -449,23 +460,60 @@ impl PyPool {
     }
 
     /// Starts (or, with False, stops and clears) queueing KV events for `take_kv_events`.
-    #[pyo3(signature = (enabled = true))]
-    fn enable_kv_cache_events(&self, enabled: bool) -> KvResult<()> {
+    /// The queue keeps at most `max_queued_events` (default 10000, at least 1): past it the
+    /// oldest event is dropped and the next `take_kv_event_batch` reports how many.
+    #[pyo3(signature = (enabled = true, *, max_queued_events = None))]
+    fn enable_kv_cache_events(
+        &self,
+        enabled: bool,
+        max_queued_events: Option<Int>,
+    ) -> KvResult<()> {
         let cache = self.inner.prefix_cache().ok_or_else(|| {
             CoreError::InvalidArgument(
                 "KV events need a pool made with enable_prefix_caching=True".into(),
             )
         })?;
+        let capacity = max_queued_events.map(|n| ids::count(n, "max_queued_events")).transpose()?;
+        if capacity == Some(0) {
+            return Err(
+                CoreError::InvalidArgument("max_queued_events must be at least 1".into()).into()
+            );
+        }
+        if let Some(capacity) = capacity {
+            cache.set_max_queued_events(capacity);
+        }
         cache.set_events_enabled(enabled);
         Ok(())
     }
 
     /// Every queued KV event (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`), oldest
-    /// first; the queue is empty afterwards.
+    /// first; the queue is empty afterwards. Each carries its `seq`: a gap in them is where
+    /// the bounded queue dropped events (`take_kv_event_batch` counts them).
     fn take_kv_events(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
         let Some(cache) = self.inner.prefix_cache() else { return Ok(Vec::new()) };
-        let medium = if self.inner.device() == Device::Host { "CPU" } else { "GPU" };
-        crate::prefix::events_to_py(py, cache.drain_events(), medium)
+        crate::prefix::events_to_py(py, cache.drain_event_batch().events, self.medium())
+    }
+
+    /// The queued events as one `KvEventBatch`: its number, the events, how many were
+    /// dropped since the last drain (`resync_needed`) and the newest seq numbered.
+    fn take_kv_event_batch(&self, py: Python<'_>) -> PyResult<crate::prefix::KvEventBatch> {
+        let batch = match self.inner.prefix_cache() {
+            Some(cache) => cache.drain_event_batch(),
+            None => Default::default(),
+        };
+        crate::prefix::batch_to_py(py, batch, self.medium())
+    }
+
+    /// Every block the prefix cache holds, on both tiers (`KvCacheSnapshot`: hashes with
+    /// their parents, medium and group), and the `seq` of the newest event it reflects.
+    /// Raises `InvalidArgumentError` on a pool without prefix caching.
+    fn kv_cache_snapshot(&self, py: Python<'_>) -> PyResult<crate::prefix::KvCacheSnapshot> {
+        let snap = self.inner.prefix_cache_snapshot().ok_or_else(|| {
+            PyKvError(CoreError::InvalidArgument(
+                "a KV cache snapshot needs a pool made with enable_prefix_caching=True".into(),
+            ))
+        })?;
+        crate::prefix::snapshot_to_py(py, snap, self.medium())
     }
 
     fn __repr__(&self) -> String {
