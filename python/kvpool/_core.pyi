@@ -157,6 +157,16 @@ class Pool:
         prefix_cache_host_blocks: int | None = None,
         prefix_hash_key: bytes | None = None,
     ) -> Pool: ...
+    @staticmethod
+    def from_external(
+        layout: KvLayout,
+        buffer: object,
+        *,
+        num_blocks: int | None = None,
+        device: str | None = None,
+        enable_prefix_caching: bool = False,
+        prefix_hash_key: bytes | None = None,
+    ) -> Pool: ...
     def grow(self, num_blocks: int) -> int: ...
     def shrink(self) -> int: ...
     def alloc(self) -> int: ...

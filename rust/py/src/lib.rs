@@ -3,6 +3,7 @@
 
 mod dlpack;
 mod errors;
+mod external;
 mod ids;
 mod int_array;
 mod kernel_sources;

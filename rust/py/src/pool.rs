@@ -106,13 +106,30 @@ fn pool_maker(
 }
 
 impl PyPool {
-    /// The `medium` KV events give the pool's own memory.
+    /// The `medium` KV events give the pool's own memory. A metadata-only pool stands for
+    /// an engine's GPU cache: "GPU".
     fn medium(&self) -> &'static str {
-        if self.inner.device() == Device::Host {
+        if self.inner.device() == Device::Host && self.inner.has_memory() {
             "CPU"
         } else {
             "GPU"
         }
+    }
+}
+
+/// `device="none"`: a metadata-only pool, sized by `num_blocks` alone.
+fn metadata_only_pool(
+    layout: KvLayout,
+    num_blocks: Option<Int>,
+    other_size_given: bool,
+) -> Result<Pool, CoreError> {
+    match num_blocks {
+        Some(n) if !other_size_given => {
+            Pool::new_metadata_only(layout, block_count(n, "num_blocks")?)
+        }
+        _ => Err(CoreError::InvalidArgument(
+            "a metadata-only pool (device=\"none\") is sized by num_blocks alone: no memory_bytes, gpu_memory_utilization or growable".into(),
+        )),
     }
 }
 
@@ -197,6 +214,16 @@ impl PyPool {
     ) -> PyResult<Self> {
         let prefix =
             PrefixOptions::new(enable_prefix_caching, prefix_cache_host_blocks, prefix_hash_key)?;
+        if device.trim().eq_ignore_ascii_case("none") {
+            let pool = metadata_only_pool(
+                layout.inner,
+                num_blocks,
+                memory_bytes.is_some() || gpu_memory_utilization.is_some() || growable,
+            )
+            .map_err(PyKvError)?;
+            let pool = prefix.apply(py, pool).map_err(PyKvError)?;
+            return Ok(PyPool { inner: Arc::new(pool) });
+        }
         let device = Device::parse(device).map_err(PyKvError)?;
         let create = pool_maker(
             layout.inner,
@@ -344,9 +371,11 @@ impl PyPool {
     fn block_bytes(&self) -> usize {
         self.inner.layout().block_bytes()
     }
+    /// The slab's address; a metadata-only pool has none and raises.
     #[getter]
-    fn base_ptr(&self) -> u64 {
-        self.inner.base_ptr()
+    fn base_ptr(&self) -> KvResult<u64> {
+        self.inner.require_memory("base_ptr")?;
+        Ok(self.inner.base_ptr())
     }
     /// The pool's CUDA stream (`__cuda_stream__`), or None on the host. Table uploads are
     /// queued on it; launch kernels on it to need no other synchronisation.
@@ -361,10 +390,49 @@ impl PyPool {
         }
     }
 
-    /// `"host"` or `"cuda:N"`.
+    /// `"host"`, `"cuda:N"`, or `"none"` for a metadata-only pool.
     #[getter]
     fn device(&self) -> String {
-        self.inner.device().to_string()
+        if self.inner.has_memory() {
+            self.inner.device().to_string()
+        } else {
+            "none".into()
+        }
+    }
+
+    /// A pool over memory the caller owns: `buffer` is any object with
+    /// `__cuda_array_interface__` (a CuPy array, a CUDA torch tensor; give `device="cuda:N"`)
+    /// or `__array_interface__` / the buffer protocol (a NumPy array; host memory). It must be
+    /// C-contiguous, writable and start at a 256-byte boundary; it holds `num_blocks` blocks
+    /// of the layout (default: as many as fit). kvpool never frees the memory and keeps
+    /// `buffer` alive as long as the pool. Too small, misaligned or read-only buffers raise
+    /// `InvalidArgumentError`; an object with none of the interfaces, `TypeError`.
+    #[staticmethod]
+    #[pyo3(signature = (layout, buffer, *, num_blocks = None, device = None, enable_prefix_caching = false, prefix_hash_key = None))]
+    fn from_external(
+        py: Python<'_>,
+        layout: PyRef<'_, PyKvLayout>,
+        buffer: &Bound<'_, PyAny>,
+        num_blocks: Option<Int>,
+        device: Option<&str>,
+        enable_prefix_caching: bool,
+        prefix_hash_key: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let prefix = PrefixOptions::new(enable_prefix_caching, None, prefix_hash_key)?;
+        let region = crate::external::region(buffer, device)?;
+        let num_blocks =
+            num_blocks.map(|n| block_count(n, "num_blocks")).transpose().map_err(PyKvError)?;
+        let owner: Box<dyn Send + Sync> = Box::new(region.owner);
+        let slab = kvpool_core::slab::ExternalSlab::new(
+            region.ptr,
+            region.len_bytes,
+            region.device,
+            owner,
+        )
+        .map_err(PyKvError)?;
+        let pool = Pool::new_external(layout.inner, slab, num_blocks).map_err(PyKvError)?;
+        let pool = prefix.apply(py, pool).map_err(PyKvError)?;
+        Ok(PyPool { inner: Arc::new(pool) })
     }
 
     /// A plain dict of counters; CUDA pools add the device's free and total bytes.

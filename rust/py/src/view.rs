@@ -157,6 +157,7 @@ impl PyPool {
     pub(crate) fn view(slf: &Bound<'_, Self>, layer: usize, part: KvPart) -> PyResult<Py<PyAny>> {
         let py = slf.py();
         let pool = &slf.get().inner;
+        pool.require_memory("a K/V view").map_err(crate::errors::PyKvError)?;
         pool.layout().part_offset_bytes(layer, part).map_err(crate::errors::PyKvError)?;
         let view = Py::new(py, SlabView::new(slf.clone().unbind(), layer, part))?;
         if pool.device() == Device::Host {

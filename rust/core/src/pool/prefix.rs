@@ -75,6 +75,7 @@ impl Pool {
                 "a prefix-cache host tier needs prefix caching on the pool".into(),
             ));
         }
+        self.require_memory("a prefix-cache host tier")?;
         let pinned_for = match self.device() {
             Device::Host => None,
             Device::Cuda(ordinal) => Some(ordinal),

@@ -99,6 +99,7 @@ impl HostTier {
         method: CopyMethod,
     ) -> Result<Self, CoreError> {
         let device_pool = tables.pool().clone();
+        device_pool.require_memory("a host tier")?;
         let (pinned_for, engine) = match device_pool.device() {
             Device::Host => (None, Engine::Host),
             Device::Cuda(ordinal) => {
@@ -116,6 +117,7 @@ impl HostTier {
     /// A host tier of `size` for the requests of `tables` (a host pool: no CUDA in this build).
     #[cfg(not(feature = "cuda"))]
     pub fn new(tables: Arc<BlockTables>, size: PoolSize) -> Result<Self, CoreError> {
+        tables.pool().require_memory("a host tier")?;
         if tables.pool().device() != Device::Host {
             return Err(CoreError::CudaUnavailable(
                 "kvpool was built without the cuda feature".into(),
