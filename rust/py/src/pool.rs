@@ -519,7 +519,7 @@ impl PyPool {
             lora_id,
             extra_keys: &extra,
         };
-        let found = if tokens.len() >= crate::tables::DETACH_MIN_TOKENS {
+        let found = if tokens.len() >= crate::prefix::DETACH_MIN_TOKENS {
             py.detach(|| self.inner.lookup_prefix(&tokens, &key))
         } else {
             self.inner.lookup_prefix(&tokens, &key)

@@ -12,6 +12,9 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 use crate::errors::PyKvError;
 use crate::ids::{self, Int};
 
+/// Prompts at least this long are hashed with the GIL released (tens of microseconds).
+pub const DETACH_MIN_TOKENS: usize = 1024;
+
 fn invalid(message: String) -> CoreError {
     CoreError::InvalidArgument(message)
 }
