@@ -286,6 +286,14 @@ def make_world() -> World:
 
 # --- the calls ------------------------------------------------------------------------------
 
+
+def aligned_bytes(num_bytes: int) -> np.ndarray:
+    """A writable uint8 array starting at a 256-byte boundary (Pool.from_external's need)."""
+    raw = np.zeros(num_bytes + 256, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 256
+    return raw[start : start + num_bytes]
+
+
 Call = tuple[Callable[..., st.SearchStrategy[Arg]], ...]
 
 POOL_CALLS: dict[str, tuple[Call, Callable[..., object]]] = {
@@ -300,8 +308,21 @@ POOL_CALLS: dict[str, tuple[Call, Callable[..., object]]] = {
     "k_view": ((lambda: int_arg(4),), lambda w, layer: w.pool.k_view(layer)),
     "v_view": ((lambda: int_arg(4),), lambda w, layer: w.pool.v_view(layer)),
     "check_invariants": ((flag,), lambda w, exact: w.pool.check_invariants(exact)),
-    "enable_kv_cache_events": ((flag,), lambda w, on: w.pool.enable_kv_cache_events(on)),
+    "enable_kv_cache_events": (
+        (flag, lambda: none_ok(int_arg(20))),
+        lambda w, on, n: w.pool.enable_kv_cache_events(on, max_queued_events=n),
+    ),
     "reset_prefix_cache": ((), lambda w: w.pool.reset_prefix_cache()),
+    "from_external": (
+        (lambda: none_ok(int_arg(8)),),
+        lambda w, n: Pool.from_external(
+            LAYOUT, aligned_bytes(8 * LAYOUT.block_bytes), num_blocks=n
+        ),
+    ),
+    "lookup_prefix": (
+        (int_sequence, salt, lambda: none_ok(int_arg(4)), extra),
+        lambda w, t, s, lora, e: w.pool.lookup_prefix(t, cache_salt=s, lora_id=lora, extra_keys=e),
+    ),
 }
 
 TABLES_CALLS: dict[str, tuple[Call, Callable[..., object]]] = {
@@ -562,6 +583,8 @@ def test_the_fuzzer_covers_every_public_method() -> None:
         "stats",
         "prefix_cache_stats",
         "take_kv_events",
+        "take_kv_event_batch",
+        "kv_cache_snapshot",
         "request_ids",
         "poll",
         "wait",

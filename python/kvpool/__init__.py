@@ -4,23 +4,27 @@ A Rust core owns a slab of host or GPU memory carved into fixed-size KV blocks a
 them out through a lock-free free list. See README.md for the tour.
 """
 
-from kvpool import exceptions, reference
+from kvpool import events, exceptions, reference
 
 # Left out of the top level: the types a user only receives and never constructs or names
 # (AddResult from BlockTables.add_request, SlabView under the arrays of Pool.k_view / v_view,
 # DeviceArray from BlockTables.sync, CudaStream from Pool.stream). They stay in
 # kvpool._core, typed in _core.pyi. The KV-cache events (BlockStored, BlockRemoved,
-# AllBlocksCleared) stay: a consumer of Pool.take_kv_events dispatches on their types.
+# AllBlocksCleared) stay: a consumer of Pool.take_kv_events dispatches on their types, as do
+# the batch and snapshot a router reads (KvEventBatch, KvCacheSnapshot, CachedBlock).
 from kvpool._core import (
     MAX_NUM_BLOCKS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     BlockTables,
+    CachedBlock,
     HostTier,
     HybridHostTier,
     HybridTables,
     KvGroup,
+    KvCacheSnapshot,
+    KvEventBatch,
     KvLayout,
     ModelKvSpec,
     Pool,
@@ -49,11 +53,14 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "BlockTables",
+    "CachedBlock",
     "DecodePlan",
     "HostTier",
     "HybridHostTier",
     "HybridTables",
     "KvGroup",
+    "KvCacheSnapshot",
+    "KvEventBatch",
     "KvLayout",
     "KvScales",
     "ModelKvSpec",
@@ -64,6 +71,7 @@ __all__ = [
     "copy_blocks",
     "cuda_available",
     "decode_plan",
+    "events",
     "paged_attention_decode",
     "paged_attention_prefill",
     "paged_metadata",

@@ -14,6 +14,7 @@ __all__ = [
     "BlockStored",
     "BlockTables",
     "CacheInUseError",
+    "CachedBlock",
     "CapacityError",
     "CudaError",
     "CudaStream",
@@ -27,8 +28,10 @@ __all__ = [
     "HybridTables",
     "InvalidArgumentError",
     "InvalidBlockError",
+    "KvCacheSnapshot",
     "KvError",
     "KvGroup",
+    "KvEventBatch",
     "KvLayout",
     "KvSystemError",
     "LayoutError",
@@ -165,6 +168,17 @@ class Pool:
         device: str = "auto",
         enable_prefix_caching: bool = False,
         prefix_cache_host_blocks: int | None = None,
+        prefix_hash_key: bytes | None = None,
+    ) -> Pool: ...
+    @staticmethod
+    def from_external(
+        layout: KvLayout,
+        buffer: object,
+        *,
+        num_blocks: int | None = None,
+        device: str | None = None,
+        enable_prefix_caching: bool = False,
+        prefix_hash_key: bytes | None = None,
     ) -> Pool: ...
     @staticmethod
     def for_spec(
@@ -218,8 +232,20 @@ class Pool:
     def num_evictable(self) -> int: ...
     def prefix_cache_stats(self) -> dict[str, int | float]: ...
     def reset_prefix_cache(self) -> int: ...
-    def enable_kv_cache_events(self, enabled: bool = True) -> None: ...
+    def lookup_prefix(
+        self,
+        token_ids: Iterable[int] | npt.NDArray[np.integer[Any]],
+        *,
+        cache_salt: str | bytes | None = None,
+        lora_id: int | None = None,
+        extra_keys: bytes | None = None,
+    ) -> int: ...
+    def enable_kv_cache_events(
+        self, enabled: bool = True, *, max_queued_events: int | None = None
+    ) -> None: ...
     def take_kv_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]: ...
+    def take_kv_event_batch(self) -> KvEventBatch: ...
+    def kv_cache_snapshot(self) -> KvCacheSnapshot: ...
     def check_invariants(self, exact_refs: bool = False) -> None: ...
 
 @final
@@ -530,6 +556,17 @@ class AddResult:
 
 @final
 class BlockStored:
+    def __new__(
+        cls,
+        block_hashes: list[bytes],
+        parent_block_hash: bytes | None,
+        token_ids: list[int],
+        block_size: int,
+        lora_id: int | None,
+        medium: str,
+        group: int = 0,
+        seq: int = 0,
+    ) -> BlockStored: ...
     @property
     def block_hashes(self) -> list[bytes]: ...
     @property
@@ -542,13 +579,63 @@ class BlockStored:
     def lora_id(self) -> int | None: ...
     @property
     def medium(self) -> str: ...
+    @property
+    def group(self) -> int: ...
+    @property
+    def seq(self) -> int: ...
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]: ...
 
 @final
 class BlockRemoved:
+    def __new__(
+        cls, block_hashes: list[bytes], medium: str, group: int = 0, seq: int = 0
+    ) -> BlockRemoved: ...
     @property
     def block_hashes(self) -> list[bytes]: ...
     @property
     def medium(self) -> str: ...
+    @property
+    def group(self) -> int: ...
+    @property
+    def seq(self) -> int: ...
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]: ...
 
 @final
-class AllBlocksCleared: ...
+class AllBlocksCleared:
+    def __new__(cls, seq: int = 0) -> AllBlocksCleared: ...
+    @property
+    def seq(self) -> int: ...
+    def __reduce__(self) -> tuple[Any, tuple[int]]: ...
+
+@final
+class KvEventBatch:
+    @property
+    def batch_seq(self) -> int: ...
+    @property
+    def events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]: ...
+    @property
+    def dropped(self) -> int: ...
+    @property
+    def last_seq(self) -> int: ...
+    @property
+    def resync_needed(self) -> bool: ...
+
+@final
+class CachedBlock:
+    @property
+    def block_hash(self) -> bytes: ...
+    @property
+    def parent_block_hash(self) -> bytes | None: ...
+    @property
+    def medium(self) -> str: ...
+    @property
+    def group(self) -> int: ...
+
+@final
+class KvCacheSnapshot:
+    @property
+    def seq(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def blocks(self) -> list[CachedBlock]: ...

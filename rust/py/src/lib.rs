@@ -3,6 +3,7 @@
 
 mod dlpack;
 mod errors;
+mod external;
 mod hybrid;
 mod ids;
 mod int_array;

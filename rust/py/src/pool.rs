@@ -3,14 +3,14 @@
 
 use std::sync::Arc;
 
-use kvpool_core::layout::KvPart;
+use kvpool_core::layout::{KvLayout, KvPart};
 use kvpool_core::pool::{PoolGeometry, PoolSize};
 use kvpool_core::{CoreError, Device, GrowableSize, Pool};
 use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::KvResult;
+use crate::errors::{KvResult, PyKvError};
 use crate::ids::{self, Fraction, Int, DETACH_MIN_BLOCKS};
 use crate::int_array::NewIdArray;
 use crate::layout::PyKvLayout;
@@ -105,6 +105,79 @@ fn pool_maker(
     Ok(Box::new(move || Pool::new(geometry, size, device)))
 }
 
+impl PyPool {
+    /// The `medium` KV events give the pool's own memory. A metadata-only pool stands for
+    /// an engine's GPU cache: "GPU".
+    fn medium(&self) -> &'static str {
+        if self.inner.device() == Device::Host && self.inner.has_memory() {
+            "CPU"
+        } else {
+            "GPU"
+        }
+    }
+}
+
+/// `device="none"`: a metadata-only pool, sized by `num_blocks` alone.
+fn metadata_only_pool(
+    layout: KvLayout,
+    num_blocks: Option<Int>,
+    other_size_given: bool,
+) -> Result<Pool, CoreError> {
+    match num_blocks {
+        Some(n) if !other_size_given => {
+            Pool::new_metadata_only(layout, block_count(n, "num_blocks")?)
+        }
+        _ => Err(CoreError::InvalidArgument(
+            "a metadata-only pool (device=\"none\") is sized by num_blocks alone: no memory_bytes, gpu_memory_utilization or growable".into(),
+        )),
+    }
+}
+
+/// The constructor's prefix-caching keywords, checked.
+pub struct PrefixOptions {
+    pub enabled: bool,
+    pub host_blocks: Option<usize>,
+    pub hash_key: Option<[u8; 32]>,
+}
+
+impl PrefixOptions {
+    pub fn new(
+        enabled: bool,
+        host_blocks: Option<Int>,
+        hash_key: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let hash_key = crate::prefix::hash_key(hash_key)?;
+        let host_blocks = host_blocks
+            .map(|n| block_count(n, "prefix_cache_host_blocks"))
+            .transpose()
+            .map_err(PyKvError)?;
+        for (given, name) in [
+            (host_blocks.is_some(), "prefix_cache_host_blocks"),
+            (hash_key.is_some(), "prefix_hash_key"),
+        ] {
+            if given && !enabled {
+                return Err(PyKvError(CoreError::InvalidArgument(format!(
+                    "{name} needs enable_prefix_caching=True"
+                )))
+                .into());
+            }
+        }
+        Ok(PrefixOptions { enabled, host_blocks, hash_key })
+    }
+
+    /// Turns on what they ask for on a new pool (the host tier's slab is allocated with the
+    /// GIL released).
+    pub fn apply(&self, py: Python<'_>, mut pool: Pool) -> Result<Pool, CoreError> {
+        if self.enabled {
+            pool = pool.with_prefix_caching_key(self.hash_key)?;
+        }
+        if let Some(n) = self.host_blocks {
+            pool = py.detach(|| pool.with_prefix_host_tier(n))?;
+        }
+        Ok(pool)
+    }
+}
+
 #[pymethods]
 impl PyPool {
     #[new]
@@ -121,6 +194,7 @@ impl PyPool {
         device = "auto",
         enable_prefix_caching = false,
         prefix_cache_host_blocks = None,
+        prefix_hash_key = None,
     ))]
     #[allow(clippy::too_many_arguments)] // one per keyword of the Python signature
     fn new(
@@ -136,32 +210,32 @@ impl PyPool {
         device: &str,
         enable_prefix_caching: bool,
         prefix_cache_host_blocks: Option<Int>,
-    ) -> KvResult<Self> {
-        let device = Device::parse(device)?;
-        let host_blocks = prefix_cache_host_blocks
-            .map(|n| block_count(n, "prefix_cache_host_blocks"))
-            .transpose()?;
-        if host_blocks.is_some() && !enable_prefix_caching {
-            return Err(CoreError::InvalidArgument(
-                "prefix_cache_host_blocks needs enable_prefix_caching=True".into(),
+        prefix_hash_key: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let prefix =
+            PrefixOptions::new(enable_prefix_caching, prefix_cache_host_blocks, prefix_hash_key)?;
+        if device.trim().eq_ignore_ascii_case("none") {
+            let pool = metadata_only_pool(
+                layout.inner,
+                num_blocks,
+                memory_bytes.is_some() || gpu_memory_utilization.is_some() || growable,
             )
-            .into());
+            .map_err(PyKvError)?;
+            let pool = prefix.apply(py, pool).map_err(PyKvError)?;
+            return Ok(PyPool { inner: Arc::new(pool) });
         }
+        let device = Device::parse(device).map_err(PyKvError)?;
         let create = pool_maker(
             layout.inner.into(),
             (num_blocks, memory_bytes, gpu_memory_utilization),
             growable,
             (max_num_blocks, initial_num_blocks, chunk_bytes),
             device,
-        )?;
+        )
+        .map_err(PyKvError)?;
         // Allocating and zeroing a large slab takes time: let other threads run.
-        let mut pool = py.detach(create)?;
-        if enable_prefix_caching {
-            pool = pool.with_prefix_caching()?;
-        }
-        if let Some(n) = host_blocks {
-            pool = py.detach(|| pool.with_prefix_host_tier(n))?;
-        }
+        let pool = py.detach(create).map_err(PyKvError)?;
+        let pool = prefix.apply(py, pool).map_err(PyKvError)?;
         Ok(PyPool { inner: Arc::new(pool) })
     }
 
@@ -337,9 +411,11 @@ impl PyPool {
     fn block_bytes(&self) -> usize {
         self.inner.block_bytes()
     }
+    /// The slab's address; a metadata-only pool has none and raises.
     #[getter]
-    fn base_ptr(&self) -> u64 {
-        self.inner.base_ptr()
+    fn base_ptr(&self) -> KvResult<u64> {
+        self.inner.require_memory("base_ptr")?;
+        Ok(self.inner.base_ptr())
     }
     /// The pool's CUDA stream (`__cuda_stream__`), or None on the host. Table uploads are
     /// queued on it; launch kernels on it to need no other synchronisation.
@@ -354,10 +430,49 @@ impl PyPool {
         }
     }
 
-    /// `"host"` or `"cuda:N"`.
+    /// `"host"`, `"cuda:N"`, or `"none"` for a metadata-only pool.
     #[getter]
     fn device(&self) -> String {
-        self.inner.device().to_string()
+        if self.inner.has_memory() {
+            self.inner.device().to_string()
+        } else {
+            "none".into()
+        }
+    }
+
+    /// A pool over memory the caller owns: `buffer` is any object with
+    /// `__cuda_array_interface__` (a CuPy array, a CUDA torch tensor; give `device="cuda:N"`)
+    /// or `__array_interface__` / the buffer protocol (a NumPy array; host memory). It must be
+    /// C-contiguous, writable and start at a 256-byte boundary; it holds `num_blocks` blocks
+    /// of the layout (default: as many as fit). kvpool never frees the memory and keeps
+    /// `buffer` alive as long as the pool. Too small, misaligned or read-only buffers raise
+    /// `InvalidArgumentError`; an object with none of the interfaces, `TypeError`.
+    #[staticmethod]
+    #[pyo3(signature = (layout, buffer, *, num_blocks = None, device = None, enable_prefix_caching = false, prefix_hash_key = None))]
+    fn from_external(
+        py: Python<'_>,
+        layout: PyRef<'_, PyKvLayout>,
+        buffer: &Bound<'_, PyAny>,
+        num_blocks: Option<Int>,
+        device: Option<&str>,
+        enable_prefix_caching: bool,
+        prefix_hash_key: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let prefix = PrefixOptions::new(enable_prefix_caching, None, prefix_hash_key)?;
+        let region = crate::external::region(buffer, device)?;
+        let num_blocks =
+            num_blocks.map(|n| block_count(n, "num_blocks")).transpose().map_err(PyKvError)?;
+        let owner: Box<dyn Send + Sync> = Box::new(region.owner);
+        let slab = kvpool_core::slab::ExternalSlab::new(
+            region.ptr,
+            region.len_bytes,
+            region.device,
+            owner,
+        )
+        .map_err(PyKvError)?;
+        let pool = Pool::new_external(layout.inner, slab, num_blocks).map_err(PyKvError)?;
+        let pool = prefix.apply(py, pool).map_err(PyKvError)?;
+        Ok(PyPool { inner: Arc::new(pool) })
     }
 
     /// A plain dict of counters; CUDA pools add the device's free and total bytes.
@@ -421,24 +536,93 @@ impl PyPool {
         Ok(self.inner.reset_prefix_cache()?)
     }
 
+    /// How many tokens of this prompt `BlockTables.add_request` would find cached now (a
+    /// multiple of block_size, never covering the last token; host-tier blocks count), under
+    /// the same `cache_salt`, `lora_id` and `extra_keys`. A pure query: it takes no
+    /// reference, leaves the eviction order, the stats and the event queue as they were.
+    /// 0 on a pool without prefix caching.
+    #[pyo3(signature = (token_ids, *, cache_salt = None, lora_id = None, extra_keys = None))]
+    fn lookup_prefix(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        lora_id: Option<Int>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let tokens = crate::prefix::token_ids(token_ids)?;
+        let salt = crate::prefix::cache_salt(cache_salt)?;
+        let extra = crate::prefix::extra_keys(extra_keys)?;
+        let lora_id = crate::prefix::lora_id(lora_id)?;
+        let key = kvpool_core::tables::PromptKey {
+            cache_salt: salt.as_deref(),
+            lora_id,
+            extra_keys: &extra,
+        };
+        let found = if tokens.len() >= crate::prefix::DETACH_MIN_TOKENS {
+            py.detach(|| self.inner.lookup_prefix(&tokens, &key))
+        } else {
+            self.inner.lookup_prefix(&tokens, &key)
+        };
+        // A pool of hybrid pages finds nothing here (0 blocks), whatever its page holds.
+        Ok(found.num_blocks() * self.inner.layout().map_or(0, |layout| layout.block_size()))
+    }
+
     /// Starts (or, with False, stops and clears) queueing KV events for `take_kv_events`.
-    #[pyo3(signature = (enabled = true))]
-    fn enable_kv_cache_events(&self, enabled: bool) -> KvResult<()> {
+    /// The queue keeps at most `max_queued_events` (default 10000, at least 1): past it the
+    /// oldest event is dropped and the next `take_kv_event_batch` reports how many.
+    #[pyo3(signature = (enabled = true, *, max_queued_events = None))]
+    fn enable_kv_cache_events(
+        &self,
+        enabled: bool,
+        max_queued_events: Option<Int>,
+    ) -> KvResult<()> {
         let cache = self.inner.prefix_cache().ok_or_else(|| {
             CoreError::InvalidArgument(
                 "KV events need a pool made with enable_prefix_caching=True".into(),
             )
         })?;
+        let capacity = max_queued_events.map(|n| ids::count(n, "max_queued_events")).transpose()?;
+        if capacity == Some(0) {
+            return Err(
+                CoreError::InvalidArgument("max_queued_events must be at least 1".into()).into()
+            );
+        }
+        if let Some(capacity) = capacity {
+            cache.set_max_queued_events(capacity);
+        }
         cache.set_events_enabled(enabled);
         Ok(())
     }
 
     /// Every queued KV event (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`), oldest
-    /// first; the queue is empty afterwards.
+    /// first; the queue is empty afterwards. Each carries its `seq`: a gap in them is where
+    /// the bounded queue dropped events (`take_kv_event_batch` counts them).
     fn take_kv_events(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
         let Some(cache) = self.inner.prefix_cache() else { return Ok(Vec::new()) };
-        let medium = if self.inner.device() == Device::Host { "CPU" } else { "GPU" };
-        crate::prefix::events_to_py(py, cache.drain_events(), medium)
+        crate::prefix::events_to_py(py, cache.drain_event_batch().events, self.medium())
+    }
+
+    /// The queued events as one `KvEventBatch`: its number, the events, how many were
+    /// dropped since the last drain (`resync_needed`) and the newest seq numbered.
+    fn take_kv_event_batch(&self, py: Python<'_>) -> PyResult<crate::prefix::KvEventBatch> {
+        let batch = match self.inner.prefix_cache() {
+            Some(cache) => cache.drain_event_batch(),
+            None => Default::default(),
+        };
+        crate::prefix::batch_to_py(py, batch, self.medium())
+    }
+
+    /// Every block the prefix cache holds, on both tiers (`KvCacheSnapshot`: hashes with
+    /// their parents, medium and group), and the `seq` of the newest event it reflects.
+    /// Raises `InvalidArgumentError` on a pool without prefix caching.
+    fn kv_cache_snapshot(&self, py: Python<'_>) -> PyResult<crate::prefix::KvCacheSnapshot> {
+        let snap = self.inner.prefix_cache_snapshot().ok_or_else(|| {
+            PyKvError(CoreError::InvalidArgument(
+                "a KV cache snapshot needs a pool made with enable_prefix_caching=True".into(),
+            ))
+        })?;
+        crate::prefix::snapshot_to_py(py, snap, self.medium())
     }
 
     fn __repr__(&self) -> String {

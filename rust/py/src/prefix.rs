@@ -1,14 +1,19 @@
 //! Prefix caching for Python: token ids, salts and keys checked into core types, the
 //! `add_request` result, KV event objects (vLLM's field names) and the stats dict.
 
-use kvpool_core::prefix_cache::{BlockHash, KvEvent, Medium, PrefixCacheStats};
+use kvpool_core::prefix_cache::{
+    BlockHash, CacheSnapshot, EventBatch, KvEvent, Medium, PrefixCacheStats, SequencedEvent,
+};
 use kvpool_core::CoreError;
 use numpy::{PyArray1, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
 use crate::errors::PyKvError;
-use crate::ids;
+use crate::ids::{self, Int};
+
+/// Prompts at least this long are hashed with the GIL released (tens of microseconds).
+pub const DETACH_MIN_TOKENS: usize = 1024;
 
 fn invalid(message: String) -> CoreError {
     CoreError::InvalidArgument(message)
@@ -104,6 +109,29 @@ pub fn extra_keys(value: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u8>> {
     }
 }
 
+/// `lora_id`: None or an int in 0..2**64.
+pub fn lora_id(value: Option<Int>) -> PyResult<Option<u64>> {
+    Ok(value
+        .map(|id| ids::count(id, "lora_id").map(|id| id as u64))
+        .transpose()
+        .map_err(PyKvError)?)
+}
+
+/// `prefix_hash_key`: None or exactly 32 bytes.
+pub fn hash_key(value: Option<&Bound<'_, PyAny>>) -> PyResult<Option<[u8; 32]>> {
+    let Some(value) = value.filter(|v| !v.is_none()) else { return Ok(None) };
+    let bytes = value
+        .cast::<PyBytes>()
+        .map_err(|_| ids::wrong_type("argument 'prefix_hash_key'", "bytes or None", value))?;
+    let key: [u8; 32] = bytes.as_bytes().try_into().map_err(|_| {
+        PyKvError(invalid(format!(
+            "prefix_hash_key must be 32 bytes, got {}",
+            bytes.as_bytes().len()
+        )))
+    })?;
+    Ok(Some(key))
+}
+
 /// What `BlockTables.add_request` found and allocated.
 #[pyclass(module = "kvpool._core", name = "AddResult", frozen)]
 pub struct AddResult {
@@ -145,19 +173,61 @@ fn hash_bytes<'py>(py: Python<'py>, hashes: &[BlockHash]) -> Vec<Bound<'py, PyBy
     hashes.iter().map(|h| PyBytes::new(py, &h.0)).collect()
 }
 
-/// Consecutive blocks of one request entered the cache (vLLM's `BlockStored`).
-#[pyclass(module = "kvpool._core", name = "BlockStored", frozen)]
+/// A 32-byte hash from Python (`what` names the argument).
+fn hash_from_py(value: &[u8], what: &str) -> PyResult<BlockHash> {
+    let bytes: [u8; 32] = value.try_into().map_err(|_| {
+        PyKvError(invalid(format!("{what}: a block hash is 32 bytes, got {}", value.len())))
+    })?;
+    Ok(BlockHash(bytes))
+}
+
+fn hashes_from_py(values: Vec<Vec<u8>>) -> PyResult<Vec<BlockHash>> {
+    values.iter().map(|v| hash_from_py(v, "block_hashes")).collect()
+}
+
+/// Consecutive blocks of one request entered the cache (vLLM's `BlockStored`). Constructible
+/// and picklable, so events can cross a process boundary as they are.
+#[pyclass(module = "kvpool._core", name = "BlockStored", frozen, eq)]
+#[derive(PartialEq)]
 pub struct BlockStored {
     block_hashes: Vec<BlockHash>,
     parent_block_hash: Option<BlockHash>,
     token_ids: Vec<u32>,
     block_size: usize,
     lora_id: Option<u64>,
-    medium: &'static str,
+    medium: String,
+    group: u32,
+    seq: u64,
 }
 
 #[pymethods]
 impl BlockStored {
+    #[new]
+    #[pyo3(signature = (block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, group = 0, seq = 0))]
+    #[allow(clippy::too_many_arguments)] // one per field
+    fn new(
+        block_hashes: Vec<Vec<u8>>,
+        parent_block_hash: Option<Vec<u8>>,
+        token_ids: Vec<u32>,
+        block_size: usize,
+        lora_id: Option<u64>,
+        medium: String,
+        group: u32,
+        seq: u64,
+    ) -> PyResult<Self> {
+        Ok(BlockStored {
+            block_hashes: hashes_from_py(block_hashes)?,
+            parent_block_hash: parent_block_hash
+                .map(|h| hash_from_py(&h, "parent_block_hash"))
+                .transpose()?,
+            token_ids,
+            block_size,
+            lora_id,
+            medium,
+            group,
+            seq,
+        })
+    }
     /// 32-byte hashes, in the request's order.
     #[getter]
     fn block_hashes<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
@@ -183,97 +253,307 @@ impl BlockStored {
     }
     /// "GPU" or "CPU": where the blocks live.
     #[getter]
-    fn medium(&self) -> &'static str {
-        self.medium
+    fn medium(&self) -> &str {
+        &self.medium
+    }
+    /// The KV group of the blocks (0 for a uniform pool).
+    #[getter]
+    fn group(&self) -> u32 {
+        self.group
+    }
+    /// The event's sequence number in its pool's history (from 1; 0 for one made by hand).
+    #[getter]
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, pyo3::types::PyTuple>)> {
+        let py = slf.py();
+        let e = slf.get();
+        let args = (
+            hash_bytes(py, &e.block_hashes),
+            e.parent_block_hash.map(|h| PyBytes::new(py, &h.0)),
+            e.token_ids.clone(),
+            e.block_size,
+            e.lora_id,
+            e.medium.clone(),
+            e.group,
+            e.seq,
+        )
+            .into_pyobject(py)?;
+        Ok((slf.get_type().into_any(), args))
     }
     fn __repr__(&self) -> String {
         format!(
-            "BlockStored({} blocks, parent={:?}, medium={})",
+            "BlockStored(seq={}, {} blocks, parent={:?}, medium={}, group={})",
+            self.seq,
             self.block_hashes.len(),
             self.parent_block_hash,
-            self.medium
+            self.medium,
+            self.group
         )
     }
 }
 
 /// Blocks left one tier of the cache: evicted for reuse, or moved to the other tier (vLLM's
-/// `BlockRemoved`).
-#[pyclass(module = "kvpool._core", name = "BlockRemoved", frozen)]
+/// `BlockRemoved`). Constructible and picklable.
+#[pyclass(module = "kvpool._core", name = "BlockRemoved", frozen, eq)]
+#[derive(PartialEq)]
 pub struct BlockRemoved {
     block_hashes: Vec<BlockHash>,
-    medium: &'static str,
+    medium: String,
+    group: u32,
+    seq: u64,
 }
 
 #[pymethods]
 impl BlockRemoved {
+    #[new]
+    #[pyo3(signature = (block_hashes, medium, group = 0, seq = 0))]
+    fn new(block_hashes: Vec<Vec<u8>>, medium: String, group: u32, seq: u64) -> PyResult<Self> {
+        Ok(BlockRemoved { block_hashes: hashes_from_py(block_hashes)?, medium, group, seq })
+    }
     #[getter]
     fn block_hashes<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
         hash_bytes(py, &self.block_hashes)
     }
     #[getter]
-    fn medium(&self) -> &'static str {
-        self.medium
+    fn medium(&self) -> &str {
+        &self.medium
+    }
+    #[getter]
+    fn group(&self) -> u32 {
+        self.group
+    }
+    #[getter]
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, pyo3::types::PyTuple>)> {
+        let py = slf.py();
+        let e = slf.get();
+        let args = (hash_bytes(py, &e.block_hashes), e.medium.clone(), e.group, e.seq)
+            .into_pyobject(py)?;
+        Ok((slf.get_type().into_any(), args))
     }
     fn __repr__(&self) -> String {
-        format!("BlockRemoved({} blocks, medium={})", self.block_hashes.len(), self.medium)
+        format!(
+            "BlockRemoved(seq={}, {} blocks, medium={}, group={})",
+            self.seq,
+            self.block_hashes.len(),
+            self.medium,
+            self.group
+        )
     }
 }
 
-/// Every cached block was dropped by a reset (vLLM's `AllBlocksCleared`).
-#[pyclass(module = "kvpool._core", name = "AllBlocksCleared", frozen)]
-pub struct AllBlocksCleared {}
+/// Every cached block was dropped by a reset (vLLM's `AllBlocksCleared`). Picklable.
+#[pyclass(module = "kvpool._core", name = "AllBlocksCleared", frozen, eq)]
+#[derive(PartialEq)]
+pub struct AllBlocksCleared {
+    seq: u64,
+}
 
 #[pymethods]
 impl AllBlocksCleared {
-    fn __repr__(&self) -> &'static str {
-        "AllBlocksCleared()"
+    #[new]
+    #[pyo3(signature = (seq = 0))]
+    fn new(seq: u64) -> Self {
+        AllBlocksCleared { seq }
+    }
+    #[getter]
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> (Bound<'py, PyAny>, (u64,)) {
+        (slf.get_type().into_any(), (slf.get().seq,))
+    }
+    fn __repr__(&self) -> String {
+        format!("AllBlocksCleared(seq={})", self.seq)
     }
 }
 
-/// Python objects for drained events, in order. `pool_medium` names the pool's own memory
-/// ("GPU" or "CPU"); the host tier is "CPU".
-pub fn events_to_py(
-    py: Python<'_>,
-    events: Vec<KvEvent>,
-    pool_medium: &'static str,
-) -> PyResult<Vec<Py<PyAny>>> {
-    let name = |medium: Medium| match medium {
+/// The name of a medium: the pool's own memory is `pool_medium` ("GPU" or "CPU"); the host
+/// tier is "CPU".
+fn medium_name(medium: Medium, pool_medium: &'static str) -> &'static str {
+    match medium {
         Medium::Pool => pool_medium,
         Medium::HostTier => "CPU",
-    };
+    }
+}
+
+/// Python objects for drained events, in order.
+pub fn events_to_py(
+    py: Python<'_>,
+    events: Vec<SequencedEvent>,
+    pool_medium: &'static str,
+) -> PyResult<Vec<Py<PyAny>>> {
+    let name = |medium| medium_name(medium, pool_medium).to_string();
     events
         .into_iter()
-        .map(|event| {
+        .map(|SequencedEvent { seq, event }| {
             Ok(match event {
                 KvEvent::BlockStored {
+                    group,
                     block_hashes,
                     parent_block_hash,
                     token_ids,
                     block_size,
                     lora_id,
                     medium,
-                } => {
-                    let medium = name(medium);
-                    Py::new(
-                        py,
-                        BlockStored {
-                            block_hashes,
-                            parent_block_hash,
-                            token_ids,
-                            block_size,
-                            lora_id,
-                            medium,
-                        },
-                    )?
-                    .into_any()
+                } => Py::new(
+                    py,
+                    BlockStored {
+                        block_hashes,
+                        parent_block_hash,
+                        token_ids,
+                        block_size,
+                        lora_id,
+                        medium: name(medium),
+                        group,
+                        seq,
+                    },
+                )?
+                .into_any(),
+                KvEvent::BlockRemoved { group, block_hashes, medium } => {
+                    Py::new(py, BlockRemoved { block_hashes, medium: name(medium), group, seq })?
+                        .into_any()
                 }
-                KvEvent::BlockRemoved { block_hashes, medium } => {
-                    Py::new(py, BlockRemoved { block_hashes, medium: name(medium) })?.into_any()
-                }
-                KvEvent::AllBlocksCleared => Py::new(py, AllBlocksCleared {})?.into_any(),
+                KvEvent::AllBlocksCleared => Py::new(py, AllBlocksCleared { seq })?.into_any(),
             })
         })
         .collect()
+}
+
+/// What one `Pool.take_kv_event_batch` handed over.
+#[pyclass(module = "kvpool._core", name = "KvEventBatch", frozen)]
+pub struct KvEventBatch {
+    #[pyo3(get)]
+    batch_seq: u64,
+    #[pyo3(get)]
+    events: Py<PyList>,
+    /// Events dropped since the last drain because the queue was full.
+    #[pyo3(get)]
+    dropped: u64,
+    /// The seq of the newest event numbered so far (0 before the first).
+    #[pyo3(get)]
+    last_seq: u64,
+}
+
+#[pymethods]
+impl KvEventBatch {
+    /// True when events were dropped: re-read `Pool.kv_cache_snapshot()` and apply only the
+    /// events whose `seq` is greater than the snapshot's.
+    #[getter]
+    fn resync_needed(&self) -> bool {
+        self.dropped > 0
+    }
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "KvEventBatch(batch_seq={}, {} events, dropped={}, last_seq={})",
+            self.batch_seq,
+            self.events.bind(py).len(),
+            self.dropped,
+            self.last_seq
+        )
+    }
+}
+
+pub fn batch_to_py(
+    py: Python<'_>,
+    batch: EventBatch,
+    pool_medium: &'static str,
+) -> PyResult<KvEventBatch> {
+    let events = PyList::new(py, events_to_py(py, batch.events, pool_medium)?)?.unbind();
+    Ok(KvEventBatch {
+        batch_seq: batch.batch_seq,
+        events,
+        dropped: batch.dropped,
+        last_seq: batch.last_seq,
+    })
+}
+
+/// One cached block in a snapshot.
+#[pyclass(module = "kvpool._core", name = "CachedBlock", frozen, eq)]
+#[derive(PartialEq)]
+pub struct CachedBlock {
+    hash: BlockHash,
+    parent: Option<BlockHash>,
+    medium: &'static str,
+    group: u32,
+}
+
+#[pymethods]
+impl CachedBlock {
+    #[getter]
+    fn block_hash<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.hash.0)
+    }
+    /// The block before it in the request that stored it; None for a first block and for
+    /// host-tier blocks.
+    #[getter]
+    fn parent_block_hash<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.parent.map(|h| PyBytes::new(py, &h.0))
+    }
+    #[getter]
+    fn medium(&self) -> &'static str {
+        self.medium
+    }
+    #[getter]
+    fn group(&self) -> u32 {
+        self.group
+    }
+    fn __repr__(&self) -> String {
+        format!("CachedBlock({:?}, medium={}, group={})", self.hash, self.medium, self.group)
+    }
+}
+
+/// Every block a pool's prefix cache holds, consistent with the event numbered `seq`.
+#[pyclass(module = "kvpool._core", name = "KvCacheSnapshot", frozen)]
+pub struct KvCacheSnapshot {
+    #[pyo3(get)]
+    seq: u64,
+    #[pyo3(get)]
+    block_size: usize,
+    #[pyo3(get)]
+    blocks: Py<PyList>,
+}
+
+#[pymethods]
+impl KvCacheSnapshot {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!("KvCacheSnapshot(seq={}, {} blocks)", self.seq, self.blocks.bind(py).len())
+    }
+}
+
+pub fn snapshot_to_py(
+    py: Python<'_>,
+    snap: CacheSnapshot,
+    pool_medium: &'static str,
+) -> PyResult<KvCacheSnapshot> {
+    let blocks: Vec<Py<CachedBlock>> = snap
+        .blocks
+        .into_iter()
+        .map(|b| {
+            Py::new(
+                py,
+                CachedBlock {
+                    hash: b.hash,
+                    parent: b.parent,
+                    medium: medium_name(b.medium, pool_medium),
+                    group: b.group,
+                },
+            )
+        })
+        .collect::<PyResult<_>>()?;
+    Ok(KvCacheSnapshot {
+        seq: snap.seq,
+        block_size: snap.block_size,
+        blocks: PyList::new(py, blocks)?.unbind(),
+    })
 }
 
 pub fn stats_dict<'py>(py: Python<'py>, s: &PrefixCacheStats) -> PyResult<Bound<'py, PyDict>> {
@@ -300,5 +580,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<BlockStored>()?;
     m.add_class::<BlockRemoved>()?;
     m.add_class::<AllBlocksCleared>()?;
+    m.add_class::<KvEventBatch>()?;
+    m.add_class::<CachedBlock>()?;
+    m.add_class::<KvCacheSnapshot>()?;
     Ok(())
 }

@@ -13,8 +13,8 @@ use crate::ids::{self, Int};
 use crate::int_array::IntArray;
 use crate::pool::PyPool;
 
-/// Prompts at least this long are added with the GIL released.
-const DETACH_MIN_TOKENS: usize = 1024;
+// Prompts at least this long are added with the GIL released.
+use crate::prefix::DETACH_MIN_TOKENS;
 
 /// A request id: any int in 0..2**64 (a NumPy integer, or anything with `__index__`). A bool
 /// or any other type is a `TypeError`; an int outside the range is `InvalidArgumentError`.

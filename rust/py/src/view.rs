@@ -159,6 +159,7 @@ impl PyPool {
     pub(crate) fn view(slf: &Bound<'_, Self>, layer: usize, part: KvPart) -> PyResult<Py<PyAny>> {
         let py = slf.py();
         let pool = &slf.get().inner;
+        pool.require_memory("a K/V view").map_err(crate::errors::PyKvError)?;
         // A pool of hybrid pages has no layout: refused here, before a view pins anything.
         let layout = pool.layout().map_err(crate::errors::PyKvError)?;
         layout.part_offset_bytes(layer, part).map_err(crate::errors::PyKvError)?;
@@ -166,7 +167,7 @@ impl PyPool {
         if pool.device() == Device::Host {
             // A NumPy array whose base is the view, which holds the pool alive; the subclass
             // knows the pool's dtype (bfloat16, float8) that NumPy holds as raw integers.
-            let dtype = pool.layout().dtype().name();
+            let dtype = layout.dtype().name();
             let wrap = py.import("kvpool._pool_array")?.getattr("pool_array")?;
             Ok(wrap.call1((view, dtype))?.unbind())
         } else {

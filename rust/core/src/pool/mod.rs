@@ -21,6 +21,7 @@
 
 #[cfg(feature = "cuda")]
 mod device;
+mod external;
 mod geometry;
 mod growth;
 mod owner;
@@ -534,6 +535,7 @@ impl Pool {
 
     /// Address of block `block_id` (allocated or not; the id must be in range).
     pub fn block_ptr(&self, block_id: u32) -> Result<u64, CoreError> {
+        self.require_memory("block_ptr")?;
         if block_id as usize >= self.num_blocks() {
             return Err(CoreError::out_of_range_id(block_id, self.num_blocks()));
         }
@@ -638,7 +640,7 @@ impl Pool {
             None => {
                 self.check_block_invariants()?;
                 let expected = self.num_blocks() * self.block_bytes();
-                if self.mapped_bytes() < expected {
+                if self.has_memory() && self.mapped_bytes() < expected {
                     return Err(format!(
                         "slab holds {} bytes, {} blocks need {expected}",
                         self.mapped_bytes(),

@@ -8,8 +8,12 @@
 use super::{Owner, Pool, SpillTier};
 use crate::block_copy::Engine;
 use crate::error::CoreError;
-use crate::prefix_cache::{BlockHash, PrefixAlloc, PrefixCache, PrefixCacheStats, SpillTarget};
+use crate::prefix_cache::{
+    BlockHash, BlockHasher, CacheSnapshot, PrefixAlloc, PrefixCache, PrefixCacheStats,
+    PrefixLookup, SpillTarget,
+};
 use crate::slab::Device;
+use crate::tables::PromptKey;
 
 impl Pool {
     /// Turns prefix caching on for a new pool (before it is shared). A growable pool evicts
@@ -17,13 +21,51 @@ impl Pool {
     /// blocks above the highest referenced one first, so that their chunks can go. The
     /// cache's per-block metadata covers the mapped blocks and grows with them (fallibly:
     /// `OutOfMemory`, never an abort).
-    pub fn with_prefix_caching(mut self) -> Result<Self, CoreError> {
-        self.prefix_cache = Some(PrefixCache::new(
+    pub fn with_prefix_caching(self) -> Result<Self, CoreError> {
+        self.with_prefix_caching_key(None)
+    }
+
+    /// [`with_prefix_caching`](Self::with_prefix_caching) with the block hashes keyed by
+    /// `hash_key` (`None`: a random key, the default). Pools, or a router, given the same
+    /// key hash the same tokens (under the same salt, LoRA and extra keys) to the same
+    /// block hashes, so their KV events name blocks alike. Whoever knows the key can predict
+    /// every hash: share it only with parties trusted not to forge blocks.
+    pub fn with_prefix_caching_key(
+        mut self,
+        hash_key: Option<[u8; 32]>,
+    ) -> Result<Self, CoreError> {
+        let hasher = match hash_key {
+            Some(key) => BlockHasher::with_key(key),
+            None => BlockHasher::new_random()?,
+        };
+        self.prefix_cache = Some(PrefixCache::with_hasher(
             self.max_num_blocks(),
             self.num_blocks(),
             self.layout()?.block_size(),
+            hasher,
         )?);
         Ok(self)
+    }
+
+    /// Every block the prefix cache holds, on both tiers, with the event sequence number it
+    /// is consistent with (`None` without prefix caching).
+    pub fn prefix_cache_snapshot(&self) -> Option<CacheSnapshot> {
+        Some(self.prefix_cache.as_ref()?.snapshot(self.spill_target()))
+    }
+
+    /// How many tokens of a prompt `add_request` would find cached now (a multiple of
+    /// block_size, never the block of the last token), with the split between the pool and
+    /// its host tier. Changes nothing: no reference, no LRU order, no event, no counter.
+    /// Without prefix caching nothing is cached: 0. A pool of hybrid pages has no uniform
+    /// block_size either (its `HybridTables` match prompts per group): 0.
+    pub fn lookup_prefix(&self, token_ids: &[u32], key: &PromptKey<'_>) -> PrefixLookup {
+        let Some(cache) = &self.prefix_cache else { return PrefixLookup::default() };
+        let Ok(layout) = self.layout() else { return PrefixLookup::default() };
+        let bs = layout.block_size();
+        let root = cache.hasher().root(key.cache_salt, key.lora_id, key.extra_keys);
+        let max_hits = token_ids.len().saturating_sub(1) / bs;
+        let hashes = cache.hasher().chain(&root, &token_ids[..max_hits * bs], bs);
+        cache.lookup(&self.allocator, self.spill_target(), &hashes)
     }
 
     /// Gives the prefix cache a second tier of `num_blocks` host blocks (pinned for a CUDA
@@ -35,6 +77,7 @@ impl Pool {
                 "a prefix-cache host tier needs prefix caching on the pool".into(),
             ));
         }
+        self.require_memory("a prefix-cache host tier")?;
         let pinned_for = match self.device() {
             Device::Host => None,
             Device::Cuda(ordinal) => Some(ordinal),

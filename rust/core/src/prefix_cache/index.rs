@@ -17,6 +17,10 @@ pub struct CacheIndex {
     /// Block -> its content hash, if cached. `map[hash_of[b]] == b` for every cached `b`.
     /// Covers the ids that exist (grown with a growable pool, see `grow_to`).
     hash_of: Vec<Option<BlockHash>>,
+    /// Block -> the hash of the block before it in the request that stored it (`None` for
+    /// a request's first block, and for blocks stored without one). Read only where
+    /// `hash_of` is `Some`; a snapshot reports it so a router can rebuild its prefix tree.
+    parent_of: Vec<Option<BlockHash>>,
     lru: EvictableList,
     pub events: EventQueue,
     /// The counters; the gauges in it are filled in by [`stats`](Self::stats).
@@ -31,6 +35,7 @@ impl CacheIndex {
             // decode step's inserts in cache (sized up front, they cost more than the rehashes).
             map: FxHashMap::default(),
             hash_of: Vec::new(),
+            parent_of: Vec::new(),
             lru: EvictableList::new(0)?,
             events: EventQueue::default(),
             counters: PrefixCacheStats::default(),
@@ -47,6 +52,7 @@ impl CacheIndex {
             return Ok(());
         }
         self.lru.grow_to(num_blocks)?;
+        try_grow(&mut self.parent_of, num_blocks, None)?;
         try_grow(&mut self.hash_of, num_blocks, None)
     }
     /// The ids it covers.
@@ -73,6 +79,14 @@ impl CacheIndex {
     pub fn evictable(&self) -> impl Iterator<Item = u32> + '_ {
         self.lru.iter()
     }
+    /// Every cached block's `(hash, parent)`, in id order.
+    pub fn cached_blocks(&self) -> Vec<(BlockHash, Option<BlockHash>)> {
+        self.hash_of
+            .iter()
+            .zip(&self.parent_of)
+            .filter_map(|(hash, parent)| hash.map(|h| (h, *parent)))
+            .collect()
+    }
     /// Cached ids (any order).
     pub fn cached(&self) -> impl Iterator<Item = u32> + '_ {
         self.map.values().copied()
@@ -82,12 +96,23 @@ impl CacheIndex {
     /// false and changes nothing when another block holds that content already: then `id`
     /// stays uncached (a duplicate computed before the first was stored).
     pub fn insert(&mut self, id: u32, hash: BlockHash) -> bool {
+        self.insert_with_parent(id, hash, None)
+    }
+
+    /// [`insert`](Self::insert), remembering the block's parent for snapshots.
+    pub fn insert_with_parent(
+        &mut self,
+        id: u32,
+        hash: BlockHash,
+        parent: Option<BlockHash>,
+    ) -> bool {
         debug_assert!(self.hash_of[id as usize].is_none(), "block {id} is cached already");
         match self.map.entry(hash) {
             std::collections::hash_map::Entry::Occupied(_) => return false,
             std::collections::hash_map::Entry::Vacant(slot) => slot.insert(id),
         };
         self.hash_of[id as usize] = Some(hash);
+        self.parent_of[id as usize] = parent;
         self.counters.stored_blocks += 1;
         true
     }

@@ -38,7 +38,7 @@ use std::sync::{Mutex, MutexGuard};
 use crate::error::CoreError;
 use crate::sync::{AtomicBool, AtomicUsize, Ordering};
 use crate::zeroed::zeroed_atomic_bools;
-pub use events::{KvEvent, Medium};
+pub use events::{EventBatch, KvEvent, Medium, SequencedEvent, DEFAULT_MAX_QUEUED_EVENTS};
 pub use hash::{BlockHash, BlockHasher};
 use index::CacheIndex;
 pub use spill::SpillTarget;
@@ -77,6 +77,41 @@ pub struct PrefixAlloc {
     pub swapped_in: usize,
     /// Fresh blocks for the rest.
     pub fresh: Vec<u32>,
+}
+
+/// What a side-effect-free [`PrefixCache::lookup`] found: a prompt's head cached in the
+/// pool, then the blocks after it that the host tier holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefixLookup {
+    pub pool_blocks: usize,
+    pub host_blocks: usize,
+}
+
+impl PrefixLookup {
+    /// Blocks whose KV need not be computed.
+    pub fn num_blocks(&self) -> usize {
+        self.pool_blocks + self.host_blocks
+    }
+}
+
+/// One cached block as a snapshot reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotBlock {
+    pub hash: BlockHash,
+    /// The block before it in the request that stored it (`None` for a first block, and for
+    /// host-tier blocks, which events report without one too).
+    pub parent: Option<BlockHash>,
+    pub medium: Medium,
+    /// The KV group, as in the events (0 for a uniform pool).
+    pub group: u32,
+}
+
+/// Every cached block, consistent with the event numbered `seq`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheSnapshot {
+    pub seq: u64,
+    pub block_size: usize,
+    pub blocks: Vec<SnapshotBlock>,
 }
 
 /// One block a request just filled. Its `block_size` tokens are `tokens[tokens_at..]` of
@@ -193,14 +228,7 @@ impl PrefixCache {
         query_tokens: usize,
     ) -> Result<PrefixAlloc, CoreError> {
         let mut idx = self.lock();
-        // A block already at the most references a block can hold ends the hits: the rest
-        // is allocated fresh (shares stop one below it, so the check holds until the commit).
-        let hits: Vec<u32> = hashes
-            .iter()
-            .map_while(|h| idx.lookup(h))
-            .take(total_blocks)
-            .take_while(|&id| refs.ref_cnt(id) < crate::MAX_REF_CNT)
-            .collect();
+        let hits = Self::pool_hits(&idx, refs, hashes, total_blocks);
         let host_hits = match spill {
             Some(tier) => tier.lookup_run(&hashes[hits.len()..total_blocks.min(hashes.len())]),
             None => Vec::new(),
@@ -239,6 +267,40 @@ impl PrefixCache {
         idx.record_query(query_tokens, (hits.len() + swapped_in) * self.block_size);
         self.num_evictable.store(idx.num_evictable(), Ordering::Release);
         Ok(PrefixAlloc { hits, swapped_in, fresh })
+    }
+
+    /// The cached blocks of the longest prefix of `hashes` that a hit would reference, at
+    /// most `total_blocks`. A block already at the most references a block can hold ends the
+    /// hits: the rest is allocated fresh (shares stop one below it, so the check holds until
+    /// the commit).
+    fn pool_hits(
+        idx: &CacheIndex,
+        refs: &dyn BlockRefs,
+        hashes: &[BlockHash],
+        total_blocks: usize,
+    ) -> Vec<u32> {
+        hashes
+            .iter()
+            .map_while(|h| idx.lookup(h))
+            .take(total_blocks)
+            .take_while(|&id| refs.ref_cnt(id) < crate::MAX_REF_CNT)
+            .collect()
+    }
+
+    /// What [`alloc_with_prefix`](Self::alloc_with_prefix) over `hashes` would find now, and
+    /// nothing else: no reference is taken, no block moves on the evictable list, no event
+    /// is queued and no counter changes (vLLM's `get_computed_blocks`, without its side
+    /// effects). Host-tier hits are those a swap-in would copy back if it succeeds.
+    pub fn lookup(
+        &self,
+        refs: &dyn BlockRefs,
+        spill: Option<&dyn SpillTarget>,
+        hashes: &[BlockHash],
+    ) -> PrefixLookup {
+        let idx = self.lock();
+        let pool_blocks = Self::pool_hits(&idx, refs, hashes, hashes.len()).len();
+        let host_blocks = spill.map_or(0, |tier| tier.lookup_run(&hashes[pool_blocks..]).len());
+        PrefixLookup { pool_blocks, host_blocks }
     }
 
     /// The allocation slow path: fills `out` from the free list and, for what it lacks, by
@@ -297,6 +359,7 @@ impl PrefixCache {
             *slot = id;
         }
         idx.events.push(KvEvent::BlockRemoved {
+            group: 0,
             block_hashes: evicted.iter().map(|&(_, h)| h).collect(),
             medium: Medium::Pool,
         });
@@ -331,6 +394,7 @@ impl PrefixCache {
             self.cached[id as usize].store(false, Ordering::Release);
         }
         idx.events.push(KvEvent::BlockRemoved {
+            group: 0,
             block_hashes: evicted.iter().map(|&(_, h)| h).collect(),
             medium: Medium::Pool,
         });
@@ -353,7 +417,7 @@ impl PrefixCache {
         let mut stored = 0;
         let mut run: Option<KvEvent> = None;
         for block in blocks {
-            let inserted = idx.insert(block.block_id, block.hash);
+            let inserted = idx.insert_with_parent(block.block_id, block.hash, block.parent);
             if inserted {
                 self.cached[block.block_id as usize].store(true, Ordering::Release);
                 stored += 1;
@@ -379,6 +443,7 @@ impl PrefixCache {
                 }
                 _ => {
                     run = Some(KvEvent::BlockStored {
+                        group: 0,
                         block_hashes: vec![block.hash],
                         parent_block_hash: block.parent,
                         token_ids: block_tokens.to_vec(),
@@ -443,6 +508,44 @@ impl PrefixCache {
     /// Every queued event, oldest first.
     pub fn drain_events(&self) -> Vec<KvEvent> {
         self.lock().events.drain()
+    }
+    /// Every queued event with its sequence number, and what was dropped since the last
+    /// drain (see [`EventBatch`]).
+    pub fn drain_event_batch(&self) -> EventBatch {
+        self.lock().events.drain_batch()
+    }
+    /// Sets how many events the queue keeps before it drops its oldest (at least 1).
+    pub fn set_max_queued_events(&self, capacity: usize) {
+        self.lock().events.set_capacity(capacity);
+    }
+    pub fn max_queued_events(&self) -> usize {
+        self.lock().events.capacity()
+    }
+    /// Events queued now.
+    pub fn num_queued_events(&self) -> usize {
+        self.lock().events.len()
+    }
+
+    /// Every block cached now, on both tiers, with the sequence number of the newest event
+    /// it reflects: a router that loads it and then applies the events with a greater
+    /// `seq` holds what the cache holds. Taken under the cache's lock (and the host tier's,
+    /// nested as every call nests them), so no event falls between the two.
+    pub fn snapshot(&self, spill: Option<&dyn SpillTarget>) -> CacheSnapshot {
+        let idx = self.lock();
+        let mut blocks: Vec<SnapshotBlock> = idx
+            .cached_blocks()
+            .into_iter()
+            .map(|(hash, parent)| SnapshotBlock { hash, parent, medium: Medium::Pool, group: 0 })
+            .collect();
+        if let Some(tier) = spill {
+            blocks.extend(tier.cached_hashes().into_iter().map(|hash| SnapshotBlock {
+                hash,
+                parent: None,
+                medium: Medium::HostTier,
+                group: 0,
+            }));
+        }
+        CacheSnapshot { seq: idx.events.last_seq(), block_size: self.block_size, blocks }
     }
 
     /// The pool tier's counters (the host fields are the pool's to fill in: it owns the

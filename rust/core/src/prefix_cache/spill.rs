@@ -19,6 +19,8 @@ pub trait SpillTarget {
     /// Keeps what it can of pool blocks the cache just evicted (`(id, hash)`, least recently
     /// used first), best effort.
     fn spill(&self, evicted: &[(u32, BlockHash)], events: &mut EventQueue);
+    /// The hashes of every block it holds (a snapshot).
+    fn cached_hashes(&self) -> Vec<BlockHash>;
     /// Drops everything it holds (a reset); returns how many blocks.
     fn clear(&self) -> usize;
 }

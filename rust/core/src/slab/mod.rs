@@ -1,7 +1,9 @@
 //! Slabs: the memory that KV blocks are carved from. The allocator never sees which backend
 //! it runs on; it only needs `base_ptr + block_id * block_bytes`.
 
+pub mod external;
 mod host;
+pub use external::{ExternalSlab, NoSlab};
 pub use host::HostSlab;
 
 #[cfg(feature = "cuda")]
@@ -80,6 +82,10 @@ pub trait Slab: Send + Sync {
     fn device(&self) -> Device;
     /// The device's memory as the driver sees it now; `None` for host memory.
     fn memory_info(&self) -> Result<Option<MemoryInfo>, CoreError>;
+    /// False for a metadata-only pool's slab, which has no memory behind its blocks.
+    fn has_memory(&self) -> bool {
+        true
+    }
 }
 
 /// Number of CUDA devices, 0 when there is no driver (never panics).

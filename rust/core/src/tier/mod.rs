@@ -96,6 +96,7 @@ impl HostTier {
         size: PoolSize,
         method: CopyMethod,
     ) -> Result<Self, CoreError> {
+        tables.pool().require_memory("a host tier")?;
         let TierEngine { pinned_for, engine } = TierEngine::new(tables.pool(), method)?;
         Self::with_engine(tables, size, pinned_for, engine)
     }
@@ -103,6 +104,7 @@ impl HostTier {
     /// A host tier of `size` for the requests of `tables` (a host pool: no CUDA in this build).
     #[cfg(not(feature = "cuda"))]
     pub fn new(tables: Arc<BlockTables>, size: PoolSize) -> Result<Self, CoreError> {
+        tables.pool().require_memory("a host tier")?;
         let TierEngine { pinned_for, engine } = TierEngine::new(tables.pool())?;
         Self::with_engine(tables, size, pinned_for, engine)
     }
