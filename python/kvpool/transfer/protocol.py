@@ -152,6 +152,7 @@ class _Endpoint:
         transport: Transport,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        leases: LeaseBook | None = None,
     ) -> None:
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool):
             raise TypeError(f"timeout_s must be a number, got {type(timeout_s).__name__}")
@@ -163,7 +164,21 @@ class _Endpoint:
         self.timeout_s = float(timeout_s)
         self.clock = clock
         self.mover = make_mover(self.pool)
-        self.leases = LeaseBook(tables)
+        if leases is not None and leases.tables is not tables:
+            raise ValueError("a shared LeaseBook must be over the same BlockTables")
+        self.leases = LeaseBook(tables) if leases is None else leases
+        self.transfers: dict[int, Transfer] = {}  # live ones, by request id
+
+    def reap_expired(self) -> list[int]:
+        """Gives up every live transfer past its deadline that has not completed: returns
+        their request ids (their blocks returned, the peer told)."""
+        reaped = []
+        now = self.clock()
+        for t in list(self.transfers.values()):
+            if now >= t.deadline and not t.done():
+                t.abort("the transfer passed its deadline")
+                reaped.append(t.request_id)
+        return reaped
 
     def tell_abort(self, request_id: Any, reason: str) -> None:
         """Tells the peer that this side gave the transfer up (best effort: it may be gone)."""
@@ -208,6 +223,7 @@ class Transfer:
         self._completion = completion
         self._on_success, self._on_failure = on_success, on_failure
         self.state = "in_flight"  # -> "done" | "failed"
+        endpoint.transfers[self.request_id] = self
 
     @property
     def deadline(self) -> float:
@@ -216,6 +232,7 @@ class Transfer:
     def done(self) -> bool:
         if self.state == "in_flight" and self._completion.done():
             self.state = "done"
+            self._endpoint.transfers.pop(self.request_id, None)
             if self._endpoint.leases.end(self.lease):
                 self._on_success()
         return self.state == "done"
@@ -236,10 +253,12 @@ class Transfer:
             time.sleep(_POLL_S)
 
     def abort(self, reason: str = "aborted by the caller") -> None:
-        """Gives the transfer up (if not done yet): the peer is told, the transport torn down,
-        the blocks returned (the receiver frees them, the sender keeps them). No raise."""
-        if self.state == "in_flight" and not self.done():
+        """Gives the transfer up unless its completion was already seen (``done()`` returned
+        True): the peer is told, the transport torn down, the blocks returned (the receiver
+        frees them, even if the bytes had landed; the sender keeps them). No raise."""
+        if self.state == "in_flight":
             self.state = "failed"
+            self._endpoint.transfers.pop(self.request_id, None)
             self._endpoint.give_up(self.lease, reason, self._on_failure)
 
     def fail(self, reason: str) -> None:
@@ -256,7 +275,9 @@ class KvSender:
     no staging) or "auto" (the receiver picks grouped when the blocks form at most
     ``movers.AUTO_MAX_RUNS`` such runs, staged otherwise). ``timeout_s`` bounds the wait for
     the receiver's answer and, from its accept on, the whole data phase (the lease's
-    deadline); ``clock`` is the monotonic clock deadlines are measured on."""
+    deadline); ``clock`` is the monotonic clock deadlines are measured on; ``leases`` a book
+    shared with other endpoints over the same tables (one per pool, so its invariant sees every
+    transfer), a new one by default."""
 
     def __init__(
         self,
@@ -267,16 +288,23 @@ class KvSender:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        leases: LeaseBook | None = None,
     ) -> None:
         if mode not in (*MODES, AUTO):
             raise ValueError(f"mode must be one of {(*MODES, AUTO)}, got {mode!r}")
-        self._ep = _Endpoint(tables, transport, timeout_s, clock)
+        self._ep = _Endpoint(tables, transport, timeout_s, clock, leases)
         self.mode = mode
         self.chunk_blocks = max(1, chunk_bytes // self._ep.pool.layout.block_bytes)
 
     @property
     def leases(self) -> LeaseBook:
+        """The leases of this side's transfers in flight (shared with the other endpoints
+        given the same book, so that one pool's invariant sees all of them)."""
         return self._ep.leases
+
+    def reap_expired(self) -> list[int]:
+        """Gives up the live transfers past their deadline (see ``Transfer.abort``)."""
+        return self._ep.reap_expired()
 
     def check_invariants(self) -> None:
         """free + evictable + used + in_flight == total on the sending pool (leases.py)."""
@@ -348,12 +376,19 @@ class KvReceiver:
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        leases: LeaseBook | None = None,
     ) -> None:
-        self._ep = _Endpoint(tables, transport, timeout_s, clock)
+        self._ep = _Endpoint(tables, transport, timeout_s, clock, leases)
 
     @property
     def leases(self) -> LeaseBook:
+        """The leases of this side's transfers in flight (shared with the other endpoints
+        given the same book, so that one pool's invariant sees all of them)."""
         return self._ep.leases
+
+    def reap_expired(self) -> list[int]:
+        """Gives up the live transfers past their deadline (see ``Transfer.abort``)."""
+        return self._ep.reap_expired()
 
     def check_invariants(self) -> None:
         """free + evictable + used + in_flight == total on the receiving pool (leases.py)."""
