@@ -30,7 +30,7 @@ import numpy as np
 from kvpool._core import BlockTables, KvError, KvLayout, TransferError
 from kvpool.transfer.leases import RECV, SEND, Lease, LeaseBook
 from kvpool.transfer.movers import make_mover
-from kvpool.transfer.pieces import AUTO, MODES, plan_pieces, resolve_mode
+from kvpool.transfer.pieces import AUTO, GROUPED, MODES, plan_pieces, resolve_mode
 from kvpool.transfer.transport import PeerGone, Transport
 
 PROTOCOL_VERSION = 1
@@ -355,7 +355,10 @@ class KvSender:
                 ep.tables.free(request_id)
 
         try:
-            completion = ep.mover.send(ep.transport, ids, pieces, mode, stream, lease.deadline)
+            if getattr(ep.transport, "one_sided", False):  # NIXL: the receiver reads
+                completion = ep.transport.serve_blocks(request_id, lease.deadline, ep.clock)  # type: ignore[attr-defined]
+            else:
+                completion = ep.mover.send(ep.transport, ids, pieces, mode, stream, lease.deadline)
         except Exception as e:  # a transport or launch error: nothing is freed here
             ep.give_up(lease, f"{type(e).__name__}: {e}", keep)
             raise _error(
@@ -429,7 +432,9 @@ class KvReceiver:
         except TransferError:
             release()
             raise
-        mode = resolve_mode(offer.mode, offer.src_ids, dst_ids)
+        one_sided = getattr(ep.transport, "one_sided", False)
+        # A one-sided transport reads runs contiguous on both sides in place: no staging.
+        mode = GROUPED if one_sided else resolve_mode(offer.mode, offer.src_ids, dst_ids)
         try:
             ep.transport.send_control(
                 {
@@ -441,7 +446,14 @@ class KvReceiver:
             )
             pieces = plan_pieces(mode, offer.src_ids, dst_ids, offer.chunk_blocks)
             stream = ep.pool.stream if stream is None else stream
-            completion = ep.mover.recv(ep.transport, dst_ids, pieces, mode, stream, lease.deadline)
+            if one_sided:
+                completion = ep.transport.read_blocks(  # type: ignore[attr-defined]
+                    request_id, offer.src_ids, dst_ids, pieces, lease.deadline, ep.clock
+                )
+            else:
+                completion = ep.mover.recv(
+                    ep.transport, dst_ids, pieces, mode, stream, lease.deadline
+                )
         except Exception as e:
             why = "passed its deadline" if isinstance(e, TimeoutError) else "failed"
             ep.give_up(lease, f"the receiver's transfer {why}: {e}", release)
