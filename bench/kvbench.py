@@ -53,6 +53,10 @@ ROUTINES = {
     "growable": ("gpu", "growing a pool in place (CUDA virtual memory) vs allocate-copy-free"),
     "swap": ("gpu", "host-tier swaps vs one pinned cudaMemcpyAsync and a per-block loop"),
     "generate": ("gpu", "the generation loop vs transformers' caches (needs transformers)"),
+    "transfer_nixl": (
+        "cpu",
+        "a request's blocks through NIXL host to host vs one contiguous NIXL read",
+    ),
     "transfer": ("gpu2", "a request's KV between two GPUs vs NCCL send/recv and cudaMemcpyPeer"),
     "tp_decode": ("gpu2", "decode over a two-GPU PoolGroup vs the same decode on one GPU"),
 }

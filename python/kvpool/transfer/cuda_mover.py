@@ -136,7 +136,13 @@ class CudaMover:
             return cupy.asarray(np.ascontiguousarray(ids, dtype=np.int32))
 
     def send(
-        self, transport: Transport, ids: np.ndarray, pieces: list, mode: str, stream: Any
+        self,
+        transport: Transport,
+        ids: np.ndarray,
+        pieces: list,
+        mode: str,
+        stream: Any,
+        deadline: float | None = None,  # enforced by Transfer.wait: the work is only queued
     ) -> CudaCompletion:
         import cupy
 
@@ -178,7 +184,13 @@ class CudaMover:
             return CudaCompletion(done, (ids_dev, self._staging))
 
     def recv(
-        self, transport: Transport, ids: np.ndarray, pieces: list, mode: str, stream: Any
+        self,
+        transport: Transport,
+        ids: np.ndarray,
+        pieces: list,
+        mode: str,
+        stream: Any,
+        deadline: float | None = None,  # enforced by Transfer.wait: the work is only queued
     ) -> CudaCompletion:
         import cupy
 

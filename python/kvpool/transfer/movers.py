@@ -41,27 +41,43 @@ class HostMover:
         return self.pool.base_ptr + int(block_id) * self.block_bytes
 
     def send(
-        self, transport: Transport, ids: np.ndarray, pieces: list, mode: str, stream: Any
+        self,
+        transport: Transport,
+        ids: np.ndarray,
+        pieces: list,
+        mode: str,
+        stream: Any,
+        deadline: float | None = None,
     ) -> Done:
         with transport.group():
             for start, count in pieces:
                 if mode == GROUPED:
-                    transport.send(self._address(ids[start]), count * self.block_bytes, None)
+                    transport.send(
+                        self._address(ids[start]), count * self.block_bytes, None, deadline
+                    )
                 else:
                     staging = np.ascontiguousarray(self._slab[ids[start : start + count]])
-                    transport.send(staging.ctypes.data, staging.nbytes, None)
+                    transport.send(staging.ctypes.data, staging.nbytes, None, deadline)
         return Done()
 
     def recv(
-        self, transport: Transport, ids: np.ndarray, pieces: list, mode: str, stream: Any
+        self,
+        transport: Transport,
+        ids: np.ndarray,
+        pieces: list,
+        mode: str,
+        stream: Any,
+        deadline: float | None = None,
     ) -> Done:
         with transport.group():
             for start, count in pieces:
                 if mode == GROUPED:
-                    transport.recv(self._address(ids[start]), count * self.block_bytes, None)
+                    transport.recv(
+                        self._address(ids[start]), count * self.block_bytes, None, deadline
+                    )
                 else:
                     staging = np.empty((count, self.block_bytes), np.uint8)
-                    transport.recv(staging.ctypes.data, staging.nbytes, None)
+                    transport.recv(staging.ctypes.data, staging.nbytes, None, deadline)
                     self._slab[ids[start : start + count]] = staging
         return Done()
 

@@ -219,10 +219,16 @@ class NcclTransport(Transport):
             self._dead = True
         return not self._dead
 
-    def send(self, ptr: int, nbytes: int, stream: int | None) -> None:
+    # The deadline is not needed here: NCCL only queues the operation on the stream, and the
+    # transfer's deadline is enforced by Transfer.wait (which aborts the communicator).
+    def send(
+        self, ptr: int, nbytes: int, stream: int | None, deadline: float | None = None
+    ) -> None:
         self.comm.send(ptr, nbytes, self._dtype, self.peer, stream or 0)
 
-    def recv(self, ptr: int, nbytes: int, stream: int | None) -> None:
+    def recv(
+        self, ptr: int, nbytes: int, stream: int | None, deadline: float | None = None
+    ) -> None:
         self.comm.recv(ptr, nbytes, self._dtype, self.peer, stream or 0)
 
     @contextlib.contextmanager

@@ -10,25 +10,35 @@
     blocks once its sends completed          peer or a timeout, abort and free its blocks
 
 Nothing moves before the receiver has accepted, and a refusal or failure leaves both pools
-consistent: the receiver frees what it allocated, the sender keeps its blocks.
+consistent: the receiver frees what it allocated, the sender keeps its blocks. The peer is
+untrusted: an offer is decoded and checked whole (`decode_offer`) before anything is
+allocated. From accept on, a transfer's blocks are held by a lease (leases.py) whose deadline
+(``timeout_s`` after the accept) bounds the whole data phase, a silent peer included; every
+failure ends the lease, returns its blocks and tells the other side (an ``abort`` message)
+before the transport is torn down.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvpool._core import BlockTables, KvError, KvLayout, TransferError
+from kvpool.transfer.leases import RECV, SEND, Lease, LeaseBook
 from kvpool.transfer.movers import make_mover
-from kvpool.transfer.pieces import AUTO, MODES, plan_pieces, resolve_mode
+from kvpool.transfer.pieces import AUTO, GROUPED, MODES, plan_pieces, resolve_mode
 from kvpool.transfer.transport import PeerGone, Transport
 
 PROTOCOL_VERSION = 1
 DEFAULT_CHUNK_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 60.0
 _POLL_S = 0.0005
+# Block ids on the wire are int32 (what the pool's tables and the movers use).
+_INT32_MAX = 2**31 - 1
 
 
 def layout_fingerprint(layout: KvLayout) -> dict:
@@ -59,13 +69,134 @@ def _error(message: str, request_id: Any = None) -> TransferError:
     return err
 
 
+@dataclass(frozen=True)
+class Offer:
+    """A decoded, checked offer: every field of the right type and in range."""
+
+    request_id: int
+    num_tokens: int
+    src_ids: np.ndarray  # int32
+    mode: str
+    chunk_blocks: int
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def decode_offer(message: Any, layout: KvLayout) -> Offer | str:
+    """The offer in ``message`` (from the untrusted peer), or why it cannot be accepted. Checks
+    everything the receiver will use, so nothing past this point can fail on the offer's
+    contents after blocks were allocated."""
+    if not isinstance(message, dict):
+        return f"an offer must be a message object, not {type(message).__name__}"
+    fields: dict[str, Any] = message
+    if fields.get("kind") != "offer" or fields.get("version") != PROTOCOL_VERSION:
+        return f"not an offer of protocol version {PROTOCOL_VERSION}: {fields.get('kind')!r}"
+    sender_layout = fields.get("layout")
+    if not isinstance(sender_layout, dict):
+        return "the offer's layout must be an object"
+    mismatch = layout_mismatch(sender_layout, layout_fingerprint(layout))
+    if mismatch:
+        return mismatch
+    request_id: Any = fields.get("request_id")
+    num_tokens: Any = fields.get("num_tokens")
+    if not _is_int(request_id) or not 0 <= request_id < 2**64:
+        return f"request_id must be an unsigned 64-bit int, got {request_id!r}"
+    mode = fields.get("mode")
+    if not isinstance(mode, str) or mode not in (*MODES, AUTO):
+        return f"unknown mode {mode!r}"
+    chunk_blocks: Any = fields.get("chunk_blocks")
+    if not _is_int(chunk_blocks) or not 1 <= chunk_blocks <= _INT32_MAX:
+        return "chunk_blocks must be a positive int"
+    src_ids = fields.get("src_ids")
+    if not _is_int(num_tokens) or num_tokens < 0 or not isinstance(src_ids, list):
+        return f"bad offer: num_tokens {num_tokens!r}, src_ids of type {type(src_ids).__name__}"
+    if len(src_ids) != -(-num_tokens // layout.block_size):
+        return f"{len(src_ids)} blocks offered for {num_tokens} tokens"
+    if not all(_is_int(b) and 0 <= b <= _INT32_MAX for b in src_ids):
+        bad = next(b for b in src_ids if not (_is_int(b) and 0 <= b <= _INT32_MAX))
+        return f"src_ids must be int32 block ids >= 0, got {bad!r}"
+    if len(set(src_ids)) != len(src_ids):
+        return "src_ids repeat a block"
+    return Offer(request_id, num_tokens, np.asarray(src_ids, np.int32), mode, chunk_blocks)
+
+
+def decode_accept(message: Any, request_id: int, num_blocks: int) -> tuple[np.ndarray, str] | str:
+    """The receiver's ``(dst_ids, mode)`` from its accept, or why the answer is unusable."""
+    if not isinstance(message, dict):
+        return f"an answer must be a message object, not {type(message).__name__}"
+    if message.get("kind") == "refuse":
+        return f"the receiver refused request {request_id}: {message.get('reason')}"
+    if message.get("kind") != "accept" or message.get("request_id") != request_id:
+        return f"unexpected answer to request {request_id}: {message}"
+    dst_ids, mode = message.get("dst_ids"), message.get("mode")
+    if (
+        mode not in MODES
+        or not isinstance(dst_ids, list)
+        or len(dst_ids) != num_blocks
+        or not all(_is_int(b) and 0 <= b <= _INT32_MAX for b in dst_ids)
+    ):
+        count = len(dst_ids) if isinstance(dst_ids, list) else dst_ids
+        return (
+            f"unexpected answer to request {request_id}: mode {mode!r}, "
+            f"{count!r} blocks for {num_blocks}"
+        )
+    return np.asarray(dst_ids, np.int32), mode
+
+
 class _Endpoint:
-    def __init__(self, tables: BlockTables, transport: Transport, timeout_s: float) -> None:
+    def __init__(
+        self,
+        tables: BlockTables,
+        transport: Transport,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        leases: LeaseBook | None = None,
+    ) -> None:
+        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool):
+            raise TypeError(f"timeout_s must be a number, got {type(timeout_s).__name__}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.tables = tables
         self.pool = tables.pool
         self.transport = transport
-        self.timeout_s = timeout_s
+        self.timeout_s = float(timeout_s)
+        self.clock = clock
         self.mover = make_mover(self.pool)
+        if leases is not None and leases.tables is not tables:
+            raise ValueError("a shared LeaseBook must be over the same BlockTables")
+        self.leases = LeaseBook(tables) if leases is None else leases
+        self.transfers: dict[int, Transfer] = {}  # live ones, by request id
+
+    def reap_expired(self) -> list[int]:
+        """Gives up every live transfer past its deadline that has not completed: returns
+        their request ids (their blocks returned, the peer told)."""
+        reaped = []
+        now = self.clock()
+        for t in list(self.transfers.values()):
+            if now >= t.deadline and not t.done():
+                t.abort("the transfer passed its deadline")
+                reaped.append(t.request_id)
+        return reaped
+
+    def tell_abort(self, request_id: Any, reason: str) -> None:
+        """Tells the peer that this side gave the transfer up (best effort: it may be gone)."""
+        try:
+            self.transport.send_control(
+                {"kind": "abort", "request_id": request_id, "reason": reason}
+            )
+        except Exception:
+            pass  # the peer is gone or the channel broke: it learns from the teardown instead
+
+    def give_up(self, lease: Lease, reason: str, return_blocks: Callable[[], None]) -> None:
+        """Ends a failed transfer on this side: tell the peer, tear the transport down, wait
+        for queued work, return the blocks (exactly once)."""
+        self.tell_abort(lease.request_id, reason)
+        self.transport.abort()
+        self.mover.synchronize()
+        if self.leases.end(lease):
+            return_blocks()
 
     def _control(self, what: str, request_id: Any, timeout: float | None = None) -> dict:
         try:
@@ -82,45 +213,57 @@ class Transfer:
     def __init__(
         self,
         endpoint: _Endpoint,
-        request_id: int,
+        lease: Lease,
         completion: Any,
-        on_success: Any,
-        on_failure: Any,
+        on_success: Callable[[], None],
+        on_failure: Callable[[], None],
     ) -> None:
-        self._endpoint, self.request_id = endpoint, request_id
+        self._endpoint, self.request_id = endpoint, lease.request_id
+        self.lease = lease
         self._completion = completion
         self._on_success, self._on_failure = on_success, on_failure
         self.state = "in_flight"  # -> "done" | "failed"
+        endpoint.transfers[self.request_id] = self
+
+    @property
+    def deadline(self) -> float:
+        return self.lease.deadline
 
     def done(self) -> bool:
         if self.state == "in_flight" and self._completion.done():
             self.state = "done"
-            self._on_success()
+            self._endpoint.transfers.pop(self.request_id, None)
+            if self._endpoint.leases.end(self.lease):
+                self._on_success()
         return self.state == "done"
 
     def wait(self, timeout: float | None = None) -> None:
-        """Blocks until done; raises TransferError (after cleaning up) if the peer dies or
-        ``timeout`` (default: the endpoint's) passes first."""
+        """Blocks until done; raises TransferError (after cleaning up) if the peer dies, the
+        transfer's deadline passes or ``timeout`` (if given) passes first."""
         if self.state == "failed":
             raise _error(f"transfer of request {self.request_id} failed", self.request_id)
-        limit = self._endpoint.timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + limit
+        clock = self._endpoint.clock
+        limit = self.deadline if timeout is None else min(self.deadline, clock() + timeout)
         while not self.done():
             # A peer that finished and closed is not a failure if this side is done too.
             if not self._endpoint.transport.peer_alive() and not self.done():
                 self.fail(f"the peer died during the transfer of request {self.request_id}")
-            if time.monotonic() > deadline:
-                self.fail(
-                    f"the transfer of request {self.request_id} did not complete within {limit} s"
-                )
+            if clock() > limit:
+                self.fail(f"the transfer of request {self.request_id} passed its deadline")
             time.sleep(_POLL_S)
+
+    def abort(self, reason: str = "aborted by the caller") -> None:
+        """Gives the transfer up unless its completion was already seen (``done()`` returned
+        True): the peer is told, the transport torn down, the blocks returned (the receiver
+        frees them, even if the bytes had landed; the sender keeps them). No raise."""
+        if self.state == "in_flight":
+            self.state = "failed"
+            self._endpoint.transfers.pop(self.request_id, None)
+            self._endpoint.give_up(self.lease, reason, self._on_failure)
 
     def fail(self, reason: str) -> None:
         """Abort the transport, wait for the queued work to end, clean up, raise."""
-        self.state = "failed"
-        self._endpoint.transport.abort()
-        self._endpoint.mover.synchronize()
-        self._on_failure()
+        self.abort(reason)
         raise _error(reason, self.request_id)
 
 
@@ -130,7 +273,11 @@ class KvSender:
     mode: "staged" (gather into staging chunks of ``chunk_bytes``, one send per chunk,
     pipelined), "grouped" (one send per run of blocks contiguous on both sides, in one group;
     no staging) or "auto" (the receiver picks grouped when the blocks form at most
-    ``movers.AUTO_MAX_RUNS`` such runs, staged otherwise)."""
+    ``movers.AUTO_MAX_RUNS`` such runs, staged otherwise). ``timeout_s`` bounds the wait for
+    the receiver's answer and, from its accept on, the whole data phase (the lease's
+    deadline); ``clock`` is the monotonic clock deadlines are measured on; ``leases`` a book
+    shared with other endpoints over the same tables (one per pool, so its invariant sees every
+    transfer), a new one by default."""
 
     def __init__(
         self,
@@ -140,19 +287,35 @@ class KvSender:
         mode: str = AUTO,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+        leases: LeaseBook | None = None,
     ) -> None:
         if mode not in (*MODES, AUTO):
             raise ValueError(f"mode must be one of {(*MODES, AUTO)}, got {mode!r}")
-        self._ep = _Endpoint(tables, transport, timeout_s)
+        self._ep = _Endpoint(tables, transport, timeout_s, clock, leases)
         self.mode = mode
         self.chunk_blocks = max(1, chunk_bytes // self._ep.pool.layout.block_bytes)
+
+    @property
+    def leases(self) -> LeaseBook:
+        """The leases of this side's transfers in flight (shared with the other endpoints
+        given the same book, so that one pool's invariant sees all of them)."""
+        return self._ep.leases
+
+    def reap_expired(self) -> list[int]:
+        """Gives up the live transfers past their deadline (see ``Transfer.abort``)."""
+        return self._ep.reap_expired()
+
+    def check_invariants(self) -> None:
+        """free + evictable + used + in_flight == total on the sending pool (leases.py)."""
+        self._ep.leases.check_invariants()
 
     def send(self, request_id: int, *, stream: Any = None, free_after: bool = True) -> Transfer:
         """Offers the request; once accepted, queues its data phase (reading the blocks after
         the work queued on ``stream``, the pool's stream by default) and returns the
         transfer. ``wait()`` on it frees the request's blocks here (``free_after``) once its
         sends completed. Raises TransferError, keeping the request, if the receiver refuses
-        or the transport fails."""
+        or the transport fails (an unusable answer is answered with an abort)."""
         ep = self._ep
         ids = np.asarray(ep.tables.blocks(request_id), dtype=np.int32)
         num_tokens = ep.tables.num_tokens(request_id)
@@ -174,22 +337,15 @@ class KvSender:
         reply = ep._control(
             f"waiting for the receiver's answer to request {request_id}", request_id
         )
-        if reply.get("kind") == "refuse":
-            raise _error(
-                f"the receiver refused request {request_id}: {reply.get('reason')}", request_id
-            )
-        if reply.get("kind") != "accept" or reply.get("request_id") != int(request_id):
-            raise _error(f"unexpected answer to request {request_id}: {reply}", request_id)
-        dst_ids = np.asarray(reply["dst_ids"], dtype=np.int32)
-        mode = reply.get("mode")
-        if mode not in MODES or len(dst_ids) != len(ids):
-            raise _error(
-                f"unexpected answer to request {request_id}: mode {mode!r}, "
-                f"{len(dst_ids)} blocks for {len(ids)}",
-                request_id,
-            )
+        answer = decode_accept(reply, int(request_id), len(ids))
+        if isinstance(answer, str):
+            if not (isinstance(reply, dict) and reply.get("kind") == "refuse"):
+                ep.tell_abort(request_id, answer)  # it may have allocated for an accept
+            raise _error(answer, request_id)
+        dst_ids, mode = answer
         pieces = plan_pieces(mode, ids, dst_ids, self.chunk_blocks)
         stream = ep.pool.stream if stream is None else stream
+        lease = ep.leases.take(int(request_id), ids, ep.clock() + ep.timeout_s, SEND)
 
         def keep() -> None:  # failure: the request stays, with its blocks
             pass
@@ -199,54 +355,86 @@ class KvSender:
                 ep.tables.free(request_id)
 
         try:
-            completion = ep.mover.send(ep.transport, ids, pieces, mode, stream)
+            if getattr(ep.transport, "one_sided", False):  # NIXL: the receiver reads
+                completion = ep.transport.serve_blocks(request_id, lease.deadline, ep.clock)  # type: ignore[attr-defined]
+            else:
+                completion = ep.mover.send(ep.transport, ids, pieces, mode, stream, lease.deadline)
         except Exception as e:  # a transport or launch error: nothing is freed here
-            ep.transport.abort()
-            ep.mover.synchronize()
+            ep.give_up(lease, f"{type(e).__name__}: {e}", keep)
             raise _error(
                 f"sending request {request_id}: {type(e).__name__}: {e}", request_id
             ) from e
-        return Transfer(ep, request_id, completion, release, keep)
+        return Transfer(ep, lease, completion, release, keep)
 
 
 class KvReceiver:
-    """Receives requests into ``tables`` (over the receiving pool) through ``transport``."""
+    """Receives requests into ``tables`` (over the receiving pool) through ``transport``.
+    ``timeout_s`` bounds each transfer from its accept to its last byte (the lease's
+    deadline): a peer that stays connected but sends nothing cannot hold blocks longer."""
 
     def __init__(
-        self, tables: BlockTables, transport: Transport, *, timeout_s: float = DEFAULT_TIMEOUT_S
+        self,
+        tables: BlockTables,
+        transport: Transport,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+        leases: LeaseBook | None = None,
     ) -> None:
-        self._ep = _Endpoint(tables, transport, timeout_s)
+        self._ep = _Endpoint(tables, transport, timeout_s, clock, leases)
+
+    @property
+    def leases(self) -> LeaseBook:
+        """The leases of this side's transfers in flight (shared with the other endpoints
+        given the same book, so that one pool's invariant sees all of them)."""
+        return self._ep.leases
+
+    def reap_expired(self) -> list[int]:
+        """Gives up the live transfers past their deadline (see ``Transfer.abort``)."""
+        return self._ep.reap_expired()
+
+    def check_invariants(self) -> None:
+        """free + evictable + used + in_flight == total on the receiving pool (leases.py)."""
+        self._ep.leases.check_invariants()
 
     def recv(self, *, stream: Any = None, timeout: float | None = None) -> Transfer:
-        """Waits for the next offer, checks it, allocates the request's blocks, accepts and
-        queues the data phase; work queued on ``stream`` (the pool's stream by default)
-        afterwards sees the KV. Raises TransferError, with nothing allocated, on a refused
-        offer (which the sender is told about) or a dead peer."""
+        """Waits (``timeout``, default ``timeout_s``) for the next offer, checks it whole,
+        allocates the request's blocks, accepts and queues the data phase; work queued on
+        ``stream`` (the pool's stream by default) afterwards sees the KV. Raises
+        TransferError, with nothing allocated, on a refused or malformed offer (which the
+        sender is told about), a dead or silent peer or a passed deadline."""
         ep = self._ep
-        offer = ep._control("waiting for an offer", None, timeout)
-        # Untrusted (from the peer): tables.add validates it; a bad one refuses the offer.
-        request_id: Any = offer.get("request_id")
-        reason = self._check(offer)
-        if reason is None:
+        message = ep._control("waiting for an offer", None, timeout)
+        offer = decode_offer(message, ep.pool.layout)
+        request_id: Any = message.get("request_id") if isinstance(message, dict) else None
+        reason = offer if isinstance(offer, str) else None
+        if isinstance(offer, Offer):
             try:
-                ep.tables.add(request_id, offer["num_tokens"])
-            except (KvError, TypeError) as e:  # a TypeError: a request id of the wrong type
+                ep.tables.add(offer.request_id, offer.num_tokens)
+            except (KvError, TypeError) as e:
                 reason = f"{type(e).__name__}: {e}"
-        if reason is not None:
+        if reason is not None or not isinstance(offer, Offer):
             try:
                 ep.transport.send_control(
-                    {"kind": "refuse", "request_id": request_id, "reason": reason}
+                    {"kind": "refuse", "request_id": _json_safe(request_id), "reason": reason}
                 )
-            except (PeerGone, OSError):
+            except Exception:
                 pass  # the sender is gone; the refusal stands anyway
-            raise _error(f"refused request {request_id}: {reason}", request_id)
+            raise _error(f"refused request {request_id!r}: {reason}", request_id)
+        request_id = offer.request_id
         dst_ids = np.asarray(ep.tables.blocks(request_id), dtype=np.int32)
-        src_ids = np.asarray(offer["src_ids"], dtype=np.int32)
 
         def release() -> None:
             ep.tables.free(request_id)
 
-        mode = resolve_mode(offer["mode"], src_ids, dst_ids)
+        try:
+            lease = ep.leases.take(request_id, dst_ids, ep.clock() + ep.timeout_s, RECV)
+        except TransferError:
+            release()
+            raise
+        one_sided = getattr(ep.transport, "one_sided", False)
+        # A one-sided transport reads runs contiguous on both sides in place: no staging.
+        mode = GROUPED if one_sided else resolve_mode(offer.mode, offer.src_ids, dst_ids)
         try:
             ep.transport.send_control(
                 {
@@ -256,37 +444,25 @@ class KvReceiver:
                     "mode": mode,
                 }
             )
-            pieces = plan_pieces(mode, src_ids, dst_ids, offer["chunk_blocks"])
+            pieces = plan_pieces(mode, offer.src_ids, dst_ids, offer.chunk_blocks)
             stream = ep.pool.stream if stream is None else stream
-            completion = ep.mover.recv(ep.transport, dst_ids, pieces, mode, stream)
+            if one_sided:
+                completion = ep.transport.read_blocks(  # type: ignore[attr-defined]
+                    request_id, offer.src_ids, dst_ids, pieces, lease.deadline, ep.clock
+                )
+            else:
+                completion = ep.mover.recv(
+                    ep.transport, dst_ids, pieces, mode, stream, lease.deadline
+                )
         except Exception as e:
-            ep.transport.abort()
-            ep.mover.synchronize()
-            release()
+            why = "passed its deadline" if isinstance(e, TimeoutError) else "failed"
+            ep.give_up(lease, f"the receiver's transfer {why}: {e}", release)
             raise _error(
-                f"receiving request {request_id}: {type(e).__name__}: {e}", request_id
+                f"receiving request {request_id} {why}: {type(e).__name__}: {e}", request_id
             ) from e
-        return Transfer(ep, request_id, completion, lambda: None, release)
+        return Transfer(ep, lease, completion, lambda: None, release)
 
-    def _check(self, offer: dict) -> str | None:
-        """Why an offer cannot be accepted, or None."""
-        ep = self._ep
-        if offer.get("kind") != "offer" or offer.get("version") != PROTOCOL_VERSION:
-            return f"not an offer of protocol version {PROTOCOL_VERSION}: {offer.get('kind')!r}"
-        mismatch = layout_mismatch(offer.get("layout", {}), layout_fingerprint(ep.pool.layout))
-        if mismatch:
-            return mismatch
-        if offer.get("mode") not in (*MODES, AUTO):
-            return f"unknown mode {offer.get('mode')!r}"
-        bs = ep.pool.layout.block_size
-        num_tokens, src_ids = offer.get("num_tokens"), offer.get("src_ids")
-        if (
-            not isinstance(num_tokens, int)
-            or num_tokens < 0
-            or not isinstance(src_ids, list)
-            or len(src_ids) != -(-num_tokens // bs)
-        ):
-            return f"{len(src_ids or [])} blocks offered for {num_tokens} tokens"
-        if not isinstance(offer.get("chunk_blocks"), int) or offer["chunk_blocks"] < 1:
-            return "chunk_blocks must be a positive int"
-        return None
+
+def _json_safe(value: Any) -> Any:
+    """A peer's value echoed back in a control message: kept when JSON carries it as is."""
+    return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)

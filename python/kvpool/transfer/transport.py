@@ -7,6 +7,11 @@ A transport joins two endpoints (one per process, each on its GPU) with two chan
 - a *data* channel that moves device buffers: ``send``/``recv`` of ``nbytes`` at a device
   address, queued on a CUDA stream (or done at once for host memory). Sends and receives
   are matched in order and by size, as NCCL point-to-point operations are.
+
+``deadline`` (a time on the transfer's clock, ``time.monotonic`` unless the transport was made
+with another) bounds a data call that completes on the host: a host transport raises
+TimeoutError once it passes instead of waiting on a silent peer forever. A device transport
+only queues the operation; the deadline of its transfer is enforced by ``Transfer.wait``.
 """
 
 from __future__ import annotations
@@ -34,10 +39,14 @@ class Transport:
         """False once the control channel has reached end-of-file (the peer exited)."""
         raise NotImplementedError
 
-    def send(self, ptr: int, nbytes: int, stream: int | None) -> None:
+    def send(
+        self, ptr: int, nbytes: int, stream: int | None, deadline: float | None = None
+    ) -> None:
         raise NotImplementedError
 
-    def recv(self, ptr: int, nbytes: int, stream: int | None) -> None:
+    def recv(
+        self, ptr: int, nbytes: int, stream: int | None, deadline: float | None = None
+    ) -> None:
         raise NotImplementedError
 
     @contextlib.contextmanager

@@ -1,0 +1,223 @@
+"""NixlTransport: the data phase through NIXL (UCX inside: RDMA, shared memory, TCP), the
+control channel the TCP connection of the NCCL transport (nccl.py: same rendezvous, same
+framed JSON messages, end-of-file as a dead peer).
+
+NIXL is one-sided, so this transport does not pair sends with receives as the Transport
+interface does; it is ``one_sided`` and the protocol (protocol.py) asks it instead to
+``read_blocks`` (receiver) and ``serve_blocks`` (sender):
+
+- at connect, each side registers its pool's slab once and sends a ``nixl_hello`` control
+  message: its agent's metadata, the slab's base address and size in blocks. Each side adds
+  the other's agent.
+- the offer and the accept carry the block-id lists as for any transport; the receiver then
+  READs the sender's blocks into its own, one descriptor per run of blocks contiguous on both
+  sides (pieces.py's grouped pieces: a fresh pool's request is one descriptor), and tells the
+  sender ``{"kind": "done"}``; the sender's transfer completes on that message.
+
+Why the receiver pulls (READ) rather than the sender pushing (WRITE): the side whose blocks
+are written must own the completion. With WRITE, a receiver that gives up at its deadline
+frees blocks that a late write may still land in after they were reused; with READ, the
+receiver ends its own transfer before freeing, and a sender that never hears ``done`` keeps
+its blocks (nothing is corrupted, they were only read).
+
+Host pools only (NIXL's DRAM segments); a CUDA pool would register VRAM the same way but has
+not been run here. ``load_nixl()`` imports the ``nixl`` module (the ``nixl`` meta package) or
+the ``nixl_cu13`` / ``nixl_cu12`` one that the wheels of those names install.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import os
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvpool._core import Pool, TransferError
+from kvpool.transfer.movers import Done
+from kvpool.transfer.nccl import NcclTransport, rendezvous_control
+from kvpool.transfer.transport import PeerGone, Transport
+
+_POLL_S = 0.0002
+
+
+def load_nixl() -> Any:
+    """The NIXL Python module; raises ImportError (naming the wheels) if none is installed."""
+    for name in ("nixl", "nixl_cu13", "nixl_cu12"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "nixl_agent"):
+            return module
+    raise ImportError("NIXL is not installed: pip install 'kvpool[nixl]' (nixl-cu13)")
+
+
+def run_descriptors(base: int, block_bytes: int, ids: np.ndarray, pieces: list) -> np.ndarray:
+    """NIXL's Nx3 descriptor array ``(address, bytes, device 0)``, one row per piece."""
+    rows = np.zeros((len(pieces), 3), np.uint64)
+    for row, (start, count) in enumerate(pieces):
+        rows[row] = (base + int(ids[start]) * block_bytes, count * block_bytes, 0)
+    return rows
+
+
+class NixlTransport(Transport):
+    """Two processes' host pools joined by NIXL; make one with ``connect``."""
+
+    one_sided = True
+
+    def __init__(
+        self, control: NcclTransport, nixl: Any, agent: Any, pool: Pool, hello: dict
+    ) -> None:
+        self._control, self._nixl, self.agent, self.pool = control, nixl, agent, pool
+        self.block_bytes = pool.layout.block_bytes
+        self.remote_name = hello["agent"]
+        self.remote_base = int(hello["base_ptr"])
+        self.remote_num_blocks = int(hello["num_blocks"])
+        self.descriptor_counts: list[int] = []  # per transfer this side initiated
+        self._notes: list[dict] = []  # control messages read while waiting for "done"
+
+    @classmethod
+    def connect(
+        cls,
+        rank: int,
+        rendezvous: str | os.PathLike,
+        pool: Pool,
+        *,
+        host: str = "127.0.0.1",
+        timeout: float = 120.0,
+    ) -> NixlTransport:
+        """Joins the two processes (blocks until both have called it); registers the pool's
+        slab with NIXL once for the transport's life."""
+        if rank not in (0, 1):
+            raise ValueError(f"rank must be 0 or 1, got {rank!r}")
+        if str(pool.device) != "host":
+            raise TransferError("NixlTransport moves host pools only (NIXL DRAM segments)")
+        nixl = load_nixl()
+        sock, _ = rendezvous_control(rank, rendezvous, lambda: [], host=host, timeout=timeout)
+        control = NcclTransport(None, None, sock, rank, 0)  # its control channel only
+        name = f"kvpool-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
+        nbytes = pool.num_blocks * pool.layout.block_bytes
+        agent.register_memory([(pool.base_ptr, nbytes, 0, "")], "DRAM")
+        control.send_control(
+            {
+                "kind": "nixl_hello",
+                "agent": name,
+                "metadata": base64.b64encode(agent.get_agent_metadata()).decode(),
+                "base_ptr": pool.base_ptr,
+                "num_blocks": pool.num_blocks,
+                "block_bytes": pool.layout.block_bytes,
+            }
+        )
+        hello = control.recv_control(timeout)
+        if hello.get("kind") != "nixl_hello" or hello.get("block_bytes") != pool.layout.block_bytes:
+            raise TransferError(f"the peer's NIXL hello does not match this pool: {hello}")
+        agent.add_remote_agent(base64.b64decode(hello["metadata"]))
+        return cls(control, nixl, agent, pool, hello)
+
+    # -- control channel (the NCCL transport's) ------------------------------------------
+    def send_control(self, message: dict) -> None:
+        self._control.send_control(message)
+
+    def recv_control(self, timeout: float | None) -> dict:
+        if self._notes:
+            return self._notes.pop(0)
+        return self._control.recv_control(timeout)
+
+    def peer_alive(self) -> bool:
+        return self._control.peer_alive()
+
+    # -- one-sided data phase ---------------------------------------------------------------
+    def read_blocks(
+        self,
+        request_id: int,
+        src_ids: np.ndarray,
+        dst_ids: np.ndarray,
+        pieces: list,
+        deadline: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> Done:
+        """Receiver: READs the sender's ``src_ids`` into this pool's ``dst_ids`` (one
+        descriptor per piece), then tells the sender. Raises TimeoutError past ``deadline``,
+        PeerGone if NIXL reports an error."""
+        if len(src_ids) and int(src_ids.max()) >= self.remote_num_blocks:
+            raise TransferError(
+                f"the offer's source ids reach block {int(src_ids.max())}; the sender's pool "
+                f"has {self.remote_num_blocks}"
+            )
+        self.descriptor_counts.append(len(pieces))
+        if pieces:
+            local = run_descriptors(self.pool.base_ptr, self.block_bytes, dst_ids, pieces)
+            remote = run_descriptors(self.remote_base, self.block_bytes, src_ids, pieces)
+            self.move(local, remote, "READ", deadline, clock)
+        self.send_control({"kind": "done", "request_id": request_id})
+        return Done()
+
+    def move(
+        self,
+        local: np.ndarray,
+        remote: np.ndarray,
+        op: str,
+        deadline: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """One NIXL transfer of descriptor arrays (Nx3) between this pool and the peer's."""
+        agent = self.agent
+        handle = agent.initialize_xfer(
+            op,
+            agent.get_xfer_descs(local, "DRAM"),
+            agent.get_xfer_descs(remote, "DRAM"),
+            self.remote_name,
+        )
+        try:
+            state = agent.transfer(handle)
+            while state == "PROC":
+                if clock() >= deadline:
+                    raise TimeoutError("the NIXL transfer did not complete before the deadline")
+                time.sleep(_POLL_S)
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise PeerGone(f"the NIXL transfer failed (state {state})")
+        finally:
+            agent.release_xfer_handle(handle)
+
+    def serve_blocks(
+        self, request_id: int, deadline: float, clock: Callable[[], float] = time.monotonic
+    ) -> Done:
+        """Sender: waits until the receiver says it has read the request's blocks. Raises
+        TimeoutError past ``deadline``, PeerGone on the receiver's abort or death."""
+        while True:
+            left = deadline - clock()
+            if left <= 0:
+                raise TimeoutError("the receiver did not finish reading before the deadline")
+            try:
+                message = self._control.recv_control(min(left, 1.0))
+            except TimeoutError:
+                continue
+            kind = message.get("kind")
+            if message.get("request_id") == request_id and kind == "done":
+                return Done()
+            if message.get("request_id") == request_id and kind == "abort":
+                raise PeerGone(f"the receiver gave the transfer up: {message.get('reason')}")
+            self._notes.append(message)  # a later offer's answer: kept for recv_control
+
+    def send(
+        self, ptr: int, nbytes: int, stream: int | None, deadline: float | None = None
+    ) -> None:
+        raise TransferError("NixlTransport is one-sided: the protocol calls read_blocks")
+
+    def recv(
+        self, ptr: int, nbytes: int, stream: int | None, deadline: float | None = None
+    ) -> None:
+        raise TransferError("NixlTransport is one-sided: the protocol calls read_blocks")
+
+    def abort(self) -> None:
+        self._control.abort()  # closes the control connection: the peer sees end-of-file
+
+    def close(self) -> None:
+        self._control.close()
