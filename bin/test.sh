@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs kvpool with its test dependencies into ./.venv and runs every test that needs no
-# GPU: formatting, Rust unit/property/stress tests, clippy, loom model checks, ruff, mypy and
-# pytest (with the stub check).
+# Builds kvpool's manylinux_2_17 x86_64 wheel (tools/build_wheels.sh), installs it with the
+# test and transformers extras into ./.venv and runs every test that needs no GPU: formatting,
+# Rust unit/property/stress tests, clippy, loom model checks, ruff, mypy and pytest (with the
+# stub check) against the installed wheel, not the source tree.
 # GPU tests (marker `gpu`) skip themselves here; run them on a GPU machine with
 # bench/gpu.sh (see bench/README.md).
 set -euo pipefail
@@ -10,7 +11,23 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
-python -m pip install -q '.[test]'
+
+echo "== wheel (tools/build_wheels.sh: release build, manylinux_2_17 x86_64, auditwheel check)"
+wheel_start=$SECONDS
+rm -rf target/ci-dist
+bash tools/build_wheels.sh -o target/ci-dist x86_64
+wheel=$(ls target/ci-dist/kvpool-*_x86_64.whl)
+echo "the wheel took $((SECONDS - wheel_start)) s"
+
+echo "== install $(basename "$wheel") with its test and transformers extras"
+# The transformers extra is PyPI's torch, whose Linux wheel brings its CUDA libraries (about
+# 4.5 GB installed; about a minute from pip's cache): tests/test_transformers_cpu.py needs torch
+# but no GPU, and tests/test_install.py fails if it is missing rather than letting it skip.
+install_start=$SECONDS
+python -m pip install -q "$wheel[test,transformers]"
+# This build, even over an installed one of the same version (a rerun in the same .venv).
+python -m pip install -q --force-reinstall --no-deps "$wheel"
+echo "the install took $((SECONDS - install_start)) s"
 
 echo "== formatting (rustfmt.toml, [tool.ruff] in pyproject.toml)"
 cargo fmt --all -- --check
@@ -67,5 +84,5 @@ ruff check tests python bench tools
 echo "== mypy (python/kvpool; settings in pyproject.toml)"
 mypy
 
-echo "== pytest"
-python -m pytest -q tests
+echo "== pytest (against the installed wheel: tests/test_install.py checks that it is)"
+KVPOOL_TEST_WHEEL=1 python -m pytest -q tests

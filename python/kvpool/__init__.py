@@ -47,6 +47,20 @@ from kvpool.kernels import (
 )
 from kvpool.tp import PoolGroup
 
+
+def _installed_version() -> str:
+    """The installed distribution's version. maturin writes Cargo.toml's [workspace.package]
+    version into the wheel's metadata, so the Python and the Rust halves of a build agree."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvpool")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "0+unknown"
+
+
+__version__ = _installed_version()
+
 __all__ = [
     "MAX_NUM_BLOCKS",
     "AllBlocksCleared",

@@ -178,6 +178,7 @@ MAX_TURNS = 1000
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvpool", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {kvpool.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "simulate",
@@ -303,8 +304,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=_int_in(0, 2**63 - 1), default=None, help="generator seed (default: 0)"
     )
     s = p.add_argument_group("scheduler")
-    s.add_argument("--policy", default="fcfs", choices=sorted(POLICIES))
-    s.add_argument("--max-running-seqs", type=_int_in(1), default=256)
+    s.add_argument(
+        "--policy",
+        default="fcfs",
+        choices=sorted(POLICIES),
+        help="which waiting request is admitted next and which running one is preempted "
+        "when blocks run out: fcfs (earliest arrival admitted, latest preempted), priority "
+        "(lowest priority value admitted, highest preempted), lru (least recently scheduled "
+        "first, both ways), lfu (fewest steps run first, both ways)",
+    )
+    s.add_argument(
+        "--max-running-seqs",
+        type=_int_in(1),
+        default=256,
+        help="most requests in one batch (running at once); also the rows of the block table",
+    )
     s.add_argument(
         "--max-tokens-per-step",
         type=_int_in(1),

@@ -56,7 +56,8 @@ def write_png(report: dict[str, Any], out_dir: Path, dpi: int = 110) -> Path:
     for name, result in report["results"].items():
         s = result["series"]
         util = np.array([np.nan if u is None else u for u in s["kv_utilization"]], dtype=float)
-        ax_util.plot(s["time_s"], util, label=name, color=colors.get(name), lw=1.2)
+        label = f"{name} (shared blocks once per request)" if name == CACHED else name
+        ax_util.plot(s["time_s"], util, label=label, color=colors.get(name), lw=1.2)
         ax_run.plot(s["time_s"], s["running"], label=name, color=colors.get(name), lw=1.2)
     model = report["model"]
     ax_util.set_title(
@@ -75,7 +76,8 @@ def write_png(report: dict[str, Any], out_dir: Path, dpi: int = 110) -> Path:
         ),
         default=1,
     )
-    ax_util.set_ylim(0, max(1.05, 1.05 * peak))  # above 1 with prefix caching: shared blocks
+    # Above 1 only for the prefix-caching curve, whose shared blocks count once per request.
+    ax_util.set_ylim(0, max(1.05, 1.05 * peak))
     ax_run.set_ylabel("running requests")
     if cached is not None:
         s = cached["series"]
@@ -114,7 +116,16 @@ def _gib(x: float) -> str:
     return f"{x / 2**30:.2f} GiB"
 
 
+UTILIZATION_LABEL = "KV utilization (tokens stored / slots allocated)"
+# With prefix caching a block holds its tokens once for every request that shares it, and the
+# result's kv_utilization counts them once per request, so it passes 1 when many requests share
+# a prefix. That figure is not a utilization, so the utilization row shows "-" for the
+# caching run and this row, present only with caching, shows the figure under its own name
+# (for the runs without sharing it equals the utilization).
+PER_REQUEST_LABEL = "request tokens / slots allocated (shared blocks once per request)"
+
 CACHE_ROWS = (
+    (PER_REQUEST_LABEL, "kv_utilization", "{:.3f}"),
     ("prefix hit rate (tokens)", "prefix_hit_rate", "{:.3f}"),
     ("prefill tokens", "prefill_tokens", "{:,}"),
     ("TTFT mean (modelled)", "ttft_mean_s", "{:.2f} s"),
@@ -126,7 +137,7 @@ ROWS = (
     ("steps", "steps", "{:,}"),
     ("mean concurrency", "mean_running", "{:.1f}"),
     ("peak concurrency", "peak_running", "{:,}"),
-    ("KV utilization", "kv_utilization", "{:.3f}"),
+    (UTILIZATION_LABEL, "kv_utilization", "{:.3f}"),
     ("mean wasted KV", "mean_wasted_kv_bytes", _gib),
     ("preemptions", "preemptions", "{:,}"),
     ("tokens / step", "tokens_per_step", "{:.1f}"),
@@ -159,7 +170,9 @@ COLUMNS = {
 }
 
 
-def _cell(result: dict[str, Any], key: str, fmt: Any) -> str:
+def _cell(result: dict[str, Any], key: str, fmt: Any, label: str) -> str:
+    if label == UTILIZATION_LABEL and result.get("kv_utilization_note") is not None:
+        return "-"  # shared blocks: the figure is PER_REQUEST_LABEL's, not a utilization
     if key.startswith("host_tier."):
         counts = result.get("host_tier")
         name = key.removeprefix("host_tier.")
@@ -184,7 +197,7 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
         + (HOST_TIER_ROWS if "paged_host_tier" in report["results"] else ())
         + (CACHE_ROWS if CACHED in report["results"] else ())
     )
-    rows = [(label, *(_cell(r, key, fmt) for r in results)) for label, key, fmt in rows_spec]
+    rows = [(label, *(_cell(r, key, fmt, label) for r in results)) for label, key, fmt in rows_spec]
     if "measured_decode" in paged and "measured_decode" in contiguous:
         rows.append(
             (
@@ -200,15 +213,30 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
     return rows
 
 
+def table_title(report: dict[str, Any]) -> str:
+    """Names every column the table compares, in column order."""
+    names = " vs ".join(COLUMNS.get(name, name) for name in report["results"])
+    return f"kvpool simulate: {names} (same KV memory)"
+
+
+def skipped_line(report: dict[str, Any]) -> str | None:
+    """For a trace workload: how many of its rows the reader left out, and why (None for a
+    generated workload)."""
+    w = report["workload"]
+    if w.get("kind") != "trace":
+        return None
+    too_long, failed = w.get("skipped_too_long", 0), w.get("skipped_failed", 0)
+    return (
+        f"trace rows skipped: {too_long + failed:,} ({too_long:,} longer than max_model_len "
+        f"{report['scheduler']['max_model_len']:,}, {failed:,} failed: no response tokens)"
+    )
+
+
 def print_table(report: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     cached = CACHED in report["results"]
-    table = Table(
-        title="kvpool simulate: paged vs contiguous"
-        + (" vs paged with prefix caching" if cached else "")
-        + " (same KV memory)"
-    )
+    table = Table(title=table_title(report), caption=skipped_line(report))
     table.add_column("")
     for name in report["results"]:
         table.add_column(COLUMNS.get(name, name), justify="right")
@@ -217,23 +245,41 @@ def print_table(report: dict[str, Any], console: Any) -> None:
     console.print(table)
     c = report["comparison"]
     console.print(
-        f"paged serves [bold]{c['mean_concurrency_ratio']:.2f}x[/bold] the mean concurrency of contiguous "
-        f"reservation at KV utilization [bold]{c['paged_kv_utilization']:.3f}[/bold]."
+        f"paged serves [bold]{ratio_text(c['mean_concurrency_ratio'])}x[/bold] the mean concurrency of "
+        f"contiguous reservation at KV utilization [bold]{c['paged_kv_utilization']:.3f}[/bold]."
     )
     if "host_tier_comparison" in report:
         console.print(host_tier_line(report))
     if cached:
-        pc = report["prefix_caching"]
-        console.print(
-            f"prefix caching: hit rate [bold]{pc['hit_rate_tokens']:.3f}[/bold] of prompt tokens, "
-            f"{pc['prefill_tokens_saved']:,} prefill tokens saved ({pc['prefill_tokens_saved_fraction']:.1%}), "
-            f"throughput x{pc['modelled_throughput_ratio']:.2f}, TTFT mean x{pc['ttft_mean_ratio']:.2f}, "
-            f"peak concurrency x{pc['peak_concurrency_ratio']:.2f} against caching off."
-        )
+        console.print(prefix_caching_line(report))
     console.print(
         f"time: {report['timing']['decode_attention']}; simulated clock is modelled "
         f"({report['timing']['model']['hardware']})."
     )
+
+
+def prefix_caching_line(report: dict[str, Any]) -> str:
+    """One sentence: what prefix caching changed against paged without it."""
+    pc = report["prefix_caching"]
+    return (
+        f"prefix caching: hit rate [bold]{pc['hit_rate_tokens']:.3f}[/bold] of prompt tokens, "
+        f"{pc['prefill_tokens_saved']:,} prefill tokens saved ({pc['prefill_tokens_saved_fraction']:.1%}), "
+        f"throughput x{ratio_text(pc['modelled_throughput_ratio'])}, "
+        f"TTFT mean x{ratio_text(pc['ttft_mean_ratio'])}, "
+        f"peak concurrency x{ratio_text(pc['peak_concurrency_ratio'])} against caching off."
+    )
+
+
+def ratio_text(x: float | None) -> str:
+    """A ratio for the summary lines: two decimals from 1 up, three significant digits below
+    (a TTFT that fell 500-fold reads x0.00200, not x0.00); "-" where it is undefined."""
+    if x is None:
+        return "-"
+    if not math.isfinite(x):
+        return "inf" if x > 0 else "nan"
+    if abs(x) >= 1 or x == 0:
+        return f"{x:,.2f}"
+    return f"{x:.3g}"
 
 
 def host_tier_line(report: dict[str, Any]) -> str:
@@ -245,10 +291,7 @@ def host_tier_line(report: dict[str, Any]) -> str:
         f"{h['preemptions_by_swap']:,} preemptions by swap, {h['preemptions_by_recompute']:,} by recompute "
         f"({h['recomputed_because_tier_full']:,} with the tier full); "
         f"{h['recomputed_tokens_saved']:,} recomputed tokens saved, {_gib(h['swapped_bytes'])} copied; "
-        f"throughput x{_ratio(h['modelled_throughput_ratio'])}, TTFT mean x{_ratio(h['ttft_mean_ratio'])}, "
-        f"latency mean x{_ratio(h['latency_mean_ratio'])} against paged without a tier."
+        f"throughput x{ratio_text(h['modelled_throughput_ratio'])}, "
+        f"TTFT mean x{ratio_text(h['ttft_mean_ratio'])}, "
+        f"latency mean x{ratio_text(h['latency_mean_ratio'])} against paged without a tier."
     )
-
-
-def _ratio(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"
