@@ -95,11 +95,12 @@ def test_a_bad_scale_is_refused_before_a_launch(scale):
 
 @pytest.mark.parametrize("stream", [1, "x", 2.5])
 def test_a_bad_stream_is_refused_as_on_a_host_pool(stream):
+    # Neither an int, a str nor a float is a stream (no __cuda_stream__): a TypeError.
     b = Batch(4)
     out = poisoned(b.q.shape, "float16")
-    with pytest.raises(ERR, match="stream"):
+    with pytest.raises(TypeError, match="stream"):
         paged_attention_decode(b.q, b.pool, 0, b.bt, b.sl, out=out, stream=stream, max_seq_len=40)
-    with pytest.raises(ERR, match="stream"):
+    with pytest.raises(TypeError, match="stream"):
         prefill_plan(b.pool, b.indptr, b.bt, b.lens, 4, stream=stream)
     _untouched(out, "float16")
 

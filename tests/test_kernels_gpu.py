@@ -381,8 +381,11 @@ def test_decode_more_argument_errors_and_empty_batch():
     err = kvpool.InvalidArgumentError
     with pytest.raises(err, match="seq_lens"):
         paged_attention_decode(q, pool, 0, tables, np.array([20], np.int32), max_seq_len=20)
-    for layer in (1, -1, 0.5, "0"):
+    for layer in (1, -1):
         with pytest.raises(err, match="layer"):
+            paged_attention_decode(q, pool, layer, tables, lens, max_seq_len=20)
+    for layer in (0.5, "0"):  # a wrong type: TypeError, as everywhere in the API
+        with pytest.raises(TypeError, match="layer"):
             paged_attention_decode(q, pool, layer, tables, lens, max_seq_len=20)
     for out in (
         cp.zeros((1, 2, 32), cp.float16),
@@ -454,9 +457,11 @@ def test_append_kv_argument_errors():
     k = device_elems(rng, (3, 2, 64), "float16")
     slots = cp.asarray(np.array([0, 5, 17], np.int64))
     err = kvpool.InvalidArgumentError
-    for layer in (1, -1, 0.5):
+    for layer in (1, -1):
         with pytest.raises(err, match="layer"):
             append_kv(k, k, pool, layer, slots)
+    with pytest.raises(TypeError, match="layer"):  # a wrong type
+        append_kv(k, k, pool, 0.5, slots)
     with pytest.raises(err, match="element type"):
         append_kv(k.astype(cp.float32), k, pool, 0, slots)
     with pytest.raises(err, match="element type"):
