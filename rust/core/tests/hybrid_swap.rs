@@ -10,6 +10,7 @@ use kvpool_core::block_copy::CopyMethod;
 use kvpool_core::hybrid::{HybridHostTier, HybridTables, ModelKvSpec, RequestPage};
 use kvpool_core::pool::{PoolGeometry, PoolSize};
 use kvpool_core::tables::BlockTables;
+use kvpool_core::tier::SwapStats;
 use kvpool_core::{CoreError, Device, GrowableSize, Pool};
 
 #[path = "common/hybrid.rs"]
@@ -35,6 +36,26 @@ fn setup(num_pages: usize) -> HybridTables {
 
 fn host_tier(tables: &HybridTables, num_pages: usize) -> HybridHostTier {
     HybridHostTier::new(tables, PoolSize::NumBlocks(num_pages), CopyMethod::Auto).unwrap()
+}
+
+/// `tier.swap_out` with no stream (a CUDA pool's copies are then ordered on its own).
+fn swap_out(
+    tier: &mut HybridHostTier,
+    t: &mut HybridTables,
+    ids: &[u64],
+) -> Result<SwapStats, CoreError> {
+    // SAFETY: no stream is given, so there is none that must be live.
+    unsafe { tier.swap_out(t, ids, None) }
+}
+
+/// `tier.swap_in` with no stream, as `swap_out`.
+fn swap_in(
+    tier: &mut HybridHostTier,
+    t: &mut HybridTables,
+    ids: &[u64],
+) -> Result<SwapStats, CoreError> {
+    // SAFETY: no stream is given, so there is none that must be live.
+    unsafe { tier.swap_in(t, ids, None) }
 }
 
 /// A page's bytes, through the host slab.
@@ -128,11 +149,9 @@ fn a_growable_pool_of_pages_grows_under_hybrid_tables_and_swaps() {
     let before = request_bytes(&t, 1);
     let shape_before = shape(&t.request_pages(1).unwrap());
     let mut tier = host_tier(&t, 64);
-    // SAFETY: host pools: no stream.
-    unsafe { tier.swap_out(&mut t, &[1], None) }.unwrap();
+    swap_out(&mut tier, &mut t, &[1]).unwrap();
     tier.check_invariants(&t).unwrap();
-    // SAFETY: as above.
-    unsafe { tier.swap_in(&mut t, &[1], None) }.unwrap();
+    swap_in(&mut tier, &mut t, &[1]).unwrap();
     tier.check_invariants(&t).unwrap();
     assert_eq!(shape(&t.request_pages(1).unwrap()), shape_before);
     assert!(request_bytes(&t, 1) == before, "other bytes after the swap");
@@ -233,8 +252,7 @@ fn a_swap_moves_every_groups_bytes_out_and_back_exactly() {
     let moved: usize = before[0].len() + before[2].len();
     // Pages 1 holds alone (2 keeps its reference to the shared ones) and all of 3's.
     let shared_with_2 = before[0].iter().filter(|p| before[1].contains(p)).count();
-    // SAFETY: host pools: no stream.
-    let stats = unsafe { tier.swap_out(&mut t, &[1, 3], None) }.unwrap();
+    let stats = swap_out(&mut tier, &mut t, &[1, 3]).unwrap();
     assert_eq!((stats.num_requests, stats.num_blocks), (2, moved));
     // One copy per run of consecutive source pages (the host pool was empty, so its
     // destinations are consecutive).
@@ -272,8 +290,7 @@ fn a_swap_moves_every_groups_bytes_out_and_back_exactly() {
     t.add(4, 13).unwrap();
     tier.check_invariants(&t).unwrap();
 
-    // SAFETY: host pools: no stream.
-    let stats = unsafe { tier.swap_in(&mut t, &[3, 1], None) }.unwrap();
+    let stats = swap_in(&mut tier, &mut t, &[3, 1]).unwrap();
     assert_eq!((stats.num_requests, stats.num_blocks), (2, moved));
     assert!(tier.is_empty() && t.contains(1) && t.contains(3));
     assert_eq!(tier.host_pool().num_used(), 0);
@@ -304,25 +321,24 @@ fn a_failed_swap_changes_nothing() {
     // Host tier too small for request 1.
     let mut small = host_tier(&t, pages_of_1 - 1);
     let before = snapshot(&t, &small, &[1, 2]);
-    // SAFETY: host pools: no stream.
-    let err = unsafe { small.swap_out(&mut t, &[2, 1], None) }.err().unwrap();
+    let err = swap_out(&mut small, &mut t, &[2, 1]).err().unwrap();
     assert!(matches!(err, CoreError::HostTierFull { .. }), "{err}");
     assert_eq!(snapshot(&t, &small, &[1, 2]), before);
     small.check_invariants(&t).unwrap();
     drop(small);
 
     let mut tier = host_tier(&t, 64);
-    // SAFETY: host pools: no stream (every call below).
-    unsafe { tier.swap_out(&mut t, &[1], None) }.unwrap();
+    swap_out(&mut tier, &mut t, &[1]).unwrap();
     let ids = [1, 2, 3, 5];
     let before = snapshot(&t, &tier, &ids);
     let refusals: Vec<(&str, Result<_, CoreError>)> = vec![
-        ("swap out a swapped request", unsafe { tier.swap_out(&mut t, &[2, 1], None) }),
-        ("swap out an unknown request", unsafe { tier.swap_out(&mut t, &[2, 5], None) }),
-        ("swap out twice in a call", unsafe { tier.swap_out(&mut t, &[2, 2], None) }),
-        ("swap in a device request", unsafe { tier.swap_in(&mut t, &[1, 2], None) }),
-        ("swap in an unknown request", unsafe { tier.swap_in(&mut t, &[5], None) }),
-        ("swap in twice in a call", unsafe { tier.swap_in(&mut t, &[1, 1], None) }),
+        ("swap out a swapped request", swap_out(&mut tier, &mut t, &[2, 1])),
+        ("swap out an unknown request", swap_out(&mut tier, &mut t, &[2, 5])),
+        ("swap out twice in a call", swap_out(&mut tier, &mut t, &[2, 2])),
+        ("swap in a device request", swap_in(&mut tier, &mut t, &[1, 2])),
+        ("swap in an unknown request", swap_in(&mut tier, &mut t, &[5])),
+        ("swap in twice in a call", swap_in(&mut tier, &mut t, &[1, 1])),
+        // SAFETY: the stream is refused before anything uses it (a host pool takes none).
         ("a stream on a host pool", unsafe { tier.swap_in(&mut t, &[1], Some(1)) }),
     ];
     for (what, result) in refusals {
@@ -330,11 +346,11 @@ fn a_failed_swap_changes_nothing() {
         assert_eq!(snapshot(&t, &tier, &ids), before, "{what}");
     }
     assert!(matches!(
-        unsafe { tier.swap_in(&mut t, &[2], None) },
+        swap_in(&mut tier, &mut t, &[2]),
         Err(CoreError::WrongTier { request_id: 2, tier: "device", .. })
     ));
     assert!(matches!(
-        unsafe { tier.swap_out(&mut t, &[1], None) },
+        swap_out(&mut tier, &mut t, &[1]),
         Err(CoreError::WrongTier { request_id: 1, tier: "host", .. })
     ));
     assert!(matches!(tier.free(&t, 2), Err(CoreError::WrongTier { .. })));
@@ -343,13 +359,13 @@ fn a_failed_swap_changes_nothing() {
     // Tables over another pool (or of another model) are refused.
     let mut other = setup(64);
     other.add(1, 3).unwrap();
-    let err = unsafe { tier.swap_in(&mut other, &[1], None) }.err().unwrap();
+    let err = swap_in(&mut tier, &mut other, &[1]).err().unwrap();
     assert!(matches!(err, CoreError::InvalidArgument(m) if m.contains("not the ones")));
 
     // The id added again while swapped out: its swap-in is refused.
     t.add(1, 2).unwrap();
     let before = snapshot(&t, &tier, &ids);
-    let err = unsafe { tier.swap_in(&mut t, &[1], None) }.err().unwrap();
+    let err = swap_in(&mut tier, &mut t, &[1]).err().unwrap();
     assert!(matches!(err, CoreError::DuplicateRequest { request_id: 1 }), "{err}");
     assert_eq!(snapshot(&t, &tier, &ids), before);
     t.free(1).unwrap();
@@ -366,7 +382,7 @@ fn a_failed_swap_changes_nothing() {
     assert!(t.pool().num_free() < pages_of_1);
     let ids: Vec<u64> = (1..filler).collect();
     let before = snapshot(&t, &tier, &ids);
-    let err = unsafe { tier.swap_in(&mut t, &[1], None) }.err().unwrap();
+    let err = swap_in(&mut tier, &mut t, &[1]).err().unwrap();
     assert!(matches!(err, CoreError::OutOfBlocks { .. }), "{err}");
     assert_eq!(snapshot(&t, &tier, &ids), before);
     tier.check_invariants(&t).unwrap();
@@ -379,8 +395,7 @@ fn freeing_or_dropping_the_tier_returns_every_host_page() {
     t.add(2, 17).unwrap();
     t.add(3, 2).unwrap();
     let mut tier = host_tier(&t, 64);
-    // SAFETY: host pools: no stream.
-    unsafe { tier.swap_out(&mut t, &[1, 2], None) }.unwrap();
+    swap_out(&mut tier, &mut t, &[1, 2]).unwrap();
     let host_pool = tier.host_pool().clone();
     let pages_of_1 = tier.swapped(1).unwrap().pages.len();
     let used = host_pool.num_used();
@@ -400,4 +415,69 @@ fn freeing_or_dropping_the_tier_returns_every_host_page() {
     t.check_invariants().unwrap();
     t.free(3).unwrap();
     assert_eq!(t.pool().num_used(), 0);
+}
+
+/// The same round trip on a CUDA device pool (pinned host tier, copies on the tier's copy
+/// stream): ignored without a GPU; on one,
+/// `cargo test -p kvpool-core --test hybrid_swap -- --ignored`.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_swap_on_a_cuda_pool_moves_every_groups_bytes_out_and_back_exactly() {
+    use cudarc::driver::result::{memcpy_dtoh_sync, memcpy_htod_sync};
+
+    let spec = mixed_spec();
+    let pool = Arc::new(Pool::new(&spec, PoolSize::NumBlocks(160), Device::Cuda(0)).unwrap());
+    kvpool_core::driver::bind(pool.device_context().unwrap().context()).unwrap();
+    let mut t = HybridTables::new(pool.clone(), spec).unwrap();
+    t.add(1, 9).unwrap();
+    t.append(1, 14).unwrap();
+    t.add(2, 30).unwrap();
+    let device_page = |page: u32| {
+        let mut bytes = vec![0u8; PAGE_BYTES];
+        // SAFETY: `page` is in range (block_ptr checked it): PAGE_BYTES of the pool's slab.
+        unsafe { memcpy_dtoh_sync(&mut bytes, pool.block_ptr(page).unwrap()) }.unwrap();
+        bytes
+    };
+    let write_device_page = |page: u32, seed: u32| {
+        let bytes: Vec<u8> =
+            (0..PAGE_BYTES as u32).map(|o| (seed.wrapping_mul(2_654_435_761) ^ o) as u8).collect();
+        // SAFETY: as in `device_page`; no copy of the tier touches this page meanwhile.
+        unsafe { memcpy_htod_sync(pool.block_ptr(page).unwrap(), &bytes) }.unwrap();
+    };
+    for r in [1, 2] {
+        for p in t.request_pages(r).unwrap() {
+            write_device_page(p.page_id, p.page_id * 31 + 5);
+        }
+    }
+    let before: Vec<_> = [1, 2].iter().map(|&r| t.request_pages(r).unwrap()).collect();
+    let bytes: Vec<Vec<Vec<u8>>> =
+        before.iter().map(|pages| pages.iter().map(|p| device_page(p.page_id)).collect()).collect();
+    let mut tier = host_tier(&t, 160);
+    swap_out(&mut tier, &mut t, &[1, 2]).unwrap();
+    tier.wait().unwrap();
+    assert_eq!(tier.num_pending(), (0, 0));
+    tier.check_invariants(&t).unwrap();
+    for (i, &r) in [1u64, 2].iter().enumerate() {
+        let host: Vec<_> = tier
+            .swapped(r)
+            .unwrap()
+            .pages
+            .iter()
+            .map(|p| page_bytes(tier.host_pool(), p.page_id))
+            .collect();
+        assert!(host == bytes[i], "request {r}: the host pages hold other bytes");
+    }
+    for page in 0..pool.num_blocks() as u32 {
+        write_device_page(page, 0xdead_beef ^ page);
+    }
+    swap_in(&mut tier, &mut t, &[2, 1]).unwrap();
+    tier.wait().unwrap();
+    tier.check_invariants(&t).unwrap();
+    for (i, &r) in [1u64, 2].iter().enumerate() {
+        let after = t.request_pages(r).unwrap();
+        assert_eq!(shape(&after), shape(&before[i]));
+        let device: Vec<_> = after.iter().map(|p| device_page(p.page_id)).collect();
+        assert!(device == bytes[i], "request {r}: other bytes after the swap");
+    }
 }
