@@ -19,11 +19,10 @@ use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 
 use kvpool_core::hybrid::{HybridTables, ModelKvSpec};
 use kvpool_core::pool::PoolSize;
-use kvpool_core::{CoreError, DType, Device, KvLayout, Pool};
+use kvpool_core::{CoreError, Device, Pool};
 
 #[path = "common/hybrid.rs"]
 mod hybrid_common;
-use hybrid_common::PAGE_BYTES;
 
 const NUM_PAGES: usize = 48;
 const NUM_IDS: u64 = 4;
@@ -347,9 +346,9 @@ struct Coverage {
 }
 
 fn check_run(ops: &[Op], coverage: &mut Coverage) -> Result<(), TestCaseError> {
-    let carrier = KvLayout::new(1, 1, PAGE_BYTES / 4, 1, DType::Float16).unwrap();
-    let pool = Arc::new(Pool::new(carrier, PoolSize::NumBlocks(NUM_PAGES), Device::Host).unwrap());
-    let mut tables = HybridTables::new(pool, mixed_spec()).unwrap();
+    let spec = mixed_spec();
+    let pool = Arc::new(Pool::new(&spec, PoolSize::NumBlocks(NUM_PAGES), Device::Host).unwrap());
+    let mut tables = HybridTables::new(pool, spec).unwrap();
     let mut model = Model::default();
     for op in ops {
         let before = snapshot(&tables);

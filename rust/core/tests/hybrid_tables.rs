@@ -12,7 +12,6 @@ use kvpool_core::{CoreError, DType, Device, KvLayout, Pool};
 
 #[path = "common/hybrid.rs"]
 mod hybrid_common;
-use hybrid_common::PAGE_BYTES;
 
 const FULL: usize = 0;
 const WINDOW: usize = 1;
@@ -28,11 +27,11 @@ fn mixed_spec() -> ModelKvSpec {
     hybrid_common::mixed_spec(WINDOW_SIZE, CHUNK)
 }
 
-/// A host pool of `num_pages` pages of `PAGE_BYTES` (its layout only sets the block bytes).
+/// A host pool of `num_pages` pages of `PAGE_BYTES`, made from the spec.
 fn setup(num_pages: usize) -> HybridTables {
-    let carrier = KvLayout::new(1, 1, PAGE_BYTES / 4, 1, DType::Float16).unwrap();
-    let pool = Arc::new(Pool::new(carrier, PoolSize::NumBlocks(num_pages), Device::Host).unwrap());
-    HybridTables::new(pool, mixed_spec()).unwrap()
+    let spec = mixed_spec();
+    let pool = Arc::new(Pool::new(&spec, PoolSize::NumBlocks(num_pages), Device::Host).unwrap());
+    HybridTables::new(pool, spec).unwrap()
 }
 
 /// Everything a call could change: every table of the given requests, and the pool.

@@ -4,10 +4,9 @@
 //! The slab, the free list, growth and the copy engines only ever need a block's bytes, so a
 //! pool of pages works on every backend (host, CUDA, growable) exactly as a pool of layout
 //! blocks does. What differs is the view: only a layout pool has one `KvLayout` to cut a
-//! block into layers and K/V, so [`Pool::layout`] refuses on a pool of pages, and a
+//! block into layers and K/V, so `Pool::layout` refuses on a pool of pages, and a
 //! per-layer view of a group's pages comes from the spec (its offsets inside a page).
 
-use super::Pool;
 use crate::error::CoreError;
 use crate::layout::{KvLayout, BLOCK_ALIGN_BYTES};
 
@@ -69,23 +68,5 @@ impl PoolGeometry {
 impl From<KvLayout> for PoolGeometry {
     fn from(layout: KvLayout) -> Self {
         PoolGeometry(Blocks::Layout(layout))
-    }
-}
-
-impl Pool {
-    /// What this pool's blocks are.
-    pub fn geometry(&self) -> &PoolGeometry {
-        &self.geometry
-    }
-
-    /// Bytes of one block: the layout's block, or one page.
-    pub fn block_bytes(&self) -> usize {
-        self.geometry.block_bytes()
-    }
-
-    /// The layout of every block; refused (`InvalidLayout`) on a pool of a hybrid model's
-    /// pages, which has none.
-    pub fn layout(&self) -> Result<&KvLayout, CoreError> {
-        self.geometry.layout()
     }
 }
