@@ -5,7 +5,6 @@
 use kvpool_core::CoreError;
 
 use crate::errors::PyKvError;
-use crate::pool::PyPool;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -68,8 +67,11 @@ impl CudaStream {
 pub struct DeviceArray {
     /// The `BlockTables` whose device copy this is (kept alive by the array).
     owner: Py<PyAny>,
-    /// The pool whose kernels may read it: the tables' pool, or the mirror it was synced to.
+    /// The pool whose kernels may read it: the tables' pool, or the mirror it was synced to
+    /// (kept alive by the array; the core pool beside it answers device questions without
+    /// this module depending on the binding's pool module).
     pool: Py<PyAny>,
+    core_pool: std::sync::Arc<kvpool_core::Pool>,
     ptr: u64,
     shape: Vec<usize>,
     stream: u64,
@@ -78,12 +80,13 @@ pub struct DeviceArray {
 impl DeviceArray {
     pub fn new(
         owner: Py<PyAny>,
-        pool: Py<PyAny>,
+        pool: (Py<PyAny>, std::sync::Arc<kvpool_core::Pool>),
         ptr: u64,
         shape: Vec<usize>,
         stream: u64,
     ) -> Self {
-        DeviceArray { owner, pool, ptr, shape, stream }
+        let (pool, core_pool) = pool;
+        DeviceArray { owner, pool, core_pool, ptr, shape, stream }
     }
 }
 
@@ -119,7 +122,6 @@ impl DeviceArray {
     ) -> PyResult<Py<PyAny>> {
         let py = slf.py();
         let this = slf.get();
-        let pool = this.pool.bind(py).cast::<PyPool>()?.clone();
         let consumer = match stream.filter(|s| !s.is_none()) {
             None => 1, // DLPack: no stream given means the legacy default stream
             Some(s) => {
@@ -137,7 +139,7 @@ impl DeviceArray {
         let shape: Vec<i64> = this.shape.iter().map(|&n| n as i64).collect();
         let export = crate::dlpack::Export {
             data: if this.shape.contains(&0) { 0 } else { this.ptr },
-            device: pool.get().inner.device(),
+            device: this.core_pool.device(),
             dtype: crate::dlpack::DlType::INT32,
             strides: crate::dlpack::contiguous_strides(&shape),
             shape,
@@ -155,17 +157,15 @@ impl DeviceArray {
         if consumer != -1 && consumer as u64 != this.stream {
             // SAFETY: DLPack's contract: a consumer passes a live stream of the array's device
             // (or 1 / 2, the driver's legacy and per-thread default streams, valid handles).
-            unsafe { wait_for_upload(&pool.get().inner, this.stream, consumer as u64) }
+            unsafe { wait_for_upload(&this.core_pool, this.stream, consumer as u64) }
                 .map_err(PyKvError)?;
         }
         Ok(capsule)
     }
 
     /// `(2, ordinal)`: CUDA memory of the pool's device.
-    fn __dlpack_device__(&self, py: Python<'_>) -> PyResult<(i32, i32)> {
-        let pool = self.pool.bind(py).cast::<PyPool>()?.clone();
-        let device = pool.get().inner.device();
-        Ok(crate::dlpack::dl_device(device))
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        crate::dlpack::dl_device(self.core_pool.device())
     }
     #[getter]
     fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {

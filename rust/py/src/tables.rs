@@ -391,16 +391,17 @@ fn device_arrays(
 ) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
     let py = slf.py();
     let owner = slf.clone().into_any().unbind();
+    let core_pool = pool.bind(py).cast::<crate::pool::PyPool>()?.get().inner.clone();
     let table = crate::stream::DeviceArray::new(
         owner.clone_ref(py),
-        pool.clone_ref(py),
+        (pool.clone_ref(py), core_pool.clone()),
         batch.block_table_ptr,
         vec![batch.num_seqs, batch.max_blocks_per_seq],
         batch.stream,
     );
     let seq_lens = crate::stream::DeviceArray::new(
         owner,
-        pool,
+        (pool, core_pool),
         batch.seq_lens_ptr,
         vec![batch.num_seqs],
         batch.stream,
