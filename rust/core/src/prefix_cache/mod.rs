@@ -297,6 +297,7 @@ impl PrefixCache {
             *slot = id;
         }
         idx.events.push(KvEvent::BlockRemoved {
+            group: 0,
             block_hashes: evicted.iter().map(|&(_, h)| h).collect(),
             medium: Medium::Pool,
         });
@@ -331,6 +332,7 @@ impl PrefixCache {
             self.cached[id as usize].store(false, Ordering::Release);
         }
         idx.events.push(KvEvent::BlockRemoved {
+            group: 0,
             block_hashes: evicted.iter().map(|&(_, h)| h).collect(),
             medium: Medium::Pool,
         });
@@ -379,6 +381,7 @@ impl PrefixCache {
                 }
                 _ => {
                     run = Some(KvEvent::BlockStored {
+                        group: 0,
                         block_hashes: vec![block.hash],
                         parent_block_hash: block.parent,
                         token_ids: block_tokens.to_vec(),
