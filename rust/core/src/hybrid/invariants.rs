@@ -17,6 +17,15 @@ impl HybridTables {
     /// num_used == #{b : refs(b) > 0}
     /// ```
     ///
+    /// and with prefix caching (`prefix.rs`):
+    ///
+    /// ```text
+    /// a cached page held by a table is cached for that table's group
+    /// a cached page no table holds has ref_cnt 0 (evictable); the pool caches exactly them
+    /// every key maps to a page that lists it, and back
+    /// num_free + sum over groups (used_g + evictable_g) == num_blocks
+    /// ```
+    ///
     /// Exact while the tables are the pool's only user and no other thread uses it.
     pub fn check_invariants(&self) -> Result<(), String> {
         let pool = self.pool();
@@ -81,6 +90,6 @@ impl HybridTables {
         if held != pool.num_used() {
             return Err(format!("tables hold {held} pages, the pool has {} used", pool.num_used()));
         }
-        Ok(())
+        self.check_prefix_invariants(&group_of)
     }
 }

@@ -9,12 +9,16 @@
 //! - `tables.rs`: [`HybridTables`], per request and per group the pages it holds: add,
 //!   append (window and chunk groups release what no query can see any more), fork
 //!   (copy on write), free.
+//! - `prefix.rs`: prefix caching across the groups (16-token chunk hashes, a hit every
+//!   group can serve, state checkpoints), over the pool's prefix cache.
 //! - `invariants.rs`: `HybridTables::check_invariants`, the equations tests check after
 //!   every call.
 
 mod invariants;
+mod prefix;
 mod spec;
 mod tables;
 
+pub use prefix::{GroupCacheStats, HybridAdd, HASH_CHUNK_TOKENS};
 pub use spec::{AttentionShape, GroupKind, KvGroup, ModelKvSpec, PageGeometry, StatePacking};
 pub use tables::{GroupTable, HybridTables, PageCopy};

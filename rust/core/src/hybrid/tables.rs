@@ -11,24 +11,28 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 
 use crate::error::CoreError;
+use crate::hybrid::prefix::{PrefixIndex, RequestHashes};
 use crate::hybrid::spec::{ModelKvSpec, PageGeometry};
 use crate::pool::Pool;
 
 /// One request's pages of one group: page `first_page + i` of the group's page sequence
 /// is `page_ids[i]` (for a state group, `first_page` is 0 and the ids are its slot).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-struct GroupPages {
-    first_page: usize,
-    page_ids: Vec<u32>,
+pub(super) struct GroupPages {
+    pub(super) first_page: usize,
+    pub(super) page_ids: Vec<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct RequestPages {
-    num_tokens: usize,
+pub(super) struct RequestPages {
+    pub(super) num_tokens: usize,
     /// The first position whose query has not run yet: the call that brought the request
     /// to `num_tokens` started there. Window groups keep what its query and later ones see.
-    next_query: usize,
-    groups: Vec<GroupPages>,
+    pub(super) next_query: usize,
+    pub(super) groups: Vec<GroupPages>,
+    /// The hash chain of its tokens, while they are all known and the pool caches
+    /// prefixes (`prefix.rs`).
+    pub(super) hashes: Option<RequestHashes>,
 }
 
 /// A copy-on-write page copy (whole page) that must run before the call's tokens are
@@ -66,9 +70,11 @@ impl GroupTable<'_> {
 /// Block tables of a hybrid model over one pool: each request has one table per group.
 /// The tables are meant to be the pool's only user (`check_invariants` counts on it).
 pub struct HybridTables {
-    pool: Arc<Pool>,
-    spec: ModelKvSpec,
-    requests: FxHashMap<u64, RequestPages>,
+    pub(super) pool: Arc<Pool>,
+    pub(super) spec: ModelKvSpec,
+    pub(super) requests: FxHashMap<u64, RequestPages>,
+    /// The keys of the cached pages, when the pool caches prefixes (`prefix.rs`).
+    pub(super) index: Option<PrefixIndex>,
 }
 
 /// One group's change in a planned call: which of its old pages it keeps, how many new
@@ -107,9 +113,10 @@ impl HybridTables {
                 spec.page_bytes()
             )));
         }
-        if pool.prefix_cache().is_some() {
+        if pool.has_prefix_host_tier() {
             return Err(CoreError::InvalidArgument(
-                "hybrid tables do not support prefix caching yet: give them a pool without it"
+                "hybrid tables do not spill cached pages to a host tier: give them a pool \
+                 without one"
                     .into(),
             ));
         }
@@ -121,7 +128,8 @@ impl HybridTables {
                 pool.max_num_blocks()
             )));
         }
-        Ok(HybridTables { pool, spec, requests: FxHashMap::default() })
+        let index = pool.prefix_cache().map(|cache| PrefixIndex::new(cache.hasher()));
+        Ok(HybridTables { pool, spec, requests: FxHashMap::default(), index })
     }
 
     pub fn pool(&self) -> &Arc<Pool> {
@@ -167,9 +175,10 @@ impl HybridTables {
             num_tokens: 0,
             next_query: 0,
             groups: vec![GroupPages::default(); self.spec.num_groups()],
+            hashes: None,
         };
         let plans = self.plan(&empty, num_tokens, 0)?;
-        let fresh = self.pool.alloc_many(total_fresh(&plans))?;
+        let fresh = self.alloc_pages(total_fresh(&plans))?;
         let mut request = empty;
         request.num_tokens = num_tokens;
         commit(&mut request, &plans, fresh);
@@ -181,7 +190,29 @@ impl HybridTables {
     /// and chunk groups release the pages no query from the first new token on can see. A
     /// shared page the new tokens write (a partly filled last page, a state slot) is copied
     /// first: the returned copies must run before the tokens are written.
+    ///
+    /// With a prefix-caching pool, this request's later pages are not cached (their tokens
+    /// are unknown); [`append_tokens`](Self::append_tokens) keeps caching them.
     pub fn append(&mut self, request_id: u64, count: usize) -> Result<Vec<PageCopy>, CoreError> {
+        self.append_impl(request_id, count, None)
+    }
+
+    /// [`append`](Self::append) of `token_ids`: with a prefix-caching pool, the pages they
+    /// fill are cached once they have run (at the request's next call).
+    pub fn append_tokens(
+        &mut self,
+        request_id: u64,
+        token_ids: &[u32],
+    ) -> Result<Vec<PageCopy>, CoreError> {
+        self.append_impl(request_id, token_ids.len(), Some(token_ids))
+    }
+
+    fn append_impl(
+        &mut self,
+        request_id: u64,
+        count: usize,
+        token_ids: Option<&[u32]>,
+    ) -> Result<Vec<PageCopy>, CoreError> {
         let request = self.request(request_id)?;
         let num_tokens = request.num_tokens.checked_add(count).ok_or_else(|| {
             CoreError::InvalidArgument(format!(
@@ -190,6 +221,9 @@ impl HybridTables {
             ))
         })?;
         let next_query = request.num_tokens;
+        // Every token so far has run: cache its pages before the window lets any go.
+        self.cache_ran(request_id, next_query);
+        let request = self.request(request_id)?;
         let plans = self.plan(request, num_tokens, next_query)?;
         // A copied page is released too: the other holders keep it.
         let released: Vec<u32> = plans
@@ -200,7 +234,7 @@ impl HybridTables {
                 plan.released(pages).chain(copied)
             })
             .collect();
-        let fresh = self.pool.alloc_many(total_fresh(&plans))?;
+        let fresh = self.alloc_pages(total_fresh(&plans))?;
         if let Err(e) = self.pool.free_many(&released) {
             // Ours alone (just allocated), so they go straight back.
             self.pool.free_many(&fresh).expect("returning pages just allocated");
@@ -211,6 +245,7 @@ impl HybridTables {
         request.num_tokens = num_tokens;
         request.next_query = next_query;
         commit(request, &plans, fresh);
+        self.hash_appended(request_id, token_ids);
         Ok(copies)
     }
 
@@ -238,7 +273,7 @@ impl HybridTables {
         self.requests.iter().map(|(&id, r)| (id, r.num_tokens, r.next_query))
     }
 
-    fn request(&self, request_id: u64) -> Result<&RequestPages, CoreError> {
+    pub(super) fn request(&self, request_id: u64) -> Result<&RequestPages, CoreError> {
         self.requests.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })
     }
 

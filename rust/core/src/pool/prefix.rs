@@ -197,3 +197,40 @@ impl Pool {
         Ok(())
     }
 }
+
+/// The pool's side of blocks cached for a caller with its own index
+/// (`prefix_cache/tagged.rs`; hybrid tables): the allocator is the pool's, so these calls
+/// pass it to the cache.
+impl Pool {
+    /// Takes one reference to each of `ids`, cached, distinct and below `MAX_REF_CNT`
+    /// references (evictable ones are revived). No-op without prefix caching.
+    pub(crate) fn acquire_cached(&self, ids: &[u32]) {
+        if let Some(cache) = &self.prefix_cache {
+            cache.acquire(&self.allocator, ids);
+            cache.raise_used_high_water(self.num_used());
+        }
+    }
+
+    /// Evicts up to `count` least recently used evictable blocks onto the free list, without
+    /// an event; returns them with their hashes.
+    pub(crate) fn evict_to_free(&self, count: usize) -> Vec<(u32, BlockHash)> {
+        match &self.prefix_cache {
+            Some(cache) => cache.evict_to_free(&self.allocator, count),
+            None => Vec::new(),
+        }
+    }
+
+    /// Evicts these cached blocks, the unreferenced ones, onto the free list, without an
+    /// event; returns the ones evicted with their hashes.
+    pub(crate) fn evict_blocks_to_free(&self, ids: &[u32]) -> Vec<(u32, BlockHash)> {
+        match &self.prefix_cache {
+            Some(cache) => cache.evict_blocks_to_free(&self.allocator, ids),
+            None => Vec::new(),
+        }
+    }
+
+    /// Whether the prefix cache has a second tier in host memory.
+    pub(crate) fn has_prefix_host_tier(&self) -> bool {
+        self.spill.is_some()
+    }
+}
