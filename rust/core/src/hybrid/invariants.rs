@@ -13,7 +13,7 @@ impl HybridTables {
     /// table(r, g) covers exactly live(r, g)        first page and length, every group
     /// refs(b) == ref_cnt(b)                        for every page b of the slab
     /// a page is held by one group only, at most once per table
-    /// num_free + num_used == num_blocks            and the pool's own invariants
+    /// num_free + num_evictable + num_used == num_blocks   and the pool's own invariants
     /// num_used == #{b : refs(b) > 0}
     /// ```
     ///
@@ -31,10 +31,11 @@ impl HybridTables {
         let pool = self.pool();
         pool.check_invariants()?;
         let num_blocks = pool.num_blocks();
-        if pool.num_free() + pool.num_used() != num_blocks {
+        if pool.num_free() + pool.num_evictable() + pool.num_used() != num_blocks {
             return Err(format!(
-                "num_free {} + num_used {} != num_blocks {num_blocks}",
+                "num_free {} + num_evictable {} + num_used {} != num_blocks {num_blocks}",
                 pool.num_free(),
+                pool.num_evictable(),
                 pool.num_used()
             ));
         }

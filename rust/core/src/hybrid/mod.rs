@@ -19,6 +19,8 @@ mod prefix;
 mod spec;
 mod tables;
 
+#[cfg(feature = "internals")]
+pub use prefix::mutation;
 pub use prefix::{GroupCacheStats, HybridAdd, HASH_CHUNK_TOKENS};
 pub use spec::{AttentionShape, GroupKind, KvGroup, ModelKvSpec, PageGeometry, StatePacking};
 pub use tables::{GroupTable, HybridTables, PageCopy};

@@ -28,6 +28,36 @@ use crate::hybrid::tables::{GroupPages, HybridTables, PageCopy, RequestPages};
 use crate::prefix_cache::{BlockHash, BlockHasher, KvEvent, Medium, PrefixCache};
 use crate::tables::PromptKey;
 
+/// Deliberate bugs the state machine test must catch (`internals` feature only: tests).
+#[cfg(feature = "internals")]
+pub mod mutation {
+    use std::cell::Cell;
+
+    /// A bug to switch on in this thread's hybrid tables.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Mutation {
+        /// A hit ignores state groups: no checkpoint needed, the slot starts fresh.
+        HitIgnoresStateCheckpoints,
+        /// Window and chunk pages that leave the window go to the free list, uncached.
+        WindowPagesReleasedUncached,
+        /// Keys ignore the group, and a hit takes a page whatever group cached it.
+        KeysIgnoreTheGroup,
+    }
+
+    thread_local! {
+        static ACTIVE: Cell<Option<Mutation>> = const { Cell::new(None) };
+    }
+
+    /// Switches `mutation` on (or every one off) for this thread.
+    pub fn set(mutation: Option<Mutation>) {
+        ACTIVE.with(|m| m.set(mutation));
+    }
+
+    pub(crate) fn on(mutation: Mutation) -> bool {
+        ACTIVE.with(|m| m.get() == Some(mutation))
+    }
+}
+
 /// Tokens per hashed chunk: hits are whole chunks, whatever each group's page size.
 pub const HASH_CHUNK_TOKENS: usize = 16;
 const CHUNK: usize = HASH_CHUNK_TOKENS;
@@ -162,6 +192,8 @@ impl PrefixIndex {
 /// `group` at the boundary whose chain hash is `chain`.
 fn chunk_key(hasher: &BlockHasher, group: usize, page: usize, chain: &BlockHash) -> BlockHash {
     let page = page as u64;
+    #[cfg(feature = "internals")]
+    let group = if mutation::on(mutation::Mutation::KeysIgnoreTheGroup) { 0 } else { group };
     hasher.block(chain, &[KEY_TAG, group as u32, page as u32, (page >> 32) as u32])
 }
 
@@ -320,10 +352,9 @@ impl HybridTables {
                  append_tokens); it has {t} tokens, {known} of them hashed in whole chunks"
             )));
         }
-        self.cache_ran(request_id, t);
-        let request = &self.requests[&request_id];
         let hashes = request.hashes.as_ref().expect("checked above");
-        let (at, lora_id) = (hashes.parent.expect("t > 0 is registered"), hashes.lora_id);
+        let at = hashes.chain_hash(t).expect("t is a known boundary");
+        let lora_id = hashes.lora_id;
         let slots: Vec<Vec<u32>> = request.groups.iter().map(|g| g.page_ids.clone()).collect();
         let pool = Arc::clone(&self.pool);
         let hasher = pool.prefix_cache().expect("checked above").hasher();
@@ -339,7 +370,11 @@ impl HybridTables {
             }
             wanted.push((g, keys));
         }
-        let fresh = self.alloc_pages(wanted.iter().map(|(_, keys)| keys.len()).sum())?;
+        let num_pages = wanted.iter().map(|(_, keys)| keys.len()).sum();
+        // Refused before anything changes, the cache included.
+        self.check_room(num_pages, 0)?;
+        self.cache_ran(request_id, t);
+        let fresh = self.alloc_pages(num_pages)?;
         let mut copies = Vec::with_capacity(fresh.len());
         let mut next = 0;
         for (g, keys) in &wanted {
@@ -395,6 +430,9 @@ impl HybridTables {
         let index = self.index.as_ref()?;
         let &page = index.keys.get(key)?;
         let entry = index.pages.get(&page)?;
+        #[cfg(feature = "internals")]
+        let group =
+            if mutation::on(mutation::Mutation::KeysIgnoreTheGroup) { entry.group } else { group };
         (entry.group == group
             && self.tag_is_live(page, &entry.tag)
             && self.pool.ref_cnt(page).is_ok_and(|rc| rc < crate::MAX_REF_CNT))
@@ -453,6 +491,10 @@ impl HybridTables {
         let mut hit = GroupHit::default();
         match *self.spec.geometry(g).ok()? {
             PageGeometry::State { pages_per_slot, .. } => {
+                #[cfg(feature = "internals")]
+                if mutation::on(mutation::Mutation::HitIgnoresStateCheckpoints) {
+                    return Some(hit);
+                }
                 for i in 0..pages_per_slot {
                     let page = self.live_page(&chunk_key(hasher, g, i, hash_at(h)), g)?;
                     hit.copied.push((i, page));
@@ -478,7 +520,7 @@ impl HybridTables {
 
     /// Refuses `count` new pages unless the free and the evictable pages (less `reviving`
     /// evictable pages the call is about to take) cover them.
-    fn check_room(&self, count: usize, reviving: usize) -> Result<(), CoreError> {
+    pub(super) fn check_room(&self, count: usize, reviving: usize) -> Result<(), CoreError> {
         let free = self.pool.num_free();
         let evictable = self.pool.num_evictable() - reviving;
         if count > free + evictable {
@@ -538,6 +580,16 @@ impl HybridTables {
                 block_hashes,
                 medium: Medium::Pool,
             });
+        }
+    }
+
+    /// The `WindowPagesReleasedUncached` mutation: takes the window and chunk pages an
+    /// append just released out of the cache at once.
+    #[cfg(feature = "internals")]
+    pub(super) fn mutation_uncache_released(&mut self, released: &[u32]) {
+        if self.index.is_some() && mutation::on(mutation::Mutation::WindowPagesReleasedUncached) {
+            let evicted = self.pool.evict_blocks_to_free(released);
+            self.forget_evicted(evicted);
         }
     }
 

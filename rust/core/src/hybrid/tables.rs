@@ -221,10 +221,14 @@ impl HybridTables {
             ))
         })?;
         let next_query = request.num_tokens;
+        let plans = self.plan(request, num_tokens, next_query)?;
+        if self.index.is_some() {
+            // Refused before anything changes, the cache included.
+            self.check_room(total_fresh(&plans), 0)?;
+        }
         // Every token so far has run: cache its pages before the window lets any go.
         self.cache_ran(request_id, next_query);
         let request = self.request(request_id)?;
-        let plans = self.plan(request, num_tokens, next_query)?;
         // A copied page is released too: the other holders keep it.
         let released: Vec<u32> = plans
             .iter()
@@ -240,12 +244,28 @@ impl HybridTables {
             self.pool.free_many(&fresh).expect("returning pages just allocated");
             return Err(e);
         }
+        #[cfg(feature = "internals")]
+        let window_released: Vec<u32> = plans
+            .iter()
+            .zip(&self.requests[&request_id].groups)
+            .enumerate()
+            .filter(|&(g, _)| {
+                matches!(
+                    self.spec.groups()[g].kind,
+                    crate::hybrid::GroupKind::SlidingWindow { .. }
+                        | crate::hybrid::GroupKind::ChunkedLocal { .. }
+                )
+            })
+            .flat_map(|(_, (plan, pages))| plan.released(pages).collect::<Vec<_>>())
+            .collect();
         let request = self.requests.get_mut(&request_id).expect("checked above");
         let copies = copy_list(request, &plans, &fresh);
         request.num_tokens = num_tokens;
         request.next_query = next_query;
         commit(request, &plans, fresh);
         self.hash_appended(request_id, token_ids);
+        #[cfg(feature = "internals")]
+        self.mutation_uncache_released(&window_released);
         Ok(copies)
     }
 
