@@ -520,7 +520,11 @@ impl HybridTables {
 
     /// Refuses `count` new pages unless the free and the evictable pages (less `reviving`
     /// evictable pages the call is about to take) cover them.
+    /// A growable pool is not refused here: its allocation grows when evicting is not enough.
     pub(super) fn check_room(&self, count: usize, reviving: usize) -> Result<(), CoreError> {
+        if self.pool.is_growable() {
+            return Ok(());
+        }
         let free = self.pool.num_free();
         let evictable = self.pool.num_evictable() - reviving;
         if count > free + evictable {
@@ -539,7 +543,7 @@ impl HybridTables {
     pub(super) fn alloc_pages(&mut self, count: usize) -> Result<Vec<u32>, CoreError> {
         if self.index.is_some() {
             self.check_room(count, 0)?;
-            let short = count.saturating_sub(self.pool.num_free());
+            let short = count.saturating_sub(self.pool.num_free()).min(self.pool.num_evictable());
             if short > 0 {
                 let evicted = self.pool.evict_to_free(short);
                 self.forget_evicted(evicted);
