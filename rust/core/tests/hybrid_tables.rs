@@ -361,3 +361,44 @@ fn window_pages_that_left_the_window_serve_a_shorter_hit() {
     t.check_invariants().unwrap();
     assert_eq!(t.pool().num_used(), 0);
 }
+
+#[test]
+fn kv_events_name_the_group_of_each_cached_chunk() {
+    use kvpool_core::prefix_cache::KvEvent;
+    // Full (21 a page), window 20 (5), state (2 pages), MLA (2), chunks of 24 (4); a pool
+    // that must evict to take a second request.
+    let mut t = caching(hybrid_common::cached_spec(20, 24, true), 60);
+    let pool = t.pool().clone();
+    let cache = pool.prefix_cache().unwrap();
+    cache.set_events_enabled(true);
+    let key = PromptKey::default();
+    let prompt: Vec<u32> = (0..32).collect();
+    t.add_request(1, &prompt, &key).unwrap();
+    assert!(cache.drain_events().is_empty(), "nothing is cached before it has run");
+    let copies = t.checkpoint(1).unwrap();
+    assert_eq!(copies.len(), 2, "the state slot's two pages");
+    let events = cache.drain_events();
+    let mut stored: Vec<(u32, usize)> = Vec::new();
+    for event in &events {
+        if let KvEvent::BlockStored { group, block_hashes, block_size, .. } = event {
+            assert_eq!(*block_size, 16);
+            stored.push((*group, block_hashes.len()));
+        }
+    }
+    // Both chunks for every token group (0, 1, 3, 4), one checkpoint for the state (2).
+    assert_eq!(stored, [(0, 2), (1, 2), (3, 2), (4, 2), (2, 1)]);
+    t.free(1).unwrap();
+    // A prompt sharing nothing needs more pages than are free: the tables evict and say so.
+    let other: Vec<u32> = (500..556).collect();
+    t.add_request(2, &other, &key).unwrap();
+    let removed: Vec<u32> = cache
+        .drain_events()
+        .iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockRemoved { group, .. } => Some(*group),
+            _ => None,
+        })
+        .collect();
+    assert!(!removed.is_empty(), "evicting cached pages is reported");
+    t.check_invariants().unwrap();
+}
