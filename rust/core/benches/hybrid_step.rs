@@ -4,6 +4,7 @@
 //!
 //! - `mixed`: gpt-oss-20b's layout through `HybridTables` (12 sliding-window-128 layers and
 //!   12 full layers, 16 tokens a page in each group), one `append` per request;
+//! - `mixed_batched`: the same tables, one `append_many` for the step;
 //! - `uniform_batched`: 24 full layers through `BlockTables`, one `append_tokens_many` for
 //!   the step (how a uniform engine calls it);
 //! - `uniform_per_request`: the same tables, one `append_tokens` per request (the mixed
@@ -117,6 +118,13 @@ fn bench(c: &mut Criterion) {
                 for &id in &ids {
                     black_box(t.append(id, 1).unwrap());
                 }
+            })
+        })
+    });
+    group.bench_function("mixed_batched", |b| {
+        b.iter_custom(|iters| {
+            time_steps(iters, build_mixed, |t| {
+                black_box(t.append_many(&ids, &ones, None).unwrap());
             })
         })
     });

@@ -402,3 +402,41 @@ fn kv_events_name_the_group_of_each_cached_chunk() {
     assert!(!removed.is_empty(), "evicting cached pages is reported");
     t.check_invariants().unwrap();
 }
+
+#[test]
+fn append_many_is_every_append_at_once() {
+    // The same calls on two tables, one append per request against one append_many.
+    let (mut one, mut many) = (setup(200), setup(200));
+    for t in [&mut one, &mut many] {
+        for (id, n) in [(1, 3), (2, 9), (3, 1)] {
+            t.add(id, n).unwrap();
+        }
+        t.fork(2, 4).unwrap();
+    }
+    let ids = [1, 2, 3, 4];
+    for step in 0..12 {
+        let counts = [1, step % 3, 5, 1];
+        let mut expected = Vec::new();
+        for (&id, &count) in ids.iter().zip(&counts) {
+            expected.extend(one.append(id, count).unwrap());
+        }
+        let copies = many.append_many(&ids, &counts, None).unwrap();
+        assert_eq!(copies.len(), expected.len(), "step {step}");
+        assert_eq!(snapshot(&many, &ids).len(), snapshot(&one, &ids).len());
+        for &id in &ids {
+            for g in 0..5 {
+                let (a, b) = (one.table(id, g).unwrap(), many.table(id, g).unwrap());
+                assert_eq!((a.first_page, a.page_ids.len()), (b.first_page, b.page_ids.len()));
+            }
+        }
+        assert_eq!(one.pool().num_free(), many.pool().num_free(), "step {step}");
+        many.check_invariants().unwrap();
+    }
+    // A repeated id, a count short, or a request unknown: refused, nothing changes.
+    let before = snapshot(&many, &ids);
+    assert!(many.append_many(&[1, 1], &[1, 1], None).is_err());
+    assert!(many.append_many(&[1, 2], &[1], None).is_err());
+    assert!(many.append_many(&[1, 9], &[1, 1], None).is_err());
+    assert!(many.append_many(&[1], &[1], Some(&[])).is_err());
+    assert_eq!(snapshot(&many, &ids), before);
+}

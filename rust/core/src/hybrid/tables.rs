@@ -269,6 +269,110 @@ impl HybridTables {
         Ok(copies)
     }
 
+    /// Appends `counts[i]` tokens to `request_ids[i]` for every `i` (distinct ids), or to
+    /// none of them: [`append`](Self::append) for a whole decode step, taking every new page
+    /// in one allocation and dropping every released one in one free. `token_ids`, when
+    /// given, are all requests' new ids concatenated in call order (as
+    /// [`append_tokens`](Self::append_tokens) takes them); without, the requests' later
+    /// pages are not cached. The returned copies must run before the tokens are written.
+    pub fn append_many(
+        &mut self,
+        request_ids: &[u64],
+        counts: &[usize],
+        token_ids: Option<&[u32]>,
+    ) -> Result<Vec<PageCopy>, CoreError> {
+        if request_ids.len() != counts.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "{} request ids but {} counts",
+                request_ids.len(),
+                counts.len()
+            )));
+        }
+        let total_tokens = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+        if let Some(ids) = token_ids {
+            if total_tokens != Some(ids.len()) {
+                return Err(CoreError::InvalidArgument(format!(
+                    "{} token ids for {total_tokens:?} tokens",
+                    ids.len()
+                )));
+            }
+        }
+        let mut sorted = request_ids.to_vec();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(CoreError::InvalidArgument(format!(
+                "request {} appears twice in one append_many",
+                w[0]
+            )));
+        }
+        let mut planned = Vec::with_capacity(request_ids.len());
+        let mut total = 0usize;
+        for (&request_id, &count) in request_ids.iter().zip(counts) {
+            let request = self.request(request_id)?;
+            let num_tokens = request.num_tokens.checked_add(count).ok_or_else(|| {
+                CoreError::InvalidArgument(format!(
+                    "request {request_id}: {} + {count} tokens overflow",
+                    request.num_tokens
+                ))
+            })?;
+            let plans = self.plan(request, num_tokens, request.num_tokens)?;
+            total = total.saturating_add(total_fresh(&plans));
+            planned.push((request.num_tokens, num_tokens, plans));
+        }
+        if self.index.is_some() {
+            self.check_room(total, 0)?;
+        }
+        for (&request_id, &(next_query, _, _)) in request_ids.iter().zip(&planned) {
+            self.cache_ran(request_id, next_query);
+        }
+        let mut released = Vec::new();
+        for (request_id, (_, _, plans)) in request_ids.iter().zip(&planned) {
+            let request = &self.requests[request_id];
+            for (plan, pages) in plans.iter().zip(&request.groups) {
+                released.extend(plan.released(pages));
+                released.extend(plan.copies.iter().map(|&i| pages.page_ids[plan.kept.start + i]));
+            }
+        }
+        // Requests sharing a page (forks) release it once each: one free per repeat, since a
+        // free takes each id once.
+        released.sort_unstable();
+        let mut rounds: Vec<Vec<u32>> = Vec::new();
+        for run in released.chunk_by(|a, b| a == b) {
+            for (k, &id) in run.iter().enumerate() {
+                if rounds.len() == k {
+                    rounds.push(Vec::new());
+                }
+                rounds[k].push(id);
+            }
+        }
+        let fresh = self.alloc_pages(total)?;
+        if let Some(first) = rounds.first() {
+            if let Err(e) = self.pool.free_many(first) {
+                self.pool.free_many(&fresh).expect("returning pages just allocated");
+                return Err(e);
+            }
+        }
+        for round in rounds.iter().skip(1) {
+            // The first round's ids were ours and valid; these are further references to them.
+            self.pool.free_many(round).expect("references the tables hold");
+        }
+        let mut copies = Vec::new();
+        let mut fresh = fresh.into_iter();
+        let mut offset = 0;
+        for (&request_id, (next_query, num_tokens, plans)) in request_ids.iter().zip(planned) {
+            let mine: Vec<u32> = fresh.by_ref().take(total_fresh(&plans)).collect();
+            let request = self.requests.get_mut(&request_id).expect("checked above");
+            copies.extend(copy_list(request, &plans, &mine));
+            request.num_tokens = num_tokens;
+            request.next_query = next_query;
+            commit(request, &plans, mine);
+            let count = num_tokens - next_query;
+            self.hash_appended(request_id, token_ids.map(|ids| &ids[offset..offset + count]));
+            offset += count;
+        }
+        Ok(copies)
+    }
+
     /// Adds `child_id` sharing every page of every group of `parent_id` (copy on write).
     pub fn fork(&mut self, parent_id: u64, child_id: u64) -> Result<(), CoreError> {
         let parent = self.request(parent_id)?;
