@@ -4,6 +4,7 @@
 mod dlpack;
 mod errors;
 mod hybrid;
+mod hybrid_spec;
 mod ids;
 mod int_array;
 mod kernel_sources;
@@ -30,8 +31,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<view::SlabView>()?;
     m.add_class::<tables::PyBlockTables>()?;
     m.add_class::<tier::PyHostTier>()?;
-    m.add_class::<hybrid::PyKvGroup>()?;
-    m.add_class::<hybrid::PyModelKvSpec>()?;
+    m.add_class::<hybrid_spec::PyKvGroup>()?;
+    m.add_class::<hybrid_spec::PyModelKvSpec>()?;
     m.add_class::<hybrid::PyHybridTables>()?;
     m.add_class::<hybrid::PyHybridHostTier>()?;
     m.add_class::<stream::CudaStream>()?;

@@ -184,7 +184,7 @@ impl PyPool {
     #[allow(clippy::too_many_arguments)] // one per keyword of the Python signature
     fn for_spec(
         py: Python<'_>,
-        spec: PyRef<'_, crate::hybrid::PyModelKvSpec>,
+        spec: PyRef<'_, crate::hybrid_spec::PyModelKvSpec>,
         num_blocks: Option<Int>,
         memory_bytes: Option<Int>,
         gpu_memory_utilization: Option<Fraction>,

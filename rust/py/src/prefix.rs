@@ -252,6 +252,7 @@ pub fn events_to_py(
                     block_size,
                     lora_id,
                     medium,
+                    ..
                 } => {
                     let medium = name(medium);
                     Py::new(
@@ -267,7 +268,7 @@ pub fn events_to_py(
                     )?
                     .into_any()
                 }
-                KvEvent::BlockRemoved { block_hashes, medium } => {
+                KvEvent::BlockRemoved { block_hashes, medium, .. } => {
                     Py::new(py, BlockRemoved { block_hashes, medium: name(medium) })?.into_any()
                 }
                 KvEvent::AllBlocksCleared => Py::new(py, AllBlocksCleared {})?.into_any(),

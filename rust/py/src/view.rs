@@ -166,7 +166,7 @@ impl PyPool {
         if pool.device() == Device::Host {
             // A NumPy array whose base is the view, which holds the pool alive; the subclass
             // knows the pool's dtype (bfloat16, float8) that NumPy holds as raw integers.
-            let dtype = pool.layout().dtype().name();
+            let dtype = layout.dtype().name();
             let wrap = py.import("kvpool._pool_array")?.getattr("pool_array")?;
             Ok(wrap.call1((view, dtype))?.unbind())
         } else {

@@ -5,7 +5,7 @@
 //! `max_num_blocks` blocks backed chunk by chunk). `base_ptr` never changes in either.
 //!
 //! - `geometry.rs`: what a block is: one `KvLayout`'s block, or a hybrid model's page of
-//!   fixed bytes (`PoolGeometry`); the layout and block bytes accessors.
+//!   fixed bytes (`PoolGeometry`); the pool's accessors of it are here.
 //! - `mod.rs`: construction, the block API (forwarded to the allocator; allocation grows a
 //!   growable pool), stats and invariants.
 //! - `growth.rs`: grow, shrink and the allocation slow path (design: `growable.md`).
@@ -30,7 +30,7 @@ mod views;
 
 #[cfg(feature = "cuda")]
 pub use device::DeviceContext;
-pub use geometry::PoolGeometry;
+pub use geometry::{PoolGeometry, PAGE_HASH_CHUNK_TOKENS};
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, Weak};
@@ -41,6 +41,7 @@ pub(crate) use spill::SpillTier;
 
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
+use crate::layout::KvLayout;
 use crate::prefix_cache::PrefixCache;
 use crate::slab::{self, ChunkBackend, Device, GrowableSlab, MemoryInfo, Slab};
 
@@ -503,6 +504,22 @@ impl Pool {
             }
         }
         Ok(())
+    }
+
+    /// What this pool's blocks are.
+    pub fn geometry(&self) -> &PoolGeometry {
+        &self.geometry
+    }
+
+    /// Bytes of one block: the layout's block, or one page.
+    pub fn block_bytes(&self) -> usize {
+        self.geometry.block_bytes()
+    }
+
+    /// The layout of every block; refused (`InvalidLayout`) on a pool of a hybrid model's
+    /// pages, which has none.
+    pub fn layout(&self) -> Result<&KvLayout, CoreError> {
+        self.geometry.layout()
     }
 
     pub fn device(&self) -> Device {

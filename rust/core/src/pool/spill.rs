@@ -160,7 +160,11 @@ impl SpillTarget for SpillTier {
             *slot = id;
         }
         if !dropped.is_empty() {
-            events.push(KvEvent::BlockRemoved { block_hashes: dropped, medium: Medium::HostTier });
+            events.push(KvEvent::BlockRemoved {
+                group: 0,
+                block_hashes: dropped,
+                medium: Medium::HostTier,
+            });
         }
         let runs: Vec<Run> = evicted
             .iter()
@@ -188,6 +192,7 @@ impl SpillTarget for SpillTier {
         }
         if !stored.is_empty() {
             events.push(KvEvent::BlockStored {
+                group: 0,
                 block_hashes: stored,
                 parent_block_hash: None,
                 token_ids: Vec::new(),
@@ -208,7 +213,11 @@ impl SpillTarget for SpillTier {
         let mut idx = self.lock();
         let hashes = host_ids.iter().map(|&id| idx.remove(id)).collect();
         idx.record_swap_in(host_ids.len());
-        events.push(KvEvent::BlockRemoved { block_hashes: hashes, medium: Medium::HostTier });
+        events.push(KvEvent::BlockRemoved {
+            group: 0,
+            block_hashes: hashes,
+            medium: Medium::HostTier,
+        });
     }
 
     /// Copies taken host blocks into pool blocks `device_ids` and frees them on the host: the

@@ -25,6 +25,10 @@ pub enum KvEvent {
     /// `token_ids` are the tokens of all of them, `block_size` per block. Blocks spilled to
     /// the host tier are reported as vLLM's CPU offloading reports them: no parent, no tokens.
     BlockStored {
+        /// The KV group the blocks belong to: 0 for a uniform pool's blocks; for hybrid
+        /// tables, the index of the model's group (`ModelKvSpec::groups`) whose pages hold
+        /// them. A router counts a prefix as cached only where every group holds it.
+        group: u32,
         block_hashes: Vec<BlockHash>,
         parent_block_hash: Option<BlockHash>,
         token_ids: Vec<u32>,
@@ -32,8 +36,9 @@ pub enum KvEvent {
         lora_id: Option<u64>,
         medium: Medium,
     },
-    /// These blocks left one tier of the cache (evicted for reuse, or moved to the other).
-    BlockRemoved { block_hashes: Vec<BlockHash>, medium: Medium },
+    /// These blocks of group `group` (as in `BlockStored`) left one tier of the cache
+    /// (evicted for reuse, or moved to the other).
+    BlockRemoved { group: u32, block_hashes: Vec<BlockHash>, medium: Medium },
     /// Every cached block was dropped, on both tiers (a reset).
     AllBlocksCleared,
 }

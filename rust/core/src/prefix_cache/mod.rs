@@ -32,6 +32,7 @@ pub mod index;
 pub mod lru;
 pub mod spill;
 pub mod stats;
+mod tagged;
 
 use std::sync::{Mutex, MutexGuard};
 
@@ -297,6 +298,7 @@ impl PrefixCache {
             *slot = id;
         }
         idx.events.push(KvEvent::BlockRemoved {
+            group: 0,
             block_hashes: evicted.iter().map(|&(_, h)| h).collect(),
             medium: Medium::Pool,
         });
@@ -331,6 +333,7 @@ impl PrefixCache {
             self.cached[id as usize].store(false, Ordering::Release);
         }
         idx.events.push(KvEvent::BlockRemoved {
+            group: 0,
             block_hashes: evicted.iter().map(|&(_, h)| h).collect(),
             medium: Medium::Pool,
         });
@@ -379,6 +382,7 @@ impl PrefixCache {
                 }
                 _ => {
                     run = Some(KvEvent::BlockStored {
+                        group: 0,
                         block_hashes: vec![block.hash],
                         parent_block_hash: block.parent,
                         token_ids: block_tokens.to_vec(),

@@ -157,6 +157,7 @@ fn eviction_when_free_list_runs_short_never_takes_a_hit() {
     assert_eq!(
         cache.drain_events(),
         vec![KvEvent::BlockRemoved {
+            group: 0,
             block_hashes: vec![hashes[3], hashes[2]],
             medium: Medium::Pool
         }]
@@ -248,6 +249,7 @@ fn evicted_blocks_spill_to_the_host_tier_and_come_back_on_a_hit() {
     assert_eq!(
         events[0],
         KvEvent::BlockRemoved {
+            group: 0,
             block_hashes: vec![hashes[2], hashes[1], hashes[0]],
             medium: Medium::Pool
         }
