@@ -48,8 +48,11 @@ fn swap_in(tier: &mut HybridHostTier, t: &mut HybridTables, ids: &[u64]) -> Resu
     Ok(())
 }
 
+/// A chunk hash with the group whose pages hold it.
+type GroupHash = (u32, BlockHash);
+
 /// The (group, chunk hash) pairs stored and removed by `events`.
-fn split_events(events: &[KvEvent]) -> (Vec<(u32, BlockHash)>, Vec<(u32, BlockHash)>) {
+fn split_events(events: &[KvEvent]) -> (Vec<GroupHash>, Vec<GroupHash>) {
     let (mut stored, mut removed) = (Vec::new(), Vec::new());
     for event in events {
         match event {
@@ -136,7 +139,7 @@ fn a_swap_in_short_of_free_pages_evicts_through_the_tables_or_changes_nothing() 
     }
     assert!(pool.num_free() + pool.num_evictable() >= needed, "the setup leaves room");
     let (stored, _) = split_events(&cache.drain_events());
-    let stored: HashSet<(u32, BlockHash)> = stored.into_iter().collect();
+    let stored: HashSet<GroupHash> = stored.into_iter().collect();
 
     swap_in(&mut tier, &mut t, &[1]).unwrap();
     tier.check_invariants(&t).unwrap();
