@@ -7,10 +7,11 @@ use std::sync::Arc;
 use kvpool_core::hybrid::{HybridTables, ModelKvSpec, PageCopy};
 use kvpool_core::layout::KvPart;
 use kvpool_core::pool::PoolSize;
-use kvpool_core::tables::BlockTables;
+use kvpool_core::tables::{BlockTables, PromptKey};
 use kvpool_core::{CoreError, DType, Device, KvLayout, Pool};
 
 #[path = "common/hybrid.rs"]
+#[allow(dead_code)] // The helpers of the caching tests.
 mod hybrid_common;
 
 const FULL: usize = 0;
@@ -195,18 +196,16 @@ fn new_refuses_a_pool_that_does_not_fit_the_model() {
     let err = HybridTables::new(pool(2, 5), mixed_spec()).err().unwrap();
     assert!(matches!(err, CoreError::InvalidLayout(m) if m.contains("needs 6 pages")));
     assert!(HybridTables::new(pool(2, 6), mixed_spec()).is_ok());
-    let cached = Arc::new(
-        Pool::new(
-            KvLayout::new(1, 1, 128, 2, DType::Float16).unwrap(),
-            PoolSize::NumBlocks(8),
-            Device::Host,
-        )
-        .unwrap()
-        .with_prefix_caching()
-        .unwrap(),
-    );
-    let err = HybridTables::new(cached, mixed_spec()).err().unwrap();
-    assert!(matches!(err, CoreError::InvalidArgument(m) if m.contains("prefix caching")));
+    // A prefix-caching pool is taken; one whose cache spills to a host tier is not.
+    let caching = |host_tier: bool| {
+        let layout = KvLayout::new(1, 1, 128, 2, DType::Float16).unwrap();
+        let pool = Pool::new(layout, PoolSize::NumBlocks(8), Device::Host).unwrap();
+        let pool = pool.with_prefix_caching().unwrap();
+        Arc::new(if host_tier { pool.with_prefix_host_tier(4).unwrap() } else { pool })
+    };
+    assert!(HybridTables::new(caching(false), mixed_spec()).unwrap().caches_prefixes());
+    let err = HybridTables::new(caching(true), mixed_spec()).err().unwrap();
+    assert!(matches!(err, CoreError::InvalidArgument(m) if m.contains("host tier")));
 }
 
 /// Writes `value` at `offset` of page `page` of a host pool.
@@ -317,4 +316,126 @@ fn a_uniform_model_takes_exactly_the_blocks_block_tables_take() {
         hybrid.check_invariants().unwrap();
     }
     assert!(succeeded > 100, "only {succeeded} calls succeeded");
+}
+
+/// A caching pool of `num_pages` pages under `spec`.
+fn caching(spec: ModelKvSpec, num_pages: usize) -> HybridTables {
+    let carrier = KvLayout::new(1, 1, PAGE_BYTES / 4, 1, DType::Float16).unwrap();
+    let pool = Pool::new(carrier, PoolSize::NumBlocks(num_pages), Device::Host).unwrap();
+    HybridTables::new(Arc::new(pool.with_prefix_caching().unwrap()), spec).unwrap()
+}
+
+#[test]
+fn window_pages_that_left_the_window_serve_a_shorter_hit() {
+    // Full (21 tokens a page), window 20 (5 a page), MLA (2), chunks of 24 (4): no state.
+    let mut t = caching(hybrid_common::cached_spec(20, 24, false), 512);
+    let key = PromptKey::default();
+    let prompt: Vec<u32> = (0..70).collect();
+    t.add_request(1, &prompt, &key).unwrap();
+    // The first append caches the prompt's pages, then the window lets its head go.
+    t.append_tokens(1, &[70]).unwrap();
+    assert_eq!(t.table(1, 1).unwrap().first_page, 10);
+    assert!(t.pool().num_evictable() >= 10, "the window's old pages are evictable");
+    let stats = t.cache_stats();
+    assert!(stats[1].evictable_pages >= 10, "{stats:?}");
+    // A prompt sharing the first 24 tokens hits 16 of them: the window group serves them
+    // from the pages that left request 1's window.
+    let mut other: Vec<u32> = (0..24).collect();
+    other.extend(1000..1010);
+    let added = t.add_request(2, &other, &key).unwrap();
+    assert_eq!(added.num_cached_tokens, 16);
+    // The full group's page 0 (tokens 0..21) holds the hit's end: copied, not shared.
+    assert!(added
+        .copies
+        .iter()
+        .any(|c| c.group == 0 && c.src == t.table(1, 0).unwrap().page_ids[0]));
+    t.check_invariants().unwrap();
+    // A page size that is not a multiple of the chunk loses nothing: a full group of 21
+    // tokens a page hits at 64, inside its fourth page.
+    let longer: Vec<u32> = (0..66).chain([7, 7]).collect();
+    assert_eq!(t.add_request(3, &longer, &key).unwrap().num_cached_tokens, 64);
+    for id in [1, 2, 3] {
+        t.free(id).unwrap();
+    }
+    t.check_invariants().unwrap();
+    assert_eq!(t.pool().num_used(), 0);
+}
+
+#[test]
+fn kv_events_name_the_group_of_each_cached_chunk() {
+    use kvpool_core::prefix_cache::KvEvent;
+    // Full (21 a page), window 20 (5), state (2 pages), MLA (2), chunks of 24 (4); a pool
+    // that must evict to take a second request.
+    let mut t = caching(hybrid_common::cached_spec(20, 24, true), 60);
+    let pool = t.pool().clone();
+    let cache = pool.prefix_cache().unwrap();
+    cache.set_events_enabled(true);
+    let key = PromptKey::default();
+    let prompt: Vec<u32> = (0..32).collect();
+    t.add_request(1, &prompt, &key).unwrap();
+    assert!(cache.drain_events().is_empty(), "nothing is cached before it has run");
+    let copies = t.checkpoint(1).unwrap();
+    assert_eq!(copies.len(), 2, "the state slot's two pages");
+    let events = cache.drain_events();
+    let mut stored: Vec<(u32, usize)> = Vec::new();
+    for event in &events {
+        if let KvEvent::BlockStored { group, block_hashes, block_size, .. } = event {
+            assert_eq!(*block_size, 16);
+            stored.push((*group, block_hashes.len()));
+        }
+    }
+    // Both chunks for every token group (0, 1, 3, 4), one checkpoint for the state (2).
+    assert_eq!(stored, [(0, 2), (1, 2), (3, 2), (4, 2), (2, 1)]);
+    t.free(1).unwrap();
+    // A prompt sharing nothing needs more pages than are free: the tables evict and say so.
+    let other: Vec<u32> = (500..556).collect();
+    t.add_request(2, &other, &key).unwrap();
+    let removed: Vec<u32> = cache
+        .drain_events()
+        .iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockRemoved { group, .. } => Some(*group),
+            _ => None,
+        })
+        .collect();
+    assert!(!removed.is_empty(), "evicting cached pages is reported");
+    t.check_invariants().unwrap();
+}
+
+#[test]
+fn append_many_is_every_append_at_once() {
+    // The same calls on two tables, one append per request against one append_many.
+    let (mut one, mut many) = (setup(200), setup(200));
+    for t in [&mut one, &mut many] {
+        for (id, n) in [(1, 3), (2, 9), (3, 1)] {
+            t.add(id, n).unwrap();
+        }
+        t.fork(2, 4).unwrap();
+    }
+    let ids = [1, 2, 3, 4];
+    for step in 0..12 {
+        let counts = [1, step % 3, 5, 1];
+        let mut expected = Vec::new();
+        for (&id, &count) in ids.iter().zip(&counts) {
+            expected.extend(one.append(id, count).unwrap());
+        }
+        let copies = many.append_many(&ids, &counts, None).unwrap();
+        assert_eq!(copies.len(), expected.len(), "step {step}");
+        assert_eq!(snapshot(&many, &ids).len(), snapshot(&one, &ids).len());
+        for &id in &ids {
+            for g in 0..5 {
+                let (a, b) = (one.table(id, g).unwrap(), many.table(id, g).unwrap());
+                assert_eq!((a.first_page, a.page_ids.len()), (b.first_page, b.page_ids.len()));
+            }
+        }
+        assert_eq!(one.pool().num_free(), many.pool().num_free(), "step {step}");
+        many.check_invariants().unwrap();
+    }
+    // A repeated id, a count short, or a request unknown: refused, nothing changes.
+    let before = snapshot(&many, &ids);
+    assert!(many.append_many(&[1, 1], &[1, 1], None).is_err());
+    assert!(many.append_many(&[1, 2], &[1], None).is_err());
+    assert!(many.append_many(&[1, 9], &[1, 1], None).is_err());
+    assert!(many.append_many(&[1], &[1], Some(&[])).is_err());
+    assert_eq!(snapshot(&many, &ids), before);
 }

@@ -196,6 +196,17 @@ impl PyHybridTables {
     /// state slots, `InvalidArgumentError` for a pool with prefix caching.
     #[new]
     fn new(pool: Bound<'_, PyPool>, spec: Bound<'_, PyModelKvSpec>) -> KvResult<Self> {
+        // The core's tables cache prefixes on such a pool, but its calls (prompt tokens,
+        // checkpoints, KV events per group) are not bound yet, and `append_tokens_many`'s
+        // room check counts free pages only: refused rather than half supported.
+        if pool.get().inner.prefix_cache().is_some() {
+            return Err(CoreError::InvalidArgument(
+                "the Python HybridTables do not bind prefix caching yet: give them a pool \
+                 without it"
+                    .into(),
+            )
+            .into());
+        }
         let inner = HybridTables::new(pool.get().inner.clone(), spec.get().inner.clone())?;
         Ok(PyHybridTables { inner: Mutex::new(inner), pool: pool.unbind(), spec: spec.unbind() })
     }

@@ -2,6 +2,8 @@
 //! (`__cuda_array_interface__` v3 with their stream), so CuPy and PyTorch use the same
 //! memory and ordering without copies or extra synchronisation.
 
+use std::sync::Arc;
+
 use kvpool_core::CoreError;
 
 use crate::errors::PyKvError;
@@ -67,26 +69,35 @@ impl CudaStream {
 pub struct DeviceArray {
     /// The `BlockTables` whose device copy this is (kept alive by the array).
     owner: Py<PyAny>,
-    /// The pool whose kernels may read it: the tables' pool, or the mirror it was synced to
-    /// (kept alive by the array; the core pool beside it answers device questions without
-    /// this module depending on the binding's pool module).
-    pool: Py<PyAny>,
-    core_pool: std::sync::Arc<kvpool_core::Pool>,
+    /// The pool whose kernels may read it: the tables' pool, or the mirror it was synced to.
+    pool: ArrayPool,
     ptr: u64,
     shape: Vec<usize>,
     stream: u64,
 }
 
+/// A device array's pool: the Python object (`DeviceArray.pool`) and the core pool inside
+/// it, taken by whoever makes the array, so that this module needs no `pool.rs`.
+pub struct ArrayPool {
+    pub object: Py<PyAny>,
+    pub inner: Arc<kvpool_core::Pool>,
+}
+
+impl ArrayPool {
+    pub fn clone_ref(&self, py: Python<'_>) -> Self {
+        ArrayPool { object: self.object.clone_ref(py), inner: self.inner.clone() }
+    }
+}
+
 impl DeviceArray {
     pub fn new(
         owner: Py<PyAny>,
-        pool: (Py<PyAny>, std::sync::Arc<kvpool_core::Pool>),
+        pool: ArrayPool,
         ptr: u64,
         shape: Vec<usize>,
         stream: u64,
     ) -> Self {
-        let (pool, core_pool) = pool;
-        DeviceArray { owner, pool, core_pool, ptr, shape, stream }
+        DeviceArray { owner, pool, ptr, shape, stream }
     }
 }
 
@@ -122,6 +133,7 @@ impl DeviceArray {
     ) -> PyResult<Py<PyAny>> {
         let py = slf.py();
         let this = slf.get();
+        let pool = &this.pool.inner;
         let consumer = match stream.filter(|s| !s.is_none()) {
             None => 1, // DLPack: no stream given means the legacy default stream
             Some(s) => {
@@ -139,7 +151,7 @@ impl DeviceArray {
         let shape: Vec<i64> = this.shape.iter().map(|&n| n as i64).collect();
         let export = crate::dlpack::Export {
             data: if this.shape.contains(&0) { 0 } else { this.ptr },
-            device: this.core_pool.device(),
+            device: pool.device(),
             dtype: crate::dlpack::DlType::INT32,
             strides: crate::dlpack::contiguous_strides(&shape),
             shape,
@@ -157,15 +169,15 @@ impl DeviceArray {
         if consumer != -1 && consumer as u64 != this.stream {
             // SAFETY: DLPack's contract: a consumer passes a live stream of the array's device
             // (or 1 / 2, the driver's legacy and per-thread default streams, valid handles).
-            unsafe { wait_for_upload(&this.core_pool, this.stream, consumer as u64) }
-                .map_err(PyKvError)?;
+            unsafe { wait_for_upload(pool, this.stream, consumer as u64) }.map_err(PyKvError)?;
         }
         Ok(capsule)
     }
 
     /// `(2, ordinal)`: CUDA memory of the pool's device.
-    fn __dlpack_device__(&self) -> (i32, i32) {
-        crate::dlpack::dl_device(self.core_pool.device())
+    fn __dlpack_device__(&self) -> PyResult<(i32, i32)> {
+        let device = self.pool.inner.device();
+        Ok(crate::dlpack::dl_device(device))
     }
     #[getter]
     fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
@@ -183,7 +195,7 @@ impl DeviceArray {
     /// it, or the mirror pool it was synced to (kernels check it is theirs).
     #[getter]
     fn pool(&self, py: Python<'_>) -> Py<PyAny> {
-        self.pool.clone_ref(py)
+        self.pool.object.clone_ref(py)
     }
     /// The `BlockTables` whose device copy this is.
     #[getter]

@@ -380,28 +380,31 @@ fn sync_cuda<'py>(
         }
     }
     .map_err(crate::errors::PyKvError)?;
-    device_arrays(slf, this.pool.clone_ref(py).into_any(), batch)
+    device_arrays(slf, this.pool.bind(py), batch)
 }
 
 /// The pair of device arrays over a sync's upload, read by `pool`'s kernels.
 fn device_arrays(
     slf: &Bound<'_, PyBlockTables>,
-    pool: Py<PyAny>,
+    pool: &Bound<'_, PyPool>,
     batch: kvpool_core::tables::DeviceBatch,
 ) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
     let py = slf.py();
     let owner = slf.clone().into_any().unbind();
-    let core_pool = pool.bind(py).cast::<crate::pool::PyPool>()?.get().inner.clone();
+    let pool = crate::stream::ArrayPool {
+        object: pool.clone().into_any().unbind(),
+        inner: pool.get().inner.clone(),
+    };
     let table = crate::stream::DeviceArray::new(
         owner.clone_ref(py),
-        (pool.clone_ref(py), core_pool.clone()),
+        pool.clone_ref(py),
         batch.block_table_ptr,
         vec![batch.num_seqs, batch.max_blocks_per_seq],
         batch.stream,
     );
     let seq_lens = crate::stream::DeviceArray::new(
         owner,
-        (pool, core_pool),
+        pool,
         batch.seq_lens_ptr,
         vec![batch.num_seqs],
         batch.stream,
@@ -420,5 +423,5 @@ fn sync_mirror<'py>(
     // mirror's. Without one, the mirror's own stream is used, and `mirror` is held.
     let batch = unsafe { slf.get().inner.sync_mirror_on(&mirror.get().inner, handle) }
         .map_err(crate::errors::PyKvError)?;
-    device_arrays(slf, mirror.clone().into_any().unbind(), batch)
+    device_arrays(slf, mirror, batch)
 }

@@ -13,8 +13,18 @@ impl HybridTables {
     /// table(r, g) covers exactly live(r, g)        first page and length, every group
     /// refs(b) == ref_cnt(b)                        for every page b of the slab
     /// a page is held by one group only, at most once per table
-    /// num_free + num_used == num_blocks            and the pool's own invariants
+    /// num_free + num_evictable + num_used == num_blocks   and the pool's own invariants
     /// num_used == #{b : refs(b) > 0}
+    /// ```
+    ///
+    /// and with prefix caching (`prefix.rs`):
+    ///
+    /// ```text
+    /// a cached page held by a table is cached for that table's group
+    /// a cached page no table holds has ref_cnt 0 (evictable); the pool caches exactly them
+    /// a cached page is tagged Owner::HybridTables (held or evictable)
+    /// every key maps to a page that lists it, and back
+    /// num_free + sum over groups (used_g + evictable_g) == num_blocks
     /// ```
     ///
     /// Exact while the tables are the pool's only user and no other thread uses it.
@@ -22,10 +32,11 @@ impl HybridTables {
         let pool = self.pool();
         pool.check_invariants()?;
         let num_blocks = pool.num_blocks();
-        if pool.num_free() + pool.num_used() != num_blocks {
+        if pool.num_free() + pool.num_evictable() + pool.num_used() != num_blocks {
             return Err(format!(
-                "num_free {} + num_used {} != num_blocks {num_blocks}",
+                "num_free {} + num_evictable {} + num_used {} != num_blocks {num_blocks}",
                 pool.num_free(),
+                pool.num_evictable(),
                 pool.num_used()
             ));
         }
@@ -81,6 +92,6 @@ impl HybridTables {
         if held != pool.num_used() {
             return Err(format!("tables hold {held} pages, the pool has {} used", pool.num_used()));
         }
-        Ok(())
+        self.check_prefix_invariants(&group_of)
     }
 }

@@ -9,6 +9,8 @@
 //! - `tables.rs`: [`HybridTables`], per request and per group the pages it holds: add,
 //!   append (window and chunk groups release what no query can see any more), fork
 //!   (copy on write), free.
+//! - `prefix.rs`: prefix caching across the groups (16-token chunk hashes, a hit every
+//!   group can serve, state checkpoints), over the pool's prefix cache.
 //! - `invariants.rs`: `HybridTables::check_invariants`, the equations tests check after
 //!   every call.
 //! - `pool.rs`: a pool made from a spec's page bytes (`Pool::new(&spec, ..)`).
@@ -17,10 +19,14 @@
 
 mod invariants;
 mod pool;
+mod prefix;
 mod spec;
 mod swap;
 mod tables;
 
+#[cfg(feature = "internals")]
+pub use prefix::mutation;
+pub use prefix::{GroupCacheStats, HybridAdd, HASH_CHUNK_TOKENS};
 pub use spec::{AttentionShape, GroupKind, KvGroup, ModelKvSpec, PageGeometry, StatePacking};
 pub use swap::{HeldPages, HybridHostTier, RequestPage};
 pub use tables::{GroupTable, HybridTables, PageCopy};

@@ -173,9 +173,14 @@ impl HybridHostTier {
     }
 
     /// Moves `request_ids` (all swapped out) back into `tables`, all or none: device pool
-    /// full is `OutOfBlocks` (a growable pool grows first), and nothing changes. Each group's
-    /// table gets fresh pages at the page indices it had. Kernels queued on the compute
-    /// stream (`stream` or the pool's) after this call see the pages.
+    /// full is `OutOfBlocks` (a growable pool grows first; a prefix-caching pool evicts
+    /// through the tables first), and nothing changes. Each group's table gets fresh pages
+    /// at the page indices it had. Kernels queued on the compute stream (`stream` or the
+    /// pool's) after this call see the pages.
+    ///
+    /// With prefix caching, a request keeps its hash chain through the swap: the pages it
+    /// had cached stay cached (evictable once the swap-out's copies finish) under their old
+    /// ids, and its pages from there on are cached from its new ones at its next call.
     ///
     /// # Safety
     /// As [`swap_out`](Self::swap_out).
@@ -209,6 +214,10 @@ impl HybridHostTier {
                 None => return Err(CoreError::UnknownRequest { request_id }),
             }
         }
+        // With prefix caching the tables evict what the free list lacks themselves (the
+        // pool's own eviction would leave their keys and per-group events behind); a pool
+        // short even counting its evictable pages is refused here, changing nothing.
+        tables.make_room(sources.len())?;
         // SAFETY: the sources are host pages the swapped requests hold, kept allocated
         // (pending below) until `done` completes; `compute` came from `compute_stream`.
         let Copied { dests, num_copies, done } = unsafe {

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 
 use crate::error::CoreError;
+use crate::hybrid::prefix::{PrefixIndex, RequestHashes};
 use crate::hybrid::spec::{ModelKvSpec, PageGeometry};
 use crate::hybrid::swap::{HeldPages, RequestPage};
 use crate::pool::{Owner, Pool};
@@ -18,18 +19,22 @@ use crate::pool::{Owner, Pool};
 /// One request's pages of one group: page `first_page + i` of the group's page sequence
 /// is `page_ids[i]` (for a state group, `first_page` is 0 and the ids are its slot).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-struct GroupPages {
-    first_page: usize,
-    page_ids: Vec<u32>,
+pub(super) struct GroupPages {
+    pub(super) first_page: usize,
+    pub(super) page_ids: Vec<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct RequestPages {
-    num_tokens: usize,
+    pub(super) num_tokens: usize,
     /// The first position whose query has not run yet: the call that brought the request
     /// to `num_tokens` started there. Window groups keep what its query and later ones see.
-    next_query: usize,
-    groups: Vec<GroupPages>,
+    pub(super) next_query: usize,
+    pub(super) groups: Vec<GroupPages>,
+    /// The hash chain of its tokens, while they are all known and the pool caches
+    /// prefixes (`prefix.rs`). It holds no page (a checkpoint's pages are the cache's, held
+    /// by no request), so a swap moves it as it is (`swap.rs`).
+    pub(super) hashes: Option<RequestHashes>,
 }
 
 /// A copy-on-write page copy (whole page) that must run before the call's tokens are
@@ -67,9 +72,11 @@ impl GroupTable<'_> {
 /// Block tables of a hybrid model over one pool: each request has one table per group.
 /// The tables are meant to be the pool's only user (`check_invariants` counts on it).
 pub struct HybridTables {
-    pool: Arc<Pool>,
-    spec: ModelKvSpec,
-    requests: FxHashMap<u64, RequestPages>,
+    pub(super) pool: Arc<Pool>,
+    pub(super) spec: ModelKvSpec,
+    pub(super) requests: FxHashMap<u64, RequestPages>,
+    /// The keys of the cached pages, when the pool caches prefixes (`prefix.rs`).
+    pub(super) index: Option<PrefixIndex>,
 }
 
 /// One group's change in a planned call: which of its old pages it keeps, how many new
@@ -108,9 +115,10 @@ impl HybridTables {
                 spec.page_bytes()
             )));
         }
-        if pool.prefix_cache().is_some() {
+        if pool.has_prefix_host_tier() {
             return Err(CoreError::InvalidArgument(
-                "hybrid tables do not support prefix caching yet: give them a pool without it"
+                "hybrid tables do not spill cached pages to a host tier: give them a pool \
+                 without one"
                     .into(),
             ));
         }
@@ -122,7 +130,8 @@ impl HybridTables {
                 pool.max_num_blocks()
             )));
         }
-        Ok(HybridTables { pool, spec, requests: FxHashMap::default() })
+        let index = pool.prefix_cache().map(|cache| PrefixIndex::new(cache.hasher()));
+        Ok(HybridTables { pool, spec, requests: FxHashMap::default(), index })
     }
 
     pub fn pool(&self) -> &Arc<Pool> {
@@ -168,6 +177,7 @@ impl HybridTables {
             num_tokens: 0,
             next_query: 0,
             groups: vec![GroupPages::default(); self.spec.num_groups()],
+            hashes: None,
         };
         let plans = self.plan(&empty, num_tokens, 0)?;
         let fresh = self.alloc_pages(total_fresh(&plans))?;
@@ -182,7 +192,29 @@ impl HybridTables {
     /// and chunk groups release the pages no query from the first new token on can see. A
     /// shared page the new tokens write (a partly filled last page, a state slot) is copied
     /// first: the returned copies must run before the tokens are written.
+    ///
+    /// With a prefix-caching pool, this request's later pages are not cached (their tokens
+    /// are unknown); [`append_tokens`](Self::append_tokens) keeps caching them.
     pub fn append(&mut self, request_id: u64, count: usize) -> Result<Vec<PageCopy>, CoreError> {
+        self.append_impl(request_id, count, None)
+    }
+
+    /// [`append`](Self::append) of `token_ids`: with a prefix-caching pool, the pages they
+    /// fill are cached once they have run (at the request's next call).
+    pub fn append_tokens(
+        &mut self,
+        request_id: u64,
+        token_ids: &[u32],
+    ) -> Result<Vec<PageCopy>, CoreError> {
+        self.append_impl(request_id, token_ids.len(), Some(token_ids))
+    }
+
+    fn append_impl(
+        &mut self,
+        request_id: u64,
+        count: usize,
+        token_ids: Option<&[u32]>,
+    ) -> Result<Vec<PageCopy>, CoreError> {
         let request = self.request(request_id)?;
         let num_tokens = request.num_tokens.checked_add(count).ok_or_else(|| {
             CoreError::InvalidArgument(format!(
@@ -192,6 +224,13 @@ impl HybridTables {
         })?;
         let next_query = request.num_tokens;
         let plans = self.plan(request, num_tokens, next_query)?;
+        if self.index.is_some() {
+            // Refused before anything changes, the cache included.
+            self.check_room(total_fresh(&plans), 0)?;
+        }
+        // Every token so far has run: cache its pages before the window lets any go.
+        self.cache_ran(request_id, next_query);
+        let request = self.request(request_id)?;
         // A copied page is released too: the other holders keep it.
         let released: Vec<u32> = plans
             .iter()
@@ -207,11 +246,132 @@ impl HybridTables {
             self.free_pages(&fresh).expect("returning pages just allocated");
             return Err(e);
         }
+        #[cfg(feature = "internals")]
+        let window_released: Vec<u32> = plans
+            .iter()
+            .zip(&self.requests[&request_id].groups)
+            .enumerate()
+            .filter(|&(g, _)| {
+                matches!(
+                    self.spec.groups()[g].kind,
+                    crate::hybrid::GroupKind::SlidingWindow { .. }
+                        | crate::hybrid::GroupKind::ChunkedLocal { .. }
+                )
+            })
+            .flat_map(|(_, (plan, pages))| plan.released(pages).collect::<Vec<_>>())
+            .collect();
         let request = self.requests.get_mut(&request_id).expect("checked above");
         let copies = copy_list(request, &plans, &fresh);
         request.num_tokens = num_tokens;
         request.next_query = next_query;
         commit(request, &plans, fresh);
+        self.hash_appended(request_id, token_ids);
+        #[cfg(feature = "internals")]
+        self.mutation_uncache_released(&window_released);
+        Ok(copies)
+    }
+
+    /// Appends `counts[i]` tokens to `request_ids[i]` for every `i` (distinct ids), or to
+    /// none of them: [`append`](Self::append) for a whole decode step, taking every new page
+    /// in one allocation and dropping every released one in one free. `token_ids`, when
+    /// given, are all requests' new ids concatenated in call order (as
+    /// [`append_tokens`](Self::append_tokens) takes them); without, the requests' later
+    /// pages are not cached. The returned copies must run before the tokens are written.
+    pub fn append_many(
+        &mut self,
+        request_ids: &[u64],
+        counts: &[usize],
+        token_ids: Option<&[u32]>,
+    ) -> Result<Vec<PageCopy>, CoreError> {
+        if request_ids.len() != counts.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "{} request ids but {} counts",
+                request_ids.len(),
+                counts.len()
+            )));
+        }
+        let total_tokens = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+        if let Some(ids) = token_ids {
+            if total_tokens != Some(ids.len()) {
+                return Err(CoreError::InvalidArgument(format!(
+                    "{} token ids for {total_tokens:?} tokens",
+                    ids.len()
+                )));
+            }
+        }
+        let mut sorted = request_ids.to_vec();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(CoreError::InvalidArgument(format!(
+                "request {} appears twice in one append_many",
+                w[0]
+            )));
+        }
+        let mut planned = Vec::with_capacity(request_ids.len());
+        let mut total = 0usize;
+        for (&request_id, &count) in request_ids.iter().zip(counts) {
+            let request = self.request(request_id)?;
+            let num_tokens = request.num_tokens.checked_add(count).ok_or_else(|| {
+                CoreError::InvalidArgument(format!(
+                    "request {request_id}: {} + {count} tokens overflow",
+                    request.num_tokens
+                ))
+            })?;
+            let plans = self.plan(request, num_tokens, request.num_tokens)?;
+            total = total.saturating_add(total_fresh(&plans));
+            planned.push((request.num_tokens, num_tokens, plans));
+        }
+        if self.index.is_some() {
+            self.check_room(total, 0)?;
+        }
+        for (&request_id, &(next_query, _, _)) in request_ids.iter().zip(&planned) {
+            self.cache_ran(request_id, next_query);
+        }
+        let mut released = Vec::new();
+        for (request_id, (_, _, plans)) in request_ids.iter().zip(&planned) {
+            let request = &self.requests[request_id];
+            for (plan, pages) in plans.iter().zip(&request.groups) {
+                released.extend(plan.released(pages));
+                released.extend(plan.copies.iter().map(|&i| pages.page_ids[plan.kept.start + i]));
+            }
+        }
+        // Requests sharing a page (forks) release it once each: one free per repeat, since a
+        // free takes each id once.
+        released.sort_unstable();
+        let mut rounds: Vec<Vec<u32>> = Vec::new();
+        for run in released.chunk_by(|a, b| a == b) {
+            for (k, &id) in run.iter().enumerate() {
+                if rounds.len() == k {
+                    rounds.push(Vec::new());
+                }
+                rounds[k].push(id);
+            }
+        }
+        let fresh = self.alloc_pages(total)?;
+        if let Some(first) = rounds.first() {
+            if let Err(e) = self.free_pages(first) {
+                self.free_pages(&fresh).expect("returning pages just allocated");
+                return Err(e);
+            }
+        }
+        for round in rounds.iter().skip(1) {
+            // The first round's ids were ours and valid; these are further references to them.
+            self.free_pages(round).expect("references the tables hold");
+        }
+        let mut copies = Vec::new();
+        let mut fresh = fresh.into_iter();
+        let mut offset = 0;
+        for (&request_id, (next_query, num_tokens, plans)) in request_ids.iter().zip(planned) {
+            let mine: Vec<u32> = fresh.by_ref().take(total_fresh(&plans)).collect();
+            let request = self.requests.get_mut(&request_id).expect("checked above");
+            copies.extend(copy_list(request, &plans, &mine));
+            request.num_tokens = num_tokens;
+            request.next_query = next_query;
+            commit(request, &plans, mine);
+            let count = num_tokens - next_query;
+            self.hash_appended(request_id, token_ids.map(|ids| &ids[offset..offset + count]));
+            offset += count;
+        }
         Ok(copies)
     }
 
@@ -239,7 +399,7 @@ impl HybridTables {
         self.requests.iter().map(|(&id, r)| (id, r.num_tokens, r.next_query))
     }
 
-    fn request(&self, request_id: u64) -> Result<&RequestPages, CoreError> {
+    pub(super) fn request(&self, request_id: u64) -> Result<&RequestPages, CoreError> {
         self.requests.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })
     }
 
@@ -408,12 +568,16 @@ impl HybridTables {
     }
 
     /// `count` new pages, all or none, tagged as the hybrid tables' (a growable pool grows).
-    fn alloc_pages(&self, count: usize) -> Result<Vec<u32>, CoreError> {
+    /// The one allocation path of the tables: with prefix caching, the tables first evict
+    /// what the free list lacks themselves ([`make_room`](Self::make_room)).
+    pub(super) fn alloc_pages(&mut self, count: usize) -> Result<Vec<u32>, CoreError> {
+        self.make_room(count)?;
         self.pool.alloc_many_for(count, Owner::HybridTables)
     }
 
-    /// Drops one reference to each page, all or none; a page not the hybrid tables' is refused.
-    fn free_pages(&self, page_ids: &[u32]) -> Result<(), CoreError> {
+    /// Drops one reference to each page, all or none; a page not the hybrid tables' is
+    /// refused. A cached page's last reference makes it evictable (its tag stays).
+    pub(super) fn free_pages(&self, page_ids: &[u32]) -> Result<(), CoreError> {
         self.pool.free_many_for(page_ids, Owner::HybridTables)
     }
 

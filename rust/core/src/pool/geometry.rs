@@ -6,9 +6,16 @@
 //! blocks does. What differs is the view: only a layout pool has one `KvLayout` to cut a
 //! block into layers and K/V, so `Pool::layout` refuses on a pool of pages, and a
 //! per-layer view of a group's pages comes from the spec (its offsets inside a page).
+//! The pool's accessors of its geometry are in `mod.rs` (this module knows no pool).
 
 use crate::error::CoreError;
 use crate::layout::{KvLayout, BLOCK_ALIGN_BYTES};
+
+/// Tokens per hashed chunk of a pool of pages with prefix caching: hybrid tables hash
+/// prompts in chunks of this many tokens whatever each group's page size
+/// (`hybrid::HASH_CHUNK_TOKENS` is this), so it is the block size the pool's prefix cache
+/// counts and reports in (a layout pool's is its layout's block size).
+pub const PAGE_HASH_CHUNK_TOKENS: usize = 16;
 
 /// The geometry a pool is made with (`Pool::new` and the other constructors take anything
 /// that converts into it: a `KvLayout`, a `&ModelKvSpec`, or this). Opaque, so that a page
@@ -43,6 +50,15 @@ impl PoolGeometry {
         match self.0 {
             Blocks::Layout(layout) => layout.block_bytes(),
             Blocks::Pages(page_bytes) => page_bytes,
+        }
+    }
+
+    /// The tokens a prefix cache over these blocks hashes per block: the layout's block
+    /// size, or [`PAGE_HASH_CHUNK_TOKENS`] for pages.
+    pub(crate) fn hash_block_tokens(&self) -> usize {
+        match self.0 {
+            Blocks::Layout(layout) => layout.block_size(),
+            Blocks::Pages(_) => PAGE_HASH_CHUNK_TOKENS,
         }
     }
 

@@ -31,7 +31,7 @@ mod views;
 
 #[cfg(feature = "cuda")]
 pub use device::DeviceContext;
-pub use geometry::PoolGeometry;
+pub use geometry::{PoolGeometry, PAGE_HASH_CHUNK_TOKENS};
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, Weak};

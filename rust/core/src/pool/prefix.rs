@@ -20,7 +20,8 @@ impl Pool {
     /// before it grows (evictable blocks count as free), and its shrink evicts the evictable
     /// blocks above the highest referenced one first, so that their chunks can go. The
     /// cache's per-block metadata covers the mapped blocks and grows with them (fallibly:
-    /// `OutOfMemory`, never an abort).
+    /// `OutOfMemory`, never an abort). A pool of a hybrid model's pages caches for hybrid
+    /// tables, whose 16-token chunks are its cache's blocks of tokens.
     pub fn with_prefix_caching(self) -> Result<Self, CoreError> {
         self.with_prefix_caching_key(None)
     }
@@ -41,7 +42,7 @@ impl Pool {
         self.prefix_cache = Some(PrefixCache::with_hasher(
             self.max_num_blocks(),
             self.num_blocks(),
-            self.layout()?.block_size(),
+            self.geometry.hash_block_tokens(),
             hasher,
         )?);
         Ok(self)
@@ -238,5 +239,54 @@ impl Pool {
             ));
         }
         Ok(())
+    }
+}
+
+/// The pool's side of blocks cached for a caller with its own index
+/// (`prefix_cache/tagged.rs`; hybrid tables): the allocator is the pool's, so these calls
+/// pass it to the cache.
+impl Pool {
+    /// Takes one reference to each of `ids`, cached, distinct and below `MAX_REF_CNT`
+    /// references (evictable ones are revived), on behalf of `owner`, the API that cached
+    /// them. No-op without prefix caching.
+    ///
+    /// Owner tags of cached blocks, as for block tables' hits in `alloc_with_prefix`: a tag
+    /// is written only when a block leaves the free list, and a cached block is not on it,
+    /// evictable or not; so a cached block keeps the tag of the allocation that filled it
+    /// until it is evicted, and a hit revives it under that tag. Each owner finds only the
+    /// blocks it cached (block tables by their chain hashes, hybrid tables by their own
+    /// tags), so the tag already is `owner`'s.
+    pub(crate) fn acquire_cached(&self, ids: &[u32], owner: Owner) {
+        debug_assert!(
+            ids.iter().all(|&id| self.owners.get(id) == owner),
+            "a hit on a block cached by another owner"
+        );
+        if let Some(cache) = &self.prefix_cache {
+            cache.acquire(&self.allocator, ids);
+            cache.raise_used_high_water(self.num_used());
+        }
+    }
+
+    /// Evicts up to `count` least recently used evictable blocks onto the free list, without
+    /// an event; returns them with their hashes.
+    pub(crate) fn evict_to_free(&self, count: usize) -> Vec<(u32, BlockHash)> {
+        match &self.prefix_cache {
+            Some(cache) => cache.evict_to_free(&self.allocator, count),
+            None => Vec::new(),
+        }
+    }
+
+    /// Evicts these cached blocks, the unreferenced ones, onto the free list, without an
+    /// event; returns the ones evicted with their hashes.
+    pub(crate) fn evict_blocks_to_free(&self, ids: &[u32]) -> Vec<(u32, BlockHash)> {
+        match &self.prefix_cache {
+            Some(cache) => cache.evict_blocks_to_free(&self.allocator, ids),
+            None => Vec::new(),
+        }
+    }
+
+    /// Whether the prefix cache has a second tier in host memory.
+    pub(crate) fn has_prefix_host_tier(&self) -> bool {
+        self.spill.is_some()
     }
 }

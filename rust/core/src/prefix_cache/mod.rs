@@ -32,6 +32,7 @@ pub mod index;
 pub mod lru;
 pub mod spill;
 pub mod stats;
+mod tagged;
 
 use std::sync::{Mutex, MutexGuard};
 
