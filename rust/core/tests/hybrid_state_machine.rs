@@ -19,10 +19,11 @@ use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 
 use kvpool_core::hybrid::{HybridTables, ModelKvSpec};
 use kvpool_core::pool::PoolSize;
-use kvpool_core::{CoreError, Device, Pool};
+use kvpool_core::{CoreError, DType, Device, KvLayout, Pool};
 
 #[path = "common/hybrid.rs"]
 mod hybrid_common;
+use hybrid_common::PAGE_BYTES;
 
 const NUM_PAGES: usize = 48;
 const NUM_IDS: u64 = 4;

@@ -13,6 +13,7 @@ use kvpool_core::{CoreError, DType, Device, KvLayout, Pool};
 #[path = "common/hybrid.rs"]
 #[allow(dead_code)] // The helpers of the caching tests.
 mod hybrid_common;
+use hybrid_common::PAGE_BYTES;
 
 const FULL: usize = 0;
 const WINDOW: usize = 1;
