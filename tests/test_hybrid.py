@@ -530,11 +530,14 @@ def test_host_tier_refusals_change_nothing():
     tier.swap_out([2])
     with pytest.raises(WrongTierError, match="host"):
         tier.swap_out([2])
-    # Added to the tables again while swapped out: the swap-in refuses it.
-    t.add(2, 1)
+    # A swapped-out id is not free for the tables: adding or forking into it is refused
+    # (before, the tables took it and only the swap-in noticed), and nothing changes.
+    used = t.pool.num_used
     with pytest.raises(DuplicateRequestError):
-        tier.swap_in([2])
-    t.free(2)
+        t.add(2, 1)
+    with pytest.raises(DuplicateRequestError):
+        t.fork(1, 2)
+    assert 2 not in t and t.pool.num_used == used and tier.location(2) == "host"
     # A device pool too full for the swap-in.
     t.add(3, 65)  # 5 pages a group: the last 10 free pages
     with pytest.raises(OutOfBlocksError):

@@ -535,8 +535,8 @@ impl PyHybridHostTier {
     /// Drops a swapped-out request (its host pages return once no copy uses them).
     fn free(&self, request_id: &Bound<'_, PyAny>) -> KvResult<()> {
         let rid = self::request_id(request_id)?;
-        let tables = self.lock_tables();
-        Ok(self.lock().free(&tables, rid)?)
+        let mut tables = self.lock_tables();
+        Ok(self.lock().free(&mut tables, rid)?)
     }
 
     /// Releases the pages of finished copies; returns (device, host) pages released.

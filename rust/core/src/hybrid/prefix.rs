@@ -248,9 +248,7 @@ impl HybridTables {
             self.add(request_id, num_tokens)?;
             return Ok(HybridAdd::default());
         };
-        if self.requests.contains_key(&request_id) {
-            return Err(CoreError::DuplicateRequest { request_id });
-        }
+        self.check_new_id(request_id)?;
         let hasher = cache.hasher();
         let root = hasher.root(key.cache_salt, key.lora_id, key.extra_keys);
         let chain = hasher.chain(&root, token_ids, CHUNK);

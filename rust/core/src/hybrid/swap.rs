@@ -164,6 +164,7 @@ impl HybridHostTier {
             let host = HybridTables::with_page_ids(request, &dests[next..next + num_pages]);
             next += num_pages;
             self.swapped.insert(request_id, host);
+            tables.swapped_out.insert(request_id);
         }
         let stats =
             SwapStats { num_requests: request_ids.len(), num_blocks: sources.len(), num_copies };
@@ -199,7 +200,7 @@ impl HybridHostTier {
         for &request_id in request_ids {
             let on_device = tables.contains(request_id);
             match self.swapped.get(&request_id) {
-                // Added to the tables again while swapped out: the tables cannot know.
+                // Cannot happen through the tables (they refuse a swapped-out id); kept as a check.
                 Some(_) if on_device => return Err(CoreError::DuplicateRequest { request_id }),
                 Some(request) => {
                     sources.extend(HybridTables::page_list(request).iter().map(|p| p.page_id))
@@ -235,6 +236,7 @@ impl HybridHostTier {
         let mut next = 0;
         for &request_id in request_ids {
             let host = self.swapped.remove(&request_id).expect("validated above");
+            tables.swapped_out.remove(&request_id);
             let num_pages = HybridTables::page_list(&host).len();
             let request = HybridTables::with_page_ids(host, &dests[next..next + num_pages]);
             next += num_pages;
@@ -249,7 +251,7 @@ impl HybridHostTier {
 
     /// Drops a swapped-out request: its host pages return to the tier once no copy uses
     /// them. `tables` only name the refusal of a request that is on the device.
-    pub fn free(&mut self, tables: &HybridTables, request_id: u64) -> Result<(), CoreError> {
+    pub fn free(&mut self, tables: &mut HybridTables, request_id: u64) -> Result<(), CoreError> {
         if !self.swapped.contains_key(&request_id) {
             return Err(if tables.contains(request_id) {
                 CoreError::WrongTier {
@@ -264,6 +266,7 @@ impl HybridHostTier {
         // The swap-out that filled these pages may still be writing them.
         let done = self.engine.mark()?;
         let host = self.swapped.remove(&request_id).expect("checked above");
+        tables.swapped_out.remove(&request_id);
         let host_blocks = HybridTables::page_list(&host).iter().map(|p| p.page_id).collect();
         self.pending.push(Pending { done, device_blocks: Vec::new(), host_blocks });
         self.release_completed()?;

@@ -8,7 +8,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::error::CoreError;
 use crate::hybrid::prefix::{PrefixIndex, RequestHashes};
@@ -77,6 +77,9 @@ pub struct HybridTables {
     pub(super) requests: FxHashMap<u64, RequestPages>,
     /// The keys of the cached pages, when the pool caches prefixes (`prefix.rs`).
     pub(super) index: Option<PrefixIndex>,
+    /// Ids a host tier holds swapped out (`swap.rs` keeps it): not in `requests`, but not
+    /// free for `add` or `fork` either, or a swap-in would find its id taken.
+    pub(super) swapped_out: FxHashSet<u64>,
 }
 
 /// One group's change in a planned call: which of its old pages it keeps, how many new
@@ -131,7 +134,13 @@ impl HybridTables {
             )));
         }
         let index = pool.prefix_cache().map(|cache| PrefixIndex::new(cache.hasher()));
-        Ok(HybridTables { pool, spec, requests: FxHashMap::default(), index })
+        Ok(HybridTables {
+            pool,
+            spec,
+            requests: FxHashMap::default(),
+            index,
+            swapped_out: FxHashSet::default(),
+        })
     }
 
     pub fn pool(&self) -> &Arc<Pool> {
@@ -167,12 +176,18 @@ impl HybridTables {
         })
     }
 
+    /// Refuses an id the tables hold, or one a host tier holds swapped out.
+    pub(super) fn check_new_id(&self, request_id: u64) -> Result<(), CoreError> {
+        if self.requests.contains_key(&request_id) || self.swapped_out.contains(&request_id) {
+            return Err(CoreError::DuplicateRequest { request_id });
+        }
+        Ok(())
+    }
+
     /// Adds a request of `num_tokens` tokens: every group's pages for them (window groups
     /// keep all, since all their queries are still to run) and every state slot.
     pub fn add(&mut self, request_id: u64, num_tokens: usize) -> Result<(), CoreError> {
-        if self.requests.contains_key(&request_id) {
-            return Err(CoreError::DuplicateRequest { request_id });
-        }
+        self.check_new_id(request_id)?;
         let empty = RequestPages {
             num_tokens: 0,
             next_query: 0,
@@ -378,9 +393,7 @@ impl HybridTables {
     /// Adds `child_id` sharing every page of every group of `parent_id` (copy on write).
     pub fn fork(&mut self, parent_id: u64, child_id: u64) -> Result<(), CoreError> {
         let parent = self.request(parent_id)?;
-        if self.requests.contains_key(&child_id) {
-            return Err(CoreError::DuplicateRequest { request_id: child_id });
-        }
+        self.check_new_id(child_id)?;
         self.share_pages(&all_pages(parent))?;
         let child = parent.clone();
         self.requests.insert(child_id, child);
