@@ -146,9 +146,8 @@ class HybridMachine(RuleBasedStateMachine):
 
     @rule(rid=REQUEST_IDS, n=TOKENS)
     def add(self, rid: int, n: int) -> None:
-        if rid in self.model.swapped:
-            return  # the tables cannot know it (swap_in refuses it then: test_hybrid.py)
-        if rid in self.model.requests:
+        if rid in self.model.requests or rid in self.model.swapped:
+            # A swapped-out id is taken too: the tables know the tier holds it.
             self.refused(DuplicateRequestError, self.tables.add, rid, n)
         elif not self.model.add_fits(n):
             event("add out of pages")
@@ -265,7 +264,7 @@ class HybridMachine(RuleBasedStateMachine):
     @rule(data=st.data(), child=REQUEST_IDS)
     def fork(self, data: st.DataObject, child: int) -> None:
         parent = self.existing(data)
-        if child in self.model.requests:
+        if child in self.model.requests or child in self.model.swapped:
             self.refused(DuplicateRequestError, self.tables.fork, parent, child)
         else:
             self.tables.fork(parent, child)
