@@ -9,18 +9,29 @@
 //     BN tokens through the block table with 16-byte cp.async into STAGES shared-memory stages.
 //     Pages of 16 tokens are too small for one bulk tensor copy per tile and the pool's pages
 //     are not one tensor the copy engine can index, so it is cp.async, each thread copying
-//     its rows' 16-byte chunks. Per stage: it waits for the stage's `empty` barrier, issues the
-//     copies, and once they have landed (cp.async.wait_group, one tile behind, so two tiles are
-//     in flight) fences them into the async proxy (wgmma reads shared memory through it) and
-//     arrives on the stage's `full` barrier (count: its 128 threads).
+//     its rows' 16-byte chunks. The block-table entries of a tile (TILE_PAGES of them) are read
+//     one tile ahead, spread over the lanes of each producer warp (PAGES_PER_LANE each), and
+//     handed to the copying lanes by shuffles: no table read waits on the copy path. Per stage
+//     it waits for the stage's `empty` barrier, issues the copies and then
+//     cp.async.mbarrier.arrive.noinc on the stage's `full` barrier (count: its 128 threads), so
+//     the barrier completes when the copies have landed and the producer never waits on them:
+//     all STAGES tiles can be in flight.
 //   warpgroups 1, 2, the consumers (setmaxnreg up to CONSUMER_REGS), 64 rows each: Q by cp.async
-//     once; per tile: wait `full`, S (64 x BN) = Q K^T by wgmma (A and B from shared memory,
-//     both K-major), the causal / length mask and online softmax on the accumulators (log2
-//     domain, as paged_prefill.cu), O (64 x D) += P V by wgmma with P from registers (the
-//     accumulator layout of S is, per warp, the m16n8k16 A layout) and V from shared memory
-//     (MN-major, imm-trans-b), then each warp's lane 0 arrives on `empty` (count 8).
-//     The two consumers run the same schedule unsynchronised, so one's softmax overlaps the
-//     other's matrix products on the SM's tensor cores.
+//     once; per tile j: wait `full`, fence.proxy.async (the cp.async writes came through the
+//     generic proxy, wgmma reads shared memory through the async proxy), then one "GEMM block":
+//     S(j) (64 x BN) = Q K^T by wgmma (A and B from shared memory, K-major) and, in the same
+//     block, O (64 x D) += P(j-1) V(j-1) by wgmma with P from registers (the accumulator layout
+//     of S is, per warp, the m16n8k16 A layout) and V from shared memory (MN-major,
+//     imm-trans-b). It waits for S(j) only (wgmma.wait_group 1), runs the causal / length mask
+//     and online softmax of tile j (log2 domain, as paged_prefill.cu) while P(j-1) V(j-1) is
+//     still on the tensor cores, then waits for that, releases stage j-1 (each warp's lane 0
+//     arrives on `empty`, count 8) and packs P(j). O is rescaled by tile j's correction just
+//     before the next block issues P(j) V(j). A last block issues P(n-1) V(n-1).
+//     Ping-pong: the two consumers take turns issuing their GEMM blocks (named barriers 3 and
+//     4, 256 threads: a consumer syncs on its own and arrives on the other's once it has
+//     issued), so one's softmax runs while the other's GEMMs occupy the tensor cores (FA3's
+//     schedule). Consumer 2 opens by arriving on consumer 1's barrier and skips the arrival
+//     after its last block, so every barrier phase completes and none is left half-arrived.
 //
 // Shared-memory tiles use the 128-byte swizzle of the wgmma descriptors: a row of HEAD_DIM
 // 16-bit elements is cut into HEAD_DIM / 64 column blocks of 128 bytes; block c of a tile of R
@@ -32,7 +43,8 @@
 // byte offset 1024 (the next 8 keys), each k16 step adds 16 rows (2048 bytes).
 //
 // Compile-time constants (NVRTC -D): KV_BF16, HEAD_DIM (64|128|256), BLOCK_SIZE (power of two),
-// BN (KV tile tokens: 64 or 128), STAGES (2..3). Build for sm_90a (wgmma, setmaxnreg).
+// BN (KV tile tokens: 64 or 128), STAGES (2..3; the consumers hold two stages at a time, so 3
+// lets the producer run a tile ahead). Build for sm_90a (wgmma, setmaxnreg).
 
 #if !defined(KV_BF16) || !defined(HEAD_DIM) || !defined(BLOCK_SIZE) || !defined(BN) || \
     !defined(STAGES)
@@ -58,11 +70,17 @@
 #define CONSUMER_REGS 232
 #define PROD_THREADS 128
 #define PROD_RPI (PROD_THREADS / CH)  // tile rows one pass of the producer covers
+// Block-table entries one KV tile spans (tiles start at multiples of BN), and per producer lane.
+#define TILE_PAGES (BLOCK_SIZE >= BN ? 1 : BN / BLOCK_SIZE)
+#define PAGES_PER_LANE ((TILE_PAGES + 31) / 32)
 
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM must be 64, 128 or 256");
 static_assert(BN == 64 || BN == 128, "BN must be 64 or 128");
 static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0 && BLOCK_SIZE >= 1, "BLOCK_SIZE: power of two");
 static_assert(BN % PROD_RPI == 0 && STAGES >= 2 && STAGES <= 3, "tile shape");
+// A producer row's table entry sits in register (row / BLOCK_SIZE) / 32 of some lane; with
+// PROD_RPI dividing 32 * BLOCK_SIZE that index does not depend on the thread's first row.
+static_assert((32 * BLOCK_SIZE) % PROD_RPI == 0 && PROD_RPI <= 32, "page-id layout");
 static_assert(PROD_THREADS * PRODUCER_REGS + 2 * 128 * CONSUMER_REGS <= 65536, "register file");
 
 // Byte offset of (row, 16-byte chunk) in a swizzled tile of `rows` rows.
@@ -80,6 +98,7 @@ __device__ __forceinline__ unsigned long long gmma_desc(unsigned saddr, unsigned
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 
 // The accumulators are written by wgmma behind the compiler's back between issue and wait: tie
 // them to the wait so no use moves above it.
@@ -103,6 +122,26 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
         "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
         "@!done bra WAIT;\n"
         "}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+// The barrier's arrival once every cp.async this thread issued before has landed; noinc: the
+// arrival is one of the count the barrier was initialised with.
+__device__ __forceinline__ void cp_async_mbar_arrive(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
+}
+// pid[k] for a run-time k by selects (an indexed register array would go to local memory).
+template <int N>
+__device__ __forceinline__ int pick(const int (&pid)[N], int k) {
+    int v = pid[0];
+#pragma unroll
+    for (int i = 1; i < N; ++i) v = k == i ? pid[i] : v;
+    return v;
+}
+// Named barriers of the ping-pong (ids 3, 4; 256 threads: both consumer warpgroups).
+__device__ __forceinline__ void named_sync(int id) {
+    asm volatile("bar.sync %0, 256;" :: "r"(id) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id) {
+    asm volatile("bar.arrive %0, 256;" :: "r"(id) : "memory");
 }
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
@@ -158,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_prefill_sm90(
     if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(s_bar + 8 * s, PROD_THREADS);
+            mbar_init(s_bar + 8 * s, PROD_THREADS);  // one cp.async arrival per producer thread
             mbar_init(s_bar + 8 * (STAGES + s), 8);  // one arrival per consumer warp
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -173,38 +212,46 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_prefill_sm90(
         const int* bt = block_tables + (i64)seq * bt_stride;
         const char* k_lane = k_base + kvh * head_stride + chunk * 16;
         const char* v_lane = v_base + kvh * head_stride + chunk * 16;
+        // Lane l holds the table entries l, l + 32, ... of the tile starting at token t0 (-1 past
+        // the table or the keys: those rows read zeros).
+        auto load_pages = [&](int t0, int (&pid)[PAGES_PER_LANE]) {
+#pragma unroll
+            for (int k = 0; k < PAGES_PER_LANE; ++k) {
+                const int p = 32 * k + lane;
+                const int gp = t0 / BLOCK_SIZE + p;
+                const bool ok = p < TILE_PAGES && gp < bt_width && gp * BLOCK_SIZE < kv_end;
+                pid[k] = ok ? __ldg(bt + gp) : -1;
+            }
+        };
+        int pid[PAGES_PER_LANE];
+        if (n_tiles > 0) load_pages(kv_begin, pid);
         for (int j = 0; j < n_tiles; ++j) {
             const int s = j % STAGES;
+            const int t0 = kv_begin + j * BN;
+            int cur[PAGES_PER_LANE];
+#pragma unroll
+            for (int k = 0; k < PAGES_PER_LANE; ++k) cur[k] = pid[k];
+            // The next tile's entries: in flight while this tile's stage frees and copies issue.
+            if (j + 1 < n_tiles) load_pages(t0 + BN, pid);
             if (j >= STAGES) mbar_wait(s_bar + 8 * (STAGES + s), ((j / STAGES) - 1) & 1);
             const unsigned sk = s_kv + (unsigned)(s * STAGE_BYTES);
-            const int t0 = kv_begin + j * BN;
+// 4 rows per step: fully unrolled, the compiler keeps every row's addresses live across the
+// tile loop and spills them out of the producer's PRODUCER_REGS.
 #pragma unroll 4
             for (int i = 0; i < BN / PROD_RPI; ++i) {
                 const int row = i * PROD_RPI + row0;
                 const int t = t0 + row;
-                bool ok = t < kv_end && t / BLOCK_SIZE < bt_width;
-                i64 off = 0;
-                if (ok) {
-                    const int b = __ldg(bt + t / BLOCK_SIZE);
-                    ok = (unsigned)b < (unsigned)num_blocks;  // an entry outside the pool reads zeros
-                    off = (i64)b * block_stride + (i64)(t % BLOCK_SIZE) * token_stride;
-                }
+                const int p = BLOCK_SIZE >= BN ? 0 : row / BLOCK_SIZE;  // entry within the tile
+                const int b = __shfl_sync(0xffffffffu, pick(cur, (i * PROD_RPI) / (32 * BLOCK_SIZE)), p & 31);
+                const bool ok = t < kv_end && (unsigned)b < (unsigned)num_blocks;  // else zeros
+                const i64 off = ok ? (i64)b * block_stride + (i64)(t & (BLOCK_SIZE - 1)) * token_stride : 0;
                 const unsigned dst = sk + swz128(BN, row, chunk);
-                cp_async16(dst, ok ? k_lane + off : k_lane, ok);
-                cp_async16(dst + KV_TILE_BYTES, ok ? v_lane + off : v_lane, ok);
+                cp_async16(dst, k_lane + off, ok);
+                cp_async16(dst + KV_TILE_BYTES, v_lane + off, ok);
             }
-            cp_async_commit();
-            if (j >= 1) {
-                cp_async_wait<1>();  // tile j - 1 has landed (this thread's copies)
-                fence_async_smem();
-                mbar_arrive(s_bar + 8 * ((j - 1) % STAGES));
-            }
+            cp_async_mbar_arrive(s_bar + 8 * s);
         }
-        if (n_tiles > 0) {
-            cp_async_wait<0>();
-            fence_async_smem();
-            mbar_arrive(s_bar + 8 * ((n_tiles - 1) % STAGES));
-        }
+        asm volatile("cp.async.wait_all;" ::: "memory");  // no copy of this thread in flight at exit
         return;
     }
 
@@ -214,6 +261,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_prefill_sm90(
     const int cwarp = ctid >> 5;
     const int gid = lane >> 2, tig = lane & 3;
     const int row_base = 64 * (wg - 1);  // this warpgroup's first CTA row
+    const int my_turn = 2 + wg;          // named barrier 3 (consumer 1) or 4 (consumer 2)
+    const int their_turn = 5 - wg;
 
     // Q rows of this warpgroup -> shared memory (padding rows zero-filled).
     {
@@ -242,19 +291,19 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_prefill_sm90(
     }
 
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    float alpha[2] = {1.f, 1.f};  // the correction O takes before the next P V
     float o[O_REGS];
 #pragma unroll
     for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
+    float sacc[S_REGS];
+    u32 pa[PSTEPS][4];
 
-    for (int j = 0; j < n_tiles; ++j) {
-        const int s = j % STAGES;
-        const unsigned sk = s_kv + (unsigned)(s * STAGE_BYTES);
-        const unsigned sv = sk + KV_TILE_BYTES;
-        const int t0 = kv_begin + j * BN;
-        mbar_wait(s_bar + 8 * s, (j / STAGES) & 1);
-
-        float sacc[S_REGS];
-        wgmma_fence();
+    auto wait_full = [&](int j) {
+        mbar_wait(s_bar + 8 * (j % STAGES), (j / STAGES) & 1);
+        fence_async_smem();  // the producer's cp.async writes, seen by this thread's wgmma
+    };
+    auto issue_s = [&](int j) {  // S = Q K(j)^T
+        const unsigned sk = s_kv + (unsigned)((j % STAGES) * STAGE_BYTES);
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
             const unsigned long long qd =
@@ -263,12 +312,23 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_prefill_sm90(
                 gmma_desc(sk + (kk >> 2) * (BN * 128) + (kk & 3) * 32, 16, 1024);
             SS_N(BN, sacc, qd, kd, kk > 0);
         }
-        wgmma_commit();
-        wgmma_wait0();
-        fence_regs(sacc);
-
+    };
+    auto issue_pv = [&](int j) {  // O += P V(j): k16 step kt = keys 16kt .. 16kt + 15
+        const unsigned sv = s_kv + (unsigned)((j % STAGES) * STAGE_BYTES) + KV_TILE_BYTES;
+#pragma unroll
+        for (int kt = 0; kt < PSTEPS; ++kt) {
+            const unsigned long long vd = gmma_desc(sv + kt * 16 * 128, BN * 128, 1024);
+            RS_N(HEAD_DIM, o, pa[kt], vd);
+        }
+    };
+    auto rescale_o = [&]() {
+#pragma unroll
+        for (int i = 0; i < O_REGS; ++i) o[i] *= alpha[(i >> 1) & 1];
+    };
+    // Mask and online softmax of tile j on sacc (S -> P, unnormalised); sets alpha and l.
+    auto softmax = [&](int j) {
+        const int t0 = kv_begin + j * BN;
         const bool masked = t0 + BN > kv_nomask;
-        float alpha[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float mx = m[h];
@@ -297,11 +357,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_prefill_sm90(
                 }
             l[h] = l[h] * alpha[h] + sum;  // this lane's part; the quad is summed at the end
         }
-#pragma unroll
-        for (int i = 0; i < O_REGS; ++i) o[i] *= alpha[(i >> 1) & 1];
-
-        // O += P V: k16 step kt = keys 16kt .. 16kt + 15 = S column tiles 2kt, 2kt + 1.
-        u32 pa[PSTEPS][4];
+    };
+    // P (the S accumulators, S column tiles 2kt, 2kt + 1) -> the A fragments of O += P V.
+    auto pack_p = [&]() {
 #pragma unroll
         for (int kt = 0; kt < PSTEPS; ++kt) {
             pa[kt][0] = pack2(sacc[8 * kt + 0], sacc[8 * kt + 1]);
@@ -309,17 +367,56 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_prefill_sm90(
             pa[kt][2] = pack2(sacc[8 * kt + 4], sacc[8 * kt + 5]);
             pa[kt][3] = pack2(sacc[8 * kt + 6], sacc[8 * kt + 7]);
         }
+    };
+    auto release = [&](int j) {  // this warp is done with stage j % STAGES
+        __syncwarp();
+        if (lane == 0) mbar_arrive(s_bar + 8 * (STAGES + j % STAGES));
+    };
+
+    if (n_tiles > 0) {
+        if (wg == 2) named_arrive(their_turn);  // consumer 1 issues first
+        // Block 0: S(0) alone.
+        wait_full(0);
+        named_sync(my_turn);
         wgmma_fence();
-#pragma unroll
-        for (int kt = 0; kt < PSTEPS; ++kt) {
-            const unsigned long long vd = gmma_desc(sv + kt * 16 * 128, BN * 128, 1024);
-            RS_N(HEAD_DIM, o, pa[kt], vd);
-        }
+        issue_s(0);
         wgmma_commit();
+        named_arrive(their_turn);
+        wgmma_wait0();
+        fence_regs(sacc);
+        softmax(0);
+        pack_p();
+    }
+    for (int j = 1; j < n_tiles; ++j) {
+        // Block j: S(j) and P(j-1) V(j-1); tile j's softmax overlaps the second.
+        wait_full(j);
+        named_sync(my_turn);
+        wgmma_fence();
+        issue_s(j);
+        wgmma_commit();
+        rescale_o();  // while S(j) runs; O is no wgmma's until P(j-1) V(j-1) issues
+        wgmma_fence();
+        issue_pv(j - 1);
+        wgmma_commit();
+        named_arrive(their_turn);
+        wgmma_wait1();
+        fence_regs(sacc);
+        softmax(j);
         wgmma_wait0();
         fence_regs(o);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(s_bar + 8 * (STAGES + s));  // this warp is done with stage s
+        release(j - 1);
+        pack_p();
+    }
+    if (n_tiles > 0) {
+        // Last block: P(n-1) V(n-1). Consumer 2 is the last to issue: nobody waits for its turn.
+        rescale_o();
+        named_sync(my_turn);
+        wgmma_fence();
+        issue_pv(n_tiles - 1);
+        wgmma_commit();
+        if (wg == 1) named_arrive(their_turn);
+        wgmma_wait0();
+        fence_regs(o);
     }
 
     // Epilogue: this thread holds rows gid, gid + 8 of its warp, columns 8n + 2tig + {0,1}.

@@ -8,7 +8,7 @@ Timing: CUDA events around a loop of calls, medians over repetitions after warm-
 TFLOP/s of causal FLOPs (4 * head_dim * num_q_heads * attended (query, key) pairs) and as a
 fraction of a dense matmul (8192^3, same dtype) measured in the same run.
 
-Usage: python3 bench/kvbench.py --routine prefill [--out DIR] [--quick]
+Usage: python3 bench/kvbench.py --routine prefill [--out DIR] [--quick] [--grid issue26]
 """
 
 from __future__ import annotations
@@ -39,6 +39,16 @@ SHAPES = [
     ("64 x 4 spec on 8k", 64, 4, 8192),
 ]
 BF16_SHAPES = ("1 x 4k", "4 x 8k chunk on 24k", "64 x 4 spec on 8k")
+# Issue 26's prefill grid at head_dim 128 (--grid issue26), bf16 on the two long shapes.
+ISSUE26_SHAPES = [
+    ("1 x 16k", 1, 16384, 0),
+    ("4 x 8k chunk on 24k", 4, 8192, 24576),
+    ("32 x 512 on 1.5k", 32, 512, 1536),
+    ("64 x 2k", 64, 2048, 0),
+    ("256 x 128", 256, 128, 0),
+]
+ISSUE26_BF16 = ("1 x 16k", "4 x 8k chunk on 24k")
+GRIDS = {"default": (SHAPES, BF16_SHAPES), "issue26": (ISSUE26_SHAPES, ISSUE26_BF16)}
 
 
 def matmul_tflops(tdt):
@@ -246,7 +256,9 @@ def main(argv: list[str] | None = None):
     ap.add_argument(
         "--kvpool-only", action="store_true", help="our kernels alone (no FlashInfer, no SDPA)"
     )
+    ap.add_argument("--grid", choices=sorted(GRIDS), default="default", help="which shapes")
     args = ap.parse_args(argv)
+    shapes, bf16_shapes = GRIDS[args.grid]
     prov = provenance.provenance("bench/routines/prefill.py")
     dense = {
         dt: matmul_tflops(torch.bfloat16 if dt == "bfloat16" else torch.float16)
@@ -254,8 +266,8 @@ def main(argv: list[str] | None = None):
     }
     rows = []
     for dtype in ("float16", "bfloat16"):
-        for label, n, qo, prefix in SHAPES:
-            if dtype == "bfloat16" and label not in BF16_SHAPES:
+        for label, n, qo, prefix in shapes:
+            if dtype == "bfloat16" and label not in bf16_shapes:
                 continue
             try:
                 rows.append(
@@ -284,6 +296,7 @@ def main(argv: list[str] | None = None):
     doc = {
         "benchmark": "paged prefill attention, causal, TFLOP/s of causal FLOPs",
         "provenance": prov,
+        "grid": args.grid,
         "flashinfer": fi_version,
         "dense_matmul_tflops": {k: round(v, 1) for k, v in dense.items()},
         "rows": rows,

@@ -400,7 +400,9 @@ PREFILL_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SM90_WARPS = 12
 SM90_ROWS = 128
 SM90_BN = {64: 128, 128: 128, 256: 64}
-SM90_STAGES = 2
+# Stages per head_dim: the consumers hold two at a time (S of tile j with P V of tile j-1), so a
+# third lets the producer load a tile ahead; at D=256 three do not fit (64 KB each).
+SM90_STAGES = {64: 3, 128: 3, 256: 2}
 SM90_ARCH = "sm_90a"
 SM90_PREFILL_DEFAULT = True
 
@@ -466,7 +468,8 @@ class PrefillVariant:
         mbarriers)."""
         row = 2 * self.head_dim
         if self.sm90:
-            return self.rows * row + SM90_STAGES * 2 * self.kv_tile * row + 1024 + 16 * SM90_STAGES
+            stages = SM90_STAGES[self.head_dim]
+            return self.rows * row + stages * 2 * self.kv_tile * row + 1024 + 16 * stages
         if self.fp8_async:  # one fp16 K+V tile, STAGES fp8 K+V staging tiles
             return (
                 self.rows * row
@@ -491,7 +494,7 @@ class PrefillVariant:
                 f"-DHEAD_DIM={self.head_dim}",
                 f"-DBLOCK_SIZE={self.block_size}",
                 f"-DBN={self.kv_tile}",
-                f"-DSTAGES={SM90_STAGES}",
+                f"-DSTAGES={SM90_STAGES[self.head_dim]}",
             )
         fp8 = FP8_DTYPES.get(self.dtype, 0)
         fp8_opts = (f"-DKV_FP8={fp8}", f"-DQ_BF16={int(self.q_dtype == 'bfloat16')}") + (
