@@ -9,6 +9,7 @@
 #      forced sm90), FlashInfer 0.5.3 fa2 / fa3, SDPA flash / cuDNN, dense matmul, same run
 #   4. the base tree's kernels on the same grid, ours only (A/B of the Hopper kernel)
 #   5. compute-sanitizer memcheck and racecheck of tools/sanitize_prefill.py
+# The step logs come back as logs.tgz, the run's summary as log (renamed run.log when committed).
 # Usage (device): COMMIT=abc1234 BASE_TREE=../hopper_base bash bench/prefill_sm90_gpu.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -36,13 +37,17 @@ export CUDA_HOME=$(dirname "$(dirname "$(which nvcc)")") FLASHINFER_CUDA_ARCH_LI
 
 if ! step compare 120 python3 tools/compare_prefill_kernels.py; then
     step prefill_sm90_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu --maxfail=5 tests/test_prefill_sm90_gpu.py
+    (cd "$OUT" && tar -czf logs.tgz ./*.log && rm -f ./*.log)
     exit 1
 fi
 step prefill_sm90_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_prefill_sm90_gpu.py
 PYTHONPATH=$ROOT/python:/tmp/site step prefill_bench 240 python3 bench/kvbench.py --routine prefill --out "$OUT" --name prefill_h200 --commit "$KVPOOL_COMMIT" --grid issue26 --quick
-if [ -n "${BASE_TREE:-}" ]; then
-    (cd "$BASE_TREE" && KVPOOL_CUDA_DIR=$PWD/cuda PYTHONPATH=$PWD/python step prefill_base_bench 90 python3 bench/kvbench.py --routine prefill --out "$OUT" --name prefill_base_h200 --commit "${BASE_COMMIT:-base}" --grid issue26 --quick --kvpool-only)
+if [ -n "${BASE_TREE:-}" ]; then  # the base tree's library and kernels, this tree's bench
+    BASE=$(cd "$BASE_TREE" && pwd)
+    KVPOOL_CUDA_DIR=$BASE/cuda PYTHONPATH=$BASE/python step prefill_base_bench 90 python3 bench/kvbench.py --routine prefill --out "$OUT" --name prefill_base_h200 --commit "${BASE_COMMIT:-base}" --grid issue26 --quick --kvpool-only
 fi
 step prefill_memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_prefill.py
 step prefill_racecheck 90 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 1 python3 tools/sanitize_prefill.py
 echo "== done at $((SECONDS - START))s" | tee -a "$OUT/log"
+# Only a few files come back from a device call: the step logs travel as one archive.
+(cd "$OUT" && tar -czf logs.tgz ./*.log && rm -f ./*.log)
