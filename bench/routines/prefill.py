@@ -9,6 +9,7 @@ TFLOP/s of causal FLOPs (4 * head_dim * num_q_heads * attended (query, key) pair
 fraction of a dense matmul (8192^3, same dtype) measured in the same run.
 
 Usage: python3 bench/kvbench.py --routine prefill [--out DIR] [--quick] [--grid issue26]
+       [--head-dims 64,128,256] [--groups 1,4,8]  (default D 128, group 4: Hq 32 over Hkv 8)
 """
 
 from __future__ import annotations
@@ -51,6 +52,26 @@ ISSUE26_BF16 = ("1 x 16k", "4 x 8k chunk on 24k")
 GRIDS = {"default": (SHAPES, BF16_SHAPES), "issue26": (ISSUE26_SHAPES, ISSUE26_BF16)}
 
 
+def grid_rows(grid, head_dims=(D,), groups=(HQ // HKV,), dtypes=("float16", "bfloat16")):
+    """(label, sequences, new tokens, prefix, dtype, num_q_heads, head_dim) of every row a run
+    measures: each shape of `grid` at every head_dim and GQA group (HKV KV heads, group x HKV
+    query heads), fp16 on all of them, bf16 on the grid's bf16 shapes."""
+    shapes, bf16_shapes = GRIDS[grid]
+    out = []
+    for dtype in dtypes:
+        for d in head_dims:
+            for g in groups:
+                for label, n, qo, prefix in shapes:
+                    if dtype == "bfloat16" and label not in bf16_shapes:
+                        continue
+                    out.append((label, n, qo, prefix, dtype, g * HKV, d))
+    return out
+
+
+def _ints(text):
+    return tuple(int(x) for x in text.split(",") if x)
+
+
 def matmul_tflops(tdt):
     n = 8192
     a = torch.randn(n, n, device="cuda").to(tdt)
@@ -59,17 +80,19 @@ def matmul_tflops(tdt):
     return 2 * n**3 / (us * 1e-6) / 1e12
 
 
-def causal_flops(num_seqs, qo, prefix):
+def causal_flops(num_seqs, qo, prefix, hq=HQ, d=D):
     pairs = qo * prefix + qo * (qo + 1) // 2
-    return 4 * D * HQ * pairs * num_seqs
+    return 4 * d * hq * pairs * num_seqs
 
 
-def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick, kvpool_only=False):
+def bench_shape(
+    label, num_seqs, qo, prefix, dtype, dense_tflops, quick, kvpool_only=False, hq=HQ, d=D
+):
     tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float16
     seq_len = qo + prefix
     blocks_per_seq = -(-seq_len // BS)
     num_blocks = num_seqs * blocks_per_seq + 8
-    pool, cache = paged_pool(dtype, num_blocks, BS, D)
+    pool, cache = paged_pool(dtype, num_blocks, BS, d)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(num_seqs * 7919 + seq_len)
     cache.copy_(torch.randn(cache.shape, device="cuda", generator=gen).to(tdt))
@@ -80,30 +103,30 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick, kvpool_
     lens = np.full(num_seqs, seq_len, np.int32)
     indptr = np.arange(num_seqs + 1, dtype=np.int32) * qo
     indptr_t = torch.from_numpy(indptr).cuda()
-    q = torch.randn(num_seqs * qo, HQ, D, device="cuda", generator=gen).to(tdt)
+    q = torch.randn(num_seqs * qo, hq, d, device="cuda", generator=gen).to(tdt)
     out = torch.empty_like(q)
     as_arg = (lambda t: t.view(torch.int16)) if dtype == "bfloat16" else (lambda t: t)
     # Made once, outside the timed calls (like FlashInfer's plan below); it owns its split
     # workspace, and the timed call is the per-layer run.
-    plan = prefill_plan(pool, indptr, tables_t, lens, HQ)
+    plan = prefill_plan(pool, indptr, tables_t, lens, hq)
     # Both kernels, forced (the Hopper one only on compute capability 9.0), next to the default.
     forced = {}
     for kernel in ("sm80", "sm90"):
         try:
             with _tuning.override(prefill_kernel=kernel):
-                forced[kernel] = prefill_plan(pool, indptr, tables_t, lens, HQ)
+                forced[kernel] = prefill_plan(pool, indptr, tables_t, lens, hq)
         except Exception as e:
             forced[kernel] = f"{type(e).__name__}: {e}"[:300]
-    flops = causal_flops(num_seqs, qo, prefix)
+    flops = causal_flops(num_seqs, qo, prefix, hq, d)
     row = {
         "shape": label,
         "dtype": dtype,
         "num_seqs": num_seqs,
         "new_tokens": qo,
         "cached_prefix": prefix,
-        "num_q_heads": HQ,
+        "num_q_heads": hq,
         "num_kv_heads": HKV,
-        "head_dim": D,
+        "head_dim": d,
         "block_size": BS,
         "causal_flops": flops,
         "num_items": plan.work.num_items,
@@ -162,9 +185,9 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick, kvpool_
                     kv_indptr,
                     tables_t.reshape(-1),
                     last,
-                    HQ,
+                    hq,
                     HKV,
-                    D,
+                    d,
                     BS,
                     causal=True,
                     q_data_type=tdt,
@@ -184,11 +207,11 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick, kvpool_
     torch.cuda.synchronize()
 
     # SDPA on contiguous K/V (sequences of equal length: a plain batch, no varlen needed).
-    pages = cache[tables_t.long()]  # [S, blocks, 2, BS, HKV, D]
-    k = pages[:, :, 0].reshape(num_seqs, -1, HKV, D)[:, :seq_len].transpose(1, 2).contiguous()
-    v = pages[:, :, 1].reshape(num_seqs, -1, HKV, D)[:, :seq_len].transpose(1, 2).contiguous()
+    pages = cache[tables_t.long()]  # [S, blocks, 2, BS, HKV, d]
+    k = pages[:, :, 0].reshape(num_seqs, -1, HKV, d)[:, :seq_len].transpose(1, 2).contiguous()
+    v = pages[:, :, 1].reshape(num_seqs, -1, HKV, d)[:, :seq_len].transpose(1, 2).contiguous()
     del pages
-    q4 = q.view(num_seqs, qo, HQ, D).transpose(1, 2)
+    q4 = q.view(num_seqs, qo, hq, d).transpose(1, 2)
     from torch.nn.attention.bias import causal_lower_right
 
     mask = causal_lower_right(qo, seq_len) if prefix else None
@@ -198,8 +221,8 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick, kvpool_
         if gqa:
             return k, v
         if not expanded:  # the backend refused enable_gqa: repeat the KV heads instead
-            expanded["k"] = k.repeat_interleave(HQ // HKV, dim=1)
-            expanded["v"] = v.repeat_interleave(HQ // HKV, dim=1)
+            expanded["k"] = k.repeat_interleave(hq // HKV, dim=1)
+            expanded["v"] = v.repeat_interleave(hq // HKV, dim=1)
         return expanded["k"], expanded["v"]
 
     for name, backend in (
@@ -221,7 +244,7 @@ def bench_shape(label, num_seqs, qo, prefix, dtype, dense_tflops, quick, kvpool_
                 ref = sdpa(gqa=gqa)
                 torch.cuda.synchronize()
                 row[f"max_abs_diff_vs_{name}"] = float(
-                    (ref.transpose(1, 2).reshape(-1, HQ, D).float() - ours_out).abs().max()
+                    (ref.transpose(1, 2).reshape(-1, hq, d).float() - ours_out).abs().max()
                 )
                 row[f"{name}_kv"] = "enable_gqa" if gqa else "KV heads repeated"
                 record(name, lambda gqa=gqa, sdpa=sdpa: sdpa(gqa=gqa))
@@ -257,36 +280,44 @@ def main(argv: list[str] | None = None):
         "--kvpool-only", action="store_true", help="our kernels alone (no FlashInfer, no SDPA)"
     )
     ap.add_argument("--grid", choices=sorted(GRIDS), default="default", help="which shapes")
+    ap.add_argument("--head-dims", type=_ints, default=(D,), help="e.g. 64,128,256")
+    ap.add_argument(
+        "--groups", type=_ints, default=(HQ // HKV,), help=f"GQA groups over {HKV} KV heads"
+    )
     args = ap.parse_args(argv)
-    shapes, bf16_shapes = GRIDS[args.grid]
     prov = provenance.provenance("bench/routines/prefill.py")
     dense = {
         dt: matmul_tflops(torch.bfloat16 if dt == "bfloat16" else torch.float16)
         for dt in ("float16", "bfloat16")
     }
     rows = []
-    for dtype in ("float16", "bfloat16"):
-        for label, n, qo, prefix in shapes:
-            if dtype == "bfloat16" and label not in bf16_shapes:
-                continue
-            try:
-                rows.append(
-                    bench_shape(
-                        label, n, qo, prefix, dtype, dense[dtype], args.quick, args.kvpool_only
-                    )
+    for label, n, qo, prefix, dtype, hq, d in grid_rows(args.grid, args.head_dims, args.groups):
+        try:
+            rows.append(
+                bench_shape(
+                    label, n, qo, prefix, dtype, dense[dtype], args.quick, args.kvpool_only, hq, d
                 )
-            except Exception as e:
-                traceback.print_exc()
-                rows.append({"shape": label, "dtype": dtype, "error": f"{type(e).__name__}: {e}"})
-            r = rows[-1]
-            print(
-                f"{label:>22} {dtype:8} ours {r.get('kvpool_tflops')} TF/s ({r.get('kernel')}; "
-                f"sm80 {r.get('kvpool_sm80_tflops')} sm90 {r.get('kvpool_sm90_tflops')}) "
-                f"fa2 {r.get('flashinfer_fa2_tflops')} fa3 {r.get('flashinfer_fa3_tflops')} "
-                f"sdpa flash {r.get('sdpa_flash_tflops')} cudnn {r.get('sdpa_cudnn_tflops')} "
-                f"x fa2 {r.get('speedup_vs_fa2')}",
-                flush=True,
             )
+        except Exception as e:
+            traceback.print_exc()
+            rows.append(
+                {
+                    "shape": label,
+                    "dtype": dtype,
+                    "num_q_heads": hq,
+                    "head_dim": d,
+                    "error": f"{type(e).__name__}: {e}",
+                }
+            )
+        r = rows[-1]
+        print(
+            f"{label:>22} {dtype:8} D{d} Hq{hq} ours {r.get('kvpool_tflops')} TF/s "
+            f"({r.get('kernel')}; sm80 {r.get('kvpool_sm80_tflops')} sm90 "
+            f"{r.get('kvpool_sm90_tflops')}) fa2 {r.get('flashinfer_fa2_tflops')} fa3 "
+            f"{r.get('flashinfer_fa3_tflops')} sdpa flash {r.get('sdpa_flash_tflops')} cudnn "
+            f"{r.get('sdpa_cudnn_tflops')} x fa2 {r.get('speedup_vs_fa2')}",
+            flush=True,
+        )
     try:
         import flashinfer
 
@@ -297,6 +328,8 @@ def main(argv: list[str] | None = None):
         "benchmark": "paged prefill attention, causal, TFLOP/s of causal FLOPs",
         "provenance": prov,
         "grid": args.grid,
+        "head_dims": list(args.head_dims),
+        "groups": list(args.groups),
         "flashinfer": fi_version,
         "dense_matmul_tflops": {k: round(v, 1) for k, v in dense.items()},
         "rows": rows,
