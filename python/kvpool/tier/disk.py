@@ -53,7 +53,14 @@ from kvpool.transfer.nixl_transport import load_nixl
 MEDIUM = "disk"
 HASH_BYTES = 32
 DEFAULT_MAX_QUEUED_EVENTS = 10_000
+# O_DIRECT needs the buffer, offset and length aligned to the device's logical block; 4 KiB
+# covers every device seen (512-byte and 4 KiB ones).
+DIRECT_ALIGN = 4096
+# A read is cut into chunks of about this many bytes, so that the checksums of one chunk are
+# computed while the next is read.
+READ_CHUNK_BYTES = 16 << 20
 _POLL_S = 0.0001
+_SPIN_S = 0.002
 
 
 @dataclass
@@ -64,7 +71,15 @@ class _Entry:
 
 class DiskTier:
     """``capacity_blocks`` blocks of ``layout`` in ``directory``/blocks.kv (made or emptied);
-    see the module docstring. ``close()`` (or ``with``) releases the file and NIXL."""
+    see the module docstring. ``close()`` (or ``with``) releases the file and NIXL.
+
+    ``direct=True`` opens the file with O_DIRECT: the bytes go between the pool and the
+    device without the page cache, and NIXL's I/O runs while the checksums are computed (with
+    the page cache the POSIX plugin copies within the call that posts the transfer, so the
+    checksums wait for it). It needs blocks whose size is a multiple of 4 KiB in a pool whose
+    slab starts on a 4 KiB boundary (``Pool.from_external`` over page-aligned memory; a
+    kvpool host pool's own slab is aligned to 256 bytes), and a file system that takes
+    O_DIRECT; otherwise InvalidArgumentError."""
 
     def __init__(
         self,
@@ -73,6 +88,7 @@ class DiskTier:
         capacity_blocks: int,
         *,
         max_queued_events: int = DEFAULT_MAX_QUEUED_EVENTS,
+        direct: bool = False,
     ) -> None:
         if not isinstance(layout, KvLayout):
             raise TypeError(f"layout must be a KvLayout, got {type(layout).__name__}")
@@ -84,13 +100,33 @@ class DiskTier:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
+        if not isinstance(direct, bool):
+            raise TypeError(f"direct must be a bool, got {type(direct).__name__}")
         self.layout, self.capacity = layout, capacity_blocks
         self.block_bytes = layout.block_bytes
+        self.direct = direct
+        if direct and self.block_bytes % DIRECT_ALIGN:
+            raise InvalidArgumentError(
+                f"direct I/O needs blocks of a multiple of {DIRECT_ALIGN} bytes, not "
+                f"{self.block_bytes}"
+            )
         self.path = Path(directory) / "blocks.kv"
+        flags = os.O_CREAT | os.O_RDWR | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+        try:
+            self._fd = os.open(self.path, flags, 0o600)
+        except OSError as e:
+            if not direct:
+                raise
+            raise InvalidArgumentError(f"{self.path}: no O_DIRECT here ({e})") from e
         nixl = load_nixl()
         self._agent_name = f"kvpool-disk-{os.getpid()}-{id(self):x}"
-        self._agent = nixl.nixl_agent(self._agent_name, nixl.nixl_agent_config(backends=["POSIX"]))
-        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+        try:
+            self._agent = nixl.nixl_agent(
+                self._agent_name, nixl.nixl_agent_config(backends=["POSIX"])
+            )
+        except BaseException:
+            os.close(self._fd)
+            raise
         try:
             os.ftruncate(self._fd, capacity_blocks * self.block_bytes)
             self._file_reg = self._agent.register_memory(
@@ -201,24 +237,30 @@ class DiskTier:
                 readable.append((i, entry))
             else:
                 bad.append(keys[i])  # the file was cut short under this block
-        pairs = [(ids[i], entry.slot) for i, entry in readable]
-        try:
-            self._move(pool, pairs, "READ")
-            landed = [(i, e) for i, e in readable]
-        except TransferError:  # salvage what reads alone (one block's range may be short)
-            landed = []
-            for i, entry in readable:
-                try:
-                    self._move(pool, [(ids[i], entry.slot)], "READ")
-                    landed.append((i, entry))
-                except TransferError:
+        # Chunks of about READ_CHUNK_BYTES: chunk k+1 is in flight while chunk k is checked.
+        per_chunk = max(1, READ_CHUNK_BYTES // self.block_bytes)
+        chunks = [readable[k : k + per_chunk] for k in range(0, len(readable), per_chunk)]
+        pending = (
+            self._post(pool, [(ids[i], e.slot) for i, e in chunks[0]], "READ") if chunks else None
+        )
+        for k, chunk in enumerate(chunks):
+            failed = self._finish(pending)
+            nxt = chunks[k + 1] if k + 1 < len(chunks) else None
+            pending = self._post(pool, [(ids[i], e.slot) for i, e in nxt], "READ") if nxt else None
+            landed = chunk
+            if failed is not None:  # salvage what reads alone (one block's range may be short)
+                landed = []
+                for i, entry in chunk:
+                    if self._finish(self._post(pool, [(ids[i], entry.slot)], "READ")) is None:
+                        landed.append((i, entry))
+                    else:
+                        bad.append(keys[i])
+            for i, entry in landed:
+                if zlib.crc32(self._block(pool, ids[i])) == entry.crc:
+                    hits[i] = True
+                    self._index.move_to_end(keys[i])
+                else:
                     bad.append(keys[i])
-        for i, entry in landed:
-            if zlib.crc32(self._block(pool, ids[i])) == entry.crc:
-                hits[i] = True
-                self._index.move_to_end(keys[i])
-            else:
-                bad.append(keys[i])
         if bad:
             bad = list(dict.fromkeys(bad))
             for key in bad:
@@ -264,6 +306,12 @@ class DiskTier:
                 f"the pool's blocks are {pool.layout.block_bytes} bytes, the tier's "
                 f"{self.block_bytes}"
             )
+        if self.direct and pool.base_ptr % DIRECT_ALIGN:
+            raise InvalidArgumentError(
+                f"direct I/O needs a pool slab aligned to {DIRECT_ALIGN} bytes; this one starts "
+                f"at {pool.base_ptr:#x} (make the pool with Pool.from_external over aligned "
+                "memory, or the tier with direct=False)"
+            )
         ids = [_check_id(b, pool.num_blocks) for b in _as_list(block_ids, "block_ids")]
         keys = [_check_hash(h) for h in _as_list(hashes, "hashes")]
         if len(ids) != len(keys):
@@ -284,12 +332,19 @@ class DiskTier:
             self._pool_regs[pool.base_ptr] = (pool, registration)  # the pool is kept alive
 
     def _move(self, pool: Pool, pairs: list[tuple[int, int]], op: str, during: Any = None) -> None:
-        """One NIXL transfer of (pool block, file slot) pairs, runs coalesced. ``during`` runs
+        """One NIXL transfer of (pool block, file slot) pairs, runs coalesced; ``during`` runs
         while it is in flight. Raises TransferError if NIXL fails."""
+        pending = self._post(pool, pairs, op)
+        if during is not None:
+            during()
+        failed = self._finish(pending)
+        if failed is not None:
+            raise failed
+
+    def _post(self, pool: Pool, pairs: list[tuple[int, int]], op: str) -> Any:
+        """Starts one NIXL transfer; returns what ``_finish`` takes."""
         if not pairs:
-            if during is not None:
-                during()
-            return
+            return None
         self._register(pool)
         bb, base = self.block_bytes, pool.base_ptr
         local, remote = [], []
@@ -314,25 +369,39 @@ class DiskTier:
                 self._agent_name,
             )
         except Exception as e:  # NIXL's errors are plain Exceptions
-            raise TransferError(f"NIXL could not prepare the disk {op}: {e}") from e
+            return TransferError(f"NIXL could not prepare the disk {op}: {e}")
         try:
-            state = agent.transfer(handle)
-            if during is not None:
-                during()
-            while state == "PROC":
-                time.sleep(_POLL_S)
-                state = agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise TransferError(f"the disk {op} failed (NIXL state {state})")
-        except TransferError:
-            raise
+            return (handle, op, agent.transfer(handle))
         except Exception as e:
-            raise TransferError(f"the disk {op} failed: {type(e).__name__}: {e}") from e
+            self._release(handle)
+            return TransferError(f"the disk {op} failed: {type(e).__name__}: {e}")
+
+    def _finish(self, pending: Any) -> TransferError | None:
+        """Waits for a transfer ``_post`` started; None once it is done, else the error."""
+        if pending is None or isinstance(pending, TransferError):
+            return pending
+        handle, op, state = pending
+        try:
+            spin_until = time.perf_counter() + _SPIN_S
+            while state == "PROC":
+                state = self._agent.check_xfer_state(handle)
+                # Spin first: a small I/O ends in microseconds, and a sleep (even of 0 s, on a
+                # busy machine) gives the core away for far longer.
+                if state == "PROC" and time.perf_counter() > spin_until:
+                    time.sleep(_POLL_S)
+            if state != "DONE":
+                return TransferError(f"the disk {op} failed (NIXL state {state})")
+            return None
+        except Exception as e:
+            return TransferError(f"the disk {op} failed: {type(e).__name__}: {e}")
         finally:
-            try:
-                agent.release_xfer_handle(handle)
-            except Exception:
-                pass  # a failed transfer's handle: NIXL has already given it up
+            self._release(handle)
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:
+            pass  # a failed transfer's handle: NIXL has already given it up
 
     # -- teardown ----------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -43,6 +43,7 @@ from kvpool.transfer.nccl import NcclTransport, rendezvous_control
 from kvpool.transfer.transport import PeerGone, Transport
 
 _POLL_S = 0.0002
+_SPIN_S = 0.002
 # How long the sender waits on the control connection between looks at its deadline's clock
 # (an injected clock in tests: a short wait keeps them fast).
 _SERVE_POLL_S = 0.05
@@ -228,12 +229,16 @@ class NixlTransport(Transport):
         try:
             try:
                 state = agent.transfer(handle)
+                spin_until = time.perf_counter() + _SPIN_S
                 while state == "PROC":
                     if clock() >= deadline:
                         break
                     self._check_sender(request_id)
-                    time.sleep(_POLL_S)
                     state = agent.check_xfer_state(handle)
+                    # Spin first: a sleep, even a short one, gives the core away for longer
+                    # than a small READ takes on a busy machine.
+                    if state == "PROC" and time.perf_counter() > spin_until:
+                        time.sleep(_POLL_S)
             except PeerGone:
                 raise
             except Exception as e:
