@@ -57,6 +57,10 @@ ROUTINES = {
         "cpu",
         "a request's blocks through NIXL host to host vs one contiguous NIXL read",
     ),
+    "disk_tier": (
+        "cpu",
+        "the disk tier's put/get (NIXL POSIX, checksums) vs a plain sequential file write/read",
+    ),
     "transfer": ("gpu2", "a request's KV between two GPUs vs NCCL send/recv and cudaMemcpyPeer"),
     "tp_decode": ("gpu2", "decode over a two-GPU PoolGroup vs the same decode on one GPU"),
 }

@@ -1,10 +1,11 @@
 """The KV transfer protocol over NIXL (UCX) between two processes on loopback, host pools:
 the receiver READs the sender's blocks byte-exact into its own ids, one descriptor per run of
-blocks contiguous on both sides, and both pools end consistent. Skipped when no NIXL module
-imports (the `nixl` extra: pip install 'kvpool[nixl]')."""
+blocks contiguous on both sides, and both pools end consistent. The test extra installs
+nixl-cu13, so CI runs these; a developer's tree without NIXL skips them."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -21,6 +22,10 @@ try:
 
     load_nixl()
 except ImportError as e:  # pragma: no cover - depends on the environment
+    # CI (bin/test.sh sets KVPOOL_TEST_WHEEL=1) installs nixl-cu13 with the test extra: there a
+    # missing NIXL fails the run instead of skipping these tests quietly.
+    if os.environ.get("KVPOOL_TEST_WHEEL") == "1":
+        raise
     pytest.skip(f"NIXL is not importable ({e}); install kvpool[nixl]", allow_module_level=True)
 
 LAYOUT_ARGS = (2, 2, 64, 16)  # 8 KiB blocks

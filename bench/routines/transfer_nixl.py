@@ -13,8 +13,10 @@ on both sides). For each block size (64 KiB, 2 MiB) and number of blocks (1 .. 4
 - ``contiguous``: one descriptor of n * block bytes, hand-made (the baseline: the same bytes
   already packed).
 
-Each case: one warm-up READ, then the median wall time of the READ (post to DONE) over
-repetitions, checked byte-exact once. 2 MiB blocks stop at ``--max-bytes`` per pool (default 1 GiB: this is a shared 23 GiB
+Each case: one warm-up READ, checked byte-exact, then the median wall time of the READ (post
+to DONE) over repetitions that interleave the three cases (load from other work on a shared
+machine falls on all three alike); ``ratio_to_contiguous`` is the contiguous case's median
+over the case's. 2 MiB blocks stop at ``--max-bytes`` per pool (default 1 GiB: this is a shared 23 GiB
 machine); the JSON lists what was skipped. Usage:
 
     python bench/kvbench.py --routine transfer_nixl [--out DIR] [--quick]
@@ -48,7 +50,7 @@ def _layout(block_bytes: int):
 
 
 def _reps(nbytes: int) -> int:
-    return 20 if nbytes <= 64 << 20 else 5
+    return 21 if nbytes <= 64 << 20 else 7
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,23 +117,37 @@ def main(argv: list[str] | None = None) -> int:
                 "request_scattered": rng.permutation(num_blocks)[:n].astype(np.int32),
                 "request_fresh": np.arange(n, dtype=np.int32),
             }
+            descs, counts = {}, {}
             for case, src_ids in cases.items():
                 pieces = plan_pieces(GROUPED, src_ids, dst_ids, n)
-                local = run_descriptors(dst.base_ptr, block_bytes, dst_ids, pieces)
-                remote = run_descriptors(src.base_ptr, block_bytes, src_ids, pieces)
+                descs[case] = (
+                    run_descriptors(dst.base_ptr, block_bytes, dst_ids, pieces),
+                    run_descriptors(src.base_ptr, block_bytes, src_ids, pieces),
+                )
+                counts[case] = len(pieces)
+            descs["contiguous"] = (
+                np.array([[dst.base_ptr, nbytes, 0]], np.uint64),
+                np.array([[src.base_ptr, nbytes, 0]], np.uint64),
+            )
+            counts["contiguous"] = 1
+            times: dict[str, list[float]] = {case: [] for case in descs}
+            for case, (local, remote) in descs.items():
                 dst_slab[:nbytes] = 0
                 read(local, remote)  # warm-up: the first READ of a region sets UCX up
-                times = [read(local, remote) for _ in range(3 if args.quick else _reps(nbytes))]
                 got = dst_slab[:nbytes].reshape(n, block_bytes)
+                src_ids = cases.get(case, np.arange(n))
                 want = src_slab.reshape(num_blocks, block_bytes)[src_ids]
                 assert np.array_equal(got, want), f"{case} {label} x {n}: bytes differ"
-                rows.append(_row(case, label, n, nbytes, len(pieces), times))
-            local = np.array([[dst.base_ptr, nbytes, 0]], np.uint64)
-            remote = np.array([[src.base_ptr, nbytes, 0]], np.uint64)
-            read(local, remote)
-            times = [read(local, remote) for _ in range(3 if args.quick else _reps(nbytes))]
-            assert np.array_equal(dst_slab[:nbytes], src_slab[:nbytes])
-            rows.append(_row("contiguous", label, n, nbytes, 1, times))
+            # Repetitions interleave the cases, so that load from other work on this shared
+            # machine falls on all of them alike.
+            for _ in range(3 if args.quick else _reps(nbytes)):
+                for case, (local, remote) in descs.items():
+                    times[case].append(read(local, remote))
+            contiguous = statistics.median(times["contiguous"])
+            for case in descs:
+                row = _row(case, label, n, nbytes, counts[case], times[case])
+                row["ratio_to_contiguous"] = contiguous / statistics.median(times[case])
+                rows.append(row)
         del reader, owner
     result = {
         "routine": "transfer_nixl",
@@ -145,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(
             f"{r['case']:<18} {r['block']:>5} x {r['blocks']:>4}  {r['descriptors']:>5} desc  "
-            f"{r['median_us']:>10.1f} us  {r['gbytes_per_s']:>7.2f} GB/s"
+            f"{r['median_us']:>10.1f} us  {r['gbytes_per_s']:>7.2f} GB/s  "
+            f"x{r['ratio_to_contiguous']:.2f}"
         )
     return 0
 

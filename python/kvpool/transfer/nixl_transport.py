@@ -43,6 +43,10 @@ from kvpool.transfer.nccl import NcclTransport, rendezvous_control
 from kvpool.transfer.transport import PeerGone, Transport
 
 _POLL_S = 0.0002
+_SPIN_S = 0.002
+# How long the sender waits on the control connection between looks at its deadline's clock
+# (an injected clock in tests: a short wait keeps them fast).
+_SERVE_POLL_S = 0.05
 
 
 def load_nixl() -> Any:
@@ -80,6 +84,7 @@ class NixlTransport(Transport):
         self.remote_num_blocks = int(hello["num_blocks"])
         self.descriptor_counts: list[int] = []  # per transfer this side initiated
         self._notes: list[dict] = []  # control messages read while waiting for "done"
+        self._registration: Any = None  # the slab's NIXL registration, released at teardown
 
     @classmethod
     def connect(
@@ -103,7 +108,7 @@ class NixlTransport(Transport):
         name = f"kvpool-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
         nbytes = pool.num_blocks * pool.layout.block_bytes
-        agent.register_memory([(pool.base_ptr, nbytes, 0, "")], "DRAM")
+        registration = agent.register_memory([(pool.base_ptr, nbytes, 0, "")], "DRAM")
         control.send_control(
             {
                 "kind": "nixl_hello",
@@ -118,7 +123,9 @@ class NixlTransport(Transport):
         if hello.get("kind") != "nixl_hello" or hello.get("block_bytes") != pool.layout.block_bytes:
             raise TransferError(f"the peer's NIXL hello does not match this pool: {hello}")
         agent.add_remote_agent(base64.b64decode(hello["metadata"]))
-        return cls(control, nixl, agent, pool, hello)
+        transport = cls(control, nixl, agent, pool, hello)
+        transport._registration = registration
+        return transport
 
     # -- control channel (the NCCL transport's) ------------------------------------------
     def send_control(self, message: dict) -> None:
@@ -133,6 +140,16 @@ class NixlTransport(Transport):
         return self._control.peer_alive()
 
     # -- one-sided data phase ---------------------------------------------------------------
+    def source_ids_problem(self, src_ids: np.ndarray) -> str | None:
+        """Why an offer's source ids cannot be read from the sender's registered slab (checked
+        by the receiver before it allocates anything), or None."""
+        if len(src_ids) and int(src_ids.max()) >= self.remote_num_blocks:
+            return (
+                f"the offer's source ids reach block {int(src_ids.max())}; the sender's pool "
+                f"has {self.remote_num_blocks}"
+            )
+        return None
+
     def read_blocks(
         self,
         request_id: int,
@@ -143,20 +160,48 @@ class NixlTransport(Transport):
         clock: Callable[[], float] = time.monotonic,
     ) -> Done:
         """Receiver: READs the sender's ``src_ids`` into this pool's ``dst_ids`` (one
-        descriptor per piece), then tells the sender. Raises TimeoutError past ``deadline``,
-        PeerGone if NIXL reports an error."""
-        if len(src_ids) and int(src_ids.max()) >= self.remote_num_blocks:
-            raise TransferError(
-                f"the offer's source ids reach block {int(src_ids.max())}; the sender's pool "
-                f"has {self.remote_num_blocks}"
-            )
+        descriptor per piece), then tells the sender. Raises TimeoutError if the READ is not
+        seen complete before ``deadline``, PeerGone if NIXL reports an error, the sender
+        gave the transfer up or its process died: in every such case the bytes that landed
+        are not trusted (the sender may have released its blocks)."""
+        problem = self.source_ids_problem(src_ids)
+        if problem is not None:
+            raise TransferError(problem)
         self.descriptor_counts.append(len(pieces))
         if pieces:
             local = run_descriptors(self.pool.base_ptr, self.block_bytes, dst_ids, pieces)
             remote = run_descriptors(self.remote_base, self.block_bytes, src_ids, pieces)
-            self.move(local, remote, "READ", deadline, clock)
+            self.move(local, remote, "READ", deadline, clock, request_id)
+        # The READ is complete; it is good only if the sender still held its blocks all along.
+        self._check_sender(request_id)
         self.send_control({"kind": "done", "request_id": request_id})
         return Done()
+
+    def _check_sender(self, request_id: int | None) -> None:
+        """Raises PeerGone if the peer has told this side to give ``request_id`` up or its
+        control connection reached end-of-file; other messages are kept for
+        ``recv_control``. Never waits."""
+        if request_id is None:
+            return
+        while True:
+            try:
+                message = self._control.recv_control(0)
+            except TimeoutError:
+                break
+            except PeerGone as e:
+                raise PeerGone(f"the peer's process died or closed the connection: {e}") from e
+            if message.get("kind") == "abort" and message.get("request_id") == request_id:
+                raise PeerGone(f"the peer gave the transfer up: {message.get('reason')}")
+            self._notes.append(message)
+        if not self._control.peer_alive():
+            raise PeerGone("the peer's process died or closed the connection")
+
+    def _failure(self, what: str) -> PeerGone:
+        """A NIXL error, said with its likely cause: a peer whose control connection is at
+        end-of-file has died (NIXL then reports a disconnected agent or a failed transfer)."""
+        if not self._control.peer_alive():
+            return PeerGone(f"the peer's process died or closed the connection ({what})")
+        return PeerGone(what)
 
     def move(
         self,
@@ -165,26 +210,48 @@ class NixlTransport(Transport):
         op: str,
         deadline: float,
         clock: Callable[[], float] = time.monotonic,
+        request_id: int | None = None,
     ) -> None:
-        """One NIXL transfer of descriptor arrays (Nx3) between this pool and the peer's."""
+        """One NIXL transfer of descriptor arrays (Nx3) between this pool and the peer's.
+        Raises TimeoutError unless it is seen complete before ``deadline`` (also when it
+        completed at once but the clock is already past it: the lease has ended), PeerGone
+        when NIXL fails or, with ``request_id``, the peer aborts it or dies meanwhile."""
         agent = self.agent
-        handle = agent.initialize_xfer(
-            op,
-            agent.get_xfer_descs(local, "DRAM"),
-            agent.get_xfer_descs(remote, "DRAM"),
-            self.remote_name,
-        )
         try:
-            state = agent.transfer(handle)
-            while state == "PROC":
-                if clock() >= deadline:
-                    raise TimeoutError("the NIXL transfer did not complete before the deadline")
-                time.sleep(_POLL_S)
-                state = agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise PeerGone(f"the NIXL transfer failed (state {state})")
+            handle = agent.initialize_xfer(
+                op,
+                agent.get_xfer_descs(local, "DRAM"),
+                agent.get_xfer_descs(remote, "DRAM"),
+                self.remote_name,
+            )
+        except Exception as e:  # NIXL's errors (nixlRemoteDisconnectError...) are Exceptions
+            raise self._failure(f"NIXL could not prepare the {op}: {type(e).__name__}: {e}") from e
+        try:
+            try:
+                state = agent.transfer(handle)
+                spin_until = time.perf_counter() + _SPIN_S
+                while state == "PROC":
+                    if clock() >= deadline:
+                        break
+                    self._check_sender(request_id)
+                    state = agent.check_xfer_state(handle)
+                    # Spin first: a sleep, even a short one, gives the core away for longer
+                    # than a small READ takes on a busy machine.
+                    if state == "PROC" and time.perf_counter() > spin_until:
+                        time.sleep(_POLL_S)
+            except PeerGone:
+                raise
+            except Exception as e:
+                raise self._failure(f"the NIXL {op} failed: {type(e).__name__}: {e}") from e
+            if state not in ("DONE", "PROC"):
+                raise self._failure(f"the NIXL {op} failed (state {state})")
+            if state == "PROC" or clock() >= deadline:
+                raise TimeoutError(f"the NIXL {op} was not complete before the deadline")
         finally:
-            agent.release_xfer_handle(handle)
+            try:
+                agent.release_xfer_handle(handle)
+            except Exception:
+                pass  # a failed transfer's handle: NIXL has already given it up
 
     def serve_blocks(
         self, request_id: int, deadline: float, clock: Callable[[], float] = time.monotonic
@@ -196,9 +263,11 @@ class NixlTransport(Transport):
             if left <= 0:
                 raise TimeoutError("the receiver did not finish reading before the deadline")
             try:
-                message = self._control.recv_control(min(left, 1.0))
+                message = self._control.recv_control(min(left, _SERVE_POLL_S))
             except TimeoutError:
                 continue
+            except PeerGone as e:
+                raise PeerGone(f"the receiver's process died or closed the connection: {e}") from e
             kind = message.get("kind")
             if message.get("request_id") == request_id and kind == "done":
                 return Done()
@@ -216,8 +285,18 @@ class NixlTransport(Transport):
     ) -> None:
         raise TransferError("NixlTransport is one-sided: the protocol calls read_blocks")
 
+    def _release_registration(self) -> None:
+        registration, self._registration = self._registration, None
+        if registration is not None:
+            try:
+                self.agent.deregister_memory(registration)
+            except Exception:
+                pass  # teardown after a failure: the agent may already be unusable
+
     def abort(self) -> None:
         self._control.abort()  # closes the control connection: the peer sees end-of-file
+        self._release_registration()
 
     def close(self) -> None:
         self._control.close()
+        self._release_registration()

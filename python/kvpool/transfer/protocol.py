@@ -78,6 +78,9 @@ class Offer:
     src_ids: np.ndarray  # int32
     mode: str
     chunk_blocks: int
+    # The sender's timeout: the receiver's lease ends no later than it, so a READ it sees
+    # complete before its own deadline read blocks the sender still held (transfer.md).
+    timeout_s: float | None = None
 
 
 def _is_int(value: Any) -> bool:
@@ -119,7 +122,21 @@ def decode_offer(message: Any, layout: KvLayout) -> Offer | str:
         return f"src_ids must be int32 block ids >= 0, got {bad!r}"
     if len(set(src_ids)) != len(src_ids):
         return "src_ids repeat a block"
-    return Offer(request_id, num_tokens, np.asarray(src_ids, np.int32), mode, chunk_blocks)
+    timeout_s: Any = fields.get("timeout_s")
+    if timeout_s is not None and (
+        not isinstance(timeout_s, (int, float))
+        or isinstance(timeout_s, bool)
+        or not 0 < timeout_s < float("inf")
+    ):
+        return f"timeout_s must be a positive number of seconds, got {timeout_s!r}"
+    return Offer(
+        request_id,
+        num_tokens,
+        np.asarray(src_ids, np.int32),
+        mode,
+        chunk_blocks,
+        None if timeout_s is None else float(timeout_s),
+    )
 
 
 def decode_accept(message: Any, request_id: int, num_blocks: int) -> tuple[np.ndarray, str] | str:
@@ -330,6 +347,7 @@ class KvSender:
                     "src_ids": ids.tolist(),
                     "mode": self.mode,
                     "chunk_blocks": self.chunk_blocks,
+                    "timeout_s": ep.timeout_s,
                 }
             )
         except (PeerGone, OSError) as e:
@@ -408,7 +426,10 @@ class KvReceiver:
         offer = decode_offer(message, ep.pool.layout)
         request_id: Any = message.get("request_id") if isinstance(message, dict) else None
         reason = offer if isinstance(offer, str) else None
-        if isinstance(offer, Offer):
+        source_problem = getattr(ep.transport, "source_ids_problem", None)
+        if isinstance(offer, Offer) and source_problem is not None:
+            reason = source_problem(offer.src_ids)  # ids outside the sender's registered slab
+        if isinstance(offer, Offer) and reason is None:
             try:
                 ep.tables.add(offer.request_id, offer.num_tokens)
             except (KvError, TypeError) as e:
@@ -428,7 +449,8 @@ class KvReceiver:
             ep.tables.free(request_id)
 
         try:
-            lease = ep.leases.take(request_id, dst_ids, ep.clock() + ep.timeout_s, RECV)
+            timeout_s = min(ep.timeout_s, offer.timeout_s or ep.timeout_s)
+            lease = ep.leases.take(request_id, dst_ids, ep.clock() + timeout_s, RECV)
         except TransferError:
             release()
             raise

@@ -1,0 +1,185 @@
+"""The disk tier (kvpool.tier.DiskTier: NIXL's POSIX plugin, a CRC-32 per block) against a plain
+sequential file write and read of the same bytes on the same file system, in the same run.
+
+For each block size (64 KiB, 2 MiB) and number of blocks (1 .. 4096, at most ``--max-bytes``
+per case):
+
+- ``tier_write``: ``DiskTier.put`` of n blocks of a host pool (fresh hashes each repetition,
+  so every block is written; the tier's capacity is n, so each repetition overwrites the
+  previous one's slots), checksums included.
+- ``tier_read``: ``DiskTier.get`` of those n blocks into another pool, every checksum verified.
+- ``plain_write`` / ``plain_read``: one ``os.pwrite`` / ``os.preadv`` of the same n blocks'
+  bytes (the pool's slab, contiguous) at offset 0 of a file of the same size in the same
+  directory (the baseline: what the bytes cost to move without the tier).
+
+Two modes, each side the same in both: ``buffered`` (kvpool's own host pools; the page cache
+between the bytes and the device) and ``direct`` (O_DIRECT on both sides, pools made with
+``Pool.from_external`` over page-aligned memory, as O_DIRECT needs). Neither side calls fsync
+(the tier's index is in memory, so nothing on disk outlives the process anyway). Tier and
+baseline alternate repetition by repetition, so load from other work hits both; the median
+of each is reported, with ``ratio`` = baseline time / tier time (1.0: the tier costs
+nothing more). Block bytes are random and checked after every tier read. Usage:
+
+    python bench/kvbench.py --routine disk_tier [--out DIR] [--quick] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from provenance import provenance
+
+SIZES = [1, 4, 16, 64, 256, 1024, 4096]
+BLOCK_BYTES = {"64KiB": 64 << 10, "2MiB": 2 << 20}
+
+
+def _layout(block_bytes: int):
+    import kvpool
+
+    layers, heads, block_size = 2, 8, 16
+    head_dim = block_bytes // (2 * layers * heads * block_size * 2)
+    layout = kvpool.KvLayout(layers, heads, head_dim, block_size)
+    assert layout.block_bytes == block_bytes
+    return layout
+
+
+def _slab(pool, nbytes: int) -> np.ndarray:
+    return np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * nbytes).from_address(pool.base_ptr))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="the JSON to write")
+    ap.add_argument("--quick", action="store_true", help="sizes up to 64 blocks, 3 repetitions")
+    ap.add_argument("--max-bytes", type=int, default=512 << 20, help="bytes per case, at most")
+    ap.add_argument("--dir", type=Path, help="where the files go (default: a temporary folder)")
+    args = ap.parse_args(argv)
+
+    import kvpool
+    from kvpool.tier import DiskTier
+
+    prov = provenance("bench/routines/disk_tier.py")
+    rows, skipped = [], []
+    sizes = [n for n in SIZES if n <= 64] if args.quick else SIZES
+    rng = np.random.default_rng(0)
+    base = Path(tempfile.mkdtemp(prefix="kvpool-disk-bench-", dir=args.dir))
+    for mode, (label, block_bytes) in (
+        (m, item) for m in ("buffered", "direct") for item in BLOCK_BYTES.items()
+    ):
+        fit = [n for n in sizes if n * block_bytes <= args.max_bytes]
+        skipped += [f"{mode} {label} x {n}" for n in sizes if n not in fit]
+        if not fit:
+            continue
+        layout = _layout(block_bytes)
+        direct = mode == "direct"
+        for n in fit:
+            nbytes = n * block_bytes
+            if direct:  # page-aligned memory under the pools, as O_DIRECT needs
+                memory = [mmap.mmap(-1, nbytes), mmap.mmap(-1, nbytes)]
+                arrays = [np.frombuffer(m, np.uint8) for m in memory]
+                src, dst = (
+                    kvpool.Pool.from_external(layout, a, num_blocks=n, device="host")
+                    for a in arrays
+                )
+            else:
+                src = kvpool.Pool(layout, n, device="host")
+                dst = kvpool.Pool(layout, n, device="host")
+            src_slab, dst_slab = _slab(src, nbytes), _slab(dst, nbytes)
+            src_slab[:] = rng.integers(0, 256, nbytes, dtype=np.uint8)
+            dst_slab[:] = 0
+            ids = list(range(n))
+            reps = 3 if args.quick else (11 if nbytes <= 64 << 20 else 5)
+            folder = base / f"{mode}-{label}-{n}"
+            folder.mkdir()
+            plain_path = folder / "plain.bin"
+            flags = os.O_CREAT | os.O_RDWR | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+            fd = os.open(plain_path, flags, 0o600)
+            os.ftruncate(fd, nbytes)
+            times: dict[str, list[float]] = {
+                k: [] for k in ("tier_write", "plain_write", "tier_read", "plain_read")
+            }
+            with DiskTier(folder, layout, n, direct=direct) as tier:
+                for rep in range(reps + 1):  # the first repetition warms up, not counted
+                    keys = [rep.to_bytes(4, "little") + i.to_bytes(28, "little") for i in ids]
+                    t0 = time.perf_counter()
+                    assert tier.put(src, ids, keys) == n
+                    t1 = time.perf_counter()
+                    assert os.pwrite(fd, src_slab, 0) == nbytes
+                    t2 = time.perf_counter()
+                    hits = tier.get(dst, ids, keys)
+                    t3 = time.perf_counter()
+                    assert all(hits) and np.array_equal(dst_slab, src_slab), "tier bytes differ"
+                    dst_slab[:] = 0
+                    t4 = time.perf_counter()
+                    assert os.preadv(fd, [dst_slab], 0) == nbytes
+                    t5 = time.perf_counter()
+                    assert np.array_equal(dst_slab, src_slab), "plain bytes differ"
+                    dst_slab[:] = 0
+                    if rep:
+                        times["tier_write"].append(t1 - t0)
+                        times["plain_write"].append(t2 - t1)
+                        times["tier_read"].append(t3 - t2)
+                        times["plain_read"].append(t5 - t4)
+                descriptors = tier.descriptor_counts[-1]
+            os.close(fd)
+            for path in folder.iterdir():
+                path.unlink()
+            folder.rmdir()
+            for op in ("write", "read"):
+                tier_s = statistics.median(times[f"tier_{op}"])
+                plain_s = statistics.median(times[f"plain_{op}"])
+                rows.append(
+                    {
+                        "mode": mode,
+                        "op": op,
+                        "block": label,
+                        "blocks": n,
+                        "bytes": nbytes,
+                        "descriptors": descriptors,
+                        "reps": reps,
+                        "tier_median_us": tier_s * 1e6,
+                        "plain_median_us": plain_s * 1e6,
+                        "tier_gbytes_per_s": nbytes / tier_s / 1e9,
+                        "plain_gbytes_per_s": nbytes / plain_s / 1e9,
+                        "ratio": plain_s / tier_s,
+                    }
+                )
+            del src, dst, src_slab, dst_slab
+    base.rmdir()
+    result = {
+        "routine": "disk_tier",
+        "provenance": prov,
+        "what": "DiskTier put/get (NIXL POSIX, CRC-32 per block) vs one pwrite/preadv",
+        "file_system": _file_system(base.parent),
+        "target": "ratio >= 0.8 (plain time / tier time)",
+        "skipped": skipped,
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    for r in rows:
+        print(
+            f"{r['mode']:<8} {r['op']:<5} {r['block']:>5} x {r['blocks']:>4}  tier {r['tier_gbytes_per_s']:>6.2f}"
+            f" GB/s  plain {r['plain_gbytes_per_s']:>6.2f} GB/s  ratio {r['ratio']:.2f}"
+        )
+    return 0
+
+
+def _file_system(path: Path) -> str | None:
+    """The mount (device, type) holding ``path``, from /proc/mounts."""
+    try:
+        best = ("", "")
+        for line in Path("/proc/mounts").read_text().splitlines():
+            device, mount, kind = line.split()[:3]
+            if str(path.resolve()).startswith(mount) and len(mount) > len(best[0]):
+                best = (mount, f"{device} {kind} at {mount}")
+        return best[1] or None
+    except OSError:
+        return None

@@ -1,0 +1,451 @@
+"""A disk tier for KV blocks, below the host tier: blocks are kept in a file by content hash and
+moved between a host pool's slab and the file by NIXL's POSIX plugin (the storage backend of
+the ``nixl-cu13`` wheel), with a CRC-32 per block verified on every read.
+
+- **Storage.** One data file of ``capacity_blocks`` slots of ``block_bytes`` each (sparse until
+  written), registered with NIXL once; an in-memory index maps a block hash (kvpool's 32-byte
+  prefix-cache hash) to its slot and checksum, in LRU order. A batch is one NIXL transfer
+  with one descriptor per run of blocks contiguous both in the pool and in the file (a fresh
+  tier and a fresh pool: one descriptor).
+- **Integrity.** ``get`` READs into the caller's blocks, then checks each block's CRC-32 and
+  the file's size: a flipped byte, a truncated file, a failed read are a **miss** for that
+  block (its entry is dropped), never a hit with wrong KV. A missed block's bytes in the pool
+  are unspecified: the caller computes it, as for any miss.
+- **Capacity.** At most ``capacity_blocks`` blocks; a ``put`` past it evicts the least recently
+  used (a hit or a repeated ``put`` refreshes a block).
+- **Events.** Every block that enters the tier is reported as ``BlockStored(medium="disk")``
+  (no parent, no tokens: how vLLM's CPU offloading reports the blocks it stores) and every
+  block that leaves it (evicted, corrupt, removed) as ``BlockRemoved(medium="disk")``, in this
+  tier's own bounded queue (``take_kv_events``), numbered from 1. They cannot go into the
+  pool's queue: the binding has no call that appends to it (its events are made by the core
+  under the cache's lock, and its sequence numbers are the core's), so a router reads two
+  streams, the pool's and this one.
+
+Host pools only (a CUDA pool's blocks reach the disk through the host tier; GDS, VRAM to file,
+is not in this module). The index lives in memory: a new tier over an old directory starts
+empty. What calls ``put`` and ``get`` is the caller's: the core spills blocks evicted from the
+pool into its host tier itself but tells Python neither their ids nor their bytes, so blocks
+dropped from the host tier cannot reach this one without a hook in the core (transfer.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpool._core import (
+    BlockRemoved,
+    BlockStored,
+    InvalidArgumentError,
+    KvLayout,
+    Pool,
+    TransferError,
+)
+from kvpool.transfer.nixl_transport import load_nixl
+
+MEDIUM = "disk"
+HASH_BYTES = 32
+DEFAULT_MAX_QUEUED_EVENTS = 10_000
+# O_DIRECT needs the buffer, offset and length aligned to the device's logical block; 4 KiB
+# covers every device seen (512-byte and 4 KiB ones).
+DIRECT_ALIGN = 4096
+# A read is cut into chunks of about this many bytes, so that the checksums of one chunk are
+# computed while the next is read.
+READ_CHUNK_BYTES = 16 << 20
+_POLL_S = 0.0001
+_SPIN_S = 0.002
+
+
+@dataclass
+class _Entry:
+    slot: int
+    crc: int
+
+
+class DiskTier:
+    """``capacity_blocks`` blocks of ``layout`` in ``directory``/blocks.kv (made or emptied);
+    see the module docstring. ``close()`` (or ``with``) releases the file and NIXL.
+
+    ``direct=True`` opens the file with O_DIRECT: the bytes go between the pool and the
+    device without the page cache, and NIXL's I/O runs while the checksums are computed (with
+    the page cache the POSIX plugin copies within the call that posts the transfer, so the
+    checksums wait for it). It needs blocks whose size is a multiple of 4 KiB in a pool whose
+    slab starts on a 4 KiB boundary (``Pool.from_external`` over page-aligned memory; a
+    kvpool host pool's own slab is aligned to 256 bytes), and a file system that takes
+    O_DIRECT; otherwise InvalidArgumentError."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        layout: KvLayout,
+        capacity_blocks: int,
+        *,
+        max_queued_events: int = DEFAULT_MAX_QUEUED_EVENTS,
+        direct: bool = False,
+    ) -> None:
+        if not isinstance(layout, KvLayout):
+            raise TypeError(f"layout must be a KvLayout, got {type(layout).__name__}")
+        for name, value in (
+            ("capacity_blocks", capacity_blocks),
+            ("max_queued_events", max_queued_events),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
+        if not isinstance(direct, bool):
+            raise TypeError(f"direct must be a bool, got {type(direct).__name__}")
+        self.layout, self.capacity = layout, capacity_blocks
+        self.block_bytes = layout.block_bytes
+        self.direct = direct
+        if direct and self.block_bytes % DIRECT_ALIGN:
+            raise InvalidArgumentError(
+                f"direct I/O needs blocks of a multiple of {DIRECT_ALIGN} bytes, not "
+                f"{self.block_bytes}"
+            )
+        self.path = Path(directory) / "blocks.kv"
+        flags = os.O_CREAT | os.O_RDWR | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+        try:
+            self._fd = os.open(self.path, flags, 0o600)
+        except OSError as e:
+            if not direct:
+                raise
+            raise InvalidArgumentError(f"{self.path}: no O_DIRECT here ({e})") from e
+        nixl = load_nixl()
+        self._agent_name = f"kvpool-disk-{os.getpid()}-{id(self):x}"
+        try:
+            self._agent = nixl.nixl_agent(
+                self._agent_name, nixl.nixl_agent_config(backends=["POSIX"])
+            )
+        except BaseException:
+            os.close(self._fd)
+            raise
+        try:
+            os.ftruncate(self._fd, capacity_blocks * self.block_bytes)
+            self._file_reg = self._agent.register_memory(
+                [(0, capacity_blocks * self.block_bytes, self._fd, str(self.path))], "FILE"
+            )
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._pool_regs: dict[int, tuple[Pool, Any]] = {}  # base_ptr -> (pool, registration)
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first
+        self._free_slots = list(range(capacity_blocks - 1, -1, -1))  # a stack, lowest on top
+        self._events: list[BlockStored | BlockRemoved] = []
+        self._max_events = max_queued_events
+        self._seq = 0
+        self.stats = {"stored": 0, "hits": 0, "misses": 0, "corrupt": 0, "evicted": 0}
+        self.descriptor_counts: list[int] = []  # per NIXL transfer, for tests and benchmarks
+        self._closed = False
+
+    # -- the index ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._index
+
+    def hashes(self) -> list[bytes]:
+        """The cached hashes, least recently used first."""
+        return list(self._index)
+
+    def remove(self, block_hash: bytes) -> bool:
+        """Drops a block; False if the tier did not hold it."""
+        self._check_open()
+        entry = self._index.pop(_check_hash(block_hash), None)
+        if entry is None:
+            return False
+        self._free_slots.append(entry.slot)
+        self._event(BlockRemoved, [block_hash])
+        return True
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError unless every slot is either free or holds exactly one cached
+        block: cached + free == capacity, no slot twice."""
+        slots = [e.slot for e in self._index.values()]
+        assert len(slots) + len(self._free_slots) == self.capacity, (
+            f"{len(slots)} cached + {len(self._free_slots)} free != {self.capacity} slots"
+        )
+        assert len(set(slots) | set(self._free_slots)) == self.capacity, "a slot is held twice"
+        assert all(0 <= s < self.capacity for s in slots + self._free_slots)
+
+    # -- moves -------------------------------------------------------------------------------
+    def put(self, pool: Pool, block_ids: Sequence[int], hashes: Sequence[bytes]) -> int:
+        """Stores the pool's blocks under their hashes (blocks already held are only made most
+        recently used); evicts least recently used blocks past the capacity. Returns how many
+        were written. The caller keeps the blocks unchanged until the call returns."""
+        ids, keys = self._args(pool, block_ids, hashes)
+        new: list[tuple[int, bytes]] = []
+        seen: set[bytes] = set()
+        for block_id, key in zip(ids, keys, strict=True):
+            if key in self._index:
+                self._index.move_to_end(key)
+            elif key not in seen:
+                seen.add(key)
+                new.append((block_id, key))
+        new = new[-self.capacity :]  # more than fit: the last ones are the most recent
+        if not new:
+            return 0
+        held = {key for _, key in new}
+        victims = []
+        while len(self._free_slots) < len(new):
+            key = next(k for k in self._index if k not in held)
+            self._free_slots.append(self._index.pop(key).slot)
+            victims.append(key)
+        if victims:
+            self.stats["evicted"] += len(victims)
+            self._event(BlockRemoved, victims)
+        self._free_slots.sort(reverse=True)  # lowest slots first: runs stay contiguous
+        slots = [self._free_slots.pop() for _ in new]
+        pairs = [(block_id, slot) for (block_id, _), slot in zip(new, slots, strict=True)]
+        crcs: list[int] = []
+
+        def checksums() -> None:  # while the WRITE runs (zlib releases the GIL)
+            crcs.extend(zlib.crc32(self._block(pool, block_id)) for block_id, _ in new)
+
+        try:
+            self._move(pool, pairs, "WRITE", during=checksums)
+        except TransferError:
+            self._free_slots.extend(slots)
+            raise
+        for (_, key), slot, crc in zip(new, slots, crcs, strict=True):
+            self._index[key] = _Entry(slot, crc)
+        self.stats["stored"] += len(new)
+        self._event(BlockStored, [key for _, key in new])
+        return len(new)
+
+    def get(self, pool: Pool, block_ids: Sequence[int], hashes: Sequence[bytes]) -> list[bool]:
+        """Reads the blocks held under ``hashes`` into the pool's ``block_ids``; per block, True
+        for a hit (the bytes verified against their checksum), False for a miss: not held, or
+        found corrupt or cut short (then dropped from the tier). A missed block's bytes are
+        unspecified. Hits become the most recently used."""
+        ids, keys = self._args(pool, block_ids, hashes)
+        hits = [False] * len(keys)
+        wanted = [(i, self._index[k]) for i, k in enumerate(keys) if k in self._index]
+        size = os.fstat(self._fd).st_size
+        readable = []
+        bad: list[bytes] = []
+        for i, entry in wanted:
+            if (entry.slot + 1) * self.block_bytes <= size:
+                readable.append((i, entry))
+            else:
+                bad.append(keys[i])  # the file was cut short under this block
+        # Chunks of about READ_CHUNK_BYTES: chunk k+1 is in flight while chunk k is checked.
+        per_chunk = max(1, READ_CHUNK_BYTES // self.block_bytes)
+        chunks = [readable[k : k + per_chunk] for k in range(0, len(readable), per_chunk)]
+        pending = (
+            self._post(pool, [(ids[i], e.slot) for i, e in chunks[0]], "READ") if chunks else None
+        )
+        for k, chunk in enumerate(chunks):
+            failed = self._finish(pending)
+            nxt = chunks[k + 1] if k + 1 < len(chunks) else None
+            pending = self._post(pool, [(ids[i], e.slot) for i, e in nxt], "READ") if nxt else None
+            landed = chunk
+            if failed is not None:  # salvage what reads alone (one block's range may be short)
+                landed = []
+                for i, entry in chunk:
+                    if self._finish(self._post(pool, [(ids[i], entry.slot)], "READ")) is None:
+                        landed.append((i, entry))
+                    else:
+                        bad.append(keys[i])
+            for i, entry in landed:
+                if zlib.crc32(self._block(pool, ids[i])) == entry.crc:
+                    hits[i] = True
+                    self._index.move_to_end(keys[i])
+                else:
+                    bad.append(keys[i])
+        if bad:
+            bad = list(dict.fromkeys(bad))
+            for key in bad:
+                self._free_slots.append(self._index.pop(key).slot)
+            self.stats["corrupt"] += len(bad)
+            self._event(BlockRemoved, bad)
+        self.stats["hits"] += sum(hits)
+        self.stats["misses"] += len(hits) - sum(hits)
+        return hits
+
+    # -- events ------------------------------------------------------------------------------
+    def take_kv_events(self) -> list[BlockStored | BlockRemoved]:
+        """This tier's events since the last call, oldest first (``seq`` from 1; a gap means
+        the queue was full and dropped its oldest)."""
+        events, self._events = self._events, []
+        return events
+
+    def _event(self, kind: type, keys: list[bytes]) -> None:
+        self._seq += 1
+        if kind is BlockStored:
+            event: Any = BlockStored(
+                keys, None, [], self.layout.block_size, None, MEDIUM, 0, self._seq
+            )
+        else:
+            event = BlockRemoved(keys, MEDIUM, 0, self._seq)
+        self._events.append(event)
+        if len(self._events) > self._max_events:
+            del self._events[0]  # bounded: the oldest goes, and its seq leaves a gap
+
+    # -- NIXL --------------------------------------------------------------------------------
+    def _args(
+        self, pool: Pool, block_ids: Sequence[int], hashes: Sequence[bytes]
+    ) -> tuple[list[int], list[bytes]]:
+        self._check_open()
+        if not isinstance(pool, Pool):
+            raise TypeError(f"pool must be a kvpool.Pool, got {type(pool).__name__}")
+        if str(pool.device) != "host":
+            raise InvalidArgumentError(
+                f"the disk tier moves host pools' blocks (the host tier's), not {pool.device}"
+            )
+        if pool.layout.block_bytes != self.block_bytes:
+            raise InvalidArgumentError(
+                f"the pool's blocks are {pool.layout.block_bytes} bytes, the tier's "
+                f"{self.block_bytes}"
+            )
+        if self.direct and pool.base_ptr % DIRECT_ALIGN:
+            raise InvalidArgumentError(
+                f"direct I/O needs a pool slab aligned to {DIRECT_ALIGN} bytes; this one starts "
+                f"at {pool.base_ptr:#x} (make the pool with Pool.from_external over aligned "
+                "memory, or the tier with direct=False)"
+            )
+        ids = [_check_id(b, pool.num_blocks) for b in _as_list(block_ids, "block_ids")]
+        keys = [_check_hash(h) for h in _as_list(hashes, "hashes")]
+        if len(ids) != len(keys):
+            raise InvalidArgumentError(f"{len(ids)} block ids for {len(keys)} hashes")
+        if len(set(ids)) != len(ids):
+            raise InvalidArgumentError("block_ids repeat a block")
+        return ids, keys
+
+    def _block(self, pool: Pool, block_id: int) -> memoryview:
+        address = pool.base_ptr + block_id * self.block_bytes
+        return memoryview((ctypes.c_char * self.block_bytes).from_address(address)).cast("B")
+
+    def _register(self, pool: Pool) -> None:
+        if pool.base_ptr not in self._pool_regs:
+            registration = self._agent.register_memory(
+                [(pool.base_ptr, pool.num_blocks * self.block_bytes, 0, "")], "DRAM"
+            )
+            self._pool_regs[pool.base_ptr] = (pool, registration)  # the pool is kept alive
+
+    def _move(self, pool: Pool, pairs: list[tuple[int, int]], op: str, during: Any = None) -> None:
+        """One NIXL transfer of (pool block, file slot) pairs, runs coalesced; ``during`` runs
+        while it is in flight. Raises TransferError if NIXL fails."""
+        pending = self._post(pool, pairs, op)
+        if during is not None:
+            during()
+        failed = self._finish(pending)
+        if failed is not None:
+            raise failed
+
+    def _post(self, pool: Pool, pairs: list[tuple[int, int]], op: str) -> Any:
+        """Starts one NIXL transfer; returns what ``_finish`` takes."""
+        if not pairs:
+            return None
+        self._register(pool)
+        bb, base = self.block_bytes, pool.base_ptr
+        local, remote = [], []
+        start = 0
+        for k in range(1, len(pairs) + 1):
+            if (
+                k == len(pairs)
+                or pairs[k][0] != pairs[k - 1][0] + 1
+                or pairs[k][1] != pairs[k - 1][1] + 1
+            ):
+                count = k - start
+                local.append((base + pairs[start][0] * bb, count * bb, 0))
+                remote.append((pairs[start][1] * bb, count * bb, self._fd))
+                start = k
+        self.descriptor_counts.append(len(local))
+        agent = self._agent
+        try:
+            handle = agent.initialize_xfer(
+                op,
+                agent.get_xfer_descs(local, "DRAM"),
+                agent.get_xfer_descs(remote, "FILE"),
+                self._agent_name,
+            )
+        except Exception as e:  # NIXL's errors are plain Exceptions
+            return TransferError(f"NIXL could not prepare the disk {op}: {e}")
+        try:
+            return (handle, op, agent.transfer(handle))
+        except Exception as e:
+            self._release(handle)
+            return TransferError(f"the disk {op} failed: {type(e).__name__}: {e}")
+
+    def _finish(self, pending: Any) -> TransferError | None:
+        """Waits for a transfer ``_post`` started; None once it is done, else the error."""
+        if pending is None or isinstance(pending, TransferError):
+            return pending
+        handle, op, state = pending
+        try:
+            spin_until = time.perf_counter() + _SPIN_S
+            while state == "PROC":
+                state = self._agent.check_xfer_state(handle)
+                # Spin first: a small I/O ends in microseconds, and a sleep (even of 0 s, on a
+                # busy machine) gives the core away for far longer.
+                if state == "PROC" and time.perf_counter() > spin_until:
+                    time.sleep(_POLL_S)
+            if state != "DONE":
+                return TransferError(f"the disk {op} failed (NIXL state {state})")
+            return None
+        except Exception as e:
+            return TransferError(f"the disk {op} failed: {type(e).__name__}: {e}")
+        finally:
+            self._release(handle)
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:
+            pass  # a failed transfer's handle: NIXL has already given it up
+
+    # -- teardown ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError("the disk tier is closed")
+
+    def close(self) -> None:
+        """Releases NIXL's registrations and the file (its blocks are gone); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for _, registration in self._pool_regs.values():
+            self._agent.deregister_memory(registration)
+        self._pool_regs.clear()
+        self._agent.deregister_memory(self._file_reg)
+        os.close(self._fd)
+        self._index.clear()
+        self._free_slots = list(range(self.capacity - 1, -1, -1))
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _as_list(values: Iterable[Any], what: str) -> list[Any]:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{what} must be a sequence, got {type(values).__name__}")
+    return list(values)
+
+
+def _check_id(value: Any, num_blocks: int) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"a block id must be an int, got {type(value).__name__}")
+    block_id = int(value)
+    if not 0 <= block_id < num_blocks:
+        raise InvalidArgumentError(f"block id {block_id} is outside the pool's {num_blocks}")
+    return block_id
+
+
+def _check_hash(value: Any) -> bytes:
+    if not isinstance(value, bytes):
+        raise TypeError(f"a block hash must be bytes, got {type(value).__name__}")
+    if len(value) != HASH_BYTES:
+        raise InvalidArgumentError(f"a block hash is {HASH_BYTES} bytes, got {len(value)}")
+    return value

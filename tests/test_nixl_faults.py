@@ -1,0 +1,410 @@
+"""Faults in a NIXL transfer between two processes on loopback (host pools, UCX): a peer killed
+mid-transfer (either side), a deadline passing during the READ, a silent peer (connected, never
+sends), malformed offers, a duplicate request id and a receiver out of blocks. Each leaves
+both pools conserved (free + evictable + used + in_flight == total, ``check_invariants``, no
+lease left) and every surviving side with a TransferError naming what happened.
+
+The test process plays one side; this file, run as a script, plays the other (``peer(role)``)
+and reports what it saw as a ``RESULT {json}`` line. Faults are placed deterministically: a
+process kills itself (or is killed) at a chosen step, deadlines are on injected clocks, so no
+test waits on a real timeout longer than a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import kvpool
+import numpy as np
+import pytest
+from kvpool import TransferError
+from kvpool.transfer import KvReceiver, KvSender
+
+try:
+    from kvpool.transfer.nixl_transport import NixlTransport, load_nixl
+
+    load_nixl()
+except ImportError as e:  # pragma: no cover - depends on the environment
+    if __name__ != "__main__" and os.environ.get("KVPOOL_TEST_WHEEL") == "1":
+        raise  # CI installs nixl-cu13 with the test extra: never skip there
+    if __name__ != "__main__":
+        pytest.skip(f"NIXL is not importable ({e}); install kvpool[nixl]", allow_module_level=True)
+
+LAYOUT_ARGS = (2, 2, 64, 16)  # 8 KiB blocks, 16 tokens each
+NUM_BLOCKS = 64
+PEER_WAIT_S = 30.0  # a bound on the peer's waits if the test side breaks, never reached
+
+
+def make_side() -> tuple[kvpool.Pool, kvpool.BlockTables]:
+    pool = kvpool.Pool(kvpool.KvLayout(*LAYOUT_ARGS), NUM_BLOCKS, device="host")
+    return pool, kvpool.BlockTables(pool, 16, 64)
+
+
+def fill(pool: kvpool.Pool, tables: kvpool.BlockTables, rid: int, num_tokens: int) -> None:
+    tables.add(rid, num_tokens)
+    rng = np.random.default_rng(rid)
+    ids = tables.blocks(rid)
+    for layer in range(pool.layout.num_layers):
+        for view in (pool.k_view(layer), pool.v_view(layer)):
+            view[ids] = rng.standard_normal(view[ids].shape).astype(view.dtype)
+
+
+def request_bytes(pool: kvpool.Pool, tables: kvpool.BlockTables, rid: int) -> list[bytes]:
+    ids = tables.blocks(rid)
+    return [
+        view[ids].tobytes()
+        for layer in range(pool.layout.num_layers)
+        for view in (pool.k_view(layer), pool.v_view(layer))
+    ]
+
+
+def expected_bytes(rid: int, num_tokens: int) -> list[bytes]:
+    pool, tables = make_side()
+    fill(pool, tables, rid, num_tokens)
+    return request_bytes(pool, tables, rid)
+
+
+def conserved(side: Any, pool: kvpool.Pool, free_before: int) -> None:
+    """Both pools' invariant (leases.py), no lease left, every block back where it was."""
+    side.check_invariants()
+    assert side.leases.live() == [] and side.leases.in_flight == 0
+    assert pool.num_free == free_before, (pool.num_free, free_before)
+
+
+class Clock:
+    """A fake monotonic clock: still until a test moves it, or ``step`` per reading."""
+
+    def __init__(self, step: float = 0.0) -> None:
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+# -- the other process ------------------------------------------------------------------------
+
+
+class ReadThenDie(NixlTransport):
+    """A receiver whose process dies (SIGKILL, no cleanup) right after posting its READ."""
+
+    def move(self, *args: Any, **kwargs: Any) -> None:
+        post = self.agent.transfer
+
+        def post_then_die(handle: Any, *a: Any) -> str:
+            post(handle, *a)
+            os.kill(os.getpid(), signal.SIGKILL)
+            raise AssertionError("unreachable")
+
+        self.agent.transfer = post_then_die
+        super().move(*args, **kwargs)
+
+
+class StuckRead(NixlTransport):
+    """A receiver whose READ never completes (NIXL keeps answering PROC): it stays silent."""
+
+    def move(self, *args: Any, **kwargs: Any) -> None:
+        self.agent.transfer = lambda handle, *a: "PROC"
+        self.agent.check_xfer_state = lambda handle: "PROC"
+        super().move(*args, **kwargs)
+
+
+def peer(role: str, rendezvous: str) -> dict:
+    """The other side of each test; returns what it saw."""
+    pool, tables = make_side()
+    report: dict[str, Any] = {}
+    transport_class = {"read_then_die": ReadThenDie, "stuck_reader": StuckRead}.get(
+        role, NixlTransport
+    )
+    if role in ("sender", "killed_sender"):
+        fill(pool, tables, 7, 16 * 5 + 3)
+    if role == "forger":
+        fill(pool, tables, 5, 16 * 2)  # an id the test's receiver already holds
+        fill(pool, tables, 6, 16 * 40)  # more blocks than the receiver has free
+        fill(pool, tables, 8, 16 * 3)
+    free_before = pool.num_free
+    transport = transport_class.connect(0, rendezvous, pool, timeout=PEER_WAIT_S)
+    if role in ("sender", "killed_sender"):
+        sender = KvSender(tables, transport, timeout_s=PEER_WAIT_S)
+        try:
+            sender.send(7).wait()
+            report["sent"] = True
+        except TransferError as e:
+            report["error"] = str(e)
+        report["kept"] = 7 in tables and request_bytes(pool, tables, 7) == expected_bytes(
+            7, 16 * 5 + 3
+        )
+        conserved(sender, pool, free_before)
+    elif role in ("read_then_die", "stuck_reader"):
+        receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
+        try:
+            receiver.recv(timeout=PEER_WAIT_S)
+            report["received"] = True
+        except TransferError as e:
+            report["error"] = str(e)
+        conserved(receiver, pool, free_before)
+    elif role == "silent":
+        # Connected, answers nothing: reads what comes until the test side closes.
+        seen = []
+        try:
+            while True:
+                seen.append(transport.recv_control(PEER_WAIT_S).get("kind"))
+        except Exception as e:
+            report["ended"] = type(e).__name__
+        report["seen"] = seen
+    elif role == "forger":
+        report["refusals"] = forge_offers(pool, tables, transport)
+        sender = KvSender(tables, transport, timeout_s=PEER_WAIT_S)
+        for rid in (5, 6):  # refused by the receiver: kept here, unchanged
+            try:
+                sender.send(rid)
+            except TransferError as e:
+                report[f"error_{rid}"] = str(e)
+            assert rid in tables, rid
+        report["kept"] = request_bytes(pool, tables, 6) == expected_bytes(6, 16 * 40)
+        sender.send(8).wait()  # the transport still serves after every refusal
+        conserved(sender, pool, free_before + 3)
+    transport.close()
+    return report
+
+
+def forged_offer(src_ids: Any, num_tokens: int = 16 * 3, **fields: Any) -> dict:
+    from kvpool.transfer.protocol import PROTOCOL_VERSION, layout_fingerprint
+
+    return {
+        "kind": "offer",
+        "version": PROTOCOL_VERSION,
+        "request_id": 9,
+        "num_tokens": num_tokens,
+        "layout": layout_fingerprint(kvpool.KvLayout(*LAYOUT_ARGS)),
+        "src_ids": src_ids,
+        "mode": "auto",
+        "chunk_blocks": 8,
+        **fields,
+    }
+
+
+# Offers a hostile or broken sender could make, each with the words its refusal must name.
+MALFORMED = [
+    ([0, 1, 2**31], "int32"),  # past int32 (a bare OverflowError after tables.add, once)
+    ([0, -1, 2], "int32"),
+    ([0, 1.5, 2], "int32"),
+    ([0, "1", 2], "int32"),
+    ([0, True, 2], "int32"),
+    ([0, 1], "2 blocks offered for 48 tokens"),  # wrong length
+    ([0, 1, 2, 3], "4 blocks offered for 48 tokens"),
+    ([0, 1, 1], "repeat"),
+    ([NUM_BLOCKS - 1, NUM_BLOCKS, NUM_BLOCKS + 1], "the sender's pool has 64"),  # not in its slab
+    ("0,1,2", "src_ids of type str"),
+]
+
+
+def forge_offers(pool: kvpool.Pool, tables: kvpool.BlockTables, transport: Any) -> list[str]:
+    reasons = []
+    for src_ids, _ in MALFORMED:
+        transport.send_control(forged_offer(src_ids))
+        answer = transport.recv_control(PEER_WAIT_S)
+        assert answer["kind"] == "refuse", answer
+        reasons.append(answer["reason"])
+    return reasons
+
+
+if __name__ == "__main__":
+    result = peer(sys.argv[1], sys.argv[2])
+    print("RESULT " + json.dumps(result), flush=True)
+    sys.exit(0)
+
+
+# -- the tests --------------------------------------------------------------------------------
+
+
+class Peer:
+    def __init__(self, process: subprocess.Popen, rendezvous: Path) -> None:
+        self.process, self.rendezvous = process, rendezvous
+        self.output = ""
+        self.transports: list[NixlTransport] = []
+
+    def connect(self, pool: kvpool.Pool, cls: type[NixlTransport] = NixlTransport) -> Any:
+        """This side's transport to the peer (closed when the test ends)."""
+        transport = cls.connect(1, self.rendezvous, pool, timeout=PEER_WAIT_S)
+        self.transports.append(transport)
+        return transport
+
+    def finish(self) -> dict:
+        self.output, _ = self.process.communicate(timeout=PEER_WAIT_S)
+        lines = [x for x in self.output.splitlines() if x.startswith("RESULT ")]
+        assert self.process.returncode == 0 and lines, self.output
+        return json.loads(lines[-1][len("RESULT ") :])
+
+
+@contextmanager
+def spawn(role: str, tmp_path: Path) -> Iterator[Peer]:
+    rendezvous = tmp_path / "rendezvous.json"
+    process = subprocess.Popen(
+        [sys.executable, __file__, role, str(rendezvous)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    other = Peer(process, rendezvous)
+    try:
+        yield other
+    finally:
+        for transport in other.transports:
+            transport.close()
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def test_a_sender_killed_before_the_read_lands_frees_the_receivers_blocks(tmp_path):
+    class KillTheSenderFirst(NixlTransport):
+        victim: subprocess.Popen
+
+        def move(self, *args: Any, **kwargs: Any) -> None:
+            self.victim.kill()  # after the accept, before the READ is posted
+            self.victim.wait()
+            super().move(*args, **kwargs)
+
+    with spawn("killed_sender", tmp_path) as other:
+        pool, tables = make_side()
+        free_before = pool.num_free
+        transport = other.connect(pool, KillTheSenderFirst)
+        transport.victim = other.process
+        receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
+        with pytest.raises(TransferError, match="receiving request 7 failed.*died") as raised:
+            receiver.recv(timeout=PEER_WAIT_S)
+        assert raised.value.request_id == 7
+        assert 7 not in tables
+        conserved(receiver, pool, free_before)
+    assert other.process.returncode == -signal.SIGKILL
+
+
+def test_a_receiver_killed_mid_read_leaves_the_sender_its_request(tmp_path):
+    with spawn("read_then_die", tmp_path) as other:
+        pool, tables = make_side()
+        fill(pool, tables, 7, 16 * 5 + 3)
+        free_before = pool.num_free
+        transport = other.connect(pool)
+        sender = KvSender(tables, transport, timeout_s=PEER_WAIT_S)
+        with pytest.raises(TransferError, match="sending request 7.*receiver's process died"):
+            sender.send(7)
+        assert request_bytes(pool, tables, 7) == expected_bytes(7, 16 * 5 + 3)
+        conserved(sender, pool, free_before)
+        other.process.wait(timeout=PEER_WAIT_S)
+    assert other.process.returncode == -signal.SIGKILL
+
+
+def test_a_deadline_passing_during_the_read_discards_it_and_tells_the_sender(tmp_path):
+    clock = Clock()
+
+    class DeadlinePassesDuringTheRead(NixlTransport):
+        def move(self, *args: Any, **kwargs: Any) -> None:
+            post = self.agent.transfer
+
+            def post_then_late(handle: Any, *a: Any) -> str:
+                state = post(handle, *a)
+                clock.now += 2 * PEER_WAIT_S  # the READ is seen complete past the deadline
+                return state
+
+            self.agent.transfer = post_then_late
+            super().move(*args, **kwargs)
+
+    with spawn("sender", tmp_path) as other:
+        pool, tables = make_side()
+        free_before = pool.num_free
+        transport = other.connect(pool, DeadlinePassesDuringTheRead)
+        receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S, clock=clock)
+        with pytest.raises(TransferError, match="request 7 passed its deadline.*NIXL READ"):
+            receiver.recv(timeout=PEER_WAIT_S)
+        assert 7 not in tables
+        conserved(receiver, pool, free_before)
+        seen = other.finish()
+    assert "sent" not in seen and seen["kept"], seen
+    assert "receiver gave the transfer up" in seen["error"], seen
+    assert "passed its deadline" in seen["error"], seen
+
+
+def test_a_silent_receiver_is_given_up_at_the_senders_deadline(tmp_path):
+    # The receiver accepts, then neither reads nor answers: the sender's lease ends at its
+    # deadline (a clock stepping 0.25 s per reading), it keeps its request and tells the
+    # receiver, which frees what it had allocated.
+    with spawn("stuck_reader", tmp_path) as other:
+        pool, tables = make_side()
+        fill(pool, tables, 7, 16 * 5 + 3)
+        free_before = pool.num_free
+        transport = other.connect(pool)
+        sender = KvSender(tables, transport, timeout_s=1.0, clock=Clock(step=0.25))
+        with pytest.raises(TransferError, match="did not finish reading before the deadline"):
+            sender.send(7)
+        assert request_bytes(pool, tables, 7) == expected_bytes(7, 16 * 5 + 3)
+        conserved(sender, pool, free_before)
+        seen = other.finish()
+    assert "received" not in seen, seen
+    assert "the peer gave the transfer up" in seen["error"], seen
+    assert "did not finish reading before the deadline" in seen["error"], seen
+
+
+def test_a_silent_peer_bounds_the_wait_for_an_offer_and_for_an_answer(tmp_path):
+    with spawn("silent", tmp_path) as other:
+        pool, tables = make_side()
+        fill(pool, tables, 7, 16 * 2)
+        free_before = pool.num_free
+        transport = other.connect(pool)
+        receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
+        with pytest.raises(TransferError, match="waiting for an offer: no control message"):
+            receiver.recv(timeout=0.2)
+        conserved(receiver, pool, free_before)
+        sender = KvSender(tables, transport, timeout_s=0.2)
+        with pytest.raises(TransferError, match="receiver's answer to request 7: no control"):
+            sender.send(7)
+        assert 7 in tables
+        conserved(sender, pool, free_before)
+        transport.close()
+        seen = other.finish()
+    assert seen["seen"] == ["offer"] and seen["ended"] == "PeerGone", seen
+
+
+def test_malformed_offers_a_duplicate_id_and_too_few_blocks_are_refused(tmp_path):
+    with spawn("forger", tmp_path) as other:
+        pool, tables = make_side()
+        fill(pool, tables, 5, 16 * 3)  # the id the sender will offer again
+        for rid in range(20, 24):
+            tables.add(rid, 16 * 8)  # 3 + 32 used: 29 free, fewer than request 6's 40
+        held = request_bytes(pool, tables, 5)
+        free_before = pool.num_free
+        transport = other.connect(pool)
+        receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
+        for src_ids, words in MALFORMED:
+            with pytest.raises(TransferError, match="refused request 9") as raised:
+                receiver.recv(timeout=PEER_WAIT_S)
+            assert words in str(raised.value), (src_ids, str(raised.value))
+            assert 9 not in tables
+            conserved(receiver, pool, free_before)
+        with pytest.raises(TransferError, match="refused request 5: DuplicateRequestError"):
+            receiver.recv(timeout=PEER_WAIT_S)
+        assert request_bytes(pool, tables, 5) == held  # the receiver's own request untouched
+        conserved(receiver, pool, free_before)
+        with pytest.raises(TransferError, match="refused request 6: OutOfBlocks"):
+            receiver.recv(timeout=PEER_WAIT_S)
+        conserved(receiver, pool, free_before)
+        receiver.recv(timeout=PEER_WAIT_S).wait()  # after all that, a good transfer lands
+        assert request_bytes(pool, tables, 8) == expected_bytes(8, 16 * 3)
+        conserved(receiver, pool, free_before - 3)
+        seen = other.finish()
+    assert [w in r for (_, w), r in zip(MALFORMED, seen["refusals"], strict=True)] == [True] * len(
+        MALFORMED
+    ), seen["refusals"]
+    assert "refused request 5: DuplicateRequestError" in seen["error_5"], seen
+    assert "refused request 6: OutOfBlocks" in seen["error_6"], seen
+    assert seen["kept"], seen
