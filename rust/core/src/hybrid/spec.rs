@@ -623,3 +623,22 @@ impl ModelKvSpec {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_divisor_divides_like_the_hardware_division() {
+        let divisors = (1..=70).chain([1 << 10, 1000, 8192, 1 << 40, usize::MAX]);
+        let large = [1 << 40, (1 << 40) + 7, usize::MAX / 3, usize::MAX - 1, usize::MAX];
+        for d in divisors {
+            let divisor = Divisor::new(d);
+            for n in (0..300).chain(large) {
+                assert_eq!(divisor.div(n), n / d, "{n} / {d}");
+                assert_eq!(divisor.rem(n), n % d, "{n} % {d}");
+                assert_eq!(divisor.div_ceil(n), n.div_ceil(d), "{n} / {d} rounded up");
+            }
+        }
+    }
+}

@@ -658,3 +658,7 @@ impl HybridTables {
         self.pool.share_many_for(page_ids, Owner::HybridTables)
     }
 }
+
+#[cfg(test)]
+#[path = "tables_tests.rs"]
+mod tests;
