@@ -114,6 +114,105 @@ pub struct ModelKvSpec {
     page_bytes: usize,
     groups: Vec<KvGroup>,
     geometry: Vec<PageGeometry>,
+    /// Per group, what [`live_pages`](Self::live_pages) computes from, derived from
+    /// `groups` and `geometry` once: a decode step asks it for every group of every request.
+    live_rules: Vec<LiveRule>,
+}
+
+/// A divisor fixed when the spec is made (tokens per page, a chunk): a power of two (the
+/// usual page size) divides by a shift, any other by the hardware division it replaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Divisor {
+    value: usize,
+    /// `log2(value)` when `value` is a power of two.
+    shift: Option<u32>,
+}
+
+impl Divisor {
+    /// `value` must be positive (the spec checked it).
+    fn new(value: usize) -> Self {
+        debug_assert!(value > 0);
+        Divisor { value, shift: value.is_power_of_two().then(|| value.trailing_zeros()) }
+    }
+
+    #[inline]
+    pub(super) fn div(self, n: usize) -> usize {
+        match self.shift {
+            Some(shift) => n >> shift,
+            None => n / self.value,
+        }
+    }
+
+    #[inline]
+    pub(super) fn rem(self, n: usize) -> usize {
+        match self.shift {
+            Some(_) => n & (self.value - 1),
+            None => n % self.value,
+        }
+    }
+
+    #[inline]
+    fn div_ceil(self, n: usize) -> usize {
+        self.div(n) + (self.rem(n) != 0) as usize
+    }
+}
+
+/// A group's [`live_pages`](ModelKvSpec::live_pages) rule: its kind and geometry, reduced
+/// to what the rule reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum LiveRule {
+    /// A state group keeps its slot, `0..pages_per_slot`.
+    State { pages_per_slot: usize },
+    /// A token group of `block_size` tokens a page, whose queries see the keys `sees` says.
+    Tokens { block_size: Divisor, sees: Lookback },
+}
+
+/// Which earlier keys a token group's queries see.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Lookback {
+    /// Every key (full attention, MLA).
+    All,
+    /// The last `window` keys, the query's own included.
+    Window(usize),
+    /// The keys from the start of the query's chunk.
+    Chunk(Divisor),
+}
+
+impl LiveRule {
+    fn new(kind: &GroupKind, geometry: &PageGeometry) -> Self {
+        match *geometry {
+            PageGeometry::State { pages_per_slot, .. } => LiveRule::State { pages_per_slot },
+            PageGeometry::Tokens { block_size, .. } => LiveRule::Tokens {
+                block_size: Divisor::new(block_size),
+                sees: match *kind {
+                    GroupKind::SlidingWindow { window, .. } => Lookback::Window(window),
+                    GroupKind::ChunkedLocal { chunk, .. } => Lookback::Chunk(Divisor::new(chunk)),
+                    _ => Lookback::All,
+                },
+            },
+        }
+    }
+
+    /// [`ModelKvSpec::live_pages`] of this group.
+    #[inline]
+    pub(super) fn live_pages(self, num_tokens: usize, next_query: usize) -> Range<usize> {
+        match self {
+            LiveRule::State { pages_per_slot } => 0..pages_per_slot,
+            LiveRule::Tokens { block_size, sees } => {
+                // The first token any query at `next_query` or later can see.
+                let first_live = match sees {
+                    Lookback::All => 0,
+                    Lookback::Window(window) => next_query.saturating_add(1).saturating_sub(window),
+                    Lookback::Chunk(chunk) => next_query - chunk.rem(next_query),
+                };
+                if first_live >= num_tokens {
+                    let at = block_size.div(num_tokens);
+                    return at..at;
+                }
+                block_size.div(first_live)..block_size.div_ceil(num_tokens)
+            }
+        }
+    }
 }
 
 fn invalid(message: String) -> CoreError {
@@ -160,7 +259,9 @@ impl ModelKvSpec {
                     .map_err(|m| invalid(format!("group {index} ({}): {m}", group.kind.describe())))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(ModelKvSpec { num_layers, page_bytes, groups, geometry })
+        let live_rules =
+            groups.iter().zip(&geometry).map(|(g, geo)| LiveRule::new(&g.kind, geo)).collect();
+        Ok(ModelKvSpec { num_layers, page_bytes, groups, geometry, live_rules })
     }
 
     /// A uniform model: one full-attention group over every layer of `layout`, whose pages
@@ -231,17 +332,13 @@ impl ModelKvSpec {
         num_tokens: usize,
         next_query: usize,
     ) -> Result<Range<usize>, CoreError> {
-        match *self.geometry(group)? {
-            PageGeometry::State { pages_per_slot, .. } => Ok(0..pages_per_slot),
-            PageGeometry::Tokens { block_size, .. } => {
-                let first_live = first_live_token(&self.groups[group].kind, next_query);
-                if first_live >= num_tokens {
-                    let at = num_tokens / block_size;
-                    return Ok(at..at);
-                }
-                Ok(first_live / block_size..num_tokens.div_ceil(block_size))
-            }
-        }
+        let rule = self.live_rules.get(group).ok_or_else(|| self.no_such_group(group))?;
+        Ok(rule.live_pages(num_tokens, next_query))
+    }
+
+    /// Every group's [`live_pages`](Self::live_pages) rule, in group order.
+    pub(super) fn live_rules(&self) -> &[LiveRule] {
+        &self.live_rules
     }
 
     /// The number of pages a request of `num_tokens` tokens holds right after it is added
@@ -250,17 +347,6 @@ impl ModelKvSpec {
         (0..self.groups.len())
             .map(|g| self.live_pages(g, num_tokens, 0).map_or(0, |r| r.len()))
             .fold(0, usize::saturating_add)
-    }
-}
-
-/// The first token any query at `next_query` or later can see.
-fn first_live_token(kind: &GroupKind, next_query: usize) -> usize {
-    match *kind {
-        GroupKind::Full(_) | GroupKind::MlaLatent { .. } | GroupKind::RecurrentState { .. } => 0,
-        GroupKind::SlidingWindow { window, .. } => {
-            next_query.saturating_add(1).saturating_sub(window)
-        }
-        GroupKind::ChunkedLocal { chunk, .. } => next_query / chunk * chunk,
     }
 }
 
@@ -535,5 +621,24 @@ impl ModelKvSpec {
             )));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_divisor_divides_like_the_hardware_division() {
+        let divisors = (1..=70).chain([1 << 10, 1000, 8192, 1 << 40, usize::MAX]);
+        let large = [1 << 40, (1 << 40) + 7, usize::MAX / 3, usize::MAX - 1, usize::MAX];
+        for d in divisors {
+            let divisor = Divisor::new(d);
+            for n in (0..300).chain(large) {
+                assert_eq!(divisor.div(n), n / d, "{n} / {d}");
+                assert_eq!(divisor.rem(n), n % d, "{n} % {d}");
+                assert_eq!(divisor.div_ceil(n), n.div_ceil(d), "{n} / {d} rounded up");
+            }
+        }
     }
 }

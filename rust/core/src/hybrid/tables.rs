@@ -12,7 +12,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::error::CoreError;
 use crate::hybrid::prefix::{PrefixIndex, RequestHashes};
-use crate::hybrid::spec::{ModelKvSpec, PageGeometry};
+use crate::hybrid::spec::{LiveRule, ModelKvSpec};
 use crate::hybrid::swap::{HeldPages, RequestPage};
 use crate::pool::{Owner, Pool};
 
@@ -83,8 +83,9 @@ pub struct HybridTables {
 }
 
 /// One group's change in a planned call: which of its old pages it keeps, how many new
-/// pages it takes at the end, and which kept pages are shared and must be copied.
-#[derive(Debug, Default)]
+/// pages it takes at the end, and which kept pages are shared and must be copied. Plain
+/// numbers (no buffer of its own), so a step plans every request into one flat list.
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct GroupPlan {
     /// The page index of the new table's first entry.
     first_page: usize,
@@ -92,8 +93,9 @@ struct GroupPlan {
     /// others are released.
     kept: Range<usize>,
     num_new: usize,
-    /// Indices into the new table of kept pages replaced by fresh copies.
-    copies: Vec<usize>,
+    /// Indices into the new table of kept pages replaced by fresh copies: a whole state
+    /// slot, or a token group's partly filled page, or none.
+    copies: Range<usize>,
 }
 
 impl GroupPlan {
@@ -101,10 +103,31 @@ impl GroupPlan {
         self.num_new + self.copies.len()
     }
 
+    /// Whether the plan leaves `pages` as they are: only the request's counters move.
+    fn is_unchanged(&self, pages: &GroupPages) -> bool {
+        self.first_page == pages.first_page
+            && self.kept == (0..pages.page_ids.len())
+            && self.num_fresh() == 0
+    }
+
     fn released<'a>(&self, pages: &'a GroupPages) -> impl Iterator<Item = u32> + 'a {
         let ids = &pages.page_ids;
         ids[..self.kept.start].iter().chain(&ids[self.kept.end..]).copied()
     }
+
+    /// The shared pages the copies replace (the other holders keep them).
+    fn copied<'a>(&self, pages: &'a GroupPages) -> &'a [u32] {
+        let start = self.kept.start;
+        &pages.page_ids[start + self.copies.start..start + self.copies.end]
+    }
+}
+
+/// One request of a planned `append_many`: its counters after the call and its groups'
+/// plans in the step's flat plan list (none when only its counters move).
+struct PlannedAppend {
+    next_query: usize,
+    num_tokens: usize,
+    plans: Range<usize>,
 }
 
 impl HybridTables {
@@ -194,11 +217,12 @@ impl HybridTables {
             groups: vec![GroupPages::default(); self.spec.num_groups()],
             hashes: None,
         };
-        let plans = self.plan(&empty, num_tokens, 0)?;
+        let mut plans = Vec::with_capacity(self.spec.num_groups());
+        self.plan(&empty, num_tokens, 0, &mut plans)?;
         let fresh = self.alloc_pages(total_fresh(&plans))?;
         let mut request = empty;
         request.num_tokens = num_tokens;
-        commit(&mut request, &plans, fresh);
+        commit(&mut request, &plans, &fresh);
         self.requests.insert(request_id, request);
         Ok(())
     }
@@ -238,7 +262,8 @@ impl HybridTables {
             ))
         })?;
         let next_query = request.num_tokens;
-        let plans = self.plan(request, num_tokens, next_query)?;
+        let mut plans = Vec::with_capacity(self.spec.num_groups());
+        self.plan(request, num_tokens, next_query, &mut plans)?;
         if self.index.is_some() {
             // Refused before anything changes, the cache included.
             self.check_room(total_fresh(&plans), 0)?;
@@ -251,8 +276,7 @@ impl HybridTables {
             .iter()
             .zip(&request.groups)
             .flat_map(|(plan, pages)| {
-                let copied = plan.copies.iter().map(|&i| pages.page_ids[plan.kept.start + i]);
-                plan.released(pages).chain(copied)
+                plan.released(pages).chain(plan.copied(pages).iter().copied())
             })
             .collect();
         let fresh = self.alloc_pages(total_fresh(&plans))?;
@@ -276,10 +300,11 @@ impl HybridTables {
             .flat_map(|(_, (plan, pages))| plan.released(pages).collect::<Vec<_>>())
             .collect();
         let request = self.requests.get_mut(&request_id).expect("checked above");
-        let copies = copy_list(request, &plans, &fresh);
+        let mut copies = Vec::new();
+        copy_list(request, &plans, &fresh, &mut copies);
         request.num_tokens = num_tokens;
         request.next_query = next_query;
-        commit(request, &plans, fresh);
+        commit(request, &plans, &fresh);
         self.hash_appended(request_id, token_ids);
         #[cfg(feature = "internals")]
         self.mutation_uncache_released(&window_released);
@@ -314,15 +339,26 @@ impl HybridTables {
                 )));
             }
         }
-        let mut sorted = request_ids.to_vec();
-        sorted.sort_unstable();
-        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-            return Err(CoreError::InvalidArgument(format!(
-                "request {} appears twice in one append_many",
-                w[0]
-            )));
+        // Distinct ids: a strictly increasing list (a scheduler's usual order) shows it in
+        // one pass; any other is sorted.
+        if !request_ids.windows(2).all(|w| w[0] < w[1]) {
+            let mut sorted = request_ids.to_vec();
+            sorted.sort_unstable();
+            if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+                return Err(CoreError::InvalidArgument(format!(
+                    "request {} appears twice in one append_many",
+                    w[0]
+                )));
+            }
         }
+        // Plan every request against the tables as they are, into one flat list. A decode
+        // step mostly crosses no page boundary in any group: such a request's plans are
+        // dropped again and only its counters move at commit. The pages the plans release
+        // (a copied page too: the other holders keep it) are listed here, while the
+        // request is at hand.
         let mut planned = Vec::with_capacity(request_ids.len());
+        let mut plans = Vec::new();
+        let mut released = Vec::new();
         let mut total = 0usize;
         for (&request_id, &count) in request_ids.iter().zip(counts) {
             let request = self.request(request_id)?;
@@ -332,22 +368,24 @@ impl HybridTables {
                     request.num_tokens
                 ))
             })?;
-            let plans = self.plan(request, num_tokens, request.num_tokens)?;
-            total = total.saturating_add(total_fresh(&plans));
-            planned.push((request.num_tokens, num_tokens, plans));
+            let start = plans.len();
+            if self.plan(request, num_tokens, request.num_tokens, &mut plans)? {
+                let mine = &plans[start..];
+                total = total.saturating_add(total_fresh(mine));
+                for (plan, pages) in mine.iter().zip(&request.groups) {
+                    released.extend(plan.released(pages));
+                    released.extend_from_slice(plan.copied(pages));
+                }
+            } else {
+                plans.truncate(start);
+            }
+            let plans = start..plans.len();
+            planned.push(PlannedAppend { next_query: request.num_tokens, num_tokens, plans });
         }
         if self.index.is_some() {
             self.check_room(total, 0)?;
-        }
-        for (&request_id, &(next_query, _, _)) in request_ids.iter().zip(&planned) {
-            self.cache_ran(request_id, next_query);
-        }
-        let mut released = Vec::new();
-        for (request_id, (_, _, plans)) in request_ids.iter().zip(&planned) {
-            let request = &self.requests[request_id];
-            for (plan, pages) in plans.iter().zip(&request.groups) {
-                released.extend(plan.released(pages));
-                released.extend(plan.copies.iter().map(|&i| pages.page_ids[plan.kept.start + i]));
+            for (&request_id, request) in request_ids.iter().zip(&planned) {
+                self.cache_ran(request_id, request.next_query);
             }
         }
         // Requests sharing a page (forks) release it once each: one free per repeat, since a
@@ -373,20 +411,29 @@ impl HybridTables {
             // The first round's ids were ours and valid; these are further references to them.
             self.free_pages(round).expect("references the tables hold");
         }
+        let caching = self.pool.prefix_cache().is_some();
         let mut copies = Vec::new();
-        let mut fresh = fresh.into_iter();
+        let mut fresh_at = 0;
         let mut offset = 0;
-        for (&request_id, (next_query, num_tokens, plans)) in request_ids.iter().zip(planned) {
-            let mine: Vec<u32> = fresh.by_ref().take(total_fresh(&plans)).collect();
+        for (&request_id, done) in request_ids.iter().zip(&planned) {
             let request = self.requests.get_mut(&request_id).expect("checked above");
-            copies.extend(copy_list(request, &plans, &mine));
-            request.num_tokens = num_tokens;
-            request.next_query = next_query;
-            commit(request, &plans, mine);
-            let count = num_tokens - next_query;
-            self.hash_appended(request_id, token_ids.map(|ids| &ids[offset..offset + count]));
+            request.num_tokens = done.num_tokens;
+            request.next_query = done.next_query;
+            let mine = &plans[done.plans.clone()];
+            if !mine.is_empty() {
+                let taken = total_fresh(mine);
+                let fresh = &fresh[fresh_at..fresh_at + taken];
+                fresh_at += taken;
+                copy_list(request, mine, fresh, &mut copies);
+                commit(request, mine, fresh);
+            }
+            let count = done.num_tokens - done.next_query;
+            if caching {
+                self.hash_appended(request_id, token_ids.map(|ids| &ids[offset..offset + count]));
+            }
             offset += count;
         }
+        debug_assert_eq!(fresh_at, fresh.len());
         Ok(copies)
     }
 
@@ -413,21 +460,29 @@ impl HybridTables {
     }
 
     pub(super) fn request(&self, request_id: u64) -> Result<&RequestPages, CoreError> {
-        self.requests.get(&request_id).ok_or(CoreError::UnknownRequest { request_id })
+        // Not `ok_or`: that builds (and drops) the error on every successful lookup.
+        match self.requests.get(&request_id) {
+            Some(request) => Ok(request),
+            None => Err(CoreError::UnknownRequest { request_id }),
+        }
     }
 
-    /// Each group's change for `request` to hold `num_tokens` with queries from
-    /// `next_query` on still to run. Counts only: nothing is taken.
+    /// Pushes onto `plans` each group's change for `request` to hold `num_tokens` with
+    /// queries from `next_query` on still to run, and says whether any group changes (if
+    /// none, only the request's counters move). Counts only: nothing is taken.
     fn plan(
         &self,
         request: &RequestPages,
         num_tokens: usize,
         next_query: usize,
-    ) -> Result<Vec<GroupPlan>, CoreError> {
+        plans: &mut Vec<GroupPlan>,
+    ) -> Result<bool, CoreError> {
         let appending = num_tokens > request.num_tokens;
-        let mut plans = Vec::with_capacity(self.spec.num_groups());
-        for (group, pages) in request.groups.iter().enumerate() {
-            let live = self.spec.live_pages(group, num_tokens, next_query)?;
+        let mut changes = false;
+        let rules = self.spec.live_rules();
+        debug_assert_eq!(rules.len(), request.groups.len());
+        for (rule, pages) in rules.iter().zip(&request.groups) {
+            let live = rule.live_pages(num_tokens, next_query);
             let old_len = pages.page_ids.len();
             // Live ranges only move forward, so the kept pages are the new table's front
             // and the new ones its back.
@@ -438,31 +493,32 @@ impl HybridTables {
                 first_page: live.start,
                 kept: lo..hi,
                 num_new: live.len() - (hi - lo),
-                copies: Vec::new(),
+                copies: 0..0,
             };
-            match *self.spec.geometry(group)? {
-                PageGeometry::State { .. } => {
+            match *rule {
+                LiveRule::State { .. } => {
                     if appending && old_len > 0 && self.is_shared(pages.page_ids[0])? {
-                        plan.copies = (0..old_len).collect();
+                        plan.copies = 0..old_len;
                     }
                 }
-                PageGeometry::Tokens { block_size, .. } => {
+                LiveRule::Tokens { block_size, .. } => {
                     // The page the first new token goes to, if it is partly filled already.
-                    let written = request.num_tokens / block_size;
-                    let partly_filled = request.num_tokens % block_size != 0;
+                    let written = block_size.div(request.num_tokens);
+                    let partly_filled = block_size.rem(request.num_tokens) != 0;
                     let index = written.wrapping_sub(old_first);
                     if appending
                         && partly_filled
                         && plan.kept.contains(&index)
                         && self.is_shared(pages.page_ids[index])?
                     {
-                        plan.copies.push(index - lo);
+                        plan.copies = index - lo..index - lo + 1;
                     }
                 }
             }
+            changes |= !plan.is_unchanged(pages);
             plans.push(plan);
         }
-        Ok(plans)
+        Ok(changes)
     }
 
     fn is_shared(&self, page_id: u32) -> Result<bool, CoreError> {
@@ -481,29 +537,32 @@ fn all_pages(request: &RequestPages) -> Vec<u32> {
     request.groups.iter().flat_map(|g| g.page_ids.iter().copied()).collect()
 }
 
-/// The copies `plans` call for, with the fresh pages they take: each group's share of
-/// `fresh` starts with its copy destinations (see [`commit`]).
-fn copy_list(request: &RequestPages, plans: &[GroupPlan], fresh: &[u32]) -> Vec<PageCopy> {
-    let mut copies = Vec::new();
+/// Pushes onto `copies` the copies `plans` call for, with the fresh pages they take: each
+/// group's share of `fresh` starts with its copy destinations (see [`commit`]).
+fn copy_list(
+    request: &RequestPages,
+    plans: &[GroupPlan],
+    fresh: &[u32],
+    copies: &mut Vec<PageCopy>,
+) {
     let mut next = 0;
     for (group, (plan, pages)) in plans.iter().zip(&request.groups).enumerate() {
-        for (k, &index) in plan.copies.iter().enumerate() {
-            let src = pages.page_ids[plan.kept.start + index];
-            copies.push(PageCopy { group, src, dst: fresh[next + k] });
+        let destinations = &fresh[next..next + plan.copies.len()];
+        for (&src, &dst) in plan.copied(pages).iter().zip(destinations) {
+            copies.push(PageCopy { group, src, dst });
         }
         next += plan.num_fresh();
     }
-    copies
 }
 
 /// Applies `plans` to `request`, handing out `fresh` in group order: each group's copy
 /// destinations, then its new pages. Cannot fail.
-fn commit(request: &mut RequestPages, plans: &[GroupPlan], fresh: Vec<u32>) {
-    let mut fresh = fresh.into_iter();
+fn commit(request: &mut RequestPages, plans: &[GroupPlan], fresh: &[u32]) {
+    let mut fresh = fresh.iter().copied();
     for (plan, pages) in plans.iter().zip(&mut request.groups) {
         pages.page_ids.truncate(plan.kept.end);
         pages.page_ids.drain(..plan.kept.start);
-        for &index in &plan.copies {
+        for index in plan.copies.clone() {
             pages.page_ids[index] = fresh.next().expect("planned copy");
         }
         pages.page_ids.extend(fresh.by_ref().take(plan.num_new));
@@ -599,3 +658,7 @@ impl HybridTables {
         self.pool.share_many_for(page_ids, Owner::HybridTables)
     }
 }
+
+#[cfg(test)]
+#[path = "tables_tests.rs"]
+mod tests;
