@@ -37,14 +37,15 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import pytest
 from hybrid_model import GroupRule
 from hypothesis import Phase, settings
 from hypothesis import event as hypothesis_event
-from hypothesis.errors import InvalidArgument
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     invariant,
@@ -166,11 +167,11 @@ class CacheModel:
             return
         upto = upto // C * C
         for b in range(r.registered + C, upto + 1, C):
-            for g, rule in enumerate(self.rules):
-                bs = rule.block_size
+            for g, group_rule in enumerate(self.rules):
+                bs = group_rule.block_size
                 if bs is None:
                     continue
-                start, stop = rule.live_pages(r.num_tokens, r.next_query)
+                start, stop = group_rule.live_pages(r.num_tokens, r.next_query)
                 for k in range(start, stop):
                     if k * bs < b <= ceil_chunk((k + 1) * bs):
                         self.keys.add((g, k, r.prefix[b - 1]))
@@ -182,16 +183,18 @@ class CacheModel:
         under h, the others under their last boundary), a state group a checkpoint at h."""
         h = max(len(prefix) - 1, 0) // C * C
         while h > 0:
-            if all(self.serves(g, rule, prefix, h) for g, rule in enumerate(self.rules)):
+            if all(
+                self.serves(g, group_rule, prefix, h) for g, group_rule in enumerate(self.rules)
+            ):
                 return h
             h -= C
         return 0
 
-    def serves(self, g: int, rule: GroupRule, prefix: list[int], h: int) -> bool:
-        bs = rule.block_size
+    def serves(self, g: int, group_rule: GroupRule, prefix: list[int], h: int) -> bool:
+        bs = group_rule.block_size
         if bs is None:
             return (g, prefix[h - 1]) in self.checkpoints
-        start, stop = rule.live_pages(h, h)
+        start, stop = group_rule.live_pages(h, h)
         for k in range(start, stop):
             end = (k + 1) * bs
             b = ceil_chunk(end) if end <= h else h
@@ -232,7 +235,7 @@ class CachedHybridMachine(RuleBasedStateMachine):
     # "skip hit copies" or "copy from another page": a wrong hit the content check must see.
     mutation: str | None = None
     # What the runs met, over every run of the class (the coverage tests read it).
-    coverage: dict[str, int] = {}
+    coverage: ClassVar[dict[str, int]] = {}
 
     def __init__(self) -> None:
         super().__init__()
@@ -271,15 +274,15 @@ class CachedHybridMachine(RuleBasedStateMachine):
     def check_reads(self, rid: int, r: Request, query: int) -> None:
         """What the queries from `query` on read below it: every key they see holds its own
         prefix's value in its own group, every state page the state after `query`."""
-        for g, rule in enumerate(self.rules):
-            if rule.block_size is None:
+        for g, group_rule in enumerate(self.rules):
+            if group_rule.block_size is None:
                 if query == 0:
                     continue
                 for i, page in enumerate(self.tables.state_slot(rid, g).tolist()):
                     if self.read(page * PAGE_BYTES) != state_value(r, g, query, i):
                         raise ContentMismatch(f"request {rid} group {g} state page {i} at {query}")
                 continue
-            seen = [p for p in range(query) if rule.sees(query, p)]
+            seen = [p for p in range(query) if group_rule.sees(query, p)]
             if not seen:
                 continue
             for p, slot in zip(seen, self.tables.slot_mapping(rid, g, seen).tolist(), strict=True):
@@ -289,8 +292,8 @@ class CachedHybridMachine(RuleBasedStateMachine):
     def write_step(self, rid: int, r: Request, start: int) -> None:
         """The step computing `r`'s tokens from `start` on: their values, the state after."""
         n = r.num_tokens
-        for g, rule in enumerate(self.rules):
-            if rule.block_size is None:
+        for g, group_rule in enumerate(self.rules):
+            if group_rule.block_size is None:
                 if n > 0:
                     for i, page in enumerate(self.tables.state_slot(rid, g).tolist()):
                         self.write(page * PAGE_BYTES, state_value(r, g, n, i))
@@ -334,18 +337,18 @@ class CachedHybridMachine(RuleBasedStateMachine):
         r = self.model.requests[rid]
         n = r.num_tokens
         fresh = 0
-        for g, rule in enumerate(self.rules):
+        for g, group_rule in enumerate(self.rules):
             first, ids, _ = self.tables.table(rid, g)
             ids = ids.tolist()
-            start, stop = rule.live_pages(n + count, n)
+            start, stop = group_rule.live_pages(n + count, n)
             kept = range(max(start, first), min(stop, first + len(ids)))
             fresh += (stop - start) - len(kept)
             if count == 0 or not ids:
                 continue
-            if rule.block_size is None:
+            if group_rule.block_size is None:
                 fresh += len(ids) if self.pool.ref_cnt(ids[0]) > 1 else 0
-            elif n % rule.block_size and n // rule.block_size in kept:
-                fresh += self.pool.ref_cnt(ids[n // rule.block_size - first]) > 1
+            elif n % group_rule.block_size and n // group_rule.block_size in kept:
+                fresh += self.pool.ref_cnt(ids[n // group_rule.block_size - first]) > 1
         return fresh
 
     def room(self) -> int:
@@ -596,9 +599,9 @@ class CachedHybridMachine(RuleBasedStateMachine):
         assert len(self.tables) == len(self.model.requests)
         for rid, r in self.model.requests.items():
             assert self.tables.num_tokens(rid) == r.num_tokens
-            for g, rule in enumerate(self.rules):
+            for g, group_rule in enumerate(self.rules):
                 first, ids, _ = self.tables.table(rid, g)
-                start, stop = rule.live_pages(r.num_tokens, r.next_query)
+                start, stop = group_rule.live_pages(r.num_tokens, r.next_query)
                 assert len(ids) == stop - start, (rid, g, first, len(ids), start, stop)
                 if len(ids):
                     assert first == start, (rid, g, first, start)
@@ -645,7 +648,7 @@ class CachedHybridMachine(RuleBasedStateMachine):
 
 class TightCachedHybridMachine(CachedHybridMachine):
     num_pages = TIGHT
-    coverage: dict[str, int] = {}
+    coverage: ClassVar[dict[str, int]] = {}
 
 
 def run_machine(machine: type[CachedHybridMachine]) -> dict[str, int]:
