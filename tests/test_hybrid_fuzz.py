@@ -1,8 +1,9 @@
 """The API fuzzer of tests/test_api_fuzz.py over the hybrid classes: every method of KvGroup,
 ModelKvSpec, HybridTables and HybridHostTier with good and hostile arguments (its strategies
 and its `check_call`: no crash, TypeError only for a wrong type, otherwise a KvError
-subclass, and nothing changed by a failed call). A test checks that every public method is
-fuzzed here.
+subclass, and nothing changed by a failed call). HybridTables' methods run over a pool with
+prefix caching too (cached pages and a checkpoint in it, the cache's counts in the
+snapshot). A test checks that every public method is fuzzed here.
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ class World:
                     tables.append((r, g, first, ids.tolist(), n))
         swapped = [(r, *self.tier.swapped(r)[:2]) for r in self.tier.request_ids()]
         swapped_pages = [self.tier.swapped(r)[2].tolist() for r in self.tier.request_ids()]
-        return pools, refs, tables, swapped, swapped_pages
+        cached = self.tables.cache_stats()
+        cached_groups = [self.tables.cached_page_group(b) for b in range(self.pool.num_blocks)]
+        next_queries = [self.tables.next_query(r) for r in range(16) if r in self.tables]
+        return pools, refs, tables, swapped, swapped_pages, cached, cached_groups, next_queries
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
@@ -64,15 +68,22 @@ class World:
         self.tier.check_invariants()
 
 
-def make_world() -> World:
+def make_world(caching: bool = False) -> World:
+    """Requests added, forked, grown and swapped out; with `caching`, over a caching pool
+    where request 4's prompt is cached and checkpointed at 32 tokens (so a prompt sharing it
+    hits) and request 5 was added from it."""
     s = spec()
-    pool = Pool.for_spec(s, NUM_PAGES, device="host")
+    pool = Pool.for_spec(s, NUM_PAGES, device="host", enable_prefix_caching=caching)
     tables = HybridTables(pool, s)
     tables.add(1, 20)
     tables.add(2, 9)
     tables.fork(2, 3)
     tables.append_tokens(1, 3)
     tables.add(6, 4)
+    if caching:
+        tables.add_request(4, list(range(32)))
+        tables.checkpoint(4)
+        tables.add_request(5, list(range(40)))
     tier = HybridHostTier(tables, 16)
     tier.swap_out([6])
     return World(s, pool, tables, tier)
@@ -90,6 +101,10 @@ def tokens_arg() -> st.SearchStrategy[Arg]:
     return fuzz.int_arg(40)
 
 
+def lora_arg() -> st.SearchStrategy[Arg]:
+    return fuzz.none_ok(fuzz.int_arg(4))
+
+
 Call = tuple[Callable[..., st.SearchStrategy[Arg]], ...]
 
 TABLES_CALLS: dict[str, tuple[Call, Callable[..., object]]] = {
@@ -99,6 +114,31 @@ TABLES_CALLS: dict[str, tuple[Call, Callable[..., object]]] = {
         (lambda: fuzz.int_sequence(8), fuzz.int_or_sequence),
         lambda w, rs, ns: w.tables.append_tokens_many(rs, ns),
     ),
+    "add_request": (
+        (request_arg, lambda: fuzz.int_sequence(48), fuzz.salt, lora_arg, fuzz.extra),
+        lambda w, r, t, s, lora, e: w.tables.add_request(
+            r, t, cache_salt=s, lora_id=lora, extra_keys=e
+        ),
+    ),
+    "append_tokens ids": (
+        (request_arg, lambda: fuzz.int_arg(8), lambda: fuzz.none_ok(fuzz.int_sequence(48))),
+        lambda w, r, n, t: w.tables.append_tokens(r, n, t),
+    ),
+    "append_tokens_many ids": (
+        (
+            lambda: fuzz.int_sequence(8),
+            fuzz.int_or_sequence,
+            lambda: fuzz.none_ok(fuzz.int_sequence(48)),
+        ),
+        lambda w, rs, ns, t: w.tables.append_tokens_many(rs, ns, t),
+    ),
+    "cache_computed": ((request_arg,), lambda w, r: w.tables.cache_computed(r)),
+    "checkpoint": ((request_arg,), lambda w, r: w.tables.checkpoint(r)),
+    "cached_page_group": (
+        (lambda: fuzz.int_arg(NUM_PAGES + 4),),
+        lambda w, p: w.tables.cached_page_group(p),
+    ),
+    "next_query": ((request_arg,), lambda w, r: w.tables.next_query(r)),
     "fork": ((request_arg, request_arg), lambda w, p, c: w.tables.fork(p, c)),
     "free": ((request_arg,), lambda w, r: w.tables.free(r)),
     "num_tokens": ((request_arg,), lambda w, r: w.tables.num_tokens(r)),
@@ -182,6 +222,13 @@ def test_hybrid_methods(name: str, data: st.DataObject) -> None:
     fuzz.check_call(make_world(), name, fn, fuzz.draw_args(data, strategies))
 
 
+@pytest.mark.parametrize("name", sorted(TABLES_CALLS))
+@given(data=st.data())
+def test_hybrid_tables_methods_with_prefix_caching(name: str, data: st.DataObject) -> None:
+    strategies, fn = TABLES_CALLS[name]
+    fuzz.check_call(make_world(caching=True), name, fn, fuzz.draw_args(data, strategies))
+
+
 @given(
     groups=st.lists(st.integers(0, 4), max_size=4),
     page_bytes=fuzz.optional(fuzz.size_arg((256, 1024, 4096))),
@@ -220,12 +267,12 @@ def test_tables_and_tier_constructors(data: st.DataObject) -> None:
 
 def test_the_fuzzer_covers_every_public_method() -> None:
     fuzzed = {
-        HybridTables: set(TABLES_CALLS),
+        HybridTables: {name.split()[0] for name in TABLES_CALLS},
         HybridHostTier: set(TIER_CALLS),
         ModelKvSpec: {*SPEC_CALLS, "uniform"},  # uniform takes only a KvLayout
         KvGroup: set(GROUP_CALLS),
     }
-    no_args = {"check_invariants", "poll", "wait", "request_ids"}
+    no_args = {"check_invariants", "poll", "wait", "request_ids", "cache_stats"}
     for cls, names in fuzzed.items():
         methods = {m for m in vars(cls) if not m.startswith("_") and callable(getattr(cls, m))}
         missing = methods - names - no_args

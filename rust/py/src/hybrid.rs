@@ -11,22 +11,32 @@
 //!
 //! The core's `HybridTables` changes through `&mut`, so the Python object holds it behind a
 //! mutex (`frozen` class, calls serialised; long calls release the GIL first and then lock,
-//! and nothing here takes the GIL while holding the lock). The core appends one request at a
-//! time, so `append_tokens_many` is made all or none here: it checks every id and count,
-//! bounds the pages the whole batch can take from each request's table as it is before the
-//! call (an earlier append of the batch only frees pages or un-shares them, never takes more
-//! for a later one), makes the pool have that many free (a growable pool grows first, and a
-//! refused growth changes nothing), and only then appends each. Rejected: appending in turn
-//! and undoing on failure (pages a window released may already be reused), and taking the
-//! lock of the pool's free list for the whole batch (the core exposes no such lock).
+//! and nothing here takes the GIL while holding the lock). `append_tokens_many` appends one
+//! request at a time through the core's `append`/`append_tokens` (each request's copies
+//! planned on the state its turn sees), made all or none here: it checks every id, count
+//! and token id, bounds the pages the whole batch can take from each request's table as it
+//! is before the call (an earlier append of the batch only frees pages or un-shares them,
+//! never takes more for a later one), makes sure the free and evictable pages cover that
+//! many (a growable pool grows first, and a refused growth changes nothing), and only then
+//! appends each. Rejected: appending in turn and undoing on failure (pages a window released
+//! may already be reused), and taking the lock of the pool's free list for the whole batch
+//! (the core exposes no such lock).
+//!
+//! Prefix caching (on a pool made with `enable_prefix_caching=True`) binds the core's
+//! `add_request`, `cache_computed`, `checkpoint`, `cache_stats` and `cached_page_group`
+//! with the conventions of `BlockTables.add_request` (token ids, `cache_salt`, `lora_id`,
+//! `extra_keys` checked by prefix.rs); the per-group KV events come out of the pool's queue
+//! (`Pool.take_kv_events`, each event's `group`). A caching-only call on a pool without
+//! prefix caching (`checkpoint`, `cache_computed`) is an `InvalidArgumentError`.
 
 use std::sync::{Mutex, MutexGuard};
 
 use kvpool_core::hybrid::{HybridHostTier, HybridTables, PageCopy, RequestPage};
 use kvpool_core::pool::PoolSize;
+use kvpool_core::tables::PromptKey;
 use kvpool_core::tier::{CopyMethod, SwapStats, Tier};
 use kvpool_core::CoreError;
-use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArray};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -71,13 +81,28 @@ impl PyHybridTables {
 
 /// Each request's appended tokens, checked all together before any is appended: every id
 /// known and listed once, every new length representable.
-fn check_batch(tables: &HybridTables, rids: &[u64], counts: &[usize]) -> Result<(), CoreError> {
+fn check_batch(
+    tables: &HybridTables,
+    rids: &[u64],
+    counts: &[usize],
+    token_ids: Option<&[u32]>,
+) -> Result<(), CoreError> {
     if rids.len() != counts.len() {
         return Err(CoreError::InvalidArgument(format!(
             "{} request ids but {} counts",
             rids.len(),
             counts.len()
         )));
+    }
+    if let Some(ids) = token_ids {
+        let total = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+        if total != Some(ids.len()) {
+            let total = total.map_or_else(|| "more".to_string(), |t| t.to_string());
+            return Err(CoreError::InvalidArgument(format!(
+                "{} token ids for {total} tokens (sum of counts): give one id per appended token",
+                ids.len()
+            )));
+        }
     }
     let mut sorted = rids.to_vec();
     sorted.sort_unstable();
@@ -136,39 +161,115 @@ fn fresh_pages_bound(tables: &HybridTables, rid: u64, count: usize) -> Result<us
     Ok(fresh)
 }
 
-/// Appends every request's tokens, all or none: checks the batch, makes sure the pool has
-/// the pages the batch can take (growing a growable pool first; a refused growth changes
-/// nothing), then appends each in order, none of which can then run out of pages.
+/// One request's append: with its token ids (hashed for prefix caching) or without.
+fn append_one(
+    tables: &mut HybridTables,
+    rid: u64,
+    count: usize,
+    token_ids: Option<&[u32]>,
+) -> Result<Vec<PageCopy>, CoreError> {
+    match token_ids {
+        Some(ids) => tables.append_tokens(rid, ids),
+        None => tables.append(rid, count),
+    }
+}
+
+/// Appends every request's tokens (`token_ids`: all requests' new ids concatenated in call
+/// order), all or none: checks the batch, makes sure the free and evictable pages cover the
+/// pages the batch can take (growing a growable pool first; a refused growth changes
+/// nothing), then appends each in order, none of which can then run out of pages. An
+/// append never makes a page leave the free and evictable pages except those it takes (the
+/// pages it caches are held; those it releases go back to either), so the bound holds
+/// through the batch.
 fn append_batch(
     tables: &mut HybridTables,
     rids: &[u64],
     counts: &[usize],
+    token_ids: Option<&[u32]>,
 ) -> Result<Vec<PageCopy>, CoreError> {
-    check_batch(tables, rids, counts)?;
+    check_batch(tables, rids, counts, token_ids)?;
     if let [rid] = rids {
-        return tables.append(*rid, counts[0]);
+        // The core's own call checks its room (evictable pages included) first.
+        return append_one(tables, *rid, counts[0], token_ids);
     }
     let mut needed = 0usize;
     for (&rid, &count) in rids.iter().zip(counts) {
         needed = needed.saturating_add(fresh_pages_bound(tables, rid, count)?);
     }
     let pool = tables.pool();
-    let free = pool.num_free();
-    if needed > free {
+    // Evictable pages count: the tables evict them (least recently used first) when the free
+    // list runs short. Without prefix caching there are none.
+    let room = pool.num_free() + pool.num_evictable();
+    if needed > room {
         if !pool.is_growable() {
             return Err(CoreError::OutOfBlocks {
                 requested: needed,
-                free,
+                free: room,
                 num_blocks: pool.num_blocks(),
             });
         }
-        pool.grow(pool.num_blocks().saturating_add(needed - free))?;
+        pool.grow(pool.num_blocks().saturating_add(needed - room))?;
     }
     let mut copies = Vec::new();
+    let mut offset = 0;
     for (&rid, &count) in rids.iter().zip(counts) {
-        copies.extend(tables.append(rid, count)?);
+        let ids = token_ids.map(|ids| &ids[offset..offset + count]);
+        offset += count;
+        copies.extend(append_one(tables, rid, count, ids)?);
     }
     Ok(copies)
+}
+
+/// What `HybridTables.add_request` found and must have copied.
+#[pyclass(module = "kvpool._core", name = "HybridAddResult", frozen)]
+pub struct PyHybridAddResult {
+    num_cached_tokens: usize,
+    copies: Py<PyArray2<i32>>,
+}
+
+#[pymethods]
+impl PyHybridAddResult {
+    /// Prompt tokens whose KV (and states) are cached: a multiple of 16 below
+    /// `len(token_ids)`; the request computes from there.
+    #[getter]
+    fn num_cached_tokens(&self) -> usize {
+        self.num_cached_tokens
+    }
+    /// int32 `[k, 3]` rows (group, src, dst) to copy, whole pages, before the request's
+    /// tokens are computed: each group's cached page the hit ends inside and each resumed
+    /// state slot.
+    #[getter]
+    fn copies(&self, py: Python<'_>) -> Py<PyArray2<i32>> {
+        self.copies.clone_ref(py)
+    }
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "HybridAddResult(num_cached_tokens={}, len(copies)={})",
+            self.num_cached_tokens,
+            self.copies.bind(py).shape()[0]
+        )
+    }
+}
+
+/// Refuses a caching-only call (`what`) on tables whose pool does not cache prefixes.
+fn require_caching(tables: &HybridTables, what: &str) -> Result<(), CoreError> {
+    if tables.caches_prefixes() {
+        return Ok(());
+    }
+    Err(CoreError::InvalidArgument(format!(
+        "{what} needs a pool made with enable_prefix_caching=True"
+    )))
+}
+
+/// `token_ids` given with a count `n`: one id per token.
+fn check_ids_match(n: usize, token_ids: Option<&[u32]>) -> Result<(), CoreError> {
+    match token_ids {
+        Some(ids) if ids.len() != n => Err(CoreError::InvalidArgument(format!(
+            "n is {n} but {} token ids were given: give one id per appended token",
+            ids.len()
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// `counts`: one int for every request, or one per request (an int array or any iterable
@@ -193,20 +294,10 @@ fn batch_counts(values: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<usize>> {
 impl PyHybridTables {
     /// Tables for `spec` over `pool`. Raises `LayoutError` when the pool's blocks are not
     /// `spec.page_bytes` bytes or the pool cannot hold one request of one token with all its
-    /// state slots, `InvalidArgumentError` for a pool with prefix caching.
+    /// state slots, `InvalidArgumentError` for a pool whose prefix cache has a host tier.
+    /// On a pool with prefix caching the tables cache prefixes (`add_request`).
     #[new]
     fn new(pool: Bound<'_, PyPool>, spec: Bound<'_, PyModelKvSpec>) -> KvResult<Self> {
-        // The core's tables cache prefixes on such a pool, but its calls (prompt tokens,
-        // checkpoints, KV events per group) are not bound yet, and `append_tokens_many`'s
-        // room check counts free pages only: refused rather than half supported.
-        if pool.get().inner.prefix_cache().is_some() {
-            return Err(CoreError::InvalidArgument(
-                "the Python HybridTables do not bind prefix caching yet: give them a pool \
-                 without it"
-                    .into(),
-            )
-            .into());
-        }
         let inner = HybridTables::new(pool.get().inner.clone(), spec.get().inner.clone())?;
         Ok(PyHybridTables { inner: Mutex::new(inner), pool: pool.unbind(), spec: spec.unbind() })
     }
@@ -224,44 +315,166 @@ impl PyHybridTables {
         Ok(())
     }
 
+    /// Adds a request with its prompt's token ids. On a pool with prefix caching it starts
+    /// from the longest cached prefix every group can serve (a multiple of 16 tokens, never
+    /// the last token): full and MLA groups share the prefix's pages, window and chunk
+    /// groups the pages the first new token's query sees, state groups resume from a
+    /// checkpoint at exactly the hit. Returns a `HybridAddResult`: `num_cached_tokens`, and
+    /// `copies` (int32 `[k, 3]`: group, src, dst) to run before the request's tokens are
+    /// computed. Pages are cached once their tokens have run (the request's next call, or
+    /// `cache_computed`). `cache_salt` (str or bytes) isolates tenants; `lora_id` and
+    /// `extra_keys` (bytes) are part of every key. Without prefix caching this is `add`.
+    #[pyo3(signature = (request_id, token_ids, *, cache_salt = None, lora_id = None, extra_keys = None))]
+    fn add_request(
+        &self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        lora_id: Option<Int>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyHybridAddResult> {
+        let rid = self::request_id(request_id)?;
+        let tokens = crate::prefix::token_ids(token_ids)?;
+        let salt = crate::prefix::cache_salt(cache_salt)?;
+        let extra = crate::prefix::extra_keys(extra_keys)?;
+        let lora_id = crate::prefix::lora_id(lora_id)?;
+        let key = PromptKey { cache_salt: salt.as_deref(), lora_id, extra_keys: &extra };
+        // Hashing a long prompt takes tens of microseconds: let other threads run.
+        let added = if tokens.len() >= DETACH_MIN_TOKENS {
+            py.detach(|| self.lock().add_request(rid, &tokens, &key))
+        } else {
+            self.lock().add_request(rid, &tokens, &key)
+        }
+        .map_err(PyKvError)?;
+        Ok(PyHybridAddResult {
+            num_cached_tokens: added.num_cached_tokens,
+            copies: copies_array(py, &added.copies).unbind(),
+        })
+    }
+
     /// Appends `n` tokens to a request whose earlier queries have all run; window and chunk
     /// groups release the pages no query from the first new token on sees. Returns the page
     /// copies (int32 `[k, 3]`: group, src, dst) to run before the new tokens are written.
+    /// With `token_ids` (n ids) on a pool with prefix caching, the pages they fill are
+    /// cached once they have run; without, the request's later pages are not cached.
+    #[pyo3(signature = (request_id, n, token_ids = None))]
     fn append_tokens<'py>(
         &self,
         py: Python<'py>,
         request_id: &Bound<'py, PyAny>,
         n: Int,
-    ) -> KvResult<Bound<'py, PyArray2<i32>>> {
+        token_ids: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let rid = self::request_id(request_id)?;
         let n = ids::tokens(n, "n")?;
+        let tokens = token_ids.map(crate::prefix::token_ids).transpose()?;
+        check_ids_match(n, tokens.as_deref()).map_err(PyKvError)?;
         let copies = if n >= DETACH_MIN_TOKENS {
-            py.detach(|| self.lock().append(rid, n))?
+            py.detach(|| append_one(&mut self.lock(), rid, n, tokens.as_deref()))
         } else {
-            self.lock().append(rid, n)?
-        };
+            append_one(&mut self.lock(), rid, n, tokens.as_deref())
+        }
+        .map_err(PyKvError)?;
         Ok(copies_array(py, &copies))
     }
 
     /// One decode step: appends `counts` (an int for all, or one per request) to each of
-    /// `request_ids`, all or none (ids must be distinct). Returns every request's page
-    /// copies, in call order, as `append_tokens` does.
+    /// `request_ids`, all or none (ids must be distinct). `token_ids`, when given, are all
+    /// requests' new ids concatenated in call order (`sum(counts)` of them), as
+    /// `append_tokens` takes them. Returns every request's page copies, in call order, as
+    /// `append_tokens` does.
+    #[pyo3(signature = (request_ids, counts, token_ids = None))]
     fn append_tokens_many<'py>(
         &self,
         py: Python<'py>,
         request_ids: &Bound<'py, PyAny>,
         counts: &Bound<'py, PyAny>,
+        token_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let rids = self::request_ids(request_ids)?;
         let counts = batch_counts(counts, rids.len())?;
+        let tokens = token_ids.map(crate::prefix::token_ids).transpose()?;
         let total = counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
         let copies = if total >= DETACH_MIN_TOKENS {
-            py.detach(|| append_batch(&mut self.lock(), &rids, &counts))
+            py.detach(|| append_batch(&mut self.lock(), &rids, &counts, tokens.as_deref()))
         } else {
-            append_batch(&mut self.lock(), &rids, &counts)
+            append_batch(&mut self.lock(), &rids, &counts, tokens.as_deref())
         }
         .map_err(PyKvError)?;
         Ok(copies_array(py, &copies))
+    }
+
+    /// Declares that every token of a request has run (its step finished): caches the pages
+    /// of its whole 16-token chunks now rather than at its next call. Call it before `free`
+    /// to keep the pages of a request that ends without another call. Raises
+    /// `InvalidArgumentError` on a pool without prefix caching.
+    fn cache_computed(&self, request_id: &Bound<'_, PyAny>) -> KvResult<()> {
+        let rid = self::request_id(request_id)?;
+        let mut tables = self.lock();
+        tables.num_tokens(rid)?;
+        require_caching(&tables, "cache_computed")?;
+        Ok(tables.cache_computed(rid)?)
+    }
+
+    /// Checkpoints every state group of a request after its `num_tokens` tokens, which have
+    /// all run (its pages are cached too, as `cache_computed`): a later `add_request` whose
+    /// prompt matches up to here resumes from it. `num_tokens` must be a positive multiple of
+    /// 16 and all its tokens known (added with `add_request`, appended with `token_ids`):
+    /// `InvalidArgumentError` otherwise, or on a pool without prefix caching. Returns the
+    /// copies (int32 `[k, 3]`: group, src, dst) from the live slots into the checkpoint's
+    /// pages: run them before the request's next step, and before the kernels of any later
+    /// call (the checkpoint's pages are evictable at once). A checkpoint already cached there
+    /// is kept (no copies).
+    fn checkpoint<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &Bound<'py, PyAny>,
+    ) -> KvResult<Bound<'py, PyArray2<i32>>> {
+        let rid = self::request_id(request_id)?;
+        let copies = self.lock().checkpoint(rid)?;
+        Ok(copies_array(py, &copies))
+    }
+
+    /// Per group (in the spec's order), the cached pages: `{"cached_pages",
+    /// "evictable_pages"}` (of those, the ones no table holds). Zeros on a pool without
+    /// prefix caching.
+    fn cache_stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let (stats, num_groups) = {
+            let tables = self.lock();
+            (tables.cache_stats(), tables.spec().num_groups())
+        };
+        (0..num_groups)
+            .map(|g| {
+                let s = stats.get(g).copied().unwrap_or_default();
+                let d = PyDict::new(py);
+                d.set_item("cached_pages", s.cached_pages)?;
+                d.set_item("evictable_pages", s.evictable_pages)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// The group a cached page is cached for, or None if it is not cached (a page id
+    /// outside the pool is an `InvalidBlockError`).
+    fn cached_page_group(&self, page: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+        // Read before locking: `__index__` of the caller's object may call back into Python.
+        let page = ids::block_id(page, self.pool.get().inner.num_blocks(), "argument 'page'")?;
+        Ok(self.lock().cached_page_group(page))
+    }
+
+    /// The first position of a request whose query has not run yet: what its last call
+    /// started from (a prefix hit's `num_cached_tokens` after `add_request`).
+    fn next_query(&self, request_id: &Bound<'_, PyAny>) -> KvResult<usize> {
+        let rid = self::request_id(request_id)?;
+        Ok(self.lock().next_query(rid)?)
+    }
+
+    /// Whether the tables cache prefixes (their pool was made with
+    /// `enable_prefix_caching=True`).
+    #[getter]
+    fn prefix_caching(&self) -> bool {
+        self.lock().caches_prefixes()
     }
 
     /// Adds `child_id` sharing every page of every group of `parent_id` (copy on write:

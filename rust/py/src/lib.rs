@@ -36,6 +36,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hybrid_spec::PyModelKvSpec>()?;
     m.add_class::<hybrid::PyHybridTables>()?;
     m.add_class::<hybrid::PyHybridHostTier>()?;
+    m.add_class::<hybrid::PyHybridAddResult>()?;
     m.add_class::<stream::CudaStream>()?;
     m.add_class::<stream::DeviceArray>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;

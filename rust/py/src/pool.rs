@@ -242,6 +242,8 @@ impl PyPool {
     /// A pool of `spec`'s pages (`block_bytes == spec.page_bytes`) for `HybridTables`,
     /// sized and placed as the constructor's keywords say. It has no `KvLayout`: `layout`,
     /// `k_view` and `v_view` raise `LayoutError`; `spec` says where a group's bytes are.
+    /// `enable_prefix_caching` and `prefix_hash_key` as for the constructor: the tables over
+    /// it then cache prefixes in 16-token chunks (`HybridTables.add_request`).
     #[staticmethod]
     #[pyo3(signature = (
         spec,
@@ -254,6 +256,8 @@ impl PyPool {
         initial_num_blocks = None,
         chunk_bytes = None,
         device = "auto",
+        enable_prefix_caching = false,
+        prefix_hash_key = None,
     ))]
     #[allow(clippy::too_many_arguments)] // one per keyword of the Python signature
     fn for_spec(
@@ -267,16 +271,22 @@ impl PyPool {
         initial_num_blocks: Option<Int>,
         chunk_bytes: Option<Int>,
         device: &str,
-    ) -> KvResult<Self> {
+        enable_prefix_caching: bool,
+        prefix_hash_key: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let prefix = PrefixOptions::new(enable_prefix_caching, None, prefix_hash_key)?;
         let create = pool_maker(
             (&spec.inner).into(),
             (num_blocks, memory_bytes, gpu_memory_utilization),
             growable,
             (max_num_blocks, initial_num_blocks, chunk_bytes),
-            Device::parse(device)?,
-        )?;
+            Device::parse(device).map_err(PyKvError)?,
+        )
+        .map_err(PyKvError)?;
         // Allocating and zeroing a large slab takes time: let other threads run.
-        Ok(PyPool { inner: Arc::new(py.detach(create)?) })
+        let pool = py.detach(create).map_err(PyKvError)?;
+        let pool = prefix.apply(py, pool).map_err(PyKvError)?;
+        Ok(PyPool { inner: Arc::new(pool) })
     }
 
     /// Maps memory until at least `num_blocks` blocks exist (growable pools only); returns
