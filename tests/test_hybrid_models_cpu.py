@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import kvpool  # noqa: E402
-from kvpool.generation import GenerationRequest, generate  # noqa: E402
+from kvpool.generation import GenerationRequest, generate, gumbel_noise  # noqa: E402
 from kvpool.generation.hybrid_batch import build_hybrid_step  # noqa: E402
 from kvpool.integrations import hybrid_models as hm  # noqa: E402
 from transformers import (  # noqa: E402
@@ -318,9 +318,11 @@ def test_greedy_generation_matches_model_generate(model):
 
 
 def test_continuous_batching_in_a_pool_too_small_for_all(model):
-    """24 ragged requests in a pool holding a few of them at a time: every request runs to
-    its length, nothing leaks, and every token is the model's own greedy choice on the
-    request's tokens (on one full forward of each: no other token more than BOUND ahead)."""
+    """24 ragged requests in a pool holding a few of them at a time, every third one sampled
+    (temperature 0.8): every request runs to its length, nothing leaks, and every token is
+    the model's own choice on the request's tokens (one full forward of each; the greedy
+    argmax, or the argmax of logits / t + the request's Gumbel noise: no other token more than
+    BOUND ahead)."""
     rng = np.random.default_rng(2)
     n = 24
     prompts = [rng.integers(0, VOCAB, int(rng.integers(3, 41))).tolist() for _ in range(n)]
@@ -331,7 +333,11 @@ def test_continuous_batching_in_a_pool_too_small_for_all(model):
     assert alone > 4 * num_pages  # all at once would need more than four such pools
     pool = kvpool.Pool.for_spec(spec, num_pages, device="host")
     runner = hm.HybridTransformersRunner(model, pool, spec)
-    reqs = [GenerationRequest(i, p, m) for i, (p, m) in enumerate(zip(prompts, news))]
+    temps = [0.8 if i % 3 == 1 else 0.0 for i in range(n)]
+    reqs = [
+        GenerationRequest(i, p, m, temperature=temps[i], seed=100 + i)
+        for i, (p, m) in enumerate(zip(prompts, news))
+    ]
     res = generate(runner, pool, reqs, max_running_seqs=8, max_tokens_per_step=48, spec=spec)
     # generate checked the drain: no request left in the tables, every page free, invariants.
     assert pool.num_free == pool.num_blocks
@@ -343,13 +349,37 @@ def test_continuous_batching_in_a_pool_too_small_for_all(model):
         tokens = prompts[i] + res.outputs[i]
         with torch.inference_mode():
             ref = model(torch.tensor([tokens[:-1]])).logits[0].float()
-        rows = ref[len(prompts[i]) - 1 :]
-        chosen = rows[torch.arange(news[i]), torch.tensor(res.outputs[i])]
-        top = rows.max(dim=1).values
-        assert ((top - chosen) / rows.abs().max(dim=1).values).max() <= BOUND, i
+        rows = ref[len(prompts[i]) - 1 :].double().numpy()
+        scale = np.abs(rows).max(axis=1)
+        if temps[i]:
+            pos = np.arange(len(prompts[i]) - 1, len(tokens) - 1, dtype=np.int64)
+            seeds = np.full(news[i], 100 + i, np.int64)
+            rows = rows / temps[i] + gumbel_noise(seeds, pos, VOCAB)
+            scale = scale / temps[i]
+        chosen = rows[np.arange(news[i]), res.outputs[i]]
+        assert ((rows.max(axis=1) - chosen) / scale).max() <= BOUND, i
 
 
 # --- what is refused -----------------------------------------------------------------------
+
+
+def test_generate_with_a_spec_refuses_a_swapper_and_prefix_caching():
+    model = gpt_oss()
+    spec = spec_of(model)
+    pool = kvpool.Pool.for_spec(spec, 16, device="host")
+    runner = hm.HybridTransformersRunner(model, pool, spec)
+    req = [GenerationRequest(0, [1, 2, 3], 2)]
+    with pytest.raises(ValueError, match="swapper"):
+        generate(runner, pool, req, spec=spec, make_swapper=lambda backend: None)
+    cached = kvpool.Pool(
+        kvpool.KvLayout(1, 1, spec.page_bytes // 4, 1),
+        16,
+        device="host",
+        enable_prefix_caching=True,
+    )
+    with pytest.raises(ValueError, match="prefix caching"):
+        generate(runner, cached, req, spec=spec)
+    assert pool.num_free == pool.num_blocks
 
 
 def test_spec_for_model_groups():
