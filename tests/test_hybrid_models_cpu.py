@@ -342,7 +342,7 @@ def test_continuous_batching_in_a_pool_too_small_for_all(model):
     # generate checked the drain: no request left in the tables, every page free, invariants.
     assert pool.num_free == pool.num_blocks
     pool.check_invariants()
-    assert res.peak_running < n
+    assert res.peak_running < n and res.num_preemptions > 0
     for i in range(n):
         assert res.finish_reasons[i] == "length"
         assert len(res.outputs[i]) == news[i]
@@ -455,3 +455,98 @@ def test_runner_refusals():
             model(torch.tensor([[1, 2, 3]]))
     finally:
         model.set_attn_implementation("eager")
+
+
+# --- model.generate with the hybrid cache ----------------------------------------------------
+
+
+def _cache_generate(model, pool, spec, ids, mask, new, **kw):
+    from kvpool.integrations.hybrid_cache import HybridKvpoolCache
+    from transformers import StoppingCriteriaList
+
+    default = model.config._attn_implementation
+    hm.register()
+    model.set_attn_implementation(hm.NAME)
+    cache = HybridKvpoolCache(model, pool, max_batch_size=ids.shape[0], spec=spec)
+    eos = kw.get("eos_token_id")
+    stop = StoppingCriteriaList([cache.release_at_eos(eos)] if eos is not None else [])
+    try:
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                past_key_values=cache,
+                max_new_tokens=new,
+                do_sample=False,
+                return_dict_in_generate=True,
+                output_logits=True,
+                stopping_criteria=stop,
+                **kw,
+            )
+    finally:
+        model.set_attn_implementation(default)
+    released = set(cache.finished)
+    cache.close()
+    assert len(cache.tables) == 0 and pool.num_free == pool.num_blocks
+    cache.tables.check_invariants()
+    return out, released
+
+
+def test_model_generate_with_the_hybrid_cache_matches_the_default_cache(model):
+    """A left-padded batch of 3 ragged prompts, 30 new tokens (far past the window): the same
+    tokens as the model's own cache and attention, every step's logits within BOUND, and an
+    EOS that ends a row early releases its pages."""
+    from hf_common import left_padded
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, VOCAB, n).tolist() for n in (5, 23, 14)]
+    ids, mask = left_padded(prompts, "cpu")
+    with torch.inference_mode():
+        ref = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=30,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    width = ids.shape[1]
+    eos = int(ref.sequences[0, width + 20])  # row 0 emits it by step 20
+    with torch.inference_mode():
+        ref = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=30,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=(eos + 1) % VOCAB,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    spec = spec_of(model)
+    pool = kvpool.Pool.for_spec(spec, 96, device="host")
+    out, released = _cache_generate(
+        model, pool, spec, ids, mask, 30, eos_token_id=eos, pad_token_id=(eos + 1) % VOCAB
+    )
+    assert torch.equal(out.sequences, ref.sequences)
+    done = {i for i in range(3) if eos in ref.sequences[i, width:].tolist()}
+    assert 0 in done and released == done
+    for step, (a, b) in enumerate(zip(out.logits, ref.logits)):
+        for i in range(3):
+            ended = eos in ref.sequences[i, width : width + step].tolist()
+            if not ended:  # a finished row's logits are padding's, never read
+                err = float((a[i] - b[i]).abs().max() / b[i].abs().max())
+                assert err <= BOUND, (step, i, err)
+
+
+def test_the_hybrid_cache_under_another_attention_is_refused_before_anything_is_written():
+    from kvpool.integrations.hybrid_cache import HybridKvpoolCache
+
+    model = gpt_oss()
+    spec = spec_of(model)
+    pool = kvpool.Pool.for_spec(spec, 16, device="host")
+    cache = HybridKvpoolCache(model, pool, max_batch_size=1, spec=spec)
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(kvpool.InvalidArgumentError, match="kvpool_hybrid"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache)
+    assert pool.num_used == 0 and len(cache.tables) == 0

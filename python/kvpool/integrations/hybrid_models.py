@@ -20,7 +20,7 @@ hybrid KV memory (optional extra `kvpool[transformers]`); design: hybrid_models.
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ from transformers import AttentionInterface
 import kvpool
 from kvpool._core import ModelKvSpec, Pool
 from kvpool.generation.hybrid_batch import HybridGroupStep, HybridStepBatch
-from kvpool.integrations.attention import TORCH_DTYPES, check_model, pool_device
+from kvpool.integrations.attention import TORCH_DTYPES, check_model, pool_device, take_active
 from kvpool.integrations.transformers import sample
 
 NAME = "kvpool_hybrid"
@@ -327,28 +327,51 @@ def hybrid_attention(
     """transformers attention function of a packed step: query [1, q_heads, T, D], key/value
     [1, kv_heads, T, D]; returns ([1, T, q_heads, D], None). The attention mask transformers
     built is not read: the step's positions and tables say what each row sees."""
+    layer = int(module.layer_idx)  # type: ignore[arg-type]  # an int on every attention module
+    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    how = Attention(scale, sliding_window, s_aux, softcap)
     step = kvpool_hybrid_step
     if step is None:
-        raise kvpool.InvalidArgumentError(
-            "attn_implementation='kvpool_hybrid' needs a hybrid step: run the model through "
-            "kvpool.integrations.hybrid_models.HybridTransformersRunner"
-        )
+        cache = take_active(layer)
+        if cache is None or not hasattr(cache, "attend_hybrid"):
+            raise kvpool.InvalidArgumentError(
+                "attn_implementation='kvpool_hybrid' needs a hybrid step: run the model through "
+                "kvpool.integrations.hybrid_models.HybridTransformersRunner, or pass "
+                "past_key_values=kvpool.integrations.hybrid_cache.HybridKvpoolCache(...)"
+            )
+        out = cache.attend_hybrid(layer, query, key, value, how, kwargs.get("position_ids"))
+        return out, None
     if query.shape[0] != 1:
         raise kvpool.InvalidArgumentError(
             f"kvpool_hybrid attention takes a packed batch [1, num_tokens], got {query.shape[0]}"
         )
-    layer = int(module.layer_idx)  # type: ignore[arg-type]  # an int on every attention module
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    return attend_packed(step, layer, q, k, v, how)[None], None
+
+
+class Attention(NamedTuple):
+    """What a layer's attention module asked for: the score scale, the window (None on a
+    full layer), the sinks (one logit per query head) and the score softcap."""
+
+    scale: float
+    window: int | None
+    sinks: torch.Tensor | None
+    softcap: float | None
+
+
+def attend_packed(
+    step: HybridStep, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, how: Attention
+) -> torch.Tensor:
+    """One layer of a packed step: q [num_tokens, q_heads, D], k/v [num_tokens, kv_heads, D].
+    Writes k/v into the layer's pages; returns the attention [num_tokens, q_heads, D]."""
     group = step.spec.groups[step.spec.group_of_layer(layer)[0]]
-    if (sliding_window is None) != (group.kind == "full"):
+    if (how.window is None) != (group.kind == "full"):
         raise kvpool.LayoutError(
-            f"layer {layer} attends with sliding_window={sliding_window} but the spec holds it "
+            f"layer {layer} attends with sliding_window={how.window} but the spec holds it "
             f"in a {group.kind} group"
         )
-    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
-    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     step.write(layer, k, v)
-    out = step.attend(layer, q, sliding_window, scale, s_aux, softcap)
-    return out[None], None
+    return step.attend(layer, q, how.window, how.scale, how.sinks, how.softcap)
 
 
 class attention_as:
@@ -421,10 +444,12 @@ class HybridTransformersRunner:
 __all__ = [
     "NAME",
     "SUPPORTED",
+    "Attention",
     "HybridStep",
     "HybridTransformersRunner",
     "PageViews",
     "UnsupportedModelError",
+    "attend_packed",
     "check_spec",
     "hybrid_attention",
     "layer_kinds",
