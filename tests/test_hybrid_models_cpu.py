@@ -360,6 +360,24 @@ def test_continuous_batching_in_a_pool_too_small_for_all(model):
         assert ((rows.max(axis=1) - chosen) / scale).max() <= BOUND, i
 
 
+def test_a_llama_is_one_full_group_and_generates_as_model_generate():
+    """A model without layer_types (Llama) is one full group through the same path."""
+    from hf_common import llama
+
+    model = llama(torch.float32, "cpu", seed=1, lm_head_spread=1.0)
+    spec = hm.spec_for_model(model)
+    assert [g.kind for g in spec.groups] == ["full"] and spec.groups[0].layers == (0, 1)
+    pool = kvpool.Pool.for_spec(spec, 16, device="host")
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 41))]
+    reqs = [GenerationRequest(i, p, 10) for i, p in enumerate(prompts)]
+    res = generate(hm.HybridTransformersRunner(model, pool), pool, reqs, spec=spec)
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        with torch.inference_mode():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10)
+        assert res.outputs[i] == ref[0, len(p) :].tolist()
+
+
 # --- what is refused -----------------------------------------------------------------------
 
 

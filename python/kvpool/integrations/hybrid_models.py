@@ -370,6 +370,7 @@ def attend_packed(
             f"layer {layer} attends with sliding_window={how.window} but the spec holds it "
             f"in a {group.kind} group"
         )
+    step.gather(step.spec.group_of_layer(layer)[0], how.window)  # checked before any write
     step.write(layer, k, v)
     return step.attend(layer, q, how.window, how.scale, how.sinks, how.softcap)
 
