@@ -378,6 +378,34 @@ def test_a_llama_is_one_full_group_and_generates_as_model_generate():
         assert res.outputs[i] == ref[0, len(p) :].tolist()
 
 
+def test_a_mistral_window_on_every_layer_is_one_window_group():
+    """No layer_types, a sliding_window: every layer slides (Mistral passes the window to
+    each); teacher-forced logits within BOUND of its own cache, windows sliding past 8."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(
+        num_hidden_layers=2,
+        sliding_window=8,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        initializer_range=0.1,
+        eos_token_id=None,
+        pad_token_id=None,
+        bos_token_id=None,
+    )
+    model = MistralForCausalLM(cfg).eval()
+    spec = spec_of(model)
+    assert [(g.kind, g.window, g.layers) for g in spec.groups] == [("sliding_window", 8, (0, 1))]
+    err = max_error(model, spec)
+    print(f"mistral: max relative logit error {err:.3g} (bound {BOUND})")
+    assert err < BOUND
+
+
 # --- what is refused -----------------------------------------------------------------------
 
 

@@ -37,7 +37,7 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 SUPPORTED = (
     "decoder-only models whose layers are full attention or sliding-window attention "
     "(layer_types 'full_attention' / 'sliding_attention'; gpt-oss with its sinks, Gemma 3 text, "
-    "and the Llama family), K/V in float16, bfloat16 or float32"
+    "the Llama family, Mistral's window on every layer), K/V in float16, bfloat16 or float32"
 )
 
 
@@ -85,14 +85,12 @@ def layer_kinds(model_or_config: Any) -> list[str]:
     n = int(cfg.num_hidden_layers)
     types = getattr(cfg, "layer_types", None)
     if types is None:
-        if getattr(cfg, "sliding_window", None) is not None and getattr(
-            cfg, "use_sliding_window", True
-        ):
-            raise UnsupportedModelError(
-                f"{name}: a sliding_window without layer_types (which layers slide) is not "
-                f"supported"
-            )
-        return [FULL] * n
+        # Without layer_types a model's window applies to every layer (Mistral passes its
+        # config's sliding_window to each); the attention checks each layer's kwarg anyway.
+        w = getattr(cfg, "sliding_window", None)
+        if w is None or not getattr(cfg, "use_sliding_window", True):
+            return [FULL] * n
+        types = [SLIDING] * n
     types = list(types)
     if len(types) != n:
         raise UnsupportedModelError(
