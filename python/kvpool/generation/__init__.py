@@ -2,11 +2,13 @@
 `GenerationSession`: requests added while it runs, tokens streamed per step), the per-step batch
 a model runner executes (`StepBatch`), batch-independent sampling, and a NumPy toy model.
 
-A model runner is anything with `run(StepBatch) -> tokens`; the transformers one lives in
+A model runner is anything with `run(StepBatch) -> tokens` (`run(HybridStepBatch)` for a
+hybrid model, `generate(..., spec=)`); the transformers one lives in
 kvpool.integrations.transformers (optional extra) so that this package needs no torch.
 """
 
 from kvpool.generation.batch import StepBatch, build_step, slots_of
+from kvpool.generation.hybrid_batch import HybridGroupStep, HybridStepBatch, build_hybrid_step
 from kvpool.generation.loop import (
     GenerationRequest,
     GenerationResult,
@@ -22,10 +24,13 @@ __all__ = [
     "GenerationRequest",
     "GenerationResult",
     "GenerationSession",
+    "HybridGroupStep",
+    "HybridStepBatch",
     "ModelRunner",
     "StepBatch",
     "TokenEvent",
     "ToyModel",
+    "build_hybrid_step",
     "build_step",
     "generate",
     "gumbel_noise",

@@ -40,7 +40,9 @@ import numpy as np
 
 import kvpool
 from kvpool.generation.batch import StepBatch, build_step
+from kvpool.generation.hybrid_batch import build_hybrid_step
 from kvpool.scheduler.core import Scheduler, SchedulerConfig, Swapper
+from kvpool.scheduler.hybrid import HybridKv
 from kvpool.scheduler.paged import PagedKv
 from kvpool.scheduler.prefix import PrefixCachedKv
 from kvpool.scheduler.request import Request
@@ -149,6 +151,15 @@ class _StepPrefixKv(_StepRelease, PrefixCachedKv):
         return self._tokens[seq.request_id]
 
 
+class _StepHybridKv(_StepRelease, HybridKv):
+    """The hybrid backend (one table per group of a ModelKvSpec, window groups holding only
+    their live pages) with the loop's release at the end of a step."""
+
+    def __init__(self, pool: kvpool.Pool, spec: kvpool.ModelKvSpec) -> None:
+        super().__init__(pool, spec)
+        self._finished = []
+
+
 def _check(r: GenerationRequest, max_model_len: int | None) -> None:
     if len(r.prompt) < 1:
         raise ValueError(f"request {r.request_id}: the prompt is empty")
@@ -177,7 +188,11 @@ class GenerationSession:
     and returns the GenerationResult. max_model_len (prompt + new tokens of any request) fixes
     the block tables' width. `make_swapper(backend)` (e.g. a kvpool.scheduler.swap.
     HostTierSwapper over the backend's tables) lets preemption swap into a host tier.
-    `clock` (seconds) times TTFT and latency."""
+    `clock` (seconds) times TTFT and latency. `spec` (a kvpool.ModelKvSpec, e.g. a hybrid
+    runner's `runner.spec`) serves a hybrid model: the requests hold one table per group of
+    the spec in `pool` (a pool of its pages) through kvpool.HybridTables, and the runner is
+    given kvpool.generation.hybrid_batch.HybridStepBatch steps; no swapper, no prefix
+    caching."""
 
     def __init__(
         self,
@@ -191,6 +206,7 @@ class GenerationSession:
         watermark: float = 0.01,
         make_swapper: Callable[[PagedKv], Swapper] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        spec: kvpool.ModelKvSpec | None = None,
     ) -> None:
         self.config = SchedulerConfig(
             max_model_len=max(max_model_len, 2),
@@ -201,14 +217,20 @@ class GenerationSession:
         )
         self.runner, self.pool, self.clock = runner, pool, clock
         self._tokens: dict[int, list[int]] = {}  # request -> prompt + outputs so far
-        self.backend: _StepKv | _StepPrefixKv
-        if pool.prefix_caching:
+        self.backend: _StepKv | _StepPrefixKv | _StepHybridKv
+        if spec is not None:
+            if make_swapper is not None or pool.prefix_caching:
+                raise ValueError("a hybrid spec runs without a swapper and without prefix caching")
+            self.backend = _StepHybridKv(pool, spec)
+        elif pool.prefix_caching:
             self.backend = _StepPrefixKv(
                 pool, max_running_seqs, self.config.max_model_len, self._tokens
             )
         else:
             self.backend = _StepKv(pool, max_running_seqs, self.config.max_model_len)
-        self.swapper = None if make_swapper is None else make_swapper(self.backend)
+        self.swapper = None
+        if make_swapper is not None and not isinstance(self.backend, _StepHybridKv):
+            self.swapper = make_swapper(self.backend)
         self.scheduler = Scheduler(self.backend, [], self.config, swapper=self.swapper)
         self._requests: dict[int, GenerationRequest] = {}
         self._submitted_s: dict[int, float] = {}
@@ -265,15 +287,14 @@ class GenerationSession:
             backend.release_finished()
             return []
         reqs = [self._requests[s.request_id] for s in sampled]
-        batch = build_step(
-            backend.tables,
-            decode,
-            prefill,
-            [r.temperature for r in reqs],
-            [r.seed for r in reqs],
-            sample_prefill=first,
-        )
-        new = np.asarray(self.runner.run(batch)).tolist()  # one token per sampled row
+        temps, seeds = [r.temperature for r in reqs], [r.seed for r in reqs]
+        if isinstance(backend, _StepHybridKv):
+            hybrid = build_hybrid_step(backend.tables, decode, prefill, temps, seeds, first)
+            # A hybrid session's runner (spec=) runs HybridStepBatch steps.
+            new = np.asarray(self.runner.run(hybrid)).tolist()  # type: ignore[arg-type]
+        else:
+            batch = build_step(backend.tables, decode, prefill, temps, seeds, sample_prefill=first)
+            new = np.asarray(self.runner.run(batch)).tolist()  # one token per sampled row
         backend.release_finished()
         now = self.clock()
         return [self._emit(seq, int(token), now) for seq, token in zip(sampled, new)]
@@ -330,10 +351,12 @@ def generate(
     policy: str = "fcfs",
     watermark: float = 0.01,
     make_swapper: Callable[[PagedKv], Swapper] | None = None,
+    spec: kvpool.ModelKvSpec | None = None,
 ) -> GenerationResult:
     """Serve every request to completion through `runner` on `pool` (all its blocks free at
     the start, and again at the end: checked), all submitted at once. Returns the generated
-    tokens per request, their TTFT and latency. See GenerationSession for the arguments."""
+    tokens per request, their TTFT and latency. See GenerationSession for the arguments
+    (`spec=` for a hybrid model)."""
     for r in requests:
         _check(r, max_model_len)
     longest = max((len(r.prompt) + r.max_new_tokens for r in requests), default=2)
@@ -346,6 +369,7 @@ def generate(
         policy=policy,
         watermark=watermark,
         make_swapper=make_swapper,
+        spec=spec,
     )
     for r in requests:
         session.add(r)

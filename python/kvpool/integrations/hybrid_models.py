@@ -1,0 +1,458 @@
+"""Hybrid transformers models (sliding-window and full layers, attention sinks) on kvpool's
+hybrid KV memory (optional extra `kvpool[transformers]`); design: hybrid_models.md.
+
+- `spec_for_model(model_or_config)`: the `kvpool.ModelKvSpec` of a model: its
+  "sliding_attention" layers one sliding-window group, its "full_attention" layers one full
+  group (`layer_types`, `sliding_window`, `num_key_value_heads`, `head_dim`, the dtype).
+  What kvpool cannot hold or attend yet is refused with `UnsupportedModelError` naming it.
+- `register()` adds the attention function "kvpool_hybrid" to transformers'
+  AttentionInterface. In a packed step (`kvpool_hybrid_step=` passed down the forward, as the
+  Llama path passes `kvpool_step`) each layer writes its K/V into its group's pages at the
+  step's slots (HybridTables.slot_mapping) and attends over the pages its group's table holds:
+  a window layer sees the last `sliding_window` keys (its table holds only those pages),
+  gpt-oss's sinks (`s_aux`) join the softmax denominator, a `softcap` is applied if a model
+  passes one. On a host pool the attention is computed with torch in float64 from the pages
+  (gathered through the tables), the same reads a paged kernel makes.
+- `HybridTransformersRunner(model, pool)`: the model runner of `kvpool.generation.generate`
+  (pass `spec=runner.spec`): continuous batching on HybridTables.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+
+import kvpool
+from kvpool._core import ModelKvSpec, Pool
+from kvpool.generation.hybrid_batch import HybridGroupStep, HybridStepBatch
+from kvpool.integrations.attention import TORCH_DTYPES, check_model, pool_device, take_active
+from kvpool.integrations.transformers import sample
+
+NAME = "kvpool_hybrid"
+FULL, SLIDING = "full_attention", "sliding_attention"
+SUPPORTED = (
+    "decoder-only models whose layers are full attention or sliding-window attention "
+    "(layer_types 'full_attention' / 'sliding_attention'; gpt-oss with its sinks, Gemma 3 text, "
+    "the Llama family, Mistral's window on every layer), K/V in float16, bfloat16 or float32"
+)
+
+
+class UnsupportedModelError(kvpool.LayoutError):
+    """A model (config) that kvpool's hybrid path cannot hold or attend; the message names
+    what is unsupported."""
+
+
+def _text_config(model_or_config: Any) -> Any:
+    cfg = getattr(model_or_config, "config", model_or_config)
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def _dtype_name(model_or_config: Any, dtype: Any) -> str:
+    if dtype is None and isinstance(model_or_config, torch.nn.Module):
+        dtype = next(model_or_config.parameters()).dtype
+    if dtype is None:
+        dtype = getattr(_text_config(model_or_config), "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = TORCH_DTYPES.get(dtype, dtype)
+    names = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+    if dtype not in names:
+        raise UnsupportedModelError(
+            f"K/V dtype {dtype} is not supported by the hybrid path; it holds {sorted(names.values())}"
+        )
+    return names[dtype]
+
+
+def layer_kinds(model_or_config: Any) -> list[str]:
+    """Per layer "full_attention" or "sliding_attention", or UnsupportedModelError naming
+    the first thing kvpool's hybrid path does not run."""
+    cfg = _text_config(model_or_config)
+    name = getattr(cfg, "model_type", type(cfg).__name__)
+    for attr, what in (
+        ("kv_lora_rank", "MLA attention (kv_lora_rank)"),
+        ("linear_num_value_heads", "linear-attention state layers (Gated DeltaNet)"),
+        ("attention_chunk_size", "chunked local attention (attention_chunk_size)"),
+    ):
+        if getattr(cfg, attr, None) is not None:
+            raise UnsupportedModelError(f"{name}: {what} is not supported; kvpool runs {SUPPORTED}")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            f"{name}: bidirectional attention (use_bidirectional_attention) is not supported"
+        )
+    n = int(cfg.num_hidden_layers)
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        # Without layer_types a model's window applies to every layer (Mistral passes its
+        # config's sliding_window to each); the attention checks each layer's kwarg anyway.
+        w = getattr(cfg, "sliding_window", None)
+        if w is None or not getattr(cfg, "use_sliding_window", True):
+            return [FULL] * n
+        types = [SLIDING] * n
+    types = list(types)
+    if len(types) != n:
+        raise UnsupportedModelError(
+            f"{name}: {len(types)} layer_types for {n} layers (num_hidden_layers)"
+        )
+    other = sorted(set(types) - {FULL, SLIDING})
+    if other:
+        raise UnsupportedModelError(
+            f"{name}: layer types {other} are not supported; kvpool runs {SUPPORTED}"
+        )
+    if SLIDING in types:
+        w = getattr(cfg, "sliding_window", None)
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise UnsupportedModelError(
+                f"{name}: sliding_attention layers need a positive int sliding_window, got {w!r}"
+            )
+    return types
+
+
+def spec_for_model(
+    model_or_config: Any, *, dtype: Any = None, page_bytes: int | None = None
+) -> ModelKvSpec:
+    """The ModelKvSpec holding a transformers model's K/V: one full group (its
+    "full_attention" layers) and one sliding-window group (its "sliding_attention" layers,
+    window `sliding_window`), in the model's parameter dtype (a config: `dtype=` or the
+    config's dtype, else float32). page_bytes: ModelKvSpec's default (16 tokens of the
+    largest group) unless given. UnsupportedModelError for what the hybrid path cannot run."""
+    cfg = _text_config(model_or_config)
+    types = layer_kinds(cfg)
+    name = getattr(cfg, "model_type", type(cfg).__name__)
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    if heads % kv_heads:
+        raise UnsupportedModelError(
+            f"{name}: {heads} query heads are not a multiple of {kv_heads} KV heads"
+        )
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    dt = _dtype_name(model_or_config, dtype)
+    groups = []
+    full = [i for i, t in enumerate(types) if t == FULL]
+    sliding = [i for i, t in enumerate(types) if t == SLIDING]
+    if full:
+        groups.append(kvpool.KvGroup.full(full, kv_heads, head_dim, dt))
+    if sliding:
+        groups.append(
+            kvpool.KvGroup.sliding_window(sliding, int(cfg.sliding_window), kv_heads, head_dim, dt)
+        )
+    return kvpool.ModelKvSpec(groups, page_bytes, num_layers=len(types))
+
+
+def check_spec(model: Any, spec: ModelKvSpec) -> None:
+    """Raise LayoutError unless `spec` holds every layer of `model` as its attention reads
+    it: a full layer in a full group, a window layer in a window group at least as wide
+    (a wider window only keeps more pages), KV heads, head_dim and dtype equal."""
+    want = spec_for_model(model)
+    if spec.num_layers != want.num_layers:
+        raise kvpool.LayoutError(
+            f"the spec has {spec.num_layers} layers, the model {want.num_layers}"
+        )
+    for layer in range(want.num_layers):
+        wg = want.groups[want.group_of_layer(layer)[0]]
+        g = spec.groups[spec.group_of_layer(layer)[0]]
+        shape = (g.num_kv_heads, g.head_dim, g.dtype)
+        wshape = (wg.num_kv_heads, wg.head_dim, wg.dtype)
+        if g.kind != wg.kind or shape != wshape or (g.window or 0) < (wg.window or 0):
+            raise kvpool.LayoutError(
+                f"layer {layer}: the spec holds it as {g!r}, the model needs {wg!r}"
+            )
+
+
+def register() -> None:
+    """Make attn_implementation="kvpool_hybrid" available to every transformers model."""
+    AttentionInterface.register(NAME, hybrid_attention)
+
+
+class PageViews:
+    """Typed torch views over a host pool's pages: per layer its K and V as
+    [num_pages, block_size, kv_heads, head_dim] with the page stride (hybrid.md's page
+    scheme: [layer][K|V][token][kv_head][head_dim] inside each page). A pool made by
+    Pool.for_spec has no KvLayout and so no k_view; the slab is read through its address,
+    which the view keeps alive by holding the pool."""
+
+    def __init__(self, pool: Pool, spec: ModelKvSpec) -> None:
+        if pool_device(pool).type != "cpu":
+            raise kvpool.InvalidArgumentError(
+                f"the hybrid attention runs on a host pool for now; this pool is on {pool.device}"
+            )
+        if pool.growable:
+            raise kvpool.InvalidArgumentError("the hybrid attention needs a pool of fixed size")
+        if pool.block_bytes != spec.page_bytes:
+            raise kvpool.LayoutError(
+                f"the pool's blocks are {pool.block_bytes} bytes, the spec's pages "
+                f"{spec.page_bytes}"
+            )
+        self.pool, self.spec = pool, spec
+        n = pool.num_blocks * spec.page_bytes
+        buf = (ctypes.c_uint8 * n).from_address(pool.base_ptr)
+        self.slab = torch.frombuffer(buf, dtype=torch.uint8)
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self._views.get(layer)
+        if kv is None:
+            g, index = self.spec.group_of_layer(layer)
+            group = self.spec.groups[g]
+            dtype = TORCH_DTYPES[group.dtype]  # type: ignore[index]
+            elem = torch.empty((), dtype=dtype).element_size()
+            heads, dim = int(group.num_kv_heads), int(group.head_dim)  # type: ignore[arg-type]
+            bs = int(self.spec.block_size(g))  # type: ignore[arg-type]
+            typed = self.slab.view(dtype)
+            size = (self.pool.num_blocks, bs, heads, dim)
+            stride = (self.spec.page_bytes // elem, heads * dim, dim, 1)
+            parts = []
+            for part in ("k", "v"):
+                off = self.spec.attention_offset_bytes(g, 0, index, part, 0, 0, 0)
+                parts.append(typed.as_strided(size, stride, off // elem))
+            kv = self._views[layer] = (parts[0], parts[1])
+        return kv
+
+
+class _GroupGather:
+    """Per token group and window, the keys each packed row reads: [num_tokens, num_keys]
+    page ids and offsets into the group's pages, and which of them the row attends to."""
+
+    def __init__(
+        self, gs: HybridGroupStep, batch: HybridStepBatch, window: int | None, device: torch.device
+    ) -> None:
+        bs, seq = gs.block_size, batch.token_seq
+        num_keys = gs.page_ids.shape[1] * bs
+        key = np.arange(num_keys, dtype=np.int64)
+        pos = gs.key_start[seq][:, None] + key[None, :]  # the position of each key slot
+        q = batch.positions[:, None]
+        seen = (pos < gs.key_end[seq][:, None]) & (pos <= q)
+        first_needed = np.zeros(len(seq), np.int64)
+        if window is not None:
+            seen &= pos > q - window
+            first_needed = np.maximum(batch.positions - window + 1, 0)
+        missing = first_needed < gs.key_start[seq]
+        if missing.any():
+            t = int(np.flatnonzero(missing)[0])
+            raise kvpool.InvalidArgumentError(
+                f"request {int(batch.seq_request_ids[seq[t]])} group {gs.group}: the query at "
+                f"{int(batch.positions[t])} needs the key at {int(first_needed[t])}, but its "
+                f"table holds keys from {int(gs.key_start[seq[t]])} on"
+            )
+        pages = gs.page_ids[seq][:, key // bs]
+        self.pages = torch.from_numpy(np.where(seen, pages, 0)).to(device)
+        self.offsets = torch.from_numpy(np.broadcast_to(key % bs, pages.shape).copy()).to(device)
+        self.seen = torch.from_numpy(seen).to(device)
+
+
+class HybridStep:
+    """One packed step of a hybrid model on a host pool: its batch, the page views and the
+    per-group gathers, made once and shared by every layer."""
+
+    def __init__(self, views: PageViews, batch: HybridStepBatch, device: torch.device) -> None:
+        self.views, self.batch, self.device = views, batch, device
+        self.spec = views.spec
+        self._gathers: dict[tuple[int, int | None], _GroupGather] = {}
+        self._slots = {
+            gs.group: (
+                torch.from_numpy(gs.slot_pages).to(device),
+                torch.from_numpy(gs.slot_offsets).to(device),
+            )
+            for gs in batch.groups
+        }
+
+    def gather(self, group: int, window: int | None) -> _GroupGather:
+        g = self._gathers.get((group, window))
+        if g is None:
+            g = self._gathers[group, window] = _GroupGather(
+                self.batch.group(group), self.batch, window, self.device
+            )
+        return g
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [num_tokens, kv_heads, head_dim] into the layer's pages at the step's slots."""
+        kc, vc = self.views.layer(layer)
+        pages, offsets = self._slots[self.spec.group_of_layer(layer)[0]]
+        kc[pages, offsets] = k.to(kc.dtype)
+        vc[pages, offsets] = v.to(vc.dtype)
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        window: int | None,
+        scale: float,
+        sinks: torch.Tensor | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """Attention [num_tokens, q_heads, D] of q [num_tokens, q_heads, D] over the keys the
+        layer's group holds, in float64: causal, the last `window` keys on a window layer,
+        the sinks' logits in the denominator."""
+        kc, vc = self.views.layer(layer)
+        gat = self.gather(self.spec.group_of_layer(layer)[0], window)
+        t, hq, d = q.shape
+        hkv = kc.shape[2]
+        keys = kc[gat.pages, gat.offsets].double()  # [T, L, Hkv, D]
+        vals = vc[gat.pages, gat.offsets].double()
+        qf = q.double().reshape(t, hkv, hq // hkv, d)  # query head h reads KV head h // G
+        s = torch.einsum("thgd,tlhd->thgl", qf, keys) * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~gat.seen[:, None, None, :], float("-inf"))
+        m = s.amax(dim=-1, keepdim=True)
+        if sinks is not None:
+            sink = sinks.double().reshape(1, hkv, hq // hkv, 1)
+            m = torch.maximum(m, sink)
+        p = torch.exp(s - m)
+        den = p.sum(dim=-1, keepdim=True)
+        if sinks is not None:
+            den = den + torch.exp(sink - m)
+        o = torch.einsum("thgl,tlhd->thgd", p / den, vals)
+        return o.reshape(t, hq, d).to(q.dtype)
+
+
+def hybrid_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    s_aux: torch.Tensor | None = None,
+    softcap: float | None = None,
+    kvpool_hybrid_step: HybridStep | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function of a packed step: query [1, q_heads, T, D], key/value
+    [1, kv_heads, T, D]; returns ([1, T, q_heads, D], None). The attention mask transformers
+    built is not read: the step's positions and tables say what each row sees."""
+    layer = int(module.layer_idx)  # type: ignore[arg-type]  # an int on every attention module
+    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    how = Attention(scale, sliding_window, s_aux, softcap)
+    step = kvpool_hybrid_step
+    if step is None:
+        cache = take_active(layer)
+        if cache is None or not hasattr(cache, "attend_hybrid"):
+            raise kvpool.InvalidArgumentError(
+                "attn_implementation='kvpool_hybrid' needs a hybrid step: run the model through "
+                "kvpool.integrations.hybrid_models.HybridTransformersRunner, or pass "
+                "past_key_values=kvpool.integrations.hybrid_cache.HybridKvpoolCache(...)"
+            )
+        out = cache.attend_hybrid(layer, query, key, value, how, kwargs.get("position_ids"))
+        return out, None
+    if query.shape[0] != 1:
+        raise kvpool.InvalidArgumentError(
+            f"kvpool_hybrid attention takes a packed batch [1, num_tokens], got {query.shape[0]}"
+        )
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    return attend_packed(step, layer, q, k, v, how)[None], None
+
+
+class Attention(NamedTuple):
+    """What a layer's attention module asked for: the score scale, the window (None on a
+    full layer), the sinks (one logit per query head) and the score softcap."""
+
+    scale: float
+    window: int | None
+    sinks: torch.Tensor | None
+    softcap: float | None
+
+
+def attend_packed(
+    step: HybridStep, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, how: Attention
+) -> torch.Tensor:
+    """One layer of a packed step: q [num_tokens, q_heads, D], k/v [num_tokens, kv_heads, D].
+    Writes k/v into the layer's pages; returns the attention [num_tokens, q_heads, D]."""
+    group = step.spec.groups[step.spec.group_of_layer(layer)[0]]
+    if (how.window is None) != (group.kind == "full"):
+        raise kvpool.LayoutError(
+            f"layer {layer} attends with sliding_window={how.window} but the spec holds it "
+            f"in a {group.kind} group"
+        )
+    step.gather(step.spec.group_of_layer(layer)[0], how.window)  # checked before any write
+    step.write(layer, k, v)
+    return step.attend(layer, q, how.window, how.scale, how.sinks, how.softcap)
+
+
+class attention_as:
+    """A context in which `model` (every model sharing its config) attends with `name`; the
+    previous implementation comes back on exit, also when the forward raises."""
+
+    def __init__(self, model: Any, name: str = NAME) -> None:
+        self.config, self.name = model.config, name
+
+    def __enter__(self) -> None:
+        self.previous = self.config._attn_implementation
+        self.config._attn_implementation = self.name
+
+    def __exit__(self, *exc: object) -> None:
+        self.config._attn_implementation = self.previous
+
+
+def lm_logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """float32 logits of hidden states as the model's head makes them (lm_head, then
+    final_logit_softcapping where the config has one, as Gemma's)."""
+    logits = model.lm_head(hidden)
+    cap = getattr(_text_config(model), "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits.float()
+
+
+class HybridTransformersRunner:
+    """A kvpool.generation ModelRunner over a hybrid transformers causal LM (SUPPORTED) on a
+    host pool of the spec's pages (`kvpool.Pool.for_spec(runner.spec, n, device="host")`).
+    spec defaults to spec_for_model(model); a given one must hold the model (check_spec).
+    The model attends with "kvpool_hybrid" only inside the runner's forwards."""
+
+    def __init__(self, model: Any, pool: Pool, spec: ModelKvSpec | None = None) -> None:
+        check_model(model)
+        self.spec = spec_for_model(model) if spec is None else spec
+        check_spec(model, self.spec)
+        self.views = PageViews(pool, self.spec)
+        device = next(model.parameters()).device
+        if device.type != "cpu":
+            raise kvpool.InvalidArgumentError(f"model on {device} but the pool on the host")
+        register()
+        self.model, self.pool, self.device = model, pool, device
+
+    @torch.inference_mode()
+    def hidden(self, batch: HybridStepBatch) -> torch.Tensor:
+        """Last hidden states [num_tokens, hidden] of one packed step (writes the step's KV)."""
+        if not isinstance(batch, HybridStepBatch):
+            raise TypeError(f"a hybrid runner runs a HybridStepBatch, not {type(batch).__name__}")
+        step = HybridStep(self.views, batch, self.device)
+        ids = torch.from_numpy(batch.input_ids)[None]
+        pos = torch.from_numpy(batch.positions)[None]
+        with attention_as(self.model):
+            out = self.model.model(
+                input_ids=ids, position_ids=pos, use_cache=False, kvpool_hybrid_step=step
+            )
+        return out.last_hidden_state[0]
+
+    @torch.inference_mode()
+    def logits(self, batch: HybridStepBatch) -> torch.Tensor:
+        """float32 logits [num_tokens, vocab] of every token of the step."""
+        return lm_logits(self.model, self.hidden(batch))
+
+    @torch.inference_mode()
+    def run(self, batch: HybridStepBatch) -> np.ndarray:
+        logits = lm_logits(self.model, self.hidden(batch)[torch.from_numpy(batch.sample_rows)])
+        return sample(logits, batch.temperatures, batch.seeds, batch.sample_positions).numpy()
+
+
+__all__ = [
+    "NAME",
+    "SUPPORTED",
+    "Attention",
+    "HybridStep",
+    "HybridTransformersRunner",
+    "PageViews",
+    "UnsupportedModelError",
+    "attend_packed",
+    "check_spec",
+    "hybrid_attention",
+    "layer_kinds",
+    "lm_logits",
+    "register",
+    "spec_for_model",
+]

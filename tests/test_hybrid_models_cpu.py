@@ -1,0 +1,598 @@
+"""Hybrid transformers models (gpt-oss: sliding-window and full layers with attention sinks;
+Gemma 3: 5 local layers per global one, head_dim 256) generating through kvpool's hybrid KV
+memory on a host pool (kvpool.integrations.hybrid_models), against the models' own default
+cache (DynamicCache with its sliding-window layers) and attention (eager for gpt-oss, SDPA
+for Gemma 3). Tiny random-weight configs of the real architectures; windows of 8 and 12
+tokens that sequences of 40-70 tokens slide far past, on pages of 4 tokens, so window pages
+are released as they leave the window. Skipped where torch or transformers is missing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import kvpool  # noqa: E402
+from kvpool.generation import GenerationRequest, generate, gumbel_noise  # noqa: E402
+from kvpool.generation.hybrid_batch import build_hybrid_step  # noqa: E402
+from kvpool.integrations import hybrid_models as hm  # noqa: E402
+from transformers import (  # noqa: E402
+    AttentionInterface,
+    DynamicCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
+)
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning"
+)
+
+VOCAB = 97
+PAGE_TOKENS = 4  # tokens per page of every group (page_bytes chosen for it)
+# Per logit row, |kvpool - the model's own| <= BOUND x max |logit of the row| (about 250
+# float32 ulps of the row's largest logit; the models run in float32, kvpool attends in
+# float64 from float32 pages). Measured over three seeds: at most 6.8e-6 (Gemma 3, logits
+# up to 29) and 3.0e-6 (gpt-oss, up to 18); the mutations below give 1.2 to 2.3.
+BOUND = 3e-5
+
+
+def _spread_lm_head(model, spread=1.0):
+    """Scale each lm_head row by exp(spread * N(0, 1)): greedy decisions get margins (equal
+    row norms leave the top two of a vocabulary within a few ulps)."""
+    w = model.lm_head.weight
+    with torch.no_grad():
+        w.mul_(torch.exp(spread * torch.randn(w.shape[0], 1)))
+
+
+def gpt_oss(seed=0):
+    torch.manual_seed(seed)
+    cfg = GptOssConfig(
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.1,  # sharper attention than 0.02: a wrong key shows in the logits
+        eos_token_id=None,
+        pad_token_id=None,
+        bos_token_id=None,
+    )
+    model = GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # learned sinks are O(1); the init's 0.02 is not
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+    _spread_lm_head(model)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def gemma3(seed=0):
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(
+        num_hidden_layers=6,  # layer_types from sliding_window_pattern 6: 5 local, 1 global
+        sliding_window=12,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        head_dim=256,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        query_pre_attn_scalar=64,  # scaling 1/8, not head_dim ** -0.5
+        final_logit_softcapping=30.0,
+        initializer_range=0.1,
+        eos_token_id=None,
+        pad_token_id=None,
+        bos_token_id=None,
+    )
+    model = Gemma3ForCausalLM(cfg).eval()
+    _spread_lm_head(model)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+MODELS = {"gpt-oss": gpt_oss, "gemma3": gemma3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: with torch's intra-op threads on a loaded 2-core box each of
+    their many small ops waits on the other thread (10x slower, measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request):
+    return MODELS[request.param]()
+
+
+def spec_of(model, widen=0):
+    """The model's spec on 4-token pages; `widen` widens the window group (a mutation)."""
+    base = hm.spec_for_model(model)
+    token_bytes = max(g.token_bytes for g in base.groups)
+    groups = [
+        kvpool.KvGroup.sliding_window(
+            g.layers, g.window + widen, g.num_kv_heads, g.head_dim, g.dtype
+        )
+        if g.kind == "sliding_window"
+        else g
+        for g in base.groups
+    ]
+    return kvpool.ModelKvSpec(groups, PAGE_TOKENS * token_bytes)
+
+
+def window_group(spec):
+    return next(i for i, g in enumerate(spec.groups) if g.kind == "sliding_window")
+
+
+# --- the reference: the model's own cache and attention -----------------------------------
+
+
+def reference_logits(model, tokens, chunks):
+    """The model's default attention and DynamicCache over `tokens`, fed as `chunks` (token
+    counts: the prompt's prefill chunks, then ones). float32 [len(tokens), vocab]."""
+    cache = DynamicCache(config=model.config)
+    out, at = [], 0
+    with torch.inference_mode():
+        for n in chunks:
+            ids = torch.tensor([tokens[at : at + n]])
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            out.append(logits[0].float())
+            at += n
+    return torch.cat(out)
+
+
+def ragged_sequences(seed):
+    rng = np.random.default_rng(seed)
+    prompts = [int(n) for n in (37, 9, 50)]
+    totals = [int(n) for n in (64, 45, 70)]
+    return [rng.integers(0, VOCAB, t).tolist() for t in totals], prompts
+
+
+def kvpool_teacher_forced(model, seqs, prompts, spec, chunk=16, watch=None):
+    """Every sequence through one HybridTables in packed ragged steps: prompts prefilled in
+    chunks of `chunk` tokens while the others decode, then one decode per token. Returns per
+    sequence (float32 logits [len(tokens), vocab], the chunks it was fed in), and checks
+    after every step that each window table holds only its live pages."""
+    pool = kvpool.Pool.for_spec(spec, 64, device="host")
+    runner = hm.HybridTransformersRunner(model, pool, spec)
+    tables = kvpool.HybridTables(pool, spec)
+    done = [0] * len(seqs)
+    rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+    fed: list[list[int]] = [[] for _ in seqs]
+    wg = window_group(spec)
+    bs, window = spec.block_size(wg), spec.groups[wg].window
+    while any(d < len(s) for d, s in zip(done, seqs)):
+        decode, prefill, order = [], [], []
+        for i, s in enumerate(seqs):
+            at = done[i]
+            if at >= len(s):
+                continue
+            n = min(chunk, prompts[i] - at) if at < prompts[i] else 1
+            if at == 0:
+                tables.add(i, n)
+            else:
+                tables.append_tokens(i, n)
+            if n == 1 and at >= prompts[i]:
+                decode.append((i, s[at], at))
+            else:
+                prefill.append((i, s[at : at + n], at))
+            fed[i].append(n)
+        order = [d[0] for d in decode] + [p[0] for p in prefill]
+        nd = len(decode)
+        batch = build_hybrid_step(tables, decode, prefill, [0.0] * nd, [0] * nd)
+        logits = runner.logits(batch)
+        for k, i in enumerate(order):
+            lo, hi = batch.seq_indptr[k], batch.seq_indptr[k + 1]
+            rows[i].append(logits[lo:hi])
+            done[i] += int(hi - lo)
+            first_page, pages, num_tokens = tables.table(i, wg)
+            # Only the pages a query of this step or later reads are held: from the key the
+            # step's first query (at num_tokens - fed) sees first.
+            first_live = max(0, num_tokens - fed[i][-1] - window + 1)
+            assert first_page == first_live // bs, (i, num_tokens, first_page)
+            assert first_page + len(pages) == -(-num_tokens // bs)
+        if watch is not None:
+            watch(tables)
+    for i in range(len(seqs)):
+        tables.free(i)
+    tables.check_invariants()
+    assert pool.num_free == pool.num_blocks
+    return [torch.cat(r) for r in rows], fed
+
+
+def row_errors(got, ref):
+    """Per row, max |got - ref| over max |ref| (the relative error BOUND is stated in)."""
+    return (got - ref).abs().max(dim=1).values / ref.abs().max(dim=1).values
+
+
+def max_error(model, spec, seed=0):
+    """The largest relative logit error of kvpool's teacher-forced run (every prefill and
+    decode row of three ragged sequences) against the model's own cache and attention."""
+    seqs, prompts = ragged_sequences(seed)
+    ours, fed = kvpool_teacher_forced(model, seqs, prompts, spec)
+    errs = []
+    for s, got, chunks in zip(seqs, ours, fed):
+        ref = reference_logits(model, s, chunks)
+        assert got.shape == ref.shape == (len(s), VOCAB)
+        assert torch.isfinite(got).all()
+        errs.append(float(row_errors(got, ref).max()))
+    return max(errs)
+
+
+def test_teacher_forced_logits_match_the_models_own_cache(model):
+    err = max_error(model, spec_of(model))
+    print(f"{model.config.model_type}: max relative logit error {err:.3g} (bound {BOUND})")
+    assert err < BOUND
+
+
+class _mutated:
+    """Within the context, "kvpool_hybrid" is kvpool's attention with its arguments changed
+    by `change` (a mutation of what reaches kvpool)."""
+
+    def __init__(self, monkeypatch, change):
+        self.monkeypatch, self.change = monkeypatch, change
+
+    def __enter__(self):
+        def attention(module, q, k, v, mask, **kw):
+            return hm.hybrid_attention(module, q, k, v, mask, **self.change(kw))
+
+        hm.register()
+        mapping = AttentionInterface._global_mapping
+        self.monkeypatch.setitem(mapping, hm.NAME, attention)
+        # the runner registers the real function when made: keep the mutation in place
+        self.monkeypatch.setattr(hm, "register", lambda: None)
+
+    def __exit__(self, *exc):
+        self.monkeypatch.undo()
+
+
+def _widen(kw):
+    w = kw.get("sliding_window")
+    return {**kw, "sliding_window": None if w is None else w + 1}
+
+
+def test_a_window_one_token_too_wide_fails_the_bound(model, monkeypatch):
+    # The tables keep one more key (a spec one wider) and the attention reads it.
+    with _mutated(monkeypatch, _widen):
+        err = max_error(model, spec_of(model, widen=1))
+    print(f"{model.config.model_type}: window + 1: max relative logit error {err:.3g}")
+    assert err > 10 * BOUND
+
+
+def test_a_window_wider_than_its_pages_is_refused(model, monkeypatch):
+    # The spec's window as the model's: the page holding key p - w is released by the time
+    # a query at p would read it, and the attention refuses rather than read a page it
+    # does not hold.
+    with (
+        _mutated(monkeypatch, _widen),
+        pytest.raises(kvpool.InvalidArgumentError, match="holds keys from"),
+    ):
+        max_error(model, spec_of(model))
+
+
+def test_gpt_oss_sinks_dropped_fail_the_bound(monkeypatch):
+    model = gpt_oss()
+    with _mutated(monkeypatch, lambda kw: {**kw, "s_aux": None}):
+        err = max_error(model, spec_of(model))
+    print(f"gpt-oss without sinks: max relative logit error {err:.3g}")
+    assert err > 10 * BOUND
+
+
+# --- generation -----------------------------------------------------------------------------
+
+
+def test_greedy_generation_matches_model_generate(model):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (5, 23, 14)]
+    new = 30
+    spec = spec_of(model)
+    pool = kvpool.Pool.for_spec(spec, 96, device="host")
+    runner = hm.HybridTransformersRunner(model, pool, spec)
+    reqs = [GenerationRequest(i, p, new) for i, p in enumerate(prompts)]
+    res = generate(runner, pool, reqs, max_running_seqs=3, max_tokens_per_step=16, spec=spec)
+    assert pool.num_free == pool.num_blocks
+    for i, p in enumerate(prompts):
+        with torch.inference_mode():
+            ref = model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=new,
+                do_sample=False,
+            )
+        assert res.outputs[i] == ref[0, len(p) :].tolist(), i
+
+
+def test_continuous_batching_in_a_pool_too_small_for_all(model):
+    """24 ragged requests in a pool holding a few of them at a time, every third one sampled
+    (temperature 0.8): every request runs to its length, nothing leaks, and every token is
+    the model's own choice on the request's tokens (one full forward of each; the greedy
+    argmax, or the argmax of logits / t + the request's Gumbel noise: no other token more than
+    BOUND ahead)."""
+    rng = np.random.default_rng(2)
+    n = 24
+    prompts = [rng.integers(0, VOCAB, int(rng.integers(3, 41))).tolist() for _ in range(n)]
+    news = [int(rng.integers(2, 25)) for _ in range(n)]
+    spec = spec_of(model)
+    alone = sum(spec.pages_to_add(len(p) + m) for p, m in zip(prompts, news))
+    num_pages = 40
+    assert alone > 4 * num_pages  # all at once would need more than four such pools
+    pool = kvpool.Pool.for_spec(spec, num_pages, device="host")
+    runner = hm.HybridTransformersRunner(model, pool, spec)
+    temps = [0.8 if i % 3 == 1 else 0.0 for i in range(n)]
+    reqs = [
+        GenerationRequest(i, p, m, temperature=temps[i], seed=100 + i)
+        for i, (p, m) in enumerate(zip(prompts, news))
+    ]
+    res = generate(runner, pool, reqs, max_running_seqs=8, max_tokens_per_step=48, spec=spec)
+    # generate checked the drain: no request left in the tables, every page free, invariants.
+    assert pool.num_free == pool.num_blocks
+    pool.check_invariants()
+    assert res.peak_running < n and res.num_preemptions > 0
+    for i in range(n):
+        assert res.finish_reasons[i] == "length"
+        assert len(res.outputs[i]) == news[i]
+        tokens = prompts[i] + res.outputs[i]
+        with torch.inference_mode():
+            ref = model(torch.tensor([tokens[:-1]])).logits[0].float()
+        rows = ref[len(prompts[i]) - 1 :].double().numpy()
+        scale = np.abs(rows).max(axis=1)
+        if temps[i]:
+            pos = np.arange(len(prompts[i]) - 1, len(tokens) - 1, dtype=np.int64)
+            seeds = np.full(news[i], 100 + i, np.int64)
+            rows = rows / temps[i] + gumbel_noise(seeds, pos, VOCAB)
+            scale = scale / temps[i]
+        chosen = rows[np.arange(news[i]), res.outputs[i]]
+        assert ((rows.max(axis=1) - chosen) / scale).max() <= BOUND, i
+
+
+def test_a_llama_is_one_full_group_and_generates_as_model_generate():
+    """A model without layer_types (Llama) is one full group through the same path."""
+    from hf_common import llama
+
+    model = llama(torch.float32, "cpu", seed=1, lm_head_spread=1.0)
+    spec = hm.spec_for_model(model)
+    assert [g.kind for g in spec.groups] == ["full"] and spec.groups[0].layers == (0, 1)
+    pool = kvpool.Pool.for_spec(spec, 16, device="host")
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 41))]
+    reqs = [GenerationRequest(i, p, 10) for i, p in enumerate(prompts)]
+    res = generate(hm.HybridTransformersRunner(model, pool), pool, reqs, spec=spec)
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        with torch.inference_mode():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10)
+        assert res.outputs[i] == ref[0, len(p) :].tolist()
+
+
+def test_a_mistral_window_on_every_layer_is_one_window_group():
+    """No layer_types, a sliding_window: every layer slides (Mistral passes the window to
+    each); teacher-forced logits within BOUND of its own cache, windows sliding past 8."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(
+        num_hidden_layers=2,
+        sliding_window=8,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        initializer_range=0.1,
+        eos_token_id=None,
+        pad_token_id=None,
+        bos_token_id=None,
+    )
+    model = MistralForCausalLM(cfg).eval()
+    spec = spec_of(model)
+    assert [(g.kind, g.window, g.layers) for g in spec.groups] == [("sliding_window", 8, (0, 1))]
+    err = max_error(model, spec)
+    print(f"mistral: max relative logit error {err:.3g} (bound {BOUND})")
+    assert err < BOUND
+
+
+# --- what is refused -----------------------------------------------------------------------
+
+
+def test_generate_with_a_spec_refuses_a_swapper_and_prefix_caching():
+    model = gpt_oss()
+    spec = spec_of(model)
+    pool = kvpool.Pool.for_spec(spec, 16, device="host")
+    runner = hm.HybridTransformersRunner(model, pool, spec)
+    req = [GenerationRequest(0, [1, 2, 3], 2)]
+    with pytest.raises(ValueError, match="swapper"):
+        generate(runner, pool, req, spec=spec, make_swapper=lambda backend: None)
+    cached = kvpool.Pool(
+        kvpool.KvLayout(1, 1, spec.page_bytes // 4, 1),
+        16,
+        device="host",
+        enable_prefix_caching=True,
+    )
+    with pytest.raises(ValueError, match="prefix caching"):
+        generate(runner, cached, req, spec=spec)
+    assert pool.num_free == pool.num_blocks
+
+
+def test_spec_for_model_groups():
+    spec = hm.spec_for_model(gpt_oss())
+    kinds = {g.kind: g for g in spec.groups}
+    assert kinds["full"].layers == (1, 3) and kinds["sliding_window"].layers == (0, 2)
+    assert kinds["sliding_window"].window == 8
+    assert (kinds["full"].num_kv_heads, kinds["full"].head_dim, kinds["full"].dtype) == (
+        2,
+        16,
+        "float32",
+    )
+    g3 = hm.spec_for_model(gemma3().config, dtype=torch.bfloat16)
+    kinds = {g.kind: g for g in g3.groups}
+    assert kinds["full"].layers == (5,) and kinds["sliding_window"].layers == (0, 1, 2, 3, 4)
+    assert kinds["full"].head_dim == 256 and kinds["full"].dtype == "bfloat16"
+
+
+def test_unsupported_configs_are_refused_naming_what():
+    from transformers import DeepseekV3Config, Llama4TextConfig, Qwen3NextConfig
+
+    cases = [
+        (DeepseekV3Config(num_hidden_layers=2), "MLA"),
+        (Qwen3NextConfig(num_hidden_layers=4), "Gated DeltaNet"),
+        (Llama4TextConfig(num_hidden_layers=4), "chunked"),
+        (Gemma3TextConfig(num_hidden_layers=2, use_bidirectional_attention=True), "bidirect"),
+    ]
+    for cfg, what in cases:
+        with pytest.raises(hm.UnsupportedModelError, match=what):
+            hm.spec_for_model(cfg)
+    assert issubclass(hm.UnsupportedModelError, kvpool.KvError)
+    cfg = GptOssConfig(num_hidden_layers=2, layer_types=["sliding_attention"] * 2)
+    cfg.sliding_window = None
+    with pytest.raises(hm.UnsupportedModelError, match="sliding_window"):
+        hm.spec_for_model(cfg)
+    cfg = GptOssConfig(num_hidden_layers=2)
+    cfg.layer_types = ["full_attention"] * 3
+    with pytest.raises(hm.UnsupportedModelError, match="layer_types"):
+        hm.spec_for_model(cfg)
+    with pytest.raises(hm.UnsupportedModelError, match="dtype"):
+        hm.spec_for_model(GptOssConfig(num_hidden_layers=2), dtype=torch.float64)
+
+
+def test_runner_refusals():
+    model = gpt_oss()
+    spec = spec_of(model)
+    with pytest.raises(TypeError):
+        hm.HybridTransformersRunner(object(), kvpool.Pool.for_spec(spec, 8, device="host"))
+    narrow = kvpool.ModelKvSpec(
+        [
+            g
+            if g.kind == "full"
+            else kvpool.KvGroup.sliding_window(g.layers, 7, g.num_kv_heads, g.head_dim, g.dtype)
+            for g in spec.groups
+        ],
+        spec.page_bytes,
+    )
+    with pytest.raises(kvpool.LayoutError, match="layer 0"):
+        hm.check_spec(model, narrow)
+    hm.check_spec(model, spec_of(model, widen=3))  # a wider window only holds more
+    other = kvpool.ModelKvSpec(spec.groups, 2 * spec.page_bytes)
+    with pytest.raises(kvpool.LayoutError, match="bytes"):
+        hm.HybridTransformersRunner(model, kvpool.Pool.for_spec(other, 8, device="host"), spec)
+    default = hm.spec_for_model(model)
+    runner = hm.HybridTransformersRunner(model, kvpool.Pool.for_spec(default, 8, device="host"))
+    assert runner.spec == default
+    with pytest.raises(TypeError, match="HybridStepBatch"):
+        runner.logits(object())
+    # outside a runner's forward the attention has no step to write to
+    model.set_attn_implementation(hm.NAME)
+    try:
+        with pytest.raises(kvpool.InvalidArgumentError, match="hybrid step"):
+            model(torch.tensor([[1, 2, 3]]))
+    finally:
+        model.set_attn_implementation("eager")
+
+
+# --- model.generate with the hybrid cache ----------------------------------------------------
+
+
+def _cache_generate(model, pool, spec, ids, mask, new, **kw):
+    from kvpool.integrations.hybrid_cache import HybridKvpoolCache
+    from transformers import StoppingCriteriaList
+
+    default = model.config._attn_implementation
+    hm.register()
+    model.set_attn_implementation(hm.NAME)
+    cache = HybridKvpoolCache(model, pool, max_batch_size=ids.shape[0], spec=spec)
+    eos = kw.get("eos_token_id")
+    stop = StoppingCriteriaList([cache.release_at_eos(eos)] if eos is not None else [])
+    try:
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                past_key_values=cache,
+                max_new_tokens=new,
+                do_sample=False,
+                return_dict_in_generate=True,
+                output_logits=True,
+                stopping_criteria=stop,
+                **kw,
+            )
+    finally:
+        model.set_attn_implementation(default)
+    released = set(cache.finished)
+    cache.close()
+    assert len(cache.tables) == 0 and pool.num_free == pool.num_blocks
+    cache.tables.check_invariants()
+    return out, released
+
+
+def test_model_generate_with_the_hybrid_cache_matches_the_default_cache(model):
+    """A left-padded batch of 3 ragged prompts, 30 new tokens (far past the window): the same
+    tokens as the model's own cache and attention, every step's logits within BOUND, and an
+    EOS that ends a row early releases its pages."""
+    from hf_common import left_padded
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, VOCAB, n).tolist() for n in (5, 23, 14)]
+    ids, mask = left_padded(prompts, "cpu")
+    with torch.inference_mode():
+        ref = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=30,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    width = ids.shape[1]
+    eos = int(ref.sequences[0, width + 20])  # row 0 emits it by step 20
+    with torch.inference_mode():
+        ref = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=30,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=(eos + 1) % VOCAB,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    spec = spec_of(model)
+    pool = kvpool.Pool.for_spec(spec, 96, device="host")
+    out, released = _cache_generate(
+        model, pool, spec, ids, mask, 30, eos_token_id=eos, pad_token_id=(eos + 1) % VOCAB
+    )
+    assert torch.equal(out.sequences, ref.sequences)
+    done = {i for i in range(3) if eos in ref.sequences[i, width:].tolist()}
+    assert 0 in done and released == done
+    for step, (a, b) in enumerate(zip(out.logits, ref.logits)):
+        for i in range(3):
+            ended = eos in ref.sequences[i, width : width + step].tolist()
+            if not ended:  # a finished row's logits are padding's, never read
+                err = float((a[i] - b[i]).abs().max() / b[i].abs().max())
+                assert err <= BOUND, (step, i, err)
+
+
+def test_the_hybrid_cache_under_another_attention_is_refused_before_anything_is_written():
+    from kvpool.integrations.hybrid_cache import HybridKvpoolCache
+
+    model = gpt_oss()
+    spec = spec_of(model)
+    pool = kvpool.Pool.for_spec(spec, 16, device="host")
+    cache = HybridKvpoolCache(model, pool, max_batch_size=1, spec=spec)
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(kvpool.InvalidArgumentError, match="kvpool_hybrid"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache)
+    assert pool.num_used == 0 and len(cache.tables) == 0
