@@ -323,6 +323,10 @@ class DecodePlan:
         layer = check_layer(layer, self.info)
         if not self.info.cuda:
             return self._run_host(q, layer, out, sinks)
+        if sinks is not None and not self.kernel.tc:
+            raise InvalidArgumentError(
+                f"attention sinks run on the tensor-core decode (decode_pipeline {_build.TC})"
+            )
         info, pool = self.info, self.pool
         if pool.num_blocks != info.num_blocks or pool.base_ptr != info.base_ptr:
             raise InvalidArgumentError("the pool grew since the plan was made: make a new plan")
@@ -342,10 +346,6 @@ class DecodePlan:
             raise InvalidArgumentError("q rows must be contiguous and 16-byte aligned")
         check_ptr(qv.ptr, "q", dev)
         check_ptr(ov.ptr, "out", dev)
-        if sinks is not None and not self.kernel.tc:
-            raise InvalidArgumentError(
-                f"attention sinks run on the tensor-core decode (decode_pipeline {_build.TC})"
-            )
         sinks_ptr, sv = device_sinks(sinks, self.num_q_heads, dev)
         btv, slv = self._bound  # type: ignore[misc]
         extra = tuple(x for x in (self._first_page, sv) if x is not None)
