@@ -3,6 +3,7 @@
 // `#include "decode_common.cuh"` line), so NVRTC needs no include path. Needs KV_BF16 defined.
 
 #define NEG_INF (-__int_as_float(0x7f800000))
+#define INT_MAX_I 0x7fffffff
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -46,3 +47,15 @@ __device__ __forceinline__ SplitRange split_range(int split, int len, int chunk_
     r.t_end = (split == r.num_splits - 1) ? len : min(len, r.t_begin + chunk_tokens);
     return r;
 }
+
+// Sliding-window and chunked local attention (run-time arguments; 0 = not this kind): the first
+// key position the query at `pos` sees; its last is `pos`. window w (transformers'
+// sliding_window of gpt-oss / Gemma 3, `kv_idx > q_idx - w`): keys (pos - w, pos]; chunk c
+// (Llama 4): keys [pos / c * c, pos]; neither: 0. The host never sets both.
+__device__ __forceinline__ int key_start(int pos, int window, int chunk) {
+    if (window > 0) return max(pos - window + 1, 0);
+    if (chunk > 0) return pos / chunk * chunk;
+    return 0;
+}
+
+#define LOG2E_F 1.4426950408889634f  // attention sinks are natural-log logits; kernels use exp2

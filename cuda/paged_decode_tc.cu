@@ -56,6 +56,9 @@
 #ifndef KV_FP8
 #define KV_FP8 0
 #endif
+#ifndef WINDOW
+#define WINDOW 0  // 1: sliding-window / chunked local attention and window-relative tables
+#endif
 #if KV_FP8 && KV_BF16
 #error "fp8 caches run the fp16 tensor-core path: compile them with KV_BF16=0"
 #endif
@@ -124,7 +127,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
     i64 block_stride, i64 token_stride, i64 head_stride, int num_blocks, int bs_log2,
     const int* __restrict__ block_tables, i64 bt_stride, const int* __restrict__ seq_lens,
     int num_q_heads, int head_dim, int group, int gq, int chunk_tokens, int max_splits,
-    float scale_log2
+    float scale_log2, const int* __restrict__ first_page, int bt_width, int window, int attn_chunk,
+    const float* __restrict__ sinks
 #if KV_FP8
     , const float* __restrict__ k_scale, const float* __restrict__ v_scale, int scale_head_stride
 #endif
@@ -137,10 +141,24 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
     const int gq_here = min(gq, group - tile_h * gq);  // the last head tile may be shorter
     const int seq = blockIdx.z;
     const int len = seq_lens[seq];
-    const SplitRange range = split_range(split, len, chunk_tokens, max_splits);
+    // Keys [kv_lo, len): the whole sequence, or its query's window / chunk (key_start). The
+    // splits cut [kv_base, len), kv_base = kv_lo rounded down to a tile, so the work per query
+    // is the window's, not the context's: no page before the window's is read (rows below kv_lo
+    // are masked without a load). first_page (may be null: 0) is the sequence's page held by
+    // table entry 0 (a window group's table holds only its live pages).
+    // Compiled in only with WINDOW=1 (the modules of window plans): the full-attention modules
+    // keep their register budget (several head widths sit at the 255-register limit).
+#if WINDOW
+    const int kv_lo = len > 0 ? key_start(len - 1, window, attn_chunk) : 0;
+    const int kv_base = kv_lo & ~(TILE - 1);
+    const int page0 = first_page != nullptr ? first_page[seq] : 0;
+#else
+    const int kv_base = 0;
+#endif
+    const SplitRange range = split_range(split, len - kv_base, chunk_tokens, max_splits);
     const int n_splits = range.num_splits;
     if (split >= n_splits) return;  // this sequence is shorter than the longest
-    const int t_begin = range.t_begin, t_end = range.t_end;
+    const int t_begin = kv_base + range.t_begin, t_end = kv_base + range.t_end;
 
 #if KV_FP8
     // Dequantization folded: S uses k_scale through the softmax scale, O gets v_scale at the end.
@@ -213,7 +231,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
             for (int i = 0; i < 4; ++i) o[dd][h][i] = 0.f;
     }
 
-    const int* bt = block_tables + seq * bt_stride;
+    // The tokens this CTA may load: [row_lo, row_hi) = [t_begin, t_end) cut to the window's
+    // start and to the positions whose pages the table row holds (entries 0 .. bt_width - 1 are
+    // pages page0 ..). bt_page points at the entry of page 0 (page0 entries before the row), so
+    // a token's entry is bt_page[token >> bs_log2]; only entries inside the row are read.
+#if WINDOW
+    const int row_lo = max(max(t_begin, kv_lo), (int)min((i64)page0 << bs_log2, (i64)INT_MAX_I));
+    const int row_hi = (int)min((i64)t_end, ((i64)page0 + bt_width) << bs_log2);
+    const int* bt_page = block_tables + seq * bt_stride - page0;
+#else
+    const int row_hi = t_end;  // the host checked that the rows hold every sequence's pages
+    const int* bt_page = block_tables + seq * bt_stride;
+#endif
     const char* k_head = k_base + kvh * head_stride;
     const char* v_head = v_base + kvh * head_stride;
     const int bs_mask = (1 << bs_log2) - 1;
@@ -222,7 +251,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
     const bool one_block_per_tile = bs_log2 >= 4 && (t_begin & (TILE - 1)) == 0;
     const int d_chunks = head_dim >> 3;
 
+#if WINDOW
+    const int n_tiles = row_hi > row_lo ? (t_end - t_begin + TILE - 1) / TILE : 0;
+#else
     const int n_tiles = (t_end - t_begin + TILE - 1) / TILE;
+#endif
     const int n_my = n_tiles > warp ? (n_tiles - warp + NWARPS - 1) / NWARPS : 0;
     unsigned long long rowbits = 0;  // bits 16*stage + r: token row r of that stage is valid
 
@@ -232,9 +265,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
         unsigned mask = 0;
         if (j < n_my) {  // uniform across the warp
             // This lane's token row (lane & 15): its block id and whether the row exists.
+            // Rows outside [row_lo, row_hi) look up the page of the nearest row that exists
+            // (the same page when one page holds the tile) and are missing: zero-filled and
+            // masked, like a row whose table entry lies outside the pool.
             const int row_tok = t0 + (lane & 15);
-            const int blk = __ldg(bt + (min(row_tok, t_end - 1) >> bs_log2));
-            const bool row_ok = row_tok < t_end && (unsigned)blk < (unsigned)num_blocks;
+#if WINDOW
+            const int blk = __ldg(bt_page + (min(max(row_tok, row_lo), row_hi - 1) >> bs_log2));
+            const bool row_ok =
+                row_tok >= row_lo && row_tok < row_hi && (unsigned)blk < (unsigned)num_blocks;
+#else
+            const int blk = __ldg(bt_page + (min(row_tok, row_hi - 1) >> bs_log2));
+            const bool row_ok = row_tok < row_hi && (unsigned)blk < (unsigned)num_blocks;
+#endif
             mask = __ballot_sync(FULL, row_ok) & 0xffffu;
             const unsigned sk = warp_smem + (unsigned)(stage * STAGE_BYTES);
 #if KV_FP8
@@ -468,8 +510,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
                 O = fmaf(wt, s_acc[(w * 16 + g) * DP + d], O);
             }
         }
-        const float res = L > 0.f ? O / L * out_scale : 0.f;
         const int qh = qh0 + g;
+        // A sink (gpt-oss) joins the denominator only; a split's partial leaves it to the merge.
+        const float den =
+            (direct && sinks != nullptr && M != NEG_INF) ? L + exp2f(sinks[qh] * LOG2E_F - M) : L;
+        const float res = den > 0.f ? O / den * out_scale : 0.f;
         if (direct) {
             out[seq * out_seq_stride + (i64)qh * out_head_stride + d] = f32_to_elem(res);
         } else {
@@ -508,8 +553,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_decode_tc(
         float M = NEG_INF;
         for (int sp = 0; sp < n_splits; ++sp) M = fmaxf(M, s_w[sp * 16 + g]);
         float L = 0.f;
-        if (M != NEG_INF)
+        if (M != NEG_INF) {
             for (int sp = 0; sp < n_splits; ++sp) L += exp2f(s_w[sp * 16 + g] - M);
+            if (sinks != nullptr) L += exp2f(sinks[qh0 + g] * LOG2E_F - M);  // once, here
+        }
         const float inv = L > 0.f ? 1.f / L : 0.f;
         for (int sp = 0; sp < n_splits; ++sp)
             s_w[sp * 16 + g] = M != NEG_INF ? exp2f(s_w[sp * 16 + g] - M) * inv : 0.f;

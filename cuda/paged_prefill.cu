@@ -135,7 +135,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
     const int* __restrict__ block_tables, i64 bt_stride, int bt_width,
     const int* __restrict__ seq_lens, const int* __restrict__ qo_indptr,
     const int2* __restrict__ work, int total_q, int num_q_heads, int group, int gh,
-    int q_tile_tokens, int causal, float scale_log2
+    int q_tile_tokens, int causal, float scale_log2, const int* __restrict__ first_page,
+    int window, int attn_chunk, const float* __restrict__ sinks
 #if KV_FP8
     , const float* __restrict__ k_scale, const float* __restrict__ v_scale, int scale_head_stride
 #endif
@@ -162,15 +163,25 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
     // Valid query tokens in this tile (never past q's total_q rows, whatever qo_indptr holds).
     const int q_tokens = min(min(q_tile_tokens, qo_len - qt0), total_q - qo_begin - qt0);
 
-    // Keys this CTA's rows can see: [0, kv_total), then this split's share, in whole BN tiles.
+    // Keys this CTA's rows can see: [kv_lo, kv_total), kv_lo the first row's window / chunk
+    // start (key_start; 0 without), then this split's share, in whole BN tiles from kv_lo's
+    // tile on: the tiles (and pages) before the window are never touched, so the work per
+    // query is the window's whatever the context. (Windows and chunks need causal: the host.)
     const int kv_total = causal ? min(len, prefix + qt0 + q_tokens) : len;
-    const int n_tiles_all = (kv_total + BN - 1) / BN;
+    const int kv_lo = causal ? key_start(prefix + qt0, window, attn_chunk) : 0;
+    // Tiles starting before the last row's start need the lower mask.
+    const int kv_lo_last = causal ? key_start(prefix + qt0 + max(q_tokens, 1) - 1, window, attn_chunk) : 0;
+    const int kv_first = kv_lo / BN * BN;
+    const int n_tiles_all = kv_total > kv_first ? (kv_total - kv_first + BN - 1) / BN : 0;
     const int tiles_per_split = (n_tiles_all + num_splits - 1) / num_splits;
-    const int kv_begin = split * tiles_per_split * BN;
+    const int kv_begin = kv_first + split * tiles_per_split * BN;
     const int kv_end = min(kv_total, kv_begin + tiles_per_split * BN);
     const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;
     // Tiles ending at or before this key need no mask: every row sees all of them.
     const int kv_nomask = causal ? min(kv_end, prefix + qt0 + 1) : kv_end;
+    // Table entry 0 holds page first_page[seq] of the sequence (a window group's table holds
+    // only its live pages; null: 0).
+    const int page0 = first_page != nullptr ? first_page[seq] : 0;
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -221,10 +232,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
             for (int i = 0; i < BN / RPI; ++i) {
                 const int row = i * RPI + tid / CH;
                 const int t = t0 + row;
-                bool ok = t < kv_end && t / BLOCK_SIZE < bt_width;  // never past the table row
+                const int idx = t / BLOCK_SIZE - page0;
+                // Keys before the window are not loaded (zeros, masked below); never outside
+                // the table row.
+                bool ok = t >= kv_lo && t < kv_end && (unsigned)idx < (unsigned)bt_width;
                 i64 off = 0;
                 if (ok) {
-                    const int b = __ldg(bt + t / BLOCK_SIZE);
+                    const int b = __ldg(bt + idx);
                     ok = (unsigned)b < (unsigned)num_blocks;  // an entry outside the pool reads zeros
                     off = (i64)b * block_stride + (i64)(t % BLOCK_SIZE) * token_stride;
                 }
@@ -252,13 +266,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
 #pragma unroll
     for (int j = 0; j < STAGES - 1; ++j) issue(j);
 
-    // Row limits (exclusive key bound) of this thread's two rows: gid and gid + 8 of the warp.
-    int lim[2];
+    // Row limits of this thread's two rows (gid and gid + 8 of the warp): keys lo_lim ..
+    // lim - 1 (the window's or chunk's start, the exclusive causal bound).
+    int lim[2], lo_lim[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int row = warp * 16 + gid + 8 * h;
         const int t = row / gh;
         lim[h] = causal ? min(kv_end, prefix + qt0 + t + 1) : kv_end;
+        lo_lim[h] = causal ? key_start(prefix + qt0 + t, window, attn_chunk) : 0;
     }
 
     // ldmatrix lane roles: matrix mi = lane / 8, row mr = lane % 8 within it.
@@ -342,7 +358,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
             }
         }
 
-        const bool masked = t0 + BN > kv_nomask;
+        const bool masked = t0 + BN > kv_nomask || t0 < kv_lo_last;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float mx = m[h];
@@ -351,7 +367,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     float x = s[nt][2 * h + e] * scale_log2;
-                    if (masked && t0 + nt * 8 + 2 * tig + e >= lim[h]) x = NEG_INF;
+                    const int key = t0 + nt * 8 + 2 * tig + e;
+                    if (masked && (key >= lim[h] || key < lo_lim[h])) x = NEG_INF;
                     s[nt][2 * h + e] = x;
                     mx = fmaxf(mx, x);
                 }
@@ -407,6 +424,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
         if (row >= q_tile_tokens * gh || t >= q_tokens) continue;
         const int tok = qo_begin + qt0 + t;
         const int qh = qh0 + row % gh;
+        if (part_o == nullptr && sinks != nullptr && m[h] != NEG_INF)
+            lsum += exp2f(sinks[qh] * LOG2E_F - m[h]);  // a sink joins the denominator only
         const float inv = lsum > 0.f ? out_scale / lsum : 0.f;
         if (part_o == nullptr) {
             u16* dst = out + (i64)tok * out_tok_stride + (i64)qh * out_head_stride + 2 * tig;
@@ -419,7 +438,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
 #pragma unroll
             for (int n = 0; n < DT; ++n)
                 *reinterpret_cast<float2*>(dst + 8 * n) = float2{o[n][2 * h] * inv, o[n][2 * h + 1] * inv};
-            if (tig == 0) part_lse[prow] = lsum > 0.f ? m[h] + log2f(lsum) : NEG_INF;
+            if (tig == 0) part_lse[prow] = lsum > 0.f ? m[h] + log2f(lsum) : NEG_INF;  // no sink
         }
     }
 }
@@ -429,7 +448,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) paged_prefill(
 extern "C" __global__ void __launch_bounds__(HEAD_DIM) merge_prefill_splits(
     const float* __restrict__ part_o, const float* __restrict__ part_lse,
     u16* __restrict__ out, i64 out_tok_stride, i64 out_head_stride,
-    int total_q, int num_q_heads, int num_splits) {
+    int total_q, int num_q_heads, int num_splits, const float* __restrict__ sinks) {
     const int tok = blockIdx.x;
     const int qh = blockIdx.y;
     const int d = threadIdx.x;
@@ -445,6 +464,7 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) merge_prefill_splits(
             L += w;
             O = fmaf(w, part_o[row * HEAD_DIM + d], O);
         }
+        if (sinks != nullptr) L += exp2f(sinks[qh] * LOG2E_F - M);  // the sink, once per row
     }
     out[(i64)tok * out_tok_stride + (i64)qh * out_head_stride + d] = f32_to_elem(L > 0.f ? O / L : 0.f);
 }

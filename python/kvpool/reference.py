@@ -114,13 +114,61 @@ def gather_kv(cache: npt.NDArray, block_table: npt.NDArray, seq_len: int) -> npt
     return blocks.reshape(n * block_size, *cache.shape[2:])[:seq_len]
 
 
+def key_start(
+    position: npt.ArrayLike, window: int | None = None, chunk: int | None = None
+) -> npt.NDArray[np.int64]:
+    """The first key position a query at `position` sees (its last is `position` itself).
+
+    Sliding window `window` = w (transformers' ``sliding_window`` of gpt-oss and Gemma 3:
+    ``kv_idx > q_idx - sliding_window``): the keys in (p - w, p], w keys with the query's own;
+    FlashInfer's ``window_left`` is w - 1. Chunked local `chunk` = c (Llama 4's
+    ``attention_chunk_size``: ``kv_idx // c == q_idx // c``): the keys in [floor(p / c) * c, p].
+    Neither: 0 (full causal attention). At most one of them."""
+    p = np.asarray(position, dtype=np.int64)
+    if window is not None and chunk is not None:
+        raise ValueError("a layer has a sliding window or a chunk, not both")
+    if window is not None:
+        return np.maximum(p - int(window) + 1, 0)
+    if chunk is not None:
+        return p // int(chunk) * int(chunk)
+    return np.zeros_like(p)
+
+
+def gather_kv_range(
+    cache: npt.NDArray, block_table: npt.NDArray, first_page: int, begin: int, end: int
+) -> npt.NDArray:
+    """Tokens at positions begin .. end - 1 of one sequence as a contiguous [end - begin,
+    kv_heads, dim], through a window-relative table row: position p is at offset
+    p % block_size of page block_table[p // block_size - first_page] (first_page 0: a full
+    table). Only the pages holding those tokens are read."""
+    block_size = cache.shape[1]
+    if end <= begin:
+        return cache[:0, 0].reshape(0, *cache.shape[2:])
+    pos = np.arange(begin, end, dtype=np.int64)
+    idx = pos // block_size - int(first_page)
+    if idx[0] < 0 or idx[-1] >= len(block_table):
+        raise ValueError(
+            f"positions {begin}..{end - 1} need table entries {idx[0]}..{idx[-1]}, the row "
+            f"holds 0..{len(block_table) - 1} (first_page {first_page})"
+        )
+    pages = np.asarray(block_table, dtype=np.int64)[idx]
+    return cache[pages, pos % block_size]
+
+
 def attention_decode(
     q: npt.NDArray[np.float64],
     k: npt.NDArray[np.float64],
     v: npt.NDArray[np.float64],
     scale: float,
+    *,
+    sinks: npt.ArrayLike | None = None,
 ) -> npt.NDArray[np.float64]:
-    """One sequence, contiguous: q [Hq, D], k/v [L, Hkv, D] -> [Hq, D] (float64, GQA)."""
+    """One sequence, contiguous: q [Hq, D], k/v [L, Hkv, D] -> [Hq, D] (float64, GQA). The
+    query sees every key given (a window is applied by giving only its keys). `sinks` ([Hq]
+    logits, gpt-oss): one extra logit per head in the softmax's denominator only (see
+    attention_prefill)."""
+    if sinks is not None:
+        return attention_prefill(q[None], k, v, scale, causal=False, sinks=sinks)[0]
     hq, hkv = q.shape[0], k.shape[1]
     if k.shape[0] == 0:
         return np.zeros_like(q, dtype=np.float64)
@@ -134,6 +182,24 @@ def attention_decode(
     return np.einsum("hl,lhd->hd", p, vq)
 
 
+def _kv_scales(
+    kv_scales: tuple[npt.ArrayLike, npt.ArrayLike] | None, hkv: int
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    if kv_scales is None:
+        return np.ones(hkv), np.ones(hkv)
+    ks, vs = (np.broadcast_to(np.asarray(x, dtype=np.float64), (hkv,)) for x in kv_scales)
+    return ks, vs
+
+
+def _first_pages(first_page: npt.ArrayLike | None, num_seqs: int) -> npt.NDArray[np.int64]:
+    if first_page is None:
+        return np.zeros(num_seqs, np.int64)
+    fp = np.asarray(first_page, dtype=np.int64).reshape(-1)
+    if fp.shape[0] != num_seqs:
+        raise ValueError(f"first_page has {fp.shape[0]} entries for {num_seqs} sequences")
+    return fp
+
+
 def paged_attention_decode(
     q: npt.NDArray,
     k_cache: npt.NDArray,
@@ -145,24 +211,35 @@ def paged_attention_decode(
     *,
     q_dtype: str | None = None,
     kv_scales: tuple[npt.ArrayLike, npt.ArrayLike] | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: npt.ArrayLike | None = None,
+    first_page: npt.ArrayLike | None = None,
 ) -> npt.NDArray[np.float64]:
     """Decode attention through block tables, in float64: q [S, Hq, D] -> [S, Hq, D].
     `dtype` is the cache's; q is in `q_dtype` (default: the cache's). kv_scales (an fp8 cache's
-    k and v scales of this layer: scalars or [num_kv_heads]) multiply the dequantized K and V."""
+    k and v scales of this layer: scalars or [num_kv_heads]) multiply the dequantized K and V.
+
+    The query of sequence i is at position seq_lens[i] - 1 and sees the keys from
+    key_start(position, window, chunk) on (a sliding window or a chunk; see key_start); only
+    their pages are read. first_page ([S], default 0): table row i's entry 0 is the sequence's
+    page first_page[i] (a window group's table holds only its live pages). sinks ([Hq] float
+    logits): per-head attention sinks, in the denominator only (attention_prefill)."""
     q64 = to_float64(q, q_dtype or dtype)
     if scale is None:
         scale = 1.0 / np.sqrt(q64.shape[-1])
-    hkv = k_cache.shape[2]
-    ks, vs = (
-        (np.ones(hkv), np.ones(hkv))
-        if kv_scales is None
-        else (np.broadcast_to(np.asarray(x, dtype=np.float64), (hkv,)) for x in kv_scales)
-    )
+    ks, vs = _kv_scales(kv_scales, k_cache.shape[2])
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    fps = _first_pages(first_page, len(lens))
     out = np.zeros(q64.shape, dtype=np.float64)
-    for i, n in enumerate(np.asarray(seq_lens)):
-        k = to_float64(gather_kv(k_cache, block_tables[i], int(n)), dtype) * ks[:, None]
-        v = to_float64(gather_kv(v_cache, block_tables[i], int(n)), dtype) * vs[:, None]
-        out[i] = attention_decode(q64[i], k, v, scale)
+    for i, n in enumerate(lens):
+        n = int(n)
+        lo = int(key_start(n - 1, window, chunk)) if n else 0
+        k = gather_kv_range(k_cache, block_tables[i], int(fps[i]), lo, n)
+        v = gather_kv_range(v_cache, block_tables[i], int(fps[i]), lo, n)
+        k = to_float64(k, dtype) * ks[:, None]
+        v = to_float64(v, dtype) * vs[:, None]
+        out[i] = attention_decode(q64[i], k, v, scale, sinks=sinks)
     return out
 
 
@@ -172,24 +249,48 @@ def attention_prefill(
     v: npt.NDArray[np.float64],
     scale: float,
     causal: bool = True,
+    *,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: npt.ArrayLike | None = None,
+    k_start: int = 0,
 ) -> npt.NDArray[np.float64]:
-    """One sequence, contiguous: q [T, Hq, D] are the last T of the L context tokens in
-    k/v [L, Hkv, D]; with `causal` query t sees keys 0 .. L - T + t. -> [T, Hq, D] (float64)."""
+    """One sequence, contiguous: q [T, Hq, D] are the last T of the L context tokens; k/v
+    [L - k_start, Hkv, D] hold the keys at positions k_start .. L - 1 (k_start > 0: the
+    earlier keys, which no query sees, are left out). With `causal` query t (position
+    L - T + t) sees keys up to its own position, from key_start(position, window, chunk) on
+    (window and chunk need causal). -> [T, Hq, D] (float64).
+
+    `sinks` ([Hq] logits, gpt-oss's per-head learned sink s_h): the softmax of head h gets one
+    more logit s_h that joins its denominator only,
+    out = sum_j exp(l_j - m) v_j / (exp(s_h - m) + sum_j exp(l_j - m)), m = max(s_h, l_j)."""
     t_len, hq = q.shape[:2]
-    n = k.shape[0]
+    n = k.shape[0] + int(k_start)
     out = np.zeros(q.shape, dtype=np.float64)
-    if n == 0 or t_len == 0:
+    if (window is not None or chunk is not None) and not causal:
+        raise ValueError("a sliding window or a chunk needs causal attention")
+    if k.shape[0] == 0 or t_len == 0:
         return out
     group = hq // k.shape[1]
     kq = np.repeat(k, group, axis=1)
     vq = np.repeat(v, group, axis=1)
-    s = np.einsum("thd,lhd->htl", q, kq) * scale  # [Hq, T, L]
+    s = np.einsum("thd,lhd->htl", q, kq) * scale  # [Hq, T, L - k_start]
     if causal:
-        limit = n - t_len + np.arange(t_len)  # last key each query sees
-        s = np.where(np.arange(n)[None, :] <= limit[:, None], s, -np.inf)
+        pos = n - t_len + np.arange(t_len)  # each query's position: the last key it sees
+        keys = int(k_start) + np.arange(k.shape[0])
+        lo = key_start(pos, window, chunk)
+        visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] >= lo[:, None])
+        if int(k_start) > 0 and (lo < int(k_start)).any():
+            raise ValueError(f"k_start {k_start} leaves out keys a query sees")
+        s = np.where(visible, s, -np.inf)
+    if sinks is not None:
+        sk = np.asarray(sinks, dtype=np.float64).reshape(hq)
+        s = np.concatenate([s, np.broadcast_to(sk[:, None, None], (hq, t_len, 1))], axis=2)
     s -= s.max(axis=2, keepdims=True)
     p = np.exp(s)
     p /= p.sum(axis=2, keepdims=True)
+    if sinks is not None:
+        p = p[:, :, :-1]  # the sink's share of the probability goes to no value
     return np.einsum("htl,lhd->thd", p, vq)
 
 
@@ -205,28 +306,37 @@ def paged_attention_prefill(
     causal: bool = True,
     q_dtype: str | None = None,
     kv_scales: tuple[npt.ArrayLike, npt.ArrayLike] | None = None,
+    *,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: npt.ArrayLike | None = None,
+    first_page: npt.ArrayLike | None = None,
 ) -> npt.NDArray[np.float64]:
     """Prefill (extend) attention through block tables, in float64: sequence i's queries are
     q[qo_indptr[i]:qo_indptr[i+1]], the last tokens of its seq_lens[i] cached tokens.
     q [total_q, Hq, D] -> [total_q, Hq, D]. `dtype` is the cache's; q is in `q_dtype` (default:
     the cache's); kv_scales (an fp8 cache's K and V scales, scalars or per KV head) multiply the
-    cached values, so the result is attention over the dequantized cache."""
+    cached values, so the result is attention over the dequantized cache. window, chunk,
+    sinks and first_page as in paged_attention_decode (only the keys from the first query's
+    key_start on are read)."""
     q64 = to_float64(q, q_dtype or dtype)
-    hkv = k_cache.shape[2]
-    ks, vs = (
-        (np.ones(hkv), np.ones(hkv))
-        if kv_scales is None
-        else (np.broadcast_to(np.asarray(x, dtype=np.float64), (hkv,)) for x in kv_scales)
-    )
+    ks, vs = _kv_scales(kv_scales, k_cache.shape[2])
     if scale is None:
         scale = 1.0 / np.sqrt(q64.shape[-1])
     out = np.zeros(q64.shape, dtype=np.float64)
     indptr = np.asarray(qo_indptr, dtype=np.int64)
-    for i, n in enumerate(np.asarray(seq_lens)):
-        a, b = indptr[i], indptr[i + 1]
-        k = to_float64(gather_kv(k_cache, block_tables[i], int(n)), dtype) * ks[None, :, None]
-        v = to_float64(gather_kv(v_cache, block_tables[i], int(n)), dtype) * vs[None, :, None]
-        out[a:b] = attention_prefill(q64[a:b], k, v, scale, causal)
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    fps = _first_pages(first_page, len(lens))
+    for i, n in enumerate(lens):
+        a, b, n = int(indptr[i]), int(indptr[i + 1]), int(n)
+        lo = int(key_start(n - (b - a), window, chunk)) if causal and b > a else 0
+        k = gather_kv_range(k_cache, block_tables[i], int(fps[i]), lo, n)
+        v = gather_kv_range(v_cache, block_tables[i], int(fps[i]), lo, n)
+        k = to_float64(k, dtype) * ks[None, :, None]
+        v = to_float64(v, dtype) * vs[None, :, None]
+        out[a:b] = attention_prefill(
+            q64[a:b], k, v, scale, causal, window=window, chunk=chunk, sinks=sinks, k_start=lo
+        )
     return out
 
 

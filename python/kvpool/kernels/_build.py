@@ -9,6 +9,7 @@ the CI compile test, so CI compiles exactly what a GPU run compiles.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -220,6 +221,10 @@ class TcVariant:
     q_dtype: str | None = None
     warps: int = TC_WARPS
     fixed_stages: int = 0  # 0: as many stages (2..4) as TC_STAGE_BUDGET holds
+    # Sliding-window / chunked local attention and window-relative tables (-DWINDOW=1): a
+    # module of its own, so the full-attention modules keep their registers (several widths
+    # sit at the 255-register limit). Attention sinks run in every module.
+    window: bool = False
 
     @property
     def fp8(self) -> int:
@@ -282,6 +287,7 @@ class TcVariant:
                 f"-DSTAGES={self.stages}",
                 f"-DMAX_SPLITS={MAX_DECODE_SPLITS}",
             )
+            + (("-DWINDOW=1",) if self.window else ())
         )
 
 
@@ -366,10 +372,27 @@ def cuda_core_variants() -> list[DecodeVariant]:
     ]
 
 
+def window_tc_variants() -> list[TcVariant]:
+    """The window modules CI compiles (the rest are built on demand): both dtypes at the head
+    widths of the window models (gpt-oss 64, Llama 4 128, Gemma 3 256), both head tiles, and
+    one fp8 module."""
+    v16 = [
+        TcVariant(dt, dp, nh, window=True)
+        for dt in DTYPES
+        for dp in (64, 128, 256)
+        for nh in (1, 2)
+        if nh == 1 or dp <= TC_NH2_MAX_DP
+    ]
+    fp8 = dataclasses.replace(
+        tuned(TcVariant("float8_e4m3fn", 128, 2, "float16"), FP8_DECODE_DEFAULT), window=True
+    )
+    return [*v16, fp8]
+
+
 def decode_variants() -> list[DecodeVariant | TcVariant]:
     """What the CI compile test builds: every tensor-core variant (all the default path can
-    ask for) and the CUDA-core baseline subset."""
-    return tc_variants() + fp8_tc_variants() + cuda_core_variants()
+    ask for), the window subset and the CUDA-core baseline subset."""
+    return tc_variants() + fp8_tc_variants() + window_tc_variants() + cuda_core_variants()
 
 
 # Paged prefill (paged_prefill.cu): 16 query rows (token x head) per warp. Wide CTAs (4 warps,
@@ -572,7 +595,7 @@ def prefill_variants() -> list[PrefillVariant]:
 def _label(v: DecodeVariant | TcVariant) -> str:
     if isinstance(v, TcVariant):
         q = f",q={v.q_dtype}" if v.q_dtype else ""
-        return f"{v.kernel}[{v.dtype}{q},dp{v.dp},nh{v.nh}]"
+        return f"{v.kernel}[{v.dtype}{q},dp{v.dp},nh{v.nh}{',win' if v.window else ''}]"
     return f"{v.kernel}[{v.dtype},{v.head_dim},{v.block_size},{v.gq},p{v.pipeline}]"
 
 

@@ -3,6 +3,7 @@ layer, and the one-call form ``paged_attention_decode``."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -57,6 +58,15 @@ from kvpool.kernels._launch import (
     wait_producers,
 )
 from kvpool.kernels._scales import KvScales
+from kvpool.kernels._window import (
+    WINDOW_SLACK,
+    bind_first_page,
+    check_host_window_rows,
+    check_window,
+    device_sinks,
+    host_sinks,
+    key_extent,
+)
 
 
 def decode_plan(
@@ -71,6 +81,9 @@ def decode_plan(
     scales: KvScales | None = None,
     stream: Any = None,
     workspace: Any = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    first_page: Any = None,
 ) -> DecodePlan:
     """A decode plan for one step's batch: made once, then ``plan.run(q, layer)`` per layer.
 
@@ -93,6 +106,14 @@ def decode_plan(
     nothing and does not synchronise, so it can be captured in a CUDA graph (keep the plan
     alive as long as the graph).
 
+    Sliding window and chunked local layers (`kvpool.kernels._window` states the
+    conventions): `window` w, the query at position seq_lens[i] - 1 sees the last w keys;
+    `chunk` c, the keys of its own chunk of c. first_page (int32 [num_seqs], like seq_lens; by
+    default 0) is the page of the sequence that table entry 0 holds: a window group's table
+    holds only its live pages. Only the window's pages are read and the work per query is the
+    window's, whatever the context. Attention sinks are a per-layer argument of run().
+    These run on the tensor-core kernel (the default pipeline).
+
     On a host pool the arrays are NumPy (or CPU torch tensors), there is no stream nor
     workspace, and run() computes the float64 reference.
     """
@@ -107,6 +128,9 @@ def decode_plan(
         scales=scales,
         stream=stream,
         workspace=workspace,
+        window=window,
+        chunk=chunk,
+        first_page=first_page,
     )
 
 
@@ -127,6 +151,9 @@ class DecodePlan:
         scales: KvScales | None,
         stream: Any,
         workspace: Any,
+        window: int | None = None,
+        chunk: int | None = None,
+        first_page: Any = None,
     ) -> None:
         check_tables_pool(block_tables, pool, "block_tables")
         check_tables_pool(seq_lens, pool, "seq_lens")
@@ -141,6 +168,9 @@ class DecodePlan:
         self.num_q_heads, self.group = hq, hq // info.num_kv_heads
         self.scale = host_scale(scale, info.head_dim)
         self.block_tables, self.seq_lens = block_tables, seq_lens
+        self.window, self.chunk = check_window(window, chunk)  # 0: none
+        self.first_page = first_page
+        self._first_page: Any = None  # the bound form (bind_first_page)
         if num_splits is not None:
             num_splits = index_arg(num_splits, "num_splits")
         if max_seq_len is not None:
@@ -191,25 +221,38 @@ class DecodePlan:
             )
         self._num_seqs = int(lens.shape[0])
         self._host = (tables, lens)
+        self._first_page = bind_first_page(self.first_page, self._num_seqs, False, -1)
         self._check_host_rows()
 
     def _check_host_rows(self) -> None:
         tables, lens = self._host
-        nblk = -(-lens.astype(np.int64) // self.info.block_size)
-        if (lens < 0).any() or (nblk > tables.shape[1]).any():
-            raise InvalidArgumentError(
-                "a seq_len is negative or needs more blocks than its table row"
-            )
-        for i, n in enumerate(nblk):
-            row = tables[i, :n]
-            if ((row < 0) | (row >= self.info.num_blocks)).any():
-                raise InvalidArgumentError(f"block table row {i} holds an id outside the pool")
+        if (lens < 0).any():
+            raise InvalidArgumentError("a seq_len is negative")
+        lens64 = lens.astype(np.int64)
+        starts = reference.key_start(
+            np.maximum(lens64 - 1, 0), self.window or None, self.chunk or None
+        )
+        check_host_window_rows(
+            tables, lens64, self._first_page, starts, self.info.block_size, self.info.num_blocks
+        )
 
     def _plan_cuda(self, max_seq_len, num_splits, stream, workspace) -> None:
         info = self.info
         self.kernel = decode_kernel(
             info.dtype, info.head_dim, info.block_size, self.group, _tuning.current()
         )
+        if self.window or self.chunk or self.first_page is not None:
+            if not self.kernel.tc:
+                raise InvalidArgumentError(
+                    "sliding windows, chunks and window-relative tables (first_page) run on "
+                    f"the tensor-core decode (decode_pipeline {_build.TC}), not on the "
+                    "CUDA-core baseline"
+                )
+            k = self.kernel  # the same module compiled with WINDOW=1 (TcVariant.window)
+            assert isinstance(k.variant, _build.TcVariant)
+            self.kernel = dataclasses.replace(
+                k, variant=dataclasses.replace(k.variant, window=True)
+            )
         btv, slv = _view(self.block_tables, "block_tables"), _view(self.seq_lens, "seq_lens")
         bt, sl = _dev(btv, "block_tables"), _dev(slv, "seq_lens")
         check_int_array(bt, "block_tables", 4, 2)
@@ -230,17 +273,25 @@ class DecodePlan:
         if max_seq_len is None:
             max_seq_len = _read_max_seq_len(self.seq_lens, slv, dev, sp) if num_seqs else 0
         width = bt.shape[1]
-        if max_seq_len > width * info.block_size:
+        self._bt_width = width
+        self._first_page = bind_first_page(self.first_page, num_seqs, True, dev)
+        # A window-relative table needs only the window's pages: the kernel bounds its entries
+        # by the row's width instead (an entry outside it reads as a missing token).
+        if self._first_page is None and max_seq_len > width * info.block_size:
             raise InvalidArgumentError(
                 f"max_seq_len {max_seq_len} exceeds the block tables' {width} blocks of "
                 f"{info.block_size} tokens"
             )
         k = self.kernel
         self.ctas_per_seq = info.num_kv_heads * -(-self.group // k.gq)
+        # The keys one CTA range covers: a window's (its start rounded down to a tile), not
+        # the context's, so a window layer's splits and time do not grow with the context.
+        extent = key_extent(self.window, self.chunk)
+        span = max_seq_len if extent is None else min(max_seq_len, extent + WINDOW_SLACK)
         self.kv_split = split_kv(
             num_seqs,
             self.ctas_per_seq,
-            max(max_seq_len, 1),
+            max(span, 1),
             k.variant.tokens_per_iter,
             num_sms(dev),
             num_splits,
@@ -262,14 +313,20 @@ class DecodePlan:
 
     # -- running -------------------------------------------------------------------------------
 
-    def run(self, q: Any, layer: int, *, out: Any = None) -> Any:
+    def run(self, q: Any, layer: int, *, out: Any = None, sinks: Any = None) -> Any:
         """Attention of one new query token per sequence (q: [num_seqs, num_q_heads, head_dim],
         bfloat16 or float16 like the pool, or either over an fp8 pool; torch or CuPy) over
         layer `layer`. Returns `out` (written in place when given; else a new array of q's
-        kind and dtype)."""
+        kind and dtype). `sinks`: this layer's attention sinks (gpt-oss), a float32
+        [num_q_heads] array of logits (device array on a CUDA pool) that join each head's
+        softmax denominator only (kvpool.kernels._window)."""
         layer = check_layer(layer, self.info)
         if not self.info.cuda:
-            return self._run_host(q, layer, out)
+            return self._run_host(q, layer, out, sinks)
+        if sinks is not None and not self.kernel.tc:
+            raise InvalidArgumentError(
+                f"attention sinks run on the tensor-core decode (decode_pipeline {_build.TC})"
+            )
         info, pool = self.info, self.pool
         if pool.num_blocks != info.num_blocks or pool.base_ptr != info.base_ptr:
             raise InvalidArgumentError("the pool grew since the plan was made: make a new plan")
@@ -289,11 +346,13 @@ class DecodePlan:
             raise InvalidArgumentError("q rows must be contiguous and 16-byte aligned")
         check_ptr(qv.ptr, "q", dev)
         check_ptr(ov.ptr, "out", dev)
+        sinks_ptr, sv = device_sinks(sinks, self.num_q_heads, dev)
         btv, slv = self._bound  # type: ignore[misc]
-        wait_producers(self.stream, dev, qv, btv, slv, ov)
+        extra = tuple(x for x in (self._first_page, sv) if x is not None)
+        wait_producers(self.stream, dev, qv, btv, slv, ov, *extra)
         k_base = info.base_ptr + layer * info.strides["layer"]
         with self._lock:
-            ln.launch(self, qv.ptr, ov.ptr, k_base, layer)
+            ln.launch(self, qv.ptr, ov.ptr, k_base, layer, sinks_ptr)
         return out
 
     def _check_q_shape(self, shape: tuple[int, ...]) -> None:
@@ -303,8 +362,9 @@ class DecodePlan:
                 f"q must be [num_seqs, num_q_heads, head_dim] = {list(want)}, got {tuple(shape)}"
             )
 
-    def _run_host(self, q: Any, layer: int, out: Any) -> Any:
+    def _run_host(self, q: Any, layer: int, out: Any, sinks: Any = None) -> Any:
         info = self.info
+        sinks64 = host_sinks(sinks, self.num_q_heads)
         fp8 = self.scales is not None
         q_np, q_dtype, q_bytes = host_query(q, info, fp8, self._check_q_shape, out)
         self._check_host_rows()  # the tables' contents may have changed since the plan
@@ -319,6 +379,10 @@ class DecodePlan:
             self.scale,
             q_dtype=q_dtype,
             kv_scales=self.scales.layer_scales(layer) if self.scales else None,
+            window=self.window or None,
+            chunk=self.chunk or None,
+            sinks=sinks64,
+            first_page=self._first_page,
         )
         return host_result(res, q_dtype, q, q_np, out)
 
@@ -384,6 +448,11 @@ class _Launch:
             chunk_tokens=split.chunk_tokens,
             max_splits=split.num_splits,
             scale_log2=softmax_scale_log2(plan.scale, d),
+            first_page=0 if plan._first_page is None else plan._first_page.ptr,
+            bt_width=plan._bt_width,
+            window=plan.window,
+            attn_chunk=plan.chunk,
+            sinks=0,
         )
         self.fp8 = fp8
         if fp8:
@@ -408,9 +477,12 @@ class _Launch:
         )
         self.mparams = param_block(self.margs)
 
-    def launch(self, plan: DecodePlan, q_ptr: int, out_ptr: int, k_base: int, layer: int) -> None:
+    def launch(
+        self, plan: DecodePlan, q_ptr: int, out_ptr: int, k_base: int, layer: int, sinks: int = 0
+    ) -> None:
         a, split = self.args, plan.kv_split
         a.q, a.out, a.k_base, a.v_base = q_ptr, out_ptr, k_base, k_base + plan.info.strides["kv"]
+        a.sinks = sinks
         if self.fp8:
             a.k_scale, a.v_scale = plan.scales.ptrs(layer)  # type: ignore[union-attr]
         grid = (split.num_splits, plan.ctas_per_seq, plan.num_seqs)
@@ -446,6 +518,10 @@ def paged_attention_decode(
     workspace: Any = None,
     scales: KvScales | None = None,
     plan: DecodePlan | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    first_page: Any = None,
+    sinks: Any = None,
 ) -> Any:
     """Attention of one new query token per sequence over its paged K/V in layer `layer`, in
     one call: ``decode_plan(pool, block_tables, seq_lens, q.shape[1], ...).run(q, layer,
@@ -464,6 +540,9 @@ def paged_attention_decode(
     `scales` (its KvScales); q and out are float16 or bfloat16 (q's type decides), K/V are
     dequantized inside the kernel, fp32 accumulation. bfloat16 queries run through fp16 there
     (exact for |q| in 6.1e-5 .. 65504).
+
+    window / chunk / first_page: a sliding-window or chunked local layer over a full or a
+    window-relative table (decode_plan); sinks: this layer's attention sinks (DecodePlan.run).
     """
     layer = index_arg(layer, "layer")
     if not 0 <= layer < pool.layout.num_layers:
@@ -478,8 +557,11 @@ def paged_attention_decode(
             num_splits=num_splits,
             scale=scale,
             scales=scales,
-            stream=call_stream(stream, pool, q, out),
+            stream=call_stream(stream, pool, q, out, sinks),
             workspace=workspace,
+            window=window,
+            chunk=chunk,
+            first_page=first_page,
         )
     else:
         check_plan_pool(plan, pool, DecodePlan)
@@ -490,9 +572,12 @@ def paged_attention_decode(
             num_splits=num_splits,
             workspace=workspace,
             scales=scales,
+            window=window,
+            chunk=chunk,
+            first_page=first_page,
         )
         plan.check_batch(block_tables, seq_lens)
-    return plan.run(q, layer, out=out)
+    return plan.run(q, layer, out=out, sinks=sinks)
 
 
 def _num_q_heads(q: Any, pool: Any) -> int:

@@ -45,6 +45,14 @@ class DecodeArgs(ctypes.Structure):
         ("chunk_tokens", _i32),
         ("max_splits", _i32),
         ("scale_log2", _f32),
+        # Windows and sinks (tensor-core kernel only): the per-sequence first page of a
+        # window-relative table (0: null), the table width, the sliding window, the chunk, the
+        # per-head sink logits of the run's layer (0: null).
+        ("first_page", _u64),
+        ("bt_width", _i32),
+        ("window", _i32),
+        ("attn_chunk", _i32),
+        ("sinks", _u64),
     ]
 
 
@@ -60,7 +68,17 @@ class DecodeFp8Args(ctypes.Structure):
 
 
 # DecodeArgs fields the tensor-core kernel has and the CUDA-core kernel does not.
-TC_ONLY = ("counters", "bs_log2", "head_dim", "gq")
+TC_ONLY = (
+    "counters",
+    "bs_log2",
+    "head_dim",
+    "gq",
+    "first_page",
+    "bt_width",
+    "window",
+    "attn_chunk",
+    "sinks",
+)
 
 
 class MergeArgs(ctypes.Structure):

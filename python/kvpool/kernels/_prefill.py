@@ -51,7 +51,12 @@ from kvpool.kernels._launch import (
     param_block,
     wait_producers,
 )
-from kvpool.kernels._prefill_args import PrefillArgs, PrefillFp8Args, PrefillMergeArgs
+from kvpool.kernels._prefill_args import (
+    SM80_ONLY,
+    PrefillArgs,
+    PrefillFp8Args,
+    PrefillMergeArgs,
+)
 from kvpool.kernels._prefill_work import (
     PrefillWork,
     choose_rows,
@@ -60,6 +65,13 @@ from kvpool.kernels._prefill_work import (
     plan_work,
 )
 from kvpool.kernels._scales import KvScales
+from kvpool.kernels._window import (
+    bind_first_page,
+    check_host_window_rows,
+    check_window,
+    device_sinks,
+    host_sinks,
+)
 
 
 def prefill_plan(
@@ -75,6 +87,10 @@ def prefill_plan(
     num_splits: int | None = None,
     stream: Any = None,
     workspace: Any = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    first_page: Any = None,
+    use_sinks: bool = False,
 ) -> PrefillPlan:
     """A prefill plan for one step's varlen batch: made once, then ``plan.run(q, layer)`` per
     layer.
@@ -99,6 +115,14 @@ def prefill_plan(
     first run per layout of q and out a run allocates nothing and does not synchronise, so it
     can be captured in a CUDA graph (keep the plan alive as long as the graph).
 
+    Sliding-window and chunked local layers (conventions in `kvpool.kernels._window`):
+    `window` w, query position p sees keys (p - w, p]; `chunk` c, keys [p // c * c, p]; both
+    need `causal`. first_page (int32 [num_seqs], bound like block_tables; by default 0): the
+    page of the sequence that table entry 0 holds (a window group's table holds only its
+    live pages). Only the window's pages are read; the work per query is the window's.
+    `use_sinks`: the runs take attention sinks (run's `sinks`). These run on the Ampere-style
+    kernel (paged_prefill.cu) on every device, the sm_90 one included.
+
     On a host pool everything is NumPy (or CPU tensors), there is no stream nor workspace, and
     run() computes the float64 reference.
     """
@@ -114,6 +138,10 @@ def prefill_plan(
         num_splits=num_splits,
         stream=stream,
         workspace=workspace,
+        window=window,
+        chunk=chunk,
+        first_page=first_page,
+        use_sinks=use_sinks,
     )
 
 
@@ -136,9 +164,21 @@ class PrefillPlan:
         num_splits: int | None,
         stream: Any,
         workspace: Any,
+        window: int | None = None,
+        chunk: int | None = None,
+        first_page: Any = None,
+        use_sinks: bool = False,
     ) -> None:
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError(f"causal must be a bool, got {causal!r}")
+        if not isinstance(use_sinks, (bool, np.bool_)):
+            raise TypeError(f"use_sinks must be a bool, got {use_sinks!r}")
+        self.window, self.chunk = check_window(window, chunk)  # 0: none
+        if (self.window or self.chunk) and not causal:
+            raise InvalidArgumentError("a sliding window or a chunk needs causal=True")
+        self.use_sinks = bool(use_sinks)
+        self._first_page: Any = None  # bound after the lengths (bind_first_page)
+        self._first_page_arg = first_page
         check_tables_pool(block_tables, pool, "block_tables")
         check_tables_pool(seq_lens, pool, "seq_lens")
         info = PoolInfo(pool)
@@ -186,6 +226,7 @@ class PrefillPlan:
             tables_shape[1],
         )
         self.work = self._plan_work(num_splits)
+        self._first_page = bind_first_page(first_page, num_seqs, info.cuda, info.device_id)
         if info.cuda:
             self._plan_cuda(qo_indptr, seq_lens, workspace)
         else:
@@ -247,7 +288,18 @@ class PrefillPlan:
         info, tuning = self.info, _tuning.current()
         self.fp8_async = info.dtype in _build.FP8_DTYPES and tuning.fp8_prefill_async
         narrow = self._variant(_build.PREFILL_NARROW_WARPS)
-        sm90 = self._use_sm90(tuning)
+        # Sliding windows, chunks, window-relative tables and sinks run on paged_prefill.cu
+        # everywhere: the sm_90 kernel (paged_prefill_sm90.cu) has none of them, so on
+        # compute capability 9.0 such a plan takes the Ampere-style kernel.
+        self._masked = bool(
+            self.window or self.chunk or self.use_sinks or self._first_page_arg is not None
+        )
+        sm90 = not self._masked and self._use_sm90(tuning)
+        if self._masked and tuning.prefill_kernel == "sm90":
+            raise InvalidArgumentError(
+                "prefill_kernel='sm90' runs no sliding window, chunk, window-relative table "
+                "or sinks; those run on the 'sm80' kernel (the default picks it)"
+            )
         if sm90 and tuning.prefill_rows_per_cta is None:
             wide = _build.sm90_prefill_variant(info.dtype, info.head_dim, info.block_size)
             if tuning.prefill_kernel == "sm90":  # the test knob: its tiles wherever it can
@@ -273,6 +325,8 @@ class PrefillPlan:
             variant.ctas_per_sm,
             causal=self.causal,
             num_splits=num_splits,
+            window=self.window,
+            chunk=self.chunk,
         )
 
     def _use_sm90(self, tuning: _tuning.Tuning) -> bool:
@@ -327,7 +381,9 @@ class PrefillPlan:
         import cupy
 
         info, w, dev = self.info, self.work, self.info.device_id
-        if w.max_seq_len > self._width * info.block_size:
+        # A window-relative table needs only the window's pages: the kernel bounds its entries
+        # by the row's width (bt_width) instead.
+        if self._first_page is None and w.max_seq_len > self._width * info.block_size:
             raise InvalidArgumentError(
                 f"a seq_len ({w.max_seq_len}) exceeds the block tables' {self._width} blocks "
                 f"of {info.block_size} tokens"
@@ -359,24 +415,35 @@ class PrefillPlan:
 
     def _check_host_rows(self) -> None:
         tables, lens = self._tables, self.seq_lens
-        nblk = -(-lens // self.info.block_size)
-        if (nblk > tables.shape[1]).any():
-            raise InvalidArgumentError("a seq_len needs more blocks than its block table row holds")
-        for i, n in enumerate(nblk):
-            row = tables[i, :n]
-            if ((row < 0) | (row >= self.info.num_blocks)).any():
-                raise InvalidArgumentError(f"block table row {i} holds an id outside the pool")
+        if self._first_page is None and not (self.window or self.chunk):
+            nblk = -(-lens // self.info.block_size)
+            if (nblk > tables.shape[1]).any():
+                raise InvalidArgumentError(
+                    "a seq_len needs more blocks than its block table row holds"
+                )
+        qo_lens = np.diff(self.qo_indptr)
+        starts = np.where(
+            qo_lens > 0,
+            reference.key_start(lens - qo_lens, self.window or None, self.chunk or None),
+            lens,
+        )
+        check_host_window_rows(
+            tables, lens, self._first_page, starts, self.info.block_size, self.info.num_blocks
+        )
 
     # -- running -------------------------------------------------------------------------------
 
-    def run(self, q: Any, layer: int, *, out: Any = None) -> Any:
+    def run(self, q: Any, layer: int, *, out: Any = None, sinks: Any = None) -> Any:
         """Attention of the batch's query tokens (q: [total_q, num_q_heads, head_dim], packed
         by qo_indptr; torch or CuPy, the pool's dtype, or float16 / bfloat16 over an fp8 pool)
         over layer `layer`. Returns `out` (written in place when given; else a new array of
-        q's kind and dtype)."""
+        q's kind and dtype). `sinks` (a plan made with use_sinks=True): this layer's attention
+        sinks, float32 [num_q_heads] logits that join each head's denominator only."""
         layer = check_layer(layer, self.info)
+        if sinks is not None and not self.use_sinks:
+            raise InvalidArgumentError("sinks given to a plan made without use_sinks=True")
         if not self.info.cuda:
-            return self._run_host(q, layer, out)
+            return self._run_host(q, layer, out, sinks)
         info, pool = self.info, self.pool
         if pool.num_blocks != info.num_blocks or pool.base_ptr != info.base_ptr:
             raise InvalidArgumentError("the pool grew since the plan was made: make a new plan")
@@ -394,12 +461,14 @@ class PrefillPlan:
                 raise InvalidArgumentError(f"{name} rows must be contiguous and 16-byte aligned")
             if v.ptr:  # an empty array may have no memory at all
                 check_ptr(v.ptr, name, info.device_id)
+        sinks_ptr, sv = device_sinks(sinks, self.num_q_heads, info.device_id)
         if self.work.num_items == 0:
             return out
         views = [qv, ov, *(self._lens_views or ()), self._bt_view]
+        views += [x for x in (self._first_page, sv) if x is not None]
         wait_producers(self.stream, info.device_id, *views)
         with self._lock:
-            ln.launch(self, qv.ptr, ov.ptr, layer)
+            ln.launch(self, qv.ptr, ov.ptr, layer, sinks_ptr)
         return out
 
     def _check_q_shape(self, shape: tuple[int, ...]) -> None:
@@ -411,8 +480,9 @@ class PrefillPlan:
                 f"q must be [total_q, num_q_heads, head_dim] = {list(want)}, got {tuple(shape)}"
             )
 
-    def _run_host(self, q: Any, layer: int, out: Any) -> Any:
+    def _run_host(self, q: Any, layer: int, out: Any, sinks: Any = None) -> Any:
         info = self.info
+        sinks64 = host_sinks(sinks, self.num_q_heads)
         fp8 = self.scales is not None
         q_np, q_dtype, q_bytes = host_query(q, info, fp8, self._check_q_shape, out)
         self._check_host_rows()  # the tables' contents may have changed since the plan
@@ -428,6 +498,10 @@ class PrefillPlan:
             self.causal,
             q_dtype=q_dtype,
             kv_scales=self.scales.layer_scales(layer) if self.scales else None,
+            window=self.window or None,
+            chunk=self.chunk or None,
+            sinks=sinks64,
+            first_page=self._first_page,
         )
         return host_result(res, q_dtype, q, q_np, out)
 
@@ -507,6 +581,10 @@ class _Launch:
             q_tile_tokens=w.q_tile_tokens,
             causal=int(plan.causal),
             scale_log2=softmax_scale_log2(plan.scale, d),
+            first_page=0 if plan._first_page is None else plan._first_page.ptr,
+            window=plan.window,
+            attn_chunk=plan.chunk,
+            sinks=0,
         )
         self.fp8 = fp8
         if fp8:
@@ -516,7 +594,8 @@ class _Launch:
             self.args: Any = fill_args(PrefillFp8Args, **fields)
         else:
             self.args = fill_args(PrefillArgs, **fields)
-        self.params = param_block(self.args)
+        sm90 = variant.source != "paged_prefill.cu"
+        self.params = param_block(self.args, SM80_ONLY if sm90 else ())
         self.margs = fill_args(
             PrefillMergeArgs,
             part_o=part_o,
@@ -527,13 +606,17 @@ class _Launch:
             total_q=w.total_q,
             num_q_heads=hq,
             num_splits=w.num_splits,
+            sinks=0,
         )
         self.mparams = param_block(self.margs)
 
-    def launch(self, plan: PrefillPlan, q_ptr: int, out_ptr: int, layer: int) -> None:
+    def launch(
+        self, plan: PrefillPlan, q_ptr: int, out_ptr: int, layer: int, sinks: int = 0
+    ) -> None:
         info, w, v = plan.info, plan.work, self.variant
         k_base = info.base_ptr + layer * info.strides["layer"]
         a = self.args
+        a.sinks = self.margs.sinks = sinks
         a.q, a.out, a.k_base, a.v_base = q_ptr, out_ptr, k_base, k_base + info.strides["kv"]
         if self.fp8:
             a.k_scale, a.v_scale = plan.scales.ptrs(layer)  # type: ignore[union-attr]
@@ -566,6 +649,10 @@ def paged_attention_prefill(
     num_splits: int | None = None,
     workspace: Any = None,
     scales: KvScales | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    first_page: Any = None,
+    sinks: Any = None,
 ) -> Any:
     """Attention of a varlen batch of query tokens over their sequences' paged K/V in `layer`,
     in one call: ``prefill_plan(pool, qo_indptr, block_tables, seq_lens, q.shape[1], ...)
@@ -581,7 +668,9 @@ def paged_attention_prefill(
     float16), a CuPy array (a bfloat16 one as 2-byte integers), or NumPy for a host pool. The
     result is `out` when given (written in place), else a new array of q's kind and dtype. An
     fp8 pool (float8_e4m3fn / float8_e5m2) takes float16 or bfloat16 q and out, and `scales`
-    (its KvScales): attention over the dequantized cache.
+    (its KvScales): attention over the dequantized cache. window / chunk / first_page: a
+    sliding-window or chunked local layer (prefill_plan); sinks: this layer's attention sinks
+    (PrefillPlan.run; a plan given here must be made with use_sinks=True).
     """
     layer = index_arg(layer, "layer")
     if not isinstance(causal, (bool, np.bool_)):
@@ -599,8 +688,12 @@ def paged_attention_prefill(
             scale=scale,
             scales=scales,
             num_splits=num_splits,
-            stream=call_stream(stream, pool, q, out),
+            stream=call_stream(stream, pool, q, out, sinks),
             workspace=workspace,
+            window=window,
+            chunk=chunk,
+            first_page=first_page,
+            use_sinks=sinks is not None,
         )
     else:
         check_plan_pool(plan, pool, PrefillPlan)
@@ -609,7 +702,14 @@ def paged_attention_prefill(
                 f"the plan was made with causal={plan.causal}, this call asks causal={causal}"
             )
         given = dict(
-            scale=scale, stream=stream, num_splits=num_splits, workspace=workspace, scales=scales
+            scale=scale,
+            stream=stream,
+            num_splits=num_splits,
+            workspace=workspace,
+            scales=scales,
+            window=window,
+            chunk=chunk,
+            first_page=first_page,
         )
         names = [name for name, value in given.items() if value is not None]
         if names:
@@ -617,7 +717,7 @@ def paged_attention_prefill(
                 f"{', '.join(names)}: the plan's own arguments; pass them when making the plan"
             )
         plan.check_batch(qo_indptr, block_tables, seq_lens)
-    return plan.run(q, layer, out=out)
+    return plan.run(q, layer, out=out, sinks=sinks)
 
 
 def _num_q_heads(q: Any, pool: Any) -> int:

@@ -36,7 +36,18 @@ class PrefillArgs(ctypes.Structure):
         ("q_tile_tokens", _i32),
         ("causal", _i32),
         ("scale_log2", _f32),
+        # Windows and sinks (paged_prefill.cu only; the sm_90 kernel takes none: SM80_ONLY):
+        # the per-sequence first page of a window-relative table (0: null), the sliding
+        # window, the chunk (0: none), the run's per-head sink logits (0: null).
+        ("first_page", _u64),
+        ("window", _i32),
+        ("attn_chunk", _i32),
+        ("sinks", _u64),
     ]
+
+
+# PrefillArgs fields paged_prefill.cu has and paged_prefill_sm90.cu does not.
+SM80_ONLY = ("first_page", "window", "attn_chunk", "sinks")
 
 
 class PrefillFp8Args(ctypes.Structure):
@@ -62,4 +73,5 @@ class PrefillMergeArgs(ctypes.Structure):
         ("total_q", _i32),
         ("num_q_heads", _i32),
         ("num_splits", _i32),
+        ("sinks", _u64),
     ]

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool import reference
 from kvpool.exceptions import InvalidArgumentError
 
 MIN_SPLIT_TILES = 4  # KV tiles per split at least: shorter runs cost more in the merge
@@ -118,8 +119,12 @@ def plan_work(
     *,
     causal: bool = True,
     num_splits: int | None = None,
+    window: int = 0,
+    chunk: int = 0,
 ) -> PrefillWork:
-    """The work items and split count for host copies of qo_indptr and seq_lens."""
+    """The work items and split count for host copies of qo_indptr and seq_lens. With a
+    sliding `window` or a `chunk` (0: none; causal only) a tile's keys start at its first
+    query's window start rounded down to a KV tile, as the kernel reads them."""
     indptr, lens = host_lengths(qo_indptr, seq_lens)
     qo_lens = np.diff(indptr)
     q_tile = rows_per_cta // head_tile
@@ -130,6 +135,9 @@ def plan_work(
     qt0 = first * q_tile
     if causal:  # keys the tile's last query sees
         keys = lens[seq] - qo_lens[seq] + np.minimum(qt0 + q_tile, qo_lens[seq])
+        if window or chunk:  # ... less those before the first query's window (whole tiles)
+            lo = reference.key_start(lens[seq] - qo_lens[seq] + qt0, window or None, chunk or None)
+            keys = keys - lo // kv_tile * kv_tile
     else:
         keys = lens[seq]
     order = np.argsort(-keys, kind="stable")
