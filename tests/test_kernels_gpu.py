@@ -402,7 +402,7 @@ def test_decode_more_argument_errors_and_empty_batch():
         pass
     with pytest.raises(err, match="exceeds"):  # 2 blocks of 16 tokens hold 32
         paged_attention_decode(q, pool, 0, tables, lens, max_seq_len=33)
-    with pytest.raises(err, match="max_seq_len"):
+    with pytest.raises(TypeError, match="max_seq_len"):  # a wrong type, not a wrong value
         paged_attention_decode(q, pool, 0, tables, lens, max_seq_len=20.0)
     wide = cp.asarray(np.array([[0, 1, 2, 3, 4, 5, 6, 7]], np.int32))
     for ws in (
