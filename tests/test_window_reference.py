@@ -253,3 +253,14 @@ def test_window_decode_modules_are_their_own_and_in_the_ci_list():
     win = _build.window_tc_variants()
     assert all("-DWINDOW=1" in v.options() for v in win)
     assert all("-DWINDOW=1" not in v.options() for v in _build.tc_variants())
+
+
+def test_forcing_the_sm90_prefill_with_a_window_or_sinks_is_refused():
+    from kvpool.kernels import _tuning
+
+    pool = host_pool()
+    lens, tables, ip = np.array([5], np.int32), np.arange(4, dtype=np.int32)[None], qo_indptr([2])
+    with _tuning.override(prefill_kernel="sm90"):
+        for kw in (dict(window=3), dict(chunk=4), dict(use_sinks=True)):
+            with pytest.raises(kvpool.InvalidArgumentError, match="'sm80' kernel"):
+                prefill_plan(pool, ip, tables, lens, 4, **kw)
