@@ -14,7 +14,8 @@ kernel that loads one (even masked: 0 * NaN in P.V is NaN) fails. Each kernel ru
 full tables and over window-relative tables (only the live pages, `first_page`), and the
 mutations (a window one token too wide, a chunk one token early, a sink left out) must fail the
 bound. On compute capability 9.0 the prefill plans take paged_prefill.cu (the sm_90 kernel has
-no windows), which these tests therefore check there too.
+no windows), which these tests therefore check there too. The last test runs both kernels over
+fp8 caches (e4m3 / e5m2 codes, per-head scales), the codes before each window NaN (0x7f).
 """
 
 from __future__ import annotations
