@@ -43,9 +43,18 @@
 // fp16's normal range, 6.1e-5 .. 65504). Needs head_dim % 16 == 0 (16-byte fp8 chunks; the
 // host refuses other head dims).
 //
+// Sliding window / chunked local attention (WINDOW=1 modules; window and attn_chunk run-time,
+// 0 = none, see decode_common.cuh's key_start): the query at position len - 1 sees keys
+// [kv_lo, len); splits cut [kv_lo rounded down to a tile, len) and rows below kv_lo are masked
+// without a load, so the pages before the window are never read. first_page (null: 0) makes the
+// table rows window-relative: entry 0 is the sequence's page first_page[seq]; entries outside
+// 0 .. bt_width - 1 are never read. Attention sinks (every module; sinks null: none): a
+// per-query-head logit (natural log, the scaled q.k domain) added to the denominator once, in
+// the direct output or in the fused merge, never in a split's partial.
+//
 // Compile-time constants (NVRTC -D): KV_BF16, DP (16..256, multiple of 16), NH (1: gq <= 8,
 // 2: gq <= 16), NWARPS, STAGES (2..4), MAX_SPLITS (the most splits the host plans: the fused
-// merge keeps MAX_SPLITS x 16 weights in shared memory), optionally KV_FP8 and Q_BF16.
+// merge keeps MAX_SPLITS x 16 weights in shared memory), optionally KV_FP8, Q_BF16 and WINDOW.
 // Everything else is a run-time argument.
 
 #if !defined(KV_BF16) || !defined(DP) || !defined(NH) || !defined(NWARPS) || !defined(STAGES) || \

@@ -35,6 +35,14 @@
 // fp16 tile's previous readers are behind the loop's closing __syncthreads). Shared memory is
 // the same as the synchronous form at STAGES = 2: one fp16 tile + two fp8 tiles = two fp16 tiles.
 //
+// Sliding window / chunked local attention (run-time window, attn_chunk; 0 = none; causal only,
+// see decode_common.cuh's key_start): each row sees keys [key_start(pos), pos]; a CTA's KV tiles
+// start at its first row's window start rounded down to BN, keys before it are not loaded, and
+// a tile starting before its last row's start takes the lower mask too. first_page (null: 0):
+// window-relative table rows (entry 0 is page first_page[seq]). Sinks (null: none): one logit
+// per query head added to the row's denominator in the epilogue, or once in
+// merge_prefill_splits when the keys are split (partials carry none).
+//
 // Compile-time constants (NVRTC -D): KV_BF16, HEAD_DIM (64|128|256), BLOCK_SIZE (power of two),
 // NWARPS, BN (KV tile tokens, multiple of 16), STAGES, optionally KV_FP8 and Q_BF16.
 

@@ -14,7 +14,8 @@ kernel that loads one (even masked: 0 * NaN in P.V is NaN) fails. Each kernel ru
 full tables and over window-relative tables (only the live pages, `first_page`), and the
 mutations (a window one token too wide, a chunk one token early, a sink left out) must fail the
 bound. On compute capability 9.0 the prefill plans take paged_prefill.cu (the sm_90 kernel has
-no windows), which these tests therefore check there too.
+no windows), which these tests therefore check there too. The last test runs both kernels over
+fp8 caches (e4m3 / e5m2 codes, per-head scales), the codes before each window NaN (0x7f).
 """
 
 from __future__ import annotations
@@ -24,7 +25,15 @@ import numpy as np
 import pytest
 from attention_check import as_float64, assert_attention_close
 from attention_inputs import qo_indptr, shuffled_tables
-from gpu_fixtures import NAN_BITS, cp, cuda_pool, device_elems, error_report, poisoned
+from gpu_fixtures import (
+    NAN_BITS,
+    cp,
+    cuda_pool,
+    device_elems,
+    error_report,
+    poisoned,
+    to_device,
+)
 from kvpool import reference
 from kvpool.kernels import decode_plan, prefill_plan
 
@@ -302,3 +311,79 @@ def test_the_cuda_core_decode_refuses_windows():
         plan = decode_plan(pool, tables, lens, 4, max_seq_len=1)
         with pytest.raises(kvpool.InvalidArgumentError, match="sinks run on the tensor-core"):
             plan.run(device_elems(rng, (1, 4, 64), "float16"), 0, sinks=cp.zeros(4, cp.float32))
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("q_dtype", DTYPES)
+def test_window_over_an_fp8_cache(fmt, q_dtype):
+    """The window decode and prefill over an fp8 cache (per-head scales, sinks, window-relative
+    tables): attention over the dequantized cache, the codes before each window NaN (0x7f)."""
+    d, hkv, hq, bs, window = 128, 2, 8, 16, 100
+    rng = np.random.default_rng([13, len(fmt), len(q_dtype)])
+    lens = np.array([1, 37, 300, 1100], np.int32)
+    qo = np.array([1, 20, 64, 3], np.int32)
+    need = sum(-(-int(n) // bs) for n in lens)
+    pool = kvpool.Pool(kvpool.KvLayout(1, hkv, d, bs, fmt), need + 4, device="cuda")
+    scales = kvpool.KvScales(pool, "head")
+    scales.set(0, np.array([0.05, 0.08], np.float32), np.array([0.04, 0.06], np.float32))
+    for view in (pool.k_view(0), pool.v_view(0)):
+        arr = cp.asarray(view)
+        codes = reference.quantize_fp8(rng.standard_normal(arr.shape) * 8, fmt)
+        arr[...] = cp.asarray(codes).view(arr.dtype)
+    full = shuffled_tables(rng, lens, bs, pool.num_blocks)
+    kc, vc = _host_kv(pool)
+    ks, vs = scales.layer_scales(0)
+    sinks = _sinks(rng, hq)
+    ip = qo_indptr(qo)
+    for kind, q_rows, starts in (
+        ("decode", len(lens), reference.key_start(lens - 1, window)),
+        ("prefill", int(ip[-1]), reference.key_start(lens - qo, window)),
+    ):
+        wtab, fp = _window_tables(full, lens, bs, starts)
+        for i, lo in enumerate(starts):  # NaN codes before the window (restored below)
+            pos = np.arange(int(lo))
+            for view in (pool.k_view(0), pool.v_view(0)):
+                a = cp.asarray(view).view(cp.uint8)
+                a[cp.asarray(full[i, pos // bs]), cp.asarray(pos % bs)] = 0x7F
+        q_host = reference.from_float64(rng.standard_normal((q_rows, hq, d)), q_dtype)
+        q = to_device(q_host, q_dtype)
+        out = poisoned(q.shape, q_dtype)
+        common = dict(scales=scales, window=window, first_page=cp.asarray(fp))
+        if kind == "decode":
+            plan = decode_plan(pool, cp.asarray(wtab), cp.asarray(lens), hq, **common)
+            want = reference.paged_attention_decode(
+                q_host,
+                kc,
+                vc,
+                full,
+                lens,
+                fmt,
+                q_dtype=q_dtype,
+                kv_scales=(ks, vs),
+                window=window,
+                sinks=sinks,
+            )
+        else:
+            plan = prefill_plan(pool, ip, cp.asarray(wtab), lens, hq, use_sinks=True, **common)
+            want = reference.paged_attention_prefill(
+                q_host,
+                kc,
+                vc,
+                ip,
+                full,
+                lens,
+                fmt,
+                None,
+                True,
+                q_dtype,
+                (ks, vs),
+                window=window,
+                sinks=sinks,
+            )
+        plan.run(q, 0, out=out, sinks=cp.asarray(sinks))
+        label = f"fp8 {kind}[{fmt},{q_dtype}]"
+        got = as_float64(out, q_dtype)
+        assert np.isfinite(got).all(), f"{label}: NaN or unwritten outputs"
+        ERRORS[label] = assert_attention_close(got, want, q_dtype, label)
+        for view, host in ((pool.k_view(0), kc), (pool.v_view(0), vc)):
+            cp.asarray(view)[...] = cp.asarray(host)

@@ -22,6 +22,7 @@ from kvpool.kernels import _build, decode_plan, prefill_plan
 from kvpool.kernels._decode_args import TC_ONLY, DecodeArgs, DecodeFp8Args
 from kvpool.kernels._prefill_args import SM80_ONLY, PrefillArgs, PrefillMergeArgs
 from kvpool.kernels._prefill_work import plan_work
+from kvpool.kernels._window import check_host_window_rows
 
 CUDA = Path(__file__).resolve().parent.parent / "cuda"
 
@@ -253,3 +254,59 @@ def test_window_decode_modules_are_their_own_and_in_the_ci_list():
     win = _build.window_tc_variants()
     assert all("-DWINDOW=1" in v.options() for v in win)
     assert all("-DWINDOW=1" not in v.options() for v in _build.tc_variants())
+
+
+def test_forcing_the_sm90_prefill_with_a_window_or_sinks_is_refused():
+    from kvpool.kernels import _tuning
+
+    pool = host_pool()
+    lens, tables, ip = np.array([5], np.int32), np.arange(4, dtype=np.int32)[None], qo_indptr([2])
+    with _tuning.override(prefill_kernel="sm90"):
+        for kw in (dict(window=3), dict(chunk=4), dict(use_sinks=True)):
+            with pytest.raises(kvpool.InvalidArgumentError, match="'sm80' kernel"):
+                prefill_plan(pool, ip, tables, lens, 4, **kw)
+
+
+@pytest.mark.parametrize("kind", ["window", "chunk"])
+def test_hybrid_window_tables_are_what_the_kernels_take(kind):
+    """HybridTables.table(id, group) of a window (or chunked) group: (first_page, page_ids,
+    num_tokens), the page ids starting at page first_page of the sequence. After a prefill or
+    decode step of queries from position q0 on, its first page is exactly the page of
+    key_start(q0) (the kernels' window start of the step's first query), and the row holds every
+    page up to the last token: the kernels' `first_page` and table row, as they are."""
+    from kvpool import HybridTables, KvGroup, ModelKvSpec, Pool
+
+    extent = 24
+    local = (
+        KvGroup.sliding_window([0], extent, 1, 64)
+        if kind == "window"
+        else KvGroup.chunked_local([0], extent, 1, 64)
+    )
+    spec = ModelKvSpec([local, KvGroup.full([1], 1, 64)])
+    pool = Pool(kvpool.KvLayout(1, 1, spec.page_bytes // 4, 1, "float16"), 256, device="host")
+    tables = HybridTables(pool, spec)
+    bs = spec.block_size(0)
+    kw = {kind: extent}
+    tables.add(7, 30)  # a prompt: queries 0 .. 29
+    steps = []
+    for count in (0, 1, 1, 17, 1, 40, 1, 1, 3):  # the prompt, then decodes and prefill chunks
+        q0 = tables.num_tokens(7) if count else 0
+        if count:
+            tables.append_tokens(7, count)
+        n = q0 + count if count else 30
+        first, ids, num_tokens = tables.table(7, 0)
+        assert num_tokens == n
+        assert first == int(reference.key_start(q0, **kw)) // bs, (q0, n, first)
+        assert len(ids) == -(-n // bs) - first
+        check_host_window_rows(
+            ids[None].astype(np.int64),
+            np.array([n]),
+            np.array([first]),
+            reference.key_start(np.array([q0]), **kw),
+            bs,
+            pool.num_blocks,
+        )
+        steps.append(first)
+    assert steps[-1] > 0  # pages before the window were let go
+    full_first, full_ids, _ = tables.table(7, 1)
+    assert full_first == 0 and len(full_ids) == -(-n // spec.block_size(1))
