@@ -72,7 +72,8 @@ class _Entry:
 
 
 class DiskTier:
-    """``capacity_blocks`` blocks of ``layout`` in ``directory``/blocks.kv (made or emptied);
+    """``capacity_blocks`` blocks of ``layout`` in ``directory``/blocks.kv (both made, or the
+    file emptied);
     see the module docstring. ``close()`` (or ``with``) releases the file and NIXL.
 
     ``direct=True`` opens the file with O_DIRECT: the bytes go between the pool and the
@@ -112,6 +113,7 @@ class DiskTier:
                 f"direct I/O needs blocks of a multiple of {DIRECT_ALIGN} bytes, not "
                 f"{self.block_bytes}"
             )
+        Path(directory).mkdir(parents=True, exist_ok=True)
         self.path = Path(directory) / "blocks.kv"
         flags = os.O_CREAT | os.O_RDWR | os.O_TRUNC | (os.O_DIRECT if direct else 0)
         try:
