@@ -282,6 +282,7 @@ def test_a_read_of_many_chunks_checks_every_block(tmp_path, monkeypatch):
     import kvpool.tier.disk as disk
 
     monkeypatch.setattr(disk, "READ_CHUNK_BYTES", 2 * BB)
+    monkeypatch.setattr(disk, "MIN_READ_CHUNK_BYTES", 2 * BB)
     src, dst = make_pool(seed=1), make_pool(seed=2)
     keys = [key(i) for i in range(7)]
     with DiskTier(tmp_path, LAYOUT, 8) as tier:
@@ -293,3 +294,54 @@ def test_a_read_of_many_chunks_checks_every_block(tmp_path, monkeypatch):
         assert tier.get(dst, list(range(20, 27)), keys) == [True] * 3 + [False] + [True] * 3
         assert len(tier.descriptor_counts) - count == 4  # 4 chunks, one READ each
         assert all(block(dst, 20 + i) == block(src, i) for i in (0, 1, 2, 4, 5, 6))
+
+
+def test_a_prefix_evicted_from_the_pool_comes_back_from_disk_by_hash(tmp_path):
+    # Request 1 computes 6 full blocks and finishes (written through to disk); other requests
+    # then take every block, so the pool's cache evicts them; request 2 with the same prompt
+    # misses in the pool and gets its KV back from disk, byte-exact, up to a corrupt block.
+    from kvpool.tier import PrefixDiskCache
+
+    pool = kvpool.Pool(LAYOUT, 8, device="host", enable_prefix_caching=True)
+    tables = kvpool.BlockTables(pool, 8, 8)
+    prompt = list(range(1000, 1000 + 16 * 6 + 5))  # 6 full blocks and 5 tokens
+    with DiskTier(tmp_path, LAYOUT, 32) as tier:
+        cache = PrefixDiskCache(tables, tier)
+        _, ready = cache.add_request(1, prompt)
+        assert ready == 0
+        ids = [int(b) for b in tables.blocks(1)]
+        kv = np.random.default_rng(5).integers(0, 256, (len(ids), BB), dtype=np.uint8)
+        for b, row in zip(ids, kv, strict=True):  # "compute" the request's KV
+            raw(pool)[b * BB : (b + 1) * BB] = row
+        assert cache.free(1) == 6  # the full blocks, not the partial one
+        assert pool.num_evictable == 6
+        cache.add_request(2, list(range(5000, 5000 + 16 * 8)))  # every block: evicts them all
+        assert pool.num_evictable == 0
+        assert cache.free(2) == 8
+        cache.tables.add(9, 16 * 8)  # the pool's cache is churned again, its blocks reused
+        tables.free(9)
+        raw(pool)[:] = 0
+        # The second request: no pool hit (its blocks were evicted), six disk hits.
+        result, ready = cache.add_request(3, prompt)
+        assert result.num_cached_tokens == 0 and ready == 16 * 6
+        got = [block(pool, int(b)) for b in tables.blocks(3)[:6]]
+        assert got == [row.tobytes() for row in kv[:6]]
+        chain = cache.block_hashes(3)
+        assert chain is not None and len(chain) == 6 and all(h in tier for h in chain)
+        cache.free(3)
+        disk = [e for e in cache.take_kv_events() if e.medium == "disk"]
+        assert [type(e).__name__ for e in disk] == ["BlockStored"] * 2  # requests 1 and 2
+        # A flipped byte in the disk copy of block 3: the prefix read from disk stops before it.
+        cache.add_request(4, list(range(7000, 7000 + 16 * 8)))  # evicts request 3's blocks
+        cache.free(4)
+        raw(pool)[:] = 0
+        with open(tier.path, "r+b") as f:
+            f.seek(tier._index[chain[3]].slot * BB + 9)
+            f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
+        _, ready = cache.add_request(5, prompt)
+        assert ready == 16 * 3
+        assert [block(pool, int(b)) for b in tables.blocks(5)[:3]] == got[:3]
+        assert chain[3] not in tier  # the corrupt copy is gone
+        cache.free(5)
+        pool.check_invariants()
+        tier.check_invariants()

@@ -337,14 +337,15 @@ def test_a_deadline_passing_during_the_read_discards_it_and_tells_the_sender(tmp
 
 def test_a_silent_receiver_is_given_up_at_the_senders_deadline(tmp_path):
     # The receiver accepts, then neither reads nor answers: the sender's lease ends at its
-    # deadline (a clock stepping 0.25 s per reading), it keeps its request and tells the
+    # deadline (a clock stepping 10 s per reading; timeout_s is also the real
+    # bound on the wait for the accept, so it stays generous), it keeps its request and tells the
     # receiver, which frees what it had allocated.
     with spawn("stuck_reader", tmp_path) as other:
         pool, tables = make_side()
         fill(pool, tables, 7, 16 * 5 + 3)
         free_before = pool.num_free
         transport = other.connect(pool)
-        sender = KvSender(tables, transport, timeout_s=1.0, clock=Clock(step=0.25))
+        sender = KvSender(tables, transport, timeout_s=PEER_WAIT_S, clock=Clock(step=10.0))
         with pytest.raises(TransferError, match="did not finish reading before the deadline"):
             sender.send(7)
         assert request_bytes(pool, tables, 7) == expected_bytes(7, 16 * 5 + 3)

@@ -56,9 +56,11 @@ DEFAULT_MAX_QUEUED_EVENTS = 10_000
 # O_DIRECT needs the buffer, offset and length aligned to the device's logical block; 4 KiB
 # covers every device seen (512-byte and 4 KiB ones).
 DIRECT_ALIGN = 4096
-# A read is cut into chunks of about this many bytes, so that the checksums of one chunk are
-# computed while the next is read.
+# A read is cut into chunks, so that the checksums of one chunk are computed while the next
+# is read: about an eighth of the read, within these bounds (a transfer costs tens of
+# microseconds to post; a chunk of 1 MiB takes hundreds to move).
 READ_CHUNK_BYTES = 16 << 20
+MIN_READ_CHUNK_BYTES = 1 << 20
 _POLL_S = 0.0001
 _SPIN_S = 0.002
 
@@ -70,7 +72,8 @@ class _Entry:
 
 
 class DiskTier:
-    """``capacity_blocks`` blocks of ``layout`` in ``directory``/blocks.kv (made or emptied);
+    """``capacity_blocks`` blocks of ``layout`` in ``directory``/blocks.kv (both made, or the
+    file emptied);
     see the module docstring. ``close()`` (or ``with``) releases the file and NIXL.
 
     ``direct=True`` opens the file with O_DIRECT: the bytes go between the pool and the
@@ -110,6 +113,7 @@ class DiskTier:
                 f"direct I/O needs blocks of a multiple of {DIRECT_ALIGN} bytes, not "
                 f"{self.block_bytes}"
             )
+        Path(directory).mkdir(parents=True, exist_ok=True)
         self.path = Path(directory) / "blocks.kv"
         flags = os.O_CREAT | os.O_RDWR | os.O_TRUNC | (os.O_DIRECT if direct else 0)
         try:
@@ -237,8 +241,11 @@ class DiskTier:
                 readable.append((i, entry))
             else:
                 bad.append(keys[i])  # the file was cut short under this block
-        # Chunks of about READ_CHUNK_BYTES: chunk k+1 is in flight while chunk k is checked.
-        per_chunk = max(1, READ_CHUNK_BYTES // self.block_bytes)
+        # Chunk k+1 is in flight while chunk k is checked.
+        chunk_bytes = min(
+            READ_CHUNK_BYTES, max(MIN_READ_CHUNK_BYTES, len(readable) * self.block_bytes // 8)
+        )
+        per_chunk = max(1, chunk_bytes // self.block_bytes)
         chunks = [readable[k : k + per_chunk] for k in range(0, len(readable), per_chunk)]
         pending = (
             self._post(pool, [(ids[i], e.slot) for i, e in chunks[0]], "READ") if chunks else None
