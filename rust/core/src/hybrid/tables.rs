@@ -351,15 +351,13 @@ impl HybridTables {
                 )));
             }
         }
-        // Plan every request against the tables as they are, into one flat list. A decode
-        // step mostly crosses no page boundary in any group: such a request's plans are
-        // dropped again and only its counters move at commit. The pages the plans release
-        // (a copied page too: the other holders keep it) are listed here, while the
-        // request is at hand.
-        let mut planned = Vec::with_capacity(request_ids.len());
-        let mut plans = Vec::new();
-        let mut released = Vec::new();
-        let mut total = 0usize;
+        // Plan every request against the tables as they are, into one flat list: first
+        // every lookup (a tight loop, so that their cache misses overlap), then each
+        // request's plans. A decode step mostly crosses no page boundary in any group: such
+        // a request gets no plans, and only its counters move at commit. The pages the
+        // plans release (a copied page too: the other holders keep it) are listed here,
+        // while the request is at hand.
+        let mut found = Vec::with_capacity(request_ids.len());
         for (&request_id, &count) in request_ids.iter().zip(counts) {
             let request = self.request(request_id)?;
             let num_tokens = request.num_tokens.checked_add(count).ok_or_else(|| {
@@ -368,16 +366,24 @@ impl HybridTables {
                     request.num_tokens
                 ))
             })?;
+            found.push((request, num_tokens));
+        }
+        let mut planned = Vec::with_capacity(request_ids.len());
+        let mut plans = Vec::new();
+        let mut released = Vec::new();
+        let mut total = 0usize;
+        for (request, num_tokens) in found {
             let start = plans.len();
-            if self.plan(request, num_tokens, request.num_tokens, &mut plans)? {
+            // The decode fast path: most requests cross no page boundary in any group.
+            if !self.only_counters_move(request, num_tokens)? {
+                let changes = self.plan(request, num_tokens, request.num_tokens, &mut plans)?;
+                debug_assert!(changes, "only_counters_move said some group changes");
                 let mine = &plans[start..];
                 total = total.saturating_add(total_fresh(mine));
                 for (plan, pages) in mine.iter().zip(&request.groups) {
                     released.extend(plan.released(pages));
                     released.extend_from_slice(plan.copied(pages));
                 }
-            } else {
-                plans.truncate(start);
             }
             let plans = start..plans.len();
             planned.push(PlannedAppend { next_query: request.num_tokens, num_tokens, plans });
@@ -519,6 +525,46 @@ impl HybridTables {
             plans.push(plan);
         }
         Ok(changes)
+    }
+
+    /// Whether appending to `request` up to `num_tokens` (its queries from its current end
+    /// on still to run) leaves every group's table as it is: no page enters or leaves the
+    /// live range and none is copied, so only its counters move. Exactly when
+    /// [`plan`](Self::plan) would plan no change, in fewer steps: a decode step asks it of
+    /// every request, and it builds nothing.
+    fn only_counters_move(
+        &self,
+        request: &RequestPages,
+        num_tokens: usize,
+    ) -> Result<bool, CoreError> {
+        let old_tokens = request.num_tokens;
+        let appending = num_tokens > old_tokens;
+        for (rule, pages) in self.spec.live_rules().iter().zip(&request.groups) {
+            let live = rule.live_pages(num_tokens, old_tokens);
+            if live.start != pages.first_page || live.end != pages.first_page + pages.page_ids.len()
+            {
+                return Ok(false);
+            }
+            if !appending {
+                continue;
+            }
+            // The kept page the new tokens write into, which `plan` copies if it is shared:
+            // a state slot (its first page tells), or a token group's partly filled page.
+            let written = match *rule {
+                LiveRule::State { .. } => pages.page_ids.first(),
+                LiveRule::Tokens { block_size, .. } if block_size.rem(old_tokens) != 0 => {
+                    let index = block_size.div(old_tokens).wrapping_sub(pages.first_page);
+                    pages.page_ids.get(index)
+                }
+                LiveRule::Tokens { .. } => None,
+            };
+            if let Some(&page) = written {
+                if self.is_shared(page)? {
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
     }
 
     fn is_shared(&self, page_id: u32) -> Result<bool, CoreError> {

@@ -21,32 +21,38 @@ fn heads(num_kv_heads: usize, head_dim: usize) -> AttentionShape {
     AttentionShape { num_kv_heads, head_dim, dtype: DType::Float16 }
 }
 
-/// One group of each kind. `odd`: page sizes that are not powers of two (21 and 5 tokens
-/// a page, a window of 7, chunks of 10); else 4 tokens a page, a window of 6, chunks of 8.
-fn spec(odd: bool) -> ModelKvSpec {
+/// One group of each kind (the state group only `with_state`: while a fork shares a state
+/// slot, every append of either request plans its copy, whatever the token groups need).
+/// `odd`: page sizes that are not powers of two (21 and 5 tokens a page, a window of 7,
+/// chunks of 10); else 4 tokens a page, a window of 6, chunks of 8.
+fn spec(odd: bool, with_state: bool) -> ModelKvSpec {
     let (full, window, chunk) = if odd {
         (heads(1, 12), (7, heads(1, 48)), 10)
     } else {
         (heads(1, 64), (6, heads(1, 64)), 8)
     };
-    let groups = vec![
+    let mut groups = vec![
         GroupKind::Full(full),
         GroupKind::SlidingWindow { window: window.0, shape: window.1 },
         GroupKind::RecurrentState { bytes_per_layer: 1500 },
         GroupKind::MlaLatent { latent_dim: 224, rope_dim: 32, dtype: DType::Float16 },
         GroupKind::ChunkedLocal { chunk, shape: heads(1, 64) },
     ];
+    if !with_state {
+        groups.remove(2);
+    }
+    let num_layers = groups.len();
     let groups = groups.into_iter().enumerate().map(|(l, kind)| KvGroup::new(vec![l], kind));
-    ModelKvSpec::new(5, groups.collect(), PAGE_BYTES).unwrap()
+    ModelKvSpec::new(num_layers, groups.collect(), PAGE_BYTES).unwrap()
 }
 
-fn tables(odd: bool, caching: bool, num_pages: usize) -> HybridTables {
+fn tables(odd: bool, with_state: bool, caching: bool, num_pages: usize) -> HybridTables {
     let carrier = KvLayout::new(1, 1, PAGE_BYTES / 4, 1, DType::Float16).unwrap();
     let mut pool = Pool::new(carrier, PoolSize::NumBlocks(num_pages), Device::Host).unwrap();
     if caching {
         pool = pool.with_prefix_caching_key(Some([7; 32])).unwrap();
     }
-    HybridTables::new(Arc::new(pool), spec(odd)).unwrap()
+    HybridTables::new(Arc::new(pool), spec(odd, with_state)).unwrap()
 }
 
 /// The oracle's plan of one group (copies as a list of new-table indices).
@@ -340,14 +346,16 @@ fn prompt(rng: &mut Rng) -> Vec<u32> {
 
 /// Runs `steps` random calls on the twins; returns how many `append_many` calls succeeded
 /// and how many were refused.
-fn run(seed: u64, odd: bool, caching: bool, steps: usize) -> (usize, usize) {
+fn run(seed: u64, odd: bool, with_state: bool, caching: bool, steps: usize) -> (usize, usize) {
     let mut rng = Rng(seed);
     let num_pages = 30 + rng.below(40) as usize;
-    let (mut oracle, mut fast) = (tables(odd, caching, num_pages), tables(odd, caching, num_pages));
+    let (mut oracle, mut fast) =
+        (tables(odd, with_state, caching, num_pages), tables(odd, with_state, caching, num_pages));
     let key = PromptKey::default();
     let (mut appended, mut refused) = (0, 0);
     for step in 0..steps {
-        let what = format!("seed {seed} odd {odd} caching {caching} step {step}");
+        let what =
+            format!("seed {seed} odd {odd} state {with_state} caching {caching} step {step}");
         match rng.below(10) {
             0 | 1 => {
                 let id = rng.below(NUM_IDS);
@@ -434,20 +442,20 @@ fn run(seed: u64, odd: bool, caching: bool, steps: usize) -> (usize, usize) {
 
 #[test]
 fn append_many_matches_the_unbatched_planner_exactly() {
-    for odd in [false, true] {
-        for caching in [false, true] {
-            let (mut appended, mut refused) = (0, 0);
-            for seed in 0..60 {
-                let (a, r) = run(seed, odd, caching, 80);
-                appended += a;
-                refused += r;
-            }
-            // The calls reach both outcomes often (not a test that passes by refusing all).
-            assert!(
-                appended > 500 && refused > 50,
-                "odd {odd} caching {caching}: {appended} {refused}"
-            );
+    for (odd, with_state, caching) in
+        (0..8).map(|bits| (bits & 1 != 0, bits & 2 != 0, bits & 4 != 0))
+    {
+        let (mut appended, mut refused) = (0, 0);
+        for seed in 0..60 {
+            let (a, r) = run(seed, odd, with_state, caching, 80);
+            appended += a;
+            refused += r;
         }
+        // The calls reach both outcomes often (not a test that passes by refusing all).
+        assert!(
+            appended > 500 && refused > 50,
+            "odd {odd} state {with_state} caching {caching}: {appended} {refused}"
+        );
     }
 }
 
@@ -456,7 +464,7 @@ fn append_many_matches_the_unbatched_planner_exactly() {
 /// crossing request's new page is the only one taken, and the refusal changes nothing.
 #[test]
 fn a_step_crossing_one_group_only_takes_that_page_and_a_refusal_changes_nothing() {
-    let mut t = tables(false, false, 40);
+    let mut t = tables(false, true, false, 40);
     t.add(1, 5).unwrap(); // MLA: pages 0..3 (6 slots), tokens 0..4 in full pages 0..2
     t.add(2, 6).unwrap(); // every group's last page partly filled (6 % 4 = 2), MLA full
     let mla = 3;
