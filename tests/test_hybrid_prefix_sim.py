@@ -6,6 +6,8 @@ full-attention model."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import kvpool
 import numpy as np
@@ -19,6 +21,7 @@ from kvpool.sim.hybrid_prefix import (
     compare,
     full_attention_model,
     main,
+    readme_table,
 )
 from kvpool.sim.hybrid_presets import HYBRID_PRESETS
 from kvpool.sim.hybrid_schemes import hybrid_spec, uniform_page_plan
@@ -137,3 +140,19 @@ def test_main_writes_the_json_and_prints_the_table(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["provenance"]["commit"] and data["runs"]["shared 512-token prompts"]
     assert "| shared 512-token prompts |" in capsys.readouterr().out
+
+
+def test_the_readme_table_is_generated_from_the_cited_json():
+    """README.md's hybrid prefix-caching table is `--table` of the JSON it cites, and the
+    cached-token difference it states is that JSON's."""
+    repo = Path(__file__).resolve().parents[1]
+    readme = (repo / "README.md").read_text()
+    cited = set(re.findall(r"bench/results/([0-9a-z_-]+)/hybrid_prefix_sim\.json", readme))
+    assert len(cited) == 1, cited
+    data = json.loads(
+        (repo / "bench" / "results" / cited.pop() / "hybrid_prefix_sim.json").read_text()
+    )
+    assert readme_table(data) in readme
+    for name, tokens in [("shared 1024-token prompts", 1024), ("shared 512-token prompts", 512)]:
+        res = data["runs"][name]["results"]
+        assert res["full_attention"]["cached_tokens"] - res["hybrid"]["cached_tokens"] == 8 * tokens
