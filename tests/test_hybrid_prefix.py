@@ -10,6 +10,7 @@ import pytest
 from kvpool import (
     BlockStored,
     DuplicateRequestError,
+    HybridHostTier,
     HybridTables,
     InvalidArgumentError,
     InvalidBlockError,
@@ -268,3 +269,31 @@ def test_caching_calls_on_a_pool_without_prefix_caching_are_refused():
     assert t.cached_page_group(0) is None
     assert t.add_request(1, list(range(49))).num_cached_tokens == 0
     t.check_invariants()
+
+
+def test_a_host_tier_swaps_a_caching_requests_every_group_and_its_pages_still_hit():
+    t = caching(num_pages=64)
+    tier = HybridHostTier(t, 32)
+    prompt = list(range(300, 348))
+    t.add_request(0, prompt)
+    t.checkpoint(0)
+    tier.swap_out([0])
+    assert tier.location(0) == "host" and 0 not in t
+    t.check_invariants()
+    tier.check_invariants()
+    # Its cached pages (and the checkpoint) stay in the device cache while it is away.
+    assert t.add_request(1, [*prompt, 1]).num_cached_tokens == 48
+    refused(t, DuplicateRequestError, "0", t.add_request, 0, prompt)
+    tier.swap_in([0])
+    assert t.num_tokens(0) == 48 and t.next_query(0) == 0
+    # Its later chunks are cached from its new pages (and its state checkpointed there).
+    t.append_tokens(0, 16, list(range(348, 364)))
+    t.cache_computed(0)
+    assert t.add_request(2, [*prompt, *range(348, 364), 5]).num_cached_tokens == 48
+    assert len(t.checkpoint(0)) == 2
+    assert t.add_request(3, [*prompt, *range(348, 364), 5]).num_cached_tokens == 64
+    t.check_invariants()
+    tier.check_invariants()
+    for rid in (0, 1, 2, 3):
+        t.free(rid)
+    assert t.pool.num_used == 0
