@@ -297,3 +297,33 @@ def test_a_host_tier_swaps_a_caching_requests_every_group_and_its_pages_still_hi
     for rid in (0, 1, 2, 3):
         t.free(rid)
     assert t.pool.num_used == 0
+
+
+def test_a_growable_caching_pool_evicts_before_it_grows():
+    s = spec()
+    pool = Pool.for_spec(
+        s,
+        growable=True,
+        max_num_blocks=1024,
+        initial_num_blocks=16,
+        chunk_bytes=64 * 1024,  # 64 pages a chunk
+        device="host",
+        enable_prefix_caching=True,
+    )
+    t = HybridTables(pool, s)
+    t.add_request(0, list(range(64)))
+    t.checkpoint(0)
+    t.free(0)
+    t.add_request(1, list(range(1000, 1008)))
+    t.add_request(2, list(range(2000, 2008)))
+    assert (pool.num_blocks, pool.num_free, pool.num_evictable) == (64, 38, 16)
+    # 100 tokens each: 6 full, 6 window and 8 MLA pages, 40 for both: more than the free
+    # pages, fewer than the free and evictable ones. Evicting, not growing.
+    t.append_tokens_many([1, 2], 100, list(range(200)))
+    assert pool.num_blocks == 64 and pool.prefix_cache_stats()["evictions"] >= 2
+    t.check_invariants()
+    # More than both: the pool grows.
+    t.append_tokens_many([1, 2], 200, list(range(400)))
+    assert pool.num_blocks > 64
+    assert pool.num_free + pool.num_evictable + pool.num_used == pool.num_blocks
+    t.check_invariants()
