@@ -10,6 +10,7 @@ import pytest
 from kvpool import (
     BlockStored,
     DuplicateRequestError,
+    HybridHostTier,
     HybridTables,
     InvalidArgumentError,
     InvalidBlockError,
@@ -267,4 +268,62 @@ def test_caching_calls_on_a_pool_without_prefix_caching_are_refused():
     assert t.cache_stats() == [{"cached_pages": 0, "evictable_pages": 0}] * 4
     assert t.cached_page_group(0) is None
     assert t.add_request(1, list(range(49))).num_cached_tokens == 0
+    t.check_invariants()
+
+
+def test_a_host_tier_swaps_a_caching_requests_every_group_and_its_pages_still_hit():
+    t = caching(num_pages=64)
+    tier = HybridHostTier(t, 32)
+    prompt = list(range(300, 348))
+    t.add_request(0, prompt)
+    t.checkpoint(0)
+    tier.swap_out([0])
+    assert tier.location(0) == "host" and 0 not in t
+    t.check_invariants()
+    tier.check_invariants()
+    # Its cached pages (and the checkpoint) stay in the device cache while it is away.
+    assert t.add_request(1, [*prompt, 1]).num_cached_tokens == 48
+    refused(t, DuplicateRequestError, "0", t.add_request, 0, prompt)
+    tier.swap_in([0])
+    assert t.num_tokens(0) == 48 and t.next_query(0) == 0
+    # Its later chunks are cached from its new pages (and its state checkpointed there).
+    t.append_tokens(0, 16, list(range(348, 364)))
+    t.cache_computed(0)
+    assert t.add_request(2, [*prompt, *range(348, 364), 5]).num_cached_tokens == 48
+    assert len(t.checkpoint(0)) == 2
+    assert t.add_request(3, [*prompt, *range(348, 364), 5]).num_cached_tokens == 64
+    t.check_invariants()
+    tier.check_invariants()
+    for rid in (0, 1, 2, 3):
+        t.free(rid)
+    assert t.pool.num_used == 0
+
+
+def test_a_growable_caching_pool_evicts_before_it_grows():
+    s = spec()
+    pool = Pool.for_spec(
+        s,
+        growable=True,
+        max_num_blocks=1024,
+        initial_num_blocks=16,
+        chunk_bytes=64 * 1024,  # 64 pages a chunk
+        device="host",
+        enable_prefix_caching=True,
+    )
+    t = HybridTables(pool, s)
+    t.add_request(0, list(range(64)))
+    t.checkpoint(0)
+    t.free(0)
+    t.add_request(1, list(range(1000, 1008)))
+    t.add_request(2, list(range(2000, 2008)))
+    assert (pool.num_blocks, pool.num_free, pool.num_evictable) == (64, 38, 16)
+    # 100 tokens each: 6 full, 6 window and 8 MLA pages, 40 for both: more than the free
+    # pages, fewer than the free and evictable ones. Evicting, not growing.
+    t.append_tokens_many([1, 2], 100, list(range(200)))
+    assert pool.num_blocks == 64 and pool.prefix_cache_stats()["evictions"] >= 2
+    t.check_invariants()
+    # More than both: the pool grows.
+    t.append_tokens_many([1, 2], 200, list(range(400)))
+    assert pool.num_blocks > 64
+    assert pool.num_free + pool.num_evictable + pool.num_used == pool.num_blocks
     t.check_invariants()
