@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
 
 import kvpool
 from kvpool._core import ModelKvSpec, Pool
@@ -41,11 +41,15 @@ FULL, SLIDING, MLA = "full_attention", "sliding_attention", "mla"
 # Models whose attention module hands the cache its MLA latent (`past_key_values.update(
 # kv_nope, k_rot)` before kv_b_proj expands it), read in transformers 5.17's source.
 MLA_MODELS = ("deepseek_v3",)
+# Models whose "linear_attention" layers keep a Gated DeltaNet state (a conv state and a
+# recurrent state per layer) in transformers' LinearAttentionLayer, read in 5.17's source.
+STATE_MODELS = ("qwen3_next",)
+LINEAR = "linear_attention"
 SUPPORTED = (
     "decoder-only models whose layers are full attention or sliding-window attention "
     "(layer_types 'full_attention' / 'sliding_attention'; gpt-oss with its sinks, Gemma 3 text, "
-    "the Llama family, Mistral's window on every layer) and DeepSeek-V3's MLA, K/V in float16, "
-    "bfloat16 or float32"
+    "the Llama family, Mistral's window on every layer), DeepSeek-V3's MLA and Qwen3-Next's "
+    "Gated DeltaNet states, K/V in float16, bfloat16 or float32"
 )
 
 
@@ -83,7 +87,11 @@ def layer_kinds(model_or_config: Any) -> list[str]:
         return [MLA] * int(cfg.num_hidden_layers)
     for attr, what in (
         ("kv_lora_rank", f"MLA attention (kv_lora_rank) of a model other than {MLA_MODELS}"),
-        ("linear_num_value_heads", "linear-attention state layers (Gated DeltaNet)"),
+        *(
+            ()
+            if name in STATE_MODELS
+            else (("linear_num_value_heads", "linear-attention state layers (Gated DeltaNet)"),)
+        ),
         ("attention_chunk_size", "chunked local attention (attention_chunk_size)"),
     ):
         if getattr(cfg, attr, None) is not None:
@@ -106,7 +114,7 @@ def layer_kinds(model_or_config: Any) -> list[str]:
         raise UnsupportedModelError(
             f"{name}: {len(types)} layer_types for {n} layers (num_hidden_layers)"
         )
-    other = sorted(set(types) - {FULL, SLIDING})
+    other = sorted(set(types) - {FULL, SLIDING, *((LINEAR,) if name in STATE_MODELS else ())})
     if other:
         raise UnsupportedModelError(
             f"{name}: layer types {other} are not supported; kvpool runs {SUPPORTED}"
@@ -145,6 +153,9 @@ def spec_for_model(
         )
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     groups = []
+    linear = [i for i, t in enumerate(types) if t == LINEAR]
+    if linear:
+        groups.append(kvpool.KvGroup.recurrent_state(linear, state_layout(cfg, dt).nbytes))
     full = [i for i, t in enumerate(types) if t == FULL]
     sliding = [i for i, t in enumerate(types) if t == SLIDING]
     if full:
@@ -154,6 +165,44 @@ def spec_for_model(
             kvpool.KvGroup.sliding_window(sliding, int(cfg.sliding_window), kv_heads, head_dim, dt)
         )
     return kvpool.ModelKvSpec(groups, page_bytes, num_layers=len(types))
+
+
+class StateLayout(NamedTuple):
+    """A Gated DeltaNet layer's state in its slot: the conv state [conv_dim, kernel] in the
+    model's dtype, then the recurrent state [v_heads, k_dim, v_dim] in float32 (what the
+    model's chunked and recurrent rules return), packed as bytes."""
+
+    conv_shape: tuple[int, int]
+    conv_dtype: torch.dtype
+    recurrent_shape: tuple[int, int, int]
+
+    @property
+    def conv_bytes(self) -> int:
+        n = self.conv_shape[0] * self.conv_shape[1]
+        return n * torch.empty((), dtype=self.conv_dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        h, k, v = self.recurrent_shape
+        return self.conv_bytes + 4 * h * k * v
+
+
+def state_layout(model_or_config: Any, dtype: str) -> StateLayout:
+    """The state layout of a Qwen3-Next linear-attention layer (config fields
+    linear_num_key_heads, linear_key_head_dim, linear_num_value_heads,
+    linear_value_head_dim, linear_conv_kernel_dim)."""
+    cfg = _text_config(model_or_config)
+    key_dim = int(cfg.linear_num_key_heads) * int(cfg.linear_key_head_dim)
+    value_dim = int(cfg.linear_num_value_heads) * int(cfg.linear_value_head_dim)
+    return StateLayout(
+        (2 * key_dim + value_dim, int(cfg.linear_conv_kernel_dim)),
+        TORCH_DTYPES[dtype],
+        (
+            int(cfg.linear_num_value_heads),
+            int(cfg.linear_key_head_dim),
+            int(cfg.linear_value_head_dim),
+        ),
+    )
 
 
 def check_spec(model: Any, spec: ModelKvSpec) -> None:
@@ -168,8 +217,15 @@ def check_spec(model: Any, spec: ModelKvSpec) -> None:
     for layer in range(want.num_layers):
         wg = want.groups[want.group_of_layer(layer)[0]]
         g = spec.groups[spec.group_of_layer(layer)[0]]
-        shape = (g.num_kv_heads, g.head_dim, g.latent_dim, g.rope_dim, g.dtype)
-        wshape = (wg.num_kv_heads, wg.head_dim, wg.latent_dim, wg.rope_dim, wg.dtype)
+        shape = (g.num_kv_heads, g.head_dim, g.latent_dim, g.rope_dim, g.dtype, g.bytes_per_layer)
+        wshape = (
+            wg.num_kv_heads,
+            wg.head_dim,
+            wg.latent_dim,
+            wg.rope_dim,
+            wg.dtype,
+            wg.bytes_per_layer,
+        )
         if g.kind != wg.kind or shape != wshape or (g.window or 0) < (wg.window or 0):
             raise kvpool.LayoutError(
                 f"layer {layer}: the spec holds it as {g!r}, the model needs {wg!r}"
@@ -206,6 +262,31 @@ class PageViews:
         self.slab = torch.frombuffer(buf, dtype=torch.uint8)
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._latents: dict[int, torch.Tensor] = {}
+
+    def state_segments(self, layer: int, slot: np.ndarray, nbytes: int) -> list[tuple[int, int]]:
+        """(slab offset, length) of the byte runs holding `nbytes` of a state layer's bytes
+        in the slot `slot` (its page ids): a layer's bytes run in order over its pages,
+        split at page boundaries (ModelKvSpec.state_location)."""
+        g, index = self.spec.group_of_layer(layer)
+        runs, at, page_bytes = [], 0, self.spec.page_bytes
+        while at < nbytes:
+            page, off = self.spec.state_location(g, index, at)
+            take = min(nbytes - at, page_bytes - off)
+            runs.append((int(slot[page]) * page_bytes + off, take))
+            at += take
+        return runs
+
+    def read_state(self, layer: int, slot: np.ndarray, nbytes: int) -> torch.Tensor:
+        """A copy of a state layer's bytes (uint8 [nbytes]) from its slot."""
+        runs = self.state_segments(layer, slot, nbytes)
+        return torch.cat([self.slab[o : o + n] for o, n in runs])
+
+    def write_state(self, layer: int, slot: np.ndarray, data: torch.Tensor) -> None:
+        """A state layer's bytes (uint8) into its slot."""
+        at = 0
+        for o, n in self.state_segments(layer, slot, int(data.numel())):
+            self.slab[o : o + n] = data[at : at + n]
+            at += n
 
     def latent(self, layer: int) -> torch.Tensor:
         """An MLA layer's latents [num_pages, block_size, latent_dim + rope_dim] (the page
@@ -416,6 +497,16 @@ def hybrid_attention(
     return attend_packed(step, layer, q, k, v, how)[None], None
 
 
+class _StepStates(DynamicCache):
+    """transformers' own cache for one sequence of a model with state layers: its
+    LinearAttentionLayers hold the states for the forward (loaded from and stored back to
+    kvpool's slots by the runner); an attention layer's update hands back the step's K/V
+    unchanged (the kvpool_hybrid attention keeps them in the pages)."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return key_states, value_states
+
+
 class _LatentWriter:
     """The `past_key_values` of an MLA model's packed step: DeepSeek-V3's attention hands
     the cache its latent (`update(kv_nope, k_rope, layer)`, [1, 1, T, rank] and [1, 1, T,
@@ -501,12 +592,21 @@ class HybridTransformersRunner:
             raise kvpool.InvalidArgumentError(f"model on {device} but the pool on the host")
         register()
         self.model, self.pool, self.device = model, pool, device
+        self.state_layers = [
+            layer for g in self.spec.groups if g.kind == "recurrent_state" for layer in g.layers
+        ]
+        self.state = state_layout(model, _dtype_name(model, None)) if self.state_layers else None
 
     @torch.inference_mode()
     def hidden(self, batch: HybridStepBatch) -> torch.Tensor:
         """Last hidden states [num_tokens, hidden] of one packed step (writes the step's KV)."""
         if not isinstance(batch, HybridStepBatch):
             raise TypeError(f"a hybrid runner runs a HybridStepBatch, not {type(batch).__name__}")
+        if self.state_layers:
+            # A Gated DeltaNet layer runs its recurrence over the whole [1, T] row: packed
+            # sequences would flow into each other's state, so each sequence runs alone.
+            rows = [self._hidden_alone(batch.select(k)) for k in range(batch.num_seqs)]
+            return torch.cat(rows)
         step = HybridStep(self.views, batch, self.device)
         ids = torch.from_numpy(batch.input_ids)[None]
         pos = torch.from_numpy(batch.positions)[None]
@@ -519,6 +619,52 @@ class HybridTransformersRunner:
                 past_key_values=_LatentWriter(step) if mla else None,
                 kvpool_hybrid_step=step,
             )
+        return out.last_hidden_state[0]
+
+    def _hidden_alone(self, seq: HybridStepBatch) -> torch.Tensor:
+        """One sequence of a model with state layers: its states are loaded from its slots
+        into transformers' own LinearAttentionLayers (a continuing sequence; a sequence at
+        position 0 starts from none), the model runs, and the states go back to the slots."""
+        lay, spec = self.state, self.spec
+        assert lay is not None
+        step = HybridStep(self.views, seq, self.device)
+        states = _StepStates(config=self.model.config)
+        slots = {s.group: s.slots[0] for s in seq.states}
+        if int(seq.positions[0]) > 0:
+            for layer in self.state_layers:
+                raw = self.views.read_state(layer, slots[spec.group_of_layer(layer)[0]], lay.nbytes)
+                conv = raw[: lay.conv_bytes].clone().view(lay.conv_dtype).view(lay.conv_shape)
+                rec = raw[lay.conv_bytes :].clone().view(torch.float32).view(lay.recurrent_shape)
+                cache_layer = states.layers[layer]
+                cache_layer.lazy_initialization(
+                    conv_states=conv[None],
+                    recurrent_states=rec[None],
+                    conv_kernel_size=lay.conv_shape[1],
+                )
+                cache_layer.conv_states[0].copy_(conv[None])
+                cache_layer.recurrent_states[0].copy_(rec[None])
+                cache_layer.has_previous_state[0] = True
+        ids = torch.from_numpy(seq.input_ids)[None]
+        pos = torch.from_numpy(seq.positions)[None]
+        with attention_as(self.model):
+            out = self.model.model(
+                input_ids=ids,
+                position_ids=pos,
+                use_cache=True,
+                past_key_values=states,
+                kvpool_hybrid_step=step,
+            )
+        for layer in self.state_layers:
+            cache_layer = states.layers[layer]
+            conv = cache_layer.conv_states[0][0].to(lay.conv_dtype).contiguous()
+            rec = cache_layer.recurrent_states[0][0].to(torch.float32).contiguous()
+            if tuple(conv.shape) != lay.conv_shape or tuple(rec.shape) != lay.recurrent_shape:
+                raise kvpool.LayoutError(
+                    f"layer {layer}: the model's state is conv {tuple(conv.shape)}, recurrent "
+                    f"{tuple(rec.shape)}; its slot holds {lay.conv_shape}, {lay.recurrent_shape}"
+                )
+            data = torch.cat([conv.view(-1).view(torch.uint8), rec.view(-1).view(torch.uint8)])
+            self.views.write_state(layer, slots[spec.group_of_layer(layer)[0]], data)
         return out.last_hidden_state[0]
 
     @torch.inference_mode()
