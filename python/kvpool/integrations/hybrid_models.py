@@ -5,7 +5,8 @@ hybrid KV memory (optional extra `kvpool[transformers]`); design: hybrid_models.
   "sliding_attention" layers one sliding-window group, its "full_attention" layers one full
   group (`layer_types`, `sliding_window`, `num_key_value_heads`, `head_dim`, the dtype).
   DeepSeek-V3 is one MLA-latent group (`kv_lora_rank` + `qk_rope_head_dim` per token and
-  layer). What kvpool cannot hold or attend yet is refused with `UnsupportedModelError`
+  layer); Qwen3-Next's "linear_attention" layers a recurrent-state group (its Gated
+  DeltaNet conv and recurrent states, one slot per request). What kvpool cannot hold or attend yet is refused with `UnsupportedModelError`
   naming it.
 - `register()` adds the attention function "kvpool_hybrid" to transformers'
   AttentionInterface. In a packed step (`kvpool_hybrid_step=` passed down the forward, as the
