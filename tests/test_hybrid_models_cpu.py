@@ -121,9 +121,12 @@ def model(request):
 
 
 def spec_of(model, widen=0):
-    """The model's spec on 4-token pages; `widen` widens the window group (a mutation)."""
+    """The model's spec on pages of 4 tokens of its largest group (8 where 4 tokens are not
+    a multiple of 256 bytes, as for the MLA model); `widen` widens the window group (a
+    mutation)."""
     base = hm.spec_for_model(model)
-    token_bytes = max(g.token_bytes for g in base.groups)
+    token_bytes = max(g.token_bytes for g in base.groups if g.token_bytes is not None)
+    tokens = next(n for n in range(PAGE_TOKENS, 257) if n * token_bytes % 256 == 0)
     groups = [
         kvpool.KvGroup.sliding_window(
             g.layers, g.window + widen, g.num_kv_heads, g.head_dim, g.dtype
@@ -132,11 +135,11 @@ def spec_of(model, widen=0):
         else g
         for g in base.groups
     ]
-    return kvpool.ModelKvSpec(groups, PAGE_TOKENS * token_bytes)
+    return kvpool.ModelKvSpec(groups, tokens * token_bytes)
 
 
 def window_group(spec):
-    return next(i for i, g in enumerate(spec.groups) if g.kind == "sliding_window")
+    return next((i for i, g in enumerate(spec.groups) if g.kind == "sliding_window"), None)
 
 
 # --- the reference: the model's own cache and attention -----------------------------------
@@ -175,7 +178,6 @@ def kvpool_teacher_forced(model, seqs, prompts, spec, chunk=16, watch=None):
     rows: list[list[torch.Tensor]] = [[] for _ in seqs]
     fed: list[list[int]] = [[] for _ in seqs]
     wg = window_group(spec)
-    bs, window = spec.block_size(wg), spec.groups[wg].window
     while any(d < len(s) for d, s in zip(done, seqs)):
         decode, prefill, order = [], [], []
         for i, s in enumerate(seqs):
@@ -200,6 +202,9 @@ def kvpool_teacher_forced(model, seqs, prompts, spec, chunk=16, watch=None):
             lo, hi = batch.seq_indptr[k], batch.seq_indptr[k + 1]
             rows[i].append(logits[lo:hi])
             done[i] += int(hi - lo)
+            if wg is None:
+                continue
+            bs, window = spec.block_size(wg), spec.groups[wg].window
             first_page, pages, num_tokens = tables.table(i, wg)
             # Only the pages a query of this step or later reads are held: from the key the
             # step's first query (at num_tokens - fed) sees first.
@@ -406,6 +411,208 @@ def test_a_mistral_window_on_every_layer_is_one_window_group():
     assert err < BOUND
 
 
+# --- DeepSeek-V3: MLA latents in kvpool's pages ----------------------------------------------
+
+
+def deepseek_v3(seed=0):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV3Config(
+        num_hidden_layers=3,  # one dense layer, then MoE layers
+        first_k_dense_replace=1,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=32,  # the latent (512 in DeepSeek-V3)
+        qk_rope_head_dim=8,  # its rope part (64)
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        initializer_range=0.1,
+        eos_token_id=None,
+        pad_token_id=None,
+        bos_token_id=None,
+    )
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    _spread_lm_head(model)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture(scope="module")
+def mla_model():
+    return deepseek_v3()
+
+
+def test_deepseek_v3_is_one_mla_group(mla_model):
+    spec = hm.spec_for_model(mla_model)
+    (g,) = spec.groups
+    assert (g.kind, g.layers, g.latent_dim, g.rope_dim, g.dtype) == (
+        "mla_latent",
+        (0, 1, 2),
+        32,
+        8,
+        "float32",
+    )
+
+
+def test_deepseek_v3_teacher_forced_logits_match_its_own_cache(mla_model):
+    """One latent per token and layer in kvpool's pages, attended with the projections
+    absorbed (the query taken into the latent space), against the model's own SDPA over
+    DynamicCache's latents expanded per head."""
+    err = max_error(mla_model, spec_of(mla_model))
+    print(f"deepseek_v3: max relative logit error {err:.3g} (bound {BOUND})")
+    assert err < BOUND
+
+
+def test_deepseek_v3_latents_without_their_rope_part_fail_the_bound(mla_model, monkeypatch):
+    real = hm._LatentWriter.update
+
+    def no_rope(self, kv_nope, k_rope, layer_idx, *args, **kwargs):
+        real(self, kv_nope, torch.zeros_like(k_rope), layer_idx)
+        return kv_nope, k_rope
+
+    monkeypatch.setattr(hm._LatentWriter, "update", no_rope)
+    err = max_error(mla_model, spec_of(mla_model))
+    print(f"deepseek_v3 without the latents' rope part: max relative logit error {err:.3g}")
+    assert err > 10 * BOUND
+
+
+def test_the_hybrid_cache_refuses_mla_and_state_models(mla_model, state_model):
+    from kvpool.integrations.hybrid_cache import HybridKvpoolCache
+
+    for model, kind in ((mla_model, "mla_latent"), (state_model, "recurrent_state")):
+        spec = spec_of(model)
+        pool = kvpool.Pool.for_spec(spec, 8, device="host")
+        with pytest.raises(hm.UnsupportedModelError, match=kind):
+            HybridKvpoolCache(model, pool, max_batch_size=1, spec=spec)
+        assert pool.num_used == 0
+
+
+def test_deepseek_v3_generates_as_model_generate_in_a_small_pool(mla_model):
+    """Greedy generate(spec=) equal to model.generate, in a pool that holds a few of the
+    requests at a time (preemptions), nothing leaked."""
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, VOCAB, int(n)).tolist() for n in rng.integers(3, 30, 8)]
+    spec = spec_of(mla_model)
+    pool = kvpool.Pool.for_spec(spec, 12, device="host")  # 8 tokens a page
+    reqs = [GenerationRequest(i, p, 16) for i, p in enumerate(prompts)]
+    runner = hm.HybridTransformersRunner(mla_model, pool, spec)
+    res = generate(runner, pool, reqs, max_running_seqs=4, max_tokens_per_step=32, spec=spec)
+    assert res.num_preemptions > 0 and pool.num_free == pool.num_blocks
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        with torch.inference_mode():
+            ref = mla_model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False
+            )
+        assert res.outputs[i] == ref[0, len(p) :].tolist(), i
+
+
+# --- Qwen3-Next: Gated DeltaNet states in kvpool's state slots ------------------------------
+
+
+def qwen3_next(seed=0):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(
+        num_hidden_layers=4,  # linear, full, linear, full
+        full_attention_interval=2,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        initializer_range=0.1,
+        eos_token_id=None,
+        pad_token_id=None,
+        bos_token_id=None,
+    )
+    model = Qwen3NextForCausalLM(cfg).eval()
+    _spread_lm_head(model)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture(scope="module")
+def state_model():
+    return qwen3_next()
+
+
+def test_qwen3_next_is_a_state_group_and_a_full_group(state_model):
+    spec = spec_of(state_model)
+    kinds = {g.kind: g for g in spec.groups}
+    # conv [2 * 2 * 16 + 4 * 16, 4] float32 + recurrent [4, 16, 16] float32 per layer
+    assert kinds["recurrent_state"].layers == (0, 2)
+    assert kinds["recurrent_state"].bytes_per_layer == 128 * 4 * 4 + 4 * 16 * 16 * 4
+    assert kinds["full"].layers == (1, 3)
+    # 6,144 state bytes per layer over 2,048-byte pages: each layer's state spans 3 pages
+    state = next(i for i, g in enumerate(spec.groups) if g.kind == "recurrent_state")
+    assert spec.page_bytes == 2048 and spec.pages_per_slot(state) == 6
+
+
+def test_qwen3_next_teacher_forced_logits_match_its_own_cache(state_model):
+    """States carried in kvpool's slots from one prefill chunk and decode to the next,
+    against the model's own DynamicCache (LinearAttentionLayers) fed the same chunks."""
+    err = max_error(state_model, spec_of(state_model))
+    print(f"qwen3_next: max relative logit error {err:.3g} (bound {BOUND})")
+    assert err < BOUND
+
+
+def test_qwen3_next_with_a_state_not_carried_fails_the_bound(state_model, monkeypatch):
+    real = hm.PageViews.read_state
+
+    def fresh(self, layer, slot, nbytes):  # as if each step started the recurrence anew
+        return torch.zeros_like(real(self, layer, slot, nbytes))
+
+    monkeypatch.setattr(hm.PageViews, "read_state", fresh)
+    err = max_error(state_model, spec_of(state_model))
+    print(f"qwen3_next with its states dropped: max relative logit error {err:.3g}")
+    assert err > 10 * BOUND
+
+
+def test_qwen3_next_generates_as_model_generate_in_a_small_pool(state_model):
+    """Greedy generate(spec=) equal to model.generate in a pool that holds a few requests at
+    a time (preemptions): every state slot and page back at the end."""
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, VOCAB, int(n)).tolist() for n in rng.integers(3, 25, 6)]
+    spec = spec_of(state_model)
+    pool = kvpool.Pool.for_spec(spec, 40, device="host")  # a slot is 6 pages
+    reqs = [GenerationRequest(i, p, 12) for i, p in enumerate(prompts)]
+    runner = hm.HybridTransformersRunner(state_model, pool, spec)
+    res = generate(runner, pool, reqs, max_running_seqs=4, max_tokens_per_step=24, spec=spec)
+    assert res.num_preemptions > 0 and pool.num_free == pool.num_blocks
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        with torch.inference_mode():
+            ref = state_model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False
+            )
+        assert res.outputs[i] == ref[0, len(p) :].tolist(), i
+
+
 # --- what is refused -----------------------------------------------------------------------
 
 
@@ -445,11 +652,10 @@ def test_spec_for_model_groups():
 
 
 def test_unsupported_configs_are_refused_naming_what():
-    from transformers import DeepseekV3Config, Llama4TextConfig, Qwen3NextConfig
+    from transformers import DeepseekV2Config, Llama4TextConfig
 
     cases = [
-        (DeepseekV3Config(num_hidden_layers=2), "MLA"),
-        (Qwen3NextConfig(num_hidden_layers=4), "Gated DeltaNet"),
+        (DeepseekV2Config(num_hidden_layers=2), "MLA attention"),
         (Llama4TextConfig(num_hidden_layers=4), "chunked"),
         (Gemma3TextConfig(num_hidden_layers=2, use_bidirectional_attention=True), "bidirect"),
     ]
@@ -462,6 +668,9 @@ def test_unsupported_configs_are_refused_naming_what():
     with pytest.raises(hm.UnsupportedModelError, match="sliding_window"):
         hm.spec_for_model(cfg)
     cfg = GptOssConfig(num_hidden_layers=2)
+    cfg.layer_types = ["linear_attention", "full_attention"]  # not a model whose states run
+    with pytest.raises(hm.UnsupportedModelError, match="linear_attention"):
+        hm.spec_for_model(cfg)
     cfg.layer_types = ["full_attention"] * 3
     with pytest.raises(hm.UnsupportedModelError, match="layer_types"):
         hm.spec_for_model(cfg)

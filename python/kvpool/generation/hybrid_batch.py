@@ -41,6 +41,16 @@ class HybridGroupStep:
 
 
 @dataclass(frozen=True, slots=True)
+class HybridStateStep:
+    """One state group's part of a step: per sequence the page ids of its state slot
+    (int64 [num_seqs, pages_per_slot]; where a layer's bytes lie in them:
+    ModelKvSpec.state_location)."""
+
+    group: int
+    slots: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
 class HybridStepBatch:
     """Host arrays describing one step of a hybrid model (see the module docstring).
 
@@ -48,8 +58,9 @@ class HybridStepBatch:
     - seq_indptr (int64 [num_seqs + 1]): the packed rows of each sequence (decode rows are
       sequences of one token); seq_request_ids (int64 [num_seqs]).
     - token_seq (int64 [num_tokens]): the sequence of each packed row.
-    - groups: one HybridGroupStep per token group of the spec (state groups have none).
+    - groups: one HybridGroupStep per token group of the spec.
     - sample_rows, temperatures, seeds, decode_request_ids, sample_request_ids: as StepBatch's.
+    - states: one HybridStateStep per state group of the spec.
     """
 
     input_ids: np.ndarray
@@ -64,6 +75,7 @@ class HybridStepBatch:
     seeds: np.ndarray
     decode_request_ids: np.ndarray
     sample_request_ids: np.ndarray
+    states: tuple[HybridStateStep, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +92,39 @@ class HybridStepBatch:
     @property
     def sample_positions(self) -> np.ndarray:
         return self.positions[self.sample_rows]
+
+    def select(self, k: int) -> HybridStepBatch:
+        """The step of sequence `k` alone (its rows, tables and state slots; nothing
+        sampled): what a runner that must run sequences one at a time feeds the model."""
+        lo, hi = int(self.seq_indptr[k]), int(self.seq_indptr[k + 1])
+        none = np.zeros(0, np.int64)
+        rid = self.seq_request_ids[k : k + 1]
+        return HybridStepBatch(
+            input_ids=self.input_ids[lo:hi],
+            positions=self.positions[lo:hi],
+            num_decode=int(k < self.num_decode),
+            seq_indptr=np.array([0, hi - lo], np.int64),
+            seq_request_ids=rid,
+            token_seq=np.zeros(hi - lo, np.int64),
+            groups=tuple(
+                HybridGroupStep(
+                    g.group,
+                    g.block_size,
+                    g.slot_pages[lo:hi],
+                    g.slot_offsets[lo:hi],
+                    g.page_ids[k : k + 1],
+                    g.key_start[k : k + 1],
+                    g.key_end[k : k + 1],
+                )
+                for g in self.groups
+            ),
+            sample_rows=none,
+            temperatures=np.zeros(0, np.float32),
+            seeds=none,
+            decode_request_ids=rid if k < self.num_decode else none,
+            sample_request_ids=none,
+            states=tuple(HybridStateStep(s.group, s.slots[k : k + 1]) for s in self.states),
+        )
 
     def group(self, index: int) -> HybridGroupStep:
         """The step of spec group `index` (a token group)."""
@@ -120,10 +165,15 @@ def build_hybrid_step(
     input_ids = np.concatenate([s[1] for s in seqs]) if seqs else np.zeros(0, np.int64)
     positions = np.concatenate([s[2] for s in seqs]) if seqs else np.zeros(0, np.int64)
     spec = tables.spec
-    groups = []
+    groups, states = [], []
     for g in range(spec.num_groups):
         bs = spec.block_size(g)
-        if bs is None:  # a state group: nothing per token
+        if bs is None:  # a state group: its slot, nothing per token
+            per_slot = int(spec.pages_per_slot(g))  # type: ignore[arg-type]
+            slot_rows = np.zeros((len(seqs), per_slot), np.int64)
+            for i, (rid, _, _) in enumerate(seqs):
+                slot_rows[i] = tables.state_slot(rid, g)
+            states.append(HybridStateStep(g, slot_rows))
             continue
         slots, rows, starts, ends = [], [], [], []
         for rid, _, pos in seqs:
@@ -173,4 +223,5 @@ def build_hybrid_step(
         sample_request_ids=np.concatenate(
             [decode_ids, np.array([prefill[i][0] for i in sampled_chunks], np.int64)]
         ),
+        states=tuple(states),
     )

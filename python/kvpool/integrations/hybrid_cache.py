@@ -37,6 +37,7 @@ from kvpool.integrations.hybrid_models import (
     Attention,
     HybridStep,
     PageViews,
+    UnsupportedModelError,
     attend_packed,
     check_spec,
     spec_for_model,
@@ -95,6 +96,17 @@ class HybridKvpoolCache(Cache):
         check_model(model)
         spec = spec_for_model(model) if spec is None else spec
         check_spec(model, spec)
+        kinds = {g.kind for g in spec.groups} & {"mla_latent", "recurrent_state"}
+        if kinds:
+            # DeepSeek-V3 hands the cache its latents (update) before its attention call,
+            # and update gets no position ids: the padding of generate's first forward,
+            # which the packed step needs, is not known there yet. State layers run their
+            # recurrence over a padded row, padding included.
+            raise UnsupportedModelError(
+                f"HybridKvpoolCache does not take a model with {sorted(kinds)} groups yet "
+                f"(MLA, Gated DeltaNet): run it through HybridTransformersRunner and "
+                f"kvpool.generation.generate(..., spec=)"
+            )
         self.views = PageViews(pool, spec)
         self.model, self.pool, self.spec = model, pool, spec
         self.device = torch.device("cpu")

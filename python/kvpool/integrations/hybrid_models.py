@@ -4,15 +4,20 @@ hybrid KV memory (optional extra `kvpool[transformers]`); design: hybrid_models.
 - `spec_for_model(model_or_config)`: the `kvpool.ModelKvSpec` of a model: its
   "sliding_attention" layers one sliding-window group, its "full_attention" layers one full
   group (`layer_types`, `sliding_window`, `num_key_value_heads`, `head_dim`, the dtype).
-  What kvpool cannot hold or attend yet is refused with `UnsupportedModelError` naming it.
+  DeepSeek-V3 is one MLA-latent group (`kv_lora_rank` + `qk_rope_head_dim` per token and
+  layer); Qwen3-Next's "linear_attention" layers a recurrent-state group (its Gated
+  DeltaNet conv and recurrent states, one slot per request). What kvpool cannot hold or attend yet is refused with `UnsupportedModelError`
+  naming it.
 - `register()` adds the attention function "kvpool_hybrid" to transformers'
   AttentionInterface. In a packed step (`kvpool_hybrid_step=` passed down the forward, as the
   Llama path passes `kvpool_step`) each layer writes its K/V into its group's pages at the
   step's slots (HybridTables.slot_mapping) and attends over the pages its group's table holds:
   a window layer sees the last `sliding_window` keys (its table holds only those pages),
   gpt-oss's sinks (`s_aux`) join the softmax denominator, a `softcap` is applied if a model
-  passes one. On a host pool the attention is computed with torch in float64 from the pages
-  (gathered through the tables), the same reads a paged kernel makes.
+  passes one. An MLA layer's latents are written by the step's `past_key_values` (DeepSeek-V3
+  hands the cache its latent before expanding it) and attended with the projections absorbed.
+  On a host pool the attention is computed with torch in float64 from the pages (gathered
+  through the tables), the same reads a paged kernel makes.
 - `HybridTransformersRunner(model, pool)`: the model runner of `kvpool.generation.generate`
   (pass `spec=runner.spec`): continuous batching on HybridTables.
 """
@@ -24,7 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
 
 import kvpool
 from kvpool._core import ModelKvSpec, Pool
@@ -33,11 +38,19 @@ from kvpool.integrations.attention import TORCH_DTYPES, check_model, pool_device
 from kvpool.integrations.transformers import sample
 
 NAME = "kvpool_hybrid"
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING, MLA = "full_attention", "sliding_attention", "mla"
+# Models whose attention module hands the cache its MLA latent (`past_key_values.update(
+# kv_nope, k_rot)` before kv_b_proj expands it), read in transformers 5.17's source.
+MLA_MODELS = ("deepseek_v3",)
+# Models whose "linear_attention" layers keep a Gated DeltaNet state (a conv state and a
+# recurrent state per layer) in transformers' LinearAttentionLayer, read in 5.17's source.
+STATE_MODELS = ("qwen3_next",)
+LINEAR = "linear_attention"
 SUPPORTED = (
     "decoder-only models whose layers are full attention or sliding-window attention "
     "(layer_types 'full_attention' / 'sliding_attention'; gpt-oss with its sinks, Gemma 3 text, "
-    "the Llama family, Mistral's window on every layer), K/V in float16, bfloat16 or float32"
+    "the Llama family, Mistral's window on every layer), DeepSeek-V3's MLA and Qwen3-Next's "
+    "Gated DeltaNet states, K/V in float16, bfloat16 or float32"
 )
 
 
@@ -67,13 +80,19 @@ def _dtype_name(model_or_config: Any, dtype: Any) -> str:
 
 
 def layer_kinds(model_or_config: Any) -> list[str]:
-    """Per layer "full_attention" or "sliding_attention", or UnsupportedModelError naming
-    the first thing kvpool's hybrid path does not run."""
+    """Per layer "full_attention", "sliding_attention" or "mla", or UnsupportedModelError
+    naming the first thing kvpool's hybrid path does not run."""
     cfg = _text_config(model_or_config)
     name = getattr(cfg, "model_type", type(cfg).__name__)
+    if getattr(cfg, "kv_lora_rank", None) is not None and name in MLA_MODELS:
+        return [MLA] * int(cfg.num_hidden_layers)
     for attr, what in (
-        ("kv_lora_rank", "MLA attention (kv_lora_rank)"),
-        ("linear_num_value_heads", "linear-attention state layers (Gated DeltaNet)"),
+        ("kv_lora_rank", f"MLA attention (kv_lora_rank) of a model other than {MLA_MODELS}"),
+        *(
+            ()
+            if name in STATE_MODELS
+            else (("linear_num_value_heads", "linear-attention state layers (Gated DeltaNet)"),)
+        ),
         ("attention_chunk_size", "chunked local attention (attention_chunk_size)"),
     ):
         if getattr(cfg, attr, None) is not None:
@@ -96,7 +115,7 @@ def layer_kinds(model_or_config: Any) -> list[str]:
         raise UnsupportedModelError(
             f"{name}: {len(types)} layer_types for {n} layers (num_hidden_layers)"
         )
-    other = sorted(set(types) - {FULL, SLIDING})
+    other = sorted(set(types) - {FULL, SLIDING, *((LINEAR,) if name in STATE_MODELS else ())})
     if other:
         raise UnsupportedModelError(
             f"{name}: layer types {other} are not supported; kvpool runs {SUPPORTED}"
@@ -120,6 +139,12 @@ def spec_for_model(
     largest group) unless given. UnsupportedModelError for what the hybrid path cannot run."""
     cfg = _text_config(model_or_config)
     types = layer_kinds(cfg)
+    dt = _dtype_name(model_or_config, dtype)
+    if types[0] == MLA:  # one latent of kv_lora_rank + qk_rope_head_dim per token and layer
+        group = kvpool.KvGroup.mla_latent(
+            range(len(types)), int(cfg.kv_lora_rank), int(cfg.qk_rope_head_dim), dt
+        )
+        return kvpool.ModelKvSpec([group], page_bytes, num_layers=len(types))
     name = getattr(cfg, "model_type", type(cfg).__name__)
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
@@ -128,8 +153,10 @@ def spec_for_model(
             f"{name}: {heads} query heads are not a multiple of {kv_heads} KV heads"
         )
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    dt = _dtype_name(model_or_config, dtype)
     groups = []
+    linear = [i for i, t in enumerate(types) if t == LINEAR]
+    if linear:
+        groups.append(kvpool.KvGroup.recurrent_state(linear, state_layout(cfg, dt).nbytes))
     full = [i for i, t in enumerate(types) if t == FULL]
     sliding = [i for i, t in enumerate(types) if t == SLIDING]
     if full:
@@ -139,6 +166,44 @@ def spec_for_model(
             kvpool.KvGroup.sliding_window(sliding, int(cfg.sliding_window), kv_heads, head_dim, dt)
         )
     return kvpool.ModelKvSpec(groups, page_bytes, num_layers=len(types))
+
+
+class StateLayout(NamedTuple):
+    """A Gated DeltaNet layer's state in its slot: the conv state [conv_dim, kernel] in the
+    model's dtype, then the recurrent state [v_heads, k_dim, v_dim] in float32 (what the
+    model's chunked and recurrent rules return), packed as bytes."""
+
+    conv_shape: tuple[int, int]
+    conv_dtype: torch.dtype
+    recurrent_shape: tuple[int, int, int]
+
+    @property
+    def conv_bytes(self) -> int:
+        n = self.conv_shape[0] * self.conv_shape[1]
+        return n * torch.empty((), dtype=self.conv_dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        h, k, v = self.recurrent_shape
+        return self.conv_bytes + 4 * h * k * v
+
+
+def state_layout(model_or_config: Any, dtype: str) -> StateLayout:
+    """The state layout of a Qwen3-Next linear-attention layer (config fields
+    linear_num_key_heads, linear_key_head_dim, linear_num_value_heads,
+    linear_value_head_dim, linear_conv_kernel_dim)."""
+    cfg = _text_config(model_or_config)
+    key_dim = int(cfg.linear_num_key_heads) * int(cfg.linear_key_head_dim)
+    value_dim = int(cfg.linear_num_value_heads) * int(cfg.linear_value_head_dim)
+    return StateLayout(
+        (2 * key_dim + value_dim, int(cfg.linear_conv_kernel_dim)),
+        TORCH_DTYPES[dtype],
+        (
+            int(cfg.linear_num_value_heads),
+            int(cfg.linear_key_head_dim),
+            int(cfg.linear_value_head_dim),
+        ),
+    )
 
 
 def check_spec(model: Any, spec: ModelKvSpec) -> None:
@@ -153,8 +218,15 @@ def check_spec(model: Any, spec: ModelKvSpec) -> None:
     for layer in range(want.num_layers):
         wg = want.groups[want.group_of_layer(layer)[0]]
         g = spec.groups[spec.group_of_layer(layer)[0]]
-        shape = (g.num_kv_heads, g.head_dim, g.dtype)
-        wshape = (wg.num_kv_heads, wg.head_dim, wg.dtype)
+        shape = (g.num_kv_heads, g.head_dim, g.latent_dim, g.rope_dim, g.dtype, g.bytes_per_layer)
+        wshape = (
+            wg.num_kv_heads,
+            wg.head_dim,
+            wg.latent_dim,
+            wg.rope_dim,
+            wg.dtype,
+            wg.bytes_per_layer,
+        )
         if g.kind != wg.kind or shape != wshape or (g.window or 0) < (wg.window or 0):
             raise kvpool.LayoutError(
                 f"layer {layer}: the spec holds it as {g!r}, the model needs {wg!r}"
@@ -190,6 +262,52 @@ class PageViews:
         buf = (ctypes.c_uint8 * n).from_address(pool.base_ptr)
         self.slab = torch.frombuffer(buf, dtype=torch.uint8)
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._latents: dict[int, torch.Tensor] = {}
+
+    def state_segments(self, layer: int, slot: np.ndarray, nbytes: int) -> list[tuple[int, int]]:
+        """(slab offset, length) of the byte runs holding `nbytes` of a state layer's bytes
+        in the slot `slot` (its page ids): a layer's bytes run in order over its pages,
+        split at page boundaries (ModelKvSpec.state_location)."""
+        g, index = self.spec.group_of_layer(layer)
+        runs, at, page_bytes = [], 0, self.spec.page_bytes
+        while at < nbytes:
+            page, off = self.spec.state_location(g, index, at)
+            take = min(nbytes - at, page_bytes - off)
+            runs.append((int(slot[page]) * page_bytes + off, take))
+            at += take
+        return runs
+
+    def read_state(self, layer: int, slot: np.ndarray, nbytes: int) -> torch.Tensor:
+        """A copy of a state layer's bytes (uint8 [nbytes]) from its slot."""
+        runs = self.state_segments(layer, slot, nbytes)
+        return torch.cat([self.slab[o : o + n] for o, n in runs])
+
+    def write_state(self, layer: int, slot: np.ndarray, data: torch.Tensor) -> None:
+        """A state layer's bytes (uint8) into its slot."""
+        at = 0
+        for o, n in self.state_segments(layer, slot, int(data.numel())):
+            self.slab[o : o + n] = data[at : at + n]
+            at += n
+
+    def latent(self, layer: int) -> torch.Tensor:
+        """An MLA layer's latents [num_pages, block_size, latent_dim + rope_dim] (the page
+        scheme's [layer][token][latent | rope])."""
+        view = self._latents.get(layer)
+        if view is None:
+            g, index = self.spec.group_of_layer(layer)
+            group = self.spec.groups[g]
+            dtype = TORCH_DTYPES[group.dtype]  # type: ignore[index]
+            elem = torch.empty((), dtype=dtype).element_size()
+            width = int(group.latent_dim) + int(group.rope_dim)  # type: ignore[arg-type]
+            bs = int(self.spec.block_size(g))  # type: ignore[arg-type]
+            off = self.spec.latent_offset_bytes(g, 0, index, 0, 0)
+            view = self.slab.view(dtype).as_strided(
+                (self.pool.num_blocks, bs, width),
+                (self.spec.page_bytes // elem, width, 1),
+                off // elem,
+            )
+            self._latents[layer] = view
+        return view
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self._views.get(layer)
@@ -273,6 +391,35 @@ class HybridStep:
         kc[pages, offsets] = k.to(kc.dtype)
         vc[pages, offsets] = v.to(vc.dtype)
 
+    def write_latent(self, layer: int, latent: torch.Tensor) -> None:
+        """latent: [num_tokens, latent_dim + rope_dim] into the MLA layer's pages."""
+        view = self.views.latent(layer)
+        pages, offsets = self._slots[self.spec.group_of_layer(layer)[0]]
+        view[pages, offsets] = latent.to(view.dtype)
+
+    def attend_mla(self, module: Any, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Absorbed MLA of q [num_tokens, heads, nope + rope] over the layer's cached
+        latents, in float64: the query's nope part is taken into the latent space through
+        kv_b_proj's K half, scores are q_latent . latent + q_rope . k_rope, and the output
+        leaves the latent space through kv_b_proj's V half. [num_tokens, heads, v_head_dim]."""
+        view = self.views.latent(layer)
+        gat = self.gather(self.spec.group_of_layer(layer)[0], None)
+        t, h, _ = q.shape
+        nope, rank = int(module.qk_nope_head_dim), int(module.kv_lora_rank)
+        w = module.kv_b_proj.weight.double().view(h, nope + int(module.v_head_dim), rank)
+        w_k, w_v = w[:, :nope], w[:, nope:]  # [H, nope, rank], [H, v, rank]
+        lat = view[gat.pages, gat.offsets].double()  # [T, L, rank + rope]
+        c, k_rope = lat[..., :rank], lat[..., rank:]
+        qd = q.double()
+        q_lat = torch.einsum("thn,hnc->thc", qd[..., :nope], w_k)
+        s = torch.einsum("thc,tlc->thl", q_lat, c) + torch.einsum(
+            "thr,tlr->thl", qd[..., nope:], k_rope
+        )
+        s = (s * scale).masked_fill(~gat.seen[:, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        o_lat = torch.einsum("thl,tlc->thc", p, c)
+        return torch.einsum("thc,hvc->thv", o_lat, w_v).to(q.dtype)
+
     def attend(
         self,
         layer: int,
@@ -343,8 +490,40 @@ def hybrid_attention(
         raise kvpool.InvalidArgumentError(
             f"kvpool_hybrid attention takes a packed batch [1, num_tokens], got {query.shape[0]}"
         )
+    if step.spec.groups[step.spec.group_of_layer(layer)[0]].kind == "mla_latent":
+        # The latents were written by the step's cache (update); key / value are the
+        # model's expansion of this step's latents only, and are not read.
+        return step.attend_mla(module, layer, query[0].transpose(0, 1), scale)[None], None
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     return attend_packed(step, layer, q, k, v, how)[None], None
+
+
+class _StepStates(DynamicCache):
+    """transformers' own cache for one sequence of a model with state layers: its
+    LinearAttentionLayers hold the states for the forward (loaded from and stored back to
+    kvpool's slots by the runner); an attention layer's update hands back the step's K/V
+    unchanged (the kvpool_hybrid attention keeps them in the pages)."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return key_states, value_states
+
+
+class _LatentWriter:
+    """The `past_key_values` of an MLA model's packed step: DeepSeek-V3's attention hands
+    the cache its latent (`update(kv_nope, k_rope, layer)`, [1, 1, T, rank] and [1, 1, T,
+    rope]) before kv_b_proj expands it; this writes it into the step's MLA pages and hands
+    the step's own latents back (the kvpool_hybrid attention reads the pages)."""
+
+    def __init__(self, step: HybridStep) -> None:
+        self.step = step
+
+    def update(self, kv_nope, k_rope, layer_idx, *args, **kwargs):
+        latent = torch.cat([kv_nope[0, 0], k_rope[0, 0]], dim=-1)
+        self.step.write_latent(int(layer_idx), latent)
+        return kv_nope, k_rope
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
 
 
 class Attention(NamedTuple):
@@ -414,19 +593,79 @@ class HybridTransformersRunner:
             raise kvpool.InvalidArgumentError(f"model on {device} but the pool on the host")
         register()
         self.model, self.pool, self.device = model, pool, device
+        self.state_layers = [
+            layer for g in self.spec.groups if g.kind == "recurrent_state" for layer in g.layers
+        ]
+        self.state = state_layout(model, _dtype_name(model, None)) if self.state_layers else None
 
     @torch.inference_mode()
     def hidden(self, batch: HybridStepBatch) -> torch.Tensor:
         """Last hidden states [num_tokens, hidden] of one packed step (writes the step's KV)."""
         if not isinstance(batch, HybridStepBatch):
             raise TypeError(f"a hybrid runner runs a HybridStepBatch, not {type(batch).__name__}")
+        if self.state_layers:
+            # A Gated DeltaNet layer runs its recurrence over the whole [1, T] row: packed
+            # sequences would flow into each other's state, so each sequence runs alone.
+            rows = [self._hidden_alone(batch.select(k)) for k in range(batch.num_seqs)]
+            return torch.cat(rows)
         step = HybridStep(self.views, batch, self.device)
         ids = torch.from_numpy(batch.input_ids)[None]
         pos = torch.from_numpy(batch.positions)[None]
+        mla = self.spec.groups[0].kind == "mla_latent"
         with attention_as(self.model):
             out = self.model.model(
-                input_ids=ids, position_ids=pos, use_cache=False, kvpool_hybrid_step=step
+                input_ids=ids,
+                position_ids=pos,
+                use_cache=mla,
+                past_key_values=_LatentWriter(step) if mla else None,
+                kvpool_hybrid_step=step,
             )
+        return out.last_hidden_state[0]
+
+    def _hidden_alone(self, seq: HybridStepBatch) -> torch.Tensor:
+        """One sequence of a model with state layers: its states are loaded from its slots
+        into transformers' own LinearAttentionLayers (a continuing sequence; a sequence at
+        position 0 starts from none), the model runs, and the states go back to the slots."""
+        lay, spec = self.state, self.spec
+        assert lay is not None
+        step = HybridStep(self.views, seq, self.device)
+        states = _StepStates(config=self.model.config)
+        slots = {s.group: s.slots[0] for s in seq.states}
+        if int(seq.positions[0]) > 0:
+            for layer in self.state_layers:
+                raw = self.views.read_state(layer, slots[spec.group_of_layer(layer)[0]], lay.nbytes)
+                conv = raw[: lay.conv_bytes].clone().view(lay.conv_dtype).view(lay.conv_shape)
+                rec = raw[lay.conv_bytes :].clone().view(torch.float32).view(lay.recurrent_shape)
+                cache_layer = states.layers[layer]
+                cache_layer.lazy_initialization(
+                    conv_states=conv[None],
+                    recurrent_states=rec[None],
+                    conv_kernel_size=lay.conv_shape[1],
+                )
+                cache_layer.conv_states[0].copy_(conv[None])
+                cache_layer.recurrent_states[0].copy_(rec[None])
+                cache_layer.has_previous_state[0] = True
+        ids = torch.from_numpy(seq.input_ids)[None]
+        pos = torch.from_numpy(seq.positions)[None]
+        with attention_as(self.model):
+            out = self.model.model(
+                input_ids=ids,
+                position_ids=pos,
+                use_cache=True,
+                past_key_values=states,
+                kvpool_hybrid_step=step,
+            )
+        for layer in self.state_layers:
+            cache_layer = states.layers[layer]
+            conv = cache_layer.conv_states[0][0].to(lay.conv_dtype).contiguous()
+            rec = cache_layer.recurrent_states[0][0].to(torch.float32).contiguous()
+            if tuple(conv.shape) != lay.conv_shape or tuple(rec.shape) != lay.recurrent_shape:
+                raise kvpool.LayoutError(
+                    f"layer {layer}: the model's state is conv {tuple(conv.shape)}, recurrent "
+                    f"{tuple(rec.shape)}; its slot holds {lay.conv_shape}, {lay.recurrent_shape}"
+                )
+            data = torch.cat([conv.view(-1).view(torch.uint8), rec.view(-1).view(torch.uint8)])
+            self.views.write_state(layer, slots[spec.group_of_layer(layer)[0]], data)
         return out.last_hidden_state[0]
 
     @torch.inference_mode()
