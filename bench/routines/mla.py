@@ -135,7 +135,6 @@ def bench_shape(batch, ctx, heads, flashinfer):
     flat = torch.from_dlpack(cp.ndarray((kv_bytes,), cp.uint8, slab.data))
     dst = torch.empty_like(flat)
     row["copy_us"] = round(graph_us([lambda s: dst.copy_(flat)]), 2)
-    del dst
     row["copy_read_tb_s"] = round(kv_bytes / (row["copy_us"] * 1e-6) / 1e12, 4)
     row["read_ceiling_tb_s"] = round(read_ceiling(kv_bytes), 4)
 
@@ -171,7 +170,6 @@ def bench_shape(batch, ctx, heads, flashinfer):
             except Exception as e:
                 traceback.print_exc()
                 row[f"flashinfer_{backend}_error"] = f"{type(e).__name__}: {e}"[:600]
-        del ckv, kpe
     for key in [k for k in row if k.endswith("_us") and k != "copy_us"]:
         row[f"{key[:-3]}_tb_s"] = round(kv_bytes / (row[key] * 1e-6) / 1e12, 4)
         row[f"{key[:-3]}_frac_of_read_ceiling"] = round(
@@ -182,7 +180,6 @@ def bench_shape(batch, ctx, heads, flashinfer):
     row["speedup_vs_best_flashinfer"] = round(min(fis) / row["kvpool_us"], 3) if fis else None
     flops = 2 * batch * ctx * heads * (576 + 512)
     row["kvpool_tflops"] = round(flops / (row["kvpool_us"] * 1e-6) / 1e12, 1)
-    del pool, cache, slab, flat
     torch.cuda.empty_cache()
     cp.get_default_memory_pool().free_all_blocks()
     return row
@@ -194,7 +191,7 @@ def main(argv=None):
     out = ap.parse_args(argv).out
     try:
         import flashinfer
-        import flashinfer.mla  # noqa: F401
+        import flashinfer.mla
     except Exception as e:
         print("flashinfer import failed:", repr(e), flush=True)
         flashinfer = None
