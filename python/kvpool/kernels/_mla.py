@@ -28,7 +28,14 @@ import numpy as np
 from kvpool import reference
 from kvpool.exceptions import InvalidArgumentError
 from kvpool.kernels import _build
-from kvpool.kernels._args import ArrayView, check_int_array, check_ptr, elem_ok, index_arg
+from kvpool.kernels._args import (
+    ArrayView,
+    check_int_array,
+    check_ptr,
+    device_index,
+    elem_ok,
+    index_arg,
+)
 from kvpool.kernels._args import dev as _dev
 from kvpool.kernels._args import view as _view
 from kvpool.kernels._common import (
@@ -122,13 +129,17 @@ def mla_variant(dtype: str, head_tile: int) -> _build.MlaVariant:
     return _build.MlaVariant(dtype, mt, j)
 
 
+def check_spec(spec: Any) -> None:
+    """A ModelKvSpec (checked by its type's name: importing the class here would close an
+    import cycle through the package's __init__)."""
+    if type(spec).__name__ != "ModelKvSpec" or not hasattr(spec, "latent_offset_bytes"):
+        raise TypeError(f"spec must be a ModelKvSpec, got {type(spec).__name__}")
+
+
 def mla_group(spec: Any, group: Any) -> tuple[int, Any]:
     """The MLA group `group` of `spec` (its index and KvGroup), checked against the supported
     set."""
-    from kvpool import ModelKvSpec
-
-    if not isinstance(spec, ModelKvSpec):
-        raise TypeError(f"spec must be a ModelKvSpec, got {type(spec).__name__}")
+    check_spec(spec)
     g = index_arg(group, "group")
     if not 0 <= g < spec.num_groups:
         raise InvalidArgumentError(f"group {g} outside 0..{spec.num_groups - 1}")
@@ -379,8 +390,6 @@ class MlaDecodePlan:
     # -- CUDA ----------------------------------------------------------------------------------
 
     def _plan_cuda(self, max_seq_len, num_splits, stream, workspace) -> None:
-        from kvpool.kernels._args import device_index
-
         ptv, slv = _view(self.page_tables, "page_tables"), _view(self.seq_lens, "seq_lens")
         pt, sl = _dev(ptv, "page_tables"), _dev(slv, "seq_lens")
         check_int_array(pt, "page_tables", 4, 2)
@@ -571,10 +580,7 @@ def paged_mla_decode(
     scale=scale, ...).run(q_nope, q_pe, layer, out=out)``; with `plan` only its run (the plan's
     own arguments are then left out)."""
     if plan is None:
-        from kvpool import ModelKvSpec
-
-        if not isinstance(spec, ModelKvSpec):
-            raise TypeError(f"spec must be a ModelKvSpec, got {type(spec).__name__}")
+        check_spec(spec)
         lay = index_arg(layer, "layer")
         if not 0 <= lay < spec.num_layers:
             raise InvalidArgumentError(f"layer {lay} outside 0..{spec.num_layers - 1}")
