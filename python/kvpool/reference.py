@@ -420,3 +420,43 @@ def paged_metadata(
             keep = (dst >= 0) & (dst < num_slots)
             slots[dst[keep]] = vals[keep]
     return slots, indptr, indices, last.astype(np.int32)
+
+
+def mla_decode_reference(
+    q_nope: npt.NDArray,
+    q_pe: npt.NDArray,
+    latent_cache: npt.NDArray,
+    page_tables: npt.NDArray,
+    seq_lens: npt.ArrayLike,
+    scale: float,
+    dtype: str = "float64",
+    latent_dim: int = 512,
+) -> npt.NDArray[np.float64]:
+    """MLA decode with absorbed projections (DeepSeek-V3; FlashMLA's and FlashInfer's
+    BatchMLAPagedAttentionWrapper's semantics), in float64.
+
+    q_nope [num_seqs, H, latent_dim] (the query already multiplied into the latent space),
+    q_pe [num_seqs, H, rope_dim]; latent_cache [num_pages, block_size, latent_dim + rope_dim]:
+    one layer's latent rows, c_kv then k_pe per token; page_tables [num_seqs, >= pages] page
+    ids; seq_lens [num_seqs]. Elements of `dtype` (bfloat16 as uint16 bits; "float64": taken as
+    they are). Per head: logits = (q_nope . c_kv + q_pe . k_pe) * scale over the sequence's
+    tokens, out = softmax(logits) @ c_kv, [num_seqs, H, latent_dim]; an empty sequence gives
+    zeros."""
+
+    def f64(x: npt.NDArray) -> npt.NDArray[np.float64]:
+        return np.asarray(x, np.float64) if dtype == "float64" else to_float64(x, dtype)
+
+    qn, qp, cache = f64(q_nope), f64(q_pe), f64(latent_cache)
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    out = np.zeros(qn.shape, dtype=np.float64)
+    for i, n in enumerate(lens):
+        if n <= 0:
+            continue
+        rows = gather_kv(cache, np.asarray(page_tables[i]), int(n))  # [n, latent + rope]
+        c_kv, k_pe = rows[:, :latent_dim], rows[:, latent_dim:]
+        logits = (qn[i] @ c_kv.T + qp[i] @ k_pe.T) * scale  # [H, n]
+        logits -= logits.max(axis=1, keepdims=True)
+        p = np.exp(logits)
+        p /= p.sum(axis=1, keepdims=True)
+        out[i] = p @ c_kv
+    return out

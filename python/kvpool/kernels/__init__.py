@@ -18,6 +18,12 @@ from kvpool.kernels._cache_ops import append_kv, copy_blocks
 from kvpool.kernels._decode import DecodePlan, decode_plan, paged_attention_decode
 from kvpool.kernels._decode_split import MAX_DECODE_SPLITS, workspace_elems
 from kvpool.kernels._metadata import paged_metadata
+from kvpool.kernels._mla import (
+    MlaDecodePlan,
+    mla_decode_plan,
+    mla_page_tables,
+    paged_mla_decode,
+)
 from kvpool.kernels._prefill import (
     PrefillPlan,
     paged_attention_prefill,
@@ -30,13 +36,17 @@ __all__ = [
     "MAX_DECODE_SPLITS",
     "DecodePlan",
     "KvScales",
+    "MlaDecodePlan",
     "PrefillPlan",
     "append_kv",
     "copy_blocks",
     "decode_plan",
+    "mla_decode_plan",
+    "mla_page_tables",
     "paged_attention_decode",
     "paged_attention_prefill",
     "paged_metadata",
+    "paged_mla_decode",
     "prefill_plan",
     "prefill_workspace_elems",
     "workspace_elems",

@@ -676,3 +676,76 @@ def plain_module(name: str) -> Any:
     import cupy
 
     return cupy.RawModule(code=read_source(f"{name}.cu"), options=COMMON_OPTIONS)
+
+
+# MLA decode (paged_mla_decode.cu): DeepSeek-V3's latent cache, one row of MLA_LATENT_DIM +
+# MLA_ROPE_DIM elements per token. A CTA serves a tile of 16 * mt query heads with mt * j warps
+# (warp (m-tile, j): S over tokens slice j, O over output columns slice j), KV tiles of bn tokens
+# in `stages` cp.async stages. The head tile and the module are chosen per head count by
+# kvpool.kernels._mla (MLA_VARIANTS), any of MLA_VARIANT_CHOICES can be forced through _tuning.
+MLA_LATENT_DIM = 512
+MLA_ROPE_DIM = 64
+MLA_DTYPES = DTYPES
+
+
+@dataclass(frozen=True)
+class MlaVariant:
+    dtype: str
+    mt: int  # m-tiles of 16 heads per CTA
+    j: int  # warps per m-tile
+    bn: int = 64
+    stages: int = 2
+
+    source = "paged_mla_decode.cu"
+    kernel = "paged_mla_decode"
+
+    @property
+    def heads_per_cta(self) -> int:
+        return 16 * self.mt
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.mt * self.j
+
+    @property
+    def tokens_per_iter(self) -> int:
+        return self.bn
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        """Mirrors SMEM_BYTES in the .cu: the KV stages, the Q tile, the P tile, the
+        m-tiles' row maxima and sums."""
+        row = 2 * (MLA_LATENT_DIM + MLA_ROPE_DIM)
+        hb = self.heads_per_cta
+        return self.stages * self.bn * row + hb * row + hb * self.bn * 2 + 2 * self.j * hb * 4
+
+    def options(self) -> tuple[str, ...]:
+        return COMMON_OPTIONS + (
+            f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
+            f"-DMT={self.mt}",
+            f"-DJ={self.j}",
+            f"-DBN={self.bn}",
+            f"-DSTAGES={self.stages}",
+        )
+
+
+# (mt, j) of the modules the plan may choose: 16-head tiles with 4 warps (64 output columns
+# of registers a lane), 32-head tiles with 8 warps, 64-head tiles with 8 warps (128 a lane).
+MLA_VARIANT_CHOICES = ((1, 4), (2, 4), (4, 2))
+
+
+def mla_variants() -> list[MlaVariant]:
+    """Every MLA decode module (CI compiles them all)."""
+    return [MlaVariant(dt, mt, j) for dt in MLA_DTYPES for mt, j in MLA_VARIANT_CHOICES]
+
+
+def mla_sources() -> list[tuple[str, str, tuple[str, ...]]]:
+    """(label, source, options) of every MLA decode module, for every architecture."""
+    return [
+        (
+            f"{v.kernel}[{v.dtype},mt{v.mt},j{v.j},bn{v.bn},s{v.stages}]",
+            read_source(v.source),
+            v.options(),
+        )
+        for v in mla_variants()
+    ]

@@ -1,0 +1,347 @@
+// MLA decode attention (DeepSeek-V3 shape, absorbed projections) over a paged latent cache, on
+// tensor cores (mma.sync m16n8k16, fp16/bf16 in, fp32 accumulate), with split-KV.
+//
+// Per token the cache holds one vector of DQK = 576 elements: c_kv (the latent, DV = 512) then
+// k_pe (the rope part, 64). Per query head: q_nope (already multiplied into the latent space,
+// 512) and q_pe (64). logits = (q_nope . c_kv + q_pe . k_pe) * scale; the output of a head is
+// the softmax-weighted sum of c_kv (512, in the latent space). Every query head attends to the
+// same latent "head": a GQA group of all heads, so a CTA serves a tile of HB = 16 * MT heads and
+// loads each latent tile once for all of them.
+//
+// One CTA per (head tile, split chunk, sequence), head tile fastest in the grid so the CTAs of
+// one sequence's chunk run together and a second head tile finds the chunk in L2. NWARPS = MT *
+// J warps: warp w serves m-tile mt = w / J (16 heads) and slice j = w % J. Per KV tile of BN
+// tokens (cp.async into one of STAGES shared-memory stages, rows XOR-swizzled):
+//   S phase: warp (mt, j) computes S (16 heads x BN/J tokens: slice j) = Q (ldmatrix from the Q
+//     tile in shared memory, 36 k-steps of 16) * K^T (ldmatrix of the token rows);
+//   the J warps of an m-tile exchange their row maxima through shared memory (named barrier
+//     per m-tile), so all of them hold the same running max; each writes its slice of P (16-bit)
+//     to the m-tile's P tile and keeps its own partial row sums;
+//   O phase (after a second named barrier): warp (mt, j) owns output columns [j * DV/J, ...):
+//     O (16 x DV/J) = O * alpha + P (16 x BN, ldmatrix) * V (ldmatrix.trans of the c_kv rows).
+// A CTA barrier per tile orders the stages' reuse. At the end the J partial row sums are added
+// through shared memory; an unsplit sequence writes `out`, a split one its normalised partial O
+// (float32) and log2-sum-exp to the workspace, merged by `mla_merge` (a second launch).
+//
+// Rows past the split's end, or whose table entry lies outside the row (pt_width) or the pool
+// (num_pages), are zero-filled without a read and masked. A sequence of length 0 writes zeros.
+//
+// Compile-time constants (NVRTC -D): KV_BF16, MT (m-tiles of 16 heads per CTA), J (warps per
+// m-tile), BN (tokens per KV tile), STAGES. The latent and rope widths are fixed (512 + 64).
+
+#if !defined(KV_BF16) || !defined(MT) || !defined(J) || !defined(BN) || !defined(STAGES)
+#error "paged_mla_decode.cu needs KV_BF16, MT, J, BN and STAGES defined"
+#endif
+
+#include "decode_common.cuh"
+
+#define DV 512                 // latent width (c_kv), also the output width
+#define DQK 576                // latent + rope: one cache row, one query row
+#define CHQ (DQK / 8)          // 16-byte chunks per row (72: a multiple of 8, so XOR-swizzled)
+#define CHV (DV / 8)           // chunks of the c_kv part
+#define ROWB (DQK * 2)         // bytes per row in shared memory (1152)
+#define HB (16 * MT)           // heads per CTA
+#define NWARPS (MT * J)
+#define NTHREADS (NWARPS * 32)
+#define SW (BN / J)            // tokens of a warp's S slice
+#define NB (SW / 8)            // its n8 blocks
+#define CW (DV / J)            // output columns of a warp
+#define ON (CW / 8)            // their n8 blocks
+#define KSTEPS (DQK / 16)
+#define STAGE_BYTES (BN * ROWB)
+#define Q_BYTES (HB * ROWB)
+#define PROWB (BN * 2)         // bytes of a P row
+#define P_BYTES (HB * PROWB)
+#define SMEM_BYTES (STAGES * STAGE_BYTES + Q_BYTES + P_BYTES + 2 * J * HB * 4)
+
+static_assert(MT >= 1 && MT <= 8, "MT: 1..8 m-tiles");
+static_assert(J == 1 || J == 2 || J == 4, "J: 1, 2 or 4 warps per m-tile");
+static_assert(NB % 2 == 0 && NB >= 2, "a warp's S slice must be a multiple of 16 tokens");
+static_assert(BN % 64 == 0, "BN: a multiple of 64 (P rows of a multiple of 8 chunks, swizzled)");
+static_assert(STAGES >= 2 && STAGES <= 4, "STAGES: 2..4");
+static_assert(MT <= 15, "named barrier ids 1..MT");
+
+#include "mma_common.cuh"
+
+// Byte offset of (row, 16-byte chunk) in a tile of rows of `chunks` chunks (a multiple of 8):
+// chunks XOR-swizzled by row & 7, so the 8 rows an ldmatrix reads at one chunk column land in
+// 8 different bank groups.
+__device__ __forceinline__ unsigned swz(int row, int chunk, int row_bytes) {
+    return (unsigned)(row * row_bytes + ((chunk ^ (row & 7)) << 4));
+}
+
+__device__ __forceinline__ void mtile_sync(int mt) {
+    asm volatile("bar.sync %0, %1;" :: "r"(mt + 1), "r"(J * 32) : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
+    const u16* __restrict__ q_nope, i64 qn_seq_stride, i64 qn_head_stride,
+    const u16* __restrict__ q_pe, i64 qp_seq_stride, i64 qp_head_stride,
+    u16* __restrict__ out, i64 out_seq_stride, i64 out_head_stride,
+    float* __restrict__ part_o, float* __restrict__ part_lse,
+    const char* __restrict__ kv_base, i64 page_stride, i64 token_stride, int num_pages,
+    int bs_log2, const int* __restrict__ page_tables, i64 pt_stride, int pt_width,
+    const int* __restrict__ seq_lens, int num_heads, int chunk_tokens, int max_splits,
+    float scale_log2) {
+    const int h0 = blockIdx.x * HB;
+    const int split = blockIdx.y;
+    const int seq = blockIdx.z;
+    const int len = max(seq_lens[seq], 0);
+    const SplitRange range = split_range(split, len, chunk_tokens, max_splits);
+    if (split >= range.num_splits) return;  // this sequence is shorter than the longest
+    const int t_begin = range.t_begin, t_end = range.t_end;
+    const int n_tiles = t_end > t_begin ? (t_end - t_begin + BN - 1) / BN : 0;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int mt = warp / J, j = warp % J;
+    const int gid = lane >> 2, tig = lane & 3;
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    const unsigned s_base = (unsigned)__cvta_generic_to_shared(smem);
+    const unsigned s_q = s_base + STAGES * STAGE_BYTES;
+    const unsigned s_p = s_q + Q_BYTES + mt * 16 * PROWB;  // this warp's m-tile's P rows
+    float* red_max = reinterpret_cast<float*>(smem + STAGES * STAGE_BYTES + Q_BYTES + P_BYTES);
+    float* red_l = red_max + J * HB;
+
+    const int* pt_row = page_tables + seq * pt_stride;
+    const int bs_mask = (1 << bs_log2) - 1;
+
+    // The Q tile: rows = heads h0 .. h0 + HB - 1 (rows past num_heads zero), chunks 0..63 from
+    // q_nope, 64..71 from q_pe. Part of the first cp.async group.
+    for (int c = tid; c < HB * CHQ; c += NTHREADS) {
+        const int row = c / CHQ, ch = c % CHQ;
+        const int h = h0 + row;
+        const bool in = h < num_heads;
+        const u16* src = ch < CHV
+                             ? q_nope + seq * qn_seq_stride + (i64)h * qn_head_stride + ch * 8
+                             : q_pe + seq * qp_seq_stride + (i64)h * qp_head_stride + (ch - CHV) * 8;
+        cp_async16(s_q + swz(row, ch, ROWB), in ? reinterpret_cast<const char*>(src)
+                                                : reinterpret_cast<const char*>(q_nope), in);
+    }
+
+    // Tile `it` of the split into stage `stage`: BN rows of 72 chunks, each row's page looked
+    // up in the table (entries outside the row or the pool: zero-filled, no read).
+    auto load_tile = [&](int it, int stage) {
+        const unsigned dst = s_base + stage * STAGE_BYTES;
+        const int t0 = t_begin + it * BN;
+        for (int c = tid; c < BN * CHQ; c += NTHREADS) {
+            const int row = c / CHQ, ch = c % CHQ;
+            const int t = t0 + row;
+            const int entry = t >> bs_log2;
+            int page = -1;
+            if (t < t_end && entry < pt_width) page = pt_row[entry];
+            const bool ok = (unsigned)page < (unsigned)num_pages;
+            const char* src = ok ? kv_base + (i64)page * page_stride +
+                                       (i64)(t & bs_mask) * token_stride + ch * 16
+                                 : kv_base;
+            cp_async16(dst + swz(row, ch, ROWB), src, ok);
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < n_tiles) load_tile(s, s);
+        cp_async_commit();
+    }
+
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // rows gid, gid + 8 of the m-tile
+    float o[ON][4];
+#pragma unroll
+    for (int n = 0; n < ON; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[n][i] = 0.f;
+
+    for (int it = 0; it < n_tiles; ++it) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // tile `it` (and Q) visible; every warp done with tile it - 1
+        {
+            const int nxt = it + STAGES - 1;
+            if (nxt < n_tiles) load_tile(nxt, nxt % STAGES);
+            cp_async_commit();
+        }
+        const unsigned s_kv = s_base + (it % STAGES) * STAGE_BYTES;
+        const int t0 = t_begin + it * BN;
+
+        // ---- S = Q K^T for the m-tile's 16 heads x the slice's SW tokens
+        float s[NB][4];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[nb][i] = 0.f;
+        const int a_row = mt * 16 + (lane & 15);
+        const int b_row = j * SW + (lane & 7) + ((lane >> 4) << 3);
+        const int b_chk = (lane >> 3) & 1;
+#pragma unroll 4
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+            u32 a[4];
+            ldsm_x4(a, s_q + swz(a_row, 2 * kk + (lane >> 4), ROWB));
+#pragma unroll
+            for (int p = 0; p < NB / 2; ++p) {
+                u32 b[4];
+                ldsm_x4(b, s_kv + swz(b_row + p * 16, 2 * kk + b_chk, ROWB));
+                mma16816(s[2 * p], a[0], a[1], a[2], a[3], b[0], b[1]);
+                mma16816(s[2 * p + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+            }
+        }
+
+        // ---- mask, scale, the m-tile's running max
+        float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int t = t0 + j * SW + nb * 8 + 2 * tig + e;
+                const int entry = t >> bs_log2;
+                bool ok = t < t_end && entry < pt_width;
+                if (ok) ok = (unsigned)pt_row[entry] < (unsigned)num_pages;
+                s[nb][e] = ok ? s[nb][e] * scale_log2 : NEG_INF;
+                s[nb][2 + e] = ok ? s[nb][2 + e] * scale_log2 : NEG_INF;
+                mx0 = fmaxf(mx0, s[nb][e]);
+                mx1 = fmaxf(mx1, s[nb][2 + e]);
+            }
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const int r0 = mt * 16 + gid;
+        if (tig == 0) {
+            red_max[j * HB + r0] = mx0;
+            red_max[j * HB + r0 + 8] = mx1;
+        }
+        mtile_sync(mt);
+#pragma unroll
+        for (int jj = 0; jj < J; ++jj) {
+            mx0 = fmaxf(mx0, red_max[jj * HB + r0]);
+            mx1 = fmaxf(mx1, red_max[jj * HB + r0 + 8]);
+        }
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        // A row with no valid key yet keeps max -inf: exponents against 0 give p = 0, alpha = 0.
+        const float mu0 = mn0 == NEG_INF ? 0.f : mn0, mu1 = mn1 == NEG_INF ? 0.f : mn1;
+        const float alpha0 = exp2f(m0 - mu0), alpha1 = exp2f(m1 - mu1);
+        m0 = mn0;
+        m1 = mn1;
+        l0 *= alpha0;
+        l1 *= alpha1;
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            const float p0 = exp2f(s[nb][0] - mu0), p1 = exp2f(s[nb][1] - mu0);
+            const float p2 = exp2f(s[nb][2] - mu1), p3 = exp2f(s[nb][3] - mu1);
+            l0 += p0 + p1;
+            l1 += p2 + p3;
+            const int tok = j * SW + nb * 8 + 2 * tig;
+            const int ch = tok >> 3, byte = (tok & 7) * 2;
+            const unsigned a0 = s_p + swz(gid, ch, PROWB) + byte;
+            const unsigned a1 = s_p + swz(gid + 8, ch, PROWB) + byte;
+            const u32 v01 = pack2(p0, p1), v23 = pack2(p2, p3);
+            asm volatile("st.shared.u32 [%0], %1;" :: "r"(a0), "r"(v01) : "memory");
+            asm volatile("st.shared.u32 [%0], %1;" :: "r"(a1), "r"(v23) : "memory");
+        }
+        mtile_sync(mt);  // the m-tile's P complete; its maxima read
+
+        // ---- O = O * alpha + P V over this warp's output columns
+#pragma unroll
+        for (int n = 0; n < ON; ++n) {
+            o[n][0] *= alpha0;
+            o[n][1] *= alpha0;
+            o[n][2] *= alpha1;
+            o[n][3] *= alpha1;
+        }
+        const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3);
+        const int v_chk = j * (CW / 8) + (lane >> 4);
+#pragma unroll
+        for (int ks = 0; ks < BN / 16; ++ks) {
+            u32 a[4];
+            ldsm_x4(a, s_p + swz(lane & 15, 2 * ks + (lane >> 4), PROWB));
+#pragma unroll
+            for (int q2 = 0; q2 < ON / 2; ++q2) {
+                u32 b[4];
+                ldsm_x4_trans(b, s_kv + swz(ks * 16 + v_row, v_chk + 2 * q2, ROWB));
+                mma16816(o[2 * q2], a[0], a[1], a[2], a[3], b[0], b[1]);
+                mma16816(o[2 * q2 + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+            }
+        }
+    }
+
+    // ---- the m-tile's row sums: this warp's lanes, then its J warps
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const int r0 = mt * 16 + gid;
+    mtile_sync(mt);  // every warp of the m-tile done reading red_max of the last tile
+    if (tig == 0) {
+        red_l[j * HB + r0] = l0;
+        red_l[j * HB + r0 + 8] = l1;
+    }
+    mtile_sync(mt);
+    float lt0 = 0.f, lt1 = 0.f;
+#pragma unroll
+    for (int jj = 0; jj < J; ++jj) {
+        lt0 += red_l[jj * HB + r0];
+        lt1 += red_l[jj * HB + r0 + 8];
+    }
+    const float inv0 = lt0 > 0.f ? 1.f / lt0 : 0.f, inv1 = lt1 > 0.f ? 1.f / lt1 : 0.f;
+    const int ha = h0 + r0, hb = ha + 8;
+    const int col0 = j * CW + 2 * tig;
+    if (range.num_splits == 1) {
+        u16* oa = out + seq * out_seq_stride + (i64)ha * out_head_stride + col0;
+        u16* ob = out + seq * out_seq_stride + (i64)hb * out_head_stride + col0;
+#pragma unroll
+        for (int n = 0; n < ON; ++n) {
+            if (ha < num_heads)
+                *reinterpret_cast<u32*>(oa + n * 8) = pack2(o[n][0] * inv0, o[n][1] * inv0);
+            if (hb < num_heads)
+                *reinterpret_cast<u32*>(ob + n * 8) = pack2(o[n][2] * inv1, o[n][3] * inv1);
+        }
+    } else {
+        const i64 base = ((i64)seq * max_splits + split) * num_heads;
+        float* pa = part_o + (base + ha) * DV + col0;
+        float* pb = part_o + (base + hb) * DV + col0;
+#pragma unroll
+        for (int n = 0; n < ON; ++n) {
+            if (ha < num_heads)
+                *reinterpret_cast<float2*>(pa + n * 8) = make_float2(o[n][0] * inv0, o[n][1] * inv0);
+            if (hb < num_heads)
+                *reinterpret_cast<float2*>(pb + n * 8) = make_float2(o[n][2] * inv1, o[n][3] * inv1);
+        }
+        if (j == 0 && tig == 0) {
+            if (ha < num_heads) part_lse[base + ha] = lt0 > 0.f ? m0 + log2f(lt0) : NEG_INF;
+            if (hb < num_heads) part_lse[base + hb] = lt1 > 0.f ? m1 + log2f(lt1) : NEG_INF;
+        }
+    }
+}
+
+// The split partials of one (head, sequence) merged by log-sum-exp (log2 domain): 128 threads,
+// 4 columns each. A sequence of one split wrote `out` itself and is skipped.
+extern "C" __global__ void __launch_bounds__(128) mla_merge(
+    const float* __restrict__ part_o, const float* __restrict__ part_lse, u16* __restrict__ out,
+    i64 out_seq_stride, i64 out_head_stride, const int* __restrict__ seq_lens, int num_heads,
+    int chunk_tokens, int max_splits) {
+    const int head = blockIdx.x, seq = blockIdx.y;
+    const int n = num_splits_of(max(seq_lens[seq], 0), chunk_tokens, max_splits);
+    if (n == 1) return;
+    const i64 base = (i64)seq * max_splits * num_heads + head;
+    float mx = NEG_INF;
+    for (int s = 0; s < n; ++s) mx = fmaxf(mx, part_lse[base + (i64)s * num_heads]);
+    const int col = threadIdx.x * 4;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    float wsum = 0.f;
+    if (mx != NEG_INF) {
+        for (int s = 0; s < n; ++s) {
+            const float w = exp2f(part_lse[base + (i64)s * num_heads] - mx);
+            const float4 v = *reinterpret_cast<const float4*>(
+                part_o + (base + (i64)s * num_heads) * DV + col);
+            wsum += w;
+            acc[0] += w * v.x;
+            acc[1] += w * v.y;
+            acc[2] += w * v.z;
+            acc[3] += w * v.w;
+        }
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    u16* o = out + seq * out_seq_stride + (i64)head * out_head_stride + col;
+    *reinterpret_cast<u32*>(o) = pack2(acc[0] * inv, acc[1] * inv);
+    *reinterpret_cast<u32*>(o + 2) = pack2(acc[2] * inv, acc[3] * inv);
+}
