@@ -119,7 +119,8 @@ class MlaMergeArgs(ctypes.Structure):
 
 def default_head_tile(num_heads: int) -> int:
     """Heads per CTA: 16 up to 16 heads, 32 up to 32, else 64 (128 heads: 2 CTAs per chunk,
-    whose reads of the same latent rows meet in L2: the grid puts them side by side)."""
+    side by side in the grid so that their reads of the same rows can meet in L2; at 128
+    heads on the H200 tile 64 was the fastest of 16 / 32 / 64: bench/results/2026-12-03_de41d1c_h200/)."""
     return next((t for t in MLA_HEAD_TILES if num_heads <= t), MLA_HEAD_TILES[-1])
 
 
