@@ -83,3 +83,46 @@ def test_add_at_a_next_query_holds_the_live_window_only() -> None:
         t.add(3, 4, next_query=5)
     assert 3 not in t
     t.check_invariants()
+
+
+def test_a_shrink_evicts_through_the_tables_with_per_group_events() -> None:
+    """A growable caching pool shrunk through `HybridTables.shrink`: the cached pages it
+    releases are reported removed under the groups (and chunk hashes) they were stored
+    under, and no key is left behind (a later prompt misses, the invariants hold).
+    `Pool.shrink` alone leaves the tables' cached pages cached."""
+    from kvpool import BlockRemoved, BlockStored
+
+    s = spec()
+    pool = Pool.for_spec(
+        s, growable=True, max_num_blocks=256, device="host", enable_prefix_caching=True
+    )
+    t = HybridTables(pool, s)
+    pool.enable_kv_cache_events()
+    prompt = list(range(200))
+    t.add_request(0, prompt)
+    t.cache_computed(0)
+    t.free(0)
+    stored = {
+        (e.group, h)
+        for e in pool.take_kv_events()
+        if isinstance(e, BlockStored)
+        for h in e.block_hashes
+    }
+    cached = pool.num_evictable
+    assert cached > 0
+    pool.shrink()
+    assert pool.num_evictable == cached, "Pool.shrink evicted the tables' pages"
+    assert pool.take_kv_events() == []
+    released = t.shrink()
+    assert released > 0 and pool.num_evictable == 0
+    removed = [
+        (e.group, h)
+        for e in pool.take_kv_events()
+        if isinstance(e, BlockRemoved)
+        for h in e.block_hashes
+    ]
+    assert removed and set(removed) <= stored, "a removal names a hash never stored in its group"
+    assert {g for g, _ in removed} == {g for g, _ in stored}
+    t.check_invariants()
+    assert t.add_request(1, prompt).num_cached_tokens == 0  # no stale key serves a hit
+    t.check_invariants()
