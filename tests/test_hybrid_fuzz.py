@@ -109,6 +109,11 @@ Call = tuple[Callable[..., st.SearchStrategy[Arg]], ...]
 
 TABLES_CALLS: dict[str, tuple[Call, Callable[..., object]]] = {
     "add": ((request_arg, tokens_arg), lambda w, r, n: w.tables.add(r, n)),
+    "add next_query": (
+        (request_arg, tokens_arg, lambda: fuzz.none_ok(tokens_arg())),
+        lambda w, r, n, q: w.tables.add(r, n, next_query=q),
+    ),
+    "request_pages": ((request_arg,), lambda w, r: w.tables.request_pages(r)),
     "append_tokens": ((request_arg, tokens_arg), lambda w, r, n: w.tables.append_tokens(r, n)),
     "append_tokens_many": (
         (lambda: fuzz.int_sequence(8), fuzz.int_or_sequence),
@@ -272,7 +277,7 @@ def test_the_fuzzer_covers_every_public_method() -> None:
         ModelKvSpec: {*SPEC_CALLS, "uniform"},  # uniform takes only a KvLayout
         KvGroup: set(GROUP_CALLS),
     }
-    no_args = {"check_invariants", "poll", "wait", "request_ids", "cache_stats"}
+    no_args = {"check_invariants", "poll", "wait", "request_ids", "cache_stats", "shrink"}
     for cls, names in fuzzed.items():
         methods = {m for m in vars(cls) if not m.startswith("_") and callable(getattr(cls, m))}
         missing = methods - names - no_args

@@ -4,8 +4,9 @@ tokens a page), a sliding window of 20 (5 a page), a recurrent state (2 pages a 
 latent (2 a page) and chunked local attention (chunks of 24, 4 a page). Requests are added
 with prompts drawn from a few shared token streams (so they share prefixes), appended with
 and without ids (one at a time and batched), brought to a chunk boundary and checkpointed,
-declared computed, forked and freed, over a roomy pool (nothing is ever evicted) and a tight
-one (pages are evicted, and calls run out of pages).
+declared computed, forked and freed, swapped out to a HybridHostTier (every group), swapped
+back in and dropped there, over a roomy pool (nothing is ever evicted) and a tight one (pages
+are evicted, and calls run out of pages).
 
 The machine plays the kernels on the host slab. It runs every copy a call returns, then reads
 back, through each table's slot mapping, every key the call's queries see: each must hold the
@@ -27,10 +28,17 @@ tests/hybrid_model.py):
   `check_invariants` holds after every step;
 - an append runs out of pages exactly when its fresh pages exceed the free and evictable
   ones, and a failed call changes nothing (tables, reference counts, cached pages);
+- a swapped-out request's cached pages (with `cache_computed` before the swap-out, its last
+  step's too) stay in the cache and keep serving hits (the content check reads their bytes)
+  while it is away; a swap-in reads back, through the new tables, every key and state the
+  request's next query sees, and its later pages are cached again; a swap refused (host tier
+  or device pool short, wrong tier) changes nothing; a swapped-out id is taken for `add`
+  and `fork`; the tier's `check_invariants` holds after every step;
 - once every request is freed nothing is used, and a cache reset frees every page.
 
 The mutation machines play a wrong hit (the hit's copies skipped, or taken from another
-cached page of the same group): the content check must fail them.
+cached page of the same group) and a swap that brings back another page's bytes: the
+content check must fail them.
 """
 
 from __future__ import annotations
@@ -55,6 +63,8 @@ from hypothesis.stateful import (
 )
 from kvpool import (
     DuplicateRequestError,
+    HostTierFullError,
+    HybridHostTier,
     HybridTables,
     InvalidArgumentError,
     KvGroup,
@@ -62,12 +72,14 @@ from kvpool import (
     OutOfBlocksError,
     Pool,
     UnknownRequestError,
+    WrongTierError,
 )
 
 C = 16  # tokens per hashed chunk
 PAGE_BYTES = 1024
 ROOMY = 4096
 TIGHT = 160
+HOST_PAGES = 128  # the host tier: a few requests, so swap-outs are refused at times
 NUM_IDS = 8
 MASK = (1 << 64) - 1
 
@@ -232,7 +244,8 @@ def event(name: str) -> None:
 
 class CachedHybridMachine(RuleBasedStateMachine):
     num_pages = ROOMY
-    # "skip hit copies" or "copy from another page": a wrong hit the content check must see.
+    # "skip hit copies", "copy from another page" (a wrong hit) or "swap in another page"
+    # (a swap-in reading another host page's bytes): the content check must see them.
     mutation: str | None = None
     # What the runs met, over every run of the class (the coverage tests read it).
     coverage: ClassVar[dict[str, int]] = {}
@@ -247,6 +260,10 @@ class CachedHybridMachine(RuleBasedStateMachine):
         self.rules = [GroupRule.of(self.spec, i, g) for i, g in enumerate(self.spec.groups)]
         self.model = CacheModel(self.rules)
         self.bytes = slab(self.pool)
+        self.tier = HybridHostTier(self.tables, HOST_PAGES)
+        self.host_bytes = slab(self.tier.pool)
+        # Requests the tier holds, as the model knows them.
+        self.swapped: dict[int, Request] = {}
 
     # --- the device, played on the slab ---------------------------------------------------
 
@@ -271,12 +288,13 @@ class CachedHybridMachine(RuleBasedStateMachine):
                 src * start : (src + 1) * start
             ]
 
-    def check_reads(self, rid: int, r: Request, query: int) -> None:
+    def check_reads(self, rid: int, r: Request, query: int, states: bool = True) -> None:
         """What the queries from `query` on read below it: every key they see holds its own
-        prefix's value in its own group, every state page the state after `query`."""
+        prefix's value in its own group, every state page (unless not `states`) the state
+        after `query`."""
         for g, group_rule in enumerate(self.rules):
             if group_rule.block_size is None:
-                if query == 0:
+                if query == 0 or not states:
                     continue
                 for i, page in enumerate(self.tables.state_slot(rid, g).tolist()):
                     if self.read(page * PAGE_BYTES) != state_value(r, g, query, i):
@@ -311,6 +329,10 @@ class CachedHybridMachine(RuleBasedStateMachine):
         out: list[object] = [pool.num_free, pool.num_evictable, pool.num_used, len(self.tables)]
         out.append(self.tables.cache_stats())
         out.append(pool.prefix_cache_stats()["num_cached_blocks"])
+        out.append((self.tier.request_ids(), self.tier.pool.num_free, self.tier.num_pending))
+        for rid in self.tier.request_ids():
+            n, next_query, rows = self.tier.swapped(rid)
+            out.append((rid, n, next_query, rows.tolist()))
         for rid in range(NUM_IDS):
             if rid in self.tables:
                 out.append((rid, self.tables.num_tokens(rid), self.tables.next_query(rid)))
@@ -357,6 +379,16 @@ class CachedHybridMachine(RuleBasedStateMachine):
     def has_requests(self) -> bool:
         return bool(self.model.requests)
 
+    def taken(self, rid: int) -> bool:
+        """Whether `rid` is in the tables or swapped out (not free for add or fork)."""
+        return rid in self.model.requests or rid in self.swapped
+
+    def known_requests(self) -> dict[int, Request]:
+        """The requests whose tokens the tables know, swapped out ones included (their
+        prompts can still be shared: their cached pages stay)."""
+        every = {**self.model.requests, **self.swapped}
+        return {rid: r for rid, r in every.items() if r.known}
+
     def existing(self, data: st.DataObject) -> int:
         return data.draw(st.sampled_from(sorted(self.model.requests)), label="request")
 
@@ -383,26 +415,33 @@ class CachedHybridMachine(RuleBasedStateMachine):
     def add_request(self, rid: int, family: int, diverge: int, variant: int, length: int) -> None:
         r = Request(family, diverge, variant, known=True)
         tokens = r.push(length)
-        if rid in self.model.requests:
+        if self.taken(rid):
             self.refused(DuplicateRequestError, self.tables.add_request, rid, tokens)
             return
         self.add_checked(rid, r, tokens)
 
-    @precondition(lambda self: any(r.known for r in self.model.requests.values()))
+    @precondition(lambda self: bool(self.known_requests()))
     @rule(data=st.data(), rid=IDS, extra=st.integers(1, 20))
     def add_sharing_a_prompt(self, data: st.DataObject, rid: int, extra: int) -> None:
         """A prompt continuing a known request's tokens by `extra` of its own stream (it
-        shares all of that request's prefix: a hit wherever that request was cached)."""
-        known = sorted(i for i, r in self.model.requests.items() if r.known)
-        source = self.model.requests[data.draw(st.sampled_from(known), label="source")]
-        r = source.clone()
+        shares all of that request's prefix: a hit wherever that request was cached, also
+        while that request is swapped out)."""
+        known = self.known_requests()
+        self.share_checked(data.draw(st.sampled_from(sorted(known)), label="source"), rid, extra)
+
+    def share_checked(self, source_id: int, rid: int, extra: int) -> None:
+        if source_id in self.swapped:
+            self.count("prompt of a swapped-out request")
+        r = self.known_requests()[source_id].clone()
         r.next_query = r.registered = 0
         r.push(extra)
         tokens = list(r.tokens)
-        if rid in self.model.requests:
+        if self.taken(rid):
             self.refused(DuplicateRequestError, self.tables.add_request, rid, tokens)
             return
         self.add_checked(rid, r, tokens)
+        if source_id in self.swapped and rid in self.tables and self.tables.next_query(rid):
+            self.count("hit on a swapped-out request's prompt")
 
     @precondition(lambda self: any(r.known for r in self.model.requests.values()))
     @rule(data=st.data(), rid=IDS, extra=st.integers(1, 20))
@@ -463,7 +502,7 @@ class CachedHybridMachine(RuleBasedStateMachine):
 
     @rule(rid=IDS, length=st.integers(1, 20))
     def add_without_ids(self, rid: int, length: int) -> None:
-        if rid in self.model.requests:
+        if self.taken(rid):
             self.refused(DuplicateRequestError, self.tables.add, rid, length)
             return
         r = Request(9, 0, 9 + rid, known=False)
@@ -569,7 +608,7 @@ class CachedHybridMachine(RuleBasedStateMachine):
     @rule(data=st.data(), child=IDS)
     def fork(self, data: st.DataObject, child: int) -> None:
         parent = self.existing(data)
-        if child in self.model.requests:
+        if self.taken(child):
             self.refused(DuplicateRequestError, self.tables.fork, parent, child)
             return
         self.tables.fork(parent, child)
@@ -591,6 +630,124 @@ class CachedHybridMachine(RuleBasedStateMachine):
             return
         self.refused(UnknownRequestError, self.tables.checkpoint, rid)
         self.refused(UnknownRequestError, self.tables.append_tokens, rid, 1, [1])
+        if rid not in self.swapped:
+            self.refused(UnknownRequestError, self.tier.swap_in, [rid])
+            self.refused(UnknownRequestError, self.tier.free, rid)
+
+    # --- the host tier --------------------------------------------------------------------
+
+    @precondition(has_requests)
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        choice = st.sampled_from(sorted(self.model.requests))
+        rids = data.draw(st.lists(choice, min_size=1, max_size=2, unique=True), label="swap out")
+        if data.draw(st.booleans(), label="cache_computed first"):
+            # The step has run: its pages are cached before they leave.
+            for rid in rids:
+                self.tables.cache_computed(rid)
+                self.model.register(rid, self.model.requests[rid].num_tokens)
+        self.swap_out_checked(rids)
+
+    @precondition(lambda self: any(r.known for r in self.model.requests.values()))
+    @rule(data=st.data(), rid=IDS, extra=st.integers(1, 20))
+    def checkpoint_swap_out_and_share(self, data: st.DataObject, rid: int, extra: int) -> None:
+        """A known request brought to a chunk boundary, checkpointed and swapped out, then a
+        prompt sharing it: the hit is served by the pages the swapped-out request left in the
+        cache (the content check reads them)."""
+        known = sorted(i for i, r in self.model.requests.items() if r.known)
+        source = data.draw(st.sampled_from(known), label="source")
+        r = self.model.requests[source]
+        self.append_checked([source], [C - r.num_tokens % C], True)
+        if source in self.model.requests and self.model.requests[source].num_tokens % C == 0:
+            self.checkpoint_checked(source)
+        if source in self.model.requests:
+            self.swap_out_checked([source])
+        if source in self.swapped or source in self.model.requests:
+            self.share_checked(source, rid, extra)
+
+    def swap_out_checked(self, rids: list[int]) -> None:
+        """Swaps out `rids`, every group: refused (nothing changes) when the host tier is
+        short. Their cached pages stay in the cache (evictable) and serve hits meanwhile;
+        chunks still to register stay with the request (cached from its new pages later)."""
+        needed = sum(self.tables.num_pages(rid) for rid in rids)
+        shared = any(
+            self.pool.ref_cnt(int(p)) > 1 or self.tables.cached_page_group(int(p)) is not None
+            for rid in rids
+            for p in self.tables.request_pages(rid)[:, 2]
+        )
+        if needed > self.tier.pool.num_free:
+            self.count("swap out refused: host tier full")
+            self.refused(HostTierFullError, self.tier.swap_out, rids)
+            return
+        stats = self.tier.swap_out(rids)
+        assert stats["num_requests"] == len(rids) and stats["num_blocks"] == needed
+        self.count("swap out of shared or cached pages" if shared else "swap out")
+        for rid in rids:
+            r = self.model.requests[rid]
+            self.swapped[rid] = self.model.requests.pop(rid)
+            assert rid not in self.tables and self.tier.location(rid) == "host"
+            n, next_query, _ = self.tier.swapped(rid)
+            assert (n, next_query) == (r.num_tokens, r.next_query)
+            if self.mutation == "swap in another page":
+                self.corrupt_host_page(rid)
+
+    def corrupt_host_page(self, rid: int) -> None:
+        """The mutation: the request's first host page gets the bytes of another host page
+        (a swap that copies from the wrong page)."""
+        rows = self.tier.swapped(rid)[2]
+        mine = {int(p) for p in rows[:, 2]}
+        others = [p for p in range(self.tier.pool.num_blocks) if p not in mine]
+        dst, src = int(rows[0, 2]), others[0]
+        self.host_bytes[dst * PAGE_BYTES : (dst + 1) * PAGE_BYTES] = self.host_bytes[
+            src * PAGE_BYTES : (src + 1) * PAGE_BYTES
+        ]
+
+    @precondition(lambda self: bool(self.swapped))
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        """Swaps one or two requests back in: refused (nothing changes) when the free and
+        evictable pages cannot hold them; the tables evict through themselves otherwise.
+        Each reads back every key and state its next query sees."""
+        choice = st.sampled_from(sorted(self.swapped))
+        rids = data.draw(st.lists(choice, min_size=1, max_size=2, unique=True), label="swap in")
+        needed = sum(len(self.tier.swapped(rid)[2]) for rid in rids)
+        if needed > self.room():
+            self.count("swap in refused: out of pages")
+            self.refused(OutOfBlocksError, self.tier.swap_in, rids)
+            return
+        evicted = self.pool.prefix_cache_stats()["evictions"]
+        stats = self.tier.swap_in(rids)
+        assert stats["num_requests"] == len(rids) and stats["num_blocks"] == needed
+        if self.pool.prefix_cache_stats()["evictions"] > evicted:
+            self.count("swap in evicted")
+        self.count("swap in")
+        for rid in rids:
+            r = self.swapped.pop(rid)
+            self.model.requests[rid] = r
+            assert self.tables.next_query(rid) == r.next_query
+            # Its next query (at its tokens' end) and the queries from its first unrun one.
+            self.check_reads(rid, r, r.num_tokens)
+            self.check_reads(rid, r, r.next_query, states=False)
+
+    @precondition(lambda self: bool(self.swapped))
+    @rule(data=st.data())
+    def free_swapped(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.swapped)), label="free swapped")
+        self.tier.free(rid)
+        del self.swapped[rid]
+        assert self.tier.location(rid) is None
+        self.count("free swapped")
+
+    @precondition(has_requests)
+    @rule(data=st.data())
+    def tier_calls_on_the_wrong_tier_are_refused(self, data: st.DataObject) -> None:
+        self.refused(WrongTierError, self.tier.swap_in, [self.existing(data)])
+        self.refused(WrongTierError, self.tier.free, self.existing(data))
+        if self.swapped:
+            rid = data.draw(st.sampled_from(sorted(self.swapped)))
+            self.refused(WrongTierError, self.tier.swap_out, [rid])
+            self.refused(DuplicateRequestError, self.tables.add, rid, 1)
+            self.refused(DuplicateRequestError, self.tables.fork, self.existing(data), rid)
 
     # --- invariants -----------------------------------------------------------------------
 
@@ -626,6 +783,8 @@ class CachedHybridMachine(RuleBasedStateMachine):
         )
         self.tables.check_invariants()
         pool.check_invariants()
+        assert self.tier.request_ids() == sorted(self.swapped)
+        self.tier.check_invariants()
 
     def teardown(self) -> None:
         # Every request still there reads what its next query sees.
@@ -636,6 +795,10 @@ class CachedHybridMachine(RuleBasedStateMachine):
         for rid in range(NUM_IDS):
             if rid in self.tables:
                 self.tables.free(rid)
+        for rid in self.tier.request_ids():
+            self.tier.free(rid)
+        self.tier.check_invariants()
+        assert self.tier.pool.num_used == 0, "host pages leaked"
         self.tables.check_invariants()
         pool = self.pool
         assert pool.num_used == 0, "pages leaked after every request was freed"
@@ -664,6 +827,9 @@ def test_cached_calls_match_the_model_on_a_roomy_pool():
     # Nothing is evicted (the teardown checks), so every hit and miss is checked exactly.
     assert c.get("exact hit checked", 0) >= 10 and c.get("exact miss checked", 0) >= 50, c
     assert c.get("hit with copies", 0) >= 10 and c.get("checkpoint", 0) >= 20, c
+    assert c.get("swap in", 0) >= 5 and c.get("swap out of shared or cached pages", 0) >= 10, c
+    assert c.get("swap out refused: host tier full", 0) >= 1, c
+    assert c.get("hit on a swapped-out request's prompt", 0) >= 1, c
 
 
 def test_cached_calls_match_the_model_on_a_tight_pool():
@@ -671,6 +837,7 @@ def test_cached_calls_match_the_model_on_a_tight_pool():
     print(c)
     assert c.get("hit", 0) >= 5 and c.get("append out of pages", 0) >= 5, c
     assert c.get("add out of pages", 0) >= 5, c
+    assert c.get("swap in evicted", 0) >= 1 and c.get("swap in refused: out of pages", 0) >= 1, c
 
 
 class SkippedHitCopiesMachine(CachedHybridMachine):
@@ -681,7 +848,14 @@ class HitCopiedFromAnotherPageMachine(CachedHybridMachine):
     mutation = "copy from another page"
 
 
-@pytest.mark.parametrize("machine", [SkippedHitCopiesMachine, HitCopiedFromAnotherPageMachine])
+class SwapInOfAnotherPageMachine(CachedHybridMachine):
+    mutation = "swap in another page"
+
+
+@pytest.mark.parametrize(
+    "machine",
+    [SkippedHitCopiesMachine, HitCopiedFromAnotherPageMachine, SwapInOfAnotherPageMachine],
+)
 def test_the_content_check_fails_a_wrong_hit(machine: type[CachedHybridMachine]) -> None:
     """A hit whose copies are skipped (the resumed state and the page the hit ends inside
     keep a fresh page's bytes) or read from another cached page of the same group must fail

@@ -304,13 +304,25 @@ impl PyHybridTables {
 
     /// Adds a request of `num_tokens` tokens: every group's pages for them (window and
     /// chunk groups keep all, since all their queries are still to run) and every state slot.
-    fn add(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>, num_tokens: Int) -> KvResult<()> {
+    /// With `next_query`, the queries below it have run already: window and chunk groups
+    /// hold only what the queries from there on see, as a request in that position does (the
+    /// receiving end of a transfer, which then copies `request_pages` in). Its pages are not
+    /// cached. `InvalidArgumentError` if `next_query` is past `num_tokens`.
+    #[pyo3(signature = (request_id, num_tokens, *, next_query = None))]
+    fn add(
+        &self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+        num_tokens: Int,
+        next_query: Option<Int>,
+    ) -> KvResult<()> {
         let rid = self::request_id(request_id)?;
         let n = ids::tokens(num_tokens, "num_tokens")?;
+        let q = next_query.map(|q| ids::tokens(q, "next_query")).transpose()?.unwrap_or(0);
         if n >= DETACH_MIN_TOKENS {
-            py.detach(|| self.lock().add(rid, n))?;
+            py.detach(|| self.lock().add_at(rid, n, q))?;
         } else {
-            self.lock().add(rid, n)?;
+            self.lock().add_at(rid, n, q)?;
         }
         Ok(())
     }
@@ -580,6 +592,28 @@ impl PyHybridTables {
             table.page_ids.iter().map(|&p| p as i32).collect::<Vec<i32>>()
         };
         Ok(PyArray1::from_vec(py, ids))
+    }
+
+    /// Every page a request holds, as int64 rows (group, page_index, page_id): group by group
+    /// in the spec's order, each group's pages in page order (a window table from its first
+    /// live page, a state slot's pages from 0). Copying these pages and adding the request
+    /// elsewhere with the same `num_tokens` and `next_query` moves every group of it.
+    fn request_pages<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &Bound<'py, PyAny>,
+    ) -> KvResult<Bound<'py, PyArray2<i64>>> {
+        let rid = self::request_id(request_id)?;
+        let pages = self.lock().request_pages(rid)?;
+        Ok(request_pages_array(py, &pages))
+    }
+
+    /// Shrinks a growable pool (`Pool.shrink`) and returns the bytes released; with prefix
+    /// caching the tables first evict the cached pages a shrink can release, dropping their
+    /// keys and reporting their removal per group (`Pool.shrink` alone leaves these tables'
+    /// cached pages where they are). 0 on a fixed pool.
+    fn shrink(&self, py: Python<'_>) -> KvResult<usize> {
+        Ok(py.detach(|| self.lock().shrink())?)
     }
 
     /// Pages a request holds over all its groups (each shared page counted once per holder).

@@ -555,6 +555,37 @@ impl HybridTables {
         Ok(())
     }
 
+    /// Shrinks a growable pool ([`Pool::shrink`](crate::pool::Pool::shrink)); returns the
+    /// bytes released. With prefix caching the tables first evict, themselves, the evictable
+    /// pages a shrink can release (above every page in use and every live view's extent):
+    /// their keys go and their removal is reported per group, as for any eviction of theirs.
+    /// `Pool::shrink` alone leaves the pages these tables cached where they are (it would
+    /// drop their tags without their keys or per-group events), so it releases less.
+    pub fn shrink(&mut self) -> Result<usize, CoreError> {
+        if self.index.is_some() && self.pool.is_growable() {
+            let pool = &self.pool;
+            let in_use = |p: u32| pool.ref_cnt(p).is_ok_and(|rc| rc > 0);
+            let live_end =
+                (0..pool.num_blocks() as u32).rev().find(|&p| in_use(p)).map_or(0, |p| p + 1);
+            let above = (live_end as usize).max(pool.max_view_extent());
+            let index = self.index.as_ref().expect("caching");
+            let mut releasable: Vec<u32> = index
+                .pages
+                .iter()
+                .filter(|&(&page, entry)| {
+                    page as usize >= above
+                        && self.tag_is_live(page, &entry.tag)
+                        && pool.ref_cnt(page) == Ok(0)
+                })
+                .map(|(&page, _)| page)
+                .collect();
+            releasable.sort_unstable();
+            let evicted = self.pool.evict_blocks_to_free(&releasable);
+            self.forget_evicted(evicted);
+        }
+        self.pool.shrink()
+    }
+
     /// Drops the keys of pages the pool's cache just let go (with the other pages of their
     /// checkpoints) and reports them.
     fn forget_evicted(&mut self, mut evicted: Vec<(u32, BlockHash)>) {

@@ -6,12 +6,21 @@
 //! It mirrors `tier/`'s `HostTier` and shares its steps (`tier/copy.rs`: the compute
 //! stream, one direction's copy through `block_copy`, pending sources, dropping references).
 //! Two differences: `HybridTables` are plain values changed through `&mut`, so the tier
-//! takes them at each call instead of holding them; and the tables keep no record of the
-//! requests swapped out, so the tier checks at swap-in that the id was not re-added.
+//! takes them at each call instead of holding them; and the ids swapped out are a set the
+//! tables share with their tiers (`SwappedIds`), so the tables refuse to reuse one and a
+//! tier dropped with requests still swapped out gives their ids back.
+//!
+//! With prefix caching, the copies read every page, shared and cached ones included, and
+//! the other holders and the cache keep theirs: the pages the request had cached stay in
+//! the cache (evictable once the copies finish) and serve hits while it is away. Its hash
+//! chain moves with it, chunks still to register included (the tokens of its last call,
+//! which the tables do not know to have run), so after the swap-in those and its later
+//! pages are cached from its new pages. A caller that knows the last step has run calls
+//! `cache_computed` before the swap-out to keep that step's pages in the cache too.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 #[cfg(feature = "cuda")]
 use crate::block_copy::CopyMethod;
@@ -45,6 +54,32 @@ pub struct HeldPages {
     pub pages: Vec<RequestPage>,
 }
 
+/// The ids the host tiers of one `HybridTables` hold swapped out: one set, shared by the
+/// tables (which refuse to add or fork into an id in it) and each of their tiers (which
+/// put ids in and take them out, and take theirs out when dropped).
+#[derive(Debug, Default, Clone)]
+pub(super) struct SwappedIds(Arc<Mutex<FxHashSet<u64>>>);
+
+impl SwappedIds {
+    fn lock(&self) -> MutexGuard<'_, FxHashSet<u64>> {
+        // Nothing panics while holding it (set operations only): a poisoned set is intact.
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+    pub(super) fn contains(&self, request_id: u64) -> bool {
+        self.lock().contains(&request_id)
+    }
+    fn insert(&self, request_id: u64) {
+        self.lock().insert(request_id);
+    }
+    fn remove(&self, request_id: u64) {
+        self.lock().remove(&request_id);
+    }
+    /// Whether both are the same tables' set.
+    fn same(&self, other: &SwappedIds) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
 /// Every group of the swapped-out requests of one `HybridTables`, in host memory.
 pub struct HybridHostTier {
     device_pool: Arc<Pool>,
@@ -53,6 +88,8 @@ pub struct HybridHostTier {
     engine: Engine,
     /// Swapped-out requests as the tables held them, with host page ids.
     swapped: FxHashMap<u64, RequestPages>,
+    /// The tables' set of swapped-out ids (`swapped`'s keys are in it).
+    swapped_ids: SwappedIds,
     pending: Vec<Pending>,
 }
 
@@ -92,6 +129,7 @@ impl HybridHostTier {
             spec: tables.spec().clone(),
             engine,
             swapped: FxHashMap::default(),
+            swapped_ids: tables.swapped_out.clone(),
             pending: Vec::new(),
         })
     }
@@ -116,7 +154,10 @@ impl HybridHostTier {
     /// Moves `request_ids` (all in `tables`) to the host tier with every group's pages, all
     /// or none: host tier full is `HostTierFull`, and nothing changes. Their device pages
     /// return to the pool once the copy has finished (see [`poll`](Self::poll)); a page
-    /// shared with a request left in the tables keeps that request's reference.
+    /// shared with a request left in the tables keeps that request's reference, and a cached
+    /// page stays in the cache (evictable once copied). With prefix caching, the tokens of a
+    /// request's last call are cached only at its next call after the swap-in, from its new
+    /// pages; call `cache_computed` first to cache them now, from the pages left behind.
     ///
     /// # Safety
     /// `stream`, if given, is a live CUDA stream (the pool's context is checked here): the
@@ -164,7 +205,7 @@ impl HybridHostTier {
             let host = HybridTables::with_page_ids(request, &dests[next..next + num_pages]);
             next += num_pages;
             self.swapped.insert(request_id, host);
-            tables.swapped_out.insert(request_id);
+            self.swapped_ids.insert(request_id);
         }
         let stats =
             SwapStats { num_requests: request_ids.len(), num_blocks: sources.len(), num_copies };
@@ -180,8 +221,8 @@ impl HybridHostTier {
     /// pool's) after this call see the pages.
     ///
     /// With prefix caching, a request keeps its hash chain through the swap: the pages it
-    /// had cached stay cached (evictable once the swap-out's copies finish) under their old
-    /// ids, and its pages from there on are cached from its new ones at its next call.
+    /// had cached stay cached under their old ids, evictable once the swap-out's copies
+    /// finish, and its pages from there on are cached from its new ones at its next call.
     ///
     /// # Safety
     /// As [`swap_out`](Self::swap_out).
@@ -236,7 +277,7 @@ impl HybridHostTier {
         let mut next = 0;
         for &request_id in request_ids {
             let host = self.swapped.remove(&request_id).expect("validated above");
-            tables.swapped_out.remove(&request_id);
+            self.swapped_ids.remove(request_id);
             let num_pages = HybridTables::page_list(&host).len();
             let request = HybridTables::with_page_ids(host, &dests[next..next + num_pages]);
             next += num_pages;
@@ -266,7 +307,7 @@ impl HybridHostTier {
         // The swap-out that filled these pages may still be writing them.
         let done = self.engine.mark()?;
         let host = self.swapped.remove(&request_id).expect("checked above");
-        tables.swapped_out.remove(&request_id);
+        self.swapped_ids.remove(request_id);
         let host_blocks = HybridTables::page_list(&host).iter().map(|p| p.page_id).collect();
         self.pending.push(Pending { done, device_blocks: Vec::new(), host_blocks });
         self.release_completed()?;
@@ -328,12 +369,16 @@ impl HybridHostTier {
             .fold((0, 0), |(d, h), p| (d + p.device_blocks.len(), h + p.host_blocks.len()))
     }
 
-    /// Refuses tables over another pool or of another model than the tier was made for.
+    /// Refuses tables other than the ones the tier was made for (another pool, another
+    /// model, or other tables over the same pool).
     fn check_tables(&self, tables: &HybridTables) -> Result<(), CoreError> {
-        if !Arc::ptr_eq(tables.pool(), &self.device_pool) || tables.spec() != &self.spec {
+        if !Arc::ptr_eq(tables.pool(), &self.device_pool)
+            || tables.spec() != &self.spec
+            || !tables.swapped_out.same(&self.swapped_ids)
+        {
             return Err(CoreError::InvalidArgument(
                 "these hybrid tables are not the ones this host tier was made for (another \
-                 pool or another model)"
+                 pool, another model, or other tables)"
                     .into(),
             ));
         }
@@ -408,10 +453,12 @@ impl HybridHostTier {
 impl Drop for HybridHostTier {
     /// In-flight copies read or write both pools: wait for them, then give back every page
     /// (a pending device page to the device pool, which the tier keeps alive). The requests
-    /// still swapped out are dropped: their KV goes with the tier's memory.
+    /// still swapped out are dropped: their KV goes with the tier's memory, and their ids
+    /// are free for the tables again.
     fn drop(&mut self) {
         let _ = self.wait();
-        for host in std::mem::take(&mut self.swapped).into_values() {
+        for (request_id, host) in std::mem::take(&mut self.swapped) {
+            self.swapped_ids.remove(request_id);
             let pages: Vec<u32> =
                 HybridTables::page_list(&host).iter().map(|p| p.page_id).collect();
             drop_refs(&self.host_pool, &pages, Owner::HybridTables);

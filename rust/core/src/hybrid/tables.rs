@@ -8,12 +8,12 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 
 use crate::error::CoreError;
 use crate::hybrid::prefix::{PrefixIndex, RequestHashes};
 use crate::hybrid::spec::{LiveRule, ModelKvSpec};
-use crate::hybrid::swap::{HeldPages, RequestPage};
+use crate::hybrid::swap::{HeldPages, RequestPage, SwappedIds};
 use crate::pool::{Owner, Pool};
 
 /// One request's pages of one group: page `first_page + i` of the group's page sequence
@@ -78,8 +78,10 @@ pub struct HybridTables {
     /// The keys of the cached pages, when the pool caches prefixes (`prefix.rs`).
     pub(super) index: Option<PrefixIndex>,
     /// Ids a host tier holds swapped out (`swap.rs` keeps it): not in `requests`, but not
-    /// free for `add` or `fork` either, or a swap-in would find its id taken.
-    pub(super) swapped_out: FxHashSet<u64>,
+    /// free for `add` or `fork` either, or a swap-in would find its id taken. Shared with
+    /// every host tier of these tables, so that a tier dropped with requests still swapped
+    /// out takes their ids out of it (the tables are not at hand in its `Drop`).
+    pub(super) swapped_out: SwappedIds,
 }
 
 /// One group's change in a planned call: which of its old pages it keeps, how many new
@@ -162,7 +164,7 @@ impl HybridTables {
             spec,
             requests: FxHashMap::default(),
             index,
-            swapped_out: FxHashSet::default(),
+            swapped_out: SwappedIds::default(),
         })
     }
 
@@ -201,7 +203,7 @@ impl HybridTables {
 
     /// Refuses an id the tables hold, or one a host tier holds swapped out.
     pub(super) fn check_new_id(&self, request_id: u64) -> Result<(), CoreError> {
-        if self.requests.contains_key(&request_id) || self.swapped_out.contains(&request_id) {
+        if self.requests.contains_key(&request_id) || self.swapped_out.contains(request_id) {
             return Err(CoreError::DuplicateRequest { request_id });
         }
         Ok(())
@@ -210,7 +212,27 @@ impl HybridTables {
     /// Adds a request of `num_tokens` tokens: every group's pages for them (window groups
     /// keep all, since all their queries are still to run) and every state slot.
     pub fn add(&mut self, request_id: u64, num_tokens: usize) -> Result<(), CoreError> {
+        self.add_at(request_id, num_tokens, 0)
+    }
+
+    /// Adds a request of `num_tokens` tokens whose queries below `next_query` have run
+    /// (`next_query <= num_tokens`): every group's pages for what the queries from
+    /// `next_query` on see, and every state slot, the pages a request in that position holds
+    /// ([`request_pages`](Self::request_pages) lists them). The receiving end of a transfer
+    /// adds the request this way and then copies its pages in; `add` is `add_at(.., 0)`.
+    /// Its pages are not cached (its tokens are not known here).
+    pub fn add_at(
+        &mut self,
+        request_id: u64,
+        num_tokens: usize,
+        next_query: usize,
+    ) -> Result<(), CoreError> {
         self.check_new_id(request_id)?;
+        if next_query > num_tokens {
+            return Err(CoreError::InvalidArgument(format!(
+                "request {request_id}: next_query {next_query} is past its {num_tokens} tokens"
+            )));
+        }
         let empty = RequestPages {
             num_tokens: 0,
             next_query: 0,
@@ -218,10 +240,11 @@ impl HybridTables {
             hashes: None,
         };
         let mut plans = Vec::with_capacity(self.spec.num_groups());
-        self.plan(&empty, num_tokens, 0, &mut plans)?;
+        self.plan(&empty, num_tokens, next_query, &mut plans)?;
         let fresh = self.alloc_pages(total_fresh(&plans))?;
         let mut request = empty;
         request.num_tokens = num_tokens;
+        request.next_query = next_query;
         commit(&mut request, &plans, &fresh);
         self.requests.insert(request_id, request);
         Ok(())

@@ -177,9 +177,15 @@ impl Pool {
     }
 
     /// Before a shrink: evicts the evictable blocks above both the highest referenced block
-    /// and every live view's extent (they alone keep those chunks mapped).
+    /// and every live view's extent (they alone keep those chunks mapped). Not the pages of
+    /// hybrid tables: their index keys each page under tags of its own and reports its
+    /// removal per group, so they evict theirs themselves (`HybridTables::shrink`); evicting
+    /// them here would leave their keys behind and report the tags, as group 0.
     pub(super) fn evict_for_shrink(&self) {
         if let Some(cache) = &self.prefix_cache {
+            if cache.evictable_ids().iter().any(|&id| self.owners.get(id) == Owner::HybridTables) {
+                return;
+            }
             cache.evict_above(&self.allocator, self.spill_target(), self.max_view_extent());
         }
     }
