@@ -82,7 +82,43 @@ class _KvpoolLayer(CacheLayerMixin):
         raise NotImplementedError("KvpoolCache does not support beam search")
 
 
-class KvpoolCache(Cache):
+class RowLifetime:
+    """The batch rows of a generate() cache over kvpool tables (KvpoolCache and
+    HybridKvpoolCache): `tables` holds row b as request b, `num_rows` rows exist once the
+    first forward ran, and `finished` rows were freed (later forwards skip them)."""
+
+    tables: Any
+    num_rows: int
+    finished: set[int]
+
+    # -- lifetime of rows -------------------------------------------------------------------
+
+    def release(self, rows) -> None:
+        """Free the blocks (pages) of batch rows `rows` (finished: later forwards skip them)."""
+        for b in rows:
+            b = int(b)
+            if b not in self.finished and b < self.num_rows:
+                self.tables.free(b)
+                self.finished.add(b)
+
+    def release_at_eos(self, eos_token_ids) -> StoppingCriteria:
+        """A stopping criterion for generate() that releases each row when it emits one of
+        `eos_token_ids` (it never stops generation itself: generate's own EOS criterion does)."""
+        return _ReleaseAtEos(self, eos_token_ids)
+
+    def close(self) -> None:
+        """Free every row still held."""
+        self.release(range(self.num_rows))
+
+    def row_lens(self) -> np.ndarray:
+        """Tokens held per row (0 for a released row)."""
+        return np.array(
+            [0 if b in self.finished else self.tables.num_tokens(b) for b in range(self.num_rows)],
+            np.int64,
+        )
+
+
+class KvpoolCache(RowLifetime, Cache):
     """A generate() cache over `pool` (its layout must fit the model: see
     kvpool.integrations.transformers.layout_for) for up to max_batch_size rows of up to
     max_cache_len tokens each (padding not counted). The model must attend with "kvpool"
@@ -136,32 +172,6 @@ class KvpoolCache(Cache):
                 f"attn_implementation is {impl!r}: call kvpool.integrations.transformers."
                 f"register() and model.set_attn_implementation('kvpool') before generate"
             )
-
-    # -- lifetime of rows -------------------------------------------------------------------
-
-    def release(self, rows) -> None:
-        """Free the blocks of batch rows `rows` (finished: later forwards skip them)."""
-        for b in rows:
-            b = int(b)
-            if b not in self.finished and b < self.num_rows:
-                self.tables.free(b)
-                self.finished.add(b)
-
-    def release_at_eos(self, eos_token_ids) -> StoppingCriteria:
-        """A stopping criterion for generate() that releases each row when it emits one of
-        `eos_token_ids` (it never stops generation itself: generate's own EOS criterion does)."""
-        return _ReleaseAtEos(self, eos_token_ids)
-
-    def close(self) -> None:
-        """Free every row still held."""
-        self.release(range(self.num_rows))
-
-    def row_lens(self) -> np.ndarray:
-        """Tokens held per row (0 for a released row)."""
-        return np.array(
-            [0 if b in self.finished else self.tables.num_tokens(b) for b in range(self.num_rows)],
-            np.int64,
-        )
 
     # -- the step of one forward (built at layer 0, used by every layer) ----------------------
 
@@ -228,7 +238,7 @@ class KvpoolCache(Cache):
 
 
 class _ReleaseAtEos(StoppingCriteria):
-    def __init__(self, cache: KvpoolCache, eos_token_ids) -> None:
+    def __init__(self, cache: RowLifetime, eos_token_ids) -> None:
         ids = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids)
         self.cache, self.eos = cache, torch.tensor(ids, dtype=torch.long)
 

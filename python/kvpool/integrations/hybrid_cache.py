@@ -25,13 +25,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import StoppingCriteria
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 import kvpool
 from kvpool._core import ModelKvSpec, Pool
 from kvpool.generation.hybrid_batch import build_hybrid_step
 from kvpool.integrations.attention import attn_implementation, check_model, set_active
+from kvpool.integrations.hf_cache import RowLifetime
 from kvpool.integrations.hybrid_models import (
     NAME,
     Attention,
@@ -78,7 +78,7 @@ class _HybridLayer(CacheLayerMixin):
         raise NotImplementedError("HybridKvpoolCache does not support beam search")
 
 
-class HybridKvpoolCache(Cache):
+class HybridKvpoolCache(RowLifetime, Cache):
     """A generate() cache over a host `pool` of `spec`'s pages (spec defaults to
     spec_for_model(model)) for up to max_batch_size rows. The model must attend with
     "kvpool_hybrid": a forward with any other attention is refused with
@@ -131,32 +131,6 @@ class HybridKvpoolCache(Cache):
                 )
         set_active(self, layer_idx)
         return key_states, value_states
-
-    # -- lifetime of rows -------------------------------------------------------------------
-
-    def release(self, rows) -> None:
-        """Free the pages of batch rows `rows` (finished: later forwards skip them)."""
-        for b in rows:
-            b = int(b)
-            if b not in self.finished and b < self.num_rows:
-                self.tables.free(b)
-                self.finished.add(b)
-
-    def release_at_eos(self, eos_token_ids) -> StoppingCriteria:
-        """A stopping criterion for generate() that releases each row when it emits one of
-        `eos_token_ids` (it never stops generation itself: generate's own EOS criterion does)."""
-        return _ReleaseAtEos(self, eos_token_ids)
-
-    def close(self) -> None:
-        """Free every row still held."""
-        self.release(range(self.num_rows))
-
-    def row_lens(self) -> np.ndarray:
-        """Tokens held per row (0 for a released row)."""
-        return np.array(
-            [0 if b in self.finished else self.tables.num_tokens(b) for b in range(self.num_rows)],
-            np.int64,
-        )
 
     # -- the step of one forward (built at layer 0, used by every layer) ----------------------
 
@@ -226,20 +200,6 @@ class HybridKvpoolCache(Cache):
         out = torch.zeros((b * t, hq, d), dtype=query.dtype, device=query.device)
         out[g] = attend_packed(self.step, layer, q, k, v, how)
         return out.view(b, t, hq, d)
-
-
-class _ReleaseAtEos(StoppingCriteria):
-    def __init__(self, cache: HybridKvpoolCache, eos_token_ids) -> None:
-        ids = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids)
-        self.cache, self.eos = cache, torch.tensor(ids, dtype=torch.long)
-
-    def __call__(
-        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs
-    ) -> torch.Tensor:
-        last = input_ids[:, -1]
-        done = torch.isin(last, self.eos.to(last.device)).cpu().numpy()
-        self.cache.release(np.flatnonzero(done))
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 __all__ = ["HybridKvpoolCache"]
