@@ -20,6 +20,7 @@ from hybrid_pages import (
     group_bytes,
     group_ids,
     mixed_spec,
+    same_per_group,
     side,
     table_shapes,
 )
@@ -162,7 +163,7 @@ def test_a_window_that_slid_moves_only_its_live_pages():
     assert sum(len(g["page_ids"]) for g in offer["groups"]) == held == dst_pool.num_used
     assert dst.table(3, 0)[0] == 9 and len(dst.table(3, 0)[1]) == 7
     assert dst.next_query(3) == 101
-    assert all(np.array_equal(g, w) for g, w in zip(group_bytes(dst, 3), want))
+    assert same_per_group(group_bytes(dst, 3), want)
     # The receiver's request goes on as the sender's would have: the next step (queries
     # from 121 on: keys from 98, page 12) slides it as it would have slid there.
     twin_pool, twin = side()
@@ -200,6 +201,7 @@ def test_a_page_of_one_group_landing_in_another_is_caught_by_the_per_group_check
     assert sorted(p.tobytes() for g in got for p in g) == sorted(
         p.tobytes() for g in want for p in g
     )
+    assert not same_per_group(got, want)  # what the round trip above checks
     assert not np.array_equal(got[1], want[1]) and not np.array_equal(got[3], want[3])
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[2], want[2])
 
@@ -378,11 +380,19 @@ def test_an_abort_returns_every_group_on_both_sides():
     sender = KvSender(src, a, timeout_s=5.0, clock=clock)
     receiver = KvReceiver(dst, b, timeout_s=5.0, clock=clock)
     out: dict[str, Any] = {}
-    th = threading.Thread(target=lambda: out.setdefault("t", receiver.recv(timeout=5)))
+
+    def receive() -> None:
+        try:
+            out["transfer"] = receiver.recv(timeout=5)
+        except TransferError as e:
+            out["error"] = e
+
+    th = threading.Thread(target=receive)
     th.start()
     sent = sender.send(2, free_after=False)
     th.join()
-    landed = out["t"]  # its bytes are in, its completion not yet seen: still in flight
+    assert "transfer" in out, out
+    landed = out["transfer"]  # its bytes are in, its completion not yet seen: in flight
     assert receiver.leases.in_flight == dst.num_pages(2) == src.num_pages(2)
     receiver.check_invariants()
     landed.abort()
@@ -403,8 +413,8 @@ def test_a_forked_request_moves_and_its_parent_keeps_the_shared_pages():
     sender = KvSender(src, a)
     send_err, recv_err, _ = _run(sender, KvReceiver(dst, b), 2)
     assert send_err is None and recv_err is None
-    assert all(np.array_equal(g, w) for g, w in zip(group_bytes(dst, 2), want))
-    assert 2 not in src and all(np.array_equal(g, w) for g, w in zip(group_bytes(src, 1), want))
+    assert same_per_group(group_bytes(dst, 2), want)
+    assert 2 not in src and same_per_group(group_bytes(src, 1), want)
     sender.check_invariants()
     src.check_invariants()
 
@@ -423,7 +433,7 @@ def test_a_prefix_cached_senders_pages_go_evictable_after_the_send():
     send_err, recv_err, _ = _run(sender, KvReceiver(dst, b), 1)
     assert send_err is None and recv_err is None
     assert table_shapes(dst, 1) == shapes
-    assert all(np.array_equal(g, w) for g, w in zip(group_bytes(dst, 1), want))
+    assert same_per_group(group_bytes(dst, 1), want)
     assert src_pool.num_evictable > 0 and src_pool.num_used == 0
     sender.check_invariants()  # free + evictable + used + in_flight == total
 
