@@ -551,3 +551,24 @@ def test_decode_hybrid_offer_never_raises_and_a_decoded_offer_is_well_typed(mess
     assert np.array_equal(decoded.src_ids, np.asarray(flat, dtype=np.int64))
     assert len(set(flat)) == len(flat) and len(decoded.group_pages) == spec.num_groups
     assert type(decoded.next_query) is int and 0 <= decoded.next_query <= decoded.num_tokens
+
+
+def test_a_prefix_caching_receiver_evicts_cached_pages_to_make_room():
+    spec = mixed_spec()
+    dst_pool = kvpool.Pool.for_spec(spec, 32, device="host", enable_prefix_caching=True)
+    dst = kvpool.HybridTables(dst_pool, spec)
+    dst.add_request(1, list(range(90)))
+    dst.append_tokens(1, 1, [90])
+    dst.cache_computed(1)
+    dst.free(1)  # its pages are evictable now
+    src_pool, src = side()
+    _grow(src, 2, 100, slide_to=101)
+    fill_groups(src, 2, seed=2)
+    want = group_bytes(src, 2)
+    assert dst_pool.num_free < src.num_pages(2) <= dst_pool.num_free + dst_pool.num_evictable
+    a, b = fake_transport_pair()
+    receiver = KvReceiver(dst, b)
+    send_err, recv_err, _ = _run(KvSender(src, a), receiver, 2)
+    assert send_err is None and recv_err is None
+    assert same_per_group(group_bytes(dst, 2), want)
+    receiver.check_invariants()  # free + evictable + used + in_flight == total
