@@ -16,7 +16,8 @@ Nothing moves before the receiver has accepted, and a refusal or failure leaves 
 consistent: the receiver frees what it allocated, the sender keeps its blocks. The peer is
 untrusted: an offer is decoded and checked whole (offers.py: `decode_offer`,
 `decode_hybrid_offer`) before anything is allocated. ``BlockTables`` and ``HybridTables`` go
-through the same endpoints: kinds.py gives each kind's requests as one list of page ids. From accept on, a transfer's blocks are held by a lease (leases.py) whose deadline
+through the same endpoints: kinds.py gives each kind's requests as one list of page ids.
+From accept on, a transfer's blocks are held by a lease (leases.py) whose deadline
 (``timeout_s`` after the accept) bounds the whole data phase, a silent peer included; every
 failure ends the lease, returns its blocks and tells the other side (an ``abort`` message)
 before the transport is torn down.
