@@ -55,7 +55,7 @@ class TransferLeases(RuleBasedStateMachine):
             self.src,
             a,
             mode=STAGED,
-            chunk_bytes=2 * LAYOUT.block_bytes,
+            chunk_bytes=2 * self.src_pool.block_bytes,
             leases=self.src_leases,
             **kw,
         )
@@ -63,20 +63,48 @@ class TransferLeases(RuleBasedStateMachine):
         self.endpoints += [sender, receiver]
         return a, b, sender, receiver
 
+    # -- what differs between uniform and hybrid tables (test_transfer_hybrid_leases.py) --
     def _payload(self, rid):
+        """The request's bytes on the sender, as ``_received`` reads them on the receiver."""
         return [np.array(v[self.src.blocks(rid)]) for v in (self.src_pool.k_view(0),)]
 
-    @rule(num_tokens=st.integers(1, 24))
-    def add_request(self, num_tokens):
-        rid = self.next_rid
-        self.next_rid += 1
-        try:
-            self.src.add(rid, num_tokens)
-        except kvpool.KvError:  # out of blocks or of sequences
-            return
+    def _received(self, rid):
+        return [np.array(self.dst_pool.k_view(0)[self.dst.blocks(rid)])]
+
+    def _make(self, rid, num_tokens, grow):
+        """Adds request ``rid`` to the sender and writes its blocks (KvError if no room)."""
+        self.src.add(rid, num_tokens)
         view = self.src_pool.k_view(0)
         ids = self.src.blocks(rid)
         view[ids] = np.arange(view[ids].size, dtype=np.float32).reshape(view[ids].shape) + rid
+
+    def _offer(self, rid, malformed):
+        """A hand-played sender's offer of ``rid`` (its first id past int32 if malformed) and
+        its number of blocks."""
+        ids = [int(x) for x in self.src.blocks(rid)]
+        offer = {
+            "kind": "offer",
+            "version": PROTOCOL_VERSION,
+            "request_id": rid,
+            "num_tokens": self.src.num_tokens(rid),
+            "layout": layout_fingerprint(LAYOUT),
+            "src_ids": [2**31, *ids[1:]] if malformed else ids,
+            "mode": STAGED,
+            "chunk_blocks": 2,
+        }
+        return offer, len(ids)
+
+    def _held(self, tables):
+        return set(tables.request_ids())
+
+    @rule(num_tokens=st.integers(1, 24), grow=st.integers(0, 12))
+    def add_request(self, num_tokens, grow):
+        rid = self.next_rid
+        self.next_rid += 1
+        try:
+            self._make(rid, num_tokens, grow)
+        except kvpool.KvError:  # out of blocks or of sequences
+            return
         self.src_model.add(rid)
 
     def _idle_request(self, data):
@@ -128,19 +156,9 @@ class TransferLeases(RuleBasedStateMachine):
         if rid is None:
             return
         a, b, _, receiver = self._pair()
-        ids = [int(x) for x in self.src.blocks(rid)]
-        offer = {
-            "kind": "offer",
-            "version": PROTOCOL_VERSION,
-            "request_id": rid,
-            "num_tokens": self.src.num_tokens(rid),
-            "layout": layout_fingerprint(LAYOUT),
-            "src_ids": [2**31, *ids[1:]] if malformed else ids,
-            "mode": STAGED,
-            "chunk_blocks": 2,
-        }
-        for _ in range(min(pieces, -(-len(ids) // 2) - 1)):  # never the last piece
-            payload = np.zeros(2 * LAYOUT.block_bytes, np.uint8)
+        offer, num_ids = self._offer(rid, malformed)
+        for _ in range(min(pieces, -(-num_ids // 2) - 1)):  # never the last piece
+            payload = np.zeros(2 * self.src_pool.block_bytes, np.uint8)
             a.send(payload.ctypes.data, payload.nbytes, None)
         a.send_control(offer)
         b.on_idle = lambda end: setattr(self.clock, "now", self.clock.now + 1.0)
@@ -175,8 +193,8 @@ class TransferLeases(RuleBasedStateMachine):
         rid = recv_t.request_id
         self.src_model.discard(rid)
         self.dst_model[rid] = payload
-        got = self.dst_pool.k_view(0)[self.dst.blocks(rid)]
-        np.testing.assert_array_equal(got, payload[0])
+        for got, want in zip(self._received(rid), payload, strict=True):
+            np.testing.assert_array_equal(got, want)
 
     @precondition(lambda self: self.pending)
     @rule(data=st.data(), which=st.sampled_from(["send", "recv", "both"]))
@@ -225,8 +243,8 @@ class TransferLeases(RuleBasedStateMachine):
         self.src_leases.check_invariants()
         self.dst_leases.check_invariants()
         live_dst = {lease.request_id for lease in self.dst_leases.live()}
-        assert set(self.src.request_ids()) == self.src_model
-        assert set(self.dst.request_ids()) == set(self.dst_model) | live_dst
+        assert self._held(self.src) == self.src_model
+        assert self._held(self.dst) == set(self.dst_model) | live_dst
         assert live_dst == {r.request_id for _, r, _ in self.pending}
         assert self.src_leases.in_flight == sum(len(s.lease.block_ids) for s, _, _ in self.pending)
 

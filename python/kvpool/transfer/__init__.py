@@ -1,8 +1,9 @@
 """Block-level KV transfer between pools in different processes (disaggregated serving).
 
 A :class:`KvSender` moves one request's blocks out of its pool into the pool of a
-:class:`KvReceiver`, which allocates its own block ids; the protocol (``protocol.py``) refuses
-a layout mismatch before anything moves, and a failed or interrupted transfer leaves both pools
+:class:`KvReceiver`, which allocates its own block ids (a ``HybridTables`` request: every
+group's pages); the protocol (``protocol.py``) refuses a layout or spec mismatch before
+anything moves, and a failed or interrupted transfer leaves both pools
 consistent. Bytes travel through a :class:`Transport`: :class:`NcclTransport` (NCCL
 point-to-point through CuPy, one process per GPU; needs CuPy with NCCL) or, for tests, the
 in-process ``kvpool.transfer.testing.fake_transport_pair``. Design notes: ``transfer.md``.
@@ -17,6 +18,8 @@ from kvpool.transfer.protocol import (
     Transfer,
     layout_fingerprint,
     layout_mismatch,
+    spec_fingerprint,
+    spec_mismatch,
 )
 from kvpool.transfer.transport import PeerGone, Transport
 
@@ -35,4 +38,6 @@ __all__ = [
     "layout_fingerprint",
     "layout_mismatch",
     "plan_pieces",
+    "spec_fingerprint",
+    "spec_mismatch",
 ]

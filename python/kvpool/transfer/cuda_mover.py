@@ -92,7 +92,7 @@ class CudaMover:
 
         self.pool = pool
         self.device_id = device_index(pool)
-        self.block_bytes = pool.layout.block_bytes
+        self.block_bytes = pool.block_bytes
         if self.block_bytes % 16 or pool.base_ptr % 16:
             raise ValueError("blocks must be 16-byte aligned")
         self.ring_slots = ring_slots

@@ -13,13 +13,16 @@ blocks, the sender keeps them). So at every step
 where ``in_flight`` counts the blocks of live leases and ``used`` the other allocated blocks
 (`LeaseBook.check_invariants`). The pool and the tables know nothing of leases: a lease is
 bookkeeping of the transfer side over blocks the tables already own, so the core is unchanged.
+A hybrid request's lease holds every page of every group (kinds.py: ``HybridRequests.pages``),
+so a fault returns all of them at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpool._core import BlockTables, TransferError
+from kvpool._core import BlockTables, HybridTables, TransferError
+from kvpool.transfer.kinds import requests_of
 
 SEND, RECV = "send", "recv"
 
@@ -37,10 +40,11 @@ class Lease:
 
 
 class LeaseBook:
-    """The live leases of one endpoint (over one ``BlockTables``)."""
+    """The live leases of one endpoint (over one ``BlockTables`` or ``HybridTables``)."""
 
-    def __init__(self, tables: BlockTables) -> None:
+    def __init__(self, tables: BlockTables | HybridTables) -> None:
         self.tables = tables
+        self._requests = requests_of(tables)
         self._leases: dict[int, Lease] = {}
 
     def take(self, request_id: int, block_ids: object, deadline: float, role: str) -> Lease:
@@ -86,8 +90,9 @@ class LeaseBook:
         for rid, lease in self._leases.items():
             assert lease.live and lease.request_id == rid, f"dead lease {lease} still held"
             assert rid in tables, f"lease of request {rid}, which the tables no longer hold"
-            assert tuple(int(b) for b in tables.blocks(rid)) == lease.block_ids, (
-                f"lease of request {rid} covers {lease.block_ids}, the table {tables.blocks(rid)}"
+            held = tuple(int(b) for b in self._requests.pages(rid))
+            assert held == lease.block_ids, (
+                f"lease of request {rid} covers {lease.block_ids}, the tables {held}"
             )
             assert seen.isdisjoint(lease.block_ids), f"a block of request {rid} leased twice"
             seen.update(lease.block_ids)

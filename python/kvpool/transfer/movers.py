@@ -32,7 +32,7 @@ class HostMover:
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
-        self.block_bytes = pool.layout.block_bytes
+        self.block_bytes = pool.block_bytes
         size = pool.num_blocks * self.block_bytes
         raw = (ctypes.c_uint8 * size).from_address(pool.base_ptr)
         self._slab = np.ctypeslib.as_array(raw).reshape(pool.num_blocks, self.block_bytes)

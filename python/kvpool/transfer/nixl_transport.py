@@ -78,7 +78,7 @@ class NixlTransport(Transport):
         self, control: NcclTransport, nixl: Any, agent: Any, pool: Pool, hello: dict
     ) -> None:
         self._control, self._nixl, self.agent, self.pool = control, nixl, agent, pool
-        self.block_bytes = pool.layout.block_bytes
+        self.block_bytes = pool.block_bytes
         self.remote_name = hello["agent"]
         self.remote_base = int(hello["base_ptr"])
         self.remote_num_blocks = int(hello["num_blocks"])
@@ -107,7 +107,7 @@ class NixlTransport(Transport):
         control = NcclTransport(None, None, sock, rank, 0)  # its control channel only
         name = f"kvpool-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
-        nbytes = pool.num_blocks * pool.layout.block_bytes
+        nbytes = pool.num_blocks * pool.block_bytes
         registration = agent.register_memory([(pool.base_ptr, nbytes, 0, "")], "DRAM")
         control.send_control(
             {
@@ -116,11 +116,11 @@ class NixlTransport(Transport):
                 "metadata": base64.b64encode(agent.get_agent_metadata()).decode(),
                 "base_ptr": pool.base_ptr,
                 "num_blocks": pool.num_blocks,
-                "block_bytes": pool.layout.block_bytes,
+                "block_bytes": pool.block_bytes,
             }
         )
         hello = control.recv_control(timeout)
-        if hello.get("kind") != "nixl_hello" or hello.get("block_bytes") != pool.layout.block_bytes:
+        if hello.get("kind") != "nixl_hello" or hello.get("block_bytes") != pool.block_bytes:
             raise TransferError(f"the peer's NIXL hello does not match this pool: {hello}")
         agent.add_remote_agent(base64.b64decode(hello["metadata"]))
         transport = cls(control, nixl, agent, pool, hello)

@@ -4,6 +4,9 @@
     offer {request_id, num_tokens, layout,   -> check layout (refuse on mismatch),
            src_ids, mode, chunk_blocks}         tables.add(request_id, num_tokens)
                                                 (refuse if that fails: nothing changed)
+    (hybrid: spec, next_query and every
+     group's pages instead of layout and
+     src_ids; offers.py)
                                           <- accept {dst_ids, mode} | refuse {reason}
     data phase: gather + send per piece  ==  receive + scatter per piece (movers.py)
     handle.wait(): free the sender's         handle.wait(): the request is ready; on a dead
@@ -11,8 +14,10 @@
 
 Nothing moves before the receiver has accepted, and a refusal or failure leaves both pools
 consistent: the receiver frees what it allocated, the sender keeps its blocks. The peer is
-untrusted: an offer is decoded and checked whole (`decode_offer`) before anything is
-allocated. From accept on, a transfer's blocks are held by a lease (leases.py) whose deadline
+untrusted: an offer is decoded and checked whole (offers.py: `decode_offer`,
+`decode_hybrid_offer`) before anything is allocated. ``BlockTables`` and ``HybridTables`` go
+through the same endpoints: kinds.py gives each kind's requests as one list of page ids.
+From accept on, a transfer's blocks are held by a lease (leases.py) whose deadline
 (``timeout_s`` after the accept) bounds the whole data phase, a silent peer included; every
 failure ends the lease, returns its blocks and tells the other side (an ``abort`` message)
 before the transport is torn down.
@@ -22,45 +27,48 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvpool._core import BlockTables, KvError, KvLayout, TransferError
+from kvpool._core import BlockTables, HybridTables, KvError, TransferError
+from kvpool.transfer.kinds import requests_of
 from kvpool.transfer.leases import RECV, SEND, Lease, LeaseBook
 from kvpool.transfer.movers import make_mover
+from kvpool.transfer.offers import (  # re-exported: the protocol's messages
+    PROTOCOL_VERSION,
+    Offer,
+    decode_accept,
+    decode_hybrid_offer,
+    decode_offer,
+    layout_fingerprint,
+    layout_mismatch,
+    spec_fingerprint,
+    spec_mismatch,
+)
 from kvpool.transfer.pieces import AUTO, GROUPED, MODES, plan_pieces, resolve_mode
 from kvpool.transfer.transport import PeerGone, Transport
 
-PROTOCOL_VERSION = 1
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_TIMEOUT_S",
+    "PROTOCOL_VERSION",
+    "KvReceiver",
+    "KvSender",
+    "Offer",
+    "Transfer",
+    "decode_accept",
+    "decode_hybrid_offer",
+    "decode_offer",
+    "layout_fingerprint",
+    "layout_mismatch",
+    "spec_fingerprint",
+    "spec_mismatch",
+]
+
 DEFAULT_CHUNK_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 60.0
 _POLL_S = 0.0005
-# Block ids on the wire are int32 (what the pool's tables and the movers use).
-_INT32_MAX = 2**31 - 1
-
-
-def layout_fingerprint(layout: KvLayout) -> dict:
-    """What two pools must share for a block to mean the same bytes on both."""
-    return {
-        "num_layers": layout.num_layers,
-        "num_kv_heads": layout.num_kv_heads,
-        "head_dim": layout.head_dim,
-        "block_size": layout.block_size,
-        "dtype": layout.dtype,
-        "block_bytes": layout.block_bytes,
-    }
-
-
-def layout_mismatch(sender: dict, receiver: dict) -> str | None:
-    """Why two fingerprints differ (every differing field), or None."""
-    diffs = [
-        f"{k} {sender.get(k)!r} (sender) != {receiver[k]!r} (receiver)"
-        for k in receiver
-        if sender.get(k) != receiver[k]
-    ]
-    return "layout mismatch: " + ", ".join(diffs) if diffs else None
 
 
 def _error(message: str, request_id: Any = None) -> TransferError:
@@ -69,103 +77,10 @@ def _error(message: str, request_id: Any = None) -> TransferError:
     return err
 
 
-@dataclass(frozen=True)
-class Offer:
-    """A decoded, checked offer: every field of the right type and in range."""
-
-    request_id: int
-    num_tokens: int
-    src_ids: np.ndarray  # int32
-    mode: str
-    chunk_blocks: int
-    # The sender's timeout: the receiver's lease ends no later than it, so a READ it sees
-    # complete before its own deadline read blocks the sender still held (transfer.md).
-    timeout_s: float | None = None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def decode_offer(message: Any, layout: KvLayout) -> Offer | str:
-    """The offer in ``message`` (from the untrusted peer), or why it cannot be accepted. Checks
-    everything the receiver will use, so nothing past this point can fail on the offer's
-    contents after blocks were allocated."""
-    if not isinstance(message, dict):
-        return f"an offer must be a message object, not {type(message).__name__}"
-    fields: dict[str, Any] = message
-    if fields.get("kind") != "offer" or fields.get("version") != PROTOCOL_VERSION:
-        return f"not an offer of protocol version {PROTOCOL_VERSION}: {fields.get('kind')!r}"
-    sender_layout = fields.get("layout")
-    if not isinstance(sender_layout, dict):
-        return "the offer's layout must be an object"
-    mismatch = layout_mismatch(sender_layout, layout_fingerprint(layout))
-    if mismatch:
-        return mismatch
-    request_id: Any = fields.get("request_id")
-    num_tokens: Any = fields.get("num_tokens")
-    if not _is_int(request_id) or not 0 <= request_id < 2**64:
-        return f"request_id must be an unsigned 64-bit int, got {request_id!r}"
-    mode = fields.get("mode")
-    if not isinstance(mode, str) or mode not in (*MODES, AUTO):
-        return f"unknown mode {mode!r}"
-    chunk_blocks: Any = fields.get("chunk_blocks")
-    if not _is_int(chunk_blocks) or not 1 <= chunk_blocks <= _INT32_MAX:
-        return "chunk_blocks must be a positive int"
-    src_ids = fields.get("src_ids")
-    if not _is_int(num_tokens) or num_tokens < 0 or not isinstance(src_ids, list):
-        return f"bad offer: num_tokens {num_tokens!r}, src_ids of type {type(src_ids).__name__}"
-    if len(src_ids) != -(-num_tokens // layout.block_size):
-        return f"{len(src_ids)} blocks offered for {num_tokens} tokens"
-    if not all(_is_int(b) and 0 <= b <= _INT32_MAX for b in src_ids):
-        bad = next(b for b in src_ids if not (_is_int(b) and 0 <= b <= _INT32_MAX))
-        return f"src_ids must be int32 block ids >= 0, got {bad!r}"
-    if len(set(src_ids)) != len(src_ids):
-        return "src_ids repeat a block"
-    timeout_s: Any = fields.get("timeout_s")
-    if timeout_s is not None and (
-        not isinstance(timeout_s, (int, float))
-        or isinstance(timeout_s, bool)
-        or not 0 < timeout_s < float("inf")
-    ):
-        return f"timeout_s must be a positive number of seconds, got {timeout_s!r}"
-    return Offer(
-        request_id,
-        num_tokens,
-        np.asarray(src_ids, np.int32),
-        mode,
-        chunk_blocks,
-        None if timeout_s is None else float(timeout_s),
-    )
-
-
-def decode_accept(message: Any, request_id: int, num_blocks: int) -> tuple[np.ndarray, str] | str:
-    """The receiver's ``(dst_ids, mode)`` from its accept, or why the answer is unusable."""
-    if not isinstance(message, dict):
-        return f"an answer must be a message object, not {type(message).__name__}"
-    if message.get("kind") == "refuse":
-        return f"the receiver refused request {request_id}: {message.get('reason')}"
-    if message.get("kind") != "accept" or message.get("request_id") != request_id:
-        return f"unexpected answer to request {request_id}: {message}"
-    dst_ids, mode = message.get("dst_ids"), message.get("mode")
-    if (
-        mode not in MODES
-        or not isinstance(dst_ids, list)
-        or len(dst_ids) != num_blocks
-        or not all(_is_int(b) and 0 <= b <= _INT32_MAX for b in dst_ids)
-    ):
-        count = len(dst_ids) if isinstance(dst_ids, list) else dst_ids
-        return (
-            f"unexpected answer to request {request_id}: mode {mode!r}, "
-            f"{count!r} blocks for {num_blocks}"
-        )
-    return np.asarray(dst_ids, np.int32), mode
-
-
 class _Endpoint:
     def __init__(
         self,
-        tables: BlockTables,
+        tables: BlockTables | HybridTables,
         transport: Transport,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
@@ -176,6 +91,7 @@ class _Endpoint:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.tables = tables
+        self.requests = requests_of(tables)  # TypeError for anything else
         self.pool = tables.pool
         self.transport = transport
         self.timeout_s = float(timeout_s)
@@ -285,7 +201,8 @@ class Transfer:
 
 
 class KvSender:
-    """Sends requests of ``tables`` (over the sending pool) through ``transport``.
+    """Sends requests of ``tables`` (``BlockTables``, or ``HybridTables``: every group of a
+    request moves) over the sending pool through ``transport``.
 
     mode: "staged" (gather into staging chunks of ``chunk_bytes``, one send per chunk,
     pipelined), "grouped" (one send per run of blocks contiguous on both sides, in one group;
@@ -298,7 +215,7 @@ class KvSender:
 
     def __init__(
         self,
-        tables: BlockTables,
+        tables: BlockTables | HybridTables,
         transport: Transport,
         *,
         mode: str = AUTO,
@@ -311,7 +228,7 @@ class KvSender:
             raise ValueError(f"mode must be one of {(*MODES, AUTO)}, got {mode!r}")
         self._ep = _Endpoint(tables, transport, timeout_s, clock, leases)
         self.mode = mode
-        self.chunk_blocks = max(1, chunk_bytes // self._ep.pool.layout.block_bytes)
+        self.chunk_blocks = max(1, chunk_bytes // self._ep.pool.block_bytes)
 
     @property
     def leases(self) -> LeaseBook:
@@ -334,17 +251,14 @@ class KvSender:
         sends completed. Raises TransferError, keeping the request, if the receiver refuses
         or the transport fails (an unusable answer is answered with an abort)."""
         ep = self._ep
-        ids = np.asarray(ep.tables.blocks(request_id), dtype=np.int32)
-        num_tokens = ep.tables.num_tokens(request_id)
+        described, ids = ep.requests.describe(request_id)
         try:
             ep.transport.send_control(
                 {
                     "kind": "offer",
                     "version": PROTOCOL_VERSION,
                     "request_id": int(request_id),
-                    "num_tokens": int(num_tokens),
-                    "layout": layout_fingerprint(ep.pool.layout),
-                    "src_ids": ids.tolist(),
+                    **described,
                     "mode": self.mode,
                     "chunk_blocks": self.chunk_blocks,
                     "timeout_s": ep.timeout_s,
@@ -386,13 +300,15 @@ class KvSender:
 
 
 class KvReceiver:
-    """Receives requests into ``tables`` (over the receiving pool) through ``transport``.
+    """Receives requests into ``tables`` (``BlockTables``, or ``HybridTables``: every group of
+    a request lands, window and chunk groups holding the live pages at the offer's
+    ``next_query``) over the receiving pool through ``transport``.
     ``timeout_s`` bounds each transfer from its accept to its last byte (the lease's
     deadline): a peer that stays connected but sends nothing cannot hold blocks longer."""
 
     def __init__(
         self,
-        tables: BlockTables,
+        tables: BlockTables | HybridTables,
         transport: Transport,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -423,15 +339,16 @@ class KvReceiver:
         sender is told about), a dead or silent peer or a passed deadline."""
         ep = self._ep
         message = ep._control("waiting for an offer", None, timeout)
-        offer = decode_offer(message, ep.pool.layout)
+        offer = ep.requests.decode(message)
         request_id: Any = message.get("request_id") if isinstance(message, dict) else None
         reason = offer if isinstance(offer, str) else None
         source_problem = getattr(ep.transport, "source_ids_problem", None)
         if isinstance(offer, Offer) and source_problem is not None:
             reason = source_problem(offer.src_ids)  # ids outside the sender's registered slab
+        dst_ids = np.empty(0, np.int32)
         if isinstance(offer, Offer) and reason is None:
             try:
-                ep.tables.add(offer.request_id, offer.num_tokens)
+                dst_ids = ep.requests.add(offer)
             except (KvError, TypeError) as e:
                 reason = f"{type(e).__name__}: {e}"
         if reason is not None or not isinstance(offer, Offer):
@@ -443,7 +360,6 @@ class KvReceiver:
                 pass  # the sender is gone; the refusal stands anyway
             raise _error(f"refused request {request_id!r}: {reason}", request_id)
         request_id = offer.request_id
-        dst_ids = np.asarray(ep.tables.blocks(request_id), dtype=np.int32)
 
         def release() -> None:
             ep.tables.free(request_id)
