@@ -374,8 +374,9 @@ class CachedHybridMachine(RuleBasedStateMachine):
 
     def hits_are_exact(self) -> bool:
         """Whether every key the model registered is still cached: nothing was evicted, or
-        (with a host tier) everything evicted went to the host tier and stayed there."""
-        if self.host_cache_pages is None:
+        everything evicted went to a host tier at least as large as the pool (a smaller one
+        may lack room for one eviction's pages) and stayed there."""
+        if self.host_cache_pages is None or self.host_cache_pages < self.num_pages:
             return not self.evicted()
         return self.pool.prefix_cache_stats()["host_evictions"] == 0
 
@@ -508,7 +509,7 @@ class CachedHybridMachine(RuleBasedStateMachine):
         if exact:
             self.count("exact hit checked" if h else "exact miss checked")
         assert added.swapped_in_pages <= host_before, (added.swapped_in_pages, host_before)
-        if self.host_cache_pages is not None and not self.hits_are_exact():
+        if self.host_cache_pages is not None and self.pool.prefix_cache_stats()["host_evictions"]:
             self.count("host tier dropped pages")
         if added.swapped_in_pages:
             assert h > 0 and self.host_cache_pages is not None
