@@ -286,3 +286,32 @@ fn a_reset_leaves_no_host_page_to_serve() {
     run_copies(t.pool(), &added.copies);
     assert!(reads_back(&t, 5, 48));
 }
+
+#[test]
+fn a_growable_pool_that_cannot_grow_puts_the_host_pages_back() {
+    use kvpool_core::pool::GrowableSize;
+    // A growable pool does not refuse up front (it grows when evicting is not enough), so
+    // its add takes the host pages before it finds it cannot grow: it must put them back.
+    let spec = hybrid_common::cached_spec(WINDOW_SIZE, 24, true);
+    let size = GrowableSize { max_num_blocks: 100, initial_num_blocks: 100, chunk_bytes: None };
+    let pool = Pool::new_growable(&spec, size, Device::Host).unwrap();
+    let pool = pool.with_prefix_caching().unwrap().with_prefix_host_tier(128).unwrap();
+    let mut t = HybridTables::new(Arc::new(pool), spec).unwrap();
+    cache_then_evict(&mut t);
+    let key = PromptKey::default();
+    t.add_request(4, &(20_000..20_080).collect::<Vec<u32>>(), &key).unwrap();
+    let host_before: Vec<usize> = t.cache_stats().iter().map(|s| s.host_pages).collect();
+    let swapped_before = t.pool().prefix_cache_stats().unwrap().swapped_in_blocks;
+    let prompt: Vec<u32> = (0..48).chain(600..630).collect();
+    assert!(t.add_request(3, &prompt, &key).is_err());
+    let host_after: Vec<usize> = t.cache_stats().iter().map(|s| s.host_pages).collect();
+    assert_eq!(host_before, host_after, "the host pages of the refused hit are back");
+    assert_eq!(t.pool().prefix_cache_stats().unwrap().swapped_in_blocks, swapped_before);
+    t.check_invariants().unwrap();
+    t.free(4).unwrap();
+    let added = t.add_request(3, &prompt, &key).unwrap();
+    assert_eq!(added.num_cached_tokens, 48);
+    run_copies(t.pool(), &added.copies);
+    assert!(reads_back(&t, 3, 48));
+    t.check_invariants().unwrap();
+}

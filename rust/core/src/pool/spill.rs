@@ -191,7 +191,7 @@ impl SpillTier {
 
     /// Puts blocks taken by [`take_blocks`](Self::take_blocks) back into the host cache
     /// (most recently used) under the same hashes: the call that took them failed before
-    /// copying them. Undoes the swap-in count.
+    /// copying them. Undoes the swap-in count (and the store count the re-insert adds).
     pub(crate) fn restore(&self, host_ids: &[u32], hashes: &[BlockHash]) {
         let mut idx = self.lock();
         for (&id, &hash) in host_ids.iter().zip(hashes) {
