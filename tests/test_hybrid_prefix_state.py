@@ -5,8 +5,11 @@ latent (2 a page) and chunked local attention (chunks of 24, 4 a page). Requests
 with prompts drawn from a few shared token streams (so they share prefixes), appended with
 and without ids (one at a time and batched), brought to a chunk boundary and checkpointed,
 declared computed, forked and freed, swapped out to a HybridHostTier (every group), swapped
-back in and dropped there, over a roomy pool (nothing is ever evicted) and a tight one (pages
-are evicted, and calls run out of pages).
+back in and dropped there, over a roomy pool (nothing is ever evicted), a tight one (pages
+are evicted, and calls run out of pages), and tighter ones whose prefix cache spills the
+pages it evicts to a host tier (`prefix_cache_host_blocks`): one that never drops a page, so
+every hit is checked exactly across evictions, and one of 40 pages that drops its least
+recently used pages and cuts checkpoints.
 
 The machine plays the kernels on the host slab. It runs every copy a call returns, then reads
 back, through each table's slot mapping, every key the call's queries see: each must hold the
@@ -34,11 +37,18 @@ tests/hybrid_model.py):
   request's next query sees, and its later pages are cached again; a swap refused (host tier
   or device pool short, wrong tier) changes nothing; a swapped-out id is taken for `add`
   and `fork`; the tier's `check_invariants` holds after every step;
-- once every request is freed nothing is used, and a cache reset frees every page.
+- with a host tier: the groups' host pages add up to the tier's cached blocks after every
+  step, a hit counts the pages the tier holds (exact while the tier, at least the pool's
+  size, has dropped nothing), the pages it brings back read back the bytes the test wrote
+  (they went through the host slab), and a refused call leaves the tier's counters as they
+  were;
+- once every request is freed nothing is used, and a cache reset frees every page (and
+  every host page).
 
 The mutation machines play a wrong hit (the hit's copies skipped, or taken from another
-cached page of the same group) and a swap that brings back another page's bytes: the
-content check must fail them.
+cached page of the same group), a swap that brings back another page's bytes, and a host
+tier whose every slot holds the next slot's bytes (a page brought back from the wrong host
+slot): the content check must fail them.
 """
 
 from __future__ import annotations
