@@ -503,7 +503,7 @@ def test_pool_constructor(
     check_call(make_world(), "Pool", make, args)
 
     def for_spec(w: World, *values: Any) -> object:
-        n, mem, frac, grow, max_n, init, chunk = values[:7]
+        n, mem, frac, grow, max_n, init, chunk, cache, host = values
         return Pool.for_spec(
             PAGE_SPEC,
             n,
@@ -514,9 +514,11 @@ def test_pool_constructor(
             initial_num_blocks=init,
             chunk_bytes=chunk,
             device="host",
+            enable_prefix_caching=cache,
+            prefix_cache_host_blocks=host,
         )
 
-    check_call(make_world(), "Pool.for_spec", for_spec, args[:7])
+    check_call(make_world(), "Pool.for_spec", for_spec, args)
 
 
 @given(data=st.data())

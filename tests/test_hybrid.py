@@ -350,11 +350,10 @@ def test_tables_refuse_a_pool_that_is_not_the_specs():
     other = Pool(KvLayout(1, 1, spec.page_bytes // 8, 1), 8, device="host")
     with pytest.raises(LayoutError, match=f"blocks are {spec.page_bytes // 2} bytes.*pages"):
         HybridTables(other, spec)
-    # A caching pool is taken (the tables cache prefixes); one spilling to a host tier not.
+    # A caching pool is taken (the tables cache prefixes), and one spilling to a host tier.
     assert HybridTables(pool_for(spec, 8, enable_prefix_caching=True), spec).prefix_caching
     spilling = pool_for(spec, 8, enable_prefix_caching=True, prefix_cache_host_blocks=4)
-    with pytest.raises(InvalidArgumentError, match="host tier"):
-        HybridTables(spilling, spec)
+    assert HybridTables(spilling, spec).prefix_caching
     # A state slot of 3 pages does not fit a pool of 2 blocks.
     state = ModelKvSpec([KvGroup.recurrent_state([0], 3 * 1024)], page_bytes=1024)
     with pytest.raises(LayoutError, match="needs 3 pages.*at most 2"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kvpool import (
+    BlockRemoved,
     BlockStored,
     DuplicateRequestError,
     HybridHostTier,
@@ -100,7 +101,11 @@ def test_a_shared_prompt_hits_every_group_from_a_checkpoint():
     assert [t.cached_page_group(int(p)) for p in copies[:, 2]] == [STATE, STATE]
     assert t.checkpoint(0).shape == (0, 3)  # already cached there: kept, no copies
     stats = t.cache_stats()
-    assert len(stats) == 4 and stats[STATE] == {"cached_pages": 2, "evictable_pages": 2}
+    assert len(stats) == 4 and stats[STATE] == {
+        "cached_pages": 2,
+        "evictable_pages": 2,
+        "host_pages": 0,
+    }
     # 48 tokens ran: full pages 0..2, window page 2 (the query at 48 sees 29..48), MLA 0..3.
     assert stats[FULL]["cached_pages"] == 3 and stats[MLA]["cached_pages"] == 4
     assert stats[FULL]["evictable_pages"] == 0  # request 0 holds them
@@ -186,6 +191,49 @@ def test_free_and_evict_conserve_pages_and_leak_nothing():
     assert t.pool.num_free == t.pool.num_blocks
 
 
+def test_a_host_tier_keeps_evicted_pages_of_every_group_for_a_later_hit():
+    s = spec()
+    plain = Pool.for_spec(s, 8, device="host", enable_prefix_caching=True)
+    assert plain.prefix_cache_host_base_ptr is None
+    needs = "prefix_cache_host_blocks needs enable_prefix_caching"
+    with pytest.raises(InvalidArgumentError, match=needs):
+        Pool.for_spec(s, 8, device="host", prefix_cache_host_blocks=4)
+    t = caching(num_pages=24, prefix_cache_host_blocks=64)
+    pool = t.pool
+    assert pool.prefix_cache_host_base_ptr is not None
+    assert pool.prefix_cache_stats()["host_num_blocks"] == 64
+    t.add_request(0, list(range(48)))
+    t.checkpoint(0)
+    t.free(0)
+    pool.enable_kv_cache_events()
+    # A request of 90 tokens takes 22 of the 24 pages: request 0's cached pages are evicted
+    # and spill to the host tier, each group's removal and storing reported.
+    t.add(9, 90)
+    events = pool.take_kv_events()
+    removed = {e.group for e in events if isinstance(e, BlockRemoved)}
+    stored = {e.group for e in events if isinstance(e, BlockStored)}
+    assert removed == stored == {FULL, WINDOW, STATE, MLA}, events
+    stats = t.cache_stats()
+    assert (
+        sum(g["host_pages"] for g in stats) == pool.prefix_cache_stats()["host_num_cached_blocks"]
+    )
+    assert stats[STATE]["host_pages"] == 2  # the checkpoint, whole
+    t.check_invariants()
+    t.free(9)
+    # The prompt's 48 tokens are cached on the two tiers together: every group serves them.
+    hit = t.add_request(1, [*range(48), 7])
+    assert hit.num_cached_tokens == 48 and hit.swapped_in_pages > 0
+    assert pool.prefix_cache_stats()["swapped_in_blocks"] == hit.swapped_in_pages
+    assert f"swapped_in_pages={hit.swapped_in_pages}" in repr(hit)
+    back = {e.group for e in pool.take_kv_events() if isinstance(e, BlockRemoved)}
+    assert STATE in back, back
+    t.check_invariants()
+    t.free(1)
+    pool.reset_prefix_cache()
+    assert all(g["host_pages"] == 0 for g in t.cache_stats())
+    t.check_invariants()
+
+
 def test_a_batched_append_counts_evictable_pages_and_a_refused_one_changes_nothing():
     t = caching(num_pages=24)
     t.add_request(5, list(range(500, 548)))
@@ -265,7 +313,7 @@ def test_caching_calls_on_a_pool_without_prefix_caching_are_refused():
     assert t.add_request(0, list(range(48))).num_cached_tokens == 0
     refused(t, InvalidArgumentError, "cache_computed needs a pool made with", t.cache_computed, 0)
     refused(t, InvalidArgumentError, "prefix caching", t.checkpoint, 0)
-    assert t.cache_stats() == [{"cached_pages": 0, "evictable_pages": 0}] * 4
+    assert t.cache_stats() == [{"cached_pages": 0, "evictable_pages": 0, "host_pages": 0}] * 4
     assert t.cached_page_group(0) is None
     assert t.add_request(1, list(range(49))).num_cached_tokens == 0
     t.check_invariants()

@@ -5,8 +5,11 @@ latent (2 a page) and chunked local attention (chunks of 24, 4 a page). Requests
 with prompts drawn from a few shared token streams (so they share prefixes), appended with
 and without ids (one at a time and batched), brought to a chunk boundary and checkpointed,
 declared computed, forked and freed, swapped out to a HybridHostTier (every group), swapped
-back in and dropped there, over a roomy pool (nothing is ever evicted) and a tight one (pages
-are evicted, and calls run out of pages).
+back in and dropped there, over a roomy pool (nothing is ever evicted), a tight one (pages
+are evicted, and calls run out of pages), and tighter ones whose prefix cache spills the
+pages it evicts to a host tier (`prefix_cache_host_blocks`): one that never drops a page, so
+every hit is checked exactly across evictions, and one of 40 pages that drops its least
+recently used pages and cuts checkpoints.
 
 The machine plays the kernels on the host slab. It runs every copy a call returns, then reads
 back, through each table's slot mapping, every key the call's queries see: each must hold the
@@ -34,11 +37,18 @@ tests/hybrid_model.py):
   request's next query sees, and its later pages are cached again; a swap refused (host tier
   or device pool short, wrong tier) changes nothing; a swapped-out id is taken for `add`
   and `fork`; the tier's `check_invariants` holds after every step;
-- once every request is freed nothing is used, and a cache reset frees every page.
+- with a host tier: the groups' host pages add up to the tier's cached blocks after every
+  step, a hit counts the pages the tier holds (exact while the tier, at least the pool's
+  size, has dropped nothing), the pages it brings back read back the bytes the test wrote
+  (they went through the host slab), and a refused call leaves the tier's counters as they
+  were;
+- once every request is freed nothing is used, and a cache reset frees every page (and
+  every host page).
 
 The mutation machines play a wrong hit (the hit's copies skipped, or taken from another
-cached page of the same group) and a swap that brings back another page's bytes: the
-content check must fail them.
+cached page of the same group), a swap that brings back another page's bytes, and a host
+tier whose every slot holds the next slot's bytes (a page brought back from the wrong host
+slot): the content check must fail them.
 """
 
 from __future__ import annotations
@@ -244,8 +254,12 @@ def event(name: str) -> None:
 
 class CachedHybridMachine(RuleBasedStateMachine):
     num_pages = ROOMY
-    # "skip hit copies", "copy from another page" (a wrong hit) or "swap in another page"
-    # (a swap-in reading another host page's bytes): the content check must see them.
+    # Pages of the prefix cache's host tier, which the pages the pool evicts spill to.
+    host_cache_pages: int | None = None
+    # "skip hit copies", "copy from another page" (a wrong hit), "swap in another page"
+    # (a swap-in reading another host page's bytes) or "rotate host cache slots" (every
+    # prefix-cache host slot holding the next slot's bytes, so a page brought back from the
+    # host tier reads another page's): the content check must see them.
     mutation: str | None = None
     # What the runs met, over every run of the class (the coverage tests read it).
     coverage: ClassVar[dict[str, int]] = {}
@@ -254,7 +268,11 @@ class CachedHybridMachine(RuleBasedStateMachine):
         super().__init__()
         self.spec = mixed_spec()
         self.pool = Pool.for_spec(
-            self.spec, self.num_pages, device="host", enable_prefix_caching=True
+            self.spec,
+            self.num_pages,
+            device="host",
+            enable_prefix_caching=True,
+            prefix_cache_host_blocks=self.host_cache_pages,
         )
         self.tables = HybridTables(self.pool, self.spec)
         self.rules = [GroupRule.of(self.spec, i, g) for i, g in enumerate(self.spec.groups)]
@@ -262,6 +280,14 @@ class CachedHybridMachine(RuleBasedStateMachine):
         self.bytes = slab(self.pool)
         self.tier = HybridHostTier(self.tables, HOST_PAGES)
         self.host_bytes = slab(self.tier.pool)
+        address = self.pool.prefix_cache_host_base_ptr
+        assert (address is None) == (self.host_cache_pages is None)
+        self.host_cache_bytes = None
+        if address is not None and self.host_cache_pages is not None:
+            size = self.host_cache_pages * PAGE_BYTES
+            self.host_cache_bytes = np.frombuffer(
+                (ctypes.c_uint8 * size).from_address(address), dtype=np.uint8
+            )
         # Requests the tier holds, as the model knows them.
         self.swapped: dict[int, Request] = {}
 
@@ -328,7 +354,10 @@ class CachedHybridMachine(RuleBasedStateMachine):
         pool = self.pool
         out: list[object] = [pool.num_free, pool.num_evictable, pool.num_used, len(self.tables)]
         out.append(self.tables.cache_stats())
-        out.append(pool.prefix_cache_stats()["num_cached_blocks"])
+        stats = pool.prefix_cache_stats()
+        out.append(stats["num_cached_blocks"])
+        host = ("host_num_cached_blocks", "host_stored_blocks", "host_evictions")
+        out.append([stats[k] for k in (*host, "swapped_in_blocks")])
         out.append((self.tier.request_ids(), self.tier.pool.num_free, self.tier.num_pending))
         for rid in self.tier.request_ids():
             n, next_query, rows = self.tier.swapped(rid)
@@ -352,6 +381,17 @@ class CachedHybridMachine(RuleBasedStateMachine):
 
     def evicted(self) -> bool:
         return self.pool.prefix_cache_stats()["evictions"] > 0
+
+    def hits_are_exact(self) -> bool:
+        """Whether every key the model registered is still cached: nothing was evicted, or
+        everything evicted went to a host tier at least as large as the pool (a smaller one
+        may lack room for one eviction's pages) and stayed there."""
+        if self.host_cache_pages is None or self.host_cache_pages < self.num_pages:
+            return not self.evicted()
+        return self.pool.prefix_cache_stats()["host_evictions"] == 0
+
+    def host_cached(self) -> int:
+        return self.pool.prefix_cache_stats()["host_num_cached_blocks"]
 
     def fresh_pages(self, rid: int, count: int) -> int:
         """The fresh pages appending `count` tokens to `rid` takes (new pages and copies of
@@ -458,7 +498,10 @@ class CachedHybridMachine(RuleBasedStateMachine):
 
     def add_checked(self, rid: int, r: Request, tokens: list[int]) -> None:
         expected = self.model.hit(r.prefix)
-        exact = not self.evicted()
+        exact = self.hits_are_exact()
+        if self.mutation == "rotate host cache slots" and self.host_cache_bytes is not None:
+            self.host_cache_bytes[:] = np.roll(self.host_cache_bytes, -PAGE_BYTES)
+        host_before = self.host_cached() if self.host_cache_pages else 0
         before = self.state_if_refusable()
         try:
             added = self.tables.add_request(rid, np.array(tokens, dtype=np.int64))
@@ -475,6 +518,14 @@ class CachedHybridMachine(RuleBasedStateMachine):
         self.count("hit" if h else "miss")
         if exact:
             self.count("exact hit checked" if h else "exact miss checked")
+        assert added.swapped_in_pages <= host_before, (added.swapped_in_pages, host_before)
+        if self.host_cache_pages is not None and self.pool.prefix_cache_stats()["host_evictions"]:
+            self.count("host tier dropped pages")
+        if added.swapped_in_pages:
+            assert h > 0 and self.host_cache_pages is not None
+            self.count("hit brought back from the host tier")
+            if exact and self.evicted():
+                self.count("exact hit after evictions checked")
         copies = added.copies
         assert copies.dtype == np.int32 and copies.shape[1:] == (3,)
         for g, src, dst in copies.tolist():
@@ -778,9 +829,13 @@ class CachedHybridMachine(RuleBasedStateMachine):
         assert pool.num_free + pool.num_evictable + pool.num_used == pool.num_blocks
         stats = self.tables.cache_stats()
         assert sum(s["evictable_pages"] for s in stats) == pool.num_evictable
-        assert (
-            sum(s["cached_pages"] for s in stats) == pool.prefix_cache_stats()["num_cached_blocks"]
-        )
+        cache = pool.prefix_cache_stats()
+        assert sum(s["cached_pages"] for s in stats) == cache["num_cached_blocks"]
+        # Over the host tier too: each host block is one group's cached page.
+        host_pages = sum(s["host_pages"] for s in stats)
+        assert host_pages == cache["host_num_cached_blocks"] <= cache["host_num_blocks"]
+        if self.host_cache_pages is None:
+            assert host_pages == 0
         self.tables.check_invariants()
         pool.check_invariants()
         assert self.tier.request_ids() == sorted(self.swapped)
@@ -807,6 +862,9 @@ class CachedHybridMachine(RuleBasedStateMachine):
             assert not self.evicted(), "the roomy pool evicted: the exact hit check was off"
         pool.reset_prefix_cache()
         assert pool.num_free == pool.num_blocks, "a cached page leaked"
+        assert self.host_cached() == 0 if self.host_cache_pages else True
+        assert all(s["host_pages"] == 0 for s in self.tables.cache_stats())
+        self.tables.check_invariants()
 
 
 class TightCachedHybridMachine(CachedHybridMachine):
@@ -814,10 +872,37 @@ class TightCachedHybridMachine(CachedHybridMachine):
     coverage: ClassVar[dict[str, int]] = {}
 
 
-def run_machine(machine: type[CachedHybridMachine]) -> dict[str, int]:
-    """Runs `machine` under the loaded profile (derandomized in CI); returns its coverage."""
+class SpillingHybridMachine(CachedHybridMachine):
+    """A tight pool whose prefix cache spills to a host tier large enough never to drop a
+    page: every evicted cached page (every group's, checkpoints included) stays servable,
+    so every hit is checked exactly against the model, evictions or not, and the ones
+    served from the host tier are content-checked like any."""
+
+    num_pages = 96  # tighter still: evictions (and so spills) start early in a run
+    host_cache_pages = 2048
+    coverage: ClassVar[dict[str, int]] = {}
+
+
+class SmallHostCacheHybridMachine(SpillingHybridMachine):
+    """A host tier of 40 pages: it drops its least recently used pages (and checkpoints it
+    cannot keep whole); hits are then at most the model's, and still content-checked."""
+
+    host_cache_pages = 40
+    coverage: ClassVar[dict[str, int]] = {}
+
+
+def run_machine(
+    machine: type[CachedHybridMachine], max_examples: int | None = None
+) -> dict[str, int]:
+    """Runs `machine` under the loaded profile (derandomized in CI), with at most
+    `max_examples` runs if given (the profile's count otherwise); returns its coverage."""
     machine.coverage.clear()
-    run_state_machine_as_test(machine, settings=settings(stateful_step_count=50))
+    examples = settings().max_examples if max_examples is None else max_examples
+    if max_examples is not None:
+        examples = min(examples, max_examples)
+    run_state_machine_as_test(
+        machine, settings=settings(stateful_step_count=50, max_examples=examples)
+    )
     return dict(machine.coverage)
 
 
@@ -830,6 +915,22 @@ def test_cached_calls_match_the_model_on_a_roomy_pool():
     assert c.get("swap in", 0) >= 5 and c.get("swap out of shared or cached pages", 0) >= 10, c
     assert c.get("swap out refused: host tier full", 0) >= 1, c
     assert c.get("hit on a swapped-out request's prompt", 0) >= 1, c
+
+
+def test_evicted_pages_spill_to_the_host_tier_and_hits_bring_them_back():
+    # Fewer runs than the others: the tight pool's rules are the same, the spill is the point.
+    c = run_machine(SpillingHybridMachine, max_examples=30)
+    print(c)
+    assert c.get("hit brought back from the host tier", 0) >= 5, c
+    assert c.get("exact hit after evictions checked", 0) >= 5, c
+    assert c.get("append out of pages", 0) >= 1, c
+
+
+def test_a_small_host_tier_drops_pages_and_still_serves_the_right_bytes():
+    c = run_machine(SmallHostCacheHybridMachine, max_examples=30)
+    print(c)
+    assert c.get("hit brought back from the host tier", 0) >= 3, c
+    assert c.get("host tier dropped pages", 0) >= 3, c
 
 
 def test_cached_calls_match_the_model_on_a_tight_pool():
@@ -852,9 +953,18 @@ class SwapInOfAnotherPageMachine(CachedHybridMachine):
     mutation = "swap in another page"
 
 
+class HostCacheSlotsRotatedMachine(SpillingHybridMachine):
+    mutation = "rotate host cache slots"
+
+
 @pytest.mark.parametrize(
     "machine",
-    [SkippedHitCopiesMachine, HitCopiedFromAnotherPageMachine, SwapInOfAnotherPageMachine],
+    [
+        SkippedHitCopiesMachine,
+        HitCopiedFromAnotherPageMachine,
+        SwapInOfAnotherPageMachine,
+        HostCacheSlotsRotatedMachine,
+    ],
 )
 def test_the_content_check_fails_a_wrong_hit(machine: type[CachedHybridMachine]) -> None:
     """A hit whose copies are skipped (the resumed state and the page the hit ends inside

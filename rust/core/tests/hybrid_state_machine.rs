@@ -568,6 +568,26 @@ fn cached_ops() -> impl Strategy<Value = Vec<CachedOp>> {
     ]
 }
 
+/// [`cached_ops`], and now and then a round that sends a cached prompt to the host tier and
+/// back: a request computes 48 tokens, checkpoints and ends, one without ids takes most of
+/// the pool (evicting, so spilling, its pages), ends, and a prompt sharing the 48 tokens comes.
+fn cached_ops_with_spills() -> impl Strategy<Value = Vec<CachedOp>> {
+    let id = 0..CACHED_IDS;
+    let round = (id.clone(), id, 0..2u32, 40..70usize).prop_map(|(a, b, family, big)| {
+        let (diverge, len) = (72, 47);
+        vec![
+            CachedOp::Add { id: a, family, diverge, variant: 0, len },
+            CachedOp::ToBoundary { id: a },
+            CachedOp::Checkpoint { id: a },
+            CachedOp::Free { id: a },
+            CachedOp::AddWithoutIds { id: b, len: big },
+            CachedOp::Free { id: b },
+            CachedOp::Add { id: a, family, diverge: 48, variant: 1, len: 60 },
+        ]
+    });
+    prop_oneof![8 => cached_ops(), 1 => round]
+}
+
 fn cached_op() -> impl Strategy<Value = Vec<CachedOp>> {
     let id = 0..CACHED_IDS;
     // Prompts diverge from their family's stream at a few places, so they share prefixes.
@@ -773,20 +793,31 @@ struct CacheCoverage {
     evictions: u64,
     exact_hits_checked: usize,
     out_of_blocks: usize,
+    /// Hits that brought pages back from the prefix cache's host tier.
+    host_hits: usize,
+    /// Exact hits checked after the pool had evicted (a host tier that never dropped).
+    exact_hits_after_evictions: usize,
 }
 
-/// One run of `ops` over a pool of `num_pages` pages; `exact` when the hit must be the
-/// model's (checked while nothing was evicted).
+/// One run of `ops` over a pool of `num_pages` pages whose prefix cache spills to a host
+/// tier of `host_pages` (if given). The hit must be the model's on a roomy pool (it never
+/// evicts) and while the host tier has dropped nothing (every evicted page is there);
+/// otherwise at most the model's.
 fn check_cached_run(
     ops: &[CachedOp],
     groups: &'static [Visibility],
     num_pages: usize,
+    host_pages: Option<usize>,
     coverage: &mut CacheCoverage,
 ) -> Result<(), TestCaseError> {
     let with_state = groups.len() == 5;
     let carrier = KvLayout::new(1, 1, PAGE_BYTES / 4, 1, DType::Float16).unwrap();
     let pool = Pool::new(carrier, PoolSize::NumBlocks(num_pages), Device::Host).unwrap();
-    let pool = Arc::new(pool.with_prefix_caching().unwrap());
+    let pool = pool.with_prefix_caching().unwrap();
+    let pool = Arc::new(match host_pages {
+        Some(n) => pool.with_prefix_host_tier(n).unwrap(),
+        None => pool,
+    });
     let spec = hybrid_common::cached_spec(WINDOW, CHUNK, with_state);
     let mut tables = HybridTables::new(pool.clone(), spec).unwrap();
     let mut model = CacheModel { groups, ..CacheModel::default() };
@@ -835,13 +866,19 @@ fn check_cached_run(
                     };
                     let tokens = request.push_tokens(len);
                     let expected_hit = model.hit(&request.prefix);
+                    let stats = pool.prefix_cache_stats().unwrap();
                     let added = tables.add_request(id, &tokens, &key)?;
                     let hit = added.num_cached_tokens;
-                    // A roomy pool never evicts (checked at the end), so every key the
-                    // model has is there.
-                    if num_pages >= ROOMY {
+                    // A roomy pool never evicts (checked at the end), and a host tier at
+                    // least as large as the pool that has dropped nothing holds every page
+                    // evicted (a smaller one may not have room for one eviction's pages),
+                    // so every key the model has is there.
+                    let kept =
+                        host_pages.is_some_and(|n| n >= num_pages) && stats.host_evictions == 0;
+                    if num_pages >= ROOMY || kept {
                         assert_eq!(hit, expected_hit, "{op:?}: the hit is the model's");
                         coverage.exact_hits_checked += 1;
+                        coverage.exact_hits_after_evictions += (stats.evictions > 0) as usize;
                     } else {
                         assert!(
                             hit <= expected_hit,
@@ -849,6 +886,7 @@ fn check_cached_run(
                         );
                     }
                     coverage.hits += (hit > 0) as usize;
+                    coverage.host_hits += (added.swapped_in_pages > 0) as usize;
                     coverage.copied_hits += !added.copies.is_empty() as usize;
                     hybrid_common::run_copies(&pool, &added.copies);
                     request.next_query = hit;
@@ -1004,6 +1042,18 @@ fn check_cached_run(
 fn cached_runs(
     groups: &'static [Visibility],
     num_pages: usize,
+    host_pages: Option<usize>,
+    cases: u32,
+) -> (Result<(), String>, CacheCoverage) {
+    cached_runs_of(cached_ops().boxed(), groups, num_pages, host_pages, cases)
+}
+
+/// [`cached_runs`] of the ops `ops` draws.
+fn cached_runs_of(
+    ops: BoxedStrategy<Vec<CachedOp>>,
+    groups: &'static [Visibility],
+    num_pages: usize,
+    host_pages: Option<usize>,
     cases: u32,
 ) -> (Result<(), String>, CacheCoverage) {
     let config =
@@ -1012,9 +1062,9 @@ fn cached_runs(
     let mut runner = TestRunner::new_with_rng(config, rng);
     let coverage = std::cell::RefCell::new(CacheCoverage::default());
     let result = runner
-        .run(&proptest::collection::vec(cached_ops(), 1..50), |ops| {
+        .run(&proptest::collection::vec(ops, 1..50), |ops| {
             let ops: Vec<CachedOp> = ops.into_iter().flatten().collect();
-            check_cached_run(&ops, groups, num_pages, &mut coverage.borrow_mut())
+            check_cached_run(&ops, groups, num_pages, host_pages, &mut coverage.borrow_mut())
         })
         .map_err(|e| e.to_string());
     (result, coverage.into_inner())
@@ -1022,29 +1072,49 @@ fn cached_runs(
 
 #[test]
 fn prefix_cached_calls_match_the_model_with_a_state_group() {
-    let (roomy, c) = cached_runs(&WITH_STATE, ROOMY, 128);
+    let (roomy, c) = cached_runs(&WITH_STATE, ROOMY, None, 128);
     roomy.unwrap();
     // Every hit here resumes a state from a checkpoint.
     assert!(
         c.evictions == 0 && c.hits > 8 && c.checkpoints > 100 && c.exact_hits_checked > 200,
         "{c:?}"
     );
-    let (tight, c) = cached_runs(&WITH_STATE, 160, 128);
+    let (tight, c) = cached_runs(&WITH_STATE, 160, None, 128);
     tight.unwrap();
     assert!(c.evictions > 500 && c.out_of_blocks > 50 && c.hits > 4, "{c:?}");
 }
 
 #[test]
 fn prefix_cached_calls_match_the_model_without_a_state_group() {
-    let (roomy, c) = cached_runs(&WITHOUT_STATE, ROOMY, 128);
+    let (roomy, c) = cached_runs(&WITHOUT_STATE, ROOMY, None, 128);
     roomy.unwrap();
     assert!(
         c.evictions == 0 && c.hits > 30 && c.copied_hits > 30 && c.exact_hits_checked > 200,
         "{c:?}"
     );
-    let (tight, c) = cached_runs(&WITHOUT_STATE, 120, 128);
+    let (tight, c) = cached_runs(&WITHOUT_STATE, 120, None, 128);
     tight.unwrap();
     assert!(c.evictions > 300 && c.out_of_blocks > 100 && c.hits > 15, "{c:?}");
+}
+
+#[test]
+fn prefix_cached_calls_spill_to_a_host_tier_and_match_the_model() {
+    // A host tier that never drops: every hit is the model's, evictions or not.
+    let layouts: [(&'static [Visibility], usize); 2] = [(&WITH_STATE, 80), (&WITHOUT_STATE, 60)];
+    for (groups, num_pages) in layouts {
+        let (result, c) =
+            cached_runs_of(cached_ops_with_spills().boxed(), groups, num_pages, Some(4096), 64);
+        result.unwrap();
+        assert!(
+            c.evictions > 1000 && c.host_hits > 20 && c.exact_hits_after_evictions > 50,
+            "{c:?}"
+        );
+    }
+    // A small one drops (whole checkpoints only) and still serves the right bytes.
+    let (result, c) =
+        cached_runs_of(cached_ops_with_spills().boxed(), &WITH_STATE, 80, Some(24), 64);
+    result.unwrap();
+    assert!(c.host_hits > 5, "{c:?}");
 }
 
 /// A run the random ones meet rarely: a prompt sharing only the head of a request whose
@@ -1060,7 +1130,7 @@ fn window_head_reuse() -> Vec<CachedOp> {
 /// Whether `ops` pass the cached machine (a panic inside it counts as a failure).
 fn fixed_run_passes(ops: &[CachedOp], groups: &'static [Visibility]) -> bool {
     let run = std::panic::catch_unwind(|| {
-        check_cached_run(ops, groups, ROOMY, &mut CacheCoverage::default()).is_ok()
+        check_cached_run(ops, groups, ROOMY, None, &mut CacheCoverage::default()).is_ok()
     });
     run.unwrap_or(false)
 }
@@ -1068,7 +1138,7 @@ fn fixed_run_passes(ops: &[CachedOp], groups: &'static [Visibility]) -> bool {
 #[test]
 fn a_shorter_prompt_hits_the_pages_that_left_a_window() {
     let mut coverage = CacheCoverage::default();
-    check_cached_run(&window_head_reuse(), &WITHOUT_STATE, ROOMY, &mut coverage).unwrap();
+    check_cached_run(&window_head_reuse(), &WITHOUT_STATE, ROOMY, None, &mut coverage).unwrap();
     assert_eq!(coverage.hits, 1);
 }
 
@@ -1084,9 +1154,15 @@ fn each_caching_bug_fails_the_machine() {
     ];
     for (bug, groups) in cases {
         mutation::set(Some(bug));
-        let (result, _) = cached_runs(groups, ROOMY, 128);
+        let (result, _) = cached_runs(groups, ROOMY, None, 128);
         let fixed = fixed_run_passes(&window_head_reuse(), groups);
         mutation::set(None);
         assert!(result.is_err() || !fixed, "{bug:?} went unnoticed");
     }
+    // A page brought back from the host tier's wrong slot reads other bytes.
+    mutation::set(Some(HostHitFromTheNextSlot));
+    let (result, _) =
+        cached_runs_of(cached_ops_with_spills().boxed(), &WITHOUT_STATE, 60, Some(4096), 64);
+    mutation::set(None);
+    assert!(result.is_err(), "HostHitFromTheNextSlot went unnoticed");
 }

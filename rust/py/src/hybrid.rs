@@ -225,6 +225,7 @@ fn append_batch(
 pub struct PyHybridAddResult {
     num_cached_tokens: usize,
     copies: Py<PyArray2<i32>>,
+    swapped_in_pages: usize,
 }
 
 #[pymethods]
@@ -242,11 +243,20 @@ impl PyHybridAddResult {
     fn copies(&self, py: Python<'_>) -> Py<PyArray2<i32>> {
         self.copies.clone_ref(py)
     }
+    /// Pages of the hit the call brought back from the prefix cache's host tier
+    /// (`prefix_cache_host_blocks`) into fresh pages: copied by the call itself (before any
+    /// later work on the pool's stream), counted in `num_cached_tokens`, and cached in the
+    /// pool again. 0 without a host tier.
+    #[getter]
+    fn swapped_in_pages(&self) -> usize {
+        self.swapped_in_pages
+    }
     fn __repr__(&self, py: Python<'_>) -> String {
         format!(
-            "HybridAddResult(num_cached_tokens={}, len(copies)={})",
+            "HybridAddResult(num_cached_tokens={}, len(copies)={}, swapped_in_pages={})",
             self.num_cached_tokens,
-            self.copies.bind(py).shape()[0]
+            self.copies.bind(py).shape()[0],
+            self.swapped_in_pages
         )
     }
 }
@@ -294,8 +304,9 @@ fn batch_counts(values: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<usize>> {
 impl PyHybridTables {
     /// Tables for `spec` over `pool`. Raises `LayoutError` when the pool's blocks are not
     /// `spec.page_bytes` bytes or the pool cannot hold one request of one token with all its
-    /// state slots, `InvalidArgumentError` for a pool whose prefix cache has a host tier.
-    /// On a pool with prefix caching the tables cache prefixes (`add_request`).
+    /// state slots. On a pool with prefix caching the tables cache prefixes (`add_request`);
+    /// with a host tier (`prefix_cache_host_blocks`) the cached pages they evict spill there
+    /// and a hit brings them back.
     #[new]
     fn new(pool: Bound<'_, PyPool>, spec: Bound<'_, PyModelKvSpec>) -> KvResult<Self> {
         let inner = HybridTables::new(pool.get().inner.clone(), spec.get().inner.clone())?;
@@ -362,6 +373,7 @@ impl PyHybridTables {
         Ok(PyHybridAddResult {
             num_cached_tokens: added.num_cached_tokens,
             copies: copies_array(py, &added.copies).unbind(),
+            swapped_in_pages: added.swapped_in_pages,
         })
     }
 
@@ -449,7 +461,8 @@ impl PyHybridTables {
     }
 
     /// Per group (in the spec's order), the cached pages: `{"cached_pages",
-    /// "evictable_pages"}` (of those, the ones no table holds). Zeros on a pool without
+    /// "evictable_pages", "host_pages"}`: cached in the pool, of those the ones no table
+    /// holds, and the group's pages on the prefix cache's host tier. Zeros on a pool without
     /// prefix caching.
     fn cache_stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let (stats, num_groups) = {
@@ -462,6 +475,7 @@ impl PyHybridTables {
                 let d = PyDict::new(py);
                 d.set_item("cached_pages", s.cached_pages)?;
                 d.set_item("evictable_pages", s.evictable_pages)?;
+                d.set_item("host_pages", s.host_pages)?;
                 Ok(d)
             })
             .collect()

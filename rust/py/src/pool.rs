@@ -242,8 +242,10 @@ impl PyPool {
     /// A pool of `spec`'s pages (`block_bytes == spec.page_bytes`) for `HybridTables`,
     /// sized and placed as the constructor's keywords say. It has no `KvLayout`: `layout`,
     /// `k_view` and `v_view` raise `LayoutError`; `spec` says where a group's bytes are.
-    /// `enable_prefix_caching` and `prefix_hash_key` as for the constructor: the tables over
-    /// it then cache prefixes in 16-token chunks (`HybridTables.add_request`).
+    /// `enable_prefix_caching`, `prefix_cache_host_blocks` and `prefix_hash_key` as for the
+    /// constructor: the tables over it then cache prefixes in 16-token chunks
+    /// (`HybridTables.add_request`), and with a host tier of that many pages the cached pages
+    /// they evict spill there, per group, and a hit brings them back.
     #[staticmethod]
     #[pyo3(signature = (
         spec,
@@ -257,6 +259,7 @@ impl PyPool {
         chunk_bytes = None,
         device = "auto",
         enable_prefix_caching = false,
+        prefix_cache_host_blocks = None,
         prefix_hash_key = None,
     ))]
     #[allow(clippy::too_many_arguments)] // one per keyword of the Python signature
@@ -272,9 +275,11 @@ impl PyPool {
         chunk_bytes: Option<Int>,
         device: &str,
         enable_prefix_caching: bool,
+        prefix_cache_host_blocks: Option<Int>,
         prefix_hash_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let prefix = PrefixOptions::new(enable_prefix_caching, None, prefix_hash_key)?;
+        let prefix =
+            PrefixOptions::new(enable_prefix_caching, prefix_cache_host_blocks, prefix_hash_key)?;
         let create = pool_maker(
             (&spec.inner).into(),
             (num_blocks, memory_bytes, gpu_memory_utilization),
@@ -426,6 +431,13 @@ impl PyPool {
     fn base_ptr(&self) -> KvResult<u64> {
         self.inner.require_memory("base_ptr")?;
         Ok(self.inner.base_ptr())
+    }
+    /// The address of the prefix cache's host tier slab (`prefix_cache_host_blocks` blocks of
+    /// `block_bytes`, host block `i` at `i * block_bytes`, in host memory), or None without
+    /// one. For reading what the tier holds; the tier alone writes it.
+    #[getter]
+    fn prefix_cache_host_base_ptr(&self) -> Option<u64> {
+        self.inner.prefix_host_tier_base_ptr()
     }
     /// The pool's CUDA stream (`__cuda_stream__`), or None on the host. Table uploads are
     /// queued on it; launch kernels on it to need no other synchronisation.

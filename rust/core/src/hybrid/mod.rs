@@ -11,6 +11,8 @@
 //!   (copy on write), free.
 //! - `prefix.rs`: prefix caching across the groups (16-token chunk hashes, a hit every
 //!   group can serve, state checkpoints), over the pool's prefix cache.
+//! - `spill.rs`: cached pages evicted to the prefix cache's host tier and brought back by
+//!   a hit, per group.
 //! - `invariants.rs`: `HybridTables::check_invariants`, the equations tests check after
 //!   every call.
 //! - `pool.rs`: a pool made from a spec's page bytes (`Pool::new(&spec, ..)`).
@@ -21,6 +23,7 @@ mod invariants;
 mod pool;
 mod prefix;
 mod spec;
+mod spill;
 mod swap;
 mod tables;
 

@@ -24,6 +24,7 @@ use rustc_hash::FxHashMap;
 
 use crate::error::CoreError;
 use crate::hybrid::spec::{GroupKind, PageGeometry};
+use crate::hybrid::spill::{CachedAt, HostIndex};
 use crate::hybrid::tables::{GroupPages, HybridTables, PageCopy, RequestPages};
 use crate::pool::Owner;
 use crate::prefix_cache::{BlockHash, BlockHasher, KvEvent, Medium, PrefixCache};
@@ -43,6 +44,9 @@ pub mod mutation {
         WindowPagesReleasedUncached,
         /// Keys ignore the group, and a hit takes a page whatever group cached it.
         KeysIgnoreTheGroup,
+        /// A page brought back from the host tier is copied from the host block after the
+        /// right one (another cached page's bytes, or a stale one's).
+        HostHitFromTheNextSlot,
     }
 
     thread_local! {
@@ -76,6 +80,11 @@ pub struct HybridAdd {
     /// the hit ends inside (the new tokens overwrite its tail) and each state group's
     /// checkpoint slot (the resumed state).
     pub copies: Vec<PageCopy>,
+    /// Pages of the hit that the call brought back from the prefix cache's host tier into
+    /// fresh pages (copied by the call, ordered before the pool stream's later work; cached
+    /// in the pool again): counted in `num_cached_tokens` like any hit, and among `copies`'
+    /// sources where the hit ends inside them.
+    pub swapped_in_pages: usize,
 }
 
 /// One group's cached pages.
@@ -85,6 +94,9 @@ pub struct GroupCacheStats {
     pub cached_pages: usize,
     /// Of those, the ones no table holds: reusable by a hit, or evicted for new pages.
     pub evictable_pages: usize,
+    /// Pages of this group the prefix cache's host tier holds (evicted from the pool,
+    /// brought back by a hit); not counted in `cached_pages`.
+    pub host_pages: usize,
 }
 
 /// A request's hash chain: enough to key the pages of the tokens it has not cached yet.
@@ -148,21 +160,24 @@ impl RequestHashes {
 
 /// A page the tables cached, under the pool's cache as `tag`.
 #[derive(Debug, Clone)]
-struct CachedPage {
-    tag: BlockHash,
-    group: usize,
+pub(super) struct CachedPage {
+    pub(super) tag: BlockHash,
+    pub(super) group: usize,
     /// Its keys in the index.
-    keys: Vec<BlockHash>,
+    pub(super) keys: Vec<BlockHash>,
     /// The chunk hashes reported as stored for it (those it ends: removed with it).
-    reported: Vec<BlockHash>,
+    pub(super) reported: Vec<BlockHash>,
     /// The other pages of its state checkpoint (evicted with it: a partial slot is useless).
-    siblings: Vec<u32>,
+    pub(super) siblings: Vec<u32>,
 }
 
 /// The keys of the cached pages of one `HybridTables`.
 pub(super) struct PrefixIndex {
-    keys: FxHashMap<BlockHash, u32>,
-    pages: FxHashMap<u32, CachedPage>,
+    pub(super) keys: FxHashMap<BlockHash, u32>,
+    pub(super) pages: FxHashMap<u32, CachedPage>,
+    /// The pages evicted to the prefix cache's host tier, when the pool has one
+    /// (`spill.rs`). A key is in `keys` or in `host`, never both.
+    pub(super) host: HostIndex,
     tag_seed: BlockHash,
     next_tag: u64,
 }
@@ -172,13 +187,21 @@ impl PrefixIndex {
         PrefixIndex {
             keys: FxHashMap::default(),
             pages: FxHashMap::default(),
+            host: HostIndex::default(),
             tag_seed: hasher.root(Some(b"kvpool.hybrid.page-tag"), None, b""),
             next_tag: 0,
         }
     }
 
+    /// A tag never used before (a counter through the keyed hasher).
+    pub(super) fn new_tag(&mut self, hasher: &BlockHasher) -> BlockHash {
+        let counter = self.next_tag;
+        self.next_tag += 1;
+        hasher.block(&self.tag_seed, &[counter as u32, (counter >> 32) as u32])
+    }
+
     /// Forgets `page` and every key pointing at it.
-    fn remove_page(&mut self, page: u32) -> Option<CachedPage> {
+    pub(super) fn remove_page(&mut self, page: u32) -> Option<CachedPage> {
         let entry = self.pages.remove(&page)?;
         for key in &entry.keys {
             if self.keys.get(key) == Some(&page) {
@@ -207,9 +230,9 @@ fn ceil_chunk(n: usize) -> usize {
 #[derive(Default)]
 struct GroupHit {
     /// Table index in the new table -> cached page shared as it is.
-    shared: Vec<(usize, u32)>,
+    shared: Vec<(usize, CachedAt)>,
     /// Table index -> cached page copied into a fresh one.
-    copied: Vec<(usize, u32)>,
+    copied: Vec<(usize, CachedAt)>,
 }
 
 /// Per group, the events of one registration: chunk hashes stored, with their tokens.
@@ -259,42 +282,59 @@ impl HybridTables {
         let mut num_fresh = 0;
         for (g, group_hit) in group_hits.iter().enumerate() {
             let live = self.spec.live_pages(g, num_tokens, hit)?;
-            let mut page_ids = vec![u32::MAX; live.len()];
-            for &(i, page) in &group_hit.shared {
-                page_ids[i] = page;
-            }
             num_fresh += live.len() - group_hit.shared.len();
-            groups.push(GroupPages { first_page: live.start, page_ids });
+            groups
+                .push(GroupPages { first_page: live.start, page_ids: vec![u32::MAX; live.len()] });
         }
-        let acquired: Vec<u32> = group_hits
-            .iter()
-            .flat_map(|h| h.shared.iter().chain(&h.copied).map(|&(_, page)| page))
-            .collect();
-        let sources: Vec<u32> =
-            group_hits.iter().flat_map(|h| h.copied.iter().map(|&(_, page)| page)).collect();
-        // Capacity first, counting the hits that leave the evictable list: a refusal then
-        // changes nothing, the eviction order included.
+        let every_source = || group_hits.iter().flat_map(|h| h.shared.iter().chain(&h.copied));
+        let acquired: Vec<u32> = every_source().filter_map(|(_, at)| at.pool_page()).collect();
+        let from_host: Vec<(BlockHash, u32)> =
+            every_source().filter_map(|(_, at)| at.host_block()).collect();
+        // Capacity first, counting the hits that leave the evictable list and a fresh page
+        // for each page brought back from the host tier: a refusal then changes nothing, the
+        // eviction order included.
         let reviving = acquired.iter().filter(|&&p| self.pool.ref_cnt(p) == Ok(0)).count();
-        self.check_room(num_fresh, reviving)?;
+        self.check_room(num_fresh + from_host.len(), reviving)?;
+        // Host hits leave the host tier before anything is evicted, so that no spill of this
+        // call drops them; pool hits are taken before, so that no eviction takes them.
+        let taken = self.take_host_pages(&from_host);
         self.pool.acquire_cached(&acquired, Owner::HybridTables);
-        let fresh = match self.alloc_pages(num_fresh) {
-            Ok(fresh) => fresh,
+        let pages = match self.alloc_pages(from_host.len() + num_fresh) {
+            Ok(pages) => pages,
             Err(e) => {
                 self.free_pages(&acquired).expect("releasing the hits just taken");
+                self.restore_host_pages(&from_host, taken);
                 return Err(e);
             }
         };
+        let (revived, fresh) = pages.split_at(from_host.len());
+        let Some(revived_at) = self.bring_back(&from_host, taken, revived) else {
+            // A failed copy (a CUDA error): that content is gone from both tiers. Start over
+            // from what is left (the next lookup cannot find it again).
+            self.free_pages(&acquired).expect("releasing the hits just taken");
+            self.free_pages(&pages).expect("returning pages just allocated");
+            return self.add_request(request_id, token_ids, key);
+        };
+        let page_of = |at: &CachedAt| match *at {
+            CachedAt::Pool(page) => page,
+            CachedAt::Host { tag, .. } => revived_at[&tag],
+        };
         // The copies' sources are read by the copies only: back to the cache.
+        let sources: Vec<u32> =
+            group_hits.iter().flat_map(|h| h.copied.iter().map(|(_, at)| page_of(at))).collect();
         self.free_pages(&sources).expect("releasing the copy sources just taken");
 
-        let mut fresh = fresh.into_iter();
+        let mut fresh = fresh.iter().copied();
         let mut copies = Vec::new();
         for (g, (pages, group_hit)) in groups.iter_mut().zip(&group_hits).enumerate() {
+            for (i, at) in &group_hit.shared {
+                pages.page_ids[*i] = page_of(at);
+            }
             for id in pages.page_ids.iter_mut().filter(|id| **id == u32::MAX) {
                 *id = fresh.next().expect("counted");
             }
-            for &(i, src) in &group_hit.copied {
-                copies.push(PageCopy { group: g, src, dst: pages.page_ids[i] });
+            for (i, at) in &group_hit.copied {
+                copies.push(PageCopy { group: g, src: page_of(at), dst: pages.page_ids[*i] });
             }
         }
         let n = hit / CHUNK;
@@ -314,7 +354,7 @@ impl HybridTables {
             request_id,
             RequestPages { num_tokens, next_query: hit, groups, hashes: Some(hashes) },
         );
-        Ok(HybridAdd { num_cached_tokens: hit, copies })
+        Ok(HybridAdd { num_cached_tokens: hit, copies, swapped_in_pages: from_host.len() })
     }
 
     /// Declares that every token of `request_id` has run (its step finished): caches the
@@ -364,7 +404,7 @@ impl HybridTables {
             };
             let keys: Vec<BlockHash> =
                 (0..pages_per_slot).map(|i| chunk_key(hasher, g, i, &at)).collect();
-            if keys.iter().all(|key| self.live_page(key, g).is_some()) {
+            if keys.iter().all(|key| self.servable(key, g).is_some()) {
                 continue;
             }
             wanted.push((g, keys));
@@ -410,6 +450,9 @@ impl HybridTables {
                 stats[entry.group].evictable_pages += (self.pool.ref_cnt(page) == Ok(0)) as usize;
             }
         }
+        for (group, host_pages) in self.host_pages_per_group().into_iter().enumerate() {
+            stats[group].host_pages = host_pages;
+        }
         stats
     }
 
@@ -419,8 +462,17 @@ impl HybridTables {
         self.tag_is_live(page, &entry.tag).then_some(entry.group)
     }
 
-    fn tag_is_live(&self, page: u32, tag: &BlockHash) -> bool {
+    pub(super) fn tag_is_live(&self, page: u32, tag: &BlockHash) -> bool {
         self.pool.prefix_cache().and_then(|c| c.cached_block(tag)) == Some(page)
+    }
+
+    /// Where `key` of `group` is cached: a pool page that can take one more reference, or
+    /// else a host-tier block.
+    fn servable(&self, key: &BlockHash, group: usize) -> Option<CachedAt> {
+        match self.live_page(key, group) {
+            Some(page) => Some(CachedAt::Pool(page)),
+            None => self.host_page(key, group),
+        }
     }
 
     /// The page cached under `key` for `group`, if it is still cached and can take one
@@ -460,7 +512,7 @@ impl HybridTables {
             let mut run = 0;
             while ceil_chunk((run + 1) * bs) <= max_hit
                 && self
-                    .live_page(&chunk_key(hasher, g, run, hash_at(ceil_chunk((run + 1) * bs))), g)
+                    .servable(&chunk_key(hasher, g, run, hash_at(ceil_chunk((run + 1) * bs))), g)
                     .is_some()
             {
                 run += 1;
@@ -495,7 +547,7 @@ impl HybridTables {
                     return Some(hit);
                 }
                 for i in 0..pages_per_slot {
-                    let page = self.live_page(&chunk_key(hasher, g, i, hash_at(h)), g)?;
+                    let page = self.servable(&chunk_key(hasher, g, i, hash_at(h)), g)?;
                     hit.copied.push((i, page));
                 }
             }
@@ -506,10 +558,10 @@ impl HybridTables {
                     let end = (k + 1) * bs;
                     if end <= h {
                         let key = chunk_key(hasher, g, k, hash_at(ceil_chunk(end)));
-                        hit.shared.push((i, self.live_page(&key, g)?));
+                        hit.shared.push((i, self.servable(&key, g)?));
                     } else {
                         let key = chunk_key(hasher, g, k, hash_at(h));
-                        hit.copied.push((i, self.live_page(&key, g)?));
+                        hit.copied.push((i, self.servable(&key, g)?));
                     }
                 }
             }
@@ -590,6 +642,8 @@ impl HybridTables {
     /// checkpoints) and reports them.
     fn forget_evicted(&mut self, mut evicted: Vec<(u32, BlockHash)>) {
         let mut removed: Vec<(usize, Vec<BlockHash>)> = Vec::new();
+        // The pages evicted, still holding their content (on the free list, not yet handed out).
+        let mut gone: Vec<(u32, CachedPage)> = Vec::new();
         while !evicted.is_empty() {
             let mut siblings = Vec::new();
             let index = self.index.as_mut().expect("caching");
@@ -598,15 +652,16 @@ impl HybridTables {
                     continue;
                 }
                 let entry = index.remove_page(page).expect("present");
-                siblings.extend(entry.siblings);
+                siblings.extend(&entry.siblings);
                 if !entry.reported.is_empty() {
                     match removed.last_mut() {
                         Some((group, hashes)) if *group == entry.group => {
-                            hashes.extend(entry.reported)
+                            hashes.extend(&entry.reported)
                         }
-                        _ => removed.push((entry.group, entry.reported)),
+                        _ => removed.push((entry.group, entry.reported.clone())),
                     }
                 }
+                gone.push((page, entry));
             }
             siblings.retain(|p| index.pages.contains_key(p));
             evicted = self.pool.evict_blocks_to_free(&siblings);
@@ -619,6 +674,8 @@ impl HybridTables {
                 medium: Medium::Pool,
             });
         }
+        // With a host tier, they spill there before anything can reuse them.
+        self.spill_pages(gone);
     }
 
     /// The `WindowPagesReleasedUncached` mutation: takes the window and chunk pages an
@@ -647,10 +704,7 @@ impl HybridTables {
         let index = self.index.as_mut().expect("caching");
         if live.is_none() {
             index.remove_page(page);
-            let counter = index.next_tag;
-            index.next_tag += 1;
-            let tag =
-                cache.hasher().block(&index.tag_seed, &[counter as u32, (counter >> 32) as u32]);
+            let tag = index.new_tag(cache.hasher());
             if !cache.insert_block(page, tag) {
                 return;
             }
@@ -701,7 +755,8 @@ impl HybridTables {
                         continue;
                     };
                     let key = chunk_key(hasher, g, k, &at);
-                    if self.live_page(&key, g).is_some() {
+                    // First wins, on either tier: a key the host tier serves stays there.
+                    if self.servable(&key, g).is_some() {
                         continue;
                     }
                     let ends = k == last;
@@ -829,6 +884,6 @@ impl HybridTables {
                 pool.num_blocks()
             ));
         }
-        Ok(())
+        self.check_host_invariants()
     }
 }

@@ -143,13 +143,6 @@ impl HybridTables {
                 spec.page_bytes()
             )));
         }
-        if pool.has_prefix_host_tier() {
-            return Err(CoreError::InvalidArgument(
-                "hybrid tables do not spill cached pages to a host tier: give them a pool \
-                 without one"
-                    .into(),
-            ));
-        }
         let smallest = spec.pages_to_add(1);
         if smallest > pool.max_num_blocks() {
             return Err(CoreError::InvalidLayout(format!(

@@ -84,7 +84,8 @@ impl Pool {
             Device::Cuda(ordinal) => Some(ordinal),
         };
         let tier = SpillTier::new(
-            self.layout()?,
+            self.block_bytes(),
+            self.geometry.hash_block_tokens(),
             num_blocks,
             pinned_for,
             self.spill_engine()?,
@@ -291,8 +292,17 @@ impl Pool {
         }
     }
 
-    /// Whether the prefix cache has a second tier in host memory.
-    pub(crate) fn has_prefix_host_tier(&self) -> bool {
-        self.spill.is_some()
+    /// The prefix cache's second tier in host memory, if it has one (hybrid tables drive it
+    /// themselves, `hybrid/spill.rs`).
+    pub(crate) fn prefix_host_tier(&self) -> Option<&SpillTier> {
+        self.spill.as_ref()
+    }
+
+    /// The address of the prefix cache's host tier slab (`None` without one): host memory,
+    /// `prefix_cache_host_blocks` blocks of `block_bytes`, host block `i` at
+    /// `i * block_bytes`. For reading what the tier holds (tests, a tier below it); the
+    /// tier alone writes it.
+    pub fn prefix_host_tier_base_ptr(&self) -> Option<u64> {
+        self.spill.as_ref().map(SpillTier::base_ptr)
     }
 }

@@ -14,7 +14,6 @@ use std::sync::{Mutex, MutexGuard};
 use crate::allocator::BlockAllocator;
 use crate::block_copy::{Endpoints, Engine, Run};
 use crate::error::CoreError;
-use crate::layout::KvLayout;
 use crate::prefix_cache::events::{EventQueue, KvEvent, Medium};
 use crate::prefix_cache::index::CacheIndex;
 use crate::prefix_cache::{BlockHash, PrefixCacheStats, SpillTarget};
@@ -34,10 +33,12 @@ pub(crate) struct SpillTier {
 }
 
 impl SpillTier {
-    /// `num_blocks` host blocks of `layout` (pinned for CUDA device `pinned_for`), copied
-    /// to and from the pool slab at `device_base` by `engine`, ordered on `compute_stream`.
+    /// `num_blocks` host blocks of `block_bytes` (a pool's blocks, of `block_size` tokens as
+    /// its prefix cache counts them), pinned for CUDA device `pinned_for`, copied to and from
+    /// the pool slab at `device_base` by `engine`, ordered on `compute_stream`.
     pub(crate) fn new(
-        layout: &KvLayout,
+        block_bytes: usize,
+        block_size: usize,
         num_blocks: usize,
         pinned_for: Option<usize>,
         engine: Engine,
@@ -50,7 +51,6 @@ impl SpillTier {
                 crate::MAX_NUM_BLOCKS
             )));
         }
-        let block_bytes = layout.block_bytes();
         let slab_bytes = num_blocks.checked_mul(block_bytes).ok_or_else(|| {
             CoreError::InvalidArgument(format!(
                 "prefix_cache_host_blocks={num_blocks} overflows the address space"
@@ -66,7 +66,7 @@ impl SpillTier {
             device_base,
             compute_stream,
             block_bytes,
-            block_size: layout.block_size(),
+            block_size,
             index,
         })
     }
@@ -124,6 +124,139 @@ impl SpillTier {
     }
 }
 
+/// What one spill did: the hashes it stored on the host (in the order given) and the ones
+/// it dropped from the host to make room.
+pub(crate) struct SpillOutcome {
+    pub(crate) stored: Vec<BlockHash>,
+    pub(crate) dropped: Vec<BlockHash>,
+}
+
+/// The tier's steps, without events: the uniform cache's [`SpillTarget`] calls report them
+/// as group 0 under the blocks' hashes; hybrid tables (`hybrid/spill.rs`), which cache each
+/// page under a tag of its own, report them per group under their chunk hashes.
+impl SpillTier {
+    /// [`SpillTarget::spill`] without events: what was stored and what dropped.
+    pub(crate) fn spill_blocks(&self, evicted: &[(u32, BlockHash)]) -> SpillOutcome {
+        let mut idx = self.lock();
+        let room = self.blocks.num_free() + idx.num_evictable();
+        let evicted = &evicted[evicted.len() - evicted.len().min(room)..];
+        let mut outcome = SpillOutcome { stored: Vec::new(), dropped: Vec::new() };
+        if evicted.is_empty() {
+            return outcome;
+        }
+        let mut host_ids = vec![0u32; evicted.len()];
+        let from_free = self.blocks.num_free().min(evicted.len());
+        self.blocks
+            .alloc_into(&mut host_ids[..from_free])
+            .expect("only the cache allocates host blocks");
+        for slot in &mut host_ids[from_free..] {
+            let (id, hash) = idx.evict().expect("room counted the host LRU");
+            outcome.dropped.push(hash);
+            *slot = id;
+        }
+        let runs: Vec<Run> = evicted
+            .iter()
+            .zip(&host_ids)
+            .map(|(&(src, _), &dst)| Run { src, dst, num_blocks: 1 })
+            .collect();
+        let ends = Endpoints {
+            src_base: self.device_base,
+            dst_base: self.slab.base_ptr(),
+            block_bytes: self.block_bytes,
+        };
+        if self.copy(&runs, ends).is_err() {
+            self.blocks.free_many(&host_ids).expect("host blocks just allocated");
+            return outcome;
+        }
+        for (&(_, hash), &host_id) in evicted.iter().zip(&host_ids) {
+            if idx.insert(host_id, hash) {
+                idx.push_evictable(host_id);
+                outcome.stored.push(hash);
+            } else {
+                // The host holds this content already (the pool cached it again meanwhile).
+                self.blocks.free(host_id).expect("a host block just allocated");
+            }
+        }
+        outcome
+    }
+
+    /// [`SpillTarget::take`] without events: the taken blocks' hashes, in order. Counted as
+    /// swapped in.
+    pub(crate) fn take_blocks(&self, host_ids: &[u32]) -> Vec<BlockHash> {
+        let mut idx = self.lock();
+        let hashes = host_ids.iter().map(|&id| idx.remove(id)).collect();
+        idx.record_swap_in(host_ids.len());
+        hashes
+    }
+
+    /// Puts blocks taken by [`take_blocks`](Self::take_blocks) back into the host cache
+    /// (most recently used) under the same hashes: the call that took them failed before
+    /// copying them. Undoes the swap-in count (and the store count the re-insert adds).
+    pub(crate) fn restore(&self, host_ids: &[u32], hashes: &[BlockHash]) {
+        let mut idx = self.lock();
+        for (&id, &hash) in host_ids.iter().zip(hashes) {
+            let inserted = idx.insert(id, hash);
+            debug_assert!(inserted, "a restored hash is cached again");
+            idx.push_evictable(id);
+        }
+        idx.unrecord_swap_in(host_ids.len());
+    }
+
+    /// The host block holding `hash`, if any (nothing moves).
+    pub(crate) fn host_block(&self, hash: &BlockHash) -> Option<u32> {
+        self.lock().lookup(hash)
+    }
+
+    /// Drops the host blocks holding `hashes` (those it holds), counted as evictions; returns
+    /// how many.
+    pub(crate) fn discard(&self, hashes: &[BlockHash]) -> usize {
+        let mut idx = self.lock();
+        let ids: Vec<u32> = hashes.iter().filter_map(|h| idx.lookup(h)).collect();
+        for &id in &ids {
+            idx.evict_block(id);
+        }
+        self.blocks.free_many(&ids).expect("cached host blocks are allocated");
+        ids.len()
+    }
+
+    /// Copies host blocks `host_ids` into pool blocks `device_ids` (one run each), ordered
+    /// before the pool stream's later work; false if the copy failed (a CUDA error).
+    pub(crate) fn copy_in(&self, host_ids: &[u32], device_ids: &[u32]) -> bool {
+        let runs: Vec<Run> = host_ids
+            .iter()
+            .zip(device_ids)
+            .map(|(&src, &dst)| Run { src, dst, num_blocks: 1 })
+            .collect();
+        let ends = Endpoints {
+            src_base: self.slab.base_ptr(),
+            dst_base: self.device_base,
+            block_bytes: self.block_bytes,
+        };
+        self.copy(&runs, ends).is_ok()
+    }
+
+    /// Frees host blocks taken by [`take_blocks`](Self::take_blocks) once copied (all copies
+    /// run in order on one stream, so a later spill into them follows the copy that read them).
+    pub(crate) fn free_taken(&self, host_ids: &[u32]) {
+        self.blocks.free_many(host_ids).expect("taken host blocks are allocated");
+    }
+
+    /// Host blocks on the free list now.
+    pub(crate) fn num_free(&self) -> usize {
+        self.blocks.num_free()
+    }
+
+    /// Host blocks cached now.
+    pub(crate) fn num_cached(&self) -> usize {
+        self.lock().num_cached()
+    }
+
+    /// The slab's address (host memory, readable by the process).
+    pub(crate) fn base_ptr(&self) -> u64 {
+        self.slab.base_ptr()
+    }
+}
+
 impl SpillTarget for SpillTier {
     /// Host-resident hashes, least recently spilled first.
     fn cached_hashes(&self) -> Vec<BlockHash> {
@@ -142,53 +275,13 @@ impl SpillTarget for SpillTier {
     /// the host cannot take them all, the most recently used are kept. Best effort: a failed
     /// copy (a CUDA error) drops the blocks, as a pool without a second tier does.
     fn spill(&self, evicted: &[(u32, BlockHash)], events: &mut EventQueue) {
-        let mut idx = self.lock();
-        let room = self.blocks.num_free() + idx.num_evictable();
-        let evicted = &evicted[evicted.len() - evicted.len().min(room)..];
-        if evicted.is_empty() {
-            return;
-        }
-        let mut host_ids = vec![0u32; evicted.len()];
-        let from_free = self.blocks.num_free().min(evicted.len());
-        self.blocks
-            .alloc_into(&mut host_ids[..from_free])
-            .expect("only the cache allocates host blocks");
-        let mut dropped = Vec::new();
-        for slot in &mut host_ids[from_free..] {
-            let (id, hash) = idx.evict().expect("room counted the host LRU");
-            dropped.push(hash);
-            *slot = id;
-        }
+        let SpillOutcome { stored, dropped } = self.spill_blocks(evicted);
         if !dropped.is_empty() {
             events.push(KvEvent::BlockRemoved {
                 group: 0,
                 block_hashes: dropped,
                 medium: Medium::HostTier,
             });
-        }
-        let runs: Vec<Run> = evicted
-            .iter()
-            .zip(&host_ids)
-            .map(|(&(src, _), &dst)| Run { src, dst, num_blocks: 1 })
-            .collect();
-        let ends = Endpoints {
-            src_base: self.device_base,
-            dst_base: self.slab.base_ptr(),
-            block_bytes: self.block_bytes,
-        };
-        if self.copy(&runs, ends).is_err() {
-            self.blocks.free_many(&host_ids).expect("host blocks just allocated");
-            return;
-        }
-        let mut stored = Vec::with_capacity(evicted.len());
-        for (&(_, hash), &host_id) in evicted.iter().zip(&host_ids) {
-            if idx.insert(host_id, hash) {
-                idx.push_evictable(host_id);
-                stored.push(hash);
-            } else {
-                // The host holds this content already (the pool cached it again meanwhile).
-                self.blocks.free(host_id).expect("a host block just allocated");
-            }
         }
         if !stored.is_empty() {
             events.push(KvEvent::BlockStored {
@@ -210,9 +303,7 @@ impl SpillTarget for SpillTier {
         if host_ids.is_empty() {
             return;
         }
-        let mut idx = self.lock();
-        let hashes = host_ids.iter().map(|&id| idx.remove(id)).collect();
-        idx.record_swap_in(host_ids.len());
+        let hashes = self.take_blocks(host_ids);
         events.push(KvEvent::BlockRemoved {
             group: 0,
             block_hashes: hashes,
@@ -228,18 +319,8 @@ impl SpillTarget for SpillTier {
         if host_ids.is_empty() {
             return true;
         }
-        let runs: Vec<Run> = host_ids
-            .iter()
-            .zip(device_ids)
-            .map(|(&src, &dst)| Run { src, dst, num_blocks: 1 })
-            .collect();
-        let ends = Endpoints {
-            src_base: self.slab.base_ptr(),
-            dst_base: self.device_base,
-            block_bytes: self.block_bytes,
-        };
-        let copied = self.copy(&runs, ends).is_ok();
-        self.blocks.free_many(host_ids).expect("taken host blocks are allocated");
+        let copied = self.copy_in(host_ids, device_ids);
+        self.free_taken(host_ids);
         copied
     }
 

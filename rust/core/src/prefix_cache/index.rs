@@ -158,6 +158,13 @@ impl CacheIndex {
         self.counters.swapped_in_blocks += num_blocks as u64;
     }
 
+    /// Takes back a [`record_swap_in`](Self::record_swap_in) whose swap-in did not happen,
+    /// and the stores of the blocks put back (they were stored once already).
+    pub fn unrecord_swap_in(&mut self, num_blocks: usize) {
+        self.counters.swapped_in_blocks -= num_blocks as u64;
+        self.counters.stored_blocks -= num_blocks as u64;
+    }
+
     /// Forgets every cached block; all must be evictable. Returns their ids.
     pub fn clear(&mut self) -> Vec<u32> {
         debug_assert_eq!(self.lru.len(), self.map.len(), "a cached block is still referenced");

@@ -223,7 +223,16 @@ fn setup_with_host_tier() -> (PrefixCache, FakeRefs, SpillTier, Vec<u8>, usize) 
     let block_bytes = layout.block_bytes();
     let device = vec![0u8; 4 * block_bytes];
     let engine = crate::block_copy::Engine::Host;
-    let tier = SpillTier::new(&layout, 2, None, engine, device.as_ptr() as u64, 0).unwrap();
+    let tier = SpillTier::new(
+        layout.block_bytes(),
+        layout.block_size(),
+        2,
+        None,
+        engine,
+        device.as_ptr() as u64,
+        0,
+    )
+    .unwrap();
     let (cache, refs) = setup(4);
     (cache, refs, tier, device, block_bytes)
 }
