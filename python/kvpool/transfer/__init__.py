@@ -20,7 +20,9 @@ from kvpool.transfer.protocol import (
     layout_mismatch,
     spec_fingerprint,
     spec_mismatch,
+    wait_all,
 )
+from kvpool.transfer.tp_legs import KvGatherReceiver, KvSplitSender
 from kvpool.transfer.transport import PeerGone, Transport
 
 __all__ = [
@@ -28,8 +30,10 @@ __all__ = [
     "GROUPED",
     "MODES",
     "STAGED",
+    "KvGatherReceiver",
     "KvReceiver",
     "KvSender",
+    "KvSplitSender",
     "NcclTransport",
     "PeerGone",
     "Transfer",
@@ -40,4 +44,5 @@ __all__ = [
     "plan_pieces",
     "spec_fingerprint",
     "spec_mismatch",
+    "wait_all",
 ]

@@ -84,8 +84,13 @@ class LayeredRead:
         commit: bool,
         deadline: float,
         clock: Callable[[], float] = time.monotonic,
+        hold_done: bool = False,
     ) -> None:
         self._transport, self.request_id = transport, request_id
+        # A gather leg: ``done`` is sent by ``finish`` once every leg has read (so that no
+        # sender frees its part of a request another leg failed to deliver).
+        self._hold_done = hold_done
+        self.read_complete = False
         self._local, self._remote, self._pieces, self._heads = local, remote, pieces, heads
         self.num_layers = local.layout.num_layers
         self.layers_ready, self.layers_landed = layers_ready, 0
@@ -169,6 +174,8 @@ class LayeredRead:
     def done(self) -> bool:
         if self._read_done:
             return self._commit is None or self._commit.done()
+        if self.read_complete:
+            return True  # held: ``finish`` sends done
         self._take_announcements()
         while self._reap() and self.layers_landed < self.layers_ready:
             self.start()
@@ -177,8 +184,18 @@ class LayeredRead:
                 raise self._late()
             return False
         self._transport._check_sender(self.request_id)
-        self._transport.send_control({"kind": "done", "request_id": self.request_id})
-        self._read_done = True
+        self.read_complete = True
+        if self._hold_done:
+            return True
+        return self.finish()
+
+    def finish(self) -> bool:
+        """Tells the sender its blocks were read (after every layer landed); then the request
+        is ready, or once the sender commits."""
+        if not self._read_done:
+            self._transport._check_sender(self.request_id)
+            self._transport.send_control({"kind": "done", "request_id": self.request_id})
+            self._read_done = True
         return self._commit is None or self._commit.done()
 
     def cancel(self) -> None:

@@ -86,6 +86,7 @@ class NixlTransport(Transport):
         self.remote_name = hello["agent"]
         self.remote_base = int(hello["base_ptr"])
         self.remote_num_blocks = int(hello["num_blocks"])
+        self.remote_block_bytes = int(hello["block_bytes"])
         self.descriptor_counts: list[int] = []  # per transfer this side initiated
         self._notes: list[dict] = []  # control messages read while waiting for "done"
         self._registration: Any = None  # the slab's NIXL registration, released at teardown
@@ -124,8 +125,10 @@ class NixlTransport(Transport):
             }
         )
         hello = control.recv_control(timeout)
-        if hello.get("kind") != "nixl_hello" or hello.get("block_bytes") != pool.block_bytes:
-            raise TransferError(f"the peer's NIXL hello does not match this pool: {hello}")
+        # The peer's blocks may be of other bytes (a TP shard of another size): each offer's
+        # layout is checked against them (``source_ids_problem``).
+        if hello.get("kind") != "nixl_hello" or not isinstance(hello.get("block_bytes"), int):
+            raise TransferError(f"the peer's NIXL hello is not one: {hello}")
         agent.add_remote_agent(base64.b64decode(hello["metadata"]))
         transport = cls(control, nixl, agent, pool, hello)
         transport._registration = registration
@@ -144,9 +147,16 @@ class NixlTransport(Transport):
         return self._control.peer_alive()
 
     # -- one-sided data phase ---------------------------------------------------------------
-    def source_ids_problem(self, src_ids: np.ndarray) -> str | None:
-        """Why an offer's source ids cannot be read from the sender's registered slab (checked
-        by the receiver before it allocates anything), or None."""
+    def source_ids_problem(self, src_ids: np.ndarray, block_bytes: int | None = None) -> str | None:
+        """Why an offer's source ids (of blocks of ``block_bytes``, this pool's by default)
+        cannot be read from the sender's registered slab (checked by the receiver before it
+        allocates anything), or None."""
+        block_bytes = self.block_bytes if block_bytes is None else block_bytes
+        if block_bytes != self.remote_block_bytes:
+            return (
+                f"the offer's blocks are of {block_bytes} bytes; the sender's pool registered "
+                f"blocks of {self.remote_block_bytes}"
+            )
         if len(src_ids) and int(src_ids.max()) >= self.remote_num_blocks:
             return (
                 f"the offer's source ids reach block {int(src_ids.max())}; the sender's pool "
@@ -273,15 +283,26 @@ class NixlTransport(Transport):
         commit: bool,
         deadline: float,
         clock: Callable[[], float] = time.monotonic,
+        hold_done: bool = False,
     ) -> LayeredRead:
         """Receiver: the completion of a READ of the request's layers as the sender announces
         them (``layers_ready`` now; ``layers_ready`` messages later), KV heads ``heads`` of the
         model; see ``LayeredRead``. Nothing is posted until it is first polled (``start``)."""
-        problem = self.source_ids_problem(remote.ids)
+        problem = self.source_ids_problem(remote.ids, remote.layout.block_bytes)
         if problem is not None:
             raise TransferError(problem)
         return LayeredRead(
-            self, request_id, local, remote, pieces, heads, layers_ready, commit, deadline, clock
+            self,
+            request_id,
+            local,
+            remote,
+            pieces,
+            heads,
+            layers_ready,
+            commit,
+            deadline,
+            clock,
+            hold_done,
         )
 
     def await_message(

@@ -447,7 +447,9 @@ class KvReceiver:
         reason = offer if isinstance(offer, str) else None
         source_problem = getattr(ep.transport, "source_ids_problem", None)
         if isinstance(offer, Offer) and source_problem is not None:
-            reason = source_problem(offer.src_ids)  # ids outside the sender's registered slab
+            # Ids outside the sender's registered slab, or blocks of other bytes than it has.
+            sender_bytes = None if offer.sender_layout is None else offer.sender_layout.block_bytes
+            reason = source_problem(offer.src_ids, sender_bytes)
         one_sided = getattr(ep.transport, "one_sided", False)
         if isinstance(offer, Offer) and reason is None and _polled(offer, ep) and not one_sided:
             reason = (
@@ -528,7 +530,13 @@ def _polled(offer: Offer, ep: _Endpoint) -> bool:
 
 
 def polled_read(
-    ep: _Endpoint, offer: Offer, dst_ids: np.ndarray, pieces: list, deadline: float
+    ep: _Endpoint,
+    offer: Offer,
+    dst_ids: np.ndarray,
+    pieces: list,
+    deadline: float,
+    transport: Any = None,
+    hold_done: bool = False,
 ) -> Any:
     """The receiver's ``LayeredRead`` of an offer's blocks: the layers ready (all unless the
     offer is layer by layer) and the heads both sides hold (the receiver's, or a gather leg's
@@ -537,12 +545,21 @@ def polled_read(
     theirs = offer.tp or mine
     heads = (max(mine.heads[0], theirs.heads[0]), min(mine.heads[1], theirs.heads[1]))
     assert offer.sender_layout is not None  # a uniform offer always has it
-    transport: Any = ep.transport
+    transport = ep.transport if transport is None else transport
     local = Side(ep.pool.base_ptr, ep.pool.layout, mine.first_head, dst_ids)
     remote = Side(transport.remote_base, offer.sender_layout, theirs.first_head, offer.src_ids)
     ready = ep.pool.layout.num_layers if offer.layers_ready is None else offer.layers_ready
     return transport.read_layers(
-        offer.request_id, local, remote, pieces, heads, ready, offer.commit, deadline, ep.clock
+        offer.request_id,
+        local,
+        remote,
+        pieces,
+        heads,
+        ready,
+        offer.commit,
+        deadline,
+        ep.clock,
+        hold_done,
     )
 
 
