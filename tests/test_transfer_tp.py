@@ -209,3 +209,31 @@ def test_tp_shard_checks_its_argument():
         tp_shard(FULL, [0, 2])
     with pytest.raises(ValueError):
         tp_shard(FULL, (2, 2))
+
+
+def test_layer_by_layer_and_tp_need_nixl_and_uniform_tables():
+    from kvpool import TransferError
+    from kvpool.transfer import KvReceiver, KvSender
+    from kvpool.transfer.testing import fake_transport_pair
+
+    pool = kvpool.Pool(FULL, 16, device="host")
+    tables = kvpool.BlockTables(pool, 4, 8)
+    tables.add(3, 20)
+    a, b = fake_transport_pair()
+    sender = KvSender(tables, a)
+    with pytest.raises(TransferError, match="needs a one-sided transport"):
+        sender.send(3, layers_ready=0)  # refused before offering: nothing sent
+    with pytest.raises(TypeError):
+        sender.send(3, layers_ready=1.0)
+    assert 3 in tables and sender.leases.live() == []
+    # A receiver over a two-sided transport refuses a layered offer before allocating.
+    receiver_pool = kvpool.Pool(FULL, 16, device="host")
+    receiver = KvReceiver(kvpool.BlockTables(receiver_pool, 4, 8), b)
+    a.send_control(offer(None, FULL, layers_ready=1))
+    with pytest.raises(TransferError, match="need a one-sided transport"):
+        receiver.recv(timeout=5)
+    assert receiver_pool.num_free == 16 and a.recv_control(5)["kind"] == "refuse"
+    spec = kvpool.ModelKvSpec.uniform(FULL)
+    hybrid = kvpool.HybridTables(kvpool.Pool.for_spec(spec, 16, device="host"), spec)
+    with pytest.raises(TransferError, match="uniform BlockTables"):
+        KvSender(hybrid, a, tp=(0, 2))

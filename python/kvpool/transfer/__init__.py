@@ -6,7 +6,10 @@ group's pages); the protocol (``protocol.py``) refuses a layout or spec mismatch
 anything moves, and a failed or interrupted transfer leaves both pools
 consistent. Bytes travel through a :class:`Transport`: :class:`NcclTransport` (NCCL
 point-to-point through CuPy, one process per GPU; needs CuPy with NCCL) or, for tests, the
-in-process ``kvpool.transfer.testing.fake_transport_pair``. Design notes: ``transfer.md``.
+in-process ``kvpool.transfer.testing.fake_transport_pair``. Over NIXL a request can also move
+layer by layer while the sender computes it (``send(..., layers_ready=)``), and between
+tensor-parallel groups of different sizes (:class:`KvGatherReceiver`,
+:class:`KvSplitSender`, ``tp=(rank, size)``). Design notes: ``transfer.md``.
 """
 
 from kvpool._core import TransferError

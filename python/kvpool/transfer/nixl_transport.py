@@ -20,6 +20,11 @@ frees blocks that a late write may still land in after they were reused; with RE
 receiver ends its own transfer before freeing, and a sender that never hears ``done`` keeps
 its blocks (nothing is corrupted, they were only read).
 
+Two more data phases are polled instead (nixl_layers.py): layer by layer (``read_layers``: the
+receiver READs each range of layers the sender announces) and head ranges of a
+tensor-parallel shard (regions.py, tp_legs.py); both wait for messages with ``poll_message``,
+never blocking, so the caller computes or decodes meanwhile.
+
 Host pools only (NIXL's DRAM segments); a CUDA pool would register VRAM the same way but has
 not been run here. ``load_nixl()`` imports the ``nixl`` module (the ``nixl`` meta package) or
 the ``nixl_cu13`` / ``nixl_cu12`` one that the wheels of those names install.

@@ -115,7 +115,12 @@ class _Endpoint:
         reaped = []
         now = self.clock()
         for t in list(self.transfers.values()):
-            if now >= t.deadline and not t.done():
+            try:
+                finished = t.done()
+            except TransferError:  # it failed while polled: given up, blocks returned
+                reaped.append(t.request_id)
+                continue
+            if now >= t.deadline and not finished:
                 t.abort("the transfer passed its deadline")
                 reaped.append(t.request_id)
         return reaped
