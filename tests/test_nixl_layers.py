@@ -313,3 +313,18 @@ def test_the_receiver_aborting_between_layers_leaves_the_sender_its_request(tmp_
         seen = other.finish()
     assert "sent" not in seen and seen["kept"], seen
     assert "the decode server is shutting down" in seen["error"], seen
+
+
+def test_a_receiver_gone_between_layers_leaves_the_sender_its_request(tmp_path):
+    with spawn(tmp_path) as other:
+        pool, tables, receiver, transfer, free_before = start(other)
+        other.tell("layers 1")
+        land(transfer, 1)
+        # The receiver's process "dies": its control connection closes with no abort sent.
+        receiver._ep.transport._control.abort()
+        other.tell("layers 2")  # the sender sees end-of-file when it announces
+        seen = other.finish()
+        transfer.abort("the test tears its side down")  # frees what this side held
+        conserved(receiver, pool, free_before)
+    assert "sent" not in seen and seen["kept"], seen
+    assert "the receiver's process died" in seen["error"], seen
