@@ -1,7 +1,8 @@
 """README.md's examples run as written, so a renamed or changed API fails here and not in a
 reader's hands: its ```python blocks in order on the host backend (those marked `# on a GPU` are
-compiled only), its `kvpool ...` commands through `python -m kvpool`, and every file it or
-bench/FIGURES.md links exists. The tour links every design note beside the code."""
+compiled only; those marked `# with NIXL` run where NIXL is installed, as in CI), its `kvpool
+...` commands through `python -m kvpool`, and every file it or bench/FIGURES.md links exists.
+The tour links every design note beside the code."""
 
 import os
 import re
@@ -16,6 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 GPU_MARK = "# on a GPU"
+NIXL_MARK = "# with NIXL"  # run where NIXL is installed (CI), compiled only elsewhere
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -37,9 +39,25 @@ def test_the_host_examples_run_in_order(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # nothing an example writes lands in the checkout
     host = [b for b in code_blocks("python") if not b.startswith(GPU_MARK)]
     assert len(host) >= 8, "the README's host examples were not found"
+    assert any(b.startswith(NIXL_MARK) for b in host), "the README's NIXL example was not found"
     namespace = {}
     for i, code in enumerate(host):
+        if code.startswith(NIXL_MARK) and not nixl_importable():
+            # CI installs nixl-cu13 with the test extra (KVPOOL_TEST_WHEEL=1): run there.
+            assert os.environ.get("KVPOOL_TEST_WHEEL") != "1", "NIXL is not importable"
+            compile(code, f"README.md host example {i + 1}", "exec")
+            continue
         exec(compile(code, f"README.md host example {i + 1}", "exec"), namespace)
+
+
+def nixl_importable() -> bool:
+    try:
+        from kvpool.transfer.nixl_transport import load_nixl
+
+        load_nixl()
+    except ImportError:
+        return False
+    return True
 
 
 def test_the_gpu_examples_are_python():

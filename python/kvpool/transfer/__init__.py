@@ -6,7 +6,10 @@ group's pages); the protocol (``protocol.py``) refuses a layout or spec mismatch
 anything moves, and a failed or interrupted transfer leaves both pools
 consistent. Bytes travel through a :class:`Transport`: :class:`NcclTransport` (NCCL
 point-to-point through CuPy, one process per GPU; needs CuPy with NCCL) or, for tests, the
-in-process ``kvpool.transfer.testing.fake_transport_pair``. Design notes: ``transfer.md``.
+in-process ``kvpool.transfer.testing.fake_transport_pair``. Over NIXL a request can also move
+layer by layer while the sender computes it (``send(..., layers_ready=)``), and between
+tensor-parallel groups of different sizes (:class:`KvGatherReceiver`,
+:class:`KvSplitSender`, ``tp=(rank, size)``). Design notes: ``transfer.md``.
 """
 
 from kvpool._core import TransferError
@@ -20,7 +23,9 @@ from kvpool.transfer.protocol import (
     layout_mismatch,
     spec_fingerprint,
     spec_mismatch,
+    wait_all,
 )
+from kvpool.transfer.tp_legs import KvGatherReceiver, KvSplitSender
 from kvpool.transfer.transport import PeerGone, Transport
 
 __all__ = [
@@ -28,8 +33,10 @@ __all__ = [
     "GROUPED",
     "MODES",
     "STAGED",
+    "KvGatherReceiver",
     "KvReceiver",
     "KvSender",
+    "KvSplitSender",
     "NcclTransport",
     "PeerGone",
     "Transfer",
@@ -40,4 +47,5 @@ __all__ = [
     "plan_pieces",
     "spec_fingerprint",
     "spec_mismatch",
+    "wait_all",
 ]

@@ -27,6 +27,7 @@ from kvpool.transfer.offers import (
     layout_fingerprint,
     spec_fingerprint,
 )
+from kvpool.transfer.regions import TpShard
 
 
 class UniformRequests:
@@ -35,6 +36,9 @@ class UniformRequests:
     def __init__(self, tables: BlockTables) -> None:
         self.tables = tables
         self.layout = tables.pool.layout
+        # This pool's tensor-parallel shard (None: the whole model's heads); the receiver's
+        # offers must match it (offers.py), the sender's say it.
+        self.tp: TpShard | None = None
 
     def pages(self, request_id: Any) -> np.ndarray:
         return np.asarray(self.tables.blocks(request_id), dtype=np.int32)
@@ -47,10 +51,12 @@ class UniformRequests:
             "layout": layout_fingerprint(self.layout),
             "src_ids": ids.tolist(),
         }
+        if self.tp is not None:
+            fields["tp"] = self.tp.wire()
         return fields, ids
 
-    def decode(self, message: Any) -> Offer | str:
-        return decode_offer(message, self.layout)
+    def decode(self, message: Any, gather: bool = False) -> Offer | str:
+        return decode_offer(message, self.layout, self.tp, gather)
 
     def add(self, offer: Offer) -> np.ndarray:
         """Adds the offered request; its block ids (the offer's order). Raises what

@@ -20,6 +20,11 @@ frees blocks that a late write may still land in after they were reused; with RE
 receiver ends its own transfer before freeing, and a sender that never hears ``done`` keeps
 its blocks (nothing is corrupted, they were only read).
 
+Two more data phases are polled instead (nixl_layers.py): layer by layer (``read_layers``: the
+receiver READs each range of layers the sender announces) and head ranges of a
+tensor-parallel shard (regions.py, tp_legs.py); both wait for messages with ``poll_message``,
+never blocking, so the caller computes or decodes meanwhile.
+
 Host pools only (NIXL's DRAM segments); a CUDA pool would register VRAM the same way but has
 not been run here. ``load_nixl()`` imports the ``nixl`` module (the ``nixl`` meta package) or
 the ``nixl_cu13`` / ``nixl_cu12`` one that the wheels of those names install.
@@ -40,6 +45,8 @@ import numpy as np
 from kvpool._core import Pool, TransferError
 from kvpool.transfer.movers import Done
 from kvpool.transfer.nccl import NcclTransport, rendezvous_control
+from kvpool.transfer.nixl_layers import AwaitMessage, LayeredRead
+from kvpool.transfer.regions import Side
 from kvpool.transfer.transport import PeerGone, Transport
 
 _POLL_S = 0.0002
@@ -47,6 +54,8 @@ _SPIN_S = 0.002
 # How long the sender waits on the control connection between looks at its deadline's clock
 # (an injected clock in tests: a short wait keeps them fast).
 _SERVE_POLL_S = 0.05
+# How long tearing down a transfer waits for a READ that NIXL cannot cancel to end.
+_CANCEL_WAIT_S = 5.0
 
 
 def load_nixl() -> Any:
@@ -82,6 +91,7 @@ class NixlTransport(Transport):
         self.remote_name = hello["agent"]
         self.remote_base = int(hello["base_ptr"])
         self.remote_num_blocks = int(hello["num_blocks"])
+        self.remote_block_bytes = int(hello["block_bytes"])
         self.descriptor_counts: list[int] = []  # per transfer this side initiated
         self._notes: list[dict] = []  # control messages read while waiting for "done"
         self._registration: Any = None  # the slab's NIXL registration, released at teardown
@@ -120,8 +130,10 @@ class NixlTransport(Transport):
             }
         )
         hello = control.recv_control(timeout)
-        if hello.get("kind") != "nixl_hello" or hello.get("block_bytes") != pool.block_bytes:
-            raise TransferError(f"the peer's NIXL hello does not match this pool: {hello}")
+        # The peer's blocks may be of other bytes (a TP shard of another size): each offer's
+        # layout is checked against them (``source_ids_problem``).
+        if hello.get("kind") != "nixl_hello" or not isinstance(hello.get("block_bytes"), int):
+            raise TransferError(f"the peer's NIXL hello is not one: {hello}")
         agent.add_remote_agent(base64.b64decode(hello["metadata"]))
         transport = cls(control, nixl, agent, pool, hello)
         transport._registration = registration
@@ -140,9 +152,16 @@ class NixlTransport(Transport):
         return self._control.peer_alive()
 
     # -- one-sided data phase ---------------------------------------------------------------
-    def source_ids_problem(self, src_ids: np.ndarray) -> str | None:
-        """Why an offer's source ids cannot be read from the sender's registered slab (checked
-        by the receiver before it allocates anything), or None."""
+    def source_ids_problem(self, src_ids: np.ndarray, block_bytes: int | None = None) -> str | None:
+        """Why an offer's source ids (of blocks of ``block_bytes``, this pool's by default)
+        cannot be read from the sender's registered slab (checked by the receiver before it
+        allocates anything), or None."""
+        block_bytes = self.block_bytes if block_bytes is None else block_bytes
+        if block_bytes != self.remote_block_bytes:
+            return (
+                f"the offer's blocks are of {block_bytes} bytes; the sender's pool registered "
+                f"blocks of {self.remote_block_bytes}"
+            )
         if len(src_ids) and int(src_ids.max()) >= self.remote_num_blocks:
             return (
                 f"the offer's source ids reach block {int(src_ids.max())}; the sender's pool "
@@ -176,6 +195,133 @@ class NixlTransport(Transport):
         self._check_sender(request_id)
         self.send_control({"kind": "done", "request_id": request_id})
         return Done()
+
+    def poll_message(
+        self, request_id: int, kinds: tuple[str, ...], peer: str = "the peer"
+    ) -> dict | None:
+        """The next control message about ``request_id`` of one of ``kinds``, read without
+        waiting, or None. Raises PeerGone if the peer (``peer`` names it in the error) gave
+        ``request_id`` up (an ``abort``) or its control connection reached end-of-file; other
+        messages are kept for ``recv_control``."""
+        for index, message in enumerate(self._notes):
+            if message.get("request_id") == request_id and message.get("kind") in (
+                *kinds,
+                "abort",
+            ):
+                del self._notes[index]
+                return self._mine(message, peer)
+        while True:
+            try:
+                message = self._control.recv_control(0)
+            except TimeoutError:
+                break
+            except PeerGone as e:
+                raise PeerGone(f"{peer}'s process died or closed the connection: {e}") from e
+            if message.get("request_id") == request_id and message.get("kind") in (
+                *kinds,
+                "abort",
+            ):
+                return self._mine(message, peer)
+            self._notes.append(message)
+        if not self._control.peer_alive():
+            raise PeerGone(f"{peer}'s process died or closed the connection")
+        return None
+
+    @staticmethod
+    def _mine(message: dict, peer: str) -> dict:
+        if message.get("kind") == "abort":
+            raise PeerGone(f"{peer} gave the transfer up: {message.get('reason')}")
+        return message
+
+    def post(self, local: np.ndarray, remote: np.ndarray, op: str) -> tuple[Any, str]:
+        """Posts one NIXL transfer of descriptor arrays (Nx3); its handle and first state.
+        PeerGone (naming a dead peer where that is why) if NIXL refuses it."""
+        agent = self.agent
+        try:
+            handle = agent.initialize_xfer(
+                op,
+                agent.get_xfer_descs(local, "DRAM"),
+                agent.get_xfer_descs(remote, "DRAM"),
+                self.remote_name,
+            )
+        except Exception as e:  # NIXL's errors (nixlRemoteDisconnectError...) are Exceptions
+            raise self._failure(f"NIXL could not prepare the {op}: {type(e).__name__}: {e}") from e
+        try:
+            return handle, agent.transfer(handle)
+        except Exception as e:
+            self.retire(handle)
+            raise self._failure(f"the NIXL {op} failed: {type(e).__name__}: {e}") from e
+
+    def retire(self, handle: Any) -> None:
+        """Releases a transfer's handle; one still in progress is cancelled, or if NIXL cannot
+        cancel it, waited for (at most ``_CANCEL_WAIT_S``): its bytes must not land in blocks
+        after they were returned to the pool."""
+        give_up_at = time.perf_counter() + _CANCEL_WAIT_S
+        while True:
+            try:
+                self.agent.release_xfer_handle(handle)
+                return
+            except Exception:
+                pass  # still active and not cancellable: wait for it to end
+            try:
+                if self.agent.check_xfer_state(handle) == "PROC":
+                    if time.perf_counter() > give_up_at:
+                        return  # NIXL keeps it: the agent's teardown ends it
+                    time.sleep(_POLL_S)
+                    continue
+            except Exception:
+                pass
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception:
+                pass  # a failed transfer's handle: NIXL has already given it up
+            return
+
+    def read_layers(
+        self,
+        request_id: int,
+        local: Side,
+        remote: Side,
+        pieces: list,
+        heads: tuple[int, int],
+        layers_ready: int,
+        commit: bool,
+        deadline: float,
+        clock: Callable[[], float] = time.monotonic,
+        hold_done: bool = False,
+    ) -> LayeredRead:
+        """Receiver: the completion of a READ of the request's layers as the sender announces
+        them (``layers_ready`` now; ``layers_ready`` messages later), KV heads ``heads`` of the
+        model; see ``LayeredRead``. Nothing is posted until it is first polled (``start``)."""
+        problem = self.source_ids_problem(remote.ids, remote.layout.block_bytes)
+        if problem is not None:
+            raise TransferError(problem)
+        return LayeredRead(
+            self,
+            request_id,
+            local,
+            remote,
+            pieces,
+            heads,
+            layers_ready,
+            commit,
+            deadline,
+            clock,
+            hold_done,
+        )
+
+    def await_message(
+        self,
+        request_id: int,
+        kind: str,
+        deadline: float,
+        clock: Callable[[], float],
+        late: str,
+        peer: str = "the receiver",
+    ) -> AwaitMessage:
+        """The completion of waiting for the peer's ``kind`` message about ``request_id``
+        (``late``: what TimeoutError says past ``deadline``), polled without blocking."""
+        return AwaitMessage(self, request_id, kind, deadline, clock, late, peer)
 
     def _check_sender(self, request_id: int | None) -> None:
         """Raises PeerGone if the peer has told this side to give ``request_id`` up or its

@@ -29,6 +29,7 @@ import numpy as np
 
 from kvpool._core import KvError, KvLayout, ModelKvSpec
 from kvpool.transfer.pieces import AUTO, MODES
+from kvpool.transfer.regions import TpShard
 
 PROTOCOL_VERSION = 1
 # Block ids on the wire are int32 (what the pool's tables and the movers use).
@@ -67,6 +68,16 @@ class Offer:
     # in the spec's order: `src_ids` holds group 0's pages first.
     next_query: int | None = None
     group_pages: tuple[tuple[int, int], ...] = ()
+    # Uniform offers only. Layer by layer: the layers ready at the offer (the sender announces
+    # more with `layers_ready` messages); None: every layer is ready.
+    layers_ready: int | None = None
+    # The sender's tensor-parallel shard (rank 0 of 1 when the offer names none) and its
+    # pool's layout (its own heads: the strides the receiver's descriptors address).
+    tp: TpShard | None = None
+    sender_layout: KvLayout | None = None
+    # The request lands only once the sender commits (a request split over several receivers:
+    # none keeps its part unless every part was read).
+    commit: bool = False
 
 
 def layout_fingerprint(layout: KvLayout) -> dict:
@@ -180,9 +191,13 @@ def _ids_problem(ids: list, what: str) -> str | None:
     return None
 
 
-def decode_offer(message: Any, layout: KvLayout) -> Offer | str:
+def decode_offer(
+    message: Any, layout: KvLayout, tp: TpShard | None = None, gather: bool = False
+) -> Offer | str:
     """The uniform offer in ``message`` (from the untrusted peer), or why it cannot be
-    accepted by tables of ``layout``. Checks everything the receiver will use, so nothing past
+    accepted by tables of ``layout`` (a pool that is tensor-parallel shard ``tp``: the
+    offer's shard must be of the same model, see ``_sender_shard``, and hold every head the
+    receiver needs, or with ``gather`` some of them). Checks everything the receiver will use, so nothing past
     this point can fail on the offer's contents after blocks were allocated."""
     header = _header_problem(message)
     if header is not None:
@@ -196,9 +211,12 @@ def decode_offer(message: Any, layout: KvLayout) -> Offer | str:
                 "are uniform BlockTables"
             )
         return "the offer's layout must be an object"
-    mismatch = layout_mismatch(sender_layout, layout_fingerprint(layout))
-    if mismatch:
-        return mismatch
+    shard = _sender_shard(fields, sender_layout, layout, tp)
+    if isinstance(shard, str):
+        return shard
+    cover = tp_cover_problem(shard, tp or TpShard(0, 1, layout.num_kv_heads), gather)
+    if cover is not None:
+        return cover
     terms = _terms(fields)
     if isinstance(terms, str):
         return terms
@@ -213,6 +231,14 @@ def decode_offer(message: Any, layout: KvLayout) -> Offer | str:
         return problem
     if len(set(src_ids)) != len(src_ids):
         return "src_ids repeat a block"
+    layers_ready: Any = fields.get("layers_ready")
+    if layers_ready is not None and not (
+        _is_int(layers_ready) and 0 <= layers_ready <= layout.num_layers
+    ):
+        return f"layers_ready must be an int in 0..{layout.num_layers}, got {layers_ready!r}"
+    commit = fields.get("commit", False)
+    if not isinstance(commit, bool):
+        return f"commit must be a bool, got {commit!r}"
     return Offer(
         terms.request_id,
         num_tokens,
@@ -220,6 +246,80 @@ def decode_offer(message: Any, layout: KvLayout) -> Offer | str:
         terms.mode,
         terms.chunk_blocks,
         terms.timeout_s,
+        layers_ready=layers_ready,
+        tp=shard,
+        sender_layout=KvLayout(
+            layout.num_layers, shard.num_heads, layout.head_dim, layout.block_size, layout.dtype
+        ),
+        commit=commit,
+    )
+
+
+def _sender_shard(
+    fields: dict, sender_layout: dict, layout: KvLayout, tp: TpShard | None
+) -> TpShard | str:
+    """The sender's TP shard from an offer (rank 0 of 1 when it names none), checked against
+    this receiver's pool (``layout``, shard ``tp``: rank 0 of 1 when None): the same model, the
+    heads the shard's rank holds, and heads the receiver needs (every other field of the two
+    layouts equal). Why not, naming every differing field, or the shard."""
+    wire = fields.get("tp")
+    if wire is None and (tp is None or tp.size == 1):  # no TP on either side: one layout
+        mismatch = layout_mismatch(sender_layout, layout_fingerprint(layout))
+        if mismatch:
+            return mismatch
+        return TpShard(0, 1, layout.num_kv_heads)
+    mine = tp or TpShard(0, 1, layout.num_kv_heads)
+    ours = layout_fingerprint(layout)
+    diffs = [
+        f"{k} {sender_layout.get(k)!r} (sender) != {ours[k]!r} (receiver)"
+        for k in ("num_layers", "head_dim", "block_size", "dtype")
+        if sender_layout.get(k) != ours[k]
+    ]
+    if diffs:
+        return "layout mismatch: " + ", ".join(diffs)
+    if wire is None:
+        wire = {"rank": 0, "size": 1, "num_kv_heads": sender_layout.get("num_kv_heads")}
+        wire["heads"] = [0, wire["num_kv_heads"]]
+    if not isinstance(wire, dict):
+        return f"the offer's tp must be an object, not {type(wire).__name__}"
+    rank: Any = wire.get("rank")
+    size: Any = wire.get("size")
+    model_heads: Any = wire.get("num_kv_heads")
+    heads = wire.get("heads")
+    if not (_is_int(rank) and _is_int(size) and _is_int(model_heads) and 0 <= rank < size):
+        return f"bad tp in the offer: {wire!r}"
+    if model_heads != mine.num_kv_heads:
+        return (
+            f"tp mismatch: the model has {model_heads!r} KV heads (sender) != "
+            f"{mine.num_kv_heads} (receiver)"
+        )
+    shard = TpShard(rank, size, model_heads)
+    if model_heads % size or sender_layout.get("num_kv_heads") != shard.num_heads:
+        return (
+            f"tp mismatch: rank {rank} of {size} over {model_heads} KV heads holds "
+            f"{model_heads // size if model_heads % size == 0 else 'no whole number of'} heads; "
+            f"the sender's pool has {sender_layout.get('num_kv_heads')!r}"
+        )
+    if heads != list(shard.heads):
+        return f"tp mismatch: rank {rank} of {size} holds heads {list(shard.heads)}, the offer says {heads!r}"
+    if sender_layout.get("block_bytes") != layout.block_bytes // mine.num_heads * shard.num_heads:
+        return f"layout mismatch: block_bytes {sender_layout.get('block_bytes')!r} for {shard.num_heads} heads"
+    return shard
+
+
+def tp_cover_problem(sender: TpShard, receiver: TpShard, gather: bool) -> str | None:
+    """Why a receiver holding ``receiver``'s heads cannot take a leg of ``sender``'s (one
+    sender must hold every head it needs; a gather leg must hold some of them), or None."""
+    lo, hi = max(sender.heads[0], receiver.heads[0]), min(sender.heads[1], receiver.heads[1])
+    if gather and lo < hi:
+        return None
+    if not gather and (lo, hi) == receiver.heads:
+        return None
+    return (
+        f"tp mismatch: this receiver (rank {receiver.rank} of {receiver.size}) needs heads "
+        f"{list(receiver.heads)}; the sender (rank {sender.rank} of {sender.size}) holds "
+        f"{list(sender.heads)}"
+        + ("" if gather else ": gather every sender rank's heads with TpGatherReceiver")
     )
 
 

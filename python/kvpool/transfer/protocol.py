@@ -26,13 +26,13 @@ before the transport is torn down.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 import numpy as np
 
-from kvpool._core import BlockTables, HybridTables, KvError, TransferError
-from kvpool.transfer.kinds import requests_of
+from kvpool._core import BlockTables, HybridTables, InvalidArgumentError, KvError, TransferError
+from kvpool.transfer.kinds import UniformRequests, requests_of
 from kvpool.transfer.leases import RECV, SEND, Lease, LeaseBook
 from kvpool.transfer.movers import make_mover
 from kvpool.transfer.offers import (  # re-exported: the protocol's messages
@@ -47,6 +47,7 @@ from kvpool.transfer.offers import (  # re-exported: the protocol's messages
     spec_mismatch,
 )
 from kvpool.transfer.pieces import AUTO, GROUPED, MODES, plan_pieces, resolve_mode
+from kvpool.transfer.regions import Side, TpShard, tp_shard
 from kvpool.transfer.transport import PeerGone, Transport
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "layout_mismatch",
     "spec_fingerprint",
     "spec_mismatch",
+    "wait_all",
 ]
 
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -85,6 +87,7 @@ class _Endpoint:
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         leases: LeaseBook | None = None,
+        tp: tuple[int, int] | None = None,
     ) -> None:
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool):
             raise TypeError(f"timeout_s must be a number, got {type(timeout_s).__name__}")
@@ -92,6 +95,10 @@ class _Endpoint:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.tables = tables
         self.requests = requests_of(tables)  # TypeError for anything else
+        if tp is not None:
+            if not isinstance(self.requests, UniformRequests):
+                raise TransferError("tensor-parallel head ranges move uniform BlockTables only")
+            self.requests.tp = tp_shard(tables.pool.layout, tp)
         self.pool = tables.pool
         self.transport = transport
         self.timeout_s = float(timeout_s)
@@ -108,7 +115,12 @@ class _Endpoint:
         reaped = []
         now = self.clock()
         for t in list(self.transfers.values()):
-            if now >= t.deadline and not t.done():
+            try:
+                finished = t.done()
+            except TransferError:  # it failed while polled: given up, blocks returned
+                reaped.append(t.request_id)
+                continue
+            if now >= t.deadline and not finished:
                 t.abort("the transfer passed its deadline")
                 reaped.append(t.request_id)
         return reaped
@@ -156,6 +168,8 @@ class Transfer:
         self._completion = completion
         self._on_success, self._on_failure = on_success, on_failure
         self.state = "in_flight"  # -> "done" | "failed"
+        # A sender's layer-by-layer transfer: the layers announced so far (else None).
+        self._layers_announced: int | None = None
         endpoint.transfers[self.request_id] = self
 
     @property
@@ -163,7 +177,18 @@ class Transfer:
         return self.lease.deadline
 
     def done(self) -> bool:
-        if self.state == "in_flight" and self._completion.done():
+        """Whether the data phase finished on this side (polls it; a completion that
+        progresses when polled, as NIXL's layer-by-layer READ, progresses here). Raises
+        TransferError, after giving the transfer up, if it failed meanwhile: the peer aborted
+        or died, the deadline passed, a message was malformed."""
+        if self.state != "in_flight":
+            return self.state == "done"
+        try:
+            finished = self._completion.done()
+        except (PeerGone, TimeoutError, OSError, TransferError) as e:
+            why = "passed its deadline" if isinstance(e, TimeoutError) else "failed"
+            self.fail(f"the transfer of request {self.request_id} {why}: {e}")
+        if finished:
             self.state = "done"
             self._endpoint.transfers.pop(self.request_id, None)
             if self._endpoint.leases.end(self.lease):
@@ -192,9 +217,48 @@ class Transfer:
         if self.state == "in_flight":
             self.state = "failed"
             self._endpoint.transfers.pop(self.request_id, None)
+            cancel = getattr(self._completion, "cancel", None)
+            if cancel is not None:
+                cancel()  # a READ in flight ends before its blocks go back to the pool
             self._endpoint.give_up(self.lease, reason, self._on_failure)
 
-    def fail(self, reason: str) -> None:
+    @property
+    def layers_landed(self) -> int:
+        """Receiver: the layers whose bytes have landed and are trusted (every layer once
+        ``done()``; a layer-by-layer transfer counts up as ``done()`` is polled)."""
+        landed = getattr(self._completion, "layers_landed", None)
+        if landed is None or self.state == "done":
+            return self._endpoint.pool.layout.num_layers
+        return int(landed)
+
+    def layers_ready(self, layers: int) -> None:
+        """Sender of a layer-by-layer transfer (``send(..., layers_ready=)``): layers
+        ``[0, layers)`` of the request's blocks are written and may be read; never written again
+        while the transfer lives. ``layers`` never decreases, at most ``num_layers``. Raises
+        TransferError (after giving the transfer up) if it failed meanwhile; TypeError /
+        InvalidArgumentError for a bad count."""
+        announced = self._layers_announced
+        if announced is None:
+            raise TransferError("layers_ready is for a sender's layer-by-layer transfer")
+        num_layers = self._endpoint.pool.layout.num_layers
+        if not isinstance(layers, int) or isinstance(layers, bool):
+            raise TypeError(f"layers must be an int, got {type(layers).__name__}")
+        if not announced <= layers <= num_layers:
+            raise InvalidArgumentError(
+                f"layers must be in {announced}..{num_layers} (announced {announced}), got {layers}"
+            )
+        self.done()  # raises if the receiver gave up meanwhile
+        if self.state != "in_flight" or layers == announced:
+            return
+        try:
+            self._endpoint.transport.send_control(
+                {"kind": "layers_ready", "request_id": self.request_id, "layers": layers}
+            )
+        except (PeerGone, OSError) as e:
+            self.fail(f"announcing layers of request {self.request_id}: {e}")
+        self._layers_announced = layers
+
+    def fail(self, reason: str) -> NoReturn:
         """Abort the transport, wait for the queued work to end, clean up, raise."""
         self.abort(reason)
         raise _error(reason, self.request_id)
@@ -223,10 +287,11 @@ class KvSender:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         leases: LeaseBook | None = None,
+        tp: tuple[int, int] | None = None,
     ) -> None:
         if mode not in (*MODES, AUTO):
             raise ValueError(f"mode must be one of {(*MODES, AUTO)}, got {mode!r}")
-        self._ep = _Endpoint(tables, transport, timeout_s, clock, leases)
+        self._ep = _Endpoint(tables, transport, timeout_s, clock, leases, tp)
         self.mode = mode
         self.chunk_blocks = max(1, chunk_bytes // self._ep.pool.block_bytes)
 
@@ -244,14 +309,31 @@ class KvSender:
         """free + evictable + used + in_flight == total on the sending pool (leases.py)."""
         self._ep.leases.check_invariants()
 
-    def send(self, request_id: int, *, stream: Any = None, free_after: bool = True) -> Transfer:
+    def send(
+        self,
+        request_id: int,
+        *,
+        stream: Any = None,
+        free_after: bool = True,
+        layers_ready: int | None = None,
+    ) -> Transfer:
         """Offers the request; once accepted, queues its data phase (reading the blocks after
         the work queued on ``stream``, the pool's stream by default) and returns the
         transfer. ``wait()`` on it frees the request's blocks here (``free_after``) once its
         sends completed. Raises TransferError, keeping the request, if the receiver refuses
-        or the transport fails (an unusable answer is answered with an abort)."""
+        or the transport fails (an unusable answer is answered with an abort).
+
+        ``layers_ready`` (a one-sided transport, NIXL, and BlockTables): send layer by layer
+        while the KV is still being computed. Layers ``[0, layers_ready)`` may be read now;
+        announce more with ``Transfer.layers_ready(k)`` as they are written; the receiver
+        READs each range as it is announced and the transfer completes when the last layer
+        has landed. ``send`` returns once the receiver accepted."""
         ep = self._ep
+        if layers_ready is not None:
+            self._check_layered(layers_ready)
         described, ids = ep.requests.describe(request_id)
+        if layers_ready is not None:
+            described["layers_ready"] = layers_ready
         try:
             ep.transport.send_control(
                 {
@@ -287,7 +369,15 @@ class KvSender:
                 ep.tables.free(request_id)
 
         try:
-            if getattr(ep.transport, "one_sided", False):  # NIXL: the receiver reads
+            if layers_ready is not None:  # polled by Transfer.done: the caller keeps computing
+                completion = ep.transport.await_message(  # type: ignore[attr-defined]
+                    request_id,
+                    "done",
+                    lease.deadline,
+                    ep.clock,
+                    "the receiver did not finish reading before the deadline",
+                )
+            elif getattr(ep.transport, "one_sided", False):  # NIXL: the receiver reads
                 completion = ep.transport.serve_blocks(request_id, lease.deadline, ep.clock)  # type: ignore[attr-defined]
             else:
                 completion = ep.mover.send(ep.transport, ids, pieces, mode, stream, lease.deadline)
@@ -296,7 +386,24 @@ class KvSender:
             raise _error(
                 f"sending request {request_id}: {type(e).__name__}: {e}", request_id
             ) from e
-        return Transfer(ep, lease, completion, release, keep)
+        transfer = Transfer(ep, lease, completion, release, keep)
+        if layers_ready is not None:
+            transfer._layers_announced = layers_ready
+        return transfer
+
+    def _check_layered(self, layers_ready: int) -> None:
+        """Refuses (before offering anything) a layer-by-layer send this side cannot make."""
+        ep = self._ep
+        if not isinstance(layers_ready, int) or isinstance(layers_ready, bool):
+            raise TypeError(f"layers_ready must be an int, got {type(layers_ready).__name__}")
+        if not isinstance(ep.requests, UniformRequests):
+            raise TransferError("layer-by-layer transfer moves uniform BlockTables only")
+        if not getattr(ep.transport, "one_sided", False):
+            raise TransferError("layer-by-layer transfer needs a one-sided transport (NIXL)")
+        if not 0 <= layers_ready <= ep.pool.layout.num_layers:
+            raise InvalidArgumentError(
+                f"layers_ready must be in 0..{ep.pool.layout.num_layers}, got {layers_ready}"
+            )
 
 
 class KvReceiver:
@@ -314,8 +421,9 @@ class KvReceiver:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         leases: LeaseBook | None = None,
+        tp: tuple[int, int] | None = None,
     ) -> None:
-        self._ep = _Endpoint(tables, transport, timeout_s, clock, leases)
+        self._ep = _Endpoint(tables, transport, timeout_s, clock, leases, tp)
 
     @property
     def leases(self) -> LeaseBook:
@@ -344,7 +452,15 @@ class KvReceiver:
         reason = offer if isinstance(offer, str) else None
         source_problem = getattr(ep.transport, "source_ids_problem", None)
         if isinstance(offer, Offer) and source_problem is not None:
-            reason = source_problem(offer.src_ids)  # ids outside the sender's registered slab
+            # Ids outside the sender's registered slab, or blocks of other bytes than it has.
+            sender_bytes = None if offer.sender_layout is None else offer.sender_layout.block_bytes
+            reason = source_problem(offer.src_ids, sender_bytes)
+        one_sided = getattr(ep.transport, "one_sided", False)
+        if isinstance(offer, Offer) and reason is None and _polled(offer, ep) and not one_sided:
+            reason = (
+                "layer-by-layer, head-range and committed transfers need a one-sided "
+                "transport (NIXL)"
+            )
         dst_ids = np.empty(0, np.int32)
         if isinstance(offer, Offer) and reason is None:
             try:
@@ -370,7 +486,6 @@ class KvReceiver:
         except TransferError:
             release()
             raise
-        one_sided = getattr(ep.transport, "one_sided", False)
         # A one-sided transport reads runs contiguous on both sides in place: no staging.
         mode = GROUPED if one_sided else resolve_mode(offer.mode, offer.src_ids, dst_ids)
         try:
@@ -384,7 +499,10 @@ class KvReceiver:
             )
             pieces = plan_pieces(mode, offer.src_ids, dst_ids, offer.chunk_blocks)
             stream = ep.pool.stream if stream is None else stream
-            if one_sided:
+            if one_sided and _polled(offer, ep):
+                completion = polled_read(ep, offer, dst_ids, pieces, lease.deadline)
+                completion.start()
+            elif one_sided:
                 completion = ep.transport.read_blocks(  # type: ignore[attr-defined]
                     request_id, offer.src_ids, dst_ids, pieces, lease.deadline, ep.clock
                 )
@@ -399,6 +517,76 @@ class KvReceiver:
                 f"receiving request {request_id} {why}: {type(e).__name__}: {e}", request_id
             ) from e
         return Transfer(ep, lease, completion, lambda: None, release)
+
+
+def _shard(ep: _Endpoint) -> TpShard:
+    tp = getattr(ep.requests, "tp", None)
+    return tp or TpShard(0, 1, ep.pool.layout.num_kv_heads)
+
+
+def _polled(offer: Offer, ep: _Endpoint) -> bool:
+    """Whether an offer's data phase is a ``LayeredRead`` (layer by layer, a head range, or a
+    request landing only on the sender's commit) rather than one whole READ."""
+    return (
+        offer.layers_ready is not None
+        or offer.commit
+        or (offer.tp is not None and offer.tp.heads != _shard(ep).heads)
+    )
+
+
+def polled_read(
+    ep: _Endpoint,
+    offer: Offer,
+    dst_ids: np.ndarray,
+    pieces: list,
+    deadline: float,
+    transport: Any = None,
+    hold_done: bool = False,
+) -> Any:
+    """The receiver's ``LayeredRead`` of an offer's blocks: the layers ready (all unless the
+    offer is layer by layer) and the heads both sides hold (the receiver's, or a gather leg's
+    part of them)."""
+    mine = _shard(ep)
+    theirs = offer.tp or mine
+    heads = (max(mine.heads[0], theirs.heads[0]), min(mine.heads[1], theirs.heads[1]))
+    assert offer.sender_layout is not None  # a uniform offer always has it
+    transport = ep.transport if transport is None else transport
+    local = Side(ep.pool.base_ptr, ep.pool.layout, mine.first_head, dst_ids)
+    remote = Side(transport.remote_base, offer.sender_layout, theirs.first_head, offer.src_ids)
+    ready = ep.pool.layout.num_layers if offer.layers_ready is None else offer.layers_ready
+    return transport.read_layers(
+        offer.request_id,
+        local,
+        remote,
+        pieces,
+        heads,
+        ready,
+        offer.commit,
+        deadline,
+        ep.clock,
+        hold_done,
+    )
+
+
+def wait_all(transfers: Sequence[Transfer], timeout: float | None = None) -> None:
+    """Waits for several transfers polled together (one process holding several ranks'
+    receivers of a split request: each completes only once the sender commits, after every
+    rank has read). Raises the first failure's TransferError (that transfer cleaned up; the
+    others are left to their own deadlines or the peer's abort)."""
+    if not transfers:
+        return
+    clock = transfers[0]._endpoint.clock
+    limit = None if timeout is None else clock() + timeout
+    while True:
+        finished = [t.done() for t in transfers]  # poll every one each round
+        if all(finished):
+            return
+        for t in transfers:
+            if t.state == "in_flight" and not t._endpoint.transport.peer_alive() and not t.done():
+                t.fail(f"the peer died during the transfer of request {t.request_id}")
+            if t.state == "in_flight" and clock() > min(t.deadline, limit or t.deadline):
+                t.fail(f"the transfer of request {t.request_id} passed its deadline")
+        time.sleep(_POLL_S)
 
 
 def _json_safe(value: Any) -> Any:
