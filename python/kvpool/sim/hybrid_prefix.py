@@ -23,7 +23,10 @@ backend caches a prompt's blocks when it is added), admission counts no hit as r
 prompt's pages, one checkpoint and the hit's copies must fit in the free and evictable pages
 beyond the watermark), and decode appends each token with its id.
 
-    python -m kvpool.sim.hybrid_prefix --out RESULT.json   # the README's hit-rate table
+    python -m kvpool.sim.hybrid_prefix --out RESULT.json   # the hit-rate comparison alone
+
+(bench/routines/hybrid_sim.py runs `compare` on the same workloads; README.md's table comes
+from that routine's JSON.)
 """
 
 from __future__ import annotations
