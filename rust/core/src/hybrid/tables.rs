@@ -124,6 +124,13 @@ impl GroupPlan {
     }
 }
 
+/// The references a batch's earlier appends drop from pages that were shared when the call
+/// began (released, or copied away from), per page id: a later request of the same batch
+/// plans against `ref_cnt - drops`, the count its append would see had the earlier ones
+/// run before it. Only pages shared at the start are listed, so a step without forks keeps
+/// it empty.
+type PlannedDrops = FxHashMap<u32, u32>;
+
 /// One request of a planned `append_many`: its counters after the call and its groups'
 /// plans in the step's flat plan list (none when only its counters move).
 struct PlannedAppend {
@@ -240,7 +247,7 @@ impl HybridTables {
             hashes: None,
         };
         let mut plans = Vec::with_capacity(self.spec.num_groups());
-        self.plan(&empty, num_tokens, next_query, &mut plans)?;
+        self.plan(&empty, num_tokens, next_query, &PlannedDrops::default(), &mut plans)?;
         let fresh = self.alloc_pages(total_fresh(&plans))?;
         let mut request = empty;
         request.num_tokens = num_tokens;
@@ -286,7 +293,7 @@ impl HybridTables {
         })?;
         let next_query = request.num_tokens;
         let mut plans = Vec::with_capacity(self.spec.num_groups());
-        self.plan(request, num_tokens, next_query, &mut plans)?;
+        self.plan(request, num_tokens, next_query, &PlannedDrops::default(), &mut plans)?;
         if self.index.is_some() {
             // Refused before anything changes, the cache included.
             self.check_room(total_fresh(&plans), 0)?;
@@ -339,7 +346,18 @@ impl HybridTables {
     /// in one allocation and dropping every released one in one free. `token_ids`, when
     /// given, are all requests' new ids concatenated in call order (as
     /// [`append_tokens`](Self::append_tokens) takes them); without, the requests' later
-    /// pages are not cached. The returned copies must run before the tokens are written.
+    /// pages are not cached. The returned copies (in call order, each request's in group
+    /// order) must run before the tokens are written.
+    ///
+    /// A batch that succeeds is the same `append`s one after another in call order: each
+    /// request is planned against the reference counts the earlier ones leave, so of a
+    /// parent and a child forked from it (sharing a partly filled page or a state slot) the
+    /// first listed copies the shared pages and the second, then their only holder, writes
+    /// in place, as it would appended second. The tables end as those appends leave them,
+    /// up to which free page ids the new pages got. It is refused, changing nothing, when
+    /// the new pages all of them take exceed the free (and evictable) pages at the start:
+    /// the pages an earlier request releases are not handed to a later one within the
+    /// call, so a batch may be refused where appends one at a time would reuse them.
     pub fn append_many(
         &mut self,
         request_ids: &[u64],
@@ -356,8 +374,10 @@ impl HybridTables {
         let total_tokens = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
         if let Some(ids) = token_ids {
             if total_tokens != Some(ids.len()) {
+                let total = total_tokens.map_or_else(|| "more".to_string(), |t| t.to_string());
                 return Err(CoreError::InvalidArgument(format!(
-                    "{} token ids for {total_tokens:?} tokens",
+                    "{} token ids for {total} tokens (sum of counts): give one id per appended \
+                     token",
                     ids.len()
                 )));
             }
@@ -394,18 +414,27 @@ impl HybridTables {
         let mut planned = Vec::with_capacity(request_ids.len());
         let mut plans = Vec::new();
         let mut released = Vec::new();
+        let mut drops = PlannedDrops::default();
         let mut total = 0usize;
         for (request, num_tokens) in found {
             let start = plans.len();
             // The decode fast path: most requests cross no page boundary in any group.
-            if !self.only_counters_move(request, num_tokens)? {
-                let changes = self.plan(request, num_tokens, request.num_tokens, &mut plans)?;
+            if !self.only_counters_move(request, num_tokens, &drops)? {
+                let next_query = request.num_tokens;
+                let changes = self.plan(request, num_tokens, next_query, &drops, &mut plans)?;
                 debug_assert!(changes, "only_counters_move said some group changes");
                 let mine = &plans[start..];
                 total = total.saturating_add(total_fresh(mine));
+                let first_released = released.len();
                 for (plan, pages) in mine.iter().zip(&request.groups) {
                     released.extend(plan.released(pages));
                     released.extend_from_slice(plan.copied(pages));
+                }
+                // What the later requests see of the pages this one lets go.
+                for &page in &released[first_released..] {
+                    if self.pool.ref_cnt(page)? > 1 {
+                        *drops.entry(page).or_default() += 1;
+                    }
                 }
             }
             let plans = start..plans.len();
@@ -498,12 +527,15 @@ impl HybridTables {
 
     /// Pushes onto `plans` each group's change for `request` to hold `num_tokens` with
     /// queries from `next_query` on still to run, and says whether any group changes (if
-    /// none, only the request's counters move). Counts only: nothing is taken.
+    /// none, only the request's counters move). A page is shared (copied before it is
+    /// written) when it has another reference beyond `drops`, those a batch's earlier
+    /// requests let go. Counts only: nothing is taken.
     fn plan(
         &self,
         request: &RequestPages,
         num_tokens: usize,
         next_query: usize,
+        drops: &PlannedDrops,
         plans: &mut Vec<GroupPlan>,
     ) -> Result<bool, CoreError> {
         let appending = num_tokens > request.num_tokens;
@@ -526,7 +558,7 @@ impl HybridTables {
             };
             match *rule {
                 LiveRule::State { .. } => {
-                    if appending && old_len > 0 && self.is_shared(pages.page_ids[0])? {
+                    if appending && old_len > 0 && self.is_shared(pages.page_ids[0], drops)? {
                         plan.copies = 0..old_len;
                     }
                 }
@@ -538,7 +570,7 @@ impl HybridTables {
                     if appending
                         && partly_filled
                         && plan.kept.contains(&index)
-                        && self.is_shared(pages.page_ids[index])?
+                        && self.is_shared(pages.page_ids[index], drops)?
                     {
                         plan.copies = index - lo..index - lo + 1;
                     }
@@ -559,6 +591,7 @@ impl HybridTables {
         &self,
         request: &RequestPages,
         num_tokens: usize,
+        drops: &PlannedDrops,
     ) -> Result<bool, CoreError> {
         let old_tokens = request.num_tokens;
         let appending = num_tokens > old_tokens;
@@ -582,7 +615,7 @@ impl HybridTables {
                 LiveRule::Tokens { .. } => None,
             };
             if let Some(&page) = written {
-                if self.is_shared(page)? {
+                if self.is_shared(page, drops)? {
                     return Ok(false);
                 }
             }
@@ -590,8 +623,12 @@ impl HybridTables {
         Ok(true)
     }
 
-    fn is_shared(&self, page_id: u32) -> Result<bool, CoreError> {
-        Ok(self.pool.ref_cnt(page_id)? > 1)
+    /// Whether `page_id` has a holder besides the request asking, once `drops` (a batch's
+    /// earlier requests' releases) are taken off. The map is looked at only for a page
+    /// shared now, so a step without forks never hashes.
+    fn is_shared(&self, page_id: u32, drops: &PlannedDrops) -> Result<bool, CoreError> {
+        let refs = self.pool.ref_cnt(page_id)?;
+        Ok(refs > 1 && refs.saturating_sub(drops.get(&page_id).copied().unwrap_or(0)) > 1)
     }
 }
 
