@@ -12,7 +12,7 @@ use rustc_hash::FxHashMap;
 
 use crate::error::CoreError;
 use crate::hybrid::prefix::{PrefixIndex, RequestHashes};
-use crate::hybrid::spec::{LiveRule, ModelKvSpec};
+use crate::hybrid::spec::{LiveRule, Lookback, ModelKvSpec};
 use crate::hybrid::swap::{HeldPages, RequestPage, SwappedIds};
 use crate::pool::{Owner, Pool};
 
@@ -35,6 +35,12 @@ pub(super) struct RequestPages {
     /// prefixes (`prefix.rs`). It holds no page (a checkpoint's pages are the cache's, held
     /// by no request), so a swap moves it as it is (`swap.rs`).
     pub(super) hashes: Option<RequestHashes>,
+    /// While the pool caches no prefixes: appends that keep the request at or below this
+    /// many tokens only move its counters (no group's live pages change, none is copied),
+    /// as computed by [`quiet_until`] when `append_many` last left it. 0 (no such append)
+    /// wherever its pages change otherwise, or another request may come to share them:
+    /// [`commit`], `fork` (parent and child), a swap, a new request.
+    pub(super) quiet_until: usize,
 }
 
 /// A copy-on-write page copy (whole page) that must run before the call's tokens are
@@ -245,6 +251,7 @@ impl HybridTables {
             next_query: 0,
             groups: vec![GroupPages::default(); self.spec.num_groups()],
             hashes: None,
+            quiet_until: 0,
         };
         let mut plans = Vec::with_capacity(self.spec.num_groups());
         self.plan(&empty, num_tokens, next_query, &PlannedDrops::default(), &mut plans)?;
@@ -418,8 +425,10 @@ impl HybridTables {
         let mut total = 0usize;
         for (request, num_tokens) in found {
             let start = plans.len();
-            // The decode fast path: most requests cross no page boundary in any group.
-            if !self.only_counters_move(request, num_tokens, &drops)? {
+            // The decode fast path: most requests cross no page boundary in any group, and
+            // the request's own `quiet_until` says so without looking at its pages.
+            let quiet = request.num_tokens < num_tokens && num_tokens <= request.quiet_until;
+            if !quiet && !self.only_counters_move(request, num_tokens, &drops)? {
                 let next_query = request.num_tokens;
                 let changes = self.plan(request, num_tokens, next_query, &drops, &mut plans)?;
                 debug_assert!(changes, "only_counters_move said some group changes");
@@ -475,6 +484,7 @@ impl HybridTables {
         let mut offset = 0;
         for (&request_id, done) in request_ids.iter().zip(&planned) {
             let request = self.requests.get_mut(&request_id).expect("checked above");
+            let still_quiet = done.num_tokens <= request.quiet_until;
             request.num_tokens = done.num_tokens;
             request.next_query = done.next_query;
             let mine = &plans[done.plans.clone()];
@@ -484,6 +494,12 @@ impl HybridTables {
                 fresh_at += taken;
                 copy_list(request, mine, fresh, &mut copies);
                 commit(request, mine, fresh);
+            }
+            // The release and copies of every request have run: its pages' reference
+            // counts are the ones its next call sees. A caching pool can share a page
+            // (a hit) without touching the request, so there it stays 0.
+            if !caching && (!still_quiet || !mine.is_empty()) {
+                request.quiet_until = quiet_until(self.spec.live_rules(), &self.pool, request);
             }
             let count = done.num_tokens - done.next_query;
             if caching {
@@ -500,8 +516,11 @@ impl HybridTables {
         let parent = self.request(parent_id)?;
         self.check_new_id(child_id)?;
         self.share_pages(&all_pages(parent))?;
-        let child = parent.clone();
+        let mut child = parent.clone();
+        child.quiet_until = 0;
         self.requests.insert(child_id, child);
+        // Its pages are shared now: its next append may copy.
+        self.requests.get_mut(&parent_id).expect("checked above").quiet_until = 0;
         Ok(())
     }
 
@@ -623,6 +642,22 @@ impl HybridTables {
         Ok(true)
     }
 
+    /// Every request's `quiet_until` promises no more than its pages allow now
+    /// ([`check_invariants`](Self::check_invariants)).
+    pub(super) fn check_quiet_until(&self) -> Result<(), String> {
+        let rules = self.spec.live_rules();
+        for (&request_id, request) in &self.requests {
+            let promised = request.quiet_until;
+            if promised > request.num_tokens && promised > quiet_until(rules, &self.pool, request) {
+                return Err(format!(
+                    "request {request_id}: quiet until {promised} tokens, its pages allow {}",
+                    quiet_until(rules, &self.pool, request)
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Whether `page_id` has a holder besides the request asking, once `drops` (a batch's
     /// earlier requests' releases) are taken off. The map is looked at only for a page
     /// shared now, so a step without forks never hashes.
@@ -673,9 +708,71 @@ fn copy_list(
     }
 }
 
+/// The most tokens `request` (its pages and counters as they are, its next query at its end)
+/// can reach through appends that only move its counters: no group's live range changes
+/// for any query from its end on below the new length, and no page the appends write
+/// (a token group's partly filled last page, a state slot) is shared. 0 when its next
+/// append changes something, or when that is not cheap to tell (an empty table).
+fn quiet_until(rules: &[LiveRule], pool: &Pool, request: &RequestPages) -> usize {
+    let n = request.num_tokens;
+    let shared = |page: u32| pool.ref_cnt(page).map_or(true, |refs| refs > 1);
+    let mut limit = usize::MAX;
+    for (rule, pages) in rules.iter().zip(&request.groups) {
+        let (first, len) = (pages.first_page, pages.page_ids.len());
+        match *rule {
+            LiveRule::State { .. } => {
+                if pages.page_ids.first().is_some_and(|&p| shared(p)) {
+                    return 0;
+                }
+            }
+            LiveRule::Tokens { block_size, sees } => {
+                // The next token goes into the last page, which has room left.
+                let Some(&last) = pages.page_ids.last() else { return 0 };
+                if block_size.rem(n) == 0 || block_size.div(n) != first + len - 1 || shared(last) {
+                    return 0;
+                }
+                let bs = block_size.value();
+                // Past the last page a new one is taken.
+                let mut group_limit = (first + len) * bs;
+                // The queries from n on must keep `first` as the first live page.
+                match sees {
+                    Lookback::All => {
+                        if first != 0 {
+                            return 0;
+                        }
+                    }
+                    Lookback::Window(window) => {
+                        let first_live = n.saturating_add(1).saturating_sub(window);
+                        if block_size.div(first_live) != first {
+                            return 0;
+                        }
+                        // The query at q sees from q + 1 - window: page `first` stays the
+                        // first live one while q + 1 - window < (first + 1) * bs.
+                        group_limit = group_limit.min((first + 1) * bs + window - 1);
+                    }
+                    Lookback::Chunk(chunk) => {
+                        if block_size.div(n - chunk.rem(n)) != first {
+                            return 0;
+                        }
+                        // Up to the next chunk's start, the queries' chunk is the same.
+                        group_limit = group_limit.min(n - chunk.rem(n) + chunk.value());
+                    }
+                }
+                limit = limit.min(group_limit);
+            }
+        }
+    }
+    if limit > n {
+        limit
+    } else {
+        0
+    }
+}
+
 /// Applies `plans` to `request`, handing out `fresh` in group order: each group's copy
-/// destinations, then its new pages. Cannot fail.
+/// destinations, then its new pages, and forgets its `quiet_until`. Cannot fail.
 fn commit(request: &mut RequestPages, plans: &[GroupPlan], fresh: &[u32]) {
+    request.quiet_until = 0;
     let mut fresh = fresh.iter().copied();
     for (plan, pages) in plans.iter().zip(&mut request.groups) {
         pages.page_ids.truncate(plan.kept.end);
@@ -740,6 +837,7 @@ impl HybridTables {
     /// `request` with its pages replaced, in [`page_list`](Self::page_list)'s order, by
     /// `page_ids` (one per page; every table keeps its `first_page`).
     pub(super) fn with_page_ids(mut request: RequestPages, page_ids: &[u32]) -> RequestPages {
+        request.quiet_until = 0;
         let mut ids = page_ids.iter();
         for held in &mut request.groups {
             for id in &mut held.page_ids {
