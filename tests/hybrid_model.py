@@ -150,13 +150,28 @@ class HybridModel:
         return self.fresh_pages(self.plans(empty, num_tokens, 0)) <= self.num_free
 
     def append_fits(self, request_ids: list[int], counts: list[int]) -> bool:
-        """Whether a batch is met: its fresh pages, each planned on the state before the
-        call, fit the free pages (what HybridTables.append_tokens_many promises)."""
+        """Whether a batch is met: the fresh pages its appends take one after another in
+        call order (each planned on the reference counts the earlier ones leave: of a
+        forked pair only the first copies) fit the pages free before the call. What
+        HybridTables.append_tokens_many promises: the pages an earlier append releases are
+        not handed to a later one within the call."""
+        free = self.num_free
+        saved = self.ref_cnt.copy()
         needed = 0
-        for rid, count in zip(request_ids, counts, strict=True):
-            r = self.requests[rid]
-            needed += self.fresh_pages(self.plans(r, r.num_tokens + count, r.num_tokens))
-        return needed <= self.num_free
+        try:
+            for rid, count in zip(request_ids, counts, strict=True):
+                r = self.requests[rid]
+                plans = self.plans(r, r.num_tokens + count, r.num_tokens)
+                needed += self.fresh_pages(plans)
+                for plan, pages in zip(plans, r.groups, strict=True):
+                    kept = {pages.page_ids[i] for i in plan.kept}
+                    copied = {pages.page_ids[plan.kept.start + i] for i in plan.copies}
+                    for page in pages.page_ids:
+                        if page not in kept or page in copied:
+                            self.ref_cnt[page] -= 1
+        finally:
+            self.ref_cnt = saved
+        return needed <= free
 
     # --- following the tables ---------------------------------------------------------
 

@@ -54,6 +54,7 @@ slot): the content check must fail them.
 from __future__ import annotations
 
 import ctypes
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -393,24 +394,39 @@ class CachedHybridMachine(RuleBasedStateMachine):
     def host_cached(self) -> int:
         return self.pool.prefix_cache_stats()["host_num_cached_blocks"]
 
-    def fresh_pages(self, rid: int, count: int) -> int:
-        """The fresh pages appending `count` tokens to `rid` takes (new pages and copies of
-        shared pages it writes), from the model's rules and the pool's reference counts."""
-        r = self.model.requests[rid]
-        n = r.num_tokens
+    def fresh_pages(self, rids: list[int], counts: list[int]) -> int:
+        """The fresh pages appending `counts` to `rids` takes (new pages and copies of shared
+        pages they write), from the model's rules and the pool's reference counts: one
+        append after another in call order, each seeing the references the earlier ones
+        dropped (of a forked pair only the first copies), as append_tokens_many plans."""
+        dropped: Counter[int] = Counter()
+
+        def shared(page: int) -> bool:
+            return self.pool.ref_cnt(page) - dropped[page] > 1
+
         fresh = 0
-        for g, group_rule in enumerate(self.rules):
-            first, ids, _ = self.tables.table(rid, g)
-            ids = ids.tolist()
-            start, stop = group_rule.live_pages(n + count, n)
-            kept = range(max(start, first), min(stop, first + len(ids)))
-            fresh += (stop - start) - len(kept)
-            if count == 0 or not ids:
-                continue
-            if group_rule.block_size is None:
-                fresh += len(ids) if self.pool.ref_cnt(ids[0]) > 1 else 0
-            elif n % group_rule.block_size and n // group_rule.block_size in kept:
-                fresh += self.pool.ref_cnt(ids[n // group_rule.block_size - first]) > 1
+        for rid, count in zip(rids, counts, strict=True):
+            n = self.model.requests[rid].num_tokens
+            let_go: list[int] = []
+            for g, group_rule in enumerate(self.rules):
+                first, ids, _ = self.tables.table(rid, g)
+                ids = ids.tolist()
+                start, stop = group_rule.live_pages(n + count, n)
+                kept = range(max(start, first), min(stop, first + len(ids)))
+                fresh += (stop - start) - len(kept)
+                let_go += [p for i, p in enumerate(ids, start=first) if i not in kept]
+                if count == 0 or not ids:
+                    continue
+                if group_rule.block_size is None:
+                    if shared(ids[0]):
+                        fresh += len(ids)
+                        let_go += ids
+                elif n % group_rule.block_size and n // group_rule.block_size in kept:
+                    written = ids[n // group_rule.block_size - first]
+                    if shared(written):
+                        fresh += 1
+                        let_go.append(written)
+            dropped.update(let_go)
         return fresh
 
     def room(self) -> int:
@@ -572,7 +588,7 @@ class CachedHybridMachine(RuleBasedStateMachine):
         reads of every request's step, and writes the step."""
         news = [self.model.requests[rid].clone() for rid in rids]
         ids = [t for r, count in zip(news, counts, strict=True) for t in r.push(count)]
-        needed = sum(self.fresh_pages(rid, count) for rid, count in zip(rids, counts, strict=True))
+        needed = self.fresh_pages(rids, counts)
         if needed > self.room():
             self.count("append out of pages")
             args = (rids, counts, ids) if with_ids else (rids, counts)

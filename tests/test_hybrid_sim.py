@@ -359,6 +359,43 @@ def test_the_cli_reads_a_model_config(tmp_path):
     assert "contiguous" in json.loads((out / "simulate.json").read_text())["results"]
 
 
+def _cli_report(tmp_path, argv):
+    from kvpool.sim.cli import main
+
+    out = tmp_path / "report"
+    assert main(["simulate", *argv, "--out", str(out), "--no-plot", "--no-progress"]) == 0
+    return json.loads((out / "simulate.json").read_text())
+
+
+def test_the_cli_serves_a_hybrid_model_with_prefix_caching(tmp_path):
+    # 512-token system prompts: below one of the uniform page bytes' 544-token blocks.
+    argv = ["--model", "qwen3-next-80b-a3b", "--num-requests", "80", "--kv-memory", "16GiB"]
+    argv += ["--num-prefixes", "2", "--prefix-tokens", "512", "--max-running-seqs", "64"]
+    report = _cli_report(tmp_path, [*argv, "--prefix-caching"])
+    assert report["prefix_caching"] and list(report["results"]) == list(SCHEMES)
+    res = report["results"]
+    assert all(r["completed"] == 80 for r in res.values())
+    assert res["hybrid"]["prefix_hit_rate"] > 0.5 and res["hybrid"]["checkpoints_stored"] == 2
+    assert res["uniform_page"]["prefix_hit_rate"] == 0.0  # its states: whole blocks only
+    assert res["all_full"]["prefix_hit_rate"] == 0.0  # its states: no checkpoints
+    assert res["all_full"]["scheme"]["prefix_caching"].startswith("off")
+    assert res["hybrid"]["prefill_tokens"] < res["all_full"]["prefill_tokens"]
+    hits = report["comparison"]["hybrid_over_uniform_page"]["prefix_hit_rate"]
+    assert hits == {"hybrid": res["hybrid"]["prefix_hit_rate"], "other": 0.0}
+    # On by default when the requests share prompt tokens, off when asked.
+    assert _cli_report(tmp_path, argv)["prefix_caching"]
+    off = _cli_report(tmp_path, [*argv, "--no-prefix-caching"])
+    assert not off["prefix_caching"] and off["results"]["hybrid"]["prefix_hit_rate"] == 0.0
+
+
+def test_prefix_caching_on_a_model_without_states_caches_in_every_scheme(tmp_path):
+    argv = ["--model", "gpt-oss-20b", "--num-requests", "80", "--kv-memory", "1GiB"]
+    report = _cli_report(tmp_path, [*argv, "--num-prefixes", "2", "--prefix-tokens", "512"])
+    res = report["results"]
+    assert res["all_full"]["scheme"]["prefix_caching"].startswith("on")
+    assert all(r["prefix_hit_rate"] > 0.3 for r in res.values())
+
+
 def test_the_cli_refuses_what_a_hybrid_run_does_not_model(tmp_path, capsys):
     from kvpool.sim.cli import main
 
@@ -367,6 +404,12 @@ def test_the_cli_refuses_what_a_hybrid_run_does_not_model(tmp_path, capsys):
     assert "--cpu-kv-memory is not modelled with a hybrid model" in capsys.readouterr().err
     assert main([*base, "--kv-memory", "100MiB", "--max-model-len", "65536"]) == 2
     assert "fewer than the" in capsys.readouterr().err
+    # 400 pages hold Qwen3-Next's 2k prefill (236 pages) but not, with caching, the prompt,
+    # a checkpoint and a hit's copies at admission (453 pages).
+    qwen = ["simulate", "--model", "qwen3-next-80b-a3b", "--out", str(tmp_path / "r")]
+    qwen += ["--kv-memory", "150MiB", "--max-model-len", "2048", "--max-running-seqs", "1"]
+    assert main([*qwen, "--prefix-caching"]) == 2
+    assert "at admission with prefix caching" in capsys.readouterr().err
     bad = tmp_path / "config.json"
     bad.write_text(json.dumps(_tiny(layer_types=["mamba", "full_attention"])))
     assert main(["simulate", "--model-config", str(bad), "--out", str(tmp_path / "r")]) == 2
@@ -398,8 +441,9 @@ def test_the_benchmark_routine_writes_its_json_targets_and_table(tmp_path):
 
     repo = Path(__file__).resolve().parents[1]
     out = tmp_path / "hybrid_sim.json"
-    args = ["--models", "gpt-oss-20b,gemma-3-27b", "--contexts", "4096", "--kv-memory", "4GiB"]
+    args = ["--models", "gpt-oss-20b,gemma-3-27b", "--contexts", "4096", "--kv-memory", "16GiB"]
     args += ["--max-requests", "24", "--output-tokens", "64", "--plot-context", "0"]
+    args += ["--prefix-requests", "40"]
     run = subprocess.run(
         [sys.executable, str(repo / "bench" / "kvbench.py"), "--routine", "hybrid_sim"]
         + args
@@ -416,5 +460,18 @@ def test_the_benchmark_routine_writes_its_json_targets_and_table(tmp_path):
     assert all(r["completed"] == 24 for r in report["results"].values())
     targets = data["targets"]
     assert not any("gpt-oss 8k-32k" in name for name in targets)  # 4k is outside 8k-32k
-    assert targets["qwen3-next shared-prompt hit rate within 5 % of full attention"]["met"] is None
+    prefix_target = targets["qwen3-next shared-prompt hit rate within 5 % of full attention"]
+    assert prefix_target["met"] in (True, False)
+    assert set(prefix_target["workloads"]) == {
+        "shared 1024-token prompts",
+        "shared 512-token prompts",
+    }
+    below_one_block = prefix_target["workloads"]["shared 512-token prompts"]["hit_rates"]
+    assert below_one_block["uniform_page"] == 0.0 < below_one_block["hybrid"]
+    schemes = data["prefix_caching"]["schemes"]["shared 1024-token prompts"]["results"]
+    assert all(r["completed"] == 40 for r in schemes.values())
+    assert schemes["all_full"]["prefix_hit_rate"] == 0.0  # states in a static reserve
+    assert schemes["hybrid"]["prefix_hit_rate"] > schemes["uniform_page"]["prefix_hit_rate"] > 0
     assert "| gpt-oss-20b | 4k |" in run.stdout
+    assert "| shared 512-token prompts |" in run.stdout
+    assert "| prefix hit rate (tokens) |" in run.stdout

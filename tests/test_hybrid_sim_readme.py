@@ -32,6 +32,11 @@ def test_the_readme_table_is_generated_from_the_cited_json():
     assert table in README, "README.md's hybrid table differs from the cited JSON's:\n" + table
 
 
+def test_the_readme_prefix_scheme_table_is_generated_from_the_cited_json():
+    table = _routine().prefix_scheme_table(_cited_result())
+    assert table in README, "README.md's prefix-caching scheme table differs:\n" + table
+
+
 def test_the_readme_states_each_target_as_the_json_judged_it():
     data = _cited_result()
     text = " ".join(README.split())  # the README wraps its sentences

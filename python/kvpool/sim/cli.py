@@ -517,9 +517,7 @@ def _workload(args: argparse.Namespace) -> tuple[list, dict]:
     else:
         requests, info = synthetic_workload(args)
     shared = shares_prefixes(requests)
-    if isinstance(cli_hybrid.model(args), HybridModel):
-        args.prefix_caching, why = False, "not modelled with a hybrid model yet"
-    elif args.disaggregated:
+    if args.disaggregated:
         args.prefix_caching, why = False, "not modelled with --disaggregated"
     elif args.cpu_kv_memory is not None:
         args.prefix_caching, why = False, "not modelled with --cpu-kv-memory"

@@ -1,6 +1,8 @@
 """`kvpool simulate` for hybrid models: `--model` naming a hybrid preset or `--model-config`
 a config.json whose layers are not all full attention run the three KV schemes of
-hybrid_runner.py instead of paged vs contiguous."""
+hybrid_runner.py instead of paged vs contiguous; with prefix caching (`--prefix-caching`, or
+by default when requests share prompt tokens) each scheme serves the workload with a prefix
+cache and the table adds its hit rate."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 from kvpool.scheduler.core import SchedulerConfig
 from kvpool.scheduler.hybrid import prefill_peak_pages
 from kvpool.sim.hybrid_config import ConfigError, model_from_file
+from kvpool.sim.hybrid_prefix import admission_pages
 from kvpool.sim.hybrid_presets import HYBRID_PRESETS, HybridModel
 from kvpool.sim.hybrid_report import print_table
 from kvpool.sim.hybrid_runner import SCHEMES, HybridSimulationSpec, simulate_hybrid
@@ -66,8 +69,6 @@ def check_values(args: argparse.Namespace, hybrid: HybridModel) -> str | None:
             return f"{flag} is not modelled with a hybrid model ({hybrid.name})"
     if args.device == "cuda":
         return f"a hybrid model ({hybrid.name}) runs with --device host (its time is modelled)"
-    if args.prefix_caching:
-        return f"--prefix-caching is not modelled with a hybrid model ({hybrid.name}) yet"
     if args.kv_dtype not in DTYPE_BYTES:
         return f"--kv-dtype must be one of {', '.join(DTYPE_BYTES)}"
     try:
@@ -96,6 +97,16 @@ def capacity_problem(
                 f"--kv-memory {args.kv_memory} holds {pages} pages of {spec.page_bytes} bytes "
                 f"({name}), fewer than the {needed} one sequence of --max-model-len "
                 f"{max_model_len} needs; give more --kv-memory or a lower --max-model-len"
+            )
+        # With caching (asked for, or on by default when the workload shares prefixes) the
+        # whole prompt, a checkpoint and a hit's copies are taken at admission.
+        cached = admission_pages(spec, max_model_len)
+        if args.prefix_caching is not False and pages < cached:
+            return (
+                f"--kv-memory {args.kv_memory} holds {pages} pages of {spec.page_bytes} bytes "
+                f"({name}), fewer than the {cached} one sequence of --max-model-len "
+                f"{max_model_len} needs at admission with prefix caching; give more "
+                "--kv-memory, a lower --max-model-len or --no-prefix-caching"
             )
     try:
         full = all_full_scheme(hybrid, args.kv_dtype, args.max_running_seqs)
@@ -130,7 +141,14 @@ def run(
     )
     schemes = SCHEMES if hybrid.token_groups() else ("hybrid",)
     spec = HybridSimulationSpec(
-        hybrid, parse_bytes(args.kv_memory), requests, config, args.kv_dtype, info, schemes
+        hybrid,
+        parse_bytes(args.kv_memory),
+        requests,
+        config,
+        args.kv_dtype,
+        info,
+        schemes,
+        prefix_caching=args.prefix_caching,
     )
     t0 = time.perf_counter()
     report = simulate_hybrid(spec) if args.no_progress else _with_progress(spec, console)

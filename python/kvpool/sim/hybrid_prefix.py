@@ -23,7 +23,10 @@ backend caches a prompt's blocks when it is added), admission counts no hit as r
 prompt's pages, one checkpoint and the hit's copies must fit in the free and evictable pages
 beyond the watermark), and decode appends each token with its id.
 
-    python -m kvpool.sim.hybrid_prefix --out RESULT.json   # the README's hit-rate table
+    python -m kvpool.sim.hybrid_prefix --out RESULT.json   # the hit-rate comparison alone
+
+(bench/routines/hybrid_sim.py runs `compare` on the same workloads; README.md's table comes
+from that routine's JSON.)
 """
 
 from __future__ import annotations
@@ -84,6 +87,19 @@ def chunk_hashes(ids: np.ndarray) -> list[bytes]:
     return out
 
 
+def checkpoint_pages(spec: kvpool.ModelKvSpec) -> int:
+    """The pages one checkpoint of every state group of `spec` takes."""
+    return sum(spec.pages_per_slot(g) or 0 for g in range(spec.num_groups))
+
+
+def admission_pages(spec: kvpool.ModelKvSpec, num_tokens: int) -> int:
+    """The free and evictable pages `HybridPrefixCachedKv` needs to admit a prompt of
+    `num_tokens` tokens: all its pages, one checkpoint, and what a hit copies while the call
+    runs (a page of each token group, the source of each resumed state slot)."""
+    token_groups = sum(spec.block_size(g) is not None for g in range(spec.num_groups))
+    return spec.pages_to_add(num_tokens) + 2 * checkpoint_pages(spec) + token_groups
+
+
 class HybridPrefixCachedKv(HybridKv):
     """HybridKv over a pool with prefix caching; states checkpointed where prompts branch,
     at multiples of `checkpoint_multiple` tokens (the module docstring)."""
@@ -101,7 +117,7 @@ class HybridPrefixCachedKv(HybridKv):
         self.multiple = checkpoint_multiple
         groups = range(spec.num_groups)
         self.state_groups = [g for g in groups if spec.block_size(g) is None]
-        self.checkpoint_pages = sum(spec.pages_per_slot(g) or 0 for g in self.state_groups)
+        self.checkpoint_pages = checkpoint_pages(spec)
         # Room a hit may need beyond the prompt's pages: each token group's copied page and
         # each resumed slot's source, held while the call runs.
         self.copy_margin = len(self.token_groups) + self.checkpoint_pages
@@ -122,7 +138,7 @@ class HybridPrefixCachedKv(HybridKv):
             )
 
     def _pages_for(self, num_tokens: int) -> int:
-        return self.spec.pages_to_add(num_tokens) + self.checkpoint_pages + self.copy_margin
+        return admission_pages(self.spec, num_tokens)
 
     def _allocatable(self) -> int:
         return self.pool.num_free + self.pool.num_evictable

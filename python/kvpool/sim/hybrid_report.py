@@ -22,6 +22,7 @@ ROWS = (
     ("mean running requests", "mean_running", "{:.1f}"),
     ("peak running requests", "peak_running", "{:,}"),
     ("KV utilization (bytes needed / held)", "kv_utilization", "{:.3f}"),
+    ("prefix hit rate (tokens)", "prefix_hit_rate", "{:.3f}"),
     ("mean KV held", "mean_held_kv_bytes", _gib),
     ("preemptions", "preemptions", "{:,}"),
     ("output tokens / s (modelled)", "modelled_output_tokens_per_s", "{:,.0f}"),
@@ -32,10 +33,15 @@ ROWS = (
 )
 
 
+CACHING_ONLY = ("prefix_hit_rate",)  # rows shown only when the schemes ran with a prefix cache
+
+
 def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
     results = list(report["results"].values())
     rows = []
     for label, key, fmt in ROWS:
+        if key in CACHING_ONLY and not report.get("prefix_caching"):
+            continue
         cells = []
         for r in results:
             v = r.get(key)
@@ -56,6 +62,11 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"running requests of {other} at the same KV memory, throughput "
             f"x{'-' if throughput is None else f'{throughput:.2f}'} (modelled)."
         )
+    if report.get("prefix_caching"):
+        for name, r in report["results"].items():
+            how = r["scheme"].get("prefix_caching")
+            if how is not None:
+                lines.append(f"{COLUMNS.get(name, name)}: prefix caching {how}.")
     return lines
 
 
@@ -75,7 +86,9 @@ def print_table(report: dict[str, Any], console: Any) -> None:
     console.print(table)
     for line in summary_lines(report):
         console.print(line)
+    shared = "; above 1 where requests share cached pages" if report.get("prefix_caching") else ""
     console.print(
         f"time: modelled ({report['timing']['model']['hardware']}); KV utilization is the "
-        "bytes the running requests' live keys and states need over the bytes held for them."
+        f"bytes the running requests' live keys and states need over the bytes held for them"
+        f"{shared}."
     )

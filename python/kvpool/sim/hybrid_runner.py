@@ -10,6 +10,15 @@ KV utilization here is in bytes: what the running requests' live tokens and stat
 pages in use, and for `all_full` with states the slots of the running requests). Token
 slots, the uniform report's measure, are not one number across groups whose pages hold
 different tokens.
+
+With `prefix_caching` every scheme serves the workload with a prefix cache in the same
+bytes: the hybrid pages and the uniform page bytes on `HybridTables` over a caching pool
+(hybrid_prefix.py's `HybridPrefixCachedKv`: states checkpointed where prompts branch, at
+16-token chunks for the hybrid pages and at whole attention blocks for the uniform page
+bytes, as vLLM stores them), all full attention on `BlockTables` over a caching pool
+(scheduler/prefix.py's `PrefixCachedKv`). A model with recurrent states has no prefix cache
+in the all-full scheme: its states sit in a static reserve of live slots, with no
+checkpoint to resume a prefix from, so that scheme runs with caching off and hits nothing.
 """
 
 from __future__ import annotations
@@ -26,8 +35,10 @@ from kvpool.scheduler.core import Scheduler, SchedulerConfig
 from kvpool.scheduler.hybrid import HybridKv
 from kvpool.scheduler.metrics import latency_summary, summarize
 from kvpool.scheduler.paged import PagedKv
+from kvpool.scheduler.prefix import PrefixCachedKv
 from kvpool.scheduler.request import Request
 from kvpool.sim.hybrid_cost import HybridStepCost
+from kvpool.sim.hybrid_prefix import CHUNK, HybridPrefixCachedKv
 from kvpool.sim.hybrid_presets import HybridModel
 from kvpool.sim.hybrid_schemes import (
     all_full_scheme,
@@ -55,6 +66,7 @@ class HybridSimulationSpec:
     kv_dtype: str = "bfloat16"
     workload_info: dict[str, Any] = field(default_factory=dict)
     schemes: tuple[str, ...] = SCHEMES
+    prefix_caching: bool = False  # every scheme with a prefix cache (the module docstring)
 
 
 @dataclass
@@ -75,7 +87,15 @@ def _paged_scheme(spec: HybridSimulationSpec, name: str) -> SchemeRun:
             f"{real.page_bytes} bytes"
         )
     proxy, scale = proxy_spec(scheme_groups(spec.model, name, spec.kv_dtype), real, spec.kv_dtype)
-    backend = HybridKv(page_pool(proxy, num_pages), proxy)
+    # vLLM stores states, and so hits, only at whole (inflated) attention blocks.
+    plan = uniform_page_plan(spec.model, spec.kv_dtype) if name == "uniform_page" else None
+    backend: HybridKv
+    if spec.prefix_caching:
+        pool = kvpool.Pool.for_spec(proxy, num_pages, device="host", enable_prefix_caching=True)
+        multiple = plan.block_size if plan is not None else CHUNK
+        backend = HybridPrefixCachedKv(pool, proxy, checkpoint_multiple=multiple)
+    else:
+        backend = HybridKv(page_pool(proxy, num_pages), proxy)
     backend.name = name
     page_bytes = real.page_bytes
     info: dict[str, Any] = {
@@ -92,8 +112,13 @@ def _paged_scheme(spec: HybridSimulationSpec, name: str) -> SchemeRun:
         ],
         "pool_slab": f"proxy spec (allocator only): the real page bytes / {scale}",
     }
-    if name == "uniform_page":
-        plan = uniform_page_plan(spec.model, spec.kv_dtype)
+    if isinstance(backend, HybridPrefixCachedKv):
+        info["prefix_caching"] = f"on: hits in {CHUNK}-token chunks" + (
+            f", states checkpointed where prompts branch, at multiples of {backend.multiple} tokens"
+            if backend.state_groups
+            else ""
+        )
+    if plan is not None:
         info.update(
             group_size=plan.group_size,
             attention_block_size=plan.block_size,
@@ -112,8 +137,13 @@ def _all_full_scheme(spec: HybridSimulationSpec) -> SchemeRun:
             f"{scheme.block_bytes} bytes beside {scheme.state_slots} state slots of "
             f"{scheme.state_bytes} bytes"
         )
-    pool = kvpool.Pool(proxy_layout(scheme.block_size), num_blocks, device="host")
-    backend = PagedKv(pool, config.max_running_seqs, config.max_model_len)
+    # A static reserve of live state slots has no checkpoint to resume a prefix from.
+    caching = spec.prefix_caching and scheme.state_slots == 0
+    pool = kvpool.Pool(
+        proxy_layout(scheme.block_size), num_blocks, device="host", enable_prefix_caching=caching
+    )
+    kv_class = PrefixCachedKv if caching else PagedKv
+    backend = kv_class(pool, config.max_running_seqs, config.max_model_len)
     backend.name = "all_full"
     info = {
         "block_bytes": scheme.block_bytes,
@@ -124,6 +154,13 @@ def _all_full_scheme(spec: HybridSimulationSpec) -> SchemeRun:
         "state_reserve_bytes": scheme.reserve_bytes,
         "pool_slab": "proxy layout (allocator only)",
     }
+    if spec.prefix_caching:
+        info["prefix_caching"] = (
+            f"on: hits in whole {scheme.block_size}-token blocks"
+            if caching
+            else "off: the recurrent states sit in a static reserve of live slots, with no "
+            "checkpoint to resume a prefix from"
+        )
 
     def held(blocks: np.ndarray, running: np.ndarray) -> np.ndarray:
         return blocks * float(scheme.block_bytes) + running * float(scheme.state_bytes)
@@ -176,6 +213,15 @@ def run_scheme(
     for key in ("mean_wasted_kv_bytes", "peak_wasted_kv_bytes"):
         del out[key]  # token slots x token bytes: not defined across groups (module docstring)
     out["kv_utilization"] = float(needed.sum() / held.sum()) if held.sum() else 0.0
+    if spec.prefix_caching:
+        # A shared page holds its tokens once for every request that reads them.
+        out["kv_utilization_note"] = "bytes needed / held; above 1 when pages are shared"
+        stats = getattr(scheme.backend, "stats_at_end", None)
+        if stats:
+            out["prefix_cache_stats"] = stats
+        for key in ("checkpoints_stored", "checkpoints_lost"):
+            if hasattr(scheme.backend, key):
+                out[key] = getattr(scheme.backend, key)
     out["mean_held_kv_bytes"] = float(held.mean())
     out["peak_held_kv_bytes"] = float(held.max())
     out["mean_needed_kv_bytes"] = float(needed.mean())
@@ -199,6 +245,7 @@ def _ratios(ours: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
         "p50_running_ratio": ratio("p50_running"),
         "modelled_throughput_ratio": ratio("modelled_output_tokens_per_s"),
         "latency_mean_ratio": ratio("latency_mean_s"),
+        "prefix_hit_rate": {"hybrid": ours["prefix_hit_rate"], "other": other["prefix_hit_rate"]},
         "kv_utilization": {"hybrid": ours["kv_utilization"], "other": other["kv_utilization"]},
     }
 
@@ -225,6 +272,7 @@ def simulate_hybrid(spec: HybridSimulationSpec, progress: Progress | None = None
             "dtype": spec.kv_dtype,
         },
         "kv_memory_bytes": spec.kv_memory_bytes,
+        "prefix_caching": spec.prefix_caching,
         "device": "host",
         "scheduler": asdict(spec.config),
         "workload": {**spec.workload_info, **describe(spec.requests)},

@@ -11,16 +11,10 @@
 //!
 //! The core's `HybridTables` changes through `&mut`, so the Python object holds it behind a
 //! mutex (`frozen` class, calls serialised; long calls release the GIL first and then lock,
-//! and nothing here takes the GIL while holding the lock). `append_tokens_many` appends one
-//! request at a time through the core's `append`/`append_tokens` (each request's copies
-//! planned on the state its turn sees), made all or none here: it checks every id, count
-//! and token id, bounds the pages the whole batch can take from each request's table as it
-//! is before the call (an earlier append of the batch only frees pages or un-shares them,
-//! never takes more for a later one), makes sure the free and evictable pages cover that
-//! many (a growable pool grows first, and a refused growth changes nothing), and only then
-//! appends each. Rejected: appending in turn and undoing on failure (pages a window released
-//! may already be reused), and taking the lock of the pool's free list for the whole batch
-//! (the core exposes no such lock).
+//! and nothing here takes the GIL while holding the lock). `append_tokens_many` is the core's
+//! `append_many`: all or none, and when it succeeds the same as `append_tokens` of each
+//! request in call order (each planned on the reference counts the earlier ones leave, so
+//! of a forked parent and child in one step only the first copies their shared pages).
 //!
 //! Prefix caching (on a pool made with `enable_prefix_caching=True`) binds the core's
 //! `add_request`, `cache_computed`, `checkpoint`, `cache_stats` and `cached_page_group`
@@ -79,88 +73,6 @@ impl PyHybridTables {
     }
 }
 
-/// Each request's appended tokens, checked all together before any is appended: every id
-/// known and listed once, every new length representable.
-fn check_batch(
-    tables: &HybridTables,
-    rids: &[u64],
-    counts: &[usize],
-    token_ids: Option<&[u32]>,
-) -> Result<(), CoreError> {
-    if rids.len() != counts.len() {
-        return Err(CoreError::InvalidArgument(format!(
-            "{} request ids but {} counts",
-            rids.len(),
-            counts.len()
-        )));
-    }
-    if let Some(ids) = token_ids {
-        let total = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
-        if total != Some(ids.len()) {
-            let total = total.map_or_else(|| "more".to_string(), |t| t.to_string());
-            return Err(CoreError::InvalidArgument(format!(
-                "{} token ids for {total} tokens (sum of counts): give one id per appended token",
-                ids.len()
-            )));
-        }
-    }
-    let mut sorted = rids.to_vec();
-    sorted.sort_unstable();
-    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-        return Err(CoreError::InvalidArgument(format!(
-            "request id {} appears twice in one call",
-            w[0]
-        )));
-    }
-    for (&rid, &count) in rids.iter().zip(counts) {
-        let n = tables.num_tokens(rid)?;
-        if n.checked_add(count).is_none() {
-            return Err(CoreError::InvalidArgument(format!(
-                "request {rid}: {n} + {count} tokens overflow"
-            )));
-        }
-    }
-    Ok(())
-}
-
-/// The most fresh pages appending `count` tokens to `rid` takes (new pages and copy
-/// destinations), from the spec and the request's tables as they are: the core's plan for
-/// one `append`. Pages other appends of the same batch release or un-share only lower what
-/// the later ones take, so the sum over a batch bounds the batch.
-fn fresh_pages_bound(tables: &HybridTables, rid: u64, count: usize) -> Result<usize, CoreError> {
-    let spec = tables.spec();
-    let old = tables.num_tokens(rid)?;
-    let new = old + count; // checked by `check_batch`
-    let mut fresh = 0usize;
-    for group in 0..spec.num_groups() {
-        let table = tables.table(rid, group)?;
-        let live = spec.live_pages(group, new, old)?;
-        let held = table.first_page..table.first_page + table.page_ids.len();
-        let kept = live.start.max(held.start)..live.end.min(held.end);
-        fresh += live.len() - kept.len().min(live.len());
-        if count == 0 {
-            continue;
-        }
-        match table.block_size {
-            None => {
-                if let Some(&first) = table.page_ids.first() {
-                    if tables.pool().ref_cnt(first)? > 1 {
-                        fresh += table.page_ids.len();
-                    }
-                }
-            }
-            Some(block_size) => {
-                let written = old / block_size;
-                if old % block_size != 0 && kept.contains(&written) {
-                    let page = table.page_ids[written - held.start];
-                    fresh += (tables.pool().ref_cnt(page)? > 1) as usize;
-                }
-            }
-        }
-    }
-    Ok(fresh)
-}
-
 /// One request's append: with its token ids (hashed for prefix caching) or without.
 fn append_one(
     tables: &mut HybridTables,
@@ -172,52 +84,6 @@ fn append_one(
         Some(ids) => tables.append_tokens(rid, ids),
         None => tables.append(rid, count),
     }
-}
-
-/// Appends every request's tokens (`token_ids`: all requests' new ids concatenated in call
-/// order), all or none: checks the batch, makes sure the free and evictable pages cover the
-/// pages the batch can take (growing a growable pool first; a refused growth changes
-/// nothing), then appends each in order, none of which can then run out of pages. An
-/// append never makes a page leave the free and evictable pages except those it takes (the
-/// pages it caches are held; those it releases go back to either), so the bound holds
-/// through the batch.
-fn append_batch(
-    tables: &mut HybridTables,
-    rids: &[u64],
-    counts: &[usize],
-    token_ids: Option<&[u32]>,
-) -> Result<Vec<PageCopy>, CoreError> {
-    check_batch(tables, rids, counts, token_ids)?;
-    if let [rid] = rids {
-        // The core's own call checks its room (evictable pages included) first.
-        return append_one(tables, *rid, counts[0], token_ids);
-    }
-    let mut needed = 0usize;
-    for (&rid, &count) in rids.iter().zip(counts) {
-        needed = needed.saturating_add(fresh_pages_bound(tables, rid, count)?);
-    }
-    let pool = tables.pool();
-    // Evictable pages count: the tables evict them (least recently used first) when the free
-    // list runs short. Without prefix caching there are none.
-    let room = pool.num_free() + pool.num_evictable();
-    if needed > room {
-        if !pool.is_growable() {
-            return Err(CoreError::OutOfBlocks {
-                requested: needed,
-                free: room,
-                num_blocks: pool.num_blocks(),
-            });
-        }
-        pool.grow(pool.num_blocks().saturating_add(needed - room))?;
-    }
-    let mut copies = Vec::new();
-    let mut offset = 0;
-    for (&rid, &count) in rids.iter().zip(counts) {
-        let ids = token_ids.map(|ids| &ids[offset..offset + count]);
-        offset += count;
-        copies.extend(append_one(tables, rid, count, ids)?);
-    }
-    Ok(copies)
 }
 
 /// What `HybridTables.add_request` found and must have copied.
@@ -407,7 +273,10 @@ impl PyHybridTables {
     /// `request_ids`, all or none (ids must be distinct). `token_ids`, when given, are all
     /// requests' new ids concatenated in call order (`sum(counts)` of them), as
     /// `append_tokens` takes them. Returns every request's page copies, in call order, as
-    /// `append_tokens` does.
+    /// `append_tokens` does. When it succeeds it is `append_tokens` of each request in call
+    /// order: of a forked parent and child in one step only the first listed copies the
+    /// pages they share. It is refused (`OutOfBlocksError`, nothing changed) when the new
+    /// pages of all of them exceed the free and evictable pages before the call.
     #[pyo3(signature = (request_ids, counts, token_ids = None))]
     fn append_tokens_many<'py>(
         &self,
@@ -421,9 +290,9 @@ impl PyHybridTables {
         let tokens = token_ids.map(crate::prefix::token_ids).transpose()?;
         let total = counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
         let copies = if total >= DETACH_MIN_TOKENS {
-            py.detach(|| append_batch(&mut self.lock(), &rids, &counts, tokens.as_deref()))
+            py.detach(|| self.lock().append_many(&rids, &counts, tokens.as_deref()))
         } else {
-            append_batch(&mut self.lock(), &rids, &counts, tokens.as_deref())
+            self.lock().append_many(&rids, &counts, tokens.as_deref())
         }
         .map_err(PyKvError)?;
         Ok(copies_array(py, &copies))

@@ -15,6 +15,7 @@ impl HybridTables {
     /// a page is held by one group only, at most once per table
     /// num_free + num_evictable + num_used == num_blocks   and the pool's own invariants
     /// num_used == #{b : refs(b) > 0}
+    /// quiet_until(r) is 0, <= num_tokens(r), or <= what r's pages allow now
     /// ```
     ///
     /// and with prefix caching (`prefix.rs`):
@@ -92,6 +93,7 @@ impl HybridTables {
         if held != pool.num_used() {
             return Err(format!("tables hold {held} pages, the pool has {} used", pool.num_used()));
         }
+        self.check_quiet_until()?;
         self.check_prefix_invariants(&group_of)
     }
 }

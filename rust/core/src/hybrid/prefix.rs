@@ -352,7 +352,13 @@ impl HybridTables {
         cache.record_query(num_tokens, hit);
         self.requests.insert(
             request_id,
-            RequestPages { num_tokens, next_query: hit, groups, hashes: Some(hashes) },
+            RequestPages {
+                num_tokens,
+                next_query: hit,
+                groups,
+                hashes: Some(hashes),
+                quiet_until: 0,
+            },
         );
         Ok(HybridAdd { num_cached_tokens: hit, copies, swapped_in_pages: from_host.len() })
     }

@@ -136,6 +136,11 @@ impl Divisor {
     }
 
     #[inline]
+    pub(super) fn value(self) -> usize {
+        self.value
+    }
+
+    #[inline]
     pub(super) fn div(self, n: usize) -> usize {
         match self.shift {
             Some(shift) => n >> shift,
