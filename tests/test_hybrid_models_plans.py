@@ -75,8 +75,9 @@ def test_group_pool_strides_are_the_specs_offsets():
                                 assert got == want, (g, page, layer, part, token, head, dim)
 
 
-def gpt_oss_hd32(seed=0):
-    """The CPU tests' gpt-oss with head_dim 32 (the decode kernels' smallest)."""
+def gpt_oss_hd64(seed=0):
+    """The CPU tests' gpt-oss with head_dim 64 (gpt-oss's: the decode and prefill kernels
+    both take it)."""
     torch.manual_seed(seed)
     cfg = GptOssConfig(
         num_hidden_layers=4,
@@ -87,7 +88,7 @@ def gpt_oss_hd32(seed=0):
         vocab_size=97,
         hidden_size=64,
         intermediate_size=64,
-        head_dim=32,
+        head_dim=64,
         num_attention_heads=4,
         num_key_value_heads=2,
         initializer_range=0.1,
@@ -107,33 +108,47 @@ def gpt_oss_hd32(seed=0):
 def plans_on_host(monkeypatch):
     """Decode rows through the decode plans on a host pool (float32 allowed: the host
     reference reads it), every plan made recorded."""
-    made = []
-    real = kvpool.decode_plan
+    made: dict[str, list] = {"decode": [], "prefill": []}
 
-    def recording(*args, **kwargs):
-        made.append(kwargs.get("window"))
-        return real(*args, **kwargs)
+    def recording(kind):
+        real = getattr(kvpool, f"{kind}_plan")
+
+        def plan(*args, **kwargs):
+            made[kind].append((kwargs.get("window"), kwargs.get("use_sinks")))
+            return real(*args, **kwargs)
+
+        return plan
 
     monkeypatch.setattr(hm.HybridStep, "plans_on_host", True)
     monkeypatch.setattr(hg, "KERNEL_DTYPES", ("float16", "bfloat16", "float32"))
-    monkeypatch.setattr(kvpool, "decode_plan", recording)
+    for kind in made:
+        monkeypatch.setattr(kvpool, f"{kind}_plan", recording(kind))
     return made
 
 
 def test_gpt_oss_decode_rows_through_the_decode_plans(plans_on_host):
-    model = gpt_oss_hd32()
+    model = gpt_oss_hd64()
     err = max_error(model, spec_of(model))
     print(f"gpt-oss decode rows through the plans: max relative logit error {err:.3g}")
     assert err < BOUND
-    assert set(plans_on_host) == {8, None}  # window and full layers both took a plan
+    # window and full layers took both kinds of plan, the prefill ones with sinks
+    assert {w for w, _ in plans_on_host["decode"]} == {8, None}
+    assert set(plans_on_host["prefill"]) == {(8, True), (None, True)}
 
 
-def test_sinks_left_out_of_the_plans_fail_the_bound(plans_on_host, monkeypatch):
-    real = kvpool.kernels.DecodePlan.run
+@pytest.mark.parametrize("kind", ["DecodePlan", "PrefillPlan"])
+def test_sinks_left_out_of_a_plan_fail_the_bound(plans_on_host, monkeypatch, kind):
+    plan_type = getattr(kvpool.kernels, kind)
+    real = plan_type.run
 
     def without_sinks(self, q, layer, *, out=None, sinks=None):
-        return real(self, q, layer, out=out)
+        if sinks is not None and kind == "PrefillPlan":  # its run refuses None under use_sinks
+            sinks = torch.full_like(sinks, -1e30)  # exp(-1e30) = 0: the sinks' share gone
+        else:
+            sinks = None
+        return real(self, q, layer, out=out, sinks=sinks)
 
-    monkeypatch.setattr(kvpool.kernels.DecodePlan, "run", without_sinks)
-    err = max_error(gpt_oss_hd32(), spec_of(gpt_oss_hd32()))
+    monkeypatch.setattr(plan_type, "run", without_sinks)
+    err = max_error(gpt_oss_hd64(), spec_of(gpt_oss_hd64()))
+    print(f"sinks left out of the {kind}s: max relative logit error {err:.3g}")
     assert err > 10 * BOUND

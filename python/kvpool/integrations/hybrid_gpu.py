@@ -8,9 +8,10 @@ hybrid_models.md, "On the GPU"):
   kernels take (`layout` with the group's strides, `base_ptr` at the group's first K element,
   the pool's pages as blocks). Every stride comes from `ModelKvSpec.attention_offset_bytes`
   (the Rust page scheme), not re-derived here.
-- `decode_kernel_fits(group, block_size)` / `mla_kernel_fits(group)`: whether kvpool's
-  tensor-core decode (full and window layers, sinks) or `paged_mla_decode` runs a group's
-  decode rows; where not, the rows take the torch gather path on the GPU.
+- `decode_kernel_fits(group, block_size)` / `prefill_kernel_fits` / `mla_kernel_fits(group)`:
+  whether kvpool's tensor-core decode (full and window layers, sinks), its prefill kernel
+  (windows, sinks) or `paged_mla_decode` runs a group's decode rows / prefill chunks; where
+  not, the rows take the torch gather path on the GPU.
 """
 
 from __future__ import annotations
@@ -120,9 +121,26 @@ def decode_kernel_fits(group: Any, block_size: int) -> bool:
     )
 
 
+def prefill_kernel_fits(group: Any, block_size: int) -> bool:
+    """Whether kvpool's prefill kernel (paged_prefill.cu: windows, window-relative tables and
+    sinks) runs this full / window group's prefill chunks (float16 / bfloat16, head_dim 64,
+    128 or 256, a power-of-two page of at most 256 tokens)."""
+    return (
+        group.dtype in KERNEL_DTYPES
+        and group.head_dim in _build.HEAD_DIMS
+        and block_size in _build.PREFILL_BLOCK_SIZES
+    )
+
+
 def mla_kernel_fits(group: Any) -> bool:
     """Whether paged_mla_decode runs this MLA group (DeepSeek-V3's 512 + 64, 16-bit)."""
     return group.dtype in KERNEL_DTYPES and (group.latent_dim, group.rope_dim) == (512, 64)
 
 
-__all__ = ["GroupPool", "decode_kernel_fits", "device_slab", "mla_kernel_fits"]
+__all__ = [
+    "GroupPool",
+    "decode_kernel_fits",
+    "device_slab",
+    "mla_kernel_fits",
+    "prefill_kernel_fits",
+]

@@ -17,7 +17,10 @@ hybrid KV memory (optional extra `kvpool[transformers]`); design: hybrid_models.
   passes one. An MLA layer's latents are written by the step's `past_key_values` (DeepSeek-V3
   hands the cache its latent before expanding it) and attended with the projections absorbed.
   On a host pool the attention is computed with torch in float64 from the pages (gathered
-  through the tables), the same reads a paged kernel makes.
+  through the tables), the same reads a paged kernel makes. On a CUDA pool the pages, K/V
+  writes and state slots are in device memory (kvpool.integrations.hybrid_gpu); decode rows
+  run kvpool's tensor-core decode (full and window groups, sinks) or paged_mla_decode where
+  the group fits them, every other row the same gather in float32 on the GPU.
 - `HybridTransformersRunner(model, pool)`: the model runner of `kvpool.generation.generate`
   (pass `spec=runner.spec`): continuous batching on HybridTables.
 """
@@ -40,6 +43,7 @@ from kvpool.integrations.hybrid_gpu import (
     decode_kernel_fits,
     device_slab,
     mla_kernel_fits,
+    prefill_kernel_fits,
 )
 from kvpool.integrations.transformers import sample
 from kvpool.kernels import mla_decode_plan
@@ -540,23 +544,71 @@ class HybridStep:
     ) -> torch.Tensor:
         """Attention [num_tokens, q_heads, D] of q [num_tokens, q_heads, D] over the keys the
         layer's group holds: causal, the last `window` keys on a window layer, the sinks'
-        logits in the denominator. The decode rows run kvpool's decode kernel where it fits
-        (kernel_rows), the rest the gather."""
+        logits in the denominator. The decode rows run kvpool's decode kernel and the
+        prefill chunks its prefill kernel where the group fits them (kernel_rows,
+        prefill_kernel), other rows the gather."""
         group, index = self.spec.group_of_layer(layer)
-        t = q.shape[0]
-        nd = self.kernel_rows(group, softcap)
-        if nd == 0:
-            return self._attend_gathered(layer, q, window, scale, sinks, softcap, 0)
+        t, nd = q.shape[0], self.batch.num_decode
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        plan = self._decode_plan(group, window, scale, q.shape[1])
         sinks32 = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
-        if self.cuda:
-            plan.run(q[:nd].contiguous(), index, out=out[:nd], sinks=sinks32)
-        else:  # the plan's float64 reference (plans_on_host)
-            out[:nd] = torch.as_tensor(plan.run(q[:nd].contiguous(), index, sinks=sinks32))
-        if nd < t:
+        if self.kernel_rows(group, softcap):
+            plan = self._decode_plan(group, window, scale, q.shape[1])
+            self._run(plan, q, out, 0, nd, index, sinks32)
+        elif nd:
+            out[:nd] = self._attend_gathered(layer, q[:nd], window, scale, sinks, softcap, 0)
+        if nd == t:
+            return out
+        if self.prefill_kernel(group, softcap):
+            plan = self._prefill_plan(group, window, scale, q.shape[1], sinks is not None)
+            self._run(plan, q, out, nd, t, index, sinks32)
+        else:
             out[nd:] = self._attend_gathered(layer, q[nd:], window, scale, sinks, softcap, nd)
         return out
+
+    def _run(self, plan, q, out, lo: int, hi: int, index: int, sinks) -> None:
+        """A decode or prefill plan over rows lo..hi into out (on the host: the plan's float64
+        reference, plans_on_host)."""
+        rows = q[lo:hi].contiguous()
+        if self.cuda:
+            plan.run(rows, index, out=out[lo:hi], sinks=sinks)
+        else:
+            out[lo:hi] = torch.as_tensor(plan.run(rows, index, sinks=sinks))
+
+    def prefill_kernel(self, group: int, softcap: float | None = None) -> bool:
+        """Whether the step's prefill chunks run kvpool's prefill kernel for `group`
+        (hybrid_gpu.prefill_kernel_fits; never with a softcap)."""
+        if not self.use_plans or softcap is not None:
+            return False
+        g = self.spec.groups[group]
+        if g.kind not in ("full", "sliding_window"):
+            return False
+        return prefill_kernel_fits(g, int(self.spec.block_size(group)))  # type: ignore[arg-type]
+
+    def _prefill_plan(
+        self, group: int, window: int | None, scale: float, num_q_heads: int, use_sinks: bool
+    ):
+        key = ("prefill", group, window, scale, num_q_heads, use_sinks)
+        plan = self._plans.get(key)
+        if plan is None:
+            gs, nd, b = self.batch.group(group), self.batch.num_decode, self.batch
+            indptr = (b.seq_indptr[nd:] - b.seq_indptr[nd]).astype(np.int32)
+            tables = torch.from_numpy(gs.page_ids[nd:].astype(np.int32)).to(self.device)
+            first = torch.from_numpy((gs.key_start[nd:] // gs.block_size).astype(np.int32))
+            plan = self._plans[key] = kvpool.prefill_plan(
+                GroupPool(self.views.pool, self.spec, group, self.views),
+                indptr,
+                tables,
+                gs.key_end[nd:].astype(np.int32),
+                num_q_heads,
+                scale=scale,
+                stream=torch.cuda.current_stream(self.device) if self.cuda else None,
+                window=window,
+                first_page=None
+                if self.spec.groups[group].kind == "full"
+                else first.to(self.device),
+                use_sinks=use_sinks,
+            )
+        return plan
 
     def _attend_gathered(
         self,
