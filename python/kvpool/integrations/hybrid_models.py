@@ -620,13 +620,13 @@ class HybridStep:
         softcap: float | None,
         first_row: int,
     ) -> torch.Tensor:
-        """The gather path for the step's rows first_row.. (q holds those rows): the keys of
-        each row's table read from the pages, in compute_dtype."""
+        """The gather path for the step's rows first_row .. first_row + len(q) (q holds those
+        rows): the keys of each row's table read from the pages, in compute_dtype."""
         kc, vc = self.views.layer(layer)
         gat = self.gather(self.spec.group_of_layer(layer)[0], window)
-        pages, offsets = gat.pages[first_row:], gat.offsets[first_row:]
-        seen = gat.seen[first_row:]
         t, hq, d = q.shape
+        rows = slice(first_row, first_row + t)
+        pages, offsets, seen = gat.pages[rows], gat.offsets[rows], gat.seen[rows]
         hkv = kc.shape[2]
         cd = self.compute_dtype
         keys = kc[pages, offsets].to(cd)  # [T, L, Hkv, D]
