@@ -341,6 +341,24 @@ class PageViews:
         return kv
 
 
+def check_keys_held(gs: HybridGroupStep, batch: HybridStepBatch, window: int | None) -> None:
+    """InvalidArgumentError unless every key each packed row attends to (the last `window`
+    keys, or all) lies in the pages its table holds: a wider window than the group's would
+    read a page the table gave back."""
+    seq = batch.token_seq
+    first_needed = np.zeros(len(seq), np.int64)
+    if window is not None:
+        first_needed = np.maximum(batch.positions - window + 1, 0)
+    missing = first_needed < gs.key_start[seq]
+    if missing.any():
+        t = int(np.flatnonzero(missing)[0])
+        raise kvpool.InvalidArgumentError(
+            f"request {int(batch.seq_request_ids[seq[t]])} group {gs.group}: the query at "
+            f"{int(batch.positions[t])} needs the key at {int(first_needed[t])}, but its "
+            f"table holds keys from {int(gs.key_start[seq[t]])} on"
+        )
+
+
 class _GroupGather:
     """Per token group and window, the keys each packed row reads: [num_tokens, num_keys]
     page ids and offsets into the group's pages, and which of them the row attends to."""
@@ -348,24 +366,15 @@ class _GroupGather:
     def __init__(
         self, gs: HybridGroupStep, batch: HybridStepBatch, window: int | None, device: torch.device
     ) -> None:
+        check_keys_held(gs, batch, window)
         bs, seq = gs.block_size, batch.token_seq
         num_keys = gs.page_ids.shape[1] * bs
         key = np.arange(num_keys, dtype=np.int64)
         pos = gs.key_start[seq][:, None] + key[None, :]  # the position of each key slot
         q = batch.positions[:, None]
         seen = (pos < gs.key_end[seq][:, None]) & (pos <= q)
-        first_needed = np.zeros(len(seq), np.int64)
         if window is not None:
             seen &= pos > q - window
-            first_needed = np.maximum(batch.positions - window + 1, 0)
-        missing = first_needed < gs.key_start[seq]
-        if missing.any():
-            t = int(np.flatnonzero(missing)[0])
-            raise kvpool.InvalidArgumentError(
-                f"request {int(batch.seq_request_ids[seq[t]])} group {gs.group}: the query at "
-                f"{int(batch.positions[t])} needs the key at {int(first_needed[t])}, but its "
-                f"table holds keys from {int(gs.key_start[seq[t]])} on"
-            )
         pages = gs.page_ids[seq][:, key // bs]
         self.pages = torch.from_numpy(np.where(seen, pages, 0)).to(device)
         self.offsets = torch.from_numpy(np.broadcast_to(key % bs, pages.shape).copy()).to(device)
@@ -397,6 +406,7 @@ class HybridStep:
         # float32's rate, and float32 sums of float32 / 16-bit products are what kernels do.
         self.compute_dtype = torch.float32 if self.cuda else torch.float64
         self._gathers: dict[tuple[int, int | None], _GroupGather] = {}
+        self._checked: set[tuple[int, int | None]] = set()
         self._plans: dict[tuple[Any, ...], Any] = {}
         self._decode_tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
         self._slots = {
@@ -406,6 +416,12 @@ class HybridStep:
             )
             for gs in batch.groups
         }
+
+    def check(self, group: int, window: int | None) -> None:
+        """check_keys_held for `group` and `window`, once per step."""
+        if (group, window) not in self._checked:
+            check_keys_held(self.batch.group(group), self.batch, window)
+            self._checked.add((group, window))
 
     def gather(self, group: int, window: int | None) -> _GroupGather:
         g = self._gathers.get((group, window))
@@ -740,7 +756,7 @@ def attend_packed(
             f"layer {layer} attends with sliding_window={how.window} but the spec holds it "
             f"in a {group.kind} group"
         )
-    step.gather(step.spec.group_of_layer(layer)[0], how.window)  # checked before any write
+    step.check(step.spec.group_of_layer(layer)[0], how.window)  # before any write
     step.write(layer, k, v)
     return step.attend(layer, q, how.window, how.scale, how.sinks, how.softcap)
 
