@@ -15,7 +15,8 @@ asked for):
   "flex_attention".
 - hf_static_eager: the same with cache_implementation="static" on the first two batches.
 - hf_continuous_batching: transformers' continuous batching ("paged|eager") over as many KV
-  tokens as the budget, if it runs this model.
+  tokens as the budget, if it runs this model. The rows run in this order, flex attention
+  (torch.compile) last.
 Writes JSON (provenance + rows + ratios) to --out.
 """
 
@@ -178,8 +179,8 @@ def main(argv: list[str] | None = None) -> None:
         ("kvpool_hybrid_loop", lambda: run_kvpool(model, reqs, kv_bytes)),
         ("hf_dynamic_eager", lambda: hf_rows(model, reqs, args.batch, "eager")),
         ("hf_static_eager", lambda: hf_rows(model, reqs, args.batch, "eager", "static", 2)),
-        ("hf_dynamic_flex", lambda: hf_rows(model, reqs, args.batch, "flex_attention")),
         ("hf_continuous_batching", lambda: hf_cb(model, reqs, budget_tokens)),
+        ("hf_dynamic_flex", lambda: hf_rows(model, reqs, args.batch, "flex_attention")),
     ]
     only = {s for s in args.only.split(",") if s}
     for name, fn in steps:
