@@ -55,6 +55,10 @@ ROUTINES = {
     "growable": ("gpu", "growing a pool in place (CUDA virtual memory) vs allocate-copy-free"),
     "swap": ("gpu", "host-tier swaps vs one pinned cudaMemcpyAsync and a per-block loop"),
     "generate": ("gpu", "the generation loop vs transformers' caches (needs transformers)"),
+    "hybrid_generate": (
+        "gpu",
+        "a gpt-oss-shaped model through the hybrid loop vs transformers' caches, same KV bytes",
+    ),
     "transfer_nixl": (
         "cpu",
         "a request's blocks through NIXL host to host vs one contiguous NIXL read",

@@ -79,8 +79,9 @@ class _HybridLayer(CacheLayerMixin):
 
 
 class HybridKvpoolCache(RowLifetime, Cache):
-    """A generate() cache over a host `pool` of `spec`'s pages (spec defaults to
-    spec_for_model(model)) for up to max_batch_size rows. The model must attend with
+    """A generate() cache over a `pool` of `spec`'s pages (spec defaults to
+    spec_for_model(model)) on the model's device (a host pool, or a CUDA pool for a model on
+    the GPU) for up to max_batch_size rows. The model must attend with
     "kvpool_hybrid": a forward with any other attention is refused with
     InvalidArgumentError before anything is written. One generate() per cache; close()
     frees what is left."""
@@ -109,7 +110,7 @@ class HybridKvpoolCache(RowLifetime, Cache):
             )
         self.views = PageViews(pool, spec)
         self.model, self.pool, self.spec = model, pool, spec
-        self.device = torch.device("cpu")
+        self.device = self.views.device
         self.max_rows = max_batch_size
         self.tables = kvpool.HybridTables(pool, spec)
         self.num_rows = 0
@@ -174,7 +175,7 @@ class HybridKvpoolCache(RowLifetime, Cache):
         pre = [(b, [0] * int(new[b]), int(cached[b])) for b in plan.prefill_rows.tolist()]
         batch = build_hybrid_step(self.tables, dec, pre, [0.0] * len(dec), [0] * len(dec))
         self.step = HybridStep(self.views, batch, self.device)
-        self._gather = torch.from_numpy(plan.gather)
+        self._gather = torch.from_numpy(plan.gather).to(self.device)
         self.plan = plan
         self.seen_width += width
 

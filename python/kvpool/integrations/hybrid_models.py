@@ -17,7 +17,10 @@ hybrid KV memory (optional extra `kvpool[transformers]`); design: hybrid_models.
   passes one. An MLA layer's latents are written by the step's `past_key_values` (DeepSeek-V3
   hands the cache its latent before expanding it) and attended with the projections absorbed.
   On a host pool the attention is computed with torch in float64 from the pages (gathered
-  through the tables), the same reads a paged kernel makes.
+  through the tables), the same reads a paged kernel makes. On a CUDA pool the pages, K/V
+  writes and state slots are in device memory (kvpool.integrations.hybrid_gpu); decode rows
+  run kvpool's tensor-core decode (full and window groups, sinks) or paged_mla_decode where
+  the group fits them, every other row the same gather in float32 on the GPU.
 - `HybridTransformersRunner(model, pool)`: the model runner of `kvpool.generation.generate`
   (pass `spec=runner.spec`): continuous batching on HybridTables.
 """
@@ -35,7 +38,15 @@ import kvpool
 from kvpool._core import ModelKvSpec, Pool
 from kvpool.generation.hybrid_batch import HybridGroupStep, HybridStepBatch
 from kvpool.integrations.attention import TORCH_DTYPES, check_model, pool_device, take_active
+from kvpool.integrations.hybrid_gpu import (
+    GroupPool,
+    decode_kernel_fits,
+    device_slab,
+    mla_kernel_fits,
+    prefill_kernel_fits,
+)
 from kvpool.integrations.transformers import sample
+from kvpool.kernels import mla_decode_plan
 
 NAME = "kvpool_hybrid"
 FULL, SLIDING, MLA = "full_attention", "sliding_attention", "mla"
@@ -239,17 +250,14 @@ def register() -> None:
 
 
 class PageViews:
-    """Typed torch views over a host pool's pages: per layer its K and V as
+    """Typed torch views over a pool's pages (host or CUDA): per layer its K and V as
     [num_pages, block_size, kv_heads, head_dim] with the page stride (hybrid.md's page
     scheme: [layer][K|V][token][kv_head][head_dim] inside each page). A pool made by
-    Pool.for_spec has no KvLayout and so no k_view; the slab is read through its address,
-    which the view keeps alive by holding the pool."""
+    Pool.for_spec has no KvLayout and so no k_view; the slab is read through its address
+    (host memory through ctypes, device memory through __cuda_array_interface__), which the
+    view keeps alive by holding the pool."""
 
     def __init__(self, pool: Pool, spec: ModelKvSpec) -> None:
-        if pool_device(pool).type != "cpu":
-            raise kvpool.InvalidArgumentError(
-                f"the hybrid attention runs on a host pool for now; this pool is on {pool.device}"
-            )
         if pool.growable:
             raise kvpool.InvalidArgumentError("the hybrid attention needs a pool of fixed size")
         if pool.block_bytes != spec.page_bytes:
@@ -258,9 +266,13 @@ class PageViews:
                 f"{spec.page_bytes}"
             )
         self.pool, self.spec = pool, spec
-        n = pool.num_blocks * spec.page_bytes
-        buf = (ctypes.c_uint8 * n).from_address(pool.base_ptr)
-        self.slab = torch.frombuffer(buf, dtype=torch.uint8)
+        self.device = pool_device(pool)
+        if self.device.type == "cuda":
+            self.slab = device_slab(pool, self.device)
+        else:
+            n = pool.num_blocks * spec.page_bytes
+            buf = (ctypes.c_uint8 * n).from_address(pool.base_ptr)
+            self.slab = torch.frombuffer(buf, dtype=torch.uint8)
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._latents: dict[int, torch.Tensor] = {}
 
@@ -329,6 +341,24 @@ class PageViews:
         return kv
 
 
+def check_keys_held(gs: HybridGroupStep, batch: HybridStepBatch, window: int | None) -> None:
+    """InvalidArgumentError unless every key each packed row attends to (the last `window`
+    keys, or all) lies in the pages its table holds: a wider window than the group's would
+    read a page the table gave back."""
+    seq = batch.token_seq
+    first_needed = np.zeros(len(seq), np.int64)
+    if window is not None:
+        first_needed = np.maximum(batch.positions - window + 1, 0)
+    missing = first_needed < gs.key_start[seq]
+    if missing.any():
+        t = int(np.flatnonzero(missing)[0])
+        raise kvpool.InvalidArgumentError(
+            f"request {int(batch.seq_request_ids[seq[t]])} group {gs.group}: the query at "
+            f"{int(batch.positions[t])} needs the key at {int(first_needed[t])}, but its "
+            f"table holds keys from {int(gs.key_start[seq[t]])} on"
+        )
+
+
 class _GroupGather:
     """Per token group and window, the keys each packed row reads: [num_tokens, num_keys]
     page ids and offsets into the group's pages, and which of them the row attends to."""
@@ -336,24 +366,15 @@ class _GroupGather:
     def __init__(
         self, gs: HybridGroupStep, batch: HybridStepBatch, window: int | None, device: torch.device
     ) -> None:
+        check_keys_held(gs, batch, window)
         bs, seq = gs.block_size, batch.token_seq
         num_keys = gs.page_ids.shape[1] * bs
         key = np.arange(num_keys, dtype=np.int64)
         pos = gs.key_start[seq][:, None] + key[None, :]  # the position of each key slot
         q = batch.positions[:, None]
         seen = (pos < gs.key_end[seq][:, None]) & (pos <= q)
-        first_needed = np.zeros(len(seq), np.int64)
         if window is not None:
             seen &= pos > q - window
-            first_needed = np.maximum(batch.positions - window + 1, 0)
-        missing = first_needed < gs.key_start[seq]
-        if missing.any():
-            t = int(np.flatnonzero(missing)[0])
-            raise kvpool.InvalidArgumentError(
-                f"request {int(batch.seq_request_ids[seq[t]])} group {gs.group}: the query at "
-                f"{int(batch.positions[t])} needs the key at {int(first_needed[t])}, but its "
-                f"table holds keys from {int(gs.key_start[seq[t]])} on"
-            )
         pages = gs.page_ids[seq][:, key // bs]
         self.pages = torch.from_numpy(np.where(seen, pages, 0)).to(device)
         self.offsets = torch.from_numpy(np.broadcast_to(key % bs, pages.shape).copy()).to(device)
@@ -361,13 +382,33 @@ class _GroupGather:
 
 
 class HybridStep:
-    """One packed step of a hybrid model on a host pool: its batch, the page views and the
-    per-group gathers, made once and shared by every layer."""
+    """One packed step of a hybrid model on a host or CUDA pool: its batch, the page views,
+    the per-group gathers and (CUDA) the decode rows' kernel plans, made once and shared by
+    every layer.
+
+    On the host every row is attended in float64 from the gathered pages (the reference).
+    On a CUDA pool the decode rows of a full or window group run kvpool's tensor-core decode
+    (sinks included) over the group's table, and those of DeepSeek-V3's MLA group
+    `paged_mla_decode`, where the group fits them (hybrid_gpu.decode_kernel_fits,
+    mla_kernel_fits); the other rows (prefill chunks, float32 models, softcapped scores) take
+    the same gather in float32 on the GPU."""
+
+    # Tests set this to run the decode rows through the same plans on a host pool, whose
+    # runs are the kernels' float64 references: the plans' wiring checked without a GPU.
+    plans_on_host = False
 
     def __init__(self, views: PageViews, batch: HybridStepBatch, device: torch.device) -> None:
         self.views, self.batch, self.device = views, batch, device
         self.spec = views.spec
+        self.cuda = device.type == "cuda"
+        self.use_plans = self.cuda or self.plans_on_host
+        # float64 is the host's reference; on the GPU float64 runs at a small fraction of
+        # float32's rate, and float32 sums of float32 / 16-bit products are what kernels do.
+        self.compute_dtype = torch.float32 if self.cuda else torch.float64
         self._gathers: dict[tuple[int, int | None], _GroupGather] = {}
+        self._checked: set[tuple[int, int | None]] = set()
+        self._plans: dict[tuple[Any, ...], Any] = {}
+        self._decode_tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
         self._slots = {
             gs.group: (
                 torch.from_numpy(gs.slot_pages).to(device),
@@ -375,6 +416,12 @@ class HybridStep:
             )
             for gs in batch.groups
         }
+
+    def check(self, group: int, window: int | None) -> None:
+        """check_keys_held for `group` and `window`, once per step."""
+        if (group, window) not in self._checked:
+            check_keys_held(self.batch.group(group), self.batch, window)
+            self._checked.add((group, window))
 
     def gather(self, group: int, window: int | None) -> _GroupGather:
         g = self._gathers.get((group, window))
@@ -397,27 +444,109 @@ class HybridStep:
         pages, offsets = self._slots[self.spec.group_of_layer(layer)[0]]
         view[pages, offsets] = latent.to(view.dtype)
 
+    # -- the decode rows' kernels (CUDA) ------------------------------------------------------
+
+    def kernel_rows(self, group: int, softcap: float | None = None) -> int:
+        """How many leading rows (the decode rows) run a kvpool kernel for `group`: 0 on a
+        host pool (unless plans_on_host), for a group the kernels do not fit, or with a
+        softcap (no kernel takes one)."""
+        if not self.use_plans or not self.batch.num_decode or softcap is not None:
+            return 0
+        g = self.spec.groups[group]
+        if g.kind == "mla_latent":
+            fits = mla_kernel_fits(g)
+        else:
+            fits = decode_kernel_fits(g, int(self.spec.block_size(group)))  # type: ignore[arg-type]
+        return self.batch.num_decode if fits else 0
+
+    def decode_tables(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The decode rows' (block tables int32 [num_decode, width], seq_lens int32, first
+        page int32, the longest seq_len) for `group`, on the device: a decode row is a
+        sequence of one token whose K/V the layer wrote before it attends, so its seq_len is
+        its table's key_end."""
+        t = self._decode_tables.get(group)
+        if t is None:
+            gs, nd = self.batch.group(group), self.batch.num_decode
+            dev = self.device
+            tables = torch.from_numpy(gs.page_ids[:nd].astype(np.int32)).to(dev)
+            lens = torch.from_numpy(gs.key_end[:nd].astype(np.int32)).to(dev)
+            first = torch.from_numpy((gs.key_start[:nd] // gs.block_size).astype(np.int32))
+            t = (tables, lens, first.to(dev), int(gs.key_end[:nd].max()))
+            self._decode_tables[group] = t
+        return t
+
+    def _decode_plan(self, group: int, window: int | None, scale: float, num_q_heads: int):
+        key = ("decode", group, window, scale, num_q_heads)
+        plan = self._plans.get(key)
+        if plan is None:
+            tables, lens, first, longest = self.decode_tables(group)
+            plan = self._plans[key] = kvpool.decode_plan(
+                GroupPool(self.views.pool, self.spec, group, self.views),
+                tables,
+                lens,
+                num_q_heads,
+                max_seq_len=longest if self.cuda else None,
+                scale=scale,
+                stream=torch.cuda.current_stream(self.device) if self.cuda else None,
+                window=window,
+                first_page=None if self.spec.groups[group].kind == "full" else first,
+            )
+        return plan
+
+    def _mla_plan(self, group: int, scale: float, num_heads: int):
+        key = ("mla", group, scale, num_heads)
+        plan = self._plans.get(key)
+        if plan is None:
+            tables, lens, _, longest = self.decode_tables(group)
+            plan = self._plans[key] = mla_decode_plan(
+                self.views.pool,
+                self.spec,
+                group,
+                tables,
+                lens,
+                num_heads,
+                scale=scale,
+                max_seq_len=longest if self.cuda else None,
+                stream=torch.cuda.current_stream(self.device) if self.cuda else None,
+            )
+        return plan
+
+    # -- attention ----------------------------------------------------------------------------
+
     def attend_mla(self, module: Any, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Absorbed MLA of q [num_tokens, heads, nope + rope] over the layer's cached
-        latents, in float64: the query's nope part is taken into the latent space through
-        kv_b_proj's K half, scores are q_latent . latent + q_rope . k_rope, and the output
-        leaves the latent space through kv_b_proj's V half. [num_tokens, heads, v_head_dim]."""
-        view = self.views.latent(layer)
-        gat = self.gather(self.spec.group_of_layer(layer)[0], None)
+        latents: the query's nope part is taken into the latent space through kv_b_proj's K
+        half, scores are q_latent . latent + q_rope . k_rope, and the output leaves the
+        latent space through kv_b_proj's V half. [num_tokens, heads, v_head_dim]. The decode
+        rows run paged_mla_decode where it fits (kernel_rows), the rest the gather."""
+        group = self.spec.group_of_layer(layer)[0]
         t, h, _ = q.shape
         nope, rank = int(module.qk_nope_head_dim), int(module.kv_lora_rank)
-        w = module.kv_b_proj.weight.double().view(h, nope + int(module.v_head_dim), rank)
+        cd = self.compute_dtype
+        w = module.kv_b_proj.weight.to(cd).view(h, nope + int(module.v_head_dim), rank)
         w_k, w_v = w[:, :nope], w[:, nope:]  # [H, nope, rank], [H, v, rank]
-        lat = view[gat.pages, gat.offsets].double()  # [T, L, rank + rope]
-        c, k_rope = lat[..., :rank], lat[..., rank:]
-        qd = q.double()
+        qd = q.to(cd)
         q_lat = torch.einsum("thn,hnc->thc", qd[..., :nope], w_k)
-        s = torch.einsum("thc,tlc->thl", q_lat, c) + torch.einsum(
-            "thr,tlr->thl", qd[..., nope:], k_rope
-        )
-        s = (s * scale).masked_fill(~gat.seen[:, None, :], float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        o_lat = torch.einsum("thl,tlc->thc", p, c)
+        o_lat = torch.empty((t, h, rank), dtype=cd, device=q.device)
+        nd = self.kernel_rows(group)
+        if nd:
+            plan = self._mla_plan(group, scale, h)
+            o16 = plan.run(
+                q_lat[:nd].to(q.dtype).contiguous(), q[:nd, :, nope:].contiguous(), layer
+            )
+            o_lat[:nd] = torch.as_tensor(o16).to(device=q.device, dtype=cd)
+        if nd < t:
+            view = self.views.latent(layer)
+            gat = self.gather(group, None)
+            pages, offsets, seen = gat.pages[nd:], gat.offsets[nd:], gat.seen[nd:]
+            lat = view[pages, offsets].to(cd)  # [T, L, rank + rope]
+            c, k_rope = lat[..., :rank], lat[..., rank:]
+            s = torch.einsum("thc,tlc->thl", q_lat[nd:], c) + torch.einsum(
+                "thr,tlr->thl", qd[nd:, :, nope:], k_rope
+            )
+            s = (s * scale).masked_fill(~seen[:, None, :], float("-inf"))
+            p = torch.softmax(s, dim=-1)
+            o_lat[nd:] = torch.einsum("thl,tlc->thc", p, c)
         return torch.einsum("thc,hvc->thv", o_lat, w_v).to(q.dtype)
 
     def attend(
@@ -430,22 +559,102 @@ class HybridStep:
         softcap: float | None,
     ) -> torch.Tensor:
         """Attention [num_tokens, q_heads, D] of q [num_tokens, q_heads, D] over the keys the
-        layer's group holds, in float64: causal, the last `window` keys on a window layer,
-        the sinks' logits in the denominator."""
+        layer's group holds: causal, the last `window` keys on a window layer, the sinks'
+        logits in the denominator. The decode rows run kvpool's decode kernel and the
+        prefill chunks its prefill kernel where the group fits them (kernel_rows,
+        prefill_kernel), other rows the gather."""
+        group, index = self.spec.group_of_layer(layer)
+        t, nd = q.shape[0], self.batch.num_decode
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        sinks32 = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+        if self.kernel_rows(group, softcap):
+            plan = self._decode_plan(group, window, scale, q.shape[1])
+            self._run(plan, q, out, 0, nd, index, sinks32)
+        elif nd:
+            out[:nd] = self._attend_gathered(layer, q[:nd], window, scale, sinks, softcap, 0)
+        if nd == t:
+            return out
+        if self.prefill_kernel(group, softcap):
+            plan = self._prefill_plan(group, window, scale, q.shape[1], sinks is not None)
+            self._run(plan, q, out, nd, t, index, sinks32)
+        else:
+            out[nd:] = self._attend_gathered(layer, q[nd:], window, scale, sinks, softcap, nd)
+        return out
+
+    def _run(self, plan, q, out, lo: int, hi: int, index: int, sinks) -> None:
+        """A decode or prefill plan over rows lo..hi into out (on the host: the plan's float64
+        reference, plans_on_host)."""
+        rows = q[lo:hi].contiguous()
+        if self.cuda:
+            plan.run(rows, index, out=out[lo:hi], sinks=sinks)
+        else:
+            out[lo:hi] = torch.as_tensor(plan.run(rows, index, sinks=sinks))
+
+    def prefill_kernel(self, group: int, softcap: float | None = None) -> bool:
+        """Whether the step's prefill chunks run kvpool's prefill kernel for `group`
+        (hybrid_gpu.prefill_kernel_fits; never with a softcap)."""
+        if not self.use_plans or softcap is not None:
+            return False
+        g = self.spec.groups[group]
+        if g.kind not in ("full", "sliding_window"):
+            return False
+        return prefill_kernel_fits(g, int(self.spec.block_size(group)))  # type: ignore[arg-type]
+
+    def _prefill_plan(
+        self, group: int, window: int | None, scale: float, num_q_heads: int, use_sinks: bool
+    ):
+        key = ("prefill", group, window, scale, num_q_heads, use_sinks)
+        plan = self._plans.get(key)
+        if plan is None:
+            gs, nd, b = self.batch.group(group), self.batch.num_decode, self.batch
+            indptr = (b.seq_indptr[nd:] - b.seq_indptr[nd]).astype(np.int32)
+            tables = torch.from_numpy(gs.page_ids[nd:].astype(np.int32)).to(self.device)
+            first = torch.from_numpy((gs.key_start[nd:] // gs.block_size).astype(np.int32))
+            plan = self._plans[key] = kvpool.prefill_plan(
+                GroupPool(self.views.pool, self.spec, group, self.views),
+                indptr,
+                tables,
+                gs.key_end[nd:].astype(np.int32),
+                num_q_heads,
+                scale=scale,
+                stream=torch.cuda.current_stream(self.device) if self.cuda else None,
+                window=window,
+                first_page=None
+                if self.spec.groups[group].kind == "full"
+                else first.to(self.device),
+                use_sinks=use_sinks,
+            )
+        return plan
+
+    def _attend_gathered(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        window: int | None,
+        scale: float,
+        sinks: torch.Tensor | None,
+        softcap: float | None,
+        first_row: int,
+    ) -> torch.Tensor:
+        """The gather path for the step's rows first_row .. first_row + len(q) (q holds those
+        rows): the keys of each row's table read from the pages, in compute_dtype."""
         kc, vc = self.views.layer(layer)
         gat = self.gather(self.spec.group_of_layer(layer)[0], window)
         t, hq, d = q.shape
+        rows = slice(first_row, first_row + t)
+        pages, offsets, seen = gat.pages[rows], gat.offsets[rows], gat.seen[rows]
         hkv = kc.shape[2]
-        keys = kc[gat.pages, gat.offsets].double()  # [T, L, Hkv, D]
-        vals = vc[gat.pages, gat.offsets].double()
-        qf = q.double().reshape(t, hkv, hq // hkv, d)  # query head h reads KV head h // G
+        cd = self.compute_dtype
+        keys = kc[pages, offsets].to(cd)  # [T, L, Hkv, D]
+        vals = vc[pages, offsets].to(cd)
+        qf = q.to(cd).reshape(t, hkv, hq // hkv, d)  # query head h reads KV head h // G
         s = torch.einsum("thgd,tlhd->thgl", qf, keys) * scale
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
-        s = s.masked_fill(~gat.seen[:, None, None, :], float("-inf"))
+        s = s.masked_fill(~seen[:, None, None, :], float("-inf"))
         m = s.amax(dim=-1, keepdim=True)
         if sinks is not None:
-            sink = sinks.double().reshape(1, hkv, hq // hkv, 1)
+            sink = sinks.to(cd).reshape(1, hkv, hq // hkv, 1)
             m = torch.maximum(m, sink)
         p = torch.exp(s - m)
         den = p.sum(dim=-1, keepdim=True)
@@ -547,7 +756,7 @@ def attend_packed(
             f"layer {layer} attends with sliding_window={how.window} but the spec holds it "
             f"in a {group.kind} group"
         )
-    step.gather(step.spec.group_of_layer(layer)[0], how.window)  # checked before any write
+    step.check(step.spec.group_of_layer(layer)[0], how.window)  # before any write
     step.write(layer, k, v)
     return step.attend(layer, q, how.window, how.scale, how.sinks, how.softcap)
 
@@ -579,7 +788,8 @@ def lm_logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
 
 class HybridTransformersRunner:
     """A kvpool.generation ModelRunner over a hybrid transformers causal LM (SUPPORTED) on a
-    host pool of the spec's pages (`kvpool.Pool.for_spec(runner.spec, n, device="host")`).
+    pool of the spec's pages on the model's device (`kvpool.Pool.for_spec(runner.spec, n,
+    device="host")` for a model on the CPU, `device="cuda"` for one on the GPU).
     spec defaults to spec_for_model(model); a given one must hold the model (check_spec).
     The model attends with "kvpool_hybrid" only inside the runner's forwards."""
 
@@ -589,8 +799,13 @@ class HybridTransformersRunner:
         check_spec(model, self.spec)
         self.views = PageViews(pool, self.spec)
         device = next(model.parameters()).device
-        if device.type != "cpu":
-            raise kvpool.InvalidArgumentError(f"model on {device} but the pool on the host")
+        if device.type != self.views.device.type or (
+            device.type == "cuda" and device.index not in (None, self.views.device.index)
+        ):
+            raise kvpool.InvalidArgumentError(
+                f"the model is on {device} but the pool on {self.views.device}"
+            )
+        device = self.views.device
         register()
         self.model, self.pool, self.device = model, pool, device
         self.state_layers = [
@@ -609,8 +824,8 @@ class HybridTransformersRunner:
             rows = [self._hidden_alone(batch.select(k)) for k in range(batch.num_seqs)]
             return torch.cat(rows)
         step = HybridStep(self.views, batch, self.device)
-        ids = torch.from_numpy(batch.input_ids)[None]
-        pos = torch.from_numpy(batch.positions)[None]
+        ids = torch.from_numpy(batch.input_ids)[None].to(self.device)
+        pos = torch.from_numpy(batch.positions)[None].to(self.device)
         mla = self.spec.groups[0].kind == "mla_latent"
         with attention_as(self.model):
             out = self.model.model(
@@ -645,8 +860,8 @@ class HybridTransformersRunner:
                 cache_layer.conv_states[0].copy_(conv[None])
                 cache_layer.recurrent_states[0].copy_(rec[None])
                 cache_layer.has_previous_state[0] = True
-        ids = torch.from_numpy(seq.input_ids)[None]
-        pos = torch.from_numpy(seq.positions)[None]
+        ids = torch.from_numpy(seq.input_ids)[None].to(self.device)
+        pos = torch.from_numpy(seq.positions)[None].to(self.device)
         with attention_as(self.model):
             out = self.model.model(
                 input_ids=ids,
@@ -675,8 +890,9 @@ class HybridTransformersRunner:
 
     @torch.inference_mode()
     def run(self, batch: HybridStepBatch) -> np.ndarray:
-        logits = lm_logits(self.model, self.hidden(batch)[torch.from_numpy(batch.sample_rows)])
-        return sample(logits, batch.temperatures, batch.seeds, batch.sample_positions).numpy()
+        rows = torch.from_numpy(batch.sample_rows).to(self.device)
+        logits = lm_logits(self.model, self.hidden(batch)[rows])
+        return sample(logits, batch.temperatures, batch.seeds, batch.sample_positions).cpu().numpy()
 
 
 __all__ = [
