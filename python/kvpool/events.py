@@ -125,14 +125,14 @@ class HybridCacheIndex:
     chunk hashes (chain hashes at 16, 32, ... tokens) are ``chunk_hashes``: the longest
     multiple of 16 below ``num_tokens`` that every group can serve, on either tier. A token
     group of ``bs`` tokens a page needs, for each page ``k`` holding a token the query at
-    ``h`` sees, the chunk ending at ``min((k + 1) * bs, h)`` (a full or MLA group: every page
+    ``h`` sees, the chunk ending at ``min(ceil16((k + 1) * bs), h)`` (a full or MLA group: every page
     below ``h``; a window or chunked-local group: the pages of the last window or chunk
     before ``h``); a state group needs its checkpoint at ``h``.
 
     Exact where every token group's page holds a multiple of 16 tokens: each key of such a
     page is a chunk its events name. A page of another size is also cached under keys no
-    event names (the chunk it ends on belongs to the next page), so where those go alone
-    the answer can be too long.
+    event names (the chunk it ends on belongs to the next page), so where such a key and
+    the chunk named at its boundary go separately the answer can differ.
 
     ``chain`` gives a prompt's chunk hashes from the tokens the pool's ``BlockStored``
     events carried (``(lora_id, parent, tokens) -> hash``, kept across removals since a
