@@ -169,3 +169,26 @@ def test_a_snapshot_needs_prefix_caching() -> None:
     t = HybridTables(Pool.for_spec(s, 8, device="host"), s)
     with pytest.raises(InvalidArgumentError, match="enable_prefix_caching"):
         t.kv_cache_snapshot()
+
+
+def test_the_router_counts_pages_the_host_tier_serves() -> None:
+    t = tables(40, 64)
+    index = HybridCacheIndex(t.spec)
+    prompt = BASES[0][:64]
+    t.add_request(0, prompt)
+    t.checkpoint(0)
+    t.free(0)
+    # Other prompts take every page: the first request's pages spill to the host tier.
+    for rid in range(1, 3):
+        t.add_request(rid, [7000 + rid * 200 + i for i in range(150)])
+        t.cache_computed(rid)
+        t.free(rid)
+    index.apply(t.pool.take_kv_events())
+    assert sum(s["host_pages"] for s in t.cache_stats()) > 0
+    longer = [*prompt, 1, 2, 3]
+    predicted = index.hit_tokens(index.chain(longer), len(longer))
+    added = t.add_request(9, longer)
+    assert added.swapped_in_pages > 0
+    assert (added.num_cached_tokens, predicted) == (64, 64)
+    index.apply(t.pool.take_kv_events())
+    assert index.cached == cached_set(t)
