@@ -22,12 +22,12 @@ from kvpool.events import HybridCacheIndex
 
 def spec() -> ModelKvSpec:
     """1024-byte pages, every token group's page a multiple of 16 tokens: full attention 32
-    a page, a 40-token window 16 a page, 32-token local chunks 32 a page, MLA 16 a page, a
+    a page, a 40-token window 32 a page, 32-token local chunks 32 a page, MLA 16 a page, a
     1500-byte state (2 pages a slot)."""
     return ModelKvSpec(
         [
             KvGroup.full([0], 1, 8),
-            KvGroup.sliding_window([1], 40, 1, 16),
+            KvGroup.sliding_window([1], 40, 1, 8),
             KvGroup.chunked_local([2], 32, 1, 8),
             KvGroup.recurrent_state([3], 1500),
             KvGroup.mla_latent([4], latent_dim=24, rope_dim=8),
@@ -192,3 +192,42 @@ def test_the_router_counts_pages_the_host_tier_serves() -> None:
     assert (added.num_cached_tokens, predicted) == (64, 64)
     index.apply(t.pool.take_kv_events())
     assert index.cached == cached_set(t)
+
+
+def test_a_window_hit_needs_every_page_the_window_sees() -> None:
+    """The window's first page leaves (evicted) while the page after it and the full
+    group's pages stay: a hit whose window still sees that first page is refused, by the
+    tables and by the router (which must ask for the chunk each page ends on, not only the
+    hit's last one)."""
+    s = ModelKvSpec(
+        [KvGroup.full([0], 1, 8), KvGroup.sliding_window([1], 40, 1, 8)], page_bytes=1024
+    )
+    # 23 pages: after the first request, an odd number are free, so the fillers (two pages
+    # each) evict exactly one evictable page, the window's first.
+    pool = Pool.for_spec(s, 23, device="host", enable_prefix_caching=True)
+    pool.enable_kv_cache_events(True)
+    t = HybridTables(pool, s)
+    index = HybridCacheIndex(s)
+    base = BASES[0]
+    t.add_request(0, base[:16])
+    for at in range(16, 112, 16):
+        t.append_tokens(0, 16, base[at : at + 16])
+    index.apply(pool.take_kv_events())
+    chain = index.chain(base[:112])
+    window_page_0 = (1, chain[1])  # the window's page of tokens 0..32, keyed at 32
+    assert window_page_0 in index.cached
+    rid = 1
+    while window_page_0 in index.cached:
+        t.add_request(rid, [8000 + rid * 16 + i for i in range(16)])
+        rid += 1
+        index.apply(pool.take_kv_events())
+    assert {(1, chain[3]), (0, chain[1]), (0, chain[3])} <= set(index.cached)
+    for filler in range(1, 6):  # Room for the prompts (uncached pages: nothing else leaves).
+        t.free(filler)
+    prompt = [*base[:64], 1]
+    predicted = index.hit_tokens(index.chain(prompt), len(prompt))
+    assert (t.add_request(99, prompt).num_cached_tokens, predicted) == (0, 0)
+    # At 96 the window (tokens 57 on) no longer sees that page: the hit is served.
+    prompt = [*base[:96], 1]
+    predicted = index.hit_tokens(index.chain(prompt), len(prompt))
+    assert (t.add_request(100, prompt).num_cached_tokens, predicted) == (96, 96)
