@@ -350,6 +350,20 @@ impl PyHybridTables {
             .collect()
     }
 
+    /// Every chunk these tables cached, per group and on both tiers (`KvCacheSnapshot`,
+    /// block size 16: each chunk hash a `BlockStored` of that group and medium named and no
+    /// `BlockRemoved` took back, with that event's parent), and the `seq` of the newest event
+    /// it reflects: load it, then apply the pool's events with a greater `seq`. Raises
+    /// `InvalidArgumentError` on a pool without prefix caching.
+    fn kv_cache_snapshot(&self, py: Python<'_>) -> PyResult<crate::prefix::KvCacheSnapshot> {
+        let snapshot = self.lock().kv_cache_snapshot().ok_or_else(|| {
+            PyKvError(CoreError::InvalidArgument(
+                "a KV cache snapshot needs a pool made with enable_prefix_caching=True".into(),
+            ))
+        })?;
+        crate::prefix::snapshot_to_py(py, snapshot, self.pool.get().medium())
+    }
+
     /// The group a cached page is cached for, or None if it is not cached (a page id
     /// outside the pool is an `InvalidBlockError`).
     fn cached_page_group(&self, page: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {

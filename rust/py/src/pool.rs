@@ -108,7 +108,7 @@ fn pool_maker(
 impl PyPool {
     /// The `medium` KV events give the pool's own memory. A metadata-only pool stands for
     /// an engine's GPU cache: "GPU".
-    fn medium(&self) -> &'static str {
+    pub(crate) fn medium(&self) -> &'static str {
         if self.inner.device() == Device::Host && self.inner.has_memory() {
             "CPU"
         } else {
@@ -637,8 +637,18 @@ impl PyPool {
 
     /// Every block the prefix cache holds, on both tiers (`KvCacheSnapshot`: hashes with
     /// their parents, medium and group), and the `seq` of the newest event it reflects.
-    /// Raises `InvalidArgumentError` on a pool without prefix caching.
+    /// Raises `InvalidArgumentError` on a pool without prefix caching, and on a pool of a
+    /// hybrid model's pages: its cache holds one internal tag a page, and only its
+    /// `HybridTables` know the chunks and groups (`HybridTables.kv_cache_snapshot()`).
     fn kv_cache_snapshot(&self, py: Python<'_>) -> PyResult<crate::prefix::KvCacheSnapshot> {
+        if self.inner.prefix_cache().is_some() && self.inner.layout().is_err() {
+            return Err(PyKvError(CoreError::InvalidArgument(
+                "a pool of hybrid pages caches one tag a page: \
+                 HybridTables.kv_cache_snapshot() lists its chunks per group"
+                    .into(),
+            ))
+            .into());
+        }
         let snap = self.inner.prefix_cache_snapshot().ok_or_else(|| {
             PyKvError(CoreError::InvalidArgument(
                 "a KV cache snapshot needs a pool made with enable_prefix_caching=True".into(),

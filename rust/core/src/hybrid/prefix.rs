@@ -27,7 +27,9 @@ use crate::hybrid::spec::{GroupKind, PageGeometry};
 use crate::hybrid::spill::{CachedAt, HostIndex};
 use crate::hybrid::tables::{GroupPages, HybridTables, PageCopy, RequestPages};
 use crate::pool::Owner;
-use crate::prefix_cache::{BlockHash, BlockHasher, KvEvent, Medium, PrefixCache};
+use crate::prefix_cache::{
+    BlockHash, BlockHasher, CacheSnapshot, KvEvent, Medium, PrefixCache, SnapshotBlock,
+};
 use crate::tables::PromptKey;
 
 /// Deliberate bugs the state machine test must catch (`internals` feature only: tests).
@@ -158,6 +160,15 @@ impl RequestHashes {
     }
 }
 
+/// A chunk hash a page reported as stored, with the parent its `BlockStored` named (the
+/// chain hash 16 tokens earlier; `None` for a prompt's first chunk, a checkpoint and a page
+/// that came back from the host tier, whose events name none): what a snapshot lists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Reported {
+    pub(super) hash: BlockHash,
+    pub(super) parent: Option<BlockHash>,
+}
+
 /// A page the tables cached, under the pool's cache as `tag`.
 #[derive(Debug, Clone)]
 pub(super) struct CachedPage {
@@ -166,7 +177,7 @@ pub(super) struct CachedPage {
     /// Its keys in the index.
     pub(super) keys: Vec<BlockHash>,
     /// The chunk hashes reported as stored for it (those it ends: removed with it).
-    pub(super) reported: Vec<BlockHash>,
+    pub(super) reported: Vec<Reported>,
     /// The other pages of its state checkpoint (evicted with it: a partial slot is useless).
     pub(super) siblings: Vec<u32>,
 }
@@ -428,7 +439,8 @@ impl HybridTables {
             for (i, (key, &dst)) in keys.iter().zip(slot).enumerate() {
                 copies.push(PageCopy { group: *g, src: slots[*g][i], dst });
                 let siblings = slot.iter().copied().filter(|&p| p != dst).collect();
-                let reported = if i == 0 { vec![at] } else { Vec::new() };
+                let reported =
+                    if i == 0 { vec![Reported { hash: at, parent: None }] } else { Vec::new() };
                 self.index_key(*key, dst, *g, reported, siblings);
             }
             pool.prefix_cache().expect("checked above").push_event(KvEvent::BlockStored {
@@ -460,6 +472,45 @@ impl HybridTables {
             stats[group].host_pages = host_pages;
         }
         stats
+    }
+
+    /// Every chunk the tables have cached, per group and on both tiers, as the KV events
+    /// report them: one [`SnapshotBlock`] per chunk hash a `BlockStored` named and no
+    /// `BlockRemoved` took back, with that event's group, medium and parent, and the `seq`
+    /// of the newest event the snapshot reflects (block size [`HASH_CHUNK_TOKENS`]). Read
+    /// under the pool's cache lock, which numbers the events, so a router that loads it and
+    /// applies the events with a greater `seq` holds what the tables hold. `None` without
+    /// prefix caching. (The pool's own snapshot cannot say this: it sees one tag a page.)
+    pub fn kv_cache_snapshot(&self) -> Option<CacheSnapshot> {
+        let index = self.index.as_ref()?;
+        let cache = self.pool.prefix_cache()?;
+        let tier = self.pool.prefix_host_tier();
+        let mut snapshot = cache.read_consistent(|seq, cached_block| {
+            let mut blocks = Vec::new();
+            for (&page, entry) in &index.pages {
+                if cached_block(&entry.tag) != Some(page) {
+                    continue; // Stale: the pool's cache was reset since.
+                }
+                blocks.extend(entry.reported.iter().map(|r| SnapshotBlock {
+                    hash: r.hash,
+                    parent: r.parent,
+                    medium: Medium::Pool,
+                    group: entry.group as u32,
+                }));
+            }
+            if let Some(tier) = tier {
+                blocks.extend(index.host.live_reported(tier).map(|(group, r)| SnapshotBlock {
+                    hash: r.hash,
+                    parent: r.parent,
+                    medium: Medium::HostTier,
+                    group: group as u32,
+                }));
+            }
+            CacheSnapshot { seq, block_size: CHUNK, blocks }
+        });
+        // One order whatever the maps' (tests compare snapshots).
+        snapshot.blocks.sort_unstable_by_key(|b| (b.group, b.medium == Medium::HostTier, b.hash.0));
+        Some(snapshot)
     }
 
     /// The group a cached page is cached under (`None` if it is not cached).
@@ -662,9 +713,10 @@ impl HybridTables {
                 if !entry.reported.is_empty() {
                     match removed.last_mut() {
                         Some((group, hashes)) if *group == entry.group => {
-                            hashes.extend(&entry.reported)
+                            hashes.extend(entry.reported.iter().map(|r| r.hash))
                         }
-                        _ => removed.push((entry.group, entry.reported.clone())),
+                        _ => removed
+                            .push((entry.group, entry.reported.iter().map(|r| r.hash).collect())),
                     }
                 }
                 gone.push((page, entry));
@@ -701,7 +753,7 @@ impl HybridTables {
         key: BlockHash,
         page: u32,
         group: usize,
-        reported: Vec<BlockHash>,
+        reported: Vec<Reported>,
         siblings: Vec<u32>,
     ) {
         let live = self.index.as_ref().and_then(|i| i.pages.get(&page)).map(|e| e.tag);
@@ -766,7 +818,8 @@ impl HybridTables {
                         continue;
                     }
                     let ends = k == last;
-                    wanted.push((key, page, g, ends.then_some(at)));
+                    let parent = hashes.chain_hash(b - CHUNK);
+                    wanted.push((key, page, g, ends.then_some(Reported { hash: at, parent })));
                     if ends && events {
                         let run = runs[g].get_or_insert_with(|| StoredRun {
                             parent: hashes.chain_hash(b - CHUNK),

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::hybrid::prefix::CachedPage;
+use crate::hybrid::prefix::{CachedPage, Reported};
 use crate::hybrid::tables::HybridTables;
 use crate::pool::SpillTier;
 use crate::prefix_cache::{BlockHash, KvEvent, Medium};
@@ -48,8 +48,9 @@ impl CachedAt {
 pub(super) struct HostPage {
     group: usize,
     keys: Vec<BlockHash>,
-    /// The chunk hashes reported as stored for it (reported removed when it leaves).
-    reported: Vec<BlockHash>,
+    /// The chunk hashes reported as stored for it (reported removed when it leaves), each
+    /// without a parent: the host tier's `BlockStored` names none.
+    reported: Vec<Reported>,
     /// The tags of the other pages of its state checkpoint (all on the host tier, or it is
     /// dropped: a partial slot serves nothing).
     siblings: Vec<BlockHash>,
@@ -86,6 +87,17 @@ impl HostIndex {
         Some(page)
     }
 
+    /// The reported chunks of every page the tier still holds, with its group.
+    pub(super) fn live_reported<'a>(
+        &'a self,
+        tier: &'a SpillTier,
+    ) -> impl Iterator<Item = (usize, &'a Reported)> + 'a {
+        self.pages
+            .iter()
+            .filter(|(tag, _)| tier.host_block(tag).is_some())
+            .flat_map(|(_, page)| page.reported.iter().map(|r| (page.group, r)))
+    }
+
     /// Drops the entries the tier no longer holds (all of them after a reset).
     fn prune_stale(&mut self, tier: &SpillTier) {
         if self.pages.len() > tier.num_cached() {
@@ -99,14 +111,20 @@ impl HostIndex {
 }
 
 /// Appends `hashes` of `group` to per-group runs (one event per run).
-fn push_run(runs: &mut Vec<(usize, Vec<BlockHash>)>, group: usize, hashes: &[BlockHash]) {
-    if hashes.is_empty() {
+fn push_run(runs: &mut Vec<(usize, Vec<BlockHash>)>, group: usize, reported: &[Reported]) {
+    if reported.is_empty() {
         return;
     }
+    let hashes = reported.iter().map(|r| r.hash);
     match runs.last_mut() {
-        Some((g, run)) if *g == group => run.extend_from_slice(hashes),
-        _ => runs.push((group, hashes.to_vec())),
+        Some((g, run)) if *g == group => run.extend(hashes),
+        _ => runs.push((group, hashes.collect())),
     }
+}
+
+/// `reported` as the host tier's events name it: without parents.
+fn without_parents(reported: Vec<Reported>) -> Vec<Reported> {
+    reported.into_iter().map(|r| Reported { hash: r.hash, parent: None }).collect()
 }
 
 impl HybridTables {
@@ -300,7 +318,7 @@ impl HybridTables {
             let page = HostPage {
                 group: entry.group,
                 keys: entry.keys,
-                reported: entry.reported,
+                reported: without_parents(entry.reported),
                 siblings,
             };
             host.insert(entry.tag, page);

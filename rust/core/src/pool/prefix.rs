@@ -49,7 +49,9 @@ impl Pool {
     }
 
     /// Every block the prefix cache holds, on both tiers, with the event sequence number it
-    /// is consistent with (`None` without prefix caching).
+    /// is consistent with (`None` without prefix caching). A pool of hybrid pages caches one
+    /// internal tag a page here (listed as group 0): its chunks per group are
+    /// `HybridTables::kv_cache_snapshot`'s to list.
     pub fn prefix_cache_snapshot(&self) -> Option<CacheSnapshot> {
         Some(self.prefix_cache.as_ref()?.snapshot(self.spill_target()))
     }

@@ -15,6 +15,19 @@ impl PrefixCache {
         self.lock().lookup(hash)
     }
 
+    /// Runs `read` under the cache's lock with the `seq` of the newest event numbered so far
+    /// and a look-up of the block cached under a tag: no event can be numbered, and no tag
+    /// cached or evicted, while `read` runs, so what it reads is consistent with that `seq`
+    /// (a caller's snapshot of its own keys). `read` must not call back into this cache (its
+    /// lock is held); the host tier's lock nests inside it, as every call nests them.
+    pub fn read_consistent<R>(
+        &self,
+        read: impl FnOnce(u64, &dyn Fn(&BlockHash) -> Option<u32>) -> R,
+    ) -> R {
+        let idx = self.lock();
+        read(idx.events.last_seq(), &|tag| idx.lookup(tag))
+    }
+
     /// Caches block `id` (referenced by the caller, not cached) under `hash`; false, and
     /// nothing changes, when `hash` is cached already.
     pub fn insert_block(&self, id: u32, hash: BlockHash) -> bool {
