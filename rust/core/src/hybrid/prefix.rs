@@ -24,7 +24,7 @@ use rustc_hash::FxHashMap;
 
 use crate::error::CoreError;
 use crate::hybrid::spec::{GroupKind, PageGeometry};
-use crate::hybrid::tables::{GroupPages, HybridTables, PageCopy, RequestPages};
+use crate::hybrid::tables::{GroupPages, GroupTables, HybridTables, PageCopy, RequestPages};
 use crate::pool::Owner;
 use crate::prefix_cache::{BlockHash, BlockHasher, KvEvent, Medium, PrefixCache};
 use crate::tables::PromptKey;
@@ -255,7 +255,7 @@ impl HybridTables {
         let (hit, group_hits) = self.find_hit(&chain, num_tokens)?;
 
         // Each group's new table: shared pages, copies and fresh pages.
-        let mut groups = Vec::with_capacity(self.spec.num_groups());
+        let mut groups = GroupTables::with_capacity(self.spec.num_groups());
         let mut num_fresh = 0;
         for (g, group_hit) in group_hits.iter().enumerate() {
             let live = self.spec.live_pages(g, num_tokens, hit)?;
@@ -312,7 +312,7 @@ impl HybridTables {
         cache.record_query(num_tokens, hit);
         self.requests.insert(
             request_id,
-            RequestPages { num_tokens, next_query: hit, groups, hashes: Some(hashes) },
+            RequestPages { num_tokens, next_query: hit, groups, hashes: Some(Box::new(hashes)) },
         );
         Ok(HybridAdd { num_cached_tokens: hit, copies })
     }
@@ -343,7 +343,7 @@ impl HybridTables {
                 "state checkpoints need a pool with prefix caching".into(),
             ));
         }
-        let known = request.hashes.as_ref().map_or(0, RequestHashes::known);
+        let known = request.hashes.as_deref().map_or(0, RequestHashes::known);
         if t == 0 || t % CHUNK != 0 || known < t {
             return Err(CoreError::InvalidArgument(format!(
                 "request {request_id}: a checkpoint needs a positive multiple of \

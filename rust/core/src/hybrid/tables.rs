@@ -8,10 +8,11 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use rustc_hash::FxHashMap;
+use smallvec::SmallVec;
 
 use crate::error::CoreError;
 use crate::hybrid::prefix::{PrefixIndex, RequestHashes};
+use crate::hybrid::request_map::RequestMap;
 use crate::hybrid::spec::{LiveRule, ModelKvSpec};
 use crate::hybrid::swap::{HeldPages, RequestPage, SwappedIds};
 use crate::pool::{Owner, Pool};
@@ -24,17 +25,25 @@ pub(super) struct GroupPages {
     pub(super) page_ids: Vec<u32>,
 }
 
+/// Groups a request keeps inline, without an allocation of their own: every preset but
+/// the test layouts has at most two (a step reads them all, `request_map.rs`).
+const INLINE_GROUPS: usize = 2;
+
+/// A request's table of each group, in the spec's order.
+pub(super) type GroupTables = SmallVec<[GroupPages; INLINE_GROUPS]>;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct RequestPages {
     pub(super) num_tokens: usize,
     /// The first position whose query has not run yet: the call that brought the request
     /// to `num_tokens` started there. Window groups keep what its query and later ones see.
     pub(super) next_query: usize,
-    pub(super) groups: Vec<GroupPages>,
+    pub(super) groups: GroupTables,
     /// The hash chain of its tokens, while they are all known and the pool caches
     /// prefixes (`prefix.rs`). It holds no page (a checkpoint's pages are the cache's, held
-    /// by no request), so a swap moves it as it is (`swap.rs`).
-    pub(super) hashes: Option<RequestHashes>,
+    /// by no request), so a swap moves it as it is (`swap.rs`). Boxed: a decode step never
+    /// reads it, and inline it would spread each request over more cache lines.
+    pub(super) hashes: Option<Box<RequestHashes>>,
 }
 
 /// A copy-on-write page copy (whole page) that must run before the call's tokens are
@@ -74,7 +83,7 @@ impl GroupTable<'_> {
 pub struct HybridTables {
     pub(super) pool: Arc<Pool>,
     pub(super) spec: ModelKvSpec,
-    pub(super) requests: FxHashMap<u64, RequestPages>,
+    pub(super) requests: RequestMap,
     /// The keys of the cached pages, when the pool caches prefixes (`prefix.rs`).
     pub(super) index: Option<PrefixIndex>,
     /// Ids a host tier holds swapped out (`swap.rs` keeps it): not in `requests`, but not
@@ -124,9 +133,11 @@ impl GroupPlan {
     }
 }
 
-/// One request of a planned `append_many`: its counters after the call and its groups'
-/// plans in the step's flat plan list (none when only its counters move).
+/// One request of a planned `append_many`: its row in the tables, its counters after the
+/// call and its groups' plans in the step's flat plan list (none when only its counters
+/// move).
 struct PlannedAppend {
+    row: usize,
     next_query: usize,
     num_tokens: usize,
     plans: Range<usize>,
@@ -162,7 +173,7 @@ impl HybridTables {
         Ok(HybridTables {
             pool,
             spec,
-            requests: FxHashMap::default(),
+            requests: RequestMap::default(),
             index,
             swapped_out: SwappedIds::default(),
         })
@@ -236,7 +247,7 @@ impl HybridTables {
         let empty = RequestPages {
             num_tokens: 0,
             next_query: 0,
-            groups: vec![GroupPages::default(); self.spec.num_groups()],
+            groups: smallvec::smallvec![GroupPages::default(); self.spec.num_groups()],
             hashes: None,
         };
         let mut plans = Vec::with_capacity(self.spec.num_groups());
@@ -382,20 +393,22 @@ impl HybridTables {
         // while the request is at hand.
         let mut found = Vec::with_capacity(request_ids.len());
         for (&request_id, &count) in request_ids.iter().zip(counts) {
-            let request = self.request(request_id)?;
+            let row = self.row_of(request_id)?;
+            let request = self.requests.row(row);
             let num_tokens = request.num_tokens.checked_add(count).ok_or_else(|| {
                 CoreError::InvalidArgument(format!(
                     "request {request_id}: {} + {count} tokens overflow",
                     request.num_tokens
                 ))
             })?;
-            found.push((request, num_tokens));
+            found.push((row, num_tokens));
         }
         let mut planned = Vec::with_capacity(request_ids.len());
         let mut plans = Vec::new();
         let mut released = Vec::new();
         let mut total = 0usize;
-        for (request, num_tokens) in found {
+        for (row, num_tokens) in found {
+            let request = self.requests.row(row);
             let start = plans.len();
             // The decode fast path: most requests cross no page boundary in any group.
             if !self.only_counters_move(request, num_tokens)? {
@@ -409,7 +422,7 @@ impl HybridTables {
                 }
             }
             let plans = start..plans.len();
-            planned.push(PlannedAppend { next_query: request.num_tokens, num_tokens, plans });
+            planned.push(PlannedAppend { row, next_query: request.num_tokens, num_tokens, plans });
         }
         if self.index.is_some() {
             self.check_room(total, 0)?;
@@ -445,7 +458,8 @@ impl HybridTables {
         let mut fresh_at = 0;
         let mut offset = 0;
         for (&request_id, done) in request_ids.iter().zip(&planned) {
-            let request = self.requests.get_mut(&request_id).expect("checked above");
+            // Still its row: nothing since the lookup added or removed a request.
+            let request = self.requests.row_mut(done.row);
             request.num_tokens = done.num_tokens;
             request.next_query = done.next_query;
             let mine = &plans[done.plans.clone()];
@@ -489,9 +503,14 @@ impl HybridTables {
     }
 
     pub(super) fn request(&self, request_id: u64) -> Result<&RequestPages, CoreError> {
+        Ok(self.requests.row(self.row_of(request_id)?))
+    }
+
+    /// `request_id`'s row in `requests`, valid until a request is added or removed.
+    fn row_of(&self, request_id: u64) -> Result<usize, CoreError> {
         // Not `ok_or`: that builds (and drops) the error on every successful lookup.
-        match self.requests.get(&request_id) {
-            Some(request) => Ok(request),
+        match self.requests.row_of(request_id) {
+            Some(row) => Ok(row),
             None => Err(CoreError::UnknownRequest { request_id }),
         }
     }
