@@ -264,7 +264,7 @@ impl HybridTables {
                 page_ids[i] = page;
             }
             num_fresh += live.len() - group_hit.shared.len();
-            groups.push(GroupPages { first_page: live.start, page_ids });
+            groups.push(GroupPages { first_page: live.start, page_ids: page_ids.into() });
         }
         let acquired: Vec<u32> = group_hits
             .iter()
@@ -290,9 +290,11 @@ impl HybridTables {
         let mut fresh = fresh.into_iter();
         let mut copies = Vec::new();
         for (g, (pages, group_hit)) in groups.iter_mut().zip(&group_hits).enumerate() {
-            for id in pages.page_ids.iter_mut().filter(|id| **id == u32::MAX) {
-                *id = fresh.next().expect("counted");
-            }
+            pages.page_ids.edit(|ids| {
+                for id in ids.iter_mut().filter(|id| **id == u32::MAX) {
+                    *id = fresh.next().expect("counted");
+                }
+            });
             for &(i, src) in &group_hit.copied {
                 copies.push(PageCopy { group: g, src, dst: pages.page_ids[i] });
             }
@@ -354,7 +356,7 @@ impl HybridTables {
         let hashes = request.hashes.as_ref().expect("checked above");
         let at = hashes.chain_hash(t).expect("t is a known boundary");
         let lora_id = hashes.lora_id;
-        let slots: Vec<Vec<u32>> = request.groups.iter().map(|g| g.page_ids.clone()).collect();
+        let slots: Vec<Vec<u32>> = request.groups.iter().map(|g| g.page_ids.to_vec()).collect();
         let pool = Arc::clone(&self.pool);
         let hasher = pool.prefix_cache().expect("checked above").hasher();
         let mut wanted: Vec<(usize, Vec<BlockHash>)> = Vec::new();

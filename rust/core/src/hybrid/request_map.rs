@@ -10,11 +10,63 @@
 //! they came, their groups inline (`RequestPages::groups`), and a step over requests added
 //! together walks them in order.
 
-use std::ops::Index;
+use std::fmt;
+use std::ops::{Deref, Index};
 
 use rustc_hash::FxHashMap;
 
 use crate::hybrid::tables::RequestPages;
+
+/// One group's page ids of one request, with a copy of the last one beside the vector's
+/// header: a decode step asks whether the partly filled last page of each token group is
+/// shared, and reading the copy (inline in the request's row) spares it the line of the
+/// heap buffer, scattered per request and group. Read through `Deref<Target = [u32]>`;
+/// written only through [`edit`](Self::edit), which refreshes the copy, so it cannot go
+/// stale.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub(super) struct PageIds {
+    ids: Vec<u32>,
+    /// `ids`' last element; 0 when `ids` is empty.
+    last: u32,
+}
+
+impl PageIds {
+    /// Changes the ids with `change`, then refreshes the copy of the last one.
+    pub(super) fn edit<R>(&mut self, change: impl FnOnce(&mut Vec<u32>) -> R) -> R {
+        let result = change(&mut self.ids);
+        self.last = self.ids.last().copied().unwrap_or(0);
+        result
+    }
+
+    /// The last id, read from the copy: `self.last()` without touching the heap buffer.
+    pub(super) fn last_id(&self) -> Option<u32> {
+        debug_assert_eq!(self.ids.last().map(|_| self.last), self.ids.last().copied());
+        (!self.ids.is_empty()).then_some(self.last)
+    }
+}
+
+impl From<Vec<u32>> for PageIds {
+    fn from(ids: Vec<u32>) -> Self {
+        let mut page_ids = PageIds::default();
+        page_ids.edit(|held| *held = ids);
+        page_ids
+    }
+}
+
+impl Deref for PageIds {
+    type Target = [u32];
+
+    fn deref(&self) -> &[u32] {
+        &self.ids
+    }
+}
+
+/// As the vector: what error messages and test snapshots print.
+impl fmt::Debug for PageIds {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.ids.fmt(f)
+    }
+}
 
 /// Requests by id, stored densely: `rows[row_of[id]]` is request `id`, `ids[row]` its id.
 /// Removing a request moves the last row into its place (order is not kept: nothing reads

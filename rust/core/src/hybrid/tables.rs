@@ -12,7 +12,7 @@ use smallvec::SmallVec;
 
 use crate::error::CoreError;
 use crate::hybrid::prefix::{PrefixIndex, RequestHashes};
-use crate::hybrid::request_map::RequestMap;
+use crate::hybrid::request_map::{PageIds, RequestMap};
 use crate::hybrid::spec::{LiveRule, ModelKvSpec};
 use crate::hybrid::swap::{HeldPages, RequestPage, SwappedIds};
 use crate::pool::{Owner, Pool};
@@ -22,7 +22,7 @@ use crate::pool::{Owner, Pool};
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub(super) struct GroupPages {
     pub(super) first_page: usize,
-    pub(super) page_ids: Vec<u32>,
+    pub(super) page_ids: PageIds,
 }
 
 /// Groups a request keeps inline, without an allocation of their own: every preset but
@@ -593,14 +593,20 @@ impl HybridTables {
             // The kept page the new tokens write into, which `plan` copies if it is shared:
             // a state slot (its first page tells), or a token group's partly filled page.
             let written = match *rule {
-                LiveRule::State { .. } => pages.page_ids.first(),
+                LiveRule::State { .. } => pages.page_ids.first().copied(),
                 LiveRule::Tokens { block_size, .. } if block_size.rem(old_tokens) != 0 => {
                     let index = block_size.div(old_tokens).wrapping_sub(pages.first_page);
-                    pages.page_ids.get(index)
+                    // The last page (always, for a table that covers its live range): read
+                    // from the copy in the request's row, not from the page list.
+                    if index.wrapping_add(1) == pages.page_ids.len() {
+                        pages.page_ids.last_id()
+                    } else {
+                        pages.page_ids.get(index).copied()
+                    }
                 }
                 LiveRule::Tokens { .. } => None,
             };
-            if let Some(&page) = written {
+            if let Some(page) = written {
                 if self.is_shared(page)? {
                     return Ok(false);
                 }
@@ -648,12 +654,14 @@ fn copy_list(
 fn commit(request: &mut RequestPages, plans: &[GroupPlan], fresh: &[u32]) {
     let mut fresh = fresh.iter().copied();
     for (plan, pages) in plans.iter().zip(&mut request.groups) {
-        pages.page_ids.truncate(plan.kept.end);
-        pages.page_ids.drain(..plan.kept.start);
-        for index in plan.copies.clone() {
-            pages.page_ids[index] = fresh.next().expect("planned copy");
-        }
-        pages.page_ids.extend(fresh.by_ref().take(plan.num_new));
+        pages.page_ids.edit(|ids| {
+            ids.truncate(plan.kept.end);
+            ids.drain(..plan.kept.start);
+            for index in plan.copies.clone() {
+                ids[index] = fresh.next().expect("planned copy");
+            }
+            ids.extend(fresh.by_ref().take(plan.num_new));
+        });
         pages.first_page = plan.first_page;
     }
     debug_assert!(fresh.next().is_none());
@@ -712,9 +720,11 @@ impl HybridTables {
     pub(super) fn with_page_ids(mut request: RequestPages, page_ids: &[u32]) -> RequestPages {
         let mut ids = page_ids.iter();
         for held in &mut request.groups {
-            for id in &mut held.page_ids {
-                *id = *ids.next().expect("one new id per page");
-            }
+            held.page_ids.edit(|held_ids| {
+                for id in held_ids {
+                    *id = *ids.next().expect("one new id per page");
+                }
+            });
         }
         debug_assert!(ids.next().is_none(), "one new id per page");
         request
