@@ -25,8 +25,9 @@ pub(super) struct GroupPages {
     pub(super) page_ids: PageIds,
 }
 
-/// Groups a request keeps inline, without an allocation of their own: every preset but
-/// the test layouts has at most two (a step reads them all, `request_map.rs`).
+/// Groups a request keeps inline, without an allocation of their own (a step reads them
+/// all, `request_map.rs`): every model of `hybrid.md`'s waste table has one or two; a
+/// layout with more keeps them on the heap.
 const INLINE_GROUPS: usize = 2;
 
 /// A request's table of each group, in the spec's order.
