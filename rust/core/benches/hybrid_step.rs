@@ -20,14 +20,14 @@
 //! cargo bench -p kvpool-core --bench hybrid_step
 //! ```
 //!
-//! `examples/hybrid_step_count.rs` runs the two batched steps alone, for callgrind.
+//! `hybrid_step_counts.rs` runs the same steps a fixed number of times, for callgrind.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
-#[path = "common/hybrid_step_setup.rs"]
+#[path = "support/hybrid_setup.rs"]
 mod setup;
 use setup::{build_mixed, build_uniform, REQUESTS, STEPS_PER_BUILD};
 

@@ -10,6 +10,7 @@ impl HybridTables {
     /// ([`ModelKvSpec::live_pages`](crate::hybrid::ModelKvSpec::live_pages)):
     ///
     /// ```text
+    /// row_of[ids[r]] == r                          the request map's rows (`request_map.rs`)
     /// table(r, g) covers exactly live(r, g)        first page and length, every group
     /// refs(b) == ref_cnt(b)                        for every page b of the slab
     /// a page is held by one group only, at most once per table
@@ -30,6 +31,7 @@ impl HybridTables {
     ///
     /// Exact while the tables are the pool's only user and no other thread uses it.
     pub fn check_invariants(&self) -> Result<(), String> {
+        self.requests.check()?;
         let pool = self.pool();
         pool.check_invariants()?;
         let num_blocks = pool.num_blocks();

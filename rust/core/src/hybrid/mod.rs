@@ -9,6 +9,8 @@
 //! - `tables.rs`: [`HybridTables`], per request and per group the pages it holds: add,
 //!   append (window and chunk groups release what no query can see any more), fork
 //!   (copy on write), free.
+//! - `request_map.rs`: the requests in dense rows, found by id (what a decode step reads
+//!   lies side by side).
 //! - `prefix.rs`: prefix caching across the groups (16-token chunk hashes, a hit every
 //!   group can serve, state checkpoints), over the pool's prefix cache.
 //! - `spill.rs`: cached pages evicted to the prefix cache's host tier and brought back by
@@ -22,6 +24,7 @@
 mod invariants;
 mod pool;
 mod prefix;
+mod request_map;
 mod spec;
 mod spill;
 mod swap;

@@ -25,7 +25,7 @@ use rustc_hash::FxHashMap;
 use crate::error::CoreError;
 use crate::hybrid::spec::{GroupKind, PageGeometry};
 use crate::hybrid::spill::{CachedAt, HostIndex};
-use crate::hybrid::tables::{GroupPages, HybridTables, PageCopy, RequestPages};
+use crate::hybrid::tables::{GroupPages, GroupTables, HybridTables, PageCopy, RequestPages};
 use crate::pool::Owner;
 use crate::prefix_cache::{
     BlockHash, BlockHasher, CacheSnapshot, KvEvent, Medium, PrefixCache, SnapshotBlock,
@@ -289,13 +289,13 @@ impl HybridTables {
         let (hit, group_hits) = self.find_hit(&chain, num_tokens)?;
 
         // Each group's new table: shared pages, copies and fresh pages.
-        let mut groups = Vec::with_capacity(self.spec.num_groups());
+        let mut groups = GroupTables::with_capacity(self.spec.num_groups());
         let mut num_fresh = 0;
         for (g, group_hit) in group_hits.iter().enumerate() {
             let live = self.spec.live_pages(g, num_tokens, hit)?;
             num_fresh += live.len() - group_hit.shared.len();
-            groups
-                .push(GroupPages { first_page: live.start, page_ids: vec![u32::MAX; live.len()] });
+            let page_ids = vec![u32::MAX; live.len()].into();
+            groups.push(GroupPages { first_page: live.start, page_ids });
         }
         let every_source = || group_hits.iter().flat_map(|h| h.shared.iter().chain(&h.copied));
         let acquired: Vec<u32> = every_source().filter_map(|(_, at)| at.pool_page()).collect();
@@ -338,12 +338,14 @@ impl HybridTables {
         let mut fresh = fresh.iter().copied();
         let mut copies = Vec::new();
         for (g, (pages, group_hit)) in groups.iter_mut().zip(&group_hits).enumerate() {
-            for (i, at) in &group_hit.shared {
-                pages.page_ids[*i] = page_of(at);
-            }
-            for id in pages.page_ids.iter_mut().filter(|id| **id == u32::MAX) {
-                *id = fresh.next().expect("counted");
-            }
+            pages.page_ids.edit(|ids| {
+                for (i, at) in &group_hit.shared {
+                    ids[*i] = page_of(at);
+                }
+                for id in ids.iter_mut().filter(|id| **id == u32::MAX) {
+                    *id = fresh.next().expect("counted");
+                }
+            });
             for (i, at) in &group_hit.copied {
                 copies.push(PageCopy { group: g, src: page_of(at), dst: pages.page_ids[*i] });
             }
@@ -367,7 +369,7 @@ impl HybridTables {
                 num_tokens,
                 next_query: hit,
                 groups,
-                hashes: Some(hashes),
+                hashes: Some(Box::new(hashes)),
                 quiet_until: 0,
             },
         );
@@ -400,7 +402,7 @@ impl HybridTables {
                 "state checkpoints need a pool with prefix caching".into(),
             ));
         }
-        let known = request.hashes.as_ref().map_or(0, RequestHashes::known);
+        let known = request.hashes.as_deref().map_or(0, RequestHashes::known);
         if t == 0 || t % CHUNK != 0 || known < t {
             return Err(CoreError::InvalidArgument(format!(
                 "request {request_id}: a checkpoint needs a positive multiple of \
@@ -411,7 +413,7 @@ impl HybridTables {
         let hashes = request.hashes.as_ref().expect("checked above");
         let at = hashes.chain_hash(t).expect("t is a known boundary");
         let lora_id = hashes.lora_id;
-        let slots: Vec<Vec<u32>> = request.groups.iter().map(|g| g.page_ids.clone()).collect();
+        let slots: Vec<Vec<u32>> = request.groups.iter().map(|g| g.page_ids.to_vec()).collect();
         let pool = Arc::clone(&self.pool);
         let hasher = pool.prefix_cache().expect("checked above").hasher();
         let mut wanted: Vec<(usize, Vec<BlockHash>)> = Vec::new();

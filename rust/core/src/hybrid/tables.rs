@@ -9,9 +9,11 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
+use smallvec::SmallVec;
 
 use crate::error::CoreError;
 use crate::hybrid::prefix::{PrefixIndex, RequestHashes};
+use crate::hybrid::request_map::{PageIds, RequestMap};
 use crate::hybrid::spec::{LiveRule, Lookback, ModelKvSpec};
 use crate::hybrid::swap::{HeldPages, RequestPage, SwappedIds};
 use crate::pool::{Owner, Pool};
@@ -21,8 +23,16 @@ use crate::pool::{Owner, Pool};
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub(super) struct GroupPages {
     pub(super) first_page: usize,
-    pub(super) page_ids: Vec<u32>,
+    pub(super) page_ids: PageIds,
 }
+
+/// Groups a request keeps inline, without an allocation of their own (a step reads them
+/// all, `request_map.rs`): every model of `hybrid.md`'s waste table has one or two; a
+/// layout with more keeps them on the heap.
+const INLINE_GROUPS: usize = 2;
+
+/// A request's table of each group, in the spec's order.
+pub(super) type GroupTables = SmallVec<[GroupPages; INLINE_GROUPS]>;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct RequestPages {
@@ -30,11 +40,12 @@ pub(super) struct RequestPages {
     /// The first position whose query has not run yet: the call that brought the request
     /// to `num_tokens` started there. Window groups keep what its query and later ones see.
     pub(super) next_query: usize,
-    pub(super) groups: Vec<GroupPages>,
+    pub(super) groups: GroupTables,
     /// The hash chain of its tokens, while they are all known and the pool caches
     /// prefixes (`prefix.rs`). It holds no page (a checkpoint's pages are the cache's, held
-    /// by no request), so a swap moves it as it is (`swap.rs`).
-    pub(super) hashes: Option<RequestHashes>,
+    /// by no request), so a swap moves it as it is (`swap.rs`). Boxed: a decode step never
+    /// reads it, and inline it would spread each request over more cache lines.
+    pub(super) hashes: Option<Box<RequestHashes>>,
     /// While the pool caches no prefixes: appends that keep the request at or below this
     /// many tokens only move its counters (no group's live pages change, none is copied),
     /// as computed by [`quiet_until`] when `append_many` last left it. 0 (no such append)
@@ -80,7 +91,7 @@ impl GroupTable<'_> {
 pub struct HybridTables {
     pub(super) pool: Arc<Pool>,
     pub(super) spec: ModelKvSpec,
-    pub(super) requests: FxHashMap<u64, RequestPages>,
+    pub(super) requests: RequestMap,
     /// The keys of the cached pages, when the pool caches prefixes (`prefix.rs`).
     pub(super) index: Option<PrefixIndex>,
     /// Ids a host tier holds swapped out (`swap.rs` keeps it): not in `requests`, but not
@@ -137,9 +148,11 @@ impl GroupPlan {
 /// it empty.
 type PlannedDrops = FxHashMap<u32, u32>;
 
-/// One request of a planned `append_many`: its counters after the call and its groups'
-/// plans in the step's flat plan list (none when only its counters move).
+/// One request of a planned `append_many`: its row in the tables, its counters after the
+/// call and its groups' plans in the step's flat plan list (none when only its counters
+/// move).
 struct PlannedAppend {
+    row: usize,
     next_query: usize,
     num_tokens: usize,
     plans: Range<usize>,
@@ -168,7 +181,7 @@ impl HybridTables {
         Ok(HybridTables {
             pool,
             spec,
-            requests: FxHashMap::default(),
+            requests: RequestMap::default(),
             index,
             swapped_out: SwappedIds::default(),
         })
@@ -242,7 +255,7 @@ impl HybridTables {
         let empty = RequestPages {
             num_tokens: 0,
             next_query: 0,
-            groups: vec![GroupPages::default(); self.spec.num_groups()],
+            groups: smallvec::smallvec![GroupPages::default(); self.spec.num_groups()],
             hashes: None,
             quiet_until: 0,
         };
@@ -402,21 +415,23 @@ impl HybridTables {
         // while the request is at hand.
         let mut found = Vec::with_capacity(request_ids.len());
         for (&request_id, &count) in request_ids.iter().zip(counts) {
-            let request = self.request(request_id)?;
+            let row = self.row_of(request_id)?;
+            let request = self.requests.row(row);
             let num_tokens = request.num_tokens.checked_add(count).ok_or_else(|| {
                 CoreError::InvalidArgument(format!(
                     "request {request_id}: {} + {count} tokens overflow",
                     request.num_tokens
                 ))
             })?;
-            found.push((request, num_tokens));
+            found.push((row, num_tokens));
         }
         let mut planned = Vec::with_capacity(request_ids.len());
         let mut plans = Vec::new();
         let mut released = Vec::new();
         let mut drops = PlannedDrops::default();
         let mut total = 0usize;
-        for (request, num_tokens) in found {
+        for (row, num_tokens) in found {
+            let request = self.requests.row(row);
             let start = plans.len();
             // The decode fast path: most requests cross no page boundary in any group, and
             // the request's own `quiet_until` says so without looking at its pages.
@@ -440,7 +455,7 @@ impl HybridTables {
                 }
             }
             let plans = start..plans.len();
-            planned.push(PlannedAppend { next_query: request.num_tokens, num_tokens, plans });
+            planned.push(PlannedAppend { row, next_query: request.num_tokens, num_tokens, plans });
         }
         if self.index.is_some() {
             self.check_room(total, 0)?;
@@ -476,7 +491,8 @@ impl HybridTables {
         let mut fresh_at = 0;
         let mut offset = 0;
         for (&request_id, done) in request_ids.iter().zip(&planned) {
-            let request = self.requests.get_mut(&request_id).expect("checked above");
+            // Still its row: nothing since the lookup added or removed a request.
+            let request = self.requests.row_mut(done.row);
             let still_quiet = done.num_tokens <= request.quiet_until;
             request.num_tokens = done.num_tokens;
             request.next_query = done.next_query;
@@ -530,9 +546,14 @@ impl HybridTables {
     }
 
     pub(super) fn request(&self, request_id: u64) -> Result<&RequestPages, CoreError> {
+        Ok(self.requests.row(self.row_of(request_id)?))
+    }
+
+    /// `request_id`'s row in `requests`, valid until a request is added or removed.
+    fn row_of(&self, request_id: u64) -> Result<usize, CoreError> {
         // Not `ok_or`: that builds (and drops) the error on every successful lookup.
-        match self.requests.get(&request_id) {
-            Some(request) => Ok(request),
+        match self.requests.row_of(request_id) {
+            Some(row) => Ok(row),
             None => Err(CoreError::UnknownRequest { request_id }),
         }
     }
@@ -619,14 +640,20 @@ impl HybridTables {
             // The kept page the new tokens write into, which `plan` copies if it is shared:
             // a state slot (its first page tells), or a token group's partly filled page.
             let written = match *rule {
-                LiveRule::State { .. } => pages.page_ids.first(),
+                LiveRule::State { .. } => pages.page_ids.first().copied(),
                 LiveRule::Tokens { block_size, .. } if block_size.rem(old_tokens) != 0 => {
                     let index = block_size.div(old_tokens).wrapping_sub(pages.first_page);
-                    pages.page_ids.get(index)
+                    // The last page (always, for a table that covers its live range): read
+                    // from the copy in the request's row, not from the page list.
+                    if index.wrapping_add(1) == pages.page_ids.len() {
+                        pages.page_ids.last_id()
+                    } else {
+                        pages.page_ids.get(index).copied()
+                    }
                 }
                 LiveRule::Tokens { .. } => None,
             };
-            if let Some(&page) = written {
+            if let Some(page) = written {
                 if self.is_shared(page, drops)? {
                     return Ok(false);
                 }
@@ -639,7 +666,7 @@ impl HybridTables {
     /// ([`check_invariants`](Self::check_invariants)).
     pub(super) fn check_quiet_until(&self) -> Result<(), String> {
         let rules = self.spec.live_rules();
-        for (&request_id, request) in &self.requests {
+        for (&request_id, request) in self.requests.iter() {
             let promised = request.quiet_until;
             if promised > request.num_tokens && promised > quiet_until(rules, &self.pool, request) {
                 return Err(format!(
@@ -720,7 +747,7 @@ fn quiet_until(rules: &[LiveRule], pool: &Pool, request: &RequestPages) -> usize
             }
             LiveRule::Tokens { block_size, sees } => {
                 // The next token goes into the last page, which has room left.
-                let Some(&last) = pages.page_ids.last() else { return 0 };
+                let Some(last) = pages.page_ids.last_id() else { return 0 };
                 if block_size.rem(n) == 0 || block_size.div(n) != first + len - 1 || shared(last) {
                     return 0;
                 }
@@ -768,12 +795,14 @@ fn commit(request: &mut RequestPages, plans: &[GroupPlan], fresh: &[u32]) {
     request.quiet_until = 0;
     let mut fresh = fresh.iter().copied();
     for (plan, pages) in plans.iter().zip(&mut request.groups) {
-        pages.page_ids.truncate(plan.kept.end);
-        pages.page_ids.drain(..plan.kept.start);
-        for index in plan.copies.clone() {
-            pages.page_ids[index] = fresh.next().expect("planned copy");
-        }
-        pages.page_ids.extend(fresh.by_ref().take(plan.num_new));
+        pages.page_ids.edit(|ids| {
+            ids.truncate(plan.kept.end);
+            ids.drain(..plan.kept.start);
+            for index in plan.copies.clone() {
+                ids[index] = fresh.next().expect("planned copy");
+            }
+            ids.extend(fresh.by_ref().take(plan.num_new));
+        });
         pages.first_page = plan.first_page;
     }
     debug_assert!(fresh.next().is_none());
@@ -833,9 +862,11 @@ impl HybridTables {
         request.quiet_until = 0;
         let mut ids = page_ids.iter();
         for held in &mut request.groups {
-            for id in &mut held.page_ids {
-                *id = *ids.next().expect("one new id per page");
-            }
+            held.page_ids.edit(|held_ids| {
+                for id in held_ids {
+                    *id = *ids.next().expect("one new id per page");
+                }
+            });
         }
         debug_assert!(ids.next().is_none(), "one new id per page");
         request

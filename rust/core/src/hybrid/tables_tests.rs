@@ -279,12 +279,14 @@ fn oracle_commit(
     }
     let mut fresh = fresh.into_iter();
     for (plan, pages) in plans.iter().zip(&mut request.groups) {
-        pages.page_ids.truncate(plan.kept.end);
-        pages.page_ids.drain(..plan.kept.start);
-        for &index in &plan.copies {
-            pages.page_ids[index] = fresh.next().expect("planned copy");
-        }
-        pages.page_ids.extend(fresh.by_ref().take(plan.num_new));
+        pages.page_ids.edit(|ids| {
+            ids.truncate(plan.kept.end);
+            ids.drain(..plan.kept.start);
+            for &index in &plan.copies {
+                ids[index] = fresh.next().expect("planned copy");
+            }
+            ids.extend(fresh.by_ref().take(plan.num_new));
+        });
         pages.first_page = plan.first_page;
     }
 }
