@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--warm-flashinfer",
         nargs="+",
-        choices=("decode", "fp8", "prefill"),
+        choices=("decode", "fp8", "prefill", "mla"),
         metavar="ROUTINE",
         help="compile FlashInfer's kernels for these routines and exit",
     )
