@@ -6,7 +6,8 @@ Per shape (batch x cached context x qo_len x heads): every sequence holds `conte
 tokens plus its `qo_len` new ones (seq_len = context + qo_len), one latent layer over a pool
 made from a ModelKvSpec, the pages shuffled. qo_len 4 is a speculative-verify step, 512 a
 chunk of a chunked prefill.
-- `kvpool_us`, `flashinfer_{fa2,fa3}_us`: CUDA-graph replays (bench/timing.py graph_us); the
+- `kvpool_us` (the plan's default row tile) and `kvpool_tile{16,32,64}_us` (each forced),
+  `flashinfer_{fa2,fa3}_us`: CUDA-graph replays (bench/timing.py graph_us); the
   wrapper planned once on its own contiguous ckv [pages, 64, 512] / kpe [pages, 64, 64] caches
   holding the same pages;
 - `*_tflops`: causal FLOPs (per query and head, 2 x (576 + 512) per key it sees) per second;
@@ -88,25 +89,46 @@ def bench_shape(batch, ctx, qo_len, heads, flashinfer, ceiling):
         latent_bytes=kv_bytes,
         causal_flops=flops,
     )
-    out = torch.empty(total_q, heads, 512, dtype=torch.bfloat16, device="cuda")
-    plans = {}
+    outs = {}
 
-    def ours(s):
-        key = s.cuda_stream
-        if key not in plans:
-            plans[key] = mla_extend_plan(
-                pool, spec, 0, indptr_host, tables, lens_host, heads, scale=SCALE, stream=s
+    def ours(tile):
+        plans = {}
+        out = outs[tile] = torch.empty(total_q, heads, 512, dtype=torch.bfloat16, device="cuda")
+
+        def call(s):
+            key = s.cuda_stream
+            if key not in plans:
+                plans[key] = mla_extend_plan(
+                    pool,
+                    spec,
+                    0,
+                    indptr_host,
+                    tables,
+                    lens_host,
+                    heads,
+                    scale=SCALE,
+                    stream=s,
+                    head_tile=tile,
+                )
+            plans[key].run(qn, qp, 0, out=out)
+
+        return call, plans
+
+    for tile in (16, 32, 64, None):
+        call, plans = ours(tile)
+        us = round(graph_us([call]), 2)
+        p = next(iter(plans.values()))
+        row["kvpool_us" if tile is None else f"kvpool_tile{tile}_us"] = us
+        if tile is None:
+            row["kvpool_plan"] = dict(
+                head_tile=p.variant.heads_per_cta,
+                num_splits=p.num_splits,
+                ctas=p.ctas_per_seq * p.num_splits * batch,
             )
-        plans[key].run(qn, qp, 0, out=out)
-
-    row["kvpool_us"] = round(graph_us([ours]), 2)
-    p = next(iter(plans.values()))
-    row["kvpool_plan"] = dict(
-        head_tile=p.variant.heads_per_cta,
-        num_splits=p.num_splits,
-        ctas=p.ctas_per_seq * p.num_splits * batch,
-    )
-    ref = out.float()
+        plans.clear()
+    ref = outs[None].float()
+    for tile in (16, 32, 64):
+        row[f"tile{tile}_max_abs_diff_vs_default"] = float((outs[tile].float() - ref).abs().max())
     if flashinfer is not None:
         ckv = cache[:, :, :512].contiguous()
         kpe = cache[:, :, 512:].contiguous()
@@ -147,7 +169,6 @@ def bench_shape(batch, ctx, qo_len, heads, flashinfer, ceiling):
         row[f"{key[:-3]}_frac_of_read_ceiling"] = round(kv_bytes / sec / 1e12 / ceiling, 4)
     fis = [row[k] for k in ("flashinfer_fa2_us", "flashinfer_fa3_us") if k in row]
     row["speedup_vs_best_flashinfer"] = round(min(fis) / row["kvpool_us"], 3) if fis else None
-    plans.clear()
     torch.cuda.empty_cache()
     cp.get_default_memory_pool().free_all_blocks()
     return row
