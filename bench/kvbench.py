@@ -47,6 +47,7 @@ ROUTINES = {
     "free_list": ("cargo", "the Rust free list vs Mutex<Vec<u32>>, 1-16 threads (criterion)"),
     "decode": ("gpu", "paged decode vs torch SDPA and FlashInfer, with the read ceiling"),
     "mla": ("gpu", "MLA decode (latent 512 + rope 64) vs FlashInfer's MLA wrapper, read ceilings"),
+    "mla_extend": ("gpu", "MLA extend (qo_len 4 and 512, causal) vs FlashInfer's MLA wrapper"),
     "window": ("gpu", "sliding-window decode at 4k/64k vs FlashInfer window_left, full attention"),
     "fp8": ("gpu", "fp8 decode vs our fp16 decode and FlashInfer's fp8 decode"),
     "fp8_sweep": ("gpu", "tuning sweep of the fp8 decode and the fp8 prefill's loads"),
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--warm-flashinfer",
         nargs="+",
-        choices=("decode", "fp8", "prefill"),
+        choices=("decode", "fp8", "prefill", "mla"),
         metavar="ROUTINE",
         help="compile FlashInfer's kernels for these routines and exit",
     )

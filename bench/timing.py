@@ -229,7 +229,7 @@ FLASHINFER_HKV = 8
 
 def warm_flashinfer(areas: Sequence[str]) -> None:
     """Trigger FlashInfer's JIT builds of every configuration the given routines time
-    ("decode", "fp8", "prefill"), so that they compile on the CPU (in a background process)
+    ("decode", "fp8", "prefill", "mla"), so that they compile on the CPU (in a background process)
     while the GPU tests run; the routines then find them cached. Prints one line per
     configuration: `warm ...` or `refused ...` (the routine records the same refusal)."""
     for area in areas:
@@ -329,4 +329,47 @@ def _prefill_warmers():
             yield f"{tdt} {backend}", build
 
 
-_FLASHINFER_WARMERS = {"decode": _decode_warmers, "fp8": _fp8_warmers, "prefill": _prefill_warmers}
+def _mla_warmers():
+    """BatchMLAPagedAttentionWrapper, bfloat16, latent 512 + rope 64, 64-token pages, both
+    backends, causal and not (routines mla and mla_extend), on 2 sequences of 2 pages."""
+    import flashinfer.mla
+    import torch
+
+    for backend in ("fa2", "fa3"):
+        for causal, qo_len in ((False, 1), (True, 4)):
+
+            def build(backend=backend, causal=causal, qo_len=qo_len):
+                ckv = torch.randn(4, 64, 512, device="cuda").to(torch.bfloat16)
+                kpe = torch.randn(4, 64, 64, device="cuda").to(torch.bfloat16)
+                qn = torch.randn(2 * qo_len, 16, 512, device="cuda").to(torch.bfloat16)
+                qp = torch.randn(2 * qo_len, 16, 64, device="cuda").to(torch.bfloat16)
+                i32 = dict(dtype=torch.int32, device="cuda")
+                w = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+                    torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), backend=backend
+                )
+                w.plan(
+                    torch.arange(3, **i32) * qo_len,
+                    torch.arange(3, **i32) * 2,
+                    torch.arange(4, **i32),
+                    torch.full((2,), 128, **i32),
+                    16,
+                    512,
+                    64,
+                    64,
+                    causal,
+                    0.07,
+                    torch.bfloat16,
+                    torch.bfloat16,
+                )
+                w.run(qn, qp, ckv, kpe)
+                torch.cuda.synchronize()
+
+            yield f"mla {backend} causal={causal}", build
+
+
+_FLASHINFER_WARMERS = {
+    "decode": _decode_warmers,
+    "fp8": _fp8_warmers,
+    "prefill": _prefill_warmers,
+    "mla": _mla_warmers,
+}

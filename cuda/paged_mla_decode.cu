@@ -1,15 +1,23 @@
-// MLA decode attention (DeepSeek-V3 shape, absorbed projections) over a paged latent cache, on
-// tensor cores (mma.sync m16n8k16, fp16/bf16 in, fp32 accumulate), with split-KV.
+// MLA attention (DeepSeek-V3 shape, absorbed projections) over a paged latent cache, decode and
+// extend (qo_len >= 1 query tokens per sequence, causal), on tensor cores (mma.sync m16n8k16,
+// fp16/bf16 in, fp32 accumulate), with split-KV.
 //
 // Per token the cache holds one vector of DQK = 576 elements: c_kv (the latent, DV = 512) then
 // k_pe (the rope part, 64). Per query head: q_nope (already multiplied into the latent space,
 // 512) and q_pe (64). logits = (q_nope . c_kv + q_pe . k_pe) * scale; the output of a head is
 // the softmax-weighted sum of c_kv (512, in the latent space). Every query head attends to the
-// same latent "head": a GQA group of all heads, so a CTA serves a tile of HB = 16 * MT heads and
-// loads each latent tile once for all of them.
+// same latent "head": a GQA group of all heads and all query positions, so a CTA serves a tile
+// of HB = 16 * MT query rows and loads each latent tile once for all of them.
 //
-// One CTA per (head tile, split chunk, sequence), head tile fastest in the grid so the CTAs of
-// one sequence's chunk run together and a second head tile finds the chunk in L2. NWARPS = MT *
+// Query rows: sequence `seq` has q_len query tokens (qo_indptr[seq + 1] - qo_indptr[seq], the
+// LAST q_len of its len = seq_lens[seq] cached tokens; decode: qo_indptr null, q_len 1, token
+// `seq`) and q_len * num_heads rows, position-major: row r is head r % num_heads of query
+// token qo_indptr[seq] + r / num_heads, at position qpos = r / num_heads of the new tokens. It
+// sees keys [0, len - q_len + qpos] (causal; decode: all len). A CTA reads keys only up to the
+// last one its last row sees.
+//
+// One CTA per (row tile, split chunk, sequence), row tile fastest in the grid so the CTAs of
+// one sequence's chunk run together and a second row tile finds the chunk in L2. NWARPS = MT *
 // J warps: warp w serves m-tile mt = w / J (16 heads) and slice j = w % J. Per KV tile of BN
 // tokens (cp.async into one of STAGES shared-memory stages, rows XOR-swizzled):
 //   S phase: warp (mt, j) computes S (16 heads x BN/J tokens: slice j) = Q (ldmatrix from the Q
@@ -21,10 +29,15 @@
 //     O (16 x DV/J) = O * alpha + P (16 x BN, ldmatrix) * V (ldmatrix.trans of the c_kv rows).
 // A CTA barrier per tile orders the stages' reuse. At the end the J partial row sums are added
 // through shared memory; an unsplit sequence writes `out`, a split one its normalised partial O
-// (float32) and log2-sum-exp to the workspace, merged by `mla_merge` (a second launch).
+// (float32) and log2-sum-exp to the workspace, row r of split s of sequence seq at
+// (seq * max_splits + s) * rows_per_seq + r, merged by `mla_merge` (a second launch). The
+// splits of a sequence cut its whole len (the same count for all its row tiles, as the merge
+// recomputes it); a row that sees no key of a split writes O = 0 and lse = -inf there.
 //
-// Rows past the split's end, or whose table entry lies outside the row (pt_width) or the pool
-// (num_pages), are zero-filled without a read and masked. A sequence of length 0 writes zeros.
+// Tokens past the split's end or a row's causal limit, or whose table entry lies outside the
+// row (pt_width) or the pool (num_pages), are masked (the first two not read when no row of
+// the CTA sees them; the last two zero-filled without a read). A sequence of length 0 and a
+// row that sees no key write zeros.
 //
 // Compile-time constants (NVRTC -D): KV_BF16, MT (m-tiles of 16 heads per CTA), J (warps per
 // m-tile), BN (tokens per KV tile), STAGES. The latent and rope widths are fixed (512 + 64).
@@ -74,22 +87,53 @@ __device__ __forceinline__ void mtile_sync(int mt) {
     asm volatile("bar.sync %0, %1;" :: "r"(mt + 1), "r"(J * 32) : "memory");
 }
 
+// A sequence's query tokens: the first one's index in q / out, their number, and its rows
+// (q_len * num_heads). Decode (qo_indptr null): one token per sequence, token `seq`.
+struct QueryRows {
+    int q_begin, q_len, rows;
+};
+
+__device__ __forceinline__ QueryRows query_rows(const int* qo_indptr, int seq, int num_heads) {
+    QueryRows q;
+    q.q_begin = qo_indptr ? qo_indptr[seq] : seq;
+    q.q_len = qo_indptr ? qo_indptr[seq + 1] - q.q_begin : 1;
+    q.rows = q.q_len * num_heads;
+    return q;
+}
+
+// One past the last key the query at position `qpos` of the q_len new tokens sees (causal:
+// they are the last q_len of the len cached tokens; decode: len).
+__device__ __forceinline__ int key_limit(int len, int q_len, int qpos) {
+    return len - q_len + qpos + 1;
+}
+
+// Element offset in q / out (strides per token and per head) of query row r.
+__device__ __forceinline__ i64 row_offset(const QueryRows& q, int r, int num_heads,
+                                          i64 tok_stride, i64 head_stride) {
+    return (i64)(q.q_begin + r / num_heads) * tok_stride + (i64)(r % num_heads) * head_stride;
+}
+
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
-    const u16* __restrict__ q_nope, i64 qn_seq_stride, i64 qn_head_stride,
-    const u16* __restrict__ q_pe, i64 qp_seq_stride, i64 qp_head_stride,
-    u16* __restrict__ out, i64 out_seq_stride, i64 out_head_stride,
+    const u16* __restrict__ q_nope, i64 qn_token_stride, i64 qn_head_stride,
+    const u16* __restrict__ q_pe, i64 qp_token_stride, i64 qp_head_stride,
+    u16* __restrict__ out, i64 out_token_stride, i64 out_head_stride,
     float* __restrict__ part_o, float* __restrict__ part_lse,
     const char* __restrict__ kv_base, i64 page_stride, i64 token_stride, int num_pages,
     int bs_log2, const int* __restrict__ page_tables, i64 pt_stride, int pt_width,
-    const int* __restrict__ seq_lens, int num_heads, int chunk_tokens, int max_splits,
-    float scale_log2) {
-    const int h0 = blockIdx.x * HB;
+    const int* __restrict__ seq_lens, const int* __restrict__ qo_indptr, int num_heads,
+    int rows_per_seq, int chunk_tokens, int max_splits, float scale_log2) {
+    const int r_cta = blockIdx.x * HB;
     const int split = blockIdx.y;
     const int seq = blockIdx.z;
     const int len = max(seq_lens[seq], 0);
+    const QueryRows qr = query_rows(qo_indptr, seq, num_heads);
+    if (r_cta >= qr.rows) return;  // this sequence has fewer query rows than the longest
     const SplitRange range = split_range(split, len, chunk_tokens, max_splits);
     if (split >= range.num_splits) return;  // this sequence is shorter than the longest
-    const int t_begin = range.t_begin, t_end = range.t_end;
+    // The keys the CTA's last row sees bound the tiles it reads (causal).
+    const int last_row = min(r_cta + HB, qr.rows) - 1;
+    const int t_begin = range.t_begin;
+    const int t_end = min(range.t_end, key_limit(len, qr.q_len, last_row / num_heads));
     const int n_tiles = t_end > t_begin ? (t_end - t_begin + BN - 1) / BN : 0;
 
     const int tid = threadIdx.x;
@@ -107,15 +151,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
     const int* pt_row = page_tables + seq * pt_stride;
     const int bs_mask = (1 << bs_log2) - 1;
 
-    // The Q tile: rows = heads h0 .. h0 + HB - 1 (rows past num_heads zero), chunks 0..63 from
-    // q_nope, 64..71 from q_pe. Part of the first cp.async group.
+    // The Q tile: query rows r_cta .. r_cta + HB - 1 (rows past the sequence's zero), chunks
+    // 0..63 from q_nope, 64..71 from q_pe. Part of the first cp.async group.
     for (int c = tid; c < HB * CHQ; c += NTHREADS) {
         const int row = c / CHQ, ch = c % CHQ;
-        const int h = h0 + row;
-        const bool in = h < num_heads;
+        const int r = r_cta + row;
+        const bool in = r < qr.rows;
+        const i64 tok = qr.q_begin + r / num_heads;
+        const int h = r % num_heads;
         const u16* src = ch < CHV
-                             ? q_nope + seq * qn_seq_stride + (i64)h * qn_head_stride + ch * 8
-                             : q_pe + seq * qp_seq_stride + (i64)h * qp_head_stride + (ch - CHV) * 8;
+                             ? q_nope + tok * qn_token_stride + (i64)h * qn_head_stride + ch * 8
+                             : q_pe + tok * qp_token_stride + (i64)h * qp_head_stride + (ch - CHV) * 8;
         cp_async16(s_q + swz(row, ch, ROWB), in ? reinterpret_cast<const char*>(src)
                                                 : reinterpret_cast<const char*>(q_nope), in);
     }
@@ -146,6 +192,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
     }
 
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // rows gid, gid + 8 of the m-tile
+    // The causal limits (one past the last key) of this lane's two rows; rows past the
+    // sequence's are never stored.
+    const int ra = r_cta + mt * 16 + gid, rb = ra + 8;
+    const int lim_a = key_limit(len, qr.q_len, ra / num_heads);
+    const int lim_b = key_limit(len, qr.q_len, rb / num_heads);
     float o[ON][4];
 #pragma unroll
     for (int n = 0; n < ON; ++n)
@@ -195,8 +246,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
                 const int entry = t >> bs_log2;
                 bool ok = t < t_end && entry < pt_width;
                 if (ok) ok = (unsigned)pt_row[entry] < (unsigned)num_pages;
-                s[nb][e] = ok ? s[nb][e] * scale_log2 : NEG_INF;
-                s[nb][2 + e] = ok ? s[nb][2 + e] * scale_log2 : NEG_INF;
+                s[nb][e] = ok && t < lim_a ? s[nb][e] * scale_log2 : NEG_INF;
+                s[nb][2 + e] = ok && t < lim_b ? s[nb][2 + e] * scale_log2 : NEG_INF;
                 mx0 = fmaxf(mx0, s[nb][e]);
                 mx1 = fmaxf(mx1, s[nb][2 + e]);
             }
@@ -283,56 +334,60 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
         lt1 += red_l[jj * HB + r0 + 8];
     }
     const float inv0 = lt0 > 0.f ? 1.f / lt0 : 0.f, inv1 = lt1 > 0.f ? 1.f / lt1 : 0.f;
-    const int ha = h0 + r0, hb = ha + 8;
+    const bool in_a = ra < qr.rows, in_b = rb < qr.rows;
     const int col0 = j * CW + 2 * tig;
     if (range.num_splits == 1) {
-        u16* oa = out + seq * out_seq_stride + (i64)ha * out_head_stride + col0;
-        u16* ob = out + seq * out_seq_stride + (i64)hb * out_head_stride + col0;
+        u16* oa = out + row_offset(qr, ra, num_heads, out_token_stride, out_head_stride) + col0;
+        u16* ob = out + row_offset(qr, rb, num_heads, out_token_stride, out_head_stride) + col0;
 #pragma unroll
         for (int n = 0; n < ON; ++n) {
-            if (ha < num_heads)
+            if (in_a)
                 *reinterpret_cast<u32*>(oa + n * 8) = pack2(o[n][0] * inv0, o[n][1] * inv0);
-            if (hb < num_heads)
+            if (in_b)
                 *reinterpret_cast<u32*>(ob + n * 8) = pack2(o[n][2] * inv1, o[n][3] * inv1);
         }
     } else {
-        const i64 base = ((i64)seq * max_splits + split) * num_heads;
-        float* pa = part_o + (base + ha) * DV + col0;
-        float* pb = part_o + (base + hb) * DV + col0;
+        const i64 base = ((i64)seq * max_splits + split) * rows_per_seq;
+        float* pa = part_o + (base + ra) * DV + col0;
+        float* pb = part_o + (base + rb) * DV + col0;
 #pragma unroll
         for (int n = 0; n < ON; ++n) {
-            if (ha < num_heads)
+            if (in_a)
                 *reinterpret_cast<float2*>(pa + n * 8) = make_float2(o[n][0] * inv0, o[n][1] * inv0);
-            if (hb < num_heads)
+            if (in_b)
                 *reinterpret_cast<float2*>(pb + n * 8) = make_float2(o[n][2] * inv1, o[n][3] * inv1);
         }
         if (j == 0 && tig == 0) {
-            if (ha < num_heads) part_lse[base + ha] = lt0 > 0.f ? m0 + log2f(lt0) : NEG_INF;
-            if (hb < num_heads) part_lse[base + hb] = lt1 > 0.f ? m1 + log2f(lt1) : NEG_INF;
+            if (in_a) part_lse[base + ra] = lt0 > 0.f ? m0 + log2f(lt0) : NEG_INF;
+            if (in_b) part_lse[base + rb] = lt1 > 0.f ? m1 + log2f(lt1) : NEG_INF;
         }
     }
 }
 
-// The split partials of one (head, sequence) merged by log-sum-exp (log2 domain): 128 threads,
-// 4 columns each. A sequence of one split wrote `out` itself and is skipped.
+// The split partials of one (query row, sequence) merged by log-sum-exp (log2 domain): 128
+// threads, 4 columns each. A sequence of one split wrote `out` itself and is skipped, as are
+// rows past the sequence's.
 extern "C" __global__ void __launch_bounds__(128) mla_merge(
     const float* __restrict__ part_o, const float* __restrict__ part_lse, u16* __restrict__ out,
-    i64 out_seq_stride, i64 out_head_stride, const int* __restrict__ seq_lens, int num_heads,
-    int chunk_tokens, int max_splits) {
-    const int head = blockIdx.x, seq = blockIdx.y;
+    i64 out_token_stride, i64 out_head_stride, const int* __restrict__ seq_lens,
+    const int* __restrict__ qo_indptr, int num_heads, int rows_per_seq, int chunk_tokens,
+    int max_splits) {
+    const int row = blockIdx.x, seq = blockIdx.y;
+    const QueryRows qr = query_rows(qo_indptr, seq, num_heads);
+    if (row >= qr.rows) return;
     const int n = num_splits_of(max(seq_lens[seq], 0), chunk_tokens, max_splits);
     if (n == 1) return;
-    const i64 base = (i64)seq * max_splits * num_heads + head;
+    const i64 base = (i64)seq * max_splits * rows_per_seq + row;
     float mx = NEG_INF;
-    for (int s = 0; s < n; ++s) mx = fmaxf(mx, part_lse[base + (i64)s * num_heads]);
+    for (int s = 0; s < n; ++s) mx = fmaxf(mx, part_lse[base + (i64)s * rows_per_seq]);
     const int col = threadIdx.x * 4;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     float wsum = 0.f;
     if (mx != NEG_INF) {
         for (int s = 0; s < n; ++s) {
-            const float w = exp2f(part_lse[base + (i64)s * num_heads] - mx);
+            const float w = exp2f(part_lse[base + (i64)s * rows_per_seq] - mx);
             const float4 v = *reinterpret_cast<const float4*>(
-                part_o + (base + (i64)s * num_heads) * DV + col);
+                part_o + (base + (i64)s * rows_per_seq) * DV + col);
             wsum += w;
             acc[0] += w * v.x;
             acc[1] += w * v.y;
@@ -341,7 +396,7 @@ extern "C" __global__ void __launch_bounds__(128) mla_merge(
         }
     }
     const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-    u16* o = out + seq * out_seq_stride + (i64)head * out_head_stride + col;
+    u16* o = out + row_offset(qr, row, num_heads, out_token_stride, out_head_stride) + col;
     *reinterpret_cast<u32*>(o) = pack2(acc[0] * inv, acc[1] * inv);
     *reinterpret_cast<u32*>(o + 2) = pack2(acc[2] * inv, acc[3] * inv);
 }

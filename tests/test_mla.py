@@ -155,7 +155,7 @@ def test_argument_errors_name_what_was_wrong():
     with pytest.raises(TypeError, match="spec must be a ModelKvSpec"):
         mla_decode_plan(pool, "spec", 1, pt, lens, 16, scale=SCALE)
     for heads in (0, 129):
-        with pytest.raises(err, match=f"num_heads {heads}: MLA decode runs 1..128"):
+        with pytest.raises(err, match=f"num_heads {heads}: MLA attention runs 1..128"):
             mla_decode_plan(pool, spec, 1, pt, lens, heads, scale=SCALE)
     with pytest.raises(TypeError, match="num_heads must be an integer"):
         mla_decode_plan(pool, spec, 1, pt, lens, 16.0, scale=SCALE)

@@ -460,3 +460,55 @@ def mla_decode_reference(
         p /= p.sum(axis=1, keepdims=True)
         out[i] = p @ c_kv
     return out
+
+
+def mla_extend_reference(
+    q_nope: npt.NDArray,
+    q_pe: npt.NDArray,
+    latent_cache: npt.NDArray,
+    page_tables: npt.NDArray,
+    kv_lens: npt.ArrayLike,
+    qo_indptr: npt.ArrayLike,
+    scale: float,
+    dtype: str = "float64",
+    latent_dim: int = 512,
+) -> npt.NDArray[np.float64]:
+    """MLA extend (prefill over the latent cache, qo_len >= 1 query tokens per sequence) with
+    absorbed projections, causal, in float64.
+
+    q_nope [total_q, H, latent_dim], q_pe [total_q, H, rope_dim]: sequence i's query tokens at
+    rows qo_indptr[i] .. qo_indptr[i + 1] - 1, the LAST qo_len of its kv_lens[i] cached tokens
+    (their latents already written); query j of sequence i sees keys 0 .. kv_lens[i] - qo_len
+    + j. latent_cache, page_tables and `dtype` as for mla_decode_reference. Per (query, head):
+    logits = (q_nope . c_kv + q_pe . k_pe) * scale over its keys, out = softmax(logits) @ c_kv,
+    [total_q, H, latent_dim]; a query that sees no key gives zeros."""
+
+    def f64(x: npt.NDArray) -> npt.NDArray[np.float64]:
+        return np.asarray(x, np.float64) if dtype == "float64" else to_float64(x, dtype)
+
+    qn, qp, cache = f64(q_nope), f64(q_pe), f64(latent_cache)
+    lens = np.asarray(kv_lens, dtype=np.int64)
+    indptr = np.asarray(qo_indptr, dtype=np.int64)
+    out = np.zeros(qn.shape, dtype=np.float64)
+    for i, n in enumerate(lens):
+        q_len = int(indptr[i + 1] - indptr[i])
+        if n <= 0 or q_len == 0:
+            continue
+        rows = gather_kv(cache, np.asarray(page_tables[i]), int(n))  # [n, latent + rope]
+        c_kv = np.ascontiguousarray(rows[:, :latent_dim])
+        first = int(indptr[i])
+        q = np.concatenate([qn[first : first + q_len], qp[first : first + q_len]], axis=2)
+        # Queries in chunks of at most ~2**24 logits: [chunk, H, n] at a time.
+        step = max(1, (1 << 24) // max(1, q.shape[1] * int(n)))
+        for j0 in range(0, q_len, step):
+            j = np.arange(j0, min(j0 + step, q_len))
+            limit = int(n) - q_len + j + 1  # keys each query sees
+            logits = (q[j] @ rows.T) * scale  # [chunk, H, n]
+            seen = np.arange(int(n))[None, None, :] < limit[:, None, None]
+            logits = np.where(seen, logits, -np.inf)
+            top = logits.max(axis=2, keepdims=True)
+            p = np.where(seen, np.exp(logits - np.where(np.isfinite(top), top, 0.0)), 0.0)
+            total = p.sum(axis=2, keepdims=True)
+            res = (p @ c_kv) / np.where(total > 0, total, 1.0)
+            out[first + j] = np.where(limit[:, None, None] > 0, res, 0.0)
+    return out

@@ -20,7 +20,9 @@ from kvpool.kernels._decode_split import MAX_DECODE_SPLITS, workspace_elems
 from kvpool.kernels._metadata import paged_metadata
 from kvpool.kernels._mla import (
     MlaDecodePlan,
+    MlaExtendPlan,
     mla_decode_plan,
+    mla_extend_plan,
     mla_page_tables,
     paged_mla_decode,
 )
@@ -37,11 +39,13 @@ __all__ = [
     "DecodePlan",
     "KvScales",
     "MlaDecodePlan",
+    "MlaExtendPlan",
     "PrefillPlan",
     "append_kv",
     "copy_blocks",
     "decode_plan",
     "mla_decode_plan",
+    "mla_extend_plan",
     "mla_page_tables",
     "paged_attention_decode",
     "paged_attention_prefill",

@@ -1,6 +1,9 @@
-"""MLA decode attention over a hybrid pool's latent group (DeepSeek-V3 shape, absorbed
-projections): ``mla_decode_plan(...)`` once per step, ``MlaDecodePlan.run(q_nope, q_pe, layer)``
-per layer, and the one-call form ``paged_mla_decode``.
+"""MLA attention over a hybrid pool's latent group (DeepSeek-V3 shape, absorbed projections),
+decode and extend: ``mla_decode_plan(...)`` (one query token per sequence) or
+``mla_extend_plan(...)`` (qo_len >= 1 per sequence, ragged, causal: chunked prefill over the
+latent cache, speculative verify) once per step, ``plan.run(q_nope, q_pe, layer)`` per layer,
+and the one-call decode form ``paged_mla_decode``. Both plans launch the one kernel
+(cuda/paged_mla_decode.cu), whose CTA rows are (query position, head) pairs.
 
 Semantics (FlashMLA, FlashInfer's BatchMLAPagedAttentionWrapper): per token the group's page
 holds one row of latent_dim + rope_dim = 512 + 64 elements, c_kv then k_pe, per layer (layer
@@ -8,16 +11,17 @@ holds one row of latent_dim + rope_dim = 512 + 64 elements, c_kv then k_pe, per 
 latent_offset_bytes). Per query head, q_nope [512] (already multiplied into the latent space)
 and q_pe [64]; logits = (q_nope . c_kv + q_pe . k_pe) * scale; the output is the softmax-weighted
 sum of c_kv, in the latent space [512]. Every query head reads the same latent rows (a GQA group
-of all heads): a CTA serves a tile of heads and loads each latent tile once for all of them.
+of all heads and query positions): a CTA serves a tile of query rows and loads each latent
+tile once for all of them.
 
 Supported (anything else is refused before a launch, naming this set): an ``mla_latent`` group
 of latent_dim 512, rope_dim 64, dtype float16 or bfloat16, any power-of-two page size; 1..128
-query heads; q_nope / q_pe / out in the group's dtype with contiguous rows.
+query heads; q_nope / q_pe / out in the group's dtype with contiguous rows; extend: every
+sequence holds at least its query tokens, at most MAX_ROWS_PER_SEQ query rows (qo_len x heads).
 """
 
 from __future__ import annotations
 
-import ctypes
 import ctypes as _ct
 import math
 import threading
@@ -56,72 +60,29 @@ from kvpool.kernels._launch import (
     param_block,
     wait_producers,
 )
-
-_u64, _i64, _i32, _f32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+from kvpool.kernels._mla_args import MlaArgs, MlaMergeArgs
+from kvpool.kernels._prefill_work import host_lengths
 
 MAX_MLA_HEADS = 128
+MAX_ROWS_PER_SEQ = 1 << 30  # query rows of one sequence: int arithmetic in the kernel
 MLA_HEAD_TILES = tuple(16 * mt for mt, _ in _build.MLA_VARIANT_CHOICES)  # 16, 32, 64
 
 
 def supported_set() -> str:
     return (
         "an mla_latent group of latent_dim 512, rope_dim 64, dtype float16 or bfloat16, a "
-        f"power-of-two page size; 1..{MAX_MLA_HEADS} query heads"
+        f"power-of-two page size; 1..{MAX_MLA_HEADS} query heads; extend: qo_len <= seq_len, "
+        f"qo_len x heads <= {MAX_ROWS_PER_SEQ}"
     )
 
 
-class MlaArgs(ctypes.Structure):
-    """paged_mla_decode's parameters (cuda/paged_mla_decode.cu), in order."""
-
-    _fields_ = [
-        ("q_nope", _u64),
-        ("qn_seq_stride", _i64),
-        ("qn_head_stride", _i64),
-        ("q_pe", _u64),
-        ("qp_seq_stride", _i64),
-        ("qp_head_stride", _i64),
-        ("out", _u64),
-        ("out_seq_stride", _i64),
-        ("out_head_stride", _i64),
-        ("part_o", _u64),
-        ("part_lse", _u64),
-        ("kv_base", _u64),
-        ("page_stride", _i64),
-        ("token_stride", _i64),
-        ("num_pages", _i32),
-        ("bs_log2", _i32),
-        ("page_tables", _u64),
-        ("pt_stride", _i64),
-        ("pt_width", _i32),
-        ("seq_lens", _u64),
-        ("num_heads", _i32),
-        ("chunk_tokens", _i32),
-        ("max_splits", _i32),
-        ("scale_log2", _f32),
-    ]
-
-
-class MlaMergeArgs(ctypes.Structure):
-    """mla_merge's parameters, in order."""
-
-    _fields_ = [
-        ("part_o", _u64),
-        ("part_lse", _u64),
-        ("out", _u64),
-        ("out_seq_stride", _i64),
-        ("out_head_stride", _i64),
-        ("seq_lens", _u64),
-        ("num_heads", _i32),
-        ("chunk_tokens", _i32),
-        ("max_splits", _i32),
-    ]
-
-
-def default_head_tile(num_heads: int) -> int:
-    """Heads per CTA: 16 up to 16 heads, 32 up to 32, else 64 (128 heads: 2 CTAs per chunk,
-    side by side in the grid so that their reads of the same rows can meet in L2; at 128
-    heads on the H200 tile 64 was the fastest of 16 / 32 / 64: bench/results/2026-12-03_de41d1c_h200/)."""
-    return next((t for t in MLA_HEAD_TILES if num_heads <= t), MLA_HEAD_TILES[-1])
+def default_head_tile(num_rows: int) -> int:
+    """Query rows per CTA for a sequence of `num_rows` rows (decode: its heads; extend: the
+    longest qo_len x heads): 16 up to 16 rows, 32 up to 32, else 64 (128 decode heads: 2 CTAs
+    per chunk, side by side in the grid so that their reads of the same rows can meet in L2;
+    at 128 heads on the H200 tile 64 was the fastest of 16 / 32 / 64:
+    bench/results/2026-12-03_de41d1c_h200/)."""
+    return next((t for t in MLA_HEAD_TILES if num_rows <= t), MLA_HEAD_TILES[-1])
 
 
 def mla_variant(dtype: str, head_tile: int) -> _build.MlaVariant:
@@ -207,9 +168,9 @@ def mla_decode_plan(
     1/sqrt(192), times its YaRN mscale squared), not 1/sqrt(576). num_heads: 1..128.
     max_seq_len, num_splits, stream and workspace as for decode_plan (split-KV over long
     sequences, merged by a second launch; the plan owns its partials unless `workspace` of
-    >= workspace_elems(num_seqs, num_heads, 512, num_splits) float32 is given; runs allocate
-    nothing after the first per layout and can be captured in a CUDA graph). head_tile (16,
-    32 or 64) forces the heads per CTA (default: default_head_tile).
+    >= plan.workspace_elems float32 is given; runs allocate nothing after the first per layout
+    and can be captured in a CUDA graph). head_tile (16, 32 or 64) forces the heads per CTA
+    (default: default_head_tile).
 
     On a host pool the arrays are NumPy and run() computes the float64 reference."""
     return MlaDecodePlan(
@@ -228,21 +189,82 @@ def mla_decode_plan(
     )
 
 
-class MlaDecodePlan:
-    """One step's MLA decode batch over one pool's MLA group (see :func:`mla_decode_plan`)."""
+def mla_extend_plan(
+    pool: Any,
+    spec: Any,
+    group: int,
+    qo_indptr: Any,
+    page_tables: Any,
+    seq_lens: Any,
+    num_heads: int,
+    *,
+    scale: float,
+    num_splits: int | None = None,
+    stream: Any = None,
+    workspace: Any = None,
+    head_tile: int | None = None,
+) -> MlaExtendPlan:
+    """An MLA extend (chunked prefill, speculative verify) plan for one step's ragged batch
+    over MLA group `group` of `spec`: made once, then ``plan.run(q_nope, q_pe, layer)`` for
+    every layer of the group.
+
+    qo_indptr: [num_seqs + 1] offsets of each sequence's query tokens in q_nope / q_pe / out
+    (from 0); seq_lens: [num_seqs] cached tokens per sequence, the new ones included (they are
+    its LAST qo_len tokens, their latents already written); page_tables as for
+    mla_decode_plan. Causal: query j of sequence i sees keys 0 .. seq_lens[i] - qo_len + j.
+    The plan is made on the host, like prefill_plan's: give qo_indptr and seq_lens as host
+    arrays (NumPy, lists, CPU tensors) and it keeps checked copies (uploaded to device arrays
+    it owns, which the kernel reads); device arrays are read back (which synchronises).
+    page_tables is bound as given (a device array on a CUDA pool) and read at every run.
+
+    The query rows of a sequence (qo_len x num_heads, position-major) share its latent rows: a
+    CTA takes a tile of 16 / 32 / 64 rows (head_tile forces it; default: default_head_tile of
+    the longest qo_len x num_heads) and reads each latent tile once for them, up to the last
+    key its last row sees. scale, num_splits, stream and workspace as for mla_decode_plan; a
+    qo_len of 1 everywhere runs exactly the decode launch (the same results, bit for bit).
+
+    On a host pool the arrays are NumPy and run() computes the float64 reference."""
+    return MlaExtendPlan(
+        pool,
+        spec,
+        group,
+        qo_indptr,
+        page_tables,
+        seq_lens,
+        num_heads,
+        scale=scale,
+        num_splits=num_splits,
+        stream=stream,
+        workspace=workspace,
+        head_tile=head_tile,
+    )
+
+
+class _MlaPlan:
+    """What the decode and extend plans share: the group, head and scale checks, the layer
+    lookup, the host reference run, the split / workspace choice and the launch. A subclass
+    binds its lengths (`_bind_cuda` / `_bind_host`) and names its query rows."""
+
+    _token_rows = "num_seqs"  # what q's first dimension counts, for messages
+    # Bound by the subclass: the batch's sizes, the host copies (host pool) or the device
+    # pointers the kernel reads (CUDA pool; _qo_ptr 0: decode).
+    _num_seqs: int
+    _num_tokens: int
+    _host_tables_lens: tuple[np.ndarray, np.ndarray]
+    device_id: int
+    stream: int
+    _pt_ptr: int
+    _lens_ptr: int
+    _qo_ptr: int
 
     def __init__(
         self,
         pool: Any,
         spec: Any,
         group: int,
-        page_tables: Any,
-        seq_lens: Any,
         num_heads: int,
         *,
         scale: float,
-        max_seq_len: int | None,
-        num_splits: int | None,
         stream: Any,
         workspace: Any,
         head_tile: int | None,
@@ -256,7 +278,7 @@ class MlaDecodePlan:
         h = index_arg(num_heads, "num_heads")
         if not 1 <= h <= MAX_MLA_HEADS:
             raise InvalidArgumentError(
-                f"num_heads {h}: MLA decode runs 1..{MAX_MLA_HEADS} query heads"
+                f"num_heads {h}: MLA attention runs 1..{MAX_MLA_HEADS} query heads"
             )
         if scale is None:
             raise InvalidArgumentError(
@@ -264,30 +286,20 @@ class MlaDecodePlan:
                 "times its YaRN mscale squared)"
             )
         self.scale = host_scale(scale, 1)
-        if head_tile is None:
-            head_tile = default_head_tile(h)
-        head_tile = index_arg(head_tile, "head_tile")
-        if head_tile not in MLA_HEAD_TILES:
-            raise InvalidArgumentError(f"head_tile must be one of {MLA_HEAD_TILES}")
+        if head_tile is not None:
+            head_tile = index_arg(head_tile, "head_tile")
+            if head_tile not in MLA_HEAD_TILES:
+                raise InvalidArgumentError(f"head_tile must be one of {MLA_HEAD_TILES}")
+        self._head_tile_arg = head_tile
         self.pool, self.spec, self.kv_group = pool, spec, kv
         self.num_heads, self.dtype = h, kv.dtype
         self.block_size = int(spec.block_size(self.group))
-        self.page_tables, self.seq_lens = page_tables, seq_lens
-        self.variant = mla_variant(kv.dtype, head_tile)
         self.kv_split = SplitKv(chunk_tokens=1, num_splits=1)
-        self._bound: tuple[ArrayView, ArrayView] | None = None
         self._workspace: Workspace | None = None
+        self._bound_views: tuple[ArrayView, ...] = ()
         self.cuda = pool_is_cuda(pool)
-        if max_seq_len is not None:
-            max_seq_len = index_arg(max_seq_len, "max_seq_len")
-        if num_splits is not None:
-            num_splits = index_arg(num_splits, "num_splits")
-        if self.cuda:
-            self._plan_cuda(max_seq_len, num_splits, stream, workspace)
-        else:
-            if stream is not None or workspace is not None:
-                raise InvalidArgumentError("a host pool takes no stream and no workspace")
-            self._plan_host()
+        if not self.cuda and (stream is not None or workspace is not None):
+            raise InvalidArgumentError("a host pool takes no stream and no workspace")
 
     @property
     def num_seqs(self) -> int:
@@ -300,6 +312,15 @@ class MlaDecodePlan:
     @property
     def num_splits(self) -> int:
         return self.kv_split.num_splits
+
+    @property
+    def workspace_elems(self) -> int:
+        """float32 elements of split partials this plan's runs need (0: it does not split)."""
+        if not self.kv_split.split:
+            return 0
+        return workspace_elems(
+            self._num_seqs, self._rows_per_seq, _build.MLA_LATENT_DIM, self.kv_split.num_splits
+        )
 
     def layer_index(self, layer: int) -> int:
         """The index inside the plan's group of model layer `layer`."""
@@ -314,24 +335,32 @@ class MlaDecodePlan:
             )
         return int(idx)
 
+    def _choose_variant(self, max_qo_len: int) -> None:
+        """The row tile (forced, or by the longest sequence's query rows) and its module."""
+        self._rows_per_seq = max_qo_len * self.num_heads
+        if self._rows_per_seq > MAX_ROWS_PER_SEQ:
+            raise InvalidArgumentError(
+                f"qo_len {max_qo_len} x {self.num_heads} heads: at most {MAX_ROWS_PER_SEQ} "
+                "query rows per sequence"
+            )
+        tile = self._head_tile_arg or default_head_tile(max(self._rows_per_seq, 1))
+        self.variant = mla_variant(self.dtype, tile)
+
     # -- host ----------------------------------------------------------------------------------
 
-    def _plan_host(self) -> None:
-        tables = host_array(self.page_tables, "page_tables")
-        lens = host_array(self.seq_lens, "seq_lens")
-        for name, a in (("page_tables", tables), ("seq_lens", lens)):
-            if a.dtype.kind not in "iu":
-                raise InvalidArgumentError(f"{name} must be an integer array, got {a.dtype}")
-        if lens.ndim != 1 or tables.ndim != 2 or tables.shape[0] != lens.shape[0]:
+    def _host_tables(self, page_tables: Any, num_seqs: int) -> np.ndarray:
+        tables = host_array(page_tables, "page_tables")
+        if tables.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"page_tables must be an integer array, got {tables.dtype}")
+        if tables.ndim != 2 or tables.shape[0] != num_seqs:
             raise InvalidArgumentError(
-                "page_tables [num_seqs, max_pages] and seq_lens [num_seqs] do not match: "
-                f"{tables.shape} and {lens.shape}"
+                f"page_tables must be [{num_seqs}, max_pages] (num_seqs from seq_lens), got "
+                f"{tables.shape}"
             )
-        self._num_seqs = int(lens.shape[0])
-        self._host = (tables, lens)
+        return tables
 
     def _check_host_rows(self) -> None:
-        tables, lens = self._host
+        tables, lens = self._host_tables_lens
         bs = self.block_size
         for i, n in enumerate(lens.astype(np.int64)):
             pages = -(-int(n) // bs)
@@ -356,6 +385,9 @@ class MlaDecodePlan:
         elem = np.float16 if self.dtype == "float16" else np.uint16
         return layer.view(elem).reshape(pool.num_blocks, self.block_size, row // 2)
 
+    def _reference(self, qn: np.ndarray, qp: np.ndarray, cache: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
     def _run_host(self, q_nope: Any, q_pe: Any, idx: int, out: Any) -> Any:
         qn, qp = host_array(q_nope, "q_nope"), host_array(q_pe, "q_pe")
         for name, a, d in (
@@ -364,10 +396,7 @@ class MlaDecodePlan:
         ):
             self._check_q(name, a.shape, a.dtype.kind, a.itemsize, d)
         self._check_host_rows()
-        tables, lens = self._host
-        res = reference.mla_decode_reference(
-            qn, qp, self._host_latent(idx), tables, lens, self.scale, self.dtype
-        )
+        res = self._reference(qn, qp, self._host_latent(idx))
         res16 = reference.from_float64(res, self.dtype).view(qn.dtype)
         if out is None:
             return res16
@@ -377,10 +406,11 @@ class MlaDecodePlan:
         return out
 
     def _check_q(self, name: str, shape: tuple, kind: str, itemsize: int, dim: int) -> None:
-        want = (self._num_seqs, self.num_heads, dim)
+        want = (self._num_tokens, self.num_heads, dim)
         if tuple(shape) != want:
             raise InvalidArgumentError(
-                f"{name} must be [num_seqs, num_heads, {dim}] = {list(want)}, got {tuple(shape)}"
+                f"{name} must be [{self._token_rows}, num_heads, {dim}] = {list(want)}, got "
+                f"{tuple(shape)}"
             )
         if not elem_ok(kind, itemsize, self.dtype, 2):
             raise InvalidArgumentError(
@@ -390,24 +420,131 @@ class MlaDecodePlan:
 
     # -- CUDA ----------------------------------------------------------------------------------
 
-    def _plan_cuda(self, max_seq_len, num_splits, stream, workspace) -> None:
-        ptv, slv = _view(self.page_tables, "page_tables"), _view(self.seq_lens, "seq_lens")
-        pt, sl = _dev(ptv, "page_tables"), _dev(slv, "seq_lens")
+    def _bind_page_tables(self, page_tables: Any, num_seqs: int | None) -> ArrayView:
+        ptv = _view(page_tables, "page_tables")
+        pt = _dev(ptv, "page_tables")
         check_int_array(pt, "page_tables", 4, 2)
-        check_int_array(sl, "seq_lens", 4, 1)
-        n = sl.shape[0]
-        if pt.shape[0] != n:
-            raise InvalidArgumentError(f"page_tables must be [{n}, max_pages], got {pt.shape}")
+        if num_seqs is not None and pt.shape[0] != num_seqs:
+            raise InvalidArgumentError(
+                f"page_tables must be [{num_seqs}, max_pages], got {tuple(pt.shape)}"
+            )
+        self._pt_stride, self._pt_width = pt.strides[0], pt.shape[1]
+        return ptv
+
+    def _plan_cuda(self, max_seq_len: int, num_splits: int | None, workspace: Any) -> None:
+        """The split and the workspace, once the lengths are bound (`_lens_ptr`, `_qo_ptr`)."""
+        n = self._num_seqs
         if n > 65535:
             raise InvalidArgumentError("at most 65535 sequences per launch")
-        self.device_id = dev = device_index(self.pool)
-        self._num_seqs, self._bound, self._pt_stride, self._pt_width = (
+        if max_seq_len > self._pt_width * self.block_size:
+            raise InvalidArgumentError(
+                f"a seq_len ({max_seq_len}) exceeds the page tables' {self._pt_width} pages of "
+                f"{self.block_size} tokens"
+            )
+        if num_splits is not None:
+            num_splits = index_arg(num_splits, "num_splits")
+        v = self.variant
+        self.ctas_per_seq = -(-self._rows_per_seq // v.heads_per_cta)
+        self.kv_split = split_kv(
             n,
-            (ptv, slv),
-            pt.strides[0],
-            pt.shape[1],
+            max(self.ctas_per_seq, 1),
+            max(max_seq_len, 1),
+            v.tokens_per_iter,
+            num_sms(self.device_id),
+            num_splits,
+            1,
         )
-        self.stream = sp = launch_stream(stream, dev, self.page_tables, self.seq_lens)
+        if self.kv_split.split or workspace is not None:
+            self._workspace = Workspace(
+                workspace, self.workspace_elems, self.device_id, self.stream
+            )
+        self._launches: dict[tuple, _MlaLaunch] = {}
+        self._lock = threading.Lock()
+
+    def run(self, q_nope: Any, q_pe: Any, layer: int, *, out: Any = None) -> Any:
+        """MLA attention of the plan's query tokens over model layer `layer` (in the plan's
+        group): q_nope [tokens, num_heads, 512], q_pe [tokens, num_heads, 64] in the group's
+        dtype (torch or CuPy; a bfloat16 CuPy array as uint16), tokens = num_seqs for a
+        decode plan, qo_indptr[-1] for an extend plan. Returns `out` [tokens, num_heads, 512]
+        (written in place when given, else a new array of q_nope's kind and dtype)."""
+        idx = self.layer_index(layer)
+        if not self.cuda:
+            return self._run_host(q_nope, q_pe, idx, out)
+        qnv, qpv = _view(q_nope, "q_nope"), _view(q_pe, "q_pe")
+        if out is None:
+            self._check_q("q_nope", qnv.shape, qnv.typestr[1], int(qnv.typestr[2:]), 512)
+            out = new_out(q_nope, qnv, self.device_id)
+        ov = _view(out, "out")
+        key = (qnv.layout_key, qpv.layout_key, ov.layout_key)
+        ln = self._launches.get(key)
+        if ln is None:
+            ln = self._launches[key] = _MlaLaunch(self, qnv, qpv, ov)
+        if self._num_seqs == 0 or self._rows_per_seq == 0:
+            return out
+        dev = self.device_id
+        for name, v in (("q_nope", qnv), ("q_pe", qpv), ("out", ov)):
+            if v.ptr % 16:
+                raise InvalidArgumentError(f"{name} must be 16-byte aligned")
+            check_ptr(v.ptr, name, dev)
+        wait_producers(self.stream, dev, qnv, qpv, ov, *self._bound_views)
+        kv_base = self.pool.base_ptr + self.spec.latent_offset_bytes(self.group, 0, idx, 0, 0)
+        with self._lock:
+            ln.launch(self, qnv.ptr, qpv.ptr, ov.ptr, kv_base)
+        return out
+
+
+class MlaDecodePlan(_MlaPlan):
+    """One step's MLA decode batch over one pool's MLA group (see :func:`mla_decode_plan`)."""
+
+    def __init__(
+        self,
+        pool: Any,
+        spec: Any,
+        group: int,
+        page_tables: Any,
+        seq_lens: Any,
+        num_heads: int,
+        *,
+        scale: float,
+        max_seq_len: int | None,
+        num_splits: int | None,
+        stream: Any,
+        workspace: Any,
+        head_tile: int | None,
+    ) -> None:
+        super().__init__(
+            pool,
+            spec,
+            group,
+            num_heads,
+            scale=scale,
+            stream=stream,
+            workspace=workspace,
+            head_tile=head_tile,
+        )
+        self.page_tables, self.seq_lens = page_tables, seq_lens
+        self._choose_variant(1)
+        if max_seq_len is not None:
+            max_seq_len = index_arg(max_seq_len, "max_seq_len")
+        if num_splits is not None:
+            num_splits = index_arg(num_splits, "num_splits")
+        if not self.cuda:
+            lens = host_array(seq_lens, "seq_lens")
+            if lens.dtype.kind not in "iu" or lens.ndim != 1:
+                raise InvalidArgumentError(
+                    f"seq_lens must be a 1-d integer array, got {lens.dtype} {lens.shape}"
+                )
+            self._num_seqs = self._num_tokens = int(lens.shape[0])
+            self._host_tables_lens = (self._host_tables(page_tables, self._num_seqs), lens)
+            return
+        slv = _view(seq_lens, "seq_lens")
+        check_int_array(_dev(slv, "seq_lens"), "seq_lens", 4, 1)
+        n = self._num_seqs = self._num_tokens = slv.shape[0]
+        ptv = self._bind_page_tables(page_tables, n)
+        self.device_id = dev = device_index(self.pool)
+        self._bound_views = (ptv, slv)
+        self._pt_ptr, self._lens_ptr, self._qo_ptr = ptv.ptr, slv.ptr, 0
+        self.stream = sp = launch_stream(stream, dev, page_tables, seq_lens)
         if n:
             check_ptr(ptv.ptr, "page_tables", dev)
             check_ptr(slv.ptr, "seq_lens", dev)
@@ -418,71 +555,108 @@ class MlaDecodePlan:
 
                 wait_producers(sp, dev, slv)
                 with cupy.cuda.Device(dev), cupy_stream(sp):
-                    max_seq_len = int(cupy.asarray(self.seq_lens).max())
-        if max_seq_len > pt.shape[1] * self.block_size:
-            raise InvalidArgumentError(
-                f"max_seq_len {max_seq_len} exceeds the page tables' {pt.shape[1]} pages of "
-                f"{self.block_size} tokens"
-            )
-        v = self.variant
-        self.ctas_per_seq = -(-self.num_heads // v.heads_per_cta)
-        self.kv_split = split_kv(
-            n,
-            self.ctas_per_seq,
-            max(max_seq_len, 1),
-            v.tokens_per_iter,
-            num_sms(dev),
-            num_splits,
-            1,
-        )
-        need = (
-            workspace_elems(n, self.num_heads, _build.MLA_LATENT_DIM, self.kv_split.num_splits)
-            if self.kv_split.split
-            else 0
-        )
-        if self.kv_split.split or workspace is not None:
-            self._workspace = Workspace(workspace, need, dev, sp)
-        self._launches: dict[tuple, _MlaLaunch] = {}
-        self._lock = threading.Lock()
+                    max_seq_len = int(cupy.asarray(seq_lens).max())
+        self._plan_cuda(max_seq_len, num_splits, workspace)
 
-    def run(self, q_nope: Any, q_pe: Any, layer: int, *, out: Any = None) -> Any:
-        """MLA attention of one query token per sequence over model layer `layer` (in the
-        plan's group): q_nope [num_seqs, num_heads, 512], q_pe [num_seqs, num_heads, 64] in the
-        group's dtype (torch or CuPy; a bfloat16 CuPy array as uint16). Returns `out`
-        [num_seqs, num_heads, 512] (written in place when given, else a new array of
-        q_nope's kind and dtype)."""
-        idx = self.layer_index(layer)
+    def _reference(self, qn: np.ndarray, qp: np.ndarray, cache: np.ndarray) -> np.ndarray:
+        tables, lens = self._host_tables_lens
+        return reference.mla_decode_reference(qn, qp, cache, tables, lens, self.scale, self.dtype)
+
+
+class MlaExtendPlan(_MlaPlan):
+    """One step's ragged MLA extend batch over one pool's MLA group (see
+    :func:`mla_extend_plan`): `qo_indptr` and `seq_lens` are the plan's checked host copies."""
+
+    _token_rows = "total_q"
+
+    def __init__(
+        self,
+        pool: Any,
+        spec: Any,
+        group: int,
+        qo_indptr: Any,
+        page_tables: Any,
+        seq_lens: Any,
+        num_heads: int,
+        *,
+        scale: float,
+        num_splits: int | None,
+        stream: Any,
+        workspace: Any,
+        head_tile: int | None,
+    ) -> None:
+        super().__init__(
+            pool,
+            spec,
+            group,
+            num_heads,
+            scale=scale,
+            stream=stream,
+            workspace=workspace,
+            head_tile=head_tile,
+        )
+        self.page_tables = page_tables
+        if self.cuda:
+            self.device_id = dev = device_index(pool)
+            self.stream = launch_stream(stream, dev, page_tables, qo_indptr, seq_lens)
+            qo_indptr = self._to_host(qo_indptr, "qo_indptr")
+            seq_lens = self._to_host(seq_lens, "seq_lens")
+        else:
+            qo_indptr = host_array(qo_indptr, "qo_indptr")
+            seq_lens = host_array(seq_lens, "seq_lens")
+        self.qo_indptr, self.seq_lens = host_lengths(qo_indptr, seq_lens)
+        n = self._num_seqs = int(self.seq_lens.shape[0])
+        self._num_tokens = self.total_q = int(self.qo_indptr[-1])
+        if self.total_q > 2**31 - 1:
+            raise InvalidArgumentError("at most 2**31 - 1 query tokens per launch")
+        qo_lens = np.diff(self.qo_indptr)
+        self.max_qo_len = int(qo_lens.max()) if n else 0
+        self._choose_variant(self.max_qo_len)
         if not self.cuda:
-            return self._run_host(q_nope, q_pe, idx, out)
-        pool = self.pool
-        qnv, qpv = _view(q_nope, "q_nope"), _view(q_pe, "q_pe")
-        if out is None:
-            self._check_q("q_nope", qnv.shape, qnv.typestr[1], int(qnv.typestr[2:]), 512)
-            out = new_out(q_nope, qnv, self.device_id)
-        ov = _view(out, "out")
-        key = (qnv.layout_key, qpv.layout_key, ov.layout_key)
-        ln = self._launches.get(key)
-        if ln is None:
-            ln = self._launches[key] = _MlaLaunch(self, qnv, qpv, ov)
-        if self._num_seqs == 0:
-            return out
-        dev = self.device_id
-        for name, v in (("q_nope", qnv), ("q_pe", qpv), ("out", ov)):
-            if v.ptr % 16:
-                raise InvalidArgumentError(f"{name} must be 16-byte aligned")
-            check_ptr(v.ptr, name, dev)
-        ptv, slv = self._bound  # type: ignore[misc]
-        wait_producers(self.stream, dev, qnv, qpv, ptv, slv, ov)
-        kv_base = pool.base_ptr + self.spec.latent_offset_bytes(self.group, 0, idx, 0, 0)
-        with self._lock:
-            ln.launch(self, qnv.ptr, qpv.ptr, ov.ptr, kv_base)
-        return out
+            self._host_tables_lens = (self._host_tables(page_tables, n), self.seq_lens)
+            return
+        import cupy
+
+        ptv = self._bind_page_tables(page_tables, n)
+        self._bound_views = (ptv,)
+        if n:
+            check_ptr(ptv.ptr, "page_tables", dev)
+        with cupy.cuda.Device(dev), cupy_stream(self.stream):
+            # The plan's own device copies: the kernel reads exactly what the plan checked.
+            self._device_lens = (
+                cupy.asarray(self.qo_indptr.astype(np.int32)),
+                cupy.asarray(self.seq_lens.astype(np.int32)),
+            )
+        self._pt_ptr = ptv.ptr
+        self._qo_ptr, self._lens_ptr = (int(a.data.ptr) for a in self._device_lens)
+        max_seq_len = int(self.seq_lens.max()) if n else 0
+        self._plan_cuda(max_seq_len, num_splits, workspace)
+
+    def _to_host(self, a: Any, name: str) -> np.ndarray:
+        """A length array as NumPy: a device one read back on the plan's stream (synchronises)."""
+        if not hasattr(a, "__cuda_array_interface__"):
+            return host_array(a, name)
+        import cupy
+
+        v = _view(a, name)
+        check_int_array(_dev(v, name), name, 4, 1)
+        if v.ptr:
+            check_ptr(v.ptr, name, self.device_id)
+        wait_producers(self.stream, self.device_id, v)
+        with cupy.cuda.Device(self.device_id), cupy_stream(self.stream):
+            return cupy.asnumpy(cupy.asarray(a))
+
+    def _reference(self, qn: np.ndarray, qp: np.ndarray, cache: np.ndarray) -> np.ndarray:
+        tables, lens = self._host_tables_lens
+        return reference.mla_extend_reference(
+            qn, qp, cache, tables, lens, self.qo_indptr, self.scale, self.dtype
+        )
 
 
 class _MlaLaunch:
     """A plan's parameter blocks for one layout of q_nope, q_pe and out (checked once)."""
 
-    def __init__(self, plan: MlaDecodePlan, qnv: ArrayView, qpv: ArrayView, ov: ArrayView):
+    def __init__(self, plan: _MlaPlan, qnv: ArrayView, qpv: ArrayView, ov: ArrayView):
         qn, qp, o = _dev(qnv, "q_nope"), _dev(qpv, "q_pe"), _dev(ov, "out")
         for name, a, d in (
             ("q_nope", qn, _build.MLA_LATENT_DIM),
@@ -498,55 +672,48 @@ class _MlaLaunch:
         self.threads, self.smem = v.threads, v.dynamic_smem_bytes
         self.kernel = compiled_kernel(v, v.kernel, plan.device_id, self.smem)
         self.merge = compiled_kernel(v, "mla_merge", plan.device_id) if plan.split else None
-        split, ws, n, h = plan.kv_split, plan._workspace, plan.num_seqs, plan.num_heads
+        split, ws, n, rows = plan.kv_split, plan._workspace, plan.num_seqs, plan._rows_per_seq
         part_o = ws.ptr if split.split and ws is not None else 0
-        part_lse = part_o + 4 * n * split.num_splits * h * _build.MLA_LATENT_DIM if part_o else 0
+        part_lse = part_o + 4 * n * split.num_splits * rows * _build.MLA_LATENT_DIM if part_o else 0
         spec, g = plan.spec, plan.group
         row = spec.latent_offset_bytes(g, 0, 0, 1, 0) - spec.latent_offset_bytes(g, 0, 0, 0, 0)
-        ptv, slv = plan._bound  # type: ignore[misc]
-        self.args = fill_args(
-            MlaArgs,
-            q_nope=0,
-            qn_seq_stride=qn.strides[0],
-            qn_head_stride=qn.strides[1],
-            q_pe=0,
-            qp_seq_stride=qp.strides[0],
-            qp_head_stride=qp.strides[1],
-            out=0,
-            out_seq_stride=o.strides[0],
-            out_head_stride=o.strides[1],
+        common = dict(
             part_o=part_o,
             part_lse=part_lse,
+            out=0,
+            out_token_stride=o.strides[0],
+            out_head_stride=o.strides[1],
+            seq_lens=plan._lens_ptr,
+            qo_indptr=plan._qo_ptr,
+            num_heads=plan.num_heads,
+            rows_per_seq=rows,
+            chunk_tokens=split.chunk_tokens,
+            max_splits=split.num_splits,
+        )
+        self.args = fill_args(
+            MlaArgs,
+            **common,
+            q_nope=0,
+            qn_token_stride=qn.strides[0],
+            qn_head_stride=qn.strides[1],
+            q_pe=0,
+            qp_token_stride=qp.strides[0],
+            qp_head_stride=qp.strides[1],
             kv_base=0,
             page_stride=spec.page_bytes,
             token_stride=row,
             num_pages=plan.pool.num_blocks,
             bs_log2=plan.block_size.bit_length() - 1,
-            page_tables=ptv.ptr,
+            page_tables=plan._pt_ptr,
             pt_stride=plan._pt_stride,
             pt_width=plan._pt_width,
-            seq_lens=slv.ptr,
-            num_heads=h,
-            chunk_tokens=split.chunk_tokens,
-            max_splits=split.num_splits,
             scale_log2=plan.scale * math.log2(math.e),
         )
         self.params = param_block(self.args)
-        self.margs = fill_args(
-            MlaMergeArgs,
-            part_o=part_o,
-            part_lse=part_lse,
-            out=0,
-            out_seq_stride=o.strides[0],
-            out_head_stride=o.strides[1],
-            seq_lens=slv.ptr,
-            num_heads=h,
-            chunk_tokens=split.chunk_tokens,
-            max_splits=split.num_splits,
-        )
+        self.margs = fill_args(MlaMergeArgs, **common)
         self.mparams = param_block(self.margs)
 
-    def launch(self, plan: MlaDecodePlan, qn: int, qp: int, out: int, kv_base: int) -> None:
+    def launch(self, plan: _MlaPlan, qn: int, qp: int, out: int, kv_base: int) -> None:
         a = self.args
         a.q_nope, a.q_pe, a.out, a.kv_base = qn, qp, out, kv_base
         split = plan.kv_split
@@ -554,9 +721,8 @@ class _MlaLaunch:
         launch(self.kernel, grid, self.threads, self.smem, plan.stream, self.params)
         if self.merge is not None:
             self.margs.out = out
-            launch(
-                self.merge, (plan.num_heads, plan.num_seqs, 1), 128, 0, plan.stream, self.mparams
-            )
+            grid = (plan._rows_per_seq, plan.num_seqs, 1)
+            launch(self.merge, grid, 128, 0, plan.stream, self.mparams)
 
 
 def paged_mla_decode(
