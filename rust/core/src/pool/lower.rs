@@ -5,37 +5,10 @@
 
 use std::sync::OnceLock;
 
-use super::evicted::EvictionStage;
-use super::SpillTier;
+use super::evicted::AttachedStage;
+use super::spill::SpillTier;
 use crate::prefix_cache::events::EventQueue;
 use crate::prefix_cache::{BlockHash, SpillTarget};
-
-/// A stage bound to the pool whose evictions it captures.
-pub(crate) struct AttachedStage {
-    pub(crate) stage: EvictionStage,
-    /// The pool's host slab: blocks evicted from the pool itself are read from here. Only
-    /// host pools take a stage (`Pool::attach_eviction_stage`): a CUDA pool's blocks, and
-    /// its host tier's, are written by asynchronous copies that a capture would have to wait
-    /// for under the cache's lock.
-    pool_base: u64,
-}
-
-impl AttachedStage {
-    pub(crate) fn new(stage: EvictionStage, pool_base: u64) -> Self {
-        AttachedStage { stage, pool_base }
-    }
-
-    /// Captures blocks the pool itself just evicted (`(id, hash)`), before they are reused.
-    pub(crate) fn capture_pool_blocks(&self, evicted: &[(u32, BlockHash)]) {
-        if evicted.is_empty() {
-            return;
-        }
-        // SAFETY: the ids are blocks of the pool's host slab at `pool_base` that the cache
-        // just evicted under its lock: nobody references them, and they are handed out only
-        // after this returns (`PrefixCache::evict_into`, `evict_above`, the host tier's spill).
-        unsafe { self.stage.capture(self.pool_base, evicted) }
-    }
-}
 
 #[derive(Default)]
 pub(crate) struct LowerTiers {

@@ -44,7 +44,7 @@ pub use geometry::{PoolGeometry, PAGE_HASH_CHUNK_TOKENS};
 use std::collections::BTreeMap;
 use std::sync::{Mutex, Weak};
 
-pub(crate) use lower::AttachedStage;
+pub(crate) use evicted::AttachedStage;
 #[cfg(test)]
 pub(crate) use lower::LowerTiers;
 pub(crate) use owner::Owner;

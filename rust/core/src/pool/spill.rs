@@ -19,7 +19,7 @@ use crate::prefix_cache::events::{EventQueue, KvEvent, Medium};
 use crate::prefix_cache::index::CacheIndex;
 use crate::prefix_cache::{BlockHash, PrefixCacheStats};
 
-use super::AttachedStage;
+use super::evicted::AttachedStage;
 use crate::slab::{self, Slab};
 
 pub(crate) struct SpillTier {
