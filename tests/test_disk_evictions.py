@@ -224,3 +224,32 @@ def crc32c_reference(data: bytes) -> int:
     for byte in data:
         crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
     return crc ^ 0xFFFFFFFF
+
+
+def test_with_write_through_an_eviction_only_refreshes_what_is_on_disk(tmp_path: Path):
+    pool = kvpool.Pool(LAYOUT, 8, device="host", enable_prefix_caching=True)
+    tables = kvpool.BlockTables(pool, 8, 8)
+    with DiskTier(tmp_path, LAYOUT, 32) as tier:
+        cache = PrefixDiskCache(tables, tier)  # write_through=True
+        cache.add_request(1, PROMPT)
+        assert cache.free(1) == 6
+        stored = tier.stats["stored"]
+        cache.add_request(2, list(range(5000, 5000 + 16 * 8)))  # evicts request 1's blocks
+        assert cache.stage.stats()["taken"] == 6, "the evicted blocks were handed over"
+        assert tier.stats["stored"] == stored, "already on disk: refreshed, not written again"
+        cache.free(2)
+        check_conserved(cache)
+
+
+def test_put_staged_refuses_what_is_not_a_matching_stage(tmp_path: Path):
+    other = kvpool.KvLayout(2, 2, 32, 16)
+    pool = kvpool.Pool(other, 4, device="host", enable_prefix_caching=True)
+    stage = pool.attach_eviction_stage(2)
+    with DiskTier(tmp_path, LAYOUT, 4) as tier:
+        with pytest.raises(TypeError):
+            tier.put_staged(pool)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError):
+            tier.put_staged(stage)  # 4 KiB blocks into a tier of 8 KiB ones
+        assert len(tier) == 0
+        tier.check_invariants()
+    stage.check_invariants()
