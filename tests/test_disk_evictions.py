@@ -253,3 +253,31 @@ def test_put_staged_refuses_what_is_not_a_matching_stage(tmp_path: Path):
         assert len(tier) == 0
         tier.check_invariants()
     stage.check_invariants()
+
+
+def test_blocks_swapped_in_from_the_host_tier_then_the_rest_from_disk(tmp_path: Path):
+    # The host tier keeps the head of the prompt, the disk has all of it: the add swaps the
+    # head in and stores it again, so the blocks this call stored begin with the swapped-in
+    # ones; the disk must fill the blocks after them, each with its own KV.
+    pool = kvpool.Pool(
+        LAYOUT, 8, device="host", enable_prefix_caching=True, prefix_cache_host_blocks=2
+    )
+    tables = kvpool.BlockTables(pool, 8, 8)
+    with DiskTier(tmp_path, LAYOUT, 32) as tier:
+        cache = PrefixDiskCache(tables, tier)  # write-through: the disk has all six
+        cache.add_request(1, PROMPT)
+        ids = [int(b) for b in tables.blocks(1)]
+        kv = np.random.default_rng(9).integers(0, 256, (len(ids), BB), dtype=np.uint8)
+        for b, row in zip(ids, kv, strict=True):
+            raw(pool)[b * BB : (b + 1) * BB] = row
+        assert cache.free(1) == 6
+        churn(cache, 2)  # the pool evicts all six; the host keeps the head two
+        assert pool.prefix_cache_stats()["host_num_cached_blocks"] == 2
+        raw(pool)[:] = 0
+        result, ready = cache.add_request(3, PROMPT)
+        assert result.num_cached_tokens == 32, "two blocks swapped in from the host tier"
+        assert ready == 16 * 6 and cache.disk_hit_blocks == 4
+        got = [block(pool, int(b)) for b in tables.blocks(3)[:6]]
+        assert got == [row.tobytes() for row in kv[:6]]
+        cache.free(3)
+        check_conserved(cache)

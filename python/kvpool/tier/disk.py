@@ -471,6 +471,10 @@ class DiskTier:
             self._agent.deregister_memory(registration)
         self._pool_regs.clear()
         self._agent.deregister_memory(self._file_reg)
+        # The agent goes now, not when this object is collected: its POSIX backend holds an
+        # AIO context (256 of the kernel's fs.aio-max-nr events), and a closed tier kept
+        # alive would hold it for good (256 closed tiers exhausted the default 65536 here).
+        self._agent = None
         os.close(self._fd)
         self._index.clear()
         self._free_slots = list(range(self.capacity - 1, -1, -1))

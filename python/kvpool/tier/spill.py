@@ -33,6 +33,7 @@ through it, with no events dropped for a full queue). Only plain (uniform) host 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import pairwise
 from typing import Any
 
 from kvpool._core import BlockStored, BlockTables, EvictionStage, InvalidArgumentError
@@ -92,17 +93,6 @@ class PrefixDiskCache:
                     new.append(block_hash)
         return new
 
-    def _chain_before(self, block_hash: bytes | None, count: int) -> list[bytes] | None:
-        """The ``count`` hashes before (and ending at) ``block_hash``, walking parents; None
-        if one was never seen."""
-        chain: list[bytes] = []
-        while block_hash is not None and len(chain) < count:
-            chain.append(block_hash)
-            if block_hash not in self._parents:
-                return None
-            block_hash = self._parents[block_hash]
-        return chain[::-1] if len(chain) == count and block_hash is None else None
-
     def add_request(
         self, request_id: int, token_ids: Iterable[int], **keys: Any
     ) -> tuple[Any, int]:
@@ -115,26 +105,43 @@ class PrefixDiskCache:
         block_size = self.pool.layout.block_size
         first_new = result.num_cached_tokens // block_size
         blocks = self.tables.blocks(request_id)
-        if new:
-            parent = self._parents[new[0]]
-            before = self._chain_before(parent, first_new) if first_new else []
-            if before is not None:
-                self._chains[request_id] = before + new
+        # `new` holds the blocks this call stored, in prompt order: the ones swapped in from
+        # the host tier (counted in num_cached_tokens already), then the fresh full ones.
+        # Their place in the prompt comes from the parent chain, never from counting.
+        before = self._ancestors(new[0]) if new else None
+        chained = all(self._parents[b] == a for a, b in pairwise(new))
+        fresh: list[bytes] = []
+        if before is not None and chained:
+            self._chains[request_id] = before + new
+            if len(before) <= first_new:
+                fresh = new[first_new - len(before) :]
         # With no new full block (every one a pool hit) the chain is not known here: its blocks
         # were written by the request that stored them, and this one writes nothing.
         ready = result.num_cached_tokens
         lead = 0
-        while lead < len(new) and new[lead] in self.tier:
+        while lead < len(fresh) and fresh[lead] in self.tier:
             lead += 1
         if lead:
             hits = self.tier.get(
-                self.pool, [int(b) for b in blocks[first_new : first_new + lead]], new[:lead]
+                self.pool, [int(b) for b in blocks[first_new : first_new + lead]], fresh[:lead]
             )
             lead = hits.index(False) if False in hits else lead
             self.disk_hit_blocks += lead
             ready += lead * block_size
             self._forward_tier_events()  # corrupt blocks left the tier
         return result, ready
+
+    def _ancestors(self, block_hash: bytes) -> list[bytes] | None:
+        """The hashes before ``block_hash`` in its chain, first block first; None if one of
+        them was never seen."""
+        chain: list[bytes] = []
+        parent = self._parents.get(block_hash)
+        while parent is not None:
+            chain.append(parent)
+            if parent not in self._parents or len(chain) > len(self._parents):
+                return None
+            parent = self._parents[parent]
+        return chain[::-1]
 
     def append_tokens(self, request_id: int, n: int, token_ids: Iterable[int]) -> Any:
         """``BlockTables.append_tokens``; the blocks it fills join the request's chain."""
