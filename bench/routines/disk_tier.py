@@ -1,4 +1,4 @@
-"""The disk tier (kvpool.tier.DiskTier: NIXL's POSIX plugin, a CRC-32 per block) against a plain
+"""The disk tier (kvpool.tier.DiskTier: NIXL's POSIX plugin, a CRC-32C per block) against a plain
 sequential file write and read of the same bytes on the same file system, in the same run.
 
 For each block size (64 KiB, 2 MiB) and number of blocks (1 .. 4096, at most ``--max-bytes``
@@ -18,7 +18,10 @@ between the bytes and the device) and ``direct`` (O_DIRECT on both sides, pools 
 (the tier's index is in memory, so nothing on disk outlives the process anyway). Tier and
 baseline alternate repetition by repetition, so load from other work hits both; the median
 of each is reported, with ``ratio`` = baseline time / tier time (1.0: the tier costs
-nothing more). Block bytes are random and checked after every tier read. Usage:
+nothing more). Block bytes are random and checked after every tier read. ``checksum``
+times the tier's checksum (``Pool.block_checksums``, CRC-32C in Rust) against zlib's CRC-32
+(what the tier used before) over the same 64 MiB; ``load_average`` is read at the start and
+the end (the machine is shared). Usage:
 
     python bench/kvbench.py --routine disk_tier [--out DIR] [--quick] [--dir DIR]
 """
@@ -32,6 +35,7 @@ import os
 import statistics
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvpool.tier import DiskTier
 
     prov = provenance("bench/routines/disk_tier.py")
+    load_at_start = os.getloadavg()
     rows, skipped = [], []
     sizes = [n for n in SIZES if n <= 64] if args.quick else SIZES
     rng = np.random.default_rng(0)
@@ -154,22 +159,60 @@ def main(argv: list[str] | None = None) -> int:
                 )
             del src, dst, src_slab, dst_slab
     base.rmdir()
+    checksum = _checksum_speed(kvpool, rng, quick=args.quick)
     result = {
         "routine": "disk_tier",
         "provenance": prov,
-        "what": "DiskTier put/get (NIXL POSIX, CRC-32 per block) vs one pwrite/preadv",
+        "what": "DiskTier put/get (NIXL POSIX, CRC-32C per block) vs one pwrite/preadv",
+        "load_average": {"start": load_at_start, "end": os.getloadavg()},
+        "checksum": checksum,
         "file_system": _file_system(base.parent),
         "target": "ratio >= 0.8 (plain time / tier time)",
         "skipped": skipped,
         "rows": rows,
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(
+        f"checksum over {checksum['bytes']} bytes: CRC-32C (Rust) {checksum['crc32c_gbytes_per_s']:.2f}"
+        f" GB/s, zlib CRC-32 {checksum['zlib_crc32_gbytes_per_s']:.2f} GB/s"
+    )
     for r in rows:
         print(
             f"{r['mode']:<8} {r['op']:<5} {r['block']:>5} x {r['blocks']:>4}  tier {r['tier_gbytes_per_s']:>6.2f}"
             f" GB/s  plain {r['plain_gbytes_per_s']:>6.2f} GB/s  ratio {r['ratio']:.2f}"
         )
     return 0
+
+
+def _checksum_speed(kvpool, rng, *, quick: bool) -> dict:
+    """Median time of the tier's checksum of 1024 blocks of 64 KiB (``Pool.block_checksums``)
+    and of zlib's CRC-32 of the same bytes, interleaved."""
+    layout = _layout(64 << 10)
+    n = 1024
+    pool = kvpool.Pool(layout, n, device="host")
+    slab = _slab(pool, n * layout.block_bytes)
+    slab[:] = rng.integers(0, 256, slab.size, dtype=np.uint8)
+    ids = np.arange(n, dtype=np.int32)
+    ours, zlibs = [], []
+    for rep in range(4 if quick else 12):
+        t0 = time.perf_counter()
+        pool.block_checksums(ids)
+        t1 = time.perf_counter()
+        for b in range(n):
+            zlib.crc32(slab[b * layout.block_bytes : (b + 1) * layout.block_bytes])
+        t2 = time.perf_counter()
+        if rep:
+            ours.append(t1 - t0)
+            zlibs.append(t2 - t1)
+    nbytes = slab.size
+    return {
+        "bytes": nbytes,
+        "blocks": n,
+        "crc32c_median_us": statistics.median(ours) * 1e6,
+        "zlib_crc32_median_us": statistics.median(zlibs) * 1e6,
+        "crc32c_gbytes_per_s": nbytes / statistics.median(ours) / 1e9,
+        "zlib_crc32_gbytes_per_s": nbytes / statistics.median(zlibs) / 1e9,
+    }
 
 
 def _file_system(path: Path) -> str | None:

@@ -1,39 +1,43 @@
 """A disk tier for KV blocks, below the host tier: blocks are kept in a file by content hash and
 moved between a host pool's slab and the file by NIXL's POSIX plugin (the storage backend of
-the ``nixl-cu13`` wheel), with a CRC-32 per block verified on every read.
+the ``nixl-cu13`` wheel), with a CRC-32C per block verified on every read.
 
 - **Storage.** One data file of ``capacity_blocks`` slots of ``block_bytes`` each (sparse until
   written), registered with NIXL once; an in-memory index maps a block hash (kvpool's 32-byte
   prefix-cache hash) to its slot and checksum, in LRU order. A batch is one NIXL transfer
   with one descriptor per run of blocks contiguous both in the pool and in the file (a fresh
   tier and a fresh pool: one descriptor).
-- **Integrity.** ``get`` READs into the caller's blocks, then checks each block's CRC-32 and
-  the file's size: a flipped byte, a truncated file, a failed read are a **miss** for that
-  block (its entry is dropped), never a hit with wrong KV. A missed block's bytes in the pool
-  are unspecified: the caller computes it, as for any miss.
+- **Integrity.** ``get`` READs into the caller's blocks, then checks each block's CRC-32C
+  and the file's size: a flipped byte, a truncated file, a failed read are a **miss** for
+  that block (its entry is dropped), never a hit with wrong KV. A missed block's bytes in
+  the pool are unspecified: the caller computes it, as for any miss. The checksums are
+  computed in Rust (``Pool.block_checksums``, ``EvictionStage.checksums``: CRC-32C in
+  hardware, the GIL released), not by zlib's CRC-32, which at about 2 GB/s was slower than
+  the page-cache copy it checked. ``CHECKSUM`` names the algorithm; the file carries no
+  checksum and outlives no tier (it is emptied when a tier opens it), so changing the
+  algorithm needs no migration: ``FORMAT_VERSION`` 2 is the CRC-32C one (1 was zlib's).
 - **Capacity.** At most ``capacity_blocks`` blocks; a ``put`` past it evicts the least recently
   used (a hit or a repeated ``put`` refreshes a block).
 - **Events.** Every block that enters the tier is reported as ``BlockStored(medium="disk")``
   (no parent, no tokens: how vLLM's CPU offloading reports the blocks it stores) and every
   block that leaves it (evicted, corrupt, removed) as ``BlockRemoved(medium="disk")``, in this
-  tier's own bounded queue (``take_kv_events``), numbered from 1. They cannot go into the
-  pool's queue: the binding has no call that appends to it (its events are made by the core
-  under the cache's lock, and its sequence numbers are the core's), so a router reads two
-  streams, the pool's and this one.
+  tier's own bounded queue (``take_kv_events``), numbered from 1. ``PrefixDiskCache`` moves
+  them into its pool's queue (``Pool.append_kv_event``), where the core numbers them with its
+  own, so a router reads one ordered stream and the pool's snapshot lists the disk's blocks.
+- **Evicted blocks.** ``put_staged`` writes the blocks a pool's eviction stage holds
+  (``Pool.attach_eviction_stage``: blocks the core dropped from its last in-memory tier,
+  copied out with their hashes before their memory was reused) and gives the slots back.
 
 Host pools only (a CUDA pool's blocks reach the disk through the host tier; GDS, VRAM to file,
 is not in this module). The index lives in memory: a new tier over an old directory starts
-empty. What calls ``put`` and ``get`` is the caller's: the core spills blocks evicted from the
-pool into its host tier itself but tells Python neither their ids nor their bytes, so blocks
-dropped from the host tier cannot reach this one without a hook in the core (transfer.md).
+empty. What calls ``put``, ``put_staged`` and ``get`` is the caller's (``PrefixDiskCache``
+calls them for a pool's prefix cache).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -43,6 +47,7 @@ from typing import Any
 from kvpool._core import (
     BlockRemoved,
     BlockStored,
+    EvictionStage,
     InvalidArgumentError,
     KvLayout,
     Pool,
@@ -51,6 +56,8 @@ from kvpool._core import (
 from kvpool.transfer.nixl_transport import load_nixl
 
 MEDIUM = "disk"
+CHECKSUM = "crc32c"
+FORMAT_VERSION = 2
 HASH_BYTES = 32
 DEFAULT_MAX_QUEUED_EVENTS = 10_000
 # O_DIRECT needs the buffer, offset and length aligned to the device's logical block; 4 KiB
@@ -139,7 +146,8 @@ class DiskTier:
         except BaseException:
             os.close(self._fd)
             raise
-        self._pool_regs: dict[int, tuple[Pool, Any]] = {}  # base_ptr -> (pool, registration)
+        # base_ptr -> (the pool or stage, kept alive; its registration)
+        self._pool_regs: dict[int, tuple[Pool | EvictionStage, Any]] = {}
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first
         self._free_slots = list(range(capacity_blocks - 1, -1, -1))  # a stack, lowest on top
         self._events: list[BlockStored | BlockRemoved] = []
@@ -170,6 +178,17 @@ class DiskTier:
         self._event(BlockRemoved, [block_hash])
         return True
 
+    def clear(self) -> int:
+        """Drops every block (after the pool's cache was reset: their KV is stale); one
+        ``BlockRemoved`` for them. Returns how many."""
+        self._check_open()
+        keys = list(self._index)
+        self._index.clear()
+        self._free_slots = list(range(self.capacity - 1, -1, -1))
+        if keys:
+            self._event(BlockRemoved, keys)
+        return len(keys)
+
     def check_invariants(self) -> None:
         """Raises AssertionError unless every slot is either free or holds exactly one cached
         block: cached + free == capacity, no slot twice."""
@@ -186,6 +205,30 @@ class DiskTier:
         recently used); evicts least recently used blocks past the capacity. Returns how many
         were written. The caller keeps the blocks unchanged until the call returns."""
         ids, keys = self._args(pool, block_ids, hashes)
+        return self._store(pool, ids, keys)
+
+    def put_staged(self, stage: EvictionStage) -> int:
+        """Stores every block ``stage`` (a pool's ``eviction_stage``) holds under its hash,
+        oldest eviction first, as ``put`` does, then gives the slots back to the stage (also
+        when the write fails). Returns how many were written."""
+        self._check_open()
+        if not isinstance(stage, EvictionStage):
+            raise TypeError(f"stage must be an EvictionStage, got {type(stage).__name__}")
+        if stage.block_bytes != self.block_bytes:
+            raise InvalidArgumentError(
+                f"the stage's blocks are {stage.block_bytes} bytes, the tier's {self.block_bytes}"
+            )
+        taken = stage.take()
+        slots = [int(s) for s in taken.slots]
+        if not slots:
+            return 0
+        try:
+            return self._store(stage, slots, list(taken.block_hashes))
+        finally:
+            stage.release(slots)
+
+    def _store(self, source: Pool | EvictionStage, ids: list[int], keys: list[bytes]) -> int:
+        """``put`` of checked blocks ``ids`` of ``source`` (a pool's blocks or a stage's slots)."""
         new: list[tuple[int, bytes]] = []
         seen: set[bytes] = set()
         for block_id, key in zip(ids, keys, strict=True):
@@ -211,11 +254,11 @@ class DiskTier:
         pairs = [(block_id, slot) for (block_id, _), slot in zip(new, slots, strict=True)]
         crcs: list[int] = []
 
-        def checksums() -> None:  # while the WRITE runs (zlib releases the GIL)
-            crcs.extend(zlib.crc32(self._block(pool, block_id)) for block_id, _ in new)
+        def checksums() -> None:  # while the WRITE runs (computed in Rust, the GIL released)
+            crcs.extend(int(c) for c in _checksums(source, [block_id for block_id, _ in new]))
 
         try:
-            self._move(pool, pairs, "WRITE", during=checksums)
+            self._move(source, pairs, "WRITE", during=checksums)
         except TransferError:
             self._free_slots.extend(slots)
             raise
@@ -262,8 +305,9 @@ class DiskTier:
                         landed.append((i, entry))
                     else:
                         bad.append(keys[i])
-            for i, entry in landed:
-                if zlib.crc32(self._block(pool, ids[i])) == entry.crc:
+            sums: Any = pool.block_checksums([ids[i] for i, _ in landed]) if landed else []
+            for (i, entry), crc in zip(landed, sums, strict=True):
+                if int(crc) == entry.crc:
                     hits[i] = True
                     self._index.move_to_end(keys[i])
                 else:
@@ -327,33 +371,36 @@ class DiskTier:
             raise InvalidArgumentError("block_ids repeat a block")
         return ids, keys
 
-    def _block(self, pool: Pool, block_id: int) -> memoryview:
-        address = pool.base_ptr + block_id * self.block_bytes
-        return memoryview((ctypes.c_char * self.block_bytes).from_address(address)).cast("B")
-
-    def _register(self, pool: Pool) -> None:
-        if pool.base_ptr not in self._pool_regs:
+    def _register(self, source: Pool | EvictionStage) -> None:
+        if source.base_ptr not in self._pool_regs:
+            extent = source.num_blocks if isinstance(source, Pool) else source.num_slots
             registration = self._agent.register_memory(
-                [(pool.base_ptr, pool.num_blocks * self.block_bytes, 0, "")], "DRAM"
+                [(source.base_ptr, extent * self.block_bytes, 0, "")], "DRAM"
             )
-            self._pool_regs[pool.base_ptr] = (pool, registration)  # the pool is kept alive
+            self._pool_regs[source.base_ptr] = (source, registration)  # kept alive
 
-    def _move(self, pool: Pool, pairs: list[tuple[int, int]], op: str, during: Any = None) -> None:
-        """One NIXL transfer of (pool block, file slot) pairs, runs coalesced; ``during`` runs
-        while it is in flight. Raises TransferError if NIXL fails."""
-        pending = self._post(pool, pairs, op)
+    def _move(
+        self,
+        source: Pool | EvictionStage,
+        pairs: list[tuple[int, int]],
+        op: str,
+        during: Any = None,
+    ) -> None:
+        """One NIXL transfer of (block or slot, file slot) pairs, runs coalesced; ``during``
+        runs while it is in flight. Raises TransferError if NIXL fails."""
+        pending = self._post(source, pairs, op)
         if during is not None:
             during()
         failed = self._finish(pending)
         if failed is not None:
             raise failed
 
-    def _post(self, pool: Pool, pairs: list[tuple[int, int]], op: str) -> Any:
+    def _post(self, source: Pool | EvictionStage, pairs: list[tuple[int, int]], op: str) -> Any:
         """Starts one NIXL transfer; returns what ``_finish`` takes."""
         if not pairs:
             return None
-        self._register(pool)
-        bb, base = self.block_bytes, pool.base_ptr
+        self._register(source)
+        bb, base = self.block_bytes, source.base_ptr
         local, remote = [], []
         start = 0
         for k in range(1, len(pairs) + 1):
@@ -424,6 +471,10 @@ class DiskTier:
             self._agent.deregister_memory(registration)
         self._pool_regs.clear()
         self._agent.deregister_memory(self._file_reg)
+        # The agent goes now, not when this object is collected: its POSIX backend holds an
+        # AIO context (256 of the kernel's fs.aio-max-nr events), and a closed tier kept
+        # alive would hold it for good (256 closed tiers exhausted the default 65536 here).
+        self._agent = None
         os.close(self._fd)
         self._index.clear()
         self._free_slots = list(range(self.capacity - 1, -1, -1))
@@ -433,6 +484,13 @@ class DiskTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _checksums(source: Pool | EvictionStage, ids: list[int]) -> Any:
+    """The CRC-32C of blocks of a pool or slots of a stage (computed in Rust)."""
+    if isinstance(source, Pool):
+        return source.block_checksums(ids)
+    return source.checksums(ids)
 
 
 def _as_list(values: Iterable[Any], what: str) -> list[Any]:

@@ -1,47 +1,78 @@
-"""A pool's prefix cache over a disk tier, joined through the pool's KV events.
+"""A pool's prefix cache over a disk tier: what the core evicts reaches the disk, and a later
+request reads it back by hash.
 
-The core evicts cached blocks inside its allocator (and drops them from its own host tier)
-without telling Python their ids or bytes, so the disk tier cannot catch them there. What
-Python does see are the KV events: every full block a request stores is reported, in order,
-with its hash and its parent's. ``PrefixDiskCache`` wraps a ``BlockTables`` and learns each
-request's block hashes from them:
+Blocks reach the disk two ways:
 
-- ``free(request_id)`` first writes the request's full blocks to the disk tier under their
-  hashes (write-through on release, as vLLM's offloading connector stores a finished
-  request), then frees them into the pool's cache as usual. While the pool still holds them
-  they are hits there; once it has evicted them, they are still on disk.
-- ``add_request`` adds the request as ``BlockTables.add_request`` does; for the full prompt
-  blocks after the pool's hits it reads the disk tier into the request's fresh blocks and
-  returns how many leading tokens now hold their KV: the pool's hits, then the disk's leading
-  hits (a block that fails its checksum, and everything after it, is computed as usual).
+- **Evictions** (always): ``PrefixDiskCache`` attaches the pool's eviction stage
+  (``Pool.attach_eviction_stage``), so every cached block the core drops from its last
+  in-memory tier (the pool's host tier, if it has one, else the pool) is copied with its hash
+  into a stage slot before its memory is reused. Each call of this object first writes what
+  the stage holds to the disk tier (``DiskTier.put_staged``); ``write_evicted`` does it alone.
+  A stage that fills between two calls overwrites its oldest blocks (counted in
+  ``stage.stats()["dropped"]``): those blocks are lost to the disk, never wrong.
+- **Write-through on release** (``write_through=True``, the default): ``free(request_id)``
+  also writes the request's full blocks under the hashes its ``BlockStored`` events gave (as
+  vLLM's offloading connector stores a finished request); an eviction of a block already on
+  disk then only refreshes it there. With ``write_through=False`` the disk takes blocks only
+  as the core evicts them (fewer writes; a block never evicted is never written).
 
-The pool's events are drained by this object; ``take_kv_events`` hands them on (then the disk
-tier's, medium "disk") to whatever reads them. Requests whose chain this object did not see
-from its first block (added before it, or with events dropped for a full queue) are not
-written to disk. Only plain (uniform) pools, only host pools (the disk tier's).
+``add_request`` adds the request as ``BlockTables.add_request`` does; for the full prompt
+blocks after the pool's hits it reads the disk tier into the request's fresh blocks and
+returns how many leading tokens now hold their KV: the pool's hits, then the disk's leading
+hits (a block that fails its checksum, and everything after it, is computed as usual).
+
+Events: the pool's events are drained by this object; the disk tier's (medium "disk") are
+appended to the pool's queue as they happen (``Pool.append_kv_event``, numbered by the core),
+so ``take_kv_events`` is one ordered stream and ``pool.kv_cache_snapshot()`` lists the
+disk-resident blocks too. ``reset_prefix_cache`` resets the pool and empties the disk (one
+``AllBlocksCleared`` covers both); a reset of the pool alone leaves stale blocks on disk.
+Write-through applies to requests whose chain this object saw from its first block (added
+through it, with no events dropped for a full queue). Only plain (uniform) host pools.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import pairwise
 from typing import Any
 
-from kvpool._core import BlockStored, BlockTables, InvalidArgumentError
+from kvpool._core import BlockStored, BlockTables, EvictionStage, InvalidArgumentError
 from kvpool.tier.disk import DiskTier
+
+DEFAULT_STAGE_SLOTS = 1024
 
 
 class PrefixDiskCache:
     """``tables`` (over a host pool with prefix caching) with ``tier`` below its cache; see the
-    module docstring."""
+    module docstring. ``stage_slots`` sizes the pool's eviction stage (default: the pool's
+    blocks, at most 1024), if the pool has none yet."""
 
-    def __init__(self, tables: BlockTables, tier: DiskTier) -> None:
+    def __init__(
+        self,
+        tables: BlockTables,
+        tier: DiskTier,
+        *,
+        write_through: bool = True,
+        stage_slots: int | None = None,
+    ) -> None:
         if not isinstance(tables, BlockTables):
             raise TypeError(f"tables must be a BlockTables, got {type(tables).__name__}")
         if not isinstance(tier, DiskTier):
             raise TypeError(f"tier must be a DiskTier, got {type(tier).__name__}")
         if not tables.pool.prefix_caching:
             raise InvalidArgumentError("the pool has no prefix cache (enable_prefix_caching)")
-        self.tables, self.tier, self.pool = tables, tier, tables.pool
+        if not isinstance(write_through, bool):
+            raise TypeError(f"write_through must be a bool, got {type(write_through).__name__}")
+        pool = tables.pool
+        stage = pool.eviction_stage
+        if stage is None:
+            slots = (
+                min(pool.num_blocks, DEFAULT_STAGE_SLOTS) if stage_slots is None else stage_slots
+            )
+            stage = pool.attach_eviction_stage(slots)
+        self.stage: EvictionStage = stage
+        self.tables, self.tier, self.pool = tables, tier, pool
+        self.write_through = write_through
         self.pool.enable_kv_cache_events()
         self._parents: dict[bytes, bytes | None] = {}  # every stored hash seen -> its parent
         self._chains: dict[int, list[bytes]] = {}  # request -> its full blocks' hashes
@@ -62,17 +93,6 @@ class PrefixDiskCache:
                     new.append(block_hash)
         return new
 
-    def _chain_before(self, block_hash: bytes | None, count: int) -> list[bytes] | None:
-        """The ``count`` hashes before (and ending at) ``block_hash``, walking parents; None
-        if one was never seen."""
-        chain: list[bytes] = []
-        while block_hash is not None and len(chain) < count:
-            chain.append(block_hash)
-            if block_hash not in self._parents:
-                return None
-            block_hash = self._parents[block_hash]
-        return chain[::-1] if len(chain) == count and block_hash is None else None
-
     def add_request(
         self, request_id: int, token_ids: Iterable[int], **keys: Any
     ) -> tuple[Any, int]:
@@ -81,34 +101,54 @@ class PrefixDiskCache:
         self._stored()  # earlier events are not this request's
         result = self.tables.add_request(request_id, token_ids, **keys)
         new = self._stored()
+        self.write_evicted()  # what this allocation evicted, before the disk is looked up
         block_size = self.pool.layout.block_size
         first_new = result.num_cached_tokens // block_size
         blocks = self.tables.blocks(request_id)
-        if new:
-            parent = self._parents[new[0]]
-            before = self._chain_before(parent, first_new) if first_new else []
-            if before is not None:
-                self._chains[request_id] = before + new
+        # `new` holds the blocks this call stored, in prompt order: the ones swapped in from
+        # the host tier (counted in num_cached_tokens already), then the fresh full ones.
+        # Their place in the prompt comes from the parent chain, never from counting.
+        before = self._ancestors(new[0]) if new else None
+        chained = all(self._parents[b] == a for a, b in pairwise(new))
+        fresh: list[bytes] = []
+        if before is not None and chained:
+            self._chains[request_id] = before + new
+            if len(before) <= first_new:
+                fresh = new[first_new - len(before) :]
         # With no new full block (every one a pool hit) the chain is not known here: its blocks
         # were written by the request that stored them, and this one writes nothing.
         ready = result.num_cached_tokens
         lead = 0
-        while lead < len(new) and new[lead] in self.tier:
+        while lead < len(fresh) and fresh[lead] in self.tier:
             lead += 1
         if lead:
             hits = self.tier.get(
-                self.pool, [int(b) for b in blocks[first_new : first_new + lead]], new[:lead]
+                self.pool, [int(b) for b in blocks[first_new : first_new + lead]], fresh[:lead]
             )
             lead = hits.index(False) if False in hits else lead
             self.disk_hit_blocks += lead
             ready += lead * block_size
+            self._forward_tier_events()  # corrupt blocks left the tier
         return result, ready
+
+    def _ancestors(self, block_hash: bytes) -> list[bytes] | None:
+        """The hashes before ``block_hash`` in its chain, first block first; None if one of
+        them was never seen."""
+        chain: list[bytes] = []
+        parent = self._parents.get(block_hash)
+        while parent is not None:
+            chain.append(parent)
+            if parent not in self._parents or len(chain) > len(self._parents):
+                return None
+            parent = self._parents[parent]
+        return chain[::-1]
 
     def append_tokens(self, request_id: int, n: int, token_ids: Iterable[int]) -> Any:
         """``BlockTables.append_tokens``; the blocks it fills join the request's chain."""
         self._stored()
         out = self.tables.append_tokens(request_id, n, token_ids)
         new = self._stored()
+        self.write_evicted()
         chain = self._chains.get(request_id)
         if chain is not None and new:
             if self._parents[new[0]] == (chain[-1] if chain else None):
@@ -118,15 +158,40 @@ class PrefixDiskCache:
         return out
 
     def free(self, request_id: int) -> int:
-        """Writes the request's full blocks to the disk tier, then frees the request. Returns
-        how many blocks were written (held ones are only refreshed)."""
+        """Frees the request; with write-through, first writes its full blocks to the disk
+        tier. Returns how many blocks were written (held ones are only refreshed)."""
         chain = self._chains.pop(request_id, None)
-        written = 0
-        if chain:
+        written = self.write_evicted()
+        if chain and self.write_through:
             blocks = self.tables.blocks(request_id)
-            written = self.tier.put(self.pool, [int(b) for b in blocks[: len(chain)]], chain)
+            written += self.tier.put(self.pool, [int(b) for b in blocks[: len(chain)]], chain)
+            self._forward_tier_events()
         self.tables.free(request_id)
         return written
+
+    def write_evicted(self) -> int:
+        """Writes what the eviction stage holds (blocks the core evicted since the last call)
+        to the disk tier; returns how many blocks were written."""
+        written = self.tier.put_staged(self.stage)
+        self._forward_tier_events()
+        return written
+
+    def reset_prefix_cache(self) -> int:
+        """Resets the pool's prefix cache (``Pool.reset_prefix_cache``: raises, changing
+        nothing, while a cached block is referenced) and empties the disk tier, whose blocks
+        are as stale; the pool's one ``AllBlocksCleared`` covers both. Returns the pool's
+        count."""
+        self._forward_tier_events()
+        dropped = self.pool.reset_prefix_cache()
+        self.tier.clear()
+        self.tier.take_kv_events()  # covered by AllBlocksCleared
+        self._chains.clear()
+        return dropped
+
+    def _forward_tier_events(self) -> None:
+        """Appends the disk tier's events to the pool's queue, in order."""
+        for event in self.tier.take_kv_events():
+            self.pool.append_kv_event(event)
 
     def block_hashes(self, request_id: int) -> list[bytes] | None:
         """The hashes of the request's full blocks, in order, if this object saw its chain."""
@@ -134,7 +199,9 @@ class PrefixDiskCache:
         return None if chain is None else list(chain)
 
     def take_kv_events(self) -> list[Any]:
-        """The pool's events since the last call (medium "CPU"), then the disk tier's."""
+        """The pool's events since the last call, the disk tier's among them (medium "disk"),
+        in the order the pool numbered them."""
+        self._forward_tier_events()
         self._stored()
         events, self._events = self._events, []
-        return events + self.tier.take_kv_events()
+        return events

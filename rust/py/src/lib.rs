@@ -3,6 +3,7 @@
 
 mod dlpack;
 mod errors;
+mod evicted;
 mod external;
 mod hybrid;
 mod hybrid_spec;
@@ -43,6 +44,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernel_sources::kernel_sources, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::dlpack_as, m)?)?;
     prefix::register(m)?;
+    evicted::register(m)?;
     errors::register(m)?;
     m.add("MAX_NUM_BLOCKS", kvpool_core::MAX_NUM_BLOCKS)?;
     Ok(())

@@ -657,6 +657,41 @@ impl PyPool {
         crate::prefix::snapshot_to_py(py, snap, self.medium())
     }
 
+    /// Attaches the pool's eviction stage of `num_slots` host blocks and returns it
+    /// (`EvictionStage`): from now on every cached block leaving the pool's last in-memory
+    /// tier (its host tier, if it has one, else the pool) is copied there with its hash
+    /// before its memory is reused, for a disk tier to take. Once per pool; host pools with
+    /// prefix caching only (`InvalidArgumentError`, changing nothing, otherwise).
+    fn attach_eviction_stage(&self, num_slots: Int) -> KvResult<crate::evicted::PyEvictionStage> {
+        crate::evicted::attach(&self.inner, num_slots)
+    }
+
+    /// The eviction stage, or None before `attach_eviction_stage`.
+    #[getter]
+    fn eviction_stage(&self) -> Option<crate::evicted::PyEvictionStage> {
+        crate::evicted::get(&self.inner)
+    }
+
+    /// The CRC-32C of each block (uint32 array), computed in Rust with the GIL released.
+    /// Host pools only; every block must be allocated (the caller's).
+    fn block_checksums<'py>(
+        &self,
+        py: Python<'py>,
+        block_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        crate::evicted::block_checksums(py, &self.inner, block_ids)
+    }
+
+    /// Appends a disk tier's event (`BlockStored` / `BlockRemoved` of medium "disk") to the
+    /// pool's KV event queue, numbered as the pool's own, so a router reads one ordered
+    /// stream; the pool also keeps the set of disk-resident blocks these events describe,
+    /// which `kv_cache_snapshot` lists (medium "disk"). Returns the event's seq (0 while
+    /// events are off). Another type is a TypeError; another medium, or a pool without
+    /// prefix caching, `InvalidArgumentError`.
+    fn append_kv_event(&self, event: &Bound<'_, PyAny>) -> PyResult<u64> {
+        crate::evicted::append_event(&self.inner, event)
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Pool(device='{}', num_blocks={}, num_free={}, block_bytes={})",

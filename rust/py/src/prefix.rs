@@ -382,7 +382,50 @@ fn medium_name(medium: Medium, pool_medium: &'static str) -> &'static str {
     match medium {
         Medium::Pool => pool_medium,
         Medium::HostTier => "CPU",
+        Medium::Disk => DISK_MEDIUM,
     }
+}
+
+/// The `medium` of the disk tier's events, the one medium a caller may append
+/// (`Pool.append_kv_event`).
+pub const DISK_MEDIUM: &str = "disk";
+
+/// A `BlockStored` or `BlockRemoved` of medium "disk" as the core's event; `TypeError` for
+/// another type, `InvalidArgumentError` for another medium (the core makes its own tiers'
+/// events).
+pub fn external_event(value: &Bound<'_, PyAny>) -> PyResult<KvEvent> {
+    let medium = |name: &str| -> PyResult<Medium> {
+        if name == DISK_MEDIUM {
+            Ok(Medium::Disk)
+        } else {
+            Err(PyKvError(invalid(format!(
+                "only events of medium \"{DISK_MEDIUM}\" can be appended, not {name:?}: the \
+                 core makes its own tiers' events"
+            )))
+            .into())
+        }
+    };
+    if let Ok(e) = value.cast::<BlockStored>() {
+        let e = e.get();
+        return Ok(KvEvent::BlockStored {
+            group: e.group,
+            block_hashes: e.block_hashes.clone(),
+            parent_block_hash: e.parent_block_hash,
+            token_ids: e.token_ids.clone(),
+            block_size: e.block_size,
+            lora_id: e.lora_id,
+            medium: medium(&e.medium)?,
+        });
+    }
+    if let Ok(e) = value.cast::<BlockRemoved>() {
+        let e = e.get();
+        return Ok(KvEvent::BlockRemoved {
+            group: e.group,
+            block_hashes: e.block_hashes.clone(),
+            medium: medium(&e.medium)?,
+        });
+    }
+    Err(crate::ids::wrong_type("argument 'event'", "a BlockStored or BlockRemoved", value))
 }
 
 /// Python objects for drained events, in order.

@@ -291,7 +291,9 @@ impl HybridTables {
             return;
         }
         let blocks: Vec<(u32, BlockHash)> = gone.iter().map(|(p, e)| (*p, e.tag)).collect();
-        let outcome = tier.spill_blocks(&blocks);
+        // No eviction stage: it takes uniform host pools' blocks only (a pool of hybrid pages
+        // cannot attach one), so what this spill drops leaves memory uncaptured.
+        let outcome = tier.spill_blocks(&blocks, None);
         let mut removed = Vec::new();
         // Checkpoint pages whose slot is no longer whole on the tier.
         let mut partial: Vec<BlockHash> = Vec::new();

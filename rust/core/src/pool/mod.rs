@@ -14,16 +14,23 @@
 //!   blocks nobody references, reused by a hit or evicted when the free list runs short.
 //! - `spill.rs`: the prefix cache's optional second tier in host memory, which the pool
 //!   owns beside the cache and hands to the cache calls that evict or hit.
+//! - `evicted.rs`: the optional stage that hands blocks leaving the last in-memory tier,
+//!   with their hashes, to a tier below memory (a disk tier); `lower.rs` joins it and the
+//!   host tier into the one target the cache calls.
+//! - `checksum.rs`: CRC-32C of blocks, for tiers that verify what they read back.
 //! - `device.rs`: the CUDA context and the pool's stream (CUDA pools only).
 //!
 //! The allocator is private to the crate: every block operation goes through the pool, so no
 //! caller can allocate past a growable pool's growth path.
 
+mod checksum;
 #[cfg(feature = "cuda")]
 mod device;
+mod evicted;
 mod external;
 mod geometry;
 mod growth;
+mod lower;
 mod owner;
 mod prefix;
 mod spill;
@@ -31,11 +38,15 @@ mod views;
 
 #[cfg(feature = "cuda")]
 pub use device::DeviceContext;
+pub use evicted::{EvictionStage, EvictionStageStats, STAGE_ALIGN_BYTES};
 pub use geometry::{PoolGeometry, PAGE_HASH_CHUNK_TOKENS};
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, Weak};
 
+pub(crate) use evicted::AttachedStage;
+#[cfg(test)]
+pub(crate) use lower::LowerTiers;
 pub(crate) use owner::Owner;
 use owner::Owners;
 pub(crate) use spill::SpillTier;
@@ -102,8 +113,9 @@ pub struct Pool {
     view_extents: Mutex<BTreeMap<usize, usize>>,
     /// `None` unless the pool was made [`with_prefix_caching`](Pool::with_prefix_caching).
     pub(crate) prefix_cache: Option<PrefixCache>,
-    /// The prefix cache's second tier, if it has one (`with_prefix_host_tier`).
-    spill: Option<SpillTier>,
+    /// What lies below the prefix cache: its host tier, if it has one
+    /// (`with_prefix_host_tier`), and the eviction stage, once attached.
+    lower: lower::LowerTiers,
     /// A host tier's pool (`new_host_tier`): its blocks are taken only by swaps, so the plain
     /// block API refuses to allocate from it.
     host_tier: bool,
@@ -207,7 +219,7 @@ impl Pool {
             ref_holders: Mutex::new(Vec::new()),
             view_extents: Mutex::new(BTreeMap::new()),
             prefix_cache: None,
-            spill: None,
+            lower: Default::default(),
             host_tier: false,
         })
     }

@@ -5,7 +5,7 @@
 //! stays lock-free for blocks that are not cached; a cached block's last reference is
 //! dropped under the cache's lock, which puts it on the evictable list.
 
-use super::{Owner, Pool, SpillTier};
+use super::{AttachedStage, EvictionStage, Owner, Pool, SpillTier};
 use crate::block_copy::Engine;
 use crate::error::CoreError;
 use crate::prefix_cache::{
@@ -94,19 +94,68 @@ impl Pool {
             self.base_ptr(),
             self.stream_handle().unwrap_or(0),
         )?;
-        self.spill = Some(tier);
+        self.lower.host = Some(tier);
         Ok(self)
+    }
+
+    /// Attaches the stage that evictions hand blocks to on their way out of memory
+    /// (`evicted.rs`): from now on, every cached block that leaves the pool's last in-memory
+    /// tier (the host tier if the pool has one, else the pool) is copied with its hash into
+    /// one of `num_slots` host slots before its memory is reused, for a tier below memory to
+    /// take ([`eviction_stage`](Self::eviction_stage)). Once per pool, while it is shared.
+    /// Host pools of a `KvLayout` with prefix caching only (`InvalidArgument` otherwise, and
+    /// for a second stage; a pool of hybrid pages is `InvalidLayout`: its tables spill to the
+    /// host tier themselves, `hybrid/spill.rs`, and feed no stage); a failed allocation is
+    /// `OutOfMemory`. Nothing changes on failure.
+    pub fn attach_eviction_stage(&self, num_slots: usize) -> Result<&EvictionStage, CoreError> {
+        if self.prefix_cache.is_none() {
+            return Err(CoreError::InvalidArgument(
+                "an eviction stage needs prefix caching on the pool".into(),
+            ));
+        }
+        self.require_memory("an eviction stage")?;
+        if self.device() != Device::Host {
+            return Err(CoreError::InvalidArgument(format!(
+                "an eviction stage captures host pools' blocks, not {}'s (their copies to the \
+                 host tier are asynchronous)",
+                self.device()
+            )));
+        }
+        let block_bytes = self.layout()?.block_bytes();
+        if self.lower.stage.get().is_some() {
+            return Err(CoreError::InvalidArgument(
+                "the pool has an eviction stage already".into(),
+            ));
+        }
+        let stage = EvictionStage::new(num_slots, block_bytes)?;
+        // Two threads may race here: the loser's stage is dropped and it is told so.
+        let mut ours = false;
+        let attached = self.lower.stage.get_or_init(|| {
+            ours = true;
+            AttachedStage::new(stage, self.base_ptr())
+        });
+        if !ours {
+            return Err(CoreError::InvalidArgument(
+                "the pool has an eviction stage already".into(),
+            ));
+        }
+        Ok(&attached.stage)
+    }
+
+    /// The eviction stage, once attached.
+    pub fn eviction_stage(&self) -> Option<&EvictionStage> {
+        self.lower.stage.get().map(|attached| &attached.stage)
     }
 
     /// The second tier as the cache sees it.
     fn spill_target(&self) -> Option<&dyn SpillTarget> {
-        self.spill.as_ref().map(|tier| tier as &dyn SpillTarget)
+        self.lower.target()
     }
 
     /// The cache's counters with its host tier's (`None` without prefix caching).
     pub fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
         let mut stats = self.prefix_cache.as_ref()?.stats();
-        if let Some(tier) = &self.spill {
+        if let Some(tier) = &self.lower.host {
             tier.fill_stats(&mut stats);
         }
         Some(stats)
@@ -236,8 +285,11 @@ impl Pool {
         };
         self.allocator.check_invariants_with_evictable(&cache.evictable_ids())?;
         cache.check_invariants(&self.allocator)?;
-        if let Some(tier) = &self.spill {
+        if let Some(tier) = &self.lower.host {
             tier.check_invariants()?;
+        }
+        if let Some(attached) = self.lower.stage.get() {
+            attached.stage.check_invariants()?;
         }
         let (free, evictable, used) =
             (self.allocator.num_free(), self.num_evictable(), self.num_used());
@@ -297,7 +349,7 @@ impl Pool {
     /// The prefix cache's second tier in host memory, if it has one (hybrid tables drive it
     /// themselves, `hybrid/spill.rs`).
     pub(crate) fn prefix_host_tier(&self) -> Option<&SpillTier> {
-        self.spill.as_ref()
+        self.lower.host.as_ref()
     }
 
     /// The address of the prefix cache's host tier slab (`None` without one): host memory,
@@ -305,6 +357,6 @@ impl Pool {
     /// `i * block_bytes`. For reading what the tier holds (tests, a tier below it); the
     /// tier alone writes it.
     pub fn prefix_host_tier_base_ptr(&self) -> Option<u64> {
-        self.spill.as_ref().map(SpillTier::base_ptr)
+        self.lower.host.as_ref().map(SpillTier::base_ptr)
     }
 }

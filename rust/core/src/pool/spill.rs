@@ -16,7 +16,9 @@ use crate::block_copy::{Endpoints, Engine, Run};
 use crate::error::CoreError;
 use crate::prefix_cache::events::{EventQueue, KvEvent, Medium};
 use crate::prefix_cache::index::CacheIndex;
-use crate::prefix_cache::{BlockHash, PrefixCacheStats, SpillTarget};
+use crate::prefix_cache::{BlockHash, PrefixCacheStats};
+
+use super::evicted::AttachedStage;
 use crate::slab::{self, Slab};
 
 pub(crate) struct SpillTier {
@@ -131,15 +133,26 @@ pub(crate) struct SpillOutcome {
     pub(crate) dropped: Vec<BlockHash>,
 }
 
-/// The tier's steps, without events: the uniform cache's [`SpillTarget`] calls report them
-/// as group 0 under the blocks' hashes; hybrid tables (`hybrid/spill.rs`), which cache each
+/// The tier's steps, without events: the uniform cache's calls (below, through `LowerTiers`)
+/// report them as group 0 under the blocks' hashes; hybrid tables (`hybrid/spill.rs`), which cache each
 /// page under a tag of its own, report them per group under their chunk hashes.
 impl SpillTier {
-    /// [`SpillTarget::spill`] without events: what was stored and what dropped.
-    pub(crate) fn spill_blocks(&self, evicted: &[(u32, BlockHash)]) -> SpillOutcome {
+    /// [`spill`](Self::spill) without events: what was stored and what dropped. With an
+    /// eviction `stage` (uniform host pools only: hybrid tables pass `None`, so what their
+    /// spills drop leaves memory uncaptured), the pool blocks the host cannot take and the
+    /// host blocks dropped to make room are copied into it, under this tier's lock, before
+    /// the spill's copy reuses those host blocks.
+    pub(crate) fn spill_blocks(
+        &self,
+        evicted: &[(u32, BlockHash)],
+        stage: Option<&AttachedStage>,
+    ) -> SpillOutcome {
         let mut idx = self.lock();
         let room = self.blocks.num_free() + idx.num_evictable();
-        let evicted = &evicted[evicted.len() - evicted.len().min(room)..];
+        let (left_out, evicted) = evicted.split_at(evicted.len() - evicted.len().min(room));
+        if let Some(stage) = stage {
+            stage.capture_pool_blocks(left_out);
+        }
         let mut outcome = SpillOutcome { stored: Vec::new(), dropped: Vec::new() };
         if evicted.is_empty() {
             return outcome;
@@ -149,11 +162,20 @@ impl SpillTier {
         self.blocks
             .alloc_into(&mut host_ids[..from_free])
             .expect("only the cache allocates host blocks");
+        let mut dropped = Vec::new();
         for slot in &mut host_ids[from_free..] {
             let (id, hash) = idx.evict().expect("room counted the host LRU");
-            outcome.dropped.push(hash);
+            dropped.push((id, hash));
             *slot = id;
         }
+        if let Some(stage) = stage.filter(|_| !dropped.is_empty()) {
+            // SAFETY: the dropped host blocks are in this tier's host slab, off its LRU under
+            // its lock, and rewritten only by the copy below, after this returns. A stage is
+            // attached to host pools only, whose host tier copies with memcpy (Engine::Host):
+            // every earlier copy into these blocks finished before its call returned.
+            unsafe { stage.stage.capture(self.slab.base_ptr(), &dropped) };
+        }
+        outcome.dropped = dropped.into_iter().map(|(_, hash)| hash).collect();
         let runs: Vec<Run> = evicted
             .iter()
             .zip(&host_ids)
@@ -180,7 +202,7 @@ impl SpillTier {
         outcome
     }
 
-    /// [`SpillTarget::take`] without events: the taken blocks' hashes, in order. Counted as
+    /// [`take`](Self::take) without events: the taken blocks' hashes, in order. Counted as
     /// swapped in.
     pub(crate) fn take_blocks(&self, host_ids: &[u32]) -> Vec<BlockHash> {
         let mut idx = self.lock();
@@ -257,15 +279,18 @@ impl SpillTier {
     }
 }
 
-impl SpillTarget for SpillTier {
+/// What the cache asks of the host tier, through `LowerTiers` (`lower.rs`), which joins it
+/// to the eviction stage and reports the steps above as group 0 events under the blocks'
+/// hashes.
+impl SpillTier {
     /// Host-resident hashes, least recently spilled first.
-    fn cached_hashes(&self) -> Vec<BlockHash> {
+    pub(crate) fn cached_hashes(&self) -> Vec<BlockHash> {
         let idx = self.lock();
         idx.evictable().map(|id| idx.hash_of(id).expect("a host LRU block is cached")).collect()
     }
 
     /// The host blocks of the longest prefix of `hashes` the host holds.
-    fn lookup_run(&self, hashes: &[BlockHash]) -> Vec<u32> {
+    pub(crate) fn lookup_run(&self, hashes: &[BlockHash]) -> Vec<u32> {
         let idx = self.lock();
         hashes.iter().map_while(|h| idx.lookup(h)).collect()
     }
@@ -273,9 +298,16 @@ impl SpillTarget for SpillTier {
     /// Copies pool blocks the cache just evicted (`(id, hash)`, least recently used first)
     /// into host blocks, making room by dropping the host's least recently used blocks. When
     /// the host cannot take them all, the most recently used are kept. Best effort: a failed
-    /// copy (a CUDA error) drops the blocks, as a pool without a second tier does.
-    fn spill(&self, evicted: &[(u32, BlockHash)], events: &mut EventQueue) {
-        let SpillOutcome { stored, dropped } = self.spill_blocks(evicted);
+    /// copy (a CUDA error) drops the blocks, as a pool without a second tier does. With an
+    /// eviction `stage`, what leaves memory here (the host blocks dropped, the pool blocks
+    /// the host cannot take) is captured there first ([`spill_blocks`](Self::spill_blocks)).
+    pub(crate) fn spill(
+        &self,
+        evicted: &[(u32, BlockHash)],
+        events: &mut EventQueue,
+        stage: Option<&AttachedStage>,
+    ) {
+        let SpillOutcome { stored, dropped } = self.spill_blocks(evicted, stage);
         if !dropped.is_empty() {
             events.push(KvEvent::BlockRemoved {
                 group: 0,
@@ -299,7 +331,7 @@ impl SpillTarget for SpillTier {
     /// Takes host blocks `host_ids` (found by [`lookup_run`](Self::lookup_run) under the
     /// same lock) out of the host cache, so that no spill drops them before
     /// [`swap_in`](Self::swap_in) copies them; they stay allocated until then.
-    fn take(&self, host_ids: &[u32], events: &mut EventQueue) {
+    pub(crate) fn take(&self, host_ids: &[u32], events: &mut EventQueue) {
         if host_ids.is_empty() {
             return;
         }
@@ -315,7 +347,7 @@ impl SpillTarget for SpillTier {
     /// content has moved to the pool, whose cache stores it again. On CUDA, work queued
     /// afterwards on the pool's stream waits for the copies. False if the copy failed (a
     /// CUDA error): the content is lost and the caller computes those blocks instead.
-    fn swap_in(&self, host_ids: &[u32], device_ids: &[u32]) -> bool {
+    pub(crate) fn swap_in(&self, host_ids: &[u32], device_ids: &[u32]) -> bool {
         if host_ids.is_empty() {
             return true;
         }
@@ -325,7 +357,7 @@ impl SpillTarget for SpillTier {
     }
 
     /// Drops every host-resident block; returns how many.
-    fn clear(&self) -> usize {
+    pub(crate) fn clear(&self) -> usize {
         let ids = self.lock().clear();
         self.blocks.free_many(&ids).expect("cached host blocks are allocated");
         ids.len()

@@ -9,13 +9,17 @@ use std::collections::VecDeque;
 use super::hash::BlockHash;
 
 /// Where a block is stored: vLLM's `medium` field. The Python layer names them ("GPU" for
-/// a CUDA pool, "CPU" for a host pool and for the host tier).
+/// a CUDA pool, "CPU" for a host pool and for the host tier, "disk" for the disk tier).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Medium {
     /// The pool's own memory.
     Pool,
     /// The prefix cache's second tier in host memory.
     HostTier,
+    /// A tier outside the core, below memory (the Python disk tier): its events are not the
+    /// core's own but appended to the core's queue by that tier
+    /// ([`PrefixCache::record_external_event`](super::PrefixCache::record_external_event)).
+    Disk,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

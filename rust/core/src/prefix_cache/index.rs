@@ -2,6 +2,8 @@
 //! single-threaded data; `PrefixCache` keeps it behind its mutex and does the reference
 //! counting around it.
 
+use std::collections::BTreeSet;
+
 use rustc_hash::FxHashMap;
 
 use super::events::{EventQueue, KvEvent};
@@ -23,6 +25,10 @@ pub struct CacheIndex {
     parent_of: Vec<Option<BlockHash>>,
     lru: EvictableList,
     pub events: EventQueue,
+    /// Blocks a tier outside the core holds (`Medium::Disk`), as the events it appended say
+    /// (`PrefixCache::record_external_event`): kept beside the queue, under the same lock,
+    /// so a snapshot lists them consistently with its `seq`.
+    pub external: BTreeSet<BlockHash>,
     /// The counters; the gauges in it are filled in by [`stats`](Self::stats).
     counters: PrefixCacheStats,
 }
@@ -38,6 +44,7 @@ impl CacheIndex {
             parent_of: Vec::new(),
             lru: EvictableList::new(0)?,
             events: EventQueue::default(),
+            external: BTreeSet::new(),
             counters: PrefixCacheStats::default(),
         };
         index.grow_to(num_blocks)?;

@@ -489,6 +489,9 @@ impl PrefixCache {
             return Err(CoreError::CacheInUse { in_use });
         }
         let ids = idx.clear();
+        // `AllBlocksCleared` covers every tier, the external one too: its blocks are as
+        // stale, and its owner drops them (the disk tier's `PrefixDiskCache.reset`).
+        idx.external.clear();
         for &id in &ids {
             self.cached[id as usize].store(false, Ordering::Release);
         }
@@ -527,6 +530,46 @@ impl PrefixCache {
         self.lock().events.len()
     }
 
+    /// Appends an event of a tier outside the core (`BlockStored` or `BlockRemoved` of
+    /// medium `Disk`, group 0) to the queue, numbered as the core numbers its own, so a
+    /// router reads one ordered stream; and keeps the set of blocks that tier holds, which
+    /// [`snapshot`](Self::snapshot) lists. Returns the event's `seq` (0 while events are
+    /// off: the set is kept all the same). Any other event is `InvalidArgument`, and nothing
+    /// changes.
+    pub fn record_external_event(&self, event: KvEvent) -> Result<u64, CoreError> {
+        let (stored, hashes) = match &event {
+            KvEvent::BlockStored { medium: Medium::Disk, group: 0, block_hashes, .. } => {
+                (true, block_hashes)
+            }
+            KvEvent::BlockRemoved { medium: Medium::Disk, group: 0, block_hashes } => {
+                (false, block_hashes)
+            }
+            _ => {
+                return Err(CoreError::InvalidArgument(
+                    "only BlockStored / BlockRemoved of medium \"disk\", group 0, can be \
+                     appended: the core makes its own tiers' events"
+                        .into(),
+                ))
+            }
+        };
+        let mut idx = self.lock();
+        for &hash in hashes {
+            if stored {
+                idx.external.insert(hash);
+            } else {
+                idx.external.remove(&hash);
+            }
+        }
+        let enabled = idx.events.enabled();
+        idx.events.push(event);
+        Ok(if enabled { idx.events.last_seq() } else { 0 })
+    }
+
+    /// Blocks the external tier holds, as its appended events say.
+    pub fn num_external_blocks(&self) -> usize {
+        self.lock().external.len()
+    }
+
     /// Every block cached now, on both tiers, with the sequence number of the newest event
     /// it reflects: a router that loads it and then applies the events with a greater
     /// `seq` holds what the cache holds. Taken under the cache's lock (and the host tier's,
@@ -546,6 +589,12 @@ impl PrefixCache {
                 group: 0,
             }));
         }
+        blocks.extend(idx.external.iter().map(|&hash| SnapshotBlock {
+            hash,
+            parent: None,
+            medium: Medium::Disk,
+            group: 0,
+        }));
         CacheSnapshot { seq: idx.events.last_seq(), block_size: self.block_size, blocks }
     }
 

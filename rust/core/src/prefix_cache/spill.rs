@@ -1,6 +1,7 @@
 //! What the cache needs from a second tier that evicted blocks spill into. The pool owns
-//! that tier (`pool/spill.rs`: a host pool and a copy engine) beside its cache and hands it
-//! to every cache call that may evict or hit; the cache knows nothing of pools or copies.
+//! that tier (`pool/spill.rs`: a host pool and a copy engine) and the eviction stage below it
+//! (`pool/evicted.rs`), joined as one target in `pool/lower.rs`, beside its cache, and hands
+//! it to every cache call that may evict or hit; the cache knows nothing of pools or copies.
 
 use super::events::EventQueue;
 use super::hash::BlockHash;

@@ -4,7 +4,7 @@
 use std::sync::Mutex;
 
 use super::*;
-use crate::pool::SpillTier;
+use crate::pool::{AttachedStage, EvictionStage, LowerTiers, SpillTier};
 
 struct FakeRefs {
     state: Mutex<(Vec<u32>, Vec<u32>)>, // (ref counts, free list with the next id to pop last)
@@ -217,7 +217,7 @@ fn events_off_queue_nothing() {
 
 /// A cache over 4 "pool" blocks (a plain buffer stands in for the pool's slab) with a host
 /// tier of 2 blocks.
-fn setup_with_host_tier() -> (PrefixCache, FakeRefs, SpillTier, Vec<u8>, usize) {
+fn setup_with_host_tier() -> (PrefixCache, FakeRefs, LowerTiers, Vec<u8>, usize) {
     use crate::layout::{DType, KvLayout};
     let layout = KvLayout::new(1, 1, 16, BS, DType::Float16).unwrap();
     let block_bytes = layout.block_bytes();
@@ -234,13 +234,15 @@ fn setup_with_host_tier() -> (PrefixCache, FakeRefs, SpillTier, Vec<u8>, usize) 
     )
     .unwrap();
     let (cache, refs) = setup(4);
-    (cache, refs, tier, device, block_bytes)
+    let lower = LowerTiers { host: Some(tier), ..Default::default() };
+    (cache, refs, lower, device, block_bytes)
 }
 
 #[test]
 fn evicted_blocks_spill_to_the_host_tier_and_come_back_on_a_hit() {
-    let (cache, refs, tier, mut device, bb) = setup_with_host_tier();
-    let spill = Some(&tier as &dyn SpillTarget);
+    let (cache, refs, lower, mut device, bb) = setup_with_host_tier();
+    let spill = lower.target();
+    let tier = lower.host.as_ref().unwrap();
     cache.set_events_enabled(true);
     let tokens: Vec<u32> = (0..12).collect();
     let a = cache.alloc_with_prefix(&refs, spill, &[], 3, 12).unwrap();
@@ -289,4 +291,141 @@ fn evicted_blocks_spill_to_the_host_tier_and_come_back_on_a_hit() {
     );
     cache.check_invariants(&refs).unwrap();
     tier.check_invariants().unwrap();
+}
+
+/// Fills `blocks` of the stand-in slab with `first`, `first + 1`, ... and releases them.
+fn compute_and_release(
+    cache: &PrefixCache,
+    refs: &FakeRefs,
+    device: &mut [u8],
+    bb: usize,
+    blocks: &[u32],
+    first: u8,
+) {
+    for (k, &b) in blocks.iter().enumerate() {
+        device[b as usize * bb..][..bb].fill(first + k as u8);
+    }
+    cache.release(refs, blocks);
+}
+
+/// What a stage took, as (hash, the byte every byte of its slot holds).
+fn take_staged(stage: &EvictionStage) -> Vec<(BlockHash, u8)> {
+    let taken = stage.take(usize::MAX);
+    let out = taken
+        .iter()
+        .map(|&(slot, hash)| {
+            let at = stage.base_ptr() as usize + slot as usize * stage.block_bytes();
+            // SAFETY: a taken slot of the stage, inside its allocation, written by no capture.
+            let bytes = unsafe { std::slice::from_raw_parts(at as *const u8, stage.block_bytes()) };
+            assert!(bytes.iter().all(|&x| x == bytes[0]), "one block's bytes, whole");
+            (hash, bytes[0])
+        })
+        .collect();
+    stage.release(&taken.iter().map(|&(slot, _)| slot).collect::<Vec<_>>()).unwrap();
+    out
+}
+
+#[test]
+fn blocks_leaving_the_last_memory_tier_reach_the_stage_with_their_bytes() {
+    let (cache, refs, lower, mut device, bb) = setup_with_host_tier();
+    let stage = EvictionStage::new(4, bb).unwrap();
+    assert!(lower.stage.set(AttachedStage::new(stage, device.as_ptr() as u64)).is_ok());
+    let spill = lower.target();
+    let stage = &lower.stage.get().unwrap().stage;
+    let a = cache.alloc_with_prefix(&refs, spill, &[], 3, 12).unwrap();
+    let first = store_all(&cache, &a.fresh, &(0..12).collect::<Vec<u32>>());
+    compute_and_release(&cache, &refs, &mut device, bb, &a.fresh, 10);
+    // Four blocks: the three cached ones are evicted, the host keeps two; the third leaves
+    // memory, from the pool's own slab, before the caller gets its block.
+    let mut out = [0u32; 4];
+    cache.alloc_evicting(&refs, spill, &mut out).unwrap();
+    device.fill(0xEE); // the caller overwrites what it got
+    assert_eq!(take_staged(stage), [(first[2], 12)]);
+    refs.push_free(&out);
+    // A second prompt: its three blocks are evicted in turn; the pool's LRU block leaves
+    // memory straight away, and the host drops its two to take the other two.
+    let b = cache.alloc_with_prefix(&refs, spill, &[], 3, 12).unwrap();
+    let second = store_all(&cache, &b.fresh, &(100..112).collect::<Vec<u32>>());
+    compute_and_release(&cache, &refs, &mut device, bb, &b.fresh, 20);
+    cache.alloc_evicting(&refs, spill, &mut out).unwrap();
+    device.fill(0xEE);
+    assert_eq!(take_staged(stage), [(second[2], 22), (first[1], 11), (first[0], 10)]);
+    let stats = stage.stats();
+    assert_eq!((stats.captured, stats.dropped, stats.taken), (4, 0, 4));
+    refs.push_free(&out);
+    stage.check_invariants().unwrap();
+    cache.check_invariants(&refs).unwrap();
+    lower.host.as_ref().unwrap().check_invariants().unwrap();
+}
+
+#[test]
+fn without_a_host_tier_the_pool_blocks_go_to_the_stage_and_a_reset_drops_them() {
+    let (cache, refs) = setup(3);
+    let bb = 64;
+    let mut device = vec![0u8; 3 * bb];
+    let lower = LowerTiers::default();
+    assert!(lower.target().is_none(), "nothing below: the cache evicts as it always did");
+    let stage = EvictionStage::new(2, bb).unwrap();
+    assert!(lower.stage.set(AttachedStage::new(stage, device.as_ptr() as u64)).is_ok());
+    let spill = lower.target();
+    let stage = &lower.stage.get().unwrap().stage;
+    let a = cache.alloc_with_prefix(&refs, spill, &[], 3, 12).unwrap();
+    let hashes = store_all(&cache, &a.fresh, &(0..12).collect::<Vec<u32>>());
+    compute_and_release(&cache, &refs, &mut device, bb, &a.fresh, 1);
+    let mut out = [0u32; 3];
+    cache.alloc_evicting(&refs, spill, &mut out).unwrap();
+    // Three evicted into two slots: the oldest staged one is overwritten, and counted.
+    assert_eq!(stage.stats().dropped, 1);
+    assert_eq!(take_staged(stage), [(hashes[1], 2), (hashes[0], 1)]);
+    refs.push_free(&out);
+    let b = cache.alloc_with_prefix(&refs, spill, &[], 2, 8).unwrap();
+    store_all(&cache, &b.fresh, &(50..58).collect::<Vec<u32>>());
+    compute_and_release(&cache, &refs, &mut device, bb, &b.fresh, 7);
+    cache.alloc_evicting(&refs, spill, &mut out).unwrap();
+    assert_eq!(stage.stats().num_filled, 2);
+    refs.push_free(&out);
+    cache.reset(&refs, spill).unwrap();
+    assert_eq!(stage.stats().num_filled, 0, "a reset's stale KV leaves the stage too");
+    stage.check_invariants().unwrap();
+    cache.check_invariants(&refs).unwrap();
+}
+
+#[test]
+fn disk_events_join_the_queue_in_order_and_the_snapshot_lists_disk_blocks() {
+    let (cache, refs) = setup(2);
+    cache.set_events_enabled(true);
+    let a = cache.alloc_with_prefix(&refs, None, &[], 2, 8).unwrap();
+    let hashes = store_all(&cache, &a.fresh, &(0..8).collect::<Vec<u32>>());
+    let disk = |stored: bool, hashes: Vec<BlockHash>| match stored {
+        true => KvEvent::BlockStored {
+            group: 0,
+            block_hashes: hashes,
+            parent_block_hash: None,
+            token_ids: Vec::new(),
+            block_size: BS,
+            lora_id: None,
+            medium: Medium::Disk,
+        },
+        false => KvEvent::BlockRemoved { group: 0, block_hashes: hashes, medium: Medium::Disk },
+    };
+    let other = BlockHash([9; 32]);
+    assert_eq!(cache.record_external_event(disk(true, vec![hashes[0], other])).unwrap(), 2);
+    assert_eq!(cache.record_external_event(disk(false, vec![hashes[0]])).unwrap(), 3);
+    let pool_event = KvEvent::BlockRemoved { group: 0, block_hashes: vec![], medium: Medium::Pool };
+    assert!(cache.record_external_event(pool_event).is_err(), "the core makes its own");
+    assert!(cache.record_external_event(KvEvent::AllBlocksCleared).is_err());
+    let batch = cache.drain_event_batch();
+    assert_eq!(batch.events.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3]);
+    let snap = cache.snapshot(None);
+    assert_eq!(snap.seq, 3);
+    let on_disk: Vec<BlockHash> =
+        snap.blocks.iter().filter(|b| b.medium == Medium::Disk).map(|b| b.hash).collect();
+    assert_eq!(on_disk, [other]);
+    assert_eq!(snap.blocks.len(), 3, "two pool blocks and one on disk");
+    cache.release(&refs, &a.fresh);
+    cache.reset(&refs, None).unwrap();
+    assert_eq!(cache.num_external_blocks(), 0, "AllBlocksCleared covers the disk too");
+    cache.set_events_enabled(false);
+    assert_eq!(cache.record_external_event(disk(true, vec![other])).unwrap(), 0);
+    assert_eq!(cache.num_external_blocks(), 1, "kept with events off");
 }

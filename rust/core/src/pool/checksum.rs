@@ -1,0 +1,56 @@
+//! CRC-32C of blocks, for tiers that verify what they read back (the disk tier).
+//!
+//! CRC-32C (Castagnoli) is the storage field's checksum (iSCSI, ext4 and btrfs metadata,
+//! RocksDB, LevelDB): x86-64's SSE 4.2 and AArch64's CRC extension compute it in hardware,
+//! and the `crc32c` crate interleaves three streams of that instruction, so a block is
+//! checked at memory speed rather than at zlib's table-driven CRC-32 speed.
+
+use super::Pool;
+use crate::error::CoreError;
+use crate::slab::Device;
+
+impl Pool {
+    /// The CRC-32C of each block of `block_ids`, in order. Host pools only (`InvalidArgument`
+    /// for a CUDA pool or a metadata-only one); an id past the pool's blocks is
+    /// `InvalidBlock`. The blocks are read as they are, allocated or not: the caller keeps
+    /// them unchanged during the call (as for every call that reads block bytes). Nothing
+    /// changes.
+    pub fn block_checksums(&self, block_ids: &[u32]) -> Result<Vec<u32>, CoreError> {
+        self.require_memory("block checksums")?;
+        if self.device() != Device::Host {
+            return Err(CoreError::InvalidArgument(format!(
+                "block checksums read host pools' blocks, not {}'s",
+                self.device()
+            )));
+        }
+        // Pinned as a view pins: a concurrent shrink keeps these blocks mapped.
+        let extent = self.pin_view_extent();
+        let sums = match block_ids.iter().find(|&&id| id as usize >= extent) {
+            Some(&id) => Err(CoreError::out_of_range_id(id, extent)),
+            None => Ok(self.checksums_below(extent, block_ids)),
+        };
+        self.unpin_view_extent(extent);
+        sums
+    }
+
+    /// The checksums of blocks below a pinned `extent`.
+    fn checksums_below(&self, extent: usize, block_ids: &[u32]) -> Vec<u32> {
+        let (base, block_bytes) = (self.base_ptr() as usize, self.block_bytes());
+        block_ids
+            .iter()
+            .map(|&id| {
+                debug_assert!((id as usize) < extent);
+                // SAFETY: `id` is below the pinned extent of this host pool, so its
+                // `block_bytes` at `base + id * block_bytes` are mapped until the unpin; the
+                // caller does not write the block during the call (see `block_checksums`).
+                let bytes = unsafe {
+                    std::slice::from_raw_parts(
+                        (base + id as usize * block_bytes) as *const u8,
+                        block_bytes,
+                    )
+                };
+                crc32c::crc32c(bytes)
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,348 @@
+//! The hand-off of evicted blocks to a tier below memory (a disk tier in Python): blocks
+//! leaving the pool's last in-memory tier are copied, with their hash, into a bounded stage
+//! of host slots before their memory is reused; the tier below drains the stage when it
+//! likes (design: `prefix_cache/prefix_cache.md`, "Below the last in-memory tier").
+//!
+//! Why a stage and not a callback: the core evicts inside an allocation, under the cache's
+//! lock, often with the GIL released. Calling Python there would take the GIL under the
+//! cache lock (a deadlock with any thread that holds the GIL and allocates) and put file I/O
+//! on the allocator's path. Holding evicted blocks out of the free list until Python has
+//! written them would make an allocation fail, or wait, on a slow or absent reader. A copy
+//! into a stage of its own is neither: the capture is a memcpy under the cache lock (the
+//! lock the eviction already holds), the block is reused right after, and a reader that
+//! stops reading costs the oldest staged blocks, counted, never an allocation.
+//!
+//! A slot is `Free`, `Filled` (holds a block's bytes, on the FIFO of blocks to drain) or
+//! `Taken` (handed to the reader by [`EvictionStage::take`], never rewritten until
+//! [`EvictionStage::release`]). `free + filled + taken == num_slots`. A capture into a full
+//! stage overwrites the oldest `Filled` slot (the newest evictions were used most recently,
+//! as the pool's LRU ranks them); when every slot is `Taken`, the new block is dropped.
+//!
+//! Lock order: cache -> host tier -> stage. The stage's lock is the innermost: nothing is
+//! called under it, so the reader's calls, which take it alone, cannot deadlock an eviction.
+
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::collections::VecDeque;
+use std::ptr::NonNull;
+use std::sync::{Mutex, MutexGuard};
+
+use crate::error::CoreError;
+use crate::prefix_cache::BlockHash;
+
+/// Slots start at this boundary, so that a file opened with O_DIRECT can be read and
+/// written from them (4 KiB covers every logical block size seen).
+pub const STAGE_ALIGN_BYTES: usize = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    Free,
+    Filled,
+    Taken,
+}
+
+/// Counters of the stage (cumulative) and its gauges.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EvictionStageStats {
+    pub num_slots: usize,
+    /// Slots holding a block not yet taken, and slots the reader holds.
+    pub num_filled: usize,
+    pub num_taken: usize,
+    /// Blocks copied into the stage.
+    pub captured: u64,
+    /// Blocks lost: a staged block overwritten before it was taken, or an evicted block that
+    /// found every slot taken.
+    pub dropped: u64,
+    /// Blocks handed to the reader.
+    pub taken: u64,
+}
+
+struct StageState {
+    slots: Vec<Slot>,
+    hashes: Vec<BlockHash>,
+    /// `Filled` slots, oldest first.
+    filled: VecDeque<u32>,
+    free: Vec<u32>,
+    stats: EvictionStageStats,
+}
+
+/// The stage: `num_slots` blocks of host memory and the slots' states.
+pub struct EvictionStage {
+    base: NonNull<u8>,
+    layout: Layout,
+    block_bytes: usize,
+    num_slots: usize,
+    state: Mutex<StageState>,
+}
+
+// SAFETY: the stage owns its allocation; its bytes are written only under `state`'s lock
+// (captures into `Free`/`Filled` slots) and read by the reader only in `Taken` slots, which
+// no capture touches, so sharing the handle shares no unsynchronised Rust-visible state.
+unsafe impl Send for EvictionStage {}
+// SAFETY: as above.
+unsafe impl Sync for EvictionStage {}
+
+impl EvictionStage {
+    /// A stage of `num_slots` blocks of `block_bytes` (zeroed host memory, aligned to
+    /// [`STAGE_ALIGN_BYTES`]). `num_slots` of 0, or a size past the address space, is
+    /// `InvalidArgument`; a failed allocation `OutOfMemory`.
+    pub fn new(num_slots: usize, block_bytes: usize) -> Result<Self, CoreError> {
+        if num_slots == 0 || num_slots > crate::MAX_NUM_BLOCKS {
+            return Err(CoreError::InvalidArgument(format!(
+                "an eviction stage needs 1..={} slots, got {num_slots}",
+                crate::MAX_NUM_BLOCKS
+            )));
+        }
+        let bytes = num_slots.checked_mul(block_bytes).filter(|&b| b > 0).ok_or_else(|| {
+            CoreError::InvalidArgument(format!(
+                "{num_slots} slots of {block_bytes} bytes do not make a stage"
+            ))
+        })?;
+        let layout = Layout::from_size_align(bytes, STAGE_ALIGN_BYTES)
+            .map_err(|e| CoreError::InvalidArgument(format!("an eviction stage: {e}")))?;
+        // SAFETY: `layout` has a non-zero size (checked above).
+        let raw = unsafe { alloc_zeroed(layout) };
+        let base = NonNull::new(raw).ok_or_else(|| CoreError::OutOfMemory {
+            requested_bytes: bytes,
+            device: "host".into(),
+        })?;
+        let state = StageState {
+            slots: vec![Slot::Free; num_slots],
+            hashes: vec![BlockHash([0; 32]); num_slots],
+            filled: VecDeque::with_capacity(num_slots),
+            free: (0..num_slots as u32).rev().collect(),
+            stats: EvictionStageStats { num_slots, ..Default::default() },
+        };
+        Ok(EvictionStage { base, layout, block_bytes, num_slots, state: Mutex::new(state) })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, StageState> {
+        // Every critical section leaves the state consistent before anything can panic.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn base_ptr(&self) -> u64 {
+        self.base.as_ptr() as u64
+    }
+    pub fn num_slots(&self) -> usize {
+        self.num_slots
+    }
+    pub fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+
+    /// Copies the blocks `evicted` (`(id, hash)`, least recently used first) of the host
+    /// memory at `src_base` into slots. Called by an eviction under the cache's lock, before
+    /// the blocks are reused.
+    ///
+    /// # Safety
+    /// Every `id` names a block of `block_bytes` at `src_base + id * block_bytes` in host
+    /// memory that stays readable, and that nobody writes, until the call returns.
+    pub(crate) unsafe fn capture(&self, src_base: u64, evicted: &[(u32, BlockHash)]) {
+        let mut st = self.lock();
+        for &(id, hash) in evicted {
+            let Some(slot) = st.free.pop().or_else(|| {
+                let oldest = st.filled.pop_front()?;
+                st.stats.dropped += 1; // overwritten before the reader took it
+                Some(oldest)
+            }) else {
+                st.stats.dropped += 1; // every slot is the reader's
+                continue;
+            };
+            let src = (src_base as usize + id as usize * self.block_bytes) as *const u8;
+            // SAFETY: the source block is readable and unchanged (the caller's contract); the
+            // slot is inside the stage's allocation (slot < num_slots) and not `Taken`, so no
+            // reader looks at it; the two regions are distinct allocations.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src, self.slot_ptr(slot), self.block_bytes);
+            }
+            st.slots[slot as usize] = Slot::Filled;
+            st.hashes[slot as usize] = hash;
+            st.filled.push_back(slot);
+            st.stats.captured += 1;
+        }
+    }
+
+    fn slot_ptr(&self, slot: u32) -> *mut u8 {
+        debug_assert!((slot as usize) < self.num_slots);
+        // SAFETY: slot < num_slots, so the offset stays inside the allocation.
+        unsafe { self.base.as_ptr().add(slot as usize * self.block_bytes) }
+    }
+
+    /// Hands the reader up to `max` staged blocks, oldest first, as `(slot, hash)`: their
+    /// bytes stay in those slots, unchanged, until [`release`](Self::release).
+    pub fn take(&self, max: usize) -> Vec<(u32, BlockHash)> {
+        let mut st = self.lock();
+        let n = st.filled.len().min(max);
+        let slots: Vec<u32> = st.filled.drain(..n).collect();
+        let out: Vec<(u32, BlockHash)> = slots
+            .into_iter()
+            .map(|slot| {
+                st.slots[slot as usize] = Slot::Taken;
+                (slot, st.hashes[slot as usize])
+            })
+            .collect();
+        st.stats.taken += out.len() as u64;
+        out
+    }
+
+    /// Gives taken slots back for reuse. A slot that is not taken, or named twice, is
+    /// `InvalidArgument` and nothing changes.
+    pub fn release(&self, slots: &[u32]) -> Result<(), CoreError> {
+        let mut st = self.lock();
+        let mut seen = std::collections::HashSet::with_capacity(slots.len());
+        for &slot in slots {
+            if st.slots.get(slot as usize) != Some(&Slot::Taken) || !seen.insert(slot) {
+                return Err(CoreError::InvalidArgument(format!(
+                    "slot {slot} of the eviction stage is not taken (or is named twice)"
+                )));
+            }
+        }
+        for &slot in slots {
+            st.slots[slot as usize] = Slot::Free;
+            st.free.push(slot);
+        }
+        Ok(())
+    }
+
+    /// Drops every staged block not yet taken (a reset: their KV is stale); returns how many.
+    pub(crate) fn clear(&self) -> usize {
+        let mut st = self.lock();
+        let slots: Vec<u32> = st.filled.drain(..).collect();
+        for &slot in &slots {
+            st.slots[slot as usize] = Slot::Free;
+            st.free.push(slot);
+        }
+        slots.len()
+    }
+
+    /// The CRC-32C of each taken slot's bytes. A slot not taken is `InvalidArgument`.
+    pub fn checksums(&self, slots: &[u32]) -> Result<Vec<u32>, CoreError> {
+        {
+            let st = self.lock();
+            if let Some(&slot) =
+                slots.iter().find(|&&s| st.slots.get(s as usize) != Some(&Slot::Taken))
+            {
+                return Err(CoreError::InvalidArgument(format!(
+                    "slot {slot} of the eviction stage is not taken"
+                )));
+            }
+        }
+        // Taken slots are not written until released, and only the reader releases them.
+        Ok(slots
+            .iter()
+            .map(|&slot| {
+                // SAFETY: a taken slot lies inside the allocation and no capture writes it.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts(self.slot_ptr(slot) as *const u8, self.block_bytes)
+                };
+                crc32c::crc32c(bytes)
+            })
+            .collect())
+    }
+
+    pub fn stats(&self) -> EvictionStageStats {
+        let st = self.lock();
+        let mut stats = st.stats;
+        stats.num_filled = st.filled.len();
+        stats.num_taken = st.slots.iter().filter(|&&s| s == Slot::Taken).count();
+        stats
+    }
+
+    /// `free + filled + taken == num_slots`, each slot in exactly the list its state says.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let st = self.lock();
+        let count = |want: Slot| st.slots.iter().filter(|&&s| s == want).count();
+        let (free, filled, taken) = (count(Slot::Free), count(Slot::Filled), count(Slot::Taken));
+        if free != st.free.len() || filled != st.filled.len() {
+            return Err(format!(
+                "eviction stage: {free} free / {filled} filled slots, lists of {} / {}",
+                st.free.len(),
+                st.filled.len()
+            ));
+        }
+        if free + filled + taken != self.num_slots {
+            return Err(format!(
+                "eviction stage: {free} free + {filled} filled + {taken} taken != {} slots",
+                self.num_slots
+            ));
+        }
+        if st.free.iter().any(|&s| st.slots[s as usize] != Slot::Free)
+            || st.filled.iter().any(|&s| st.slots[s as usize] != Slot::Filled)
+        {
+            return Err("eviction stage: a listed slot is in another state".into());
+        }
+        Ok(())
+    }
+}
+
+/// A stage bound to the pool whose evictions it captures.
+pub(crate) struct AttachedStage {
+    pub(crate) stage: EvictionStage,
+    /// The pool's host slab: blocks evicted from the pool itself are read from here. Only
+    /// host pools take a stage (`Pool::attach_eviction_stage`): a CUDA pool's blocks, and
+    /// its host tier's, are written by asynchronous copies that a capture would have to wait
+    /// for under the cache's lock.
+    pool_base: u64,
+}
+
+impl AttachedStage {
+    pub(crate) fn new(stage: EvictionStage, pool_base: u64) -> Self {
+        AttachedStage { stage, pool_base }
+    }
+
+    /// Captures blocks the pool itself just evicted (`(id, hash)`), before they are reused.
+    pub(crate) fn capture_pool_blocks(&self, evicted: &[(u32, BlockHash)]) {
+        if evicted.is_empty() {
+            return;
+        }
+        // SAFETY: the ids are blocks of the pool's host slab at `pool_base` that the cache
+        // just evicted under its lock: nobody references them, and they are handed out only
+        // after this returns (`PrefixCache::evict_into`, `evict_above`, the host tier's spill).
+        unsafe { self.stage.capture(self.pool_base, evicted) }
+    }
+}
+
+impl Drop for EvictionStage {
+    fn drop(&mut self) {
+        // SAFETY: `base` came from `alloc_zeroed(self.layout)` and is freed only here, once.
+        unsafe { dealloc(self.base.as_ptr(), self.layout) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn taken_slots_are_never_rewritten_and_a_bad_release_changes_nothing() {
+        let stage = EvictionStage::new(2, 8).unwrap();
+        assert_eq!(stage.base_ptr() % STAGE_ALIGN_BYTES as u64, 0);
+        let src: Vec<u8> = (0..4).flat_map(|b| [b as u8; 8]).collect();
+        let h = |i: u8| BlockHash([i; 32]);
+        // SAFETY: blocks 0..4 of 8 bytes each lie in `src`, unchanged during the calls.
+        unsafe { stage.capture(src.as_ptr() as u64, &[(1, h(1)), (2, h(2))]) };
+        let taken = stage.take(1);
+        assert_eq!(taken, [(taken[0].0, h(1))]);
+        assert_eq!(stage.checksums(&[taken[0].0]).unwrap(), [crc32c::crc32c(&[1; 8])]);
+        // Two more into a stage whose one slot left is filled: it is overwritten, then the
+        // next block finds every slot taken or just filled and drops the oldest filled one.
+        // SAFETY: as above.
+        unsafe { stage.capture(src.as_ptr() as u64, &[(3, h(3))]) };
+        assert_eq!(stage.stats().dropped, 1, "block 2, overwritten before it was taken");
+        let rest = stage.take(usize::MAX);
+        assert_eq!(rest.iter().map(|t| t.1).collect::<Vec<_>>(), [h(3)]);
+        // SAFETY: as above.
+        unsafe { stage.capture(src.as_ptr() as u64, &[(0, h(0))]) };
+        assert_eq!(stage.stats().dropped, 2, "every slot taken: the new block is dropped");
+        assert_eq!(stage.checksums(&[taken[0].0]).unwrap(), [crc32c::crc32c(&[1; 8])]);
+        let before = stage.stats();
+        assert!(stage.release(&[taken[0].0, taken[0].0]).is_err(), "named twice");
+        assert!(stage.release(&[taken[0].0, 7]).is_err(), "not a slot");
+        assert_eq!(stage.stats(), before);
+        stage.check_invariants().unwrap();
+        stage.release(&[taken[0].0, rest[0].0]).unwrap();
+        assert!(stage.checksums(&[rest[0].0]).is_err(), "released: not the reader's now");
+        assert_eq!(stage.stats().num_taken, 0);
+        stage.check_invariants().unwrap();
+    }
+}

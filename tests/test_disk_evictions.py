@@ -1,0 +1,283 @@
+"""The core's own evictions reach the disk tier: a host pool too small for its workload evicts
+cached blocks (from the pool, or from its host tier), the pool's eviction stage hands them to
+``PrefixDiskCache`` with their hashes before their memory is reused, and a later request gets
+them back from disk byte-exact; a flipped byte or a truncated file is a miss; the pool, its
+stage and the tier stay conserved; the disk's events join the pool's one ordered stream and
+its snapshot."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import kvpool
+import numpy as np
+import pytest
+from kvpool import InvalidArgumentError
+
+try:
+    from kvpool.tier import DiskTier, PrefixDiskCache
+    from kvpool.transfer.nixl_transport import load_nixl
+
+    load_nixl()
+except ImportError as e:  # pragma: no cover - depends on the environment
+    if os.environ.get("KVPOOL_TEST_WHEEL") == "1":
+        raise  # CI installs nixl-cu13 with the test extra: never skip there
+    pytest.skip(f"NIXL is not importable ({e}); install kvpool[nixl]", allow_module_level=True)
+
+LAYOUT = kvpool.KvLayout(2, 2, 64, 16)  # 8 KiB blocks
+BB = LAYOUT.block_bytes
+PROMPT = list(range(1000, 1000 + 16 * 6 + 5))  # 6 full blocks and 5 tokens
+
+
+def raw(pool: kvpool.Pool) -> np.ndarray:
+    import ctypes
+
+    buf = (ctypes.c_uint8 * (pool.num_blocks * BB)).from_address(pool.base_ptr)
+    return np.ctypeslib.as_array(buf)
+
+
+def block(pool: kvpool.Pool, block_id: int) -> bytes:
+    return raw(pool)[block_id * BB : (block_id + 1) * BB].tobytes()
+
+
+def check_conserved(cache: PrefixDiskCache) -> None:
+    pool = cache.pool
+    pool.check_invariants()
+    assert pool.num_free + pool.num_evictable + pool.num_used == pool.num_blocks
+    cache.stage.check_invariants()
+    assert cache.stage.stats()["num_taken"] == 0, "every taken slot was given back"
+    cache.tier.check_invariants()
+
+
+def churn(cache: PrefixDiskCache, request_id: int) -> None:
+    """A request over every block of the pool, then freed: the cache's blocks are evicted."""
+    cache.add_request(request_id, list(range(100_000 * request_id, 100_000 * request_id + 128)))
+    cache.free(request_id)
+
+
+def first_request(cache: PrefixDiskCache) -> tuple[list[bytes], list[bytes]]:
+    """Request 1 computes PROMPT's KV and finishes; returns its 6 blocks' bytes and hashes."""
+    pool, tables = cache.pool, cache.tables
+    _, ready = cache.add_request(1, PROMPT)
+    assert ready == 0
+    ids = [int(b) for b in tables.blocks(1)]
+    kv = np.random.default_rng(5).integers(0, 256, (len(ids), BB), dtype=np.uint8)
+    for b, row in zip(ids, kv, strict=True):  # "compute" the request's KV
+        raw(pool)[b * BB : (b + 1) * BB] = row
+    chain = cache.block_hashes(1)
+    assert chain is not None and len(chain) == 6
+    assert cache.free(1) == 0, "no write-through: nothing is written on release"
+    return [row.tobytes() for row in kv[:6]], chain
+
+
+@pytest.fixture(params=[0, 2], ids=["no-host-tier", "host-tier-2"])
+def cache(request, tmp_path: Path):
+    host_blocks = request.param or None
+    pool = kvpool.Pool(
+        LAYOUT,
+        8,
+        device="host",
+        enable_prefix_caching=True,
+        prefix_cache_host_blocks=host_blocks,
+    )
+    tables = kvpool.BlockTables(pool, 8, 8)
+    with DiskTier(tmp_path, LAYOUT, 32) as tier:
+        yield PrefixDiskCache(tables, tier, write_through=False)
+
+
+def test_blocks_the_core_evicts_come_back_from_disk_byte_exact(cache):
+    pool, tier = cache.pool, cache.tier
+    kv, chain = first_request(cache)
+    assert not any(h in tier for h in chain), "nothing evicted yet, nothing on disk"
+    churn(cache, 2)  # evicts request 1's blocks (from the pool; the host keeps two)
+    churn(cache, 3)  # and the host tier's, if any
+    cache.write_evicted()
+    assert all(h in tier for h in chain), "every evicted block reached the disk"
+    assert cache.stage.stats()["dropped"] == 0
+    raw(pool)[:] = 0
+    result, ready = cache.add_request(4, PROMPT)
+    assert result.num_cached_tokens == 0 and ready == 16 * 6
+    assert [block(pool, int(b)) for b in cache.tables.blocks(4)[:6]] == kv
+    assert cache.disk_hit_blocks == 6
+    cache.free(4)
+    check_conserved(cache)
+
+
+def test_a_flipped_byte_or_a_truncated_file_is_a_miss(cache):
+    pool, tier = cache.pool, cache.tier
+    kv, chain = first_request(cache)
+    churn(cache, 2)
+    churn(cache, 3)
+    cache.write_evicted()
+    with open(tier.path, "r+b") as f:  # a flipped byte in the disk copy of block 3
+        f.seek(tier._index[chain[3]].slot * BB + 9)
+        f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
+    raw(pool)[:] = 0
+    _, ready = cache.add_request(4, PROMPT)
+    assert ready == 16 * 3, "the prefix read from disk stops before the corrupt block"
+    assert [block(pool, int(b)) for b in cache.tables.blocks(4)[:3]] == kv[:3]
+    assert chain[3] not in tier
+    cache.free(4)
+    churn(cache, 5)
+    churn(cache, 6)
+    cache.write_evicted()
+    # Cut the file short under one block of the chain: it and every block in a later slot
+    # are misses; the prefix read from disk stops at the first of them.
+    assert all(h in tier for h in chain), "request 4's recomputed blocks were evicted too"
+    slots = [tier._index[h].slot for h in chain]
+    cut_slot = max(slots)  # the chain is staged tail first: a later block, lower slots
+    os.truncate(tier.path, cut_slot * BB + 100)
+    lead = next(i for i, slot in enumerate(slots) if slot >= cut_slot)
+    raw(pool)[:] = 0
+    _, ready = cache.add_request(7, PROMPT)
+    assert ready == 16 * lead
+    assert lead > 0, "some of the prefix is still read before the cut"
+    assert [block(pool, int(b)) for b in cache.tables.blocks(7)[: min(lead, 3)]] == kv[
+        : min(lead, 3)
+    ]
+    assert not any(h in tier for h, slot in zip(chain, slots, strict=True) if slot >= cut_slot)
+    cache.free(7)
+    check_conserved(cache)
+
+
+def test_disk_events_join_the_pool_stream_and_its_snapshot(cache):
+    pool, tier = cache.pool, cache.tier
+    _, chain = first_request(cache)
+    churn(cache, 2)
+    churn(cache, 3)
+    events = cache.take_kv_events()
+    seqs = [e.seq for e in events]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs), "one ordered stream"
+    removed_at = {}
+    for e in events:
+        if type(e).__name__ == "BlockRemoved" and e.medium != "disk":
+            for h in e.block_hashes:
+                removed_at.setdefault(h, e.seq)
+    stored_on_disk = {
+        h: e.seq
+        for e in events
+        if type(e).__name__ == "BlockStored" and e.medium == "disk"
+        for h in e.block_hashes
+    }
+    assert set(chain) <= set(stored_on_disk)
+    # Each block reached the disk after it left memory.
+    assert all(removed_at[h] < stored_on_disk[h] for h in chain)
+    snap = pool.kv_cache_snapshot()
+    on_disk = {b.block_hash for b in snap.blocks if b.medium == "disk"}
+    assert on_disk == set(tier.hashes())
+    assert snap.seq == seqs[-1]
+    # A reset empties the disk with the pool: one AllBlocksCleared covers both.
+    cache.reset_prefix_cache()
+    after = cache.take_kv_events()
+    assert [type(e).__name__ for e in after] == ["AllBlocksCleared"]
+    assert len(tier) == 0
+    assert not [b for b in pool.kv_cache_snapshot().blocks if b.medium == "disk"]
+    check_conserved(cache)
+
+
+def test_stage_and_append_refuse_what_they_cannot_take(tmp_path: Path):
+    pool = kvpool.Pool(LAYOUT, 4, device="host", enable_prefix_caching=True)
+    with pytest.raises(InvalidArgumentError):
+        kvpool.Pool(LAYOUT, 4, device="host").attach_eviction_stage(4)  # no prefix cache
+    with pytest.raises(InvalidArgumentError):
+        pool.attach_eviction_stage(0)
+    with pytest.raises(TypeError):
+        pool.attach_eviction_stage("4")  # type: ignore[arg-type]
+    assert pool.eviction_stage is None
+    stage = pool.attach_eviction_stage(4)
+    assert stage.base_ptr % 4096 == 0 and stage.block_bytes == BB and stage.num_slots == 4
+    with pytest.raises(InvalidArgumentError):
+        pool.attach_eviction_stage(4)  # one per pool
+    with pytest.raises(InvalidArgumentError):
+        stage.release([0])  # not taken
+    with pytest.raises(InvalidArgumentError):
+        stage.checksums([0])
+    with pytest.raises(InvalidArgumentError):
+        stage.release([4])  # not a slot
+    assert len(stage.take()) == 0
+    stage.check_invariants()
+    with pytest.raises(InvalidArgumentError):
+        pool.append_kv_event(kvpool.BlockRemoved([b"\x01" * 32], "CPU"))  # the core's own
+    with pytest.raises(TypeError):
+        pool.append_kv_event("BlockRemoved")  # type: ignore[arg-type]
+    assert pool.append_kv_event(kvpool.BlockRemoved([b"\x01" * 32], "disk")) == 0  # events off
+    with pytest.raises(kvpool.InvalidBlockError):
+        pool.block_checksums([4])
+    sums = pool.block_checksums([0, 1])
+    assert sums.dtype == np.uint32 and len(sums) == 2
+    assert crc32c_reference(b"123456789") == 0xE3069283  # the CRC-32C check value (RFC 3720)
+    raw(pool)[:BB] = np.random.default_rng(1).integers(0, 256, BB, dtype=np.uint8)
+    assert int(pool.block_checksums([0])[0]) == crc32c_reference(block(pool, 0))
+    pool.check_invariants()
+
+
+def crc32c_reference(data: bytes) -> int:
+    """CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), one byte at a time."""
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def test_with_write_through_an_eviction_only_refreshes_what_is_on_disk(tmp_path: Path):
+    pool = kvpool.Pool(LAYOUT, 8, device="host", enable_prefix_caching=True)
+    tables = kvpool.BlockTables(pool, 8, 8)
+    with DiskTier(tmp_path, LAYOUT, 32) as tier:
+        cache = PrefixDiskCache(tables, tier)  # write_through=True
+        cache.add_request(1, PROMPT)
+        assert cache.free(1) == 6
+        stored = tier.stats["stored"]
+        cache.add_request(2, list(range(5000, 5000 + 16 * 8)))  # evicts request 1's blocks
+        assert cache.stage.stats()["taken"] == 6, "the evicted blocks were handed over"
+        assert tier.stats["stored"] == stored, "already on disk: refreshed, not written again"
+        cache.free(2)
+        check_conserved(cache)
+
+
+def test_put_staged_refuses_what_is_not_a_matching_stage(tmp_path: Path):
+    other = kvpool.KvLayout(2, 2, 32, 16)
+    pool = kvpool.Pool(other, 4, device="host", enable_prefix_caching=True)
+    stage = pool.attach_eviction_stage(2)
+    with DiskTier(tmp_path, LAYOUT, 4) as tier:
+        with pytest.raises(TypeError):
+            tier.put_staged(pool)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError):
+            tier.put_staged(stage)  # 4 KiB blocks into a tier of 8 KiB ones
+        assert len(tier) == 0
+        tier.check_invariants()
+    stage.check_invariants()
+
+
+def test_blocks_swapped_in_from_the_host_tier_then_the_rest_from_disk(tmp_path: Path):
+    # The host tier keeps the head of the prompt, the disk has all of it: the add swaps the
+    # head in and stores it again, so the blocks this call stored begin with the swapped-in
+    # ones; the disk must fill the blocks after them, each with its own KV.
+    pool = kvpool.Pool(
+        LAYOUT, 8, device="host", enable_prefix_caching=True, prefix_cache_host_blocks=2
+    )
+    tables = kvpool.BlockTables(pool, 8, 8)
+    with DiskTier(tmp_path, LAYOUT, 32) as tier:
+        cache = PrefixDiskCache(tables, tier)  # write-through: the disk has all six
+        cache.add_request(1, PROMPT)
+        ids = [int(b) for b in tables.blocks(1)]
+        kv = np.random.default_rng(9).integers(0, 256, (len(ids), BB), dtype=np.uint8)
+        for b, row in zip(ids, kv, strict=True):
+            raw(pool)[b * BB : (b + 1) * BB] = row
+        assert cache.free(1) == 6
+        churn(cache, 2)  # the pool evicts all six; the host keeps the head two
+        assert pool.prefix_cache_stats()["host_num_cached_blocks"] == 2
+        raw(pool)[:] = 0
+        result, ready = cache.add_request(3, PROMPT)
+        assert result.num_cached_tokens == 32, "two blocks swapped in from the host tier"
+        assert ready == 16 * 6 and cache.disk_hit_blocks == 4
+        got = [block(pool, int(b)) for b in tables.blocks(3)[:6]]
+        assert got == [row.tobytes() for row in kv[:6]]
+        cache.free(3)
+        check_conserved(cache)
