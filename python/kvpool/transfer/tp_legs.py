@@ -129,10 +129,9 @@ def _tiling_problem(offers: list[Offer], mine: tuple[int, int]) -> str | None:
     return None
 
 
-class KvGatherReceiver:
-    """Receives requests into ``tables`` (uniform ``BlockTables``; ``tp``: this pool's shard,
-    the whole model's heads by default) from several senders at once, one per transport in
-    ``transports``, each holding part of the heads (a prefill group of another TP size)."""
+class _MultiLegEndpoint:
+    """What KvGatherReceiver and KvSplitSender share: one ``_Endpoint`` over ``tables``
+    whose transport is every leg of ``transports`` together (``Legs``)."""
 
     def __init__(
         self,
@@ -154,8 +153,14 @@ class KvGatherReceiver:
         return self._ep.leases
 
     def check_invariants(self) -> None:
-        """free + evictable + used + in_flight == total on the receiving pool (leases.py)."""
+        """free + evictable + used + in_flight == total on this pool (leases.py)."""
         self._ep.leases.check_invariants()
+
+
+class KvGatherReceiver(_MultiLegEndpoint):
+    """Receives requests into ``tables`` (uniform ``BlockTables``; ``tp``: this pool's shard,
+    the whole model's heads by default) from several senders at once, one per transport in
+    ``transports``, each holding part of the heads (a prefill group of another TP size)."""
 
     def _refuse_all(self, messages: list, reason: str) -> None:
         for leg, message in zip(self._legs.legs, messages):
@@ -269,34 +274,11 @@ class KvGatherReceiver:
         return Transfer(ep, lease, AllLegs(reads, tell_every_sender), lambda: None, release)
 
 
-class KvSplitSender:
+class KvSplitSender(_MultiLegEndpoint):
     """Sends requests of ``tables`` (uniform ``BlockTables``; ``tp``: this pool's shard, the
     whole model's heads by default) to several receivers at once, one per transport in
     ``transports``, each taking its head range (a decode group of another TP size); a request
     lands on the receivers only once every one of them has read its part."""
-
-    def __init__(
-        self,
-        tables: BlockTables,
-        transports: Sequence[Any],
-        *,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        clock: Callable[[], float] = time.monotonic,
-        leases: LeaseBook | None = None,
-        tp: tuple[int, int] | None = None,
-    ) -> None:
-        if not isinstance(tables, BlockTables):
-            raise TypeError(f"tables must be BlockTables, not {type(tables).__name__}")
-        self._legs = Legs(transports)
-        self._ep = _Endpoint(tables, self._legs, timeout_s, clock, leases, tp)
-
-    @property
-    def leases(self) -> LeaseBook:
-        return self._ep.leases
-
-    def check_invariants(self) -> None:
-        """free + evictable + used + in_flight == total on the sending pool (leases.py)."""
-        self._ep.leases.check_invariants()
 
     def send(self, request_id: int, *, free_after: bool = True) -> Transfer:
         """Offers the request on every leg; once every receiver accepted, returns the
