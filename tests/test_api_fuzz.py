@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
-from kvpool import BlockTables, HostTier, KvError, KvLayout, Pool
+from kvpool import BlockStored, BlockTables, HostTier, KvError, KvLayout, Pool
 
 LAYOUT = KvLayout(2, 1, 16, 4)  # 256-byte blocks: every pool here stays tiny
 PAGE_SPEC = kvpool.ModelKvSpec([kvpool.KvGroup.full([0], 1, 16)], page_bytes=256)
@@ -296,6 +296,15 @@ def aligned_bytes(num_bytes: int) -> np.ndarray:
 
 Call = tuple[Callable[..., st.SearchStrategy[Arg]], ...]
 
+
+def kv_event() -> st.SearchStrategy[Arg]:
+    """A disk-tier event for `append_kv_event`, or something that is not an event."""
+    stored = BlockStored([bytes(32)], None, list(range(16)), 16, None, "disk")
+    good = st.sampled_from([stored]).map(lambda v: Arg(v, False))
+    bad = st.sampled_from([1, "BlockStored", None, b"x"]).map(lambda v: Arg(v, True))
+    return st.one_of(good, bad)
+
+
 POOL_CALLS: dict[str, tuple[Call, Callable[..., object]]] = {
     "alloc_many": ((int_arg,), lambda w, n: w.pool.alloc_many(n)),
     "growable.alloc_many": ((lambda: int_arg(300),), lambda w, n: w.growable.alloc_many(n)),
@@ -319,6 +328,9 @@ POOL_CALLS: dict[str, tuple[Call, Callable[..., object]]] = {
             LAYOUT, aligned_bytes(8 * LAYOUT.block_bytes), num_blocks=n
         ),
     ),
+    "block_checksums": ((int_sequence,), lambda w, ids: w.pool.block_checksums(ids)),
+    "attach_eviction_stage": ((int_arg,), lambda w, n: w.pool.attach_eviction_stage(n)),
+    "append_kv_event": ((kv_event,), lambda w, e: w.pool.append_kv_event(e)),
     "lookup_prefix": (
         (int_sequence, salt, lambda: none_ok(int_arg(4)), extra),
         lambda w, t, s, lora, e: w.pool.lookup_prefix(t, cache_salt=s, lora_id=lora, extra_keys=e),
