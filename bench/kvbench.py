@@ -48,6 +48,10 @@ ROUTINES = {
     "decode": ("gpu", "paged decode vs torch SDPA and FlashInfer, with the read ceiling"),
     "mla": ("gpu", "MLA decode (latent 512 + rope 64) vs FlashInfer's MLA wrapper, read ceilings"),
     "mla_extend": ("gpu", "MLA extend (qo_len 4 and 512, causal) vs FlashInfer's MLA wrapper"),
+    "shared_kv": (
+        "gpu",
+        "head_dim 512 K = V decode/extend vs FlashInfer, torch SDPA, read ceiling",
+    ),
     "window": ("gpu", "sliding-window decode at 4k/64k vs FlashInfer window_left, full attention"),
     "fp8": ("gpu", "fp8 decode vs our fp16 decode and FlashInfer's fp8 decode"),
     "fp8_sweep": ("gpu", "tuning sweep of the fp8 decode and the fp8 prefill's loads"),

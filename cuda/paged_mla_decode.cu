@@ -39,20 +39,33 @@
 // the CTA sees them; the last two zero-filled without a read). A sequence of length 0 and a
 // row that sees no key write zeros.
 //
+// Shared K = V heads of width 512 (Gemma 4's global layers, `attention_k_eq_v`; ROPE = 0): the
+// same kernel with no rope part, each KV head's 512-wide rows read once as K and as V. The KV
+// heads are a run-time count (num_kv_heads, byte stride kv_head_stride between them; MLA: 1, 0)
+// and `group_heads` query heads share one (MLA: all of them): the rows of KV head kvh are its
+// group's (query position, head) pairs, query head kvh * group_heads + r % group_heads. The
+// grid's x runs over (KV head, row tile), row tile fastest.
+//
 // Compile-time constants (NVRTC -D): KV_BF16, MT (m-tiles of 16 heads per CTA), J (warps per
-// m-tile), BN (tokens per KV tile), STAGES. The latent and rope widths are fixed (512 + 64).
+// m-tile), BN (tokens per KV tile), STAGES, ROPE (64: MLA's rope part after the 512 latent
+// elements; 0: a shared K = V head of 512; default 64).
 
 #if !defined(KV_BF16) || !defined(MT) || !defined(J) || !defined(BN) || !defined(STAGES)
 #error "paged_mla_decode.cu needs KV_BF16, MT, J, BN and STAGES defined"
 #endif
 
+#ifndef ROPE
+#define ROPE 64
+#endif
+static_assert(ROPE == 0 || ROPE == 64, "ROPE: 64 (MLA) or 0 (shared K = V head)");
+
 #include "decode_common.cuh"
 
 #define DV 512                 // latent width (c_kv), also the output width
-#define DQK 576                // latent + rope: one cache row, one query row
-#define CHQ (DQK / 8)          // 16-byte chunks per row (72: a multiple of 8, so XOR-swizzled)
+#define DQK (DV + ROPE)        // latent + rope: one cache row, one query row
+#define CHQ (DQK / 8)          // 16-byte chunks per row (72 or 64: multiples of 8, so XOR-swizzled)
 #define CHV (DV / 8)           // chunks of the c_kv part
-#define ROWB (DQK * 2)         // bytes per row in shared memory (1152)
+#define ROWB (DQK * 2)         // bytes per row in shared memory (1152; 1024 without rope)
 #define HB (16 * MT)           // heads per CTA
 #define NWARPS (MT * J)
 #define NTHREADS (NWARPS * 32)
@@ -87,17 +100,17 @@ __device__ __forceinline__ void mtile_sync(int mt) {
     asm volatile("bar.sync %0, %1;" :: "r"(mt + 1), "r"(J * 32) : "memory");
 }
 
-// A sequence's query tokens: the first one's index in q / out, their number, and its rows
-// (q_len * num_heads). Decode (qo_indptr null): one token per sequence, token `seq`.
+// A sequence's query tokens: the first one's index in q / out, their number, and its rows per
+// KV head (q_len * group_heads). Decode (qo_indptr null): one token per sequence, token `seq`.
 struct QueryRows {
     int q_begin, q_len, rows;
 };
 
-__device__ __forceinline__ QueryRows query_rows(const int* qo_indptr, int seq, int num_heads) {
+__device__ __forceinline__ QueryRows query_rows(const int* qo_indptr, int seq, int group_heads) {
     QueryRows q;
     q.q_begin = qo_indptr ? qo_indptr[seq] : seq;
     q.q_len = qo_indptr ? qo_indptr[seq + 1] - q.q_begin : 1;
-    q.rows = q.q_len * num_heads;
+    q.rows = q.q_len * group_heads;
     return q;
 }
 
@@ -107,10 +120,12 @@ __device__ __forceinline__ int key_limit(int len, int q_len, int qpos) {
     return len - q_len + qpos + 1;
 }
 
-// Element offset in q / out (strides per token and per head) of query row r.
-__device__ __forceinline__ i64 row_offset(const QueryRows& q, int r, int num_heads,
+// Element offset in q / out (strides per token and per head) of query row r of KV head kvh:
+// query head kvh * group_heads + r % group_heads of query token q_begin + r / group_heads.
+__device__ __forceinline__ i64 row_offset(const QueryRows& q, int r, int kvh, int group_heads,
                                           i64 tok_stride, i64 head_stride) {
-    return (i64)(q.q_begin + r / num_heads) * tok_stride + (i64)(r % num_heads) * head_stride;
+    return (i64)(q.q_begin + r / group_heads) * tok_stride +
+           (i64)(kvh * group_heads + r % group_heads) * head_stride;
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
@@ -118,22 +133,25 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
     const u16* __restrict__ q_pe, i64 qp_token_stride, i64 qp_head_stride,
     u16* __restrict__ out, i64 out_token_stride, i64 out_head_stride,
     float* __restrict__ part_o, float* __restrict__ part_lse,
-    const char* __restrict__ kv_base, i64 page_stride, i64 token_stride, int num_pages,
-    int bs_log2, const int* __restrict__ page_tables, i64 pt_stride, int pt_width,
-    const int* __restrict__ seq_lens, const int* __restrict__ qo_indptr, int num_heads,
-    int rows_per_seq, int chunk_tokens, int max_splits, float scale_log2) {
-    const int r_cta = blockIdx.x * HB;
+    const char* __restrict__ kv_base, i64 page_stride, i64 token_stride, i64 kv_head_stride,
+    int num_pages, int bs_log2, const int* __restrict__ page_tables, i64 pt_stride, int pt_width,
+    const int* __restrict__ seq_lens, const int* __restrict__ qo_indptr, int group_heads,
+    int num_kv_heads, int rows_per_seq, int chunk_tokens, int max_splits, float scale_log2) {
+    const int tiles_per_head = (rows_per_seq + HB - 1) / HB;
+    const int kvh = blockIdx.x / tiles_per_head;
+    const int r_cta = (blockIdx.x - kvh * tiles_per_head) * HB;
     const int split = blockIdx.y;
     const int seq = blockIdx.z;
     const int len = max(seq_lens[seq], 0);
-    const QueryRows qr = query_rows(qo_indptr, seq, num_heads);
+    const QueryRows qr = query_rows(qo_indptr, seq, group_heads);
+    kv_base += (i64)kvh * kv_head_stride;
     if (r_cta >= qr.rows) return;  // this sequence has fewer query rows than the longest
     const SplitRange range = split_range(split, len, chunk_tokens, max_splits);
     if (split >= range.num_splits) return;  // this sequence is shorter than the longest
     // The keys the CTA's last row sees bound the tiles it reads (causal).
     const int last_row = min(r_cta + HB, qr.rows) - 1;
     const int t_begin = range.t_begin;
-    const int t_end = min(range.t_end, key_limit(len, qr.q_len, last_row / num_heads));
+    const int t_end = min(range.t_end, key_limit(len, qr.q_len, last_row / group_heads));
     const int n_tiles = t_end > t_begin ? (t_end - t_begin + BN - 1) / BN : 0;
 
     const int tid = threadIdx.x;
@@ -152,14 +170,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
     const int bs_mask = (1 << bs_log2) - 1;
 
     // The Q tile: query rows r_cta .. r_cta + HB - 1 (rows past the sequence's zero), chunks
-    // 0..63 from q_nope, 64..71 from q_pe. Part of the first cp.async group.
+    // 0..63 from q_nope, 64..71 from q_pe (none without rope). Part of the first cp.async group.
     for (int c = tid; c < HB * CHQ; c += NTHREADS) {
         const int row = c / CHQ, ch = c % CHQ;
         const int r = r_cta + row;
         const bool in = r < qr.rows;
-        const i64 tok = qr.q_begin + r / num_heads;
-        const int h = r % num_heads;
-        const u16* src = ch < CHV
+        const i64 tok = qr.q_begin + r / group_heads;
+        const int h = kvh * group_heads + r % group_heads;
+        const u16* src = (ROPE == 0 || ch < CHV)
                              ? q_nope + tok * qn_token_stride + (i64)h * qn_head_stride + ch * 8
                              : q_pe + tok * qp_token_stride + (i64)h * qp_head_stride + (ch - CHV) * 8;
         cp_async16(s_q + swz(row, ch, ROWB), in ? reinterpret_cast<const char*>(src)
@@ -195,8 +213,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
     // The causal limits (one past the last key) of this lane's two rows; rows past the
     // sequence's are never stored.
     const int ra = r_cta + mt * 16 + gid, rb = ra + 8;
-    const int lim_a = key_limit(len, qr.q_len, ra / num_heads);
-    const int lim_b = key_limit(len, qr.q_len, rb / num_heads);
+    const int lim_a = key_limit(len, qr.q_len, ra / group_heads);
+    const int lim_b = key_limit(len, qr.q_len, rb / group_heads);
     float o[ON][4];
 #pragma unroll
     for (int n = 0; n < ON; ++n)
@@ -337,8 +355,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
     const bool in_a = ra < qr.rows, in_b = rb < qr.rows;
     const int col0 = j * CW + 2 * tig;
     if (range.num_splits == 1) {
-        u16* oa = out + row_offset(qr, ra, num_heads, out_token_stride, out_head_stride) + col0;
-        u16* ob = out + row_offset(qr, rb, num_heads, out_token_stride, out_head_stride) + col0;
+        u16* oa =
+            out + row_offset(qr, ra, kvh, group_heads, out_token_stride, out_head_stride) + col0;
+        u16* ob =
+            out + row_offset(qr, rb, kvh, group_heads, out_token_stride, out_head_stride) + col0;
 #pragma unroll
         for (int n = 0; n < ON; ++n) {
             if (in_a)
@@ -347,7 +367,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
                 *reinterpret_cast<u32*>(ob + n * 8) = pack2(o[n][2] * inv1, o[n][3] * inv1);
         }
     } else {
-        const i64 base = ((i64)seq * max_splits + split) * rows_per_seq;
+        const i64 base = (((i64)seq * max_splits + split) * num_kv_heads + kvh) * rows_per_seq;
         float* pa = part_o + (base + ra) * DV + col0;
         float* pb = part_o + (base + rb) * DV + col0;
 #pragma unroll
@@ -364,30 +384,33 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
     }
 }
 
-// The split partials of one (query row, sequence) merged by log-sum-exp (log2 domain): 128
-// threads, 4 columns each. A sequence of one split wrote `out` itself and is skipped, as are
-// rows past the sequence's.
+// The split partials of one (query row, KV head, sequence) merged by log-sum-exp (log2
+// domain): 128 threads, 4 columns each; blockIdx.x = kvh * rows_per_seq + row. A sequence of
+// one split wrote `out` itself and is skipped, as are rows past the sequence's.
 extern "C" __global__ void __launch_bounds__(128) mla_merge(
     const float* __restrict__ part_o, const float* __restrict__ part_lse, u16* __restrict__ out,
     i64 out_token_stride, i64 out_head_stride, const int* __restrict__ seq_lens,
-    const int* __restrict__ qo_indptr, int num_heads, int rows_per_seq, int chunk_tokens,
-    int max_splits) {
-    const int row = blockIdx.x, seq = blockIdx.y;
-    const QueryRows qr = query_rows(qo_indptr, seq, num_heads);
+    const int* __restrict__ qo_indptr, int group_heads, int num_kv_heads, int rows_per_seq,
+    int chunk_tokens, int max_splits) {
+    const int kvh = blockIdx.x / rows_per_seq, row = blockIdx.x - kvh * rows_per_seq;
+    const int seq = blockIdx.y;
+    const QueryRows qr = query_rows(qo_indptr, seq, group_heads);
     if (row >= qr.rows) return;
     const int n = num_splits_of(max(seq_lens[seq], 0), chunk_tokens, max_splits);
     if (n == 1) return;
-    const i64 base = (i64)seq * max_splits * rows_per_seq + row;
+    // Split s of this row at ((seq * max_splits + s) * num_kv_heads + kvh) * rows_per_seq + row.
+    const i64 split_stride = (i64)num_kv_heads * rows_per_seq;
+    const i64 base = (i64)seq * max_splits * split_stride + (i64)kvh * rows_per_seq + row;
     float mx = NEG_INF;
-    for (int s = 0; s < n; ++s) mx = fmaxf(mx, part_lse[base + (i64)s * rows_per_seq]);
+    for (int s = 0; s < n; ++s) mx = fmaxf(mx, part_lse[base + (i64)s * split_stride]);
     const int col = threadIdx.x * 4;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     float wsum = 0.f;
     if (mx != NEG_INF) {
         for (int s = 0; s < n; ++s) {
-            const float w = exp2f(part_lse[base + (i64)s * rows_per_seq] - mx);
+            const float w = exp2f(part_lse[base + (i64)s * split_stride] - mx);
             const float4 v = *reinterpret_cast<const float4*>(
-                part_o + (base + (i64)s * rows_per_seq) * DV + col);
+                part_o + (base + (i64)s * split_stride) * DV + col);
             wsum += w;
             acc[0] += w * v.x;
             acc[1] += w * v.y;
@@ -396,7 +419,7 @@ extern "C" __global__ void __launch_bounds__(128) mla_merge(
         }
     }
     const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-    u16* o = out + row_offset(qr, row, num_heads, out_token_stride, out_head_stride) + col;
+    u16* o = out + row_offset(qr, row, kvh, group_heads, out_token_stride, out_head_stride) + col;
     *reinterpret_cast<u32*>(o) = pack2(acc[0] * inv, acc[1] * inv);
     *reinterpret_cast<u32*>(o + 2) = pack2(acc[2] * inv, acc[3] * inv);
 }

@@ -1,5 +1,5 @@
 """Every MLA decode module (paged_mla_decode.cu: both dtypes, every head tile the plan may
-choose) compiles with NVRTC for sm_80 and sm_90 without spills (CI, no GPU; the helpers of
+choose; with the rope part and without it, ROPE=0, for the head_dim 512 K = V plans) compiles with NVRTC for sm_80 and sm_90 without spills (CI, no GPU; the helpers of
 test_kernels_compile.py)."""
 
 from __future__ import annotations
@@ -17,7 +17,12 @@ from test_kernels_compile import ARCHS, MAX_SPILL_BYTES, compile_cubin
 def test_every_plan_choice_has_a_module():
     from kvpool.kernels._mla import MLA_HEAD_TILES, mla_variant
 
-    got = {mla_variant(dt, t) for dt in _build.MLA_DTYPES for t in MLA_HEAD_TILES}
+    got = {
+        mla_variant(dt, t, rope)
+        for dt in _build.MLA_DTYPES
+        for t in MLA_HEAD_TILES
+        for rope in (_build.MLA_ROPE_DIM, 0)  # MLA, and the shared K = V head of 512
+    }
     assert got == set(_build.mla_variants())
     for v in got:
         assert v.dynamic_smem_bytes <= _build.SMEM_PER_SM

@@ -33,6 +33,12 @@ from kvpool.kernels._prefill import (
     prefill_workspace_elems,
 )
 from kvpool.kernels._scales import KvScales
+from kvpool.kernels._shared_kv import (
+    SharedKvDecodePlan,
+    SharedKvExtendPlan,
+    shared_kv_decode_plan,
+    shared_kv_extend_plan,
+)
 
 __all__ = [
     "MAX_DECODE_SPLITS",
@@ -41,6 +47,8 @@ __all__ = [
     "MlaDecodePlan",
     "MlaExtendPlan",
     "PrefillPlan",
+    "SharedKvDecodePlan",
+    "SharedKvExtendPlan",
     "append_kv",
     "copy_blocks",
     "decode_plan",
@@ -53,5 +61,7 @@ __all__ = [
     "paged_mla_decode",
     "prefill_plan",
     "prefill_workspace_elems",
+    "shared_kv_decode_plan",
+    "shared_kv_extend_plan",
     "workspace_elems",
 ]

@@ -90,7 +90,8 @@ def supported_set() -> str:
     """The shapes the tensor-core decode runs, for error messages."""
     return (
         "dtype float16 or bfloat16, head_dim a multiple of 8 in 32..256, block_size a power "
-        "of two in 1..256, any num_q_heads that is a multiple of num_kv_heads"
+        "of two in 1..256, any num_q_heads that is a multiple of num_kv_heads (head_dim 512 "
+        "with K = V: kvpool.kernels.shared_kv_decode_plan / shared_kv_extend_plan)"
     )
 
 
@@ -695,6 +696,7 @@ class MlaVariant:
     j: int  # warps per m-tile
     bn: int = 64
     stages: int = 2
+    rope: int = MLA_ROPE_DIM  # 0: a shared K = V head of MLA_LATENT_DIM (kernels/_shared_kv.py)
 
     source = "paged_mla_decode.cu"
     kernel = "paged_mla_decode"
@@ -715,7 +717,7 @@ class MlaVariant:
     def dynamic_smem_bytes(self) -> int:
         """Mirrors SMEM_BYTES in the .cu: the KV stages, the Q tile, the P tile, the
         m-tiles' row maxima and sums."""
-        row = 2 * (MLA_LATENT_DIM + MLA_ROPE_DIM)
+        row = 2 * (MLA_LATENT_DIM + self.rope)
         hb = self.heads_per_cta
         return self.stages * self.bn * row + hb * row + hb * self.bn * 2 + 2 * self.j * hb * 4
 
@@ -726,6 +728,7 @@ class MlaVariant:
             f"-DJ={self.j}",
             f"-DBN={self.bn}",
             f"-DSTAGES={self.stages}",
+            f"-DROPE={self.rope}",
         )
 
 
@@ -735,15 +738,21 @@ MLA_VARIANT_CHOICES = ((1, 4), (2, 4), (4, 2))
 
 
 def mla_variants() -> list[MlaVariant]:
-    """Every MLA decode module (CI compiles them all)."""
-    return [MlaVariant(dt, mt, j) for dt in MLA_DTYPES for mt, j in MLA_VARIANT_CHOICES]
+    """Every MLA decode module and every shared K = V head_dim 512 module (ROPE = 0; CI
+    compiles them all)."""
+    return [
+        MlaVariant(dt, mt, j, rope=rope)
+        for rope in (MLA_ROPE_DIM, 0)
+        for dt in MLA_DTYPES
+        for mt, j in MLA_VARIANT_CHOICES
+    ]
 
 
 def mla_sources() -> list[tuple[str, str, tuple[str, ...]]]:
     """(label, source, options) of every MLA decode module, for every architecture."""
     return [
         (
-            f"{v.kernel}[{v.dtype},mt{v.mt},j{v.j},bn{v.bn},s{v.stages}]",
+            f"{v.kernel}[{v.dtype},mt{v.mt},j{v.j},bn{v.bn},s{v.stages},rope{v.rope}]",
             read_source(v.source),
             v.options(),
         )

@@ -85,10 +85,11 @@ def default_head_tile(num_rows: int) -> int:
     return next((t for t in MLA_HEAD_TILES if num_rows <= t), MLA_HEAD_TILES[-1])
 
 
-def mla_variant(dtype: str, head_tile: int) -> _build.MlaVariant:
+def mla_variant(dtype: str, head_tile: int, rope: int = _build.MLA_ROPE_DIM) -> _build.MlaVariant:
+    """The module of a row tile (rope 0: a shared K = V head of 512, kernels/_shared_kv.py)."""
     mt = head_tile // 16
     j = dict(_build.MLA_VARIANT_CHOICES)[mt]
-    return _build.MlaVariant(dtype, mt, j)
+    return _build.MlaVariant(dtype, mt, j, rope=rope)
 
 
 def check_spec(spec: Any) -> None:
@@ -243,7 +244,12 @@ def mla_extend_plan(
 class _MlaPlan:
     """What the decode and extend plans share: the group, head and scale checks, the layer
     lookup, the host reference run, the split / workspace choice and the launch. A subclass
-    binds its lengths (`_bind_cuda` / `_bind_host`) and names its query rows."""
+    binds its lengths (`_bind_cuda` / `_bind_host`) and names its query rows.
+
+    `_bind_source` says where the rows are: MLA's latent group of a spec (one 576-wide row a
+    token, one "KV head" for all query heads) here; the shared K = V head_dim 512 plans
+    (kernels/_shared_kv.py) override it, the layer lookup and the host run for a pool's
+    layout (num_kv_heads heads of 512, each read by its GQA group)."""
 
     _token_rows = "num_seqs"  # what q's first dimension counts, for messages
     # Bound by the subclass: the batch's sizes, the host copies (host pool) or the device
@@ -256,6 +262,12 @@ class _MlaPlan:
     _pt_ptr: int
     _lens_ptr: int
     _qo_ptr: int
+    # Bound by _bind_source: the row geometry the kernel reads.
+    _rope: int  # elements after the 512 of a row (MLA 64, shared K = V 0)
+    _num_kv_heads: int
+    _kv_head_stride: int  # bytes between KV heads' rows (MLA: 0)
+    _page_stride: int
+    _token_stride: int
 
     def __init__(
         self,
@@ -269,37 +281,58 @@ class _MlaPlan:
         workspace: Any,
         head_tile: int | None,
     ) -> None:
-        self.group, kv = mla_group(spec, group)
-        if spec.page_bytes != pool.block_bytes:
-            raise InvalidArgumentError(
-                f"the pool's blocks ({pool.block_bytes} bytes) are not the spec's pages "
-                f"({spec.page_bytes}): make the pool with Pool.for_spec(spec, ...)"
-            )
-        h = index_arg(num_heads, "num_heads")
-        if not 1 <= h <= MAX_MLA_HEADS:
-            raise InvalidArgumentError(
-                f"num_heads {h}: MLA attention runs 1..{MAX_MLA_HEADS} query heads"
-            )
-        if scale is None:
-            raise InvalidArgumentError(
-                "scale is required: the model's softmax scale (DeepSeek-V3: 1/sqrt(192) "
-                "times its YaRN mscale squared)"
-            )
-        self.scale = host_scale(scale, 1)
+        self._bind_source(pool, spec, group)
+        self.num_heads = h = self._check_heads(num_heads)
+        self._group_heads = h // self._num_kv_heads
+        self.scale = self._check_scale(scale)
         if head_tile is not None:
             head_tile = index_arg(head_tile, "head_tile")
             if head_tile not in MLA_HEAD_TILES:
                 raise InvalidArgumentError(f"head_tile must be one of {MLA_HEAD_TILES}")
         self._head_tile_arg = head_tile
-        self.pool, self.spec, self.kv_group = pool, spec, kv
-        self.num_heads, self.dtype = h, kv.dtype
-        self.block_size = int(spec.block_size(self.group))
+        self.pool = pool
         self.kv_split = SplitKv(chunk_tokens=1, num_splits=1)
         self._workspace: Workspace | None = None
         self._bound_views: tuple[ArrayView, ...] = ()
         self.cuda = pool_is_cuda(pool)
         if not self.cuda and (stream is not None or workspace is not None):
             raise InvalidArgumentError("a host pool takes no stream and no workspace")
+
+    def _bind_source(self, pool: Any, spec: Any, group: int) -> None:
+        self.group, kv = mla_group(spec, group)
+        if spec.page_bytes != pool.block_bytes:
+            raise InvalidArgumentError(
+                f"the pool's blocks ({pool.block_bytes} bytes) are not the spec's pages "
+                f"({spec.page_bytes}): make the pool with Pool.for_spec(spec, ...)"
+            )
+        self.spec, self.kv_group, self.dtype = spec, kv, kv.dtype
+        self.block_size = int(spec.block_size(self.group))
+        g = self.group
+        self._rope, self._num_kv_heads, self._kv_head_stride = _build.MLA_ROPE_DIM, 1, 0
+        self._page_stride = spec.page_bytes
+        self._token_stride = spec.latent_offset_bytes(g, 0, 0, 1, 0) - spec.latent_offset_bytes(
+            g, 0, 0, 0, 0
+        )
+
+    def _check_heads(self, num_heads: Any) -> int:
+        h = index_arg(num_heads, "num_heads")
+        if not 1 <= h <= MAX_MLA_HEADS:
+            raise InvalidArgumentError(
+                f"num_heads {h}: MLA attention runs 1..{MAX_MLA_HEADS} query heads"
+            )
+        return h
+
+    def _check_scale(self, scale: Any) -> float:
+        if scale is None:
+            raise InvalidArgumentError(
+                "scale is required: the model's softmax scale (DeepSeek-V3: 1/sqrt(192) "
+                "times its YaRN mscale squared)"
+            )
+        return host_scale(scale, 1)
+
+    def _kv_base(self, idx: int) -> int:
+        """The device address of layer `idx` (of the plan's group) in page 0, KV head 0."""
+        return int(self.pool.base_ptr) + self.spec.latent_offset_bytes(self.group, 0, idx, 0, 0)
 
     @property
     def num_seqs(self) -> int:
@@ -319,7 +352,10 @@ class _MlaPlan:
         if not self.kv_split.split:
             return 0
         return workspace_elems(
-            self._num_seqs, self._rows_per_seq, _build.MLA_LATENT_DIM, self.kv_split.num_splits
+            self._num_seqs,
+            self._rows_per_seq * self._num_kv_heads,
+            _build.MLA_LATENT_DIM,
+            self.kv_split.num_splits,
         )
 
     def layer_index(self, layer: int) -> int:
@@ -336,15 +372,16 @@ class _MlaPlan:
         return int(idx)
 
     def _choose_variant(self, max_qo_len: int) -> None:
-        """The row tile (forced, or by the longest sequence's query rows) and its module."""
-        self._rows_per_seq = max_qo_len * self.num_heads
+        """The row tile (forced, or by the longest sequence's query rows per KV head) and its
+        module."""
+        self._rows_per_seq = max_qo_len * self._group_heads
         if self._rows_per_seq > MAX_ROWS_PER_SEQ:
             raise InvalidArgumentError(
-                f"qo_len {max_qo_len} x {self.num_heads} heads: at most {MAX_ROWS_PER_SEQ} "
-                "query rows per sequence"
+                f"qo_len {max_qo_len} x {self._group_heads} heads: at most {MAX_ROWS_PER_SEQ} "
+                "query rows per sequence and KV head"
             )
         tile = self._head_tile_arg or default_head_tile(max(self._rows_per_seq, 1))
-        self.variant = mla_variant(self.dtype, tile)
+        self.variant = mla_variant(self.dtype, tile, self._rope)
 
     # -- host ----------------------------------------------------------------------------------
 
@@ -444,7 +481,7 @@ class _MlaPlan:
         if num_splits is not None:
             num_splits = index_arg(num_splits, "num_splits")
         v = self.variant
-        self.ctas_per_seq = -(-self._rows_per_seq // v.heads_per_cta)
+        self.ctas_per_seq = self._num_kv_heads * -(-self._rows_per_seq // v.heads_per_cta)
         self.kv_split = split_kv(
             n,
             max(self.ctas_per_seq, 1),
@@ -470,26 +507,31 @@ class _MlaPlan:
         idx = self.layer_index(layer)
         if not self.cuda:
             return self._run_host(q_nope, q_pe, idx, out)
-        qnv, qpv = _view(q_nope, "q_nope"), _view(q_pe, "q_pe")
+        return self._run_cuda(q_nope, q_pe, idx, out, "q_nope")
+
+    def _run_cuda(self, q_nope: Any, q_pe: Any, idx: int, out: Any, q_name: str) -> Any:
+        """The launch over layer `idx` of the group; q_pe None without a rope part."""
+        qnv = _view(q_nope, q_name)
+        qpv = _view(q_pe, "q_pe") if q_pe is not None else None
         if out is None:
-            self._check_q("q_nope", qnv.shape, qnv.typestr[1], int(qnv.typestr[2:]), 512)
+            self._check_q(q_name, qnv.shape, qnv.typestr[1], int(qnv.typestr[2:]), 512)
             out = new_out(q_nope, qnv, self.device_id)
         ov = _view(out, "out")
-        key = (qnv.layout_key, qpv.layout_key, ov.layout_key)
+        key = (qnv.layout_key, qpv.layout_key if qpv else None, ov.layout_key)
         ln = self._launches.get(key)
         if ln is None:
-            ln = self._launches[key] = _MlaLaunch(self, qnv, qpv, ov)
+            ln = self._launches[key] = _MlaLaunch(self, qnv, qpv, ov, q_name)
         if self._num_seqs == 0 or self._rows_per_seq == 0:
             return out
         dev = self.device_id
-        for name, v in (("q_nope", qnv), ("q_pe", qpv), ("out", ov)):
+        views = [(q_name, qnv), ("out", ov)] + ([("q_pe", qpv)] if qpv else [])
+        for name, v in views:
             if v.ptr % 16:
                 raise InvalidArgumentError(f"{name} must be 16-byte aligned")
             check_ptr(v.ptr, name, dev)
-        wait_producers(self.stream, dev, qnv, qpv, ov, *self._bound_views)
-        kv_base = self.pool.base_ptr + self.spec.latent_offset_bytes(self.group, 0, idx, 0, 0)
+        wait_producers(self.stream, dev, *(v for _, v in views), *self._bound_views)
         with self._lock:
-            ln.launch(self, qnv.ptr, qpv.ptr, ov.ptr, kv_base)
+            ln.launch(self, qnv.ptr, qpv.ptr if qpv else 0, ov.ptr, self._kv_base(idx))
         return out
 
 
@@ -656,13 +698,20 @@ class MlaExtendPlan(_MlaPlan):
 class _MlaLaunch:
     """A plan's parameter blocks for one layout of q_nope, q_pe and out (checked once)."""
 
-    def __init__(self, plan: _MlaPlan, qnv: ArrayView, qpv: ArrayView, ov: ArrayView):
-        qn, qp, o = _dev(qnv, "q_nope"), _dev(qpv, "q_pe"), _dev(ov, "out")
-        for name, a, d in (
-            ("q_nope", qn, _build.MLA_LATENT_DIM),
-            ("q_pe", qp, _build.MLA_ROPE_DIM),
-            ("out", o, _build.MLA_LATENT_DIM),
-        ):
+    def __init__(
+        self,
+        plan: _MlaPlan,
+        qnv: ArrayView,
+        qpv: ArrayView | None,
+        ov: ArrayView,
+        q_name: str = "q_nope",
+    ):
+        qn, o = _dev(qnv, q_name), _dev(ov, "out")
+        qp = _dev(qpv, "q_pe") if qpv is not None else None
+        checks = [(q_name, qn, _build.MLA_LATENT_DIM), ("out", o, _build.MLA_LATENT_DIM)]
+        if qp is not None:
+            checks.append(("q_pe", qp, plan._rope))
+        for name, a, d in checks:
             plan._check_q(name, a.shape, a.kind, a.itemsize, d)
             if a.strides[2] != 1 or a.strides[0] % 8 or a.strides[1] % 8:
                 raise InvalidArgumentError(
@@ -674,9 +723,10 @@ class _MlaLaunch:
         self.merge = compiled_kernel(v, "mla_merge", plan.device_id) if plan.split else None
         split, ws, n, rows = plan.kv_split, plan._workspace, plan.num_seqs, plan._rows_per_seq
         part_o = ws.ptr if split.split and ws is not None else 0
-        part_lse = part_o + 4 * n * split.num_splits * rows * _build.MLA_LATENT_DIM if part_o else 0
-        spec, g = plan.spec, plan.group
-        row = spec.latent_offset_bytes(g, 0, 0, 1, 0) - spec.latent_offset_bytes(g, 0, 0, 0, 0)
+        all_rows = rows * plan._num_kv_heads
+        part_lse = (
+            part_o + 4 * n * split.num_splits * all_rows * _build.MLA_LATENT_DIM if part_o else 0
+        )
         common = dict(
             part_o=part_o,
             part_lse=part_lse,
@@ -685,7 +735,8 @@ class _MlaLaunch:
             out_head_stride=o.strides[1],
             seq_lens=plan._lens_ptr,
             qo_indptr=plan._qo_ptr,
-            num_heads=plan.num_heads,
+            group_heads=plan._group_heads,
+            num_kv_heads=plan._num_kv_heads,
             rows_per_seq=rows,
             chunk_tokens=split.chunk_tokens,
             max_splits=split.num_splits,
@@ -697,11 +748,12 @@ class _MlaLaunch:
             qn_token_stride=qn.strides[0],
             qn_head_stride=qn.strides[1],
             q_pe=0,
-            qp_token_stride=qp.strides[0],
-            qp_head_stride=qp.strides[1],
+            qp_token_stride=qp.strides[0] if qp is not None else 0,
+            qp_head_stride=qp.strides[1] if qp is not None else 0,
             kv_base=0,
-            page_stride=spec.page_bytes,
-            token_stride=row,
+            page_stride=plan._page_stride,
+            token_stride=plan._token_stride,
+            kv_head_stride=plan._kv_head_stride,
             num_pages=plan.pool.num_blocks,
             bs_log2=plan.block_size.bit_length() - 1,
             page_tables=plan._pt_ptr,
@@ -721,7 +773,7 @@ class _MlaLaunch:
         launch(self.kernel, grid, self.threads, self.smem, plan.stream, self.params)
         if self.merge is not None:
             self.margs.out = out
-            grid = (plan._rows_per_seq, plan.num_seqs, 1)
+            grid = (plan._rows_per_seq * plan._num_kv_heads, plan.num_seqs, 1)
             launch(self.merge, grid, 128, 0, plan.stream, self.mparams)
 
 

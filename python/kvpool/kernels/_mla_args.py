@@ -10,7 +10,8 @@ _u64, _i64, _i32, _f32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes
 
 class MlaArgs(ctypes.Structure):
     """paged_mla_decode's parameters. The q / out strides are per query token and per head;
-    qo_indptr 0 (null) is decode: one query token per sequence."""
+    qo_indptr 0 (null) is decode: one query token per sequence. group_heads query heads share
+    each of the num_kv_heads KV heads, kv_head_stride bytes apart (MLA: all heads, 1, 0)."""
 
     _fields_ = [
         ("q_nope", _u64),
@@ -27,6 +28,7 @@ class MlaArgs(ctypes.Structure):
         ("kv_base", _u64),
         ("page_stride", _i64),
         ("token_stride", _i64),
+        ("kv_head_stride", _i64),
         ("num_pages", _i32),
         ("bs_log2", _i32),
         ("page_tables", _u64),
@@ -34,7 +36,8 @@ class MlaArgs(ctypes.Structure):
         ("pt_width", _i32),
         ("seq_lens", _u64),
         ("qo_indptr", _u64),
-        ("num_heads", _i32),
+        ("group_heads", _i32),
+        ("num_kv_heads", _i32),
         ("rows_per_seq", _i32),
         ("chunk_tokens", _i32),
         ("max_splits", _i32),
@@ -53,7 +56,8 @@ class MlaMergeArgs(ctypes.Structure):
         ("out_head_stride", _i64),
         ("seq_lens", _u64),
         ("qo_indptr", _u64),
-        ("num_heads", _i32),
+        ("group_heads", _i32),
+        ("num_kv_heads", _i32),
         ("rows_per_seq", _i32),
         ("chunk_tokens", _i32),
         ("max_splits", _i32),

@@ -281,7 +281,8 @@ class PrefillPlan:
             raise InvalidArgumentError(
                 f"no prefill kernel for dtype {info.dtype}, head_dim {info.head_dim}, block_size "
                 f"{info.block_size} (head_dim {_build.HEAD_DIMS}, block_size a power of two <= "
-                f"{_build.PREFILL_BLOCK_SIZES[-1]})"
+                f"{_build.PREFILL_BLOCK_SIZES[-1]}; head_dim 512 with K = V: "
+                "kvpool.kernels.shared_kv_extend_plan)"
             )
 
     def _plan_work(self, num_splits: int | None) -> PrefillWork:
