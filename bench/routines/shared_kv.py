@@ -64,7 +64,7 @@ def make_pool(batch, seq_len, hkv, seed):
     blocks_per_seq = -(-seq_len // BS)
     pages = batch * blocks_per_seq
     pool = Pool(KvLayout(1, hkv, D, BS, DTYPE), pages, device="cuda")
-    k = torch.from_dlpack(cp.asarray(pool.k_view(0))).view(torch.bfloat16)
+    k = torch.from_dlpack(cp.asarray(pool.k_view(0)).view(cp.int16)).view(torch.bfloat16)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(seed)
     k.copy_(torch.randn(k.shape, device="cuda", generator=gen).to(torch.bfloat16))
