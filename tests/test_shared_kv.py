@@ -7,12 +7,24 @@ supported set; decode_plan / prefill_plan's refusals pointing at these plans."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import kvpool
 import numpy as np
 import pytest
 from attention_inputs import qo_indptr, random_elems, shuffled_tables
 from kvpool import reference
 from kvpool.kernels import _build, shared_kv_decode_plan, shared_kv_extend_plan
+
+_PATH = Path(__file__).resolve().parents[1] / "tools" / "mla_extend_emulator.py"
+_spec = importlib.util.spec_from_file_location("mla_extend_emulator", _PATH)
+assert _spec is not None and _spec.loader is not None
+emulator = sys.modules.get("mla_extend_emulator") or importlib.util.module_from_spec(_spec)
+if "mla_extend_emulator" not in sys.modules:  # test_mla_extend.py may have loaded it
+    sys.modules["mla_extend_emulator"] = emulator  # dataclasses look their module up here
+    _spec.loader.exec_module(emulator)
 
 BS = 16
 LENS = [1, 15, 17, 40, 70]
@@ -150,3 +162,34 @@ def test_the_other_plans_name_these_for_head_dim_512():
 
     msg = _decode_args.unsupported("float16", 512, 16, _build.TC)
     assert msg is not None and "head_dim 512 with K = V: kvpool.kernels.shared_kv" in msg
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "tile", "chunk", "splits"),
+    [(2, 4, 16, 1 << 20, 1), (4, 8, 64, 64, 3), (8, 1, 32, 128, 2), (1, 8, 16, 64, 4)],
+)
+def test_emulated_kernel_matches_the_reference(kv_heads, group, tile, chunk, splits):
+    """The tile-level emulation of the ROPE=0 launch (tools/mla_extend_emulator.py: the grid
+    over (KV head, row tile), the query head of each row, the KV head's rows, split partials
+    per KV head and their merge) against the float64 reference; the rows of a wrong KV head
+    and a causal bound one key off fail."""
+    rng = np.random.default_rng(kv_heads * 10 + group)
+    heads = kv_heads * group
+    lens = np.array([1, 140, 17, 200])
+    qo = np.array([1, 3, 17, 9])
+    ip = qo_indptr(qo)
+    pages = 2 + int(sum(-(-lens // BS)))
+    cache = rng.standard_normal((pages, BS, kv_heads, 512))
+    pt = shuffled_tables(rng, lens, BS, pages)
+    q = rng.standard_normal((int(ip[-1]), heads, 512))
+    want = reference.paged_attention_prefill(q, cache, cache, ip, pt, lens, "float32", 0.05)
+    launch = emulator.Launch(tile, chunk, splits, int(qo.max()) * group)
+    got = emulator.emulate(q, None, cache, pt, lens, ip, 0.05, launch)
+    assert not np.isnan(got).any()
+    assert rel(got, want) < 1e-12
+    for shift in (-1, 1):
+        mut = emulator.emulate(q, None, cache, pt, lens, ip, 0.05, launch, limit_shift=shift)
+        assert rel(mut, want) > 1e-3
+    if kv_heads > 1:
+        mut = emulator.emulate(q, None, cache, pt, lens, ip, 0.05, launch, kv_head_shift=1)
+        assert rel(mut, want) > 1e-2

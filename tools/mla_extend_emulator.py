@@ -7,8 +7,14 @@ mla_merge. Float64 throughout: the kernel's index, mask and merge arithmetic are
 machine without a GPU (tests/test_mla_extend.py); its mma fragments are the decode's, unchanged
 (tools/tc_fragment_emulator.py covers the pattern).
 
+The shared K = V head_dim 512 launch (ROPE = 0, kernels/_shared_kv.py) is the same emulation
+with KV heads: cache [num_pages, block_size, num_kv_heads, 512], q_pe None, the grid's x over
+(KV head, row tile), query head kvh * group_heads + r % group_heads, partials at
+((seq * max_splits + split) * num_kv_heads + kvh) * rows_per_seq + row.
+
 Every formula below names the line of the .cu it mirrors; `limit_shift` moves the causal key
-bound (key_limit) by that many tokens, the mutation the tests must catch.
+bound (key_limit) by that many tokens and `kv_head_shift` makes KV head kvh read the rows of
+head kvh + shift: the mutations the tests must catch.
 Run: python tools/mla_extend_emulator.py (prints the largest relative error per case).
 """
 
@@ -26,7 +32,7 @@ NEG_INF = -math.inf
 @dataclass(frozen=True)
 class Launch:
     """The plan's numbers the kernel receives: rows per CTA (HB), tokens per tile (BN), the
-    split (chunk_tokens, max_splits), rows_per_seq (longest qo_len x heads)."""
+    split (chunk_tokens, max_splits), rows_per_seq (longest qo_len x heads of one KV head)."""
 
     head_tile: int
     chunk_tokens: int
@@ -61,7 +67,7 @@ def key_limit(length: int, q_len: int, qpos, limit_shift: int = 0):
 
 def emulate(
     q_nope: np.ndarray,
-    q_pe: np.ndarray,
+    q_pe: np.ndarray | None,
     cache: np.ndarray,
     page_tables: np.ndarray,
     seq_lens: np.ndarray,
@@ -69,25 +75,38 @@ def emulate(
     scale: float,
     launch: Launch,
     limit_shift: int = 0,
+    kv_head_shift: int = 0,
 ) -> np.ndarray:
     """out [tokens, H, 512] as the two launches write it (NaN where nothing was written).
-    cache [num_pages, block_size, 576] (float64), page_tables [num_seqs, pt_width] int."""
+    cache [num_pages, block_size, 576] (float64; MLA) or [num_pages, block_size, num_kv_heads,
+    512] (shared K = V, q_pe None), page_tables [num_seqs, pt_width] int."""
     tokens, num_heads, _ = q_nope.shape
+    if cache.ndim == 3:  # MLA: one latent "KV head" for all query heads
+        cache = cache[:, :, None, :]
+    num_kv_heads = cache.shape[2]
+    group_heads = num_heads // num_kv_heads
     num_seqs = len(seq_lens)
     num_pages, bs = cache.shape[0], cache.shape[1]
+    dqk = cache.shape[3]
     pt_width = page_tables.shape[1]
     hb, bn = launch.head_tile, launch.bn
-    ctas_per_seq = -(-launch.rows_per_seq // hb)
+    tiles_per_head = -(-launch.rows_per_seq // hb)
+    ctas_per_seq = num_kv_heads * tiles_per_head
     scale_log2 = scale * math.log2(math.e)
-    q = np.concatenate([q_nope, q_pe], axis=2).astype(np.float64)
+    parts = [q_nope] if q_pe is None else [q_nope, q_pe]
+    q = np.concatenate(parts, axis=2).astype(np.float64)
+    assert q.shape[2] == dqk
     out = np.full((tokens, num_heads, DV), np.nan)
-    part_o = np.full((num_seqs, launch.max_splits, launch.rows_per_seq, DV), np.nan)
-    part_lse = np.full((num_seqs, launch.max_splits, launch.rows_per_seq), np.nan)
+    all_rows = num_kv_heads * launch.rows_per_seq  # [.., kvh * rows_per_seq + row]
+    part_o = np.full((num_seqs, launch.max_splits, all_rows, DV), np.nan)
+    part_lse = np.full((num_seqs, launch.max_splits, all_rows), np.nan)
     for seq in range(num_seqs):
         length = max(int(seq_lens[seq]), 0)
-        q_begin, q_len, rows = query_rows(qo_indptr, seq, num_heads)
+        q_begin, q_len, rows = query_rows(qo_indptr, seq, group_heads)
         for x in range(ctas_per_seq):
-            r_cta = x * hb
+            kvh = x // tiles_per_head  # kvh = blockIdx.x / tiles_per_head
+            r_cta = (x - kvh * tiles_per_head) * hb
+            kv_rows = cache[:, :, (kvh + kv_head_shift) % num_kv_heads]  # kv_base += kvh * stride
             if r_cta >= rows:
                 continue
             for split in range(launch.max_splits):
@@ -97,15 +116,15 @@ def emulate(
                 if split >= n_splits:
                     continue
                 last_row = min(r_cta + hb, rows) - 1
-                t_end = min(t_end, key_limit(length, q_len, last_row // num_heads, limit_shift))
+                t_end = min(t_end, key_limit(length, q_len, last_row // group_heads, limit_shift))
                 n_tiles = -(-(t_end - t_begin) // bn) if t_end > t_begin else 0
                 r = r_cta + np.arange(hb)
                 valid = r < rows
-                tok = q_begin + r // num_heads
-                head = r % num_heads
-                qt = np.zeros((hb, DQK))
+                tok = q_begin + r // group_heads
+                head = kvh * group_heads + r % group_heads
+                qt = np.zeros((hb, dqk))
                 qt[valid] = q[tok[valid], head[valid]]
-                lim = key_limit(length, q_len, r // num_heads, limit_shift)
+                lim = key_limit(length, q_len, r // group_heads, limit_shift)
                 m = np.full(hb, NEG_INF)
                 ll = np.zeros(hb)
                 o = np.zeros((hb, DV))
@@ -116,8 +135,8 @@ def emulate(
                     page = np.full(bn, -1)
                     page[ok] = page_tables[seq, entry[ok]]
                     ok &= (page >= 0) & (page < num_pages)
-                    kv = np.zeros((bn, DQK))  # zero-filled without a read
-                    kv[ok] = cache[page[ok], t[ok] % bs]
+                    kv = np.zeros((bn, dqk))  # zero-filled without a read
+                    kv[ok] = kv_rows[page[ok], t[ok] % bs]
                     s = qt @ kv.T
                     mask = ok[None, :] & (t[None, :] < lim[:, None])
                     s = np.where(mask, s * scale_log2, NEG_INF)
@@ -127,30 +146,34 @@ def emulate(
                     p = np.exp2(s - mu[:, None])
                     m = mn
                     ll = ll * alpha + p.sum(axis=1)
-                    o = o * alpha[:, None] + p @ kv[:, :DV]
+                    o = o * alpha[:, None] + p @ kv[:, :DV]  # V: the same rows' first 512
                 inv = np.where(ll > 0, 1.0 / np.where(ll > 0, ll, 1.0), 0.0)
                 if n_splits == 1:
                     out[tok[valid], head[valid]] = (o * inv[:, None])[valid]
                 else:
-                    part_o[seq, split, r[valid]] = (o * inv[:, None])[valid]
+                    at = kvh * launch.rows_per_seq + r[valid]
+                    part_o[seq, split, at] = (o * inv[:, None])[valid]
                     lse = np.where(ll > 0, m + np.log2(np.where(ll > 0, ll, 1.0)), NEG_INF)
-                    part_lse[seq, split, r[valid]] = lse[valid]
-    # mla_merge: one (row, sequence) per CTA.
+                    part_lse[seq, split, at] = lse[valid]
+    # mla_merge: one (KV head x row, sequence) per CTA.
     for seq in range(num_seqs):
-        q_begin, q_len, rows = query_rows(qo_indptr, seq, num_heads)
+        q_begin, q_len, rows = query_rows(qo_indptr, seq, group_heads)
         n = num_splits_of(max(int(seq_lens[seq]), 0), launch.chunk_tokens, launch.max_splits)
         if n == 1:
             continue
-        for row in range(rows):
-            lse = part_lse[seq, :n, row]
+        for x in range(all_rows):
+            kvh, row = divmod(x, launch.rows_per_seq)
+            if row >= rows:
+                continue
+            lse = part_lse[seq, :n, x]
             mx = lse.max()
             acc, wsum = np.zeros(DV), 0.0
             if mx != NEG_INF:
                 w = np.exp2(lse - mx)
                 wsum = w.sum()
-                acc = (w[:, None] * part_o[seq, :n, row]).sum(axis=0)
+                acc = (w[:, None] * part_o[seq, :n, x]).sum(axis=0)
             inv = 1.0 / wsum if wsum > 0 else 0.0
-            out[q_begin + row // num_heads, row % num_heads] = acc * inv
+            out[q_begin + row // group_heads, kvh * group_heads + row % group_heads] = acc * inv
     return out
 
 
