@@ -11,10 +11,11 @@ output bit for bit. Skipped without a GPU (conftest.py)."""
 
 from __future__ import annotations
 
+import kvpool
 import numpy as np
 import pytest
 from attention_inputs import qo_indptr, random_elems, shuffled_tables
-from gpu_fixtures import NAN_BITS, cp, cuda_pool, error_report, poisoned, to_device
+from gpu_fixtures import NAN_BITS, cp, error_report, poisoned, to_device
 from kvpool import reference
 from kvpool.kernels import shared_kv_decode_plan, shared_kv_extend_plan
 
@@ -38,10 +39,26 @@ CASES = [
 ]
 
 
+def device_fill(view, dtype, seed):
+    """N(0, 1) elements of `dtype` drawn on the device (bfloat16: float32 rounded to nearest
+    even): a host draw of these pools took seconds per test."""
+    arr = cp.asarray(view).view(cp.uint16)
+    x = cp.random.default_rng(seed).standard_normal(arr.shape, dtype=cp.float32)
+    if dtype == "float16":
+        arr[...] = x.astype(cp.float16).view(cp.uint16)
+    else:
+        u = x.view(cp.uint32)
+        arr[...] = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(cp.uint16)
+
+
 def make_batch(dtype, kv_heads, seed):
     rng = np.random.default_rng(seed)
     need = sum(-(-n // BS) for n in LENS)
-    pool = cuda_pool(rng, kv_heads, 512, BS, dtype, need + 37, 2)
+    layout = kvpool.KvLayout(2, kv_heads, 512, BS, dtype)
+    pool = kvpool.Pool(layout, need + 37, device="cuda")
+    for layer in range(2):
+        device_fill(pool.k_view(layer), dtype, seed * 4 + 2 * layer)
+        device_fill(pool.v_view(layer), dtype, seed * 4 + 2 * layer + 1)
     pt = shuffled_tables(rng, LENS, BS, pool.num_blocks)
     for layer in range(2):  # K rows past each sequence's end: NaN (the kernel must not read them)
         k = cp.asarray(pool.k_view(layer)).view(cp.uint16)
