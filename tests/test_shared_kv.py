@@ -146,8 +146,10 @@ def test_argument_errors_name_the_supported_set():
     q = random_elems(rng, (len(LENS), 4, 512), "float16")
     with pytest.raises(err, match="layer 2 outside 0..1"):
         plan.run(q, 2)
-    with pytest.raises(err, match=r"q must be \[num_seqs, num_heads, 512\]"):
+    with pytest.raises(err, match=r"q must be \[num_seqs, num_q_heads, 512\] = \[5, 4, 512\]"):
         plan.run(q[:, :2], 0)
+    with pytest.raises(err, match=r"block_tables must be \[5, max_pages\]"):
+        shared_kv_decode_plan(pool, pt[:2], sl, 4)
     bad = pt.copy()
     bad[2, 0] = pool.num_blocks
     out = np.zeros_like(q)

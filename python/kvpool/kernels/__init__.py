@@ -4,7 +4,9 @@ Attention follows plan once, run per layer: ``decode_plan(...)`` / ``prefill_pla
 :class:`DecodePlan` / :class:`PrefillPlan` for one step's batch (split plan, work items,
 workspace, merge counters), and ``plan.run(q, layer)`` launches it for each layer;
 ``paged_attention_decode`` / ``paged_attention_prefill`` do both in one call (or take
-``plan=``). Inputs and results are torch tensors of their true dtypes or CuPy arrays; torch is
+``plan=``). head_dim 512 with K = V (Gemma 4's global layers) has plans of its own,
+``shared_kv_decode_plan`` / ``shared_kv_extend_plan`` (the MLA kernel without its rope part);
+MLA has ``mla_decode_plan`` / ``mla_extend_plan``. Inputs and results are torch tensors of their true dtypes or CuPy arrays; torch is
 optional.
 
 The sources are in the repository's ``cuda/`` folder (embedded in the extension), compiled at run

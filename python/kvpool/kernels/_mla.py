@@ -252,6 +252,7 @@ class _MlaPlan:
     layout (num_kv_heads heads of 512, each read by its GQA group)."""
 
     _token_rows = "num_seqs"  # what q's first dimension counts, for messages
+    _tables_name, _heads_name = "page_tables", "num_heads"  # the public arguments' names
     # Bound by the subclass: the batch's sizes, the host copies (host pool) or the device
     # pointers the kernel reads (CUDA pool; _qo_ptr 0: decode).
     _num_seqs: int
@@ -386,12 +387,13 @@ class _MlaPlan:
     # -- host ----------------------------------------------------------------------------------
 
     def _host_tables(self, page_tables: Any, num_seqs: int) -> np.ndarray:
-        tables = host_array(page_tables, "page_tables")
+        name = self._tables_name
+        tables = host_array(page_tables, name)
         if tables.dtype.kind not in "iu":
-            raise InvalidArgumentError(f"page_tables must be an integer array, got {tables.dtype}")
+            raise InvalidArgumentError(f"{name} must be an integer array, got {tables.dtype}")
         if tables.ndim != 2 or tables.shape[0] != num_seqs:
             raise InvalidArgumentError(
-                f"page_tables must be [{num_seqs}, max_pages] (num_seqs from seq_lens), got "
+                f"{name} must be [{num_seqs}, max_pages] (num_seqs from seq_lens), got "
                 f"{tables.shape}"
             )
         return tables
@@ -446,7 +448,8 @@ class _MlaPlan:
         want = (self._num_tokens, self.num_heads, dim)
         if tuple(shape) != want:
             raise InvalidArgumentError(
-                f"{name} must be [{self._token_rows}, num_heads, {dim}] = {list(want)}, got "
+                f"{name} must be [{self._token_rows}, {self._heads_name}, {dim}] = {list(want)}, "
+                "got "
                 f"{tuple(shape)}"
             )
         if not elem_ok(kind, itemsize, self.dtype, 2):
@@ -458,12 +461,13 @@ class _MlaPlan:
     # -- CUDA ----------------------------------------------------------------------------------
 
     def _bind_page_tables(self, page_tables: Any, num_seqs: int | None) -> ArrayView:
-        ptv = _view(page_tables, "page_tables")
-        pt = _dev(ptv, "page_tables")
-        check_int_array(pt, "page_tables", 4, 2)
+        name = self._tables_name
+        ptv = _view(page_tables, name)
+        pt = _dev(ptv, name)
+        check_int_array(pt, name, 4, 2)
         if num_seqs is not None and pt.shape[0] != num_seqs:
             raise InvalidArgumentError(
-                f"page_tables must be [{num_seqs}, max_pages], got {tuple(pt.shape)}"
+                f"{name} must be [{num_seqs}, max_pages], got {tuple(pt.shape)}"
             )
         self._pt_stride, self._pt_width = pt.strides[0], pt.shape[1]
         return ptv
@@ -588,7 +592,7 @@ class MlaDecodePlan(_MlaPlan):
         self._pt_ptr, self._lens_ptr, self._qo_ptr = ptv.ptr, slv.ptr, 0
         self.stream = sp = launch_stream(stream, dev, page_tables, seq_lens)
         if n:
-            check_ptr(ptv.ptr, "page_tables", dev)
+            check_ptr(ptv.ptr, self._tables_name, dev)
             check_ptr(slv.ptr, "seq_lens", dev)
         if max_seq_len is None:
             max_seq_len = 0
@@ -662,7 +666,7 @@ class MlaExtendPlan(_MlaPlan):
         ptv = self._bind_page_tables(page_tables, n)
         self._bound_views = (ptv,)
         if n:
-            check_ptr(ptv.ptr, "page_tables", dev)
+            check_ptr(ptv.ptr, self._tables_name, dev)
         with cupy.cuda.Device(dev), cupy_stream(self.stream):
             # The plan's own device copies: the kernel reads exactly what the plan checked.
             self._device_lens = (

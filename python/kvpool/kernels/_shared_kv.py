@@ -77,6 +77,8 @@ class _SharedKvSource:
     """The MLA plans' row source replaced by a pool layout's K rows (num_kv_heads heads of 512,
     no rope part); the subclasses below put it in front of MlaDecodePlan / MlaExtendPlan."""
 
+    _tables_name, _heads_name = "block_tables", "num_q_heads"
+
     pool: Any
     dtype: str
     block_size: int
