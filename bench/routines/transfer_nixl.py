@@ -134,6 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--memory", choices=("host", "cuda", "both"), default="host", help="the pools' memory"
     )
+    ap.add_argument(
+        "--blocks",
+        nargs="+",
+        choices=sorted(BLOCK_BYTES),
+        default=list(BLOCK_BYTES),
+        help="block sizes to measure",
+    )
     args = ap.parse_args(argv)
 
     from kvpool.transfer.nixl_transport import load_nixl
@@ -155,15 +162,19 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": skipped,
         "rows": rows,
     }
+
+    def save() -> None:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
     for memory in memories:
-        for label, block_bytes in BLOCK_BYTES.items():
+        for label in args.blocks:
+            block_bytes = BLOCK_BYTES[label]
             fit = [n for n in sizes if n * block_bytes <= args.max_bytes]
             skipped += [f"{memory} {label} x {n}" for n in sizes if n not in fit]
             if fit:
-                rows += _measure(nixl, memory, label, block_bytes, fit, args.quick, rng)
-            args.out.write_text(json.dumps(result, indent=1) + "\n")
+                _measure(nixl, memory, label, block_bytes, fit, args.quick, rng, rows, save)
     result["complete"] = True
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    save()
     for r in rows:
         print(
             f"{r['memory']:<4} {r['case']:<18} {r['block']:>5} x {r['blocks']:>4}  "
@@ -174,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _measure(nixl, memory, label, block_bytes, fit, quick, rng) -> list[dict]:
-    """The rows of one memory kind and block size: every case at every number of blocks."""
+def _measure(nixl, memory, label, block_bytes, fit, quick, rng, rows, save) -> None:
+    """Appends to ``rows`` those of one memory kind and block size, every case at every number
+    of blocks, calling ``save`` after each number of blocks."""
     from kvpool.transfer.nixl_transport import run_descriptors
     from kvpool.transfer.pieces import GROUPED, plan_pieces
 
@@ -205,7 +217,6 @@ def _measure(nixl, memory, label, block_bytes, fit, quick, rng) -> list[dict]:
         assert state == "DONE", state
         return elapsed
 
-    rows = []
     for n in fit:
         nbytes = n * block_bytes
         dst_ids = np.arange(n, dtype=np.int32)
@@ -252,10 +263,10 @@ def _measure(nixl, memory, label, block_bytes, fit, quick, rng) -> list[dict]:
                 extra = statistics.median(times[case]) - contiguous
                 row["us_per_extra_descriptor"] = extra / (counts[case] - 1) * 1e6
             rows.append(row)
+        save()
         print(f"{memory} {label} x {n} done", flush=True)
     for agent, registration in registrations:  # before the pools go: their memory is freed
         agent.deregister_memory(registration)
-    return rows
 
 
 def _row(case, label, n, nbytes, descriptors, times):
