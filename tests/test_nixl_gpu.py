@@ -1,11 +1,11 @@
 """CUDA pools over NIXL on one GPU: each pool's slab registered as VRAM, the receiver READing the
-sender's blocks device to device (UCX's CUDA transports: cuda_ipc between processes, cuda_copy
-or cuda_ipc between two agents of one process).
+sender's blocks device to device through whichever transport UCX picks. On the one-H200 box
+that was not CUDA IPC but UCX's emulated GET over tcp/lo, both ways (cuda_ipc turns GET off
+without NVLink and cannot reach its own process: transfer.md, "CUDA pools over NIXL").
 
-Each test runs twice: ``processes`` (the sender in another process, the GPU shared through CUDA
-IPC) and ``threads`` (the sender in a thread of this process with its own pool, agent and
-transport: two NIXL agents in one process, the fallback where CUDA IPC between processes does not
-work in a VM). Both move bytes through the same protocol and leases.
+Each test runs twice: ``processes`` (the sender in another process) and ``threads`` (the sender
+in a thread of this process with its own pool, agent and transport: two NIXL agents in one
+process). Both move bytes through the same protocol and leases.
 
 - a request's blocks (scattered across the sender's holes, and one run) byte-exact into other
   ids on the receiver, both pools conserved, no lease left;
