@@ -1,8 +1,9 @@
 """A request's KV blocks through NIXL (UCX) host to host and device to device, against one
 contiguous NIXL transfer of the same bytes, in the same run.
 
-Two NIXL agents in one process (UCX picks shared memory or TCP on loopback, cuda_copy or
-cuda_ipc for GPU memory; on a machine with RDMA the same calls use it), each with a pool whose
+Two NIXL agents in one process (UCX picks CMA, shared memory or TCP on loopback; for GPU memory
+cuda_ipc where it can, else a GET emulated over TCP, as on the one-H200 box, where cuda_ipc
+cannot reach its own process; on a machine with RDMA the same calls use it), each with a pool whose
 slab is registered once: ``--memory host`` host pools (DRAM), ``--memory cuda`` CUDA pools on
 one GPU (VRAM, device 0), ``--memory both`` the two in turn. The
 receiver READs the sender's blocks, as `NixlTransport.read_blocks` does, with the descriptors
