@@ -66,7 +66,8 @@ ROUTINES = {
     ),
     "transfer_nixl": (
         "cpu",
-        "a request's blocks through NIXL host to host vs one contiguous NIXL read",
+        "a request's blocks through NIXL host to host (--memory cuda/both: GPU to GPU) vs one "
+        "contiguous NIXL read",
     ),
     "disk_tier": (
         "cpu",

@@ -25,8 +25,11 @@ receiver READs each range of layers the sender announces) and head ranges of a
 tensor-parallel shard (regions.py, tp_legs.py); both wait for messages with ``poll_message``,
 never blocking, so the caller computes or decodes meanwhile.
 
-Host pools only (NIXL's DRAM segments); a CUDA pool would register VRAM the same way but has
-not been run here. ``load_nixl()`` imports the ``nixl`` module (the ``nixl`` meta package) or
+Host pools register their slab as DRAM, CUDA pools as VRAM with the pool's device id
+(``nixl_memory``): every descriptor row then carries that device id, the local rows this
+pool's, the remote rows the peer's (from its hello), so one READ may join a CUDA pool and a host
+pool too. A CUDA sender's KV must be written before the receiver reads it: a one-sided send
+synchronizes the sending stream before the offer goes out (``settle_source``). ``load_nixl()`` imports the ``nixl`` module (the ``nixl`` meta package) or
 the ``nixl_cu13`` / ``nixl_cu12`` one that the wheels of those names install.
 """
 
@@ -70,16 +73,62 @@ def load_nixl() -> Any:
     raise ImportError("NIXL is not installed: pip install 'kvpool[nixl]' (nixl-cu13)")
 
 
-def run_descriptors(base: int, block_bytes: int, ids: np.ndarray, pieces: list) -> np.ndarray:
-    """NIXL's Nx3 descriptor array ``(address, bytes, device 0)``, one row per piece."""
+def nixl_memory(pool: Pool) -> tuple[str, int]:
+    """NIXL's memory type and device id of ``pool``'s slab: ``("DRAM", 0)`` for a host pool,
+    ``("VRAM", n)`` for a pool on ``cuda:n``. TransferError for any other device."""
+    device = str(pool.device)
+    if device == "host":
+        return "DRAM", 0
+    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        if getattr(pool, "growable", False):
+            # Its slab is a reserved range mapped chunk by chunk (cuMemCreate) as it grows:
+            # one registration at connect would not cover later chunks.
+            raise TransferError(
+                "NixlTransport does not move growable CUDA pools (the slab is mapped chunk by "
+                "chunk; NIXL registers it once at connect): use a fixed-size pool"
+            )
+        return "VRAM", int(device[5:]) if ":" in device else 0
+    raise TransferError(
+        f"NixlTransport moves host and CUDA pools only (NIXL DRAM and VRAM), not {device!r}"
+    )
+
+
+def run_descriptors(
+    base: int, block_bytes: int, ids: np.ndarray, pieces: list, device: int = 0
+) -> np.ndarray:
+    """NIXL's Nx3 descriptor array ``(address, bytes, device)``, one row per piece."""
     rows = np.zeros((len(pieces), 3), np.uint64)
     for row, (start, count) in enumerate(pieces):
-        rows[row] = (base + int(ids[start]) * block_bytes, count * block_bytes, 0)
+        rows[row] = (base + int(ids[start]) * block_bytes, count * block_bytes, device)
     return rows
 
 
+def on_device(rows: np.ndarray, device: int) -> np.ndarray:
+    """``rows`` (Nx3 descriptors) with every row's device id set to ``device``: a copy, the
+    caller's array is left alone."""
+    rows = np.array(rows, np.uint64, copy=True).reshape(-1, 3)
+    rows[:, 2] = device
+    return rows
+
+
+def settle_source(pool: Pool, stream: Any = None) -> None:
+    """Before a one-sided offer of ``pool``'s blocks: waits for the work queued on ``stream``
+    (the pool's stream by default) on a CUDA pool, so that the receiver's READ, which no
+    stream of this process orders, sees the KV written. Nothing to do for a host pool."""
+    if nixl_memory(pool)[0] != "VRAM":
+        return
+    import cupy
+
+    from kvpool.kernels._launch import cupy_stream, stream_handle
+
+    stream = pool.stream if stream is None else stream
+    handle = stream if isinstance(stream, int) else stream_handle(stream)
+    with cupy.cuda.Device(nixl_memory(pool)[1]):
+        cupy_stream(handle).synchronize()
+
+
 class NixlTransport(Transport):
-    """Two processes' host pools joined by NIXL; make one with ``connect``."""
+    """Two processes' pools (host or CUDA) joined by NIXL; make one with ``connect``."""
 
     one_sided = True
 
@@ -92,6 +141,8 @@ class NixlTransport(Transport):
         self.remote_base = int(hello["base_ptr"])
         self.remote_num_blocks = int(hello["num_blocks"])
         self.remote_block_bytes = int(hello["block_bytes"])
+        self.mem_type, self.device_id = nixl_memory(pool)
+        self.remote_mem_type, self.remote_device_id = hello["mem_type"], int(hello["device_id"])
         self.descriptor_counts: list[int] = []  # per transfer this side initiated
         self._notes: list[dict] = []  # control messages read while waiting for "done"
         self._registration: Any = None  # the slab's NIXL registration, released at teardown
@@ -110,15 +161,14 @@ class NixlTransport(Transport):
         slab with NIXL once for the transport's life."""
         if rank not in (0, 1):
             raise ValueError(f"rank must be 0 or 1, got {rank!r}")
-        if str(pool.device) != "host":
-            raise TransferError("NixlTransport moves host pools only (NIXL DRAM segments)")
+        mem_type, device_id = nixl_memory(pool)  # refuses a device NIXL is not given here
         nixl = load_nixl()
         sock, _ = rendezvous_control(rank, rendezvous, lambda: [], host=host, timeout=timeout)
         control = NcclTransport(None, None, sock, rank, 0)  # its control channel only
         name = f"kvpool-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
         nbytes = pool.num_blocks * pool.block_bytes
-        registration = agent.register_memory([(pool.base_ptr, nbytes, 0, "")], "DRAM")
+        registration = agent.register_memory([(pool.base_ptr, nbytes, device_id, "")], mem_type)
         control.send_control(
             {
                 "kind": "nixl_hello",
@@ -127,12 +177,20 @@ class NixlTransport(Transport):
                 "base_ptr": pool.base_ptr,
                 "num_blocks": pool.num_blocks,
                 "block_bytes": pool.block_bytes,
+                "mem_type": mem_type,
+                "device_id": device_id,
             }
         )
         hello = control.recv_control(timeout)
         # The peer's blocks may be of other bytes (a TP shard of another size): each offer's
         # layout is checked against them (``source_ids_problem``).
-        if hello.get("kind") != "nixl_hello" or not isinstance(hello.get("block_bytes"), int):
+        if (
+            hello.get("kind") != "nixl_hello"
+            or not isinstance(hello.get("block_bytes"), int)
+            or hello.get("mem_type") not in ("DRAM", "VRAM")
+            or not isinstance(hello.get("device_id"), int)
+        ):
+            agent.deregister_memory(registration)
             raise TransferError(f"the peer's NIXL hello is not one: {hello}")
         agent.add_remote_agent(base64.b64decode(hello["metadata"]))
         transport = cls(control, nixl, agent, pool, hello)
@@ -233,17 +291,22 @@ class NixlTransport(Transport):
             raise PeerGone(f"{peer} gave the transfer up: {message.get('reason')}")
         return message
 
+    def xfer_descs(self, local: np.ndarray, remote: np.ndarray) -> tuple[Any, Any]:
+        """NIXL's descriptor lists of Nx3 rows of this pool (``local``) and the peer's
+        (``remote``), each row given its side's device id and memory type."""
+        return (
+            self.agent.get_xfer_descs(on_device(local, self.device_id), self.mem_type),
+            self.agent.get_xfer_descs(
+                on_device(remote, self.remote_device_id), self.remote_mem_type
+            ),
+        )
+
     def post(self, local: np.ndarray, remote: np.ndarray, op: str) -> tuple[Any, str]:
         """Posts one NIXL transfer of descriptor arrays (Nx3); its handle and first state.
         PeerGone (naming a dead peer where that is why) if NIXL refuses it."""
         agent = self.agent
         try:
-            handle = agent.initialize_xfer(
-                op,
-                agent.get_xfer_descs(local, "DRAM"),
-                agent.get_xfer_descs(remote, "DRAM"),
-                self.remote_name,
-            )
+            handle = agent.initialize_xfer(op, *self.xfer_descs(local, remote), self.remote_name)
         except Exception as e:  # NIXL's errors (nixlRemoteDisconnectError...) are Exceptions
             raise self._failure(f"NIXL could not prepare the {op}: {type(e).__name__}: {e}") from e
         try:
@@ -364,12 +427,7 @@ class NixlTransport(Transport):
         when NIXL fails or, with ``request_id``, the peer aborts it or dies meanwhile."""
         agent = self.agent
         try:
-            handle = agent.initialize_xfer(
-                op,
-                agent.get_xfer_descs(local, "DRAM"),
-                agent.get_xfer_descs(remote, "DRAM"),
-                self.remote_name,
-            )
+            handle = agent.initialize_xfer(op, *self.xfer_descs(local, remote), self.remote_name)
         except Exception as e:  # NIXL's errors (nixlRemoteDisconnectError...) are Exceptions
             raise self._failure(f"NIXL could not prepare the {op}: {type(e).__name__}: {e}") from e
         try:

@@ -35,6 +35,7 @@ from kvpool._core import BlockTables, HybridTables, InvalidArgumentError, KvErro
 from kvpool.transfer.kinds import UniformRequests, requests_of
 from kvpool.transfer.leases import RECV, SEND, Lease, LeaseBook
 from kvpool.transfer.movers import make_mover
+from kvpool.transfer.nixl_transport import settle_source
 from kvpool.transfer.offers import (  # re-exported: the protocol's messages
     PROTOCOL_VERSION,
     Offer,
@@ -327,13 +328,21 @@ class KvSender:
         while the KV is still being computed. Layers ``[0, layers_ready)`` may be read now;
         announce more with ``Transfer.layers_ready(k)`` as they are written; the receiver
         READs each range as it is announced and the transfer completes when the last layer
-        has landed. ``send`` returns once the receiver accepted."""
+        has landed. ``send`` returns once the receiver accepted.
+
+        On a one-sided transport and a CUDA pool, ``send`` first waits for ``stream``'s work
+        (the receiver's READ is ordered by no stream of this process); a layer announced later
+        with ``layers_ready(k)`` must likewise be written (its stream synchronized) first."""
         ep = self._ep
         if layers_ready is not None:
             self._check_layered(layers_ready)
         described, ids = ep.requests.describe(request_id)
         if layers_ready is not None:
             described["layers_ready"] = layers_ready
+        if getattr(ep.transport, "one_sided", False):
+            # The receiver READs once it accepts, ordered by no stream here: the KV queued on
+            # ``stream`` must be written first (a CUDA pool; nothing to wait for on a host one).
+            settle_source(ep.pool, stream)
         try:
             ep.transport.send_control(
                 {

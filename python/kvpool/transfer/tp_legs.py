@@ -31,6 +31,7 @@ import numpy as np
 
 from kvpool._core import BlockTables, KvError, TransferError
 from kvpool.transfer.leases import RECV, SEND, LeaseBook
+from kvpool.transfer.nixl_transport import settle_source
 from kvpool.transfer.offers import PROTOCOL_VERSION, Offer, decode_accept
 from kvpool.transfer.pieces import GROUPED, plan_pieces
 from kvpool.transfer.protocol import (
@@ -300,6 +301,7 @@ class KvSplitSender(_MultiLegEndpoint):
         }
         accepted: list[Any] = []
         problem = None
+        settle_source(ep.pool)  # a CUDA pool's KV written before any receiver READs it
         try:
             for leg in legs:
                 leg.send_control(offer)

@@ -1,0 +1,288 @@
+"""CUDA pools over NIXL on one GPU: each pool's slab registered as VRAM, the receiver READing the
+sender's blocks device to device through whichever transport UCX picks. On the one-H200 box
+that was not CUDA IPC but UCX's emulated GET over tcp/lo, both ways (cuda_ipc turns GET off
+without NVLink and cannot reach its own process: transfer.md, "CUDA pools over NIXL").
+
+Each test runs twice: ``processes`` (the sender in another process) and ``threads`` (the sender
+in a thread of this process with its own pool, agent and transport: two NIXL agents in one
+process). Both move bytes through the same protocol and leases.
+
+- a request's blocks (scattered across the sender's holes, and one run) byte-exact into other
+  ids on the receiver, both pools conserved, no lease left;
+- a TP-2 prefill (two pools of 4 of the 8 KV heads) gathered into a TP-1 decode pool
+  (``KvGatherReceiver``), then kvpool's decode kernel on the receiver equal, bit for bit, to
+  the two prefill ranks' decode of their heads side by side (one split, as the TP decode test
+  of tests/test_multigpu_gpu.py).
+
+Skipped without a GPU or CuPy (conftest.py's ``gpu`` marker) or without NIXL. This file run as a
+script is the sender's process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import kvpool
+import numpy as np
+import pytest
+from kvpool.transfer import KvReceiver, KvSender
+
+try:
+    from kvpool.transfer.nixl_transport import NixlTransport, load_nixl
+
+    load_nixl()
+except ImportError as e:  # pragma: no cover - depends on the environment
+    if __name__ != "__main__":
+        pytest.skip(f"NIXL is not importable ({e}); install kvpool[nixl]", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+
+LAYOUT = kvpool.KvLayout(2, 8, 128, 16)  # fp16: 128 KiB blocks
+NUM_BLOCKS = 96
+REQUESTS = {7: 16 * 20 + 5, 8: 16 * 16}  # 21 blocks in the sender's holes, 16 in one run
+TP_RID, TP_TOKENS, HQ = 3, 16 * 24 + 9, 32  # 25 blocks; 32 query heads over 8 KV heads
+PEER_WAIT_S = 30.0  # a bound on every wait if a side breaks, never reached
+FINISH_S = 180.0  # the sender's end, which may include compiling the decode kernel
+
+
+def kv_of(rid: int, num_blocks: int) -> list[np.ndarray]:
+    """Per (layer, K|V) the request's KV, all heads, made from ``rid``."""
+    rng = np.random.default_rng(rid)
+    shape = (num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    return [rng.standard_normal(shape).astype(np.float16) for _ in range(2 * LAYOUT.num_layers)]
+
+
+def views(pool: kvpool.Pool) -> list:
+    import cupy
+
+    return [
+        cupy.asarray(v)
+        for layer in range(pool.layout.num_layers)
+        for v in (pool.k_view(layer), pool.v_view(layer))
+    ]
+
+
+def write(pool: kvpool.Pool, ids: np.ndarray, kv: list[np.ndarray], heads: tuple) -> None:
+    import cupy
+
+    with cupy.cuda.Device(0):
+        for view, full in zip(views(pool), kv):
+            view[cupy.asarray(ids)] = cupy.asarray(full[:, :, heads[0] : heads[1]])
+        cupy.cuda.runtime.deviceSynchronize()
+
+
+def read(pool: kvpool.Pool, ids: np.ndarray) -> list[np.ndarray]:
+    import cupy
+
+    return [cupy.asnumpy(view[cupy.asarray(ids)]) for view in views(pool)]
+
+
+def conserved(side: Any, pool: kvpool.Pool, free_want: int) -> None:
+    side.check_invariants()
+    assert side.leases.live() == [] and side.leases.in_flight == 0
+    assert pool.num_free == free_want, (pool.num_free, free_want)
+
+
+def query() -> np.ndarray:
+    return np.random.default_rng(99).standard_normal((1, HQ, LAYOUT.head_dim)).astype(np.float16)
+
+
+_DECODE_LOCK = threading.Lock()  # one decode (and its first compile) at a time per process
+
+
+def decode(pool: kvpool.Pool, tables: kvpool.BlockTables, q: np.ndarray) -> list[np.ndarray]:
+    """Per layer kvpool's decode of request ``TP_RID`` alone (one split)."""
+    import cupy
+
+    out = []
+    with _DECODE_LOCK, cupy.cuda.Device(0):
+        bt = cupy.asarray(tables.block_table([TP_RID]))
+        sl = cupy.asarray(tables.seq_lens([TP_RID]))
+        for layer in range(pool.layout.num_layers):
+            o = kvpool.paged_attention_decode(cupy.asarray(q), pool, layer, bt, sl, num_splits=1)
+            cupy.cuda.runtime.deviceSynchronize()
+            out.append(cupy.asnumpy(o))
+    return out
+
+
+# -- the sending side (another process, or a thread of the test's) -----------------------------
+
+
+def send_requests(rendezvous: str) -> dict:
+    """A CUDA pool with holes sends requests 7 (scattered) and 8 (one run)."""
+    pool = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="cuda")
+    tables = kvpool.BlockTables(pool, 32, 64)
+    for rid in range(100, 110):  # holes, so request 7's ids form several runs
+        tables.add(rid, 16 * 2)
+    for rid in range(100, 110, 2):
+        tables.free(rid)
+    for rid, num_tokens in REQUESTS.items():
+        tables.add(rid, num_tokens)
+        write(pool, tables.blocks(rid), kv_of(rid, len(tables.blocks(rid))), (0, 8))
+    free_before = pool.num_free
+    transport = NixlTransport.connect(0, rendezvous, pool, timeout=PEER_WAIT_S)
+    sender = KvSender(tables, transport, timeout_s=PEER_WAIT_S)
+    for rid in REQUESTS:
+        sender.send(rid).wait()
+    conserved(sender, pool, free_before + 21 + 16)
+    assert all(rid not in tables for rid in REQUESTS)
+    transport.close()
+    return {"sent": True}
+
+
+def prefill_rank(rank: int, rendezvous: str, report: dict) -> None:
+    """One rank of a TP-2 prefill: 4 of the 8 KV heads; decodes its heads, then sends them."""
+    try:
+        pool = kvpool.Pool(LAYOUT.tp_shard(2), NUM_BLOCKS, device="cuda")
+        tables = kvpool.BlockTables(pool, 8, 64)
+        tables.add(
+            99, 16 * (rank + 1)
+        )  # the ranks' ids differ from each other's and the receiver's
+        tables.add(TP_RID, TP_TOKENS)
+        heads = LAYOUT.tp_head_range(2, rank)
+        write(pool, tables.blocks(TP_RID), kv_of(TP_RID, len(tables.blocks(TP_RID))), heads)
+        free_before = pool.num_free
+        transport = NixlTransport.connect(0, rendezvous, pool, timeout=PEER_WAIT_S)
+        sender = KvSender(tables, transport, timeout_s=PEER_WAIT_S, tp=(rank, 2))
+        sender.send(TP_RID, free_after=False).wait()  # kept for the decode below
+        conserved(sender, pool, free_before)
+        transport.close()
+        report["sent"] = True
+        # Decoded after the transfer (its first call compiles): the receiver's waits stay short.
+        q = query()[:, HQ // 2 * rank : HQ // 2 * (rank + 1)]
+        report["decode"] = [o.tolist() for o in decode(pool, tables, q)]
+        tables.free(TP_RID)
+        conserved(sender, pool, free_before + 25)
+    except Exception as e:  # reported to the test, which fails naming it
+        report["error"] = f"{type(e).__name__}: {e}"
+
+
+def tp2_prefill(rendezvous: list[str]) -> dict:
+    reports: list[dict] = [{}, {}]
+    threads = [
+        threading.Thread(target=prefill_rank, args=(rank, rendezvous[rank], reports[rank]))
+        for rank in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"ranks": reports}
+
+
+ROLES = {"requests": lambda r: send_requests(r[0]), "tp2": tp2_prefill}
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(ROLES[sys.argv[1]](sys.argv[2:])), flush=True)
+    sys.exit(0)
+
+
+# -- the receiving side (the tests) -------------------------------------------------------------
+
+
+class Sender:
+    """The sending role run in another process or in a thread of this one."""
+
+    def __init__(self, how: str, role: str, rendezvous: list[Path]) -> None:
+        self.how, self.result, self.process = how, None, None
+        args = [str(r) for r in rendezvous]
+        if how == "processes":
+            self.process = subprocess.Popen(
+                [sys.executable, __file__, role, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        else:
+            self.thread = threading.Thread(target=self._run, args=(role, args))
+            self.thread.start()
+
+    def _run(self, role: str, args: list[str]) -> None:
+        try:
+            self.result = ROLES[role](args)
+        except Exception as e:
+            self.result = {"error": f"{type(e).__name__}: {e}"}
+
+    def finish(self) -> dict:
+        if self.process is None:
+            self.thread.join(FINISH_S)
+            assert not self.thread.is_alive() and self.result is not None
+            return self.result
+        out, _ = self.process.communicate(timeout=FINISH_S)
+        lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        assert self.process.returncode == 0 and lines, out[-4000:]
+        return json.loads(lines[-1][len("RESULT ") :])
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate()
+
+
+HOW = ["processes", "threads"]
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_a_requests_blocks_move_device_to_device_byte_exact(tmp_path, how):
+    rendezvous = tmp_path / "rendezvous.json"
+    sender = Sender(how, "requests", [rendezvous])
+    try:
+        pool = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="cuda")
+        tables = kvpool.BlockTables(pool, 32, 64)
+        tables.add(1, 16 * 5)  # the receiver's ids differ from the sender's
+        transport = NixlTransport.connect(1, rendezvous, pool, timeout=PEER_WAIT_S)
+        assert (transport.mem_type, transport.remote_mem_type) == ("VRAM", "VRAM")
+        receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
+        free = pool.num_free
+        for rid, num_tokens in REQUESTS.items():
+            receiver.recv(timeout=PEER_WAIT_S).wait()
+            ids = tables.blocks(rid)
+            free -= len(ids)
+            conserved(receiver, pool, free)
+            assert tables.num_tokens(rid) == num_tokens
+            for got, want in zip(read(pool, ids), kv_of(rid, len(ids))):
+                np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+        seen = sender.finish()
+    finally:
+        sender.kill()
+    assert seen == {"sent": True}, seen
+    # Request 7 in the sender's holes took several descriptors, request 8 (one run each side) 1.
+    assert transport.descriptor_counts[0] > 1 and transport.descriptor_counts[1] == 1
+    print(how, "descriptors per request:", transport.descriptor_counts)
+    transport.close()
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_a_tp2_prefill_gathered_into_tp1_decodes_as_on_the_source(tmp_path, how):
+    from kvpool.transfer.tp_legs import KvGatherReceiver
+
+    rendezvous = [tmp_path / f"leg{leg}.json" for leg in range(2)]
+    sender = Sender(how, "tp2", rendezvous)
+    try:
+        pool = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="cuda")
+        tables = kvpool.BlockTables(pool, 8, 64)
+        free_before = pool.num_free
+        legs = [NixlTransport.connect(1, r, pool, timeout=PEER_WAIT_S) for r in rendezvous]
+        receiver = KvGatherReceiver(tables, legs, timeout_s=PEER_WAIT_S)
+        receiver.recv(timeout=PEER_WAIT_S).wait()
+        conserved(receiver, pool, free_before - 25)
+        ids = tables.blocks(TP_RID)
+        for got, want in zip(read(pool, ids), kv_of(TP_RID, len(ids))):
+            np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+        got_decode = decode(pool, tables, query())
+        seen = sender.finish()
+    finally:
+        sender.kill()
+    for leg in legs:
+        leg.close()
+    ranks = seen["ranks"]
+    assert [r.get("sent") for r in ranks] == [True, True], [r.get("error") for r in ranks]
+    for layer in range(LAYOUT.num_layers):
+        want = np.concatenate([np.asarray(r["decode"][layer], np.float16) for r in ranks], axis=1)
+        np.testing.assert_array_equal(got_decode[layer], want)
+        assert np.isfinite(want).all() and np.abs(want).max() > 0
