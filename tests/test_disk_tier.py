@@ -6,6 +6,7 @@ descriptors, NIXL registrations), and bad arguments raise without changing anyth
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import kvpool
@@ -51,10 +52,34 @@ def key(i: int) -> bytes:
     return i.to_bytes(4, "little") * 8
 
 
+@pytest.fixture(params=["inline", "beside"])
+def checksums_on(request, monkeypatch):
+    """Where a move's checksums run: on the calling thread after the post ("inline", what a
+    small move does) or on the tier's worker beside NIXL's copy ("beside", what a move of
+    ``OVERLAP_MIN_BYTES`` or more does): every test of the tier's reads and writes runs both."""
+    import kvpool.tier.disk as disk
+
+    monkeypatch.setattr(disk, "OVERLAP_MIN_BYTES", 1 << 62 if request.param == "inline" else 0)
+    return request.param
+
+
 @pytest.fixture
-def tier(tmp_path: Path):
+def tier(tmp_path: Path, checksums_on):
     with DiskTier(tmp_path, LAYOUT, 16) as t:
         yield t
+
+
+def test_close_joins_the_checksum_worker(tmp_path, checksums_on):
+    src = make_pool(seed=1)
+    before = {t.name for t in threading.enumerate()}
+    tier = DiskTier(tmp_path, LAYOUT, 16)
+    tier.put(src, [0, 1], [key(0), key(1)])
+    assert tier.get(src, [2, 3], [key(0), key(1)]) == [True, True]
+    workers = [t for t in threading.enumerate() if t.name.startswith("kvpool-disk-crc")]
+    assert len(workers) == (1 if checksums_on == "beside" else 0)
+    tier.close()
+    assert all(not t.is_alive() for t in workers)
+    assert {t.name for t in threading.enumerate()} <= before
 
 
 def test_blocks_round_trip_byte_exact_into_other_blocks(tier):
@@ -285,7 +310,7 @@ def test_direct_io_round_trips_and_still_catches_a_flipped_byte(tmp_path):
         DiskTier(tmp_path, small, 4, direct=True)
 
 
-def test_a_read_of_many_chunks_checks_every_block(tmp_path, monkeypatch):
+def test_a_read_of_many_chunks_checks_every_block(tmp_path, monkeypatch, checksums_on):
     # Reads are pipelined in chunks (the next one in flight while one is checked): with
     # chunks of two blocks, a corrupt block in the middle chunk is the only miss.
     import kvpool.tier.disk as disk

@@ -11,9 +11,13 @@ the ``nixl-cu13`` wheel), with a CRC-32C per block verified on every read.
   and the file's size: a flipped byte, a truncated file, a failed read are a **miss** for
   that block (its entry is dropped), never a hit with wrong KV. A missed block's bytes in
   the pool are unspecified: the caller computes it, as for any miss. The checksums are
-  computed in Rust (``Pool.block_checksums``, ``EvictionStage.checksums``: CRC-32C in
-  hardware, the GIL released), not by zlib's CRC-32, which at about 2 GB/s was slower than
-  the page-cache copy it checked. ``CHECKSUM`` names the algorithm; the file carries no
+  computed in Rust (``Pool.block_checksums``, ``EvictionStage.checksums``: CRC-32C by
+  carry-less multiplication, the GIL released), not by zlib's CRC-32, which at about 2 GB/s
+  was slower than the page-cache copy it checked. A move of ``OVERLAP_MIN_BYTES`` or more
+  computes them on the tier's one worker thread beside NIXL's copy (a buffered transfer is
+  copied within the call that posts it, so only another thread overlaps the two; a read's
+  chunk is checked while the next one is read); a smaller move computes them on the calling
+  thread, where the hand-off would cost more than it saves. ``CHECKSUM`` names the algorithm; the file carries no
   checksum and outlives no tier (it is emptied when a tier opens it), so changing the
   algorithm needs no migration: ``FORMAT_VERSION`` 2 is the CRC-32C one (1 was zlib's).
 - **Capacity.** At most ``capacity_blocks`` blocks; a ``put`` past it evicts the least recently
@@ -40,6 +44,8 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +74,10 @@ DIRECT_ALIGN = 4096
 # microseconds to post; a chunk of 1 MiB takes hundreds to move).
 READ_CHUNK_BYTES = 16 << 20
 MIN_READ_CHUNK_BYTES = 1 << 20
+# From this many bytes a move's checksums run on the tier's worker thread beside NIXL's copy
+# (NIXL and the Rust checksum both release the GIL, so the two use two cores); below it the
+# hand-off to the thread (tens of microseconds) costs more than it saves.
+OVERLAP_MIN_BYTES = 4 << 20
 _POLL_S = 0.0001
 _SPIN_S = 0.002
 
@@ -81,12 +91,12 @@ class _Entry:
 class DiskTier:
     """``capacity_blocks`` blocks of ``layout`` in ``directory``/blocks.kv (both made, or the
     file emptied);
-    see the module docstring. ``close()`` (or ``with``) releases the file and NIXL.
+    see the module docstring. ``close()`` (or ``with``) releases the file and NIXL and joins
+    the checksum worker.
 
     ``direct=True`` opens the file with O_DIRECT: the bytes go between the pool and the
-    device without the page cache, and NIXL's I/O runs while the checksums are computed (with
-    the page cache the POSIX plugin copies within the call that posts the transfer, so the
-    checksums wait for it). It needs blocks whose size is a multiple of 4 KiB in a pool whose
+    device without the page cache, and NIXL's I/O runs while the checksums are computed even
+    on the calling thread. It needs blocks whose size is a multiple of 4 KiB in a pool whose
     slab starts on a 4 KiB boundary (``Pool.from_external`` over page-aligned memory; a
     kvpool host pool's own slab is aligned to 256 bytes), and a file system that takes
     O_DIRECT; otherwise InvalidArgumentError."""
@@ -155,6 +165,7 @@ class DiskTier:
         self._seq = 0
         self.stats = {"stored": 0, "hits": 0, "misses": 0, "corrupt": 0, "evicted": 0}
         self.descriptor_counts: list[int] = []  # per NIXL transfer, for tests and benchmarks
+        self._checksum_worker: ThreadPoolExecutor | None = None
         self._closed = False
 
     # -- the index ---------------------------------------------------------------------------
@@ -252,16 +263,29 @@ class DiskTier:
         self._free_slots.sort(reverse=True)  # lowest slots first: runs stay contiguous
         slots = [self._free_slots.pop() for _ in new]
         pairs = [(block_id, slot) for (block_id, _), slot in zip(new, slots, strict=True)]
+        new_ids = [block_id for block_id, _ in new]
         crcs: list[int] = []
 
-        def checksums() -> None:  # while the WRITE runs (computed in Rust, the GIL released)
-            crcs.extend(int(c) for c in _checksums(source, [block_id for block_id, _ in new]))
+        def checksums() -> None:  # after the post (computed in Rust, the GIL released)
+            crcs.extend(_checksums(source, new_ids))
 
+        # A large write's checksums run on the worker beside NIXL's copy (a buffered one is
+        # done within the call that posts it, so only another thread overlaps them).
+        beside = (
+            self._worker().submit(_checksums, source, new_ids)
+            if len(new) * self.block_bytes >= OVERLAP_MIN_BYTES
+            else None
+        )
         try:
-            self._move(source, pairs, "WRITE", during=checksums)
+            self._move(source, pairs, "WRITE", during=None if beside else checksums)
         except TransferError:
             self._free_slots.extend(slots)
             raise
+        finally:
+            if beside is not None:  # the worker reads the blocks: never return before it ends
+                wait_futures([beside])
+        if beside is not None:
+            crcs = beside.result()
         for (_, key), slot, crc in zip(new, slots, crcs, strict=True):
             self._index[key] = _Entry(slot, crc)
         self.stats["stored"] += len(new)
@@ -284,30 +308,48 @@ class DiskTier:
                 readable.append((i, entry))
             else:
                 bad.append(keys[i])  # the file was cut short under this block
-        # Chunk k+1 is in flight while chunk k is checked.
+        # Chunk k+1 is read while chunk k is checked: on the worker beside NIXL's copy for a
+        # large read, else after posting k+1 (an O_DIRECT read runs while the checksums do).
         chunk_bytes = min(
             READ_CHUNK_BYTES, max(MIN_READ_CHUNK_BYTES, len(readable) * self.block_bytes // 8)
         )
         per_chunk = max(1, chunk_bytes // self.block_bytes)
         chunks = [readable[k : k + per_chunk] for k in range(0, len(readable), per_chunk)]
+        beside = len(readable) * self.block_bytes >= OVERLAP_MIN_BYTES
+        checked: list[tuple[list[tuple[int, _Entry]], Any]] = []
         pending = (
             self._post(pool, [(ids[i], e.slot) for i, e in chunks[0]], "READ") if chunks else None
         )
-        for k, chunk in enumerate(chunks):
-            failed = self._finish(pending)
-            nxt = chunks[k + 1] if k + 1 < len(chunks) else None
-            pending = self._post(pool, [(ids[i], e.slot) for i, e in nxt], "READ") if nxt else None
-            landed = chunk
-            if failed is not None:  # salvage what reads alone (one block's range may be short)
-                landed = []
-                for i, entry in chunk:
-                    if self._finish(self._post(pool, [(ids[i], entry.slot)], "READ")) is None:
-                        landed.append((i, entry))
-                    else:
-                        bad.append(keys[i])
-            sums: Any = pool.block_checksums([ids[i] for i, _ in landed]) if landed else []
+        try:
+            for k, chunk in enumerate(chunks):
+                failed = self._finish(pending)
+                pending = None
+                landed = chunk
+                if failed is not None:  # salvage what reads alone (one block's range may be short)
+                    landed = []
+                    for i, entry in chunk:
+                        if self._finish(self._post(pool, [(ids[i], entry.slot)], "READ")) is None:
+                            landed.append((i, entry))
+                        else:
+                            bad.append(keys[i])
+                landed_ids = [ids[i] for i, _ in landed]
+                if beside and landed:
+                    checked.append((landed, self._worker().submit(_checksums, pool, landed_ids)))
+                nxt = chunks[k + 1] if k + 1 < len(chunks) else None
+                if nxt:
+                    pending = self._post(pool, [(ids[i], e.slot) for i, e in nxt], "READ")
+                if not beside and landed:
+                    checked.append((landed, _checksums(pool, landed_ids)))
+        finally:
+            # The worker reads the pool's blocks, NIXL writes them: neither outlives the call.
+            wait_futures([sums for _, sums in checked if isinstance(sums, Future)])
+            if pending is not None:
+                self._finish(pending)
+        for landed, sums in checked:
+            if isinstance(sums, Future):
+                sums = sums.result()
             for (i, entry), crc in zip(landed, sums, strict=True):
-                if int(crc) == entry.crc:
+                if crc == entry.crc:
                     hits[i] = True
                     self._index.move_to_end(keys[i])
                 else:
@@ -457,6 +499,13 @@ class DiskTier:
         except Exception:
             pass  # a failed transfer's handle: NIXL has already given it up
 
+    def _worker(self) -> ThreadPoolExecutor:
+        """The thread that computes a large move's checksums beside NIXL's copy (made at the
+        first such move, joined by ``close``)."""
+        if self._checksum_worker is None:
+            self._checksum_worker = ThreadPoolExecutor(1, thread_name_prefix="kvpool-disk-crc")
+        return self._checksum_worker
+
     # -- teardown ----------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
@@ -467,6 +516,9 @@ class DiskTier:
         if self._closed:
             return
         self._closed = True
+        if self._checksum_worker is not None:
+            self._checksum_worker.shutdown(wait=True)
+            self._checksum_worker = None
         for _, registration in self._pool_regs.values():
             self._agent.deregister_memory(registration)
         self._pool_regs.clear()
@@ -486,11 +538,12 @@ class DiskTier:
         self.close()
 
 
-def _checksums(source: Pool | EvictionStage, ids: list[int]) -> Any:
-    """The CRC-32C of blocks of a pool or slots of a stage (computed in Rust)."""
+def _checksums(source: Pool | EvictionStage, ids: list[int]) -> list[int]:
+    """The CRC-32C of blocks of a pool or slots of a stage (computed in Rust, the GIL
+    released), as Python ints."""
     if isinstance(source, Pool):
-        return source.block_checksums(ids)
-    return source.checksums(ids)
+        return source.block_checksums(ids).tolist()  # type: ignore[no-any-return]
+    return source.checksums(ids).tolist()  # type: ignore[no-any-return]
 
 
 def _as_list(values: Iterable[Any], what: str) -> list[Any]:
