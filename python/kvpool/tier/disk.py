@@ -47,6 +47,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -251,12 +252,11 @@ class DiskTier:
         new = new[-self.capacity :]  # more than fit: the last ones are the most recent
         if not new:
             return 0
-        held = {key for _, key in new}
-        victims = []
-        while len(self._free_slots) < len(new):
-            key = next(k for k in self._index if k not in held)
-            self._free_slots.append(self._index.pop(key).slot)
-            victims.append(key)
+        victims: list[bytes] = []
+        if len(self._free_slots) < len(new):  # the least recently used make room (one pass)
+            victims = list(islice(self._index, len(new) - len(self._free_slots)))
+            for key in victims:
+                self._free_slots.append(self._index.pop(key).slot)
         if victims:
             self.stats["evicted"] += len(victims)
             self._event(BlockRemoved, victims)
