@@ -10,20 +10,12 @@ import threading
 from pathlib import Path
 
 import kvpool
+import nixl_required  # noqa: F401  (loads NIXL, or skips this module)
 import numpy as np
 import pytest
 from kvpool import InvalidArgumentError
 from kvpool.events import event_to_wire
-
-try:
-    from kvpool.tier import DiskTier
-    from kvpool.transfer.nixl_transport import load_nixl
-
-    load_nixl()
-except ImportError as e:  # pragma: no cover - depends on the environment
-    if os.environ.get("KVPOOL_TEST_WHEEL") == "1":
-        raise  # CI installs nixl-cu13 with the test extra: never skip there
-    pytest.skip(f"NIXL is not importable ({e}); install kvpool[nixl]", allow_module_level=True)
+from kvpool.tier import DiskTier
 
 LAYOUT = kvpool.KvLayout(2, 2, 64, 16)  # 8 KiB blocks
 BB = LAYOUT.block_bytes
