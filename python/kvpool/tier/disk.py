@@ -73,9 +73,12 @@ DEFAULT_MAX_QUEUED_EVENTS = 10_000
 # covers every device seen (512-byte and 4 KiB ones).
 DIRECT_ALIGN = 4096
 # A read is cut into chunks, so that the checksums of one chunk are computed while the next
-# is read: about an eighth of the read, within these bounds (a transfer costs tens of
-# microseconds to post; a chunk of 1 MiB takes hundreds to move).
-READ_CHUNK_BYTES = 16 << 20
+# is read: a quarter of the read, within these bounds. Fewer, larger chunks cost less (each
+# transfer costs tens of microseconds to post, and the page cache more per call than per
+# byte): on the dev VM 64 MiB read in chunks of 16 MiB took 4-8% less time than in chunks of
+# 8 MiB, 256 MiB in chunks of 32 MiB 2% less than in 16 MiB ones.
+READ_CHUNK_BYTES = 32 << 20
+READ_CHUNKS = 4
 MIN_READ_CHUNK_BYTES = 1 << 20
 # From this many bytes a move's checksums run on the tier's worker thread beside NIXL's copy
 # (NIXL and the Rust checksum both release the GIL, so the two use two cores); below it the
@@ -313,7 +316,8 @@ class DiskTier:
         # Chunk k+1 is read while chunk k is checked: on the worker beside NIXL's copy for a
         # large read, else after posting k+1 (an O_DIRECT read runs while the checksums do).
         chunk_bytes = min(
-            READ_CHUNK_BYTES, max(MIN_READ_CHUNK_BYTES, len(readable) * self.block_bytes // 8)
+            READ_CHUNK_BYTES,
+            max(MIN_READ_CHUNK_BYTES, len(readable) * self.block_bytes // READ_CHUNKS),
         )
         per_chunk = max(1, chunk_bytes // self.block_bytes)
         chunks = [readable[k : k + per_chunk] for k in range(0, len(readable), per_chunk)]
@@ -335,9 +339,19 @@ class DiskTier:
                         else:
                             bad.append(keys[i])
                 landed_ids = [ids[i] for i, _ in landed]
-                if beside and landed:
-                    checked.append((landed, self._worker().submit(_checksums, pool, landed_ids)))
                 nxt = chunks[k + 1] if k + 1 < len(chunks) else None
+                if beside and landed and nxt is None:
+                    # The last chunk: nothing is left to read beside its checksums, so this
+                    # thread takes half of them (the wait after the last read halves).
+                    half = len(landed) // 2
+                    if half:
+                        worker = self._worker()
+                        checked.append(
+                            (landed[:half], worker.submit(_checksums, pool, landed_ids[:half]))
+                        )
+                    checked.append((landed[half:], _checksums(pool, landed_ids[half:])))
+                elif beside and landed:
+                    checked.append((landed, self._worker().submit(_checksums, pool, landed_ids)))
                 if nxt:
                     pending = self._post(pool, [(ids[i], e.slot) for i, e in nxt], "READ")
                 if not beside and landed:
