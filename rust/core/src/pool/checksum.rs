@@ -1,9 +1,13 @@
 //! CRC-32C of blocks, for tiers that verify what they read back (the disk tier).
 //!
 //! CRC-32C (Castagnoli) is the storage field's checksum (iSCSI, ext4 and btrfs metadata,
-//! RocksDB, LevelDB): x86-64's SSE 4.2 and AArch64's CRC extension compute it in hardware,
-//! and the `crc32c` crate interleaves three streams of that instruction, so a block is
-//! checked at memory speed rather than at zlib's table-driven CRC-32 speed.
+//! RocksDB, LevelDB). It is computed by the `crc-fast` crate, which folds the data by
+//! carry-less multiplication (AVX-512 VPCLMULQDQ where the CPU has it, else PCLMULQDQ and SSE
+//! 4.2, AArch64's PMULL and CRC extension; chosen at run time). On the dev VM's Xeon, 64 KiB
+//! blocks already in cache are checked at 117 GB/s, against 25 GB/s for the `crc32c` crate
+//! (three interleaved streams of SSE 4.2's `crc32`) it replaced; from memory both run at the
+//! memory's speed (about 11 GB/s there), which is why the disk tier checks on a second
+//! thread beside its copy.
 
 use super::Pool;
 use crate::error::CoreError;
