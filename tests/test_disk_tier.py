@@ -318,7 +318,9 @@ def test_a_read_of_many_chunks_checks_every_block(tmp_path, monkeypatch, checksu
             f.write(b"\x01" if f.read(1) != b"\x01" else b"\x02")
         count = len(tier.descriptor_counts)
         assert tier.get(dst, list(range(20, 27)), keys) == [True] * 3 + [False] + [True] * 3
-        assert len(tier.descriptor_counts) - count == 4  # 4 chunks, one READ each
+        # 4 chunks, one READ each, when the worker checks one while the next is read; on the
+        # calling thread a buffered READ is one (its copy is done within the post anyway).
+        assert len(tier.descriptor_counts) - count == (4 if checksums_on == "beside" else 1)
         assert all(block(dst, 20 + i) == block(src, i) for i in (0, 1, 2, 4, 5, 6))
 
 
