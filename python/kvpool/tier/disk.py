@@ -82,9 +82,9 @@ READ_CHUNKS = 4
 MIN_READ_CHUNK_BYTES = 1 << 20
 # From this many bytes a move's checksums run on the tier's worker thread beside NIXL's copy
 # (NIXL and the Rust checksum both release the GIL, so the two use two cores); below it the
-# hand-off to the thread costs more than it saves (on the dev VM a read of 4 MiB took 1.4 ms
-# with the worker, 0.8 ms without; one of 8 MiB 1.4-1.7 ms with it, 1.3-1.4 ms without, but
-# the write of 8 MiB 20-40% less time with it).
+# hand-off to the thread costs more than it saves (on the dev VM a read of 4 MiB in chunks
+# took 1.4 ms with the worker, 0.8 ms without, 0.65 ms in one READ without; at 8 MiB the
+# worker took 20-40% off the write, about nothing off the read).
 OVERLAP_MIN_BYTES = 8 << 20
 _POLL_S = 0.0001
 _SPIN_S = 0.002
