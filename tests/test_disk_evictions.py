@@ -11,19 +11,11 @@ import os
 from pathlib import Path
 
 import kvpool
+import nixl_required  # noqa: F401  (loads NIXL, or skips this module)
 import numpy as np
 import pytest
 from kvpool import InvalidArgumentError
-
-try:
-    from kvpool.tier import DiskTier, PrefixDiskCache
-    from kvpool.transfer.nixl_transport import load_nixl
-
-    load_nixl()
-except ImportError as e:  # pragma: no cover - depends on the environment
-    if os.environ.get("KVPOOL_TEST_WHEEL") == "1":
-        raise  # CI installs nixl-cu13 with the test extra: never skip there
-    pytest.skip(f"NIXL is not importable ({e}); install kvpool[nixl]", allow_module_level=True)
+from kvpool.tier import DiskTier, PrefixDiskCache
 
 LAYOUT = kvpool.KvLayout(2, 2, 64, 16)  # 8 KiB blocks
 BB = LAYOUT.block_bytes
@@ -281,3 +273,33 @@ def test_blocks_swapped_in_from_the_host_tier_then_the_rest_from_disk(tmp_path: 
         assert got == [row.tobytes() for row in kv[:6]]
         cache.free(3)
         check_conserved(cache)
+
+
+def test_a_hybrid_pool_refuses_disk_events_and_changes_nothing():
+    # A hybrid pool's cache names pages by internal tags and its events chunks per group
+    # (HybridTables): a disk block of group 0 there is one no router can place, so the pool
+    # refuses it, numbering nothing and keeping no disk set.
+    spec = kvpool.ModelKvSpec(
+        [kvpool.KvGroup.full([0], 1, 8), kvpool.KvGroup.sliding_window([1], 40, 1, 8)],
+        page_bytes=1024,
+    )
+    pool = kvpool.Pool.for_spec(spec, 16, device="host", enable_prefix_caching=True)
+    pool.enable_kv_cache_events(True)
+    tables = kvpool.HybridTables(pool, spec)
+    tables.add_request(0, list(range(64)))
+    tables.cache_computed(0)
+    before = pool.take_kv_events()
+    assert before, "the hybrid pool numbers its own events"
+    for event in (
+        kvpool.BlockStored([b"\x02" * 32], None, [], 16, None, "disk", 0, 0),
+        kvpool.BlockRemoved([b"\x02" * 32], "disk"),
+    ):
+        with pytest.raises(InvalidArgumentError, match="hybrid pages"):
+            pool.append_kv_event(event)
+    assert pool.take_kv_events() == []  # nothing queued
+    tables.add_request(1, list(range(100, 164)))
+    tables.cache_computed(1)
+    after = pool.take_kv_events()
+    assert after[0].seq == before[-1].seq + 1  # no seq taken by the refused calls
+    assert all(e.medium != "disk" for e in after)
+    pool.check_invariants()

@@ -14,21 +14,12 @@ import shutil
 import tempfile
 
 import kvpool
+import nixl_required  # noqa: F401  (loads NIXL, or skips this module)
 import numpy as np
-import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kvpool import OutOfBlocksError
-
-try:
-    from kvpool.tier import DiskTier, PrefixDiskCache
-    from kvpool.transfer.nixl_transport import load_nixl
-
-    load_nixl()
-except ImportError as e:  # pragma: no cover - depends on the environment
-    if os.environ.get("KVPOOL_TEST_WHEEL") == "1":
-        raise  # CI installs nixl-cu13 with the test extra: never skip there
-    pytest.skip(f"NIXL is not importable ({e}); install kvpool[nixl]", allow_module_level=True)
+from kvpool.tier import DiskTier, PrefixDiskCache
 
 LAYOUT = kvpool.KvLayout(1, 1, 128, 16)  # 4 KiB blocks
 BB = LAYOUT.block_bytes

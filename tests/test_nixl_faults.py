@@ -17,9 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import kvpool
@@ -27,20 +24,10 @@ import numpy as np
 import pytest
 from kvpool import TransferError
 from kvpool.transfer import KvReceiver, KvSender
-
-try:
-    from kvpool.transfer.nixl_transport import NixlTransport, load_nixl
-
-    load_nixl()
-except ImportError as e:  # pragma: no cover - depends on the environment
-    if __name__ != "__main__" and os.environ.get("KVPOOL_TEST_WHEEL") == "1":
-        raise  # CI installs nixl-cu13 with the test extra: never skip there
-    if __name__ != "__main__":
-        pytest.skip(f"NIXL is not importable ({e}); install kvpool[nixl]", allow_module_level=True)
+from nixl_peers import PEER_WAIT_S, NixlTransport, conserved, spawn
 
 LAYOUT_ARGS = (2, 2, 64, 16)  # 8 KiB blocks, 16 tokens each
 NUM_BLOCKS = 64
-PEER_WAIT_S = 30.0  # a bound on the peer's waits if the test side breaks, never reached
 
 
 def make_side() -> tuple[kvpool.Pool, kvpool.BlockTables]:
@@ -70,13 +57,6 @@ def expected_bytes(rid: int, num_tokens: int) -> list[bytes]:
     pool, tables = make_side()
     fill(pool, tables, rid, num_tokens)
     return request_bytes(pool, tables, rid)
-
-
-def conserved(side: Any, pool: kvpool.Pool, free_before: int) -> None:
-    """Both pools' invariant (leases.py), no lease left, every block back where it was."""
-    side.check_invariants()
-    assert side.leases.live() == [] and side.leases.in_flight == 0
-    assert pool.num_free == free_before, (pool.num_free, free_before)
 
 
 class Clock:
@@ -226,47 +206,6 @@ if __name__ == "__main__":
 # -- the tests --------------------------------------------------------------------------------
 
 
-class Peer:
-    def __init__(self, process: subprocess.Popen, rendezvous: Path) -> None:
-        self.process, self.rendezvous = process, rendezvous
-        self.output = ""
-        self.transports: list[NixlTransport] = []
-
-    def connect(self, pool: kvpool.Pool, cls: type[NixlTransport] = NixlTransport) -> Any:
-        """This side's transport to the peer (closed when the test ends)."""
-        transport = cls.connect(1, self.rendezvous, pool, timeout=PEER_WAIT_S)
-        self.transports.append(transport)
-        return transport
-
-    def finish(self) -> dict:
-        self.output, _ = self.process.communicate(timeout=PEER_WAIT_S)
-        lines = [x for x in self.output.splitlines() if x.startswith("RESULT ")]
-        assert self.process.returncode == 0 and lines, self.output
-        return json.loads(lines[-1][len("RESULT ") :])
-
-
-@contextmanager
-def spawn(role: str, tmp_path: Path) -> Iterator[Peer]:
-    rendezvous = tmp_path / "rendezvous.json"
-    process = subprocess.Popen(
-        [sys.executable, __file__, role, str(rendezvous)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    other = Peer(process, rendezvous)
-    try:
-        yield other
-    finally:
-        for transport in other.transports:
-            transport.close()
-        if process.poll() is None:
-            process.kill()
-        process.wait()
-        if process.stdout is not None:
-            process.stdout.close()
-
-
 def test_a_sender_killed_before_the_read_lands_frees_the_receivers_blocks(tmp_path):
     class KillTheSenderFirst(NixlTransport):
         victim: subprocess.Popen
@@ -276,7 +215,7 @@ def test_a_sender_killed_before_the_read_lands_frees_the_receivers_blocks(tmp_pa
             self.victim.wait()
             super().move(*args, **kwargs)
 
-    with spawn("killed_sender", tmp_path) as other:
+    with spawn(__file__, "killed_sender", tmp_path=tmp_path) as other:
         pool, tables = make_side()
         free_before = pool.num_free
         transport = other.connect(pool, KillTheSenderFirst)
@@ -291,7 +230,7 @@ def test_a_sender_killed_before_the_read_lands_frees_the_receivers_blocks(tmp_pa
 
 
 def test_a_receiver_killed_mid_read_leaves_the_sender_its_request(tmp_path):
-    with spawn("read_then_die", tmp_path) as other:
+    with spawn(__file__, "read_then_die", tmp_path=tmp_path) as other:
         pool, tables = make_side()
         fill(pool, tables, 7, 16 * 5 + 3)
         free_before = pool.num_free
@@ -320,7 +259,7 @@ def test_a_deadline_passing_during_the_read_discards_it_and_tells_the_sender(tmp
             self.agent.transfer = post_then_late
             super().move(*args, **kwargs)
 
-    with spawn("sender", tmp_path) as other:
+    with spawn(__file__, "sender", tmp_path=tmp_path) as other:
         pool, tables = make_side()
         free_before = pool.num_free
         transport = other.connect(pool, DeadlinePassesDuringTheRead)
@@ -340,7 +279,7 @@ def test_a_silent_receiver_is_given_up_at_the_senders_deadline(tmp_path):
     # deadline (a clock stepping 10 s per reading; timeout_s is also the real
     # bound on the wait for the accept, so it stays generous), it keeps its request and tells the
     # receiver, which frees what it had allocated.
-    with spawn("stuck_reader", tmp_path) as other:
+    with spawn(__file__, "stuck_reader", tmp_path=tmp_path) as other:
         pool, tables = make_side()
         fill(pool, tables, 7, 16 * 5 + 3)
         free_before = pool.num_free
@@ -357,7 +296,7 @@ def test_a_silent_receiver_is_given_up_at_the_senders_deadline(tmp_path):
 
 
 def test_a_silent_peer_bounds_the_wait_for_an_offer_and_for_an_answer(tmp_path):
-    with spawn("silent", tmp_path) as other:
+    with spawn(__file__, "silent", tmp_path=tmp_path) as other:
         pool, tables = make_side()
         fill(pool, tables, 7, 16 * 2)
         free_before = pool.num_free
@@ -377,7 +316,7 @@ def test_a_silent_peer_bounds_the_wait_for_an_offer_and_for_an_answer(tmp_path):
 
 
 def test_malformed_offers_a_duplicate_id_and_too_few_blocks_are_refused(tmp_path):
-    with spawn("forger", tmp_path) as other:
+    with spawn(__file__, "forger", tmp_path=tmp_path) as other:
         pool, tables = make_side()
         fill(pool, tables, 5, 16 * 3)  # the id the sender will offer again
         for rid in range(20, 24):

@@ -17,9 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,19 +31,9 @@ from hybrid_pages import (
 from kvpool import TransferError
 from kvpool.transfer import KvReceiver, KvSender
 from kvpool.transfer.kinds import HybridRequests
-
-try:
-    from kvpool.transfer.nixl_transport import NixlTransport, load_nixl
-
-    load_nixl()
-except ImportError as e:  # pragma: no cover - depends on the environment
-    if __name__ != "__main__" and os.environ.get("KVPOOL_TEST_WHEEL") == "1":
-        raise  # CI installs nixl-cu13 with the test extra: never skip there
-    if __name__ != "__main__":
-        pytest.skip(f"NIXL is not importable ({e}); install kvpool[nixl]", allow_module_level=True)
+from nixl_peers import PEER_WAIT_S, NixlTransport, conserved, spawn
 
 SENDER_PAGES, RECEIVER_PAGES = 256, 100
-PEER_WAIT_S = 30.0  # a bound on the peer's waits if the test side breaks, never reached
 # The sender's requests: id -> (tokens added, tokens after one more call or None).
 REQUESTS = {7: (90, 161), 5: (30, None), 6: (300, None), 8: (40, 41)}
 
@@ -72,12 +59,6 @@ def expected(rid: int) -> tuple[list, list]:
     make_request(tables, rid)
     shapes = table_shapes(tables, rid)
     return [expected_group_bytes(rid, g, n) for g, (_, n, _) in enumerate(shapes)], shapes
-
-
-def conserved(side_: Any, pool: Any, free_before: int) -> None:
-    side_.check_invariants()
-    assert side_.leases.live() == [] and side_.leases.in_flight == 0
-    assert pool.num_free == free_before, (pool.num_free, free_before)
 
 
 def forged_offers(tables: Any) -> list[tuple[dict, str]]:
@@ -180,70 +161,41 @@ if __name__ == "__main__":
 # -- the tests --------------------------------------------------------------------------------
 
 
-@contextmanager
-def spawn(role: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path]]:
-    rendezvous = tmp_path / "rendezvous.json"
-    process = subprocess.Popen(
-        [sys.executable, __file__, role, str(rendezvous)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        yield process, rendezvous
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
-        if process.stdout is not None:
-            process.stdout.close()
-
-
-def finish(process: subprocess.Popen) -> dict:
-    output, _ = process.communicate(timeout=PEER_WAIT_S)
-    lines = [x for x in output.splitlines() if x.startswith("RESULT ")]
-    assert process.returncode == 0 and lines, output
-    return json.loads(lines[-1][len("RESULT ") :])
-
-
 def test_every_group_moves_byte_exact_and_bad_offers_are_refused(tmp_path):
-    with spawn("sender", tmp_path) as (process, rendezvous):
+    with spawn(__file__, "sender", tmp_path=tmp_path) as other:
         pool, tables = side(RECEIVER_PAGES)
         make_request(tables, 5)  # the id the sender will offer again (its own content)
         tables.add(20, 128)  # 36 pages: 53 left, enough for requests 7 and 8, not for 6
         held = group_bytes(tables, 5)
-        transport = NixlTransport.connect(1, rendezvous, pool, timeout=PEER_WAIT_S)
-        try:
-            receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
-            free_before = pool.num_free
-            receiver.recv(timeout=PEER_WAIT_S).wait()
-            want, shapes = expected(7)
-            assert table_shapes(tables, 7) == shapes and shapes[0][0] > 0  # the slid window
-            assert tables.next_query(7) == 90
-            assert same_per_group(group_bytes(tables, 7), want)
-            free_before -= sum(n for _, n, _ in shapes)
+        transport = other.connect(pool)
+        receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
+        free_before = pool.num_free
+        receiver.recv(timeout=PEER_WAIT_S).wait()
+        want, shapes = expected(7)
+        assert table_shapes(tables, 7) == shapes and shapes[0][0] > 0  # the slid window
+        assert tables.next_query(7) == 90
+        assert same_per_group(group_bytes(tables, 7), want)
+        free_before -= sum(n for _, n, _ in shapes)
+        conserved(receiver, pool, free_before)
+        for words in ("refused request 5: DuplicateRequestError", "refused request 6: OutOf"):
+            with pytest.raises(TransferError, match=words):
+                receiver.recv(timeout=PEER_WAIT_S)
             conserved(receiver, pool, free_before)
-            for words in ("refused request 5: DuplicateRequestError", "refused request 6: OutOf"):
-                with pytest.raises(TransferError, match=words):
-                    receiver.recv(timeout=PEER_WAIT_S)
-                conserved(receiver, pool, free_before)
-            assert same_per_group(group_bytes(tables, 5), held)
-            for _, words in forged_offers(tables_of_sender()):
-                with pytest.raises(TransferError, match="refused request 9") as raised:
-                    receiver.recv(timeout=PEER_WAIT_S)
-                assert words in str(raised.value), (words, str(raised.value))
-                assert 9 not in tables
-                conserved(receiver, pool, free_before)
-            receiver.recv(timeout=PEER_WAIT_S).wait()
-            want, shapes = expected(8)
-            assert table_shapes(tables, 8) == shapes and tables.next_query(8) == 40
-            assert same_per_group(group_bytes(tables, 8), want)
-            conserved(receiver, pool, free_before - sum(n for _, n, _ in shapes))
-            seen = finish(process)
-            # Request 7's pages are scattered in the sender's pool: several descriptors.
-            assert transport.descriptor_counts[0] > 1, transport.descriptor_counts
-        finally:
-            transport.close()
+        assert same_per_group(group_bytes(tables, 5), held)
+        for _, words in forged_offers(tables_of_sender()):
+            with pytest.raises(TransferError, match="refused request 9") as raised:
+                receiver.recv(timeout=PEER_WAIT_S)
+            assert words in str(raised.value), (words, str(raised.value))
+            assert 9 not in tables
+            conserved(receiver, pool, free_before)
+        receiver.recv(timeout=PEER_WAIT_S).wait()
+        want, shapes = expected(8)
+        assert table_shapes(tables, 8) == shapes and tables.next_query(8) == 40
+        assert same_per_group(group_bytes(tables, 8), want)
+        conserved(receiver, pool, free_before - sum(n for _, n, _ in shapes))
+        seen = other.finish()
+        # Request 7's pages are scattered in the sender's pool: several descriptors.
+        assert transport.descriptor_counts[0] > 1, transport.descriptor_counts
     assert "DuplicateRequestError" in seen["error_5"] and "OutOfBlocks" in seen["error_6"]
     assert seen["kept"], seen
     for (_, words), reason in zip(forged_offers(tables_of_sender()), seen["refusals"], strict=True):
@@ -267,36 +219,32 @@ def test_a_sender_killed_before_the_read_frees_every_group_on_the_receiver(tmp_p
             self.victim.wait()
             super().move(*args, **kwargs)
 
-    with spawn("killed_sender", tmp_path) as (process, rendezvous):
+    with spawn(__file__, "killed_sender", tmp_path=tmp_path) as other:
+        process = other.process
         pool, tables = side(RECEIVER_PAGES)
         free_before = pool.num_free
-        transport = KillTheSenderFirst.connect(1, rendezvous, pool, timeout=PEER_WAIT_S)
+        transport = other.connect(pool, KillTheSenderFirst)
         transport.victim = process
-        try:
-            receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
-            with pytest.raises(TransferError, match="receiving request 7 failed.*died"):
-                receiver.recv(timeout=PEER_WAIT_S)
-            assert 7 not in tables and len(tables) == 0
-            conserved(receiver, pool, free_before)
-        finally:
-            transport.close()
+        receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
+        with pytest.raises(TransferError, match="receiving request 7 failed.*died"):
+            receiver.recv(timeout=PEER_WAIT_S)
+        assert 7 not in tables and len(tables) == 0
+        conserved(receiver, pool, free_before)
     assert process.returncode == -signal.SIGKILL
 
 
 def test_a_receiver_killed_mid_read_leaves_the_sender_every_group(tmp_path):
-    with spawn("read_then_die", tmp_path) as (process, rendezvous):
+    with spawn(__file__, "read_then_die", tmp_path=tmp_path) as other:
+        process = other.process
         pool, tables = side(SENDER_PAGES)
         make_request(tables, 7)
         want = group_bytes(tables, 7)
         free_before = pool.num_free
-        transport = NixlTransport.connect(1, rendezvous, pool, timeout=PEER_WAIT_S)
-        try:
-            sender = KvSender(tables, transport, timeout_s=PEER_WAIT_S)
-            with pytest.raises(TransferError, match="sending request 7.*receiver's process died"):
-                sender.send(7)
-            assert same_per_group(group_bytes(tables, 7), want)
-            conserved(sender, pool, free_before)
-            process.wait(timeout=PEER_WAIT_S)
-        finally:
-            transport.close()
+        transport = other.connect(pool)
+        sender = KvSender(tables, transport, timeout_s=PEER_WAIT_S)
+        with pytest.raises(TransferError, match="sending request 7.*receiver's process died"):
+            sender.send(7)
+        assert same_per_group(group_bytes(tables, 7), want)
+        conserved(sender, pool, free_before)
+        process.wait(timeout=PEER_WAIT_S)
     assert process.returncode == -signal.SIGKILL

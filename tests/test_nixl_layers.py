@@ -14,12 +14,7 @@ so every step is ordered by the test, with no sleeps and no timed assertions.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import kvpool
@@ -27,21 +22,11 @@ import numpy as np
 import pytest
 from kvpool import TransferError
 from kvpool.transfer import KvReceiver, KvSender
-
-try:
-    from kvpool.transfer.nixl_transport import NixlTransport, load_nixl
-
-    load_nixl()
-except ImportError as e:  # pragma: no cover - depends on the environment
-    if __name__ != "__main__" and os.environ.get("KVPOOL_TEST_WHEEL") == "1":
-        raise  # CI installs nixl-cu13 with the test extra: never skip there
-    if __name__ != "__main__":
-        pytest.skip(f"NIXL is not importable ({e}); install kvpool[nixl]", allow_module_level=True)
+from nixl_peers import PEER_WAIT_S, NixlTransport, Peer, conserved, spawn
 
 LAYOUT_ARGS = (4, 2, 32, 16)  # 4 layers of 4 KiB in 16 KiB blocks
 NUM_BLOCKS = 32
 RID, NUM_TOKENS = 7, 16 * 4 + 9  # 5 blocks
-PEER_WAIT_S = 30.0  # a bound on every wait if a side breaks, never reached
 SENTINEL = 0x5A
 
 
@@ -66,12 +51,6 @@ def expected_layer(layer: int) -> bytes:
     tables.add(RID, NUM_TOKENS)
     write_layer(pool, tables.blocks(RID), layer)
     return layer_bytes(pool, tables.blocks(RID), layer)
-
-
-def conserved(side: Any, pool: kvpool.Pool, free_before: int) -> None:
-    side.check_invariants()
-    assert side.leases.live() == [] and side.leases.in_flight == 0
-    assert pool.num_free == free_before, (pool.num_free, free_before)
 
 
 class Clock:
@@ -133,10 +112,8 @@ if __name__ == "__main__":
 # -- the tests (the receiver) ------------------------------------------------------------------
 
 
-class Sender:
-    def __init__(self, process: subprocess.Popen, rendezvous: Path) -> None:
-        self.process, self.rendezvous = process, rendezvous
-        self.transports: list[NixlTransport] = []
+class Sender(Peer):
+    """The sender process, driven through its stdin."""
 
     def tell(self, line: str) -> None:
         """Sends a command and waits until the sender has carried it out."""
@@ -155,36 +132,11 @@ class Sender:
         raise AssertionError(f"the sender ended before answering {word}")
 
     def finish(self) -> dict:
+        """Tells the sender to end, then its ``RESULT``."""
         assert self.process.stdin is not None
         self.process.stdin.write("end\n")
         self.process.stdin.flush()
-        out, _ = self.process.communicate(timeout=PEER_WAIT_S)
-        lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-        assert self.process.returncode == 0 and lines, out
-        return json.loads(lines[-1][len("RESULT ") :])
-
-
-@contextmanager
-def spawn(tmp_path: Path) -> Iterator[Sender]:
-    rendezvous = tmp_path / "rendezvous.json"
-    process = subprocess.Popen(
-        [sys.executable, __file__, str(rendezvous)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    other = Sender(process, rendezvous)
-    try:
-        yield other
-    finally:
-        for transport in other.transports:
-            transport.close()
-        if process.poll() is None:
-            process.kill()
-        process.wait()
-        for pipe in (process.stdin, process.stdout):
-            if pipe is not None:
-                pipe.close()
+        return super().finish()
 
 
 def start(other: Sender, clock: Any = None) -> tuple[Any, ...]:
@@ -192,8 +144,7 @@ def start(other: Sender, clock: Any = None) -> tuple[Any, ...]:
     filled with a sentinel so a layer read too early or too much shows."""
     pool, tables = make_side()
     free_before = pool.num_free
-    transport = NixlTransport.connect(1, other.rendezvous, pool, timeout=PEER_WAIT_S)
-    other.transports.append(transport)
+    transport = other.connect(pool)
     receiver = KvReceiver(
         tables, transport, timeout_s=PEER_WAIT_S, **({"clock": clock} if clock else {})
     )
@@ -230,7 +181,7 @@ def check_layers(pool: kvpool.Pool, ids: Any, landed: int) -> None:
 
 
 def test_layers_land_as_they_are_announced_byte_exact(tmp_path):
-    with spawn(tmp_path) as other:
+    with spawn(__file__, tmp_path=tmp_path, stdin=True, peer_class=Sender) as other:
         pool, tables, receiver, transfer, free_before = start(other)
         ids = tables.blocks(RID)
         other.tell("layers 1")
@@ -257,7 +208,7 @@ def test_layers_land_as_they_are_announced_byte_exact(tmp_path):
 
 
 def test_a_sender_killed_between_layers_frees_the_receivers_blocks(tmp_path):
-    with spawn(tmp_path) as other:
+    with spawn(__file__, tmp_path=tmp_path, stdin=True, peer_class=Sender) as other:
         pool, tables, receiver, transfer, free_before = start(other)
         other.tell("layers 2")
         land(transfer, 2)
@@ -272,7 +223,7 @@ def test_a_sender_killed_between_layers_frees_the_receivers_blocks(tmp_path):
 
 def test_a_deadline_passing_between_layers_is_given_up_on_both_sides(tmp_path):
     clock = Clock()
-    with spawn(tmp_path) as other:
+    with spawn(__file__, tmp_path=tmp_path, stdin=True, peer_class=Sender) as other:
         pool, tables, receiver, transfer, free_before = start(other, clock)
         other.tell("layers 1")
         land(transfer, 1)
@@ -289,7 +240,7 @@ def test_a_deadline_passing_between_layers_is_given_up_on_both_sides(tmp_path):
 
 
 def test_the_sender_aborting_between_layers_frees_the_receivers_blocks(tmp_path):
-    with spawn(tmp_path) as other:
+    with spawn(__file__, tmp_path=tmp_path, stdin=True, peer_class=Sender) as other:
         pool, tables, receiver, transfer, free_before = start(other)
         other.tell("layers 1")
         land(transfer, 1)
@@ -302,7 +253,7 @@ def test_the_sender_aborting_between_layers_frees_the_receivers_blocks(tmp_path)
 
 
 def test_the_receiver_aborting_between_layers_leaves_the_sender_its_request(tmp_path):
-    with spawn(tmp_path) as other:
+    with spawn(__file__, tmp_path=tmp_path, stdin=True, peer_class=Sender) as other:
         pool, tables, receiver, transfer, free_before = start(other)
         other.tell("layers 1")
         land(transfer, 1)
@@ -316,7 +267,7 @@ def test_the_receiver_aborting_between_layers_leaves_the_sender_its_request(tmp_
 
 
 def test_a_receiver_gone_between_layers_leaves_the_sender_its_request(tmp_path):
-    with spawn(tmp_path) as other:
+    with spawn(__file__, tmp_path=tmp_path, stdin=True, peer_class=Sender) as other:
         pool, tables, receiver, transfer, free_before = start(other)
         other.tell("layers 1")
         land(transfer, 1)

@@ -14,13 +14,8 @@ reports ``RESULT {json}``.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import kvpool
@@ -29,21 +24,11 @@ import pytest
 from kvpool import TransferError
 from kvpool.transfer import KvReceiver, KvSender
 from kvpool.transfer.transport import PeerGone
-
-try:
-    from kvpool.transfer.nixl_transport import NixlTransport, load_nixl
-
-    load_nixl()
-except ImportError as e:  # pragma: no cover - depends on the environment
-    if __name__ != "__main__" and os.environ.get("KVPOOL_TEST_WHEEL") == "1":
-        raise  # CI installs nixl-cu13 with the test extra: never skip there
-    if __name__ != "__main__":
-        pytest.skip(f"NIXL is not importable ({e}); install kvpool[nixl]", allow_module_level=True)
+from nixl_peers import PEER_WAIT_S, NixlTransport, Peer, conserved, spawn
 
 FULL = kvpool.KvLayout(2, 4, 16, 16)  # the model: 2 layers, 4 KV heads
 NUM_BLOCKS = 24
 RID, NUM_TOKENS = 7, 16 * 3 + 5  # 4 blocks
-PEER_WAIT_S = 30.0  # a bound on every wait if a side breaks, never reached
 
 
 def full_kv() -> list[np.ndarray]:
@@ -87,12 +72,6 @@ def holds(pool: kvpool.Pool, tables: kvpool.BlockTables, heads: tuple[int, int])
         np.array_equal(view[ids], full[:, :, heads[0] : heads[1]])
         for view, full in zip(views(pool), full_kv())
     )
-
-
-def conserved(side: Any, pool: kvpool.Pool, free_before: int) -> None:
-    side.check_invariants()
-    assert side.leases.live() == [] and side.leases.in_flight == 0
-    assert pool.num_free == free_before, (pool.num_free, free_before)
 
 
 # -- the prefill side (another process) -------------------------------------------------------
@@ -176,52 +155,13 @@ class ReadEndsInError(NixlTransport):
         return handle, "PROC"
 
 
-class Prefill:
-    def __init__(self, process: subprocess.Popen, rendezvous: list[Path]) -> None:
-        self.process, self.rendezvous = process, rendezvous
-        self.transports: list[NixlTransport] = []
-
-    def connect(self, leg: int, pool: kvpool.Pool, cls: type = NixlTransport) -> Any:
-        transport = cls.connect(1, self.rendezvous[leg], pool, timeout=PEER_WAIT_S)
-        self.transports.append(transport)
-        return transport
-
-    def finish(self) -> dict:
-        out, _ = self.process.communicate(timeout=PEER_WAIT_S)
-        lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-        assert self.process.returncode == 0 and lines, out
-        return json.loads(lines[-1][len("RESULT ") :])
-
-
-@contextmanager
-def spawn(role: str, tmp_path: Path) -> Iterator[Prefill]:
-    rendezvous = [tmp_path / f"leg{leg}.json" for leg in range(2)]
-    process = subprocess.Popen(
-        [sys.executable, __file__, role, *map(str, rendezvous)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    other = Prefill(process, rendezvous)
-    try:
-        yield other
-    finally:
-        for transport in other.transports:
-            transport.close()
-        if process.poll() is None:
-            process.kill()
-        process.wait()
-        if process.stdout is not None:
-            process.stdout.close()
-
-
 def test_a_tp2_prefill_gathers_into_a_tp1_decode_pool_byte_exact(tmp_path):
     from kvpool.transfer.tp_legs import KvGatherReceiver
 
-    with spawn("tp2", tmp_path) as prefill:
+    with spawn(__file__, "tp2", tmp_path=tmp_path, legs=2) as prefill:
         pool, tables = make_side(FULL, holes=0)
         free_before = pool.num_free
-        legs = [prefill.connect(leg, pool) for leg in range(2)]
+        legs = [prefill.connect(pool, leg=leg) for leg in range(2)]
         receiver = KvGatherReceiver(tables, legs, timeout_s=PEER_WAIT_S)
         transfer = receiver.recv(timeout=PEER_WAIT_S)
         transfer.wait()
@@ -238,10 +178,10 @@ def test_a_tp2_prefill_gathers_into_a_tp1_decode_pool_byte_exact(tmp_path):
 def test_a_fault_on_one_gather_leg_returns_every_block_on_all_three_pools(tmp_path):
     from kvpool.transfer.tp_legs import KvGatherReceiver
 
-    with spawn("tp2", tmp_path) as prefill:
+    with spawn(__file__, "tp2", tmp_path=tmp_path, legs=2) as prefill:
         pool, tables = make_side(FULL, holes=0)
         free_before = pool.num_free
-        legs = [prefill.connect(0, pool), prefill.connect(1, pool, ReadEndsInError)]
+        legs = [prefill.connect(pool, leg=0), prefill.connect(pool, ReadEndsInError, leg=1)]
         receiver = KvGatherReceiver(tables, legs, timeout_s=PEER_WAIT_S)
         transfer = receiver.recv(timeout=PEER_WAIT_S)
         # Leg 0's READ completes; leg 1's fails: no sender may free its part (a "done" to
@@ -256,12 +196,12 @@ def test_a_fault_on_one_gather_leg_returns_every_block_on_all_three_pools(tmp_pa
         assert "the receiver gave the transfer up" in rank["error"], seen
 
 
-def split_receivers(prefill: Prefill, fail_leg: int | None = None) -> list[tuple[Any, ...]]:
+def split_receivers(prefill: Peer, fail_leg: int | None = None) -> list[tuple[Any, ...]]:
     out = []
     for rank in range(2):
         pool, tables = make_side(FULL.tp_shard(2), holes=rank)
         cls = FailingRead if rank == fail_leg else NixlTransport
-        transport = prefill.connect(rank, pool, cls)
+        transport = prefill.connect(pool, cls, leg=rank)
         receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S, tp=(rank, 2))
         out.append((pool, tables, receiver, pool.num_free))
     return out
@@ -270,7 +210,7 @@ def split_receivers(prefill: Prefill, fail_leg: int | None = None) -> list[tuple
 def test_a_tp1_prefill_splits_into_a_tp2_decode_group_byte_exact(tmp_path):
     from kvpool.transfer import wait_all
 
-    with spawn("tp1", tmp_path) as prefill:
+    with spawn(__file__, "tp1", tmp_path=tmp_path, legs=2) as prefill:
         ranks = split_receivers(prefill)
         transfers = [receiver.recv(timeout=PEER_WAIT_S) for _, _, receiver, _ in ranks]
         # Neither rank's request is ready before the sender commits, after both have read.
@@ -286,7 +226,7 @@ def test_a_tp1_prefill_splits_into_a_tp2_decode_group_byte_exact(tmp_path):
 def test_a_fault_on_one_split_leg_returns_every_block_on_all_three_pools(tmp_path):
     from kvpool.transfer import wait_all
 
-    with spawn("tp1", tmp_path) as prefill:
+    with spawn(__file__, "tp1", tmp_path=tmp_path, legs=2) as prefill:
         ranks = split_receivers(prefill, fail_leg=1)
         first = ranks[0][2].recv(timeout=PEER_WAIT_S)
         with pytest.raises(TransferError, match="receiving request 7 failed.*leg's NIXL READ"):

@@ -12,10 +12,15 @@ per case):
   bytes (the pool's slab, contiguous) at offset 0 of a file of the same size in the same
   directory (the baseline: what the bytes cost to move without the tier).
 
-Two modes, each side the same in both: ``buffered`` (kvpool's own host pools; the page cache
-between the bytes and the device) and ``direct`` (O_DIRECT on both sides, pools made with
-``Pool.from_external`` over page-aligned memory, as O_DIRECT needs). Neither side calls fsync
-(the tier's index is in memory, so nothing on disk outlives the process anyway). Tier and
+Three modes, each side the same in each: ``buffered`` (kvpool's own host pools; the page cache
+between the bytes and the device, warm for both sides: each reads what it just wrote),
+``cold`` (the same, but before each read, tier's and plain's alike, both files are fsynced and
+the page cache dropped, ``echo 1 > /proc/sys/vm/drop_caches``: the read comes from the
+device; only where that file is writable, i.e. as root, and only for cases of 4 to 128 MiB, so
+as not to empty a shared machine's cache too often) and ``direct`` (O_DIRECT on both sides,
+pools made with ``Pool.from_external`` over page-aligned memory, as O_DIRECT needs). Neither
+side's timed write calls fsync (the tier's index is in memory, so nothing on disk outlives
+the process anyway; the cold mode's fsyncs are outside the timings). Tier and
 baseline alternate repetition by repetition, so load from other work hits both; the median
 of each is reported, with ``ratio`` = baseline time / tier time (1.0: the tier costs
 nothing more). Block bytes are random and checked after every tier read. ``checksum``
@@ -43,6 +48,7 @@ from provenance import provenance
 
 SIZES = [1, 4, 16, 64, 256, 1024, 4096]
 BLOCK_BYTES = {"64KiB": 64 << 10, "2MiB": 2 << 20}
+COLD_MIN_BYTES, COLD_MAX_BYTES = 4 << 20, 128 << 20
 
 
 def _layout(block_bytes: int):
@@ -68,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import kvpool
-    from kvpool.tier import DiskTier
+    from kvpool.tier import DiskTier, disk
 
     prov = provenance("bench/routines/disk_tier.py")
     load_at_start = os.getloadavg()
@@ -76,16 +82,23 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [n for n in SIZES if n <= 64] if args.quick else SIZES
     rng = np.random.default_rng(0)
     base = Path(tempfile.mkdtemp(prefix="kvpool-disk-bench-", dir=args.dir))
+    can_drop = _drop_page_cache()
     for mode, (label, block_bytes) in (
-        (m, item) for m in ("buffered", "direct") for item in BLOCK_BYTES.items()
+        (m, item) for m in ("buffered", "cold", "direct") for item in BLOCK_BYTES.items()
     ):
         fit = [n for n in sizes if n * block_bytes <= args.max_bytes]
+        if mode == "cold":
+            if not can_drop:
+                skipped.append(f"cold {label}: /proc/sys/vm/drop_caches is not writable here")
+                continue
+            fit = [n for n in fit if COLD_MIN_BYTES <= n * block_bytes <= COLD_MAX_BYTES]
         skipped += [f"{mode} {label} x {n}" for n in sizes if n not in fit]
         if not fit:
             continue
         layout = _layout(block_bytes)
-        direct = mode == "direct"
+        direct, cold = mode == "direct", mode == "cold"
         for n in fit:
+            load_1m = os.getloadavg()[0]
             nbytes = n * block_bytes
             if direct:  # page-aligned memory under the pools, as O_DIRECT needs
                 memory = [mmap.mmap(-1, nbytes), mmap.mmap(-1, nbytes)]
@@ -101,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             src_slab[:] = rng.integers(0, 256, nbytes, dtype=np.uint8)
             dst_slab[:] = 0
             ids = list(range(n))
-            reps = 3 if args.quick else (11 if nbytes <= 64 << 20 else 5)
+            reps = 3 if args.quick or cold else (11 if nbytes <= 64 << 20 else 5)
             folder = base / f"{mode}-{label}-{n}"
             folder.mkdir()
             plain_path = folder / "plain.bin"
@@ -118,11 +131,16 @@ def main(argv: list[str] | None = None) -> int:
                     assert tier.put(src, ids, keys) == n
                     t1 = time.perf_counter()
                     assert os.pwrite(fd, src_slab, 0) == nbytes
+                    t_plain_write = time.perf_counter() - t1
+                    if cold:
+                        _flush_and_drop(tier.path, fd)
                     t2 = time.perf_counter()
                     hits = tier.get(dst, ids, keys)
                     t3 = time.perf_counter()
                     assert all(hits) and np.array_equal(dst_slab, src_slab), "tier bytes differ"
                     dst_slab[:] = 0
+                    if cold:
+                        _flush_and_drop(tier.path, fd)
                     t4 = time.perf_counter()
                     assert os.preadv(fd, [dst_slab], 0) == nbytes
                     t5 = time.perf_counter()
@@ -130,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                     dst_slab[:] = 0
                     if rep:
                         times["tier_write"].append(t1 - t0)
-                        times["plain_write"].append(t2 - t1)
+                        times["plain_write"].append(t_plain_write)
                         times["tier_read"].append(t3 - t2)
                         times["plain_read"].append(t5 - t4)
                 descriptors = tier.descriptor_counts[-1]
@@ -150,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                         "bytes": nbytes,
                         "descriptors": descriptors,
                         "reps": reps,
+                        "load_1m_at_start": load_1m,
                         "tier_median_us": tier_s * 1e6,
                         "plain_median_us": plain_s * 1e6,
                         "tier_gbytes_per_s": nbytes / tier_s / 1e9,
@@ -164,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         "routine": "disk_tier",
         "provenance": prov,
         "what": "DiskTier put/get (NIXL POSIX, CRC-32C per block) vs one pwrite/preadv",
+        "checksum_beside_copy_from_bytes": disk.OVERLAP_MIN_BYTES,
         "load_average": {"start": load_at_start, "end": os.getloadavg()},
         "checksum": checksum,
         "file_system": _file_system(base.parent),
@@ -182,6 +202,27 @@ def main(argv: list[str] | None = None) -> int:
             f" GB/s  plain {r['plain_gbytes_per_s']:>6.2f} GB/s  ratio {r['ratio']:.2f}"
         )
     return 0
+
+
+def _drop_page_cache() -> bool:
+    """Drops the page cache (clean pages only: fsync first); False where that is not allowed."""
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def _flush_and_drop(tier_path: Path, plain_fd: int) -> None:
+    """Both files' bytes to the device, then out of the page cache, so the next read is cold."""
+    tier_fd = os.open(tier_path, os.O_RDONLY)
+    try:
+        os.fsync(tier_fd)
+    finally:
+        os.close(tier_fd)
+    os.fsync(plain_fd)
+    assert _drop_page_cache()
 
 
 def _checksum_speed(kvpool, rng, *, quick: bool) -> dict:

@@ -63,6 +63,48 @@ def read_ceiling(nbytes):
     return best
 
 
+def flashinfer_mla(row, flashinfer, cache, tables, qo_indptr, lens, qn, qp, ref, *, causal):
+    """FlashInfer's BatchMLAPagedAttentionWrapper (fa2 and fa3 backends) over the pages
+    ``tables`` [batch, pages a sequence] names in ``cache`` [pages, BS, 576] (copied to its own
+    contiguous ckv [pages, BS, 512] / kpe [pages, BS, 64] caches), planned once for the
+    sequences' ``qo_indptr`` query rows (one a sequence for decode) and ``lens`` tokens, with
+    ``causal`` masking; each backend's CUDA-graph time goes to ``row["flashinfer_<b>_us"]``
+    and its output's largest difference from ``ref`` (ours, float) to
+    ``row["flashinfer_<b>_max_abs_diff"]``, or its error to ``row["flashinfer_<b>_error"]``."""
+    ckv = cache[:, :, :512].contiguous()
+    kpe = cache[:, :, 512:].contiguous()
+    batch, pages_per_seq = tables.shape
+    kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * pages_per_seq
+    kv_indices = tables.reshape(-1).contiguous()
+    rows, heads = qn.shape[0], qn.shape[1]
+    for backend in ("fa2", "fa3"):
+        try:
+            ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+            w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend=backend)
+            w.plan(
+                qo_indptr,
+                kv_indptr,
+                kv_indices,
+                lens,
+                heads,
+                512,
+                64,
+                BS,
+                causal,
+                SCALE,
+                torch.bfloat16,
+                torch.bfloat16,
+            )
+            fout = torch.empty(rows, heads, 512, dtype=torch.bfloat16, device="cuda")
+            row[f"flashinfer_{backend}_us"] = round(
+                graph_us([lambda s, w=w, fout=fout: w.run(qn, qp, ckv, kpe, out=fout)]), 2
+            )
+            row[f"flashinfer_{backend}_max_abs_diff"] = float((fout.float() - ref).abs().max())
+        except Exception as e:
+            traceback.print_exc()
+            row[f"flashinfer_{backend}_error"] = f"{type(e).__name__}: {e}"[:600]
+
+
 def bench_shape(batch, ctx, heads, flashinfer):
     pages = batch * ctx // BS
     spec = ModelKvSpec([KvGroup.mla_latent([0], 512, 64, DTYPE)])
@@ -139,37 +181,8 @@ def bench_shape(batch, ctx, heads, flashinfer):
     row["read_ceiling_tb_s"] = round(read_ceiling(kv_bytes), 4)
 
     if flashinfer is not None:
-        ckv = cache[:, :, :512].contiguous()
-        kpe = cache[:, :, 512:].contiguous()
         qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-        kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * (ctx // BS)
-        kv_indices = tables.reshape(-1).contiguous()
-        for backend in ("fa2", "fa3"):
-            try:
-                ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-                w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend=backend)
-                w.plan(
-                    qo_indptr,
-                    kv_indptr,
-                    kv_indices,
-                    lens,
-                    heads,
-                    512,
-                    64,
-                    BS,
-                    False,
-                    SCALE,
-                    torch.bfloat16,
-                    torch.bfloat16,
-                )
-                fout = torch.empty(batch, heads, 512, dtype=torch.bfloat16, device="cuda")
-                row[f"flashinfer_{backend}_us"] = round(
-                    graph_us([lambda s, w=w, fout=fout: w.run(qn, qp, ckv, kpe, out=fout)]), 2
-                )
-                row[f"flashinfer_{backend}_max_abs_diff"] = float((fout.float() - ref).abs().max())
-            except Exception as e:
-                traceback.print_exc()
-                row[f"flashinfer_{backend}_error"] = f"{type(e).__name__}: {e}"[:600]
+        flashinfer_mla(row, flashinfer, cache, tables, qo_indptr, lens, qn, qp, ref, causal=False)
     for key in [k for k in row if k.endswith("_us") and k != "copy_us"]:
         row[f"{key[:-3]}_tb_s"] = round(kv_bytes / (row[key] * 1e-6) / 1e12, 4)
         row[f"{key[:-3]}_frac_of_read_ceiling"] = round(

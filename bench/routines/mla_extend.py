@@ -33,7 +33,7 @@ from kvpool.kernels import mla_extend_plan
 from provenance import provenance
 from timing import graph_us
 
-from routines.mla import read_ceiling
+from routines.mla import flashinfer_mla, read_ceiling
 
 # (batch, cached context, qo_len, heads)
 SHAPES = (
@@ -130,38 +130,9 @@ def bench_shape(batch, ctx, qo_len, heads, flashinfer, ceiling):
     for tile in (16, 32, 64):
         row[f"tile{tile}_max_abs_diff_vs_default"] = float((outs[tile].float() - ref).abs().max())
     if flashinfer is not None:
-        ckv = cache[:, :, :512].contiguous()
-        kpe = cache[:, :, 512:].contiguous()
         qo_indptr = torch.from_numpy(indptr_host).cuda()
-        kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * per_seq
-        kv_indices = tables.reshape(-1).contiguous()
         lens = torch.from_numpy(lens_host).cuda()
-        for backend in ("fa2", "fa3"):
-            try:
-                ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-                w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend=backend)
-                w.plan(
-                    qo_indptr,
-                    kv_indptr,
-                    kv_indices,
-                    lens,
-                    heads,
-                    512,
-                    64,
-                    BS,
-                    True,
-                    SCALE,
-                    torch.bfloat16,
-                    torch.bfloat16,
-                )
-                fout = torch.empty(total_q, heads, 512, dtype=torch.bfloat16, device="cuda")
-                row[f"flashinfer_{backend}_us"] = round(
-                    graph_us([lambda s, w=w, fout=fout: w.run(qn, qp, ckv, kpe, out=fout)]), 2
-                )
-                row[f"flashinfer_{backend}_max_abs_diff"] = float((fout.float() - ref).abs().max())
-            except Exception as e:
-                traceback.print_exc()
-                row[f"flashinfer_{backend}_error"] = f"{type(e).__name__}: {e}"[:600]
+        flashinfer_mla(row, flashinfer, cache, tables, qo_indptr, lens, qn, qp, ref, causal=True)
     for key in [k for k in row if k.endswith("_us")]:
         sec = row[key] * 1e-6
         row[f"{key[:-3]}_tflops"] = round(flops / sec / 1e12, 1)

@@ -169,6 +169,17 @@ pub fn append_event(pool: &Pool, event: &Bound<'_, PyAny>) -> PyResult<u64> {
             "KV events need a pool made with enable_prefix_caching=True".into(),
         ))
     })?;
+    if pool.layout().is_err() {
+        // A hybrid pool's cache holds one internal tag a page, and its events name chunks
+        // per group (HybridTables): a disk block of group 0 would be a block no router can
+        // place, and the snapshot that lists disk blocks is refused for such a pool.
+        return Err(PyKvError(CoreError::InvalidArgument(
+            "a pool of hybrid pages takes no disk-tier events: the disk tier holds uniform \
+             pools' blocks, and its cache names pages by internal tags (HybridTables' events)"
+                .into(),
+        ))
+        .into());
+    }
     cache.record_external_event(event).map_err(|e| PyKvError(e).into())
 }
 

@@ -686,8 +686,8 @@ impl PyPool {
     /// pool's KV event queue, numbered as the pool's own, so a router reads one ordered
     /// stream; the pool also keeps the set of disk-resident blocks these events describe,
     /// which `kv_cache_snapshot` lists (medium "disk"). Returns the event's seq (0 while
-    /// events are off). Another type is a TypeError; another medium, or a pool without
-    /// prefix caching, `InvalidArgumentError`.
+    /// events are off). Another type is a TypeError; another medium, a pool without prefix
+    /// caching or a pool of hybrid pages, `InvalidArgumentError` (nothing changes).
     fn append_kv_event(&self, event: &Bound<'_, PyAny>) -> PyResult<u64> {
         crate::evicted::append_event(&self.inner, event)
     }

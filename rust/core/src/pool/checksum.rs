@@ -1,9 +1,13 @@
 //! CRC-32C of blocks, for tiers that verify what they read back (the disk tier).
 //!
 //! CRC-32C (Castagnoli) is the storage field's checksum (iSCSI, ext4 and btrfs metadata,
-//! RocksDB, LevelDB): x86-64's SSE 4.2 and AArch64's CRC extension compute it in hardware,
-//! and the `crc32c` crate interleaves three streams of that instruction, so a block is
-//! checked at memory speed rather than at zlib's table-driven CRC-32 speed.
+//! RocksDB, LevelDB). It is computed by the `crc-fast` crate, which folds the data by
+//! carry-less multiplication (AVX-512 VPCLMULQDQ where the CPU has it, else PCLMULQDQ and SSE
+//! 4.2, AArch64's PMULL and CRC extension; chosen at run time). On the dev VM's Xeon, 64 KiB
+//! blocks already in cache are checked at 117 GB/s, against 25 GB/s for the `crc32c` crate
+//! (three interleaved streams of SSE 4.2's `crc32`) it replaced; from memory both run at the
+//! memory's speed (about 11 GB/s there), which is why the disk tier checks on a second
+//! thread beside its copy.
 
 use super::Pool;
 use crate::error::CoreError;
@@ -49,8 +53,28 @@ impl Pool {
                         block_bytes,
                     )
                 };
-                crc32c::crc32c(bytes)
+                crc32c(bytes)
             })
             .collect()
+    }
+}
+
+/// The CRC-32C (Castagnoli, the iSCSI CRC: reflected, initial value and final XOR all ones)
+/// of `bytes`.
+pub(crate) fn crc32c(bytes: &[u8]) -> u32 {
+    // CRC-32/ISCSI is 32 bits wide: the crate returns it in the low half of a u64.
+    crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, bytes) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::crc32c;
+
+    #[test]
+    fn crc32c_matches_the_check_values() {
+        assert_eq!(crc32c(b"123456789"), 0xE306_9283); // RFC 3720's check value
+        assert_eq!(crc32c(b""), 0);
+        assert_eq!(crc32c(&[0; 32]), 0x8A91_36AA); // RFC 3720 B.4: 32 bytes of zeros
+        assert_eq!(crc32c(&[0xFF; 32]), 0x62A8_AB43); // and of ones
     }
 }

@@ -1,0 +1,93 @@
+"""What the two-process NIXL tests share (tests/test_nixl_faults.py, test_nixl_hybrid.py,
+test_nixl_layers.py, test_nixl_tp.py): each test file, run as a script, is the other side (the
+peer) of its tests, reached over loopback through NIXL/UCX.
+
+- Importing this module loads NIXL or skips the importing test module (tests/nixl_required.py).
+- ``spawn(script, *args, tmp_path=...)`` starts ``script`` as the peer with its arguments and
+  one rendezvous file a leg (``legs``), and yields a ``Peer``: the process, the rendezvous
+  files, ``connect`` (this side's transport of a leg, closed when the block ends) and
+  ``finish`` (the peer's ``RESULT {json}`` line, once it exits with 0). On leaving, every
+  transport is closed, the peer killed if still running and waited for, its pipes closed.
+- ``conserved``: a side's pool invariant (free + evictable + used + in_flight == total), no
+  lease left, and every block back where it was.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from nixl_required import NixlTransport
+
+__all__ = ["PEER_WAIT_S", "NixlTransport", "Peer", "conserved", "spawn"]
+
+PEER_WAIT_S = 30.0  # a bound on every wait if a side breaks, never reached
+
+
+class Peer:
+    """The other side's process and its rendezvous files (one a leg)."""
+
+    def __init__(self, process: subprocess.Popen, rendezvous: list[Path]) -> None:
+        self.process, self.rendezvous = process, rendezvous
+        self.output = ""
+        self.transports: list[NixlTransport] = []
+
+    def connect(self, pool: Any, cls: type[NixlTransport] = NixlTransport, *, leg: int = 0) -> Any:
+        """This side's transport (agent 1; the peer is agent 0) of ``leg``, closed when the
+        ``spawn`` block ends."""
+        transport = cls.connect(1, self.rendezvous[leg], pool, timeout=PEER_WAIT_S)
+        self.transports.append(transport)
+        return transport
+
+    def finish(self) -> dict:
+        """Waits for the peer to exit and returns its last ``RESULT {json}``."""
+        self.output, _ = self.process.communicate(timeout=PEER_WAIT_S)
+        lines = [x for x in self.output.splitlines() if x.startswith("RESULT ")]
+        assert self.process.returncode == 0 and lines, self.output
+        return json.loads(lines[-1][len("RESULT ") :])
+
+
+@contextmanager
+def spawn(
+    script: str,
+    *args: str,
+    tmp_path: Path,
+    legs: int = 1,
+    stdin: bool = False,
+    peer_class: type[Peer] = Peer,
+) -> Iterator[Any]:
+    """Runs ``python script *args rendezvous...`` as the peer (``stdin``: with a pipe to
+    drive it line by line); yields a ``peer_class`` over it. Its output (stdout and stderr)
+    is one pipe."""
+    rendezvous = [tmp_path / f"rendezvous{leg}.json" for leg in range(legs)]
+    process = subprocess.Popen(
+        [sys.executable, script, *args, *map(str, rendezvous)],
+        stdin=subprocess.PIPE if stdin else None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    other = peer_class(process, rendezvous)
+    try:
+        yield other
+    finally:
+        for transport in other.transports:
+            transport.close()
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def conserved(side: Any, pool: Any, free_before: int) -> None:
+    """Both pools' invariant (leases.py), no lease left, every block back where it was."""
+    side.check_invariants()
+    assert side.leases.live() == [] and side.leases.in_flight == 0
+    assert pool.num_free == free_before, (pool.num_free, free_before)
