@@ -4,8 +4,8 @@
 # set), everything under $OUT. In order, each step within what is left of BUDGET_S seconds:
 #   1. tools/compare_prefill_kernels.py (sm90 with cp.async and with TMA loads against sm80: a
 #      smoke test; a failure stops here after a short run of the GPU suite, to see which fail)
-#   2. tests/test_prefill_sm90_tma_gpu.py (the whole prefill suite, Hopper kernel, TMA loads)
-#   3. compute-sanitizer memcheck and racecheck of tools/sanitize_prefill.py
+#   2. tests/test_prefill_sm90_tma_gpu.py (the whole prefill suite, Hopper kernel, TMA loads),
+#   3. beside it, compute-sanitizer memcheck and racecheck of tools/sanitize_prefill.py
 #   4. bench/kvbench.py --routine prefill --grid issue26 --quick: ours (default, forced sm80,
 #      forced sm90 with cp.async and with TMA), FlashInfer 0.5.3 fa2 / fa3, SDPA flash /
 #      cuDNN, dense matmul, same run
@@ -42,14 +42,16 @@ step() {  # step NAME TIMEOUT CMD...: runs CMD under the smaller of TIMEOUT and 
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$ROOT"/../../.whl/*.whl 2>&1 | tail -2
 export CUDA_HOME=$(dirname "$(dirname "$(which nvcc)")") FLASHINFER_CUDA_ARCH_LIST=9.0a
 
-if want compare && ! step compare 120 python3 tools/compare_prefill_kernels.py; then
-    step prefill_sm90_tma_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu --maxfail=5 tests/test_prefill_sm90_tma_gpu.py
+if want compare && ! step compare 60 python3 tools/compare_prefill_kernels.py; then
+    step prefill_sm90_tma_tests 40 python3 -m pytest -q -p no:cacheprovider -m gpu --maxfail=5 tests/test_prefill_sm90_tma_gpu.py
     (cd "$OUT" && tar -czf logs.tgz ./*.log && rm -f ./*.log)
     exit 1
 fi
-want tma_tests && step prefill_sm90_tma_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_prefill_sm90_tma_gpu.py
+# The TMA suite and the sanitizers check, they time nothing: side by side on the GPU.
+want tma_tests && step prefill_sm90_tma_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_prefill_sm90_tma_gpu.py &
 want sanitize && step prefill_memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_prefill.py
 want sanitize && step prefill_racecheck 90 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 1 python3 tools/sanitize_prefill.py
+wait
 want bench && PYTHONPATH=$ROOT/python:/tmp/site step prefill_bench 300 python3 bench/kvbench.py --routine prefill --out "$OUT" --name prefill_h200 --commit "$KVPOOL_COMMIT" --grid issue26 --quick
 if want base && [ -n "${BASE_TREE:-}" ]; then  # the base tree's library and kernels, this tree's bench
     BASE=$(cd "$BASE_TREE" && pwd)

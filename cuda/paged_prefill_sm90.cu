@@ -84,8 +84,15 @@
 #define PSTEPS (BN / 16)             // k16 steps of O += P V
 #define S_REGS (BN / 2)              // S accumulators per thread (64 x BN over 128 threads)
 #define O_REGS (HEAD_DIM / 2)
-#define PRODUCER_REGS (KV_TMA ? 48 : 40)  // TMA: the map addresses and the fallback path
-#define CONSUMER_REGS 232
+// Registers per thread: every warp starts with ENTRY_REGS (ptxas's allocation under
+// __launch_bounds__(384, 1): 65536 / 384 rounded down to 8); setmaxnreg.inc of the consumers
+// only takes what the producer's setmaxnreg.dec gave back, so the consumers' growth must fit
+// in the producer's release (static_assert below), else they wait forever.
+#define ENTRY_REGS 168
+// With TMA the producer holds both loads' state (at 40 ptxas spilled 8-40 bytes of it): 56 for
+// it, 224 for the consumers (no spill at any head dim either way).
+#define PRODUCER_REGS (KV_TMA ? 56 : 40)
+#define CONSUMER_REGS (KV_TMA ? 224 : 232)
 #define PROD_THREADS 128
 #define PROD_RPI (PROD_THREADS / CH)  // tile rows one pass of the producer covers
 // Block-table entries one KV tile spans (tiles start at multiples of BN), and per producer lane.
@@ -105,7 +112,8 @@ static_assert((32 * BLOCK_SIZE) % PROD_RPI == 0 && PROD_RPI <= 32, "page-id layo
 // TMA: a box must start on a swizzle atom (8 rows of 128 bytes), and warp 0's lanes cover the
 // tile's pages.
 static_assert(!KV_TMA || (BOX_TOKENS >= 8 && TILE_PAGES <= 32), "KV_TMA needs BLOCK_SIZE >= 8");
-static_assert(PROD_THREADS * PRODUCER_REGS + 2 * 128 * CONSUMER_REGS <= 65536, "register file");
+static_assert(PROD_THREADS * (ENTRY_REGS - PRODUCER_REGS) >= 2 * 128 * (CONSUMER_REGS - ENTRY_REGS),
+              "the consumers' setmaxnreg.inc needs the registers the producer gives back");
 
 // Byte offset of (row, 16-byte chunk) in a swizzled tile of `rows` rows.
 __device__ __forceinline__ unsigned swz128(int rows, int row, int chunk) {

@@ -274,6 +274,28 @@ def _finish(row):
     return row
 
 
+def _write_doc(args, prov, dense, rows):
+    try:
+        import flashinfer
+
+        fi_version = flashinfer.__version__
+    except Exception as e:
+        fi_version = f"not run ({type(e).__name__})"
+    doc = {
+        "benchmark": "paged prefill attention, causal, TFLOP/s of causal FLOPs",
+        "provenance": prov,
+        "grid": args.grid,
+        "head_dims": list(args.head_dims),
+        "groups": list(args.groups),
+        "flashinfer": fi_version,
+        "dense_matmul_tflops": {k: round(v, 1) for k, v in dense.items()},
+        "rows": rows,
+    }
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    return doc
+
+
 def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="the JSON to write")
@@ -320,22 +342,6 @@ def main(argv: list[str] | None = None):
             f"{r.get('sdpa_cudnn_tflops')} x fa2 {r.get('speedup_vs_fa2')}",
             flush=True,
         )
-    try:
-        import flashinfer
-
-        fi_version = flashinfer.__version__
-    except Exception as e:
-        fi_version = f"not run ({type(e).__name__})"
-    doc = {
-        "benchmark": "paged prefill attention, causal, TFLOP/s of causal FLOPs",
-        "provenance": prov,
-        "grid": args.grid,
-        "head_dims": list(args.head_dims),
-        "groups": list(args.groups),
-        "flashinfer": fi_version,
-        "dense_matmul_tflops": {k: round(v, 1) for k, v in dense.items()},
-        "rows": rows,
-    }
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+        # Written again after every row: a run cut short by its time limit keeps its rows.
+        doc = _write_doc(args, prov, dense, rows)
     print(f"dense matmul TFLOP/s: {doc['dense_matmul_tflops']}")
