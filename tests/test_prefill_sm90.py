@@ -121,21 +121,43 @@ def test_tma_boxes_land_where_the_wgmma_tiles_read(d, bs):
         assert seen == want
 
 
-def test_the_tensor_maps_address_the_pools_k_and_v_views():
-    """_kv_tensor_maps' dims and strides (head_dim, KV head, token, layer, block from
-    KvLayout.strides(); K at the base, V one "kv" stride on) address the very elements the
-    pool's k_view / v_view name: the views' data pointers and strides are the map's."""
-    import kvpool
+@pytest.mark.parametrize("bs", [8, 16, 256])
+def test_the_tensor_maps_address_the_pools_k_and_v_views(bs):
+    """kv_map_specs (the dims, strides and boxes the plan encodes) address the very bytes the
+    pool's k_view / v_view hold: for elements spread over every dimension, the map's address
+    of (column, KV head, token, layer, block) is the view's address of [block, token, head,
+    column]; the box is 64 columns x one page (or one tile)."""
+    import types
 
-    layout = kvpool.KvLayout(3, 4, 128, 16, "float16")
+    import kvpool
+    from kvpool.kernels._prefill import kv_map_specs
+
+    layout = kvpool.KvLayout(3, 4, 128, bs, "float16")
     pool = kvpool.Pool(layout, 10)
-    st = layout.strides()
-    for layer in range(3):
-        for view, extra in ((pool.k_view(layer), 0), (pool.v_view(layer), st["kv"])):
-            a = np.asarray(view)
-            assert a.__array_interface__["data"][0] == pool.base_ptr + layer * st["layer"] + extra
-            assert a.strides == (st["block"], st["token"], st["head"], st["elem"])
-            assert a.shape == (10, 16, 4, 128)
+    info = types.SimpleNamespace(
+        base_ptr=pool.base_ptr,
+        strides=layout.strides(),
+        head_dim=128,
+        num_kv_heads=4,
+        block_size=bs,
+        num_layers=3,
+        num_blocks=10,
+    )
+    specs = kv_map_specs(info, 128)  # type: ignore[arg-type]
+    rng = np.random.default_rng(bs)
+    for name, view_of in (("k_map", pool.k_view), ("v_map", pool.v_view)):
+        m = specs[name]
+        assert m.dims == [128, 4, bs, 3, 10] and m.box_dims == [64, 1, min(bs, 128), 1, 1]
+        for layer in range(3):
+            a = np.asarray(view_of(layer))
+            base = a.__array_interface__["data"][0]
+            for _ in range(20):
+                b, t, h, c = (int(rng.integers(n)) for n in (10, bs, 4, 128))
+                coord = [c, h, t, layer, b]
+                at = m.global_address + 2 * c
+                at += sum(s * x for s, x in zip(m.strides_bytes, coord[1:], strict=True))
+                want = base + int(np.dot(a.strides, (b, t, h, c)))
+                assert at == want, (name, layer, b, t, h, c)
 
 
 def test_tensor_map_tiled_refuses_bad_values_and_wrong_types():

@@ -637,24 +637,45 @@ class _Launch:
             launch(self.merge, grid, info.head_dim, 0, plan.stream, self.mparams)
 
 
+@dataclasses.dataclass(frozen=True)
+class KvMapSpec:
+    """One tensor map of the Hopper prefill's TMA loads: the tensor_map_tiled arguments."""
+
+    global_address: int
+    dims: list[int]
+    strides_bytes: list[int]
+    box_dims: list[int]
+
+
+def kv_map_specs(info: PoolInfo, kv_tile: int) -> dict[str, KvMapSpec]:
+    """The maps of paged_prefill_sm90.cu's TMA loads (KV_TMA), "k_map" and "v_map": over the
+    whole pool, 5-D (head_dim, KV head, token in block, layer, block) from the layout's
+    strides, K at the pool's base and V one "kv" stride on; boxes of 64 columns (128 bytes,
+    the 128-byte swizzle of the tiles) x one page (or one tile of kv_tile tokens, when a page
+    holds more). Block ids outside the pool are outside the maps: they read zeros."""
+    st = info.strides
+    dims = [info.head_dim, info.num_kv_heads, info.block_size, info.num_layers, info.num_blocks]
+    strides = [st["head"], st["token"], st["layer"], st["block"]]
+    box = [64, 1, min(info.block_size, kv_tile), 1, 1]
+    return {
+        name: KvMapSpec(address, dims, strides, box)
+        for name, address in (("k_map", info.base_ptr), ("v_map", info.base_ptr + st["kv"]))
+    }
+
+
 def _kv_tensor_maps(info: PoolInfo, variant: _build.PrefillVariant) -> dict[str, Any]:
-    """PrefillArgs' k_map and v_map: for a TMA module (paged_prefill_sm90.cu, KV_TMA) the maps
-    of its K/V loads, over the whole pool, 5-D (head_dim, KV head, token in block, layer,
-    block) from the layout's strides, boxes of 64 columns (128 bytes, the 128-byte swizzle of
-    the tiles) x one page (or one tile, when a page holds more), block ids outside the pool
-    reading zeros; zeros for the other modules (which read none)."""
+    """PrefillArgs' k_map and v_map: the encoded kv_map_specs for a TMA module, zeros for the
+    other modules (which read none)."""
     words = ctypes.c_uint64 * 16
     if not variant.tma:
         return {"k_map": words(), "v_map": words()}
     from kvpool._core import tensor_map_tiled
 
-    st = info.strides
-    dims = [info.head_dim, info.num_kv_heads, info.block_size, info.num_layers, info.num_blocks]
-    strides = [st["head"], st["token"], st["layer"], st["block"]]
-    box = [64, 1, min(info.block_size, variant.kv_tile), 1, 1]
     maps = {}
-    for name, address in (("k_map", info.base_ptr), ("v_map", info.base_ptr + st["kv"])):
-        raw = tensor_map_tiled(address, info.dtype, dims, strides, box, 128)
+    for name, m in kv_map_specs(info, variant.kv_tile).items():
+        raw = tensor_map_tiled(
+            m.global_address, info.dtype, m.dims, m.strides_bytes, m.box_dims, 128
+        )
         maps[name] = words.from_buffer_copy(raw)
     return maps
 
