@@ -6,16 +6,29 @@
 // CTA = 3 warpgroups (384 threads), 128 query rows (row r = (query token q0 + r / gh, query head
 // qh0 + r % gh)):
 //   warpgroup 0, the producer (setmaxnreg down to PRODUCER_REGS): gathers the K and V tiles of
-//     BN tokens through the block table with 16-byte cp.async into STAGES shared-memory stages.
-//     Pages of 16 tokens are too small for one bulk tensor copy per tile and the pool's pages
-//     are not one tensor the copy engine can index, so it is cp.async, each thread copying
-//     its rows' 16-byte chunks. The block-table entries of a tile (TILE_PAGES of them) are read
+//     BN tokens through the block table into STAGES shared-memory stages, in one of two ways
+//     (KV_TMA, compile time):
+//     - KV_TMA 0: 16-byte cp.async, each thread copying its rows' 16-byte chunks.
+//     - KV_TMA 1 (BLOCK_SIZE >= 8): TMA per page. The host encodes two tensor maps (k_map,
+//       v_map, __grid_constant__ parameters) over the whole pool, 5-D: head_dim, KV head,
+//       token in block, layer, block; box = 64 columns (128 bytes) x BOX_TOKENS tokens with
+//       the 128-byte swizzle, so a box lands exactly in the swizzled layout below (a box
+//       starts at a multiple of BOX_TOKENS * 128 bytes: 1024-aligned when BOX_TOKENS >= 8).
+//       Lane 0 of producer warp 0 issues the HEAD_DIM / 64 K boxes and V boxes of each of the
+//       tile's pages (cp.async.bulk.tensor, completing bytes on the stage's `full` barrier,
+//       which it arms with the tile's bytes first), taking page p's id from lane p by a
+//       shuffle; a block id outside 0..num_blocks-1 (or -1 past the
+//       table) is outside the map and reads zeros. The tile holding kv_end (keys past it may
+//       be any bits in the pool, NaN included, and 0 * NaN would reach O through P V) goes
+//       the cp.async way, which zero-fills rows past kv_end.
+//     The block-table entries of a tile (TILE_PAGES of them) are read
 //     one tile ahead, spread over the lanes of each producer warp (PAGES_PER_LANE each), and
 //     handed to the copying lanes by shuffles: no table read waits on the copy path. Per stage
 //     it waits for the stage's `empty` barrier, issues the copies and then
 //     cp.async.mbarrier.arrive.noinc on the stage's `full` barrier (count: its 128 threads), so
 //     the barrier completes when the copies have landed and the producer never waits on them:
-//     all STAGES tiles can be in flight.
+//     all STAGES tiles can be in flight. On a TMA tile every producer thread arrives plainly
+//     instead (lane 0 with the expected bytes), so the count stays 128 for both kinds of tile.
 //   warpgroups 1, 2, the consumers (setmaxnreg up to CONSUMER_REGS), 64 rows each: Q by cp.async
 //     once; per tile j: wait `full`, fence.proxy.async (the cp.async writes came through the
 //     generic proxy, wgmma reads shared memory through the async proxy), then one "GEMM block":
@@ -44,11 +57,16 @@
 //
 // Compile-time constants (NVRTC -D): KV_BF16, HEAD_DIM (64|128|256), BLOCK_SIZE (power of two),
 // BN (KV tile tokens: 64 or 128), STAGES (2..3; the consumers hold two stages at a time, so 3
-// lets the producer run a tile ahead). Build for sm_90a (wgmma, setmaxnreg).
+// lets the producer run a tile ahead), KV_TMA (0|1, default 0). Build for sm_90a (wgmma,
+// setmaxnreg, cp.async.bulk.tensor).
 
 #if !defined(KV_BF16) || !defined(HEAD_DIM) || !defined(BLOCK_SIZE) || !defined(BN) || \
     !defined(STAGES)
 #error "paged_prefill_sm90.cu needs KV_BF16, HEAD_DIM, BLOCK_SIZE, BN and STAGES defined"
+#endif
+
+#ifndef KV_TMA
+#define KV_TMA 0
 #endif
 
 #include "decode_common.cuh"
@@ -66,13 +84,23 @@
 #define PSTEPS (BN / 16)             // k16 steps of O += P V
 #define S_REGS (BN / 2)              // S accumulators per thread (64 x BN over 128 threads)
 #define O_REGS (HEAD_DIM / 2)
-#define PRODUCER_REGS 40
-#define CONSUMER_REGS 232
+// Registers per thread: every warp starts with ENTRY_REGS (ptxas's allocation under
+// __launch_bounds__(384, 1): 65536 / 384 rounded down to 8); setmaxnreg.inc of the consumers
+// only takes what the producer's setmaxnreg.dec gave back, so the consumers' growth must fit
+// in the producer's release (static_assert below), else they wait forever.
+#define ENTRY_REGS 168
+// With TMA the producer holds both loads' state (at 40 ptxas spilled 8-40 bytes of it): 56 for
+// it, 224 for the consumers (no spill at any head dim either way).
+#define PRODUCER_REGS (KV_TMA ? 56 : 40)
+#define CONSUMER_REGS (KV_TMA ? 224 : 232)
 #define PROD_THREADS 128
 #define PROD_RPI (PROD_THREADS / CH)  // tile rows one pass of the producer covers
 // Block-table entries one KV tile spans (tiles start at multiples of BN), and per producer lane.
 #define TILE_PAGES (BLOCK_SIZE >= BN ? 1 : BN / BLOCK_SIZE)
 #define PAGES_PER_LANE ((TILE_PAGES + 31) / 32)
+// Tokens of one TMA box: a page, or the tile when a page holds more than a tile.
+#define BOX_TOKENS (BLOCK_SIZE >= BN ? BN : BLOCK_SIZE)
+#define BOX_BYTES (BOX_TOKENS * 128)
 
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM must be 64, 128 or 256");
 static_assert(BN == 64 || BN == 128, "BN must be 64 or 128");
@@ -81,7 +109,11 @@ static_assert(BN % PROD_RPI == 0 && STAGES >= 2 && STAGES <= 3, "tile shape");
 // A producer row's table entry sits in register (row / BLOCK_SIZE) / 32 of some lane; with
 // PROD_RPI dividing 32 * BLOCK_SIZE that index does not depend on the thread's first row.
 static_assert((32 * BLOCK_SIZE) % PROD_RPI == 0 && PROD_RPI <= 32, "page-id layout");
-static_assert(PROD_THREADS * PRODUCER_REGS + 2 * 128 * CONSUMER_REGS <= 65536, "register file");
+// TMA: a box must start on a swizzle atom (8 rows of 128 bytes), and warp 0's lanes cover the
+// tile's pages.
+static_assert(!KV_TMA || (BOX_TOKENS >= 8 && TILE_PAGES <= 32), "KV_TMA needs BLOCK_SIZE >= 8");
+static_assert(PROD_THREADS * (ENTRY_REGS - PRODUCER_REGS) >= 2 * 128 * (CONSUMER_REGS - ENTRY_REGS),
+              "the consumers' setmaxnreg.inc needs the registers the producer gives back");
 
 // Byte offset of (row, 16-byte chunk) in a swizzled tile of `rows` rows.
 __device__ __forceinline__ unsigned swz128(int rows, int row, int chunk) {
@@ -136,6 +168,24 @@ __device__ __forceinline__ int pick(const int (&pid)[N], int k) {
     for (int i = 1; i < N; ++i) v = k == i ? pid[i] : v;
     return v;
 }
+// The opaque 128-byte CUtensorMap the host encodes (cuTensorMapEncodeTiled), passed by value.
+struct alignas(64) TmaMap {
+    unsigned long long opaque[16];
+};
+// Arrival that also expects `bytes` more to land through complete_tx before the phase completes.
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+// One box of a 5-D tensor map -> shared memory at dst; its bytes complete on barrier bar.
+__device__ __forceinline__ void tma_load_5d(unsigned dst, const TmaMap* map, unsigned bar, int c0,
+                                            int c1, int c2, int c3, int c4) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4, %5, %6, %7}], [%2];"
+        :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1),
+           "r"(c2), "r"(c3), "r"(c4)
+        : "memory");
+}
 // Named barriers of the ping-pong (ids 3, 4; 256 threads: both consumer warpgroups).
 __device__ __forceinline__ void named_sync(int id) {
     asm volatile("bar.sync %0, 256;" :: "r"(id) : "memory");
@@ -159,7 +209,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_prefill_sm90(
     const int* __restrict__ block_tables, i64 bt_stride, int bt_width,
     const int* __restrict__ seq_lens, const int* __restrict__ qo_indptr,
     const int2* __restrict__ work, int total_q, int num_q_heads, int group, int gh,
-    int q_tile_tokens, int causal, float scale_log2) {
+    int q_tile_tokens, int causal, float scale_log2,
+    const __grid_constant__ TmaMap k_map, const __grid_constant__ TmaMap v_map, int layer) {
     const int2 item = work[blockIdx.x];
     const int seq = item.x;
     const int qt0 = item.y;
@@ -235,6 +286,29 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_prefill_sm90(
             if (j + 1 < n_tiles) load_pages(t0 + BN, pid);
             if (j >= STAGES) mbar_wait(s_bar + 8 * (STAGES + s), ((j / STAGES) - 1) & 1);
             const unsigned sk = s_kv + (unsigned)(s * STAGE_BYTES);
+            if (KV_TMA && t0 + BN <= kv_end) {
+                // Warp-uniform: the whole producer takes the same kind of tile.
+                if (warp == 0) {
+                    if (lane == 0) mbar_arrive_expect_tx(s_bar + 8 * s, STAGE_BYTES);
+                    else mbar_arrive(s_bar + 8 * s);
+                    const int tok = BLOCK_SIZE >= BN ? (t0 & (BLOCK_SIZE - 1)) : 0;
+#pragma unroll 1
+                    for (int p = 0; p < TILE_PAGES; ++p) {
+                        const int b = __shfl_sync(0xffffffffu, cur[0], p);  // page p's id
+                        if (lane == 0) {
+#pragma unroll
+                            for (int c = 0; c < HEAD_DIM / 64; ++c) {
+                                const unsigned at = sk + (unsigned)(p * BOX_BYTES + c * BN * 128);
+                                tma_load_5d(at, &k_map, s_bar + 8 * s, 64 * c, kvh, tok, layer, b);
+                                tma_load_5d(at + KV_TILE_BYTES, &v_map, s_bar + 8 * s, 64 * c, kvh, tok, layer, b);
+                            }
+                        }
+                    }
+                } else {
+                    mbar_arrive(s_bar + 8 * s);
+                }
+                continue;
+            }
 // 4 rows per step: fully unrolled, the compiler keeps every row's addresses live across the
 // tile loop and spills them out of the producer's PRODUCER_REGS.
 #pragma unroll 4

@@ -21,8 +21,8 @@ CASES = [  # (dtype, head_dim, Hq, Hkv, qo_lens, prefixes, causal)
 ]
 
 
-def run(kernel, pool, indptr, tables, lens, hq, q, causal):
-    with _tuning.override(prefill_kernel=kernel):
+def run(kernel, pool, indptr, tables, lens, hq, q, causal, tma=False):
+    with _tuning.override(prefill_kernel=kernel, prefill_tma=tma):
         plan = prefill_plan(pool, indptr, tables, lens, hq, causal=causal)
     return plan.run(q, 0), plan
 
@@ -59,31 +59,38 @@ def main() -> int:
         )
         dt = cp.asarray(tables)
         ref, _ = run("sm80", pool, indptr, dt, lens.astype(np.int32), hq, q, causal)
-        got, plan = run("sm90", pool, indptr, dt, lens.astype(np.int32), hq, q, causal)
-
-        def f64(x):
-            if dtype == "bfloat16":
-                return cp.asnumpy((x.astype(cp.uint32) << 16).view(cp.float32)).astype(np.float64)
-            return cp.asnumpy(x).astype(np.float64)
-
-        r, g = f64(ref), f64(got)
-        err = np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30)
-        line = (
-            f"{dtype} D{d} Hq{hq}/Hkv{hkv} qo{qo} prefix{pre} causal={causal} "
-            f"sm90={plan.variant.sm90} splits={plan.num_splits}: rel {err:.2e}"
-        )
-        if not np.isfinite(err) or err > 1e-2:
-            bad += 1
-            diff = np.abs(g - r)
-            tok_err = np.nanmax(diff, axis=(1, 2))
-            col_err = [float(np.nanmax(diff[..., c : c + 64])) for c in range(0, d, 64)]
-            line += f"\n   worst tokens {np.argsort(-np.nan_to_num(tok_err, nan=1e9))[:8].tolist()}"
-            line += (
-                f" nan {int(np.isnan(g).sum())}; by 64-col block {np.round(col_err, 3).tolist()}"
-            )
-            line += f"\n   first rows sm90 {g[0, 0, :4].round(3).tolist()} sm80 {r[0, 0, :4].round(3).tolist()}"
-        print(line, flush=True)
+        for tma in (False, True):
+            got, plan = run("sm90", pool, indptr, dt, lens.astype(np.int32), hq, q, causal, tma)
+            bad += _report(dtype, d, hq, hkv, qo, pre, causal, ref, got, plan)
     return 1 if bad else 0
+
+
+def _report(dtype, d, hq, hkv, qo, pre, causal, ref, got, plan) -> int:
+    """Prints the case's line; 1 when it differs by more than 1e-2, else 0."""
+
+    def f64(x):
+        if dtype == "bfloat16":
+            return cp.asnumpy((x.astype(cp.uint32) << 16).view(cp.float32)).astype(np.float64)
+        return cp.asnumpy(x).astype(np.float64)
+
+    r, g = f64(ref), f64(got)
+    err = np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30)
+    line = (
+        f"{dtype} D{d} Hq{hq}/Hkv{hkv} qo{qo} prefix{pre} causal={causal} "
+        f"sm90={plan.variant.sm90} tma={plan.variant.tma} splits={plan.num_splits}: "
+        f"rel {err:.2e}"
+    )
+    bad = 0
+    if not np.isfinite(err) or err > 1e-2:
+        bad = 1
+        diff = np.abs(g - r)
+        tok_err = np.nanmax(diff, axis=(1, 2))
+        col_err = [float(np.nanmax(diff[..., c : c + 64])) for c in range(0, d, 64)]
+        line += f"\n   worst tokens {np.argsort(-np.nan_to_num(tok_err, nan=1e9))[:8].tolist()}"
+        line += f" nan {int(np.isnan(g).sum())}; by 64-col block {np.round(col_err, 3).tolist()}"
+        line += f"\n   first rows sm90 {g[0, 0, :4].round(3).tolist()} sm80 {r[0, 0, :4].round(3).tolist()}"
+    print(line, flush=True)
+    return bad
 
 
 if __name__ == "__main__":

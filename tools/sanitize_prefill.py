@@ -1,6 +1,7 @@
 """A small prefill (mixed batch, causal and not, split and not, two block sizes) to run under
 compute-sanitizer memcheck and racecheck: the Ampere kernel, and on compute capability 9.0 the
-Hopper kernel too (_tuning's prefill_kernel forced to each)."""
+Hopper kernel too (_tuning's prefill_kernel forced to each), with cp.async and with TMA K/V
+loads (prefill_tma; both block sizes here are TMA pages)."""
 
 import cupy as cp
 import kvpool
@@ -27,11 +28,13 @@ for dtype, d, bs in (("float16", 128, 16), ("bfloat16", 64, 8)):
     if dtype == "float16":
         q = q.view(cp.float16)
     device_tables = cp.asarray(tables)
-    kernels = ("sm80", "sm90") if int(cp.cuda.Device().compute_capability) == 90 else ("sm80",)
-    for kernel in kernels:
+    kernels = [("sm80", False)]
+    if int(cp.cuda.Device().compute_capability) == 90:
+        kernels += [("sm90", False), ("sm90", True)]  # cp.async and TMA K/V loads
+    for kernel, tma in kernels:
         for causal in (True, False):
             for splits in (None, 1, 3):
-                with _tuning.override(prefill_kernel=kernel):
+                with _tuning.override(prefill_kernel=kernel, prefill_tma=tma):
                     plan = prefill_plan(
                         pool, indptr, device_tables, lens, 8, causal=causal, num_splits=splits
                     )

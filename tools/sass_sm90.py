@@ -55,32 +55,35 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, action="append")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--tma", action="store_true", help="the TMA-load modules (KV_TMA=1)")
     ap.add_argument("--sass", help="folder for the SASS listings")
     args = ap.parse_args()
     tool = _cuobjdump() if args.sass else None
     for d in args.head_dim or list(_build.HEAD_DIMS):
-        v = _build.sm90_prefill_variant(args.dtype, d, args.block_size)
+        v = _build.sm90_prefill_variant(args.dtype, d, args.block_size, args.tma)
         cubin, log = compile_variant(v)
         report = " | ".join(
             line.strip() for line in log.splitlines() if re.search(r"registers|spill|stack", line)
         )
         warn = [line for line in log.splitlines() if "warning" in line.lower()]
-        print(f"D={d} BN={v.kv_tile} bs={args.block_size}: {report}")
+        print(f"D={d} BN={v.kv_tile} bs={args.block_size} tma={int(v.tma)}: {report}")
         for line in warn:
             print(f"  {line.strip()}")
         if args.sass and tool:
             out = Path(args.sass)
             out.mkdir(parents=True, exist_ok=True)
-            cub = out / f"prefill_sm90_d{d}.cubin"
+            tag = f"d{d}{'_tma' if v.tma else ''}"
+            cub = out / f"prefill_sm90_{tag}.cubin"
             cub.write_bytes(cubin)
             sass = subprocess.run([tool, "-sass", str(cub)], capture_output=True, text=True).stdout
-            (out / f"prefill_sm90_d{d}.sass").write_text(sass)
+            (out / f"prefill_sm90_{tag}.sass").write_text(sass)
             counts = {
                 k: len(re.findall(pat, sass))
                 for k, pat in (
                     ("HGMMA", r"\bHGMMA\."),
                     ("LDG", r"\bLDG\."),
                     ("LDGSTS", r"\bLDGSTS"),
+                    ("UTMALDG", r"\bUTMALDG"),
                     ("SHFL", r"\bSHFL\."),
                     ("LDL/STL", r"\b(LDL|STL)\b"),
                     ("MUFU.EX2", r"MUFU\.EX2"),

@@ -109,14 +109,16 @@ def bench_shape(
     # Made once, outside the timed calls (like FlashInfer's plan below); it owns its split
     # workspace, and the timed call is the per-layer run.
     plan = prefill_plan(pool, indptr, tables_t, lens, hq)
-    # Both kernels, forced (the Hopper one only on compute capability 9.0), next to the default.
+    # Both kernels, forced (the Hopper one only on compute capability 9.0, with cp.async and
+    # with TMA K/V loads), next to the default.
     forced = {}
-    for kernel in ("sm80", "sm90"):
+    for kernel, tma in (("sm80", False), ("sm90", False), ("sm90", True)):
+        name = "sm90_tma" if tma else kernel
         try:
-            with _tuning.override(prefill_kernel=kernel):
-                forced[kernel] = prefill_plan(pool, indptr, tables_t, lens, hq)
+            with _tuning.override(prefill_kernel=kernel, prefill_tma=tma):
+                forced[name] = prefill_plan(pool, indptr, tables_t, lens, hq)
         except Exception as e:
-            forced[kernel] = f"{type(e).__name__}: {e}"[:300]
+            forced[name] = f"{type(e).__name__}: {e}"[:300]
     flops = causal_flops(num_seqs, qo, prefix, hq, d)
     row = {
         "shape": label,
@@ -132,7 +134,7 @@ def bench_shape(
         "num_items": plan.work.num_items,
         "rows_per_cta": plan.rows_per_cta,
         "num_splits": plan.num_splits,
-        "kernel": "sm90" if plan.variant.sm90 else "sm80",
+        "kernel": ("sm90_tma" if plan.variant.tma else "sm90") if plan.variant.sm90 else "sm80",
     }
     reps = 4 if quick else 10
 
@@ -272,6 +274,28 @@ def _finish(row):
     return row
 
 
+def _write_doc(args, prov, dense, rows):
+    try:
+        import flashinfer
+
+        fi_version = flashinfer.__version__
+    except Exception as e:
+        fi_version = f"not run ({type(e).__name__})"
+    doc = {
+        "benchmark": "paged prefill attention, causal, TFLOP/s of causal FLOPs",
+        "provenance": prov,
+        "grid": args.grid,
+        "head_dims": list(args.head_dims),
+        "groups": list(args.groups),
+        "flashinfer": fi_version,
+        "dense_matmul_tflops": {k: round(v, 1) for k, v in dense.items()},
+        "rows": rows,
+    }
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    return doc
+
+
 def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="the JSON to write")
@@ -313,27 +337,11 @@ def main(argv: list[str] | None = None):
         print(
             f"{label:>22} {dtype:8} D{d} Hq{hq} ours {r.get('kvpool_tflops')} TF/s "
             f"({r.get('kernel')}; sm80 {r.get('kvpool_sm80_tflops')} sm90 "
-            f"{r.get('kvpool_sm90_tflops')}) fa2 {r.get('flashinfer_fa2_tflops')} fa3 "
+            f"{r.get('kvpool_sm90_tflops')} sm90_tma {r.get('kvpool_sm90_tma_tflops')}) fa2 {r.get('flashinfer_fa2_tflops')} fa3 "
             f"{r.get('flashinfer_fa3_tflops')} sdpa flash {r.get('sdpa_flash_tflops')} cudnn "
             f"{r.get('sdpa_cudnn_tflops')} x fa2 {r.get('speedup_vs_fa2')}",
             flush=True,
         )
-    try:
-        import flashinfer
-
-        fi_version = flashinfer.__version__
-    except Exception as e:
-        fi_version = f"not run ({type(e).__name__})"
-    doc = {
-        "benchmark": "paged prefill attention, causal, TFLOP/s of causal FLOPs",
-        "provenance": prov,
-        "grid": args.grid,
-        "head_dims": list(args.head_dims),
-        "groups": list(args.groups),
-        "flashinfer": fi_version,
-        "dense_matmul_tflops": {k: round(v, 1) for k, v in dense.items()},
-        "rows": rows,
-    }
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+        # Written again after every row: a run cut short by its time limit keeps its rows.
+        doc = _write_doc(args, prov, dense, rows)
     print(f"dense matmul TFLOP/s: {doc['dense_matmul_tflops']}")

@@ -49,6 +49,7 @@ __all__ = [
     "cuda_available",
     "dlpack_as",
     "kernel_sources",
+    "tensor_map_tiled",
 ]
 
 MAX_NUM_BLOCKS: int
@@ -101,6 +102,14 @@ def dlpack_as(
     dl_device: tuple[int, int] | None = None,
     copy: bool | None = None,
 ) -> Any: ...
+def tensor_map_tiled(
+    global_address: int,
+    dtype: str,
+    dims: list[int],
+    strides_bytes: list[int],
+    box_dims: list[int],
+    swizzle_bytes: int,
+) -> bytes: ...
 
 @final
 class KvLayout:

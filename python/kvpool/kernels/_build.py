@@ -429,13 +429,20 @@ SM90_BN = {64: 128, 128: 128, 256: 64}
 SM90_STAGES = {64: 3, 128: 3, 256: 2}
 SM90_ARCH = "sm_90a"
 SM90_PREFILL_DEFAULT = True
+# The Hopper prefill's K/V loads (KV_TMA in the .cu): TMA per page through two tensor maps over
+# the pool (kvpool._core.tensor_map_tiled), for pages of at least SM90_TMA_MIN_BLOCK tokens (a
+# box must start on a 1024-byte swizzle atom); smaller pages, and every module while
+# SM90_TMA_DEFAULT is False, gather with cp.async. _tuning's prefill_tma chooses per plan.
+SM90_TMA_MIN_BLOCK = 8
+SM90_TMA_DEFAULT = False
 
 
 @dataclass(frozen=True)
 class PrefillVariant:
     """A compiled prefill module (the query-head tile and causality are run-time arguments).
     An fp8 cache dtype also names the query dtype `q_dtype` (float16 or bfloat16). `sm90`: the
-    Hopper module (warps SM90_WARPS, 16-bit caches only)."""
+    Hopper module (warps SM90_WARPS, 16-bit caches only); `tma`: its K/V loads by TMA
+    (block_size >= SM90_TMA_MIN_BLOCK)."""
 
     dtype: str
     head_dim: int
@@ -444,10 +451,15 @@ class PrefillVariant:
     q_dtype: str | None = None
     fp8_async: bool = False  # KV_FP8_ASYNC (fp8 caches only)
     sm90: bool = False
+    tma: bool = False
 
     def __post_init__(self) -> None:
         if self.sm90 and (self.dtype not in DTYPES or self.warps != SM90_WARPS):
             raise ValueError(f"{self}: the sm90 prefill takes 16-bit caches and {SM90_WARPS} warps")
+        if self.tma and (not self.sm90 or self.block_size < SM90_TMA_MIN_BLOCK):
+            raise ValueError(
+                f"{self}: TMA loads are the sm90 prefill's, for block_size >= {SM90_TMA_MIN_BLOCK}"
+            )
 
     @property
     def source(self) -> str:
@@ -519,6 +531,7 @@ class PrefillVariant:
                 f"-DBLOCK_SIZE={self.block_size}",
                 f"-DBN={self.kv_tile}",
                 f"-DSTAGES={SM90_STAGES[self.head_dim]}",
+                f"-DKV_TMA={int(self.tma)}",
             )
         fp8 = FP8_DTYPES.get(self.dtype, 0)
         fp8_opts = (f"-DKV_FP8={fp8}", f"-DQ_BF16={int(self.q_dtype == 'bfloat16')}") + (
@@ -538,17 +551,30 @@ class PrefillVariant:
         )
 
 
-def sm90_prefill_variant(dtype: str, head_dim: int, block_size: int) -> PrefillVariant:
-    return PrefillVariant(dtype, head_dim, block_size, SM90_WARPS, sm90=True)
+def sm90_prefill_variant(
+    dtype: str, head_dim: int, block_size: int, tma: bool = False
+) -> PrefillVariant:
+    """The Hopper module; `tma` asks for TMA loads, which pages under SM90_TMA_MIN_BLOCK
+    tokens do not take (they get the cp.async module)."""
+    tma = tma and block_size >= SM90_TMA_MIN_BLOCK
+    return PrefillVariant(dtype, head_dim, block_size, SM90_WARPS, sm90=True, tma=tma)
 
 
 def sm90_prefill_variants() -> list[PrefillVariant]:
     """The Hopper prefill modules CI compiles (for sm_90a only): both dtypes and head dims at
-    block size 16, and the smallest and largest block size at head_dim 128."""
-    main = [sm90_prefill_variant(dt, hd, 16) for dt in DTYPES for hd in HEAD_DIMS]
+    block size 16 with cp.async and with TMA loads, the smallest and largest block size at
+    head_dim 128, and the TMA modules at the smallest TMA page and at the largest."""
+    main = [
+        sm90_prefill_variant(dt, hd, 16, tma)
+        for dt in DTYPES
+        for hd in HEAD_DIMS
+        for tma in (False, True)
+    ]
     edges = [
-        sm90_prefill_variant("float16", 128, bs)
-        for bs in (PREFILL_BLOCK_SIZES[0], PREFILL_BLOCK_SIZES[-1])
+        sm90_prefill_variant("float16", 128, bs, tma)
+        for bs in (PREFILL_BLOCK_SIZES[0], SM90_TMA_MIN_BLOCK, PREFILL_BLOCK_SIZES[-1])
+        for tma in (False, True)
+        if tma or bs != SM90_TMA_MIN_BLOCK
     ]
     return main + edges
 
@@ -623,7 +649,7 @@ def sm90_sources() -> list[tuple[str, str, tuple[str, ...]]]:
     SM90_ARCH only; all_sources' modules are built for every architecture)."""
     return [
         (
-            f"{v.kernel}[{v.dtype},{v.head_dim},{v.block_size}]",
+            f"{v.kernel}[{v.dtype},{v.head_dim},{v.block_size}{',tma' if v.tma else ''}]",
             read_source(v.source),
             (*v.options(), "-ftz=true"),
         )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import threading
 from typing import Any
@@ -53,6 +54,7 @@ from kvpool.kernels._launch import (
 )
 from kvpool.kernels._prefill_args import (
     SM80_ONLY,
+    SM90_ONLY,
     PrefillArgs,
     PrefillFp8Args,
     PrefillMergeArgs,
@@ -302,7 +304,9 @@ class PrefillPlan:
                 "or sinks; those run on the 'sm80' kernel (the default picks it)"
             )
         if sm90 and tuning.prefill_rows_per_cta is None:
-            wide = _build.sm90_prefill_variant(info.dtype, info.head_dim, info.block_size)
+            wide = _build.sm90_prefill_variant(
+                info.dtype, info.head_dim, info.block_size, tuning.prefill_tma
+            )
             if tuning.prefill_kernel == "sm90":  # the test knob: its tiles wherever it can
                 rows = wide.rows
             else:
@@ -586,6 +590,9 @@ class _Launch:
             window=plan.window,
             attn_chunk=plan.chunk,
             sinks=0,
+            # Encoded once here (host only, nothing queued); a run rewrites only the layer.
+            **_kv_tensor_maps(info, variant),
+            layer=0,
         )
         self.fp8 = fp8
         if fp8:
@@ -596,7 +603,7 @@ class _Launch:
         else:
             self.args = fill_args(PrefillArgs, **fields)
         sm90 = variant.source != "paged_prefill.cu"
-        self.params = param_block(self.args, SM80_ONLY if sm90 else ())
+        self.params = param_block(self.args, SM80_ONLY if sm90 else SM90_ONLY)
         self.margs = fill_args(
             PrefillMergeArgs,
             part_o=part_o,
@@ -619,6 +626,7 @@ class _Launch:
         a = self.args
         a.sinks = self.margs.sinks = sinks
         a.q, a.out, a.k_base, a.v_base = q_ptr, out_ptr, k_base, k_base + info.strides["kv"]
+        a.layer = layer
         if self.fp8:
             a.k_scale, a.v_scale = plan.scales.ptrs(layer)  # type: ignore[union-attr]
         heads = info.num_kv_heads * (plan.group // w.head_tile)
@@ -628,6 +636,49 @@ class _Launch:
             self.margs.out = out_ptr
             grid = (w.total_q, plan.num_q_heads, 1)
             launch(self.merge, grid, info.head_dim, 0, plan.stream, self.mparams)
+
+
+@dataclasses.dataclass(frozen=True)
+class KvMapSpec:
+    """One tensor map of the Hopper prefill's TMA loads: the tensor_map_tiled arguments."""
+
+    global_address: int
+    dims: list[int]
+    strides_bytes: list[int]
+    box_dims: list[int]
+
+
+def kv_map_specs(info: PoolInfo, kv_tile: int) -> dict[str, KvMapSpec]:
+    """The maps of paged_prefill_sm90.cu's TMA loads (KV_TMA), "k_map" and "v_map": over the
+    whole pool, 5-D (head_dim, KV head, token in block, layer, block) from the layout's
+    strides, K at the pool's base and V one "kv" stride on; boxes of 64 columns (128 bytes,
+    the 128-byte swizzle of the tiles) x one page (or one tile of kv_tile tokens, when a page
+    holds more). Block ids outside the pool are outside the maps: they read zeros."""
+    st = info.strides
+    dims = [info.head_dim, info.num_kv_heads, info.block_size, info.num_layers, info.num_blocks]
+    strides = [st["head"], st["token"], st["layer"], st["block"]]
+    box = [64, 1, min(info.block_size, kv_tile), 1, 1]
+    return {
+        name: KvMapSpec(address, dims, strides, box)
+        for name, address in (("k_map", info.base_ptr), ("v_map", info.base_ptr + st["kv"]))
+    }
+
+
+def _kv_tensor_maps(info: PoolInfo, variant: _build.PrefillVariant) -> dict[str, Any]:
+    """PrefillArgs' k_map and v_map: the encoded kv_map_specs for a TMA module, zeros for the
+    other modules (which read none)."""
+    words = ctypes.c_uint64 * 16
+    if not variant.tma:
+        return {"k_map": words(), "v_map": words()}
+    from kvpool._core import tensor_map_tiled
+
+    maps = {}
+    for name, m in kv_map_specs(info, variant.kv_tile).items():
+        raw = tensor_map_tiled(
+            m.global_address, info.dtype, m.dims, m.strides_bytes, m.box_dims, 128
+        )
+        maps[name] = words.from_buffer_copy(raw)
+    return maps
 
 
 def _on_device(a: Any) -> bool:

@@ -1,4 +1,5 @@
-"""The prefill kernels' parameter blocks (cuda/paged_prefill.cu), in order."""
+"""The prefill kernels' parameter blocks (cuda/paged_prefill.cu, cuda/paged_prefill_sm90.cu),
+in order."""
 
 from __future__ import annotations
 
@@ -43,11 +44,17 @@ class PrefillArgs(ctypes.Structure):
         ("window", _i32),
         ("attn_chunk", _i32),
         ("sinks", _u64),
+        # paged_prefill_sm90.cu only (SM90_ONLY): the TMA maps of the pool's K and V (128
+        # bytes each, by value; zeros for its cp.async modules, which read none) and the layer.
+        ("k_map", _u64 * 16),
+        ("v_map", _u64 * 16),
+        ("layer", _i32),
     ]
 
 
-# PrefillArgs fields paged_prefill.cu has and paged_prefill_sm90.cu does not.
+# PrefillArgs fields paged_prefill.cu has and paged_prefill_sm90.cu does not, and the reverse.
 SM80_ONLY = ("first_page", "window", "attn_chunk", "sinks")
+SM90_ONLY = ("k_map", "v_map", "layer")
 
 
 class PrefillFp8Args(ctypes.Structure):

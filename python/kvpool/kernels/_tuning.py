@@ -1,5 +1,5 @@
 """Knobs for tests and benchmark sweeps, not for users: which decode kernel runs, the prefill
-CTA's query rows, which prefill kernel runs (Ampere or Hopper), the fp8 decode's warps / stages /
+CTA's query rows, which prefill kernel runs (Ampere or Hopper) and how the Hopper one loads K/V, the fp8 decode's warps / stages /
 fill and the fp8 prefill's loads.
 
 A plan reads the knobs when it is made (decode_plan, prefill_plan, and the one-call forms,
@@ -35,13 +35,15 @@ class Tuning:
     baseline with cp.async stages / register loads. prefill_rows_per_cta: None chooses per batch
     (64 query rows, or 16 when most of 64 would be padding); 64 or 16 forces it. fp8_decode: the
     fp8 decode modules' warps, stages and plan fill. fp8_prefill_async: fp8 prefill modules load
-    K/V with cp.async into fp8 staging tiles."""
+    K/V with cp.async into fp8 staging tiles. prefill_tma: the Hopper prefill loads K/V pages
+    by TMA (pages of at least _build.SM90_TMA_MIN_BLOCK tokens; smaller ones keep cp.async)."""
 
     decode_pipeline: int = _build.TC
     prefill_rows_per_cta: int | None = None
     prefill_kernel: str = "auto"
     fp8_decode: _build.Fp8DecodeTuning = _build.FP8_DECODE_DEFAULT
     fp8_prefill_async: bool = _build.FP8_PREFILL_ASYNC_DEFAULT
+    prefill_tma: bool = _build.SM90_TMA_DEFAULT
 
     def __post_init__(self) -> None:
         if self.decode_pipeline not in (0, 1, _build.TC) or isinstance(self.decode_pipeline, bool):
@@ -54,6 +56,8 @@ class Tuning:
             raise ValueError("fp8_decode must be a _build.Fp8DecodeTuning")
         if not isinstance(self.fp8_prefill_async, bool):
             raise ValueError("fp8_prefill_async must be a bool")
+        if not isinstance(self.prefill_tma, bool):
+            raise ValueError("prefill_tma must be a bool")
 
 
 DEFAULT = Tuning()

@@ -24,6 +24,8 @@
 //! depends on the allocator, the slabs, `prefix_cache` and `block_copy`; `tables` on `pool`;
 //! `tier` on `tables`; `prefix_cache` and `block_copy` on no pool, table or tier.
 //! - `driver` (feature `cuda`): probing the CUDA driver, and owning wrappers of its objects.
+//! - [`tensor_map`]: TMA tensor maps (`cuTensorMapEncodeTiled`, checked before the driver is
+//!   asked) for the Hopper kernels' bulk copies.
 //!
 //! Every fallible call returns [`CoreError`] and changes nothing when it fails.
 
@@ -42,6 +44,7 @@ mod ref_counts;
 pub mod slab;
 mod sync;
 pub mod tables;
+pub mod tensor_map;
 mod thread_cache;
 pub mod tier;
 mod zeroed;

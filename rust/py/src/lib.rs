@@ -15,6 +15,7 @@ mod pool;
 mod prefix;
 mod stream;
 mod tables;
+mod tensor_map;
 mod tier;
 mod view;
 
@@ -43,6 +44,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_sources::kernel_sources, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::dlpack_as, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_map::tensor_map_tiled, m)?)?;
     prefix::register(m)?;
     evicted::register(m)?;
     errors::register(m)?;
