@@ -235,7 +235,7 @@ impl EvictionStage {
                 let bytes = unsafe {
                     std::slice::from_raw_parts(self.slot_ptr(slot) as *const u8, self.block_bytes)
                 };
-                crate::pool::checksum::crc32c(bytes)
+                crate::pool::crc::crc32c(bytes)
             })
             .collect())
     }
@@ -323,10 +323,7 @@ mod tests {
         unsafe { stage.capture(src.as_ptr() as u64, &[(1, h(1)), (2, h(2))]) };
         let taken = stage.take(1);
         assert_eq!(taken, [(taken[0].0, h(1))]);
-        assert_eq!(
-            stage.checksums(&[taken[0].0]).unwrap(),
-            [crate::pool::checksum::crc32c(&[1; 8])]
-        );
+        assert_eq!(stage.checksums(&[taken[0].0]).unwrap(), [crate::pool::crc::crc32c(&[1; 8])]);
         // Two more into a stage whose one slot left is filled: it is overwritten, then the
         // next block finds every slot taken or just filled and drops the oldest filled one.
         // SAFETY: as above.
@@ -337,10 +334,7 @@ mod tests {
         // SAFETY: as above.
         unsafe { stage.capture(src.as_ptr() as u64, &[(0, h(0))]) };
         assert_eq!(stage.stats().dropped, 2, "every slot taken: the new block is dropped");
-        assert_eq!(
-            stage.checksums(&[taken[0].0]).unwrap(),
-            [crate::pool::checksum::crc32c(&[1; 8])]
-        );
+        assert_eq!(stage.checksums(&[taken[0].0]).unwrap(), [crate::pool::crc::crc32c(&[1; 8])]);
         let before = stage.stats();
         assert!(stage.release(&[taken[0].0, taken[0].0]).is_err(), "named twice");
         assert!(stage.release(&[taken[0].0, 7]).is_err(), "not a slot");

@@ -24,6 +24,7 @@
 //! caller can allocate past a growable pool's growth path.
 
 mod checksum;
+mod crc;
 #[cfg(feature = "cuda")]
 mod device;
 mod evicted;
