@@ -686,13 +686,15 @@ def hybrid_attention(
     how = Attention(scale, sliding_window, s_aux, softcap)
     step = kvpool_hybrid_step
     if step is None:
-        cache = take_active(layer)
+        cache: Any = take_active(layer)  # a HybridKvpoolCache (hybrid_cache imports this module)
         if cache is None or not hasattr(cache, "attend_hybrid"):
             raise kvpool.InvalidArgumentError(
                 "attn_implementation='kvpool_hybrid' needs a hybrid step: run the model through "
                 "kvpool.integrations.hybrid_models.HybridTransformersRunner, or pass "
                 "past_key_values=kvpool.integrations.hybrid_cache.HybridKvpoolCache(...)"
             )
+        if cache.layer_kinds[layer] == "mla_latent":  # its latents came through update
+            return cache.attend_mla(module, layer, query, scale), None
         out = cache.attend_hybrid(layer, query, key, value, how, kwargs.get("position_ids"))
         return out, None
     if query.shape[0] != 1:
