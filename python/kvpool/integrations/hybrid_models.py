@@ -793,7 +793,8 @@ class HybridTransformersRunner:
     pool of the spec's pages on the model's device (`kvpool.Pool.for_spec(runner.spec, n,
     device="host")` for a model on the CPU, `device="cuda"` for one on the GPU).
     spec defaults to spec_for_model(model); a given one must hold the model (check_spec).
-    The model attends with "kvpool_hybrid" only inside the runner's forwards."""
+    The model attends with "kvpool_hybrid" only inside the runner's forwards. With CUDA
+    graphs of the decode step: kvpool.integrations.hybrid_graphs.HybridGraphsRunner."""
 
     def __init__(self, model: Any, pool: Pool, spec: ModelKvSpec | None = None) -> None:
         check_model(model)
