@@ -18,8 +18,8 @@ hybrid_models.md, "On the GPU").
 - `model.generate` with HybridKvpoolCache (all four: DeepSeek-V3's latents through the cache's
   update, Qwen3-Next's states through its slots) against the default cache.
 - CUDA graphs of the hybrid decode step (gpt-oss bf16): every replay equal to the same step run
-  eagerly on the graph's buffers, and within the bf16 bound of the runner's eager step; a
-  graph whose full-group seq_lens are one short fails that bound.
+  eagerly on the graph's buffers, and within GRAPH_BOUND of the runner's eager step; a graph
+  whose full-group seq_lens are one short fails that bound.
 - Continuous batching of 100 ragged requests in a pool too small for them at once: every
   request complete, every page and state slot back, every token the model's own choice.
 
@@ -509,18 +509,23 @@ def test_model_generate_with_the_hybrid_cache(name, dtype):
 # --- CUDA graphs of the hybrid decode step -----------------------------------------------
 
 
+# Relative logit difference allowed between a graph and the runner's eager step: a seventh of
+# the bf16 teacher-forced bound measured for this model (0.14), no measured figure behind it.
+GRAPH_BOUND = 0.02
+
+
 def test_cuda_graphs_of_the_hybrid_decode_step(monkeypatch):
     """gpt-oss bf16 (window 32 and full layers, sinks, 16-token pages), 3 ragged sequences
     prefilled, then 48 teacher-forced decode steps (windows slide, tables cross pages and
     width buckets), the third sequence leaving after 24 (a second batch shape). Per step: the
     graph's replay equals the same buffers and plans run eagerly (bitwise), and is within
-    the bf16 bound of the runner's own eager step (other split of the keys: last bits).
-    Mutation: the full group's seq_lens loaded one short fail that bound."""
+    GRAPH_BOUND of the runner's own eager step (the same GEMM shapes; the decode plans split
+    the keys by another max_seq_len). Mutation: the full group's seq_lens loaded one short
+    fail that bound."""
     from kvpool.integrations import hybrid_graphs as hg
 
-    model, model32 = build("gpt-oss", torch.bfloat16)
-    _, noise = errors(model, model32)
-    bound = bound_of(torch.bfloat16, noise)
+    model, _ = build("gpt-oss", torch.bfloat16)
+    bound = GRAPH_BOUND
     spec = hm.spec_for_model(model)
     pool = kvpool.Pool.for_spec(spec, 256, device="cuda")
     runner = hg.HybridGraphsRunner(model, pool, spec, max_graph_batch=8)

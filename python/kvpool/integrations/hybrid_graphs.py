@@ -14,7 +14,8 @@ rounded up to a power of two):
   seq_len), seq_lens (key_end) and first_page, in one int32 buffer (PackedLayout) that each
   replay overwrites with one copy from pinned memory, on the stream the replay runs on.
 - A step (`HybridStep`) whose slots and decode tables are those buffers, and whose decode
-  plans, made in the warm-up with max_seq_len = width x block_size (the table's capacity),
+  plans, made in the warm-up with a fixed max_seq_len (a full table's capacity, width x
+  block_size; a window group's window + the kernel's tile slack, what its rows read at most),
   own their workspaces and merge counters on the capture stream and are kept with the graph.
 - No padding rows: a shape is n exactly, so no row writes K/V that is not a request's (a
   padded row would need a page of its own to write into).
@@ -45,6 +46,7 @@ from kvpool.integrations.hybrid_models import (
 )
 from kvpool.integrations.packed_upload import PackedLayout, PinnedStaging
 from kvpool.integrations.transformers import sample
+from kvpool.kernels._window import WINDOW_SLACK
 
 
 def _bucket(width: int) -> int:
@@ -95,8 +97,17 @@ class GraphStep:
         for k, (g, w) in enumerate(zip(self.group_ids, widths)):
             pages, offsets, table, lens, first = views[2 + 5 * k : 7 + 5 * k]
             self.step._slots[g] = (pages, offsets)
-            bs = int(runner.spec.block_size(g))
-            self.step._decode_tables[g] = (table, lens, first, w * bs)
+            self.step._decode_tables[g] = (table, lens, first, self._max_seq_len(g, w))
+
+    def _max_seq_len(self, group: int, width: int) -> int:
+        """The decode plan's max_seq_len, which sizes its split of the keys: a full table's
+        capacity (width x block_size) bounds every seq_len it holds; a window table's rows
+        read at most the window's keys (+ the tile slack) whatever their seq_len, which is
+        what the plan covers for any longer context (kvpool.kernels._window)."""
+        g = self.runner.spec.groups[group]
+        if g.kind == "full":
+            return width * int(self.runner.spec.block_size(group))
+        return int(g.window) + WINDOW_SLACK
 
     def load(self, batch: HybridStepBatch) -> None:
         """The step's rows into the buffers (one copy from pinned memory on a CUDA runner)."""
