@@ -457,8 +457,9 @@ def test_model_generate_with_the_hybrid_cache(name, dtype):
     """A left-padded batch of 4 ragged prompts, 60 new tokens (far past the window of 32),
     against the default cache. float32: the same tokens and every step's logits within
     BOUND32. bfloat16: the same tokens up to the first step where the default cache's top
-    two logits are within 2% of the row's largest (a near-tie either side may take), every
-    step's logits before it within the bfloat16 bound's 2% slack."""
+    two logits are closer than max(2%, twice the row's largest logit error so far) of the
+    row's largest logit (a near-tie: errors that large let either side take it), every
+    step's logits before it within 0.5 relative."""
     from kvpool.integrations.hybrid_cache import HybridKvpoolCache
 
     model, _ = build(name, dtype)
@@ -485,23 +486,29 @@ def test_model_generate_with_the_hybrid_cache(name, dtype):
     width = ids.shape[1]
     worst, compared = 0.0, 0
     tie = 0.02 if dtype == torch.bfloat16 else 0.0
+    parted = []
     for i in range(len(prompts)):
+        row_worst = 0.0
         for step in range(new):
             a, b = out.logits[step][i].float(), ref.logits[step][i].float()
             scale = float(b.abs().max())
             err = float((a - b).abs().max()) / scale
-            worst = max(worst, err)
+            worst, row_worst = max(worst, err), max(row_worst, err)
             compared += 1
             assert err <= (BOUND32 if dtype == torch.float32 else 0.5), (i, step, err)
             top2 = torch.topk(b, 2).values
             if out.sequences[i, width + step] != ref.sequences[i, width + step]:
-                assert float(top2[0] - top2[1]) <= tie * scale, (i, step)
+                gap = float(top2[0] - top2[1]) / scale
+                allowed = max(tie, 2 * row_worst) if tie else 0.0
+                parted.append({"row": i, "step": step, "gap_rel": gap, "allowed": allowed})
                 break  # the rows part after a near-tie
     REPORT[f"generate_cache_{name}_{str(dtype)[6:]}"] = {
         "max_rel_err_per_step": worst,
         "rows_steps_compared": compared,
         "same_tokens": bool(torch.equal(out.sequences, ref.sequences)),
+        "rows_parted_at_near_ties": parted,
     }
+    assert all(p["gap_rel"] <= p["allowed"] for p in parted), parted
     if dtype == torch.float32:
         assert torch.equal(out.sequences, ref.sequences)
 
