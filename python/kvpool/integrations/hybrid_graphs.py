@@ -176,8 +176,10 @@ class HybridDecodeGraphs:
     first step of that shape."""
 
     def __init__(self, runner: Any, max_batch: int) -> None:
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"max_graph_batch must be an int >= 1, got {max_batch!r}")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int):
+            raise TypeError(f"max_graph_batch must be an int, got {type(max_batch).__name__}")
+        if max_batch < 1:
+            raise kvpool.InvalidArgumentError(f"max_graph_batch must be >= 1, got {max_batch}")
         self.runner, self.max_batch = runner, max_batch
         self.stream = torch.cuda.Stream(runner.device)
         self.mempool = torch.cuda.graph_pool_handle()
