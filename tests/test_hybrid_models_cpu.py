@@ -488,17 +488,6 @@ def test_deepseek_v3_latents_without_their_rope_part_fail_the_bound(mla_model, m
     assert err > 10 * BOUND
 
 
-def test_the_hybrid_cache_refuses_mla_and_state_models(mla_model, state_model):
-    from kvpool.integrations.hybrid_cache import HybridKvpoolCache
-
-    for model, kind in ((mla_model, "mla_latent"), (state_model, "recurrent_state")):
-        spec = spec_of(model)
-        pool = kvpool.Pool.for_spec(spec, 8, device="host")
-        with pytest.raises(hm.UnsupportedModelError, match=kind):
-            HybridKvpoolCache(model, pool, max_batch_size=1, spec=spec)
-        assert pool.num_used == 0
-
-
 def test_deepseek_v3_generates_as_model_generate_in_a_small_pool(mla_model):
     """Greedy generate(spec=) equal to model.generate, in a pool that holds a few of the
     requests at a time (preemptions), nothing leaked."""
@@ -747,10 +736,11 @@ def _cache_generate(model, pool, spec, ids, mask, new, **kw):
     return out, released
 
 
-def test_model_generate_with_the_hybrid_cache_matches_the_default_cache(model):
-    """A left-padded batch of 3 ragged prompts, 30 new tokens (far past the window): the same
-    tokens as the model's own cache and attention, every step's logits within BOUND, and an
-    EOS that ends a row early releases its pages."""
+def generate_against_default(model, new=30):
+    """model.generate on a left-padded batch of 3 ragged prompts, `new` tokens, with the
+    model's own cache and attention and with HybridKvpoolCache, an EOS (row 0's token at
+    step 20) ending rows early. Returns (the sequences equal, the largest relative logit
+    error of a row still running, the rows released at EOS, the rows that emitted it)."""
     from hf_common import left_padded
 
     rng = np.random.default_rng(3)
@@ -760,7 +750,7 @@ def test_model_generate_with_the_hybrid_cache_matches_the_default_cache(model):
         ref = model.generate(
             ids,
             attention_mask=mask,
-            max_new_tokens=30,
+            max_new_tokens=new,
             do_sample=False,
             return_dict_in_generate=True,
             output_logits=True,
@@ -771,7 +761,7 @@ def test_model_generate_with_the_hybrid_cache_matches_the_default_cache(model):
         ref = model.generate(
             ids,
             attention_mask=mask,
-            max_new_tokens=30,
+            max_new_tokens=new,
             do_sample=False,
             eos_token_id=eos,
             pad_token_id=(eos + 1) % VOCAB,
@@ -781,17 +771,96 @@ def test_model_generate_with_the_hybrid_cache_matches_the_default_cache(model):
     spec = spec_of(model)
     pool = kvpool.Pool.for_spec(spec, 96, device="host")
     out, released = _cache_generate(
-        model, pool, spec, ids, mask, 30, eos_token_id=eos, pad_token_id=(eos + 1) % VOCAB
+        model, pool, spec, ids, mask, new, eos_token_id=eos, pad_token_id=(eos + 1) % VOCAB
     )
-    assert torch.equal(out.sequences, ref.sequences)
     done = {i for i in range(3) if eos in ref.sequences[i, width:].tolist()}
-    assert 0 in done and released == done
+    worst = 0.0
     for step, (a, b) in enumerate(zip(out.logits, ref.logits)):
         for i in range(3):
             ended = eos in ref.sequences[i, width : width + step].tolist()
             if not ended:  # a finished row's logits are padding's, never read
-                err = float((a[i] - b[i]).abs().max() / b[i].abs().max())
-                assert err <= BOUND, (step, i, err)
+                worst = max(worst, float((a[i] - b[i]).abs().max() / b[i].abs().max()))
+    same = out.sequences.shape == ref.sequences.shape and torch.equal(out.sequences, ref.sequences)
+    return same, worst, released, done
+
+
+def _assert_generate_matches(model, name):
+    same, worst, released, done = generate_against_default(model)
+    print(f"{name}: model.generate with HybridKvpoolCache, max relative logit error {worst:.3g}")
+    assert same
+    assert worst <= BOUND
+    assert 0 in done and released == done
+
+
+def test_model_generate_with_the_hybrid_cache_matches_the_default_cache(model):
+    """A left-padded batch of 3 ragged prompts, 30 new tokens (far past the window): the same
+    tokens as the model's own cache and attention, every step's logits within BOUND, and an
+    EOS that ends a row early releases its pages."""
+    _assert_generate_matches(model, model.config.model_type)
+
+
+def test_deepseek_v3_model_generate_with_the_hybrid_cache(mla_model):
+    """DeepSeek-V3's latents written by the cache's update at the step's slots, attended
+    absorbed over the pages: generate's tokens and logits as its own DynamicCache and SDPA."""
+    _assert_generate_matches(mla_model, "deepseek_v3")
+
+
+def test_qwen3_next_model_generate_with_the_hybrid_cache(state_model):
+    """Qwen3-Next's Gated DeltaNet states in kvpool's slots between forwards (loaded before
+    each state layer, stored after), its full layers paged: as its own DynamicCache."""
+    _assert_generate_matches(state_model, "qwen3_next")
+
+
+def _drop_key_one(monkeypatch):
+    """A cache that drops one position: no query attends to the key at position 1."""
+    real = hm._GroupGather.__init__
+
+    def dropped(self, gs, batch, window, device):
+        real(self, gs, batch, window, device)
+        bs, seq = gs.block_size, batch.token_seq
+        key = np.arange(gs.page_ids.shape[1] * bs)
+        pos = gs.key_start[seq][:, None] + key[None, :]
+        self.seen &= torch.from_numpy(pos != 1).to(device)
+
+    monkeypatch.setattr(hm._GroupGather, "__init__", dropped)
+
+
+@pytest.mark.parametrize("which", ["gpt-oss", "deepseek_v3", "qwen3_next"])
+def test_model_generate_with_a_cache_that_drops_one_position_fails(
+    which, mla_model, state_model, monkeypatch
+):
+    """The equality check of the tests above catches a one-token bug: the key at position 1
+    left out of every attention row (gpt-oss, DeepSeek-V3, Qwen3-Next's full layers)."""
+    model = {
+        "gpt-oss": gpt_oss,
+        "deepseek_v3": lambda: mla_model,
+        "qwen3_next": lambda: state_model,
+    }[which]()
+    _drop_key_one(monkeypatch)
+    same, worst, _, _ = generate_against_default(model)
+    print(f"{which} without the key at position 1: tokens equal {same}, logit error {worst:.3g}")
+    assert not same and worst > 10 * BOUND
+
+
+def test_qwen3_next_model_generate_with_a_state_step_dropped_fails(state_model, monkeypatch):
+    """One decode step's states not stored back to the slots (that token left out of the
+    recurrence of every later step): the check fails, so the states are carried by kvpool's
+    slots, not by transformers' layers between forwards."""
+    from kvpool.integrations.hybrid_cache import HybridKvpoolCache
+
+    real = HybridKvpoolCache._store_states
+    forwards: list[int] = []  # seen_width is distinct per forward
+
+    def skip_one(self, layer):
+        if self.seen_width not in forwards:
+            forwards.append(self.seen_width)
+        if len(forwards) != 5:  # the 4th decode step's states are not stored
+            real(self, layer)
+
+    monkeypatch.setattr(HybridKvpoolCache, "_store_states", skip_one)
+    same, worst, _, _ = generate_against_default(state_model)
+    print(f"qwen3_next with one step's states dropped: tokens equal {same}, error {worst:.3g}")
+    assert not same and worst > 10 * BOUND
 
 
 def test_the_hybrid_cache_under_another_attention_is_refused_before_anything_is_written():

@@ -15,7 +15,11 @@ hybrid_models.md, "On the GPU").
   bfloat16 rounding flips, does not swap an expert MLP (test_gpt_oss_bf16_top_k_routing shows
   that cause with top-2 routing).
 - Mutations on the kernels' path: sinks left out of the decode kernel, a window one key wider.
-- `model.generate` with HybridKvpoolCache (gpt-oss, Gemma 3) against the default cache.
+- `model.generate` with HybridKvpoolCache (all four: DeepSeek-V3's latents through the cache's
+  update, Qwen3-Next's states through its slots) against the default cache.
+- CUDA graphs of the hybrid decode step (gpt-oss bf16): every replay equal to the same step run
+  eagerly on the graph's buffers, and within GRAPH_BOUND of the runner's eager step; a graph
+  whose full-group seq_lens are one short fails that bound.
 - Continuous batching of 100 ragged requests in a pool too small for them at once: every
   request complete, every page and state slot back, every token the model's own choice.
 
@@ -448,13 +452,14 @@ def left_padded(prompts):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("name", ["gpt-oss", "gemma3"])
+@pytest.mark.parametrize("name", list(MODELS))
 def test_model_generate_with_the_hybrid_cache(name, dtype):
     """A left-padded batch of 4 ragged prompts, 60 new tokens (far past the window of 32),
     against the default cache. float32: the same tokens and every step's logits within
     BOUND32. bfloat16: the same tokens up to the first step where the default cache's top
-    two logits are within 2% of the row's largest (a near-tie either side may take), every
-    step's logits before it within the bfloat16 bound's 2% slack."""
+    two logits are closer than max(2%, twice the row's largest logit error so far) of the
+    row's largest logit (a near-tie: errors that large let either side take it), every
+    step's logits before it within 0.5 relative."""
     from kvpool.integrations.hybrid_cache import HybridKvpoolCache
 
     model, _ = build(name, dtype)
@@ -481,25 +486,163 @@ def test_model_generate_with_the_hybrid_cache(name, dtype):
     width = ids.shape[1]
     worst, compared = 0.0, 0
     tie = 0.02 if dtype == torch.bfloat16 else 0.0
+    parted = []
     for i in range(len(prompts)):
+        row_worst = 0.0
         for step in range(new):
             a, b = out.logits[step][i].float(), ref.logits[step][i].float()
             scale = float(b.abs().max())
             err = float((a - b).abs().max()) / scale
-            worst = max(worst, err)
+            worst, row_worst = max(worst, err), max(row_worst, err)
             compared += 1
             assert err <= (BOUND32 if dtype == torch.float32 else 0.5), (i, step, err)
             top2 = torch.topk(b, 2).values
             if out.sequences[i, width + step] != ref.sequences[i, width + step]:
-                assert float(top2[0] - top2[1]) <= tie * scale, (i, step)
+                gap = float(top2[0] - top2[1]) / scale
+                allowed = max(tie, 2 * row_worst) if tie else 0.0
+                parted.append({"row": i, "step": step, "gap_rel": gap, "allowed": allowed})
                 break  # the rows part after a near-tie
     REPORT[f"generate_cache_{name}_{str(dtype)[6:]}"] = {
         "max_rel_err_per_step": worst,
         "rows_steps_compared": compared,
         "same_tokens": bool(torch.equal(out.sequences, ref.sequences)),
+        "rows_parted_at_near_ties": parted,
     }
+    assert all(p["gap_rel"] <= p["allowed"] for p in parted), parted
     if dtype == torch.float32:
         assert torch.equal(out.sequences, ref.sequences)
+
+
+# --- CUDA graphs of the hybrid decode step -----------------------------------------------
+
+
+# Relative logit difference allowed between a graph and the runner's eager step: a seventh of
+# the bf16 teacher-forced bound measured for this model (0.14), no measured figure behind it.
+GRAPH_BOUND = 0.02
+
+
+def test_cuda_graphs_of_the_hybrid_decode_step(monkeypatch):
+    """gpt-oss bf16 (window 32 and full layers, sinks, 16-token pages), 3 ragged sequences
+    prefilled, then 48 teacher-forced decode steps (windows slide, tables cross pages and
+    width buckets), the third sequence leaving after 24 (a second batch shape). Per step: the
+    graph's replay equals the same buffers and plans run eagerly (bitwise), and is within
+    GRAPH_BOUND of the runner's own eager step (the same GEMM shapes; the decode plans split
+    the keys by another max_seq_len). Mutation: the full group's seq_lens loaded one short
+    fail that bound."""
+    from kvpool.integrations import hybrid_graphs as hg
+
+    model, _ = build("gpt-oss", torch.bfloat16)
+    bound = GRAPH_BOUND
+    spec = hm.spec_for_model(model)
+    pool = kvpool.Pool.for_spec(spec, 256, device="cuda")
+    runner = hg.HybridGraphsRunner(model, pool, spec, max_graph_batch=8)
+    tables = kvpool.HybridTables(pool, spec)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (20, 45, 33)]
+    for i, p in enumerate(prompts):
+        tables.add(i, len(p))
+    runner.logits(build_hybrid_step(tables, [], [(i, p, 0) for i, p in enumerate(prompts)], [], []))
+    lens = [len(p) for p in prompts]
+    live = [0, 1, 2]
+    worst_eager, replays_equal, steps = 0.0, 0, 0
+
+    def step_batch():
+        dec = []
+        for i in live:
+            tables.append_tokens(i, 1)
+            dec.append((i, int(rng.integers(0, VOCAB)), lens[i]))
+            lens[i] += 1
+        return build_hybrid_step(tables, dec, [], [0.0] * len(dec), [0] * len(dec))
+
+    for k in range(48):
+        if k == 24:
+            tables.free(2)
+            live.remove(2)
+        batch = step_batch()
+        assert runner.graphs.covers(batch)
+        with torch.inference_mode():
+            eager = lm_logits_eager(runner, batch)
+            same_buffers = runner.graphs.logits(batch, replay=False).clone()
+            got = runner.graphs.logits(batch).clone()
+        torch.cuda.synchronize()
+        replays_equal += bool(torch.equal(got, same_buffers))
+        worst_eager = max(worst_eager, float(row_errors(got, eager).max()))
+        steps += 1
+    captured = runner.graphs.captured
+    # the mutation, on steps of shapes already captured
+    real = hg.GraphStep.load
+
+    def short(self, batch):
+        real(self, batch)
+        for j, g in enumerate(self.group_ids):
+            if spec.groups[g].kind == "full":
+                self.layout.views(self.device_buf)[5 + 5 * j].sub_(1)
+
+    monkeypatch.setattr(hg.GraphStep, "load", short)
+    worst_mutant = 0.0
+    for _ in range(4):
+        batch = step_batch()
+        with torch.inference_mode():
+            eager = lm_logits_eager(runner, batch)
+            got = runner.graphs.logits(batch).clone()
+        worst_mutant = max(worst_mutant, float(row_errors(got, eager).max()))
+    monkeypatch.setattr(hg.GraphStep, "load", real)
+    for i in live:
+        tables.free(i)
+    tables.check_invariants()
+    assert pool.num_free == pool.num_blocks
+    REPORT["cuda_graphs_gpt_oss_bf16"] = {
+        "decode_steps": steps,
+        "replays_equal_to_eager_on_same_buffers": replays_equal,
+        "captured_shapes": [[n, list(w)] for n, w in captured],
+        "max_rel_err_vs_runner_eager": worst_eager,
+        "bound": bound,
+        "mutation_full_seq_lens_one_short_max_rel_err": worst_mutant,
+    }
+    print(REPORT["cuda_graphs_gpt_oss_bf16"])
+    assert replays_equal == steps
+    assert worst_eager <= bound
+    assert worst_mutant > 2 * bound
+    assert len(captured) >= 2 and runner.graphs.replays >= steps
+
+
+def lm_logits_eager(runner, batch):
+    """The runner's eager step (no graph): a fresh HybridStep over the batch."""
+    return hm.lm_logits(runner.model, runner.hidden(batch)).clone()
+
+
+def test_generate_with_cuda_graphs_runs_every_request():
+    """generate() on the graphs runner (gpt-oss bf16): 12 ragged greedy requests complete,
+    every page back, decode steps replayed; the tokens equal the eager runner's up to a
+    near-tie (counted, reported)."""
+    from kvpool.integrations import hybrid_graphs as hg
+
+    model, _ = build("gpt-oss", torch.bfloat16)
+    spec = hm.spec_for_model(model)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, VOCAB, int(rng.integers(4, 60))).tolist() for _ in range(12)]
+    outs = {}
+    for graphs in (False, True):
+        pool = kvpool.Pool.for_spec(spec, 256, device="cuda")
+        if graphs:
+            runner = hg.HybridGraphsRunner(model, pool, spec)
+        else:
+            runner = hm.HybridTransformersRunner(model, pool, spec)
+        reqs = [GenerationRequest(i, p, 24) for i, p in enumerate(prompts)]
+        res = generate(runner, pool, reqs, max_running_seqs=8, spec=spec)
+        assert pool.num_free == pool.num_blocks
+        assert all(len(res.outputs[i]) == 24 for i in range(12))
+        outs[graphs] = res.outputs
+        if graphs:
+            replays = runner.graphs.replays
+    same = sum(outs[True][i] == outs[False][i] for i in range(12))
+    REPORT["generate_cuda_graphs_gpt_oss_bf16"] = {
+        "requests": 12,
+        "requests_with_equal_tokens": same,
+        "graph_replays": replays,
+    }
+    print(REPORT["generate_cuda_graphs_gpt_oss_bf16"])
+    assert replays > 0
 
 
 # --- continuous batching ---------------------------------------------------------------------

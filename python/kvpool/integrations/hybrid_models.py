@@ -686,13 +686,15 @@ def hybrid_attention(
     how = Attention(scale, sliding_window, s_aux, softcap)
     step = kvpool_hybrid_step
     if step is None:
-        cache = take_active(layer)
+        cache: Any = take_active(layer)  # a HybridKvpoolCache (hybrid_cache imports this module)
         if cache is None or not hasattr(cache, "attend_hybrid"):
             raise kvpool.InvalidArgumentError(
                 "attn_implementation='kvpool_hybrid' needs a hybrid step: run the model through "
                 "kvpool.integrations.hybrid_models.HybridTransformersRunner, or pass "
                 "past_key_values=kvpool.integrations.hybrid_cache.HybridKvpoolCache(...)"
             )
+        if cache.layer_kinds[layer] == "mla_latent":  # its latents came through update
+            return cache.attend_mla(module, layer, query, scale), None
         out = cache.attend_hybrid(layer, query, key, value, how, kwargs.get("position_ids"))
         return out, None
     if query.shape[0] != 1:
@@ -791,7 +793,8 @@ class HybridTransformersRunner:
     pool of the spec's pages on the model's device (`kvpool.Pool.for_spec(runner.spec, n,
     device="host")` for a model on the CPU, `device="cuda"` for one on the GPU).
     spec defaults to spec_for_model(model); a given one must hold the model (check_spec).
-    The model attends with "kvpool_hybrid" only inside the runner's forwards."""
+    The model attends with "kvpool_hybrid" only inside the runner's forwards. With CUDA
+    graphs of the decode step: kvpool.integrations.hybrid_graphs.HybridGraphsRunner."""
 
     def __init__(self, model: Any, pool: Pool, spec: ModelKvSpec | None = None) -> None:
         check_model(model)
