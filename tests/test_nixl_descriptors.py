@@ -18,6 +18,7 @@ from kvpool.transfer.nixl_transport import (
     NixlTransport,
     nixl_memory,
     on_device,
+    refuse_growable,
     run_descriptors,
     settle_source,
 )
@@ -42,7 +43,6 @@ def test_a_cuda_pool_registers_as_vram_of_its_device(device, want):
 @pytest.mark.parametrize(
     ("pool", "match"),
     [
-        (fake_pool("cuda:1", growable=True), "growable CUDA pools"),
         (fake_pool("cuda:x"), "host and CUDA pools only.*'cuda:x'"),
         (fake_pool("disk"), "host and CUDA pools only.*'disk'"),
     ],
@@ -52,6 +52,26 @@ def test_what_nixl_is_not_given_here_is_refused_by_name(pool, match):
         nixl_memory(pool)
     with pytest.raises(TransferError, match=match):  # before NIXL is loaded or anyone waited
         NixlTransport.connect(0, "/nonexistent/rendezvous.json", pool, timeout=0.01)
+
+
+@pytest.mark.parametrize("device", ["host", "cuda:1"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_growable_pool_is_refused_at_connect_before_nixl_or_the_rendezvous(device, rank):
+    pool = SimpleNamespace(device=device, growable=True, num_blocks=128, block_bytes=10)
+    for refuse in (
+        lambda: refuse_growable(pool),
+        lambda: NixlTransport.connect(rank, "/nonexistent/rendezvous.json", pool, timeout=0.01),
+    ):
+        with pytest.raises(TransferError, match="growable pools.*128 blocks.*fixed-size pool"):
+            refuse()
+
+
+def test_a_real_growable_host_pool_is_refused_and_a_fixed_one_is_not():
+    layout = kvpool.KvLayout(1, 1, 8, 16)
+    growable = kvpool.Pool(layout, growable=True, max_num_blocks=64, device="host")
+    with pytest.raises(TransferError, match="growable pools"):
+        refuse_growable(growable)
+    refuse_growable(kvpool.Pool(layout, 4, device="host"))
 
 
 def test_run_descriptors_carry_the_device_id_one_row_per_run():

@@ -22,7 +22,7 @@ from kvpool.scheduler.contiguous import RESERVE_MODES
 from kvpool.scheduler.core import SchedulerConfig
 from kvpool.scheduler.policies import POLICIES
 from kvpool.sim import cli_host_tier, cli_hybrid
-from kvpool.sim.disagg import simulate_disaggregated
+from kvpool.sim.disagg import link_from_benchmark, simulate_disaggregated
 from kvpool.sim.hybrid_config import ConfigError
 from kvpool.sim.hybrid_presets import HYBRID_PRESETS, HybridModel
 from kvpool.sim.presets import PRESETS, get_preset, parse_bytes
@@ -379,8 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--transfer-json",
         type=Path,
         default=None,
-        help="a `bench/kvbench.py --routine transfer` result: its best bandwidth at the largest size and its "
-        "best one-block time become the defaults of the two options above",
+        help="a `bench/kvbench.py --routine transfer` (NCCL) result: its best bandwidth at the largest size and "
+        "its best one-block time become the defaults of the two options above; or a `transfer_nixl` result: "
+        "the bandwidth of its scattered-request row of the most bytes and the median time of its one-block row "
+        "(cuda rows if it has them, else host)",
     )
     cli_host_tier.add_arguments(p)
     o = p.add_argument_group("output")
@@ -617,15 +619,13 @@ def _transfer_figures(args: argparse.Namespace) -> tuple[float, float, str]:
         import json
 
         try:
-            summary = json.loads(args.transfer_json.read_text())["summary"]
-            largest = max(summary, key=lambda r: r["num_blocks"])
-            one = min(summary, key=lambda r: r["num_blocks"])
-            gbps, latency_us = float(largest["best_gb_per_s"]), float(one["best_us"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(
-                f"--transfer-json {args.transfer_json}: not a transfer benchmark result ({e})"
-            ) from None
-        source = str(args.transfer_json)
+            result = json.loads(args.transfer_json.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--transfer-json {args.transfer_json}: {e}") from None
+        try:  # its message starts with the path
+            gbps, latency_us, source = link_from_benchmark(result, str(args.transfer_json))
+        except ValueError as e:
+            raise ValueError(f"--transfer-json {e}") from None
     gbps = args.transfer_gbps or gbps
     latency_us = args.transfer_latency_us or latency_us
     return gbps, latency_us * 1e-6, source

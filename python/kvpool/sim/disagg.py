@@ -24,6 +24,66 @@ from kvpool.sim.costmodel import RooflineCost
 from kvpool.sim.runner import SimulationSpec, make_pool
 
 
+def link_from_benchmark(result: Any, name: str) -> tuple[float, float, str]:
+    """The link's (GB/s, latency us, source) measured in a benchmark result (``name`` says
+    where it came from). Two kinds are read:
+
+    - an NCCL ``transfer`` result (``bench/kvbench.py --routine transfer``: a ``summary`` of
+      rows with ``num_blocks``, ``best_gb_per_s``, ``best_us``): the bandwidth at the most
+      blocks, the latency the one-block (fewest blocks) time;
+    - a ``transfer_nixl`` result (``bench/routines/transfer_nixl.py``: ``rows`` of ``case``,
+      ``memory``, ``block``, ``blocks``, ``bytes``, ``median_us``, ``gbytes_per_s``): only its
+      ``request_scattered`` rows (a request's blocks as a pool after churn holds them, about one
+      descriptor per block), of its ``cuda`` memory if it has any rows of it (the modelled link
+      joins two GPUs), else ``host``; the bandwidth of the row of the most bytes, the latency
+      the median time of the one-block row of the smallest block.
+
+    ValueError (naming both kinds) for anything else."""
+    try:
+        if isinstance(result, dict) and result.get("routine") == "transfer_nixl":
+            return _nixl_link(result, name)
+        summary = result["summary"]
+        largest = max(summary, key=lambda r: r["num_blocks"])
+        one = min(summary, key=lambda r: r["num_blocks"])
+        gbps, latency_us = float(largest["best_gb_per_s"]), float(one["best_us"])
+        _check_link(gbps, latency_us)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(
+            f"{name}: neither an NCCL transfer result (bench/kvbench.py --routine transfer) "
+            f"nor a transfer_nixl one (bench/routines/transfer_nixl.py) ({type(e).__name__}: {e})"
+        ) from None
+    return gbps, latency_us, name
+
+
+def _nixl_link(result: dict, name: str) -> tuple[float, float, str]:
+    rows = [dict(r) for r in result["rows"] if r["case"] == "request_scattered"]
+    if "memories" not in result:  # a result from before --memory: host to host, rows unnamed
+        for r in rows:
+            r.setdefault("memory", "host")
+    memories = {r["memory"] for r in rows}
+    if not memories:
+        raise ValueError("no request_scattered rows")
+    memory = "cuda" if "cuda" in memories else sorted(memories)[0]
+    rows = [r for r in rows if r["memory"] == memory]
+    largest = max(rows, key=lambda r: int(r["bytes"]))
+    ones = [r for r in rows if int(r["blocks"]) == 1]
+    if not ones:
+        raise ValueError(f"no one-block request_scattered row of memory {memory!r}")
+    one = min(ones, key=lambda r: int(r["bytes"]))
+    gbps, latency_us = float(largest["gbytes_per_s"]), float(one["median_us"])
+    _check_link(gbps, latency_us)
+    source = (
+        f"{name} (transfer_nixl, {memory}, request_scattered: {gbps:.4g} GB/s at "
+        f"{largest['block']} x {largest['blocks']}, {latency_us:.4g} us for {one['block']} x 1)"
+    )
+    return gbps, latency_us, source
+
+
+def _check_link(gbps: float, latency_us: float) -> None:
+    if not (np.isfinite(gbps) and gbps > 0 and np.isfinite(latency_us) and latency_us >= 0):
+        raise ValueError(f"a bandwidth of {gbps} GB/s and a latency of {latency_us} us")
+
+
 def _prefill_times(spec: SimulationSpec, cost: RooflineCost) -> dict[int, float]:
     """When each request's prefill (and so its first token) ends on the prefill GPU."""
     reqs = sorted(spec.requests, key=lambda r: (r.arrival_s, r.request_id))

@@ -17,12 +17,26 @@ the ``nixl-cu13`` wheel), with a CRC-32C per block verified on every read.
   computes them on the tier's one worker thread beside NIXL's copy (a buffered transfer is
   copied within the call that posts it, so only another thread overlaps the two; a read's
   chunk is checked while the next one is read); a smaller move computes them on the calling
-  thread, where the hand-off would cost more than it saves. ``CHECKSUM`` names the algorithm; the file carries no
-  checksum and outlives no tier (it is emptied when a tier opens it), so changing the
-  algorithm needs no migration: ``FORMAT_VERSION`` 2 is the CRC-32C one (1 was zlib's).
+  thread, where the hand-off would cost more than it saves. ``CHECKSUM`` names the algorithm;
+  ``FORMAT_VERSION`` 2 is the CRC-32C one (1 was zlib's). The data file carries no checksum:
+  they live in the index.
+- **Restarts.** By default the file outlives no tier (it is emptied when a tier opens it).
+  A ``persistent=True`` tier writes its index (hash -> slot, CRC-32C, LRU order, and what
+  file, layout and capacity it describes) to ``blocks.kv.index`` beside the data file on
+  ``flush()`` and ``close()``: the data file is fsynced first, then the index is written to a
+  temporary file, fsynced and renamed over the old one, so a crash leaves the old index or
+  the new one, never half of one. A persistent tier opening a directory reloads that index
+  if it matches (its own CRC-32, format version, checksum algorithm, layout, capacity, and the
+  data file's size, inode and modification time as of the flush); otherwise it warns
+  (``DiskIndexWarning``), discards the index and starts empty. The reloaded entries are
+  verified lazily, on read, as every entry is: a block corrupted, cut short or rewritten since
+  the flush (a crash after later writes, within the file's timestamp granularity) fails its
+  CRC-32C and is a miss. A new process finds the blocks only if its pool hashes alike (the
+  same ``prefix_hash_key``).
 - **Capacity.** At most ``capacity_blocks`` blocks; a ``put`` past it evicts the least recently
   used (a hit or a repeated ``put`` refreshes a block).
-- **Events.** Every block that enters the tier is reported as ``BlockStored(medium="disk")``
+- **Events.** Every block that enters the tier, or is reloaded with its index at open, is
+  reported as ``BlockStored(medium="disk")``
   (no parent, no tokens: how vLLM's CPU offloading reports the blocks it stores) and every
   block that leaves it (evicted, corrupt, removed) as ``BlockRemoved(medium="disk")``, in this
   tier's own bounded queue (``take_kv_events``), numbered from 1. ``PrefixDiskCache`` moves
@@ -33,15 +47,17 @@ the ``nixl-cu13`` wheel), with a CRC-32C per block verified on every read.
   copied out with their hashes before their memory was reused) and gives the slots back.
 
 Host pools only (a CUDA pool's blocks reach the disk through the host tier; GDS, VRAM to file,
-is not in this module). The index lives in memory: a new tier over an old directory starts
-empty. What calls ``put``, ``put_staged`` and ``get`` is the caller's (``PrefixDiskCache``
+is not in this module). What calls ``put``, ``put_staged`` and ``get`` is the caller's (``PrefixDiskCache``
 calls them for a pool's prefix cache).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import warnings
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -63,6 +79,7 @@ from kvpool._core import (
     TransferError,
 )
 from kvpool.transfer.nixl_transport import load_nixl
+from kvpool.transfer.protocol import layout_fingerprint
 
 MEDIUM = "disk"
 CHECKSUM = "crc32c"
@@ -88,6 +105,21 @@ MIN_READ_CHUNK_BYTES = 1 << 20
 OVERLAP_MIN_BYTES = 8 << 20
 _POLL_S = 0.0001
 _SPIN_S = 0.002
+# The persisted index (``flush``): this magic, a 4-byte little-endian length and a JSON header,
+# the entries (least recently used first) as records of ``_INDEX_RECORD``, then the zlib
+# CRC-32 of everything before it (4 bytes, little-endian).
+INDEX_NAME = "blocks.kv.index"
+INDEX_MAGIC = b"KVPOOL-DISK-INDEX\n"
+_INDEX_RECORD = np.dtype([("hash", "V32"), ("slot", "<u8"), ("crc", "<u4")])
+
+
+class DiskIndexWarning(RuntimeWarning):
+    """A persistent disk tier found an index it could not use (garbled, of another layout or
+    capacity, or of a data file changed since); it discarded it and started empty."""
+
+
+class _IndexMismatch(Exception):
+    """Why a persisted index was not loaded (internal: becomes a DiskIndexWarning)."""
 
 
 @dataclass
@@ -107,7 +139,11 @@ class DiskTier:
     on the calling thread. It needs blocks whose size is a multiple of 4 KiB in a pool whose
     slab starts on a 4 KiB boundary (``Pool.from_external`` over page-aligned memory; a
     kvpool host pool's own slab is aligned to 256 bytes), and a file system that takes
-    O_DIRECT; otherwise InvalidArgumentError."""
+    O_DIRECT; otherwise InvalidArgumentError.
+
+    ``persistent=True`` keeps the blocks across tiers (and processes): the index found beside
+    the file is reloaded if it matches, and ``flush()`` / ``close()`` write it; see
+    "Restarts" in the module docstring."""
 
     def __init__(
         self,
@@ -117,6 +153,7 @@ class DiskTier:
         *,
         max_queued_events: int = DEFAULT_MAX_QUEUED_EVENTS,
         direct: bool = False,
+        persistent: bool = False,
     ) -> None:
         if not isinstance(layout, KvLayout):
             raise TypeError(f"layout must be a KvLayout, got {type(layout).__name__}")
@@ -128,11 +165,12 @@ class DiskTier:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
-        if not isinstance(direct, bool):
-            raise TypeError(f"direct must be a bool, got {type(direct).__name__}")
+        for name, flag in (("direct", direct), ("persistent", persistent)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         self.layout, self.capacity = layout, capacity_blocks
         self.block_bytes = layout.block_bytes
-        self.direct = direct
+        self.direct, self.persistent = direct, persistent
         if direct and self.block_bytes % DIRECT_ALIGN:
             raise InvalidArgumentError(
                 f"direct I/O needs blocks of a multiple of {DIRECT_ALIGN} bytes, not "
@@ -140,13 +178,27 @@ class DiskTier:
             )
         Path(directory).mkdir(parents=True, exist_ok=True)
         self.path = Path(directory) / "blocks.kv"
-        flags = os.O_CREAT | os.O_RDWR | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+        self.index_path = Path(directory) / INDEX_NAME
+        # A persistent tier keeps the file until it knows whether the index describes it.
+        flags = os.O_CREAT | os.O_RDWR | (os.O_DIRECT if direct else 0)
+        flags |= 0 if persistent else os.O_TRUNC
         try:
             self._fd = os.open(self.path, flags, 0o600)
         except OSError as e:
             if not direct:
                 raise
             raise InvalidArgumentError(f"{self.path}: no O_DIRECT here ({e})") from e
+        reloaded: list[tuple[bytes, _Entry]] = []
+        try:
+            if persistent:
+                reloaded = self._load_index()
+                if not reloaded:
+                    os.ftruncate(self._fd, 0)  # what the file held is unknown: none of it
+            else:
+                self.index_path.unlink(missing_ok=True)  # it described the bytes just emptied
+        except BaseException:
+            os.close(self._fd)
+            raise
         nixl = load_nixl()
         self._agent_name = f"kvpool-disk-{os.getpid()}-{id(self):x}"
         try:
@@ -157,7 +209,10 @@ class DiskTier:
             os.close(self._fd)
             raise
         try:
-            os.ftruncate(self._fd, capacity_blocks * self.block_bytes)
+            if os.fstat(self._fd).st_size != capacity_blocks * self.block_bytes:
+                # Only when needed: even a same-size truncate moves the modification time,
+                # which a reloaded index was checked against.
+                os.ftruncate(self._fd, capacity_blocks * self.block_bytes)
             self._file_reg = self._agent.register_memory(
                 [(0, capacity_blocks * self.block_bytes, self._fd, str(self.path))], "FILE"
             )
@@ -166,15 +221,131 @@ class DiskTier:
             raise
         # base_ptr -> (the pool or stage, kept alive; its registration)
         self._pool_regs: dict[int, tuple[Pool | EvictionStage, Any]] = {}
-        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first
-        self._free_slots = list(range(capacity_blocks - 1, -1, -1))  # a stack, lowest on top
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict(reloaded)  # LRU first
+        held = {entry.slot for _, entry in reloaded}
+        # A stack, lowest on top.
+        self._free_slots = [s for s in range(capacity_blocks - 1, -1, -1) if s not in held]
         self._events: list[BlockStored | BlockRemoved] = []
         self._max_events = max_queued_events
         self._seq = 0
-        self.stats = {"stored": 0, "hits": 0, "misses": 0, "corrupt": 0, "evicted": 0}
+        self.stats = {
+            "stored": 0,
+            "hits": 0,
+            "misses": 0,
+            "corrupt": 0,
+            "evicted": 0,
+            "reloaded": len(reloaded),
+        }
         self.descriptor_counts: list[int] = []  # per NIXL transfer, for tests and benchmarks
         self._checksum_worker: ThreadPoolExecutor | None = None
         self._closed = False
+        if reloaded:
+            self._event(BlockStored, [key for key, _ in reloaded])
+
+    # -- the persisted index -----------------------------------------------------------------
+    def _index_header(self) -> dict:
+        """What a persisted index must describe to be this tier's (its data file apart)."""
+        return {
+            "format_version": FORMAT_VERSION,
+            "checksum": CHECKSUM,
+            "layout": layout_fingerprint(self.layout),
+            "capacity_blocks": self.capacity,
+        }
+
+    def _data_file_identity(self) -> dict:
+        st = os.fstat(self._fd)
+        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "dev": st.st_dev}
+
+    def _load_index(self) -> list[tuple[bytes, _Entry]]:
+        """The persisted index's entries, LRU first, if there is one and it matches this tier
+        and its data file; else [] (with a DiskIndexWarning if there was one)."""
+        try:
+            raw = self.index_path.read_bytes()
+        except FileNotFoundError:
+            return []
+        try:
+            return self._parse_index(raw)
+        except _IndexMismatch as e:
+            warnings.warn(
+                f"{self.index_path}: discarded ({e}); the disk tier starts empty",
+                DiskIndexWarning,
+                stacklevel=3,
+            )
+            return []
+
+    def _parse_index(self, raw: bytes) -> list[tuple[bytes, _Entry]]:
+        head = len(INDEX_MAGIC)
+        if len(raw) < head + 8 or not raw.startswith(INDEX_MAGIC):
+            raise _IndexMismatch("not a kvpool disk index")
+        if zlib.crc32(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+            raise _IndexMismatch("its CRC-32 does not match: damaged or cut short")
+        length = int.from_bytes(raw[head : head + 4], "little")
+        try:
+            header = json.loads(raw[head + 4 : head + 4 + length])
+            want = self._index_header()
+            for field, value in want.items():
+                if header[field] != value:
+                    raise _IndexMismatch(f"{field} {header[field]!r}, the tier's {value!r}")
+            if header["data_file"] != self._data_file_identity():
+                raise _IndexMismatch(f"{self.path} changed since the index was written")
+            count = int(header["entries"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise _IndexMismatch(f"its header is unreadable ({type(e).__name__}: {e})") from None
+        body = raw[head + 4 + length : -4]
+        if count < 0 or len(body) != count * _INDEX_RECORD.itemsize:
+            raise _IndexMismatch(f"{len(body)} bytes of entries for {count}")
+        records = np.frombuffer(body, _INDEX_RECORD)
+        slots = records["slot"]
+        if count > self.capacity or (count and int(slots.max()) >= self.capacity):
+            raise _IndexMismatch("an entry's slot is outside the capacity")
+        keys = [bytes(h) for h in records["hash"]]
+        if len(set(slots.tolist())) != count or len(set(keys)) != count:
+            raise _IndexMismatch("a slot or a hash is listed twice")
+        return [
+            (k, _Entry(int(slot), int(crc)))
+            for k, slot, crc in zip(keys, slots.tolist(), records["crc"].tolist(), strict=True)
+        ]
+
+    def flush(self) -> int:
+        """A persistent tier: makes the blocks written so far durable (fsync) and writes the
+        index beside the file (atomically: a temporary file renamed over the old index), so
+        a tier opened later over this directory finds them. Returns how many entries it
+        wrote. InvalidArgumentError on a tier that is not persistent."""
+        self._check_open()
+        if not self.persistent:
+            raise InvalidArgumentError(
+                "this disk tier is not persistent (persistent=False empties its file at the "
+                "next open): there is no index to write"
+            )
+        os.fsync(self._fd)  # the blocks before the index that names them
+        header = {
+            **self._index_header(),
+            "data_file": self._data_file_identity(),
+            "entries": len(self._index),
+        }
+        records = np.zeros(len(self._index), _INDEX_RECORD)
+        records["hash"] = np.frombuffer(b"".join(self._index), "V32")
+        records["slot"] = [e.slot for e in self._index.values()]
+        records["crc"] = [e.crc for e in self._index.values()]
+        encoded = json.dumps(header).encode()
+        raw = INDEX_MAGIC + len(encoded).to_bytes(4, "little") + encoded + records.tobytes()
+        raw += zlib.crc32(raw).to_bytes(4, "little")
+        temporary = self.index_path.with_name(INDEX_NAME + ".tmp")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            view = memoryview(raw)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, self.index_path)
+        directory = os.open(self.index_path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the rename itself survives a crash
+        finally:
+            os.close(directory)
+        return len(self._index)
 
     # -- the index ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -538,9 +709,18 @@ class DiskTier:
             raise InvalidArgumentError("the disk tier is closed")
 
     def close(self) -> None:
-        """Releases NIXL's registrations and the file (its blocks are gone); idempotent."""
+        """Releases NIXL's registrations and the file; idempotent. A persistent tier first
+        writes its index (``flush``; if that fails, the tier is still released and the error
+        raised); any other tier's blocks are gone."""
         if self._closed:
             return
+        try:
+            if self.persistent:
+                self.flush()
+        finally:
+            self._release_all()
+
+    def _release_all(self) -> None:
         self._closed = True
         if self._checksum_worker is not None:
             self._checksum_worker.shutdown(wait=True)

@@ -22,7 +22,8 @@ returns how many leading tokens now hold their KV: the pool's hits, then the dis
 hits (a block that fails its checksum, and everything after it, is computed as usual).
 
 Events: the pool's events are drained by this object; the disk tier's (medium "disk") are
-appended to the pool's queue as they happen (``Pool.append_kv_event``, numbered by the core),
+appended to the pool's queue as they happen (``Pool.append_kv_event``, numbered by the core;
+those of blocks a persistent tier reloaded at open, when this object is made),
 so ``take_kv_events`` is one ordered stream and ``pool.kv_cache_snapshot()`` lists the
 disk-resident blocks too. ``reset_prefix_cache`` resets the pool and empties the disk (one
 ``AllBlocksCleared`` covers both); a reset of the pool alone leaves stale blocks on disk.
@@ -78,6 +79,9 @@ class PrefixDiskCache:
         self._chains: dict[int, list[bytes]] = {}  # request -> its full blocks' hashes
         self._events: list[Any] = []  # the pool's, for take_kv_events
         self.disk_hit_blocks = 0
+        # A persistent tier reopened over an old directory reported its reloaded blocks
+        # (BlockStored, medium "disk"): they join the pool's stream and snapshot now.
+        self._forward_tier_events()
 
     def _stored(self) -> list[bytes]:
         """The hashes of blocks stored since the last look, in order (events kept)."""

@@ -29,7 +29,9 @@ Host pools register their slab as DRAM, CUDA pools as VRAM with the pool's devic
 (``nixl_memory``): every descriptor row then carries that device id, the local rows this
 pool's, the remote rows the peer's (from its hello), so one READ may join a CUDA pool and a host
 pool too. A CUDA sender's KV must be written before the receiver reads it: a one-sided send
-synchronizes the sending stream before the offer goes out (``settle_source``). ``load_nixl()`` imports the ``nixl`` module (the ``nixl`` meta package) or
+synchronizes the sending stream before the offer goes out (``settle_source``). Growable
+pools are refused at connect (``refuse_growable``: the registration would not follow a
+growth). ``load_nixl()`` imports the ``nixl`` module (the ``nixl`` meta package) or
 the ``nixl_cu13`` / ``nixl_cu12`` one that the wheels of those names install.
 """
 
@@ -80,17 +82,28 @@ def nixl_memory(pool: Pool) -> tuple[str, int]:
     if device == "host":
         return "DRAM", 0
     if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
-        if getattr(pool, "growable", False):
-            # Its slab is a reserved range mapped chunk by chunk (cuMemCreate) as it grows:
-            # one registration at connect would not cover later chunks.
-            raise TransferError(
-                "NixlTransport does not move growable CUDA pools (the slab is mapped chunk by "
-                "chunk; NIXL registers it once at connect): use a fixed-size pool"
-            )
         return "VRAM", int(device[5:]) if ":" in device else 0
     raise TransferError(
         f"NixlTransport moves host and CUDA pools only (NIXL DRAM and VRAM), not {device!r}"
     )
+
+
+def refuse_growable(pool: Pool) -> None:
+    """TransferError if ``pool`` is growable (host or CUDA). NIXL registers a pool's memory
+    once, at connect, as ``num_blocks * block_bytes`` from ``base_ptr``: blocks a later growth
+    maps lie outside that registration (NIXL then refuses the READ mid-transfer,
+    ``NIXL_ERR_NOT_FOUND``, after the receiver has allocated), and a shrink unmaps memory that
+    is still registered. Not done instead: registering the whole reservation (its unmapped
+    part is ``PROT_NONE`` on the host and has no physical memory on CUDA: nothing an RDMA
+    registration can pin), or registering each growth's chunks (the peer must then be sent
+    the new registration's metadata before it may READ them, a second exchange per growth)."""
+    if getattr(pool, "growable", False):
+        raise TransferError(
+            "NixlTransport does not move growable pools: NIXL registers a pool's memory once "
+            f"at connect ({pool.num_blocks} blocks here), so blocks a later growth maps would "
+            "lie outside the registration and a shrink would unmap registered memory; give "
+            "the transport a fixed-size pool (Pool(layout, num_blocks))"
+        )
 
 
 def run_descriptors(
@@ -161,6 +174,7 @@ class NixlTransport(Transport):
         slab with NIXL once for the transport's life."""
         if rank not in (0, 1):
             raise ValueError(f"rank must be 0 or 1, got {rank!r}")
+        refuse_growable(pool)  # before NIXL is loaded or the rendezvous touched
         mem_type, device_id = nixl_memory(pool)  # refuses a device NIXL is not given here
         nixl = load_nixl()
         sock, _ = rendezvous_control(rank, rendezvous, lambda: [], host=host, timeout=timeout)
