@@ -82,7 +82,9 @@ pub struct EvictionStage {
 // SAFETY: the stage owns its allocation; its bytes are written only under `state`'s lock
 // (captures into `Free`/`Filled` slots), and read without the lock only by `checksums`, in
 // `Taken` slots whose reader count it holds: `release` refuses such a slot, so it cannot
-// become `Free` and be captured into during the read. No unsynchronised Rust-visible state.
+// become `Free` and be captured into during the read. No unsynchronised Rust-visible state
+// (the reader's own I/O reads its taken slots through `base_ptr`, outside Rust, until it
+// releases them: its contract, documented on the Python class).
 unsafe impl Send for EvictionStage {}
 // SAFETY: as above.
 unsafe impl Sync for EvictionStage {}
