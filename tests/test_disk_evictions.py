@@ -303,3 +303,95 @@ def test_a_hybrid_pool_refuses_disk_events_and_changes_nothing():
     assert after[0].seq == before[-1].seq + 1  # no seq taken by the refused calls
     assert all(e.medium != "disk" for e in after)
     pool.check_invariants()
+
+
+def failing_writes(tier: DiskTier, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Makes every disk WRITE of ``tier`` fail as NIXL's would; reads still work. Returns
+    the list of the ops that failed."""
+    failed: list[str] = []
+    move = tier._move
+
+    def fail_writes(source: object, pairs: object, op: str, during: object = None) -> None:
+        if op == "WRITE":
+            failed.append(op)
+            raise kvpool.TransferError("injected: the disk write failed")
+        move(source, pairs, op, during)
+
+    monkeypatch.setattr(tier, "_move", fail_writes)
+    return failed
+
+
+@pytest.mark.parametrize("write_through", [False, True])
+def test_a_failed_disk_write_fails_no_call_and_leaks_no_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write_through: bool
+):
+    # Before: a TransferError from the stage's write escaped add_request / append_tokens after
+    # the tables had added the request (the caller never got its result, the blocks stayed
+    # allocated), and one from free() left the request allocated.
+    pool = kvpool.Pool(LAYOUT, 8, device="host", enable_prefix_caching=True)
+    tables = kvpool.BlockTables(pool, 8, 8)
+    with DiskTier(tmp_path, LAYOUT, 32) as tier:
+        cache = PrefixDiskCache(tables, tier, write_through=write_through)
+        cache.add_request(1, PROMPT)
+        failed = failing_writes(tier, monkeypatch)
+        assert cache.free(1) == 0, "write-through (if on) failed: nothing written"
+        assert pool.num_used == 0, "cached, unreferenced: the next request evicts them"
+        assert len(failed) == int(write_through)
+        result, ready = cache.add_request(2, list(range(5000, 5000 + 16 * 7)))
+        assert result.num_cached_tokens == 0 and ready == 0
+        assert len(tables.blocks(2)) == 7, "the request was added in full"
+        assert failed and cache.disk_write_failures == len(failed)
+        assert isinstance(cache.last_disk_error, kvpool.TransferError)
+        assert cache.stage.stats()["num_taken"] == 0, "the stage's slots were given back"
+        cache.append_tokens(2, 16, list(range(9000, 9016)))  # fills block 8: evicts again
+        assert len(tables.blocks(2)) == 8
+        cache.free(2)
+        assert pool.num_used == 0, "the request was freed"
+        assert cache.block_hashes(2) is None, "its chain forgotten"
+        assert cache.disk_write_failures == len(failed) >= 2
+        assert len(tier) == 0, "nothing reached the disk"
+        check_conserved(cache)
+        monkeypatch.undo()  # the disk works again: later evictions reach it
+        cache.add_request(3, PROMPT)
+        assert cache.free(3) == (6 if write_through else 0)
+        check_conserved(cache)
+
+
+def test_free_frees_the_request_even_when_the_disk_raises(tmp_path: Path):
+    pool = kvpool.Pool(LAYOUT, 8, device="host", enable_prefix_caching=True)
+    tables = kvpool.BlockTables(pool, 8, 8)
+    tier = DiskTier(tmp_path, LAYOUT, 32)
+    cache = PrefixDiskCache(tables, tier)
+    cache.add_request(1, PROMPT)
+    tier.close()
+    with pytest.raises(InvalidArgumentError):
+        cache.free(1)  # the closed tier raises; the request is freed all the same
+    assert pool.num_used == 0 and cache.block_hashes(1) is None
+    with pytest.raises(InvalidArgumentError):
+        cache.add_request(2, PROMPT)  # refused before the tables change
+    with pytest.raises(kvpool.KvError):
+        tables.blocks(2)
+    assert pool.num_used == 0
+    pool.check_invariants()
+
+
+def test_a_refused_cache_attaches_no_stage_and_the_default_stage_is_bounded(tmp_path: Path):
+    pool = kvpool.Pool(LAYOUT, 8, device="host", enable_prefix_caching=True)
+    tables = kvpool.BlockTables(pool, 8, 8)
+    other = kvpool.KvLayout(2, 2, 32, 16)
+    with DiskTier(tmp_path / "a", other, 4) as small, pytest.raises(InvalidArgumentError):
+        PrefixDiskCache(tables, small)  # blocks half the size of the pool's
+    assert pool.eviction_stage is None, "the refused call attached nothing"
+    with DiskTier(tmp_path / "b", LAYOUT, 4) as tier:
+        cache = PrefixDiskCache(tables, tier, stage_slots=3)
+        assert cache.stage.num_slots == 3
+        with pytest.raises(InvalidArgumentError):
+            PrefixDiskCache(tables, tier, stage_slots=5)  # the pool's stage has 3
+        assert PrefixDiskCache(tables, tier, stage_slots=3).stage.num_slots == 3
+        assert PrefixDiskCache(tables, tier).stage.num_slots == 3
+    from kvpool.tier.spill import default_stage_slots
+
+    assert default_stage_slots(8, BB) == 8
+    assert default_stage_slots(100_000, BB) == 1024
+    assert default_stage_slots(100_000, 5 << 20) == 51, "256 MiB of 5 MiB blocks"
+    assert default_stage_slots(100_000, 1 << 30) == 1, "never none"

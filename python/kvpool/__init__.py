@@ -9,7 +9,8 @@ from kvpool import events, exceptions, reference
 # Left out of the top level: the types a user only receives and never constructs or names
 # (AddResult from BlockTables.add_request, HybridAddResult from HybridTables.add_request,
 # SlabView under the arrays of Pool.k_view / v_view, DeviceArray from BlockTables.sync,
-# CudaStream from Pool.stream). They stay in
+# CudaStream from Pool.stream, EvictionStage from Pool.attach_eviction_stage, EvictedBlocks
+# from EvictionStage.take). They stay in
 # kvpool._core, typed in _core.pyi. The KV-cache events (BlockStored, BlockRemoved,
 # AllBlocksCleared) stay: a consumer of Pool.take_kv_events dispatches on their types, as do
 # the batch and snapshot a router reads (KvEventBatch, KvCacheSnapshot, CachedBlock).

@@ -46,8 +46,9 @@ the ``nixl-cu13`` wheel), with a CRC-32C per block verified on every read.
   (``Pool.attach_eviction_stage``: blocks the core dropped from its last in-memory tier,
   copied out with their hashes before their memory was reused) and gives the slots back.
 
-Host pools only (a CUDA pool's blocks reach the disk through the host tier; GDS, VRAM to file,
-is not in this module). What calls ``put``, ``put_staged`` and ``get`` is the caller's (``PrefixDiskCache``
+Host pools only: a CUDA pool's blocks do not reach the disk (a CUDA pool takes no eviction
+stage, ``Pool.attach_eviction_stage``, and ``put``/``get`` refuse it; GDS, VRAM to file, is not
+in this module). What calls ``put``, ``put_staged`` and ``get`` is the caller's (``PrefixDiskCache``
 calls them for a pool's prefix cache).
 """
 

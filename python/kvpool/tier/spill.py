@@ -29,6 +29,16 @@ disk-resident blocks too. ``reset_prefix_cache`` resets the pool and empties the
 ``AllBlocksCleared`` covers both); a reset of the pool alone leaves stale blocks on disk.
 Write-through applies to requests whose chain this object saw from its first block (added
 through it, with no events dropped for a full queue). Only plain (uniform) host pools.
+
+Disk failures: the disk is a cache below the pool, so a disk write that fails (NIXL's
+``TransferError``) never fails the call that made it. ``add_request``, ``append_tokens`` and
+``free`` do their work on the tables in full and return as usual; the failed write is counted
+in ``disk_write_failures`` and kept in ``last_disk_error``, and the blocks it was writing are
+lost to the disk (never to the pool: the stage's slots are given back, the pool's blocks stay
+where the tables put them). ``free`` frees the request whatever happens on the disk, also when
+it raises (a closed tier). ``write_evicted``, called directly, raises. A closed tier makes
+``add_request`` and ``append_tokens`` raise before they change anything. A read that fails is
+a miss (``DiskTier.get``).
 """
 
 from __future__ import annotations
@@ -37,16 +47,34 @@ from collections.abc import Iterable
 from itertools import pairwise
 from typing import Any
 
-from kvpool._core import BlockStored, BlockTables, EvictionStage, InvalidArgumentError
+from kvpool._core import (
+    BlockStored,
+    BlockTables,
+    EvictionStage,
+    InvalidArgumentError,
+    TransferError,
+)
 from kvpool.tier.disk import DiskTier
 
+# The default stage: the pool's blocks, at most 1024 and at most 256 MiB of them (at least
+# one). The stage's memory is committed when it is attached (zeroed), so large blocks get
+# fewer slots: 5 MiB blocks get 51, not 5 GiB.
 DEFAULT_STAGE_SLOTS = 1024
+DEFAULT_STAGE_BYTES = 256 << 20
+
+
+def default_stage_slots(num_blocks: int, block_bytes: int) -> int:
+    """The slots of a stage ``PrefixDiskCache`` attaches when given no ``stage_slots``."""
+    return max(1, min(num_blocks, DEFAULT_STAGE_SLOTS, DEFAULT_STAGE_BYTES // block_bytes))
 
 
 class PrefixDiskCache:
     """``tables`` (over a host pool with prefix caching) with ``tier`` below its cache; see the
-    module docstring. ``stage_slots`` sizes the pool's eviction stage (default: the pool's
-    blocks, at most 1024), if the pool has none yet."""
+    module docstring. ``stage_slots`` sizes the pool's eviction stage if the pool has none yet
+    (default: the pool's blocks, at most 1024 and at most 256 MiB of them,
+    ``default_stage_slots``); a pool that has one keeps it, and a ``stage_slots`` other than
+    its size is ``InvalidArgumentError``. Every check is made before the stage is attached:
+    a refused call changes nothing."""
 
     def __init__(
         self,
@@ -65,12 +93,25 @@ class PrefixDiskCache:
         if not isinstance(write_through, bool):
             raise TypeError(f"write_through must be a bool, got {type(write_through).__name__}")
         pool = tables.pool
+        if tier.block_bytes != pool.layout.block_bytes:
+            raise InvalidArgumentError(
+                f"the pool's blocks are {pool.layout.block_bytes} bytes, the tier's "
+                f"{tier.block_bytes}"
+            )
+        tier._check_open()
         stage = pool.eviction_stage
         if stage is None:
             slots = (
-                min(pool.num_blocks, DEFAULT_STAGE_SLOTS) if stage_slots is None else stage_slots
+                default_stage_slots(pool.num_blocks, pool.layout.block_bytes)
+                if stage_slots is None
+                else stage_slots
             )
             stage = pool.attach_eviction_stage(slots)
+        elif stage_slots is not None and stage_slots != stage.num_slots:
+            raise InvalidArgumentError(
+                f"the pool already has an eviction stage of {stage.num_slots} slots, not "
+                f"{stage_slots} (a pool has one stage)"
+            )
         self.stage: EvictionStage = stage
         self.tables, self.tier, self.pool = tables, tier, pool
         self.write_through = write_through
@@ -79,6 +120,8 @@ class PrefixDiskCache:
         self._chains: dict[int, list[bytes]] = {}  # request -> its full blocks' hashes
         self._events: list[Any] = []  # the pool's, for take_kv_events
         self.disk_hit_blocks = 0
+        self.disk_write_failures = 0  # disk writes that failed (see the module docstring)
+        self.last_disk_error: TransferError | None = None
         # A persistent tier reopened over an old directory reported its reloaded blocks
         # (BlockStored, medium "disk"): they join the pool's stream and snapshot now.
         self._forward_tier_events()
@@ -102,10 +145,11 @@ class PrefixDiskCache:
     ) -> tuple[Any, int]:
         """``BlockTables.add_request``, then the disk tier for the blocks after the pool's
         hits. Returns (the tables' AddResult, tokens whose KV is now in place)."""
+        self.tier._check_open()  # a closed tier fails here, before the tables change
         self._stored()  # earlier events are not this request's
         result = self.tables.add_request(request_id, token_ids, **keys)
         new = self._stored()
-        self.write_evicted()  # what this allocation evicted, before the disk is looked up
+        self._write_evicted_or_count()  # what this allocation evicted, before the lookup
         block_size = self.pool.layout.block_size
         first_new = result.num_cached_tokens // block_size
         blocks = self.tables.blocks(request_id)
@@ -149,10 +193,11 @@ class PrefixDiskCache:
 
     def append_tokens(self, request_id: int, n: int, token_ids: Iterable[int]) -> Any:
         """``BlockTables.append_tokens``; the blocks it fills join the request's chain."""
+        self.tier._check_open()
         self._stored()
         out = self.tables.append_tokens(request_id, n, token_ids)
         new = self._stored()
-        self.write_evicted()
+        self._write_evicted_or_count()
         chain = self._chains.get(request_id)
         if chain is not None and new:
             if self._parents[new[0]] == (chain[-1] if chain else None):
@@ -163,22 +208,47 @@ class PrefixDiskCache:
 
     def free(self, request_id: int) -> int:
         """Frees the request; with write-through, first writes its full blocks to the disk
-        tier. Returns how many blocks were written (held ones are only refreshed)."""
-        chain = self._chains.pop(request_id, None)
-        written = self.write_evicted()
-        if chain and self.write_through:
-            blocks = self.tables.blocks(request_id)
-            written += self.tier.put(self.pool, [int(b) for b in blocks[: len(chain)]], chain)
-            self._forward_tier_events()
-        self.tables.free(request_id)
+        tier. Returns how many blocks were written (held ones are only refreshed). The request
+        is freed whatever the disk does (a failed write is counted, see the module
+        docstring); its chain is forgotten only once the write is over."""
+        written = 0
+        try:
+            written += self._write_evicted_or_count()
+            chain = self._chains.get(request_id)
+            if chain and self.write_through:
+                blocks = self.tables.blocks(request_id)
+                ids = [int(b) for b in blocks[: len(chain)]]
+                try:
+                    written += self.tier.put(self.pool, ids, chain)
+                except TransferError as e:
+                    self._count_failure(e)
+                finally:
+                    self._forward_tier_events()  # blocks it evicted from the disk left it
+        finally:
+            self._chains.pop(request_id, None)
+            self.tables.free(request_id)
         return written
 
     def write_evicted(self) -> int:
         """Writes what the eviction stage holds (blocks the core evicted since the last call)
-        to the disk tier; returns how many blocks were written."""
-        written = self.tier.put_staged(self.stage)
-        self._forward_tier_events()
-        return written
+        to the disk tier; returns how many blocks were written. A failed write raises
+        ``TransferError``; its blocks are lost to the disk and the stage's slots given back."""
+        try:
+            return self.tier.put_staged(self.stage)
+        finally:
+            self._forward_tier_events()
+
+    def _write_evicted_or_count(self) -> int:
+        """``write_evicted`` for the calls whose work is done: a failed write is counted."""
+        try:
+            return self.write_evicted()
+        except TransferError as e:
+            self._count_failure(e)
+            return 0
+
+    def _count_failure(self, error: TransferError) -> None:
+        self.disk_write_failures += 1
+        self.last_disk_error = error
 
     def reset_prefix_cache(self) -> int:
         """Resets the pool's prefix cache (``Pool.reset_prefix_cache``: raises, changing

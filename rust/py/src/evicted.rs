@@ -89,14 +89,16 @@ impl PyEvictionStage {
         Ok(PyEvictedBlocks { slots: PyArray1::from_vec(py, slots).unbind(), block_hashes })
     }
 
-    /// Gives taken slots back to the stage. A slot not taken, or named twice, is
-    /// `InvalidArgumentError` and nothing is released.
+    /// Gives taken slots back to the stage. A slot not taken, named twice, or being read by
+    /// a `checksums` call on another thread is `InvalidArgumentError` and nothing is
+    /// released.
     fn release(&self, slots: &Bound<'_, PyAny>) -> PyResult<()> {
         let slots = Self::slots(slots)?;
         self.stage().release(&slots).map_err(|e| PyKvError(e).into())
     }
 
-    /// The CRC-32C of each taken slot's bytes (uint32), computed with the GIL released.
+    /// The CRC-32C of each taken slot's bytes (uint32), computed with the GIL released; the
+    /// stage refuses to release those slots until it returns.
     fn checksums<'py>(
         &self,
         py: Python<'py>,
@@ -149,7 +151,7 @@ pub fn get(pool: &Arc<Pool>) -> Option<PyEvictionStage> {
     pool.eviction_stage().map(|_| PyEvictionStage::new(pool.clone()))
 }
 
-/// `Pool.block_checksums`: CRC-32C per block, with the GIL released for many blocks.
+/// `Pool.block_checksums`: CRC-32C per block, with the GIL released.
 pub fn block_checksums<'py>(
     py: Python<'py>,
     pool: &Pool,
@@ -157,7 +159,10 @@ pub fn block_checksums<'py>(
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
     let mut ids = ids::BlockIds::new();
     ids::block_ids(block_ids, pool.num_blocks(), &mut ids)?;
-    let sums = py.detach(|| pool.block_checksums(&ids)).map_err(PyKvError)?;
+    // SAFETY: the Python method's documented contract (`Pool.block_checksums`): the caller
+    // keeps the blocks unchanged until it returns, as for every call that reads block bytes
+    // (`DiskTier.put`, the copies); the core cannot check who writes a block's bytes.
+    let sums = py.detach(|| unsafe { pool.block_checksums(&ids) }).map_err(PyKvError)?;
     Ok(PyArray1::from_vec(py, sums))
 }
 

@@ -673,7 +673,9 @@ impl PyPool {
     }
 
     /// The CRC-32C of each block (uint32 array), computed in Rust with the GIL released.
-    /// Host pools only; every block must be allocated (the caller's).
+    /// Host pools only. The blocks are read as they are, allocated or not; the caller keeps
+    /// them unchanged until the call returns (no view, kernel, copy or transfer writes them
+    /// meanwhile).
     fn block_checksums<'py>(
         &self,
         py: Python<'py>,

@@ -17,10 +17,13 @@ use crate::slab::Device;
 impl Pool {
     /// The CRC-32C of each block of `block_ids`, in order. Host pools only (`InvalidArgument`
     /// for a CUDA pool or a metadata-only one); an id past the pool's blocks is
-    /// `InvalidBlock`. The blocks are read as they are, allocated or not: the caller keeps
-    /// them unchanged during the call (as for every call that reads block bytes). Nothing
-    /// changes.
-    pub fn block_checksums(&self, block_ids: &[u32]) -> Result<Vec<u32>, CoreError> {
+    /// `InvalidBlock`. The blocks are read as they are, allocated or not. Nothing changes.
+    ///
+    /// # Safety
+    /// Nobody writes the blocks of `block_ids` (through the pool's views, a kernel, a copy
+    /// or a transfer) until the call returns: the pool cannot know who holds a block's
+    /// bytes, so a concurrent write would be a data race on them.
+    pub unsafe fn block_checksums(&self, block_ids: &[u32]) -> Result<Vec<u32>, CoreError> {
         self.require_memory("block checksums")?;
         if self.device() != Device::Host {
             return Err(CoreError::InvalidArgument(format!(
@@ -32,14 +35,19 @@ impl Pool {
         let extent = self.pin_view_extent();
         let sums = match block_ids.iter().find(|&&id| id as usize >= extent) {
             Some(&id) => Err(CoreError::out_of_range_id(id, extent)),
-            None => Ok(self.checksums_below(extent, block_ids)),
+            // SAFETY: the blocks are below the pinned extent, and unwritten during the call
+            // (this function's contract).
+            None => Ok(unsafe { self.checksums_below(extent, block_ids) }),
         };
         self.unpin_view_extent(extent);
         sums
     }
 
     /// The checksums of blocks below a pinned `extent`.
-    fn checksums_below(&self, extent: usize, block_ids: &[u32]) -> Vec<u32> {
+    ///
+    /// # Safety
+    /// As [`block_checksums`](Self::block_checksums): nobody writes the blocks meanwhile.
+    unsafe fn checksums_below(&self, extent: usize, block_ids: &[u32]) -> Vec<u32> {
         let (base, block_bytes) = (self.base_ptr() as usize, self.block_bytes());
         block_ids
             .iter()
@@ -47,7 +55,7 @@ impl Pool {
                 debug_assert!((id as usize) < extent);
                 // SAFETY: `id` is below the pinned extent of this host pool, so its
                 // `block_bytes` at `base + id * block_bytes` are mapped until the unpin; the
-                // caller does not write the block during the call (see `block_checksums`).
+                // caller does not write the block during the call (this function's contract).
                 let bytes = unsafe {
                     std::slice::from_raw_parts(
                         (base + id as usize * block_bytes) as *const u8,

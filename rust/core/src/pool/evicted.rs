@@ -14,7 +14,10 @@
 //!
 //! A slot is `Free`, `Filled` (holds a block's bytes, on the FIFO of blocks to drain) or
 //! `Taken` (handed to the reader by [`EvictionStage::take`], never rewritten until
-//! [`EvictionStage::release`]). `free + filled + taken == num_slots`. A capture into a full
+//! [`EvictionStage::release`]). `free + filled + taken == num_slots`. A taken slot that a
+//! [`EvictionStage::checksums`] call is reading (it hashes with the stage's lock released,
+//! the GIL too) counts that reader, and `release` refuses it until the read ends: the stage,
+//! not the reader's good manners, keeps a capture from writing a slot being read. A capture into a full
 //! stage overwrites the oldest `Filled` slot (the newest evictions were used most recently,
 //! as the pool's LRU ranks them); when every slot is `Taken`, the new block is dropped.
 //!
@@ -59,6 +62,8 @@ pub struct EvictionStageStats {
 struct StageState {
     slots: Vec<Slot>,
     hashes: Vec<BlockHash>,
+    /// Per slot, the `checksums` calls reading it now (non-zero only for `Taken` slots).
+    readers: Vec<u32>,
     /// `Filled` slots, oldest first.
     filled: VecDeque<u32>,
     free: Vec<u32>,
@@ -75,8 +80,11 @@ pub struct EvictionStage {
 }
 
 // SAFETY: the stage owns its allocation; its bytes are written only under `state`'s lock
-// (captures into `Free`/`Filled` slots) and read by the reader only in `Taken` slots, which
-// no capture touches, so sharing the handle shares no unsynchronised Rust-visible state.
+// (captures into `Free`/`Filled` slots), and read without the lock only by `checksums`, in
+// `Taken` slots whose reader count it holds: `release` refuses such a slot, so it cannot
+// become `Free` and be captured into during the read. No unsynchronised Rust-visible state
+// (the reader's own I/O reads its taken slots through `base_ptr`, outside Rust, until it
+// releases them: its contract, documented on the Python class).
 unsafe impl Send for EvictionStage {}
 // SAFETY: as above.
 unsafe impl Sync for EvictionStage {}
@@ -108,6 +116,7 @@ impl EvictionStage {
         let state = StageState {
             slots: vec![Slot::Free; num_slots],
             hashes: vec![BlockHash([0; 32]); num_slots],
+            readers: vec![0; num_slots],
             filled: VecDeque::with_capacity(num_slots),
             free: (0..num_slots as u32).rev().collect(),
             stats: EvictionStageStats { num_slots, ..Default::default() },
@@ -185,8 +194,9 @@ impl EvictionStage {
         out
     }
 
-    /// Gives taken slots back for reuse. A slot that is not taken, or named twice, is
-    /// `InvalidArgument` and nothing changes.
+    /// Gives taken slots back for reuse. A slot that is not taken, named twice, or being
+    /// read by a [`checksums`](Self::checksums) call on another thread is `InvalidArgument`
+    /// and nothing changes.
     pub fn release(&self, slots: &[u32]) -> Result<(), CoreError> {
         let mut st = self.lock();
         let mut seen = std::collections::HashSet::with_capacity(slots.len());
@@ -194,6 +204,11 @@ impl EvictionStage {
             if st.slots.get(slot as usize) != Some(&Slot::Taken) || !seen.insert(slot) {
                 return Err(CoreError::InvalidArgument(format!(
                     "slot {slot} of the eviction stage is not taken (or is named twice)"
+                )));
+            }
+            if st.readers[slot as usize] != 0 {
+                return Err(CoreError::InvalidArgument(format!(
+                    "slot {slot} of the eviction stage is being checksummed: release it after"
                 )));
             }
         }
@@ -215,10 +230,19 @@ impl EvictionStage {
         slots.len()
     }
 
-    /// The CRC-32C of each taken slot's bytes. A slot not taken is `InvalidArgument`.
+    /// The CRC-32C of each taken slot's bytes, hashed with the stage's lock released. A slot
+    /// not taken is `InvalidArgument` (nothing read); while the call reads them, the slots
+    /// cannot be released (see [`release`](Self::release)).
     pub fn checksums(&self, slots: &[u32]) -> Result<Vec<u32>, CoreError> {
+        self.read_taken(slots, crate::pool::crc::crc32c)
+    }
+
+    /// `read` of each taken slot's bytes, in order, with the lock released: the slots'
+    /// reader counts, raised under the lock first, keep them `Taken` (so never captured
+    /// into) until they are lowered after the last read, also if `read` panics.
+    fn read_taken<R>(&self, slots: &[u32], read: impl Fn(&[u8]) -> R) -> Result<Vec<R>, CoreError> {
         {
-            let st = self.lock();
+            let mut st = self.lock();
             if let Some(&slot) =
                 slots.iter().find(|&&s| st.slots.get(s as usize) != Some(&Slot::Taken))
             {
@@ -226,16 +250,30 @@ impl EvictionStage {
                     "slot {slot} of the eviction stage is not taken"
                 )));
             }
+            for &slot in slots {
+                st.readers[slot as usize] += 1;
+            }
         }
-        // Taken slots are not written until released, and only the reader releases them.
+        struct Readers<'a>(&'a EvictionStage, &'a [u32]);
+        impl Drop for Readers<'_> {
+            fn drop(&mut self) {
+                let mut st = self.0.lock();
+                for &slot in self.1 {
+                    st.readers[slot as usize] -= 1;
+                }
+            }
+        }
+        let _readers = Readers(self, slots);
         Ok(slots
             .iter()
             .map(|&slot| {
-                // SAFETY: a taken slot lies inside the allocation and no capture writes it.
+                // SAFETY: the slot is inside the allocation (slot < num_slots, checked above)
+                // and `Taken` with a reader counted, which `release` refuses: it stays `Taken`
+                // until `_readers` drops, so no capture writes it during this borrow.
                 let bytes = unsafe {
                     std::slice::from_raw_parts(self.slot_ptr(slot) as *const u8, self.block_bytes)
                 };
-                crate::pool::crc::crc32c(bytes)
+                read(bytes)
             })
             .collect())
     }
@@ -265,6 +303,11 @@ impl EvictionStage {
                 "eviction stage: {free} free + {filled} filled + {taken} taken != {} slots",
                 self.num_slots
             ));
+        }
+        if let Some(slot) =
+            (0..self.num_slots).find(|&s| st.readers[s] != 0 && st.slots[s] != Slot::Taken)
+        {
+            return Err(format!("eviction stage: slot {slot} is read but not taken"));
         }
         if st.free.iter().any(|&s| st.slots[s as usize] != Slot::Free)
             || st.filled.iter().any(|&s| st.slots[s as usize] != Slot::Filled)
@@ -342,6 +385,47 @@ mod tests {
         stage.check_invariants().unwrap();
         stage.release(&[taken[0].0, rest[0].0]).unwrap();
         assert!(stage.checksums(&[rest[0].0]).is_err(), "released: not the reader's now");
+        assert_eq!(stage.stats().num_taken, 0);
+        stage.check_invariants().unwrap();
+    }
+
+    /// A release from another thread while `checksums` reads a slot (with the lock released,
+    /// as the binding does with the GIL released) is refused, so the capture that follows
+    /// cannot write the slot under the reader; once the read is over it succeeds.
+    #[test]
+    fn a_slot_being_checksummed_cannot_be_released_from_another_thread() {
+        use std::sync::mpsc;
+        let stage = EvictionStage::new(1, 8).unwrap();
+        let src = [7u8; 16];
+        let h = BlockHash([7; 32]);
+        // SAFETY: blocks 0..2 of 8 bytes lie in `src`, unchanged during the call.
+        unsafe { stage.capture(src.as_ptr() as u64, &[(0, h)]) };
+        let slot = stage.take(1)[0].0;
+        let (to_other, other_rx) = mpsc::channel::<()>();
+        let (to_reader, reader_rx) = mpsc::channel::<(bool, u64)>();
+        std::thread::scope(|scope| {
+            let (stage, src) = (&stage, &src);
+            let other = scope.spawn(move || {
+                other_rx.recv().unwrap(); // the reader is inside its read
+                let released = stage.release(&[slot]).is_ok();
+                // SAFETY: as above.
+                unsafe { stage.capture(src.as_ptr() as u64 + 8, &[(1, BlockHash([8; 32]))]) };
+                to_reader.send((released, stage.stats().dropped)).unwrap();
+            });
+            let sums = stage
+                .read_taken(&[slot], |bytes| {
+                    to_other.send(()).unwrap();
+                    let (released, dropped) = reader_rx.recv().unwrap();
+                    assert!(!released, "a slot being read was released");
+                    assert_eq!(dropped, 1, "the capture found every slot taken");
+                    crate::pool::crc::crc32c(bytes)
+                })
+                .unwrap();
+            other.join().unwrap();
+            assert_eq!(sums, [crate::pool::crc::crc32c(&[7; 8])], "the bytes were not rewritten");
+        });
+        stage.check_invariants().unwrap();
+        stage.release(&[slot]).unwrap();
         assert_eq!(stage.stats().num_taken, 0);
         stage.check_invariants().unwrap();
     }
