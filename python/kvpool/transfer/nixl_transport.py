@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from kvpool._core import Pool, TransferError
+from kvpool.kernels._launch import cupy_stream, stream_handle
 from kvpool.transfer.movers import Done
 from kvpool.transfer.nccl import NcclTransport, rendezvous_control
 from kvpool.transfer.nixl_layers import AwaitMessage, LayeredRead
@@ -131,8 +132,6 @@ def settle_source(pool: Pool, stream: Any = None) -> None:
     if nixl_memory(pool)[0] != "VRAM":
         return
     import cupy
-
-    from kvpool.kernels._launch import cupy_stream, stream_handle
 
     stream = pool.stream if stream is None else stream
     handle = stream if isinstance(stream, int) else stream_handle(stream)
