@@ -399,8 +399,10 @@ def test_a_peer_that_never_says_hello_leaves_nothing_registered(tmp_path, monkey
     mute.start()
     pool, _ = make_side()
     try:
-        with pytest.raises(TimeoutError):
-            NixlTransport.connect(1, rendezvous, pool, timeout=0.5)
+        while mute.is_alive() and not rendezvous.exists():  # then connect waits for the hello only
+            mute.join(0.05)
+        with pytest.raises(TimeoutError, match="no control message"):
+            NixlTransport.connect(1, rendezvous, pool, timeout=2.0)
     finally:
         mute.join()
     gc.collect()
