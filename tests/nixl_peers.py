@@ -1,6 +1,6 @@
-"""What the two-process NIXL tests share (tests/test_nixl_faults.py, test_nixl_hybrid.py,
-test_nixl_layers.py, test_nixl_tp.py): each test file, run as a script, is the other side (the
-peer) of its tests, reached over loopback through NIXL/UCX.
+"""What the two-process NIXL tests share (tests/test_nixl_faults.py, test_nixl_gpu.py,
+test_nixl_hybrid.py, test_nixl_layers.py, test_nixl_tp.py): each test file, run as a script, is
+the other side (the peer) of its tests, reached over loopback through NIXL/UCX.
 
 - Importing this module loads NIXL or skips the importing test module (tests/nixl_required.py).
 - ``spawn(script, *args, tmp_path=...)`` starts ``script`` as the peer with its arguments and
@@ -8,6 +8,8 @@ peer) of its tests, reached over loopback through NIXL/UCX.
   files, ``connect`` (this side's transport of a leg, closed when the block ends) and
   ``finish`` (the peer's ``RESULT {json}`` line, once it exits with 0). On leaving, every
   transport is closed, the peer killed if still running and waited for, its pipes closed.
+- ``run_ranks(rank_fn, rendezvous)``: the ranks of a TP-2 group as threads of the peer, each
+  ``rank_fn(rank, rendezvous[rank], report)``; their reports as ``{"ranks": [...]}``.
 - ``conserved``: a side's pool invariant (free + evictable + used + in_flight == total), no
   lease left, and every block back where it was.
 """
@@ -17,14 +19,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from nixl_required import NixlTransport
 
-__all__ = ["PEER_WAIT_S", "NixlTransport", "Peer", "conserved", "spawn"]
+__all__ = ["PEER_WAIT_S", "NixlTransport", "Peer", "conserved", "run_ranks", "spawn"]
 
 PEER_WAIT_S = 30.0  # a bound on every wait if a side breaks, never reached
 
@@ -32,7 +35,8 @@ PEER_WAIT_S = 30.0  # a bound on every wait if a side breaks, never reached
 class Peer:
     """The other side's process and its rendezvous files (one a leg)."""
 
-    def __init__(self, process: subprocess.Popen, rendezvous: list[Path]) -> None:
+    def __init__(self, process: subprocess.Popen | None, rendezvous: list[Path]) -> None:
+        # ``process`` None: a peer in a thread of this process (tests/test_nixl_gpu.py).
         self.process, self.rendezvous = process, rendezvous
         self.output = ""
         self.transports: list[NixlTransport] = []
@@ -44,9 +48,10 @@ class Peer:
         self.transports.append(transport)
         return transport
 
-    def finish(self) -> dict:
-        """Waits for the peer to exit and returns its last ``RESULT {json}``."""
-        self.output, _ = self.process.communicate(timeout=PEER_WAIT_S)
+    def finish(self, timeout: float = PEER_WAIT_S) -> dict:
+        """Waits (``timeout``) for the peer to exit and returns its last ``RESULT {json}``."""
+        assert self.process is not None
+        self.output, _ = self.process.communicate(timeout=timeout)
         lines = [x for x in self.output.splitlines() if x.startswith("RESULT ")]
         assert self.process.returncode == 0 and lines, self.output
         return json.loads(lines[-1][len("RESULT ") :])
@@ -84,6 +89,21 @@ def spawn(
         for pipe in (process.stdin, process.stdout):
             if pipe is not None:
                 pipe.close()
+
+
+def run_ranks(rank_fn: Callable[[int, str, dict], None], rendezvous: list[str]) -> dict:
+    """Runs ``rank_fn(rank, rendezvous[rank], report)`` for ranks 0 and 1, each in a thread
+    (the two ranks of a TP-2 group, each with its own pool and transport); joins them."""
+    reports: list[dict] = [{}, {}]
+    threads = [
+        threading.Thread(target=rank_fn, args=(rank, rendezvous[rank], reports[rank]))
+        for rank in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"ranks": reports}
 
 
 def conserved(side: Any, pool: Any, free_before: int) -> None:

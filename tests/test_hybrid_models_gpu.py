@@ -457,9 +457,10 @@ def test_model_generate_with_the_hybrid_cache(name, dtype):
     """A left-padded batch of 4 ragged prompts, 60 new tokens (far past the window of 32),
     against the default cache. float32: the same tokens and every step's logits within
     BOUND32. bfloat16: the same tokens up to the first step where the default cache's top
-    two logits are closer than max(2%, twice the row's largest logit error so far) of the
-    row's largest logit (a near-tie: errors that large let either side take it), every
-    step's logits before it within 0.5 relative."""
+    two logits are closer than min(max(2%, twice the row's largest logit error so far), 5%)
+    of the row's largest logit (a near-tie: errors that large let either side take it; the
+    cap keeps a large error from excusing any parting), every step's logits before it within
+    0.5 relative."""
     from kvpool.integrations.hybrid_cache import HybridKvpoolCache
 
     model, _ = build(name, dtype)
@@ -485,7 +486,7 @@ def test_model_generate_with_the_hybrid_cache(name, dtype):
     assert len(cache.tables) == 0 and pool.num_free == pool.num_blocks
     width = ids.shape[1]
     worst, compared = 0.0, 0
-    tie = 0.02 if dtype == torch.bfloat16 else 0.0
+    tie, tie_cap = (0.02, 0.05) if dtype == torch.bfloat16 else (0.0, 0.0)
     parted = []
     for i in range(len(prompts)):
         row_worst = 0.0
@@ -499,7 +500,7 @@ def test_model_generate_with_the_hybrid_cache(name, dtype):
             top2 = torch.topk(b, 2).values
             if out.sequences[i, width + step] != ref.sequences[i, width + step]:
                 gap = float(top2[0] - top2[1]) / scale
-                allowed = max(tie, 2 * row_worst) if tie else 0.0
+                allowed = min(max(tie, 2 * row_worst), tie_cap) if tie else 0.0
                 parted.append({"row": i, "step": step, "gap_rel": gap, "allowed": allowed})
                 break  # the rows part after a near-tie
     REPORT[f"generate_cache_{name}_{str(dtype)[6:]}"] = {
@@ -613,8 +614,8 @@ def lm_logits_eager(runner, batch):
 
 def test_generate_with_cuda_graphs_runs_every_request():
     """generate() on the graphs runner (gpt-oss bf16): 12 ragged greedy requests complete,
-    every page back, decode steps replayed; the tokens equal the eager runner's up to a
-    near-tie (counted, reported)."""
+    every page back, decode steps replayed, and every request's tokens equal the eager
+    runner's (the replays run the eager step's kernels on the same buffers: exact)."""
     from kvpool.integrations import hybrid_graphs as hg
 
     model, _ = build("gpt-oss", torch.bfloat16)
@@ -642,6 +643,7 @@ def test_generate_with_cuda_graphs_runs_every_request():
         "graph_replays": replays,
     }
     print(REPORT["generate_cuda_graphs_gpt_oss_bf16"])
+    assert same == 12
     assert replays > 0
 
 

@@ -1,6 +1,7 @@
 """Faults in a NIXL transfer between two processes on loopback (host pools, UCX): a peer killed
 mid-transfer (either side), a deadline passing during the READ, a silent peer (connected, never
-sends), malformed offers, a duplicate request id and a receiver out of blocks. Each leaves
+sends), a peer that never says its NIXL hello (``connect`` times out, nothing left registered),
+malformed offers, a duplicate request id and a receiver out of blocks. Each leaves
 both pools conserved (free + evictable + used + in_flight == total, ``check_invariants``, no
 lease left) and every surviving side with a TransferError naming what happened.
 
@@ -348,3 +349,67 @@ def test_malformed_offers_a_duplicate_id_and_too_few_blocks_are_refused(tmp_path
     assert "refused request 5: DuplicateRequestError" in seen["error_5"], seen
     assert "refused request 6: OutOfBlocks" in seen["error_6"], seen
     assert seen["kept"], seen
+
+
+def test_a_peer_that_never_says_hello_leaves_nothing_registered(tmp_path, monkeypatch):
+    """The peer (a thread here) joins the control connection and never sends its NIXL hello:
+    ``connect`` times out, having deregistered the slab and closed its socket (the peer reads
+    the hello sent, then end-of-file), and the agent goes with the error."""
+    import gc
+    import socket
+    import threading
+    import weakref
+    from types import SimpleNamespace
+
+    from kvpool.transfer import nixl_transport
+    from kvpool.transfer.nccl import rendezvous_control
+
+    nixl = nixl_transport.load_nixl()
+    registered: list = []
+    agents: list = []
+
+    class RecordingAgent(nixl.nixl_agent):
+        def register_memory(self, *args: Any, **kwargs: Any) -> Any:
+            registered.append(super().register_memory(*args, **kwargs))
+            return registered[-1]
+
+        def deregister_memory(self, registration: Any) -> None:
+            super().deregister_memory(registration)
+            registered.remove(registration)
+
+    def recording_agent(*args: Any) -> Any:
+        agent = RecordingAgent(*args)
+        agents.append(weakref.ref(agent))
+        return agent
+
+    monkeypatch.setattr(
+        nixl_transport,
+        "load_nixl",
+        lambda: SimpleNamespace(
+            nixl_agent=recording_agent, nixl_agent_config=nixl.nixl_agent_config
+        ),
+    )
+    rendezvous = tmp_path / "rendezvous.json"
+    joined: list[socket.socket] = []
+    mute = threading.Thread(
+        target=lambda: joined.append(
+            rendezvous_control(0, rendezvous, lambda: [], timeout=PEER_WAIT_S)[0]
+        )
+    )
+    mute.start()
+    pool, _ = make_side()
+    try:
+        while mute.is_alive() and not rendezvous.exists():  # then connect waits for the hello only
+            mute.join(0.05)
+        with pytest.raises(TimeoutError, match="no control message"):
+            NixlTransport.connect(1, rendezvous, pool, timeout=2.0)
+    finally:
+        mute.join()
+    gc.collect()
+    assert len(agents) == 1 and agents[0]() is None and registered == []
+    with joined[0] as peer_sock:
+        peer_sock.settimeout(PEER_WAIT_S)
+        received = b""
+        while chunk := peer_sock.recv(1 << 16):
+            received += chunk
+    assert b"nixl_hello" in received

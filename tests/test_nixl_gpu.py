@@ -21,24 +21,17 @@ script is the sender's process.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import kvpool
 import numpy as np
 import pytest
 from kvpool.transfer import KvReceiver, KvSender
-
-try:
-    from kvpool.transfer.nixl_transport import NixlTransport, load_nixl
-
-    load_nixl()
-except ImportError as e:  # pragma: no cover - depends on the environment
-    if __name__ != "__main__":
-        pytest.skip(f"NIXL is not importable ({e}); install kvpool[nixl]", allow_module_level=True)
+from nixl_peers import PEER_WAIT_S, NixlTransport, Peer, conserved, run_ranks, spawn
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +39,6 @@ LAYOUT = kvpool.KvLayout(2, 8, 128, 16)  # fp16: 128 KiB blocks
 NUM_BLOCKS = 96
 REQUESTS = {7: 16 * 20 + 5, 8: 16 * 16}  # 21 blocks in the sender's holes, 16 in one run
 TP_RID, TP_TOKENS, HQ = 3, 16 * 24 + 9, 32  # 25 blocks; 32 query heads over 8 KV heads
-PEER_WAIT_S = 30.0  # a bound on every wait if a side breaks, never reached
 FINISH_S = 180.0  # the sender's end, which may include compiling the decode kernel
 
 
@@ -80,12 +72,6 @@ def read(pool: kvpool.Pool, ids: np.ndarray) -> list[np.ndarray]:
     import cupy
 
     return [cupy.asnumpy(view[cupy.asarray(ids)]) for view in views(pool)]
-
-
-def conserved(side: Any, pool: kvpool.Pool, free_want: int) -> None:
-    side.check_invariants()
-    assert side.leases.live() == [] and side.leases.in_flight == 0
-    assert pool.num_free == free_want, (pool.num_free, free_want)
 
 
 def query() -> np.ndarray:
@@ -163,16 +149,7 @@ def prefill_rank(rank: int, rendezvous: str, report: dict) -> None:
 
 
 def tp2_prefill(rendezvous: list[str]) -> dict:
-    reports: list[dict] = [{}, {}]
-    threads = [
-        threading.Thread(target=prefill_rank, args=(rank, rendezvous[rank], reports[rank]))
-        for rank in range(2)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return {"ranks": reports}
+    return run_ranks(prefill_rank, rendezvous)
 
 
 ROLES = {"requests": lambda r: send_requests(r[0]), "tp2": tp2_prefill}
@@ -185,22 +162,14 @@ if __name__ == "__main__":
 # -- the receiving side (the tests) -------------------------------------------------------------
 
 
-class Sender:
-    """The sending role run in another process or in a thread of this one."""
+class ThreadPeer(Peer):
+    """The sending role in a thread of this process (its own pool, agent and transport)."""
 
-    def __init__(self, how: str, role: str, rendezvous: list[Path]) -> None:
-        self.how, self.result, self.process = how, None, None
-        args = [str(r) for r in rendezvous]
-        if how == "processes":
-            self.process = subprocess.Popen(
-                [sys.executable, __file__, role, *args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        else:
-            self.thread = threading.Thread(target=self._run, args=(role, args))
-            self.thread.start()
+    def __init__(self, role: str, rendezvous: list[Path]) -> None:
+        super().__init__(None, rendezvous)
+        self.result: dict | None = None
+        self.thread = threading.Thread(target=self._run, args=(role, list(map(str, rendezvous))))
+        self.thread.start()
 
     def _run(self, role: str, args: list[str]) -> None:
         try:
@@ -208,20 +177,27 @@ class Sender:
         except Exception as e:
             self.result = {"error": f"{type(e).__name__}: {e}"}
 
-    def finish(self) -> dict:
-        if self.process is None:
-            self.thread.join(FINISH_S)
-            assert not self.thread.is_alive() and self.result is not None
-            return self.result
-        out, _ = self.process.communicate(timeout=FINISH_S)
-        lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-        assert self.process.returncode == 0 and lines, out[-4000:]
-        return json.loads(lines[-1][len("RESULT ") :])
+    def finish(self, timeout: float = PEER_WAIT_S) -> dict:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive() and self.result is not None
+        return self.result
 
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.communicate()
+
+@contextmanager
+def sender(how: str, role: str, tmp_path: Path, legs: int = 1) -> Iterator[Peer]:
+    """The sending role run in another process (tests/nixl_peers.py's ``spawn``) or in a
+    thread of this one; on leaving, this side's transports (``connect``) are closed."""
+    if how == "processes":
+        with spawn(__file__, role, tmp_path=tmp_path, legs=legs) as other:
+            yield other
+        return
+    other = ThreadPeer(role, [tmp_path / f"rendezvous{leg}.json" for leg in range(legs)])
+    try:
+        yield other
+    finally:
+        other.thread.join(FINISH_S)
+        for transport in other.transports:
+            transport.close()
 
 
 HOW = ["processes", "threads"]
@@ -229,13 +205,11 @@ HOW = ["processes", "threads"]
 
 @pytest.mark.parametrize("how", HOW)
 def test_a_requests_blocks_move_device_to_device_byte_exact(tmp_path, how):
-    rendezvous = tmp_path / "rendezvous.json"
-    sender = Sender(how, "requests", [rendezvous])
-    try:
+    with sender(how, "requests", tmp_path) as other:
         pool = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="cuda")
         tables = kvpool.BlockTables(pool, 32, 64)
         tables.add(1, 16 * 5)  # the receiver's ids differ from the sender's
-        transport = NixlTransport.connect(1, rendezvous, pool, timeout=PEER_WAIT_S)
+        transport = other.connect(pool)
         assert (transport.mem_type, transport.remote_mem_type) == ("VRAM", "VRAM")
         receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
         free = pool.num_free
@@ -247,27 +221,22 @@ def test_a_requests_blocks_move_device_to_device_byte_exact(tmp_path, how):
             assert tables.num_tokens(rid) == num_tokens
             for got, want in zip(read(pool, ids), kv_of(rid, len(ids))):
                 np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
-        seen = sender.finish()
-    finally:
-        sender.kill()
+        seen = other.finish(FINISH_S)
     assert seen == {"sent": True}, seen
     # Request 7 in the sender's holes took several descriptors, request 8 (one run each side) 1.
     assert transport.descriptor_counts[0] > 1 and transport.descriptor_counts[1] == 1
     print(how, "descriptors per request:", transport.descriptor_counts)
-    transport.close()
 
 
 @pytest.mark.parametrize("how", HOW)
 def test_a_tp2_prefill_gathered_into_tp1_decodes_as_on_the_source(tmp_path, how):
     from kvpool.transfer.tp_legs import KvGatherReceiver
 
-    rendezvous = [tmp_path / f"leg{leg}.json" for leg in range(2)]
-    sender = Sender(how, "tp2", rendezvous)
-    try:
+    with sender(how, "tp2", tmp_path, legs=2) as other:
         pool = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="cuda")
         tables = kvpool.BlockTables(pool, 8, 64)
         free_before = pool.num_free
-        legs = [NixlTransport.connect(1, r, pool, timeout=PEER_WAIT_S) for r in rendezvous]
+        legs = [other.connect(pool, leg=leg) for leg in range(2)]
         receiver = KvGatherReceiver(tables, legs, timeout_s=PEER_WAIT_S)
         receiver.recv(timeout=PEER_WAIT_S).wait()
         conserved(receiver, pool, free_before - 25)
@@ -275,11 +244,7 @@ def test_a_tp2_prefill_gathered_into_tp1_decodes_as_on_the_source(tmp_path, how)
         for got, want in zip(read(pool, ids), kv_of(TP_RID, len(ids))):
             np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
         got_decode = decode(pool, tables, query())
-        seen = sender.finish()
-    finally:
-        sender.kill()
-    for leg in legs:
-        leg.close()
+        seen = other.finish(FINISH_S)
     ranks = seen["ranks"]
     assert [r.get("sent") for r in ranks] == [True, True], [r.get("error") for r in ranks]
     for layer in range(LAYOUT.num_layers):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 from typing import Any
 
 import kvpool
@@ -24,7 +23,7 @@ import pytest
 from kvpool import TransferError
 from kvpool.transfer import KvReceiver, KvSender
 from kvpool.transfer.transport import PeerGone
-from nixl_peers import PEER_WAIT_S, NixlTransport, Peer, conserved, spawn
+from nixl_peers import PEER_WAIT_S, NixlTransport, Peer, conserved, run_ranks, spawn
 
 FULL = kvpool.KvLayout(2, 4, 16, 16)  # the model: 2 layers, 4 KV heads
 NUM_BLOCKS = 24
@@ -96,16 +95,7 @@ def prefill_rank(rank: int, rendezvous: str, report: dict) -> None:
 
 
 def tp2_prefill(rendezvous: list[str]) -> dict:
-    reports: list[dict] = [{}, {}]
-    threads = [
-        threading.Thread(target=prefill_rank, args=(rank, rendezvous[rank], reports[rank]))
-        for rank in range(2)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return {"ranks": reports}
+    return run_ranks(prefill_rank, rendezvous)
 
 
 def tp1_prefill(rendezvous: list[str]) -> dict:

@@ -2,7 +2,8 @@
 layer ranges inside blocks (regions.py), applied here as plain memmoves between host pools
 (what a NIXL READ does with them), gather two TP-2 shards into a TP-1 pool and split a TP-1
 pool into two shards byte-exact; and an offer whose TP shard does not fit the receiver is
-refused, naming why, before anything is allocated (offers.py)."""
+refused, naming why, before anything is allocated (offers.py); a split send settles the stream
+it is given (tp_legs.py)."""
 
 from __future__ import annotations
 
@@ -237,3 +238,32 @@ def test_layer_by_layer_and_tp_need_nixl_and_uniform_tables():
     hybrid = kvpool.HybridTables(kvpool.Pool.for_spec(spec, 16, device="host"), spec)
     with pytest.raises(TransferError, match="uniform BlockTables"):
         KvSender(hybrid, a, tp=(0, 2))
+
+
+def test_a_split_send_settles_the_stream_it_is_given(monkeypatch):
+    """KvSplitSender.send waits for the caller's ``stream`` (the one that wrote the KV), the
+    pool's own only by default, before any receiver may READ: observed through the call it
+    makes (on a host pool ``settle_source`` has nothing to wait for). Legs that are gone
+    fail the offer; the request stays."""
+    from kvpool import TransferError
+    from kvpool.transfer import tp_legs
+    from kvpool.transfer.transport import PeerGone
+
+    class GoneLeg:
+        one_sided = True
+
+        def send_control(self, message: dict) -> None:
+            raise PeerGone("the receiver is gone")
+
+    settled: list = []
+    monkeypatch.setattr(tp_legs, "settle_source", lambda pool, stream=None: settled.append(stream))
+    pool = kvpool.Pool(FULL, 16, device="host")
+    tables = kvpool.BlockTables(pool, 4, 8)
+    tables.add(3, 20)
+    sender = tp_legs.KvSplitSender(tables, [GoneLeg(), GoneLeg()])
+    writer_stream = object()
+    for stream in (writer_stream, None):
+        with pytest.raises(TransferError, match="the receiver is gone"):
+            sender.send(3, stream=stream)
+    assert settled == [writer_stream, None]
+    assert 3 in tables and sender.leases.live() == []

@@ -149,8 +149,14 @@ class _SharedKvSource:
 
 
 class SharedKvDecodePlan(_SharedKvSource, MlaDecodePlan):  # type: ignore[misc]
-    """One step's head_dim 512 K = V decode batch over one pool (see
-    :func:`shared_kv_decode_plan`); ``run(q, layer)`` per layer."""
+    """A head_dim 512 K = V decode plan (Gemma 4 global layers) for one step's batch: made
+    once, then ``plan.run(q, layer)`` for every layer of the pool.
+
+    block_tables: int32 [num_seqs, max_blocks] block ids (-1 unused); seq_lens: int32
+    [num_seqs] (the new token included); num_q_heads a multiple of the pool's num_kv_heads.
+    scale (default 1/sqrt(512)), max_seq_len, num_splits, stream and workspace as for
+    decode_plan; head_tile (16, 32 or 64) forces the query rows per CTA (default: the
+    smallest that holds a KV head's group). The layer's K rows are read as K and V."""
 
     def __init__(
         self,
@@ -159,12 +165,12 @@ class SharedKvDecodePlan(_SharedKvSource, MlaDecodePlan):  # type: ignore[misc]
         seq_lens: Any,
         num_q_heads: int,
         *,
-        scale: float | None,
-        max_seq_len: int | None,
-        num_splits: int | None,
-        stream: Any,
-        workspace: Any,
-        head_tile: int | None,
+        scale: float | None = None,
+        max_seq_len: int | None = None,
+        num_splits: int | None = None,
+        stream: Any = None,
+        workspace: Any = None,
+        head_tile: int | None = None,
     ) -> None:
         super().__init__(
             pool,
@@ -187,9 +193,17 @@ class SharedKvDecodePlan(_SharedKvSource, MlaDecodePlan):  # type: ignore[misc]
 
 
 class SharedKvExtendPlan(_SharedKvSource, MlaExtendPlan):  # type: ignore[misc]
-    """One step's ragged head_dim 512 K = V extend batch over one pool (see
-    :func:`shared_kv_extend_plan`): `qo_indptr` and `seq_lens` are the plan's checked host
-    copies."""
+    """A head_dim 512 K = V extend plan (chunked prefill, prefix-cached continuation,
+    speculative verify; causal) for one step's ragged batch: made once, then
+    ``plan.run(q, layer)`` per layer.
+
+    qo_indptr [num_seqs + 1] (from 0) packs each sequence's query tokens in q / out; seq_lens
+    [num_seqs] counts its cached tokens, the new ones (its last qo_len) included. qo_indptr and
+    seq_lens are host arrays (device ones are read back, which synchronises); block_tables is
+    bound as given and read at every run. Query j of a sequence sees keys 0 .. seq_len - qo_len
+    + j. scale, num_splits, stream, workspace and head_tile as for shared_kv_decode_plan.
+
+    `qo_indptr` and `seq_lens` on the plan are its checked host copies."""
 
     def __init__(
         self,
@@ -199,11 +213,11 @@ class SharedKvExtendPlan(_SharedKvSource, MlaExtendPlan):  # type: ignore[misc]
         seq_lens: Any,
         num_q_heads: int,
         *,
-        scale: float | None,
-        num_splits: int | None,
-        stream: Any,
-        workspace: Any,
-        head_tile: int | None,
+        scale: float | None = None,
+        num_splits: int | None = None,
+        stream: Any = None,
+        workspace: Any = None,
+        head_tile: int | None = None,
     ) -> None:
         super().__init__(
             pool,
@@ -227,72 +241,7 @@ class SharedKvExtendPlan(_SharedKvSource, MlaExtendPlan):  # type: ignore[misc]
         )
 
 
-def shared_kv_decode_plan(
-    pool: Any,
-    block_tables: Any,
-    seq_lens: Any,
-    num_q_heads: int,
-    *,
-    scale: float | None = None,
-    max_seq_len: int | None = None,
-    num_splits: int | None = None,
-    stream: Any = None,
-    workspace: Any = None,
-    head_tile: int | None = None,
-) -> SharedKvDecodePlan:
-    """A head_dim 512 K = V decode plan (Gemma 4 global layers) for one step's batch: made
-    once, then ``plan.run(q, layer)`` for every layer of the pool.
-
-    block_tables: int32 [num_seqs, max_blocks] block ids (-1 unused); seq_lens: int32
-    [num_seqs] (the new token included); num_q_heads a multiple of the pool's num_kv_heads.
-    scale (default 1/sqrt(512)), max_seq_len, num_splits, stream and workspace as for
-    decode_plan; head_tile (16, 32 or 64) forces the query rows per CTA (default: the
-    smallest that holds a KV head's group). The layer's K rows are read as K and V."""
-    return SharedKvDecodePlan(
-        pool,
-        block_tables,
-        seq_lens,
-        num_q_heads,
-        scale=scale,
-        max_seq_len=max_seq_len,
-        num_splits=num_splits,
-        stream=stream,
-        workspace=workspace,
-        head_tile=head_tile,
-    )
-
-
-def shared_kv_extend_plan(
-    pool: Any,
-    qo_indptr: Any,
-    block_tables: Any,
-    seq_lens: Any,
-    num_q_heads: int,
-    *,
-    scale: float | None = None,
-    num_splits: int | None = None,
-    stream: Any = None,
-    workspace: Any = None,
-    head_tile: int | None = None,
-) -> SharedKvExtendPlan:
-    """A head_dim 512 K = V extend plan (chunked prefill, prefix-cached continuation,
-    speculative verify; causal) for one step's ragged batch: made once, then
-    ``plan.run(q, layer)`` per layer.
-
-    qo_indptr [num_seqs + 1] (from 0) packs each sequence's query tokens in q / out; seq_lens
-    [num_seqs] counts its cached tokens, the new ones (its last qo_len) included. qo_indptr and
-    seq_lens are host arrays (device ones are read back, which synchronises); block_tables is
-    bound as given and read at every run. Query j of a sequence sees keys 0 .. seq_len - qo_len
-    + j. scale, num_splits, stream, workspace and head_tile as for shared_kv_decode_plan."""
-    return SharedKvExtendPlan(
-        pool,
-        qo_indptr,
-        block_tables,
-        seq_lens,
-        num_q_heads,
-        scale=scale,
-        num_splits=num_splits,
-        stream=stream,
-        workspace=workspace,
-        head_tile=head_tile,
-    )
+# The plan functions, named as the other kernels' (decode_plan, mla_decode_plan): the classes
+# themselves, whose constructors a function would only forward to.
+shared_kv_decode_plan = SharedKvDecodePlan
+shared_kv_extend_plan = SharedKvExtendPlan

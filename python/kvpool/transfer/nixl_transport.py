@@ -38,6 +38,7 @@ the ``nixl_cu13`` / ``nixl_cu12`` one that the wheels of those names install.
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib
 import os
 import time
@@ -182,6 +183,30 @@ class NixlTransport(Transport):
         agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
         nbytes = pool.num_blocks * pool.block_bytes
         registration = agent.register_memory([(pool.base_ptr, nbytes, device_id, "")], mem_type)
+        try:
+            return cls._greet(control, nixl, agent, registration, name, pool, timeout)
+        except BaseException:
+            # No hello in time, the peer gone, a malformed hello: the caller gets no transport
+            # to close, so the registration and the socket go here (the agent with the error).
+            with contextlib.suppress(Exception):
+                agent.deregister_memory(registration)
+            control.close()
+            raise
+
+    @classmethod
+    def _greet(
+        cls,
+        control: NcclTransport,
+        nixl: Any,
+        agent: Any,
+        registration: Any,
+        name: str,
+        pool: Pool,
+        timeout: float,
+    ) -> NixlTransport:
+        """``connect``'s exchange of hellos once ``agent`` registered the slab: the transport,
+        or an exception (``connect`` then releases the registration)."""
+        mem_type, device_id = nixl_memory(pool)
         control.send_control(
             {
                 "kind": "nixl_hello",
@@ -203,7 +228,6 @@ class NixlTransport(Transport):
             or hello.get("mem_type") not in ("DRAM", "VRAM")
             or not isinstance(hello.get("device_id"), int)
         ):
-            agent.deregister_memory(registration)
             raise TransferError(f"the peer's NIXL hello is not one: {hello}")
         agent.add_remote_agent(base64.b64decode(hello["metadata"]))
         transport = cls(control, nixl, agent, pool, hello)

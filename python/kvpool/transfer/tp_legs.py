@@ -281,12 +281,16 @@ class KvSplitSender(_MultiLegEndpoint):
     ``transports``, each taking its head range (a decode group of another TP size); a request
     lands on the receivers only once every one of them has read its part."""
 
-    def send(self, request_id: int, *, free_after: bool = True) -> Transfer:
+    def send(self, request_id: int, *, stream: Any = None, free_after: bool = True) -> Transfer:
         """Offers the request on every leg; once every receiver accepted, returns the
         transfer, whose ``wait()`` / ``done()`` poll every leg for ``done``, then commit on
         every leg and free the request here (``free_after``). Raises TransferError, keeping
         the request, if any receiver refuses (those that accepted are told to abort) or a
-        leg fails."""
+        leg fails.
+
+        On a CUDA pool ``send`` first waits for the work queued on ``stream`` (the pool's
+        stream by default: pass the stream that wrote the KV), as ``KvSender.send`` does: the
+        receivers' READs are ordered by no stream of this process."""
         ep, legs = self._ep, self._legs.legs
         described, ids = ep.requests.describe(request_id)
         offer = {
@@ -301,7 +305,7 @@ class KvSplitSender(_MultiLegEndpoint):
         }
         accepted: list[Any] = []
         problem = None
-        settle_source(ep.pool)  # a CUDA pool's KV written before any receiver READs it
+        settle_source(ep.pool, stream)  # a CUDA pool's KV written before any receiver READs it
         try:
             for leg in legs:
                 leg.send_control(offer)
