@@ -17,7 +17,7 @@ import pytest
 from kvpool import InvalidArgumentError
 from kvpool.tier import DiskTier, PrefixDiskCache
 
-LAYOUT = kvpool.KvLayout(2, 2, 64, 16)  # 8 KiB blocks
+LAYOUT = kvpool.KvLayout(2, 2, 64, 16)  # 16 KiB blocks
 BB = LAYOUT.block_bytes
 PROMPT = list(range(1000, 1000 + 16 * 6 + 5))  # 6 full blocks and 5 tokens
 
@@ -182,11 +182,11 @@ def test_stage_and_append_refuse_what_they_cannot_take(tmp_path: Path):
     with pytest.raises(InvalidArgumentError):
         pool.attach_eviction_stage(4)  # one per pool
     with pytest.raises(InvalidArgumentError):
-        stage.release([0])  # not taken
+        stage.release(1, [0])  # not taken
     with pytest.raises(InvalidArgumentError):
         stage.checksums([0])
     with pytest.raises(InvalidArgumentError):
-        stage.release([4])  # not a slot
+        stage.release(1, [4])  # not a slot
     assert len(stage.take()) == 0
     stage.check_invariants()
     with pytest.raises(InvalidArgumentError):
@@ -395,3 +395,48 @@ def test_a_refused_cache_attaches_no_stage_and_the_default_stage_is_bounded(tmp_
     assert default_stage_slots(100_000, BB) == 1024
     assert default_stage_slots(100_000, 5 << 20) == 51, "256 MiB of 5 MiB blocks"
     assert default_stage_slots(100_000, 1 << 30) == 1, "never none"
+
+
+def test_only_the_taker_can_release_staged_slots():
+    """Two threads drain one stage: the second's release of slots the first took (as while the
+    first's NIXL write reads them) is refused and changes nothing, so the next eviction cannot
+    overwrite them; the taker's own release is accepted."""
+    import queue
+    import threading
+
+    pool = kvpool.Pool(LAYOUT, 8, device="host", enable_prefix_caching=True)
+    tables = kvpool.BlockTables(pool, 8, 8)
+    stage = pool.attach_eviction_stage(6)
+    tables.add_request(1, PROMPT)
+    tables.free(1)
+    tables.add_request(2, list(range(5000, 5000 + 16 * 8)))  # evicts request 1's 6 blocks
+    tables.free(2)
+    taken = stage.take()
+    assert len(taken) == 6
+    slots = [int(s) for s in taken.slots]
+    sums = stage.checksums(slots).tolist()
+    to_other: queue.Queue[list[int]] = queue.Queue()
+    outcome: queue.Queue[str] = queue.Queue()
+
+    def other_reader() -> None:
+        mine = stage.take()  # nothing left: the first reader holds every staged block
+        foreign = to_other.get()
+        before = stage.stats()
+        try:
+            stage.release(mine.take_id, foreign)
+            outcome.put("released")
+        except InvalidArgumentError as e:
+            outcome.put("refused" if stage.stats() == before else f"changed: {e}")
+
+    thread = threading.Thread(target=other_reader)
+    thread.start()
+    to_other.put(slots)
+    thread.join()
+    assert outcome.get_nowait() == "refused"
+    tables.add_request(3, list(range(9000, 9000 + 16 * 8)))  # evicts request 2's blocks
+    assert stage.checksums(slots).tolist() == sums, "the taken slots were not rewritten"
+    with pytest.raises(TypeError):
+        stage.release("1", slots)  # type: ignore[arg-type]
+    stage.release(taken.take_id, slots)
+    assert stage.stats()["num_taken"] == 0
+    stage.check_invariants()

@@ -401,7 +401,8 @@ class DiskTier:
     def put_staged(self, stage: EvictionStage) -> int:
         """Stores every block ``stage`` (a pool's ``eviction_stage``) holds under its hash,
         oldest eviction first, as ``put`` does, then gives the slots back to the stage (also
-        when the write fails). Returns how many were written."""
+        when the write fails) under the take id: another thread's ``release`` cannot free
+        them while NIXL writes them from the stage's memory. Returns how many were written."""
         self._check_open()
         if not isinstance(stage, EvictionStage):
             raise TypeError(f"stage must be an EvictionStage, got {type(stage).__name__}")
@@ -416,7 +417,7 @@ class DiskTier:
         try:
             return self._store(stage, slots, list(taken.block_hashes))
         finally:
-            stage.release(slots)
+            stage.release(taken.take_id, slots)
 
     def _store(self, source: Pool | EvictionStage, ids: list[int], keys: list[bytes]) -> int:
         """``put`` of checked blocks ``ids`` of ``source`` (a pool's blocks or a stage's slots)."""

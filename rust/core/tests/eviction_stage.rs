@@ -81,7 +81,7 @@ fn staged_blocks_hold_their_own_bytes_while_threads_evict_and_a_reader_drains() 
             let mut checked = 0usize;
             let mut last_round = false;
             loop {
-                let taken = stage.take(3);
+                let (take_id, taken) = stage.take(3);
                 for &(slot, hash) in &taken {
                     let at = stage.base_ptr() as usize + slot as usize * stage.block_bytes();
                     // SAFETY: a taken slot lies in the stage and no capture writes it until
@@ -92,7 +92,7 @@ fn staged_blocks_hold_their_own_bytes_while_threads_evict_and_a_reader_drains() 
                     checked += 1;
                 }
                 let slots: Vec<u32> = taken.iter().map(|&(slot, _)| slot).collect();
-                stage.release(&slots).unwrap();
+                stage.release(take_id, &slots).unwrap();
                 if last_round && taken.is_empty() {
                     return checked;
                 }

@@ -16,7 +16,9 @@ use crate::ids::{self, Int};
 /// A pool's eviction stage (`Pool.attach_eviction_stage`): `num_slots` host blocks of
 /// `block_bytes` at `base_ptr` (aligned to 4096 bytes). Every cached block that leaves the
 /// pool's last in-memory tier is copied into a slot with its hash before its memory is
-/// reused; `take` hands staged blocks over (their bytes stay put until `release`). A full
+/// reused; `take` hands staged blocks over with a take id (their bytes stay put until
+/// `release` under that id: only the taker can give them back, so another thread cannot free
+/// slots whose bytes a disk tier is still writing through NIXL). A full
 /// stage overwrites its oldest staged block (counted in `stats()["dropped"]`).
 #[pyclass(module = "kvpool._core", name = "EvictionStage", frozen)]
 pub struct PyEvictionStage {
@@ -41,9 +43,11 @@ impl PyEvictionStage {
 }
 
 /// Staged blocks handed over by `EvictionStage.take`: `slots` (int32) and their
-/// `block_hashes`, oldest eviction first.
+/// `block_hashes`, oldest eviction first, and the `take_id` that `release` needs.
 #[pyclass(module = "kvpool._core", name = "EvictedBlocks", frozen)]
 pub struct PyEvictedBlocks {
+    #[pyo3(get)]
+    take_id: u64,
     #[pyo3(get)]
     slots: Py<PyArray1<i32>>,
     #[pyo3(get)]
@@ -75,26 +79,28 @@ impl PyEvictionStage {
         self.stage().block_bytes()
     }
 
-    /// Hands over up to `max_blocks` (all, by default) staged blocks, oldest first. Their
-    /// slots are the caller's until `release`: no eviction writes them meanwhile.
+    /// Hands over up to `max_blocks` (all, by default) staged blocks, oldest first, under a
+    /// new take id. Their slots are the caller's until `release(take_id, slots)`: no
+    /// eviction writes them meanwhile, and no other take id releases them.
     #[pyo3(signature = (max_blocks = None))]
     fn take(&self, py: Python<'_>, max_blocks: Option<Int>) -> PyResult<PyEvictedBlocks> {
         let max = match max_blocks {
             Some(n) => ids::count(n, "max_blocks").map_err(PyKvError)?,
             None => usize::MAX,
         };
-        let taken = self.stage().take(max);
+        let (take_id, taken) = self.stage().take(max);
         let slots: Vec<i32> = taken.iter().map(|&(slot, _)| slot as i32).collect();
         let block_hashes = taken.iter().map(|(_, h)| PyBytes::new(py, &h.0).unbind()).collect();
-        Ok(PyEvictedBlocks { slots: PyArray1::from_vec(py, slots).unbind(), block_hashes })
+        Ok(PyEvictedBlocks { take_id, slots: PyArray1::from_vec(py, slots).unbind(), block_hashes })
     }
 
-    /// Gives taken slots back to the stage. A slot not taken, named twice, or being read by
-    /// a `checksums` call on another thread is `InvalidArgumentError` and nothing is
-    /// released.
-    fn release(&self, slots: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// Gives slots taken under `take_id` (`EvictedBlocks.take_id`) back to the stage. A slot
+    /// not taken, taken under another id, named twice, or being read by a `checksums` call on
+    /// another thread is `InvalidArgumentError` and nothing is released.
+    fn release(&self, take_id: Int, slots: &Bound<'_, PyAny>) -> PyResult<()> {
+        let take_id = ids::count(take_id, "take_id").map_err(PyKvError)? as u64;
         let slots = Self::slots(slots)?;
-        self.stage().release(&slots).map_err(|e| PyKvError(e).into())
+        self.stage().release(take_id, &slots).map_err(|e| PyKvError(e).into())
     }
 
     /// The CRC-32C of each taken slot's bytes (uint32), computed with the GIL released; the

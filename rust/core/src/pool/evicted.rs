@@ -14,7 +14,11 @@
 //!
 //! A slot is `Free`, `Filled` (holds a block's bytes, on the FIFO of blocks to drain) or
 //! `Taken` (handed to the reader by [`EvictionStage::take`], never rewritten until
-//! [`EvictionStage::release`]). `free + filled + taken == num_slots`. A taken slot that a
+//! [`EvictionStage::release`]). `free + filled + taken == num_slots`. Each `take` returns a
+//! take id, recorded on its slots, and `release` refuses a slot not taken under the id it is
+//! given: a second reader (another Python thread) cannot free slots whose bytes the first is
+//! still writing to disk through NIXL from the stage's address, which a capture would then
+//! overwrite under the hash already handed out. A taken slot that a
 //! [`EvictionStage::checksums`] call is reading (it hashes with the stage's lock released,
 //! the GIL too) counts that reader, and `release` refuses it until the read ends: the stage,
 //! not the reader's good manners, keeps a capture from writing a slot being read. A capture into a full
@@ -64,6 +68,10 @@ struct StageState {
     hashes: Vec<BlockHash>,
     /// Per slot, the `checksums` calls reading it now (non-zero only for `Taken` slots).
     readers: Vec<u32>,
+    /// Per slot, the id of the `take` that holds it (0, never an id, when not `Taken`).
+    owners: Vec<u64>,
+    /// The id the next `take` returns (ids start at 1 and are never reused).
+    next_take_id: u64,
     /// `Filled` slots, oldest first.
     filled: VecDeque<u32>,
     free: Vec<u32>,
@@ -82,9 +90,11 @@ pub struct EvictionStage {
 // SAFETY: the stage owns its allocation; its bytes are written only under `state`'s lock
 // (captures into `Free`/`Filled` slots), and read without the lock only by `checksums`, in
 // `Taken` slots whose reader count it holds: `release` refuses such a slot, so it cannot
-// become `Free` and be captured into during the read. No unsynchronised Rust-visible state
-// (the reader's own I/O reads its taken slots through `base_ptr`, outside Rust, until it
-// releases them: its contract, documented on the Python class).
+// become `Free` and be captured into during the read. No unsynchronised Rust-visible state.
+// The reader's own I/O (NIXL) reads its taken slots through `base_ptr`, outside Rust, until
+// it releases them; `release` takes the take id and refuses slots held under another, so
+// only that reader can end the hold (an id is a plain number: this guards against another
+// reader's mistake, not against code that forges ids).
 unsafe impl Send for EvictionStage {}
 // SAFETY: as above.
 unsafe impl Sync for EvictionStage {}
@@ -117,6 +127,8 @@ impl EvictionStage {
             slots: vec![Slot::Free; num_slots],
             hashes: vec![BlockHash([0; 32]); num_slots],
             readers: vec![0; num_slots],
+            owners: vec![0; num_slots],
+            next_take_id: 1,
             filled: VecDeque::with_capacity(num_slots),
             free: (0..num_slots as u32).rev().collect(),
             stats: EvictionStageStats { num_slots, ..Default::default() },
@@ -177,33 +189,44 @@ impl EvictionStage {
         unsafe { self.base.as_ptr().add(slot as usize * self.block_bytes) }
     }
 
-    /// Hands the reader up to `max` staged blocks, oldest first, as `(slot, hash)`: their
-    /// bytes stay in those slots, unchanged, until [`release`](Self::release).
-    pub fn take(&self, max: usize) -> Vec<(u32, BlockHash)> {
+    /// Hands the reader up to `max` staged blocks, oldest first, as `(slot, hash)`, with a
+    /// new take id: their bytes stay in those slots, unchanged, until
+    /// [`release`](Self::release) under that id.
+    pub fn take(&self, max: usize) -> (u64, Vec<(u32, BlockHash)>) {
         let mut st = self.lock();
+        let take_id = st.next_take_id;
+        st.next_take_id += 1;
         let n = st.filled.len().min(max);
         let slots: Vec<u32> = st.filled.drain(..n).collect();
         let out: Vec<(u32, BlockHash)> = slots
             .into_iter()
             .map(|slot| {
                 st.slots[slot as usize] = Slot::Taken;
+                st.owners[slot as usize] = take_id;
                 (slot, st.hashes[slot as usize])
             })
             .collect();
         st.stats.taken += out.len() as u64;
-        out
+        (take_id, out)
     }
 
-    /// Gives taken slots back for reuse. A slot that is not taken, named twice, or being
+    /// Gives slots taken under `take_id` back for reuse. A slot that is not taken, taken
+    /// under another id (another reader may still be writing it out), named twice, or being
     /// read by a [`checksums`](Self::checksums) call on another thread is `InvalidArgument`
     /// and nothing changes.
-    pub fn release(&self, slots: &[u32]) -> Result<(), CoreError> {
+    pub fn release(&self, take_id: u64, slots: &[u32]) -> Result<(), CoreError> {
         let mut st = self.lock();
         let mut seen = std::collections::HashSet::with_capacity(slots.len());
         for &slot in slots {
             if st.slots.get(slot as usize) != Some(&Slot::Taken) || !seen.insert(slot) {
                 return Err(CoreError::InvalidArgument(format!(
                     "slot {slot} of the eviction stage is not taken (or is named twice)"
+                )));
+            }
+            if st.owners[slot as usize] != take_id {
+                return Err(CoreError::InvalidArgument(format!(
+                    "slot {slot} of the eviction stage was not taken under take id {take_id}: \
+                     only the reader that took it may release it"
                 )));
             }
             if st.readers[slot as usize] != 0 {
@@ -214,6 +237,7 @@ impl EvictionStage {
         }
         for &slot in slots {
             st.slots[slot as usize] = Slot::Free;
+            st.owners[slot as usize] = 0;
             st.free.push(slot);
         }
         Ok(())
@@ -309,6 +333,11 @@ impl EvictionStage {
         {
             return Err(format!("eviction stage: slot {slot} is read but not taken"));
         }
+        if let Some(slot) =
+            (0..self.num_slots).find(|&s| (st.owners[s] != 0) != (st.slots[s] == Slot::Taken))
+        {
+            return Err(format!("eviction stage: slot {slot} has an owner iff not taken"));
+        }
         if st.free.iter().any(|&s| st.slots[s as usize] != Slot::Free)
             || st.filled.iter().any(|&s| st.slots[s as usize] != Slot::Filled)
         {
@@ -364,7 +393,7 @@ mod tests {
         let h = |i: u8| BlockHash([i; 32]);
         // SAFETY: blocks 0..4 of 8 bytes each lie in `src`, unchanged during the calls.
         unsafe { stage.capture(src.as_ptr() as u64, &[(1, h(1)), (2, h(2))]) };
-        let taken = stage.take(1);
+        let (first_id, taken) = stage.take(1);
         assert_eq!(taken, [(taken[0].0, h(1))]);
         assert_eq!(stage.checksums(&[taken[0].0]).unwrap(), [crate::pool::crc::crc32c(&[1; 8])]);
         // Two more into a stage whose one slot left is filled: it is overwritten, then the
@@ -372,18 +401,20 @@ mod tests {
         // SAFETY: as above.
         unsafe { stage.capture(src.as_ptr() as u64, &[(3, h(3))]) };
         assert_eq!(stage.stats().dropped, 1, "block 2, overwritten before it was taken");
-        let rest = stage.take(usize::MAX);
+        let (rest_id, rest) = stage.take(usize::MAX);
         assert_eq!(rest.iter().map(|t| t.1).collect::<Vec<_>>(), [h(3)]);
         // SAFETY: as above.
         unsafe { stage.capture(src.as_ptr() as u64, &[(0, h(0))]) };
         assert_eq!(stage.stats().dropped, 2, "every slot taken: the new block is dropped");
         assert_eq!(stage.checksums(&[taken[0].0]).unwrap(), [crate::pool::crc::crc32c(&[1; 8])]);
         let before = stage.stats();
-        assert!(stage.release(&[taken[0].0, taken[0].0]).is_err(), "named twice");
-        assert!(stage.release(&[taken[0].0, 7]).is_err(), "not a slot");
+        assert!(stage.release(first_id, &[taken[0].0, taken[0].0]).is_err(), "named twice");
+        assert!(stage.release(first_id, &[taken[0].0, 7]).is_err(), "not a slot");
+        assert!(stage.release(first_id, &[taken[0].0, rest[0].0]).is_err(), "rest: another take");
         assert_eq!(stage.stats(), before);
         stage.check_invariants().unwrap();
-        stage.release(&[taken[0].0, rest[0].0]).unwrap();
+        stage.release(first_id, &[taken[0].0]).unwrap();
+        stage.release(rest_id, &[rest[0].0]).unwrap();
         assert!(stage.checksums(&[rest[0].0]).is_err(), "released: not the reader's now");
         assert_eq!(stage.stats().num_taken, 0);
         stage.check_invariants().unwrap();
@@ -400,14 +431,15 @@ mod tests {
         let h = BlockHash([7; 32]);
         // SAFETY: blocks 0..2 of 8 bytes lie in `src`, unchanged during the call.
         unsafe { stage.capture(src.as_ptr() as u64, &[(0, h)]) };
-        let slot = stage.take(1)[0].0;
+        let (take_id, taken) = stage.take(1);
+        let slot = taken[0].0;
         let (to_other, other_rx) = mpsc::channel::<()>();
         let (to_reader, reader_rx) = mpsc::channel::<(bool, u64)>();
         std::thread::scope(|scope| {
             let (stage, src) = (&stage, &src);
             let other = scope.spawn(move || {
                 other_rx.recv().unwrap(); // the reader is inside its read
-                let released = stage.release(&[slot]).is_ok();
+                let released = stage.release(take_id, &[slot]).is_ok();
                 // SAFETY: as above.
                 unsafe { stage.capture(src.as_ptr() as u64 + 8, &[(1, BlockHash([8; 32]))]) };
                 to_reader.send((released, stage.stats().dropped)).unwrap();
@@ -425,7 +457,48 @@ mod tests {
             assert_eq!(sums, [crate::pool::crc::crc32c(&[7; 8])], "the bytes were not rewritten");
         });
         stage.check_invariants().unwrap();
-        stage.release(&[slot]).unwrap();
+        stage.release(take_id, &[slot]).unwrap();
+        assert_eq!(stage.stats().num_taken, 0);
+        stage.check_invariants().unwrap();
+    }
+
+    /// A second reader's release of slots the first took (as two Python threads draining one
+    /// stage would do while the first writes its slots to disk) is refused and changes
+    /// nothing, so the next capture cannot overwrite a slot being written; the taker's own
+    /// release is accepted.
+    #[test]
+    fn only_the_taker_can_release_its_slots() {
+        use std::sync::mpsc;
+        let stage = EvictionStage::new(2, 8).unwrap();
+        let src: Vec<u8> = (0..3).flat_map(|b| [b as u8; 8]).collect();
+        let h = |i: u8| BlockHash([i; 32]);
+        // SAFETY: blocks 0..3 of 8 bytes each lie in `src`, unchanged during the calls.
+        unsafe { stage.capture(src.as_ptr() as u64, &[(0, h(0)), (1, h(1))]) };
+        let (to_other, other_rx) = mpsc::channel::<Vec<u32>>();
+        let (to_owner, owner_rx) = mpsc::channel::<bool>();
+        std::thread::scope(|scope| {
+            let (stage, src) = (&stage, &src);
+            let other = scope.spawn(move || {
+                let (other_id, none) = stage.take(usize::MAX); // the first reader took them all
+                assert!(none.is_empty());
+                let foreign = other_rx.recv().unwrap();
+                let before = stage.stats();
+                let released = stage.release(other_id, &foreign).is_ok();
+                assert_eq!(stage.stats(), before, "a refused release changes nothing");
+                // SAFETY: as above.
+                unsafe { stage.capture(src.as_ptr() as u64, &[(2, h(2))]) };
+                to_owner.send(released).unwrap();
+            });
+            let (owner_id, taken) = stage.take(usize::MAX);
+            let slots: Vec<u32> = taken.iter().map(|t| t.0).collect();
+            to_other.send(slots.clone()).unwrap();
+            assert!(!owner_rx.recv().unwrap(), "another reader released the owner's slots");
+            other.join().unwrap();
+            assert_eq!(stage.stats().dropped, 1, "every slot stayed taken: block 2 dropped");
+            let sums = stage.checksums(&slots).unwrap();
+            assert_eq!(sums, [0u8, 1].map(|b| crate::pool::crc::crc32c(&[b; 8])), "unchanged");
+            stage.release(owner_id, &slots).unwrap();
+        });
         assert_eq!(stage.stats().num_taken, 0);
         stage.check_invariants().unwrap();
     }

@@ -310,7 +310,7 @@ fn compute_and_release(
 
 /// What a stage took, as (hash, the byte every byte of its slot holds).
 fn take_staged(stage: &EvictionStage) -> Vec<(BlockHash, u8)> {
-    let taken = stage.take(usize::MAX);
+    let (take_id, taken) = stage.take(usize::MAX);
     let out = taken
         .iter()
         .map(|&(slot, hash)| {
@@ -321,7 +321,7 @@ fn take_staged(stage: &EvictionStage) -> Vec<(BlockHash, u8)> {
             (hash, bytes[0])
         })
         .collect();
-    stage.release(&taken.iter().map(|&(slot, _)| slot).collect::<Vec<_>>()).unwrap();
+    stage.release(take_id, &taken.iter().map(|&(slot, _)| slot).collect::<Vec<_>>()).unwrap();
     out
 }
 
