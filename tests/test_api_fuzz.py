@@ -1,5 +1,6 @@
 """A property-based fuzzer over every public constructor and method of the binding (`Pool`,
-`KvLayout`, `BlockTables`, `HostTier`, the prefix-cache methods, views and DLPack).
+`KvLayout`, `BlockTables`, `HostTier`, the prefix-cache methods, a pool's eviction stage,
+views and DLPack).
 
 Every argument is drawn from good values and hostile ones: wrong types (floats, NaN/inf,
 strs, bytes, None, bools, lists, arbitrary objects), NumPy integer scalars and `__index__`
@@ -10,8 +11,9 @@ of another pool or tables, and id arrays of the wrong dtype, non-contiguous, rea
 - raise `TypeError` only when some argument has a wrong type, and `TypeError` when every
   drawn argument has one; otherwise a `KvError` subclass (`BufferError` for a DLPack request
   that cannot be met, the DLPack protocol's own exception);
-- leave the pool, tables, tier and prefix cache as they were when it fails (counts, ref
-  counts, rows and their blocks, swapped requests, `check_invariants()` of each).
+- leave the pool, tables, tier, prefix cache and eviction stage as they were when it fails
+  (counts, ref counts, rows and their blocks, swapped requests, the stage's counters and its
+  taken slots' bytes, `check_invariants()` of each).
 
 Profiles as for the state machines (tests/conftest.py): derandomized under "ci", long random
 runs under HYPOTHESIS_PROFILE=soak.
@@ -379,8 +381,73 @@ TIER_CALLS: dict[str, tuple[Call, Callable[..., object]]] = {
 }
 
 
+# --- the eviction stage, in a world of its own: a pool takes one stage, and the Pool fuzzer
+# attaches one to `World.pool` -----------------------------------------------------------------
+
+STAGE_SLOTS = 6
+
+
+@dataclass
+class StageWorld:
+    """A prefix-caching host pool whose eviction stage holds staged blocks (3 filled) and
+    blocks taken under two take ids (`taken`, 2 slots, and one slot under a later id)."""
+
+    pool: Pool
+    tables: BlockTables
+    stage: kvpool._core.EvictionStage
+    taken: kvpool._core.EvictedBlocks
+
+    def snapshot(self) -> tuple[Any, ...]:
+        pool = (self.pool.num_blocks, self.pool.num_free, self.pool.num_used)
+        refs = [self.pool.ref_cnt(b) for b in range(self.pool.num_blocks)]
+        # The taken slots' bytes: a failed call neither released nor rewrote them (checksums
+        # raises, failing the test, if they were released).
+        sums = self.stage.checksums(self.taken.slots).tolist()
+        return pool, refs, self.pool.prefix_cache_stats(), self.stage.stats(), sums
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        self.tables.check_invariants()
+        self.stage.check_invariants()
+
+
+def make_stage_world() -> StageWorld:
+    pool = Pool(LAYOUT, 8, device="host", enable_prefix_caching=True)
+    tables = BlockTables(pool, 8, 8)
+    stage = pool.attach_eviction_stage(STAGE_SLOTS)
+    block = LAYOUT.block_size
+    tables.add_request(1, list(range(1000, 1000 + block * STAGE_SLOTS + 1)))
+    tables.free(1)
+    tables.add_request(2, list(range(5000, 5000 + block * 8)))  # evicts request 1's blocks
+    tables.free(2)
+    assert stage.stats()["num_filled"] == STAGE_SLOTS
+    taken = stage.take(2)
+    later = stage.take(1)
+    assert len(taken) == 2 and len(later) == 1 and later.take_id != taken.take_id
+    return StageWorld(pool, tables, stage, taken)
+
+
+STAGE_CALLS: dict[str, tuple[Call, Callable[..., object]]] = {
+    "take": ((lambda: none_ok(int_arg(8)),), lambda w, n: w.stage.take(n)),
+    "release": (
+        (lambda: int_arg(4), lambda: int_sequence(STAGE_SLOTS + 2)),
+        lambda w, take_id, slots: w.stage.release(take_id, slots),
+    ),
+    "release own": (  # the right take id: only the slots vary
+        (lambda: int_sequence(STAGE_SLOTS + 2),),
+        lambda w, slots: w.stage.release(w.taken.take_id, slots),
+    ),
+    "checksums": (
+        (lambda: int_sequence(STAGE_SLOTS + 2),),
+        lambda w, slots: w.stage.checksums(slots),
+    ),
+    "stats": ((), lambda w: w.stage.stats()),
+    "check_invariants": ((), lambda w: w.stage.check_invariants()),
+}
+
+
 def check_call(
-    world: World,
+    world: World | StageWorld,
     name: str,
     fn: Callable[..., object],
     args: list[Arg],
@@ -427,6 +494,13 @@ def test_block_tables_methods(name: str, data: st.DataObject) -> None:
 def test_host_tier_methods(name: str, data: st.DataObject) -> None:
     strategies, fn = TIER_CALLS[name]
     check_call(make_world(), name, fn, draw_args(data, strategies))
+
+
+@pytest.mark.parametrize("name", sorted(STAGE_CALLS))
+@given(data=st.data())
+def test_eviction_stage_methods(name: str, data: st.DataObject) -> None:
+    strategies, fn = STAGE_CALLS[name]
+    check_call(make_stage_world(), name, fn, draw_args(data, strategies))
 
 
 # --- constructors: sizes are either small or beyond every limit, so nothing here allocates
@@ -589,6 +663,7 @@ def test_the_fuzzer_covers_every_public_method() -> None:
         Pool: {*POOL_CALLS, "__new__", "for_spec"},
         BlockTables: {*TABLES_CALLS, "__new__"},
         HostTier: {*TIER_CALLS, "__new__"},
+        kvpool._core.EvictionStage: set(STAGE_CALLS),
     }
     # Methods without arguments a caller could get wrong: read-only getters and reprs.
     no_args = {
