@@ -1,6 +1,6 @@
 """What the two-process NIXL tests share (tests/test_nixl_faults.py, test_nixl_gpu.py,
-test_nixl_hybrid.py, test_nixl_layers.py, test_nixl_tp.py): each test file, run as a script, is
-the other side (the peer) of its tests, reached over loopback through NIXL/UCX.
+test_nixl_growable.py, test_nixl_hybrid.py, test_nixl_layers.py, test_nixl_tp.py): each test
+file, run as a script, is the other side (the peer) of its tests, reached over loopback through NIXL/UCX.
 
 - Importing this module loads NIXL or skips the importing test module (tests/nixl_required.py).
 - ``spawn(script, *args, tmp_path=...)`` starts ``script`` as the peer with its arguments and
@@ -12,6 +12,8 @@ the other side (the peer) of its tests, reached over loopback through NIXL/UCX.
   ``rank_fn(rank, rendezvous[rank], report)``; their reports as ``{"ranks": [...]}``.
 - ``conserved``: a side's pool invariant (free + evictable + used + in_flight == total), no
   lease left, and every block back where it was.
+- ``fill(pool, tables, rid, num_tokens)``: adds request ``rid`` and fills its blocks with
+  values seeded by ``rid``; ``request_bytes(pool, tables, rid)``: its bytes, layer by layer.
 """
 
 from __future__ import annotations
@@ -25,9 +27,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import kvpool
+import numpy as np
 from nixl_required import NixlTransport
 
-__all__ = ["PEER_WAIT_S", "NixlTransport", "Peer", "conserved", "run_ranks", "spawn"]
+__all__ = [
+    "PEER_WAIT_S",
+    "NixlTransport",
+    "Peer",
+    "conserved",
+    "fill",
+    "request_bytes",
+    "run_ranks",
+    "spawn",
+]
 
 PEER_WAIT_S = 30.0  # a bound on every wait if a side breaks, never reached
 
@@ -111,3 +124,24 @@ def conserved(side: Any, pool: Any, free_before: int) -> None:
     side.check_invariants()
     assert side.leases.live() == [] and side.leases.in_flight == 0
     assert pool.num_free == free_before, (pool.num_free, free_before)
+
+
+def fill(pool: kvpool.Pool, tables: kvpool.BlockTables, rid: int, num_tokens: int) -> None:
+    """Adds request ``rid`` of ``num_tokens`` and fills its K and V blocks of every layer with
+    values seeded by ``rid``: the same bytes on either side for the same request."""
+    tables.add(rid, num_tokens)
+    rng = np.random.default_rng(rid)
+    ids = tables.blocks(rid)
+    for layer in range(pool.layout.num_layers):
+        for view in (pool.k_view(layer), pool.v_view(layer)):
+            view[ids] = rng.standard_normal(view[ids].shape).astype(view.dtype)
+
+
+def request_bytes(pool: kvpool.Pool, tables: kvpool.BlockTables, rid: int) -> list[bytes]:
+    """Request ``rid``'s bytes, K then V of each layer."""
+    ids = tables.blocks(rid)
+    return [
+        view[ids].tobytes()
+        for layer in range(pool.layout.num_layers)
+        for view in (pool.k_view(layer), pool.v_view(layer))
+    ]

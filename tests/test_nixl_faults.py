@@ -21,11 +21,10 @@ import sys
 from typing import Any
 
 import kvpool
-import numpy as np
 import pytest
 from kvpool import TransferError
 from kvpool.transfer import KvReceiver, KvSender
-from nixl_peers import PEER_WAIT_S, NixlTransport, conserved, spawn
+from nixl_peers import PEER_WAIT_S, NixlTransport, conserved, fill, request_bytes, spawn
 
 LAYOUT_ARGS = (2, 2, 64, 16)  # 8 KiB blocks, 16 tokens each
 NUM_BLOCKS = 64
@@ -34,24 +33,6 @@ NUM_BLOCKS = 64
 def make_side() -> tuple[kvpool.Pool, kvpool.BlockTables]:
     pool = kvpool.Pool(kvpool.KvLayout(*LAYOUT_ARGS), NUM_BLOCKS, device="host")
     return pool, kvpool.BlockTables(pool, 16, 64)
-
-
-def fill(pool: kvpool.Pool, tables: kvpool.BlockTables, rid: int, num_tokens: int) -> None:
-    tables.add(rid, num_tokens)
-    rng = np.random.default_rng(rid)
-    ids = tables.blocks(rid)
-    for layer in range(pool.layout.num_layers):
-        for view in (pool.k_view(layer), pool.v_view(layer)):
-            view[ids] = rng.standard_normal(view[ids].shape).astype(view.dtype)
-
-
-def request_bytes(pool: kvpool.Pool, tables: kvpool.BlockTables, rid: int) -> list[bytes]:
-    ids = tables.blocks(rid)
-    return [
-        view[ids].tobytes()
-        for layer in range(pool.layout.num_layers)
-        for view in (pool.k_view(layer), pool.v_view(layer))
-    ]
 
 
 def expected_bytes(rid: int, num_tokens: int) -> list[bytes]:

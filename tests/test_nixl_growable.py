@@ -15,32 +15,13 @@ import json
 import sys
 
 import kvpool
-import numpy as np
 import pytest
 from kvpool import TransferError
 from kvpool.transfer import KvReceiver, KvSender
-from nixl_peers import PEER_WAIT_S, NixlTransport, conserved, spawn
+from nixl_peers import PEER_WAIT_S, NixlTransport, conserved, fill, request_bytes, spawn
 
 LAYOUT_ARGS = (2, 2, 64, 16)  # 16 KiB blocks, 16 tokens each
 NUM_TOKENS = 16 * 20 + 3  # 21 blocks
-
-
-def fill(pool: kvpool.Pool, tables: kvpool.BlockTables, rid: int, num_tokens: int) -> None:
-    tables.add(rid, num_tokens)
-    rng = np.random.default_rng(rid)
-    ids = tables.blocks(rid)
-    for layer in range(pool.layout.num_layers):
-        for view in (pool.k_view(layer), pool.v_view(layer)):
-            view[ids] = rng.standard_normal(view[ids].shape).astype(view.dtype)
-
-
-def request_bytes(pool: kvpool.Pool, tables: kvpool.BlockTables, rid: int) -> list[bytes]:
-    ids = tables.blocks(rid)
-    return [
-        view[ids].tobytes()
-        for layer in range(pool.layout.num_layers)
-        for view in (pool.k_view(layer), pool.v_view(layer))
-    ]
 
 
 def sender(rendezvous: str) -> dict:
