@@ -1,6 +1,7 @@
 """What the two-process NIXL tests share (tests/test_nixl_faults.py, test_nixl_gpu.py,
 test_nixl_growable.py, test_nixl_hybrid.py, test_nixl_layers.py, test_nixl_tp.py): each test
-file, run as a script, is the other side (the peer) of its tests, reached over loopback through NIXL/UCX.
+file, run as a script, is the other side (the peer) of its tests, reached over loopback through
+NIXL/UCX.
 
 - Importing this module loads NIXL or skips the importing test module (tests/nixl_required.py).
 - ``spawn(script, *args, tmp_path=...)`` starts ``script`` as the peer with its arguments and
