@@ -18,40 +18,24 @@ import sys
 import warnings
 from pathlib import Path
 
+import disk_fixtures
 import kvpool
 import nixl_required  # noqa: F401  (loads NIXL, or skips this module)
 import numpy as np
 import pytest
+from disk_fixtures import BB, LAYOUT, block, key, raw
 from kvpool import InvalidArgumentError
 from kvpool.tier import DiskIndexWarning, DiskTier, PrefixDiskCache
 from kvpool.tier.disk import INDEX_NAME
 
-LAYOUT = kvpool.KvLayout(2, 2, 64, 16)  # 16 KiB blocks
-BB = LAYOUT.block_bytes
 CAPACITY = 8
 HASH_KEY = bytes(range(32))  # one key for both processes: their pools hash alike
 PROMPT = list(range(1000, 1000 + 16 * 6 + 5))  # 6 full blocks and 5 tokens
 
 
-def make_pool(num_blocks: int = 16, seed: int = 0) -> kvpool.Pool:
-    pool = kvpool.Pool(LAYOUT, num_blocks, device="host")
-    raw(pool)[:] = np.random.default_rng(seed).integers(0, 256, num_blocks * BB, dtype=np.uint8)
-    return pool
-
-
-def raw(pool: kvpool.Pool) -> np.ndarray:
-    import ctypes
-
-    buf = (ctypes.c_uint8 * (pool.num_blocks * BB)).from_address(pool.base_ptr)
-    return np.ctypeslib.as_array(buf)
-
-
-def block(pool: kvpool.Pool, block_id: int) -> bytes:
-    return raw(pool)[block_id * BB : (block_id + 1) * BB].tobytes()
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(4, "little") * 8
+def make_pool(seed: int = 0) -> kvpool.Pool:
+    """A host pool of 16 blocks of fresh random bytes."""
+    return disk_fixtures.make_pool(16, seed)
 
 
 # -- the other process ------------------------------------------------------------------------

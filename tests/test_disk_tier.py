@@ -13,35 +13,10 @@ import kvpool
 import nixl_required  # noqa: F401  (loads NIXL, or skips this module)
 import numpy as np
 import pytest
+from disk_fixtures import BB, LAYOUT, block, key, make_pool, raw
 from kvpool import InvalidArgumentError
 from kvpool.events import event_to_wire
 from kvpool.tier import DiskTier
-
-LAYOUT = kvpool.KvLayout(2, 2, 64, 16)  # 8 KiB blocks
-BB = LAYOUT.block_bytes
-
-
-def make_pool(num_blocks: int = 64, seed: int = 0) -> kvpool.Pool:
-    """A host pool whose every block holds fresh random bytes."""
-    pool = kvpool.Pool(LAYOUT, num_blocks, device="host")
-    raw(pool)[:] = np.random.default_rng(seed).integers(0, 256, num_blocks * BB, dtype=np.uint8)
-    return pool
-
-
-def raw(pool: kvpool.Pool) -> np.ndarray:
-    """The pool's slab as bytes (a block is block_bytes contiguous bytes)."""
-    import ctypes
-
-    buf = (ctypes.c_uint8 * (pool.num_blocks * BB)).from_address(pool.base_ptr)
-    return np.ctypeslib.as_array(buf)
-
-
-def block(pool: kvpool.Pool, block_id: int) -> bytes:
-    return raw(pool)[block_id * BB : (block_id + 1) * BB].tobytes()
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(4, "little") * 8
 
 
 @pytest.fixture(params=["inline", "beside"])
