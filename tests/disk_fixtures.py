@@ -1,5 +1,6 @@
-"""What the disk-tier tests share (tests/test_disk_tier.py, test_disk_persist.py): one layout,
-host pools of random bytes, a pool's slab and blocks as bytes, and distinct content hashes."""
+"""What the disk-tier tests share (tests/test_disk_tier.py, test_disk_persist.py,
+test_disk_evictions.py): one layout, host pools of random bytes, a pool's slab and blocks as
+bytes, and distinct content hashes."""
 
 from __future__ import annotations
 

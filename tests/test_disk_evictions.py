@@ -14,23 +14,11 @@ import kvpool
 import nixl_required  # noqa: F401  (loads NIXL, or skips this module)
 import numpy as np
 import pytest
+from disk_fixtures import BB, LAYOUT, block, raw
 from kvpool import InvalidArgumentError
 from kvpool.tier import DiskTier, PrefixDiskCache
 
-LAYOUT = kvpool.KvLayout(2, 2, 64, 16)  # 16 KiB blocks
-BB = LAYOUT.block_bytes
 PROMPT = list(range(1000, 1000 + 16 * 6 + 5))  # 6 full blocks and 5 tokens
-
-
-def raw(pool: kvpool.Pool) -> np.ndarray:
-    import ctypes
-
-    buf = (ctypes.c_uint8 * (pool.num_blocks * BB)).from_address(pool.base_ptr)
-    return np.ctypeslib.as_array(buf)
-
-
-def block(pool: kvpool.Pool, block_id: int) -> bytes:
-    return raw(pool)[block_id * BB : (block_id + 1) * BB].tobytes()
 
 
 def check_conserved(cache: PrefixDiskCache) -> None:
