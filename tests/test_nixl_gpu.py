@@ -39,6 +39,7 @@ LAYOUT = kvpool.KvLayout(2, 8, 128, 16)  # fp16: 128 KiB blocks
 NUM_BLOCKS = 96
 REQUESTS = {7: 16 * 20 + 5, 8: 16 * 16}  # 21 blocks in the sender's holes, 16 in one run
 TP_RID, TP_TOKENS, HQ = 3, 16 * 24 + 9, 32  # 25 blocks; 32 query heads over 8 KV heads
+LAYERED_RID, LAYERED_TOKENS = 7, 16 * 9 + 3  # 10 blocks, announced layer by layer
 FINISH_S = 180.0  # the sender's end, which may include compiling the decode kernel
 
 
@@ -152,7 +153,69 @@ def tp2_prefill(rendezvous: list[str]) -> dict:
     return run_ranks(prefill_rank, rendezvous)
 
 
-ROLES = {"requests": lambda r: send_requests(r[0]), "tp2": tp2_prefill}
+def tp1_prefill(rendezvous: list[str]) -> dict:
+    """A TP-1 prefill (all 8 KV heads) split into a TP-2 decode group (``KvSplitSender``, a
+    leg per rank); decodes the request after the transfer, every query head."""
+    from kvpool.transfer.tp_legs import KvSplitSender
+
+    pool = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="cuda")
+    tables = kvpool.BlockTables(pool, 8, 64)
+    tables.add(99, 16 * 3)  # the sender's ids differ from the receivers'
+    tables.add(TP_RID, TP_TOKENS)
+    write(pool, tables.blocks(TP_RID), kv_of(TP_RID, len(tables.blocks(TP_RID))), (0, 8))
+    free_before = pool.num_free
+    transports = [NixlTransport.connect(0, r, pool, timeout=PEER_WAIT_S) for r in rendezvous]
+    sender = KvSplitSender(tables, transports, timeout_s=PEER_WAIT_S)
+    sender.send(TP_RID, free_after=False).wait()  # kept for the decode below
+    conserved(sender, pool, free_before)
+    for transport in transports:
+        transport.close()
+    out = {"sent": True, "decode": [o.tolist() for o in decode(pool, tables, query())]}
+    tables.free(TP_RID)
+    conserved(sender, pool, free_before + 25)
+    return out
+
+
+def layer_kv(rid: int, num_blocks: int, layer: int) -> list[np.ndarray]:
+    """Layer ``layer``'s K and V of request ``rid``, all heads (``kv_of``'s entries of it)."""
+    return kv_of(rid, num_blocks)[2 * layer : 2 * layer + 2]
+
+
+def send_layers(rendezvous: str) -> dict:
+    """Request 7 offered before any layer is computed, then each layer written on the GPU and
+    announced in turn (``layers_ready``), as a prefill computing layer by layer would."""
+    import cupy
+
+    pool = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="cuda")
+    tables = kvpool.BlockTables(pool, 8, 64)
+    tables.add(99, 16 * 4)  # holes on the sender's side: its ids differ from the receiver's
+    tables.add(LAYERED_RID, LAYERED_TOKENS)
+    ids = tables.blocks(LAYERED_RID)
+    free_before = pool.num_free
+    transport = NixlTransport.connect(0, rendezvous, pool, timeout=PEER_WAIT_S)
+    sender = KvSender(tables, transport, timeout_s=PEER_WAIT_S)
+    transfer = sender.send(LAYERED_RID, layers_ready=0)
+    pool_views = views(pool)
+    for layer in range(LAYOUT.num_layers):
+        with cupy.cuda.Device(0):
+            for view, full in zip(
+                pool_views[2 * layer : 2 * layer + 2], layer_kv(LAYERED_RID, len(ids), layer)
+            ):
+                view[cupy.asarray(ids)] = cupy.asarray(full)
+            cupy.cuda.runtime.deviceSynchronize()  # written before it is announced
+        transfer.layers_ready(layer + 1)
+    transfer.wait()
+    conserved(sender, pool, free_before + len(ids))
+    transport.close()
+    return {"sent": True}
+
+
+ROLES = {
+    "requests": lambda r: send_requests(r[0]),
+    "tp2": tp2_prefill,
+    "tp1": tp1_prefill,
+    "layers": lambda r: send_layers(r[0]),
+}
 
 if __name__ == "__main__":
     print("RESULT " + json.dumps(ROLES[sys.argv[1]](sys.argv[2:])), flush=True)
@@ -251,3 +314,64 @@ def test_a_tp2_prefill_gathered_into_tp1_decodes_as_on_the_source(tmp_path, how)
         want = np.concatenate([np.asarray(r["decode"][layer], np.float16) for r in ranks], axis=1)
         np.testing.assert_array_equal(got_decode[layer], want)
         assert np.isfinite(want).all() and np.abs(want).max() > 0
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_a_tp1_prefill_split_into_tp2_decodes_as_on_the_source(tmp_path, how):
+    from kvpool.transfer import wait_all
+
+    with sender(how, "tp1", tmp_path, legs=2) as other:
+        ranks = []
+        for rank in range(2):
+            pool = kvpool.Pool(LAYOUT.tp_shard(2), NUM_BLOCKS, device="cuda")
+            tables = kvpool.BlockTables(pool, 8, 64)
+            tables.add(98, 16 * (rank + 1))  # each rank's ids differ from the sender's
+            transport = other.connect(pool, leg=rank)
+            receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S, tp=(rank, 2))
+            ranks.append((pool, tables, receiver, pool.num_free))
+        wait_all([receiver.recv(timeout=PEER_WAIT_S) for _, _, receiver, _ in ranks])
+        got_decode = []
+        for rank, (pool, tables, receiver, free_before) in enumerate(ranks):
+            conserved(receiver, pool, free_before - 25)
+            ids = tables.blocks(TP_RID)
+            lo, hi = LAYOUT.tp_head_range(2, rank)
+            for got, want in zip(read(pool, ids), kv_of(TP_RID, len(ids))):
+                np.testing.assert_array_equal(
+                    got.view(np.uint16), want[:, :, lo:hi].view(np.uint16)
+                )
+            got_decode.append(
+                decode(pool, tables, query()[:, HQ // 2 * rank : HQ // 2 * (rank + 1)])
+            )
+        seen = other.finish(FINISH_S)
+    assert seen.get("sent"), seen
+    for layer in range(LAYOUT.num_layers):
+        want = np.asarray(seen["decode"][layer], np.float16)
+        got = np.concatenate([got_decode[rank][layer] for rank in range(2)], axis=1)
+        np.testing.assert_array_equal(got, want)
+        assert np.isfinite(want).all() and np.abs(want).max() > 0
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_layers_written_on_the_gpu_land_as_announced_byte_exact(tmp_path, how):
+    with sender(how, "layers", tmp_path) as other:
+        pool = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="cuda")
+        tables = kvpool.BlockTables(pool, 8, 64)
+        tables.add(1, 16 * 2)  # the receiver's ids differ from the sender's
+        transport = other.connect(pool)
+        receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
+        free_before = pool.num_free
+        transfer = receiver.recv(timeout=PEER_WAIT_S)
+        transfer.wait()
+        ids = tables.blocks(LAYERED_RID)
+        conserved(receiver, pool, free_before - len(ids))
+        assert tables.num_tokens(LAYERED_RID) == LAYERED_TOKENS
+        for got, want in zip(read(pool, ids), kv_of(LAYERED_RID, len(ids))):
+            np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+        seen = other.finish(FINISH_S)
+    assert seen == {"sent": True}, seen
+    # The READs cover the layers in order, each range once (how announcements group into READs
+    # depends on when the receiver polled: not asserted).
+    reads = transfer._completion.reads
+    assert [r[0] for r in reads] == [0] + [r[1] for r in reads[:-1]], reads
+    assert reads[-1][1] == LAYOUT.num_layers, reads
+    print(how, "layer READs (first, end, blocks):", reads)

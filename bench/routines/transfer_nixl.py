@@ -1,11 +1,14 @@
 """A request's KV blocks through NIXL (UCX) host to host and device to device, against one
 contiguous NIXL transfer of the same bytes, in the same run.
 
-Two NIXL agents in one process (UCX picks CMA, shared memory or TCP on loopback; for GPU memory
-cuda_ipc where it can, else a GET emulated over TCP, as on the one-H200 box, where cuda_ipc
-cannot reach its own process; on a machine with RDMA the same calls use it), each with a pool whose
-slab is registered once: ``--memory host`` host pools (DRAM), ``--memory cuda`` CUDA pools on
-one GPU (VRAM, device 0), ``--memory both`` the two in turn. The
+Two NIXL agents, each with a pool whose slab is registered once: in one process (``--owner
+thread``, the default; UCX picks CMA, shared memory or TCP on loopback, and for GPU memory a GET
+emulated over TCP: cuda_ipc cannot reach its own process) or the owner in a spawned process
+(``--owner process``: for GPU memory UCX's cuda_ipc where it is enabled for GET; without NVLink
+UCX's ``auto`` leaves it off unless ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y``; the JSON records the
+UCX_ variables of the run; on a machine with RDMA the same calls use it). ``--memory host``
+host pools (DRAM), ``--memory cuda`` CUDA pools on one GPU (VRAM, device 0), ``--memory both``
+the two in turn. The
 receiver READs the sender's blocks, as `NixlTransport.read_blocks` does, with the descriptors
 it builds (`run_descriptors` over pieces.py's grouped pieces: one per run of blocks contiguous
 on both sides). For each block size (64 KiB, 2 MiB) and number of blocks (1 .. 4096):
@@ -35,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import statistics
 import time
 from pathlib import Path
@@ -66,56 +71,80 @@ _FULL_CHECK_BYTES = 1 << 30  # host: every block checked up to this, a sample pa
 _SAMPLE_BLOCKS = 256
 
 
+def _fill(xp, slab, num_blocks: int, block_bytes: int, seed: int) -> None:
+    """Fills ``slab`` (``num_blocks`` blocks) from a tiled random 64 MiB chunk made from
+    ``seed``, with each block's index stamped in its first 8 bytes: the same bytes wherever it
+    runs, so a reader in another process can rebuild what the owner's pool holds."""
+    nbytes = num_blocks * block_bytes
+    chunk = np.random.default_rng(seed).integers(0, 256, min(nbytes, 64 << 20), dtype=np.uint8)
+    chunk = xp.asarray(chunk)
+    for start in range(0, nbytes, len(chunk)):
+        end = min(start + len(chunk), nbytes)
+        slab[start:end] = chunk[: end - start]
+    words = slab.view(xp.uint64).reshape(num_blocks, block_bytes // 8)
+    words[:, 0] = xp.arange(1, num_blocks + 1, dtype=xp.uint64)  # every block differs
+
+
+def _xp(memory: str):
+    if memory == "host":
+        return np
+    import cupy
+
+    return cupy
+
+
+def _slab_array(memory: str, pool, nbytes: int):
+    """The bytes of ``pool``'s slab as a NumPy (host) or CuPy (cuda) uint8 array."""
+    if memory == "host":
+        raw = (np.ctypeslib.ctypes.c_uint8 * nbytes).from_address(pool.base_ptr)
+        return np.ctypeslib.as_array(raw)
+    import cupy
+
+    memory_ = cupy.cuda.UnownedMemory(pool.base_ptr, nbytes, pool)
+    return cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(memory_, 0))
+
+
+def _pool(memory: str, block_bytes: int, num_blocks: int):
+    import kvpool
+
+    return kvpool.Pool(
+        _layout(block_bytes), num_blocks, device="host" if memory == "host" else "cuda"
+    )
+
+
 class _Slabs:
-    """A pair of pools (sender ``src``, receiver ``dst``) on ``memory`` ("host" or "cuda"),
-    the sender's filled with distinct blocks, and the byte-exact check of a READ's result."""
+    """The receiver's pool ``dst`` on ``memory`` ("host" or "cuda") and the owner's bytes: its
+    pool ``src`` when the owner is in this process, else (``owner_pool=False``) a copy of what
+    the owner's pool in the other process holds (``_fill`` from the same seed), for the
+    byte-exact check of a READ's result."""
 
-    def __init__(self, memory: str, layout, num_blocks: int, rng) -> None:
-        import kvpool
-
-        self.memory, self.num_blocks, self.block_bytes = memory, num_blocks, layout.block_bytes
-        device = "host" if memory == "host" else "cuda"
-        self.src = kvpool.Pool(layout, num_blocks, device=device)
-        self.dst = kvpool.Pool(layout, num_blocks, device=device)
-        self.nbytes = num_blocks * self.block_bytes
-        self.src_slab, self.dst_slab = self._array(self.src), self._array(self.dst)
-        chunk = rng.integers(0, 256, min(self.nbytes, 64 << 20), dtype=np.uint8)
-        xp = self._xp()
-        chunk = xp.asarray(chunk)
-        for start in range(0, self.nbytes, len(chunk)):
-            end = min(start + len(chunk), self.nbytes)
-            self.src_slab[start:end] = chunk[: end - start]
-        words = self.src_slab.view(xp.uint64).reshape(num_blocks, self.block_bytes // 8)
-        words[:, 0] = xp.arange(1, num_blocks + 1, dtype=xp.uint64)  # every block differs
+    def __init__(
+        self, memory: str, block_bytes: int, num_blocks: int, seed: int, owner_pool: bool
+    ) -> None:
+        self.memory, self.num_blocks, self.block_bytes = memory, num_blocks, block_bytes
+        self.nbytes = num_blocks * block_bytes
+        xp = _xp(memory)
+        self.dst = _pool(memory, block_bytes, num_blocks)
+        self.dst_slab = _slab_array(memory, self.dst, self.nbytes)
+        if owner_pool:
+            self.src = _pool(memory, block_bytes, num_blocks)
+            self.src_slab = _slab_array(memory, self.src, self.nbytes)
+        else:
+            self.src, self.src_slab = None, xp.empty(self.nbytes, xp.uint8)
+        _fill(xp, self.src_slab, num_blocks, block_bytes, seed)
         self.mem_type = "DRAM" if memory == "host" else "VRAM"
         if memory == "cuda":
             xp.cuda.runtime.deviceSynchronize()
 
-    def _xp(self):
-        if self.memory == "host":
-            return np
-        import cupy
-
-        return cupy
-
-    def _array(self, pool):
-        if self.memory == "host":
-            raw = (np.ctypeslib.ctypes.c_uint8 * self.nbytes).from_address(pool.base_ptr)
-            return np.ctypeslib.as_array(raw)
-        import cupy
-
-        memory = cupy.cuda.UnownedMemory(pool.base_ptr, self.nbytes, pool)
-        return cupy.ndarray((self.nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
-
     def clear(self, nbytes: int) -> None:
         self.dst_slab[:nbytes] = 0
         if self.memory == "cuda":
-            self._xp().cuda.runtime.deviceSynchronize()
+            _xp(self.memory).cuda.runtime.deviceSynchronize()
 
     def check(self, src_ids: np.ndarray, rng) -> int:
         """Raises unless the receiver's first ``len(src_ids)`` blocks hold the sender's
         ``src_ids``; the number of blocks compared."""
-        xp, n = self._xp(), len(src_ids)
+        xp, n = _xp(self.memory), len(src_ids)
         got = self.dst_slab[: n * self.block_bytes].reshape(n, self.block_bytes)
         want = self.src_slab.reshape(self.num_blocks, self.block_bytes)
         if self.memory == "host" and n * self.block_bytes > _FULL_CHECK_BYTES:
@@ -125,6 +154,29 @@ class _Slabs:
         same = xp.array_equal(got, want[xp.asarray(src_ids)])
         assert bool(same), "bytes differ"
         return n
+
+
+def _owner_process(conn) -> None:
+    """The owner in its own process (``--owner process``): builds and fills its pool, registers
+    it with its NIXL agent, sends (agent metadata, slab base) and takes the reader's metadata,
+    then holds the pool until told to stop."""
+    from kvpool.transfer.nixl_transport import load_nixl
+
+    nixl = load_nixl()
+    memory, block_bytes, num_blocks, seed, name = conn.recv()
+    pool = _pool(memory, block_bytes, num_blocks)
+    nbytes = num_blocks * block_bytes
+    _fill(_xp(memory), _slab_array(memory, pool, nbytes), num_blocks, block_bytes, seed)
+    if memory == "cuda":
+        _xp(memory).cuda.runtime.deviceSynchronize()
+    mem = "DRAM" if memory == "host" else "VRAM"
+    agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
+    registration = agent.register_memory([(pool.base_ptr, nbytes, 0, "")], mem)
+    conn.send((agent.get_agent_metadata(), pool.base_ptr))
+    agent.add_remote_agent(conn.recv())
+    conn.recv()  # stop
+    agent.deregister_memory(registration)
+    conn.send("stopped")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         default=list(BLOCK_BYTES),
         help="block sizes to measure",
     )
+    ap.add_argument(
+        "--owner",
+        choices=("thread", "process"),
+        default="thread",
+        help="the owner's agent and pool in this process or in a spawned one (CUDA IPC needs two)",
+    )
     args = ap.parse_args(argv)
 
     from kvpool.transfer.nixl_transport import load_nixl
@@ -157,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         "routine": "transfer_nixl",
         "provenance": prov,
         "nixl_version": getattr(nixl, "__version__", None) or _dist_version(),
-        "what": "READ of a request's blocks through NIXL/UCX, 2 agents 1 process, host or GPU",
+        "what": "READ of a request's blocks through NIXL/UCX, host or GPU",
+        "owner": args.owner,
+        "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
         "memories": list(memories),
         "complete": False,  # written after each block size, so a run cut short keeps its rows
         "skipped": skipped,
@@ -173,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
             fit = [n for n in sizes if n * block_bytes <= args.max_bytes]
             skipped += [f"{memory} {label} x {n}" for n in sizes if n not in fit]
             if fit:
-                _measure(nixl, memory, label, block_bytes, fit, args.quick, rng, rows, save)
+                _measure(
+                    nixl, memory, label, block_bytes, fit, args.quick, rng, rows, save, args.owner
+                )
     result["complete"] = True
     save()
     for r in rows:
@@ -186,24 +248,36 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _measure(nixl, memory, label, block_bytes, fit, quick, rng, rows, save) -> None:
+def _measure(nixl, memory, label, block_bytes, fit, quick, rng, rows, save, owner_mode) -> None:
     """Appends to ``rows`` those of one memory kind and block size, every case at every number
     of blocks, calling ``save`` after each number of blocks."""
     from kvpool.transfer.nixl_transport import run_descriptors
     from kvpool.transfer.pieces import GROUPED, plan_pieces
 
     num_blocks = max(fit)
-    slabs = _Slabs(memory, _layout(block_bytes), num_blocks, rng)
-    src, dst, mem = slabs.src, slabs.dst, slabs.mem_type
+    seed = int(rng.integers(1 << 31))
+    slabs = _Slabs(memory, block_bytes, num_blocks, seed, owner_pool=owner_mode == "thread")
+    dst, mem = slabs.dst, slabs.mem_type
     names = (f"bench-reader-{memory}-{label}", f"bench-owner-{memory}-{label}")
     reader = nixl.nixl_agent(names[0], nixl.nixl_agent_config(backends=["UCX"]))
-    owner = nixl.nixl_agent(names[1], nixl.nixl_agent_config(backends=["UCX"]))
-    registrations = [
-        (reader, reader.register_memory([(dst.base_ptr, slabs.nbytes, 0, "")], mem)),
-        (owner, owner.register_memory([(src.base_ptr, slabs.nbytes, 0, "")], mem)),
-    ]
-    reader.add_remote_agent(owner.get_agent_metadata())
-    owner.add_remote_agent(reader.get_agent_metadata())
+    registrations = [(reader, reader.register_memory([(dst.base_ptr, slabs.nbytes, 0, "")], mem))]
+    if owner_mode == "thread":  # a second agent in this process
+        owner = nixl.nixl_agent(names[1], nixl.nixl_agent_config(backends=["UCX"]))
+        registrations.append(
+            (owner, owner.register_memory([(slabs.src.base_ptr, slabs.nbytes, 0, "")], mem))
+        )
+        reader.add_remote_agent(owner.get_agent_metadata())
+        owner.add_remote_agent(reader.get_agent_metadata())
+        src_base = slabs.src.base_ptr
+    else:  # the owner's pool and agent in another process (spawned: a CUDA context of its own)
+        ctx = multiprocessing.get_context("spawn")
+        conn, child_conn = ctx.Pipe()
+        child = ctx.Process(target=_owner_process, args=(child_conn,), daemon=True)
+        child.start()
+        conn.send((memory, block_bytes, num_blocks, seed, names[1]))
+        owner_metadata, src_base = conn.recv()
+        reader.add_remote_agent(owner_metadata)
+        conn.send(reader.get_agent_metadata())
 
     def read(local, remote):
         handle = reader.initialize_xfer(
@@ -231,14 +305,14 @@ def _measure(nixl, memory, label, block_bytes, fit, quick, rng, rows, save) -> N
             if case == "contiguous":  # one hand-made descriptor: the same bytes, packed
                 descs[case] = (
                     np.array([[dst.base_ptr, nbytes, 0]], np.uint64),
-                    np.array([[src.base_ptr, nbytes, 0]], np.uint64),
+                    np.array([[src_base, nbytes, 0]], np.uint64),
                 )
                 counts[case] = 1
                 continue
             pieces = plan_pieces(GROUPED, src_ids, dst_ids, n)
             descs[case] = (
                 run_descriptors(dst.base_ptr, block_bytes, dst_ids, pieces),
-                run_descriptors(src.base_ptr, block_bytes, src_ids, pieces),
+                run_descriptors(src_base, block_bytes, src_ids, pieces),
             )
             counts[case] = len(pieces)
         for case, (local, remote) in descs.items():
@@ -258,6 +332,7 @@ def _measure(nixl, memory, label, block_bytes, fit, quick, rng, rows, save) -> N
         for case in descs:
             row = _row(case, label, n, nbytes, counts[case], times[case])
             row["memory"] = memory
+            row["owner"] = owner_mode
             row["checked_blocks"] = checked[case]
             row["ratio_to_contiguous"] = contiguous / statistics.median(times[case])
             if counts[case] > 1:
@@ -268,6 +343,10 @@ def _measure(nixl, memory, label, block_bytes, fit, quick, rng, rows, save) -> N
         print(f"{memory} {label} x {n} done", flush=True)
     for agent, registration in registrations:  # before the pools go: their memory is freed
         agent.deregister_memory(registration)
+    if owner_mode == "process":
+        conn.send("stop")
+        assert conn.recv() == "stopped"
+        child.join(timeout=60)
 
 
 def _row(case, label, n, nbytes, descriptors, times):
