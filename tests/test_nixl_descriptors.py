@@ -7,6 +7,7 @@ processes) and tests/test_nixl_gpu.py (CUDA pools on the GPU)."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import kvpool
@@ -15,7 +16,9 @@ import pytest
 from kvpool import TransferError
 from kvpool.transfer import plan_pieces
 from kvpool.transfer.nixl_transport import (
+    CUDA_IPC_GET,
     NixlTransport,
+    enable_cuda_ipc_get,
     nixl_memory,
     on_device,
     refuse_growable,
@@ -33,6 +36,18 @@ def test_a_host_pool_registers_as_dram_of_device_zero():
     pool = kvpool.Pool(kvpool.KvLayout(1, 1, 8, 16), 4, device="host")
     assert nixl_memory(pool) == ("DRAM", 0)
     settle_source(pool)  # nothing to wait for on a host pool (and no CuPy needed)
+
+
+def test_a_cuda_pools_agent_asks_ucx_for_cuda_ipc_get_unless_the_user_chose(monkeypatch):
+    monkeypatch.setenv(CUDA_IPC_GET, "unset")  # so that the teardown restores the variable
+    monkeypatch.delenv(CUDA_IPC_GET)
+    enable_cuda_ipc_get("DRAM")  # a host pool's agent leaves UCX's default alone
+    assert CUDA_IPC_GET not in os.environ
+    enable_cuda_ipc_get("VRAM")
+    assert os.environ[CUDA_IPC_GET] == "y"
+    monkeypatch.setenv(CUDA_IPC_GET, "auto")  # the user's choice stays
+    enable_cuda_ipc_get("VRAM")
+    assert os.environ[CUDA_IPC_GET] == "auto"
 
 
 @pytest.mark.parametrize(("device", "want"), [("cuda", 0), ("cuda:0", 0), ("cuda:3", 3)])

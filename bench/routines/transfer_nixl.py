@@ -5,8 +5,9 @@ Two NIXL agents, each with a pool whose slab is registered once: in one process 
 thread``, the default; UCX picks CMA, shared memory or TCP on loopback, and for GPU memory a GET
 emulated over TCP: cuda_ipc cannot reach its own process) or the owner in a spawned process
 (``--owner process``: for GPU memory UCX's cuda_ipc where it is enabled for GET; without NVLink
-UCX's ``auto`` leaves it off unless ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y``; the JSON records the
-UCX_ variables of the run; on a machine with RDMA the same calls use it). ``--memory host``
+UCX's ``auto`` leaves it off; the agents are made as ``NixlTransport.connect`` makes them,
+which sets ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` unless it is set; the JSON records the UCX_
+variables of the run; on a machine with RDMA the same calls use it). ``--memory host``
 host pools (DRAM), ``--memory cuda`` CUDA pools on one GPU (VRAM, device 0), ``--memory both``
 the two in turn. The
 receiver READs the sender's blocks, as `NixlTransport.read_blocks` does, with the descriptors
@@ -160,7 +161,7 @@ def _owner_process(conn) -> None:
     """The owner in its own process (``--owner process``): builds and fills its pool, registers
     it with its NIXL agent, sends (agent metadata, slab base) and takes the reader's metadata,
     then holds the pool until told to stop."""
-    from kvpool.transfer.nixl_transport import load_nixl
+    from kvpool.transfer.nixl_transport import enable_cuda_ipc_get, load_nixl
 
     nixl = load_nixl()
     memory, block_bytes, num_blocks, seed, name = conn.recv()
@@ -170,6 +171,7 @@ def _owner_process(conn) -> None:
     if memory == "cuda":
         _xp(memory).cuda.runtime.deviceSynchronize()
     mem = "DRAM" if memory == "host" else "VRAM"
+    enable_cuda_ipc_get(mem)
     agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
     registration = agent.register_memory([(pool.base_ptr, nbytes, 0, "")], mem)
     conn.send((agent.get_agent_metadata(), pool.base_ptr))
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "nixl_version": getattr(nixl, "__version__", None) or _dist_version(),
         "what": "READ of a request's blocks through NIXL/UCX, host or GPU",
         "owner": args.owner,
-        "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+        "ucx_env": {},  # the UCX_ variables the agents were made with (at each save)
         "memories": list(memories),
         "complete": False,  # written after each block size, so a run cut short keeps its rows
         "skipped": skipped,
@@ -225,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def save() -> None:
+        result["ucx_env"] = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 
     for memory in memories:
@@ -251,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
 def _measure(nixl, memory, label, block_bytes, fit, quick, rng, rows, save, owner_mode) -> None:
     """Appends to ``rows`` those of one memory kind and block size, every case at every number
     of blocks, calling ``save`` after each number of blocks."""
-    from kvpool.transfer.nixl_transport import run_descriptors
+    from kvpool.transfer.nixl_transport import enable_cuda_ipc_get, run_descriptors
     from kvpool.transfer.pieces import GROUPED, plan_pieces
 
     num_blocks = max(fit)
@@ -259,6 +262,7 @@ def _measure(nixl, memory, label, block_bytes, fit, quick, rng, rows, save, owne
     slabs = _Slabs(memory, block_bytes, num_blocks, seed, owner_pool=owner_mode == "thread")
     dst, mem = slabs.dst, slabs.mem_type
     names = (f"bench-reader-{memory}-{label}", f"bench-owner-{memory}-{label}")
+    enable_cuda_ipc_get(mem)  # as NixlTransport.connect does, before the agents are made
     reader = nixl.nixl_agent(names[0], nixl.nixl_agent_config(backends=["UCX"]))
     registrations = [(reader, reader.register_memory([(dst.base_ptr, slabs.nbytes, 0, "")], mem))]
     if owner_mode == "thread":  # a second agent in this process

@@ -63,6 +63,18 @@ _SPIN_S = 0.002
 _SERVE_POLL_S = 0.05
 # How long tearing down a transfer waits for a READ that NIXL cannot cancel to end.
 _CANCEL_WAIT_S = 5.0
+# UCX's switch for cuda_ipc GET, which a READ is. Its default, ``auto``, turns GET off unless UCX
+# sees NVLink, and a READ into GPU memory then falls back to a GET emulated through host memory
+# over TCP (on one H200: 0.4 GB/s; bench/results/README.md has the two runs side by side). A
+# CUDA pool's agent asks for GET (``y``) unless the variable is set: a user who set it keeps
+# theirs. UCX reads it when the agent is made, so it is set before.
+CUDA_IPC_GET = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+
+
+def enable_cuda_ipc_get(mem_type: str) -> None:
+    """Before a ``mem_type`` agent is made: for VRAM, ``CUDA_IPC_GET=y`` unless set already."""
+    if mem_type == "VRAM":
+        os.environ.setdefault(CUDA_IPC_GET, "y")
 
 
 def load_nixl() -> Any:
@@ -180,6 +192,7 @@ class NixlTransport(Transport):
         sock, _ = rendezvous_control(rank, rendezvous, lambda: [], host=host, timeout=timeout)
         control = NcclTransport(None, None, sock, rank, 0)  # its control channel only
         name = f"kvpool-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        enable_cuda_ipc_get(mem_type)
         agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
         nbytes = pool.num_blocks * pool.block_bytes
         registration = agent.register_memory([(pool.base_ptr, nbytes, device_id, "")], mem_type)
