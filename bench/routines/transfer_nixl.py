@@ -19,6 +19,9 @@ on both sides). For each block size (64 KiB, 2 MiB) and number of blocks (1 .. 4
 - ``request_fresh``: both sides one run (fresh pools): one descriptor after coalescing.
 - ``contiguous``: one descriptor of n * block bytes, hand-made (the baseline: the same bytes
   already packed).
+- ``cuda_ipc_memcpy`` (CUDA pools, ``--owner process``): no NIXL, one cudaMemcpyAsync of the
+  same packed bytes from the owner's slab opened through CUDA IPC: the copy engine's rate
+  between two processes of one GPU, what the contiguous READ's own overhead is measured on.
 
 Each case: one warm-up READ, checked byte-exact (every block on the GPU and up to 1 GiB on the
 host; past that a random 256 of the blocks, ``checked_blocks`` says how many), then the median
@@ -38,6 +41,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
@@ -174,7 +178,13 @@ def _owner_process(conn) -> None:
     enable_cuda_ipc_get(mem)
     agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
     registration = agent.register_memory([(pool.base_ptr, nbytes, 0, "")], mem)
-    conn.send((agent.get_agent_metadata(), pool.base_ptr))
+    ipc = None  # the slab's CUDA IPC handle, for the reader's plain-copy baseline
+    if memory == "cuda":
+        try:
+            ipc = bytes(_xp(memory).cuda.runtime.ipcGetMemHandle(pool.base_ptr))
+        except Exception as e:  # the reader records why the baseline is missing
+            ipc = f"{type(e).__name__}: {e}"
+    conn.send((agent.get_agent_metadata(), pool.base_ptr, ipc))
     agent.add_remote_agent(conn.recv())
     conn.recv()  # stop
     agent.deregister_memory(registration)
@@ -237,7 +247,17 @@ def main(argv: list[str] | None = None) -> int:
             skipped += [f"{memory} {label} x {n}" for n in sizes if n not in fit]
             if fit:
                 _measure(
-                    nixl, memory, label, block_bytes, fit, args.quick, rng, rows, save, args.owner
+                    nixl,
+                    memory,
+                    label,
+                    block_bytes,
+                    fit,
+                    args.quick,
+                    rng,
+                    rows,
+                    save,
+                    args.owner,
+                    skipped,
                 )
     result["complete"] = True
     save()
@@ -251,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _measure(nixl, memory, label, block_bytes, fit, quick, rng, rows, save, owner_mode) -> None:
+def _measure(
+    nixl, memory, label, block_bytes, fit, quick, rng, rows, save, owner_mode, skipped
+) -> None:
     """Appends to ``rows`` those of one memory kind and block size, every case at every number
     of blocks, calling ``save`` after each number of blocks."""
     from kvpool.transfer.nixl_transport import enable_cuda_ipc_get, run_descriptors
@@ -272,16 +294,29 @@ def _measure(nixl, memory, label, block_bytes, fit, quick, rng, rows, save, owne
         )
         reader.add_remote_agent(owner.get_agent_metadata())
         owner.add_remote_agent(reader.get_agent_metadata())
-        src_base = slabs.src.base_ptr
+        src_base, ipc_base = slabs.src.base_ptr, None
     else:  # the owner's pool and agent in another process (spawned: a CUDA context of its own)
         ctx = multiprocessing.get_context("spawn")
         conn, child_conn = ctx.Pipe()
         child = ctx.Process(target=_owner_process, args=(child_conn,), daemon=True)
         child.start()
         conn.send((memory, block_bytes, num_blocks, seed, names[1]))
-        owner_metadata, src_base = conn.recv()
+        owner_metadata, src_base, ipc = conn.recv()
         reader.add_remote_agent(owner_metadata)
         conn.send(reader.get_agent_metadata())
+        ipc_base = _open_ipc(ipc, memory, label, skipped)
+
+    def memcpy(nbytes: int) -> float:
+        """The plain-copy baseline: one cudaMemcpyAsync of the owner's first ``nbytes``, opened
+        by CUDA IPC, post to completion, as a user copying packed bytes between two processes
+        of one GPU would (no NIXL, no descriptors)."""
+        import cupy
+
+        stream = cupy.cuda.Stream(non_blocking=True)
+        t0 = time.perf_counter()
+        cupy.cuda.runtime.memcpyAsync(dst.base_ptr, ipc_base, nbytes, 3, stream.ptr)
+        stream.synchronize()
+        return time.perf_counter() - t0
 
     def read(local, remote):
         handle = reader.initialize_xfer(
@@ -319,21 +354,25 @@ def _measure(nixl, memory, label, block_bytes, fit, quick, rng, rows, save, owne
                 run_descriptors(src_base, block_bytes, src_ids, pieces),
             )
             counts[case] = len(pieces)
-        for case, (local, remote) in descs.items():
+        runs = {case: functools.partial(read, *pair) for case, pair in descs.items()}
+        if ipc_base is not None:
+            runs["cuda_ipc_memcpy"] = functools.partial(memcpy, nbytes)
+            cases["cuda_ipc_memcpy"], counts["cuda_ipc_memcpy"] = cases["contiguous"], 1
+        for case, run in runs.items():
             slabs.clear(nbytes)
-            read(local, remote)  # warm-up: the first READ of a region sets UCX up
+            run()  # warm-up: the first READ of a region sets UCX up
             try:
                 checked[case] = slabs.check(cases[case], rng)
             except AssertionError as e:
                 raise AssertionError(f"{memory} {case} {label} x {n}: {e}") from e
-        times: dict[str, list[float]] = {case: [] for case in descs}
+        times: dict[str, list[float]] = {case: [] for case in runs}
         # Repetitions interleave the cases, so that load from other work on this shared
         # machine falls on all of them alike.
         for _ in range(3 if quick else _reps(nbytes)):
-            for case, (local, remote) in descs.items():
-                times[case].append(read(local, remote))
+            for case, run in runs.items():
+                times[case].append(run())
         contiguous = statistics.median(times["contiguous"])
-        for case in descs:
+        for case in runs:
             row = _row(case, label, n, nbytes, counts[case], times[case])
             row["memory"] = memory
             row["owner"] = owner_mode
@@ -347,10 +386,27 @@ def _measure(nixl, memory, label, block_bytes, fit, quick, rng, rows, save, owne
         print(f"{memory} {label} x {n} done", flush=True)
     for agent, registration in registrations:  # before the pools go: their memory is freed
         agent.deregister_memory(registration)
+    if ipc_base is not None:
+        import cupy
+
+        cupy.cuda.runtime.ipcCloseMemHandle(ipc_base)
     if owner_mode == "process":
         conn.send("stop")
         assert conn.recv() == "stopped"
         child.join(timeout=60)
+
+
+def _open_ipc(ipc, memory: str, label: str, skipped: list) -> int | None:
+    """The owner's slab opened through its CUDA IPC handle (its base address here), or None
+    with the reason appended to ``skipped`` (host memory: no such baseline)."""
+    if memory != "cuda":
+        return None
+    if not isinstance(ipc, bytes):
+        skipped.append(f"cuda_ipc_memcpy {label}: the owner could not export its slab: {ipc}")
+        return None
+    import cupy
+
+    return cupy.cuda.runtime.ipcOpenMemHandle(ipc)
 
 
 def _row(case, label, n, nbytes, descriptors, times):
