@@ -55,10 +55,12 @@ class Peer:
         self.output = ""
         self.transports: list[NixlTransport] = []
 
-    def connect(self, pool: Any, cls: type[NixlTransport] = NixlTransport, *, leg: int = 0) -> Any:
+    def connect(
+        self, pool: Any, cls: type[NixlTransport] = NixlTransport, *, leg: int = 0, **options: Any
+    ) -> Any:
         """This side's transport (agent 1; the peer is agent 0) of ``leg``, closed when the
-        ``spawn`` block ends."""
-        transport = cls.connect(1, self.rendezvous[leg], pool, timeout=PEER_WAIT_S)
+        ``spawn`` block ends; ``options`` go to ``connect`` (``staging_bytes``)."""
+        transport = cls.connect(1, self.rendezvous[leg], pool, timeout=PEER_WAIT_S, **options)
         self.transports.append(transport)
         return transport
 

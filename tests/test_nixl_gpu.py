@@ -1,18 +1,24 @@
 """CUDA pools over NIXL on one GPU: each pool's slab registered as VRAM, the receiver READing the
-sender's blocks device to device through whichever transport UCX picks. On the one-H200 box
-that was not CUDA IPC but UCX's emulated GET over tcp/lo, both ways (cuda_ipc turns GET off
-without NVLink and cannot reach its own process: transfer.md, "CUDA pools over NIXL").
+sender's blocks device to device through whichever transport UCX picks: with the sender in
+another process, UCX's cuda_ipc (the transport asks UCX for its GET: transfer.md, "CUDA pools
+over NIXL"); in a thread of this process, UCX's GET emulated over tcp/lo (cuda_ipc cannot reach
+its own process).
 
 Each test runs twice: ``processes`` (the sender in another process) and ``threads`` (the sender
 in a thread of this process with its own pool, agent and transport: two NIXL agents in one
 process). Both move bytes through the same protocol and leases.
 
 - a request's blocks (scattered across the sender's holes, and one run) byte-exact into other
-  ids on the receiver, both pools conserved, no lease left;
+  ids on the receiver, both pools conserved, no lease left: through the transports' default
+  staging buffers (request 7 scattered on both sides, packed by the sender and unpacked by the
+  receiver: one descriptor) and without them (one descriptor per run);
 - a TP-2 prefill (two pools of 4 of the 8 KV heads) gathered into a TP-1 decode pool
   (``KvGatherReceiver``), then kvpool's decode kernel on the receiver equal, bit for bit, to
   the two prefill ranks' decode of their heads side by side (one split, as the TP decode test
-  of tests/test_multigpu_gpu.py).
+  of tests/test_multigpu_gpu.py), and a TP-1 prefill split into a TP-2 decode group
+  (``KvSplitSender``), each rank's decode equal to the source's for its heads;
+- a request offered before its layers are computed, each layer written on the GPU and
+  announced in turn, landing byte-exact.
 
 Skipped without a GPU or CuPy (conftest.py's ``gpu`` marker) or without NIXL. This file run as a
 script is the sender's process.
@@ -100,8 +106,9 @@ def decode(pool: kvpool.Pool, tables: kvpool.BlockTables, q: np.ndarray) -> list
 # -- the sending side (another process, or a thread of the test's) -----------------------------
 
 
-def send_requests(rendezvous: str) -> dict:
-    """A CUDA pool with holes sends requests 7 (scattered) and 8 (one run)."""
+def send_requests(rendezvous: str, staging_bytes: int | None = None) -> dict:
+    """A CUDA pool with holes sends requests 7 (scattered) and 8 (one run), through the
+    transport's default staging buffer or (``staging_bytes=0``) run by run."""
     pool = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="cuda")
     tables = kvpool.BlockTables(pool, 32, 64)
     for rid in range(100, 110):  # holes, so request 7's ids form several runs
@@ -112,7 +119,9 @@ def send_requests(rendezvous: str) -> dict:
         tables.add(rid, num_tokens)
         write(pool, tables.blocks(rid), kv_of(rid, len(tables.blocks(rid))), (0, 8))
     free_before = pool.num_free
-    transport = NixlTransport.connect(0, rendezvous, pool, timeout=PEER_WAIT_S)
+    transport = NixlTransport.connect(
+        0, rendezvous, pool, timeout=PEER_WAIT_S, staging_bytes=staging_bytes
+    )
     sender = KvSender(tables, transport, timeout_s=PEER_WAIT_S)
     for rid in REQUESTS:
         sender.send(rid).wait()
@@ -212,6 +221,7 @@ def send_layers(rendezvous: str) -> dict:
 
 ROLES = {
     "requests": lambda r: send_requests(r[0]),
+    "requests_unstaged": lambda r: send_requests(r[0], staging_bytes=0),
     "tp2": tp2_prefill,
     "tp1": tp1_prefill,
     "layers": lambda r: send_layers(r[0]),
@@ -266,13 +276,21 @@ def sender(how: str, role: str, tmp_path: Path, legs: int = 1) -> Iterator[Peer]
 HOW = ["processes", "threads"]
 
 
+@pytest.mark.parametrize("staging", ["staged", "unstaged"])
 @pytest.mark.parametrize("how", HOW)
-def test_a_requests_blocks_move_device_to_device_byte_exact(tmp_path, how):
-    with sender(how, "requests", tmp_path) as other:
+def test_a_requests_blocks_move_device_to_device_byte_exact(tmp_path, how, staging):
+    role = "requests" if staging == "staged" else "requests_unstaged"
+    with sender(how, role, tmp_path) as other:
         pool = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="cuda")
         tables = kvpool.BlockTables(pool, 32, 64)
         tables.add(1, 16 * 5)  # the receiver's ids differ from the sender's
-        transport = other.connect(pool)
+        if staging == "staged":  # holes here too: request 7 lands scattered, unpacked
+            for rid in range(100, 108):
+                tables.add(rid, 16 * 2)
+            for rid in range(100, 108, 2):
+                tables.free(rid)
+        staging_bytes = None if staging == "staged" else 0
+        transport = other.connect(pool, staging_bytes=staging_bytes)
         assert (transport.mem_type, transport.remote_mem_type) == ("VRAM", "VRAM")
         receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
         free = pool.num_free
@@ -286,9 +304,16 @@ def test_a_requests_blocks_move_device_to_device_byte_exact(tmp_path, how):
                 np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
         seen = other.finish(FINISH_S)
     assert seen == {"sent": True}, seen
-    # Request 7 in the sender's holes took several descriptors, request 8 (one run each side) 1.
-    assert transport.descriptor_counts[0] > 1 and transport.descriptor_counts[1] == 1
-    print(how, "descriptors per request:", transport.descriptor_counts)
+    counts = transport.descriptor_counts
+    if staging == "staged":
+        # Request 7, scattered on both sides, packed by the sender and unpacked here: one
+        # descriptor; request 8, one run each side, one too.
+        assert counts == [1, 1], counts
+        assert transport.staging is not None and transport.staging.holder is None
+    else:
+        # Request 7 in the sender's holes took several descriptors, request 8 (one run) 1.
+        assert counts[0] > 1 and counts[1] == 1, counts
+    print(how, staging, "descriptors per request:", counts)
 
 
 @pytest.mark.parametrize("how", HOW)

@@ -19,6 +19,10 @@ on both sides). For each block size (64 KiB, 2 MiB) and number of blocks (1 .. 4
 - ``request_fresh``: both sides one run (fresh pools): one descriptor after coalescing.
 - ``contiguous``: one descriptor of n * block bytes, hand-made (the baseline: the same bytes
   already packed).
+- ``request_staged`` (CUDA pools, ``--owner process``): the scattered source packed first, as
+  ``NixlTransport`` does with its staging buffer (nixl_staging.py): the owner gathers the blocks
+  into its registered buffer (asked and answered over a pipe), then one descriptor's READ; the
+  gather and the pipe's round trip are in its time.
 - ``cuda_ipc_memcpy`` (CUDA pools, ``--owner process``): no NIXL, one cudaMemcpyAsync of the
   same packed bytes from the owner's slab opened through CUDA IPC: the copy engine's rate
   between two processes of one GPU, what the contiguous READ's own overhead is measured on.
@@ -165,6 +169,7 @@ def _owner_process(conn) -> None:
     """The owner in its own process (``--owner process``): builds and fills its pool, registers
     it with its NIXL agent, sends (agent metadata, slab base) and takes the reader's metadata,
     then holds the pool until told to stop."""
+    from kvpool.transfer.nixl_staging import StagingBuffer
     from kvpool.transfer.nixl_transport import enable_cuda_ipc_get, load_nixl
 
     nixl = load_nixl()
@@ -179,14 +184,22 @@ def _owner_process(conn) -> None:
     agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
     registration = agent.register_memory([(pool.base_ptr, nbytes, 0, "")], mem)
     ipc = None  # the slab's CUDA IPC handle, for the reader's plain-copy baseline
+    staging = None  # the request_staged case's buffer, as NixlTransport.connect makes it
     if memory == "cuda":
         try:
             ipc = bytes(_xp(memory).cuda.runtime.ipcGetMemHandle(pool.base_ptr))
         except Exception as e:  # the reader records why the baseline is missing
             ipc = f"{type(e).__name__}: {e}"
-    conn.send((agent.get_agent_metadata(), pool.base_ptr, ipc))
+        staging = StagingBuffer(pool, num_blocks, agent, mem, 0)
+    staging_base = None if staging is None else staging.base_ptr
+    conn.send((agent.get_agent_metadata(), pool.base_ptr, ipc, staging_base))
     agent.add_remote_agent(conn.recv())
-    conn.recv()  # stop
+    while (message := conn.recv()) != "stop":
+        assert staging is not None and message[0] == "gather", message
+        staging.gather(message[1])  # as NixlTransport.stage_source, before an offer
+        conn.send("gathered")
+    if staging is not None:
+        staging.close()
     agent.deregister_memory(registration)
     conn.send("stopped")
 
@@ -294,14 +307,14 @@ def _measure(
         )
         reader.add_remote_agent(owner.get_agent_metadata())
         owner.add_remote_agent(reader.get_agent_metadata())
-        src_base, ipc_base = slabs.src.base_ptr, None
+        src_base, ipc_base, staging_base = slabs.src.base_ptr, None, None
     else:  # the owner's pool and agent in another process (spawned: a CUDA context of its own)
         ctx = multiprocessing.get_context("spawn")
         conn, child_conn = ctx.Pipe()
         child = ctx.Process(target=_owner_process, args=(child_conn,), daemon=True)
         child.start()
         conn.send((memory, block_bytes, num_blocks, seed, names[1]))
-        owner_metadata, src_base, ipc = conn.recv()
+        owner_metadata, src_base, ipc, staging_base = conn.recv()
         reader.add_remote_agent(owner_metadata)
         conn.send(reader.get_agent_metadata())
         ipc_base = _open_ipc(ipc, memory, label, skipped)
@@ -331,6 +344,15 @@ def _measure(
         assert state == "DONE", state
         return elapsed
 
+    def staged(local, remote, src_ids) -> float:
+        """The staged request: the owner gathers ``src_ids`` into its staging buffer (asked
+        over its pipe, answered when the gather is done: a round trip the real offer does
+        not add), then one READ of the packed bytes; timed together."""
+        t0 = time.perf_counter()
+        conn.send(("gather", src_ids))
+        assert conn.recv() == "gathered"
+        return time.perf_counter() - t0 + read(local, remote)
+
     for n in fit:
         nbytes = n * block_bytes
         dst_ids = np.arange(n, dtype=np.int32)
@@ -355,6 +377,13 @@ def _measure(
             )
             counts[case] = len(pieces)
         runs = {case: functools.partial(read, *pair) for case, pair in descs.items()}
+        if staging_base is not None:
+            packed = np.array([[staging_base, nbytes, 0]], np.uint64)
+            src_ids = cases["request_scattered"]
+            runs["request_staged"] = functools.partial(
+                staged, descs["contiguous"][0], packed, src_ids
+            )
+            cases["request_staged"], counts["request_staged"] = src_ids, 1
         if ipc_base is not None:
             runs["cuda_ipc_memcpy"] = functools.partial(memcpy, nbytes)
             cases["cuda_ipc_memcpy"], counts["cuda_ipc_memcpy"] = cases["contiguous"], 1

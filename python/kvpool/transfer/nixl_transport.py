@@ -53,6 +53,13 @@ from kvpool.kernels._launch import cupy_stream, stream_handle
 from kvpool.transfer.movers import Done
 from kvpool.transfer.nccl import NcclTransport, rendezvous_control
 from kvpool.transfer.nixl_layers import AwaitMessage, LayeredRead
+from kvpool.transfer.nixl_staging import (
+    DEFAULT_STAGE_BELOW_RUN_BYTES,
+    StagingBuffer,
+    runs,
+    staging_blocks,
+)
+from kvpool.transfer.pieces import GROUPED, plan_pieces
 from kvpool.transfer.regions import Side
 from kvpool.transfer.transport import PeerGone, Transport
 
@@ -69,6 +76,9 @@ _CANCEL_WAIT_S = 5.0
 # CUDA pool's agent asks for GET (``y``) unless the variable is set: a user who set it keeps
 # theirs. UCX reads it when the agent is made, so it is set before.
 CUDA_IPC_GET = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+# The holder of a staging buffer taken by this side's READ (request ids are >= 0: a sending
+# request of this side holds it by its id).
+_RECEIVING = -1
 
 
 def enable_cuda_ipc_get(mem_type: str) -> None:
@@ -171,6 +181,11 @@ class NixlTransport(Transport):
         self.descriptor_counts: list[int] = []  # per transfer this side initiated
         self._notes: list[dict] = []  # control messages read while waiting for "done"
         self._registration: Any = None  # the slab's NIXL registration, released at teardown
+        # Each side's staging buffer (nixl_staging.py), none where it holds no block.
+        self.staging: StagingBuffer | None = None
+        self.stage_below_run_bytes = DEFAULT_STAGE_BELOW_RUN_BYTES
+        self.remote_staging_base = int(hello.get("staging_base", 0))
+        self.remote_staging_blocks = int(hello.get("staging_blocks", 0))
 
     @classmethod
     def connect(
@@ -181,13 +196,17 @@ class NixlTransport(Transport):
         *,
         host: str = "127.0.0.1",
         timeout: float = 120.0,
+        staging_bytes: int | None = None,
     ) -> NixlTransport:
         """Joins the two processes (blocks until both have called it); registers the pool's
-        slab with NIXL once for the transport's life."""
+        slab with NIXL once for the transport's life, and a staging buffer of up to
+        ``staging_bytes`` (None: 256 MiB on a CUDA pool, none on a host pool; 0: none) through
+        which a request of scattered blocks moves as one descriptor (nixl_staging.py)."""
         if rank not in (0, 1):
             raise ValueError(f"rank must be 0 or 1, got {rank!r}")
         refuse_growable(pool)  # before NIXL is loaded or the rendezvous touched
         mem_type, device_id = nixl_memory(pool)  # refuses a device NIXL is not given here
+        num_staging = staging_blocks(pool, staging_bytes, mem_type)
         nixl = load_nixl()
         sock, _ = rendezvous_control(rank, rendezvous, lambda: [], host=host, timeout=timeout)
         control = NcclTransport(None, None, sock, rank, 0)  # its control channel only
@@ -196,11 +215,18 @@ class NixlTransport(Transport):
         agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
         nbytes = pool.num_blocks * pool.block_bytes
         registration = agent.register_memory([(pool.base_ptr, nbytes, device_id, "")], mem_type)
+        staging: StagingBuffer | None = None
         try:
-            return cls._greet(control, nixl, agent, registration, name, pool, timeout)
+            # Registered before the agent's metadata is taken for the hello: the peer's READs
+            # of it need its key in that metadata.
+            if num_staging:
+                staging = StagingBuffer(pool, num_staging, agent, mem_type, device_id)
+            return cls._greet(control, nixl, agent, registration, staging, name, pool, timeout)
         except BaseException:
             # No hello in time, the peer gone, a malformed hello: the caller gets no transport
-            # to close, so the registration and the socket go here (the agent with the error).
+            # to close, so the registrations and the socket go here (the agent with the error).
+            if staging is not None:
+                staging.close()
             with contextlib.suppress(Exception):
                 agent.deregister_memory(registration)
             control.close()
@@ -213,6 +239,7 @@ class NixlTransport(Transport):
         nixl: Any,
         agent: Any,
         registration: Any,
+        staging: StagingBuffer | None,
         name: str,
         pool: Pool,
         timeout: float,
@@ -230,6 +257,8 @@ class NixlTransport(Transport):
                 "block_bytes": pool.block_bytes,
                 "mem_type": mem_type,
                 "device_id": device_id,
+                "staging_base": 0 if staging is None else staging.base_ptr,
+                "staging_blocks": 0 if staging is None else staging.num_blocks,
             }
         )
         hello = control.recv_control(timeout)
@@ -240,11 +269,15 @@ class NixlTransport(Transport):
             or not isinstance(hello.get("block_bytes"), int)
             or hello.get("mem_type") not in ("DRAM", "VRAM")
             or not isinstance(hello.get("device_id"), int)
+            or not all(
+                isinstance(hello.get(key), int) and hello[key] >= 0
+                for key in ("staging_base", "staging_blocks")
+            )
         ):
             raise TransferError(f"the peer's NIXL hello is not one: {hello}")
         agent.add_remote_agent(base64.b64decode(hello["metadata"]))
         transport = cls(control, nixl, agent, pool, hello)
-        transport._registration = registration
+        transport._registration, transport.staging = registration, staging
         return transport
 
     # -- control channel (the NCCL transport's) ------------------------------------------
@@ -260,10 +293,16 @@ class NixlTransport(Transport):
         return self._control.peer_alive()
 
     # -- one-sided data phase ---------------------------------------------------------------
-    def source_ids_problem(self, src_ids: np.ndarray, block_bytes: int | None = None) -> str | None:
-        """Why an offer's source ids (of blocks of ``block_bytes``, this pool's by default)
-        cannot be read from the sender's registered slab (checked by the receiver before it
-        allocates anything), or None."""
+    def source_ids_problem(
+        self,
+        src_ids: np.ndarray,
+        block_bytes: int | None = None,
+        staged_at: int | None = None,
+    ) -> str | None:
+        """Why an offer's source ids (of blocks of ``block_bytes``, this pool's by default;
+        packed at block ``staged_at`` of the sender's staging buffer if given) cannot be read
+        from the sender's registered memory (checked by the receiver before it allocates
+        anything), or None."""
         block_bytes = self.block_bytes if block_bytes is None else block_bytes
         if block_bytes != self.remote_block_bytes:
             return (
@@ -275,7 +314,69 @@ class NixlTransport(Transport):
                 f"the offer's source ids reach block {int(src_ids.max())}; the sender's pool "
                 f"has {self.remote_num_blocks}"
             )
+        if staged_at is not None and staged_at + len(src_ids) > self.remote_staging_blocks:
+            return (
+                f"the offer's {len(src_ids)} blocks staged at block {staged_at} lie outside "
+                f"the sender's staging buffer of {self.remote_staging_blocks} blocks"
+            )
         return None
+
+    # -- staging (nixl_staging.py) ----------------------------------------------------------
+    def worth_staging(self, ids: np.ndarray) -> bool:
+        """Whether moving ``ids`` through a staging buffer beats a descriptor per run: more
+        than one run, of fewer than ``stage_below_run_bytes`` on average (a gather or scatter
+        of the bytes at the device's copy rate then costs less than the descriptors saved)."""
+        count = runs(ids)
+        return count > 1 and len(ids) * self.block_bytes < count * self.stage_below_run_bytes
+
+    def stage_source(self, request_id: int, ids: np.ndarray) -> dict:
+        """Sender, before the offer (its KV written): gathers a request worth staging into
+        this side's buffer if that holds it and is free, and returns the offer's fields
+        (``{"staged_at": 0}``), or ``{}``: the request then moves run by run. ``unstage``
+        gives the buffer back once this side's transfer has ended."""
+        staging = self.staging
+        if staging is None or not self.worth_staging(ids):
+            return {}
+        if not staging.acquire(request_id, len(ids)):
+            return {}
+        try:
+            staging.gather(ids)
+        except BaseException:
+            staging.release(request_id)
+            raise
+        return {"staged_at": 0}
+
+    def unstage(self, request_id: int) -> None:
+        """Sender: gives this side's buffer back if ``request_id`` holds it."""
+        if self.staging is not None:
+            self.staging.release(request_id)
+
+    def _read_rows(
+        self, src_ids: np.ndarray, dst_ids: np.ndarray, pieces: list, staged_at: int | None
+    ) -> tuple[np.ndarray, np.ndarray, bool]:
+        """The READ's local and remote descriptor rows, and whether it lands in this side's
+        staging buffer (held by the caller, to be scattered into ``dst_ids``)."""
+        bb, n = self.block_bytes, len(dst_ids)
+        if staged_at is None:
+            source_one_region = runs(src_ids) == 1
+            remote_base, remote_ids = self.remote_base, src_ids
+        else:  # the sender packed the request: consecutive blocks of its buffer
+            source_one_region = True
+            remote_base = self.remote_staging_base
+            remote_ids = np.arange(staged_at, staged_at + n, dtype=np.int32)
+            pieces = plan_pieces(GROUPED, remote_ids, dst_ids, n)
+        staging = self.staging
+        if (
+            source_one_region
+            and staging is not None
+            and self.worth_staging(dst_ids)
+            and staging.acquire(_RECEIVING, n)
+        ):
+            rows = run_descriptors(remote_base, bb, remote_ids, [(0, n)])
+            local = np.array([[staging.base_ptr, n * bb, 0]], np.uint64)
+            return local, rows, True
+        local = run_descriptors(self.pool.base_ptr, bb, dst_ids, pieces)
+        return local, run_descriptors(remote_base, bb, remote_ids, pieces), False
 
     def read_blocks(
         self,
@@ -285,22 +386,33 @@ class NixlTransport(Transport):
         pieces: list,
         deadline: float,
         clock: Callable[[], float] = time.monotonic,
+        staged_at: int | None = None,
     ) -> Done:
-        """Receiver: READs the sender's ``src_ids`` into this pool's ``dst_ids`` (one
-        descriptor per piece), then tells the sender. Raises TimeoutError if the READ is not
-        seen complete before ``deadline``, PeerGone if NIXL reports an error, the sender
-        gave the transfer up or its process died: in every such case the bytes that landed
-        are not trusted (the sender may have released its blocks)."""
-        problem = self.source_ids_problem(src_ids)
+        """Receiver: READs the sender's ``src_ids`` (or, ``staged_at`` given, the request the
+        sender packed in its staging buffer) into this pool's ``dst_ids`` (one descriptor per
+        piece, or one into this side's staging buffer scattered after), then tells the sender.
+        Raises TimeoutError if the READ is not seen complete before ``deadline``, PeerGone if
+        NIXL reports an error, the sender gave the transfer up or its process died: in every
+        such case the bytes that landed are not trusted (the sender may have released its
+        blocks)."""
+        problem = self.source_ids_problem(src_ids, staged_at=staged_at)
         if problem is not None:
             raise TransferError(problem)
-        self.descriptor_counts.append(len(pieces))
-        if pieces:
-            local = run_descriptors(self.pool.base_ptr, self.block_bytes, dst_ids, pieces)
-            remote = run_descriptors(self.remote_base, self.block_bytes, src_ids, pieces)
-            self.move(local, remote, "READ", deadline, clock, request_id)
-        # The READ is complete; it is good only if the sender still held its blocks all along.
-        self._check_sender(request_id)
+        local, remote, scatter = self._read_rows(src_ids, dst_ids, pieces, staged_at)
+        try:
+            self.descriptor_counts.append(len(local))
+            if len(local):
+                self.move(local, remote, "READ", deadline, clock, request_id)
+            # The READ is complete; it is good only if the sender still held its blocks (or
+            # its staging buffer) all along.
+            self._check_sender(request_id)
+            if scatter:
+                assert self.staging is not None
+                self.staging.scatter(dst_ids)
+        finally:
+            if scatter:
+                assert self.staging is not None
+                self.staging.release(_RECEIVING)
         self.send_control({"kind": "done", "request_id": request_id})
         return Done()
 
@@ -540,6 +652,8 @@ class NixlTransport(Transport):
         raise TransferError("NixlTransport is one-sided: the protocol calls read_blocks")
 
     def _release_registration(self) -> None:
+        if self.staging is not None:
+            self.staging.close()
         registration, self._registration = self._registration, None
         if registration is not None:
             try:

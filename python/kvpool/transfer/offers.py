@@ -78,6 +78,9 @@ class Offer:
     # The request lands only once the sender commits (a request split over several receivers:
     # none keeps its part unless every part was read).
     commit: bool = False
+    # NIXL: the sender packed the request's blocks, in order, into its staging buffer from
+    # this block on (nixl_staging.py); None: they are read where they lie.
+    staged_at: int | None = None
 
 
 def layout_fingerprint(layout: KvLayout) -> dict:
@@ -161,6 +164,7 @@ class _Terms:
     mode: str
     chunk_blocks: int
     timeout_s: float | None
+    staged_at: int | None
 
 
 def _terms(fields: dict) -> _Terms | str:
@@ -180,7 +184,16 @@ def _terms(fields: dict) -> _Terms | str:
         or not 0 < timeout_s < float("inf")
     ):
         return f"timeout_s must be a positive number of seconds, got {timeout_s!r}"
-    return _Terms(request_id, mode, chunk_blocks, None if timeout_s is None else float(timeout_s))
+    staged_at: Any = fields.get("staged_at")
+    if staged_at is not None and not (_is_int(staged_at) and 0 <= staged_at <= _INT32_MAX):
+        return f"staged_at must be an int32 block offset >= 0, got {staged_at!r}"
+    return _Terms(
+        request_id,
+        mode,
+        chunk_blocks,
+        None if timeout_s is None else float(timeout_s),
+        staged_at,
+    )
 
 
 def _ids_problem(ids: list, what: str) -> str | None:
@@ -252,6 +265,7 @@ def decode_offer(
             layout.num_layers, shard.num_heads, layout.head_dim, layout.block_size, layout.dtype
         ),
         commit=commit,
+        staged_at=terms.staged_at,
     )
 
 
@@ -418,6 +432,7 @@ def decode_hybrid_offer(
         terms.timeout_s,
         next_query,
         tuple(group_pages),
+        staged_at=terms.staged_at,
     )
 
 

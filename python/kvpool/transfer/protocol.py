@@ -339,10 +339,34 @@ class KvSender:
         described, ids = ep.requests.describe(request_id)
         if layers_ready is not None:
             described["layers_ready"] = layers_ready
+        staged: dict = {}
         if getattr(ep.transport, "one_sided", False):
             # The receiver READs once it accepts, ordered by no stream here: the KV queued on
             # ``stream`` must be written first (a CUDA pool; nothing to wait for on a host one).
             settle_source(ep.pool, stream)
+            stage = getattr(ep.transport, "stage_source", None)
+            if stage is not None and layers_ready is None:
+                # NIXL: scattered blocks packed into the transport's staging buffer, read as
+                # one region (nixl_staging.py); it is held until this side's transfer ends.
+                staged = stage(int(request_id), ids)
+        try:
+            return self._offer(request_id, described, ids, staged, stream, free_after, layers_ready)
+        finally:
+            if staged:
+                ep.transport.unstage(int(request_id))  # type: ignore[attr-defined]
+
+    def _offer(
+        self,
+        request_id: int,
+        described: dict,
+        ids: np.ndarray,
+        staged: dict,
+        stream: Any,
+        free_after: bool,
+        layers_ready: int | None,
+    ) -> Transfer:
+        """``send`` from the offer on (the source settled and, if it is, staged)."""
+        ep = self._ep
         try:
             ep.transport.send_control(
                 {
@@ -350,6 +374,7 @@ class KvSender:
                     "version": PROTOCOL_VERSION,
                     "request_id": int(request_id),
                     **described,
+                    **staged,
                     "mode": self.mode,
                     "chunk_blocks": self.chunk_blocks,
                     "timeout_s": ep.timeout_s,
@@ -461,9 +486,10 @@ class KvReceiver:
         reason = offer if isinstance(offer, str) else None
         source_problem = getattr(ep.transport, "source_ids_problem", None)
         if isinstance(offer, Offer) and source_problem is not None:
-            # Ids outside the sender's registered slab, or blocks of other bytes than it has.
+            # Ids outside the sender's registered slab (or staging buffer), or blocks of other
+            # bytes than it has.
             sender_bytes = None if offer.sender_layout is None else offer.sender_layout.block_bytes
-            reason = source_problem(offer.src_ids, sender_bytes)
+            reason = source_problem(offer.src_ids, sender_bytes, offer.staged_at)
         one_sided = getattr(ep.transport, "one_sided", False)
         if isinstance(offer, Offer) and reason is None and _polled(offer, ep) and not one_sided:
             reason = (
@@ -513,7 +539,13 @@ class KvReceiver:
                 completion.start()
             elif one_sided:
                 completion = ep.transport.read_blocks(  # type: ignore[attr-defined]
-                    request_id, offer.src_ids, dst_ids, pieces, lease.deadline, ep.clock
+                    request_id,
+                    offer.src_ids,
+                    dst_ids,
+                    pieces,
+                    lease.deadline,
+                    ep.clock,
+                    staged_at=offer.staged_at,
                 )
             else:
                 completion = ep.mover.recv(

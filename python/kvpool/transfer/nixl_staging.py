@@ -1,0 +1,183 @@
+"""A staging buffer of each NIXL transport's side: a request whose blocks are scattered over its
+pool moves as one descriptor instead of one per run (``NixlTransport.connect(staging_bytes=)``).
+
+Why: UCX posts one copy per descriptor, and on one GPU through cuda_ipc each costs a fixed
+10-13 us, against 0.03 us to move a 64 KiB block at the copy engine's rate; a request of
+scattered blocks (a pool after churn: about one descriptor per block) ran at 0.11-0.17 of a
+contiguous READ of the same bytes (transfer.md, "CUDA pools over NIXL"). A device-local gather
+moves the bytes at HBM rate in one launch, so paying it to post one descriptor wins as soon as a
+request has a few runs.
+
+- The sender packs, before its offer: a request whose blocks form more than one run is gathered
+  into the sender's buffer (after ``settle_source``: the KV is written), and the offer says
+  ``staged_at`` (the first block of the buffer it starts at). The receiver READs that one
+  region.
+- The receiver unpacks, when the source is one region and its own blocks form more than one
+  run: it READs into its own buffer and scatters that into its blocks before the transfer
+  counts as landed.
+- One request at a time holds a side's buffer (``acquire``); a request that does not fit, or
+  finds the buffer held, moves run by run as before. The sender's buffer is held from the
+  gather until its side of the transfer ends (the receiver's ``done``, or a failure after
+  which the receiver is told to drop what it read), exactly as long as the blocks it copies
+  must stay untouched; the receiver's only within ``read_blocks``.
+
+A CUDA pool's buffer is device memory of its own (``cudaMalloc``, not a caching pool: NIXL
+registers the allocation as it is) gathered and scattered by ``move_blocks``
+(cuda/copy_blocks.cu) on a stream of its own, waited for before the offer or the ``done``; a host
+pool's (only if asked for: on the host one descriptor per run costs 2-3 us against the copy
+it would add) is page memory copied with ``memmove`` per run. Both are registered with the
+side's NIXL agent before its metadata goes to the peer, once, like the slab.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import numpy as np
+
+from kvpool._core import Pool
+from kvpool.exceptions import InvalidArgumentError
+from kvpool.transfer.cuda_mover import move_blocks
+
+# The default buffer of a CUDA pool's side, capped at the pool's slab: a request of up to this
+# many bytes moves as one descriptor. 2 MiB blocks x 128, 64 KiB blocks x 4096.
+DEFAULT_CUDA_STAGING_BYTES = 256 << 20
+# A request is staged when its runs average fewer bytes than this (``worth_staging``): the
+# break-even of one descriptor's fixed cost (10-13 us through cuda_ipc) against a gather of
+# its bytes at the device's copy rate (about 2.1 TB/s of data on an H200: 4.28 TB/s read +
+# write) is near 20 MB. Settable per transport (``stage_below_run_bytes``).
+DEFAULT_STAGE_BELOW_RUN_BYTES = 16 << 20
+
+
+def runs(ids: np.ndarray) -> int:
+    """How many runs of consecutive ids ``ids`` makes (0 for none)."""
+    if len(ids) == 0:
+        return 0
+    return 1 + int(np.count_nonzero(np.diff(ids.astype(np.int64)) != 1))
+
+
+def staging_blocks(pool: Pool, staging_bytes: int | None, mem_type: str) -> int:
+    """How many of ``pool``'s blocks a side's buffer holds for ``staging_bytes`` (None: the
+    default, ``DEFAULT_CUDA_STAGING_BYTES`` on a CUDA pool, none on a host pool), at most the
+    pool's own number of blocks. TypeError / InvalidArgumentError for a bad ``staging_bytes``."""
+    if staging_bytes is None:
+        staging_bytes = DEFAULT_CUDA_STAGING_BYTES if mem_type == "VRAM" else 0
+    if not isinstance(staging_bytes, int) or isinstance(staging_bytes, bool):
+        raise TypeError(f"staging_bytes must be an int, got {type(staging_bytes).__name__}")
+    if staging_bytes < 0:
+        raise InvalidArgumentError(f"staging_bytes must be >= 0, got {staging_bytes}")
+    return min(staging_bytes // pool.block_bytes, pool.num_blocks)
+
+
+class StagingBuffer:
+    """``num_blocks`` blocks of ``pool``'s bytes, registered with ``agent`` as ``mem_type`` of
+    ``device_id``; see the module's docstring. ``close`` deregisters and frees it."""
+
+    def __init__(self, pool: Pool, num_blocks: int, agent: Any, mem_type: str, device_id: int):
+        if num_blocks < 1:
+            raise ValueError(f"a staging buffer holds at least one block, not {num_blocks}")
+        self.pool, self.num_blocks, self.device_id = pool, num_blocks, device_id
+        self.block_bytes = pool.block_bytes
+        nbytes = num_blocks * self.block_bytes
+        self._on_device = mem_type == "VRAM"
+        self._stream: Any = None
+        if self._on_device:
+            import cupy
+
+            with cupy.cuda.Device(device_id):
+                self._memory: Any = cupy.cuda.Memory(nbytes)
+                self._stream = cupy.cuda.Stream(non_blocking=True)
+            self.base_ptr = int(self._memory.ptr)
+        else:
+            self._memory = np.zeros(nbytes, np.uint8)
+            self.base_ptr = int(self._memory.ctypes.data)
+        self._agent = agent
+        self._registration = agent.register_memory(
+            [(self.base_ptr, nbytes, device_id, "")], mem_type
+        )
+        self._lock = threading.Lock()
+        self._holder: int | None = None
+
+    def acquire(self, request_id: int, count: int) -> bool:
+        """Takes the buffer for ``count`` blocks of ``request_id``: False if it is held or
+        too small (the request then moves run by run)."""
+        with self._lock:
+            if self._holder is not None or count > self.num_blocks or count == 0:
+                return False
+            self._holder = request_id
+            return True
+
+    def release(self, request_id: int) -> None:
+        """Gives the buffer back if ``request_id`` holds it (a no-op otherwise)."""
+        with self._lock:
+            if self._holder == request_id:
+                self._holder = None
+
+    @property
+    def holder(self) -> int | None:
+        return self._holder
+
+    def gather(self, ids: np.ndarray) -> None:
+        """Copies the pool's blocks ``ids`` to the buffer's first ``len(ids)`` blocks, in order,
+        and waits for the copy."""
+        self._move(ids, to_buffer=True)
+
+    def scatter(self, ids: np.ndarray) -> None:
+        """Copies the buffer's first ``len(ids)`` blocks to the pool's blocks ``ids``, in order,
+        and waits for the copy."""
+        self._move(ids, to_buffer=False)
+
+    def _move(self, ids: np.ndarray, to_buffer: bool) -> None:
+        ids = np.ascontiguousarray(ids, np.int32)
+        if len(ids) > self.num_blocks:
+            raise ValueError(f"{len(ids)} blocks do not fit a buffer of {self.num_blocks}")
+        bb, pool_base = self.block_bytes, self.pool.base_ptr
+        if self._on_device:
+            import cupy
+
+            with cupy.cuda.Device(self.device_id), self._stream:
+                ids_dev = cupy.asarray(ids)
+                # (base, ids: a device int32 list or 0 for the identity, stride) of each side
+                pool_side = (pool_base, int(ids_dev.data.ptr), bb)
+                buffer_side = (self.base_ptr, 0, bb)
+                src, dst = (pool_side, buffer_side) if to_buffer else (buffer_side, pool_side)
+                move_blocks(
+                    self.device_id,
+                    len(ids),
+                    src[0],
+                    src[1],
+                    src[2],
+                    dst[0],
+                    dst[1],
+                    dst[2],
+                    bb,
+                    self._stream.ptr,
+                )
+                self._stream.synchronize()  # before ids_dev goes, and before anyone reads
+            return
+        # A host pool: one memmove per run of consecutive ids.
+        start = 0
+        for end in [*(np.flatnonzero(np.diff(ids.astype(np.int64)) != 1) + 1), len(ids)]:
+            pool_ptr = pool_base + int(ids[start]) * bb
+            buffer_ptr = self.base_ptr + start * bb
+            nbytes = (int(end) - start) * bb
+            if to_buffer:
+                ctypes.memmove(buffer_ptr, pool_ptr, nbytes)
+            else:
+                ctypes.memmove(pool_ptr, buffer_ptr, nbytes)
+            start = int(end)
+
+    def close(self) -> None:
+        """Deregisters the buffer from the agent and frees it (idempotent)."""
+        registration, self._registration = self._registration, None
+        if registration is None:
+            return
+        try:
+            self._agent.deregister_memory(registration)
+        except Exception:
+            pass  # teardown after a failure: the agent may already be unusable
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._memory = None
