@@ -195,7 +195,14 @@ def _owner_process(conn) -> None:
     staging_base = None if staging is None else staging.base_ptr
     conn.send((agent.get_agent_metadata(), pool.base_ptr, ipc, staging_base))
     agent.add_remote_agent(conn.recv())
-    while (message := conn.recv()) != "stop":
+    while True:
+        # The owner polls its pipe rather than sleeping in recv: a sender about to offer has
+        # just waited for its stream and is running (woken from a blocking recv, the gather of
+        # one block measured 120-330 us on the H200, against 32 us in a running process).
+        while not conn.poll(0):
+            pass
+        if (message := conn.recv()) == "stop":
+            break
         assert staging is not None and message[0] == "gather", message
         t0 = time.perf_counter()
         staging.gather(message[1])  # as NixlTransport.stage_source, before an offer
