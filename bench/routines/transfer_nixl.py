@@ -353,6 +353,8 @@ def _measure(
         assert state == "DONE", state
         return elapsed
 
+    gather_us: list[float] = []  # the staged case's gathers, as the owner timed them
+
     def staged(local, remote, src_ids) -> float:
         """The staged request: the owner's gather of ``src_ids`` into its staging buffer, as
         timed in its process (ids to the device, the kernel, its wait), plus one READ of the
@@ -360,6 +362,7 @@ def _measure(
         protocol the sender gathers before its offer, a message every case sends."""
         conn.send(("gather", src_ids))
         gather_s = conn.recv()
+        gather_us.append(gather_s * 1e6)
         return gather_s + read(local, remote)
 
     for n in fit:
@@ -405,10 +408,16 @@ def _measure(
                 raise AssertionError(f"{memory} {case} {label} x {n}: {e}") from e
         times: dict[str, list[float]] = {case: [] for case in runs}
         # Repetitions interleave the cases, so that load from other work on this shared
-        # machine falls on all of them alike.
+        # machine falls on all of them alike, in a new random order each time: a READ right
+        # after the scattered case's thousands of descriptors, or after the staged case's
+        # gather in the other process, was measured slower (on one H200, 64 KiB x 1024 blocks
+        # in a fixed order: the fresh case 1004 us against 85 us for the same descriptor as
+        # the contiguous one).
+        case_names = list(runs)
+        gather_us.clear()
         for _ in range(3 if quick else _reps(nbytes)):
-            for case, run in runs.items():
-                times[case].append(run())
+            for case in rng.permutation(case_names):
+                times[case].append(runs[case]())
         contiguous = statistics.median(times["contiguous"])
         for case in runs:
             row = _row(case, label, n, nbytes, counts[case], times[case])
@@ -416,6 +425,8 @@ def _measure(
             row["owner"] = owner_mode
             row["checked_blocks"] = checked[case]
             row["ratio_to_contiguous"] = contiguous / statistics.median(times[case])
+            if case == "request_staged":
+                row["gather_us_median"] = statistics.median(gather_us)
             if counts[case] > 1:
                 extra = statistics.median(times[case]) - contiguous
                 row["us_per_extra_descriptor"] = extra / (counts[case] - 1) * 1e6
