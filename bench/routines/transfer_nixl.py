@@ -30,8 +30,9 @@ on both sides). For each block size (64 KiB, 2 MiB) and number of blocks (1 .. 4
 
 Each case: one warm-up READ, checked byte-exact (every block on the GPU and up to 1 GiB on the
 host; past that a random 256 of the blocks, ``checked_blocks`` says how many), then the median
-wall time of the READ (post to DONE) over repetitions that interleave the three cases (load
-from other work on a shared machine falls on all three alike); ``ratio_to_contiguous`` is the
+wall time of the READ (post to DONE) over repetitions that interleave the cases, in a new
+random order each (load from other work on a shared machine falls on all alike, and so does
+whatever one case leaves behind for the next); ``ratio_to_contiguous`` is the
 contiguous case's median over the case's, and ``us_per_extra_descriptor`` what each
 descriptor past the first added to the contiguous READ's time. 2 MiB blocks stop at
 ``--max-bytes`` per pool (default 1 GiB: the dev machine is a shared 23 GiB one); the JSON
