@@ -19,7 +19,12 @@ import numpy as np
 import pytest
 from kvpool import InvalidArgumentError, TransferError
 from kvpool.transfer import KvReceiver, KvSender
-from kvpool.transfer.nixl_staging import DEFAULT_CUDA_STAGING_BYTES, runs, staging_blocks
+from kvpool.transfer.nixl_staging import (
+    DEFAULT_CUDA_STAGING_BYTES,
+    StagingCost,
+    runs,
+    staging_blocks,
+)
 from nixl_peers import PEER_WAIT_S, NixlTransport, conserved, fill, request_bytes, spawn
 
 LAYOUT = kvpool.KvLayout(2, 2, 64, 16)  # 16 KiB blocks, 16 tokens each
@@ -41,11 +46,18 @@ def holed_tables(pool: kvpool.Pool, holes: bool) -> kvpool.BlockTables:
     return tables
 
 
+# Stage every request of more than one run: these tests are of the mechanism, on host pools,
+# whatever the default costs say (test_the_default_costs_choose_as_measured is of those).
+ALWAYS = StagingCost(descriptor_s=1.0, fixed_s=0.0)
+
+
 def connect(rendezvous: str, pool: kvpool.Pool) -> NixlTransport:
-    """The peer's transport (agent 0) with a buffer of ``STAGING_BLOCKS``."""
-    return NixlTransport.connect(
+    """The peer's transport (agent 0) with a buffer of ``STAGING_BLOCKS``, staging always."""
+    transport = NixlTransport.connect(
         0, rendezvous, pool, timeout=PEER_WAIT_S, staging_bytes=STAGING_BYTES
     )
+    transport.staging_cost = ALWAYS
+    return transport
 
 
 def sender(rendezvous: str, case: str) -> dict:
@@ -116,6 +128,7 @@ def test_scattered_requests_move_as_one_descriptor_through_the_staging_buffers(
     want = expected_bytes()
     with spawn(__file__, "sender", source, tmp_path=tmp_path) as other:
         transport = other.connect(pool, staging_bytes=STAGING_BYTES)
+        transport.staging_cost = ALWAYS
         receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
         for _ in REQUESTS:
             receiver.recv(timeout=PEER_WAIT_S).wait()
@@ -141,6 +154,7 @@ def test_a_refused_offer_gives_the_senders_buffer_back_for_the_next_request(tmp_
     want = expected_bytes()
     with spawn(__file__, "sender", "refused", tmp_path=tmp_path) as other:
         transport = other.connect(pool, staging_bytes=STAGING_BYTES)
+        transport.staging_cost = ALWAYS
         receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
         receiver.recv(timeout=PEER_WAIT_S).wait()
         with pytest.raises(TransferError, match="request 7"):
@@ -171,6 +185,7 @@ def test_an_offer_staged_outside_the_senders_buffer_is_refused_before_allocating
     free_before = pool.num_free
     with spawn(__file__, "sender_forged", staged_at, tmp_path=tmp_path) as other:
         transport = other.connect(pool, staging_bytes=STAGING_BYTES)
+        transport.staging_cost = ALWAYS
         receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
         with pytest.raises(TransferError) as refused:
             receiver.recv(timeout=PEER_WAIT_S)
@@ -200,6 +215,27 @@ def test_the_buffers_size_and_what_is_worth_staging():
         2,
         2,
     ]
+
+
+# (block bytes, blocks) of one H200's run (bench/results/2026-12-04_7b88e0e_h200), with
+# whether the staged case beat the scattered one there (one descriptor per block).
+MEASURED = [
+    ((64 << 10, 4), False),  # staged 378 us, scattered 78
+    ((64 << 10, 16), False),  # 367, 200
+    ((64 << 10, 64), True),  # 387, 871
+    ((64 << 10, 1024), True),  # 509, 14189
+    ((2 << 20, 4), False),  # 319, 69
+    ((2 << 20, 16), False),  # 353, 147
+    ((2 << 20, 64), True),  # 453, 570
+    ((2 << 20, 4096), True),  # 8939, 44804
+]
+
+
+@pytest.mark.parametrize("shape, staged_won", MEASURED)
+def test_the_default_costs_choose_as_measured(shape, staged_won):
+    block_bytes, blocks = shape
+    assert StagingCost().worth(blocks, blocks * block_bytes) == staged_won
+    assert not StagingCost().worth(1, blocks * block_bytes)  # one run: nothing to save
 
 
 if __name__ == "__main__":

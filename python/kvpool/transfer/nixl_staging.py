@@ -2,30 +2,32 @@
 pool moves as one descriptor instead of one per run (``NixlTransport.connect(staging_bytes=)``).
 
 Why: UCX posts one copy per descriptor, and on one GPU through cuda_ipc each costs a fixed
-10-13 us, against 0.03 us to move a 64 KiB block at the copy engine's rate; a request of
-scattered blocks (a pool after churn: about one descriptor per block) ran at 0.11-0.17 of a
-contiguous READ of the same bytes (transfer.md, "CUDA pools over NIXL"). A device-local gather
-moves the bytes at HBM rate in one launch, so paying it to post one descriptor wins as soon as a
-request has a few runs.
+5-17 us, against 0.03 us to move a 64 KiB block at the copy engine's rate: a request of
+scattered blocks (a pool after churn: about one descriptor per block) ran at 0.00-0.17 of a
+contiguous READ of the same bytes from 64 blocks on (transfer.md, "CUDA pools over NIXL"). A
+device-local gather moves the bytes at HBM rate in one launch, so paying for it to post one
+descriptor wins once a request has enough runs (``StagingCost``).
 
-- The sender packs, before its offer: a request whose blocks form more than one run is gathered
-  into the sender's buffer (after ``settle_source``: the KV is written), and the offer says
+- The sender packs, before its offer: a request worth staging is gathered into the sender's
+  buffer (after ``settle_source``: the KV is written), and the offer says
   ``staged_at`` (the first block of the buffer it starts at). The receiver READs that one
   region.
-- The receiver unpacks, when the source is one region and its own blocks form more than one
-  run: it READs into its own buffer and scatters that into its blocks before the transfer
+- The receiver unpacks, when the source is one region and its own blocks are worth staging:
+  it READs into its own buffer and scatters that into its blocks before the transfer
   counts as landed.
 - One request at a time holds a side's buffer (``acquire``); a request that does not fit, or
   finds the buffer held, moves run by run as before. The sender's buffer is held from the
   gather until its side of the transfer ends (the receiver's ``done``, or a failure after
-  which the receiver is told to drop what it read), exactly as long as the blocks it copies
-  must stay untouched; the receiver's only within ``read_blocks``.
+  which the receiver is told to drop what it read): as long as the receiver may read it, the
+  lifetime the sender's blocks have without staging. The receiver's is held only within
+  ``read_blocks``.
 
 A CUDA pool's buffer is device memory of its own (``cudaMalloc``, not a caching pool: NIXL
 registers the allocation as it is) gathered and scattered by ``move_blocks``
 (cuda/copy_blocks.cu) on a stream of its own, waited for before the offer or the ``done``; a host
 pool's (only if asked for: on the host one descriptor per run costs 2-3 us against the copy
-it would add) is page memory copied with ``memmove`` per run. Both are registered with the
+it would add; ``StagingCost``'s defaults are the GPU's) is page memory copied with ``memmove``
+per run. Both are registered with the
 side's NIXL agent before its metadata goes to the peer, once, like the slab.
 """
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,11 +47,31 @@ from kvpool.transfer.cuda_mover import move_blocks
 # The default buffer of a CUDA pool's side, capped at the pool's slab: a request of up to this
 # many bytes moves as one descriptor. 2 MiB blocks x 128, 64 KiB blocks x 4096.
 DEFAULT_CUDA_STAGING_BYTES = 256 << 20
-# A request is staged when its runs average fewer bytes than this (``worth_staging``): the
-# break-even of one descriptor's fixed cost (10-13 us through cuda_ipc) against a gather of
-# its bytes at the device's copy rate (about 2.1 TB/s of data on an H200: 4.28 TB/s read +
-# write) is near 20 MB. Settable per transport (``stage_below_run_bytes``).
-DEFAULT_STAGE_BELOW_RUN_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class StagingCost:
+    """When staging a request pays (``worth``): the descriptors it saves against the fixed cost
+    of a gather or scatter and its copy of the bytes. The defaults are one H200's, two
+    processes on the GPU, UCX cuda_ipc (bench/results/2026-12-04_7b88e0e_h200): each descriptor
+    past the first 5-17 us; a staged request's time 250-350 us above the contiguous READ's for
+    1-16 blocks, although a gather of one block takes 20 us in a process alone on the GPU: the
+    probe there measured it at 153-156 us when the other process had used the GPU just before
+    (the GPU switching between the two processes' contexts, for the gather and again for the
+    READ); a gather's copy 1.8 TB/s (8 GiB of 2 MiB blocks in 4.7 ms). Between two GPUs that
+    switch is not paid, so these defaults err towards not staging there; set
+    ``NixlTransport.staging_cost`` to others."""
+
+    descriptor_s: float = 10e-6
+    fixed_s: float = 300e-6
+    copy_bytes_per_s: float = 1.8e12
+
+    def worth(self, num_runs: int, nbytes: int) -> bool:
+        """Whether ``num_runs`` runs of ``nbytes`` in all move faster staged than run by run."""
+        if num_runs < 2:
+            return False
+        saved = (num_runs - 1) * self.descriptor_s
+        return saved > self.fixed_s + nbytes / self.copy_bytes_per_s
 
 
 def runs(ids: np.ndarray) -> int:

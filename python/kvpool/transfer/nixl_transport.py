@@ -54,8 +54,8 @@ from kvpool.transfer.movers import Done
 from kvpool.transfer.nccl import NcclTransport, rendezvous_control
 from kvpool.transfer.nixl_layers import AwaitMessage, LayeredRead
 from kvpool.transfer.nixl_staging import (
-    DEFAULT_STAGE_BELOW_RUN_BYTES,
     StagingBuffer,
+    StagingCost,
     runs,
     staging_blocks,
 )
@@ -183,7 +183,7 @@ class NixlTransport(Transport):
         self._registration: Any = None  # the slab's NIXL registration, released at teardown
         # Each side's staging buffer (nixl_staging.py), none where it holds no block.
         self.staging: StagingBuffer | None = None
-        self.stage_below_run_bytes = DEFAULT_STAGE_BELOW_RUN_BYTES
+        self.staging_cost = StagingCost()  # when a request is staged (settable)
         self.remote_staging_base = int(hello.get("staging_base", 0))
         self.remote_staging_blocks = int(hello.get("staging_blocks", 0))
 
@@ -323,11 +323,9 @@ class NixlTransport(Transport):
 
     # -- staging (nixl_staging.py) ----------------------------------------------------------
     def worth_staging(self, ids: np.ndarray) -> bool:
-        """Whether moving ``ids`` through a staging buffer beats a descriptor per run: more
-        than one run, of fewer than ``stage_below_run_bytes`` on average (a gather or scatter
-        of the bytes at the device's copy rate then costs less than the descriptors saved)."""
-        count = runs(ids)
-        return count > 1 and len(ids) * self.block_bytes < count * self.stage_below_run_bytes
+        """Whether moving ``ids`` through a staging buffer beats a descriptor per run
+        (``staging_cost``)."""
+        return self.staging_cost.worth(runs(ids), len(ids) * self.block_bytes)
 
     def stage_source(self, request_id: int, ids: np.ndarray) -> dict:
         """Sender, before the offer (its KV written): gathers a request worth staging into
