@@ -130,23 +130,54 @@ def test_a_transfer_nixl_result_gives_the_scattered_request_bandwidth_and_one_bl
     )
 
 
+def test_a_scattered_request_the_transport_would_stage_takes_the_staged_row():
+    rows = [
+        _nixl_row("request_scattered", "cuda", "64KiB", 1, 40.0, 1.6),
+        _nixl_row("request_staged", "cuda", "64KiB", 1, 300.0, 0.2),  # one run: not staged
+        _nixl_row("request_scattered", "cuda", "2MiB", 256, 2000.0, 260.0),
+        _nixl_row("request_staged", "cuda", "2MiB", 256, 900.0, 600.0),
+    ]
+    gbps, latency_us, source = link_from_benchmark(_nixl_result(rows), "x.json")
+    assert (gbps, latency_us) == (600.0, 40.0)
+    assert "request_staged: 600 GB/s at 2MiB x 256" in source
+    # Without the staged row, or where staging would not pay (few blocks), the scattered one.
+    assert link_from_benchmark(_nixl_result(rows[:3]), "x")[:2] == (260.0, 40.0)
+    few = [
+        _nixl_row("request_scattered", "cuda", "2MiB", 4, 70.0, 120.0),
+        _nixl_row("request_staged", "cuda", "2MiB", 4, 320.0, 26.0),
+    ]
+    assert link_from_benchmark(_nixl_result(rows[:1] + few), "x")[:2] == (120.0, 40.0)
+
+
 @pytest.mark.parametrize(
-    ("name", "memory", "block", "blocks"),
+    ("name", "memory", "case", "block", "blocks"),
     [
-        ("2026-12-03_ecd3d83_h200/transfer_nixl_host.json", "host", "2MiB", 1024),
-        ("2026-12-03_fd73786_h200/transfer_nixl.json", "cuda", "64KiB", 4096),
+        (
+            "2026-12-03_ecd3d83_h200/transfer_nixl_host.json",
+            "host",
+            "request_scattered",
+            "2MiB",
+            1024,
+        ),
+        ("2026-12-03_fd73786_h200/transfer_nixl.json", "cuda", "request_scattered", "64KiB", 4096),
+        (
+            "2026-12-04_7b88e0e_h200/transfer_nixl_cuda_ipc.json",
+            "cuda",
+            "request_staged",
+            "2MiB",
+            4096,
+        ),
     ],
 )
 def test_the_committed_transfer_nixl_results_drive_the_simulation(
-    tmp_path, name, memory, block, blocks
+    tmp_path, name, memory, case, block, blocks
 ):
     path = RESULTS / name
     rows = json.loads(path.read_text())["rows"]
     (want,) = [
         r
         for r in rows
-        if (r["case"], r["memory"], r["block"], r["blocks"])
-        == ("request_scattered", memory, block, blocks)
+        if (r["case"], r["memory"], r["block"], r["blocks"]) == (case, memory, block, blocks)
     ]
     (one,) = [
         r
@@ -158,7 +189,7 @@ def test_the_committed_transfer_nixl_results_drive_the_simulation(
     transfer = json.loads((tmp_path / "disaggregated.json").read_text())["transfer"]
     assert transfer["gb_per_s"] == want["gbytes_per_s"]
     assert transfer["latency_s"] == pytest.approx(one["median_us"] * 1e-6)
-    assert transfer["source"].startswith(f"{path} (transfer_nixl, {memory}, request_scattered: ")
+    assert transfer["source"].startswith(f"{path} (transfer_nixl, {memory}, {case}: ")
     assert f"at {block} x {blocks}, " in transfer["source"]
     # An option still overrides its figure; the other stays the measured one.
     assert _run(tmp_path, "--transfer-json", str(path), "--transfer-gbps", "7") == 0

@@ -381,8 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a `bench/kvbench.py --routine transfer` (NCCL) result: its best bandwidth at the largest size and "
         "its best one-block time become the defaults of the two options above; or a `transfer_nixl` result: "
-        "the bandwidth of its scattered-request row of the most bytes and the median time of its one-block row "
-        "(cuda rows if it has them, else host)",
+        "the bandwidth of its scattered-request row of the most bytes (its staged row where the transport "
+        "would stage that request) and the median time of its one-block row (cuda rows if it has them, else host)",
     )
     cli_host_tier.add_arguments(p)
     o = p.add_argument_group("output")
