@@ -13,6 +13,9 @@ interface does; it is ``one_sided`` and the protocol (protocol.py) asks it inste
   READs the sender's blocks into its own, one descriptor per run of blocks contiguous on both
   sides (pieces.py's grouped pieces: a fresh pool's request is one descriptor), and tells the
   sender ``{"kind": "done"}``; the sender's transfer completes on that message.
+- a request whose blocks are scattered may move through each side's staging buffer instead,
+  as one descriptor (nixl_staging.py): the sender gathers it before its offer and says
+  ``staged_at``; a receiver whose own blocks are scattered READs into its buffer and scatters.
 
 Why the receiver pulls (READ) rather than the sender pushing (WRITE): the side whose blocks
 are written must own the completion. With WRITE, a receiver that gives up at its deadline

@@ -332,7 +332,9 @@ class KvSender:
 
         On a one-sided transport and a CUDA pool, ``send`` first waits for ``stream``'s work
         (the receiver's READ is ordered by no stream of this process); a layer announced later
-        with ``layers_ready(k)`` must likewise be written (its stream synchronized) first."""
+        with ``layers_ready(k)`` must likewise be written (its stream synchronized) first. NIXL
+        may then pack a request of scattered blocks into its staging buffer, which the offer
+        names (``staged_at``; nixl_staging.py), held until this side's transfer ends."""
         ep = self._ep
         if layers_ready is not None:
             self._check_layered(layers_ready)
