@@ -332,10 +332,14 @@ def test_malformed_offers_a_duplicate_id_and_too_few_blocks_are_refused(tmp_path
     assert seen["kept"], seen
 
 
-def test_a_peer_that_never_says_hello_leaves_nothing_registered(tmp_path, monkeypatch):
+@pytest.mark.parametrize("staging_bytes", [None, 4 * 8192])
+def test_a_peer_that_never_says_hello_leaves_nothing_registered(
+    tmp_path, monkeypatch, staging_bytes
+):
     """The peer (a thread here) joins the control connection and never sends its NIXL hello:
-    ``connect`` times out, having deregistered the slab and closed its socket (the peer reads
-    the hello sent, then end-of-file), and the agent goes with the error."""
+    ``connect`` times out, having deregistered the slab (and, ``staging_bytes`` given, its
+    staging buffer) and closed its socket (the peer reads the hello sent, then end-of-file),
+    and the agent goes with the error."""
     import gc
     import socket
     import threading
@@ -347,11 +351,13 @@ def test_a_peer_that_never_says_hello_leaves_nothing_registered(tmp_path, monkey
 
     nixl = nixl_transport.load_nixl()
     registered: list = []
+    registrations: list[int] = []  # how many were held after each register_memory
     agents: list = []
 
     class RecordingAgent(nixl.nixl_agent):
         def register_memory(self, *args: Any, **kwargs: Any) -> Any:
             registered.append(super().register_memory(*args, **kwargs))
+            registrations.append(len(registered))
             return registered[-1]
 
         def deregister_memory(self, registration: Any) -> None:
@@ -383,11 +389,12 @@ def test_a_peer_that_never_says_hello_leaves_nothing_registered(tmp_path, monkey
         while mute.is_alive() and not rendezvous.exists():  # then connect waits for the hello only
             mute.join(0.05)
         with pytest.raises(TimeoutError, match="no control message"):
-            NixlTransport.connect(1, rendezvous, pool, timeout=2.0)
+            NixlTransport.connect(1, rendezvous, pool, timeout=2.0, staging_bytes=staging_bytes)
     finally:
         mute.join()
     gc.collect()
     assert len(agents) == 1 and agents[0]() is None and registered == []
+    assert registrations == ([1] if staging_bytes is None else [1, 2])  # the slab, the buffer
     with joined[0] as peer_sock:
         peer_sock.settimeout(PEER_WAIT_S)
         received = b""

@@ -3,16 +3,20 @@ whose blocks are scattered on the sender is packed into the sender's buffer and 
 ``staged_at``; one whose blocks land scattered on the receiver is READ into the receiver's
 buffer and scattered from it; either way one descriptor moves it, byte-exact. A request larger
 than a buffer moves run by run. An offer staged outside the sender's buffer is refused before
-anything is allocated; a refused offer leaves the sender's buffer free for the next request.
+anything is allocated; a refused offer leaves the sender's buffer free for the next request; a
+sender killed before the READ, or a deadline passing during it, leaves every buffer free.
 
 Host pools get a buffer only when asked (``staging_bytes``; a CUDA pool has one by default), so
-these run in CI; tests/test_nixl_gpu.py moves CUDA pools through their default buffers. The test
+these run in CI; tests/test_nixl_gpu.py moves CUDA pools through their buffers. The test
 process is the receiver; this file, run as a script, is the sender (tests/nixl_peers.py)."""
 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
+from typing import Any
 
 import kvpool
 import numpy as np
@@ -26,6 +30,7 @@ from kvpool.transfer.nixl_staging import (
     staging_blocks,
 )
 from nixl_peers import PEER_WAIT_S, NixlTransport, conserved, fill, request_bytes, spawn
+from test_nixl_faults import Clock
 
 LAYOUT = kvpool.KvLayout(2, 2, 64, 16)  # 16 KiB blocks, 16 tokens each
 NUM_BLOCKS = 96
@@ -70,7 +75,13 @@ def sender(rendezvous: str, case: str) -> dict:
     transport = connect(rendezvous, pool)
     kv_sender = KvSender(tables, transport, timeout_s=PEER_WAIT_S)
     report: dict = {"runs": {rid: runs(tables.blocks(rid)) for rid in REQUESTS}}
-    if case == "refused":
+    if case == "deadline":  # the receiver gives the transfer up: 7 is kept here
+        try:
+            kv_sender.send(7)
+        except TransferError as e:
+            report["error"] = str(e)
+        report["kept"] = 7 in tables
+    elif case == "refused":
         kv_sender.send(7, free_after=False).wait()
         try:
             kv_sender.send(7)
@@ -81,6 +92,7 @@ def sender(rendezvous: str, case: str) -> dict:
     else:
         for rid in REQUESTS:
             kv_sender.send(rid).wait()
+            report.setdefault("sent", []).append(rid)
     kv_sender.check_invariants()
     report["holder"] = transport.staging.holder
     transport.close()
@@ -166,6 +178,62 @@ def test_a_refused_offer_gives_the_senders_buffer_back_for_the_next_request(tmp_
     assert request_bytes(pool, tables, 7) == want[7]
     assert request_bytes(pool, tables, 8) == want[8]
     receiver.check_invariants()
+
+
+def test_a_sender_killed_before_a_staged_read_frees_the_receivers_blocks_and_buffer(tmp_path):
+    class KillTheSenderFirst(NixlTransport):
+        victim: subprocess.Popen
+
+        def move(self, *args: Any, **kwargs: Any) -> None:
+            self.victim.kill()  # after the accept, before the READ into the buffer is posted
+            self.victim.wait()
+            super().move(*args, **kwargs)
+
+    pool = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="host")
+    tables = holed_tables(pool, holes=True)  # request 7 lands scattered: through the buffer
+    free_before = pool.num_free
+    with spawn(__file__, "sender", "scattered", tmp_path=tmp_path) as other:
+        transport = other.connect(pool, KillTheSenderFirst, staging_bytes=STAGING_BYTES)
+        transport.staging_cost = ALWAYS
+        transport.victim = other.process
+        receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
+        with pytest.raises(TransferError, match="receiving request 7 failed.*died"):
+            receiver.recv(timeout=PEER_WAIT_S)
+        assert 7 not in tables and transport.staging.holder is None
+        conserved(receiver, pool, free_before)
+    assert other.process.returncode == -signal.SIGKILL
+
+
+def test_a_deadline_passing_during_a_staged_read_frees_both_sides_and_their_buffers(tmp_path):
+    clock = Clock()
+
+    class DeadlinePassesDuringTheRead(NixlTransport):
+        def move(self, *args: Any, **kwargs: Any) -> None:
+            post = self.agent.transfer
+
+            def post_then_late(handle: Any, *a: Any) -> str:
+                state = post(handle, *a)
+                clock.now += 2 * PEER_WAIT_S  # the READ is seen complete past the deadline
+                return state
+
+            self.agent.transfer = post_then_late
+            super().move(*args, **kwargs)
+
+    pool = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="host")
+    tables = holed_tables(pool, holes=True)  # into this side's buffer, from the sender's
+    free_before = pool.num_free
+    with spawn(__file__, "sender", "deadline", tmp_path=tmp_path) as other:
+        transport = other.connect(pool, DeadlinePassesDuringTheRead, staging_bytes=STAGING_BYTES)
+        transport.staging_cost = ALWAYS
+        receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S, clock=clock)
+        with pytest.raises(TransferError, match="request 7 passed its deadline"):
+            receiver.recv(timeout=PEER_WAIT_S)
+        assert transport.descriptor_counts == [1]  # staged on both sides
+        assert 7 not in tables and transport.staging.holder is None
+        conserved(receiver, pool, free_before)
+        report = other.finish()
+    assert "receiver gave the transfer up" in report["error"], report
+    assert report["kept"] and report["holder"] is None, report
 
 
 @pytest.mark.parametrize(
