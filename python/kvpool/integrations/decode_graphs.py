@@ -36,6 +36,25 @@ from kvpool.kernels import MAX_DECODE_SPLITS, workspace_elems
 MIN_CHUNK = 256  # tokens per split at least, as the library's own plan
 
 
+def capture(
+    forward: Any, device: torch.device, stream: torch.cuda.Stream, mempool: Any
+) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``forward()`` captured as a CUDA graph on ``stream`` into ``mempool``, after two warm-up
+    runs there (kernels compiled, plans made on the capture stream); the graph and the output
+    its replays rewrite."""
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # relaxed: the kernels' argument checks look up the attributes of the graph pool's fresh
+    # pointers (cudaPointerGetAttributes, cached per pointer), a query, not stream work
+    with torch.cuda.graph(graph, pool=mempool, stream=stream, capture_error_mode="relaxed"):
+        out = forward()
+    return graph, out
+
+
 class _BucketGraph:
     """The graph of one (bucket, block-table width) and its input buffers."""
 
@@ -97,18 +116,7 @@ class _BucketGraph:
         )
         self.ids, self.pos = ids, pos
         self.runner = runner
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.forward()
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        # relaxed: the kernels' argument checks look up the attributes of the graph pool's fresh
-        # pointers (cudaPointerGetAttributes, cached per pointer), a query, not stream work
-        with torch.cuda.graph(
-            self.graph, pool=mempool, stream=stream, capture_error_mode="relaxed"
-        ):
-            self.logits = self.forward()
+        self.graph, self.logits = capture(self.forward, dev, stream, mempool)
 
     def forward(self) -> torch.Tensor:
         hidden = self.runner.forward_hidden(self.ids, self.pos, self.step)

@@ -36,6 +36,7 @@ import torch
 
 import kvpool
 from kvpool.generation.hybrid_batch import HybridStepBatch
+from kvpool.integrations.decode_graphs import capture
 from kvpool.integrations.hybrid_gpu import decode_kernel_fits
 from kvpool.integrations.hybrid_models import (
     HybridStep,
@@ -156,19 +157,7 @@ class _Graph:
 
     def __init__(self, step: GraphStep, stream: torch.cuda.Stream, mempool: Any) -> None:
         self.step = step
-        dev = step.runner.device
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # kernels compiled, plans made on the capture stream
-                step.forward()
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        # relaxed: the kernels' argument checks look up pointer attributes (a query, no
-        # stream work) of the graph pool's fresh tensors
-        with torch.cuda.graph(
-            self.graph, pool=mempool, stream=stream, capture_error_mode="relaxed"
-        ):
-            self.logits = step.forward()
+        self.graph, self.logits = capture(step.forward, step.runner.device, stream, mempool)
 
 
 class HybridDecodeGraphs:
