@@ -371,3 +371,31 @@ def test_append_latent_args_match_the_kernel():
     assert sig is not None
     names = [p.split()[-1].lstrip("*") for p in sig.group(1).split(",")]
     assert names == [f[0] for f in _AppendLatentArgs._fields_]
+
+
+def test_emulated_kernel_over_fp8_codes_is_the_reference():
+    """tools/mla_extend_emulator.py with KV_FP8's arithmetic (unscaled code values in the tile,
+    the layer's scale on the logits and on 1 / row sum), split and unsplit, against the
+    reference of the dequantized cache; a scale left out fails."""
+    from test_mla_extend import emulator
+
+    rng = np.random.default_rng(5)
+    bs, heads, s = 16, 3, float(np.float32(0.03))  # the kernel reads a float32 scale
+    lens = np.array([1, 40, 65, 130])
+    qo = np.array([1, 3, 17, 20])
+    ip = qo_indptr(qo)
+    width = -(-lens.max() // bs)
+    pages = rng.permutation(48)[: len(lens) * width].reshape(len(lens), width)
+    codes = reference.quantize_fp8(rng.standard_normal((48, bs, 576)).astype(np.float32) / s, FP8)
+    qn = rng.standard_normal((int(ip[-1]), heads, 512))
+    qp = rng.standard_normal((int(ip[-1]), heads, 64))
+    want = reference.mla_extend_reference(
+        qn, qp, codes, pages, lens, ip, SCALE, kv_dtype=FP8, kv_scale=s
+    )
+    tile_values = reference.dequantize_fp8(codes, FP8)
+    for tile, chunk, splits in ((16, 1 << 20, 1), (64, 32, 3)):
+        launch = emulator.Launch(tile, chunk, splits, int(qo.max()) * heads)
+        got = emulator.emulate(qn, qp, tile_values, pages, lens, ip, SCALE, launch, kv_scale=s)
+        assert np.abs(got - want).max() <= 1e-9 * np.abs(want).max()
+    got = emulator.emulate(qn, qp, tile_values, pages, lens, ip, SCALE, launch)
+    assert np.abs(got - want).max() > 0.1 * np.abs(want).max()
