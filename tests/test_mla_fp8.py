@@ -399,3 +399,18 @@ def test_emulated_kernel_over_fp8_codes_is_the_reference():
         assert np.abs(got - want).max() <= 1e-9 * np.abs(want).max()
     got = emulator.emulate(qn, qp, tile_values, pages, lens, ip, SCALE, launch)
     assert np.abs(got - want).max() > 0.1 * np.abs(want).max()
+
+
+def test_one_call_decode_takes_the_scales():
+    from kvpool.kernels import paged_mla_decode
+
+    spec, pool, scales, pt, sl, rng = make_host([5, 70], 8)
+    qn = random_elems(rng, (2, 4, 512), "float16")
+    qp = random_elems(rng, (2, 4, 64), "float16")
+    plan = mla_decode_plan(pool, spec, 1, pt, sl, 4, scale=SCALE, scales=scales)
+    got = paged_mla_decode(qn, qp, pool, spec, 2, pt, sl, scale=SCALE, scales=scales)
+    np.testing.assert_array_equal(got, plan.run(qn, qp, 2))
+    with pytest.raises(InvalidArgumentError, match="needs scales=MlaScales"):
+        paged_mla_decode(qn, qp, pool, spec, 2, pt, sl, scale=SCALE)
+    with pytest.raises(InvalidArgumentError, match="scales: the plan's own arguments"):
+        paged_mla_decode(qn, qp, pool, spec, 2, pt, sl, plan=plan, scales=scales)
