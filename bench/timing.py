@@ -331,16 +331,21 @@ def _prefill_warmers():
 
 def _mla_warmers():
     """BatchMLAPagedAttentionWrapper, bfloat16, latent 512 + rope 64, 64-token pages, both
-    backends, causal and not (routines mla and mla_extend), on 2 sequences of 2 pages."""
+    backends, causal and not (routines mla and mla_extend), on 2 sequences of 2 pages; and
+    decode over float8_e4m3fn caches (routine mla --fp8)."""
     import flashinfer.mla
     import torch
 
     for backend in ("fa2", "fa3"):
-        for causal, qo_len in ((False, 1), (True, 4)):
+        for causal, qo_len, kv in (
+            (False, 1, torch.bfloat16),
+            (True, 4, torch.bfloat16),
+            (False, 1, torch.float8_e4m3fn),
+        ):
 
-            def build(backend=backend, causal=causal, qo_len=qo_len):
-                ckv = torch.randn(4, 64, 512, device="cuda").to(torch.bfloat16)
-                kpe = torch.randn(4, 64, 64, device="cuda").to(torch.bfloat16)
+            def build(backend=backend, causal=causal, qo_len=qo_len, kv=kv):
+                ckv = torch.randn(4, 64, 512, device="cuda").to(kv)
+                kpe = torch.randn(4, 64, 64, device="cuda").to(kv)
                 qn = torch.randn(2 * qo_len, 16, 512, device="cuda").to(torch.bfloat16)
                 qp = torch.randn(2 * qo_len, 16, 64, device="cuda").to(torch.bfloat16)
                 i32 = dict(dtype=torch.int32, device="cuda")
@@ -359,12 +364,12 @@ def _mla_warmers():
                     causal,
                     0.07,
                     torch.bfloat16,
-                    torch.bfloat16,
+                    kv,
                 )
                 w.run(qn, qp, ckv, kpe)
                 torch.cuda.synchronize()
 
-            yield f"mla {backend} causal={causal}", build
+            yield f"mla {backend} causal={causal} kv={kv}", build
 
 
 _FLASHINFER_WARMERS = {

@@ -120,3 +120,28 @@ extern "C" __global__ void __launch_bounds__(128) append_kv_fp8(
             quantize8(vin, v_scale[h * scale_head_stride], in_bf16, fmt);
     }
 }
+
+// append_latent: write new tokens' MLA latent rows (c_kv then k_pe, row_vecs 16-byte pieces of
+// 16-bit input, i.e. 8 * row_vecs elements) into one layer of an MLA group: slot = page *
+// block_size + offset, the row at base + page * page_stride + offset * token_stride; a slot < 0
+// or past the pool is skipped. fmt 0: a 16-bit cache, copied byte for byte; fmt 1 / 2: an fp8
+// cache (e4m3 / e5m2), each element stored as fp8(x / scale[0]) exactly as append_kv_fp8 does
+// (the layer's one scale; in_bf16 says what the input holds).
+extern "C" __global__ void __launch_bounds__(128) append_latent(
+    const char* __restrict__ latent, i64 tok_stride, const i64* __restrict__ slot_mapping,
+    char* __restrict__ base, i64 page_stride, i64 token_stride, int block_size, i64 num_slots,
+    int row_vecs, const float* __restrict__ scale, int in_bf16, int fmt) {
+    const i64 t = blockIdx.x;
+    const i64 slot = slot_mapping[t];
+    if (slot < 0 || slot >= num_slots) return;
+    char* dst = base + (slot / block_size) * page_stride + (slot % block_size) * token_stride;
+    const char* src = latent + t * tok_stride;
+    for (int c = threadIdx.x; c < row_vecs; c += blockDim.x) {
+        const uint4 in = *reinterpret_cast<const uint4*>(src + c * 16);
+        if (fmt == 0) {
+            *reinterpret_cast<uint4*>(dst + c * 16) = in;
+        } else {
+            *reinterpret_cast<u64*>(dst + c * 8) = quantize8(in, scale[0], in_bf16, fmt);
+        }
+    }
+}

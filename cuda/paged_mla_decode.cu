@@ -46,9 +46,19 @@
 // group's (query position, head) pairs, query head kvh * group_heads + r % group_heads. The
 // grid's x runs over (KV head, row tile), row tile fastest.
 //
+// An fp8 latent cache (KV_FP8 = 1: float8_e4m3fn, one scale per layer, kv_scale[0]): the rows
+// are 576 bytes, copied as they are (cp.async) into fp8 stages; after a stage lands, the CTA
+// converts it into one 16-bit tile of the query's type (KV_BF16 then names the query dtype:
+// e4m3 values are exact in fp16 and bf16), which the S and O phases read as they read a
+// 16-bit stage. The dequantization scale is applied outside the mma: to the logits (c_kv .
+// q_nope + k_pe . q_pe is linear in the row) and to the output (the value is c_kv), so the
+// tile holds the codes' values unscaled (fp8_convert.cuh; FP8_F16_SCALE on sm_80, where the
+// integer conversion yields value / 256). One barrier more per tile orders the conversion.
+//
 // Compile-time constants (NVRTC -D): KV_BF16, MT (m-tiles of 16 heads per CTA), J (warps per
 // m-tile), BN (tokens per KV tile), STAGES, ROPE (64: MLA's rope part after the 512 latent
-// elements; 0: a shared K = V head of 512; default 64).
+// elements; 0: a shared K = V head of 512; default 64), KV_FP8 (0: a 16-bit cache, the
+// default; 1: float8_e4m3fn, MLA rows only).
 
 #if !defined(KV_BF16) || !defined(MT) || !defined(J) || !defined(BN) || !defined(STAGES)
 #error "paged_mla_decode.cu needs KV_BF16, MT, J, BN and STAGES defined"
@@ -58,6 +68,10 @@
 #define ROPE 64
 #endif
 static_assert(ROPE == 0 || ROPE == 64, "ROPE: 64 (MLA) or 0 (shared K = V head)");
+#ifndef KV_FP8
+#define KV_FP8 0
+#endif
+static_assert(KV_FP8 == 0 || (KV_FP8 == 1 && ROPE == 64), "KV_FP8: 0, or 1 (e4m3) for MLA rows");
 
 #include "decode_common.cuh"
 
@@ -74,11 +88,20 @@ static_assert(ROPE == 0 || ROPE == 64, "ROPE: 64 (MLA) or 0 (shared K = V head)"
 #define CW (DV / J)            // output columns of a warp
 #define ON (CW / 8)            // their n8 blocks
 #define KSTEPS (DQK / 16)
+#define ROW_BYTES (DQK * (KV_FP8 ? 1 : 2))  // bytes of a cache row (global memory)
+#define CHG (ROW_BYTES / 16)   // its 16-byte chunks (72, 64; fp8: 36)
+#if KV_FP8
+#define STAGE_BYTES (BN * ROW_BYTES)  // an fp8 stage: rows as in the cache, unswizzled
+#define KV16_BYTES (BN * ROWB)        // the converted 16-bit tile the mma phases read
+#else
 #define STAGE_BYTES (BN * ROWB)
+#define KV16_BYTES 0
+#endif
 #define Q_BYTES (HB * ROWB)
 #define PROWB (BN * 2)         // bytes of a P row
 #define P_BYTES (HB * PROWB)
-#define SMEM_BYTES (STAGES * STAGE_BYTES + Q_BYTES + P_BYTES + 2 * J * HB * 4)
+#define KV_AREA (STAGES * STAGE_BYTES + KV16_BYTES)
+#define SMEM_BYTES (KV_AREA + Q_BYTES + P_BYTES + 2 * J * HB * 4)
 
 static_assert(MT >= 1 && MT <= 8, "MT: 1..8 m-tiles");
 static_assert(J == 1 || J == 2 || J == 4, "J: 1, 2 or 4 warps per m-tile");
@@ -99,6 +122,47 @@ __device__ __forceinline__ unsigned swz(int row, int chunk, int row_bytes) {
 __device__ __forceinline__ void mtile_sync(int mt) {
     asm volatile("bar.sync %0, %1;" :: "r"(mt + 1), "r"(J * 32) : "memory");
 }
+
+#if KV_FP8
+#include "fp8_convert.cuh"
+
+// Two e4m3 codes (low 16 bits of x) -> two elements of the mma's 16-bit type, exactly.
+__device__ __forceinline__ u32 elem16x2_of_fp8x2(u32 x) {
+    const u32 h = f16x2_of_fp8x2(x);
+#if KV_BF16
+    float lo, hi;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((u16)h));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((u16)(h >> 16)));
+    return pack2(lo, hi);
+#else
+    return h;
+#endif
+}
+
+// fp8 stage `src` (BN rows of 576 bytes) -> the 16-bit tile `dst` (rows of ROWB, swizzled):
+// 16 codes of a thread's chunk become 16-bit chunks 2ch and 2ch + 1 of the row.
+__device__ __forceinline__ void convert_tile(unsigned src, unsigned dst, int tid) {
+#pragma unroll 1  // the m-tiles' O accumulators hold the registers: keep the loop small
+    for (int c = tid; c < BN * CHG; c += NTHREADS) {
+        const int row = c / CHG, ch = c % CHG;
+        u32 w[4], r[8];
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                     : "r"(src + row * ROW_BYTES + ch * 16));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            r[2 * i] = elem16x2_of_fp8x2(w[i]);
+            r[2 * i + 1] = elem16x2_of_fp8x2(w[i] >> 16);
+        }
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
+                     :: "r"(dst + swz(row, 2 * ch, ROWB)), "r"(r[0]), "r"(r[1]), "r"(r[2]),
+                        "r"(r[3]) : "memory");
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
+                     :: "r"(dst + swz(row, 2 * ch + 1, ROWB)), "r"(r[4]), "r"(r[5]), "r"(r[6]),
+                        "r"(r[7]) : "memory");
+    }
+}
+#endif
 
 // A sequence's query tokens: the first one's index in q / out, their number, and its rows per
 // KV head (q_len * group_heads). Decode (qo_indptr null): one token per sequence, token `seq`.
@@ -128,6 +192,16 @@ __device__ __forceinline__ i64 row_offset(const QueryRows& q, int r, int kvh, in
            (i64)(kvh * group_heads + r % group_heads) * head_stride;
 }
 
+// The factor of an fp8 cache's code values (the layer's scale; sm_80's conversion gives value /
+// 256, FP8_F16_SCALE undoes it); 1 for a 16-bit cache.
+__device__ __forceinline__ float kv_multiplier(const float* kv_scale) {
+#if KV_FP8
+    return kv_scale[0] * FP8_F16_SCALE;
+#else
+    return 1.f;
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
     const u16* __restrict__ q_nope, i64 qn_token_stride, i64 qn_head_stride,
     const u16* __restrict__ q_pe, i64 qp_token_stride, i64 qp_head_stride,
@@ -136,7 +210,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
     const char* __restrict__ kv_base, i64 page_stride, i64 token_stride, i64 kv_head_stride,
     int num_pages, int bs_log2, const int* __restrict__ page_tables, i64 pt_stride, int pt_width,
     const int* __restrict__ seq_lens, const int* __restrict__ qo_indptr, int group_heads,
-    int num_kv_heads, int rows_per_seq, int chunk_tokens, int max_splits, float scale_log2) {
+    int num_kv_heads, int rows_per_seq, int chunk_tokens, int max_splits, float scale_log2,
+    const float* __restrict__ kv_scale) {
     const int tiles_per_head = (rows_per_seq + HB - 1) / HB;
     const int kvh = blockIdx.x / tiles_per_head;
     const int r_cta = (blockIdx.x - kvh * tiles_per_head) * HB;
@@ -161,12 +236,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
 
     extern __shared__ __align__(128) unsigned char smem[];
     const unsigned s_base = (unsigned)__cvta_generic_to_shared(smem);
-    const unsigned s_q = s_base + STAGES * STAGE_BYTES;
+    const unsigned s_q = s_base + KV_AREA;
     const unsigned s_p = s_q + Q_BYTES + mt * 16 * PROWB;  // this warp's m-tile's P rows
-    float* red_max = reinterpret_cast<float*>(smem + STAGES * STAGE_BYTES + Q_BYTES + P_BYTES);
+    float* red_max = reinterpret_cast<float*>(smem + KV_AREA + Q_BYTES + P_BYTES);
     float* red_l = red_max + J * HB;
 
     const int* pt_row = page_tables + seq * pt_stride;
+    // The layer's dequantization scale, on the logits here and on the output at the end (read
+    // again there: one register fewer across the tile loop).
+    const float qk_scale = scale_log2 * kv_multiplier(kv_scale);
     const int bs_mask = (1 << bs_log2) - 1;
 
     // The Q tile: query rows r_cta .. r_cta + HB - 1 (rows past the sequence's zero), chunks
@@ -184,13 +262,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
                                                 : reinterpret_cast<const char*>(q_nope), in);
     }
 
-    // Tile `it` of the split into stage `stage`: BN rows of 72 chunks, each row's page looked
+    // Tile `it` of the split into stage `stage`: BN rows of CHG chunks, each row's page looked
     // up in the table (entries outside the row or the pool: zero-filled, no read).
     auto load_tile = [&](int it, int stage) {
         const unsigned dst = s_base + stage * STAGE_BYTES;
         const int t0 = t_begin + it * BN;
-        for (int c = tid; c < BN * CHQ; c += NTHREADS) {
-            const int row = c / CHQ, ch = c % CHQ;
+        for (int c = tid; c < BN * CHG; c += NTHREADS) {
+            const int row = c / CHG, ch = c % CHG;
             const int t = t0 + row;
             const int entry = t >> bs_log2;
             int page = -1;
@@ -199,7 +277,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
             const char* src = ok ? kv_base + (i64)page * page_stride +
                                        (i64)(t & bs_mask) * token_stride + ch * 16
                                  : kv_base;
+#if KV_FP8
+            cp_async16(dst + row * ROW_BYTES + ch * 16, src, ok);
+#else
             cp_async16(dst + swz(row, ch, ROWB), src, ok);
+#endif
         }
     };
 
@@ -229,7 +311,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
             if (nxt < n_tiles) load_tile(nxt, nxt % STAGES);
             cp_async_commit();
         }
+#if KV_FP8
+        const unsigned s_kv = s_base + STAGES * STAGE_BYTES;
+        convert_tile(s_base + (it % STAGES) * STAGE_BYTES, s_kv, tid);
+        __syncthreads();  // the 16-bit tile complete before any warp reads it
+#else
         const unsigned s_kv = s_base + (it % STAGES) * STAGE_BYTES;
+#endif
         const int t0 = t_begin + it * BN;
 
         // ---- S = Q K^T for the m-tile's 16 heads x the slice's SW tokens
@@ -264,8 +352,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
                 const int entry = t >> bs_log2;
                 bool ok = t < t_end && entry < pt_width;
                 if (ok) ok = (unsigned)pt_row[entry] < (unsigned)num_pages;
-                s[nb][e] = ok && t < lim_a ? s[nb][e] * scale_log2 : NEG_INF;
-                s[nb][2 + e] = ok && t < lim_b ? s[nb][2 + e] * scale_log2 : NEG_INF;
+                s[nb][e] = ok && t < lim_a ? s[nb][e] * qk_scale : NEG_INF;
+                s[nb][2 + e] = ok && t < lim_b ? s[nb][2 + e] * qk_scale : NEG_INF;
                 mx0 = fmaxf(mx0, s[nb][e]);
                 mx1 = fmaxf(mx1, s[nb][2 + e]);
             }
@@ -351,7 +439,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) paged_mla_decode(
         lt0 += red_l[jj * HB + r0];
         lt1 += red_l[jj * HB + r0 + 8];
     }
-    const float inv0 = lt0 > 0.f ? 1.f / lt0 : 0.f, inv1 = lt1 > 0.f ? 1.f / lt1 : 0.f;
+    // 1 / the row sum, times the dequantization scale of the values (1 for a 16-bit cache).
+    const float kv_mul = kv_multiplier(kv_scale);
+    const float inv0 = lt0 > 0.f ? kv_mul / lt0 : 0.f, inv1 = lt1 > 0.f ? kv_mul / lt1 : 0.f;
     const bool in_a = ra < qr.rows, in_b = rb < qr.rows;
     const int col0 = j * CW + 2 * tig;
     if (range.num_splits == 1) {

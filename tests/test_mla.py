@@ -171,7 +171,7 @@ def test_argument_errors_name_what_was_wrong():
     for bad, why in (
         (KvGroup.mla_latent([0], 256, 64, "bfloat16"), "latent_dim 256"),
         (KvGroup.mla_latent([0], 512, 32, "bfloat16"), "rope_dim 32"),
-        (KvGroup.mla_latent([0], 512, 64, "float8_e4m3fn"), "dtype float8_e4m3fn"),
+        (KvGroup.mla_latent([0], 512, 64, "float8_e5m2"), "dtype float8_e5m2"),
     ):
         s = ModelKvSpec([bad])
         p = Pool.for_spec(s, 4, device="host")

@@ -1,5 +1,6 @@
 """Every MLA decode module (paged_mla_decode.cu: both dtypes, every head tile the plan may
-choose; with the rope part and without it, ROPE=0, for the head_dim 512 K = V plans) compiles with NVRTC for sm_80 and sm_90 without spills (CI, no GPU; the helpers of
+choose; with the rope part and without it, ROPE=0, for the head_dim 512 K = V plans; over an
+e4m3 latent cache, KV_FP8=1, with float16 and bfloat16 queries) compiles with NVRTC for sm_80 and sm_90 without spills (CI, no GPU; the helpers of
 test_kernels_compile.py)."""
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def test_every_plan_choice_has_a_module():
         for dt in _build.MLA_DTYPES
         for t in MLA_HEAD_TILES
         for rope in (_build.MLA_ROPE_DIM, 0)  # MLA, and the shared K = V head of 512
+    } | {  # an e4m3 latent cache read with float16 / bfloat16 queries
+        mla_variant(dt, t, kv_fp8=True) for dt in _build.MLA_DTYPES for t in MLA_HEAD_TILES
     }
     assert got == set(_build.mla_variants())
     for v in got:

@@ -12,6 +12,10 @@ with KV heads: cache [num_pages, block_size, num_kv_heads, 512], q_pe None, the 
 (KV head, row tile), query head kvh * group_heads + r % group_heads, partials at
 ((seq * max_splits + split) * num_kv_heads + kvh) * rows_per_seq + row.
 
+An fp8 latent cache (KV_FP8): `cache` holds the codes' values unscaled, as the kernel's 16-bit
+tile does, and `kv_scale` (the layer's scale) multiplies the logits' scale and the output's
+1 / row sum, where the kernel applies it (qk_scale, kv_mul).
+
 Every formula below names the line of the .cu it mirrors; `limit_shift` moves the causal key
 bound (key_limit) by that many tokens and `kv_head_shift` makes KV head kvh read the rows of
 head kvh + shift: the mutations the tests must catch.
@@ -76,6 +80,7 @@ def emulate(
     launch: Launch,
     limit_shift: int = 0,
     kv_head_shift: int = 0,
+    kv_scale: float = 1.0,
 ) -> np.ndarray:
     """out [tokens, H, 512] as the two launches write it (NaN where nothing was written).
     cache [num_pages, block_size, 576] (float64; MLA) or [num_pages, block_size, num_kv_heads,
@@ -92,7 +97,7 @@ def emulate(
     hb, bn = launch.head_tile, launch.bn
     tiles_per_head = -(-launch.rows_per_seq // hb)
     ctas_per_seq = num_kv_heads * tiles_per_head
-    scale_log2 = scale * math.log2(math.e)
+    scale_log2 = scale * math.log2(math.e) * kv_scale  # qk_scale = scale_log2 * kv_mul
     parts = [q_nope] if q_pe is None else [q_nope, q_pe]
     q = np.concatenate(parts, axis=2).astype(np.float64)
     assert q.shape[2] == dqk
@@ -147,7 +152,7 @@ def emulate(
                     m = mn
                     ll = ll * alpha + p.sum(axis=1)
                     o = o * alpha[:, None] + p @ kv[:, :DV]  # V: the same rows' first 512
-                inv = np.where(ll > 0, 1.0 / np.where(ll > 0, ll, 1.0), 0.0)
+                inv = np.where(ll > 0, kv_scale / np.where(ll > 0, ll, 1.0), 0.0)  # kv_mul / l
                 if n_splits == 1:
                     out[tok[valid], head[valid]] = (o * inv[:, None])[valid]
                 else:

@@ -11,7 +11,16 @@ made from a ModelKvSpec, the pages shuffled:
   the bytes it reads per second; `read_ceiling_tb_s`: bench/routines/ceiling.cu streaming the
   same number of bytes (a read-only kernel, the decode's own kind of traffic).
 `*_frac` = latent bytes / time / ceiling. All times are CUDA-graph replays (bench/timing.py);
-one input set of >= 300 MB, 5x the H200's L2, so no rotation is needed.
+one input set of >= 300 MB, 5x the H200's L2, so no rotation is needed (a shape whose latent
+bytes fit in the L2, `--shapes 1x8192x128`, is marked `l2_resident`: its reads may hit there).
+
+With `--fp8`, per shape also the fp8 latent group (float8_e4m3fn, one scale per layer, the same
+values written through mla_append_latent with scale amax / 448): `kvpool_fp8_us` (its
+`*_tb_s` / `*_frac_*` over the fp8 bytes, half the bf16's), `fp8_speedup_vs_bf16`, the
+largest relative error per (sequence, head) against the float64 reference of the dequantized
+cache on the first and last sequences, and FlashInfer's wrapper planned with
+kv_data_type=torch.float8_e4m3fn over fp8 copies of its caches (`flashinfer_fp8_<b>_us`, or
+the error it raised; it takes no scale, so its output is not compared).
 Writes JSON (--out).
 """
 
@@ -27,8 +36,8 @@ from pathlib import Path
 import cupy as cp
 import numpy as np
 import torch
-from kvpool import KvGroup, ModelKvSpec, Pool
-from kvpool.kernels import mla_decode_plan
+from kvpool import KvGroup, ModelKvSpec, Pool, reference
+from kvpool.kernels import MlaScales, mla_append_latent, mla_decode_plan
 from provenance import provenance
 from timing import graph_us
 
@@ -36,6 +45,8 @@ HERE = Path(__file__).resolve().parent
 SHAPES = ((64, 4096, 128), (128, 4096, 128), (64, 4096, 16), (128, 8192, 16), (64, 8192, 64))
 BS, DTYPE, SCALE = 64, "bfloat16", 1 / math.sqrt(192)
 ROW = 2 * 576
+L2_BYTES = 60 << 20  # the H200's L2 (about 60 MB)
+FP8 = "float8_e4m3fn"
 
 
 def read_ceiling(nbytes):
@@ -63,16 +74,23 @@ def read_ceiling(nbytes):
     return best
 
 
-def flashinfer_mla(row, flashinfer, cache, tables, qo_indptr, lens, qn, qp, ref, *, causal):
+def flashinfer_mla(
+    row, flashinfer, cache, tables, qo_indptr, lens, qn, qp, ref, *, causal, kv_fp8=False
+):
     """FlashInfer's BatchMLAPagedAttentionWrapper (fa2 and fa3 backends) over the pages
     ``tables`` [batch, pages a sequence] names in ``cache`` [pages, BS, 576] (copied to its own
     contiguous ckv [pages, BS, 512] / kpe [pages, BS, 64] caches), planned once for the
     sequences' ``qo_indptr`` query rows (one a sequence for decode) and ``lens`` tokens, with
     ``causal`` masking; each backend's CUDA-graph time goes to ``row["flashinfer_<b>_us"]``
     and its output's largest difference from ``ref`` (ours, float) to
-    ``row["flashinfer_<b>_max_abs_diff"]``, or its error to ``row["flashinfer_<b>_error"]``."""
+    ``row["flashinfer_<b>_max_abs_diff"]``, or its error to ``row["flashinfer_<b>_error"]``.
+    kv_fp8: ``cache`` is our fp8 pool's torch.float8_e4m3fn view (keys ``flashinfer_fp8_<b>_*``,
+    no output comparison: the wrapper takes no dequantization scale)."""
     ckv = cache[:, :, :512].contiguous()
     kpe = cache[:, :, 512:].contiguous()
+    kv_type, tag = (
+        (torch.float8_e4m3fn, "flashinfer_fp8") if kv_fp8 else (torch.bfloat16, "flashinfer")
+    )
     batch, pages_per_seq = tables.shape
     kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * pages_per_seq
     kv_indices = tables.reshape(-1).contiguous()
@@ -93,19 +111,101 @@ def flashinfer_mla(row, flashinfer, cache, tables, qo_indptr, lens, qn, qp, ref,
                 causal,
                 SCALE,
                 torch.bfloat16,
-                torch.bfloat16,
+                kv_type,
             )
             fout = torch.empty(rows, heads, 512, dtype=torch.bfloat16, device="cuda")
-            row[f"flashinfer_{backend}_us"] = round(
+            row[f"{tag}_{backend}_us"] = round(
                 graph_us([lambda s, w=w, fout=fout: w.run(qn, qp, ckv, kpe, out=fout)]), 2
             )
-            row[f"flashinfer_{backend}_max_abs_diff"] = float((fout.float() - ref).abs().max())
+            if not kv_fp8:
+                row[f"{tag}_{backend}_max_abs_diff"] = float((fout.float() - ref).abs().max())
         except Exception as e:
             traceback.print_exc()
-            row[f"flashinfer_{backend}_error"] = f"{type(e).__name__}: {e}"[:600]
+            row[f"{tag}_{backend}_error"] = f"{type(e).__name__}: {e}"[:600]
 
 
-def bench_shape(batch, ctx, heads, flashinfer):
+def fp8_rows(row, cache, tables, lens, qn, qp, out_bf16, flashinfer):
+    """The fp8 latent group's figures for one shape (see the module docstring), into `row`."""
+    batch, heads = qn.shape[0], qn.shape[1]
+    pages, ctx = cache.shape[0], int(lens[0])
+    spec = ModelKvSpec([KvGroup.mla_latent([0], 512, 64, FP8)])
+    pool = Pool.for_spec(spec, pages, device="cuda")
+    scales = MlaScales(pool, spec, 0)
+    scale = float(cache.abs().max()) / 448
+    scales.set(0, scale)
+    slots = torch.arange(pages * BS, dtype=torch.int64, device="cuda")  # page p: slots 64p..
+    mla_append_latent(pool, spec, 0, cache.reshape(pages * BS, 576), slots, scales=scales)
+    out = torch.empty(batch, heads, 512, dtype=torch.bfloat16, device="cuda")
+    plans = {}
+
+    def call(s):
+        key = s.cuda_stream
+        if key not in plans:
+            plans[key] = mla_decode_plan(
+                pool,
+                spec,
+                0,
+                tables,
+                lens,
+                heads,
+                scale=SCALE,
+                max_seq_len=ctx,
+                stream=s,
+                scales=scales,
+            )
+        plans[key].run(qn, qp, 0, out=out)
+
+    row["kvpool_fp8_us"] = round(graph_us([call]), 2)
+    p = next(iter(plans.values()))
+    row["kvpool_fp8_plan"] = dict(head_tile=p.variant.heads_per_cta, num_splits=p.num_splits)
+    row["fp8_scale"] = scale
+    row["fp8_speedup_vs_bf16"] = round(row["kvpool_us"] / row["kvpool_fp8_us"], 3)
+    row["fp8_vs_bf16_max_abs_diff"] = float((out.float() - out_bf16.float()).abs().max())
+    codes = cp.ndarray(
+        (pages, BS, 576),
+        cp.uint8,
+        cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(pool.base_ptr, pages * BS * 576, pool), 0),
+    )
+    pt, sl = tables.cpu().numpy(), lens.cpu().numpy()
+    errs = []
+    for i in sorted({0, batch - 1}):
+        qn_i = qn[i : i + 1].view(torch.int16).cpu().numpy().view(np.uint16)
+        qp_i = qp[i : i + 1].view(torch.int16).cpu().numpy().view(np.uint16)
+        own = cp.asnumpy(codes[cp.asarray(pt[i])])  # the sequence's pages, in table order
+        want = reference.mla_decode_reference(
+            qn_i,
+            qp_i,
+            own,
+            np.arange(len(pt[i]))[None, :],
+            sl[i : i + 1],
+            SCALE,
+            "bfloat16",
+            kv_dtype=FP8,
+            kv_scale=scale,
+        )
+        got = out[i : i + 1].float().cpu().numpy()
+        denom = np.maximum(np.abs(want).max(axis=2), 1e-30)
+        errs.append(float((np.abs(got - want).max(axis=2) / denom).max()))
+    row["fp8_max_rel_err_vs_float64"] = max(errs)
+    if flashinfer is not None:
+        qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        c8 = torch.from_dlpack(codes).view(torch.float8_e4m3fn)
+        flashinfer_mla(
+            row,
+            flashinfer,
+            c8,
+            tables,
+            qo_indptr,
+            lens,
+            qn,
+            qp,
+            None,
+            causal=False,
+            kv_fp8=True,
+        )
+
+
+def bench_shape(batch, ctx, heads, flashinfer, fp8=False):
     pages = batch * ctx // BS
     spec = ModelKvSpec([KvGroup.mla_latent([0], 512, 64, DTYPE)])
     assert spec.block_size(0) == BS and spec.page_bytes == BS * ROW
@@ -126,7 +226,13 @@ def bench_shape(batch, ctx, heads, flashinfer):
     qn = torch.randn(batch, heads, 512, device="cuda", generator=gen).to(torch.bfloat16)
     qp = torch.randn(batch, heads, 64, device="cuda", generator=gen).to(torch.bfloat16)
     kv_bytes = pages * BS * ROW
-    row = dict(batch=batch, context=ctx, heads=heads, latent_bytes=kv_bytes)
+    row = dict(
+        batch=batch,
+        context=ctx,
+        heads=heads,
+        latent_bytes=kv_bytes,
+        l2_resident=kv_bytes <= L2_BYTES,  # fits in L2: its reads may hit there
+    )
     outs = {}
 
     def ours(tile):
@@ -183,12 +289,17 @@ def bench_shape(batch, ctx, heads, flashinfer):
     if flashinfer is not None:
         qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
         flashinfer_mla(row, flashinfer, cache, tables, qo_indptr, lens, qn, qp, ref, causal=False)
+    if fp8:
+        fp8_rows(row, cache, tables, lens, qn, qp, outs[None], flashinfer)
     for key in [k for k in row if k.endswith("_us") and k != "copy_us"]:
-        row[f"{key[:-3]}_tb_s"] = round(kv_bytes / (row[key] * 1e-6) / 1e12, 4)
+        nbytes = kv_bytes // 2 if "fp8" in key else kv_bytes  # an fp8 row: 576 bytes
+        row[f"{key[:-3]}_tb_s"] = round(nbytes / (row[key] * 1e-6) / 1e12, 4)
         row[f"{key[:-3]}_frac_of_read_ceiling"] = round(
-            kv_bytes / (row[key] * 1e-6) / 1e12 / row["read_ceiling_tb_s"], 4
+            nbytes / (row[key] * 1e-6) / 1e12 / row["read_ceiling_tb_s"], 4
         )
-        row[f"{key[:-3]}_frac_of_copy_read"] = round(row["copy_us"] / row[key], 4)
+        row[f"{key[:-3]}_frac_of_copy_read"] = round(
+            row["copy_us"] * nbytes / kv_bytes / row[key], 4
+        )
     fis = [row[k] for k in ("flashinfer_fa2_us", "flashinfer_fa3_us") if k in row]
     row["speedup_vs_best_flashinfer"] = round(min(fis) / row["kvpool_us"], 3) if fis else None
     flops = 2 * batch * ctx * heads * (576 + 512)
@@ -201,7 +312,15 @@ def bench_shape(batch, ctx, heads, flashinfer):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    out = ap.parse_args(argv).out
+    ap.add_argument("--fp8", action="store_true", help="also the fp8 (e4m3) latent group")
+    ap.add_argument(
+        "--shapes",
+        default=",".join(f"{b}x{c}x{h}" for b, c, h in SHAPES),
+        help="batch x context x heads, comma-separated",
+    )
+    args = ap.parse_args(argv)
+    out = args.out
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     try:
         import flashinfer
         import flashinfer.mla
@@ -216,9 +335,9 @@ def main(argv=None):
         "target": ">= 0.85 of the read ceiling on 64+ sequences x 4k+ tokens",
         "rows": [],
     }
-    for shape in SHAPES:
+    for shape in shapes:
         try:
-            row = bench_shape(*shape, flashinfer)
+            row = bench_shape(*shape, flashinfer, fp8=args.fp8)
         except Exception as e:
             traceback.print_exc()
             row = {"shape": shape, "error": f"{type(e).__name__}: {e}"[:600]}

@@ -422,6 +422,18 @@ def paged_metadata(
     return slots, indptr, indices, last.astype(np.int32)
 
 
+def _f64(x: npt.NDArray, dtype: str) -> npt.NDArray[np.float64]:
+    """Elements of `dtype` as float64 ("float64": taken as they are)."""
+    return np.asarray(x, np.float64) if dtype == "float64" else to_float64(x, dtype)
+
+
+def _latent_f64(cache: npt.NDArray, dtype: str, kv_scale: float) -> npt.NDArray[np.float64]:
+    """An MLA latent cache as float64: fp8 codes dequantized and times the layer's scale."""
+    if dtype in FP8:
+        return dequantize_fp8(cache, dtype) * float(np.float32(kv_scale))
+    return _f64(cache, dtype)
+
+
 def mla_decode_reference(
     q_nope: npt.NDArray,
     q_pe: npt.NDArray,
@@ -431,6 +443,9 @@ def mla_decode_reference(
     scale: float,
     dtype: str = "float64",
     latent_dim: int = 512,
+    *,
+    kv_dtype: str | None = None,
+    kv_scale: float = 1.0,
 ) -> npt.NDArray[np.float64]:
     """MLA decode with absorbed projections (DeepSeek-V3; FlashMLA's and FlashInfer's
     BatchMLAPagedAttentionWrapper's semantics), in float64.
@@ -439,14 +454,12 @@ def mla_decode_reference(
     q_pe [num_seqs, H, rope_dim]; latent_cache [num_pages, block_size, latent_dim + rope_dim]:
     one layer's latent rows, c_kv then k_pe per token; page_tables [num_seqs, >= pages] page
     ids; seq_lens [num_seqs]. Elements of `dtype` (bfloat16 as uint16 bits; "float64": taken as
-    they are). Per head: logits = (q_nope . c_kv + q_pe . k_pe) * scale over the sequence's
-    tokens, out = softmax(logits) @ c_kv, [num_seqs, H, latent_dim]; an empty sequence gives
-    zeros."""
-
-    def f64(x: npt.NDArray) -> npt.NDArray[np.float64]:
-        return np.asarray(x, np.float64) if dtype == "float64" else to_float64(x, dtype)
-
-    qn, qp, cache = f64(q_nope), f64(q_pe), f64(latent_cache)
+    they are). The cache may hold another type, `kv_dtype` (default `dtype`): an fp8 cache
+    (uint8 codes) is dequantized, code value * kv_scale (its layer's scale). Per head: logits =
+    (q_nope . c_kv + q_pe . k_pe) * scale over the sequence's tokens, out = softmax(logits) @
+    c_kv, [num_seqs, H, latent_dim]; an empty sequence gives zeros."""
+    qn, qp = _f64(q_nope, dtype), _f64(q_pe, dtype)
+    cache = _latent_f64(latent_cache, kv_dtype or dtype, kv_scale)
     lens = np.asarray(seq_lens, dtype=np.int64)
     out = np.zeros(qn.shape, dtype=np.float64)
     for i, n in enumerate(lens):
@@ -472,6 +485,9 @@ def mla_extend_reference(
     scale: float,
     dtype: str = "float64",
     latent_dim: int = 512,
+    *,
+    kv_dtype: str | None = None,
+    kv_scale: float = 1.0,
 ) -> npt.NDArray[np.float64]:
     """MLA extend (prefill over the latent cache, qo_len >= 1 query tokens per sequence) with
     absorbed projections, causal, in float64.
@@ -479,14 +495,12 @@ def mla_extend_reference(
     q_nope [total_q, H, latent_dim], q_pe [total_q, H, rope_dim]: sequence i's query tokens at
     rows qo_indptr[i] .. qo_indptr[i + 1] - 1, the LAST qo_len of its kv_lens[i] cached tokens
     (their latents already written); query j of sequence i sees keys 0 .. kv_lens[i] - qo_len
-    + j. latent_cache, page_tables and `dtype` as for mla_decode_reference. Per (query, head):
+    + j. latent_cache, page_tables, `dtype`, `kv_dtype` and `kv_scale` as for
+    mla_decode_reference. Per (query, head):
     logits = (q_nope . c_kv + q_pe . k_pe) * scale over its keys, out = softmax(logits) @ c_kv,
     [total_q, H, latent_dim]; a query that sees no key gives zeros."""
-
-    def f64(x: npt.NDArray) -> npt.NDArray[np.float64]:
-        return np.asarray(x, np.float64) if dtype == "float64" else to_float64(x, dtype)
-
-    qn, qp, cache = f64(q_nope), f64(q_pe), f64(latent_cache)
+    qn, qp = _f64(q_nope, dtype), _f64(q_pe, dtype)
+    cache = _latent_f64(latent_cache, kv_dtype or dtype, kv_scale)
     lens = np.asarray(kv_lens, dtype=np.int64)
     indptr = np.asarray(qo_indptr, dtype=np.int64)
     out = np.zeros(qn.shape, dtype=np.float64)

@@ -6,7 +6,8 @@ workspace, merge counters), and ``plan.run(q, layer)`` launches it for each laye
 ``paged_attention_decode`` / ``paged_attention_prefill`` do both in one call (or take
 ``plan=``). head_dim 512 with K = V (Gemma 4's global layers) has plans of its own,
 ``shared_kv_decode_plan`` / ``shared_kv_extend_plan`` (the MLA kernel without its rope part);
-MLA has ``mla_decode_plan`` / ``mla_extend_plan``. Inputs and results are torch tensors of their true dtypes or CuPy arrays; torch is
+MLA has ``mla_decode_plan`` / ``mla_extend_plan`` over a 16-bit or an fp8 (e4m3, ``MlaScales``)
+latent group, whose rows ``mla_append_latent`` writes. Inputs and results are torch tensors of their true dtypes or CuPy arrays; torch is
 optional.
 
 The sources are in the repository's ``cuda/`` folder (embedded in the extension), compiled at run
@@ -28,6 +29,8 @@ from kvpool.kernels._mla import (
     mla_page_tables,
     paged_mla_decode,
 )
+from kvpool.kernels._mla_append import mla_append_latent
+from kvpool.kernels._mla_scales import MlaScales
 from kvpool.kernels._prefill import (
     PrefillPlan,
     paged_attention_prefill,
@@ -48,12 +51,14 @@ __all__ = [
     "KvScales",
     "MlaDecodePlan",
     "MlaExtendPlan",
+    "MlaScales",
     "PrefillPlan",
     "SharedKvDecodePlan",
     "SharedKvExtendPlan",
     "append_kv",
     "copy_blocks",
     "decode_plan",
+    "mla_append_latent",
     "mla_decode_plan",
     "mla_extend_plan",
     "mla_page_tables",

@@ -713,6 +713,9 @@ def plain_module(name: str) -> Any:
 MLA_LATENT_DIM = 512
 MLA_ROPE_DIM = 64
 MLA_DTYPES = DTYPES
+# An fp8 latent cache (KV_FP8 in the .cu): e4m3 with one scale per layer (kernels/_mla_scales.py);
+# its queries and outputs are float16 or bfloat16 (the variant's dtype, chosen by q).
+MLA_FP8_DTYPES = ("float8_e4m3fn",)
 
 
 @dataclass(frozen=True)
@@ -723,6 +726,7 @@ class MlaVariant:
     bn: int = 64
     stages: int = 2
     rope: int = MLA_ROPE_DIM  # 0: a shared K = V head of MLA_LATENT_DIM (kernels/_shared_kv.py)
+    kv_fp8: bool = False  # an e4m3 latent cache; `dtype` is then the query's (float16/bfloat16)
 
     source = "paged_mla_decode.cu"
     kernel = "paged_mla_decode"
@@ -741,20 +745,29 @@ class MlaVariant:
 
     @property
     def dynamic_smem_bytes(self) -> int:
-        """Mirrors SMEM_BYTES in the .cu: the KV stages, the Q tile, the P tile, the
-        m-tiles' row maxima and sums."""
+        """Mirrors SMEM_BYTES in the .cu: the KV stages (fp8: the fp8 stages and one 16-bit
+        tile), the Q tile, the P tile, the m-tiles' row maxima and sums."""
         row = 2 * (MLA_LATENT_DIM + self.rope)
         hb = self.heads_per_cta
-        return self.stages * self.bn * row + hb * row + hb * self.bn * 2 + 2 * self.j * hb * 4
+        kv = (
+            self.stages * self.bn * row // 2 + self.bn * row
+            if self.kv_fp8
+            else self.stages * self.bn * row
+        )
+        return kv + hb * row + hb * self.bn * 2 + 2 * self.j * hb * 4
 
     def options(self) -> tuple[str, ...]:
-        return COMMON_OPTIONS + (
-            f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
-            f"-DMT={self.mt}",
-            f"-DJ={self.j}",
-            f"-DBN={self.bn}",
-            f"-DSTAGES={self.stages}",
-            f"-DROPE={self.rope}",
+        return (
+            COMMON_OPTIONS
+            + (
+                f"-DKV_BF16={int(self.dtype == 'bfloat16')}",
+                f"-DMT={self.mt}",
+                f"-DJ={self.j}",
+                f"-DBN={self.bn}",
+                f"-DSTAGES={self.stages}",
+                f"-DROPE={self.rope}",
+            )
+            + (("-DKV_FP8=1",) if self.kv_fp8 else ())
         )
 
 
@@ -764,21 +777,22 @@ MLA_VARIANT_CHOICES = ((1, 4), (2, 4), (4, 2))
 
 
 def mla_variants() -> list[MlaVariant]:
-    """Every MLA decode module and every shared K = V head_dim 512 module (ROPE = 0; CI
-    compiles them all)."""
+    """Every MLA decode module (16-bit and e4m3 caches, the latter for float16 and bfloat16
+    queries) and every shared K = V head_dim 512 module (ROPE = 0; CI compiles them all)."""
     return [
         MlaVariant(dt, mt, j, rope=rope)
         for rope in (MLA_ROPE_DIM, 0)
         for dt in MLA_DTYPES
         for mt, j in MLA_VARIANT_CHOICES
-    ]
+    ] + [MlaVariant(dt, mt, j, kv_fp8=True) for dt in MLA_DTYPES for mt, j in MLA_VARIANT_CHOICES]
 
 
 def mla_sources() -> list[tuple[str, str, tuple[str, ...]]]:
     """(label, source, options) of every MLA decode module, for every architecture."""
     return [
         (
-            f"{v.kernel}[{v.dtype},mt{v.mt},j{v.j},bn{v.bn},s{v.stages},rope{v.rope}]",
+            f"{v.kernel}[{v.dtype},mt{v.mt},j{v.j},bn{v.bn},s{v.stages},rope{v.rope}"
+            f"{',e4m3' if v.kv_fp8 else ''}]",
             read_source(v.source),
             v.options(),
         )

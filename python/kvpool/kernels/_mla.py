@@ -18,11 +18,19 @@ Supported (anything else is refused before a launch, naming this set): an ``mla_
 of latent_dim 512, rope_dim 64, dtype float16 or bfloat16, any power-of-two page size; 1..128
 query heads; q_nope / q_pe / out in the group's dtype with contiguous rows; extend: every
 sequence holds at least its query tokens, at most MAX_ROWS_PER_SEQ query rows (qo_len x heads).
+
+An fp8 group (dtype float8_e4m3fn, one scale per layer: ``scales=MlaScales(pool, spec, group)``,
+kernels/_mla_scales.py; rows written by mla_append_latent) is read by the same kernel built with
+KV_FP8: q_nope, q_pe and out are then float16 or bfloat16 (q_nope's type decides, the other two
+follow it); the rows are converted to that type in shared memory and the layer's scale is
+applied to the logits and the output. The host backend computes the float64 reference of the
+dequantized cache.
 """
 
 from __future__ import annotations
 
-import ctypes as _ct
+import ctypes
+import dataclasses
 import math
 import threading
 from typing import Any
@@ -45,6 +53,7 @@ from kvpool.kernels._args import view as _view
 from kvpool.kernels._common import (
     Workspace,
     compiled_kernel,
+    fp8_query_dtype,
     host_array,
     host_scale,
     new_out,
@@ -61,6 +70,7 @@ from kvpool.kernels._launch import (
     wait_producers,
 )
 from kvpool.kernels._mla_args import MlaArgs, MlaMergeArgs
+from kvpool.kernels._mla_scales import MlaScales
 from kvpool.kernels._prefill_work import host_lengths
 
 MAX_MLA_HEADS = 128
@@ -70,7 +80,8 @@ MLA_HEAD_TILES = tuple(16 * mt for mt, _ in _build.MLA_VARIANT_CHOICES)  # 16, 3
 
 def supported_set() -> str:
     return (
-        "an mla_latent group of latent_dim 512, rope_dim 64, dtype float16 or bfloat16, a "
+        "an mla_latent group of latent_dim 512, rope_dim 64, dtype float16 or bfloat16 (or "
+        f"{' / '.join(_build.MLA_FP8_DTYPES)} with MlaScales, float16 or bfloat16 queries), a "
         f"power-of-two page size; 1..{MAX_MLA_HEADS} query heads; extend: qo_len <= seq_len, "
         f"qo_len x heads <= {MAX_ROWS_PER_SEQ}"
     )
@@ -85,11 +96,14 @@ def default_head_tile(num_rows: int) -> int:
     return next((t for t in MLA_HEAD_TILES if num_rows <= t), MLA_HEAD_TILES[-1])
 
 
-def mla_variant(dtype: str, head_tile: int, rope: int = _build.MLA_ROPE_DIM) -> _build.MlaVariant:
-    """The module of a row tile (rope 0: a shared K = V head of 512, kernels/_shared_kv.py)."""
+def mla_variant(
+    dtype: str, head_tile: int, rope: int = _build.MLA_ROPE_DIM, kv_fp8: bool = False
+) -> _build.MlaVariant:
+    """The module of a row tile (rope 0: a shared K = V head of 512, kernels/_shared_kv.py;
+    kv_fp8: an e4m3 latent cache read with `dtype` queries)."""
     mt = head_tile // 16
     j = dict(_build.MLA_VARIANT_CHOICES)[mt]
-    return _build.MlaVariant(dtype, mt, j, rope=rope)
+    return _build.MlaVariant(dtype, mt, j, rope=rope, kv_fp8=kv_fp8)
 
 
 def check_spec(spec: Any) -> None:
@@ -115,7 +129,7 @@ def mla_group(spec: Any, group: Any) -> tuple[int, Any]:
     if (
         kv.latent_dim != _build.MLA_LATENT_DIM
         or kv.rope_dim != _build.MLA_ROPE_DIM
-        or kv.dtype not in _build.MLA_DTYPES
+        or kv.dtype not in _build.MLA_DTYPES + _build.MLA_FP8_DTYPES
         or bs is None
         or bs & (bs - 1)
     ):
@@ -124,6 +138,21 @@ def mla_group(spec: Any, group: Any) -> tuple[int, Any]:
             f"dtype {kv.dtype}, page size {bs}; supported: {supported_set()}"
         )
     return g, kv
+
+
+def host_latent_layer(pool: Any, spec: Any, group: int, idx: int, dtype: str) -> np.ndarray:
+    """Layer `idx` of MLA group `group` of a host pool as [num_pages, block_size, 576]
+    elements (bfloat16 as uint16, fp8 as uint8 codes), a view of the pool's memory."""
+    n = pool.num_blocks * pool.block_bytes
+    slab = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(pool.base_ptr))
+    start = spec.latent_offset_bytes(group, 0, idx, 0, 0)
+    width = _build.MLA_LATENT_DIM + _build.MLA_ROPE_DIM
+    fp8 = dtype in _build.MLA_FP8_DTYPES
+    elem = np.uint8 if fp8 else np.float16 if dtype == "float16" else np.uint16
+    bs = int(spec.block_size(group))
+    pages = slab.reshape(pool.num_blocks, pool.block_bytes)
+    layer = pages[:, start : start + bs * width * np.dtype(elem).itemsize]
+    return layer.view(elem).reshape(pool.num_blocks, bs, width)
 
 
 def mla_page_tables(tables: Any, request_ids: Any, group: int) -> tuple[np.ndarray, np.ndarray]:
@@ -158,6 +187,7 @@ def mla_decode_plan(
     stream: Any = None,
     workspace: Any = None,
     head_tile: int | None = None,
+    scales: MlaScales | None = None,
 ) -> MlaDecodePlan:
     """An MLA decode plan for one step's batch over MLA group `group` of `spec` (the
     ModelKvSpec `pool` was made for): made once, then ``plan.run(q_nope, q_pe, layer)`` for
@@ -171,7 +201,8 @@ def mla_decode_plan(
     sequences, merged by a second launch; the plan owns its partials unless `workspace` of
     >= plan.workspace_elems float32 is given; runs allocate nothing after the first per layout
     and can be captured in a CUDA graph). head_tile (16, 32 or 64) forces the heads per CTA
-    (default: default_head_tile).
+    (default: default_head_tile). An fp8 group needs `scales` (its MlaScales; each run reads
+    the layer's scale then) and takes float16 or bfloat16 queries.
 
     On a host pool the arrays are NumPy and run() computes the float64 reference."""
     return MlaDecodePlan(
@@ -187,6 +218,7 @@ def mla_decode_plan(
         stream=stream,
         workspace=workspace,
         head_tile=head_tile,
+        scales=scales,
     )
 
 
@@ -204,6 +236,7 @@ def mla_extend_plan(
     stream: Any = None,
     workspace: Any = None,
     head_tile: int | None = None,
+    scales: MlaScales | None = None,
 ) -> MlaExtendPlan:
     """An MLA extend (chunked prefill, speculative verify) plan for one step's ragged batch
     over MLA group `group` of `spec`: made once, then ``plan.run(q_nope, q_pe, layer)`` for
@@ -223,6 +256,7 @@ def mla_extend_plan(
     the longest qo_len x num_heads) and reads each latent tile once for them, up to the last
     key its last row sees. scale, num_splits, stream and workspace as for mla_decode_plan; a
     qo_len of 1 everywhere runs exactly the decode launch (the same results, bit for bit).
+    `scales` as for mla_decode_plan (an fp8 group).
 
     On a host pool the arrays are NumPy and run() computes the float64 reference."""
     return MlaExtendPlan(
@@ -238,6 +272,7 @@ def mla_extend_plan(
         stream=stream,
         workspace=workspace,
         head_tile=head_tile,
+        scales=scales,
     )
 
 
@@ -269,6 +304,9 @@ class _MlaPlan:
     _kv_head_stride: int  # bytes between KV heads' rows (MLA: 0)
     _page_stride: int
     _token_stride: int
+    # An fp8 latent group and its scales (set by the MLA _bind_source; shared K = V: none).
+    _fp8 = False
+    scales: MlaScales | None = None
 
     def __init__(
         self,
@@ -281,8 +319,10 @@ class _MlaPlan:
         stream: Any,
         workspace: Any,
         head_tile: int | None,
+        scales: MlaScales | None = None,
     ) -> None:
         self._bind_source(pool, spec, group)
+        self._bind_scales(pool, scales)
         self.num_heads = h = self._check_heads(num_heads)
         self._group_heads = h // self._num_kv_heads
         self.scale = self._check_scale(scale)
@@ -307,6 +347,7 @@ class _MlaPlan:
                 f"({spec.page_bytes}): make the pool with Pool.for_spec(spec, ...)"
             )
         self.spec, self.kv_group, self.dtype = spec, kv, kv.dtype
+        self._fp8 = kv.dtype in _build.MLA_FP8_DTYPES
         self.block_size = int(spec.block_size(self.group))
         g = self.group
         self._rope, self._num_kv_heads, self._kv_head_stride = _build.MLA_ROPE_DIM, 1, 0
@@ -314,6 +355,31 @@ class _MlaPlan:
         self._token_stride = spec.latent_offset_bytes(g, 0, 0, 1, 0) - spec.latent_offset_bytes(
             g, 0, 0, 0, 0
         )
+
+    def _bind_scales(self, pool: Any, scales: Any) -> None:
+        """An fp8 group needs its own MlaScales; any other takes none."""
+        if self._fp8:
+            if not isinstance(scales, MlaScales):
+                raise InvalidArgumentError(
+                    f"MLA attention over a {self.dtype} group needs scales=MlaScales(pool, "
+                    f"spec, {self.group}), got {type(scales).__name__}"
+                )
+            if scales.pool is not pool or scales.spec != self.spec or scales.group != self.group:
+                raise InvalidArgumentError(
+                    "the MlaScales were made for another pool, spec or group than the plan's"
+                )
+            self.scales = scales
+        elif scales is not None:
+            raise InvalidArgumentError(
+                f"scales are for fp8 MLA groups; this plan reads {self.dtype} rows"
+            )
+
+    def _q_dtype(self, kind: str, itemsize: int) -> str:
+        """The query / output dtype: the group's, or over an fp8 group q_nope's (float16 or
+        bfloat16)."""
+        if self._fp8:
+            return fp8_query_dtype(kind, itemsize, self.dtype)
+        return self.dtype
 
     def _check_heads(self, num_heads: Any) -> int:
         h = index_arg(num_heads, "num_heads")
@@ -382,7 +448,12 @@ class _MlaPlan:
                 "query rows per sequence and KV head"
             )
         tile = self._head_tile_arg or default_head_tile(max(self._rows_per_seq, 1))
-        self.variant = mla_variant(self.dtype, tile, self._rope)
+        # An fp8 group's module is chosen per run by q's dtype (_MlaLaunch); this one is the
+        # bfloat16-query module, whose tiling and split are the same.
+        if self._fp8:
+            self.variant = mla_variant("bfloat16", tile, self._rope, kv_fp8=True)
+        else:
+            self.variant = mla_variant(self.dtype, tile, self._rope)
 
     # -- host ----------------------------------------------------------------------------------
 
@@ -413,38 +484,46 @@ class _MlaPlan:
 
     def _host_latent(self, idx: int) -> np.ndarray:
         """Layer `idx` of the group as [num_pages, block_size, 576] elements (bfloat16 as
-        uint16), a view of the host pool's memory."""
-        pool, spec, g = self.pool, self.spec, self.group
-        n = pool.num_blocks * pool.block_bytes
-        slab = np.ctypeslib.as_array((_ct.c_uint8 * n).from_address(pool.base_ptr))
-        start = spec.latent_offset_bytes(g, 0, idx, 0, 0)
-        row = 2 * (_build.MLA_LATENT_DIM + _build.MLA_ROPE_DIM)
-        pages = slab.reshape(pool.num_blocks, pool.block_bytes)
-        layer = pages[:, start : start + self.block_size * row]
-        elem = np.float16 if self.dtype == "float16" else np.uint16
-        return layer.view(elem).reshape(pool.num_blocks, self.block_size, row // 2)
+        uint16, fp8 as uint8 codes), a view of the host pool's memory."""
+        return host_latent_layer(self.pool, self.spec, self.group, idx, self.dtype)
 
-    def _reference(self, qn: np.ndarray, qp: np.ndarray, cache: np.ndarray) -> np.ndarray:
+    def _reference(
+        self, qn: np.ndarray, qp: np.ndarray, cache: np.ndarray, q_dtype: str, kv_scale: float
+    ) -> np.ndarray:
         raise NotImplementedError
 
     def _run_host(self, q_nope: Any, q_pe: Any, idx: int, out: Any) -> Any:
         qn, qp = host_array(q_nope, "q_nope"), host_array(q_pe, "q_pe")
+        q_dtype = self._q_dtype(qn.dtype.kind, qn.itemsize)
         for name, a, d in (
             ("q_nope", qn, _build.MLA_LATENT_DIM),
             ("q_pe", qp, _build.MLA_ROPE_DIM),
         ):
-            self._check_q(name, a.shape, a.dtype.kind, a.itemsize, d)
+            self._check_q(name, a.shape, a.dtype.kind, a.itemsize, d, q_dtype)
+        o = None
+        if out is not None:
+            o = host_array(out, "out")
+            self._check_q("out", o.shape, o.dtype.kind, o.itemsize, _build.MLA_LATENT_DIM, q_dtype)
         self._check_host_rows()
-        res = self._reference(qn, qp, self._host_latent(idx))
-        res16 = reference.from_float64(res, self.dtype).view(qn.dtype)
-        if out is None:
+        kv_scale = 1.0
+        if self.scales is not None:
+            kv_scale = float(np.asarray(self.scales.scale)[idx])
+        res = self._reference(qn, qp, self._host_latent(idx), q_dtype, kv_scale)
+        res16 = reference.from_float64(res, q_dtype).view(qn.dtype)
+        if o is None:
             return res16
-        o = host_array(out, "out")
-        self._check_q("out", o.shape, o.dtype.kind, o.itemsize, _build.MLA_LATENT_DIM)
         o[...] = res16
         return out
 
-    def _check_q(self, name: str, shape: tuple, kind: str, itemsize: int, dim: int) -> None:
+    def _check_q(
+        self,
+        name: str,
+        shape: tuple,
+        kind: str,
+        itemsize: int,
+        dim: int,
+        q_dtype: str | None = None,
+    ) -> None:
         want = (self._num_tokens, self.num_heads, dim)
         if tuple(shape) != want:
             raise InvalidArgumentError(
@@ -452,9 +531,11 @@ class _MlaPlan:
                 "got "
                 f"{tuple(shape)}"
             )
-        if not elem_ok(kind, itemsize, self.dtype, 2):
+        dtype = q_dtype or self.dtype
+        if not elem_ok(kind, itemsize, dtype, 2):
+            what = "q_nope's dtype" if self._fp8 else "the group's dtype"
             raise InvalidArgumentError(
-                f"{name} must hold the group's dtype {self.dtype} (bfloat16: 2-byte non-float "
+                f"{name} must hold {what} {dtype} (bfloat16: 2-byte non-float "
                 f"data or torch.bfloat16), got a {itemsize}-byte {kind!r} type"
             )
 
@@ -518,7 +599,8 @@ class _MlaPlan:
         qnv = _view(q_nope, q_name)
         qpv = _view(q_pe, "q_pe") if q_pe is not None else None
         if out is None:
-            self._check_q(q_name, qnv.shape, qnv.typestr[1], int(qnv.typestr[2:]), 512)
+            q_dtype = self._q_dtype(qnv.typestr[1], int(qnv.typestr[2:]))
+            self._check_q(q_name, qnv.shape, qnv.typestr[1], int(qnv.typestr[2:]), 512, q_dtype)
             out = new_out(q_nope, qnv, self.device_id)
         ov = _view(out, "out")
         key = (qnv.layout_key, qpv.layout_key if qpv else None, ov.layout_key)
@@ -535,7 +617,8 @@ class _MlaPlan:
             check_ptr(v.ptr, name, dev)
         wait_producers(self.stream, dev, *(v for _, v in views), *self._bound_views)
         with self._lock:
-            ln.launch(self, qnv.ptr, qpv.ptr if qpv else 0, ov.ptr, self._kv_base(idx))
+            kv_scale = self.scales.index_ptr(idx) if self.scales is not None else 0
+            ln.launch(self, qnv.ptr, qpv.ptr if qpv else 0, ov.ptr, self._kv_base(idx), kv_scale)
         return out
 
 
@@ -557,6 +640,7 @@ class MlaDecodePlan(_MlaPlan):
         stream: Any,
         workspace: Any,
         head_tile: int | None,
+        scales: MlaScales | None = None,
     ) -> None:
         super().__init__(
             pool,
@@ -567,6 +651,7 @@ class MlaDecodePlan(_MlaPlan):
             stream=stream,
             workspace=workspace,
             head_tile=head_tile,
+            scales=scales,
         )
         self.page_tables, self.seq_lens = page_tables, seq_lens
         self._choose_variant(1)
@@ -604,9 +689,13 @@ class MlaDecodePlan(_MlaPlan):
                     max_seq_len = int(cupy.asarray(seq_lens).max())
         self._plan_cuda(max_seq_len, num_splits, workspace)
 
-    def _reference(self, qn: np.ndarray, qp: np.ndarray, cache: np.ndarray) -> np.ndarray:
+    def _reference(
+        self, qn: np.ndarray, qp: np.ndarray, cache: np.ndarray, q_dtype: str, kv_scale: float
+    ) -> np.ndarray:
         tables, lens = self._host_tables_lens
-        return reference.mla_decode_reference(qn, qp, cache, tables, lens, self.scale, self.dtype)
+        return reference.mla_decode_reference(
+            qn, qp, cache, tables, lens, self.scale, q_dtype, kv_dtype=self.dtype, kv_scale=kv_scale
+        )
 
 
 class MlaExtendPlan(_MlaPlan):
@@ -630,6 +719,7 @@ class MlaExtendPlan(_MlaPlan):
         stream: Any,
         workspace: Any,
         head_tile: int | None,
+        scales: MlaScales | None = None,
     ) -> None:
         super().__init__(
             pool,
@@ -640,6 +730,7 @@ class MlaExtendPlan(_MlaPlan):
             stream=stream,
             workspace=workspace,
             head_tile=head_tile,
+            scales=scales,
         )
         self.page_tables = page_tables
         if self.cuda:
@@ -692,10 +783,21 @@ class MlaExtendPlan(_MlaPlan):
         with cupy.cuda.Device(self.device_id), cupy_stream(self.stream):
             return cupy.asnumpy(cupy.asarray(a))
 
-    def _reference(self, qn: np.ndarray, qp: np.ndarray, cache: np.ndarray) -> np.ndarray:
+    def _reference(
+        self, qn: np.ndarray, qp: np.ndarray, cache: np.ndarray, q_dtype: str, kv_scale: float
+    ) -> np.ndarray:
         tables, lens = self._host_tables_lens
         return reference.mla_extend_reference(
-            qn, qp, cache, tables, lens, self.qo_indptr, self.scale, self.dtype
+            qn,
+            qp,
+            cache,
+            tables,
+            lens,
+            self.qo_indptr,
+            self.scale,
+            q_dtype,
+            kv_dtype=self.dtype,
+            kv_scale=kv_scale,
         )
 
 
@@ -712,16 +814,19 @@ class _MlaLaunch:
     ):
         qn, o = _dev(qnv, q_name), _dev(ov, "out")
         qp = _dev(qpv, "q_pe") if qpv is not None else None
+        q_dtype = plan._q_dtype(qn.kind, qn.itemsize)
         checks = [(q_name, qn, _build.MLA_LATENT_DIM), ("out", o, _build.MLA_LATENT_DIM)]
         if qp is not None:
             checks.append(("q_pe", qp, plan._rope))
         for name, a, d in checks:
-            plan._check_q(name, a.shape, a.kind, a.itemsize, d)
+            plan._check_q(name, a.shape, a.kind, a.itemsize, d, q_dtype)
             if a.strides[2] != 1 or a.strides[0] % 8 or a.strides[1] % 8:
                 raise InvalidArgumentError(
                     f"{name} rows must be contiguous and 16-byte aligned (strides {a.strides})"
                 )
         v = plan.variant
+        if v.kv_fp8:  # the module of q's dtype
+            v = dataclasses.replace(v, dtype=q_dtype)
         self.threads, self.smem = v.threads, v.dynamic_smem_bytes
         self.kernel = compiled_kernel(v, v.kernel, plan.device_id, self.smem)
         self.merge = compiled_kernel(v, "mla_merge", plan.device_id) if plan.split else None
@@ -764,14 +869,17 @@ class _MlaLaunch:
             pt_stride=plan._pt_stride,
             pt_width=plan._pt_width,
             scale_log2=plan.scale * math.log2(math.e),
+            kv_scale=0,
         )
         self.params = param_block(self.args)
         self.margs = fill_args(MlaMergeArgs, **common)
         self.mparams = param_block(self.margs)
 
-    def launch(self, plan: _MlaPlan, qn: int, qp: int, out: int, kv_base: int) -> None:
+    def launch(
+        self, plan: _MlaPlan, qn: int, qp: int, out: int, kv_base: int, kv_scale: int
+    ) -> None:
         a = self.args
-        a.q_nope, a.q_pe, a.out, a.kv_base = qn, qp, out, kv_base
+        a.q_nope, a.q_pe, a.out, a.kv_base, a.kv_scale = qn, qp, out, kv_base, kv_scale
         split = plan.kv_split
         grid = (plan.ctas_per_seq, split.num_splits, plan.num_seqs)
         launch(self.kernel, grid, self.threads, self.smem, plan.stream, self.params)
@@ -797,6 +905,7 @@ def paged_mla_decode(
     num_splits: int | None = None,
     workspace: Any = None,
     plan: MlaDecodePlan | None = None,
+    scales: MlaScales | None = None,
 ) -> Any:
     """MLA decode of model layer `layer` (an mla_latent layer of `spec`) in one call:
     ``mla_decode_plan(pool, spec, group_of(layer), page_tables, seq_lens, q_nope.shape[1],
@@ -823,6 +932,7 @@ def paged_mla_decode(
             num_splits=num_splits,
             stream=stream,
             workspace=workspace,
+            scales=scales,
         )
     else:
         if not isinstance(plan, MlaDecodePlan):
@@ -837,6 +947,7 @@ def paged_mla_decode(
                 max_seq_len=max_seq_len,
                 num_splits=num_splits,
                 workspace=workspace,
+                scales=scales,
             ).items()
             if v is not None
         ]

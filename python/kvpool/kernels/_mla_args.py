@@ -11,7 +11,8 @@ _u64, _i64, _i32, _f32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes
 class MlaArgs(ctypes.Structure):
     """paged_mla_decode's parameters. The q / out strides are per query token and per head;
     qo_indptr 0 (null) is decode: one query token per sequence. group_heads query heads share
-    each of the num_kv_heads KV heads, kv_head_stride bytes apart (MLA: all heads, 1, 0)."""
+    each of the num_kv_heads KV heads, kv_head_stride bytes apart (MLA: all heads, 1, 0).
+    kv_scale: the layer's float32 dequantization scale of an fp8 group (0 otherwise)."""
 
     _fields_ = [
         ("q_nope", _u64),
@@ -42,6 +43,7 @@ class MlaArgs(ctypes.Structure):
         ("chunk_tokens", _i32),
         ("max_splits", _i32),
         ("scale_log2", _f32),
+        ("kv_scale", _u64),
     ]
 
 

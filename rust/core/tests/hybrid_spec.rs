@@ -187,6 +187,19 @@ fn an_mla_page_is_layer_major_latent_then_rope() {
     assert!(spec.latent_offset_bytes(0, 0, 2, 0, 0).is_err());
 }
 
+#[test]
+fn an_fp8_mla_page_holds_one_byte_an_element() {
+    // The fp8 (e4m3) latent cache of the MLA kernel: 576-byte rows, 64 tokens of two layers a
+    // page, the rope part at byte 512 of each row.
+    let kind = GroupKind::MlaLatent { latent_dim: 512, rope_dim: 64, dtype: DType::Float8E4M3 };
+    let spec = ModelKvSpec::new(2, vec![KvGroup::new(vec![0, 1], kind)], 64 * 2 * 576).unwrap();
+    assert_eq!(spec.geometry(0).unwrap().block_size(), Some(64));
+    assert_eq!(spec.latent_offset_bytes(0, 0, 0, 0, 512).unwrap(), 512);
+    assert_eq!(spec.latent_offset_bytes(0, 0, 0, 1, 0).unwrap(), 576);
+    assert_eq!(spec.latent_offset_bytes(0, 0, 1, 0, 0).unwrap(), 64 * 576);
+    assert_eq!(spec.latent_offset_bytes(0, 3, 1, 63, 575).unwrap() + 1, 4 * spec.page_bytes());
+}
+
 fn argument_message<T: std::fmt::Debug>(result: Result<T, CoreError>) -> String {
     match result {
         Err(CoreError::InvalidArgument(message)) => message,
