@@ -41,3 +41,30 @@ extern "C" __global__ void __launch_bounds__(256) move_blocks(
     const i64 step = (i64)gridDim.y * blockDim.x;
     for (i64 v = (i64)blockIdx.y * blockDim.x + threadIdx.x; v < vecs; v += step) d[v] = s[v];
 }
+
+// move_rows: copy `rows` rows of row_bytes from each of n blocks, row r of block i from
+// src_base + src_id(i) * src_block + src_offset + r * src_pitch to
+// dst_base + dst_id(i) * dst_block + dst_offset + r * dst_pitch (a null id list: the identity).
+// A tensor-parallel shard's KV heads are such rows: one per (layer, K|V, token) of a block,
+// packed in a staging buffer on one side (pitch = row_bytes) and at a head offset of a wider
+// block on the other. Grid: (block, chunk); row_bytes, the pitches and offsets are multiples
+// of 16.
+extern "C" __global__ void __launch_bounds__(256) move_rows(
+    const char* __restrict__ src_base, const int* __restrict__ src_ids, i64 src_block,
+    i64 src_offset, i64 src_pitch, char* __restrict__ dst_base, const int* __restrict__ dst_ids,
+    i64 dst_block, i64 dst_offset, i64 dst_pitch, i64 rows, i64 row_bytes) {
+    const i64 i = blockIdx.x;
+    const i64 src = src_ids ? (i64)src_ids[i] : i;
+    const i64 dst = dst_ids ? (i64)dst_ids[i] : i;
+    const char* s = src_base + src * src_block + src_offset;
+    char* d = dst_base + dst * dst_block + dst_offset;
+    const i64 per_row = row_bytes / 16;
+    const i64 vecs = rows * per_row;
+    const i64 step = (i64)gridDim.y * blockDim.x;
+    for (i64 v = (i64)blockIdx.y * blockDim.x + threadIdx.x; v < vecs; v += step) {
+        const i64 r = v / per_row;
+        const i64 c = (v - r * per_row) * 16;
+        *reinterpret_cast<uint4*>(d + r * dst_pitch + c) =
+            *reinterpret_cast<const uint4*>(s + r * src_pitch + c);
+    }
+}

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from kvpool import TransferError
 from kvpool.transfer import KvReceiver, KvSender
+from kvpool.transfer.nixl_staging import StagingCost
 from kvpool.transfer.transport import PeerGone
 from nixl_peers import PEER_WAIT_S, NixlTransport, Peer, conserved, run_ranks, spawn
 
@@ -145,13 +146,34 @@ class ReadEndsInError(NixlTransport):
         return handle, "PROC"
 
 
-def test_a_tp2_prefill_gathers_into_a_tp1_decode_pool_byte_exact(tmp_path):
+# Every gather leg READs through its staging buffer (host pools get one only when asked, and
+# these few rows would not pay by StagingCost's defaults): the shard's blocks whole, then the
+# rows scattered into the wider blocks.
+STAGED = {"staging_bytes": 1 << 20}
+ALWAYS = StagingCost(descriptor_s=1.0, fixed_s=0.0)
+
+
+def gather_legs(prefill: Peer, pool: kvpool.Pool, staging: str, classes: tuple = ()) -> list:
+    """The decode side's two legs, staged or cut into rows; ``classes`` per leg if given."""
+    legs = []
+    for leg in range(2):
+        cls = classes[leg] if classes else NixlTransport
+        if staging == "staged":
+            legs.append(prefill.connect(pool, cls, leg=leg, **STAGED))
+            legs[-1].staging_cost = ALWAYS
+        else:
+            legs.append(prefill.connect(pool, cls, leg=leg))
+    return legs
+
+
+@pytest.mark.parametrize("staging", ["rows", "staged"])
+def test_a_tp2_prefill_gathers_into_a_tp1_decode_pool_byte_exact(tmp_path, staging):
     from kvpool.transfer.tp_legs import KvGatherReceiver
 
     with spawn(__file__, "tp2", tmp_path=tmp_path, legs=2) as prefill:
         pool, tables = make_side(FULL, holes=0)
         free_before = pool.num_free
-        legs = [prefill.connect(pool, leg=leg) for leg in range(2)]
+        legs = gather_legs(prefill, pool, staging)
         receiver = KvGatherReceiver(tables, legs, timeout_s=PEER_WAIT_S)
         transfer = receiver.recv(timeout=PEER_WAIT_S)
         transfer.wait()
@@ -159,19 +181,23 @@ def test_a_tp2_prefill_gathers_into_a_tp1_decode_pool_byte_exact(tmp_path):
         conserved(receiver, pool, free_before - 4)
         seen = prefill.finish()
     assert seen["ranks"] == [{"sent": True}, {"sent": True}], seen
-    # Each leg: one descriptor per (block, layer, K|V, token), its two heads of each row.
     assert [leg.descriptor_counts for leg in legs] == [[], []]
     reads = [read.reads for read in transfer._completion.legs]
-    assert reads == [[(0, 2, 4 * 2 * 2 * 16)]] * 2, reads
+    if staging == "staged":  # each rank's 4 blocks are one run: one descriptor
+        assert reads == [[(0, 2, 1)]] * 2, reads
+        assert [leg.staging.holder for leg in legs] == [None, None]
+    else:  # one descriptor per (block, layer, K|V, token), its two heads of each row
+        assert reads == [[(0, 2, 4 * 2 * 2 * 16)]] * 2, reads
 
 
-def test_a_fault_on_one_gather_leg_returns_every_block_on_all_three_pools(tmp_path):
+@pytest.mark.parametrize("staging", ["rows", "staged"])
+def test_a_fault_on_one_gather_leg_returns_every_block_on_all_three_pools(tmp_path, staging):
     from kvpool.transfer.tp_legs import KvGatherReceiver
 
     with spawn(__file__, "tp2", tmp_path=tmp_path, legs=2) as prefill:
         pool, tables = make_side(FULL, holes=0)
         free_before = pool.num_free
-        legs = [prefill.connect(pool, leg=0), prefill.connect(pool, ReadEndsInError, leg=1)]
+        legs = gather_legs(prefill, pool, staging, (NixlTransport, ReadEndsInError))
         receiver = KvGatherReceiver(tables, legs, timeout_s=PEER_WAIT_S)
         transfer = receiver.recv(timeout=PEER_WAIT_S)
         # Leg 0's READ completes; leg 1's fails: no sender may free its part (a "done" to
@@ -180,6 +206,8 @@ def test_a_fault_on_one_gather_leg_returns_every_block_on_all_three_pools(tmp_pa
             transfer.wait()
         assert RID not in tables
         conserved(receiver, pool, free_before)
+        if staging == "staged":
+            assert [leg.staging.holder for leg in legs] == [None, None]
         seen = prefill.finish()
     for rank in seen["ranks"]:  # each rank kept its request, bytes intact, its pool conserved
         assert "sent" not in rank and rank["kept"], seen

@@ -83,6 +83,71 @@ def test_two_tp2_shards_gather_into_a_tp1_pool_byte_exact():
     assert counts == [5 * 3 * 2 * 16] * 2
 
 
+class _NoAgent:
+    """A NIXL agent's registration calls, for a staging buffer used without NIXL."""
+
+    def register_memory(self, *args: object) -> None:
+        return None
+
+    def deregister_memory(self, registration: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("layer_ranges", [[(0, 3)], [(0, 1), (1, 3)]])
+def test_two_tp2_shards_gather_through_a_staging_buffer_byte_exact(layer_ranges):
+    """``gather_rows``: each shard's blocks whole (a descriptor per run of blocks for every
+    layer, per block for a layer range) into a staging buffer, then ``scatter_rows`` puts each
+    (layer, K|V, token) row at its heads in the wider blocks."""
+    from kvpool.transfer.nixl_staging import StagingBuffer
+    from kvpool.transfer.regions import gather_rows
+
+    kv = full_kv(5, seed=3)
+    src_ids = np.array([9, 3, 4, 5, 11], np.int32)  # three runs
+    dst_ids = np.array([0, 6, 2, 3, 7], np.int32)
+    receiver = kvpool.Pool(FULL, 16, device="host")
+    staging = StagingBuffer(receiver, 5, _NoAgent(), "DRAM", 0)
+    whole = TpShard(0, 1, 4)
+    counts = []
+    for rank in range(2):
+        shard = tp_shard(FULL.tp_shard(2), (rank, 2))
+        sender = kvpool.Pool(FULL.tp_shard(2), 16, device="host")
+        write(sender, src_ids, kv, shard.heads)
+        for layers in layer_ranges:
+            plan = gather_rows(
+                side(receiver, whole, dst_ids),
+                side(sender, shard, src_ids),
+                layers,
+                shard.heads,
+                staging.base_ptr,
+            )
+            assert plan is not None
+            dst, src, rows = plan
+            assert (dst[:, 1] == src[:, 1]).all()
+            for (to, nbytes, _), (frm, _, _) in zip(dst.tolist(), src.tolist()):
+                ctypes.memmove(to, frm, nbytes)  # the READ
+            staging.scatter_rows(dst_ids, rows)
+            counts.append(len(dst))
+    for view, full in zip(views(receiver), kv):
+        np.testing.assert_array_equal(view[dst_ids], full)
+    assert counts == ([3, 3] if layer_ranges == [(0, 3)] else [5, 5, 5, 5])
+    # Not a gather (the same heads on both sides, or this side narrower): None.
+    shard = tp_shard(FULL.tp_shard(2), (0, 2))
+    narrow = kvpool.Pool(FULL.tp_shard(2), 16, device="host")
+    assert (
+        gather_rows(
+            side(narrow, shard, src_ids), side(narrow, shard, src_ids), (0, 3), shard.heads, 0
+        )
+        is None
+    )
+    assert (
+        gather_rows(
+            side(narrow, shard, src_ids), side(receiver, whole, dst_ids), (0, 3), shard.heads, 0
+        )
+        is None
+    )
+    staging.close()
+
+
 def test_a_tp1_pool_splits_into_two_shards_byte_exact_and_by_layer_range():
     kv = full_kv(4, seed=2)
     src_ids = np.array([2, 3, 4, 5], np.int32)

@@ -66,6 +66,39 @@ def move_blocks(
     launch(_kernel(device_id), (count, chunks, 1), 256, 0, stream, param_block(args))
 
 
+class MoveRowsArgs(ctypes.Structure):
+    """The parameters of move_rows (cuda/copy_blocks.cu), in order."""
+
+    _fields_ = [
+        ("src_base", _u64),
+        ("src_ids", _u64),
+        ("src_block", _i64),
+        ("src_offset", _i64),
+        ("src_pitch", _i64),
+        ("dst_base", _u64),
+        ("dst_ids", _u64),
+        ("dst_block", _i64),
+        ("dst_offset", _i64),
+        ("dst_pitch", _i64),
+        ("rows", _i64),
+        ("row_bytes", _i64),
+    ]
+
+
+@functools.cache
+def _rows_kernel(device_id: int) -> Kernel:
+    return Kernel(_build.plain_module("copy_blocks"), "move_rows", device_id)
+
+
+def move_rows(device_id: int, count: int, args: MoveRowsArgs, stream: int) -> None:
+    """Queue move_rows over ``count`` blocks (``args``: its parameters; ids as device int32
+    pointers, 0 for the identity)."""
+    if count == 0:
+        return
+    chunks = max(1, min(64, -(-args.rows * args.row_bytes // (16 * 256 * 4))))
+    launch(_rows_kernel(device_id), (count, chunks, 1), 256, 0, stream, param_block(args))
+
+
 class CudaCompletion:
     """The end of a transfer's device work: an event, and what must live until it fires."""
 

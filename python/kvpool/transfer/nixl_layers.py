@@ -13,7 +13,11 @@ Layer by layer, within the one-sided READ protocol (transfer.md):
     (commit, for a split request)        --->   the request is ready
 
 Layer ``l`` of a block is one contiguous range (regions.py), so a range of layers is one
-descriptor per block (per (layer, K|V, token) row when heads are sliced too). A layer counts
+descriptor per block (per (layer, K|V, token) row when heads are sliced too). A gather (a TP
+shard's heads into a wider pool) with a staging buffer on this side READs the shard's blocks
+whole into the buffer instead (one descriptor per block, or per run for every layer) and
+scatters the rows into place after (``regions.gather_rows``, nixl_staging.py), where the
+transport's ``staging_cost`` says that pays. A layer counts
 as landed only once its READ completed before the deadline and, after that, the sender had
 neither aborted nor closed: the same test a whole-request READ passes (nixl_transport.py).
 
@@ -29,7 +33,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool._core import TransferError
-from kvpool.transfer.regions import Side, kv_descriptors
+from kvpool.transfer.regions import RowScatter, Side, gather_rows, kv_descriptors
+
+# The holder of a staging buffer taken by a LayeredRead (a side's READs run one at a time).
+_RECEIVING = -1
 
 
 def _is_int(value: Any) -> bool:
@@ -112,6 +119,8 @@ class LayeredRead:
         )
         self._read_done = False
         self.reads: list[tuple[int, int, int]] = []
+        # The READ in flight lands in the transport's staging buffer, to be scattered so.
+        self._scatter: RowScatter | None = None
 
     def _late(self) -> TimeoutError:
         return TimeoutError(
@@ -136,15 +145,50 @@ class LayeredRead:
         """Posts the READ of the layers ready now (the first poll does it otherwise)."""
         if self._handle is None and self.layers_landed < self.layers_ready:
             first, stop = self.layers_landed, self.layers_ready
-            local, remote = kv_descriptors(
-                self._local, self._remote, self._pieces, (first, stop), self._heads
-            )
+            staged = self._staged(first, stop)
+            if staged is not None:
+                local, remote, self._scatter = staged
+            else:
+                local, remote = kv_descriptors(
+                    self._local, self._remote, self._pieces, (first, stop), self._heads
+                )
             self.reads.append((first, stop, len(local)))
             self._reading = (first, stop)
-            self._handle, state = self._transport.post(local, remote, "READ")
+            try:
+                self._handle, state = self._transport.post(local, remote, "READ")
+            except BaseException:
+                self._unstage()
+                raise
             if state not in ("DONE", "PROC"):
                 self._retire()
                 raise self._transport._failure(f"the NIXL READ failed (state {state})")
+
+    def _staged(self, first: int, stop: int) -> tuple[Any, Any, RowScatter] | None:
+        """A gather's READ of layers ``[first, stop)`` through the transport's staging buffer
+        (the sender's shard blocks whole, then scattered into this side's wider blocks), if
+        the transport has one that holds them, is free, and ``staging_cost`` says it pays
+        against a descriptor per (layer, K|V, token) row; else None."""
+        transport = self._transport
+        staging = getattr(transport, "staging", None)
+        if staging is None:
+            return None
+        plan = gather_rows(self._local, self._remote, (first, stop), self._heads, staging.base_ptr)
+        if plan is None:
+            return None
+        local, remote, scatter = plan
+        nbytes = len(self._local.ids) * scatter.rows * scatter.row_bytes
+        rows_unstaged = len(self._local.ids) * scatter.rows
+        if not transport.staging_cost.worth(rows_unstaged - len(local) + 1, nbytes):
+            return None
+        if not staging.acquire(_RECEIVING, -(-nbytes // staging.block_bytes)):
+            return None
+        return local, remote, scatter
+
+    def _unstage(self) -> None:
+        """Gives the staging buffer back (the READ into it has ended or was never posted)."""
+        if self._scatter is not None:
+            self._scatter = None
+            self._transport.staging.release(_RECEIVING)
 
     def _retire(self) -> None:
         handle, self._handle = self._handle, None
@@ -163,11 +207,16 @@ class LayeredRead:
         if state == "PROC":
             return False
         self._retire()
-        if state != "DONE":
-            raise self._transport._failure(f"the NIXL READ failed (state {state})")
-        if self._clock() >= self._deadline:
-            raise self._late()  # the sender may have given up and reused its blocks
-        self._take_announcements()  # the sender neither aborted nor died meanwhile
+        try:
+            if state != "DONE":
+                raise self._transport._failure(f"the NIXL READ failed (state {state})")
+            if self._clock() >= self._deadline:
+                raise self._late()  # the sender may have given up and reused its blocks
+            self._take_announcements()  # the sender neither aborted nor died meanwhile
+            if self._scatter is not None:  # the trusted rows, from the buffer to the blocks
+                self._transport.staging.scatter_rows(self._local.ids, self._scatter)
+        finally:
+            self._unstage()
         self.layers_landed = self._reading[1]
         return True
 
@@ -202,6 +251,7 @@ class LayeredRead:
         """Ends the READ in flight (cancelled, or waited for): called before the blocks are
         returned on a failure."""
         self._retire()
+        self._unstage()
 
     def synchronize(self) -> None:
         pass

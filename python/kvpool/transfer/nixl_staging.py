@@ -42,7 +42,8 @@ import numpy as np
 
 from kvpool._core import Pool
 from kvpool.exceptions import InvalidArgumentError
-from kvpool.transfer.cuda_mover import move_blocks
+from kvpool.transfer.cuda_mover import MoveRowsArgs, move_blocks, move_rows
+from kvpool.transfer.regions import RowScatter
 
 # The default buffer of a CUDA pool's side, capped at the pool's slab: a request of up to this
 # many bytes moves as one descriptor. 2 MiB blocks x 128, 64 KiB blocks x 4096.
@@ -203,6 +204,47 @@ class StagingBuffer:
             else:
                 ctypes.memmove(pool_ptr, buffer_ptr, nbytes)
             start = int(end)
+
+    def scatter_rows(self, ids: np.ndarray, rows: RowScatter) -> None:
+        """Copies the buffer's packed rows (``rows.rows`` of ``rows.row_bytes`` per block, block
+        after block) into the pool's blocks ``ids`` at ``rows.offset`` with ``rows.pitch``
+        between rows, and waits for the copy: a tensor-parallel shard's heads landing in a
+        wider pool (regions.py's ``gather_rows``)."""
+        ids = np.ascontiguousarray(ids, np.int32)
+        per_block = rows.rows * rows.row_bytes
+        if len(ids) * per_block > self.num_blocks * self.block_bytes:
+            raise ValueError(f"{len(ids)} blocks of {per_block} bytes do not fit the buffer")
+        bb = self.pool.block_bytes
+        if self._on_device:
+            import cupy
+
+            with cupy.cuda.Device(self.device_id):
+                self._ids_host[: len(ids)] = ids
+                ids_ptr = int(self._ids_device.ptr)
+                cupy.cuda.runtime.memcpyAsync(
+                    ids_ptr, self._ids_pinned.ptr, 4 * len(ids), 1, self._stream.ptr
+                )  # 1: host to device
+                args = MoveRowsArgs(
+                    self.base_ptr, 0, per_block, 0, rows.row_bytes,
+                    self.pool.base_ptr, ids_ptr, bb, rows.offset, rows.pitch,
+                    rows.rows, rows.row_bytes,
+                )  # fmt: skip
+                move_rows(self.device_id, len(ids), args, self._stream.ptr)
+                self._stream.synchronize()
+            return
+        # A host pool: the rows as strided NumPy views of the two memories.
+        packed = np.ctypeslib.as_array(
+            (ctypes.c_uint8 * (len(ids) * per_block)).from_address(self.base_ptr)
+        ).reshape(len(ids), rows.rows, rows.row_bytes)
+        flat = np.ctypeslib.as_array(
+            (ctypes.c_uint8 * (self.pool.num_blocks * bb)).from_address(self.pool.base_ptr)
+        )
+        for k, block in enumerate(ids):
+            start = int(block) * bb + rows.offset
+            target = np.lib.stride_tricks.as_strided(
+                flat[start:], shape=(rows.rows, rows.row_bytes), strides=(rows.pitch, 1)
+            )
+            target[...] = packed[k]
 
     def close(self) -> None:
         """Deregisters the buffer from the agent and frees it (idempotent)."""

@@ -88,6 +88,17 @@ def _check_dense(layout: KvLayout) -> dict:
 
 
 @dataclass(frozen=True)
+class RowScatter:
+    """Where packed rows land in a block: ``rows`` rows of ``row_bytes`` each, the first at byte
+    ``offset`` of the block, ``pitch`` bytes apart (``gather_rows``)."""
+
+    rows: int
+    row_bytes: int
+    offset: int
+    pitch: int
+
+
+@dataclass(frozen=True)
 class Side:
     """One side of a transfer: its slab's base address, its pool's layout, the first of the
     model's KV heads its pool holds, and the request's block ids there."""
@@ -158,3 +169,52 @@ def _rows(addresses: Any, lengths: Any) -> np.ndarray:
     rows[:, 0] = addresses
     rows[:, 1] = np.asarray(lengths, np.uint64)
     return rows
+
+
+def gather_rows(
+    local: Side, remote: Side, layers: tuple[int, int], heads: tuple[int, int], staging: int
+) -> tuple[np.ndarray, np.ndarray, RowScatter] | None:
+    """The READ of a gather through this side's staging buffer at address ``staging``: the
+    remote side holds exactly the heads moved and this side more (a TP shard into a wider
+    pool), so the remote rows are whole (layers ``layers`` of each block: one descriptor per
+    block, or per run of blocks for every layer) and land packed in the buffer, block after
+    block, to be scattered into this side's blocks as ``RowScatter`` says (one row per (layer,
+    K|V, token); nixl_staging.py's ``scatter_rows``). None for any other
+    shape (then ``kv_descriptors`` cuts both sides into rows)."""
+    h0, h1 = heads
+    if not (
+        remote.first_head == h0
+        and remote.layout.num_kv_heads == h1 - h0 < local.layout.num_kv_heads
+    ):
+        return None
+    s_local, s_remote = _check_dense(local.layout), _check_dense(remote.layout)
+    first, stop = layers
+    per_block = (stop - first) * s_remote["layer"]  # the remote block's layers, whole
+    if first == 0 and stop == remote.layout.num_layers:  # whole blocks: a row per run
+        ids = remote.ids.astype(np.int64)
+        breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+        starts = np.concatenate(([0], breaks)).astype(np.int64)
+        counts = np.diff(np.concatenate((starts, [len(ids)])))
+        remote_rows = _rows(
+            remote.base + (ids[starts] * remote.layout.block_bytes).astype(np.uint64),
+            (counts * per_block).astype(np.uint64),
+        )
+        local_rows = _rows(staging + (starts * per_block).astype(np.uint64), remote_rows[:, 1])
+    else:  # a layer range: a row per block
+        n = len(remote.ids)
+        remote_rows = _rows(
+            remote.base
+            + remote.ids.astype(np.uint64) * remote.layout.block_bytes
+            + first * s_remote["layer"],
+            np.full(n, per_block, np.uint64),
+        )
+        local_rows = _rows(
+            staging + np.arange(n, dtype=np.uint64) * per_block, np.full(n, per_block, np.uint64)
+        )
+    scatter = RowScatter(
+        rows=(stop - first) * 2 * local.layout.block_size,  # (layer, K|V, token)
+        row_bytes=s_remote["token"],  # the moved heads of one token
+        offset=first * s_local["layer"] + (h0 - local.first_head) * s_local["head"],
+        pitch=s_local["token"],
+    )
+    return local_rows, remote_rows, scatter
