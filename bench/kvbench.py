@@ -69,6 +69,11 @@ ROUTINES = {
         "a request's blocks through NIXL host to host (--memory cuda/both: GPU to GPU) vs one "
         "contiguous NIXL read",
     ),
+    "transfer_nixl_tp": (
+        "gpu",
+        "a TP-2 prefill gathered into a TP-1 pool over NIXL through staging buffers vs the "
+        "same gather cut into rows",
+    ),
     "disk_tier": (
         "cpu",
         "the disk tier's put/get (NIXL POSIX, checksums) vs a plain sequential file write/read",

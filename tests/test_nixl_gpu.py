@@ -13,7 +13,8 @@ process). Both move bytes through the same protocol and leases.
   staging buffers (request 7 scattered on both sides, packed by the sender and unpacked by the
   receiver: one descriptor) and without them (one descriptor per run);
 - a TP-2 prefill (two pools of 4 of the 8 KV heads) gathered into a TP-1 decode pool
-  (``KvGatherReceiver``), then kvpool's decode kernel on the receiver equal, bit for bit, to
+  (``KvGatherReceiver``; each leg through its staging buffer, one descriptor, or by rows, one
+  per (block, layer, K|V, token)), then kvpool's decode kernel on the receiver equal, bit for bit, to
   the two prefill ranks' decode of their heads side by side (one split, as the TP decode test
   of tests/test_multigpu_gpu.py), and a TP-1 prefill split into a TP-2 decode group
   (``KvSplitSender``), each rank's decode equal to the source's for its heads;
@@ -322,17 +323,25 @@ def test_a_requests_blocks_move_device_to_device_byte_exact(tmp_path, how, stagi
     print(how, staging, "descriptors per request:", counts)
 
 
+@pytest.mark.parametrize("staging", ["staged", "rows"])
 @pytest.mark.parametrize("how", HOW)
-def test_a_tp2_prefill_gathered_into_tp1_decodes_as_on_the_source(tmp_path, how):
+def test_a_tp2_prefill_gathered_into_tp1_decodes_as_on_the_source(tmp_path, how, staging):
     from kvpool.transfer.tp_legs import KvGatherReceiver
 
     with sender(how, "tp2", tmp_path, legs=2) as other:
         pool = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="cuda")
         tables = kvpool.BlockTables(pool, 8, 64)
         free_before = pool.num_free
-        legs = [other.connect(pool, leg=leg) for leg in range(2)]
+        # Staged by the default costs (1,600 rows a leg against one run of blocks); "rows":
+        # no buffer, a descriptor per (block, layer, K|V, token).
+        options = {} if staging == "staged" else {"staging_bytes": 0}
+        legs = [other.connect(pool, leg=leg, **options) for leg in range(2)]
         receiver = KvGatherReceiver(tables, legs, timeout_s=PEER_WAIT_S)
-        receiver.recv(timeout=PEER_WAIT_S).wait()
+        transfer = receiver.recv(timeout=PEER_WAIT_S)
+        transfer.wait()
+        reads = [read.reads for read in transfer._completion.legs]
+        rows = 25 * LAYOUT.num_layers * 2 * LAYOUT.block_size
+        assert reads == [[(0, 2, 1 if staging == "staged" else rows)]] * 2, reads
         conserved(receiver, pool, free_before - 25)
         ids = tables.blocks(TP_RID)
         for got, want in zip(read(pool, ids), kv_of(TP_RID, len(ids))):
