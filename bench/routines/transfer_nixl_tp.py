@@ -86,7 +86,7 @@ def _prefill(conn, rendezvous: list[list[str]], max_blocks: int) -> None:
     def connect(mode: str, rank: int) -> None:
         pool, tables = ranks[rank]
         transport = NixlTransport.connect(0, rendezvous[MODES.index(mode)][rank], pool)
-        senders[mode, rank] = (transport, KvSender(tables, transport, timeout_s=600))
+        senders[mode, rank] = (transport, KvSender(tables, transport, timeout_s=600, tp=(rank, 2)))
 
     threads = [threading.Thread(target=connect, args=(m, r)) for m in MODES for r in range(2)]
     for thread in threads:
