@@ -7,9 +7,10 @@ The two prefill ranks are threads of a spawned process (each its own pool of hal
 tables and transports; CUDA IPC needs the other process), the decode pool and its
 ``KvGatherReceiver`` here. A model-like layout: 32 layers, 8 KV heads (4 a rank), head_dim
 128, fp16, 16 tokens a block (2 MiB a TP-1 block, 1 MiB a shard's). One case: the ranks send a
-request of n blocks (``KvSender.send(..., free_after=False)``), the receiver takes it and waits
-for it (``recv`` to ``wait``), then frees it; timed from the receiver's request to the
-sender's end of its transfer, the control messages included on both sides alike. The first
+request of n blocks written beforehand (``KvSender.send(..., free_after=False)``), the
+receiver takes it and waits for it (``recv`` to ``wait``), then frees it; timed from the
+receiver's request (a pipe message) to the transfer's end here, the control messages included
+for both cases alike. The first
 gather of each case is checked byte-exact against the model's KV; then the median of the
 repetitions, the staged and the rows cases interleaved. ``--rows-max`` bounds the rows case
 (its descriptors grow as n x 1024). Usage:
@@ -68,8 +69,9 @@ def _expected(n: int, layer: int, kv: int, heads: tuple[int, int]):
 
 
 def _prefill(conn, rendezvous: list[list[str]], max_blocks: int) -> None:
-    """The two prefill ranks (threads), one leg per (mode, rank): on ``("send", n, mode)``
-    each rank sends its n-block request over that mode's leg, then answers."""
+    """The two prefill ranks (threads), one leg per (mode, rank): on ``("fill", n)`` both
+    ranks write an n-block request (kept: sent with ``free_after=False``), on ``("send",
+    mode)`` each sends it over that mode's leg, then answers."""
     import kvpool
     from kvpool.transfer import KvSender
     from kvpool.transfer.nixl_transport import NixlTransport
@@ -95,13 +97,15 @@ def _prefill(conn, rendezvous: list[list[str]], max_blocks: int) -> None:
         thread.join()
     conn.send("connected")
     while (message := conn.recv()) != "stop":
-        _, n, mode = message
-        for _, tables in ranks:
-            if RID in tables:
-                tables.free(RID)
-        for rank, (pool, tables) in enumerate(ranks):
-            tables.add(RID, n * BLOCK)
-            _fill_shard(pool, tables.blocks(RID), rank)
+        if message[0] == "fill":  # a case's request, written before any send is timed
+            for rank, (pool, tables) in enumerate(ranks):
+                if RID in tables:
+                    tables.free(RID)
+                tables.add(RID, message[1] * BLOCK)
+                _fill_shard(pool, tables.blocks(RID), rank)
+            conn.send("filled")
+            continue
+        mode = message[1]
         errors: list = []
 
         def send(rank: int) -> None:
@@ -171,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows_out,
     }
 
-    def gather(n: int, mode: str) -> tuple[float, list]:
+    def gather(mode: str) -> tuple[float, list]:
         t0 = time.perf_counter()
-        conn.send(("send", n, mode))
+        conn.send(("send", mode))
         transfer = receivers[mode].recv(timeout=600)
         transfer.wait()
         elapsed = time.perf_counter() - t0
@@ -191,16 +195,18 @@ def main(argv: list[str] | None = None) -> int:
                     assert bool(cupy.array_equal(got, _expected(n, layer, kv, (0, HEADS))))
 
     for n in args.blocks:
+        conn.send(("fill", n))
+        assert conn.recv() == "filled"
         modes = [m for m in MODES if m == "staged" or n <= args.rows_max]
         times: dict = {m: [] for m in modes}
         reads: dict = {}
         for mode in modes:  # warm-up, checked
-            _, reads[mode] = gather(n, mode)
+            _, reads[mode] = gather(mode)
             check(n)
             tables.free(RID)
         for _ in range(args.reps):
             for mode in modes:
-                elapsed, _ = gather(n, mode)
+                elapsed, _ = gather(mode)
                 times[mode].append(elapsed)
                 tables.free(RID)
         nbytes = n * _layout().block_bytes

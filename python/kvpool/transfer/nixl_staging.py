@@ -218,18 +218,22 @@ class StagingBuffer:
         if self._on_device:
             import cupy
 
+            # The id list holds num_blocks ids; a shard's smaller blocks may be more: in turns.
             with cupy.cuda.Device(self.device_id):
-                self._ids_host[: len(ids)] = ids
-                ids_ptr = int(self._ids_device.ptr)
-                cupy.cuda.runtime.memcpyAsync(
-                    ids_ptr, self._ids_pinned.ptr, 4 * len(ids), 1, self._stream.ptr
-                )  # 1: host to device
-                args = MoveRowsArgs(
-                    self.base_ptr, 0, per_block, 0, rows.row_bytes,
-                    self.pool.base_ptr, ids_ptr, bb, rows.offset, rows.pitch,
-                    rows.rows, rows.row_bytes,
-                )  # fmt: skip
-                move_rows(self.device_id, len(ids), args, self._stream.ptr)
+                for start in range(0, len(ids), self.num_blocks):
+                    part = ids[start : start + self.num_blocks]
+                    self._stream.synchronize()  # the previous turn's ids are read
+                    self._ids_host[: len(part)] = part
+                    ids_ptr = int(self._ids_device.ptr)
+                    cupy.cuda.runtime.memcpyAsync(
+                        ids_ptr, self._ids_pinned.ptr, 4 * len(part), 1, self._stream.ptr
+                    )  # 1: host to device
+                    args = MoveRowsArgs(
+                        self.base_ptr + start * per_block, 0, per_block, 0, rows.row_bytes,
+                        self.pool.base_ptr, ids_ptr, bb, rows.offset, rows.pitch,
+                        rows.rows, rows.row_bytes,
+                    )  # fmt: skip
+                    move_rows(self.device_id, len(part), args, self._stream.ptr)
                 self._stream.synchronize()
             return
         # A host pool: the rows as strided NumPy views of the two memories.
