@@ -33,10 +33,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool._core import TransferError
+from kvpool.transfer.nixl_staging import RECEIVING
 from kvpool.transfer.regions import RowScatter, Side, gather_rows, kv_descriptors
-
-# The holder of a staging buffer taken by a LayeredRead (a side's READs run one at a time).
-_RECEIVING = -1
 
 
 def _is_int(value: Any) -> bool:
@@ -161,6 +159,7 @@ class LayeredRead:
                 raise
             if state not in ("DONE", "PROC"):
                 self._retire()
+                self._unstage()
                 raise self._transport._failure(f"the NIXL READ failed (state {state})")
 
     def _staged(self, first: int, stop: int) -> tuple[Any, Any, RowScatter] | None:
@@ -180,7 +179,7 @@ class LayeredRead:
         rows_unstaged = len(self._local.ids) * scatter.rows
         if not transport.staging_cost.worth(rows_unstaged - len(local) + 1, nbytes):
             return None
-        if not staging.acquire(_RECEIVING, -(-nbytes // staging.block_bytes)):
+        if not staging.acquire(RECEIVING, -(-nbytes // staging.block_bytes)):
             return None
         return local, remote, scatter
 
@@ -188,7 +187,7 @@ class LayeredRead:
         """Gives the staging buffer back (the READ into it has ended or was never posted)."""
         if self._scatter is not None:
             self._scatter = None
-            self._transport.staging.release(_RECEIVING)
+            self._transport.staging.release(RECEIVING)
 
     def _retire(self) -> None:
         handle, self._handle = self._handle, None

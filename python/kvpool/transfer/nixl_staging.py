@@ -45,6 +45,9 @@ from kvpool.exceptions import InvalidArgumentError
 from kvpool.transfer.cuda_mover import MoveRowsArgs, move_blocks, move_rows
 from kvpool.transfer.regions import RowScatter
 
+# The holder of a buffer taken by this side's READ (``read_blocks``, a ``LayeredRead``; a side
+# READs one offer at a time). Request ids are >= 0: a sending request holds it by its id.
+RECEIVING = -1
 # The default buffer of a CUDA pool's side, capped at the pool's slab: a request of up to this
 # many bytes moves as one descriptor. 2 MiB blocks x 128, 64 KiB blocks x 4096.
 DEFAULT_CUDA_STAGING_BYTES = 256 << 20

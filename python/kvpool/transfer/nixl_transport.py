@@ -57,6 +57,7 @@ from kvpool.transfer.movers import Done
 from kvpool.transfer.nccl import NcclTransport, rendezvous_control
 from kvpool.transfer.nixl_layers import AwaitMessage, LayeredRead
 from kvpool.transfer.nixl_staging import (
+    RECEIVING,
     StagingBuffer,
     StagingCost,
     runs,
@@ -79,9 +80,6 @@ _CANCEL_WAIT_S = 5.0
 # CUDA pool's agent asks for GET (``y``) unless the variable is set: a user who set it keeps
 # theirs. UCX reads it when the agent is made, so it is set before.
 CUDA_IPC_GET = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
-# The holder of a staging buffer taken by this side's READ (request ids are >= 0: a sending
-# request of this side holds it by its id).
-_RECEIVING = -1
 
 
 def enable_cuda_ipc_get(mem_type: str) -> None:
@@ -371,7 +369,7 @@ class NixlTransport(Transport):
             source_one_region
             and staging is not None
             and self.worth_staging(dst_ids)
-            and staging.acquire(_RECEIVING, n)
+            and staging.acquire(RECEIVING, n)
         ):
             rows = run_descriptors(remote_base, bb, remote_ids, [(0, n)])
             local = np.array([[staging.base_ptr, n * bb, 0]], np.uint64)
@@ -413,7 +411,7 @@ class NixlTransport(Transport):
         finally:
             if scatter:
                 assert self.staging is not None
-                self.staging.release(_RECEIVING)
+                self.staging.release(RECEIVING)
         self.send_control({"kind": "done", "request_id": request_id})
         return Done()
 
