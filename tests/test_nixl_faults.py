@@ -226,8 +226,9 @@ def test_a_receiver_killed_mid_read_leaves_the_sender_its_request(tmp_path):
     assert other.process.returncode == -signal.SIGKILL
 
 
-def test_a_deadline_passing_during_the_read_discards_it_and_tells_the_sender(tmp_path):
-    clock = Clock()
+def deadline_passes_during_the_read(clock: Clock) -> type[NixlTransport]:
+    """A receiver's transport whose READ is seen complete only past its deadline on ``clock``
+    (also used by tests/test_nixl_staging.py)."""
 
     class DeadlinePassesDuringTheRead(NixlTransport):
         def move(self, *args: Any, **kwargs: Any) -> None:
@@ -240,6 +241,13 @@ def test_a_deadline_passing_during_the_read_discards_it_and_tells_the_sender(tmp
 
             self.agent.transfer = post_then_late
             super().move(*args, **kwargs)
+
+    return DeadlinePassesDuringTheRead
+
+
+def test_a_deadline_passing_during_the_read_discards_it_and_tells_the_sender(tmp_path):
+    clock = Clock()
+    DeadlinePassesDuringTheRead = deadline_passes_during_the_read(clock)
 
     with spawn(__file__, "sender", tmp_path=tmp_path) as other:
         pool, tables = make_side()

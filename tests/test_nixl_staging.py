@@ -30,7 +30,7 @@ from kvpool.transfer.nixl_staging import (
     staging_blocks,
 )
 from nixl_peers import PEER_WAIT_S, NixlTransport, conserved, fill, request_bytes, spawn
-from test_nixl_faults import Clock
+from test_nixl_faults import Clock, deadline_passes_during_the_read
 
 LAYOUT = kvpool.KvLayout(2, 2, 64, 16)  # 16 KiB blocks, 16 tokens each
 NUM_BLOCKS = 96
@@ -206,19 +206,7 @@ def test_a_sender_killed_before_a_staged_read_frees_the_receivers_blocks_and_buf
 
 def test_a_deadline_passing_during_a_staged_read_frees_both_sides_and_their_buffers(tmp_path):
     clock = Clock()
-
-    class DeadlinePassesDuringTheRead(NixlTransport):
-        def move(self, *args: Any, **kwargs: Any) -> None:
-            post = self.agent.transfer
-
-            def post_then_late(handle: Any, *a: Any) -> str:
-                state = post(handle, *a)
-                clock.now += 2 * PEER_WAIT_S  # the READ is seen complete past the deadline
-                return state
-
-            self.agent.transfer = post_then_late
-            super().move(*args, **kwargs)
-
+    DeadlinePassesDuringTheRead = deadline_passes_during_the_read(clock)
     pool = kvpool.Pool(LAYOUT, NUM_BLOCKS, device="host")
     tables = holed_tables(pool, holes=True)  # into this side's buffer, from the sender's
     free_before = pool.num_free
