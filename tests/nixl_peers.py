@@ -11,6 +11,7 @@ NIXL/UCX.
   transport is closed, the peer killed if still running and waited for, its pipes closed.
 - ``run_ranks(rank_fn, rendezvous)``: the ranks of a TP-2 group as threads of the peer, each
   ``rank_fn(rank, rendezvous[rank], report)``; their reports as ``{"ranks": [...]}``.
+- ``STAGE_ALWAYS``: ``StagingCost`` that stages every request of more than one run.
 - ``conserved``: a side's pool invariant (free + evictable + used + in_flight == total), no
   lease left, and every block back where it was.
 - ``fill(pool, tables, rid, num_tokens)``: adds request ``rid`` and fills its blocks with
@@ -30,10 +31,12 @@ from typing import Any
 
 import kvpool
 import numpy as np
+from kvpool.transfer.nixl_staging import StagingCost
 from nixl_required import NixlTransport
 
 __all__ = [
     "PEER_WAIT_S",
+    "STAGE_ALWAYS",
     "NixlTransport",
     "Peer",
     "conserved",
@@ -44,6 +47,10 @@ __all__ = [
 ]
 
 PEER_WAIT_S = 30.0  # a bound on every wait if a side breaks, never reached
+# Staging costs that stage every request of more than one run: for tests of the staging
+# mechanism, whose few blocks would not pay by the default costs (tests/test_nixl_staging.py
+# checks those).
+STAGE_ALWAYS = StagingCost(descriptor_s=1.0, fixed_s=0.0)
 
 
 class Peer:

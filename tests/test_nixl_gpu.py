@@ -38,8 +38,15 @@ import kvpool
 import numpy as np
 import pytest
 from kvpool.transfer import KvReceiver, KvSender
-from kvpool.transfer.nixl_staging import StagingCost
-from nixl_peers import PEER_WAIT_S, NixlTransport, Peer, conserved, run_ranks, spawn
+from nixl_peers import (
+    PEER_WAIT_S,
+    STAGE_ALWAYS,
+    NixlTransport,
+    Peer,
+    conserved,
+    run_ranks,
+    spawn,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -48,9 +55,6 @@ NUM_BLOCKS = 96
 REQUESTS = {7: 16 * 20 + 5, 8: 16 * 16}  # 21 blocks in the sender's holes, 16 in one run
 TP_RID, TP_TOKENS, HQ = 3, 16 * 24 + 9, 32  # 25 blocks; 32 query heads over 8 KV heads
 LAYERED_RID, LAYERED_TOKENS = 7, 16 * 9 + 3  # 10 blocks, announced layer by layer
-# Stage every request of more than one run (these few blocks would not pay by the default
-# costs, tests/test_nixl_staging.py checks those): the test is of the mechanism on the GPU.
-ALWAYS = StagingCost(descriptor_s=1.0, fixed_s=0.0)
 FINISH_S = 180.0  # the sender's end, which may include compiling the decode kernel
 
 
@@ -127,7 +131,7 @@ def send_requests(rendezvous: str, staging_bytes: int | None = None) -> dict:
     transport = NixlTransport.connect(
         0, rendezvous, pool, timeout=PEER_WAIT_S, staging_bytes=staging_bytes
     )
-    transport.staging_cost = ALWAYS
+    transport.staging_cost = STAGE_ALWAYS
     sender = KvSender(tables, transport, timeout_s=PEER_WAIT_S)
     for rid in REQUESTS:
         sender.send(rid).wait()
@@ -297,7 +301,7 @@ def test_a_requests_blocks_move_device_to_device_byte_exact(tmp_path, how, stagi
                 tables.free(rid)
         staging_bytes = None if staging == "staged" else 0
         transport = other.connect(pool, staging_bytes=staging_bytes)
-        transport.staging_cost = ALWAYS
+        transport.staging_cost = STAGE_ALWAYS
         assert (transport.mem_type, transport.remote_mem_type) == ("VRAM", "VRAM")
         receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
         free = pool.num_free

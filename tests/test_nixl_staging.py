@@ -29,7 +29,15 @@ from kvpool.transfer.nixl_staging import (
     runs,
     staging_blocks,
 )
-from nixl_peers import PEER_WAIT_S, NixlTransport, conserved, fill, request_bytes, spawn
+from nixl_peers import (
+    PEER_WAIT_S,
+    STAGE_ALWAYS,
+    NixlTransport,
+    conserved,
+    fill,
+    request_bytes,
+    spawn,
+)
 from test_nixl_faults import Clock, deadline_passes_during_the_read
 
 LAYOUT = kvpool.KvLayout(2, 2, 64, 16)  # 16 KiB blocks, 16 tokens each
@@ -51,17 +59,12 @@ def holed_tables(pool: kvpool.Pool, holes: bool) -> kvpool.BlockTables:
     return tables
 
 
-# Stage every request of more than one run: these tests are of the mechanism, on host pools,
-# whatever the default costs say (test_the_default_costs_choose_as_measured is of those).
-ALWAYS = StagingCost(descriptor_s=1.0, fixed_s=0.0)
-
-
 def connect(rendezvous: str, pool: kvpool.Pool) -> NixlTransport:
     """The peer's transport (agent 0) with a buffer of ``STAGING_BLOCKS``, staging always."""
     transport = NixlTransport.connect(
         0, rendezvous, pool, timeout=PEER_WAIT_S, staging_bytes=STAGING_BYTES
     )
-    transport.staging_cost = ALWAYS
+    transport.staging_cost = STAGE_ALWAYS
     return transport
 
 
@@ -140,7 +143,7 @@ def test_scattered_requests_move_as_one_descriptor_through_the_staging_buffers(
     want = expected_bytes()
     with spawn(__file__, "sender", source, tmp_path=tmp_path) as other:
         transport = other.connect(pool, staging_bytes=STAGING_BYTES)
-        transport.staging_cost = ALWAYS
+        transport.staging_cost = STAGE_ALWAYS
         receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
         for _ in REQUESTS:
             receiver.recv(timeout=PEER_WAIT_S).wait()
@@ -166,7 +169,7 @@ def test_a_refused_offer_gives_the_senders_buffer_back_for_the_next_request(tmp_
     want = expected_bytes()
     with spawn(__file__, "sender", "refused", tmp_path=tmp_path) as other:
         transport = other.connect(pool, staging_bytes=STAGING_BYTES)
-        transport.staging_cost = ALWAYS
+        transport.staging_cost = STAGE_ALWAYS
         receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
         receiver.recv(timeout=PEER_WAIT_S).wait()
         with pytest.raises(TransferError, match="request 7"):
@@ -194,7 +197,7 @@ def test_a_sender_killed_before_a_staged_read_frees_the_receivers_blocks_and_buf
     free_before = pool.num_free
     with spawn(__file__, "sender", "scattered", tmp_path=tmp_path) as other:
         transport = other.connect(pool, KillTheSenderFirst, staging_bytes=STAGING_BYTES)
-        transport.staging_cost = ALWAYS
+        transport.staging_cost = STAGE_ALWAYS
         transport.victim = other.process
         receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
         with pytest.raises(TransferError, match="receiving request 7 failed.*died"):
@@ -212,7 +215,7 @@ def test_a_deadline_passing_during_a_staged_read_frees_both_sides_and_their_buff
     free_before = pool.num_free
     with spawn(__file__, "sender", "deadline", tmp_path=tmp_path) as other:
         transport = other.connect(pool, DeadlinePassesDuringTheRead, staging_bytes=STAGING_BYTES)
-        transport.staging_cost = ALWAYS
+        transport.staging_cost = STAGE_ALWAYS
         receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S, clock=clock)
         with pytest.raises(TransferError, match="request 7 passed its deadline"):
             receiver.recv(timeout=PEER_WAIT_S)
@@ -241,7 +244,7 @@ def test_an_offer_staged_outside_the_senders_buffer_is_refused_before_allocating
     free_before = pool.num_free
     with spawn(__file__, "sender_forged", staged_at, tmp_path=tmp_path) as other:
         transport = other.connect(pool, staging_bytes=STAGING_BYTES)
-        transport.staging_cost = ALWAYS
+        transport.staging_cost = STAGE_ALWAYS
         receiver = KvReceiver(tables, transport, timeout_s=PEER_WAIT_S)
         with pytest.raises(TransferError) as refused:
             receiver.recv(timeout=PEER_WAIT_S)

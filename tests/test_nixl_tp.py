@@ -22,9 +22,16 @@ import numpy as np
 import pytest
 from kvpool import TransferError
 from kvpool.transfer import KvReceiver, KvSender
-from kvpool.transfer.nixl_staging import StagingCost
 from kvpool.transfer.transport import PeerGone
-from nixl_peers import PEER_WAIT_S, NixlTransport, Peer, conserved, run_ranks, spawn
+from nixl_peers import (
+    PEER_WAIT_S,
+    STAGE_ALWAYS,
+    NixlTransport,
+    Peer,
+    conserved,
+    run_ranks,
+    spawn,
+)
 
 FULL = kvpool.KvLayout(2, 4, 16, 16)  # the model: 2 layers, 4 KV heads
 NUM_BLOCKS = 24
@@ -146,11 +153,10 @@ class ReadEndsInError(NixlTransport):
         return handle, "PROC"
 
 
-# Every gather leg READs through its staging buffer (host pools get one only when asked, and
-# these few rows would not pay by StagingCost's defaults): the shard's blocks whole, then the
-# rows scattered into the wider blocks.
+# Every gather leg READs through its staging buffer (host pools get one only when asked; these
+# few rows would not pay by the default costs): the shard's blocks whole, then the rows
+# scattered into the wider blocks.
 STAGED = {"staging_bytes": 1 << 20}
-ALWAYS = StagingCost(descriptor_s=1.0, fixed_s=0.0)
 
 
 def gather_legs(prefill: Peer, pool: kvpool.Pool, staging: str, classes: tuple = ()) -> list:
@@ -160,7 +166,7 @@ def gather_legs(prefill: Peer, pool: kvpool.Pool, staging: str, classes: tuple =
         cls = classes[leg] if classes else NixlTransport
         if staging == "staged":
             legs.append(prefill.connect(pool, cls, leg=leg, **STAGED))
-            legs[-1].staging_cost = ALWAYS
+            legs[-1].staging_cost = STAGE_ALWAYS
         else:
             legs.append(prefill.connect(pool, cls, leg=leg))
     return legs

@@ -43,6 +43,7 @@ import numpy as np
 from kvpool._core import Pool
 from kvpool.exceptions import InvalidArgumentError
 from kvpool.transfer.cuda_mover import MoveRowsArgs, move_blocks, move_rows
+from kvpool.transfer.pieces import GROUPED, plan_pieces
 from kvpool.transfer.regions import RowScatter
 
 # The holder of a buffer taken by this side's READ (``read_blocks``, a ``LayeredRead``; a side
@@ -173,11 +174,7 @@ class StagingBuffer:
             with cupy.cuda.Device(self.device_id):
                 # The buffer's holder alone moves through it, and each move is waited for
                 # before it returns: the id lists are free again here.
-                self._ids_host[: len(ids)] = ids
-                ids_ptr = int(self._ids_device.ptr)
-                cupy.cuda.runtime.memcpyAsync(
-                    ids_ptr, self._ids_pinned.ptr, 4 * len(ids), 1, self._stream.ptr
-                )  # 1: host to device
+                ids_ptr = self._ids_to_device(ids)
                 # (base, ids: a device int32 list or 0 for the identity, stride) of each side
                 pool_side = (pool_base, ids_ptr, bb)
                 buffer_side = (self.base_ptr, 0, bb)
@@ -197,16 +194,26 @@ class StagingBuffer:
                 self._stream.synchronize()  # before anyone reads what it wrote
             return
         # A host pool: one memmove per run of consecutive ids.
-        start = 0
-        for end in [*(np.flatnonzero(np.diff(ids.astype(np.int64)) != 1) + 1), len(ids)]:
+        for start, count in plan_pieces(GROUPED, ids, ids, len(ids)):
             pool_ptr = pool_base + int(ids[start]) * bb
             buffer_ptr = self.base_ptr + start * bb
-            nbytes = (int(end) - start) * bb
             if to_buffer:
-                ctypes.memmove(buffer_ptr, pool_ptr, nbytes)
+                ctypes.memmove(buffer_ptr, pool_ptr, count * bb)
             else:
-                ctypes.memmove(pool_ptr, buffer_ptr, nbytes)
-            start = int(end)
+                ctypes.memmove(pool_ptr, buffer_ptr, count * bb)
+
+    def _ids_to_device(self, ids: np.ndarray) -> int:
+        """Queues the copy of ``ids`` (at most ``num_blocks``) through the pinned list into the
+        device list, on the buffer's stream; the device list's address. The caller waits for
+        the stream before the lists are used again."""
+        import cupy
+
+        self._ids_host[: len(ids)] = ids
+        ids_ptr = int(self._ids_device.ptr)
+        cupy.cuda.runtime.memcpyAsync(
+            ids_ptr, self._ids_pinned.ptr, 4 * len(ids), 1, self._stream.ptr
+        )  # 1: host to device
+        return ids_ptr
 
     def scatter_rows(self, ids: np.ndarray, rows: RowScatter) -> None:
         """Copies the buffer's packed rows (``rows.rows`` of ``rows.row_bytes`` per block, block
@@ -226,11 +233,7 @@ class StagingBuffer:
                 for start in range(0, len(ids), self.num_blocks):
                     part = ids[start : start + self.num_blocks]
                     self._stream.synchronize()  # the previous turn's ids are read
-                    self._ids_host[: len(part)] = part
-                    ids_ptr = int(self._ids_device.ptr)
-                    cupy.cuda.runtime.memcpyAsync(
-                        ids_ptr, self._ids_pinned.ptr, 4 * len(part), 1, self._stream.ptr
-                    )  # 1: host to device
+                    ids_ptr = self._ids_to_device(part)
                     args = MoveRowsArgs(
                         self.base_ptr + start * per_block, 0, per_block, 0, rows.row_bytes,
                         self.pool.base_ptr, ids_ptr, bb, rows.offset, rows.pitch,

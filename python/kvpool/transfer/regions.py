@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvpool._core import KvLayout
+from kvpool.transfer.pieces import GROUPED, plan_pieces
 
 
 @dataclass(frozen=True)
@@ -191,15 +192,15 @@ def gather_rows(
     first, stop = layers
     per_block = (stop - first) * s_remote["layer"]  # the remote block's layers, whole
     if first == 0 and stop == remote.layout.num_layers:  # whole blocks: a row per run
-        ids = remote.ids.astype(np.int64)
-        breaks = np.flatnonzero(np.diff(ids) != 1) + 1
-        starts = np.concatenate(([0], breaks)).astype(np.int64)
-        counts = np.diff(np.concatenate((starts, [len(ids)])))
+        runs = plan_pieces(GROUPED, remote.ids, remote.ids, len(remote.ids))
+        starts = np.array([start for start, _ in runs], np.uint64)
+        counts = np.array([count for _, count in runs], np.uint64)
         remote_rows = _rows(
-            remote.base + (ids[starts] * remote.layout.block_bytes).astype(np.uint64),
-            (counts * per_block).astype(np.uint64),
+            remote.base
+            + remote.ids[starts.astype(np.int64)].astype(np.uint64) * remote.layout.block_bytes,
+            counts * per_block,
         )
-        local_rows = _rows(staging + (starts * per_block).astype(np.uint64), remote_rows[:, 1])
+        local_rows = _rows(staging + starts * per_block, remote_rows[:, 1])
     else:  # a layer range: a row per block
         n = len(remote.ids)
         remote_rows = _rows(
