@@ -199,7 +199,9 @@ def test_scales_refusals_change_nothing():
     for bad in ("0.1", True, None):
         with pytest.raises(TypeError, match="scale must be a float"):
             s.set(1, bad)
-    with pytest.raises(InvalidArgumentError, match="layer 0 is in group 0, not in the scales'"):
+    with pytest.raises(
+        InvalidArgumentError, match="layer 0 is in group 0 .full., not in the scales. MLA group 1"
+    ):
         s.set(0, 0.5)
     with pytest.raises(InvalidArgumentError, match="layer 3 outside"):
         s.set(3, 0.5)

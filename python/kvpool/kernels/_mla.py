@@ -70,7 +70,7 @@ from kvpool.kernels._launch import (
     wait_producers,
 )
 from kvpool.kernels._mla_args import MlaArgs, MlaMergeArgs
-from kvpool.kernels._mla_scales import MlaScales
+from kvpool.kernels._mla_scales import MlaScales, group_layer_index
 from kvpool.kernels._prefill_work import host_lengths
 
 MAX_MLA_HEADS = 128
@@ -427,16 +427,7 @@ class _MlaPlan:
 
     def layer_index(self, layer: int) -> int:
         """The index inside the plan's group of model layer `layer`."""
-        layer = index_arg(layer, "layer")
-        if not 0 <= layer < self.spec.num_layers:
-            raise InvalidArgumentError(f"layer {layer} outside 0..{self.spec.num_layers - 1}")
-        g, idx = self.spec.group_of_layer(layer)
-        if g != self.group:
-            raise InvalidArgumentError(
-                f"layer {layer} is in group {g} ({self.spec.groups[g].kind}), not in the plan's "
-                f"MLA group {self.group}"
-            )
-        return int(idx)
+        return group_layer_index(self.spec, self.group, layer, "the plan's")
 
     def _choose_variant(self, max_qo_len: int) -> None:
         """The row tile (forced, or by the longest sequence's query rows per KV head) and its

@@ -33,6 +33,22 @@ from kvpool.kernels._args import device_index, index_arg, pool_is_cuda
 from kvpool.kernels._scales import _as_host_int64, _rows_as_float32
 
 
+def group_layer_index(spec: Any, group: int, layer: Any, whose: str) -> int:
+    """The place inside MLA group ``group`` of ``spec`` of model layer ``layer``;
+    InvalidArgumentError naming ``whose`` group it is (``"the plan's"``) for a layer outside
+    the model or in another group."""
+    layer = index_arg(layer, "layer")
+    if not 0 <= layer < spec.num_layers:
+        raise InvalidArgumentError(f"layer {layer} outside 0..{spec.num_layers - 1}")
+    g, idx = spec.group_of_layer(layer)
+    if g != group:
+        raise InvalidArgumentError(
+            f"layer {layer} is in group {g} ({spec.groups[g].kind}), not in {whose} MLA group "
+            f"{group}"
+        )
+    return int(idx)
+
+
 class MlaScales:
     """Per-layer dequantization scales of one fp8 MLA latent group (see the module docstring)."""
 
@@ -70,15 +86,7 @@ class MlaScales:
 
     def index(self, layer: Any) -> int:
         """The place in the group of model layer `layer` (refused outside the group)."""
-        layer = index_arg(layer, "layer")
-        if not 0 <= layer < self.spec.num_layers:
-            raise InvalidArgumentError(f"layer {layer} outside 0..{self.spec.num_layers - 1}")
-        g, idx = self.spec.group_of_layer(layer)
-        if g != self.group:
-            raise InvalidArgumentError(
-                f"layer {layer} is in group {g}, not in the scales' MLA group {self.group}"
-            )
-        return int(idx)
+        return group_layer_index(self.spec, self.group, layer, "the scales'")
 
     def is_set(self, layer: int) -> bool:
         """Whether the layer's scale was set or calibrated (and is frozen)."""
