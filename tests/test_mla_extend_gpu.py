@@ -17,7 +17,7 @@ from attention_inputs import qo_indptr, random_elems
 from gpu_fixtures import cp, error_report, poisoned, to_device
 from kvpool import reference
 from kvpool.kernels import mla_decode_plan, mla_extend_plan
-from test_mla_gpu import BOUND, SCALE, layer_cache, make_batch, row_errors, to_host
+from test_mla_gpu import BOUND, SCALE, layer_cache, make_batch, row_errors, run_case, to_host
 
 pytestmark = pytest.mark.gpu
 
@@ -65,16 +65,6 @@ def mutated_rows(qn, qp, cache, pt, lens, qo, seq, dtype, mutation):
         qn[rows], qp[rows], cache, table, lens1, qo_indptr(qo1), SCALE, dtype
     )
     return rows, want
-
-
-def run_case(plan, rng, dtype, heads, total_q, layer):
-    qn = random_elems(rng, (total_q, heads, 512), dtype)
-    qp = random_elems(rng, (total_q, heads, 64), dtype)
-    out = poisoned((total_q, heads, 512), dtype)
-    plan.run(to_device(qn, dtype), to_device(qp, dtype), layer, out=out)
-    cp.cuda.runtime.deviceSynchronize()
-    got = to_host(out, dtype)
-    return qn, qp, got
 
 
 @pytest.mark.parametrize(("dtype", "heads", "head_tile", "splits", "qo"), CASES)

@@ -24,7 +24,7 @@ from kvpool.kernels import (
     mla_page_tables,
 )
 from test_mla_extend_gpu import QO_NARROW, QO_WIDE
-from test_mla_gpu import BOUND, LENS, SCALE, row_errors, to_host
+from test_mla_gpu import BOUND, LENS, SCALE, row_errors, run_case, to_host
 
 pytestmark = pytest.mark.gpu
 
@@ -134,12 +134,7 @@ def test_fp8_mla_decode_matches_float64(q_dtype, heads, head_tile, splits):
     )
     name = f"decode-{q_dtype}-h{heads}-t{head_tile}-s{splits}"
     for layer, idx in ((1, 0), (2, 1)):
-        qn = random_elems(rng, (n, heads, 512), q_dtype)
-        qp = random_elems(rng, (n, heads, 64), q_dtype)
-        out = poisoned((n, heads, 512), q_dtype)
-        plan.run(to_device(qn, q_dtype), to_device(qp, q_dtype), layer, out=out)
-        cp.cuda.runtime.deviceSynchronize()
-        got = to_host(out, q_dtype)
+        qn, qp, got = run_case(plan, rng, q_dtype, heads, n, layer)
         assert not np.isnan(got).any(), f"{name}: NaN in the output"
         s = LAYER_SCALES[idx]
         want = ref_decode(qn, qp, caches[idx], pt, sl, q_dtype, s)
@@ -190,12 +185,7 @@ def test_fp8_mla_extend_matches_float64(q_dtype, heads, head_tile, splits, qo):
     )
     name = f"extend-{q_dtype}-h{heads}-t{head_tile}-s{splits}-q{max(qo)}"
     for layer, idx in ((1, 0), (2, 1)):
-        qn = random_elems(rng, (total_q, heads, 512), q_dtype)
-        qp = random_elems(rng, (total_q, heads, 64), q_dtype)
-        out = poisoned((total_q, heads, 512), q_dtype)
-        plan.run(to_device(qn, q_dtype), to_device(qp, q_dtype), layer, out=out)
-        cp.cuda.runtime.deviceSynchronize()
-        got = to_host(out, q_dtype)
+        qn, qp, got = run_case(plan, rng, q_dtype, heads, total_q, layer)
         assert not np.isnan(got).any(), f"{name}: NaN in the output"
         s = LAYER_SCALES[idx]
         want = reference.mla_extend_reference(

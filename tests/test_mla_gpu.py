@@ -78,6 +78,17 @@ def to_host(out, dtype):
     return reference.to_float64(bits.view(np.float16) if dtype == "float16" else bits, dtype)
 
 
+def run_case(plan, rng, dtype, heads, rows, layer):
+    """``plan.run`` of fresh random queries (``rows`` x ``heads``, ``dtype``) for ``layer``
+    into a NaN-poisoned output: the queries and the output on the host."""
+    qn = random_elems(rng, (rows, heads, 512), dtype)
+    qp = random_elems(rng, (rows, heads, 64), dtype)
+    out = poisoned((rows, heads, 512), dtype)
+    plan.run(to_device(qn, dtype), to_device(qp, dtype), layer, out=out)
+    cp.cuda.runtime.deviceSynchronize()
+    return qn, qp, to_host(out, dtype)
+
+
 CASES = [
     # dtype, heads, head_tile, num_splits (None: the plan's)
     ("bfloat16", 16, None, 1),
@@ -117,12 +128,7 @@ def test_mla_decode_matches_float64(dtype, heads, head_tile, splits):
         assert plan.num_splits == min(splits, -(-max(LENS) // 64))
     name = f"{dtype}-h{heads}-t{head_tile}-s{splits}"
     for layer, idx in ((1, 0), (2, 1)):
-        qn = random_elems(rng, (n, heads, 512), dtype)
-        qp = random_elems(rng, (n, heads, 64), dtype)
-        out = poisoned((n, heads, 512), dtype)
-        plan.run(to_device(qn, dtype), to_device(qp, dtype), layer, out=out)
-        cp.cuda.runtime.deviceSynchronize()
-        got = to_host(out, dtype)
+        qn, qp, got = run_case(plan, rng, dtype, heads, n, layer)
         assert not np.isnan(got).any(), f"{name}: NaN in the output"
         cache = layer_cache(spec, slab, idx, dtype)
         want = reference.mla_decode_reference(qn, qp, cache, pt, sl, SCALE, dtype)

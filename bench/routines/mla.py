@@ -124,18 +124,10 @@ def flashinfer_mla(
             row[f"{tag}_{backend}_error"] = f"{type(e).__name__}: {e}"[:600]
 
 
-def fp8_rows(row, cache, tables, lens, qn, qp, out_bf16, flashinfer):
-    """The fp8 latent group's figures for one shape (see the module docstring), into `row`."""
-    batch, heads = qn.shape[0], qn.shape[1]
-    pages, ctx = cache.shape[0], int(lens[0])
-    spec = ModelKvSpec([KvGroup.mla_latent([0], 512, 64, FP8)])
-    pool = Pool.for_spec(spec, pages, device="cuda")
-    scales = MlaScales(pool, spec, 0)
-    scale = float(cache.abs().max()) / 448
-    scales.set(0, scale)
-    slots = torch.arange(pages * BS, dtype=torch.int64, device="cuda")  # page p: slots 64p..
-    mla_append_latent(pool, spec, 0, cache.reshape(pages * BS, 576), slots, scales=scales)
-    out = torch.empty(batch, heads, 512, dtype=torch.bfloat16, device="cuda")
+def decode_call(pool, spec, tables, lens, heads, ctx, qn, qp, out, **options):
+    """A ``graph_us`` callable running kvpool's MLA decode of group 0 into ``out`` on the
+    stream it is given (a plan per stream, made on its first call, with ``options``:
+    ``head_tile``, ``scales``), and the plans made."""
     plans = {}
 
     def call(s):
@@ -151,10 +143,26 @@ def fp8_rows(row, cache, tables, lens, qn, qp, out_bf16, flashinfer):
                 scale=SCALE,
                 max_seq_len=ctx,
                 stream=s,
-                scales=scales,
+                **options,
             )
         plans[key].run(qn, qp, 0, out=out)
 
+    return call, plans
+
+
+def fp8_rows(row, cache, tables, lens, qn, qp, out_bf16, flashinfer):
+    """The fp8 latent group's figures for one shape (see the module docstring), into `row`."""
+    batch, heads = qn.shape[0], qn.shape[1]
+    pages, ctx = cache.shape[0], int(lens[0])
+    spec = ModelKvSpec([KvGroup.mla_latent([0], 512, 64, FP8)])
+    pool = Pool.for_spec(spec, pages, device="cuda")
+    scales = MlaScales(pool, spec, 0)
+    scale = float(cache.abs().max()) / 448
+    scales.set(0, scale)
+    slots = torch.arange(pages * BS, dtype=torch.int64, device="cuda")  # page p: slots 64p..
+    mla_append_latent(pool, spec, 0, cache.reshape(pages * BS, 576), slots, scales=scales)
+    out = torch.empty(batch, heads, 512, dtype=torch.bfloat16, device="cuda")
+    call, plans = decode_call(pool, spec, tables, lens, heads, ctx, qn, qp, out, scales=scales)
     row["kvpool_fp8_us"] = round(graph_us([call]), 2)
     p = next(iter(plans.values()))
     row["kvpool_fp8_plan"] = dict(head_tile=p.variant.heads_per_cta, num_splits=p.num_splits)
@@ -236,28 +244,9 @@ def bench_shape(batch, ctx, heads, flashinfer, fp8=False):
     outs = {}
 
     def ours(tile):
-        plans = {}
         out = torch.empty(batch, heads, 512, dtype=torch.bfloat16, device="cuda")
         outs[tile] = out
-
-        def call(s):
-            key = s.cuda_stream
-            if key not in plans:
-                plans[key] = mla_decode_plan(
-                    pool,
-                    spec,
-                    0,
-                    tables,
-                    lens,
-                    heads,
-                    scale=SCALE,
-                    max_seq_len=ctx,
-                    stream=s,
-                    head_tile=tile,
-                )
-            plans[key].run(qn, qp, 0, out=out)
-
-        return call, plans
+        return decode_call(pool, spec, tables, lens, heads, ctx, qn, qp, out, head_tile=tile)
 
     for tile in (16, 32, 64, None):
         if tile is not None and tile > 16 and heads <= 16:
